@@ -1,0 +1,1 @@
+"""Decoding strategies for looped models, reached through `model.generate`."""

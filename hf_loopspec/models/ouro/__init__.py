@@ -1,0 +1,4 @@
+from .configuration_ouro import OuroConfig
+from .modeling_ouro import OuroForCausalLM, OuroModel, OuroPreTrainedModel
+
+__all__ = ["OuroConfig", "OuroForCausalLM", "OuroModel", "OuroPreTrainedModel"]

@@ -1,0 +1,119 @@
+"""Configuration of Ouro, ByteDance's looped language model.
+
+The field names, defaults and `model_type` match the `config.json` files of the Hub checkpoints
+(`ByteDance/Ouro-1.4B`, `-2.6B` and their `-Thinking` variants), so those files load unchanged.
+"""
+
+from __future__ import annotations
+
+from transformers.configuration_utils import PreTrainedConfig
+
+
+class OuroConfig(PreTrainedConfig):
+    r"""
+    Configuration of an Ouro model: a decoder whose whole layer stack runs `total_ut_steps` times with the
+    same weights. Every loop reads and writes a KV plane of its own, and every loop's output is decodable
+    through the shared `lm_head` (which is what self-speculation drafts from).
+
+    Args:
+        vocab_size (`int`): number of token ids.
+        hidden_size (`int`): width of the residual stream.
+        intermediate_size (`int`): width of the gated SiLU MLP.
+        num_hidden_layers (`int`): layers in the shared stack (one loop runs all of them).
+        num_attention_heads (`int`): query heads.
+        num_key_value_heads (`int`, *optional*): key/value heads (GQA when smaller than the query heads);
+            defaults to `num_attention_heads`.
+        head_dim (`int`, *optional*): per-head width; defaults to `hidden_size // num_attention_heads`.
+        total_ut_steps (`int`): U, the number of loops over the stack; at least 1.
+        early_exit_threshold (`float`): the checkpoint's default exit threshold (1.0: always the last loop).
+        rope_theta (`float`): RoPE base.
+        rms_norm_eps (`float`): epsilon of every RMSNorm.
+    """
+
+    model_type = "ouro"
+    keys_to_ignore_at_inference = ["cache"]
+
+    vocab_size: int = 49152
+    hidden_size: int = 2048
+    intermediate_size: int = 5632
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 65536
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    rope_theta: float = 1000000.0
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    use_sliding_window: bool = False
+    sliding_window: int | None = None
+    max_window_layers: int | None = None
+    layer_types: list[str] | None = None
+    total_ut_steps: int = 4
+    early_exit_threshold: float = 1.0
+    early_exit_step: int | None = None
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 0
+    pad_token_id: int | None = 0
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"OuroConfig.hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                    f"{self.num_attention_heads}; pass head_dim explicitly or choose a divisible head count."
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        super().__post_init__(**kwargs)
+        self.validate_architecture()
+
+    def validate_architecture(self):
+        """Raise `ValueError` for a configuration no Ouro model can be built from."""
+        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"OuroConfig.{name}={value!r} is invalid: it must be a positive integer.")
+        if not isinstance(self.total_ut_steps, int) or self.total_ut_steps < 1:
+            raise ValueError(
+                f"OuroConfig.total_ut_steps={self.total_ut_steps!r} is invalid: the stack must run at least once; "
+                "set total_ut_steps to an integer >= 1 (the released checkpoints use 4)."
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"OuroConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}: every key/value head must serve the same number "
+                "of query heads."
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"OuroConfig.head_dim={self.head_dim} must be even for rotary embeddings.")
+        if self.use_sliding_window:
+            raise ValueError(
+                "OuroConfig.use_sliding_window=True is not supported: the released Ouro checkpoints use full "
+                "attention in every layer; set use_sliding_window=False."
+            )
+        if self.rope_scaling not in (None, {}):
+            raise ValueError(
+                f"OuroConfig.rope_scaling={self.rope_scaling!r} is not supported (the released checkpoints use "
+                "none); set rope_scaling=None."
+            )
+        if self.hidden_act != "silu":
+            raise ValueError(f"OuroConfig.hidden_act={self.hidden_act!r} is not supported; Ouro uses 'silu'.")
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) != {"full_attention"}:
+            raise ValueError(
+                f"OuroConfig.layer_types={self.layer_types!r} must list 'full_attention' once per layer "
+                f"({self.num_hidden_layers} layers)."
+            )
+
+
+__all__ = ["OuroConfig"]

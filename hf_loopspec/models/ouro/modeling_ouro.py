@@ -1,0 +1,392 @@
+"""Ouro, written natively for transformers 5.x.
+
+Read top to bottom: norms and rotary embeddings, the attention and MLP of one layer, the decoder layer
+(a "sandwich": every branch output is normed before it joins the residual stream), the shared stack as the
+three parts of the `LoopedModel` protocol (embed / core / head), and the HF `forward` that runs all loops.
+
+State-dict keys and shapes equal the Hub checkpoints' (see `OuroConfig`). Loop `u` of layer `l` keeps its own
+KV; on a standard `transformers` Cache that is cache layer `u * num_hidden_layers + l`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
+
+from ...generation.mixin import LoopSpecGenerationMixin
+from ...looped import KVAttention, KVLayout
+from ...ops.attention.dense import DenseKVAttention, padded_causal_mask
+from .configuration_ouro import OuroConfig
+
+
+class OuroRMSNorm(nn.Module):
+    """RMSNorm computed in fp32, cast back to the input dtype, then scaled by the weight."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos and sin `[*positions.shape, head_dim]` for rotate-half RoPE, computed in fp32 then cast."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float()[..., None] * inv_freq  # [..., D/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [..., D]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[..., heads, D]` by angles `[..., D]` (rotate-half convention)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class OuroAttention(nn.Module):
+    def __init__(self, config: OuroConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: KVAttention):
+        rows = x.shape[:-1]
+        q = self.q_proj(x).view(*rows, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*rows, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*rows, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention(self.layer_idx, q, k, v)  # [*rows, heads, D]
+        return self.o_proj(out.reshape(*rows, self.num_heads * self.head_dim))
+
+
+class OuroMLP(nn.Module):
+    def __init__(self, config: OuroConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class OuroDecoderLayer(nn.Module):
+    def __init__(self, config: OuroConfig, layer_idx: int):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = OuroAttention(config, layer_idx)
+        self.mlp = OuroMLP(config)
+        self.input_layernorm = OuroRMSNorm(config.hidden_size, eps)  # before attention
+        self.input_layernorm_2 = OuroRMSNorm(config.hidden_size, eps)  # on the attention output
+        self.post_attention_layernorm = OuroRMSNorm(config.hidden_size, eps)  # before the MLP
+        self.post_attention_layernorm_2 = OuroRMSNorm(config.hidden_size, eps)  # on the MLP output
+
+    def forward(self, h, cos, sin, attention: KVAttention):
+        h = h + self.input_layernorm_2(self.self_attn(self.input_layernorm(h), cos, sin, attention))
+        h = h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
+        return h
+
+
+class OuroPreTrainedModel(PreTrainedModel):
+    config: OuroConfig
+    config_class = OuroConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["OuroDecoderLayer"]
+    _supports_sdpa = True
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, except that a checkpoint whose tensors do not match the model
+        (missing, unexpected or mis-shaped keys) raises `ValueError` instead of loading half-random weights."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        problems = {name: sorted(info.get(name) or ()) for name in ("missing_keys", "unexpected_keys",
+                                                                    "mismatched_keys")}
+        problems = {name: keys for name, keys in problems.items() if keys}
+        if problems:
+            details = "; ".join(f"{name}: {keys[:8]}{' ...' if len(keys) > 8 else ''}" for name, keys in problems.items())
+            raise ValueError(
+                f"The checkpoint does not match {cls.__name__} for config {model.config.to_diff_dict()}: {details}. "
+                "Check that the checkpoint is an Ouro checkpoint with the same shape as its config.json."
+            )
+        return (model, info) if want_info else model
+
+
+@dataclass
+class OuroModelOutput(BaseModelOutputWithPast):
+    """`hidden_states`, when requested, holds the embeddings followed by the output of every loop."""
+
+
+@dataclass
+class OuroCausalLMOutput(CausalLMOutputWithPast):
+    r"""
+    exit_gate_logits (`torch.FloatTensor` of shape `(batch, seq, total_ut_steps)`, *optional*):
+        The early-exit gate's logit after every loop (returned with `output_hidden_states` or an exit option).
+    loop_logits (`tuple(torch.FloatTensor)`, *optional*):
+        Logits of every loop's hidden state, returned with `output_loop_logits=True`.
+    """
+
+    exit_gate_logits: torch.FloatTensor | None = None
+    loop_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+class OuroModel(OuroPreTrainedModel):
+    """The shared stack. Besides HF `forward`, it exposes the `LoopedModel` parts `embed` and `core`."""
+
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
+
+    def __init__(self, config: OuroConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(OuroDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = OuroRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.early_exit_gate = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+    @property
+    def num_loops(self) -> int:
+        return self.config.total_ut_steps
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        c = self.config
+        return KVLayout(c.total_ut_steps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids `[*rows]` -> loop-0 input `[*rows, hidden]`; raises `ValueError` on ids outside the vocab."""
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            bad = input_ids[(input_ids < 0) | (input_ids >= self.config.vocab_size)]
+            raise ValueError(
+                f"input_ids contains ids outside the vocabulary [0, {self.config.vocab_size}): "
+                f"{bad.unique()[:8].tolist()}. Check that the tokenizer belongs to this model."
+            )
+        return self.embed_tokens(input_ids)
+
+    def core(self, hidden: torch.Tensor, positions: torch.Tensor, attention: KVAttention) -> torch.Tensor:
+        """One loop of the stack over rows `[*rows, hidden]` at rotary `positions` `[*rows]`, then the shared
+        final norm (applied after every loop; its output is the next loop's input and the head's input)."""
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, attention)
+        return self.norm(hidden)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> OuroModelOutput:
+        if past_key_values is not None:
+            if cache is not None:
+                raise ValueError("Pass the KV cache as `cache` or as `past_key_values`, not both.")
+            cache = past_key_values
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, H]
+        batch, length = hidden.shape[:2]
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        if cache is not None:
+            self._check_cache(cache)
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = _positions_from_mask(attention_mask, past, length, hidden.device)
+        mask = padded_causal_mask(attention_mask, past, length, hidden.device)
+        scale = self.config.head_dim**-0.5
+        states = [hidden]
+        for depth in range(self.num_loops):
+            attention = DenseKVAttention(cache, mask, depth, self.config.num_hidden_layers, scale)
+            hidden = self.core(hidden, position_ids, attention)
+            states.append(hidden)
+        return OuroModelOutput(
+            last_hidden_state=hidden,
+            cache=cache if use_cache else None,
+            hidden_states=tuple(states) if output_hidden_states else None,
+        )
+
+    def _check_cache(self, cache: Cache) -> None:
+        needed = self.num_loops * self.config.num_hidden_layers
+        fixed = getattr(cache, "layer_class_to_replicate", None) is None and not hasattr(cache, "kv_layout")
+        if fixed and len(cache.layers) < needed:
+            raise ValueError(
+                f"cache has {len(cache.layers)} layers, but Ouro writes one KV per (loop, layer): "
+                f"{self.num_loops} x {self.config.num_hidden_layers} = {needed}. Pass `DynamicCache()` (it grows) "
+                "or `hf_loopspec.PagedLoopCache`, not a cache sized from the config's num_hidden_layers."
+            )
+
+
+def _positions_from_mask(attention_mask, past: int, length: int, device) -> torch.Tensor:
+    """Rotary positions of the new tokens: with a padding mask, each row counts only its real tokens."""
+    if attention_mask is None:
+        return torch.arange(past, past + length, device=device)[None]
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.clamp(min=0)[:, -length:].to(device)
+
+
+class OuroForCausalLM(OuroPreTrainedModel, LoopSpecGenerationMixin):
+    """Ouro with its LM head: the `LoopedModel` protocol plus HF `forward` / `generate`."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: OuroConfig):
+        super().__init__(config)
+        self.model = OuroModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    # --- LoopedModel protocol -------------------------------------------------------------------------------
+    @property
+    def num_loops(self) -> int:
+        return self.config.total_ut_steps
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self.model.kv_layout
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
+
+    def core(self, hidden: torch.Tensor, positions: torch.Tensor, attention: KVAttention) -> torch.Tensor:
+        return self.model.core(hidden, positions, attention)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # --- HF API ---------------------------------------------------------------------------------------------
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        logits_to_keep: int = 0,
+        exit_at_step: int | None = None,
+        exit_threshold: float | None = None,
+        use_weighted_exit: bool = False,
+        output_loop_logits: bool = False,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> OuroCausalLMOutput:
+        r"""
+        Runs all `total_ut_steps` loops. The logits come from the last loop unless an exit option says
+        otherwise (upstream semantics; all loops always run, the option only selects what feeds `lm_head`):
+
+        - `exit_at_step` (`int`): use loop `exit_at_step` (0-based) for every token.
+        - `exit_threshold` (`float`): per token, the first loop `t` at which the cumulative exit probability
+          reaches the threshold (else the last loop). With gate `lambda_t = sigmoid(gate_t)`, the exit
+          probability is `p_t = lambda_t * prod_{s<t}(1 - lambda_s)` for `t < U-1` and the remaining mass at
+          `U-1`. Computed in fp32 here, so a threshold of 1.0 always selects the last loop.
+        - `use_weighted_exit` (`bool`): the expectation of the per-loop logits under `p`.
+
+        `output_hidden_states=True` returns the embeddings and every loop's output, plus `exit_gate_logits`;
+        `output_loop_logits=True` returns every loop's logits.
+        """
+        loops = self.num_loops
+        if exit_at_step is not None and not 0 <= exit_at_step < loops:
+            raise ValueError(f"exit_at_step={exit_at_step} is outside [0, {loops - 1}] for a {loops}-loop model.")
+        if exit_threshold is not None and not 0.0 <= exit_threshold <= 1.0:
+            raise ValueError(f"exit_threshold={exit_threshold} must lie in [0, 1].")
+        if sum(x is not None and x is not False for x in (exit_at_step, exit_threshold, use_weighted_exit)) > 1:
+            raise ValueError("Pass at most one of exit_at_step, exit_threshold and use_weighted_exit.")
+        needs_loops = output_hidden_states or output_loop_logits or exit_at_step is not None \
+            or exit_threshold is not None or use_weighted_exit
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=needs_loops,
+            past_key_values=past_key_values,
+        )
+        keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
+        if not needs_loops:
+            logits = self.lm_head(out.last_hidden_state[:, keep])
+            gate_logits = loop_logits = None
+        else:
+            loop_states = [h[:, keep] for h in out.hidden_states[1:]]
+            gate_logits = torch.cat([self.model.early_exit_gate(h) for h in loop_states], dim=-1)  # [B, T, U]
+            loop_logits = tuple(self.lm_head(h) for h in loop_states)
+            logits = self._select_exit(loop_logits, gate_logits, exit_at_step, exit_threshold, use_weighted_exit)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return OuroCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            cache=out.cache,
+            hidden_states=out.hidden_states if output_hidden_states else None,
+            exit_gate_logits=gate_logits,
+            loop_logits=loop_logits if output_loop_logits else None,
+        )
+
+    @staticmethod
+    def _select_exit(loop_logits, gate_logits, exit_at_step, exit_threshold, use_weighted_exit):
+        if exit_at_step is not None:
+            return loop_logits[exit_at_step]
+        if exit_threshold is None and not use_weighted_exit:
+            return loop_logits[-1]
+        probs = exit_probabilities(gate_logits)  # [B, T, U] fp32
+        stacked = torch.stack(loop_logits, dim=-2)  # [B, T, U, V]
+        if use_weighted_exit:
+            return (probs[..., None] * stacked.float()).sum(-2).to(stacked.dtype)
+        reached = probs.cumsum(-1) >= exit_threshold
+        reached[..., -1] = True
+        step = reached.int().argmax(-1)  # first loop that reaches the threshold
+        return stacked.gather(-2, step[..., None, None].expand(*step.shape, 1, stacked.shape[-1])).squeeze(-2)
+
+
+def exit_probabilities(gate_logits: torch.Tensor) -> torch.Tensor:
+    """Per-loop exit distribution `[..., U]` (fp32) from the gate logits `[..., U]`: loop `t < U-1` exits with
+    `lambda_t * prod_{s<t}(1 - lambda_s)`, the last loop takes the remaining mass."""
+    lam = torch.sigmoid(gate_logits.float())
+    survive = torch.cumprod(1 - lam, dim=-1)  # prod_{s<=t}(1 - lambda_s)
+    before = torch.cat([torch.ones_like(survive[..., :1]), survive[..., :-1]], dim=-1)  # prod_{s<t}
+    probs = lam * before
+    return torch.cat([probs[..., :-1], before[..., -1:]], dim=-1)
+
+
+__all__ = ["OuroForCausalLM", "OuroModel", "OuroPreTrainedModel", "exit_probabilities"]

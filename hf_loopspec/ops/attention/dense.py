@@ -1,0 +1,67 @@
+"""Attention over a standard `transformers` Cache: the path that plain `forward` and `generate` take.
+
+A looped model writes one KV entry per (loop, layer), so the Cache must hold `num_loops * num_layers` layers;
+loop `u`, layer `l` uses cache layer `u * num_layers + l`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache
+
+
+def padded_causal_mask(
+    attention_mask: torch.Tensor | None,  # [B, S] 1 = real token, 0 = padding; or None (no padding)
+    past_length: int,
+    query_length: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Boolean mask `[B or 1, 1, T, S]` (True = may attend) for `T` new tokens after `past_length` cached ones.
+
+    A query at absolute position `i` sees key `j` when `j <= i` and key `j` is not padding. Every query also
+    sees itself, so the rows of padding tokens stay finite (their outputs are never used). Returns `None` when
+    nothing needs masking (one query and no padding).
+    """
+    total = past_length + query_length
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape[-1] != total:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}, expected a 2-D [batch, {total}] mask "
+                f"covering the {past_length} cached and {query_length} new tokens."
+            )
+        if bool(attention_mask.all()):
+            attention_mask = None
+    if attention_mask is None and query_length == 1:
+        return None
+    q_pos = torch.arange(past_length, total, device=device)[:, None]  # [T, 1]
+    k_pos = torch.arange(total, device=device)[None, :]  # [1, S]
+    mask = (k_pos <= q_pos)[None, None]  # [1, 1, T, S]
+    if attention_mask is not None:
+        real = attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]  # [B, 1, 1, S]
+        mask = (mask & real) | (k_pos == q_pos)[None, None]
+    return mask
+
+
+class DenseKVAttention:
+    """`KVAttention` for rows laid out as `[B, T]` at one loop depth, backed by a `transformers` Cache.
+
+    `cache` may be `None` (no caching: keys are the current tokens only).
+    """
+
+    def __init__(self, cache: Cache | None, mask: torch.Tensor | None, depth: int, num_layers: int, scale: float):
+        self.cache = cache
+        self.mask = mask
+        self.depth = depth
+        self.num_layers = num_layers
+        self.scale = scale
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [B, T, Hq, D]   k, v: [B, T, Hkv, D]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        if self.cache is not None:
+            k, v = self.cache.update(k, v, self.depth * self.num_layers + layer_idx)  # [B, Hkv, S, D]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask, scale=self.scale, enable_gqa=q.shape[1] != k.shape[1]
+        )  # [B, Hq, T, D]
+        return out.transpose(1, 2)
