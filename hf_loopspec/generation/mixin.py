@@ -1,24 +1,129 @@
-"""The `GenerationMixin` subclass that every hf_loopspec model inherits."""
+"""The `GenerationMixin` subclass that every hf_loopspec model inherits.
+
+It adds `speculative_mode`, `draft_loops` and `num_speculative_tokens` to `generate` (as kwargs or on the
+`GenerationConfig`), validates them before any work, and routes greedy decoding to the lane decoder when a
+speculative mode is set. Plain decoding (`speculative_mode=None`) is transformers' own loop.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from ..cache.paged import PagedLoopCache
+from .config import SPECULATIVE_KEYS, check_generation_mode, speculative_config
+from .decoder import LaneDecoder
+from .policies import ARPolicy, BlockPolicy, PipelinePolicy
+from .stats import SpeculationStats
+
+RUNTIME_KEYS = ("draft_hook", "speculative_trace")
+"""Per-call options that are not generation settings: `draft_hook` (test-only: override draft proposals,
+see `LaneDecoder`) and `speculative_trace` (`True` or `"hidden"`: record every cycle in `out.trace`)."""
+
+
+@dataclass
+class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus the speculative run's counters and, on request, its cycle trace."""
+
+    speculation: SpeculationStats | None = None
+    trace: list | None = None
 
 
 class LoopSpecGenerationMixin(GenerationMixin):
-    """Generation for looped models.
+    """Generation for looped models (see the module docstring)."""
 
-    A looped model writes one KV entry per (loop, layer), so the default cache must hold
-    `num_loops x num_layers` layers rather than the `num_hidden_layers` that transformers sizes it for.
-    """
+    def generate(self, *args, **kwargs):
+        runtime = {key: kwargs.pop(key) for key in RUNTIME_KEYS if key in kwargs}
+        self._loopspec_runtime = runtime
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            self._loopspec_runtime = {}
+
+    def _prepare_generation_config(self, generation_config, **kwargs):
+        ours = {key: kwargs.pop(key) for key in SPECULATIVE_KEYS if key in kwargs}
+        generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
+        for key, value in ours.items():
+            setattr(generation_config, key, value)
+        return generation_config, model_kwargs
+
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        spec = speculative_config(generation_config, self.num_loops)
+        if spec is not None:
+            check_generation_mode(spec, generation_mode, generation_config,
+                                  generation_mode_kwargs.get("assistant_model"))
+            runtime = getattr(self, "_loopspec_runtime", {})
+            if runtime.get("draft_hook") is not None and not callable(runtime["draft_hook"]):
+                raise ValueError(f"draft_hook={runtime['draft_hook']!r} must be callable(seq, position, token).")
+        super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
-        default = model_kwargs.get("cache") is None and generation_config.use_cache is not False \
+        """Looped models write one KV per (loop, layer): the default cache is a growing `DynamicCache()` for
+        plain decoding and a `PagedLoopCache` for speculative decoding, which needs per-depth planes."""
+        user_cache = model_kwargs.get("cache")
+        if speculative_config(generation_config, self.num_loops) is not None:
+            if user_cache is None:
+                model_kwargs["cache"] = PagedLoopCache(self.kv_layout)
+            elif not isinstance(user_cache, PagedLoopCache):
+                raise ValueError(
+                    f"speculative_mode needs a cache with per-depth planes, got {type(user_cache).__name__}; pass "
+                    "cache=hf_loopspec.PagedLoopCache(model.kv_layout) or no cache."
+                )
+            return
+        default = user_cache is None and generation_config.use_cache is not False \
             and generation_config.cache_implementation is None
         if default:
             model_kwargs["cache"] = DynamicCache()
             return
         super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                               max_cache_length)
+
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        spec = speculative_config(generation_config, self.num_loops)
+        if spec is None:
+            return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
+                                   synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+        runtime = getattr(self, "_loopspec_runtime", {})
+        result = self.decode_with_lanes(
+            input_ids, spec.mode, draft_loops=spec.draft_loops, num_speculative_tokens=spec.num_speculative_tokens,
+            cache=model_kwargs["cache"], attention_mask=model_kwargs.get("attention_mask"),
+            logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+            pad_token_id=_as_int(generation_config._pad_token_tensor), max_length=generation_config.max_length,
+            streamer=streamer, draft_hook=runtime.get("draft_hook"),
+            output_scores=generation_config.return_dict_in_generate and generation_config.output_scores,
+            output_logits=generation_config.return_dict_in_generate and generation_config.output_logits,
+            trace=runtime.get("speculative_trace", False),
+        )
+        if streamer is not None:
+            streamer.end()
+        if not generation_config.return_dict_in_generate:
+            return result.sequences
+        return SpeculativeDecoderOnlyOutput(
+            sequences=result.sequences, scores=result.scores, logits=result.logits, cache=model_kwargs["cache"],
+            speculation=result.stats, trace=result.trace,
+        )
+
+    def decode_with_lanes(self, input_ids, mode: str, *, draft_loops: int = 1, num_speculative_tokens: int = 4,
+                          cache: PagedLoopCache, **options):
+        """Run the lane decoder directly (`mode` "ar", "block" or "pipeline"); `generate` calls this.
+
+        `options` are `LaneDecoder`'s keyword arguments. The benchmark uses mode "ar" as its baseline: the same
+        engine and cache, without drafting.
+        """
+        policy = {
+            "ar": lambda: ARPolicy(self.num_loops),
+            "pipeline": lambda: PipelinePolicy(self.num_loops),
+            "block": lambda: BlockPolicy(self.num_loops, draft_loops, num_speculative_tokens),
+        }[mode]()
+        decoder = LaneDecoder(self, cache, policy, mode=mode, draft_loops=draft_loops, input_ids=input_ids,
+                              **options)
+        return decoder.run()
+
+
+def _as_int(tensor) -> int | None:
+    return None if tensor is None else int(tensor.reshape(-1)[0])

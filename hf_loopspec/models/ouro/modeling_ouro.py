@@ -21,7 +21,7 @@ from transformers.modeling_utils import PreTrainedModel
 
 from ...generation.mixin import LoopSpecGenerationMixin
 from ...looped import KVAttention, KVLayout
-from ...ops.attention.dense import DenseKVAttention, padded_causal_mask
+from ..loops import loop_states
 from .configuration_ouro import OuroConfig
 
 
@@ -117,6 +117,9 @@ class OuroPreTrainedModel(PreTrainedModel):
         """`PreTrainedModel.from_pretrained`, except that a checkpoint whose tensors do not match the model
         (missing, unexpected or mis-shaped keys) raises `ValueError` instead of loading half-random weights."""
         want_info = kwargs.pop("output_loading_info", False)
+        # transformers would raise a RuntimeError for mis-shaped tensors that names no key (the details go to a
+        # log report only); let it load and raise the ValueError below, which lists the keys and shapes.
+        kwargs["ignore_mismatched_sizes"] = True
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         problems = {name: sorted(info.get(name) or ()) for name in ("missing_keys", "unexpected_keys",
                                                                     "mismatched_keys")}
@@ -212,46 +215,17 @@ class OuroModel(OuroPreTrainedModel):
             cache = past_key_values
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
-        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, H]
-        batch, length = hidden.shape[:2]
+        embeddings = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, H]
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache()
-        if cache is not None:
-            self._check_cache(cache)
-        past = cache.get_seq_length() if cache is not None else 0
-        if position_ids is None:
-            position_ids = _positions_from_mask(attention_mask, past, length, hidden.device)
-        mask = padded_causal_mask(attention_mask, past, length, hidden.device)
-        scale = self.config.head_dim**-0.5
-        states = [hidden]
-        for depth in range(self.num_loops):
-            attention = DenseKVAttention(cache, mask, depth, self.config.num_hidden_layers, scale)
-            hidden = self.core(hidden, position_ids, attention)
-            states.append(hidden)
+        states = loop_states(self, embeddings, attention_mask, position_ids, cache)
+        hidden = states[-1]
         return OuroModelOutput(
             last_hidden_state=hidden,
             cache=cache if use_cache else None,
-            hidden_states=tuple(states) if output_hidden_states else None,
+            hidden_states=(embeddings, *states) if output_hidden_states else None,
         )
-
-    def _check_cache(self, cache: Cache) -> None:
-        needed = self.num_loops * self.config.num_hidden_layers
-        fixed = getattr(cache, "layer_class_to_replicate", None) is None and not hasattr(cache, "kv_layout")
-        if fixed and len(cache.layers) < needed:
-            raise ValueError(
-                f"cache has {len(cache.layers)} layers, but Ouro writes one KV per (loop, layer): "
-                f"{self.num_loops} x {self.config.num_hidden_layers} = {needed}. Pass `DynamicCache()` (it grows) "
-                "or `hf_loopspec.PagedLoopCache`, not a cache sized from the config's num_hidden_layers."
-            )
-
-
-def _positions_from_mask(attention_mask, past: int, length: int, device) -> torch.Tensor:
-    """Rotary positions of the new tokens: with a padding mask, each row counts only its real tokens."""
-    if attention_mask is None:
-        return torch.arange(past, past + length, device=device)[None]
-    positions = attention_mask.long().cumsum(-1) - 1
-    return positions.clamp(min=0)[:, -length:].to(device)
 
 
 class OuroForCausalLM(OuroPreTrainedModel, LoopSpecGenerationMixin):

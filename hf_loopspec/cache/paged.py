@@ -1,0 +1,406 @@
+"""`PagedLoopCache`: per-depth paged KV storage for looped models, as a `transformers` Cache.
+
+Storage model
+-------------
+One page pool `[num_layers, num_pages, page_size, kv_heads, head_dim]` (keys and values). A KV address is
+(sequence, depth, position, layer): every (sequence, depth) pair owns a *block table*, the list of pages
+holding its positions in order, and a *valid length*. Table id = `seq * num_planes + depth`.
+
+Pages are reference counted, so a sequence can be forked (beam search, tree speculation) without copying:
+the fork shares every page, and the first write into a shared page copies it (copy on write). `truncate`
+rolls back a suffix of one (sequence, depth) and frees pages it no longer needs.
+
+Invariants enforced on every write (`plan_rows`)
+------------------------------------------------
+* I2: no two rows of one call write the same (sequence, depth, position).
+* Each table is written contiguously: the rows of a call that write table t cover exactly
+  `length(t) .. length(t) + n - 1`. Writing an already valid position raises (truncate first, I4), and so does
+  leaving a gap.
+* I3 follows from `PagedKVAttention`: rows write before they attend, and a row reads only its own table up to
+  its own position.
+
+Debug mode (I1)
+---------------
+With `debug=True`, every written slot is tagged with the *lineage id* of the row that wrote it. A strategy
+gives every token it computes an id and links it to its parent (the id of the token before it on the same
+path) with `link_lineage`. Before attending, each row's read set is checked: position j of its table must carry
+the id of its own ancestor at j. The first violation raises `LineageError` naming (sequence, depth, position,
+layer). Unused pool memory is poisoned with NaN in debug mode.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..looped import KVLayout
+from ..ops import attention as attention_ops
+from .rows import RowBatch
+
+
+class CacheCapacityError(RuntimeError):
+    """The page pool is full and the cache was created with a fixed capacity."""
+
+
+class LineageError(AssertionError):
+    """A row read a KV entry that its own ancestry did not write (invariant I1)."""
+
+
+class PagedLoopCache(Cache):
+    """Per-depth paged KV cache for looped models (see the module docstring for the storage model).
+
+    Args:
+        layout: planes, layers, kv heads and head size of the model (`model.kv_layout`).
+        page_size: positions per page.
+        max_pages: fixed capacity in pages; `None` grows the pool on demand (doubling).
+        debug: tag every written slot and check every read against the reader's lineage (I1).
+    """
+
+    is_compileable = False
+
+    def __init__(self, layout: KVLayout, page_size: int = 16, max_pages: int | None = None, debug: bool = False):
+        if page_size < 1:
+            raise ValueError(f"page_size={page_size} must be >= 1.")
+        if max_pages is not None and max_pages < 1:
+            raise ValueError(f"max_pages={max_pages} must be >= 1 or None (grow on demand).")
+        super().__init__(layers=[])
+        self.kv_layout = layout
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.debug = debug
+        self.k_pool: torch.Tensor | None = None  # [layers, pages, page_size, kv_heads, head_dim]
+        self.v_pool: torch.Tensor | None = None
+        self.tags: torch.Tensor | None = None  # debug: [layers, pages, page_size] lineage id, -1 = never written
+        self._refs: list[int] = []  # per page
+        self._free: list[int] = []  # free page ids (a stack)
+        self._pages: list[list[int]] = []  # per table
+        self._lengths: list[int] = []  # per table: valid positions
+        self._block_tables: torch.Tensor | None = None  # device copy, rebuilt when stale
+        self._parents: dict[int, int] = {}  # debug: lineage id -> parent id (-1 for a first token)
+        self._columns = 0  # HF view: how many input columns (padding included) the model has consumed
+
+    # --- sizes and reports ------------------------------------------------------------------------------------
+    @property
+    def num_planes(self) -> int:
+        return self.kv_layout.num_planes
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._pages) // self.num_planes
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._refs)
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def bytes_per_token_per_depth(self, dtype: torch.dtype | None = None) -> int:
+        """KV bytes one token takes in one depth plane (keys and values, all layers)."""
+        dtype = dtype or (self.k_pool.dtype if self.k_pool is not None else torch.float32)
+        lay = self.kv_layout
+        return 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * torch.finfo(dtype).bits // 8
+
+    def length(self, seq: int, depth: int) -> int:
+        """Valid positions of (seq, depth)."""
+        return self._lengths[self._table(seq, depth)]
+
+    def lengths(self, depth: int) -> list[int]:
+        """Valid positions of every sequence at `depth`."""
+        return [self._lengths[s * self.num_planes + depth] for s in range(self.num_sequences)]
+
+    def _table(self, seq: int, depth: int) -> int:
+        if not 0 <= depth < self.num_planes:
+            raise ValueError(f"depth={depth} is outside [0, {self.num_planes - 1}] for this cache.")
+        if not 0 <= seq < self.num_sequences:
+            raise ValueError(f"seq={seq} is not a sequence of this cache (it has {self.num_sequences}).")
+        return seq * self.num_planes + depth
+
+    # --- page allocation --------------------------------------------------------------------------------------
+    def ensure_sequences(self, count: int) -> None:
+        """Make sequence slots `0 .. count-1` exist (new ones empty)."""
+        while self.num_sequences < count:
+            self._pages.extend([] for _ in range(self.num_planes))
+            self._lengths.extend(0 for _ in range(self.num_planes))
+        self._block_tables = None
+
+    def _grow(self, needed: int, like: torch.Tensor) -> None:
+        lay = self.kv_layout
+        old = self.num_pages
+        new = max(2 * old, old + needed, 4)
+        if self.max_pages is not None:
+            if old + needed > self.max_pages:
+                raise CacheCapacityError(
+                    f"PagedLoopCache capacity is {self.max_pages} pages of {self.page_size} positions; "
+                    f"{self.pages_in_use} are in use and {needed} more were requested. Raise max_pages, lower "
+                    "the batch size or the number of new tokens, or pass max_pages=None to grow on demand."
+                )
+            new = min(new, self.max_pages)
+        shape = (lay.num_layers, new, self.page_size, lay.num_kv_heads, lay.head_dim)
+        fill = float("nan") if self.debug else 0.0
+        k_pool = torch.full(shape, fill, dtype=like.dtype, device=like.device)
+        v_pool = torch.full(shape, fill, dtype=like.dtype, device=like.device)
+        tags = torch.full((lay.num_layers, new, self.page_size), -1, dtype=torch.long) if self.debug else None
+        if old:
+            k_pool[:, :old] = self.k_pool
+            v_pool[:, :old] = self.v_pool
+            if self.debug:
+                tags[:, :old] = self.tags
+        self.k_pool, self.v_pool, self.tags = k_pool, v_pool, tags
+        self._refs.extend(0 for _ in range(new - old))
+        self._free.extend(range(new - 1, old - 1, -1))
+
+    def _alloc(self, like: torch.Tensor) -> int:
+        if not self._free:
+            self._grow(1, like)
+        page = self._free.pop()
+        self._refs[page] = 1
+        return page
+
+    def _release(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            self._free.append(page)
+
+    def _writable_page(self, table: int, index: int, like: torch.Tensor) -> int:
+        """Page `index` of `table`, allocated if missing and copied first if it is shared."""
+        pages = self._pages[table]
+        if index == len(pages):
+            pages.append(self._alloc(like))
+            self._block_tables = None
+        page = pages[index]
+        if self._refs[page] > 1:  # copy on write
+            fresh = self._alloc(like)
+            self.k_pool[:, fresh] = self.k_pool[:, page]
+            self.v_pool[:, fresh] = self.v_pool[:, page]
+            if self.debug:
+                self.tags[:, fresh] = self.tags[:, page]
+            self._release(page)
+            pages[index] = fresh
+            self._block_tables = None
+            page = fresh
+        return page
+
+    def block_tables(self, device: torch.device) -> torch.Tensor:
+        """`[num_tables, max_pages]` int32 page ids on `device` (entries past a table's pages are -1)."""
+        if self._block_tables is None or self._block_tables.device != device:
+            width = max([len(p) for p in self._pages] + [1])
+            host = torch.full((len(self._pages), width), -1, dtype=torch.int32)
+            for t, pages in enumerate(self._pages):
+                host[t, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            self._block_tables = host.to(device)
+        return self._block_tables
+
+    # --- rows -------------------------------------------------------------------------------------------------
+    def plan_rows(self, seq, depth, position, like: torch.Tensor, lineage=None) -> RowBatch:
+        """Allocate the KV slots of one core call and return its `RowBatch`.
+
+        `seq`, `depth`, `position` are equal-length int sequences (lists or 1-D tensors); `like` is any tensor on
+        the compute device in the KV dtype; `lineage` (debug) gives each row's lineage id.
+        """
+        seq, depth, position = (x.tolist() if torch.is_tensor(x) else list(x) for x in (seq, depth, position))
+        if not len(seq) == len(depth) == len(position):
+            raise ValueError("seq, depth and position must have the same length.")
+        if self.k_pool is None:
+            self._grow(0, like)
+        self.ensure_sequences(max(seq, default=-1) + 1)
+        tables = [self._table(s, d) for s, d in zip(seq, depth)]
+        written: dict[int, list[int]] = {}
+        for t, p in zip(tables, position):
+            written.setdefault(t, []).append(p)
+        for t, ps in written.items():
+            expected = range(self._lengths[t], self._lengths[t] + len(ps))
+            if sorted(ps) != list(expected):
+                s, d = divmod(t, self.num_planes)
+                if len(set(ps)) != len(ps):
+                    raise ValueError(f"duplicate KV write address in one call: sequence {s}, depth {d}, "
+                                     f"positions {sorted(ps)} (invariant I2).")
+                raise ValueError(
+                    f"rows write positions {sorted(ps)} of sequence {s}, depth {d}, whose valid length is "
+                    f"{self._lengths[t]}: writes must extend the table contiguously (truncate before rewriting)."
+                )
+        slots = []
+        for t, p in zip(tables, position):
+            page = self._writable_page(t, p // self.page_size, like)
+            slots.append(page * self.page_size + p % self.page_size)
+        for t, ps in written.items():
+            self._lengths[t] += len(ps)
+        device = like.device
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        if lineage is not None:
+            lineage = tuple(int(x) for x in (lineage.tolist() if torch.is_tensor(lineage) else lineage))
+        return RowBatch(
+            seq=as_long(seq),
+            depth=as_long(depth),
+            position=as_long(position),
+            table=torch.tensor(tables, dtype=torch.int32, device=device),
+            slot=as_long(slots),
+            context_len=torch.tensor([p + 1 for p in position], dtype=torch.int32, device=device),
+            block_tables=self.block_tables(device),
+            lineage=lineage if self.debug else None,
+        )
+
+    def attention(self, rows: RowBatch) -> PagedKVAttention:
+        """The `KVAttention` that a model's core call over `rows` uses."""
+        return PagedKVAttention(self, rows)
+
+    # --- rollback, forks ----------------------------------------------------------------------------------------
+    def truncate(self, seq: int, depth: int, length: int) -> None:
+        """Keep only positions `0 .. length-1` of (seq, depth); pages no longer needed are freed."""
+        t = self._table(seq, depth)
+        if not 0 <= length <= self._lengths[t]:
+            raise ValueError(f"cannot truncate sequence {seq}, depth {depth} of length {self._lengths[t]} to "
+                             f"{length}.")
+        keep = -(-length // self.page_size)
+        for page in self._pages[t][keep:]:
+            self._release(page)
+        del self._pages[t][keep:]
+        self._lengths[t] = length
+        self._block_tables = None
+
+    def free(self, seq: int) -> None:
+        """Release every page of `seq` (its slot stays, empty)."""
+        for d in range(self.num_planes):
+            self.truncate(seq, d, 0)
+
+    def fork(self, seq: int) -> int:
+        """A new sequence slot sharing all of `seq`'s pages (copy on write); returns its index."""
+        branch = self.num_sequences
+        self.ensure_sequences(branch + 1)
+        for d in range(self.num_planes):
+            src, dst = self._table(seq, d), self._table(branch, d)
+            self._pages[dst] = list(self._pages[src])
+            self._lengths[dst] = self._lengths[src]
+            for page in self._pages[dst]:
+                self._refs[page] += 1
+        return branch
+
+    def commit(self, branch: int, into: int) -> None:
+        """Make `into` hold what `branch` holds and leave `branch` empty."""
+        for d in range(self.num_planes):
+            src, dst = self._table(branch, d), self._table(into, d)
+            for page in self._pages[dst]:
+                self._release(page)
+            self._pages[dst], self._pages[src] = self._pages[src], []
+            self._lengths[dst], self._lengths[src] = self._lengths[src], 0
+        self._block_tables = None
+
+    def _select(self, order: list[int]) -> None:
+        """Sequence i becomes a (page-sharing) copy of old sequence order[i]."""
+        old_pages, old_lengths = self._pages, self._lengths
+        self._pages = [list(old_pages[s * self.num_planes + d]) for s in order for d in range(self.num_planes)]
+        self._lengths = [old_lengths[s * self.num_planes + d] for s in order for d in range(self.num_planes)]
+        for pages in self._pages:
+            for page in pages:
+                self._refs[page] += 1
+        for pages in old_pages:
+            for page in pages:
+                self._release(page)
+        self._block_tables = None
+
+    # --- debug lineage ------------------------------------------------------------------------------------------
+    def link_lineage(self, child: int, parent: int) -> None:
+        """Debug: record that token id `child` follows token id `parent` (-1 for the first token)."""
+        if self.debug:
+            self._parents[child] = parent
+
+    def _ancestry(self, lineage_id: int, position: int) -> list[int]:
+        """Lineage ids of the reader's own path at positions 0..position."""
+        chain = [lineage_id]
+        while len(chain) <= position:
+            parent = self._parents.get(chain[-1])
+            if parent is None or parent < 0:
+                raise LineageError(f"lineage id {chain[-1]} at position {position - len(chain) + 1} has no "
+                                   "recorded parent; call link_lineage for every token")
+            chain.append(parent)
+        return chain[::-1]
+
+    def _tag_and_check(self, layer: int, rows: RowBatch) -> None:
+        if rows.lineage is None:
+            return
+        slots = rows.slot.tolist()
+        flat_tags = self.tags[layer].view(-1)
+        for slot, lid in zip(slots, rows.lineage):
+            flat_tags[slot] = lid
+        tables = rows.block_tables.cpu()
+        for n, lid in enumerate(rows.lineage):
+            t, p = int(rows.table[n]), int(rows.position[n])
+            expected = torch.tensor(self._ancestry(lid, p))
+            pos = torch.arange(p + 1)
+            pages = tables[t, pos // self.page_size].long()
+            found = flat_tags[pages * self.page_size + pos % self.page_size]
+            bad = (found != expected).nonzero()
+            if len(bad):
+                j = int(bad[0])
+                s, d = divmod(t, self.num_planes)
+                raise LineageError(
+                    f"I1 violated: row of lineage {lid} at sequence {s}, depth {d}, position {p} reads position "
+                    f"{j} at layer {layer}, written by lineage {int(found[j])}, but its own ancestor there is "
+                    f"{int(expected[j])}."
+                )
+
+    # --- transformers Cache API ---------------------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._columns
+
+    def advance_columns(self, count: int) -> None:
+        """HF view: the model consumed `count` more input columns (padding included)."""
+        self._columns += count
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        raise NotImplementedError(
+            "PagedLoopCache is written through RowBatch by hf_loopspec's looped models; it cannot back a model "
+            "that calls Cache.update()."
+        )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select([int(i) for i in beam_idx.tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select([s for s in range(self.num_sequences) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select([int(i) for i in indices.tolist()])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """HF view: forget the last `tokens_to_remove` input columns of every sequence, in every plane."""
+        if tokens_to_remove <= 0:
+            return
+        for s in range(self.num_sequences):
+            for d in range(self.num_planes):
+                self.truncate(s, d, max(0, self.length(s, d) - tokens_to_remove))
+        self._columns = max(0, self._columns - tokens_to_remove)
+
+    def reset(self) -> None:
+        for s in range(self.num_sequences):
+            self.free(s)
+        self._pages, self._lengths, self._columns = [], [], 0
+        self._parents.clear()
+        self._block_tables = None
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.k_pool is not None
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+
+class PagedKVAttention:
+    """`KVAttention` over a `PagedLoopCache` for one `RowBatch`: rows write their KV, then attend (I3)."""
+
+    def __init__(self, cache: PagedLoopCache, rows: RowBatch):
+        self.cache = cache
+        self.rows = rows
+        self.scale = cache.kv_layout.head_dim**-0.5
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [N, Hq, D]   k, v: [N, Hkv, D]
+        cache, rows = self.cache, self.rows
+        k_pool, v_pool = cache.k_pool[layer_idx], cache.v_pool[layer_idx]  # [pages, page_size, Hkv, D]
+        attention_ops.write_kv(k, v, k_pool, v_pool, rows.slot)
+        if cache.debug:
+            cache._tag_and_check(layer_idx, rows)
+        return attention_ops.paged_attention(q, k_pool, v_pool, rows.block_tables, rows.table, rows.context_len, self.scale)

@@ -1,0 +1,289 @@
+"""The lane decoder: AR, block and pipeline decoding over one per-depth paged cache.
+
+One cycle = one core call over the lanes the policy selects, across every sequence of the batch (rows of
+mixed sequence, position and depth). After the call, in this order, per sequence:
+
+1. Verification. A lane that reaches depth U yields the target for the next position (its logits pass the
+   logits processors with the committed prefix). If the next lane holds the same token it is accepted and
+   keeps running; otherwise it and its descendants are killed, every KV plane of the sequence is truncated to
+   the verified prefix (I4), and a new lane starts at depth 0 with the target token. The target is committed:
+   stopping criteria run, the streamer is fed, and a finished sequence drops all its lanes.
+2. Drafting. The frontier lane that has just reached depth d proposes the next token (argmax of the
+   processed depth-d logits, or `draft_hook`) as a new lane at depth 0, if the policy allows it and the
+   position can still matter.
+
+The prompt enters as lanes too (one per real prompt token, all at depth 0), so prefill is U calls of P rows
+and the pipeline starts drafting as soon as the last prompt token reaches depth d.
+
+Every lane has a lineage id linked to its parent; a `PagedLoopCache(debug=True)` checks every read against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from ..cache.paged import PagedLoopCache
+from .lanes import Lane, SequenceState
+from .policies import ARPolicy
+from .stats import SpeculationStats
+
+DraftHook = Callable[[int, int, int], int]
+"""`draft_hook(sequence, position, proposed_token) -> token`: test-only override of draft proposals."""
+
+
+@dataclass(frozen=True)
+class RowTrace:
+    seq: int
+    position: int
+    depth: int  # loops completed before this call
+    token: int
+    is_draft: bool
+
+
+@dataclass
+class CycleTrace:
+    """One core call: the rows it ran and what happened after it (events: (kind, seq, position, token))."""
+
+    rows: list[RowTrace]
+    events: list[tuple[str, int, int, int]] = field(default_factory=list)
+    hidden: torch.Tensor | None = None  # [N, H] outputs, when hidden states are traced
+
+
+@dataclass
+class DecodeResult:
+    sequences: torch.Tensor  # [B, S + generated]
+    scores: tuple[torch.Tensor, ...] | None  # per step [B, V]
+    logits: tuple[torch.Tensor, ...] | None
+    stats: SpeculationStats
+    trace: list[CycleTrace] | None
+
+
+class LaneDecoder:
+    """Runs one batch to completion. See the module docstring for the cycle."""
+
+    def __init__(
+        self,
+        model,
+        cache: PagedLoopCache,
+        policy: ARPolicy,
+        *,
+        mode: str,
+        draft_loops: int,
+        input_ids: torch.Tensor,  # [B, S] left-padded
+        attention_mask: torch.Tensor | None,  # [B, S] or None
+        logits_processor,
+        stopping_criteria,
+        pad_token_id: int | None,
+        max_length: int,
+        streamer=None,
+        draft_hook: DraftHook | None = None,
+        output_scores: bool = False,
+        output_logits: bool = False,
+        trace: bool | str = False,
+    ):
+        self.model, self.cache, self.policy = model, cache, policy
+        self.num_loops = model.num_loops
+        self.draft_loops = draft_loops
+        self.processors = logits_processor if logits_processor is not None and len(logits_processor) else None
+        self.stopping = stopping_criteria
+        self.streamer, self.draft_hook = streamer, draft_hook
+        self.output_scores, self.output_logits = output_scores, output_logits
+        self.trace = [] if trace else None
+        self.trace_hidden = trace == "hidden"
+        self.stats = SpeculationStats(mode=mode, draft_loops=draft_loops if policy.drafts else 0)
+        self._ids = count()
+
+        batch, width = input_ids.shape
+        self.prompt_width = width
+        self.pad = pad_token_id if pad_token_id is not None else 0
+        max_new = max(max_length - width, 0)
+        self.ids = torch.full((batch, width + max_new), self.pad, dtype=input_ids.dtype, device=input_ids.device)
+        self.ids[:, :width] = input_ids
+        self.streamed = 0
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        if cache.num_sequences:
+            raise ValueError("speculative decoding needs an empty PagedLoopCache (this one already holds "
+                             f"{cache.num_sequences} sequences); pass a fresh cache or none.")
+        cache.ensure_sequences(batch)
+        self.seqs = []
+        for s in range(batch):
+            prompt = input_ids[s][mask[s]]
+            state = SequenceState(index=s, prompt_len=len(prompt), max_new=max_new)
+            self.stats.per_sequence.append(state.stats)
+            hidden = model.embed(prompt)  # [P, H]
+            parent = -1
+            for p, token in enumerate(prompt.tolist()):
+                lane = Lane(s, p, token, 0, hidden[p], next(self._ids), next_known=p < len(prompt) - 1)
+                cache.link_lineage(lane.lineage, parent)
+                parent = lane.lineage
+                state.lanes.append(lane)
+            if not state.lanes or max_new == 0:
+                state.lanes.clear()
+                state.finished = True
+            self.seqs.append(state)
+
+    # --- the loop -----------------------------------------------------------------------------------------------
+    def run(self) -> DecodeResult:
+        while any(not s.finished for s in self.seqs):
+            self.cycle()
+            self._stream_columns()
+        self._stream_columns(final=True)
+        return self._result()
+
+    def cycle(self) -> None:
+        lanes = [lane for seq in self.seqs if not seq.finished for lane in self.policy.select(seq)]
+        hidden = torch.stack([lane.hidden for lane in lanes])  # [N, H]
+        positions = [lane.position for lane in lanes]
+        rows = self.cache.plan_rows(
+            [lane.seq for lane in lanes], [lane.depth for lane in lanes], positions, like=hidden,
+            lineage=[lane.lineage for lane in lanes],
+        )
+        out = self.model.core(hidden, torch.tensor(positions, device=hidden.device), self.cache.attention(rows))
+        self.stats.core_calls += 1
+        if self.trace is not None:
+            self.trace.append(CycleTrace(
+                [RowTrace(lane.seq, lane.position, lane.depth, lane.token, lane.is_draft) for lane in lanes],
+                hidden=out.detach().clone() if self.trace_hidden else None,
+            ))
+        for lane, h in zip(lanes, out):
+            lane.hidden = h
+            lane.depth += 1
+
+        targets = [lane for lane in lanes if lane.depth == self.num_loops and not lane.next_known]
+        drafters = [lane for lane in lanes if self._wants_draft(lane)]
+        heads = targets + drafters
+        logits = self.model.head(torch.stack([lane.hidden for lane in heads])).float() if heads else None  # [M, V]
+        row_of = {id(lane): i for i, lane in enumerate(heads)}
+        for lane in targets:
+            self._verify(lane, logits[row_of[id(lane)]])
+        for lane in drafters:
+            seq = self.seqs[lane.seq]
+            if not seq.finished and seq.lanes and seq.lanes[-1] is lane:
+                self._draft(lane, logits[row_of[id(lane)]])
+        for seq in self.seqs:  # retire lanes that completed all loops
+            seq.lanes = [lane for lane in seq.lanes if lane.depth < self.num_loops]
+
+    def _wants_draft(self, lane: Lane) -> bool:
+        seq = self.seqs[lane.seq]
+        return (self.policy.drafts and lane.depth == self.draft_loops and not lane.next_known
+                and seq.lanes[-1] is lane and lane.position + 1 <= seq.last_draft_position
+                and self.policy.may_draft(seq))
+
+    # --- verification and commits -------------------------------------------------------------------------------
+    def _verify(self, lane: Lane, raw: torch.Tensor) -> None:
+        seq = self.seqs[lane.seq]
+        if seq.finished or lane not in seq.lanes:
+            return  # killed earlier in this cycle (block mode: after a rejection of an earlier position)
+        width = self.prompt_width + len(seq.generated)
+        scores = self._process(self.ids[seq.index, :width], raw)
+        target = int(scores.argmax())
+        index = seq.lanes.index(lane)
+        nxt = seq.lanes[index + 1] if index + 1 < len(seq.lanes) else None
+        if nxt is not None:
+            seq.stats.verified += 1
+            if nxt.token == target:
+                seq.stats.accepted += 1
+                nxt.is_draft = False
+                self._event("accept", nxt.seq, nxt.position, nxt.token)
+            else:
+                seq.stats.rejected += 1
+                self._event("reject", nxt.seq, nxt.position, nxt.token)
+                nxt.is_draft = False  # verified, so not counted as discarded
+                seq.stats.discarded += seq.kill_from(index + 1)
+                for depth in range(self.num_loops):
+                    self.cache.truncate(seq.index, depth, lane.position + 1)
+                nxt = None
+        self._commit(seq, target, scores, raw)
+        if not seq.finished and nxt is None:
+            spawned = self._spawn(seq, lane, target, is_draft=False)
+            seq.round_drafts = 0
+            seq.lanes.append(spawned)
+
+    def _commit(self, seq: SequenceState, token: int, scores: torch.Tensor, raw: torch.Tensor) -> None:
+        width = self.prompt_width + len(seq.generated)
+        self.ids[seq.index, width] = token
+        seq.generated.append(token)
+        seq.stats.committed += 1
+        if self.output_scores:
+            seq.scores.append(scores)
+        if self.output_logits:
+            seq.raw_logits.append(raw)
+        self._event("commit", seq.index, seq.prompt_len + len(seq.generated) - 1, token)
+        row = self.ids[seq.index : seq.index + 1, : width + 1]
+        done = bool(self.stopping(row, scores[None]).any()) if self.stopping is not None else False
+        if done or len(seq.generated) >= seq.max_new:
+            self._finish(seq)
+
+    def _finish(self, seq: SequenceState) -> None:
+        """Stop a sequence: drop its lanes and leave its planes as serial AR would (all but the last token)."""
+        seq.stats.discarded += seq.kill_from(0)
+        seq.finished = True
+        keep = seq.prompt_len + len(seq.generated) - 1
+        for depth in range(self.num_loops):
+            self.cache.truncate(seq.index, depth, min(keep, self.cache.length(seq.index, depth)))
+
+    # --- drafts -------------------------------------------------------------------------------------------------
+    def _draft(self, lane: Lane, raw: torch.Tensor) -> None:
+        seq = self.seqs[lane.seq]
+        if self.processors is not None:
+            width = self.prompt_width + len(seq.generated)
+            pending = [x.token for x in seq.lanes if x.position > seq.prompt_len + len(seq.generated) - 1]
+            prefix = torch.cat([self.ids[seq.index, :width], self.ids.new_tensor(pending)])
+            raw = self._process(prefix, raw)
+        token = int(raw.argmax())
+        if self.draft_hook is not None:
+            token = int(self.draft_hook(seq.index, lane.position + 1, token))
+        seq.stats.drafted += 1
+        seq.round_drafts += 1
+        seq.lanes.append(self._spawn(seq, lane, token, is_draft=True))
+
+    def _spawn(self, seq: SequenceState, parent: Lane, token: int, is_draft: bool) -> Lane:
+        ids = torch.tensor([token], device=parent.hidden.device)
+        lane = Lane(seq.index, parent.position + 1, token, 0, self.model.embed(ids)[0], next(self._ids),
+                    is_draft=is_draft)
+        self.cache.link_lineage(lane.lineage, parent.lineage)
+        return lane
+
+    def _process(self, prefix: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        if self.processors is None:
+            return raw
+        return self.processors(prefix[None], raw[None].clone())[0]
+
+    def _event(self, kind: str, seq: int, position: int, token: int) -> None:
+        if self.trace is not None:
+            self.trace[-1].events.append((kind, seq, position, token))
+
+    # --- streaming and results ----------------------------------------------------------------------------------
+    def _stream_columns(self, final: bool = False) -> None:
+        """Feed the streamer column by column, like plain decoding: column i once every sequence has it."""
+        if self.streamer is None:
+            return
+        ready = min((len(s.generated) for s in self.seqs if not s.finished), default=None)
+        if ready is None or final:
+            ready = max((len(s.generated) for s in self.seqs), default=0)
+        while self.streamed < ready:
+            self.streamer.put(self.ids[:, self.prompt_width + self.streamed].cpu())
+            self.streamed += 1
+
+    def _result(self) -> DecodeResult:
+        steps = max((len(s.generated) for s in self.seqs), default=0)
+        sequences = self.ids[:, : self.prompt_width + steps]
+        return DecodeResult(
+            sequences=sequences,
+            scores=self._per_step("scores", steps) if self.output_scores else None,
+            logits=self._per_step("raw_logits", steps) if self.output_logits else None,
+            stats=self.stats,
+            trace=self.trace,
+        )
+
+    def _per_step(self, name: str, steps: int) -> tuple[torch.Tensor, ...]:
+        """Per step a `[B, V]` tensor; rows that had already finished at that step hold zeros."""
+        per_seq = [getattr(s, name) for s in self.seqs]
+        like = next(x[0] for x in per_seq if x)
+        return tuple(
+            torch.stack([x[i] if i < len(x) else torch.zeros_like(like) for x in per_seq]) for i in range(steps)
+        )

@@ -1,0 +1,51 @@
+"""Lanes: the unit of work of the lane decoder.
+
+A lane is one token of one sequence on its way through the loops: it sits at a position, has completed
+`depth` loops, and carries the hidden state that is the input of its next loop. A sequence's live lanes hold
+consecutive positions, the oldest (deepest) first; every lane's history is the sequence's committed tokens
+plus the lanes before it, so all live lanes of a sequence lie on one path (single proposal, DESIGN I1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .stats import SequenceStats
+
+
+@dataclass(eq=False)
+class Lane:
+    seq: int
+    position: int
+    token: int
+    depth: int  # loops completed
+    hidden: torch.Tensor  # [H] input of loop `depth`
+    lineage: int  # unique id; its parent is the lane of position - 1 on the same path
+    is_draft: bool = False  # proposed from depth d and not verified yet
+    next_known: bool = False  # a prompt token that is not the last: the next token is given, nothing to verify
+
+
+@dataclass(eq=False)
+class SequenceState:
+    index: int
+    prompt_len: int  # real (unpadded) prompt tokens
+    max_new: int  # generation budget (max_length minus the padded prompt width)
+    lanes: list[Lane] = field(default_factory=list)  # live, ordered by position
+    generated: list[int] = field(default_factory=list)
+    scores: list[torch.Tensor] = field(default_factory=list)  # processed target scores per committed token
+    raw_logits: list[torch.Tensor] = field(default_factory=list)
+    finished: bool = False
+    round_drafts: int = 0  # block mode: drafts proposed since the last committed-and-spawned token
+    stats: SequenceStats = field(default_factory=SequenceStats)
+
+    @property
+    def last_draft_position(self) -> int:
+        """No lane beyond this position is ever needed: the last generated token is never fed back."""
+        return self.prompt_len + self.max_new - 2
+
+    def kill_from(self, index: int) -> int:
+        """Drop lanes `index..`; returns how many of them were unverified drafts."""
+        killed, self.lanes = self.lanes[index:], self.lanes[:index]
+        return sum(lane.is_draft for lane in killed)

@@ -1,0 +1,76 @@
+"""Counters of a speculative run (`out.speculation`).
+
+Words: a *draft* is a token proposed from depth d; it is *verified* when the target for its position (from
+depth U of the token before it) is compared with it, and then *accepted* or *rejected*; a draft killed before
+its verification (a descendant of a rejected draft, or in flight when its sequence stopped) is *discarded*.
+
+Exact invariants (tested): `accepted + rejected == verified`, `drafted == verified + discarded`,
+`committed_tokens` == number of generated tokens, `core_calls_per_token == core_calls / committed_tokens`.
+`core_calls` counts every call of the shared stack in the run, prompt prefill included, across the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SequenceStats:
+    committed: int = 0
+    drafted: int = 0
+    verified: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    discarded: int = 0
+
+
+@dataclass
+class SpeculationStats:
+    mode: str
+    draft_loops: int
+    core_calls: int = 0
+    per_sequence: list[SequenceStats] = field(default_factory=list)
+
+    def _total(self, name: str) -> int:
+        return sum(getattr(s, name) for s in self.per_sequence)
+
+    @property
+    def committed_tokens(self) -> int:
+        return self._total("committed")
+
+    @property
+    def drafted(self) -> int:
+        return self._total("drafted")
+
+    @property
+    def verified(self) -> int:
+        return self._total("verified")
+
+    @property
+    def accepted(self) -> int:
+        return self._total("accepted")
+
+    @property
+    def rejected(self) -> int:
+        return self._total("rejected")
+
+    @property
+    def discarded(self) -> int:
+        return self._total("discarded")
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.verified if self.verified else 0.0
+
+    @property
+    def core_calls_per_token(self) -> float:
+        return self.core_calls / self.committed_tokens if self.committed_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        keys = ("committed_tokens", "drafted", "verified", "accepted", "rejected", "discarded", "acceptance_rate",
+                "core_calls_per_token")
+        return {"mode": self.mode, "draft_loops": self.draft_loops, "core_calls": self.core_calls,
+                **{k: getattr(self, k) for k in keys}, "per_sequence": [asdict(s) for s in self.per_sequence]}
+
+    def __getitem__(self, key: str):
+        return self.to_dict()[key]
