@@ -1,0 +1,150 @@
+"""`model.generate` on Ouro: greedy against a greedy loop over the independent reference, and every row of a
+left-padded batch equal to its own unpadded run for greedy, beam search and num_return_sequences; sampling is
+checked for shapes, validity, seeded reproducibility and top_k=1 == greedy. CPU, fp32, tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import left_pad, random_ids, reference, tiny_model
+from transformers.cache_utils import DynamicCache
+
+PAD = 1  # explicit pad id, distinct from Ouro's eos id 0
+NEW = 12  # max_new_tokens
+LENGTHS = (6, 3, 9)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """(model, state_dict, prompts, padded ids, attention mask)."""
+    model, sd = tiny_model(seed=201, num_key_value_heads=2)
+    prompts = [random_ids(n, seed=210 + i) for i, n in enumerate(LENGTHS)]
+    ids, mask = left_pad(prompts, PAD)
+    return model, sd, prompts, ids, mask
+
+
+def reference_greedy(sd, config, prompt, steps, eos):
+    """Greedy decoding by re-running the reference on the whole sequence every step; stops after eos."""
+    seq, step_logits = prompt.clone(), []
+    for _ in range(steps):
+        last = reference(sd, seq, config)["loop_logits"][-1, 0, -1]
+        step_logits.append(last)
+        token = last.argmax()
+        seq = torch.cat([seq, token[None]])
+        if eos is not None and int(token) == eos:
+            break
+    return seq, step_logits
+
+
+def pad_right(seq, width):
+    return torch.cat([seq, torch.full((width - len(seq),), PAD, dtype=seq.dtype)])
+
+
+def assert_row_matches(batched_row, prompt_width, prompt, single):
+    """A left-padded batch row equals the unpadded run of its prompt, followed by pad once that run stopped."""
+    pad = prompt_width - len(prompt)
+    assert (batched_row[:pad] == PAD).all()
+    torch.testing.assert_close(batched_row[pad:], pad_right(single, len(batched_row) - pad), atol=0, rtol=0)
+
+
+def generate(model, ids, mask=None, **kwargs):
+    if mask is None:
+        mask = torch.ones_like(ids)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=PAD, **kwargs)
+
+
+# --- greedy -----------------------------------------------------------------------------------------------------
+
+
+def test_greedy_padded_batch_matches_reference_greedy(setup):
+    model, sd, prompts, ids, mask = setup
+    out = generate(model, ids, mask, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    assert out.sequences.shape[0] == 3
+    generated = 0
+    for i, prompt in enumerate(prompts):
+        expected, step_logits = reference_greedy(sd, model.config, prompt, NEW, eos=0)
+        assert_row_matches(out.sequences[i], ids.shape[1], prompt, expected)
+        for step, ref_logits in enumerate(step_logits):  # the raw logits of every decoding step
+            torch.testing.assert_close(out.logits[step][i], ref_logits, atol=1e-5, rtol=1e-5)
+        generated = max(generated, len(expected) - len(prompt))
+    assert generated >= 10  # the run is long enough to mean something
+
+
+def test_greedy_each_row_alone_equals_reference(setup):
+    model, sd, prompts, _, _ = setup
+    for prompt in prompts:
+        single = generate(model, prompt[None], do_sample=False)[0]
+        expected, _ = reference_greedy(sd, model.config, prompt, NEW, eos=0)
+        torch.testing.assert_close(single, expected, atol=0, rtol=0)
+
+
+def test_greedy_eos_mid_generation_pads_finished_rows(setup):
+    model, sd, prompts, ids, mask = setup
+    free, _ = reference_greedy(sd, model.config, prompts[0], NEW, eos=None)
+    continuation = free[len(prompts[0]):].tolist()
+    eos = continuation[4]  # row 0 stops after 5 new tokens
+    assert eos not in continuation[:4] and eos != PAD
+    out = generate(model, ids, mask, do_sample=False, eos_token_id=eos)
+    for i, prompt in enumerate(prompts):
+        expected, _ = reference_greedy(sd, model.config, prompt, NEW, eos=eos)
+        assert_row_matches(out[i], ids.shape[1], prompt, expected)
+    assert (out[0, -(NEW - 5):] == PAD).all()
+
+
+# --- beam search ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_return_sequences", [1, 2])
+def test_beam_search_padded_batch_rows_equal_individual_runs(setup, num_return_sequences):
+    model, _, prompts, ids, mask = setup
+    kwargs = {"do_sample": False, "num_beams": 3, "num_return_sequences": num_return_sequences}
+    batched = generate(model, ids, mask, **kwargs)
+    assert batched.shape[0] == 3 * num_return_sequences
+    for i, prompt in enumerate(prompts):
+        single = generate(model, prompt[None], **kwargs)
+        assert single.shape[0] == num_return_sequences
+        for r in range(num_return_sequences):
+            assert_row_matches(batched[i * num_return_sequences + r], ids.shape[1], prompt, single[r])
+
+
+# --- sampling -----------------------------------------------------------------------------------------------------
+
+
+def test_sampling_top_k_1_equals_greedy(setup):
+    model, _, _, ids, mask = setup
+    greedy = generate(model, ids, mask, do_sample=False)
+    torch.manual_seed(0)
+    sampled = generate(model, ids, mask, do_sample=True, top_k=1)
+    torch.testing.assert_close(sampled, greedy, atol=0, rtol=0)
+
+
+def test_sampling_shapes_validity_and_seeded_reproducibility(setup):
+    model, _, _, ids, mask = setup
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(1234)
+        runs.append(generate(model, ids, mask, do_sample=True, temperature=1.5, num_return_sequences=2))
+    out = runs[0]
+    torch.testing.assert_close(runs[1], out, atol=0, rtol=0)
+    assert out.shape[0] == 6 and ids.shape[1] < out.shape[1] <= ids.shape[1] + NEW
+    torch.testing.assert_close(out[:, : ids.shape[1]], ids.repeat_interleave(2, dim=0), atol=0, rtol=0)
+    assert int(out.min()) >= 0 and int(out.max()) < model.config.vocab_size
+    torch.manual_seed(99)
+    assert not torch.equal(generate(model, ids, mask, do_sample=True, temperature=1.5, num_return_sequences=2), out)
+
+
+# --- cache handling -----------------------------------------------------------------------------------------------
+
+
+def test_generate_with_user_dynamic_cache_equals_default(setup):
+    model, _, prompts, _, _ = setup
+    prompt = prompts[2][None]
+    torch.testing.assert_close(generate(model, prompt, cache=DynamicCache(), do_sample=False),
+                               generate(model, prompt, do_sample=False), atol=0, rtol=0)
+
+
+def test_generate_rejects_cache_sized_from_config(setup):
+    model, _, prompts, _, _ = setup
+    with pytest.raises(ValueError, match="loop"):
+        generate(model, prompts[0][None], cache=DynamicCache(config=model.config), do_sample=False)

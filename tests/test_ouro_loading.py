@@ -1,0 +1,171 @@
+"""Saving and loading Ouro: save_pretrained round trip, dtype and device_map, a folder laid out like the Hub repo
+(loaded through the Auto classes, with and without trust_remote_code), and strict errors for checkpoints that do
+not match the config. Logits are checked against the independent reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import HUB_AUTO_MAP, config_values, hub_key_shapes, random_ids, reference, tiny_model, write_hub_folder
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+import hf_loopspec
+from hf_loopspec import OuroConfig, OuroForCausalLM, OuroModel
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+ARCH = {"num_key_value_heads": 2, "head_dim": 24, "total_ut_steps": 3}  # GQA, explicit head_dim, U = 3
+
+
+@pytest.fixture(scope="module")
+def source():
+    """(model, state_dict, input_ids, reference logits of the last loop) for a tiny fp32 model."""
+    model, sd = tiny_model(seed=101, **ARCH)
+    ids = random_ids(9, batch=2, seed=102)
+    return model, sd, ids, reference(sd, ids, model.config)["loop_logits"][-1]
+
+
+@pytest.fixture(scope="module")
+def saved(source, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("saved")
+    source[0].save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hub_folder(source, tmp_path_factory):
+    """A folder like the Hub repo: bf16 safetensors under the Hub key names, no Python files."""
+    model, sd = source[:2]
+    return write_hub_folder(tmp_path_factory.mktemp("hub"), model.config, sd, dtype=torch.bfloat16)
+
+
+def bf16_reference(source):
+    model, sd, ids, _ = source
+    rounded = {k: v.to(torch.bfloat16) for k, v in sd.items()}  # what the bf16 file holds
+    return reference(rounded, ids, model.config)
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+# --- save_pretrained / from_pretrained ------------------------------------------------------------------------
+
+
+def test_save_pretrained_writes_hub_keys_and_round_trips(source, saved):
+    model, sd, ids, ref = source
+    with safe_open(str(saved / "model.safetensors"), "pt") as f:
+        stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    assert stored == hub_key_shapes(config_values(model.config))  # Hub names; lm_head is not tied away
+    loaded = OuroForCausalLM.from_pretrained(saved)
+    assert type(loaded) is OuroForCausalLM
+    assert loaded.dtype == torch.float32 and not loaded.training
+    for key, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, sd[key], atol=0, rtol=0)
+    torch.testing.assert_close(logits(loaded, ids), ref, **TOL)
+    assert loaded.config.total_ut_steps == 3 and loaded.config.head_dim == 24
+
+
+def test_load_in_bfloat16(source, saved):
+    loaded = OuroForCausalLM.from_pretrained(saved, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
+    out = logits(loaded, source[2])
+    assert out.dtype == torch.bfloat16
+    ref = bf16_reference(source)["loop_logits"][-1]
+    assert (out.float() - ref).abs().max() < 0.3  # bf16 rounding through 3 loops x 2 layers
+
+
+def test_load_with_device_map_cpu(source, saved):
+    loaded = OuroForCausalLM.from_pretrained(saved, device_map="cpu")
+    assert all(p.device.type == "cpu" for p in loaded.parameters())
+    torch.testing.assert_close(logits(loaded, source[2]), source[3], **TOL)
+
+
+# --- a folder laid out like the Hub repo ----------------------------------------------------------------------
+
+
+def test_hub_folder_layout(hub_folder):
+    assert sorted(p.name for p in hub_folder.iterdir()) == ["config.json", "generation_config.json",
+                                                            "model.safetensors"]
+    config = json.loads((hub_folder / "config.json").read_text())
+    assert config["architectures"] == ["OuroForCausalLM"]
+    assert config["auto_map"] == HUB_AUTO_MAP
+    assert config["torch_dtype"] == "bfloat16"
+    assert isinstance(AutoConfig.from_pretrained(hub_folder), OuroConfig)
+
+
+@pytest.mark.parametrize("trust_remote_code", [False, True])
+def test_hub_folder_loads_registered_causal_lm(source, hub_folder, trust_remote_code):
+    # The folder holds no Python files, so only the class registered by `import hf_loopspec` can serve it.
+    model = AutoModelForCausalLM.from_pretrained(hub_folder, trust_remote_code=trust_remote_code,
+                                                 dtype=torch.float32)
+    assert type(model) is hf_loopspec.OuroForCausalLM
+    assert model.config.total_ut_steps == 3 and model.config.num_key_value_heads == 2
+    ref = bf16_reference(source)
+    with torch.no_grad():
+        out = model(source[2], output_loop_logits=True)
+    for u in range(3):
+        torch.testing.assert_close(out.loop_logits[u], ref["loop_logits"][u], **TOL)
+    torch.testing.assert_close(out.exit_gate_logits, ref["gate_logits"], **TOL)
+    assert model.generation_config.eos_token_id == 0 and model.generation_config.pad_token_id == 0
+
+
+def test_hub_folder_default_dtype_follows_torch_dtype(source, hub_folder):
+    model = AutoModelForCausalLM.from_pretrained(hub_folder)
+    assert type(model) is hf_loopspec.OuroForCausalLM
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    ref = bf16_reference(source)["loop_logits"][-1]
+    assert (logits(model, source[2]).float() - ref).abs().max() < 0.3
+
+
+def test_hub_folder_loads_base_model(source, hub_folder):
+    model = AutoModel.from_pretrained(hub_folder, dtype=torch.float32)  # lm_head.weight is skipped
+    assert type(model) is OuroModel
+    ref = bf16_reference(source)
+    with torch.no_grad():
+        out = model(source[2], output_hidden_states=True)
+    torch.testing.assert_close(out.last_hidden_state, ref["loop_hidden"][-1], **TOL)
+    for u in range(3):
+        torch.testing.assert_close(out.hidden_states[u + 1], ref["loop_hidden"][u], **TOL)
+
+
+# --- checkpoints that do not match the config -----------------------------------------------------------------
+
+
+def broken_folder(tmp_path, source, edit):
+    model, sd = source[:2]
+    folder = write_hub_folder(tmp_path / "broken", model.config, sd, dtype=torch.float32)
+    tensors = {k: v.clone() for k, v in sd.items()}
+    edit(tensors)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+BROKEN = {
+    "missing": (lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"), "model.layers.1.mlp.up_proj.weight"),
+    "unexpected": (lambda sd: sd.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(96)}),
+                   "model.layers.0.self_attn.q_proj.bias"),
+    "mismatched": (lambda sd: sd.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(96, 64)}),
+                   "model.layers.0.self_attn.k_proj.weight"),
+}
+
+
+@pytest.mark.parametrize("loader", [OuroForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained],
+                         ids=["OuroForCausalLM", "AutoModelForCausalLM"])
+@pytest.mark.parametrize("kind", list(BROKEN))
+def test_mismatching_checkpoint_raises_value_error_naming_the_key(tmp_path, source, kind, loader):
+    edit, key = BROKEN[kind]
+    folder = broken_folder(tmp_path, source, edit)
+    with pytest.raises(ValueError, match=kind) as info:
+        loader(folder)
+    assert key in str(info.value)
+
+
+def test_base_model_missing_key_raises(tmp_path, source):
+    folder = broken_folder(tmp_path, source, lambda sd: sd.pop("model.norm.weight"))
+    with pytest.raises(ValueError, match="model.norm.weight|norm.weight"):
+        AutoModel.from_pretrained(folder)

@@ -1,0 +1,279 @@
+"""Ouro forward pass against the independent reference (tests/ouro_reference.py): per-loop logits and exit gates,
+the exit options, cached decoding, left padding, and input / config validation. CPU, fp32, tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import left_pad, random_ids, reference, tiny_config, tiny_model
+from ouro_reference import exit_distribution
+from transformers.cache_utils import DynamicCache
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+# MHA and GQA (incl. a single KV head), U in {1, 3, 4}, explicit head_dim != hidden / heads (= 16).
+ARCHS = {
+    "mha-U4": {},
+    "gqa-U3": {"num_key_value_heads": 2, "total_ut_steps": 3},
+    "mqa-U1-head_dim24": {"num_key_value_heads": 1, "head_dim": 24, "total_ut_steps": 1},
+    "gqa-U4-head_dim8": {"num_key_value_heads": 2, "head_dim": 8},
+    "mha-U3-head_dim32": {"head_dim": 32, "total_ut_steps": 3},
+}
+
+
+def assert_close(actual, expected, **tol):
+    torch.testing.assert_close(actual, expected.to(actual.dtype), **(tol or TOL))
+
+
+# --- parity with the reference ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", list(ARCHS), ids=list(ARCHS))
+def test_loop_logits_and_gates_match_reference(arch):
+    model, sd = tiny_model(seed=1, **ARCHS[arch])
+    loops = model.config.total_ut_steps
+    ids = random_ids(11, batch=3, seed=2)
+    ref = reference(sd, ids, model.config)
+    with torch.no_grad():
+        out = model(ids, output_loop_logits=True, use_cache=False)
+    assert len(out.loop_logits) == loops
+    for u in range(loops):
+        assert_close(out.loop_logits[u], ref["loop_logits"][u])
+    assert out.exit_gate_logits.shape == (3, 11, loops)
+    assert_close(out.exit_gate_logits, ref["gate_logits"])
+    assert_close(out.logits, ref["loop_logits"][-1])  # no exit option: the last loop
+
+
+def test_single_sequence_and_default_logits_match_reference():
+    model, sd = tiny_model(seed=3)
+    ids = random_ids(13, seed=4)  # one sequence [T]
+    ref = reference(sd, ids, model.config)
+    with torch.no_grad():
+        out = model(ids[None])
+    assert out.loop_logits is None and out.exit_gate_logits is None
+    assert_close(out.logits[0], ref["loop_logits"][-1, 0])
+
+
+def test_hidden_states_are_embeddings_then_every_loop():
+    model, sd = tiny_model(seed=5, total_ut_steps=3)
+    ids = random_ids(8, batch=2, seed=6)
+    ref = reference(sd, ids, model.config)
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True, use_cache=False)
+    assert len(out.hidden_states) == 4
+    assert_close(out.hidden_states[0], sd["model.embed_tokens.weight"][ids])
+    for u in range(3):
+        assert_close(out.hidden_states[u + 1], ref["loop_hidden"][u])
+    assert_close(out.exit_gate_logits, ref["gate_logits"])
+    with torch.no_grad():
+        base = model.model(ids, use_cache=False)
+    assert_close(base.last_hidden_state, ref["loop_hidden"][-1])
+
+
+def test_logits_to_keep_and_loss():
+    model, sd = tiny_model(seed=7)
+    ids = random_ids(10, batch=2, seed=8)
+    ref = reference(sd, ids, model.config)["loop_logits"][-1]
+    with torch.no_grad():
+        last = model(ids, logits_to_keep=1).logits
+        loss = model(ids, labels=ids).loss
+    assert last.shape == (2, 1, 101)
+    assert_close(last, ref[:, -1:])
+    expected = F.cross_entropy(ref[:, :-1].reshape(-1, 101), ids[:, 1:].reshape(-1))
+    assert_close(loss, expected)
+
+
+# --- exit options ---------------------------------------------------------------------------------------------
+
+
+def test_exit_at_step_selects_that_loop():
+    model, sd = tiny_model(seed=9)
+    ids = random_ids(9, batch=2, seed=10)
+    ref = reference(sd, ids, model.config)
+    for k in range(4):
+        with torch.no_grad():
+            out = model(ids, exit_at_step=k)
+        assert_close(out.logits, ref["loop_logits"][k])
+    # loops differ, so the above really distinguishes them
+    assert (ref["loop_logits"][0] - ref["loop_logits"][-1]).abs().max() > 0.1
+
+
+def test_weighted_exit_is_expectation_under_exit_distribution():
+    model, sd = tiny_model(seed=11, gate_scale=3.0)
+    ids = random_ids(9, batch=2, seed=12)
+    ref = reference(sd, ids, model.config)
+    probs = exit_distribution(ref["gate_logits"])  # [B, T, U], float64
+    assert torch.allclose(probs.sum(-1), torch.ones_like(probs[..., 0]))
+    expected = (probs.permute(2, 0, 1)[..., None] * ref["loop_logits"].double()).sum(0)
+    with torch.no_grad():
+        out = model(ids, use_weighted_exit=True)
+    assert_close(out.logits, expected)
+
+
+def _threshold_choice(gate_logits, q):
+    """First loop whose cumulative exit probability reaches q, else the last (ouro.md)."""
+    cum = exit_distribution(gate_logits).cumsum(-1)
+    loops = cum.shape[-1]
+    choice = torch.full(cum.shape[:-1], loops - 1)
+    for t in reversed(range(loops - 1)):
+        choice = torch.where(cum[..., t] >= q, t, choice)
+    return choice, cum
+
+
+@pytest.mark.parametrize("q", [0.3, 0.5, 0.7])
+def test_exit_threshold_picks_first_loop_reaching_threshold_per_token(q):
+    model, sd = tiny_model(seed=13)
+    # A strongly varying gate (large weight, bias around 0) spreads the exits over the loops.
+    gen = torch.Generator().manual_seed(14)
+    sd["model.early_exit_gate.weight"] = 1.5 * torch.randn(1, 64, generator=gen)
+    sd["model.early_exit_gate.bias"] = torch.tensor([-0.5])
+    model.load_state_dict(sd, strict=True)
+    ids = random_ids(16, batch=3, seed=15)
+    ref = reference(sd, ids, model.config)
+    choice, cum = _threshold_choice(ref["gate_logits"], q)
+    assert len(choice.unique()) >= 3, f"threshold {q} does not spread the tokens over the loops: {choice}"
+    assert (cum - q).abs().min() > 1e-4  # no token sits on the boundary (fp32 vs fp64)
+    expected = torch.stack([ref["loop_logits"][choice[b, t], b, t] for b in range(3) for t in range(16)])
+    with torch.no_grad():
+        out = model(ids, exit_threshold=q)
+    assert_close(out.logits.reshape(-1, 101), expected)
+
+
+def test_exit_threshold_extremes():
+    model, sd = tiny_model(seed=16, gate_scale=2.0)
+    ids = random_ids(7, batch=2, seed=17)
+    ref = reference(sd, ids, model.config)
+    with torch.no_grad():
+        first = model(ids, exit_threshold=0.0).logits  # p_0 >= 0: every token exits after loop 0
+        last = model(ids, exit_threshold=1.0).logits  # the cumulative mass reaches 1 only at the last loop
+    assert_close(first, ref["loop_logits"][0])
+    assert_close(last, ref["loop_logits"][-1])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"exit_at_step": 4},
+        {"exit_at_step": -1},
+        {"exit_threshold": 1.5},
+        {"exit_threshold": -0.1},
+        {"exit_at_step": 1, "use_weighted_exit": True},
+        {"exit_at_step": 1, "exit_threshold": 0.5},
+        {"exit_threshold": 0.5, "use_weighted_exit": True},
+    ],
+)
+def test_invalid_exit_arguments_raise(kwargs):
+    model, _ = tiny_model(seed=0)
+    with pytest.raises(ValueError):
+        model(random_ids(4, batch=1), **kwargs)
+
+
+# --- cached decoding ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunks", [[1] * 10, [3, 1, 4, 2], [6, 4]], ids=["token-by-token", "3-1-4-2", "6-4"])
+@pytest.mark.parametrize("arch", ["mha-U4", "gqa-U3"])
+def test_incremental_decoding_with_dynamic_cache_matches_full_forward(chunks, arch):
+    model, sd = tiny_model(seed=18, **ARCHS[arch])
+    loops, layers = model.config.total_ut_steps, model.config.num_hidden_layers
+    ids = random_ids(sum(chunks), batch=2, seed=19)
+    ref = reference(sd, ids, model.config)
+    cache = DynamicCache()
+    start = 0
+    for n in chunks:
+        with torch.no_grad():
+            out = model(ids[:, start:start + n], cache=cache, output_loop_logits=True)
+        assert out.cache is cache
+        for u in range(loops):
+            assert_close(out.loop_logits[u], ref["loop_logits"][u][:, start:start + n])
+        start += n
+        assert cache.get_seq_length() == start
+    assert len(cache.layers) == loops * layers  # one KV per (loop, layer)
+
+
+def test_past_key_values_alias():
+    model, sd = tiny_model(seed=20)
+    ids = random_ids(6, batch=1, seed=21)
+    ref = reference(sd, ids, model.config)["loop_logits"][-1]
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids[:, :4], past_key_values=cache)
+        out = model(ids[:, 4:], past_key_values=cache)
+    assert_close(out.logits, ref[:, 4:])
+    with pytest.raises(ValueError):
+        model(ids[:, 4:], cache=DynamicCache(), past_key_values=DynamicCache())
+
+
+# --- left padding ---------------------------------------------------------------------------------------------
+
+
+def test_left_padded_batch_matches_each_row_alone():
+    model, sd = tiny_model(seed=22, num_key_value_heads=2)
+    rows = [random_ids(n, seed=30 + n) for n in (7, 3, 10, 1)]
+    ids, mask = left_pad(rows, pad_id=5)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_loop_logits=True, use_cache=False)
+    for i, row in enumerate(rows):
+        ref = reference(sd, row, model.config)
+        n = len(row)
+        for u in range(4):
+            assert_close(out.loop_logits[u][i, -n:], ref["loop_logits"][u][0])
+        assert_close(out.exit_gate_logits[i, -n:], ref["gate_logits"][0])
+
+
+def test_left_padded_batch_with_cache_matches_each_row_alone():
+    model, sd = tiny_model(seed=23)
+    rows = [random_ids(n, seed=40 + n) for n in (6, 2, 4)]
+    extra = random_ids(4, batch=3, seed=41)  # continuation tokens, fed 1 then 3 at a time
+    ids, mask = left_pad(rows, pad_id=7)
+    cache = DynamicCache()
+    with torch.no_grad():
+        outs = [model(ids, attention_mask=mask, cache=cache).logits]
+        for part in (extra[:, :1], extra[:, 1:]):
+            mask = torch.cat([mask, torch.ones_like(part)], dim=1)
+            outs.append(model(part, attention_mask=mask, cache=cache).logits)
+    logits = torch.cat(outs, dim=1)
+    for i, row in enumerate(rows):
+        full = torch.cat([row, extra[i]])
+        ref = reference(sd, full, model.config)["loop_logits"][-1, 0]
+        assert_close(logits[i, -len(full):], ref)
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad_id", [101, 10_000, -1])
+def test_out_of_vocab_ids_raise(bad_id):
+    model, _ = tiny_model(seed=0)
+    ids = random_ids(5, batch=2)
+    ids[1, 2] = bad_id
+    with pytest.raises(ValueError, match="vocab"):
+        model(ids)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"total_ut_steps": 0},
+        {"total_ut_steps": -2},
+        {"num_attention_heads": 4, "num_key_value_heads": 3},
+        {"hidden_size": 64, "num_attention_heads": 6},  # 64 % 6 != 0 and no head_dim
+    ],
+)
+def test_invalid_config_raises(overrides):
+    with pytest.raises(ValueError):
+        tiny_config(**overrides)
+
+
+def test_head_dim_makes_indivisible_hidden_size_valid():
+    config = tiny_config(num_attention_heads=6, num_key_value_heads=3, head_dim=12)
+    assert config.head_dim == 12
+
+
+def test_cache_sized_from_config_raises_with_loop_count():
+    model, _ = tiny_model(seed=0, total_ut_steps=3)
+    cache = DynamicCache(config=model.config)  # num_hidden_layers (2) layers: too few for 3 loops x 2 layers
+    with pytest.raises(ValueError, match=r"loop") as info:
+        model(random_ids(4, batch=1), cache=cache)
+    assert "3" in str(info.value) and "6" in str(info.value)
