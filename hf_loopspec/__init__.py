@@ -7,6 +7,7 @@ Importing the package registers its model classes with the `transformers` Auto f
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .cache.paged import CacheCapacityError, LineageError, PagedLoopCache
 from .looped import KVAttention, KVLayout, LoopedModel
 from .models.ouro import OuroConfig, OuroForCausalLM, OuroModel, OuroPreTrainedModel
 
@@ -17,11 +18,14 @@ AutoModel.register(OuroConfig, OuroModel, exist_ok=True)
 AutoModelForCausalLM.register(OuroConfig, OuroForCausalLM, exist_ok=True)
 
 __all__ = [
+    "CacheCapacityError",
     "KVAttention",
     "KVLayout",
+    "LineageError",
     "LoopedModel",
     "OuroConfig",
     "OuroForCausalLM",
     "OuroModel",
     "OuroPreTrainedModel",
+    "PagedLoopCache",
 ]

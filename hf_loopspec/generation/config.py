@@ -52,11 +52,6 @@ def speculative_config(generation_config: GenerationConfig, num_loops: int) -> S
         )
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1 (drafts per block round).")
-    if generation_config.do_sample:
-        raise ValueError(
-            "do_sample=True is not supported with speculative_mode yet (greedy only); pass do_sample=False or "
-            "speculative_mode=None."
-        )
     return SpeculativeConfig(mode, draft_loops, k)
 
 
@@ -72,4 +67,5 @@ def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_c
         raise ValueError(f"speculative_mode={spec.mode!r} cannot be combined with beam search "
                          f"(num_beams={generation_config.num_beams}); pass num_beams=1 or speculative_mode=None.")
     if generation_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        raise ValueError(f"speculative_mode={spec.mode!r} supports greedy decoding only, not {generation_mode}.")
+        raise ValueError(f"speculative_mode={spec.mode!r} supports greedy decoding and sampling, not "
+                         f"{generation_mode}.")

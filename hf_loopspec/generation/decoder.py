@@ -4,12 +4,13 @@ One cycle = one core call over the lanes the policy selects, across every sequen
 mixed sequence, position and depth). After the call, in this order, per sequence:
 
 1. Verification. A lane that reaches depth U yields the target for the next position (its logits pass the
-   logits processors with the committed prefix). If the next lane holds the same token it is accepted and
-   keeps running; otherwise it and its descendants are killed, every KV plane of the sequence is truncated to
+   logits processors with the committed prefix). If the next lane's draft passes the acceptance rule
+   (`acceptance.judge`: equal to the argmax when greedy, lossless speculative sampling otherwise) it is
+   accepted and keeps running; otherwise it and its descendants are killed, every KV plane of the sequence is truncated to
    the verified prefix (I4), and a new lane starts at depth 0 with the target token. The target is committed:
    stopping criteria run, the streamer is fed, and a finished sequence drops all its lanes.
-2. Drafting. The frontier lane that has just reached depth d proposes the next token (argmax of the
-   processed depth-d logits, or `draft_hook`) as a new lane at depth 0, if the policy allows it and the
+2. Drafting. The frontier lane that has just reached depth d proposes the next token (argmax of, or a
+   sample from, the processed depth-d logits; or `draft_hook`) as a new lane at depth 0, if the policy allows it and the
    position can still matter.
 
 The prompt enters as lanes too (one per real prompt token, all at depth 0), so prefill is U calls of P rows
@@ -27,6 +28,7 @@ from itertools import count
 import torch
 
 from ..cache.paged import PagedLoopCache
+from .acceptance import draft_distribution, judge, propose, target_token
 from .lanes import Lane, SequenceState
 from .policies import ARPolicy
 from .stats import SpeculationStats
@@ -81,6 +83,7 @@ class LaneDecoder:
         max_length: int,
         streamer=None,
         draft_hook: DraftHook | None = None,
+        do_sample: bool = False,
         output_scores: bool = False,
         output_logits: bool = False,
         trace: bool | str = False,
@@ -91,6 +94,7 @@ class LaneDecoder:
         self.processors = logits_processor if logits_processor is not None and len(logits_processor) else None
         self.stopping = stopping_criteria
         self.streamer, self.draft_hook = streamer, draft_hook
+        self.do_sample = do_sample
         self.output_scores, self.output_logits = output_scores, output_logits
         self.trace = [] if trace else None
         self.trace_hidden = trace == "hidden"
@@ -180,19 +184,20 @@ class LaneDecoder:
             return  # killed earlier in this cycle (block mode: after a rejection of an earlier position)
         width = self.prompt_width + len(seq.generated)
         scores = self._process(self.ids[seq.index, :width], raw)
-        target = int(scores.argmax())
         index = seq.lanes.index(lane)
         nxt = seq.lanes[index + 1] if index + 1 < len(seq.lanes) else None
-        if nxt is not None:
+        if nxt is None:
+            target = target_token(scores, self.do_sample)
+        else:
             seq.stats.verified += 1
-            if nxt.token == target:
+            accepted, target = judge(nxt.token, nxt.draft_q, scores, self.do_sample)
+            nxt.is_draft = False  # verified: not counted as discarded
+            if accepted:
                 seq.stats.accepted += 1
-                nxt.is_draft = False
                 self._event("accept", nxt.seq, nxt.position, nxt.token)
             else:
                 seq.stats.rejected += 1
                 self._event("reject", nxt.seq, nxt.position, nxt.token)
-                nxt.is_draft = False  # verified, so not counted as discarded
                 seq.stats.discarded += seq.kill_from(index + 1)
                 for depth in range(self.num_loops):
                     self.cache.truncate(seq.index, depth, lane.position + 1)
@@ -234,12 +239,18 @@ class LaneDecoder:
             pending = [x.token for x in seq.lanes if x.position > seq.prompt_len + len(seq.generated) - 1]
             prefix = torch.cat([self.ids[seq.index, :width], self.ids.new_tensor(pending)])
             raw = self._process(prefix, raw)
-        token = int(raw.argmax())
+        q = draft_distribution(raw, self.do_sample)
+        token = propose(raw, q)
         if self.draft_hook is not None:
-            token = int(self.draft_hook(seq.index, lane.position + 1, token))
+            hooked = int(self.draft_hook(seq.index, lane.position + 1, token))
+            if q is not None and hooked != token:  # a forced proposal is a point mass: still lossless
+                q = torch.nn.functional.one_hot(torch.tensor(hooked), raw.shape[-1]).to(raw)
+            token = hooked
         seq.stats.drafted += 1
         seq.round_drafts += 1
-        seq.lanes.append(self._spawn(seq, lane, token, is_draft=True))
+        drafted = self._spawn(seq, lane, token, is_draft=True)
+        drafted.draft_q = q
+        seq.lanes.append(drafted)
 
     def _spawn(self, seq: SequenceState, parent: Lane, token: int, is_draft: bool) -> Lane:
         ids = torch.tensor([token], device=parent.hidden.device)

@@ -25,6 +25,7 @@ class Lane:
     lineage: int  # unique id; its parent is the lane of position - 1 on the same path
     is_draft: bool = False  # proposed from depth d and not verified yet
     next_known: bool = False  # a prompt token that is not the last: the next token is given, nothing to verify
+    draft_q: torch.Tensor | None = None  # sampling: [V] the distribution the draft was drawn from
 
 
 @dataclass(eq=False)

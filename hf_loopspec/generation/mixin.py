@@ -1,8 +1,8 @@
 """The `GenerationMixin` subclass that every hf_loopspec model inherits.
 
 It adds `speculative_mode`, `draft_loops` and `num_speculative_tokens` to `generate` (as kwargs or on the
-`GenerationConfig`), validates them before any work, and routes greedy decoding to the lane decoder when a
-speculative mode is set. Plain decoding (`speculative_mode=None`) is transformers' own loop.
+`GenerationConfig`), validates them before any work, and routes greedy decoding and sampling to the lane
+decoder when a speculative mode is set. Plain decoding (`speculative_mode=None`) is transformers' own loop.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
             cache=model_kwargs["cache"], attention_mask=model_kwargs.get("attention_mask"),
             logits_processor=logits_processor, stopping_criteria=stopping_criteria,
             pad_token_id=_as_int(generation_config._pad_token_tensor), max_length=generation_config.max_length,
-            streamer=streamer, draft_hook=runtime.get("draft_hook"),
+            streamer=streamer, draft_hook=runtime.get("draft_hook"), do_sample=generation_config.do_sample,
             output_scores=generation_config.return_dict_in_generate and generation_config.output_scores,
             output_logits=generation_config.return_dict_in_generate and generation_config.output_logits,
             trace=runtime.get("speculative_trace", False),

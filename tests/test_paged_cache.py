@@ -1,0 +1,276 @@
+"""PagedLoopCache: allocator invariants, row planning (I2, contiguity), the I1 checker, and the plain
+`generate` path backed by the paged cache compared with the DynamicCache path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+from hf_loopspec import KVLayout, OuroConfig, OuroForCausalLM, PagedLoopCache
+from hf_loopspec.cache.paged import CacheCapacityError, LineageError
+
+LAYOUT = KVLayout(num_planes=3, num_layers=2, num_kv_heads=2, head_dim=4)
+LIKE = torch.zeros(1, dtype=torch.float32)
+
+
+def write(cache, seq, depth, positions, lineage=None):
+    return cache.plan_rows([seq] * len(positions), [depth] * len(positions), positions, like=LIKE, lineage=lineage)
+
+
+def fill_values(cache, rows, value):
+    """Write a recognisable value into every layer of the rows' slots."""
+    for layer in range(cache.kv_layout.num_layers):
+        flat = cache.k_pool[layer].view(-1, *cache.k_pool.shape[3:])
+        flat[rows.slot] = value
+
+
+def read_values(cache, seq, depth):
+    """Keys of (seq, depth) at every valid position, read through the block table, layer 0: [len]."""
+    pages = cache._pages[seq * cache.num_planes + depth]
+    length = cache.length(seq, depth)
+    return [float(cache.k_pool[0, pages[p // cache.page_size], p % cache.page_size, 0, 0]) for p in range(length)]
+
+
+class TestAllocator:
+    def test_rows_get_distinct_slots_and_grow_the_pool(self):
+        cache = PagedLoopCache(LAYOUT, page_size=4)
+        rows = cache.plan_rows([0, 0, 1, 1, 0], [0, 0, 0, 2, 1], [0, 1, 0, 0, 0], like=LIKE)
+        assert len(set(rows.slot.tolist())) == 5
+        assert rows.context_len.tolist() == [1, 2, 1, 1, 1]
+        assert rows.table.tolist() == [0, 0, 3, 5, 1]
+        rows = write(cache, 0, 0, list(range(2, 40)))
+        assert cache.length(0, 0) == 40
+        assert cache.pages_in_use == 10 + 3  # 40 positions / 4, plus one page for each other table
+
+    def test_duplicate_write_address_raises(self):
+        cache = PagedLoopCache(LAYOUT, page_size=4)
+        with pytest.raises(ValueError, match="I2"):
+            cache.plan_rows([0, 0], [1, 1], [0, 0], like=LIKE)
+
+    def test_non_contiguous_or_overwriting_writes_raise(self):
+        cache = PagedLoopCache(LAYOUT, page_size=4)
+        write(cache, 0, 0, [0, 1, 2])
+        with pytest.raises(ValueError, match="contiguously"):
+            write(cache, 0, 0, [4])  # gap
+        with pytest.raises(ValueError, match="truncate"):
+            write(cache, 0, 0, [2])  # rewrite without rollback
+        cache.truncate(0, 0, 2)
+        write(cache, 0, 0, [2])
+
+    def test_capacity_error_names_capacity_and_request(self):
+        cache = PagedLoopCache(LAYOUT, page_size=2, max_pages=3)
+        write(cache, 0, 0, [0, 1, 2, 3, 4, 5])
+        with pytest.raises(CacheCapacityError, match="capacity is 3 pages"):
+            write(cache, 0, 0, [6])
+
+    def test_invalid_arguments(self):
+        with pytest.raises(ValueError, match="page_size"):
+            PagedLoopCache(LAYOUT, page_size=0)
+        cache = PagedLoopCache(LAYOUT)
+        with pytest.raises(ValueError, match="depth=3"):
+            cache.plan_rows([0], [3], [0], like=LIKE)
+
+    def test_fork_shares_full_pages_and_copies_the_partial_page_on_write(self):
+        cache = PagedLoopCache(LAYOUT, page_size=4)
+        rows = write(cache, 0, 0, list(range(6)))
+        fill_values(cache, rows, torch.arange(6, dtype=torch.float32)[:, None, None])
+        used = cache.pages_in_use
+        branch = cache.fork(0)
+        assert cache.pages_in_use == used  # nothing copied yet
+        rows = write(cache, branch, 0, [6])
+        fill_values(cache, rows, 100.0)
+        assert cache.pages_in_use == used + 1  # the partial page was copied, the full one is still shared
+        assert cache._pages[branch * 3][0] == cache._pages[0][0]
+        assert read_values(cache, 0, 0) == [0, 1, 2, 3, 4, 5]
+        assert read_values(cache, branch, 0) == [0, 1, 2, 3, 4, 5, 100]
+        cache.commit(branch, into=0)
+        assert read_values(cache, 0, 0) == [0, 1, 2, 3, 4, 5, 100]
+        assert cache.length(branch, 0) == 0
+        assert cache.pages_in_use == 2
+
+    def test_truncate_frees_pages(self):
+        cache = PagedLoopCache(LAYOUT, page_size=4)
+        write(cache, 0, 1, list(range(9)))
+        assert cache.pages_in_use == 3
+        cache.truncate(0, 1, 4)
+        assert cache.pages_in_use == 1 and cache.length(0, 1) == 4
+        cache.free(0)
+        assert cache.pages_in_use == 0
+
+    def test_memory_report(self):
+        cache = PagedLoopCache(LAYOUT)
+        assert cache.bytes_per_token_per_depth(torch.bfloat16) == 2 * 2 * 2 * 4 * 2
+        assert cache.bytes_per_token_per_depth(torch.float32) == 2 * 2 * 2 * 4 * 4
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("write"), st.integers(0, 2), st.integers(0, 2), st.integers(1, 6)),
+        st.tuples(st.just("truncate"), st.integers(0, 2), st.integers(0, 2), st.integers(0, 12)),
+        st.tuples(st.just("fork"), st.integers(0, 2)),
+        st.tuples(st.just("commit"), st.integers(0, 5), st.integers(0, 2)),
+        st.tuples(st.just("free"), st.integers(0, 5)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(OPS)
+def test_allocator_matches_a_model_of_lists(ops):
+    """Random allocate/truncate/fork/commit/free sequences against a plain-list model of every table's
+    contents: contents, lengths, reference counts and the free list always agree."""
+    cache = PagedLoopCache(LAYOUT, page_size=3)
+    model: dict[tuple[int, int], list[float]] = {}
+    counter = iter(range(1, 10**6))
+    cache.ensure_sequences(3)
+    for op in ops:
+        if op[0] == "write":
+            _, s, d, n = op
+            if s >= cache.num_sequences:
+                continue
+            start = cache.length(s, d)
+            rows = write(cache, s, d, list(range(start, start + n)))
+            values = [float(next(counter)) for _ in range(n)]
+            fill_values(cache, rows, torch.tensor(values)[:, None, None])
+            model.setdefault((s, d), []).extend(values)
+        elif op[0] == "truncate":
+            _, s, d, n = op
+            if s >= cache.num_sequences:
+                continue
+            n = min(n, cache.length(s, d))
+            cache.truncate(s, d, n)
+            model[(s, d)] = model.get((s, d), [])[:n]
+        elif op[0] == "fork" and op[1] < cache.num_sequences:
+            branch = cache.fork(op[1])
+            for d in range(3):
+                model[(branch, d)] = list(model.get((op[1], d), []))
+        elif op[0] == "commit" and max(op[1], op[2]) < cache.num_sequences and op[1] != op[2]:
+            cache.commit(op[1], into=op[2])
+            for d in range(3):
+                model[(op[2], d)], model[(op[1], d)] = model.get((op[1], d), []), []
+        elif op[0] == "free" and op[1] < cache.num_sequences:
+            cache.free(op[1])
+            for d in range(3):
+                model[(op[1], d)] = []
+        # invariants after every operation
+        for s in range(cache.num_sequences):
+            for d in range(3):
+                assert read_values(cache, s, d) == model.get((s, d), [])
+        refs = [0] * cache.num_pages
+        for pages in cache._pages:
+            for page in pages:
+                refs[page] += 1
+        assert refs == cache._refs
+        assert sorted(cache._free) == [p for p in range(cache.num_pages) if refs[p] == 0]
+
+
+class TestLineageChecker:
+    def make(self):
+        cache = PagedLoopCache(KVLayout(2, 1, 1, 4), page_size=2, debug=True)
+        for child, parent in [(10, -1), (11, 10), (12, 11), (21, 10), (22, 21)]:
+            cache.link_lineage(child, parent)
+        return cache
+
+    def attend(self, cache, rows):
+        q = torch.randn(rows.num_rows, 1, 4)
+        return cache.attention(rows)(0, q, torch.randn(rows.num_rows, 1, 4), torch.randn(rows.num_rows, 1, 4))
+
+    def test_own_history_passes(self):
+        cache = self.make()
+        out = self.attend(cache, write(cache, 0, 0, [0, 1, 2], lineage=[10, 11, 12]))
+        assert torch.isfinite(out).all()
+
+    def test_reading_another_branch_is_reported_with_its_address(self):
+        cache = self.make()
+        self.attend(cache, write(cache, 0, 0, [0, 1], lineage=[10, 11]))
+        # lineage 22 descends from 21 (not 11) at position 1: position 1 holds branch 11's KV
+        with pytest.raises(LineageError, match="sequence 0, depth 0, position 2 reads position 1 at layer 0"):
+            self.attend(cache, write(cache, 0, 0, [2], lineage=[22]))
+
+    def test_rewritten_position_after_rollback_passes(self):
+        cache = self.make()
+        self.attend(cache, write(cache, 0, 0, [0, 1], lineage=[10, 11]))
+        cache.truncate(0, 0, 1)
+        self.attend(cache, write(cache, 0, 0, [1, 2], lineage=[21, 22]))
+
+    def test_pool_is_poisoned_with_nan_in_debug_mode(self):
+        cache = self.make()
+        write(cache, 0, 0, [0], lineage=[10])
+        assert torch.isnan(cache.k_pool).any()
+
+
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    config = OuroConfig(vocab_size=89, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, total_ut_steps=3, eos_token_id=None,
+                        pad_token_id=0, **overrides)
+    return OuroForCausalLM(config).eval()
+
+
+def padded_batch(seed=0):
+    torch.manual_seed(seed + 100)
+    ids = torch.randint(1, 89, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, :1] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+class TestPlainGenerateOnPagedCache:
+    def test_forward_logits_match_dynamic_cache_with_padding_and_chunks(self):
+        model = tiny_model()
+        ids, mask = padded_batch()
+        paged, dense = PagedLoopCache(model.kv_layout, page_size=4, debug=True), DynamicCache()
+        for a, b in [(0, 5), (5, 8), (8, 9)]:
+            out_p = model(ids[:, a:b], attention_mask=mask[:, :b], cache=paged).logits
+            out_d = model(ids[:, a:b], attention_mask=mask[:, :b], cache=dense).logits
+            real = mask[:, a:b].bool()
+            torch.testing.assert_close(out_p[real], out_d[real], atol=1e-5, rtol=1e-5)
+        assert paged.get_seq_length() == 9
+        assert [paged.length(s, 2) for s in range(3)] == mask.sum(-1).tolist()
+
+    @pytest.mark.parametrize("options", [
+        dict(do_sample=False),
+        dict(do_sample=False, num_return_sequences=2, num_beams=2),
+        dict(num_beams=3, do_sample=False),
+        dict(do_sample=False, repetition_penalty=1.3),
+    ])
+    def test_generate_equals_dynamic_cache_path(self, options):
+        model = tiny_model(1)
+        ids, mask = padded_batch(1)
+        reference = model.generate(ids, attention_mask=mask, max_new_tokens=12, **options)
+        paged = model.generate(ids, attention_mask=mask, max_new_tokens=12,
+                               cache=PagedLoopCache(model.kv_layout, page_size=4, debug=True), **options)
+        assert torch.equal(paged, reference)
+
+    def test_sampling_with_seed_equals_dynamic_cache_path(self):
+        model = tiny_model(2)
+        ids, mask = padded_batch(2)
+        torch.manual_seed(7)
+        reference = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=True,
+                                   num_return_sequences=2)
+        torch.manual_seed(7)
+        paged = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=True, num_return_sequences=2,
+                               cache=PagedLoopCache(model.kv_layout, page_size=4))
+        assert torch.equal(paged, reference)
+
+    def test_continuing_from_a_returned_cache(self):
+        model = tiny_model(3)
+        ids, mask = padded_batch(3)
+        full = model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False)
+        first = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                               return_dict_in_generate=True, cache=PagedLoopCache(model.kv_layout, page_size=4))
+        mask2 = torch.cat([mask, torch.ones(3, 6, dtype=mask.dtype)], dim=1)
+        second = model.generate(first.sequences, attention_mask=mask2, max_new_tokens=8, do_sample=False,
+                                cache=first.cache)
+        assert torch.equal(second, full)
+
+    def test_a_cache_for_another_model_shape_is_rejected(self):
+        model = tiny_model()
+        ids, mask = padded_batch()
+        with pytest.raises(ValueError, match="PagedLoopCache was made for"):
+            model(ids, attention_mask=mask, cache=PagedLoopCache(LAYOUT))
