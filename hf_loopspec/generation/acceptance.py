@@ -31,16 +31,25 @@ def target_token(scores: torch.Tensor, do_sample: bool) -> int:
     return int(torch.multinomial(torch.softmax(scores, dim=-1), 1)) if do_sample else int(scores.argmax())
 
 
+def acceptance_probability(draft: int, q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`min(1, p(draft) / q(draft))`: the chance that a draft drawn from `q` is kept."""
+    return (p[draft] / q[draft]).clamp(max=1.0)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """`normalise(max(p - q, 0))`: where a rejected draft's replacement is drawn from."""
+    mass = (p - q).clamp(min=0)
+    return mass / mass.sum()
+
+
 def judge(draft: int, q: torch.Tensor | None, scores: torch.Tensor, do_sample: bool) -> tuple[bool, int]:
     """Judge one draft against the target `scores`; returns (accepted, committed token)."""
     if not do_sample:
         target = int(scores.argmax())
         return draft == target, target
-    p = torch.softmax(scores, dim=-1)
     if q is None:
         raise ValueError("a sampled draft must carry the distribution it was drawn from")
-    ratio = p[draft] / q[draft]
-    if torch.rand((), device=p.device) < ratio:  # ratio >= 1 always accepts
+    p = torch.softmax(scores, dim=-1)
+    if torch.rand((), device=p.device) < acceptance_probability(draft, q, p):
         return True, draft
-    residual = (p - q).clamp(min=0)
-    return False, int(torch.multinomial(residual / residual.sum(), 1))
+    return False, int(torch.multinomial(residual(p, q), 1))

@@ -1,0 +1,210 @@
+"""Lossless speculative sampling: the acceptance rule by exhaustive enumeration, and the joint distribution of
+sampled tokens under pipeline and block modes against the exact distribution of plain sampling.
+
+Statistics: Pearson's chi-square goodness of fit against the exact probabilities, computed here with an
+independent full forward of the model and transformers' own processors. The p-value comes from the
+regularised upper incomplete gamma function; a test fails when p < 1e-3 (its false-alarm rate). Cells with an
+expected count below 5 are pooled. The power of the same test is shown against a deliberately wrong rule
+("accept when the draft equals the target's argmax, else sample the target"), which it must reject.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper
+from transformers import TopKLogitsWarper
+
+from hf_loopspec import OuroConfig, OuroForCausalLM, PagedLoopCache
+from hf_loopspec.generation import acceptance, decoder
+
+ALPHA = 1e-3
+
+
+def exact_committed_distribution(p: torch.Tensor, q: torch.Tensor, rule=None) -> torch.Tensor:
+    """Distribution of the committed token when a draft x ~ q is judged against p, by enumerating every draft,
+    the accept/reject outcome and every replacement token."""
+    rule = rule or (lambda x: (acceptance.acceptance_probability(x, q, p), acceptance.residual(p, q)))
+    out = torch.zeros_like(p, dtype=torch.float64)
+    for x in range(len(p)):
+        if q[x] == 0:
+            continue
+        accept, replacement = rule(x)
+        out[x] += q[x] * accept
+        if accept < 1:  # a certain acceptance never draws a replacement (the residual may be empty then)
+            out += q[x] * (1 - accept) * replacement.double()
+    return out
+
+
+def random_distribution(vocab, generator, zeros=0):
+    probs = torch.rand(vocab, generator=generator, dtype=torch.float64) ** 3
+    probs[torch.randperm(vocab, generator=generator)[:zeros]] = 0
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_rule_commits_exactly_the_target_distribution(seed):
+    gen = torch.Generator().manual_seed(seed)
+    p = random_distribution(6, gen, zeros=seed % 3)
+    q = random_distribution(6, gen, zeros=(seed + 1) % 3)
+    if seed % 5 == 0:
+        q = p.clone()
+    if seed % 5 == 1:
+        q = torch.nn.functional.one_hot(torch.tensor(seed % 6), 6).double()
+    torch.testing.assert_close(exact_committed_distribution(p, q), p, atol=1e-12, rtol=0)
+
+
+def test_enumeration_detects_the_approximate_rule():
+    gen = torch.Generator().manual_seed(0)
+    p, q = random_distribution(6, gen), random_distribution(6, gen)
+
+    def greedy_match(x):  # keep the draft only when it is the target's argmax, else sample the target
+        return float(x == int(p.argmax())), p
+
+    assert (exact_committed_distribution(p, q, greedy_match) - p).abs().max() > 1e-3
+
+
+def test_judge_draws_follow_the_rule():
+    """The random draws of `judge` match the enumerated acceptance probability and residual (1e-3 test)."""
+    torch.manual_seed(0)
+    p = torch.tensor([0.5, 0.2, 0.2, 0.1])
+    q = torch.tensor([0.1, 0.6, 0.2, 0.1])
+    scores = p.log()
+    draws = torch.zeros(4)
+    for _ in range(4000):
+        x = int(torch.multinomial(q, 1))
+        _, token = acceptance.judge(x, q, scores, do_sample=True)
+        draws[token] += 1
+    assert chi_square_p_value(draws, p.double()) > ALPHA
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson goodness of fit of `counts` against `probs`, pooling cells with expected count < 5."""
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    expected = probs * counts.sum()
+    small = expected < 5
+    if small.any():
+        counts = torch.cat([counts[~small], counts[small].sum()[None]])
+        expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a sample fell on a zero-probability cell"
+    counts, expected = counts[keep], expected[keep]
+    stat = ((counts - expected) ** 2 / expected).sum()
+    dof = len(counts) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+VOCAB, PROMPT, SAMPLES = 8, [3, 5, 1], 3000
+
+
+@pytest.fixture(scope="module")
+def sampling_model():
+    torch.manual_seed(11)
+    config = OuroConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, total_ut_steps=4, eos_token_id=None,
+                        pad_token_id=0, initializer_range=0.2)
+    return OuroForCausalLM(config).eval()
+
+
+PROCESSOR_SETTINGS = {
+    "none": dict(),
+    "warped": dict(temperature=0.7, top_k=5, repetition_penalty=1.5),
+}
+
+
+def processors_for(settings):
+    out = LogitsProcessorList()
+    if "repetition_penalty" in settings:
+        out.append(RepetitionPenaltyLogitsProcessor(settings["repetition_penalty"]))
+    if "temperature" in settings:
+        out.append(TemperatureLogitsWarper(settings["temperature"]))
+    if "top_k" in settings:
+        out.append(TopKLogitsWarper(settings["top_k"]))
+    return out
+
+
+def exact_joint(model, settings) -> torch.Tensor:
+    """p(t1, t2 | prompt) under plain sampling with `settings`: [V, V], from full forwards."""
+    procs = processors_for(settings)
+    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    with torch.no_grad():
+        prompt = torch.tensor([PROMPT])
+        p1 = torch.softmax(procs(prompt, model(prompt).logits[:, -1].float()), -1)[0].double()
+        for t1 in range(VOCAB):
+            ids = torch.tensor([PROMPT + [t1]])
+            p2 = torch.softmax(procs(ids, model(ids).logits[:, -1].float()), -1)[0].double()
+            joint[t1] = p1[t1] * p2
+    return joint
+
+
+def sample_pairs(model, settings, seed, **generate_kwargs) -> torch.Tensor:
+    torch.manual_seed(seed)
+    ids = torch.tensor([PROMPT] * SAMPLES)
+    out = model.generate(ids, max_new_tokens=2, do_sample=True, top_p=1.0, **settings, **generate_kwargs)
+    counts = torch.zeros(VOCAB * VOCAB)
+    counts.index_add_(0, out[:, -2] * VOCAB + out[:, -1], torch.ones(SAMPLES))
+    return counts
+
+
+MODES = [dict(speculative_mode="pipeline", draft_loops=1), dict(speculative_mode="pipeline", draft_loops=2),
+         dict(speculative_mode="block", draft_loops=1, num_speculative_tokens=2),
+         dict(speculative_mode="block", draft_loops=2, num_speculative_tokens=3)]
+
+
+@pytest.mark.parametrize("settings", PROCESSOR_SETTINGS, ids=str)
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
+def test_joint_distribution_of_two_tokens_equals_plain_sampling(sampling_model, mode, settings):
+    joint = exact_joint(sampling_model, PROCESSOR_SETTINGS[settings])
+    counts = sample_pairs(sampling_model, PROCESSOR_SETTINGS[settings], seed=1, **mode)
+    assert chi_square_p_value(counts, joint) > ALPHA
+
+
+def test_plain_sampling_passes_the_same_test(sampling_model):
+    """The exact joint really is plain sampling's distribution (guards the reference itself)."""
+    settings = PROCESSOR_SETTINGS["warped"]
+    assert chi_square_p_value(sample_pairs(sampling_model, settings, seed=2), exact_joint(sampling_model, settings)) \
+        > ALPHA
+
+
+def test_statistical_test_has_power_against_the_approximate_rule(sampling_model, monkeypatch):
+    def greedy_match(draft, q, scores, do_sample):
+        if draft == int(scores.argmax()):
+            return True, draft
+        return False, int(torch.multinomial(torch.softmax(scores, -1), 1))
+
+    monkeypatch.setattr(decoder, "judge", greedy_match)
+    counts = sample_pairs(sampling_model, {}, seed=3, speculative_mode="pipeline", draft_loops=1)
+    assert chi_square_p_value(counts, exact_joint(sampling_model, {})) < ALPHA
+
+
+@pytest.mark.parametrize("mode", MODES[:1] + MODES[2:3], ids=["pipeline", "block"])
+def test_same_seed_same_output_and_top_k_1_is_greedy(sampling_model, mode):
+    ids = torch.tensor([PROMPT, [2, 2, 7]])
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        runs.append(sampling_model.generate(ids, max_new_tokens=12, do_sample=True, **mode))
+    assert torch.equal(*runs)
+    greedy = sampling_model.generate(ids, max_new_tokens=12, do_sample=False)
+    top1 = sampling_model.generate(ids, max_new_tokens=12, do_sample=True, top_k=1, **mode,
+                                   cache=PagedLoopCache(sampling_model.kv_layout, debug=True))
+    assert torch.equal(top1, greedy)
+
+
+def test_greedy_path_does_not_consume_random_numbers(sampling_model):
+    ids = torch.tensor([PROMPT])
+    torch.manual_seed(5)
+    sampling_model.generate(ids, max_new_tokens=8, do_sample=False, speculative_mode="pipeline")
+    after = torch.rand(1)
+    torch.manual_seed(5)
+    assert torch.equal(torch.rand(1), after)
+
+
+def test_every_pair_is_reachable_under_the_exact_distribution(sampling_model):
+    """Sanity of the fixture: the model's joint is spread out enough for the test to mean something."""
+    joint = exact_joint(sampling_model, {})
+    assert (joint > 1e-3).sum() >= 20
+    assert all(abs(float(joint[a].sum()) - float(joint.sum(-1)[a])) < 1e-12
+               for a, _ in itertools.product(range(2), range(1)))
