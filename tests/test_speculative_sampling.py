@@ -10,8 +10,6 @@ expected count below 5 are pooled. The power of the same test is shown against a
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper
@@ -153,8 +151,9 @@ MODES = [dict(speculative_mode="pipeline", draft_loops=1), dict(speculative_mode
          dict(speculative_mode="block", draft_loops=2, num_speculative_tokens=3)]
 
 
-@pytest.mark.parametrize("settings", PROCESSOR_SETTINGS, ids=str)
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
+@pytest.mark.parametrize(("mode", "settings"), [(MODES[0], "none"), (MODES[1], "warped"), (MODES[2], "warped"),
+                                                (MODES[3], "none")],
+                         ids=["pipeline-d1-none", "pipeline-d2-warped", "block-d1-warped", "block-d2-none"])
 def test_joint_distribution_of_two_tokens_equals_plain_sampling(sampling_model, mode, settings):
     joint = exact_joint(sampling_model, PROCESSOR_SETTINGS[settings])
     counts = sample_pairs(sampling_model, PROCESSOR_SETTINGS[settings], seed=1, **mode)
@@ -206,5 +205,4 @@ def test_every_pair_is_reachable_under_the_exact_distribution(sampling_model):
     """Sanity of the fixture: the model's joint is spread out enough for the test to mean something."""
     joint = exact_joint(sampling_model, {})
     assert (joint > 1e-3).sum() >= 20
-    assert all(abs(float(joint[a].sum()) - float(joint.sum(-1)[a])) < 1e-12
-               for a, _ in itertools.product(range(2), range(1)))
+    assert abs(float(joint.sum()) - 1) < 1e-9

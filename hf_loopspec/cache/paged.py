@@ -387,6 +387,19 @@ class PagedLoopCache(Cache):
     def is_croppable(self) -> bool:
         return True
 
+    # Per-layer flags that transformers reads: every (depth, layer) is full attention.
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * (self.num_planes * self.kv_layout.num_layers)
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return self.is_linear
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return self.is_linear
+
 
 class PagedKVAttention:
     """`KVAttention` over a `PagedLoopCache` for one `RowBatch`: rows write their KV, then attend (I3)."""
