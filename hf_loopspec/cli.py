@@ -1,0 +1,134 @@
+"""The `hf-loopspec` command line: `generate` (stream a completion) and `bench` (see `hf_loopspec.bench`).
+
+    hf-loopspec generate "The capital of France is" --mode pipeline --draft-loops 1 --max-new-tokens 64
+    hf-loopspec generate "Hi" --model ByteDance/Ouro-1.4B-Thinking --chat --mode block --num-speculative-tokens 4
+    hf-loopspec bench --model ouro-100m --batch-size 1 --new-tokens 64 --synthetic-acceptance 0.9 --json out.json
+
+Bad input (unknown choices, invalid draft depths, sampling with a speculative mode, a missing model) ends with a
+one-line message on stderr and exit status 2; set `HF_LOOPSPEC_TRACEBACK=1` to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from . import bench
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-loopspec",
+        description="Looped LMs (Ouro) with lossless pipelined self-speculative decoding.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench}")
+
+    gen = commands.add_parser("generate", help="stream a completion of PROMPT",
+                              description="Stream a completion of PROMPT as tokens are committed, then print the "
+                                          "decoding statistics on stderr.")
+    gen.add_argument("prompt", metavar="PROMPT")
+    gen.add_argument("--model", default="default",
+                     help="checkpoint folder or Hub id; 'default' (the default) is the model embedded in the package")
+    gen.add_argument("--mode", choices=("plain", "block", "pipeline"), default="pipeline",
+                     help="plain: transformers' loop; block / pipeline: self-speculative decoding (default: %(default)s)")
+    gen.add_argument("--draft-loops", type=bench._positive, default=1, help="d: draft from the output of loop d (default: %(default)s)")
+    gen.add_argument("--num-speculative-tokens", type=bench._positive, default=4, help="K: drafts per block round (default: %(default)s)")
+    gen.add_argument("--max-new-tokens", type=bench._positive, default=128, help="(default: %(default)s)")
+    gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=_non_negative_float, default=None)
+    gen.add_argument("--top-k", type=bench._positive, default=None)
+    gen.add_argument("--top-p", type=bench._fraction, default=None)
+    gen.add_argument("--seed", type=int, default=None, help="torch seed (for sampling)")
+    gen.add_argument("--chat", action="store_true", help="wrap PROMPT in the tokenizer's chat template")
+    gen.add_argument("--dtype", choices=("auto", *sorted(bench.DTYPES)), default="auto",
+                     help="auto (the default): float32 on CPU, the checkpoint's dtype on CUDA")
+    gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+
+    bench_parser = commands.add_parser("bench", help="benchmark plain, ar, block and pipeline decoding",
+                                       description=bench.__doc__.split("\n\n")[0])
+    bench.add_arguments(bench_parser)
+    return parser
+
+
+def generate(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import TextStreamer
+
+    device = bench.resolve_device(args.device)
+    dtype = "auto" if args.dtype == "auto" else bench.DTYPES[args.dtype]
+    model, tokenizer, name = bench.load_model(args.model, dtype, device, need_tokenizer=True)
+    if args.chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"--chat: the tokenizer of {name} has no chat template; drop --chat.")
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)
+    else:
+        enc = tokenizer(args.prompt, return_tensors="pt")
+    if enc["input_ids"].shape[-1] == 0:
+        raise ValueError("the prompt is empty after tokenization; pass some text.")
+    enc = {k: v.to(device) for k, v in enc.items()}
+    prompt_len = enc["input_ids"].shape[-1]
+
+    kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample, "return_dict_in_generate": True,
+              "streamer": TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)}
+    for key in ("temperature", "top_k", "top_p"):
+        if getattr(args, key) is not None:
+            kwargs[key] = getattr(args, key)
+    if args.mode != "plain":
+        kwargs.update(speculative_mode=args.mode, draft_loops=args.draft_loops,
+                      num_speculative_tokens=args.num_speculative_tokens)
+    if model.generation_config.pad_token_id is None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        kwargs["pad_token_id"] = pad if pad is not None else 0
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**enc, **kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    print(flush=True)
+    new = out.sequences.shape[-1] - prompt_len
+    line = f"[{args.mode}] {new} new tokens in {seconds:.2f} s ({new / seconds:.1f} tok/s, prefill included)"
+    stats = getattr(out, "speculation", None)
+    if stats is not None:
+        line += (f"; draft_loops={stats.draft_loops}: {stats.core_calls} core calls ({stats.core_calls_per_token:.2f} "
+                 f"per token, plain decoding needs {model.num_loops}); drafts accepted {stats.accepted}/"
+                 f"{stats.verified} verified ({stats.acceptance_rate:.1%})")
+        if args.mode == "block":
+            line += f", K={args.num_speculative_tokens}"
+    print(line, file=sys.stderr, flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return generate(args)
+        return bench.main_from_args(args)
+    except (ValueError, OSError) as err:  # bad input or a missing model / file: a message, no traceback
+        if os.environ.get("HF_LOOPSPEC_TRACEBACK"):
+            raise
+        message = str(err).strip() or type(err).__name__
+        print(f"hf-loopspec {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The `hf-loopspec` CLI and the benchmark, on tiny random-weight models (CPU, fp32): the bench runs every mode,
+writes the documented JSON, checks every speculative output against plain greedy, reproduces the pipeline cost
+model under synthetic full acceptance; `generate` streams the same text in every mode; bad input ends with a
+one-line message and exit status 2. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from hf_loopspec import bench, cli
+
+torch.set_num_threads(1)  # tiny models: more threads only add overhead on a shared machine
+
+ROOT = Path(__file__).resolve().parents[1]
+N = 8  # new tokens
+FAST = ["--model", "ouro-tiny", "--device", "cpu", "--prompt-len", "8", "--new-tokens", str(N), "--repeats", "1",
+        "--calibration-seconds", "0.05", "--quiet"]
+ROW_KEYS = {"mode", "tokens_per_s", "ratio_vs_plain", "speedup_vs_ar", "core_calls_per_token", "acceptance_rate",
+            "ideal_speedup_vs_ar", "fraction_of_ideal", "overhead_fraction", "peak_mem_bytes", "check", "check_passed"}
+
+
+@pytest.fixture(scope="module")
+def all_modes(tmp_path_factory):
+    """(result, JSON path) of one bench run over all four modes, batch 2."""
+    path = tmp_path_factory.mktemp("bench") / "out" / "bench.json"
+    return bench.run_bench(bench.parse_args([*FAST, "--batch-size", "2", "--json", str(path)])), path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random Ouro checkpoint folder with a word-level tokenizer covering its whole vocabulary."""
+    folder = tmp_path_factory.mktemp("tiny-ouro")
+    model = bench.random_model("ouro-tiny", torch.float32, torch.device("cpu"), seed=3)
+    model.save_pretrained(folder)
+    words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"w{i}" for i in range(3, model.config.vocab_size)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                            unk_token="<|endoftext|>").save_pretrained(folder)
+    return folder
+
+
+# --- bench ----------------------------------------------------------------------------------------------------------
+
+
+def test_bench_runs_every_mode_and_writes_the_documented_json(all_modes):
+    result, path = all_modes
+    assert [r["mode"] for r in result["rows"]] == list(bench.MODES)
+    for row in result["rows"]:
+        assert ROW_KEYS <= set(row)
+        assert row["tokens_per_s"] > 0 and row["peak_mem_bytes"] > 0
+    assert {"cpu", "torch_threads", "torch", "device", "device_name"} <= set(result["machine"])
+    assert result["args"]["new_tokens"] == N and result["synthetic_acceptance"] is None
+    assert result["notes"]["peak_mem_kind"].startswith("params_plus_kv_cache")
+    on_disk = json.loads(path.read_text())
+    assert {"rows", "machine", "args", "call_costs"} <= set(on_disk)
+    assert [r["mode"] for r in on_disk["rows"]] == list(bench.MODES)
+    ar = next(r for r in result["rows"] if r["mode"] == "ar")
+    assert ar["core_calls_per_token"] == 4.0 and ar["ideal_speedup_vs_ar"] == pytest.approx(1.0)
+
+
+def test_bench_speculative_outputs_equal_plain_greedy(all_modes):
+    result, _ = all_modes
+    for row in result["rows"][1:]:
+        assert row["check_passed"] is True, row["check"]
+        assert row["check"]["exact"] and row["check"]["agreement_rate"] == 1.0
+    assert result["all_checks_passed"]
+
+
+def test_bench_loads_a_checkpoint_and_cuts_prompts_from_a_file(checkpoint, tmp_path):
+    text = tmp_path / "prompt.txt"
+    text.write_text(" ".join(f"w{3 + i % 50}" for i in range(40)))
+    args = bench.parse_args([*FAST, "--model", str(checkpoint), "--modes", "plain,pipeline", "--prompt-file",
+                             str(text), "--batch-size", "2"])
+    result = bench.run_bench(args)
+    assert result["model"]["name"] == str(checkpoint)
+    assert result["rows"][1]["check_passed"] is True
+
+
+def test_compare_reports_the_first_divergence():
+    ref = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]])
+    out = torch.tensor([[5, 6, 7, 8], [1, 2, 9, 9]])
+    check = bench.compare(out, ref)
+    assert not check["exact"] and check["agreement_rate"] == pytest.approx((4 + 2) / 8)
+    assert check["first_divergence"] == {"seq": 1, "token_index": 2, "reference_token": 3, "token": 9}
+
+
+@pytest.mark.parametrize("draft_loops", [1, 2])
+def test_synthetic_full_acceptance_reproduces_the_pipeline_cost_model(draft_loops, tmp_path):
+    args = bench.parse_args([*FAST, "--modes", "plain,block,pipeline", "--synthetic-acceptance", "1.0",
+                             "--draft-loops", str(draft_loops), "--json", str(tmp_path / "b.json")])
+    result = bench.run_bench(args)
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert result["synthetic_acceptance"] == 1.0
+    assert json.loads((tmp_path / "b.json").read_text())["synthetic_acceptance"] == 1.0
+    for mode in ("block", "pipeline"):
+        assert rows[mode]["acceptance_rate"] == 1.0 and rows[mode]["check_passed"] is True
+    assert rows["pipeline"]["core_calls_per_token"] == pytest.approx(((N - 1) * draft_loops + 4) / N)
+    assert rows["block"]["core_calls_per_token"] < 4
+    assert "SYNTHETIC ACCEPTANCE 1.0" in bench.format_table(result)
+
+
+def test_synthetic_hook_is_seeded_and_wrong_tokens_differ():
+    ref = torch.tensor([[7] * 50])
+    picks = [bench.synthetic_hook(ref, 10, 0.5, 20, seed=1) for _ in range(2)]
+    a = [picks[0](0, 10 + i, 0) for i in range(50)]
+    assert a == [picks[1](0, 10 + i, 0) for i in range(50)]
+    assert 0 < a.count(7) < 50 and all(0 <= x < 20 for x in a)
+
+
+def test_ideal_model_interpolates_call_costs():
+    table = {1: 1.0, 2: 1.5, 4: 2.5}
+    assert bench.interpolate(table, 3) == pytest.approx(2.0)
+    assert bench.interpolate(table, 8) == pytest.approx(4.5)  # extrapolated with the last slope
+    costs = {"core": {1: 1.0, 4: 1.0}, "prefill": 3.0, "prefill_rows": 8, "head": {1: 0.5}}
+    core, head = bench.ar_call_shapes(loops=4, batch=1, prompt_len=8, new_tokens=3)
+    assert core == [8] * 4 + [1] * 8 and head == [1] * 3
+    assert bench.predicted_seconds(costs, core, head) == pytest.approx(4 * 3.0 + 8 * 1.0 + 3 * 0.5)
+
+
+def test_bench_plot_writes_a_png(all_modes, tmp_path):
+    pytest.importorskip("matplotlib")
+    bench.plot(all_modes[0], str(tmp_path / "bench.png"))
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --- generate -------------------------------------------------------------------------------------------------------
+
+
+def test_generate_streams_the_same_text_in_every_mode(checkpoint, capsys):
+    texts = {}
+    for mode in ("plain", "block", "pipeline"):
+        argv = ["generate", "w5 w9 w17 w4", "--model", str(checkpoint), "--mode", mode, "--max-new-tokens", "6",
+                "--device", "cpu"]
+        assert cli.main(argv) == 0
+        out, err = capsys.readouterr()
+        texts[mode] = out
+        assert f"[{mode}]" in err and "new tokens in" in err
+        if mode != "plain":
+            assert "core calls" in err and "accepted" in err
+    assert texts["plain"].strip() and texts["plain"] == texts["block"] == texts["pipeline"]
+
+
+# --- bad input ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "x", "--mode", "fast"], "invalid choice"),
+    (["generate"], "required"),
+    (["generate", "x", "--draft-loops", "0"], "must be >= 1"),
+    (["bench", "--modes", "plain,turbo"], "unknown mode"),
+    (["bench", "--synthetic-acceptance", "1.5"], "outside [0, 1]"),
+    (["bench", "--dtype", "float64"], "invalid choice"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _run_error(argv, capsys) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # (after transformers' weight-loading progress bar, if any)
+    assert last.startswith("hf-loopspec ") and "error:" in last and "Traceback" not in err
+    return last
+
+
+def test_invalid_speculative_settings_are_clear_errors(checkpoint, capsys):
+    base = ["generate", "w5 w6", "--model", str(checkpoint), "--device", "cpu", "--max-new-tokens", "3"]
+    assert "multiple of draft_loops=3" in _run_error([*base, "--mode", "pipeline", "--draft-loops", "3"], capsys)
+    assert "outside [1, 3]" in _run_error([*base, "--mode", "block", "--draft-loops", "4"], capsys)
+    assert "outside [1, 3]" in _run_error(["bench", *FAST, "--draft-loops", "5"], capsys)
+
+
+@pytest.mark.parametrize("mode", ["plain", "pipeline"])
+def test_sampling_flags_reach_generate(mode, checkpoint, capsys):
+    """Sampling runs, or (where a mode does not support it yet) ends with generate's own one-line error."""
+    argv = ["generate", "w5 w6", "--model", str(checkpoint), "--device", "cpu", "--max-new-tokens", "4", "--mode",
+            mode, "--do-sample", "--temperature", "0.7", "--top-k", "20", "--top-p", "0.9", "--seed", "0"]
+    rc = cli.main(argv)
+    if rc == 2:
+        assert "do_sample" in capsys.readouterr().err.strip().splitlines()[-1]
+    else:
+        assert rc == 0 and f"[{mode}]" in capsys.readouterr().err
+
+
+def test_missing_models_are_clear_errors(tmp_path, capsys):
+    assert "random-weight shape" in _run_error(["generate", "hi", "--model", "ouro-tiny", "--device", "cpu"], capsys)
+    _run_error(["generate", "hi", "--model", str(tmp_path / "nowhere"), "--device", "cpu"], capsys)
+    try:
+        bench.default_model_path()
+    except bench.ModelNotAvailable:
+        err = _run_error(["generate", "hi", "--device", "cpu"], capsys)
+        assert "embedded default model" in err and "--model" in err
+
+
+# --- packaging ------------------------------------------------------------------------------------------------------
+
+
+def test_console_script_and_gpu_script_are_wired():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert '\n[project.scripts]\nhf-loopspec = "hf_loopspec.cli:main"\n' in pyproject
+    assert 'bench = ["matplotlib", "tqdm"]' in pyproject
+    script = ROOT / "scripts" / "bench_gpu.sh"
+    assert subprocess.run(["bash", "-n", str(script)], check=False, capture_output=True).returncode == 0
