@@ -30,8 +30,9 @@ The limit it is judged against
 In every round, before its runs (so that both see the same machine load), one core call (`model.core` over a
 `PagedLoopCache` `RowBatch` at context `prompt_len`) is timed for the row counts the strategies use: t(R) for
 R = 1, B, 2B, ..., max(U/d, K+1)*B, and the causal prefill call t_pre over P*B rows (B = batch, P = prompt
-length); the head over M rows likewise, h(M); each is the median over the rounds. During every lane run the row count of each core call (from `plan_rows`) and each head call (a forward hook on the
-output embeddings) is recorded. If nothing but these calls cost time, a run would take
+length); the head over M rows likewise, h(M); each is the median over the rounds. During every lane run the
+row count of each core call (from `plan_rows`) and each head call (a forward hook on the output embeddings) is
+recorded. If nothing but these calls cost time, a run would take
 
     T_hat(mode) = sum_i t(R_i) + sum_j h(M_j)          (t, h interpolated piecewise-linearly between grid points)
 
@@ -63,6 +64,22 @@ with R and the limit is lower. The measured call costs are in the JSON (`call_co
 Memory (`peak_mem_bytes`): on CUDA `torch.cuda.max_memory_allocated` over the run (weights included); on CPU
 the parameter bytes plus the KV cache's allocated bytes (the `PagedLoopCache` pool, which grows by doubling, or
 the `DynamicCache` tensors) at the end of the run (`peak_mem_kind` says which).
+
+Sampling (`--do-sample`)
+------------------------
+With `--do-sample` (and `--temperature`, default 1.0, `--top-p`, default 1.0, `--top-k`, default 0 = off) every
+mode samples: `plain` through `model.generate(do_sample=True, temperature=..., top_p=..., top_k=...)`, the lane
+modes through `decode_with_lanes(do_sample=True, logits_processor=...)` with the same warpers that generate
+builds (`sampling_processors`: temperature, top-k, top-p, in generate's order). Drafts are judged by lossless
+speculative sampling (accept with min(1, p/q), else draw from the residual), so `acceptance_rate` is that real
+acceptance, not a greedy match. Every run is seeded with `torch.manual_seed(seed + round)` (warm-ups with
+`seed`), so a bench repeats. The outputs are random draws: they are not compared token by token with plain
+(`check: {"exact": null, "note": ...}`, `check_passed: null`; the exit status stays 0); that the speculative
+modes sample the same distribution as plain is tested in `tests/test_speculative_sampling.py`. Sampled runs
+differ from round to round, so the counters, calls/token and the ideal speed-up are the first timed round's (as
+with greedy decoding) and `acceptance_rate_all` / `core_calls_per_token_all` list every round's. The untimed
+first plain run is then only a warm-up. `--synthetic-acceptance` is refused with `--do-sample`: it replaces drafts
+by *the known greedy token*, and sampling has no known token to replace them by.
 """
 
 from __future__ import annotations
@@ -79,8 +96,9 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, MaxLengthCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from .cache.paged import PagedLoopCache
 from .generation.config import speculative_config
@@ -183,6 +201,52 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:  # (also refuses nan)
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+SYNTHETIC_WITH_SAMPLING = ("--synthetic-acceptance cannot be combined with --do-sample: it replaces each draft by the "
+                           "known greedy token, and sampled decoding has no known token (its acceptance is the real "
+                           "min(1, p/q)); drop one of the two.")
+
+
+class _SyntheticAcceptance(argparse.Action):
+    """Stores `--synthetic-acceptance A`; an argparse error when `--do-sample` came first."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, "do_sample", False):
+            raise argparse.ArgumentError(self, SYNTHETIC_WITH_SAMPLING)
+        setattr(namespace, self.dest, values)
+
+
+class _DoSample(argparse.Action):
+    """`--do-sample` (store true); an argparse error when `--synthetic-acceptance` came first."""
+
+    def __init__(self, option_strings, dest, default=False, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, "synthetic_acceptance", None) is not None:
+            raise argparse.ArgumentError(self, SYNTHETIC_WITH_SAMPLING)
+        setattr(namespace, self.dest, True)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `bench` options to `parser` (used by `hf-loopspec bench` and `python -m hf_loopspec.bench`)."""
     parser.add_argument("--model", default="default",
@@ -191,21 +255,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=_positive, default=1, help="sequences (default: %(default)s)")
     parser.add_argument("--prompt-len", type=_positive, default=64,
                         help="prompt tokens per sequence (default: %(default)s)")
-    parser.add_argument("--new-tokens", type=_positive, default=64, help="new tokens per sequence (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=_positive, default=64,
+                        help="new tokens per sequence (default: %(default)s)")
     parser.add_argument("--prompt-file", default=None, metavar="PATH",
                         help="text to cut the prompts from (models with a tokenizer; default: a built-in text)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="(default: %(default)s)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--modes", type=_modes, default=list(MODES),
                         help=f"comma-separated subset of {','.join(MODES)} (default: all)")
-    parser.add_argument("--draft-loops", type=_positive, default=1, help="d: draft from the output of loop d (default: %(default)s)")
+    parser.add_argument("--draft-loops", type=_positive, default=1,
+                        help="d: draft from the output of loop d (default: %(default)s)")
     parser.add_argument("--num-speculative-tokens", type=_positive, default=4,
                         help="K: drafts per block round (default: %(default)s)")
     parser.add_argument("--repeats", type=_positive, default=3,
                         help="timed rounds; the median is reported (default: %(default)s)")
     parser.add_argument("--synthetic-acceptance", type=_fraction, default=None, metavar="A",
-                        help="replace each draft by the known greedy token with probability A (random weights)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights, prompts and synthetic drafts (default: %(default)s)")
+                        action=_SyntheticAcceptance,
+                        help="replace each draft by the known greedy token with probability A (random weights; "
+                             "greedy decoding only)")
+    parser.add_argument("--do-sample", action=_DoSample,
+                        help="every mode samples (lossless speculative sampling; seeded with --seed + round); "
+                             "outputs are then not compared with plain")
+    parser.add_argument("--temperature", type=_positive_float, default=1.0,
+                        help="sampling temperature, with --do-sample (default: %(default)s)")
+    parser.add_argument("--top-p", type=_fraction, default=1.0,
+                        help="nucleus sampling mass, with --do-sample; 1 = off (default: %(default)s)")
+    parser.add_argument("--top-k", type=_non_negative, default=0,
+                        help="keep the K most likely tokens, with --do-sample; 0 = off (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random weights, prompts, synthetic drafts and sampled runs "
+                             "(default: %(default)s)")
     parser.add_argument("--threads", type=_positive, default=None, help="torch.set_num_threads")
     parser.add_argument("--calibration-seconds", type=float, default=3.0,
                         help="time budget of the core/head call-cost measurements (default: %(default)s)")
@@ -373,10 +452,38 @@ def synthetic_hook(reference: torch.Tensor, prompt_len: int, acceptance: float, 
     return hook
 
 
+def sampling_settings(args) -> dict | None:
+    """`{"temperature", "top_p", "top_k"}` of a `--do-sample` bench, else `None` (greedy)."""
+    if not args.do_sample:
+        return None
+    return {"temperature": float(args.temperature), "top_p": float(args.top_p), "top_k": int(args.top_k)}
+
+
+def sampling_processors(sampling: dict | None) -> LogitsProcessorList | None:
+    """The warpers `generate(do_sample=True, **sampling)` builds, in its order (temperature, top-k, top-p; each
+    only where it changes something), for the lane modes' `logits_processor`. `None` for greedy."""
+    if sampling is None:
+        return None
+    processors = LogitsProcessorList()
+    if sampling["temperature"] != 1.0:
+        processors.append(TemperatureLogitsWarper(sampling["temperature"]))
+    if sampling["top_k"] != 0:
+        processors.append(TopKLogitsWarper(top_k=sampling["top_k"], min_tokens_to_keep=1))
+    if sampling["top_p"] < 1.0:
+        processors.append(TopPLogitsWarper(top_p=sampling["top_p"], min_tokens_to_keep=1))
+    return processors
+
+
 def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook=None,
-             output_logits: bool = False) -> dict:
-    """Run one mode once; returns seconds, generated ids `[B, N]`, stats and the recorded call shapes."""
+             output_logits: bool = False, sampling: dict | None = None, seed: int | None = None) -> dict:
+    """Run one mode once; returns seconds, generated ids `[B, N]`, stats and the recorded call shapes.
+
+    `sampling` (from `sampling_settings`): sample with these settings instead of greedy decoding; `seed`: call
+    `torch.manual_seed(seed)` first (untimed).
+    """
     device = ids.device
+    if seed is not None:
+        torch.manual_seed(seed)
     prompt_width = ids.shape[1]
     result = {"mode": mode}
     if device.type == "cuda":
@@ -385,9 +492,9 @@ def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loop
         cache = DynamicCache()
         _synchronize(device)
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                             speculative_mode=None, pad_token_id=0, cache=cache, return_dict_in_generate=True,
-                             output_logits=output_logits)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             do_sample=sampling is not None, **(sampling or {}), speculative_mode=None,
+                             pad_token_id=0, cache=cache, return_dict_in_generate=True, output_logits=output_logits)
         _synchronize(device)
         result["seconds"] = time.perf_counter() - start
         result["stats"] = None
@@ -395,6 +502,7 @@ def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loop
         result["logits"] = out.logits if output_logits else None
     else:
         cache = _RecordingCache(model.kv_layout)
+        processors = sampling_processors(sampling)
         head_rows: list[int] = []
         handle = model.get_output_embeddings().register_forward_hook(
             lambda module, args, output: head_rows.append(args[0].shape[:-1].numel()))
@@ -403,9 +511,9 @@ def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loop
             start = time.perf_counter()
             out = model.decode_with_lanes(
                 ids, mode, draft_loops=draft_loops, num_speculative_tokens=k, cache=cache, attention_mask=None,
-                logits_processor=None, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(prompt_width +
-                                                                                                 new_tokens)]),
-                pad_token_id=0, max_length=prompt_width + new_tokens, draft_hook=draft_hook)
+                logits_processor=processors, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(
+                    prompt_width + new_tokens)]), pad_token_id=0, max_length=prompt_width + new_tokens,
+                draft_hook=draft_hook, do_sample=sampling is not None)
             _synchronize(device)
             result["seconds"] = time.perf_counter() - start
         finally:
@@ -569,12 +677,29 @@ def ar_call_shapes(loops: int, batch: int, prompt_len: int, new_tokens: int) -> 
 
 
 # --- the benchmark --------------------------------------------------------------------------------------------------
+SAMPLING_CHECK_NOTE = ("sampling: not comparable: outputs are random draws, so plain is no token-by-token reference; "
+                       "speculative sampling is lossless (accept with min(1, p/q), residual on rejection), tested "
+                       "distributionally in tests/test_speculative_sampling.py")
+
+
 def _with_defaults(args) -> argparse.Namespace:
     merged = vars(parse_args([])).copy()
     merged.update({k: v for k, v in vars(args).items()})
     if isinstance(merged["modes"], str):
         merged["modes"] = _modes(merged["modes"])
     return argparse.Namespace(**merged)
+
+
+def check_sampling_args(args) -> None:
+    """`ValueError` for sampling options that cannot mean what they say (see the module docstring)."""
+    if args.do_sample and args.synthetic_acceptance is not None:
+        raise ValueError(SYNTHETIC_WITH_SAMPLING)
+    if not args.do_sample:
+        unused = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name, off in
+                  (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0)) if getattr(args, name) != off]
+        if unused:
+            raise ValueError(f"{', '.join(unused)} only apply with --do-sample (greedy decoding ignores them); "
+                             "add --do-sample or drop them.")
 
 
 def _validate(args, loops: int) -> None:
@@ -625,6 +750,8 @@ def run_bench(args) -> dict:
     `args` is an `argparse.Namespace` from `parse_args` (missing attributes take their defaults).
     """
     args = _with_defaults(args)
+    check_sampling_args(args)
+    sampling = sampling_settings(args)
     if args.plot:
         _pyplot()  # fail before the runs, not after them
     if args.threads:
@@ -647,12 +774,16 @@ def run_bench(args) -> dict:
         text = Path(args.prompt_file).read_text()
     ids = make_prompts(tokenizer, vocab, batch, prompt_len, args.seed, text).to(device)
     exact_dtype = dtype == torch.float32
-    kw = {"draft_loops": d, "k": k}
+    kw = {"draft_loops": d, "k": k, "sampling": sampling}
     info = machine_info(device)
 
     with torch.inference_mode():
-        _log(args, f"[bench] {model_name} on {device} {args.dtype}: plain reference run")
-        reference_run = run_mode(model, "plain", ids, n, output_logits=not exact_dtype, **kw)
+        if sampling is None:
+            _log(args, f"[bench] {model_name} on {device} {args.dtype}: plain reference run")
+        else:
+            _log(args, f"[bench] {model_name} on {device} {args.dtype}: SAMPLING {sampling}; plain warm-up run")
+        reference_run = run_mode(model, "plain", ids, n, output_logits=not exact_dtype and sampling is None,
+                                 seed=None if sampling is None else args.seed, **kw)
         reference = reference_run["generated"]
         reference_logits = reference_run["logits"]
 
@@ -667,7 +798,8 @@ def run_bench(args) -> dict:
             hook = None
             if args.synthetic_acceptance is not None and mode != "ar":
                 hook = synthetic_hook(reference, prompt_len, args.synthetic_acceptance, vocab, args.seed)
-            hooks_ref[mode] = run_mode(model, mode, ids, n, draft_hook=hook, **kw)["generated"]
+            hooks_ref[mode] = run_mode(model, mode, ids, n, draft_hook=hook,
+                                       seed=None if sampling is None else args.seed, **kw)["generated"]
 
         # Each round times the call costs too, so that they see the same machine load as the runs (a shared
         # machine drifts); the cost of a call is its median over the rounds.
@@ -682,7 +814,8 @@ def run_bench(args) -> dict:
                 hook = None
                 if args.synthetic_acceptance is not None and mode in ("block", "pipeline"):
                     hook = synthetic_hook(hooks_ref[mode], prompt_len, args.synthetic_acceptance, vocab, args.seed)
-                runs[mode].append(run_mode(model, mode, ids, n, draft_hook=hook, **kw))
+                runs[mode].append(run_mode(model, mode, ids, n, draft_hook=hook,
+                                           seed=None if sampling is None else args.seed + r, **kw))
 
     costs = median_costs(cost_rounds)
     ar_core, ar_head = ar_call_shapes(loops, batch, prompt_len, n)
@@ -694,8 +827,11 @@ def run_bench(args) -> dict:
     rows = []
     for mode, rs in runs.items():
         first = rs[0]
-        checks = [compare(x["generated"], reference, reference_logits) for x in rs]
-        worst = min(checks, key=lambda c: c["agreement_rate"])
+        if sampling is None:
+            checks = [compare(x["generated"], reference, reference_logits) for x in rs]
+            check = "reference" if mode == "plain" else min(checks, key=lambda c: c["agreement_rate"])
+        else:
+            check = {"exact": None, "note": SAMPLING_CHECK_NOTE}
         row = {
             "mode": mode,
             "tokens": tokens,
@@ -707,14 +843,15 @@ def run_bench(args) -> dict:
             "core_calls": None,
             "core_calls_per_token": float(loops) if mode == "plain" else None,
             "acceptance_rate": None,
-            "drafted": None, "verified": None, "accepted": None,
+            "drafted": None, "verified": None, "accepted": None, "rejected": None, "discarded": None,
+            "acceptance_rate_all": None, "core_calls_per_token_all": None,
             "ideal_speedup_vs_ar": None,
             "fraction_of_ideal": None,
             "predicted_seconds": None,
             "overhead_fraction": None,
             "peak_mem_bytes": max(x["peak_mem_bytes"] for x in rs),
             "kv_cache_bytes": max(x["kv_bytes"] for x in rs),
-            "check": "reference" if mode == "plain" else worst,
+            "check": check,
             "check_passed": None,
         }
         if mode != "plain":
@@ -724,14 +861,17 @@ def run_bench(args) -> dict:
                 core_calls=stats.core_calls,
                 core_calls_per_token=stats.core_calls * batch / stats.committed_tokens,
                 acceptance_rate=stats.acceptance_rate if stats.drafted else None,
-                drafted=stats.drafted, verified=stats.verified, accepted=stats.accepted,
+                drafted=stats.drafted, verified=stats.verified, accepted=stats.accepted, rejected=stats.rejected,
+                discarded=stats.discarded,
+                acceptance_rate_all=[x["stats"].acceptance_rate if x["stats"].drafted else None for x in rs],
+                core_calls_per_token_all=[x["stats"].core_calls * batch / x["stats"].committed_tokens for x in rs],
                 ideal_speedup_vs_ar=ar_predicted / predicted,
                 predicted_seconds=predicted,
                 overhead_fraction=1.0 - predicted / seconds[mode],
             )
             if row["speedup_vs_ar"] is not None:
                 row["fraction_of_ideal"] = row["speedup_vs_ar"] / row["ideal_speedup_vs_ar"]
-            row["check_passed"] = all(c["exact"] for c in checks) if exact_dtype else None
+            row["check_passed"] = all(c["exact"] for c in checks) if exact_dtype and sampling is None else None
         rows.append(row)
 
     info["load_avg_1m_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -745,6 +885,10 @@ def run_bench(args) -> dict:
                       "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                       "num_key_value_heads", "head_dim", "total_ut_steps")}},
         "synthetic_acceptance": args.synthetic_acceptance,
+        "sampling": None if sampling is None else {
+            **sampling, "warpers": [type(w).__name__ for w in sampling_processors(sampling)],
+            "seed": args.seed, "seeding": "torch.manual_seed(seed + round) before each timed run of a round, "
+                                          "torch.manual_seed(seed) before each warm-up run"},
         "call_costs": {"context": costs["context"], "core_seconds_by_rows": costs["core"],
                        "prefill_rows": costs["prefill_rows"], "prefill_seconds": costs["prefill"],
                        "head_seconds_by_rows": costs["head"], "ar_predicted_seconds": ar_predicted},
@@ -758,8 +902,12 @@ def run_bench(args) -> dict:
             "overhead_fraction": "1 - T_hat(mode) / measured time: the share of time outside core and head calls",
             "peak_mem_kind": "cuda_max_memory_allocated" if device.type == "cuda"
                              else "params_plus_kv_cache_allocated_bytes (CPU: torch allocations are not traced)",
-            "check": "fp32: every output of every run equals plain greedy (check_passed); other dtypes: "
+            "check": SAMPLING_CHECK_NOTE if sampling is not None else
+                     "fp32: every output of every run equals plain greedy (check_passed); other dtypes: "
                      "agreement_rate = mean common-prefix fraction with plain greedy (worst run)",
+            "rounds": "counters, core_calls_per_token and ideal_speedup_vs_ar are the first timed round's; "
+                      "acceptance_rate_all / core_calls_per_token_all list every round's (they differ only when "
+                      "sampling)",
         },
         "all_checks_passed": all(r["check_passed"] is not False for r in rows),
     }
@@ -784,6 +932,11 @@ def _num(x, fmt: str = "{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def sampling_title(sampling: dict) -> str:
+    """`SAMPLING (temperature T, top_p P, top_k K)` for the table header and the plot title."""
+    return f"SAMPLING (temperature {sampling['temperature']}, top_p {sampling['top_p']}, top_k {sampling['top_k']})"
+
+
 def format_table(result: dict) -> str:
     """The human-readable table: header with the run's settings, the call costs, one line per mode."""
     a, m = result["args"], result["machine"]
@@ -793,6 +946,12 @@ def format_table(result: dict) -> str:
         f"prompt {a['prompt_len']} | new {a['new_tokens']} | d={a['draft_loops']} K={a['num_speculative_tokens']} "
         f"| repeats {a['repeats']} | load avg {_num(m.get('load_avg_1m_start'))}->{_num(m.get('load_avg_1m_end'))}"
     )]
+    if result.get("sampling") is not None:
+        off = [name for name, value, no_op in (("top_p", result["sampling"]["top_p"], 1.0),
+                                                ("top_k", result["sampling"]["top_k"], 0)) if value == no_op]
+        lines.append(f"*** {sampling_title(result['sampling'])}{' (' + ', '.join(off) + ' off)' if off else ''}: "
+                     "every mode samples, seeded with --seed + round; acceptance is the real min(1, p/q); outputs "
+                     "are not comparable with plain token by token ***")
     if result["synthetic_acceptance"] is not None:
         lines.append(f"*** SYNTHETIC ACCEPTANCE {result['synthetic_acceptance']}: each draft is replaced by the known "
                      "greedy token with this probability, else by a wrong one; verification is real ***")
@@ -807,6 +966,8 @@ def format_table(result: dict) -> str:
     for r in result["rows"]:
         if r["check"] == "reference":
             check = "reference"
+        elif r["check"].get("exact", False) is None:
+            check = "sampling: not comparable"
         elif r["check_passed"] is not None:
             check = "equal" if r["check_passed"] else f"MISMATCH {r['check'].get('first_divergence')}"
         else:
@@ -848,6 +1009,8 @@ def plot(result: dict, path: str) -> None:
     title = f"{result['model']['name']} | {a['dtype']} | batch {a['batch_size']} | {a['new_tokens']} new tokens"
     if result["synthetic_acceptance"] is not None:
         title += f" | SYNTHETIC ACCEPTANCE {result['synthetic_acceptance']}"
+    if result.get("sampling") is not None:
+        title += f" | {sampling_title(result['sampling'])}"
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -856,7 +1019,8 @@ def plot(result: dict, path: str) -> None:
 
 
 def main_from_args(args) -> int:
-    """Run, print the table; exit status 1 when an fp32 output differs from plain greedy."""
+    """Run, print the table; exit status 1 when an fp32 greedy output differs from plain greedy (sampled outputs
+    are not compared: exit status 0)."""
     result = run_bench(args)
     print(format_table(result))
     if not result["all_checks_passed"]:

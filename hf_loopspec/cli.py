@@ -2,10 +2,16 @@
 
     hf-loopspec generate "The capital of France is" --mode pipeline --draft-loops 1 --max-new-tokens 64
     hf-loopspec generate "Hi" --model ByteDance/Ouro-1.4B-Thinking --chat --mode block --num-speculative-tokens 4
+    hf-loopspec generate "def parse(" --mode pipeline --do-sample --temperature 0.8 --top-p 0.95 --seed 0
     hf-loopspec bench --model ouro-100m --batch-size 1 --new-tokens 64 --synthetic-acceptance 0.9 --json out.json
+    hf-loopspec bench --model ouro-100m --do-sample --temperature 0.8 --top-k 50
 
-Bad input (unknown choices, invalid draft depths, sampling with a speculative mode, a missing model) ends with a
-one-line message on stderr and exit status 2; set `HF_LOOPSPEC_TRACEBACK=1` to see the traceback instead.
+Sampling (`--do-sample`) works in every mode: the speculative modes use lossless speculative sampling (a draft is
+kept with probability min(1, p/q)), and `generate` prints that acceptance rate.
+
+Bad input (unknown choices, invalid draft depths, `bench --do-sample --synthetic-acceptance`, a missing model)
+ends with a one-line message on stderr and exit status 2; set `HF_LOOPSPEC_TRACEBACK=1` to see the traceback
+instead.
 """
 
 from __future__ import annotations
@@ -42,9 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default="default",
                      help="checkpoint folder or Hub id; 'default' (the default) is the model embedded in the package")
     gen.add_argument("--mode", choices=("plain", "block", "pipeline"), default="pipeline",
-                     help="plain: transformers' loop; block / pipeline: self-speculative decoding (default: %(default)s)")
-    gen.add_argument("--draft-loops", type=bench._positive, default=1, help="d: draft from the output of loop d (default: %(default)s)")
-    gen.add_argument("--num-speculative-tokens", type=bench._positive, default=4, help="K: drafts per block round (default: %(default)s)")
+                     help="plain: transformers' loop; block / pipeline: self-speculative decoding "
+                          "(default: %(default)s)")
+    gen.add_argument("--draft-loops", type=bench._positive, default=1,
+                     help="d: draft from the output of loop d (default: %(default)s)")
+    gen.add_argument("--num-speculative-tokens", type=bench._positive, default=4,
+                     help="K: drafts per block round (default: %(default)s)")
     gen.add_argument("--max-new-tokens", type=bench._positive, default=128, help="(default: %(default)s)")
     gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=_non_negative_float, default=None)
@@ -111,6 +120,9 @@ def generate(args: argparse.Namespace) -> int:
                  f"{stats.verified} verified ({stats.acceptance_rate:.1%})")
         if args.mode == "block":
             line += f", K={args.num_speculative_tokens}"
+        if args.do_sample:
+            line += ("; sampling: each draft kept with probability min(1, p/q), so the output is distributed as "
+                     "plain sampling's")
     print(line, file=sys.stderr, flush=True)
     return 0
 

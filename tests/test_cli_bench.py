@@ -1,7 +1,8 @@
 """The `hf-loopspec` CLI and the benchmark, on tiny random-weight models (CPU, fp32): the bench runs every mode,
 writes the documented JSON, checks every speculative output against plain greedy, reproduces the pipeline cost
-model under synthetic full acceptance; `generate` streams the same text in every mode; bad input ends with a
-one-line message and exit status 2. No timing assertions."""
+model under synthetic full acceptance, and with `--do-sample` samples in every mode (seeded, with generate's own
+warpers, not compared token by token); `generate` streams the same text in every mode and samples in every mode;
+bad input ends with a one-line message and exit status 2. No timing assertions."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from hf_loopspec import bench, cli
 
@@ -131,6 +132,70 @@ def test_bench_plot_writes_a_png(all_modes, tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
+# --- bench --do-sample ----------------------------------------------------------------------------------------------
+
+SAMPLING = ["--do-sample", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20"]
+
+
+def test_bench_do_sample_runs_every_mode_and_reports_not_comparable(tmp_path, capsys):
+    path = tmp_path / "sample.json"
+    assert cli.main(["bench", *FAST, *SAMPLING, "--json", str(path)]) == 0  # not a mismatch: exit status 0
+    table = capsys.readouterr().out
+    assert "SAMPLING (temperature 0.8, top_p 0.9, top_k 20)" in table and "MISMATCH" not in table
+    result = json.loads(path.read_text())
+    assert result["args"]["do_sample"] is True
+    assert {k: result["args"][k] for k in ("temperature", "top_p", "top_k")} == {"temperature": 0.8, "top_p": 0.9,
+                                                                               "top_k": 20}
+    assert result["sampling"]["warpers"] == ["TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"]
+    assert result["sampling"]["temperature"] == 0.8 and result["all_checks_passed"] is True
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert list(rows) == list(bench.MODES)
+    for mode, row in rows.items():
+        assert ROW_KEYS <= set(row) and row["tokens_per_s"] > 0
+        assert row["check"]["exact"] is None and row["check"]["note"].startswith("sampling: not comparable")
+        assert row["check_passed"] is None
+        assert f"{mode:<9}" in table
+    assert table.count("sampling: not comparable") == len(bench.MODES)
+    assert rows["ar"]["drafted"] == 0 and rows["ar"]["ideal_speedup_vs_ar"] == pytest.approx(1.0)
+    for mode in ("block", "pipeline"):
+        row = rows[mode]
+        assert row["drafted"] > 0
+        assert row["accepted"] + row["rejected"] == row["verified"]
+        assert row["drafted"] == row["verified"] + row["discarded"]
+        assert row["acceptance_rate"] == pytest.approx(row["accepted"] / row["verified"])
+        assert row["acceptance_rate_all"] == [row["acceptance_rate"]]
+        assert row["ideal_speedup_vs_ar"] > 0 and row["core_calls"] > 0
+
+
+def test_bench_sampled_runs_are_seeded_and_use_generates_warpers():
+    """Same seed, same tokens and counters; and `ar` at batch 1 draws exactly plain generate's tokens (one
+    multinomial per token from the same processed scores), which holds only if the bench's warpers are the ones
+    generate builds, in its order."""
+    model = bench.random_model("ouro-tiny", torch.float32, torch.device("cpu"), seed=0)
+    model.generation_config = GenerationConfig(pad_token_id=0, eos_token_id=None, do_sample=False)  # as run_bench
+    ids = bench.make_prompts(None, model.config.vocab_size, 1, 8, seed=0)
+    sampling = bench.sampling_settings(bench.parse_args(SAMPLING))
+    runs = {}
+    with torch.inference_mode():
+        for mode in ("plain", "ar", "pipeline", "pipeline"):
+            run = bench.run_mode(model, mode, ids, 12, draft_loops=1, k=4, sampling=sampling, seed=5)
+            if mode in runs:
+                assert torch.equal(run["generated"], runs[mode]["generated"])
+                assert run["stats"].to_dict() == runs[mode]["stats"].to_dict()
+            runs[mode] = run
+    assert torch.equal(runs["ar"]["generated"], runs["plain"]["generated"])
+    assert bench.sampling_processors(None) is None
+    assert not bench.sampling_processors({"temperature": 1.0, "top_p": 1.0, "top_k": 0})  # all off: no warpers
+
+
+def test_bench_refuses_sampling_options_that_would_not_apply(capsys):
+    assert "only apply with --do-sample" in _run_error(["bench", *FAST, "--temperature", "0.7"], capsys)
+    args = bench.parse_args(FAST)
+    args.do_sample, args.synthetic_acceptance = True, 0.9  # (argparse refuses this; run_bench does too)
+    with pytest.raises(ValueError, match="cannot be combined with --do-sample"):
+        bench.run_bench(args)
+
+
 # --- generate -------------------------------------------------------------------------------------------------------
 
 
@@ -157,6 +222,13 @@ def test_generate_streams_the_same_text_in_every_mode(checkpoint, capsys):
     (["generate", "x", "--draft-loops", "0"], "must be >= 1"),
     (["bench", "--modes", "plain,turbo"], "unknown mode"),
     (["bench", "--synthetic-acceptance", "1.5"], "outside [0, 1]"),
+    (["bench", "--do-sample", "--synthetic-acceptance", "0.9"], "--synthetic-acceptance cannot be combined with "
+                                                                 "--do-sample"),
+    (["bench", "--synthetic-acceptance", "0.9", "--do-sample"], "--synthetic-acceptance cannot be combined with "
+                                                                 "--do-sample"),
+    (["bench", "--do-sample", "--temperature", "0"], "must be > 0"),
+    (["bench", "--do-sample", "--top-k", "-1"], "must be >= 0"),
+    (["bench", "--do-sample", "--top-p", "1.5"], "outside [0, 1]"),
     (["bench", "--dtype", "float64"], "invalid choice"),
     (["frobnicate"], "invalid choice"),
 ])
@@ -182,16 +254,16 @@ def test_invalid_speculative_settings_are_clear_errors(checkpoint, capsys):
     assert "outside [1, 3]" in _run_error(["bench", *FAST, "--draft-loops", "5"], capsys)
 
 
-@pytest.mark.parametrize("mode", ["plain", "pipeline"])
-def test_sampling_flags_reach_generate(mode, checkpoint, capsys):
-    """Sampling runs, or (where a mode does not support it yet) ends with generate's own one-line error."""
-    argv = ["generate", "w5 w6", "--model", str(checkpoint), "--device", "cpu", "--max-new-tokens", "4", "--mode",
+@pytest.mark.parametrize("mode", ["plain", "block", "pipeline"])
+def test_generate_samples_in_every_mode_and_prints_the_acceptance(mode, checkpoint, capsys):
+    argv = ["generate", "w5 w6", "--model", str(checkpoint), "--device", "cpu", "--max-new-tokens", "6", "--mode",
             mode, "--do-sample", "--temperature", "0.7", "--top-k", "20", "--top-p", "0.9", "--seed", "0"]
-    rc = cli.main(argv)
-    if rc == 2:
-        assert "do_sample" in capsys.readouterr().err.strip().splitlines()[-1]
-    else:
-        assert rc == 0 and f"[{mode}]" in capsys.readouterr().err
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and f"[{mode}] 6 new tokens" in err
+    if mode != "plain":
+        assert "drafts accepted" in err and "verified (" in err and "min(1, p/q)" in err
+    assert cli.main(argv) == 0 and capsys.readouterr().out == out  # --seed: the same text again
 
 
 def test_missing_models_are_clear_errors(tmp_path, capsys):
