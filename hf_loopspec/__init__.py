@@ -7,6 +7,7 @@ Importing the package registers its model classes with the `transformers` Auto f
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .assets import default_model_path
 from .cache.paged import CacheCapacityError, LineageError, PagedLoopCache
 from .looped import KVAttention, KVLayout, LoopedModel
 from .models.ouro import OuroConfig, OuroForCausalLM, OuroModel, OuroPreTrainedModel
@@ -28,4 +29,5 @@ __all__ = [
     "OuroModel",
     "OuroPreTrainedModel",
     "PagedLoopCache",
+    "default_model_path",
 ]

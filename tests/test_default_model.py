@@ -1,0 +1,134 @@
+"""The embedded default model (`hf_loopspec/assets/default_model/`): loads offline, is a 4-loop Ouro, fits the
+size budget, its tokenizer round-trips, every loop predicts held-out stdlib code far better than chance, and
+pipelined self-speculation reproduces plain greedy decoding."""
+
+from __future__ import annotations
+
+import json
+import math
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hf_loopspec  # noqa: F401  (registers the Ouro classes with the Auto factories)
+from hf_loopspec import OuroForCausalLM
+from hf_loopspec.assets import default_model_path
+
+torch.set_num_threads(1)
+
+MAX_BYTES = 25 * 10**6
+SNIPPET_TOKENS = 192
+FALLBACK_SNIPPET = '''def _splitext(p, sep, altsep, extsep):
+    """Split the extension from a pathname."""
+    sepIndex = p.rfind(sep)
+    if altsep:
+        altsepIndex = p.rfind(altsep)
+        sepIndex = max(sepIndex, altsepIndex)
+
+    dotIndex = p.rfind(extsep)
+    if dotIndex > sepIndex:
+        # skip all leading dots
+        filenameIndex = sepIndex + 1
+        while filenameIndex < dotIndex:
+            if p[filenameIndex:filenameIndex+1] != extsep:
+                return p[:dotIndex], p[dotIndex:]
+            filenameIndex += 1
+
+    return p, p[:0]
+'''
+
+
+@pytest.fixture(scope="module")
+def folder() -> Path:
+    return Path(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(folder):
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def test_loads_as_four_loop_ouro(model, tokenizer):
+    assert isinstance(model, OuroForCausalLM)
+    assert model.config.total_ut_steps == 4 and model.num_loops == 4
+    assert model.dtype == torch.float32
+    assert model.config.vocab_size == len(tokenizer)
+    assert tokenizer.eos_token_id == tokenizer.pad_token_id == model.config.eos_token_id == 0
+    assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
+    gen = model.generation_config
+    assert (gen.speculative_mode, gen.draft_loops, gen.num_speculative_tokens) == ("pipeline", 1, 4)
+    assert gen.eos_token_id == 0 and gen.pad_token_id == 0
+
+
+def test_size_on_disk(folder):
+    files = [f for f in folder.iterdir() if f.is_file()]
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json", "training_report.json"} <= {f.name for f in files}
+    assert sum(f.stat().st_size for f in files) <= MAX_BYTES
+
+
+def test_missing_folder_raises_clear_error(monkeypatch, tmp_path):
+    from hf_loopspec import assets
+
+    monkeypatch.setattr(assets, "DEFAULT_MODEL_DIR", tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="default model is missing"):
+        assets.default_model_path()
+
+
+@pytest.mark.parametrize("text", [
+    FALLBACK_SNIPPET,
+    "x = {'a': [1, 2.5e-3, None]}\t# tab, ünïcödé, emoji \U0001F40D and CRLF\r\n",
+    "<|im_start|>user\nhi<|im_end|>",
+])
+def test_tokenizer_round_trip(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert tokenizer.decode(ids) == text
+    assert all(0 <= i < len(tokenizer) for i in ids)
+
+
+def held_out_snippets(folder: Path, tokenizer, count: int = 3) -> list[list[int]]:
+    """The first tokens of a few files the model never trained on (from its training report), plus a fixed one."""
+    report = json.loads((folder / "training_report.json").read_text())
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = [FALLBACK_SNIPPET]
+    for rel in report["corpus"]["validation_file_list"]:
+        if len(texts) > count:
+            break
+        path = root / rel
+        if path.is_file() and path.stat().st_size > 4000:
+            texts.append(path.read_text(encoding="utf-8", errors="replace")[:4000])
+    return [tokenizer(t, add_special_tokens=False).input_ids[:SNIPPET_TOKENS] for t in texts]
+
+
+def test_every_loop_is_far_below_uniform(model, tokenizer, folder):
+    uniform = math.log(model.config.vocab_size)
+    losses = torch.zeros(model.num_loops)
+    snippets = held_out_snippets(folder, tokenizer)
+    with torch.no_grad():
+        for ids in snippets:
+            ids = torch.tensor([ids])
+            out = model(input_ids=ids[:, :-1], use_cache=False, output_loop_logits=True)
+            for u, logits in enumerate(out.loop_logits):
+                losses[u] += F.cross_entropy(logits[0], ids[0, 1:]) / len(snippets)
+    # The shipped model scores about 4.5-4.7 nats on these (uniform: ln 4096 = 8.3).
+    assert (losses < 0.65 * uniform).all(), (losses.tolist(), uniform)
+
+
+def test_pipeline_equals_plain_greedy(model, tokenizer):
+    inputs = tokenizer("def fibonacci(n):\n", return_tensors="pt")
+    with torch.no_grad():
+        plain = model.generate(**inputs, max_new_tokens=24, do_sample=False, speculative_mode=None)
+        spec = model.generate(**inputs, max_new_tokens=24, do_sample=False, speculative_mode="pipeline",
+                              draft_loops=1, return_dict_in_generate=True)
+    assert spec.sequences.tolist() == plain.tolist()
+    stats = spec.speculation
+    assert stats.verified > 0 and stats.core_calls_per_token < model.num_loops
