@@ -1,10 +1,12 @@
-"""The `hf-loopspec` command line: `generate` (stream a completion) and `bench` (see `hf_loopspec.bench`).
+"""The `hf-loopspec` command line: `generate` (stream a completion), `bench` (see `hf_loopspec.bench`) and
+`export` (a Hub-ready folder, see `hf_loopspec.hub.export`).
 
     hf-loopspec generate "The capital of France is" --mode pipeline --draft-loops 1 --max-new-tokens 64
     hf-loopspec generate "Hi" --model ByteDance/Ouro-1.4B-Thinking --chat --mode block --num-speculative-tokens 4
     hf-loopspec generate "def parse(" --mode pipeline --do-sample --temperature 0.8 --top-p 0.95 --seed 0
     hf-loopspec bench --model ouro-100m --batch-size 1 --new-tokens 64 --synthetic-acceptance 0.9 --json out.json
     hf-loopspec bench --model ouro-100m --do-sample --temperature 0.8 --top-k 50
+    hf-loopspec export ByteDance/Ouro-1.4B ./Ouro-1.4B-loopspec
 
 Sampling (`--do-sample`) works in every mode: the speculative modes use lossless speculative sampling (a draft is
 kept with probability min(1, p/q)), and `generate` prints that acceptance rate.
@@ -22,6 +24,7 @@ import sys
 import time
 
 from . import bench
+from .hub import export as hub_export
 
 
 def _non_negative_float(text: str) -> float:
@@ -39,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hf-loopspec",
         description="Looped LMs (Ouro) with lossless pipelined self-speculative decoding.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,export}")
 
     gen = commands.add_parser("generate", help="stream a completion of PROMPT",
                               description="Stream a completion of PROMPT as tokens are committed, then print the "
@@ -68,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = commands.add_parser("bench", help="benchmark plain, ar, block and pipeline decoding",
                                        description=bench.__doc__.split("\n\n")[0])
     bench.add_arguments(bench_parser)
+    hub_export.add_subcommand(commands)
     return parser
 
 
@@ -133,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return generate(args)
+        if args.command == "export":
+            return hub_export.main_from_args(args)
         return bench.main_from_args(args)
     except (ValueError, OSError) as err:  # bad input or a missing model / file: a message, no traceback
         if os.environ.get("HF_LOOPSPEC_TRACEBACK"):

@@ -1,0 +1,268 @@
+"""`hf-loopspec export SRC OUT`: write a Hub-ready folder for a looped model.
+
+`export_checkpoint(src, out)` loads SRC (a checkpoint folder or Hub id that hf_loopspec supports) and writes to OUT:
+
+* `model.safetensors` (or shards `model-0000i-of-0000n.safetensors` + index when larger than `max_shard_size`),
+  through `save_pretrained`; the checkpoint's dtype is kept unless `dtype` is given;
+* the tokenizer files, when SRC has a tokenizer;
+* `config.json` whose `auto_map` points at `configuration_ouro.OuroConfig`, `modeling_ouro.OuroModel` and
+  `modeling_ouro.OuroForCausalLM` in OUT: small shims that import `hf_loopspec` and subclass its classes, so
+  `AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)` works in a process that never imported
+  hf_loopspec, and `generate` takes `speculative_mode`;
+* `generation_config.json` with speculative defaults (`speculative_mode`, `draft_loops`,
+  `num_speculative_tokens`) besides the checkpoint's eos / pad / sampling settings; with a ChatML chat template
+  (Ouro's Thinking models), `<|im_end|>` joins the eos ids, so generation stops at the end of the turn;
+* `custom_generate/generate.py` + `requirements.txt`: the strategies for any Ouro model object
+  (`model.generate(custom_generate=OUT, trust_remote_code=True, speculative_mode=...)`);
+* `README.md`: the model card (`hf_loopspec.hub.card.build_model_card`).
+
+Command line: `python -m hf_loopspec.hub.export SRC OUT [options]` (`main_export`), and the `export` subcommand of
+`hf-loopspec` when the CLI registers it with `add_subcommand`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+AUTO_MAP = {
+    "AutoConfig": "configuration_ouro.OuroConfig",
+    "AutoModel": "modeling_ouro.OuroModel",
+    "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM",
+}
+SHIM_FILES = ("configuration_ouro.py", "modeling_ouro.py")
+CUSTOM_GENERATE_REQUIREMENTS = "hf-loopspec>={version}\ntransformers>=5.24\n"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def export_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    *,
+    max_shard_size: str | int = "2GB",
+    dtype: str | None = None,
+    overwrite: bool = False,
+    speculative_mode: str | None = "pipeline",
+    draft_loops: int = 1,
+    num_speculative_tokens: int = 4,
+    repo_id: str | None = None,
+    base_model: str | None = None,
+    license: str | None = None,
+    benchmarks: str | Path | None = "default",
+    trust_remote_code: bool = False,
+    **model_card_kwargs,
+) -> Path:
+    """Write the Hub-ready folder `out` for the checkpoint `src` (see the module docstring); returns `out`.
+
+    Args:
+        src: a checkpoint folder or Hub id (`ByteDance/Ouro-1.4B`, ...).
+        out: the folder to write; it must be empty or missing unless `overwrite=True`.
+        max_shard_size: passed to `save_pretrained` (`"2GB"`, `"500MB"`, or bytes).
+        dtype: `"float32"`, `"bfloat16"`, `"float16"`, or None / `"auto"` to keep the checkpoint's.
+        speculative_mode, draft_loops, num_speculative_tokens: the defaults written to `generation_config.json`
+            (validated against the model's loop count; `speculative_mode=None` writes plain decoding).
+        repo_id: the Hub repo the folder is meant for (used in the card's code); default
+            `your-username/<folder name>`.
+        base_model: the card's `base_model`; default `src` when it is a Hub id, else the source card's.
+        license: the card's license; default the source card's, else `apache-2.0`.
+        benchmarks: the BENCHMARKS.md to quote (path or text), `"default"` (the checkout's), or None.
+        model_card_kwargs: passed to `build_model_card` (`title`, `summary`, `sampling`, `tags`, ...).
+
+    Raises `ValueError` when `src` is not a model hf_loopspec can decode speculatively, `FileExistsError` when
+    `out` is not empty (and `overwrite` is False), `OSError` when `src` cannot be read.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_loopspec
+    from hf_loopspec.generation.config import speculative_config
+
+    from .card import build_model_card
+
+    src, out = str(src), Path(out)
+    if Path(src).exists() and Path(src).resolve() == out.resolve():
+        raise ValueError(f"export needs a new folder: OUT ({out}) is the source checkpoint.")
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a folder.")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} is not empty; pass overwrite=True (--overwrite) to write into it.")
+    if dtype not in (None, *DTYPES):
+        raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}.")
+
+    load_dtype = "auto" if dtype in (None, "auto") else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=load_dtype, trust_remote_code=trust_remote_code)
+    if not isinstance(model, hf_loopspec.OuroForCausalLM):
+        raise ValueError(f"{src} loads as {type(model).__name__}; export supports hf_loopspec's Ouro models "
+                         "(model_type 'ouro').")
+    model.eval()
+
+    tokenizer = _load_tokenizer(src)
+    gen = model.generation_config
+    if speculative_mode is not None:
+        probe = type(gen)(do_sample=False)
+        probe.speculative_mode, probe.draft_loops, probe.num_speculative_tokens = (
+            speculative_mode, draft_loops, num_speculative_tokens)
+        speculative_config(probe, model.num_loops)  # the ValueError generate() would raise
+    # A config derived from config.json is saved with `_from_model_config: true`, and such a file's extra keys are
+    # dropped when it is loaded: mark it as a real generation config so the speculative defaults survive.
+    gen._from_model_config = False
+    gen.speculative_mode = speculative_mode
+    gen.draft_loops = draft_loops
+    gen.num_speculative_tokens = num_speculative_tokens
+    if gen.eos_token_id is None:
+        gen.eos_token_id = model.config.eos_token_id
+    end_of_turn = _end_of_turn_id(tokenizer)
+    if end_of_turn is not None:  # chat models: stop at the end of the turn as well as at the end of text
+        eos = [] if gen.eos_token_id is None else [gen.eos_token_id] if isinstance(gen.eos_token_id, int) \
+            else list(gen.eos_token_id)
+        gen.eos_token_id = eos + [end_of_turn] if end_of_turn not in eos else gen.eos_token_id
+    if gen.pad_token_id is None:
+        eos = gen.eos_token_id
+        gen.pad_token_id = (eos[0] if isinstance(eos, list) and eos else eos) if eos is not None else 0
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.auto_map = dict(AUTO_MAP)
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["auto_map"] = dict(AUTO_MAP)  # in case save_pretrained rewrote it from a remote-code class
+    config["architectures"] = ["OuroForCausalLM"]
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+    for name in SHIM_FILES:
+        shutil.copyfile(TEMPLATES / name, out / name)
+    (out / "custom_generate").mkdir(exist_ok=True)
+    shutil.copyfile(TEMPLATES / "custom_generate" / "generate.py", out / "custom_generate" / "generate.py")
+    (out / "custom_generate" / "requirements.txt").write_text(
+        CUSTOM_GENERATE_REQUIREMENTS.format(version=hf_loopspec.__version__))
+
+    source_card = _source_card_data(src)
+    is_hub_id = not Path(src).exists() and src.count("/") == 1
+    if base_model is None:
+        base_model = src if is_hub_id else source_card.get("base_model")
+    license = license or source_card.get("license") or "apache-2.0"
+    eos = gen.eos_token_id
+    card_args = {
+        "repo_id": repo_id or f"your-username/{out.resolve().name}",
+        "base_model": base_model,
+        "license": license,
+        "num_loops": model.num_loops,
+        "chat": bool(getattr(tokenizer, "chat_template", None)),
+        "eos_token_ids": eos,
+        "speculative_mode": speculative_mode,
+        "draft_loops": draft_loops,
+        "num_speculative_tokens": num_speculative_tokens,
+        "benchmarks": benchmarks,
+    }
+    if gen.do_sample and "sampling" not in model_card_kwargs:
+        card_args["sampling"] = {k: getattr(gen, k) for k in ("temperature", "top_p", "top_k")
+                                 if getattr(gen, k, None) is not None}
+    card_args.update(model_card_kwargs)
+    build_model_card(**card_args).save(out / "README.md")
+    return out
+
+
+def _load_tokenizer(src: str):
+    """SRC's tokenizer, or None when SRC has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(src)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _end_of_turn_id(tokenizer) -> int | None:
+    """The id of `<|im_end|>` when the tokenizer has a ChatML chat template (Ouro's Thinking models), else None."""
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if not template or "<|im_end|>" not in str(template):
+        return None
+    token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return token_id if isinstance(token_id, int) and token_id != tokenizer.unk_token_id else None
+
+
+def _source_card_data(src: str) -> dict:
+    """The front matter of SRC's README.md (local folders only; {} when there is none)."""
+    readme = Path(src) / "README.md"
+    if not readme.is_file():
+        return {}
+    try:
+        from huggingface_hub import ModelCard
+
+        return ModelCard.load(readme).data.to_dict()
+    except Exception:  # a malformed source card must not stop the export
+        return {}
+
+
+# --- command line ---------------------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `export` options (used by `main_export` and by `add_subcommand`)."""
+    parser.add_argument("src", metavar="SRC", help="checkpoint folder or Hub id (e.g. ByteDance/Ouro-1.4B)")
+    parser.add_argument("out", metavar="OUT", help="folder to write (must be empty unless --overwrite)")
+    parser.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (default: %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype (default: the checkpoint's)")
+    parser.add_argument("--speculative-mode", choices=("pipeline", "block", "none"), default="pipeline",
+                        help="default decoding written to generation_config.json (default: %(default)s)")
+    parser.add_argument("--draft-loops", type=int, default=1, help="default d (default: %(default)s)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="default K (default: %(default)s)")
+    parser.add_argument("--repo-id", default=None, help="Hub repo id used in the model card's code")
+    parser.add_argument("--base-model", default=None, help="model card base_model (default: SRC when a Hub id)")
+    parser.add_argument("--license", default=None, help="model card license (default: the source's or apache-2.0)")
+    parser.add_argument("--benchmarks", default="default", metavar="PATH",
+                        help="BENCHMARKS.md to quote in the card ('none' for no speed table)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let SRC's own remote code load (not needed for Ouro checkpoints)")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT")
+    return parser
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    """Run an export from parsed arguments; prints the files written. Raises ValueError / OSError on bad input."""
+    out = export_checkpoint(
+        args.src, args.out, max_shard_size=_shard_size(args.max_shard_size), dtype=args.dtype,
+        overwrite=args.overwrite,
+        speculative_mode=None if args.speculative_mode == "none" else args.speculative_mode,
+        draft_loops=args.draft_loops, num_speculative_tokens=args.num_speculative_tokens, repo_id=args.repo_id,
+        base_model=args.base_model, license=args.license,
+        benchmarks=None if args.benchmarks == "none" else args.benchmarks, trust_remote_code=args.trust_remote_code,
+    )
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    print(f"exported {args.src} -> {out} ({len(files)} files):")
+    for name in files:
+        print(f"  {name}")
+    print(f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
+    return 0
+
+
+def add_subcommand(subparsers) -> argparse.ArgumentParser:
+    """Register `export` on an `argparse` subparsers object (the `hf-loopspec` CLI's)."""
+    parser = subparsers.add_parser("export", help="write a Hub-ready folder (weights, remote code, card)",
+                                   description=__doc__.split("\n\n")[0])
+    return add_arguments(parser)
+
+
+def main_export(argv: list[str] | None = None) -> int:
+    """`hf-loopspec export SRC OUT ...` / `python -m hf_loopspec.hub.export SRC OUT ...`; returns the exit status
+    (2 with a one-line message on bad input or a missing checkpoint)."""
+    parser = add_arguments(argparse.ArgumentParser(prog="hf-loopspec export", description=__doc__.split("\n\n")[0]))
+    args = parser.parse_args(argv)
+    try:
+        return main_from_args(args)
+    except (ValueError, OSError) as err:
+        print(f"{parser.prog}: error: {str(err).strip() or type(err).__name__}", file=sys.stderr)
+        return 2
+
+
+def _shard_size(text: str) -> str | int:
+    return int(text) if str(text).isdigit() else text
+
+
+if __name__ == "__main__":
+    sys.exit(main_export())

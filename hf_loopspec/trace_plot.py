@@ -1,0 +1,181 @@
+"""Draw a speculative run's schedule from its trace: cycles across, depths (loops) down.
+
+    out = model.generate(**inputs, max_new_tokens=12, speculative_mode="pipeline", draft_loops=1,
+                         return_dict_in_generate=True, speculative_trace=True)
+    fig = plot_schedule(out.trace, tokenizer=tok, num_loops=model.num_loops)
+
+Each cell is one row of one core call: the token whose loop `depth` that call computes. Colours tell the fate of the
+token's lane: the prompt, a token started from a verified target (the first token, a correction or a bonus), a draft
+that was later accepted, a draft that was rejected, and a draft that was discarded without a verification (a
+descendant of a rejected draft, or in flight when the sequence stopped). The numbers above the columns count the
+tokens committed after each call. `schedule_grid` returns the same information as data (no matplotlib needed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+KINDS = ("prompt", "target", "accepted", "rejected", "discarded")
+COLORS = {
+    "prompt": "#d9d9d9",
+    "target": "#9ecae1",  # started from a verified target token
+    "accepted": "#a1d99b",
+    "rejected": "#fc9272",
+    "discarded": "#fdd0a2",
+}
+LABELS = {
+    "prompt": "prompt",
+    "target": "verified token (restart)",
+    "accepted": "draft, accepted",
+    "rejected": "draft, rejected",
+    "discarded": "draft, discarded unverified",
+}
+
+
+@dataclass
+class _Lane:
+    position: int
+    token: int
+    is_draft: bool
+    prompt: bool
+    fate: str | None = None  # "accepted" / "rejected" once verified
+
+
+@dataclass
+class Cell:
+    """One (cycle, depth) of the grid: the tokens computed there for the traced sequence."""
+
+    cycle: int
+    depth: int
+    tokens: list[int]
+    positions: list[int]
+    kind: str  # one of KINDS (for several rows: the most telling of their kinds)
+
+
+@dataclass
+class ScheduleGrid:
+    cells: list[Cell]
+    num_cycles: int
+    num_loops: int
+    commits: list[int] = field(default_factory=list)  # tokens committed after each cycle
+    prompt_len: int = 0
+
+
+def schedule_grid(trace: Sequence, seq: int = 0, num_loops: int | None = None) -> ScheduleGrid:
+    """The cells of sequence `seq` in a `generate(..., speculative_trace=True)` trace (a list of `CycleTrace`)."""
+    if not trace:
+        raise ValueError("the trace is empty: pass generate(..., speculative_trace=True, return_dict_in_generate=True) "
+                         "and a speculative_mode.")
+    first = [row for row in trace[0].rows if row.seq == seq]
+    prompt_positions = {row.position for row in first if row.depth == 0}
+    current: dict[tuple[int, int], _Lane] = {}  # (position, token) -> its newest lane
+    rows_at: list[tuple[int, int, _Lane]] = []
+    commits = []
+    deepest = 0
+    for c, cycle in enumerate(trace):
+        for row in cycle.rows:
+            if row.seq != seq:
+                continue
+            key = (row.position, row.token)
+            lane = current.get(key)
+            if row.depth == 0 or lane is None:
+                lane = _Lane(row.position, row.token, row.is_draft, row.position in prompt_positions)
+                current[key] = lane
+            rows_at.append((c, row.depth, lane))
+            deepest = max(deepest, row.depth)
+        committed = 0
+        for kind, s, position, token in cycle.events:
+            if s != seq:
+                continue
+            if kind in ("accept", "reject"):
+                lane = current.get((position, token))
+                if lane is not None:
+                    lane.fate = "accepted" if kind == "accept" else "rejected"
+            elif kind == "commit":
+                committed += 1
+        commits.append(committed)
+    loops = num_loops if num_loops is not None else deepest + 1
+
+    def kind_of(lane: _Lane) -> str:
+        if lane.prompt:
+            return "prompt"
+        if lane.fate is not None:
+            return lane.fate
+        return "discarded" if lane.is_draft else "target"
+
+    grouped: dict[tuple[int, int], list[_Lane]] = {}
+    for c, depth, lane in rows_at:
+        grouped.setdefault((c, depth), []).append(lane)
+    priority = {k: i for i, k in enumerate(("rejected", "discarded", "accepted", "target", "prompt"))}
+    cells = []
+    for (c, depth), lanes in sorted(grouped.items()):
+        kinds = [kind_of(lane) for lane in lanes]
+        cells.append(Cell(c, depth, [lane.token for lane in lanes], [lane.position for lane in lanes],
+                          min(kinds, key=priority.__getitem__)))
+    return ScheduleGrid(cells, len(trace), loops, commits, len(prompt_positions))
+
+
+def plot_schedule(trace: Sequence, *, seq: int = 0, tokenizer=None, num_loops: int | None = None,
+                  max_cycles: int | None = None, ax=None, title: str | None = None):
+    """Draw the schedule of sequence `seq` with matplotlib; returns the figure. See the module docstring.
+
+    `tokenizer` (optional) decodes the token ids in the cells; `max_cycles` cuts long runs; `ax` draws into an
+    existing axes.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    grid = schedule_grid(trace, seq=seq, num_loops=num_loops)
+    cycles = grid.num_cycles if max_cycles is None else min(max_cycles, grid.num_cycles)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(min(0.75 * cycles + 1.8, 24), 0.75 * grid.num_loops + 1.6))
+    else:
+        fig = ax.figure
+    used = set()
+    for cell in grid.cells:
+        if cell.cycle >= cycles:
+            continue
+        used.add(cell.kind)
+        ax.add_patch(Rectangle((cell.cycle, cell.depth), 1, 1, facecolor=COLORS[cell.kind], edgecolor="white",
+                               linewidth=1.5))
+        ax.text(cell.cycle + 0.5, cell.depth + 0.5, _label(cell, tokenizer), ha="center",
+                va="center", fontsize=7, clip_on=True)
+    for c in range(cycles):
+        if grid.commits[c]:
+            ax.text(c + 0.5, -0.15, f"+{grid.commits[c]}", ha="center", va="bottom", fontsize=7, color="#31a354")
+    ax.set_xlim(0, cycles)
+    ax.set_ylim(grid.num_loops, -0.6)  # depth 0 at the top
+    ax.set_xticks([c + 0.5 for c in range(cycles)], [str(c + 1) for c in range(cycles)], fontsize=7)
+    ax.set_yticks([d + 0.5 for d in range(grid.num_loops)], [f"loop {d}" for d in range(grid.num_loops)],
+                  fontsize=8)
+    ax.set_xlabel("core call (cycle); +n: tokens committed after it")
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    ax.legend(handles=[Patch(facecolor=COLORS[k], label=LABELS[k]) for k in KINDS if k in used],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    ax.set_title(title or "speculative schedule: one column per call of the shared stack", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _label(cell: Cell, tokenizer) -> str:
+    if cell.kind == "prompt" and len(cell.tokens) > 1:
+        return f"prompt\n×{len(cell.tokens)}"
+    words = [_token_text(t, tokenizer) for t in cell.tokens[:3]]
+    return "\n".join(words) + ("\n…" if len(cell.tokens) > 3 else "")
+
+
+def _token_text(token: int, tokenizer) -> str:
+    if tokenizer is None:
+        return str(token)
+    text = tokenizer.decode([token])
+    text = text.replace("\n", "\\n").replace("\t", "\\t")
+    if text.strip() == "":
+        text = repr(text)[1:-1] or "∅"
+        text = text.replace(" ", "␣")
+    return text if len(text) <= 7 else text[:6] + "…"
+
+
+__all__ = ["COLORS", "KINDS", "Cell", "ScheduleGrid", "plot_schedule", "schedule_grid"]

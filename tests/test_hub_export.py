@@ -1,0 +1,582 @@
+"""Hub export (`hf_loopspec.hub`): the folder layout, loading through remote code only in a fresh process (with and
+without a prior `import hf_loopspec`, and without the package), `custom_generate` on hf_loopspec models and on a
+different class that owns Ouro weights (shared, not copied; streamer and stopping criteria included), the model
+card's metadata and speed section, the rendered variant cards, and the `export` command line. CPU, fp32, tiny
+random models, no network: speculative outputs must equal plain greedy decoding."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from safetensors.torch import load_file
+from speculative_utils import left_pad, random_prompts, tiny_spec_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from torch import nn
+from transformers import PreTrainedTokenizerFast
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+import hf_loopspec
+from hf_loopspec.hub import card as hub_card
+from hf_loopspec.hub import custom_generate, export
+
+ROOT = Path(__file__).resolve().parents[1]
+NEW = 12
+PAD = 0
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+CHATML_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+
+
+# --- fixtures ---------------------------------------------------------------------------------------------------------
+
+
+def tiny_tokenizer(vocab: int, chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"w{i}" for i in range(3, vocab)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>")
+    fast.chat_template = chat_template
+    return fast
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """(model, folder): a tiny fp32 Ouro that accepts some drafts, saved with a word-level chat tokenizer."""
+    model = tiny_spec_model(seed=5, damp=0.15)
+    folder = tmp_path_factory.mktemp("src")
+    model.save_pretrained(folder)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(folder)
+    return model, folder
+
+
+@pytest.fixture(scope="module")
+def exported(source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "Ouro-tiny-loopspec"
+    export.export_checkpoint(source[1], out, max_shard_size="40KB", base_model="ByteDance/Ouro-1.4B",
+                             repo_id="someone/Ouro-tiny-loopspec", benchmarks=None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return left_pad(random_prompts(7, [5, 9], 96), PAD)
+
+
+@pytest.fixture(scope="module")
+def expected(source, batch):
+    """Plain greedy continuations of `batch` (transformers' own loop)."""
+    ids, mask = batch
+    with torch.no_grad():
+        return source[0].generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                                  speculative_mode=None)
+
+
+def fresh_env(tmp_path: Path) -> dict:
+    """Environment of a fresh interpreter: its own remote-code module cache, offline, hf_loopspec importable (from
+    the checkout when it is not installed) but not imported."""
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env.pop("HF_MODULES_CACHE", None)
+    return env
+
+
+def run_fresh(script: str, tmp_path: Path, *args: str) -> dict:
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(script))
+    proc = subprocess.run([sys.executable, str(path), *args], check=False, capture_output=True, text=True,
+                          env=fresh_env(tmp_path), cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, f"fresh process failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --- the folder -------------------------------------------------------------------------------------------------------
+
+
+def test_export_writes_a_hub_ready_folder(exported, source):
+    files = {str(p.relative_to(exported)) for p in exported.rglob("*") if p.is_file()}
+    assert {"config.json", "generation_config.json", "configuration_ouro.py", "modeling_ouro.py", "README.md",
+            "custom_generate/generate.py", "custom_generate/requirements.txt", "tokenizer.json",
+            "model.safetensors.index.json"} <= files
+    shards = sorted(f for f in files if f.endswith(".safetensors"))
+    assert len(shards) > 1, "a small max_shard_size must shard the weights"
+    weights = {}
+    for shard in shards:
+        weights |= load_file(str(exported / shard))
+    assert set(weights) == set(source[0].state_dict())
+    for key, value in source[0].state_dict().items():
+        assert torch.equal(weights[key], value), key
+
+    config = json.loads((exported / "config.json").read_text())
+    assert config["auto_map"] == export.AUTO_MAP and config["architectures"] == ["OuroForCausalLM"]
+    assert config["model_type"] == "ouro"
+    gen = json.loads((exported / "generation_config.json").read_text())
+    assert (gen["speculative_mode"], gen["draft_loops"], gen["num_speculative_tokens"]) == ("pipeline", 1, 4)
+    assert gen["pad_token_id"] == PAD
+    requirements = (exported / "custom_generate" / "requirements.txt").read_text().split()
+    assert f"hf-loopspec>={hf_loopspec.__version__}" in requirements
+
+
+def test_export_of_a_chatml_model_stops_at_the_end_of_turn(source, tmp_path):
+    """With a ChatML template (Ouro's Thinking models), `<|im_end|>` (2) joins the eos ids of generation_config.json."""
+    src = tmp_path / "chat-src"
+    source[0].save_pretrained(src)
+    tiny_tokenizer(source[0].config.vocab_size, CHATML_TEMPLATE).save_pretrained(src)
+    for eos, want in ((None, [2]), (0, [0, 2]), ([0, 2], [0, 2])):
+        config = json.loads((src / "config.json").read_text())
+        config["eos_token_id"] = eos
+        (src / "config.json").write_text(json.dumps(config))
+        (src / "generation_config.json").unlink(missing_ok=True)
+        out = export.export_checkpoint(src, tmp_path / f"out-{eos}", benchmarks=None)
+        assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == want
+        assert f"generation stops at token {' or '.join(map(str, want))}" in (out / "README.md").read_text()
+
+
+def test_shims_import_hf_loopspec_only_inside_try():
+    """transformers' `check_imports` must not list hf_loopspec as a hard requirement of the remote code."""
+    from transformers.dynamic_module_utils import get_imports
+
+    for name in ("configuration_ouro.py", "modeling_ouro.py", "custom_generate/generate.py"):
+        assert "hf_loopspec" not in get_imports(export.TEMPLATES / name), name
+
+
+def test_export_refuses_a_non_empty_folder_and_bad_settings(source, tmp_path):
+    (tmp_path / "x.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        export.export_checkpoint(source[1], tmp_path, benchmarks=None)
+    with pytest.raises(ValueError, match="draft_loops"):
+        export.export_checkpoint(source[1], tmp_path / "new", draft_loops=3, benchmarks=None)
+    assert (tmp_path / "x.txt").read_text() == "keep"
+
+
+# --- remote code in a fresh process -----------------------------------------------------------------------------------
+
+REMOTE_SCRIPT = """
+import json, os, sys
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+folder, import_first = sys.argv[1], sys.argv[2] == "1"
+if import_first:
+    import hf_loopspec
+assert ("hf_loopspec" in sys.modules) == import_first
+data = json.loads(open(sys.argv[3]).read())
+ids, mask = torch.tensor(data["ids"]), torch.tensor(data["mask"])
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+    def end(self):
+        self.ended = True
+
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+import hf_loopspec  # noqa: E402  (now only to check what the remote code returned)
+report = {"class_module": type(model).__module__, "is_loopspec": isinstance(model, hf_loopspec.OuroForCausalLM),
+          "config_module": type(model.config).__module__, "defaults": model.generation_config.speculative_mode}
+kw = dict(attention_mask=mask, max_new_tokens=data["new"], do_sample=False, pad_token_id=0)
+report["plain"] = model.generate(ids, speculative_mode=None, **kw).tolist()
+for mode in ("pipeline", "block"):
+    report[mode] = model.generate(ids, speculative_mode=mode, draft_loops=1, **kw).tolist()
+report["default"] = model.generate(ids, **kw).tolist()  # generation_config.json: pipeline
+single = ids[1:]
+recorder = Recorder()
+out = model.generate(single, max_new_tokens=data["new"], do_sample=False, pad_token_id=0, streamer=recorder,
+                     speculative_mode="pipeline", return_dict_in_generate=True)
+report["streamed"] = recorder.chunks
+report["stream_ended"] = recorder.ended
+report["streamed_sequence"] = out.sequences.tolist()
+report["calls"] = out.speculation.core_calls
+again = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+report["again_is_loopspec"] = isinstance(again, hf_loopspec.OuroForCausalLM)
+report["again_pipeline"] = again.generate(ids, speculative_mode="pipeline", **kw).tolist()
+model.save_pretrained(sys.argv[4])  # a remote-code model saves its shims again
+report["resaved"] = sorted(name for name in os.listdir(sys.argv[4]) if name.endswith(".py"))
+base = AutoModel.from_pretrained(folder, trust_remote_code=True)
+report["base_class"] = type(base).__name__
+report["config_class"] = type(AutoConfig.from_pretrained(folder, trust_remote_code=True)).__name__
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize("import_first", [False, True], ids=["remote-code-only", "hf_loopspec-imported-first"])
+def test_remote_code_loads_in_a_fresh_process(exported, batch, expected, tmp_path, import_first):
+    ids, mask = batch
+    data = tmp_path / "batch.json"
+    data.write_text(json.dumps({"ids": ids.tolist(), "mask": mask.tolist(), "new": NEW}))
+    report = run_fresh(REMOTE_SCRIPT, tmp_path, str(exported), "1" if import_first else "0", str(data),
+                       str(tmp_path / "resaved"))
+    if import_first:  # the package's registration wins: remote code is not even executed
+        assert report["class_module"] == "hf_loopspec.models.ouro.modeling_ouro"
+    else:  # the folder's shim, a subclass of the package's class
+        assert report["class_module"].startswith("transformers_modules.")
+        assert report["class_module"].endswith(".modeling_ouro")
+        assert report["config_module"].startswith("transformers_modules.")
+        assert report["resaved"] == ["configuration_ouro.py", "modeling_ouro.py"]
+    assert report["is_loopspec"] and report["again_is_loopspec"]
+    assert report["defaults"] == "pipeline"
+    want = expected.tolist()
+    for key in ("plain", "pipeline", "block", "default", "again_pipeline"):
+        assert report[key] == want, key
+    assert report["base_class"] == "OuroModel" and report["config_class"] == "OuroConfig"
+    # the streamer sees the prompt, then every new token once, in order, then end()
+    sequence = report["streamed_sequence"][0]
+    prompt = ids[1].tolist()
+    assert report["streamed"][0] == prompt
+    assert [t for chunk in report["streamed"][1:] for t in chunk] == sequence[len(prompt):]
+    assert report["stream_ended"]
+
+
+def test_remote_code_without_the_package_names_pip_install(exported, tmp_path):
+    script = """
+    import sys
+    sys.modules["hf_loopspec"] = None  # as if hf-loopspec were not installed
+    from transformers import AutoModelForCausalLM
+    try:
+        AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+    except ImportError as err:
+        import json
+        print(json.dumps({"error": str(err)}))
+    """
+    report = run_fresh(script, tmp_path, str(exported))
+    assert "pip install hf-loopspec" in report["error"]
+
+
+# --- custom_generate --------------------------------------------------------------------------------------------------
+
+
+FOREIGN_SOURCE = '''"""ForeignOuro: another class with Ouro's parameter names (think: upstream code), no hf_loopspec."""
+import json
+import os
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
+
+
+class Norm(nn.Module):
+    def __init__(self, size):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+
+class ForeignOuroConfig(PreTrainedConfig):
+    model_type = "ouro"
+
+
+class ForeignOuro(PreTrainedModel, GenerationMixin):
+    config_class = ForeignOuroConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        c = config
+        hid, heads, kv, dim = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(c.vocab_size, hid)
+        self.model.layers = nn.ModuleList()
+        for _ in range(c.num_hidden_layers):
+            layer = nn.Module()
+            layer.self_attn = nn.Module()
+            layer.self_attn.q_proj = nn.Linear(hid, heads * dim, bias=False)
+            layer.self_attn.k_proj = nn.Linear(hid, kv * dim, bias=False)
+            layer.self_attn.v_proj = nn.Linear(hid, kv * dim, bias=False)
+            layer.self_attn.o_proj = nn.Linear(heads * dim, hid, bias=False)
+            layer.mlp = nn.Module()
+            layer.mlp.gate_proj = nn.Linear(hid, c.intermediate_size, bias=False)
+            layer.mlp.up_proj = nn.Linear(hid, c.intermediate_size, bias=False)
+            layer.mlp.down_proj = nn.Linear(c.intermediate_size, hid, bias=False)
+            for name in ("input_layernorm", "input_layernorm_2", "post_attention_layernorm",
+                         "post_attention_layernorm_2"):
+                setattr(layer, name, Norm(hid))
+            self.model.layers.append(layer)
+        self.model.norm = Norm(hid)
+        self.model.early_exit_gate = nn.Linear(hid, 1)
+        self.lm_head = nn.Linear(hid, c.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, *args, **kwargs):
+        raise AssertionError("the foreign model's forward must not run: custom_generate decodes with hf_loopspec")
+
+
+def load_folder(folder):
+    """A ForeignOuro with the config and (possibly sharded) safetensors of an exported folder."""
+    with open(os.path.join(folder, "config.json")) as f:
+        values = json.load(f)
+    for key in ("auto_map", "model_type", "architectures"):
+        values.pop(key, None)
+    model = ForeignOuro(ForeignOuroConfig(**values)).eval()
+    weights = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(folder, name)))
+    model.load_state_dict(weights, strict=True)
+    model.generation_config.pad_token_id = 0
+    return model
+'''
+
+
+@pytest.fixture(scope="module")
+def foreign_module(tmp_path_factory):
+    """`FOREIGN_SOURCE` as an importable module `foreign_ouro` (the fresh processes import it too)."""
+    folder = tmp_path_factory.mktemp("foreign")
+    (folder / "foreign_ouro.py").write_text(FOREIGN_SOURCE)
+    spec = importlib.util.spec_from_file_location("foreign_ouro", folder / "foreign_ouro.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["foreign_ouro"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("foreign_ouro", None)
+
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+class StopAfter(StoppingCriteria):
+    """Stops a row once it holds `length` tokens; records that it was consulted."""
+
+    def __init__(self, length):
+        self.length, self.calls = length, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        return torch.full((input_ids.shape[0],), input_ids.shape[-1] >= self.length, dtype=torch.bool)
+
+
+@pytest.fixture(scope="module")
+def foreign(foreign_module, exported):
+    return foreign_module.load_folder(exported)
+
+
+def test_custom_generate_shares_the_weights_of_a_different_class(foreign, exported, batch, expected):
+    ids, mask = batch
+    outs = {}
+    for mode in ("pipeline", "block"):
+        outs[mode] = foreign.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                                      custom_generate=str(exported), trust_remote_code=True, speculative_mode=mode)
+        assert torch.equal(outs[mode], expected), mode
+    looped = custom_generate.borrow(foreign)
+    assert isinstance(looped, hf_loopspec.OuroForCausalLM)
+    foreign_params = dict(foreign.named_parameters())
+    for name, param in looped.named_parameters():
+        assert param is foreign_params[name], f"{name} was copied"
+    assert not any(p.is_meta for p in looped.parameters())
+    assert custom_generate.borrow(foreign) is looped  # cached while the weights are the same objects
+
+
+def test_custom_generate_keeps_streamer_and_stopping_criteria(foreign, exported, batch, expected):
+    ids = batch[0][1:]
+    stop_at = ids.shape[-1] + 5
+    recorder, stop = Recorder(), StopAfter(stop_at)
+    out = foreign.generate(ids, max_new_tokens=NEW, do_sample=False, custom_generate=str(exported),
+                           trust_remote_code=True, speculative_mode="pipeline", streamer=recorder,
+                           stopping_criteria=StoppingCriteriaList([stop]), return_dict_in_generate=True)
+    assert out.sequences.shape[-1] == stop_at and stop.calls > 0
+    assert out.sequences[0].tolist() == expected[1, batch[1].shape[-1] - ids.shape[-1]:][:stop_at].tolist()
+    assert recorder.chunks[0] == ids[0].tolist() and recorder.ended
+    assert [t for chunk in recorder.chunks[1:] for t in chunk] == out.sequences[0, ids.shape[-1]:].tolist()
+    assert out.speculation.committed_tokens == 5
+
+
+def test_custom_generate_on_an_hf_loopspec_model_runs_its_own_generate(source, exported, batch, expected):
+    ids, mask = batch
+    out = source[0].generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                             custom_generate=str(exported), trust_remote_code=True, speculative_mode="block",
+                             num_speculative_tokens=2)
+    assert torch.equal(out, expected)
+    assert source[0] not in custom_generate._BORROWED
+
+
+def test_custom_generate_in_a_fresh_process_without_hf_loopspec_imported(foreign_module, exported, batch, expected,
+                                                                          tmp_path):
+    """The string route from a process that never imported hf_loopspec, on the foreign class."""
+    ids, mask = batch
+    data = tmp_path / "batch.json"
+    data.write_text(json.dumps({"ids": ids.tolist(), "mask": mask.tolist(), "new": NEW}))
+    script = """
+    import json, sys
+    import torch
+    sys.path.insert(0, sys.argv[3])
+    from foreign_ouro import load_folder
+    folder, data = sys.argv[1], json.loads(open(sys.argv[2]).read())
+    model = load_folder(folder)
+    assert "hf_loopspec" not in sys.modules
+    out = model.generate(torch.tensor(data["ids"]), attention_mask=torch.tensor(data["mask"]),
+                         max_new_tokens=data["new"], do_sample=False, custom_generate=folder,
+                         trust_remote_code=True, speculative_mode="pipeline")
+    print(json.dumps({"out": out.tolist(), "class": type(model).__module__}))
+    """
+    report = run_fresh(script, tmp_path, str(exported), str(data), str(Path(foreign_module.__file__).parent))
+    assert report["out"] == expected.tolist() and report["class"] == "foreign_ouro"
+
+
+def test_custom_generate_rejects_a_model_that_is_not_ouro():
+    other = nn.Linear(2, 2)
+    other.config = SimpleNamespace(to_dict=lambda: {"model_type": "llama"})
+    with pytest.raises(ValueError, match="model_type='llama'"):
+        custom_generate.borrow(other)
+
+
+# --- the model card ---------------------------------------------------------------------------------------------------
+
+
+def test_card_parses_and_has_the_metadata(exported):
+    card = ModelCard.load(exported / "README.md")  # parse only: validate() would call the Hub
+    data = card.data.to_dict()
+    assert data["license"] == "apache-2.0"
+    assert data["library_name"] == "transformers" and data["pipeline_tag"] == "text-generation"
+    assert data["base_model"] == "ByteDance/Ouro-1.4B"
+    assert {"looped-language-model", "speculative-decoding", "custom_generate"} <= set(data["tags"])
+    text = card.text
+    for heading in ("## What it is", "## Usage", "## Speed", "## Limitations", "## Citation"):
+        assert heading in text
+    for snippet in ('speculative_mode=None', 'speculative_mode="block"', 'speculative_mode="pipeline"',
+                    'custom_generate="someone/Ouro-tiny-loopspec"', "2510.25741", "bf16", "context"):
+        assert snippet in text, snippet
+    assert "No measured speed numbers" in text  # benchmarks=None: no numbers, said plainly
+    assert "apply_chat_template" in text  # the source tokenizer has a chat template
+
+
+BENCHMARKS = """# Benchmarks
+
+## How to run
+
+| column | meaning |
+|---|---|
+| tok/s | 12.5 |
+
+## Results
+
+### Smoke run (not a result): 2026-01-01, laptop
+
+```bash
+hf-loopspec bench --model ouro-tiny
+```
+
+```
+mode        tok/s  x plain   x ar  ideal  %ideal  overhd calls/tok  accept  peak mem  check
+plain       999.0     1.00      -      -       -       -      4.00       -       1MiB  reference
+```
+
+### H200, ouro-1.4b shape, batch 1: 2026-02-02
+
+Machine: 1x NVIDIA H200, torch 2.13, bf16.
+
+```bash
+hf-loopspec bench --model ouro-1.4b --dtype bfloat16 --synthetic-acceptance 0.9
+```
+
+```
+hf-loopspec bench | ouro-1.4b (1400.0M params) | NVIDIA H200 bfloat16 | threads 16 | batch 1 | prompt 128
+*** SYNTHETIC ACCEPTANCE 0.9: each draft is replaced by the known greedy token with this probability ***
+core call ms by rows (context 128): t(1)=5.00 | prefill t(128)=9.00 | head ms: h(1)=0.40
+mode        tok/s  x plain   x ar  ideal  %ideal  overhd calls/tok  accept  peak mem  check
+--------------------------------------------------------------------------------------------
+plain       101.5     1.00      -      -       -       -      4.00       -    3000MiB  reference
+ar           98.0     0.97   1.00   1.00    100%     10%      4.00       -    3100MiB  agree 1.000
+pipeline    260.2     2.56   2.66   3.00     89%     12%      1.30   0.900    3200MiB  agree 0.990
+x ar: measured speed-up over ar; ideal: ...
+```
+"""
+
+
+def test_speed_section_quotes_measured_tables_only(tmp_path):
+    results = hub_card.parse_benchmarks(BENCHMARKS)
+    assert [r.title for r in results] == ["H200, ouro-1.4b shape, batch 1: 2026-02-02"]
+    r = results[0]
+    assert r.machine == "1x NVIDIA H200, torch 2.13, bf16." and r.synthetic
+    assert r.command.startswith("hf-loopspec bench --model ouro-1.4b")
+    table = r.tables[0].splitlines()
+    assert table[0].startswith("| mode | tok/s |") and len(table) == 5
+    assert "| pipeline | 260.2 | 2.56 | 2.66 | 1.30 | 0.900 | agree 0.990 |" in table
+    card = hub_card.build_model_card(repo_id="x/y", benchmarks=BENCHMARKS)
+    assert "260.2" in card.text and "Synthetic acceptance" in card.text and "999.0" not in card.text
+    assert "No measured speed numbers" not in card.text
+    empty = hub_card.build_model_card(repo_id="x/y", benchmarks="# Benchmarks\n\n## Results\n\nNone yet.\n")
+    assert "No measured speed numbers" in empty.text
+
+
+def test_the_checkout_benchmarks_file_parses():
+    path = ROOT / "BENCHMARKS.md"
+    if not path.is_file():
+        pytest.skip("no BENCHMARKS.md in this checkout")
+    for result in hub_card.parse_benchmarks(path.read_text()):
+        assert result.tables and not hub_card._NOT_A_RESULT.search(result.title)
+
+
+@pytest.mark.parametrize("name", ["Ouro-1.4B", "Ouro-2.6B", "Ouro-1.4B-Thinking", "Ouro-2.6B-Thinking"])
+def test_rendered_variant_cards(name):
+    card = ModelCard.load(ROOT / "model_cards" / f"{name}-loopspec" / "README.md")
+    data = card.data.to_dict()
+    assert data["base_model"] == f"ByteDance/{name}" and data["license"] == "apache-2.0"
+    assert data["library_name"] == "transformers" and data["pipeline_tag"] == "text-generation"
+    assert {"looped-language-model", "speculative-decoding", "custom_generate"} <= set(data["tags"])
+    thinking = name.endswith("Thinking")
+    assert ("apply_chat_template" in card.text) == thinking
+    assert ("temperature=1.0" in card.text and "top_p=0.7" in card.text) == thinking
+    assert ("eos_token_id=[0, 2]" in card.text) == thinking
+
+
+def test_render_script_matches_the_committed_cards(tmp_path):
+    """The committed cards are what scripts/render_model_cards.py writes (rerun it after editing card.py); the speed
+    section is left out (it follows BENCHMARKS.md)."""
+    spec = importlib.util.spec_from_file_location("render_model_cards", ROOT / "scripts" / "render_model_cards.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--out", str(tmp_path)]) == 0
+    for path in sorted(tmp_path.rglob("*.md")):
+        committed = ROOT / "model_cards" / path.relative_to(tmp_path)
+        # the speed section follows BENCHMARKS.md, which changes on its own schedule
+        assert _without_speed(committed.read_text()) == _without_speed(path.read_text()), (
+            f"{committed} is stale: run scripts/render_model_cards.py")
+
+
+def _without_speed(text: str) -> str:
+    return re.sub(r"^## Speed\n.*?(?=^## )", "", text, flags=re.MULTILINE | re.DOTALL)
+
+
+# --- command line -----------------------------------------------------------------------------------------------------
+
+
+def test_main_export(source, tmp_path, capsys):
+    out = tmp_path / "cli-out"
+    assert export.main_export([str(source[1]), str(out), "--speculative-mode", "block", "--benchmarks", "none"]) == 0
+    assert "exported" in capsys.readouterr().out
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["speculative_mode"] == "block"
+    assert export.main_export([str(tmp_path / "missing"), str(tmp_path / "o2")]) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_export_subcommand_hook(source, tmp_path):
+    """What `hf-loopspec export` does once the CLI registers `add_subcommand` and dispatches to `main_from_args`."""
+    parser = argparse.ArgumentParser(prog="hf-loopspec")
+    commands = parser.add_subparsers(dest="command", required=True)
+    export.add_subcommand(commands)
+    args = parser.parse_args(["export", str(source[1]), str(tmp_path / "o"), "--draft-loops", "2",
+                              "--max-shard-size", "50000", "--benchmarks", "none"])
+    assert args.command == "export" and export.main_from_args(args) == 0
+    assert json.loads((tmp_path / "o" / "generation_config.json").read_text())["draft_loops"] == 2
+    assert (tmp_path / "o" / "model.safetensors.index.json").is_file()  # 50000 bytes per shard
