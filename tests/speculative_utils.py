@@ -1,0 +1,295 @@
+"""Shared helpers of the self-speculative decoding tests (tests/test_speculative_*.py).
+
+Everything here computes expectations independently of the speculative code: plain greedy decoding through
+transformers' own loop on a `DynamicCache`, teacher-forced full forwards (`output_hidden_states=True`), and
+counts taken from the plain outputs. CPU, fp32, tiny random Ouro models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from hf_loopspec import OuroConfig, OuroForCausalLM
+from hf_loopspec.cache.paged import PagedLoopCache
+
+# The models are tiny: intra-op threads only add overhead on the shared 2-core machine.
+torch.set_num_threads(1)
+
+PAD = 0
+PAGE = 4  # page size of every PagedLoopCache in these tests: rollbacks cross page boundaries often
+
+
+# --- models and prompts -------------------------------------------------------------------------------------------
+
+
+def tiny_spec_model(seed: int, loops: int = 4, *, vocab: int = 96, hidden: int = 32, damp: float = 1.0,
+                    eos: int | list[int] | None = None) -> OuroForCausalLM:
+    """A tiny fp32 Ouro (2 layers, 4 heads, 2 kv heads, `loops` loops) with seeded random weights, in eval mode.
+
+    Matrices get std 1/sqrt(fan_in) (O(1) activations, well separated argmaxes), norm weights 1 + 0.3 noise.
+
+    `damp` < 1 makes consecutive loops agree, so that drafts get accepted: Ouro's layers are "sandwiches" whose
+    branch outputs pass an RMSNorm (`input_layernorm_2`, `post_attention_layernorm_2`) before they join the
+    residual stream, so scaling `o_proj` / `down_proj` would be undone by that norm; the norm *weights* are
+    scaled by `damp` instead, and the shared final norm (applied after every loop) gets weight 1 so that
+    re-normalising an almost unchanged state is almost the identity.
+    """
+    config = OuroConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, total_ut_steps=loops, max_position_embeddings=512,
+        bos_token_id=None, eos_token_id=eos, pad_token_id=PAD, tie_word_embeddings=False,
+    )
+    model = OuroForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+            else:  # norm weights and the exit gate's bias
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            if name.endswith("layernorm_2.weight"):
+                p.mul_(damp)
+            if name == "model.norm.weight" and damp < 1:
+                p.fill_(1.0)
+    return model
+
+
+def random_prompts(seed: int, lengths: Sequence[int], vocab: int) -> list[torch.Tensor]:
+    """One random prompt per length, ids in [1, vocab) (never the pad id)."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    return [torch.randint(1, vocab, (n,), generator=gen) for n in lengths]
+
+
+def left_pad(rows: Sequence[torch.Tensor], pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad 1-D id tensors into `(input_ids [B, T], attention_mask [B, T])`."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def paged_cache(model, debug: bool = True) -> PagedLoopCache:
+    return PagedLoopCache(model.kv_layout, page_size=PAGE, debug=debug)
+
+
+# --- the two decoders -----------------------------------------------------------------------------------------------
+
+
+def plain(model, ids, mask, max_new: int, **kwargs):
+    """Plain greedy decoding (transformers' loop, `DynamicCache`); returns the dict output (`.cache` included)."""
+    kwargs.setdefault("cache", DynamicCache())
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                              pad_token_id=PAD, return_dict_in_generate=True, **kwargs)
+
+
+def speculative(model, ids, mask, max_new: int, mode: str, d: int = 1, k: int | None = None, *, debug: bool = True,
+                **kwargs):
+    """Speculative greedy decoding on a fresh `PagedLoopCache(page_size=4)`; returns the dict output."""
+    if k is not None:
+        kwargs["num_speculative_tokens"] = k
+    kwargs.setdefault("cache", paged_cache(model, debug))
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                              pad_token_id=PAD, return_dict_in_generate=True, speculative_mode=mode,
+                              draft_loops=d, **kwargs)
+
+
+# --- facts read off plain outputs -----------------------------------------------------------------------------------
+
+
+def real_tokens(sequences: torch.Tensor, mask: torch.Tensor, s: int) -> list[int]:
+    """Row `s` of a generate output without its left padding (prompt + continuation, trailing pads included)."""
+    pads = int((mask[s] == 0).sum())
+    return sequences[s, pads:].tolist()
+
+
+def generated_counts(sequences: torch.Tensor, width: int, max_new: int, eos: int | Sequence[int] | None) -> list[int]:
+    """Tokens each row generated: up to and including its first eos, else all columns after the prompt."""
+    eos_set = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    counts = []
+    for row in sequences[:, width:].tolist():
+        n = len(row)
+        for i, t in enumerate(row):
+            if t in eos_set:
+                n = i + 1
+                break
+        counts.append(min(n, max_new))
+    return counts
+
+
+def first_new_occurrence(tokens: Sequence[int], start: int = 0) -> dict[int, int]:
+    """token -> index of its first occurrence in `tokens`, for tokens first seen at index >= start."""
+    first: dict[int, int] = {}
+    for i, t in enumerate(tokens):
+        first.setdefault(t, i)
+    return {t: i for t, i in first.items() if i >= start}
+
+
+# --- counters -------------------------------------------------------------------------------------------------------
+
+
+def assert_counter_invariants(stats, committed_per_seq: Sequence[int]) -> None:
+    """The exact identities of `SpeculationStats`, with committed counts taken from the plain output."""
+    assert [s.committed for s in stats.per_sequence] == list(committed_per_seq)
+    assert stats.committed_tokens == sum(committed_per_seq)
+    for s in stats.per_sequence:
+        assert s.accepted + s.rejected == s.verified, s
+        assert s.drafted == s.verified + s.discarded, s
+        assert min(s.drafted, s.verified, s.accepted, s.rejected, s.discarded) >= 0, s
+    assert stats.accepted + stats.rejected == stats.verified
+    assert stats.drafted == stats.verified + stats.discarded
+    if stats.committed_tokens:
+        assert stats.core_calls_per_token == stats.core_calls / stats.committed_tokens
+        expected_rate = stats.accepted / stats.verified if stats.verified else 0.0
+        assert stats.acceptance_rate == expected_rate
+
+
+# --- KV cache (I4) --------------------------------------------------------------------------------------------------
+
+
+def paged_plane(cache: PagedLoopCache, seq: int, depth: int, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values `[n, Hkv, D]` of positions 0..n-1 of (seq, depth), gathered through the block table."""
+    pages = cache._pages[seq * cache.num_planes + depth]
+    pos = torch.arange(n)
+    page = torch.tensor(pages, dtype=torch.long)[pos // cache.page_size] if n else pos
+    off = pos % cache.page_size
+    return cache.k_pool[layer][page, off], cache.v_pool[layer][page, off]
+
+
+def assert_cache_matches_ar(paged: PagedLoopCache, ar: DynamicCache, mask: torch.Tensor,
+                            generated: Sequence[int], num_layers: int, atol: float = 1e-5) -> None:
+    """I4: every plane of every sequence equals what serial AR wrote for the committed tokens.
+
+    The AR `DynamicCache` is `[B, Hkv, S, D]` per cache layer (depth * num_layers + layer), with pad columns on the
+    left; it holds every token except the last generated one (and, for rows that finished early, pad steps after
+    the finish, which are not compared). The paged cache stores real tokens only, position p at column p + pads.
+    """
+    for s, gen in enumerate(generated):
+        pads = int((mask[s] == 0).sum())
+        n = int(mask[s].sum()) + gen - 1
+        for depth in range(paged.num_planes):
+            assert paged.length(s, depth) == n, (
+                f"sequence {s}, depth {depth}: valid length {paged.length(s, depth)}, serial AR holds {n} tokens")
+            for layer in range(num_layers):
+                ar_layer = ar.layers[depth * num_layers + layer]
+                k_ar = ar_layer.keys[s, :, pads:pads + n].transpose(0, 1)  # [n, Hkv, D]
+                v_ar = ar_layer.values[s, :, pads:pads + n].transpose(0, 1)
+                k, v = paged_plane(paged, s, depth, layer, n)
+                where = f"sequence {s}, depth {depth}, layer {layer}"
+                torch.testing.assert_close(k, k_ar, atol=atol, rtol=1e-4, msg=lambda m, w=where: f"keys of {w}: {m}")
+                torch.testing.assert_close(v, v_ar, atol=atol, rtol=1e-4, msg=lambda m, w=where: f"values of {w}: {m}")
+
+
+# --- forced draft patterns ------------------------------------------------------------------------------------------
+
+
+def forcing_hook(reference: Sequence[Sequence[int]], prompt_lens: Sequence[int], accept: Callable[[int, int], bool],
+                 vocab: int, calls: list | None = None):
+    """A `draft_hook` that proposes the reference token at a position when `accept(seq, i)` (i = index of the
+    generated token, position - prompt_len) and a different token otherwise. `reference[s]` is row s's real tokens
+    (prompt + plain greedy continuation without eos). Every call is appended to `calls` when given."""
+
+    def hook(seq: int, position: int, proposed: int) -> int:
+        i = position - prompt_lens[seq]
+        right = reference[seq][position]
+        token = right if accept(seq, i) else (right + 1 + seq) % vocab
+        if calls is not None:
+            calls.append((seq, position, proposed, token))
+        return token
+
+    return hook
+
+
+def events(out, kind: str) -> list[tuple[int, int, int]]:
+    """(seq, position, token) of every traced event of one kind ("accept", "reject", "commit")."""
+    return [(s, p, t) for cycle in out.trace for (k, s, p, t) in cycle.events if k == kind]
+
+
+# --- teacher-forced comparison of traced hidden states --------------------------------------------------------------
+
+
+def _row_paths(trace, prompts: Sequence[Sequence[int]]):
+    """For every traced row, the tokens of its own path (its ancestry) at positions 0..position.
+
+    A sequence's live lanes form one path and a lane's ancestors all ran after they were spawned, so the token of
+    the latest row seen at each position (this cycle's rows included) is the row's ancestor there.
+    """
+    latest = [dict(enumerate(int(t) for t in p)) for p in prompts]
+    paths = []
+    for cycle in trace:
+        for r in cycle.rows:
+            latest[r.seq][r.position] = r.token
+        paths.append([tuple(latest[r.seq][j] for j in range(r.position + 1)) for r in cycle.rows])
+    return paths
+
+
+def _loop_states(model, path: tuple[int, ...]) -> torch.Tensor:
+    """Teacher-forced serial reference: every loop's output `[U, T, H]` of one unpadded sequence."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([path]), output_hidden_states=True, use_cache=False)
+    return torch.stack([h[0] for h in out.hidden_states[1:]])
+
+
+def trace_divergence(model, out, prompts: Sequence[Sequence[int]], atol: float = 1e-4):
+    """Compare every traced row's output (`speculative_trace="hidden"`) with a teacher-forced full forward of the
+    row's own path; returns None when all agree, else a dict describing the first divergent (cycle, row)."""
+    trace = out.trace
+    assert trace and trace[0].hidden is not None, "run with speculative_trace='hidden'"
+    paths = _row_paths(trace, prompts)
+    by_seq: dict[int, set] = {}
+    for cycle, cycle_paths in zip(trace, paths):
+        for r, path in zip(cycle.rows, cycle_paths):
+            by_seq.setdefault(r.seq, set()).add(path)
+    maximal: dict[int, list] = {}
+    for s, ps in by_seq.items():
+        chosen = []
+        for p in sorted(ps, key=len, reverse=True):
+            if not any(c[: len(p)] == p for c in chosen):
+                chosen.append(p)
+        maximal[s] = [(c, _loop_states(model, c)) for c in chosen]
+    for c, (cycle, cycle_paths) in enumerate(zip(trace, paths)):
+        for n, (r, path) in enumerate(zip(cycle.rows, cycle_paths)):
+            ref = next(h for full, h in maximal[r.seq] if full[: len(path)] == path)
+            diff = float((cycle.hidden[n] - ref[r.depth, r.position]).abs().max())
+            if not diff <= atol:
+                return {"cycle": c, "seq": r.seq, "position": r.position, "depth": r.depth, "token": r.token,
+                        "is_draft": r.is_draft, "max_abs_diff": diff, "rows": len(cycle.rows)}
+    return None
+
+
+def logit_margin(model, tokens: Sequence[int], position: int) -> dict:
+    """Top-1 / top-2 of the teacher-forced last-loop logits that choose the token at `position` of `tokens`."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([list(tokens[:position])])).logits[0, -1]
+    top = logits.topk(2)
+    return {"top1": int(top.indices[0]), "top2": int(top.indices[1]),
+            "margin": float(top.values[0] - top.values[1])}
+
+
+def divergence_report(model, ids, mask, expected: torch.Tensor, traced_out, label: str = "") -> str:
+    """Failure message for a token mismatch: the first divergent token per sequence with the logit margin there,
+    and the first cycle / depth where the traced hidden states leave the teacher-forced serial reference."""
+    prompts = [ids[s][mask[s].bool()].tolist() for s in range(ids.shape[0])]
+    lines = [f"speculative output differs from plain greedy {label}"]
+    for s in range(ids.shape[0]):
+        want, got = real_tokens(expected, mask, s), real_tokens(traced_out.sequences, mask, s)
+        j = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+        if j is None and len(want) == len(got):
+            continue
+        j = min(len(want), len(got)) if j is None else j
+        m = logit_margin(model, want, j) if j < len(want) else {}
+        lines.append(f"  seq {s}: first divergent token at position {j} (generated index {j - len(prompts[s])}): "
+                     f"plain {want[j] if j < len(want) else None} vs speculative {got[j] if j < len(got) else None}; "
+                     f"teacher-forced top1/top2 logit margin there: {m}")
+    first = trace_divergence(model, traced_out, prompts)
+    lines.append(f"  first traced row whose hidden state leaves the teacher-forced reference: {first}")
+    return "\n".join(lines)

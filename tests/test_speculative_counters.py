@@ -1,0 +1,129 @@
+"""`out.speculation` counters: exact identities in every run, and exact core-call counts under forced patterns.
+
+The closed forms below are derived from DESIGN 3's cost model, not read off the decoder; they count every call
+of the shared stack, prefill included (the prompt enters as lanes at depth 0, so prefill is part of the first
+cycles). N = max_new_tokens, U = loops, d = draft_loops, K = num_speculative_tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from speculative_utils import (
+    assert_counter_invariants,
+    events,
+    forcing_hook,
+    generated_counts,
+    left_pad,
+    plain,
+    random_prompts,
+    real_tokens,
+    speculative,
+    tiny_spec_model,
+)
+
+VOCAB = 64
+
+
+def pipeline_calls(n: int, loops: int, d: int, accept: bool) -> int:
+    """Core calls of a pipeline run of n tokens when every draft is accepted / rejected.
+
+    All accepted: the last prompt token reaches depth d after d calls and drafts token 1; every draft reaches
+    depth d d calls after it was spawned and drafts the next, so the draft of token n-1 (the last one ever
+    needed: the last token is never fed back) is spawned after (n-1)d calls and yields token n U calls later:
+    (n-1)d + U. Per token this tends to d, DESIGN's d + (U-d)(1-a) at a = 1.
+
+    All rejected: every target kills the draft in flight and restarts its position at depth 0 with the target
+    token, which takes U calls to produce the next target: nU, i.e. U per token (a = 0), as plain AR.
+    """
+    return (n - 1) * d + loops if accept else n * loops
+
+
+def block_rounds(n: int, k: int, accept: bool) -> list[int]:
+    """Drafts per round: a round that starts with c tokens committed drafts min(K, n - c - 1) tokens (the last token
+    is never fed back, so no draft is made beyond position n - 1 of the continuation) and commits all of them
+    plus the bonus token (all accepted) or one target token (all rejected)."""
+    rounds, c = [], 0
+    while c < n:
+        drafts = min(k, n - c - 1)
+        rounds.append(drafts)
+        c += drafts + 1 if accept else 1
+    return rounds
+
+
+def block_calls(n: int, loops: int, d: int, k: int, accept: bool) -> int:
+    """Core calls of a block run: a round with k drafts runs the round's first token (the prompt's last token or
+    the previous round's committed target) and each of the k drafts through loops 0..d-1 one after another,
+    (k+1)d calls, then loops d..U-1 once over all k+1 lanes, U-d calls: DESIGN's (K+1)d + (U-d) per round."""
+    return sum((drafts + 1) * d + loops - d for drafts in block_rounds(n, k, accept))
+
+
+def test_closed_forms_by_hand():
+    assert pipeline_calls(40, 4, 1, True) == 43 and pipeline_calls(40, 4, 2, False) == 160
+    assert block_rounds(10, 4, True) == [4, 4] and block_rounds(11, 4, True) == [4, 4, 0]
+    assert block_rounds(3, 4, False) == [2, 1, 0]
+    assert block_calls(11, 4, 1, 4, True) == 8 + 8 + 4  # (4+1)*1+3 twice, then one plain U-call round
+    assert block_calls(1, 4, 2, 8, True) == 4  # a single token: prefill's U calls, nothing to draft
+
+
+CASES = [(u, "pipeline", d, None) for u in (2, 3, 4) for d in (1, 2) if d < u and u % d == 0]
+CASES += [(u, "block", d, k) for u in (2, 3, 4) for d in (1, 2) if d < u for k in (1, 3, 8)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 30])
+@pytest.mark.parametrize("accept", [True, False], ids=["all_accepted", "all_rejected"])
+@pytest.mark.parametrize("loops,mode,d,k", CASES)
+@pytest.mark.parametrize("lengths", [[5], [5, 2, 8]], ids=["batch1", "batch3_ragged"])
+def test_core_calls_closed_form(lengths, loops, mode, d, k, accept, n):
+    """Exact core calls under forced all-accept / all-reject. With a batch (no eos) every sequence goes through the
+    same schedule in lockstep and the rows of all sequences share each call, so the count is the batch-1 count."""
+    model = tiny_spec_model(21 + loops, loops, vocab=VOCAB)
+    prompts = random_prompts(21, lengths, VOCAB)
+    ids, mask = left_pad(prompts)
+    ref = plain(model, ids, mask, n)
+    reference = [real_tokens(ref.sequences, mask, s) for s in range(len(prompts))]
+    hook = forcing_hook(reference, [len(p) for p in prompts], lambda s, i: accept, VOCAB)
+    out = speculative(model, ids, mask, n, mode, d, k, draft_hook=hook, debug=False)
+    torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
+    stats = out.speculation
+    assert_counter_invariants(stats, [n] * len(prompts))
+    expected = pipeline_calls(n, loops, d, accept) if mode == "pipeline" else block_calls(n, loops, d, k, accept)
+    assert stats.core_calls == expected
+    assert stats.core_calls_per_token == expected / (n * len(prompts))
+    for s in stats.per_sequence:
+        if mode == "pipeline":  # one draft per position n-1 positions: verified all; accepted or rejected all
+            assert s.verified == n - 1
+        else:
+            rounds = block_rounds(n, k, accept)
+            assert s.verified == (sum(rounds) if accept else sum(r > 0 for r in rounds))
+        assert (s.accepted, s.rejected) == ((s.verified, 0) if accept else (0, s.verified))
+        if accept:
+            assert s.discarded == 0 and s.drafted == s.verified
+
+
+@pytest.mark.parametrize("mode,d,k", [("pipeline", 1, None), ("pipeline", 2, None), ("block", 1, 4), ("block", 2, 3)])
+def test_counters_with_free_drafts_and_eos(mode, d, k):
+    """Unforced drafts (a model whose loops agree often, so runs mix acceptances and rejections) and a batch in
+    which one sequence stops at eos: the identities hold per sequence, committed counts equal the plain output's
+    generated lengths, and the traced accept / reject events agree with the per-sequence counters."""
+    model = tiny_spec_model(31, 4, vocab=VOCAB, damp=0.15)
+    ids, mask = left_pad(random_prompts(31, [6, 3, 9], VOCAB))
+    free = plain(model, ids, mask, 30)
+    cont = free.sequences[0, ids.shape[1]:].tolist()
+    eos = cont[10]
+    ref = plain(model, ids, mask, 30, eos_token_id=eos)
+    committed = generated_counts(ref.sequences, ids.shape[1], 30, eos)
+    assert committed[0] == cont.index(eos) + 1 and min(committed) < 30
+    out = speculative(model, ids, mask, 30, mode, d, k, eos_token_id=eos, speculative_trace=True)
+    torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
+    assert_counter_invariants(out.speculation, committed)
+    stats = out.speculation
+    assert stats.accepted > 0 and stats.rejected > 0
+    for s, per in enumerate(stats.per_sequence):
+        assert per.accepted == sum(1 for q, _, _ in events(out, "accept") if q == s)
+        assert per.rejected == sum(1 for q, _, _ in events(out, "reject") if q == s)
+        commits = [(p, t) for q, p, t in events(out, "commit") if q == s]
+        assert [t for _, t in commits] == ref.sequences[s, ids.shape[1]:ids.shape[1] + committed[s]].tolist()
+        assert [p for p, _ in commits] == list(range(int(mask[s].sum()), int(mask[s].sum()) + committed[s]))
+    assert stats.core_calls == len(out.trace)
+    assert stats.to_dict()["committed_tokens"] == sum(committed)
