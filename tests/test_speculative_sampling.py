@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper
-from transformers import TopKLogitsWarper
+from transformers import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
 
 from hf_loopspec import OuroConfig, OuroForCausalLM, PagedLoopCache
 from hf_loopspec.generation import acceptance, decoder

@@ -416,4 +416,6 @@ class PagedKVAttention:
         attention_ops.write_kv(k, v, k_pool, v_pool, rows.slot)
         if cache.debug:
             cache._tag_and_check(layer_idx, rows)
-        return attention_ops.paged_attention(q, k_pool, v_pool, rows.block_tables, rows.table, rows.context_len, self.scale)
+        return attention_ops.paged_attention(
+            q, k_pool, v_pool, rows.block_tables, rows.table, rows.context_len, self.scale
+        )

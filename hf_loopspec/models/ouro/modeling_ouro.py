@@ -125,7 +125,9 @@ class OuroPreTrainedModel(PreTrainedModel):
                                                                     "mismatched_keys")}
         problems = {name: keys for name, keys in problems.items() if keys}
         if problems:
-            details = "; ".join(f"{name}: {keys[:8]}{' ...' if len(keys) > 8 else ''}" for name, keys in problems.items())
+            details = "; ".join(
+                f"{name}: {keys[:8]}{' ...' if len(keys) > 8 else ''}" for name, keys in problems.items()
+            )
             raise ValueError(
                 f"The checkpoint does not match {cls.__name__} for config {model.config.to_diff_dict()}: {details}. "
                 "Check that the checkpoint is an Ouro checkpoint with the same shape as its config.json."
