@@ -127,18 +127,12 @@ def test_repetition_penalty_batch1(setup, mode, d, k):
     assert_cache_matches_ar(out.cache, ref.cache, mask, [NEW], model.config.num_hidden_layers)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="BUG: transformers gives RepetitionPenaltyLogitsProcessor "
-                   "a per-row prompt_ignore_length [B] (the left-padding lengths); the lane decoder calls the "
-                   "processors one row at a time ([1, width]), which raises 'Incompatible `prompt_ignore_length` "
-                   "batch size' for B > 1")
 @pytest.mark.parametrize("mode,d,k", [MODES[0], MODES[2]], ids=[MODE_IDS[0], MODE_IDS[2]])
 def test_repetition_penalty_padded_batch(setup, mode, d, k):
     model, ids, mask, _ = setup
     check(model, ids, mask, mode, d, k, repetition_penalty=1.5)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the lane decoder calls the processors one row at a time, so "
-                   "prefix_allowed_tokens_fn(batch_id, ids) always receives batch_id 0")
 @pytest.mark.parametrize("mode,d,k", [MODES[0], MODES[2]], ids=[MODE_IDS[0], MODE_IDS[2]])
 def test_prefix_allowed_tokens_fn_sees_the_batch_index(setup, mode, d, k):
     model, ids, mask, _ = setup

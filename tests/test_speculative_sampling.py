@@ -209,4 +209,4 @@ def test_every_pair_is_reachable_under_the_exact_distribution(sampling_model):
     """Sanity of the fixture: the model's joint is spread out enough for the test to mean something."""
     joint = exact_joint(sampling_model, {})
     assert (joint > 1e-3).sum() >= 20
-    assert abs(float(joint.sum()) - 1) < 1e-9
+    assert abs(float(joint.sum()) - 1) < 1e-5  # fp32 softmaxes, summed in fp64

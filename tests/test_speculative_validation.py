@@ -189,10 +189,6 @@ def test_keys_from_saved_generation_config_json(model, inputs, tmp_path):
             loaded.generate(ids, attention_mask=mask, max_new_tokens=8)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (trap): a model's default generation_config is derived from its config "
-                   "(_from_model_config=True, also written to generation_config.json); transformers' GenerationConfig "
-                   "drops every non-standard key when it loads such a file, so speculative keys set on "
-                   "model.generation_config and saved are silently lost on reload")
 def test_keys_set_on_the_default_generation_config_survive_save_and_reload(inputs, tmp_path):
     model = tiny_spec_model(54, 4, vocab=VOCAB)
     model.generation_config.speculative_mode = "pipeline"

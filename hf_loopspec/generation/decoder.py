@@ -21,11 +21,13 @@ Every lane has a lineage id linked to its parent; a `PagedLoopCache(debug=True)`
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
 
 import torch
+from transformers import LogitsProcessorList, PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from ..cache.paged import PagedLoopCache
 from .acceptance import draft_distribution, judge, propose, target_token
@@ -64,6 +66,25 @@ class DecodeResult:
     trace: list[CycleTrace] | None
 
 
+def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessorList:
+    """The processors as they apply to batch row `row` alone (the decoder calls them one row at a time).
+
+    Processors that hold per-row state are narrowed to that row: a repetition penalty's per-row
+    `prompt_ignore_length`, and the batch index that `prefix_allowed_tokens_fn` receives.
+    """
+    narrowed = LogitsProcessorList()
+    for processor in processors:
+        if isinstance(processor, RepetitionPenaltyLogitsProcessor) and torch.is_tensor(processor.prompt_ignore_length):
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = processor.prompt_ignore_length[row : row + 1]
+        elif isinstance(processor, PrefixConstrainedLogitsProcessor):
+            allowed = processor._prefix_allowed_tokens_fn
+            processor = copy.copy(processor)
+            processor._prefix_allowed_tokens_fn = lambda _, tokens, fn=allowed: fn(row, tokens)
+        narrowed.append(processor)
+    return narrowed
+
+
 class LaneDecoder:
     """Runs one batch to completion. See the module docstring for the cycle."""
 
@@ -91,7 +112,9 @@ class LaneDecoder:
         self.model, self.cache, self.policy = model, cache, policy
         self.num_loops = model.num_loops
         self.draft_loops = draft_loops
-        self.processors = logits_processor if logits_processor is not None and len(logits_processor) else None
+        has_processors = logits_processor is not None and len(logits_processor)
+        self.processors = [row_processors(logits_processor, s) for s in range(len(input_ids))] \
+            if has_processors else None
         self.stopping = stopping_criteria
         self.streamer, self.draft_hook = streamer, draft_hook
         self.do_sample = do_sample
@@ -183,7 +206,7 @@ class LaneDecoder:
         if seq.finished or lane not in seq.lanes:
             return  # killed earlier in this cycle (block mode: after a rejection of an earlier position)
         width = self.prompt_width + len(seq.generated)
-        scores = self._process(self.ids[seq.index, :width], raw)
+        scores = self._process(seq.index, self.ids[seq.index, :width], raw)
         index = seq.lanes.index(lane)
         nxt = seq.lanes[index + 1] if index + 1 < len(seq.lanes) else None
         if nxt is None:
@@ -238,7 +261,7 @@ class LaneDecoder:
             width = self.prompt_width + len(seq.generated)
             pending = [x.token for x in seq.lanes if x.position > seq.prompt_len + len(seq.generated) - 1]
             prefix = torch.cat([self.ids[seq.index, :width], self.ids.new_tensor(pending)])
-            raw = self._process(prefix, raw)
+            raw = self._process(seq.index, prefix, raw)
         q = draft_distribution(raw, self.do_sample)
         token = propose(raw, q)
         if self.draft_hook is not None:
@@ -259,10 +282,10 @@ class LaneDecoder:
         self.cache.link_lineage(lane.lineage, parent.lineage)
         return lane
 
-    def _process(self, prefix: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    def _process(self, seq: int, prefix: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
         if self.processors is None:
             return raw
-        return self.processors(prefix[None], raw[None].clone())[0]
+        return self.processors[seq](prefix[None], raw[None].clone())[0]
 
     def _event(self, kind: str, seq: int, position: int, token: int) -> None:
         if self.trace is not None:

@@ -32,6 +32,17 @@ class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
     trace: list | None = None
 
 
+def mark_user_generation_config(generation_config) -> None:
+    """Keep speculative keys set on a model's default generation config through `save_pretrained`.
+
+    A default generation config is marked `_from_model_config`, and transformers drops every non-standard key
+    when it loads a file so marked; once speculative keys are set, the config is the user's own.
+    """
+    if generation_config is not None and any(getattr(generation_config, k, None) is not None
+                                             for k in SPECULATIVE_KEYS):
+        generation_config._from_model_config = False
+
+
 class LoopSpecGenerationMixin(GenerationMixin):
     """Generation for looped models (see the module docstring)."""
 

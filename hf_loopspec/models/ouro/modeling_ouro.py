@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
-from ...generation.mixin import LoopSpecGenerationMixin
+from ...generation.mixin import LoopSpecGenerationMixin, mark_user_generation_config
 from ...looped import KVAttention, KVLayout
 from ..loops import loop_states
 from .configuration_ouro import OuroConfig
@@ -111,6 +111,10 @@ class OuroPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["OuroDecoderLayer"]
     _supports_sdpa = True
+
+    def save_pretrained(self, *args, **kwargs):
+        mark_user_generation_config(getattr(self, "generation_config", None))
+        return super().save_pretrained(*args, **kwargs)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
