@@ -116,6 +116,9 @@ class LaneDecoder:
         self.processors = [row_processors(logits_processor, s) for s in range(len(input_ids))] \
             if has_processors else None
         self.stopping = stopping_criteria
+        # Like transformers' loop: a stopped row is padded only when an EOS criterion exists; otherwise it keeps
+        # decoding until every row has stopped, and all rows end at the step where the last one stopped.
+        self.pad_stopped = stopping_criteria is not None and any(hasattr(c, "eos_token_id") for c in stopping_criteria)
         self.streamer, self.draft_hook = streamer, draft_hook
         self.do_sample = do_sample
         self.output_scores, self.output_logits = output_scores, output_logits
@@ -157,6 +160,7 @@ class LaneDecoder:
     def run(self) -> DecodeResult:
         while any(not s.finished for s in self.seqs):
             self.cycle()
+            self._end_stopped_rows()
             self._stream_columns()
         self._stream_columns(final=True)
         return self._result()
@@ -242,9 +246,22 @@ class LaneDecoder:
             seq.raw_logits.append(raw)
         self._event("commit", seq.index, seq.prompt_len + len(seq.generated) - 1, token)
         row = self.ids[seq.index : seq.index + 1, : width + 1]
-        done = bool(self.stopping(row, scores[None]).any()) if self.stopping is not None else False
-        if done or len(seq.generated) >= seq.max_new:
+        if seq.stopped_at is None and self.stopping is not None and bool(self.stopping(row, scores[None]).any()):
+            seq.stopped_at = len(seq.generated)
+        if (seq.stopped_at is not None and self.pad_stopped) or len(seq.generated) >= seq.max_new:
             self._finish(seq)
+
+    def _end_stopped_rows(self) -> None:
+        """Without an EOS criterion, end the run at the step where the last row stopped (see `pad_stopped`)."""
+        if self.pad_stopped or any(s.stopped_at is None and not s.finished for s in self.seqs):
+            return
+        steps = max((s.stopped_at for s in self.seqs if s.stopped_at is not None), default=0)
+        for seq in self.seqs:
+            if not seq.finished and len(seq.generated) >= steps:
+                extra = len(seq.generated) - steps
+                seq.stats.committed -= extra
+                del seq.generated[steps:], seq.scores[steps:], seq.raw_logits[steps:]
+                self._finish(seq)
 
     def _finish(self, seq: SequenceState) -> None:
         """Stop a sequence: drop its lanes and leave its planes as serial AR would (all but the last token)."""
