@@ -181,44 +181,27 @@ def _modes(text: str) -> list[str]:
     return list(dict.fromkeys(modes))
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{value} is outside [0, 1]")
-    return value
+def checked(kind: type, ok, requirement: str):
+    """An argparse `type` that parses `kind` (int or float) and refuses values for which `ok` is false."""
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not ok(value):  # comparisons with nan are false, so nan is refused too
+            raise argparse.ArgumentTypeError(f"{value} {requirement}")
+        return value
+
+    return parse
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:  # (also refuses nan)
-        raise argparse.ArgumentTypeError(f"{value} must be > 0")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
+_fraction = checked(float, lambda v: 0.0 <= v <= 1.0, "is outside [0, 1]")
+_positive = checked(int, lambda v: v >= 1, "must be >= 1")
+_positive_float = checked(float, lambda v: v > 0, "must be > 0")
+_non_negative = checked(int, lambda v: v >= 0, "must be >= 0")
+_non_negative_float = checked(float, lambda v: v >= 0, "must be >= 0")
 
 
 SYNTHETIC_WITH_SAMPLING = ("--synthetic-acceptance cannot be combined with --do-sample: it replaces each draft by the "

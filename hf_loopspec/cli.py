@@ -27,16 +27,6 @@ from . import bench
 from .hub import export as hub_export
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-loopspec",
@@ -59,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="K: drafts per block round (default: %(default)s)")
     gen.add_argument("--max-new-tokens", type=bench._positive, default=128, help="(default: %(default)s)")
     gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    gen.add_argument("--temperature", type=_non_negative_float, default=None)
+    gen.add_argument("--temperature", type=bench._non_negative_float, default=None)
     gen.add_argument("--top-k", type=bench._positive, default=None)
     gen.add_argument("--top-p", type=bench._fraction, default=None)
     gen.add_argument("--seed", type=int, default=None, help="torch seed (for sampling)")
