@@ -20,7 +20,7 @@ MODES = ("pipeline", "block")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    mode: str  # "pipeline" | "block" | "ar" (the same engine without drafting: a baseline for benchmarks)
+    mode: str  # "pipeline" | "block" (decode_with_lanes also takes "ar", the engine without drafting)
     draft_loops: int
     num_speculative_tokens: int
 
