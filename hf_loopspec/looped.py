@@ -4,15 +4,26 @@ A looped LM is `embed -> core x U -> head`, where `core` is one pass of a shared
 in `hf_loopspec.generation` drive a model only through this protocol, so a new looped family plugs in by
 implementing it:
 
-* `embed(input_ids)` maps token ids `[*rows]` to the loop-0 input `[*rows, hidden]`.
+* `embed(input_ids, positions, sequences, attention)` maps token ids `[*rows]` to the loop-0 input
+  `[*rows, hidden]` (the lane state a token carries through the loops).
 * `core(hidden, positions, attention)` runs ONE loop of the stack over a batch of rows `[*rows, hidden]`.
   Rows are independent apart from attention: each row may belong to a different sequence, sit at a different
   position and at a different loop depth, because every loop uses the same weights. `positions` `[*rows]`
   are the rotary positions; everything about KV addressing (which plane a row writes, which history it reads)
   lives in the `attention` object, never in the model.
-* `head(hidden)` maps any depth's output to logits: the depth-d draft and the depth-U target use one head.
+* `head(hidden, positions, attention)` maps any depth's output to logits: the depth-d draft and the depth-U
+  target use one head.
 
-`KVLayout` tells a cache how much KV storage one token needs per depth, so the cache needs no model.
+Entry and exit stages with their own KV. Ouro's `embed` and `head` are stateless and get `attention=None`.
+A family whose per-token entry stage attends (Huginn's prelude) declares an *entry plane* in its `KVLayout`,
+and one whose head attends (Huginn's coda) declares *exit planes*: one per exit depth, so a depth-d draft row
+and a depth-U target row never read each other's KV. The caller then passes an attention over that plane
+(every token's `embed` runs once, and every token runs `head` at every exit depth in use, even when its logits
+are not needed, so the exit plane of that depth holds every position). `sequences` `[*rows]` (the batch row
+of each token) is for models whose loop-0 input is random per token: Huginn keys it by (seed, sequence,
+position), so every decoding mode draws the same state for the same token.
+
+`KVLayout` tells a cache how much KV storage one token needs, so the cache needs no model.
 """
 
 from __future__ import annotations
@@ -38,12 +49,23 @@ class KVAttention(Protocol):
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of the KV a model writes: `num_planes` planes (one per loop depth) of `num_layers` layers each."""
+    """Shape of the KV a model writes: `num_planes` planes of `num_layers` layers each.
+
+    Plane `k < num_loops` is loop depth `k` (the core's KV). A model with an attending entry stage adds the
+    plane `entry_plane`; one with an attending head adds a plane per exit depth, `exit_plane(depth)` for
+    depth 1..num_loops. A stage with fewer layers than `num_layers` leaves the other layers of its planes unused.
+    """
 
     num_planes: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    entry_plane: int | None = None
+    first_exit_plane: int | None = None  # the plane of exit depth 1; exit depth k uses first_exit_plane + k - 1
+
+    def exit_plane(self, depth: int) -> int | None:
+        """The plane the head writes for rows of exit depth `depth` (1-based), or None for a stateless head."""
+        return None if self.first_exit_plane is None else self.first_exit_plane + depth - 1
 
 
 @runtime_checkable
@@ -56,8 +78,9 @@ class LoopedModel(Protocol):
     @property
     def kv_layout(self) -> KVLayout: ...
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor,
+              attention: KVAttention | None) -> torch.Tensor: ...
 
     def core(self, hidden: torch.Tensor, positions: torch.Tensor, attention: KVAttention) -> torch.Tensor: ...
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def head(self, hidden: torch.Tensor, positions: torch.Tensor, attention: KVAttention | None) -> torch.Tensor: ...

@@ -16,6 +16,11 @@ mixed sequence, position and depth). After the call, in this order, per sequence
 The prompt enters as lanes too (one per real prompt token, all at depth 0), so prefill is U calls of P rows
 and the pipeline starts drafting as soon as the last prompt token reaches depth d.
 
+Lanes spawned in a cycle are embedded together by one `embed` call at its end. When the model's head has KV
+(exit planes in `KVLayout`), every lane that reaches an exit depth in use (d when drafting, and U) runs the
+head, so the exit plane of that depth holds every position; the entry stage's plane is written by `embed`.
+Rollbacks truncate every plane.
+
 Every lane has a lineage id linked to its parent; a `PagedLoopCache(debug=True)` checks every read against it.
 """
 
@@ -139,15 +144,16 @@ class LaneDecoder:
             raise ValueError("speculative decoding needs an empty PagedLoopCache (this one already holds "
                              f"{cache.num_sequences} sequences); pass a fresh cache or none.")
         cache.ensure_sequences(batch)
+        self.layout = model.kv_layout
+        self.like = torch.empty(0, dtype=model.dtype, device=input_ids.device)  # the KV dtype and device
         self.seqs = []
         for s in range(batch):
             prompt = input_ids[s][mask[s]]
             state = SequenceState(index=s, prompt_len=len(prompt), max_new=max_new)
             self.stats.per_sequence.append(state.stats)
-            hidden = model.embed(prompt)  # [P, H]
             parent = -1
             for p, token in enumerate(prompt.tolist()):
-                lane = Lane(s, p, token, 0, hidden[p], next(self._ids), next_known=p < len(prompt) - 1)
+                lane = Lane(s, p, token, 0, None, next(self._ids), next_known=p < len(prompt) - 1)
                 cache.link_lineage(lane.lineage, parent)
                 parent = lane.lineage
                 state.lanes.append(lane)
@@ -155,6 +161,7 @@ class LaneDecoder:
                 state.lanes.clear()
                 state.finished = True
             self.seqs.append(state)
+        self._embed_new_lanes()
 
     # --- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> DecodeResult:
@@ -186,9 +193,17 @@ class LaneDecoder:
 
         targets = [lane for lane in lanes if lane.depth == self.num_loops and not lane.next_known]
         drafters = [lane for lane in lanes if self._wants_draft(lane)]
-        heads = targets + drafters
-        logits = self.model.head(torch.stack([lane.hidden for lane in heads])).float() if heads else None  # [M, V]
-        row_of = {id(lane): i for i, lane in enumerate(heads)}
+        if self.layout.first_exit_plane is None:
+            heads, attention = targets + drafters, None
+        else:  # the head writes KV: every lane reaching an exit depth in use runs it, logits needed or not
+            exits = (self.num_loops, self.draft_loops) if self.policy.drafts else (self.num_loops,)
+            heads = [lane for lane in lanes if lane.depth in exits]
+            attention = self._attention(heads, [self.layout.exit_plane(lane.depth) for lane in heads])
+        logits = None
+        if heads:
+            positions = torch.tensor([lane.position for lane in heads], device=self.like.device)
+            logits = self.model.head(torch.stack([lane.hidden for lane in heads]), positions, attention).float()
+        row_of = {id(lane): i for i, lane in enumerate(heads)}  # logits: [M, V]
         for lane in targets:
             self._verify(lane, logits[row_of[id(lane)]])
         for lane in drafters:
@@ -197,6 +212,32 @@ class LaneDecoder:
                 self._draft(lane, logits[row_of[id(lane)]])
         for seq in self.seqs:  # retire lanes that completed all loops
             seq.lanes = [lane for lane in seq.lanes if lane.depth < self.num_loops]
+        self._embed_new_lanes()
+
+    def _embed_new_lanes(self) -> None:
+        """One `embed` call for every lane spawned since the last one (all sequences), through the entry plane
+        when the model's entry stage has KV."""
+        new = [lane for seq in self.seqs for lane in seq.lanes if lane.hidden is None]
+        if not new:
+            return
+        device = self.like.device
+        attention = None
+        if self.layout.entry_plane is not None:
+            attention = self._attention(new, [self.layout.entry_plane] * len(new))
+        hidden = self.model.embed(
+            torch.tensor([lane.token for lane in new], device=device),
+            torch.tensor([lane.position for lane in new], device=device),
+            torch.tensor([lane.seq for lane in new], device=device),
+            attention,
+        )  # [n, H]
+        for lane, h in zip(new, hidden):
+            lane.hidden = h
+
+    def _attention(self, lanes: list[Lane], planes: list[int]):
+        """Attention for a call of an entry or exit stage: lane i writes and reads plane `planes[i]`."""
+        rows = self.cache.plan_rows([lane.seq for lane in lanes], planes, [lane.position for lane in lanes],
+                                    like=self.like, lineage=[lane.lineage for lane in lanes])
+        return self.cache.attention(rows)
 
     def _wants_draft(self, lane: Lane) -> bool:
         seq = self.seqs[lane.seq]
@@ -226,8 +267,7 @@ class LaneDecoder:
                 seq.stats.rejected += 1
                 self._event("reject", nxt.seq, nxt.position, nxt.token)
                 seq.stats.discarded += seq.kill_from(index + 1)
-                for depth in range(self.num_loops):
-                    self.cache.truncate(seq.index, depth, lane.position + 1)
+                self._truncate(seq, lane.position + 1)
                 nxt = None
         self._commit(seq, target, scores, raw)
         if not seq.finished and nxt is None:
@@ -267,9 +307,12 @@ class LaneDecoder:
         """Stop a sequence: drop its lanes and leave its planes as serial AR would (all but the last token)."""
         seq.stats.discarded += seq.kill_from(0)
         seq.finished = True
-        keep = seq.prompt_len + len(seq.generated) - 1
-        for depth in range(self.num_loops):
-            self.cache.truncate(seq.index, depth, min(keep, self.cache.length(seq.index, depth)))
+        self._truncate(seq, seq.prompt_len + len(seq.generated) - 1)
+
+    def _truncate(self, seq: SequenceState, length: int) -> None:
+        """Roll every KV plane of `seq` back to at most `length` positions (I4)."""
+        for plane in range(self.cache.num_planes):
+            self.cache.truncate(seq.index, plane, min(length, self.cache.length(seq.index, plane)))
 
     # --- drafts -------------------------------------------------------------------------------------------------
     def _draft(self, lane: Lane, raw: torch.Tensor) -> None:
@@ -293,9 +336,8 @@ class LaneDecoder:
         seq.lanes.append(drafted)
 
     def _spawn(self, seq: SequenceState, parent: Lane, token: int, is_draft: bool) -> Lane:
-        ids = torch.tensor([token], device=parent.hidden.device)
-        lane = Lane(seq.index, parent.position + 1, token, 0, self.model.embed(ids)[0], next(self._ids),
-                    is_draft=is_draft)
+        """A new lane for `token` after `parent`; it is embedded with the other new lanes at the end of the cycle."""
+        lane = Lane(seq.index, parent.position + 1, token, 0, None, next(self._ids), is_draft=is_draft)
         self.cache.link_lineage(lane.lineage, parent.lineage)
         return lane
 

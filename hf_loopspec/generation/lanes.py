@@ -21,7 +21,7 @@ class Lane:
     position: int
     token: int
     depth: int  # loops completed
-    hidden: torch.Tensor  # [H] input of loop `depth`
+    hidden: torch.Tensor | None  # [H] input of loop `depth`; None until the lane is embedded
     lineage: int  # unique id; its parent is the lane of position - 1 on the same path
     is_draft: bool = False  # proposed from depth d and not verified yet
     next_known: bool = False  # a prompt token that is not the last: the next token is given, nothing to verify

@@ -1,12 +1,13 @@
-"""Running all loops of a looped model over a `[batch, time]` input: the HF `forward` path of every family.
+"""The tokens of one HF `forward` call as rows of the `LoopedModel` stages, over either kind of cache.
 
-Two caches can back it:
+A model's `forward` gathers its `[batch, time]` input into rows, runs its stages on them with the attention
+of the right KV plane, and scatters the results back:
 
-* a standard `transformers` Cache (e.g. `DynamicCache()`): loop `u`, layer `l` is cache layer
-  `u * num_layers + l`; padding is masked (`padded_causal_mask`);
-* a `PagedLoopCache`: padding tokens are not stored at all. Every real token becomes one row per loop, at
-  position = the number of real tokens before it in its sequence, which equals the `position_ids` that
-  `generate` derives from the attention mask. `position_ids` are therefore ignored on this path.
+* with a standard `transformers` Cache (e.g. `DynamicCache()`) or none, rows are the `[B, T]` grid itself;
+  plane `k`, layer `l` is cache layer `k * num_layers + l`; padding is masked (`padded_causal_mask`);
+* with a `PagedLoopCache`, padding tokens are not stored at all: rows are the real tokens `[N]`
+  (sequence-major), at position = the number of real tokens before them in their sequence, which equals the
+  `position_ids` that `generate` derives from the attention mask. `position_ids` are ignored on this path.
 """
 
 from __future__ import annotations
@@ -15,36 +16,41 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..cache.paged import PagedLoopCache
+from ..looped import KVAttention, KVLayout
 from ..ops.attention.dense import DenseKVAttention, padded_causal_mask
 
 
-def loop_states(
-    model,
-    hidden: torch.Tensor,  # [B, T, H] loop-0 input
-    attention_mask: torch.Tensor | None,  # [B, past + T] or None
-    position_ids: torch.Tensor | None,  # [B or 1, T] or None
-    cache: Cache | None,
-) -> list[torch.Tensor]:
-    """Run `model.core` for every loop; returns the `num_loops` outputs, each `[B, T, H]`.
+class ForwardRows:
+    """Rows of one forward call: `positions` and `sequences` (batch row) `[*rows]`, and per plane an attention.
 
-    `model` provides `core(hidden, positions, attention)` and `kv_layout` (see `hf_loopspec.looped`).
+    Every plane's `attention` may be requested once per call (on a paged cache it allocates that plane's slots);
+    call `close()` after the last stage.
     """
+
+    positions: torch.Tensor
+    sequences: torch.Tensor
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, ...] -> [*rows, ...]
+        raise NotImplementedError
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:  # [*rows, ...] -> [B, T, ...]
+        raise NotImplementedError
+
+    def attention(self, plane: int) -> KVAttention:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Tell the cache the call's columns are consumed."""
+
+
+def forward_rows(layout: KVLayout, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                 cache: Cache | None, *, shape: tuple[int, int], like: torch.Tensor) -> ForwardRows:
+    """The rows of a forward call over `shape` = (batch, new tokens); `like` is any tensor on the compute device
+    in the KV dtype. See the module docstring."""
+    batch, length = shape
     if isinstance(cache, PagedLoopCache):
-        return _paged_loop_states(model, hidden, attention_mask, cache)
-    layout = model.kv_layout
-    if cache is not None:
-        _check_layer_count(cache, layout)
-    batch, length = hidden.shape[:2]
-    past = cache.get_seq_length() if cache is not None else 0
-    if position_ids is None:
-        position_ids = positions_from_mask(attention_mask, past, length, hidden.device)
-    mask = padded_causal_mask(attention_mask, past, length, hidden.device)
-    states = []
-    for depth in range(layout.num_planes):
-        attention = DenseKVAttention(cache, mask, depth, layout.num_layers, layout.head_dim**-0.5)
-        hidden = model.core(hidden, position_ids, attention)
-        states.append(hidden)
-    return states
+        return _PagedRows(layout, attention_mask, cache, like, batch, length)
+    return _DenseRows(layout, attention_mask, position_ids, cache, batch, length, like.device)
 
 
 def positions_from_mask(attention_mask, past: int, length: int, device) -> torch.Tensor:
@@ -55,40 +61,77 @@ def positions_from_mask(attention_mask, past: int, length: int, device) -> torch
     return positions.clamp(min=0)[:, -length:].to(device)
 
 
-def _check_layer_count(cache: Cache, layout) -> None:
+class _DenseRows(ForwardRows):
+    def __init__(self, layout, attention_mask, position_ids, cache, batch, length, device):
+        if cache is not None:
+            _check_layer_count(cache, layout)
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = positions_from_mask(attention_mask, past, length, device)
+        self.positions = position_ids.to(device).expand(batch, length)  # [B, T]
+        self.sequences = torch.arange(batch, device=device)[:, None].expand(batch, length)  # [B, T]
+        self.cache, self.layout, self.past = cache, layout, past
+        self.mask = padded_causal_mask(attention_mask, past, length, device)
+
+    def gather(self, x):
+        return x
+
+    def scatter(self, x):
+        return x
+
+    def attention(self, plane):
+        first_layer = plane * self.layout.num_layers
+        if self.cache is not None and self.cache.get_seq_length(first_layer) != self.past:
+            raise ValueError(
+                f"KV plane {plane} of the cache holds {self.cache.get_seq_length(first_layer)} positions, but this "
+                f"call continues from {self.past}: continue a cache with the settings that filled it (the same "
+                "number of loops or recurrence steps, and per-step outputs requested on every call or on none)."
+            )
+        return DenseKVAttention(self.cache, self.mask, plane, self.layout.num_layers, self.layout.head_dim**-0.5)
+
+
+class _PagedRows(ForwardRows):
+    def __init__(self, layout, attention_mask, cache: PagedLoopCache, like, batch, length):
+        device = like.device
+        if cache.kv_layout != layout:
+            raise ValueError(f"the PagedLoopCache was made for {cache.kv_layout}, but the model writes "
+                             f"{layout}; create it with PagedLoopCache(model.kv_layout).")
+        if cache.num_sequences > batch:
+            raise ValueError(f"the PagedLoopCache holds {cache.num_sequences} sequences but the input has batch "
+                             f"size {batch}; pass a cache made for this batch.")
+        cache.ensure_sequences(batch)
+        if attention_mask is None:
+            real = torch.ones(batch, length, dtype=torch.bool, device=device)
+        else:
+            real = attention_mask[:, -length:].to(device=device, dtype=torch.bool)
+        self.seq, self.col = real.nonzero(as_tuple=True)  # [N] each, sequence-major
+        start = torch.tensor(cache.lengths(0), device=device)  # [B] real tokens already stored
+        self.positions = start[self.seq] + real.long().cumsum(-1)[self.seq, self.col] - 1  # [N]
+        self.sequences = self.seq
+        self.cache, self.shape, self.like = cache, (batch, length), like
+
+    def gather(self, x):
+        return x[self.seq, self.col]
+
+    def scatter(self, x):
+        out = x.new_zeros(*self.shape, *x.shape[1:])
+        out[self.seq, self.col] = x
+        return out
+
+    def attention(self, plane):
+        rows = self.cache.plan_rows(self.seq, [plane] * len(self.seq), self.positions, like=self.like)
+        return self.cache.attention(rows)
+
+    def close(self):
+        self.cache.advance_columns(self.shape[1])
+
+
+def _check_layer_count(cache: Cache, layout: KVLayout) -> None:
     needed = layout.num_planes * layout.num_layers
     grows = getattr(cache, "layer_class_to_replicate", None) is not None
     if not grows and len(cache.layers) < needed:
         raise ValueError(
-            f"cache has {len(cache.layers)} layers, but a looped model writes one KV per (loop, layer): "
-            f"{layout.num_planes} loops x {layout.num_layers} layers = {needed}. Pass `DynamicCache()` (it grows) "
+            f"cache has {len(cache.layers)} layers, but a looped model writes one KV per (plane, layer): "
+            f"{layout.num_planes} planes x {layout.num_layers} layers = {needed}. Pass `DynamicCache()` (it grows) "
             "or `hf_loopspec.PagedLoopCache`, not a cache sized from the config's num_hidden_layers."
         )
-
-
-def _paged_loop_states(model, hidden, attention_mask, cache: PagedLoopCache) -> list[torch.Tensor]:
-    if cache.kv_layout != model.kv_layout:
-        raise ValueError(f"the PagedLoopCache was made for {cache.kv_layout}, but the model writes "
-                         f"{model.kv_layout}; create it with PagedLoopCache(model.kv_layout).")
-    batch, length, width = hidden.shape
-    if cache.num_sequences > batch:
-        raise ValueError(f"the PagedLoopCache holds {cache.num_sequences} sequences but the input has batch "
-                         f"size {batch}; pass a cache made for this batch.")
-    cache.ensure_sequences(batch)
-    if attention_mask is None:
-        real = torch.ones(batch, length, dtype=torch.bool, device=hidden.device)
-    else:
-        real = attention_mask[:, -length:].to(device=hidden.device, dtype=torch.bool)
-    seq, col = real.nonzero(as_tuple=True)  # [N] each, sequence-major
-    start = torch.tensor(cache.lengths(0), device=hidden.device)  # [B] real tokens already stored
-    position = start[seq] + real.long().cumsum(-1)[seq, col] - 1  # [N]
-    rows_hidden = hidden[seq, col]  # [N, H]
-    states = []
-    for depth in range(model.kv_layout.num_planes):
-        rows = cache.plan_rows(seq, [depth] * len(seq), position, like=rows_hidden)
-        rows_hidden = model.core(rows_hidden, position, cache.attention(rows))
-        out = hidden.new_zeros(batch, length, width)
-        out[seq, col] = rows_hidden
-        states.append(out)
-    cache.advance_columns(length)
-    return states

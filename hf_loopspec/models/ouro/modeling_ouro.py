@@ -1,6 +1,6 @@
 """Ouro, written natively for transformers 5.x.
 
-Read top to bottom: norms and rotary embeddings, the attention and MLP of one layer, the decoder layer
+Read top to bottom (RMSNorm and RoPE live in `models/layers.py`): the attention and MLP of one layer, the decoder layer
 (a "sandwich": every branch output is normed before it joins the residual stream), the shared stack as the
 three parts of the `LoopedModel` protocol (embed / core / head), and the HF `forward` that runs all loops.
 
@@ -19,40 +19,12 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
-from ...generation.mixin import LoopSpecGenerationMixin, mark_user_generation_config
+from ...generation.mixin import LoopSpecGenerationMixin
 from ...looped import KVAttention, KVLayout
-from ..loops import loop_states
+from ..layers import RMSNorm, apply_rotary, check_token_ids, rotary_cos_sin
+from ..loading import StrictLoadingMixin
+from ..loops import forward_rows
 from .configuration_ouro import OuroConfig
-
-
-class OuroRMSNorm(nn.Module):
-    """RMSNorm computed in fp32, cast back to the input dtype, then scaled by the weight."""
-
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos and sin `[*positions.shape, head_dim]` for rotate-half RoPE, computed in fp32 then cast."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.float()[..., None] * inv_freq  # [..., D/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [..., D]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` `[..., heads, D]` by angles `[..., D]` (rotate-half convention)."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class OuroAttention(nn.Module):
@@ -94,10 +66,10 @@ class OuroDecoderLayer(nn.Module):
         eps = config.rms_norm_eps
         self.self_attn = OuroAttention(config, layer_idx)
         self.mlp = OuroMLP(config)
-        self.input_layernorm = OuroRMSNorm(config.hidden_size, eps)  # before attention
-        self.input_layernorm_2 = OuroRMSNorm(config.hidden_size, eps)  # on the attention output
-        self.post_attention_layernorm = OuroRMSNorm(config.hidden_size, eps)  # before the MLP
-        self.post_attention_layernorm_2 = OuroRMSNorm(config.hidden_size, eps)  # on the MLP output
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)  # before attention
+        self.input_layernorm_2 = RMSNorm(config.hidden_size, eps)  # on the attention output
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)  # before the MLP
+        self.post_attention_layernorm_2 = RMSNorm(config.hidden_size, eps)  # on the MLP output
 
     def forward(self, h, cos, sin, attention: KVAttention):
         h = h + self.input_layernorm_2(self.self_attn(self.input_layernorm(h), cos, sin, attention))
@@ -105,38 +77,13 @@ class OuroDecoderLayer(nn.Module):
         return h
 
 
-class OuroPreTrainedModel(PreTrainedModel):
+class OuroPreTrainedModel(StrictLoadingMixin, PreTrainedModel):
     config: OuroConfig
     config_class = OuroConfig
     base_model_prefix = "model"
     _no_split_modules = ["OuroDecoderLayer"]
     _supports_sdpa = True
 
-    def save_pretrained(self, *args, **kwargs):
-        mark_user_generation_config(getattr(self, "generation_config", None))
-        return super().save_pretrained(*args, **kwargs)
-
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, except that a checkpoint whose tensors do not match the model
-        (missing, unexpected or mis-shaped keys) raises `ValueError` instead of loading half-random weights."""
-        want_info = kwargs.pop("output_loading_info", False)
-        # transformers would raise a RuntimeError for mis-shaped tensors that names no key (the details go to a
-        # log report only); let it load and raise the ValueError below, which lists the keys and shapes.
-        kwargs["ignore_mismatched_sizes"] = True
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        problems = {name: sorted(info.get(name) or ()) for name in ("missing_keys", "unexpected_keys",
-                                                                    "mismatched_keys")}
-        problems = {name: keys for name, keys in problems.items() if keys}
-        if problems:
-            details = "; ".join(
-                f"{name}: {keys[:8]}{' ...' if len(keys) > 8 else ''}" for name, keys in problems.items()
-            )
-            raise ValueError(
-                f"The checkpoint does not match {cls.__name__} for config {model.config.to_diff_dict()}: {details}. "
-                "Check that the checkpoint is an Ouro checkpoint with the same shape as its config.json."
-            )
-        return (model, info) if want_info else model
 
 
 @dataclass
@@ -166,7 +113,7 @@ class OuroModel(OuroPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(OuroDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = OuroRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.early_exit_gate = nn.Linear(config.hidden_size, 1)
         self.post_init()
 
@@ -185,14 +132,10 @@ class OuroModel(OuroPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids `[*rows]` -> loop-0 input `[*rows, hidden]`; raises `ValueError` on ids outside the vocab."""
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
-            bad = input_ids[(input_ids < 0) | (input_ids >= self.config.vocab_size)]
-            raise ValueError(
-                f"input_ids contains ids outside the vocabulary [0, {self.config.vocab_size}): "
-                f"{bad.unique()[:8].tolist()}. Check that the tokenizer belongs to this model."
-            )
+    def embed(self, input_ids: torch.Tensor, positions=None, sequences=None, attention=None) -> torch.Tensor:
+        """Token ids `[*rows]` -> loop-0 input `[*rows, hidden]`; raises `ValueError` on ids outside the vocab.
+        Ouro's entry stage is a plain lookup: positions, sequences and attention are not used."""
+        check_token_ids(input_ids, self.config.vocab_size)
         return self.embed_tokens(input_ids)
 
     def core(self, hidden: torch.Tensor, positions: torch.Tensor, attention: KVAttention) -> torch.Tensor:
@@ -225,7 +168,13 @@ class OuroModel(OuroPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache()
-        states = loop_states(self, embeddings, attention_mask, position_ids, cache)
+        rows = forward_rows(self.kv_layout, attention_mask, position_ids, cache, shape=embeddings.shape[:2],
+                            like=embeddings)
+        hidden, states = rows.gather(embeddings), []
+        for depth in range(self.num_loops):
+            hidden = self.core(hidden, rows.positions, rows.attention(depth))
+            states.append(rows.scatter(hidden))
+        rows.close()
         hidden = states[-1]
         return OuroModelOutput(
             last_hidden_state=hidden,
@@ -254,13 +203,14 @@ class OuroForCausalLM(OuroPreTrainedModel, LoopSpecGenerationMixin):
     def kv_layout(self) -> KVLayout:
         return self.model.kv_layout
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions=None, sequences=None, attention=None) -> torch.Tensor:
         return self.model.embed(input_ids)
 
     def core(self, hidden: torch.Tensor, positions: torch.Tensor, attention: KVAttention) -> torch.Tensor:
         return self.model.core(hidden, positions, attention)
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, positions=None, attention=None) -> torch.Tensor:
+        """Logits of any depth's output; Ouro's head is stateless (positions and attention are not used)."""
         return self.lm_head(hidden)
 
     # --- HF API ---------------------------------------------------------------------------------------------

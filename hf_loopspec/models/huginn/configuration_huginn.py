@@ -1,0 +1,169 @@
+"""Configuration of Huginn-family recurrent-depth models (model_type `huginn_raven`).
+
+The field names match the `config.json` of `tomg-group-umd/huginn-0125` (its remote code calls the class
+`RavenConfig`), so that file loads unchanged; the transformers names `hidden_size`, `num_attention_heads` and
+`num_hidden_layers` are aliases of `n_embd`, `n_heads` and `n_layers`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+from transformers.configuration_utils import PreTrainedConfig
+
+BLOCK_STYLES = {"SandwichBlock": "sandwich", "TransformerPreNormBlock": "pre_norm"}
+ROPE_STYLES = ("interleaved", "rotate_half")
+
+
+class HuginnConfig(PreTrainedConfig):
+    r"""
+    A prelude of `n_layers_in_prelude` blocks runs once per token; a recurrent block of
+    `n_layers_in_recurrent_block` layers runs `num_steps` times (default `mean_recurrence`) on a state that the
+    adapter mixes with the prelude output at every step; a coda of `n_layers_in_coda` blocks and the LM head
+    decode the final state.
+
+    Args:
+        vocab_size (`int`): token ids (and rows of the embedding and of the LM head).
+        n_embd (`int`): width of the residual stream (alias `hidden_size`).
+        n_heads (`int`): query heads (alias `num_attention_heads`).
+        num_key_value_heads (`int`, *optional*): key/value heads (GQA, retrofitted models); default `n_heads`.
+        head_dim (`int`, *optional*): per-head width; default `n_embd // n_heads`.
+        intermediate_size (`int`): width of the gated SiLU MLP.
+        n_layers_in_prelude, n_layers_in_recurrent_block, n_layers_in_coda (`int`): the three stages.
+        n_layers (`int`, *optional*): their sum (alias `num_hidden_layers`); checked when given.
+        mean_recurrence (`int`): default number of recurrence steps at inference.
+        block_size (`int`): maximum positions.
+        rope_base (`float`): RoPE base; `rope_theta`, when set, takes precedence (both are kept equal).
+        rope_style (`str`): "interleaved" (Huginn-0125: pairs (x[2i], x[2i+1])) or "rotate_half" (the
+            retrofitted Llama-style checkpoints).
+        block_class_name (`str`): "SandwichBlock" (norm after every residual add, Huginn-0125) or
+            "TransformerPreNormBlock" (Llama-style pre-norm: `x + attn(norm_1(x))`, `x + mlp(norm_2(x))`).
+        qk_bias (`bool`): a learned `[2, 1, heads, head_dim]` bias added to q and k before RoPE.
+        norm_eps (`float`): RMSNorm epsilon.
+        init_values (`dict`): `std` of the initial state's truncated normal (default `sqrt(2 / (5 n_embd))`,
+            0.00869 for n_embd 5280) and `embed_scale` (default `sqrt(n_embd)`; 1.0 for retrofitted models),
+            which multiplies both the token embeddings and the initial state.
+        tie_embeddings / tie_word_embeddings (`bool`): tie the LM head to the embedding (either name; they
+            must agree when both are given).
+    """
+
+    model_type = "huginn_raven"
+    keys_to_ignore_at_inference = ["cache"]
+    attribute_map: ClassVar[dict[str, str]] = {
+        "hidden_size": "n_embd",
+        "num_attention_heads": "n_heads",
+        "num_hidden_layers": "n_layers",
+    }
+
+    vocab_size: int = 65536
+    padded_vocab_size: int | None = None
+    n_embd: int = 5280
+    n_heads: int = 55
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int = 17920
+    n_layers: int | None = None
+    n_layers_in_prelude: int = 2
+    n_layers_in_recurrent_block: int = 4
+    n_layers_in_coda: int = 2
+    mean_recurrence: int = 32
+    block_size: int = 4096
+    rope_base: float = 50000.0
+    rope_theta: float | None = None
+    rope_style: str = "interleaved"
+    block_class_name: str = "SandwichBlock"
+    qk_bias: bool = True
+    bias: bool = False
+    norm_eps: float = 1e-6
+    init_values: dict | None = None
+    tie_embeddings: bool | None = None
+    tie_word_embeddings: bool | None = None
+    use_cache: bool = True
+    bos_token_id: int | None = 65504
+    eos_token_id: int | list[int] | None = 65505
+    pad_token_id: int | None = 65509
+
+    def __post_init__(self, **kwargs):
+        for alias in self.attribute_map:  # transformers applies extra kwargs after this method; aliases first
+            if alias in kwargs:
+                setattr(self, alias, kwargs.pop(alias))
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.n_heads
+        if self.head_dim is None and isinstance(self.n_heads, int) and self.n_heads > 0:
+            self.head_dim = self.n_embd // self.n_heads
+        stages = self.n_layers_in_prelude + self.n_layers_in_recurrent_block + self.n_layers_in_coda
+        if self.n_layers is None:
+            self.n_layers = stages
+        if self.rope_theta is not None:  # the transformers name wins when both are set
+            self.rope_base = self.rope_theta
+        self.rope_theta = self.rope_base
+        tie = {x for x in (self.tie_embeddings, self.tie_word_embeddings) if x is not None}
+        if len(tie) > 1:
+            raise ValueError(f"HuginnConfig: tie_embeddings={self.tie_embeddings} and tie_word_embeddings="
+                             f"{self.tie_word_embeddings} disagree; pass one of them (or equal values).")
+        self.tie_embeddings = self.tie_word_embeddings = tie.pop() if tie else True
+        self.init_values = {"std": math.sqrt(2 / (5 * self.n_embd)), "embed_scale": math.sqrt(self.n_embd),
+                            **(self.init_values or {})}
+        super().__post_init__(**kwargs)
+        self.validate_architecture()
+
+    @property
+    def embed_scale(self) -> float:
+        return float(self.init_values["embed_scale"])
+
+    @property
+    def init_std(self) -> float:
+        return float(self.init_values["std"])
+
+    @property
+    def pre_norm(self) -> bool:
+        return BLOCK_STYLES[self.block_class_name] == "pre_norm"
+
+    def validate_architecture(self):
+        """Raise `ValueError` for a configuration no Huginn model can be built from."""
+        positive = ("vocab_size", "n_embd", "n_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                    "n_layers_in_recurrent_block", "mean_recurrence", "block_size")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"HuginnConfig.{name}={value!r} is invalid: it must be a positive integer.")
+        for name in ("n_layers_in_prelude", "n_layers_in_coda"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"HuginnConfig.{name}={value!r} is invalid: it must be an integer >= 0.")
+        stages = self.n_layers_in_prelude + self.n_layers_in_recurrent_block + self.n_layers_in_coda
+        if self.n_layers != stages:
+            raise ValueError(
+                f"HuginnConfig.n_layers={self.n_layers} (num_hidden_layers) must equal prelude + recurrent block + "
+                f"coda = {self.n_layers_in_prelude} + {self.n_layers_in_recurrent_block} + "
+                f"{self.n_layers_in_coda} = {stages}."
+            )
+        if self.padded_vocab_size not in (None, self.vocab_size):
+            raise ValueError(
+                f"HuginnConfig.padded_vocab_size={self.padded_vocab_size} differs from vocab_size={self.vocab_size}; "
+                "set vocab_size to the number of rows of the checkpoint's embedding."
+            )
+        if self.n_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"HuginnConfig.n_heads={self.n_heads} is not a multiple of num_key_value_heads="
+                f"{self.num_key_value_heads}: every key/value head must serve the same number of query heads."
+            )
+        if self.qk_bias and self.num_key_value_heads != self.n_heads:
+            raise ValueError("HuginnConfig.qk_bias=True needs num_key_value_heads == n_heads (the bias has one row "
+                             "per query head for both q and k); set qk_bias=False for GQA checkpoints.")
+        if self.head_dim % 2:
+            raise ValueError(f"HuginnConfig.head_dim={self.head_dim} must be even for rotary embeddings.")
+        if self.rope_style not in ROPE_STYLES:
+            raise ValueError(f"HuginnConfig.rope_style={self.rope_style!r} must be one of {ROPE_STYLES}.")
+        if self.block_class_name not in BLOCK_STYLES:
+            raise ValueError(f"HuginnConfig.block_class_name={self.block_class_name!r} must be one of "
+                             f"{sorted(BLOCK_STYLES)}.")
+        if self.bias:
+            raise ValueError("HuginnConfig.bias=True (biases on the linear layers) is not supported: the released "
+                             "checkpoints have none; set bias=False.")
+        if not self.init_std >= 0 or not self.embed_scale > 0:
+            raise ValueError(f"HuginnConfig.init_values={self.init_values!r}: std must be >= 0 and embed_scale > 0.")
+
+
+__all__ = ["HuginnConfig"]

@@ -1,0 +1,415 @@
+"""Huginn-family recurrent-depth models (`huginn_raven`), written natively for transformers 5.x.
+
+Read top to bottom: attention, MLP and block (sandwich or pre-norm), the random initial state, the model as the
+`LoopedModel` protocol (embed = embedding + prelude + initial state, core = adapter + recurrent block,
+head = coda + LM head), and the HF `forward` / `generate`.
+
+A token's lane state is `[state | prelude output]` (`2 * n_embd` wide): the adapter reads both at every step,
+and the prelude output rides along unchanged. Module and parameter names equal the Hub checkpoints'
+(`transformer.wte`, `transformer.prelude.i`, `transformer.core_block.j`, `transformer.coda.k`,
+`transformer.adapter`, `transformer.ln_f`, `lm_head`; fused `attn.Wqkv` and `mlp.fc`).
+
+KV planes (see `KVLayout`): recurrence step r uses plane r, the prelude plane R, and the coda at exit depth k
+plane R + k, for R = num_steps. On a `transformers` Cache plane p, layer l is cache layer p * L + l with
+L = the largest of the three stages, so a cache must be continued with the `num_steps` that filled it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
+
+from ...generation.mixin import LoopSpecGenerationMixin
+from ...looped import KVAttention, KVLayout
+from ..layers import RMSNorm, apply_rotary, check_token_ids, rotary_cos_sin, rotate_interleaved
+from ..loading import StrictLoadingMixin
+from ..loops import forward_rows
+from .configuration_huginn import HuginnConfig
+
+Rope = Callable[[torch.Tensor], torch.Tensor]  # rotates q or k `[*rows, heads, D]` at the call's positions
+
+
+class HuginnAttention(nn.Module):
+    def __init__(self, config: HuginnConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.n_heads, config.num_key_value_heads, config.head_dim
+        self.sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2  # q | k | v
+        self.Wqkv = nn.Linear(config.n_embd, sum(self.sizes), bias=False)
+        self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.num_heads, self.head_dim)) if config.qk_bias else None
+        self.proj = nn.Linear(self.num_heads * self.head_dim, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: Rope, attention: KVAttention) -> torch.Tensor:
+        rows = x.shape[:-1]
+        q, k, v = self.Wqkv(x).split(self.sizes, dim=-1)
+        q = q.view(*rows, self.num_heads, self.head_dim)
+        k = k.view(*rows, self.num_kv_heads, self.head_dim)
+        v = v.view(*rows, self.num_kv_heads, self.head_dim)
+        if self.qk_bias is not None:  # before RoPE
+            q, k = q + self.qk_bias[0], k + self.qk_bias[1]
+        out = attention(self.layer_idx, rope(q), rope(k), v)  # [*rows, heads, D]
+        return self.proj(out.reshape(*rows, self.num_heads * self.head_dim))
+
+
+class HuginnMLP(nn.Module):
+    def __init__(self, config: HuginnConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 2 * config.intermediate_size, bias=False)  # rows: gate | up
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.proj(F.silu(gate) * up)
+
+
+class HuginnBlock(nn.Module):
+    """Sandwich block (norm after every residual add) or, for retrofitted checkpoints, a pre-norm block."""
+
+    def __init__(self, config: HuginnConfig, layer_idx: int):
+        super().__init__()
+        width, eps = config.n_embd, config.norm_eps
+        self.pre_norm = config.pre_norm
+        self.norm_1 = RMSNorm(width, eps)
+        self.attn = HuginnAttention(config, layer_idx)
+        self.norm_2 = RMSNorm(width, eps)
+        self.mlp = HuginnMLP(config)
+        if not self.pre_norm:
+            self.norm_3 = RMSNorm(width, eps)
+            self.norm_4 = RMSNorm(width, eps)
+
+    def forward(self, x: torch.Tensor, rope: Rope, attention: KVAttention) -> torch.Tensor:
+        if self.pre_norm:
+            x = x + self.attn(self.norm_1(x), rope, attention)
+            return x + self.mlp(self.norm_2(x))
+        x = self.norm_2(x + self.attn(self.norm_1(x), rope, attention))
+        return self.norm_4(x + self.mlp(self.norm_3(x)))
+
+
+@dataclass(frozen=True)
+class Recurrence:
+    """Per-call settings: `num_steps` recurrence steps; initial states drawn with `init_scale` (0: zeros) keyed
+    by `init_seed`."""
+
+    num_steps: int
+    init_scale: float
+    init_seed: int | None
+
+
+def state_seed(seed: int, sequence: int, position: int) -> int:
+    """A generator seed for one token's initial state, mixed from (seed, sequence, position)."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + sequence * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) % 2**64
+    return (mixed ^ (mixed >> 31)) % 2**63
+
+
+class HuginnPreTrainedModel(StrictLoadingMixin, PreTrainedModel):
+    config: HuginnConfig
+    config_class = HuginnConfig
+    base_model_prefix = "transformer"
+    _no_split_modules = ["HuginnBlock"]
+    _keys_to_ignore_on_load_unexpected = [r"freqs_cis$"]  # the checkpoints' persistent RoPE table: recomputed
+
+
+@dataclass
+class HuginnModelOutput(BaseModelOutputWithPast):
+    r"""
+    `last_hidden_state` is the coda output after the final norm (the LM head's input). `hidden_states`, when
+    requested, holds the prelude output followed by the state after every recurrence step.
+
+    step_states (`tuple(torch.FloatTensor)`, *optional*):
+        The coda output (LM head input) for the state after every step, with `output_step_states=True`.
+    """
+
+    step_states: tuple[torch.FloatTensor, ...] | None = None
+
+
+class HuginnModel(HuginnPreTrainedModel):
+    """Embedding, prelude, adapter, recurrent block, coda and final norm; the `LoopedModel` parts embed / core,
+    and `decode` (the coda)."""
+
+    _keys_to_ignore_on_load_unexpected = [r"freqs_cis$", r"^lm_head\."]
+
+    def __init__(self, config: HuginnConfig):
+        super().__init__(config)
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.prelude = nn.ModuleList(HuginnBlock(config, i) for i in range(config.n_layers_in_prelude))
+        self.adapter = nn.Linear(2 * config.n_embd, config.n_embd, bias=False)
+        self.core_block = nn.ModuleList(HuginnBlock(config, i) for i in range(config.n_layers_in_recurrent_block))
+        self.coda = nn.ModuleList(HuginnBlock(config, i) for i in range(config.n_layers_in_coda))
+        self.ln_f = RMSNorm(config.n_embd, config.norm_eps)
+        self.settings = Recurrence(config.mean_recurrence, 1.0, None)
+        self.post_init()
+
+    # --- recurrence settings --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def recurrence(self, num_steps: int | None = None, init_scale: float | None = None,
+                   init_seed: int | None = None) -> Iterator[Recurrence]:
+        """Run the block with these settings (None keeps the current value; outside any block: `mean_recurrence`
+        steps, init_scale 1.0). A positive `init_scale` without a seed draws one from torch's global generator,
+        so `torch.manual_seed` makes a run reproducible, and every token's state within the block is keyed by
+        (seed, sequence, position): forward calls, cached steps and every decoding mode draw the same states."""
+        if num_steps is not None and (not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1):
+            raise ValueError(f"num_steps={num_steps!r} must be an integer >= 1 (default: mean_recurrence="
+                             f"{self.config.mean_recurrence}).")
+        if init_scale is not None and not (isinstance(init_scale, int | float) and init_scale >= 0):
+            raise ValueError(f"init_scale={init_scale!r} must be a number >= 0 (0 gives zero initial states).")
+        if init_seed is not None and (not isinstance(init_seed, int) or isinstance(init_seed, bool) or init_seed < 0):
+            raise ValueError(f"init_seed={init_seed!r} must be a non-negative integer or None.")
+        previous = self.settings
+        updates = {k: v for k, v in (("num_steps", num_steps), ("init_scale", init_scale), ("init_seed", init_seed))
+                   if v is not None}
+        settings = replace(previous, **updates)
+        if settings.init_scale > 0 and settings.init_seed is None:
+            settings = replace(settings, init_seed=int(torch.randint(2**62, ())))
+        self.settings = settings
+        try:
+            yield settings
+        finally:
+            self.settings = previous
+
+    # --- LoopedModel protocol -------------------------------------------------------------------------------
+    @property
+    def num_loops(self) -> int:
+        return self.settings.num_steps
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        c, steps = self.config, self.settings.num_steps
+        layers = max(c.n_layers_in_prelude, c.n_layers_in_recurrent_block, c.n_layers_in_coda)
+        entry = steps if c.n_layers_in_prelude else None
+        first_exit = steps + (entry is not None) if c.n_layers_in_coda else None
+        planes = steps + (entry is not None) + (steps if first_exit is not None else 0)
+        return KVLayout(planes, layers, c.num_key_value_heads, c.head_dim, entry_plane=entry,
+                        first_exit_plane=first_exit)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        c = self.config
+        if c.rope_style == "interleaved":
+            return lambda x: rotate_interleaved(x, positions, c.rope_base)
+        cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_base, dtype)
+        return lambda x: apply_rotary(x, cos, sin)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor,
+              attention: KVAttention | None) -> torch.Tensor:
+        """Token ids `[*rows]` -> lane state `[*rows, 2 * n_embd]` = [initial state | prelude output]."""
+        check_token_ids(input_ids, self.config.vocab_size)
+        e = self.wte(input_ids) * self.config.embed_scale
+        rope = self.rope(positions, e.dtype)
+        for block in self.prelude:
+            e = block(e, rope, attention)
+        return torch.cat([self.initial_state(sequences, positions, e), e], dim=-1)
+
+    def initial_state(self, sequences: torch.Tensor, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """`[*rows, n_embd]`: zeros for init_scale 0, else per token a normal(0, std * init_scale) cut at 3 std,
+        times embed_scale, drawn from a generator keyed by (init_seed, sequence, position)."""
+        scale, seed = self.settings.init_scale, self.settings.init_seed
+        if scale == 0:
+            return like.new_zeros(like.shape)
+        if seed is None:
+            raise ValueError("init_scale > 0 needs a seed to key the initial states: call forward or generate, or "
+                             "run inside `model.recurrence(init_seed=...)`.")
+        std = self.config.init_std * scale
+        keys = zip(sequences.reshape(-1).tolist(), positions.reshape(-1).tolist())
+        states = torch.empty(sequences.numel(), self.config.n_embd)
+        for row, (sequence, position) in zip(states, keys):
+            generator = torch.Generator().manual_seed(state_seed(seed, sequence, position))
+            nn.init.trunc_normal_(row, 0.0, std, -3 * std, 3 * std, generator=generator)
+        return (states * self.config.embed_scale).view(like.shape).to(like)
+
+    def core(self, hidden: torch.Tensor, positions: torch.Tensor, attention: KVAttention) -> torch.Tensor:
+        """One recurrence step over lane states `[*rows, 2 * n_embd]`: state <- block(adapter([state | e]))."""
+        width = self.config.n_embd
+        state = self.adapter(hidden)
+        rope = self.rope(positions, state.dtype)
+        for block in self.core_block:
+            state = block(state, rope, attention)
+        return torch.cat([state, hidden[..., width:]], dim=-1)
+
+    def decode(self, hidden: torch.Tensor, positions: torch.Tensor, attention: KVAttention | None) -> torch.Tensor:
+        """The coda on a lane state's state half: `ln_f(coda(ln_f(state)))` `[*rows, n_embd]` (the LM head input)."""
+        x = self.ln_f(hidden[..., : self.config.n_embd])
+        rope = self.rope(positions, x.dtype)
+        for block in self.coda:
+            x = block(x, rope, attention)
+        return self.ln_f(x)
+
+    # --- HF API ---------------------------------------------------------------------------------------------
+    def get_input_embeddings(self):
+        return self.wte
+
+    def set_input_embeddings(self, value):
+        self.wte = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        num_steps: int | None = None,
+        init_scale: float | None = None,
+        init_seed: int | None = None,
+        output_step_states: bool = False,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> HuginnModelOutput:
+        if past_key_values is not None:
+            if cache is not None:
+                raise ValueError("Pass the KV cache as `cache` or as `past_key_values`, not both.")
+            cache = past_key_values
+        if inputs_embeds is not None or input_ids is None:
+            raise ValueError("Huginn models take `input_ids` (the prelude and the embedding scale apply to token "
+                             "embeddings); `inputs_embeds` is not supported.")
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        with self.recurrence(num_steps, init_scale, init_seed):
+            layout = self.kv_layout
+            rows = forward_rows(layout, attention_mask, position_ids, cache, shape=input_ids.shape,
+                                like=self.wte.weight)
+
+            def plane(index):
+                return None if index is None else rows.attention(index)
+
+            lane = self.embed(rows.gather(input_ids), rows.positions, rows.sequences, plane(layout.entry_plane))
+            states = []
+            for step in range(self.num_loops):
+                lane = self.core(lane, rows.positions, rows.attention(step))
+                states.append(lane)
+            exits = range(1, self.num_loops + 1) if output_step_states else [self.num_loops]
+            decoded = [rows.scatter(self.decode(states[k - 1], rows.positions, plane(layout.exit_plane(k))))
+                       for k in exits]
+            rows.close()
+        width = self.config.n_embd
+        return HuginnModelOutput(
+            last_hidden_state=decoded[-1],
+            cache=cache if use_cache else None,
+            hidden_states=(rows.scatter(lane[..., width:]), *(rows.scatter(s[..., :width]) for s in states))
+            if output_hidden_states else None,
+            step_states=tuple(decoded) if output_step_states else None,
+        )
+
+
+@dataclass
+class HuginnCausalLMOutput(CausalLMOutputWithPast):
+    r"""
+    step_logits (`tuple(torch.FloatTensor)`, *optional*):
+        Logits after every recurrence step (step r: what `num_steps=r+1` gives), with `output_step_logits=True`.
+    """
+
+    step_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+class HuginnForCausalLM(HuginnPreTrainedModel, LoopSpecGenerationMixin):
+    """Huginn with its LM head: the `LoopedModel` protocol plus HF `forward` / `generate`, both of which take
+    `num_steps`, `init_scale` and `init_seed` (see `HuginnModel.recurrence`)."""
+
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+
+    def __init__(self, config: HuginnConfig):
+        super().__init__(config)
+        self.transformer = HuginnModel(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.post_init()
+
+    # --- LoopedModel protocol -------------------------------------------------------------------------------
+    @property
+    def num_loops(self) -> int:
+        return self.transformer.num_loops
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self.transformer.kv_layout
+
+    def recurrence(self, num_steps: int | None = None, init_scale: float | None = None,
+                   init_seed: int | None = None):
+        """See `HuginnModel.recurrence`."""
+        return self.transformer.recurrence(num_steps, init_scale, init_seed)
+
+    def embed(self, input_ids, positions, sequences, attention):
+        return self.transformer.embed(input_ids, positions, sequences, attention)
+
+    def core(self, hidden, positions, attention):
+        return self.transformer.core(hidden, positions, attention)
+
+    def head(self, hidden, positions, attention):
+        """Logits (fp32) of lane states at any step; the coda writes and reads the exit plane in `attention`."""
+        return self.lm_head(self.transformer.decode(hidden, positions, attention)).float()
+
+    # --- HF API ---------------------------------------------------------------------------------------------
+    def get_input_embeddings(self):
+        return self.transformer.wte
+
+    def set_input_embeddings(self, value):
+        self.transformer.wte = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def generate(self, *args, num_steps: int | None = None, init_scale: float | None = None,
+                 init_seed: int | None = None, **kwargs):
+        """`GenerationMixin.generate` (with hf_loopspec's speculative modes) at `num_steps` recurrence steps, with
+        initial states keyed by one seed for the whole call, so plain and speculative decoding see the same
+        state for the same token (use `init_scale=0` or a fixed `init_seed` for reproducible outputs)."""
+        with self.recurrence(num_steps, init_scale, init_seed):
+            return super().generate(*args, **kwargs)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        logits_to_keep: int = 0,
+        num_steps: int | None = None,
+        init_scale: float | None = None,
+        init_seed: int | None = None,
+        output_step_logits: bool = False,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> HuginnCausalLMOutput:
+        r"""
+        Runs `num_steps` recurrence steps (default `mean_recurrence`) from initial states of scale `init_scale`
+        (default 1.0; 0 gives zeros) keyed by `init_seed` (drawn from torch's generator when None).
+        `output_step_logits=True` also decodes every step's state (each with its own coda KV plane).
+        Logits are fp32.
+        """
+        out = self.transformer(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
+            num_steps=num_steps, init_scale=init_scale, init_seed=init_seed, output_step_states=output_step_logits,
+            past_key_values=past_key_values,
+        )
+        keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
+        logits = self.lm_head(out.last_hidden_state[:, keep]).float()
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return HuginnCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            cache=out.cache,
+            hidden_states=out.hidden_states,
+            step_logits=tuple(self.lm_head(x[:, keep]).float() for x in out.step_states)
+            if output_step_logits else None,
+        )
+
+
+__all__ = ["HuginnForCausalLM", "HuginnModel", "HuginnPreTrainedModel", "Recurrence"]

@@ -1,0 +1,36 @@
+"""Loading and saving rules shared by the model families."""
+
+from __future__ import annotations
+
+from ..generation.mixin import mark_user_generation_config
+
+
+class StrictLoadingMixin:
+    """Put before `PreTrainedModel` in the bases: a checkpoint that does not match the model raises, and speculative
+    keys on the default generation config survive `save_pretrained`."""
+
+    def save_pretrained(self, *args, **kwargs):
+        mark_user_generation_config(getattr(self, "generation_config", None))
+        return super().save_pretrained(*args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, except that a checkpoint whose tensors do not match the model
+        (missing, unexpected or mis-shaped keys) raises `ValueError` instead of loading half-random weights."""
+        want_info = kwargs.pop("output_loading_info", False)
+        # transformers would raise a RuntimeError for mis-shaped tensors that names no key (the details go to a
+        # log report only); let it load and raise the ValueError below, which lists the keys and shapes.
+        kwargs["ignore_mismatched_sizes"] = True
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        problems = {name: sorted(info.get(name) or ()) for name in ("missing_keys", "unexpected_keys",
+                                                                    "mismatched_keys")}
+        problems = {name: keys for name, keys in problems.items() if keys}
+        if problems:
+            details = "; ".join(
+                f"{name}: {keys[:8]}{' ...' if len(keys) > 8 else ''}" for name, keys in problems.items()
+            )
+            raise ValueError(
+                f"The checkpoint does not match {cls.__name__} for config {model.config.to_diff_dict()}: {details}. "
+                "Check that the checkpoint belongs to this model family and has the shape its config.json says."
+            )
+        return (model, info) if want_info else model
