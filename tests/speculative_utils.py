@@ -153,6 +153,42 @@ def assert_counter_invariants(stats, committed_per_seq: Sequence[int]) -> None:
         assert stats.acceptance_rate == expected_rate
 
 
+# --- closed forms of core calls under forced patterns (DESIGN 3) ----------------------------------------------
+
+
+def pipeline_calls(n: int, loops: int, d: int, accept: bool) -> int:
+    """Core calls of a pipeline run of n tokens when every draft is accepted / rejected.
+
+    All accepted: the last prompt token reaches depth d after d calls and drafts token 1; every draft reaches
+    depth d d calls after it was spawned and drafts the next, so the draft of token n-1 (the last one ever
+    needed: the last token is never fed back) is spawned after (n-1)d calls and yields token n U calls later:
+    (n-1)d + U. Per token this tends to d, DESIGN's d + (U-d)(1-a) at a = 1.
+
+    All rejected: every target kills the draft in flight and restarts its position at depth 0 with the target
+    token, which takes U calls to produce the next target: nU, i.e. U per token (a = 0), as plain AR.
+    """
+    return (n - 1) * d + loops if accept else n * loops
+
+
+def block_rounds(n: int, k: int, accept: bool) -> list[int]:
+    """Drafts per round: a round that starts with c tokens committed drafts min(K, n - c - 1) tokens (the last token
+    is never fed back, so no draft is made beyond position n - 1 of the continuation) and commits all of them
+    plus the bonus token (all accepted) or one target token (all rejected)."""
+    rounds, c = [], 0
+    while c < n:
+        drafts = min(k, n - c - 1)
+        rounds.append(drafts)
+        c += drafts + 1 if accept else 1
+    return rounds
+
+
+def block_calls(n: int, loops: int, d: int, k: int, accept: bool) -> int:
+    """Core calls of a block run: a round with k drafts runs the round's first token (the prompt's last token or
+    the previous round's committed target) and each of the k drafts through loops 0..d-1 one after another,
+    (k+1)d calls, then loops d..U-1 once over all k+1 lanes, U-d calls: DESIGN's (K+1)d + (U-d) per round."""
+    return sum((drafts + 1) * d + loops - d for drafts in block_rounds(n, k, accept))
+
+
 # --- KV cache (I4) --------------------------------------------------------------------------------------------------
 
 
@@ -166,8 +202,9 @@ def paged_plane(cache: PagedLoopCache, seq: int, depth: int, layer: int, n: int)
 
 
 def assert_cache_matches_ar(paged: PagedLoopCache, ar: DynamicCache, mask: torch.Tensor,
-                            generated: Sequence[int], num_layers: int, atol: float = 1e-5) -> None:
-    """I4: every plane of every sequence equals what serial AR wrote for the committed tokens.
+                            generated: Sequence[int], num_layers: int, atol: float = 1e-5,
+                            planes: Sequence[int] | None = None) -> None:
+    """I4: every plane (or the given `planes`) of every sequence equals what serial AR wrote for the committed tokens.
 
     The AR `DynamicCache` is `[B, Hkv, S, D]` per cache layer (depth * num_layers + layer), with pad columns on the
     left; it holds every token except the last generated one (and, for rows that finished early, pad steps after
@@ -176,7 +213,7 @@ def assert_cache_matches_ar(paged: PagedLoopCache, ar: DynamicCache, mask: torch
     for s, gen in enumerate(generated):
         pads = int((mask[s] == 0).sum())
         n = int(mask[s].sum()) + gen - 1
-        for depth in range(paged.num_planes):
+        for depth in range(paged.num_planes) if planes is None else planes:
             assert paged.length(s, depth) == n, (
                 f"sequence {s}, depth {depth}: valid length {paged.length(s, depth)}, serial AR holds {n} tokens")
             for layer in range(num_layers):

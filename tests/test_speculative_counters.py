@@ -1,8 +1,9 @@
 """`out.speculation` counters: exact identities in every run, and exact core-call counts under forced patterns.
 
-The closed forms below are derived from DESIGN 3's cost model, not read off the decoder; they count every call
-of the shared stack, prefill included (the prompt enters as lanes at depth 0, so prefill is part of the first
-cycles). N = max_new_tokens, U = loops, d = draft_loops, K = num_speculative_tokens.
+The closed forms (`speculative_utils.pipeline_calls`, `block_calls`) are derived from DESIGN 3's cost model, not
+read off the decoder; they count every call of the shared stack, prefill included (the prompt enters as lanes at
+depth 0, so prefill is part of the first cycles). N = max_new_tokens, U = loops, d = draft_loops,
+K = num_speculative_tokens.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ import pytest
 import torch
 from speculative_utils import (
     assert_counter_invariants,
+    block_calls,
+    block_rounds,
     events,
     forcing_hook,
     generated_counts,
     left_pad,
+    pipeline_calls,
     plain,
     random_prompts,
     real_tokens,
@@ -23,39 +27,6 @@ from speculative_utils import (
 )
 
 VOCAB = 64
-
-
-def pipeline_calls(n: int, loops: int, d: int, accept: bool) -> int:
-    """Core calls of a pipeline run of n tokens when every draft is accepted / rejected.
-
-    All accepted: the last prompt token reaches depth d after d calls and drafts token 1; every draft reaches
-    depth d d calls after it was spawned and drafts the next, so the draft of token n-1 (the last one ever
-    needed: the last token is never fed back) is spawned after (n-1)d calls and yields token n U calls later:
-    (n-1)d + U. Per token this tends to d, DESIGN's d + (U-d)(1-a) at a = 1.
-
-    All rejected: every target kills the draft in flight and restarts its position at depth 0 with the target
-    token, which takes U calls to produce the next target: nU, i.e. U per token (a = 0), as plain AR.
-    """
-    return (n - 1) * d + loops if accept else n * loops
-
-
-def block_rounds(n: int, k: int, accept: bool) -> list[int]:
-    """Drafts per round: a round that starts with c tokens committed drafts min(K, n - c - 1) tokens (the last token
-    is never fed back, so no draft is made beyond position n - 1 of the continuation) and commits all of them
-    plus the bonus token (all accepted) or one target token (all rejected)."""
-    rounds, c = [], 0
-    while c < n:
-        drafts = min(k, n - c - 1)
-        rounds.append(drafts)
-        c += drafts + 1 if accept else 1
-    return rounds
-
-
-def block_calls(n: int, loops: int, d: int, k: int, accept: bool) -> int:
-    """Core calls of a block run: a round with k drafts runs the round's first token (the prompt's last token or
-    the previous round's committed target) and each of the k drafts through loops 0..d-1 one after another,
-    (k+1)d calls, then loops d..U-1 once over all k+1 lanes, U-d calls: DESIGN's (K+1)d + (U-d) per round."""
-    return sum((drafts + 1) * d + loops - d for drafts in block_rounds(n, k, accept))
 
 
 def test_closed_forms_by_hand():

@@ -91,6 +91,9 @@ class HuginnConfig(PreTrainedConfig):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.n_heads
         if self.head_dim is None and isinstance(self.n_heads, int) and self.n_heads > 0:
+            if self.n_embd % self.n_heads:
+                raise ValueError(f"HuginnConfig.n_embd={self.n_embd} is not divisible by n_heads={self.n_heads}; "
+                                 "pass head_dim explicitly or choose a divisible head count.")
             self.head_dim = self.n_embd // self.n_heads
         stages = self.n_layers_in_prelude + self.n_layers_in_recurrent_block + self.n_layers_in_coda
         if self.n_layers is None:

@@ -1,0 +1,274 @@
+"""Native Huginn (`huginn_raven`): logits against the independent reference, caches, padding, loading, errors.
+
+The reference (tests/huginn_reference.py) is written from huginn.md alone; both variants are covered: Huginn-0125
+(sandwich blocks, interleaved RoPE, MHA, q/k bias, embedding scale sqrt(E), tied embeddings) and the retrofitted
+layout (pre-norm blocks, rotate-half RoPE, GQA, no q/k bias, embedding scale 1, untied head).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from huginn_utils import (
+    PAD,
+    VARIANTS,
+    random_ids,
+    reference,
+    tiny_huginn,
+    tiny_huginn_config,
+    write_hub_folder,
+)
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers.cache_utils import DynamicCache
+
+from hf_loopspec import HuginnConfig, HuginnForCausalLM, HuginnModel, PagedLoopCache
+
+ATOL = 2e-4
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("num_steps", [1, 3])
+def test_step_logits_match_reference_zero_state(variant, num_steps):
+    model, sd = tiny_huginn(variant, seed=1)
+    ids = random_ids((2, 9), seed=2)
+    with torch.no_grad():
+        out = model(ids, num_steps=num_steps, init_scale=0.0, output_step_logits=True, use_cache=False)
+    ref = reference(sd, ids, model.config, torch.zeros(2, 9, model.config.n_embd), num_steps)
+    assert len(out.step_logits) == num_steps
+    for step in range(num_steps):
+        torch.testing.assert_close(out.step_logits[step], ref["step_logits"][step], atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(out.logits, ref["step_logits"][-1], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_and_states_match_reference_random_state(variant):
+    """With init_scale 1 the model's own keyed states are fed to the reference (their law is tested below)."""
+    model, sd = tiny_huginn(variant, seed=3)
+    ids = random_ids((2, 7), seed=4)
+    with torch.no_grad(), model.recurrence(num_steps=4, init_scale=1.0, init_seed=11):
+        positions = torch.arange(7).expand(2, 7)
+        sequences = torch.arange(2)[:, None].expand(2, 7)
+        state = model.transformer.initial_state(sequences, positions, torch.zeros(2, 7, model.config.n_embd))
+        out = model(ids, output_hidden_states=True, output_step_logits=True, use_cache=False)
+    assert state.abs().sum() > 0
+    ref = reference(sd, ids, model.config, state, 4)
+    torch.testing.assert_close(out.logits, ref["step_logits"][-1], atol=ATOL, rtol=1e-4)
+    for step in range(4):
+        torch.testing.assert_close(out.hidden_states[1 + step], ref["states"][step], atol=ATOL, rtol=1e-4)
+
+
+def test_step_logits_equal_shallower_runs():
+    """Step r's logits are what `num_steps = r + 1` gives (the coda has a KV plane per exit depth)."""
+    model, _ = tiny_huginn(seed=5)
+    ids = random_ids((1, 6), seed=6)
+    with torch.no_grad():
+        deep = model(ids, num_steps=5, init_scale=1.0, init_seed=3, output_step_logits=True)
+        for steps in (1, 2, 4):
+            shallow = model(ids, num_steps=steps, init_scale=1.0, init_seed=3)
+            torch.testing.assert_close(deep.step_logits[steps - 1], shallow.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_initial_state_law_and_keys():
+    model, _ = tiny_huginn()
+    width, n = model.config.n_embd, 4000
+    std = math.sqrt(2 / (5 * width))
+    like = torch.zeros(n, width)
+    with model.recurrence(init_scale=2.0, init_seed=7):
+        state = model.transformer.initial_state(torch.zeros(n, dtype=torch.long), torch.arange(n), like)
+        again = model.transformer.initial_state(torch.tensor([0, 1]), torch.tensor([5, 5]), like[:2])
+    raw = state / math.sqrt(width)  # embed scale sqrt(E)
+    assert raw.abs().max() <= 3 * 2 * std + 1e-6  # cut at 3 std of std * init_scale
+    assert 0.85 * 2 * std < raw.std() < 2 * std  # a normal truncated at 3 sigma keeps 98.7% of its std
+    assert abs(float(raw.mean())) < 0.01 * std
+    torch.testing.assert_close(again[0], state[5])  # keyed by (seed, sequence, position) ...
+    assert not torch.equal(again[1], state[5])  # ... so another sequence at the same position differs
+    with model.recurrence(init_scale=2.0, init_seed=8):
+        other_seed = model.transformer.initial_state(torch.tensor([0]), torch.tensor([5]), like[:1])
+    assert not torch.equal(other_seed[0], state[5])
+    with model.recurrence(init_scale=0.0):
+        assert torch.equal(model.transformer.initial_state(torch.tensor([0]), torch.tensor([5]), like[:1]),
+                           torch.zeros(1, width))
+
+
+def test_unseeded_runs_vary_and_torch_seed_reproduces():
+    model, _ = tiny_huginn(seed=9)
+    ids = random_ids((1, 5), seed=1)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        a = model(ids).logits
+        b = model(ids).logits
+        torch.manual_seed(0)
+        c = model(ids).logits
+    assert not torch.allclose(a, b)
+    assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("cache_kind", ["dynamic", "paged"])
+def test_cached_decoding_equals_full_forward(variant, cache_kind):
+    model, _ = tiny_huginn(variant, seed=2)
+    ids = random_ids((2, 10), seed=3)
+    settings = {"num_steps": 3, "init_scale": 1.0, "init_seed": 21}
+    with torch.no_grad():
+        full = model(ids, use_cache=False, **settings).logits
+        with model.recurrence(**settings):
+            cache = DynamicCache() if cache_kind == "dynamic" else PagedLoopCache(model.kv_layout, page_size=4,
+                                                                                    debug=True)
+        out = model(ids[:, :6], cache=cache, **settings)
+        steps = [out.logits]
+        for t in range(6, 10):
+            out = model(ids[:, t : t + 1], cache=out.cache, **settings)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_continuing_a_cache_with_other_settings_raises():
+    model, _ = tiny_huginn()
+    ids = random_ids((1, 4))
+    with torch.no_grad():
+        out = model(ids, num_steps=3, init_scale=0.0)
+        with pytest.raises(ValueError, match="continue a cache with the settings that filled it"):
+            model(ids[:, :1], cache=out.cache, num_steps=2, init_scale=0.0)
+        with pytest.raises(ValueError, match="per-step outputs"):
+            model(ids[:, :1], cache=out.cache, num_steps=3, init_scale=0.0, output_step_logits=True)
+
+
+def _left_pad(rows):
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    return ids, mask
+
+
+def test_padded_batch_equals_rows_alone():
+    """Upstream ignores the attention mask; here a left-padded row gives what it gives alone (forward and generate)."""
+    model, _ = tiny_huginn(seed=4)
+    rows = [random_ids((n,), seed=10 + n) for n in (7, 3, 5)]
+    ids, mask = _left_pad(rows)
+    settings = {"num_steps": 3, "init_scale": 0.0}
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask, **settings).logits
+        generated = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=PAD,
+                                   eos_token_id=None, **settings)
+        for i, row in enumerate(rows):
+            alone = model(row[None], **settings).logits
+            torch.testing.assert_close(batched[i, -len(row):], alone[0], atol=1e-4, rtol=1e-4)
+            alone_gen = model.generate(row[None], max_new_tokens=6, do_sample=False, pad_token_id=PAD,
+                                       eos_token_id=None, **settings)
+            assert generated[i, -6:].tolist() == alone_gen[0, -6:].tolist()
+
+
+def test_padded_batch_keys_random_states_by_real_position():
+    """With random states, row i of a padded batch equals row i of a batch in which only row i is real: states
+    are keyed by (sequence, position of the real token), not by the padded column."""
+    model, _ = tiny_huginn(seed=4)
+    rows = [random_ids((n,), seed=10 + n) for n in (7, 3, 5)]
+    ids, mask = _left_pad(rows)
+    settings = {"num_steps": 3, "init_scale": 1.0, "init_seed": 5}
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask, **settings).logits
+        for i, row in enumerate(rows):
+            only = torch.full((len(rows), len(row)), PAD, dtype=torch.long)
+            only_mask = torch.zeros_like(only)
+            only[i], only_mask[i] = row, 1
+            alone = model(only, attention_mask=only_mask, **settings).logits
+            torch.testing.assert_close(batched[i, -len(row):], alone[i], atol=1e-4, rtol=1e-4)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model, _ = tiny_huginn("retrofitted", seed=6)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is HuginnForCausalLM
+    ids = random_ids((1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, init_scale=0.0).logits, model(ids, init_scale=0.0).logits)
+
+
+@pytest.mark.parametrize("trust_remote_code", [False, True])
+def test_hub_layout_folder_loads(tmp_path, trust_remote_code):
+    """config.json with the upstream auto_map and `tie_embeddings`, safetensors with `freqs_cis` and a second copy of
+    the tied embedding, no Python files: loads natively through the Auto classes, weights intact."""
+    config = tiny_huginn_config()
+    model, sd = tiny_huginn(seed=7)
+    folder = write_hub_folder(tmp_path / "huginn", config, sd, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=trust_remote_code).eval()
+    assert type(loaded) is HuginnForCausalLM and loaded.config.tie_word_embeddings
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    ids = random_ids((1, 6), seed=8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, init_scale=0.0).logits, model(ids, init_scale=0.0).logits)
+    assert type(AutoModel.from_pretrained(folder)) is HuginnModel
+    cfg = AutoConfig.from_pretrained(folder)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers) == (32, 4, 6)
+
+
+def test_bf16_hub_folder_loads_in_bf16(tmp_path):
+    config = tiny_huginn_config("retrofitted")
+    _, sd = tiny_huginn("retrofitted")
+    folder = write_hub_folder(tmp_path / "bf16", config, sd)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+    assert loaded.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert loaded(random_ids((1, 4)), init_scale=0.0).logits.dtype == torch.float32
+
+
+def test_mismatched_checkpoint_raises(tmp_path):
+    config = tiny_huginn_config()
+    _, sd = tiny_huginn()
+    del sd["transformer.adapter.weight"]
+    folder = write_hub_folder(tmp_path / "broken", config, sd, dtype=torch.float32)
+    with pytest.raises(ValueError, match="adapter"):
+        AutoModelForCausalLM.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"n_heads": 5}, "not divisible by n_heads"),
+    ({"n_heads": 8, "num_key_value_heads": 3, "qk_bias": False}, "num_key_value_heads"),
+    ({"num_key_value_heads": 2}, "qk_bias"),
+    ({"n_layers": 7}, "n_layers"),
+    ({"rope_style": "complex"}, "rope_style"),
+    ({"block_class_name": "Other"}, "block_class_name"),
+    ({"tie_embeddings": True, "tie_word_embeddings": False}, "disagree"),
+    ({"mean_recurrence": 0}, "mean_recurrence"),
+    ({"padded_vocab_size": 128}, "padded_vocab_size"),
+])
+def test_bad_configs_raise(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_huginn_config(**overrides)
+
+
+def test_aliases_and_tie_names():
+    config = HuginnConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=4, vocab_size=10,
+                          intermediate_size=8, n_layers_in_prelude=1, n_layers_in_recurrent_block=2,
+                          n_layers_in_coda=1, tie_embeddings=False)
+    assert (config.n_embd, config.n_heads, config.n_layers, config.head_dim) == (16, 2, 4, 8)
+    assert config.tie_word_embeddings is False
+    assert HuginnConfig(tie_word_embeddings=False).tie_embeddings is False
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_steps": 0}, "num_steps"),
+    ({"num_steps": 2.5}, "num_steps"),
+    ({"init_scale": -1.0}, "init_scale"),
+    ({"init_seed": -3}, "init_seed"),
+])
+def test_bad_recurrence_arguments_raise(kwargs, match):
+    model, _ = tiny_huginn()
+    ids = random_ids((1, 3))
+    with pytest.raises(ValueError, match=match):
+        model(ids, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        model.generate(ids, max_new_tokens=2, **kwargs)
+
+
+def test_bad_inputs_raise():
+    model, _ = tiny_huginn()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model(torch.tensor([[3, 500]]))
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        model(inputs_embeds=torch.zeros(1, 2, 32))

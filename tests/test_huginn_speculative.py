@@ -1,0 +1,132 @@
+"""Pipeline and block speculation for Huginn: fp32 token identity with plain greedy, I1 on, I4 on every plane AR
+writes, forced rejection patterns, and call counts at 32 recurrence steps.
+
+Huginn's lanes carry [state | prelude output]; the prelude writes its own KV plane once per token, and the coda a
+plane per exit depth (the draft depth and num_steps). Random initial states are keyed by (seed, sequence,
+position), so the speculative and plain runs draw the same state for the same token: identity is checked with
+init_scale 0 and with seeded init_scale 1. Expectations come from transformers' own loop on a DynamicCache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from huginn_utils import PAD, random_ids, tiny_huginn
+from speculative_utils import (
+    assert_cache_matches_ar,
+    assert_counter_invariants,
+    block_calls,
+    forcing_hook,
+    left_pad,
+    pipeline_calls,
+    real_tokens,
+)
+
+from hf_loopspec import PagedLoopCache
+
+STEPS = 6
+NEW = 24
+DAMPS = (1.0, 0.1, 0.03)  # acceptance of pipeline d=2 drafts: about 0.05, 0.55, 0.65
+COMBOS = [("pipeline", d, None) for d in (1, 2, 3)] + [("block", d, k) for d in (1, 4) for k in (1, 3)]
+INITS = {"zero": {"init_scale": 0.0}, "seeded": {"init_scale": 1.0, "init_seed": 1234}}
+
+
+def prompts_for(batch: str, seed: int) -> list[torch.Tensor]:
+    lengths = {"unpadded": [5, 5, 5], "ragged": [6, 1, 3]}[batch]
+    return [random_ids((n,), seed=100 * seed + i) for i, n in enumerate(lengths)]
+
+
+def plain(model, ids, mask, new, **settings):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD,
+                              eos_token_id=None, return_dict_in_generate=True, num_steps=settings.pop("num_steps",
+                                                                                                   STEPS), **settings)
+
+
+def speculative(model, ids, mask, new, mode, d, k, *, num_steps=STEPS, debug=True, **settings):
+    with model.recurrence(num_steps=num_steps):
+        cache = PagedLoopCache(model.kv_layout, page_size=4, debug=debug)
+    extra = {} if k is None else {"num_speculative_tokens": k}
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD,
+                              eos_token_id=None, return_dict_in_generate=True, speculative_mode=mode, draft_loops=d,
+                              cache=cache, num_steps=num_steps, **extra, **settings)
+
+
+def ar_planes(model, num_steps=STEPS) -> list[int]:
+    """The planes plain decoding writes: every step's core plane, the prelude plane and the final coda plane."""
+    with model.recurrence(num_steps=num_steps):
+        layout = model.kv_layout
+    return [*range(num_steps), layout.entry_plane, layout.exit_plane(num_steps)]
+
+
+@pytest.mark.parametrize("init", list(INITS))
+@pytest.mark.parametrize("batch", ["unpadded", "ragged"])
+@pytest.mark.parametrize("damp", DAMPS)
+def test_token_identity_with_plain_greedy(damp, batch, init):
+    model, _ = tiny_huginn(seed=3, damp=damp)
+    prompts = prompts_for(batch, seed=int(damp * 100))
+    ids, mask = left_pad(prompts, PAD)
+    ref = plain(model, ids, mask, NEW, **INITS[init])
+    for mode, d, k in COMBOS:
+        out = speculative(model, ids, mask, NEW, mode, d, k, **INITS[init])
+        label = f"{mode} d={d} K={k}"
+        assert out.sequences.tolist() == ref.sequences.tolist(), label
+        assert_counter_invariants(out.speculation, [NEW] * len(prompts))
+        assert_cache_matches_ar(out.cache, ref.cache, mask, [NEW] * len(prompts), num_layers=2,
+                                planes=ar_planes(model))
+
+
+@pytest.mark.parametrize("mode,d,k", [("pipeline", 2, None), ("block", 2, 3)])
+@pytest.mark.parametrize("pattern", ["all_rejected", "alternating", "two_rejections_in_a_row"])
+def test_forced_rejections_keep_tokens_and_kv(mode, d, k, pattern):
+    """Forced rejection patterns roll back every plane (core, prelude, both coda depths) with I1 checked on every
+    read; tokens and the planes AR writes equal serial AR."""
+    accept = {"all_rejected": lambda s, i: False, "alternating": lambda s, i: i % 2 == 0,
+              "two_rejections_in_a_row": lambda s, i: i % 4 < 2}[pattern]
+    model, _ = tiny_huginn(seed=5, damp=0.1)
+    prompts = prompts_for("ragged", seed=7)
+    ids, mask = left_pad(prompts, PAD)
+    settings = INITS["seeded"]
+    ref = plain(model, ids, mask, NEW, **settings)
+    reference = [real_tokens(ref.sequences, mask, s) for s in range(len(prompts))]
+    hook = forcing_hook(reference, [len(p) for p in prompts], accept, model.config.vocab_size)
+    out = speculative(model, ids, mask, NEW, mode, d, k, draft_hook=hook, **settings)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    assert out.speculation.rejected > 0
+    assert_cache_matches_ar(out.cache, ref.cache, mask, [NEW] * len(prompts), num_layers=2, planes=ar_planes(model))
+    draft_plane = out.cache.kv_layout.exit_plane(d)
+    for s, prompt in enumerate(prompts):  # the draft-depth coda plane holds every position AR feeds back
+        assert out.cache.length(s, draft_plane) == len(prompt) + NEW - 1
+
+
+@pytest.mark.parametrize("accept", [True, False], ids=["all_accepted", "all_rejected"])
+@pytest.mark.parametrize("mode,d,k", [("pipeline", 4, None), ("pipeline", 8, None), ("block", 4, 4), ("block", 8, 2)])
+def test_core_calls_at_32_steps(mode, d, k, accept):
+    """draft_loops counts recurrence steps: at 32 steps the core-call counts follow DESIGN 3's closed forms with
+    U = 32 (AR: 32 calls per token)."""
+    model, _ = tiny_huginn(seed=2, damp=0.1)
+    n = 6
+    prompts = prompts_for("unpadded", seed=1)[:1]
+    ids, mask = left_pad(prompts, PAD)
+    ref = plain(model, ids, mask, n, num_steps=32, init_scale=0.0)
+    reference = [real_tokens(ref.sequences, mask, 0)]
+    hook = forcing_hook(reference, [len(prompts[0])], lambda s, i: accept, model.config.vocab_size)
+    out = speculative(model, ids, mask, n, mode, d, k, num_steps=32, debug=False, draft_hook=hook, init_scale=0.0)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    expected = pipeline_calls(n, 32, d, accept) if mode == "pipeline" else block_calls(n, 32, d, k, accept)
+    assert out.speculation.core_calls == expected
+
+
+@pytest.mark.parametrize("d", [0, 6, 7])
+def test_draft_loops_must_be_below_num_steps(d):
+    model, _ = tiny_huginn()
+    ids = random_ids((1, 3))
+    with pytest.raises(ValueError, match="draft_loops"):
+        model.generate(ids, max_new_tokens=2, speculative_mode="block", draft_loops=d, num_steps=6)
+
+
+def test_pipeline_needs_draft_loops_dividing_num_steps():
+    model, _ = tiny_huginn()
+    with pytest.raises(ValueError, match="draft_loops"):
+        model.generate(random_ids((1, 3)), max_new_tokens=2, speculative_mode="pipeline", draft_loops=4, num_steps=6)
