@@ -85,6 +85,7 @@ by *the known greedy token*, and sampling has no known token to replace them by.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -102,20 +103,30 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from .cache.paged import PagedLoopCache
 from .generation.config import speculative_config
+from .models.huginn import HuginnConfig, HuginnForCausalLM
 from .models.ouro import OuroConfig, OuroForCausalLM
 
 MODES = ("plain", "ar", "block", "pipeline")
 LANE_MODES = ("ar", "block", "pipeline")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Random-weight shapes (`--model NAME`). vocab ids 0..2 are Ouro's special tokens.
+# Random-weight shapes (`--model NAME`): (family, config fields). Prompt ids start at 3 (0..2 are special).
+FAMILIES = {"ouro": (OuroConfig, OuroForCausalLM), "huginn": (HuginnConfig, HuginnForCausalLM)}
 SHAPES = {
-    "ouro-tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                  "num_attention_heads": 4, "total_ut_steps": 4},
-    "ouro-100m": {"vocab_size": 8192, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
-                  "num_attention_heads": 12, "total_ut_steps": 4},
-    "ouro-1.4b": {"vocab_size": 49152, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
-                  "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 128, "total_ut_steps": 4},
+    "ouro-tiny": ("ouro", {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                           "num_attention_heads": 4, "total_ut_steps": 4}),
+    "ouro-100m": ("ouro", {"vocab_size": 8192, "hidden_size": 768, "intermediate_size": 2048,
+                           "num_hidden_layers": 12, "num_attention_heads": 12, "total_ut_steps": 4}),
+    "ouro-1.4b": ("ouro", {"vocab_size": 49152, "hidden_size": 2048, "intermediate_size": 5632,
+                           "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+                           "head_dim": 128, "total_ut_steps": 4}),
+    # Huginn-0125's stage layout (2 + 4 + 2 sandwich blocks, 32 steps) at a CPU-sized width, and the real shape.
+    "huginn-small": ("huginn", {"vocab_size": 8192, "n_embd": 512, "n_heads": 8, "intermediate_size": 1536,
+                                "n_layers_in_prelude": 2, "n_layers_in_recurrent_block": 4, "n_layers_in_coda": 2,
+                                "mean_recurrence": 32}),
+    "huginn-3.5b": ("huginn", {"vocab_size": 65536, "n_embd": 5280, "n_heads": 55, "intermediate_size": 17920,
+                               "n_layers_in_prelude": 2, "n_layers_in_recurrent_block": 4, "n_layers_in_coda": 2,
+                               "mean_recurrence": 32}),
 }
 
 # Prompt texts for models with a tokenizer (repeated and cut to --prompt-len tokens; row b starts further in):
@@ -313,22 +324,27 @@ def default_model_path() -> Path:
         raise ModelNotAvailable(f"{err} Alternatively, {hint}") from None
 
 
-def random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> OuroForCausalLM:
-    """An `OuroForCausalLM` of a named shape with seeded random weights, built directly on `device` in `dtype`.
+def random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """A model of a named shape (`SHAPES`) with seeded random weights, built directly on `device` in `dtype`.
 
     Matrices get std 1/sqrt(fan_in) and norm weights 1 + noise (so activations and logits are O(1) and greedy
-    choices are well separated), unlike `post_init`'s tiny-std init that makes near-uniform logits.
+    choices are well separated), unlike `post_init`'s tiny-std init that makes near-uniform logits; token
+    embeddings are O(1) after the family's embedding scale.
     """
-    config = OuroConfig(**SHAPES[shape], max_position_embeddings=65536, bos_token_id=0, eos_token_id=0,
-                        pad_token_id=0)
+    family, fields = SHAPES[shape]
+    config_class, model_class = FAMILIES[family]
+    positions = {"ouro": {"max_position_embeddings": 65536}, "huginn": {"block_size": 65536}}[family]
+    config = config_class(**fields, **positions, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     with torch.device("meta"):
-        model = OuroForCausalLM(config)
+        model = model_class(config)
     model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()
     gen = torch.Generator(device=device).manual_seed(seed)
+    embed_scale = getattr(config, "embed_scale", 1.0)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("embed_tokens.weight"):
-                param.normal_(0.0, 1.0, generator=gen)
+            if name.endswith(("embed_tokens.weight", "wte.weight")):
+                param.normal_(0.0, 1.0 / embed_scale, generator=gen)
             elif "norm" in name:
                 param.normal_(1.0, 0.1, generator=gen)
             elif "early_exit_gate" in name:
@@ -385,7 +401,8 @@ def make_prompts(tokenizer, vocab: int, batch: int, length: int, seed: int, text
 
 # --- one run --------------------------------------------------------------------------------------------------------
 class _RecordingCache(PagedLoopCache):
-    """A `PagedLoopCache` that records the row count of every core call (one `plan_rows` per call)."""
+    """A `PagedLoopCache` that records the row count of every core call (one `plan_rows` per call; the calls of
+    entry and exit stages with KV, which write other planes, are not core calls)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -393,7 +410,8 @@ class _RecordingCache(PagedLoopCache):
 
     def plan_rows(self, seq, depth, position, like, lineage=None):
         rows = super().plan_rows(seq, depth, position, like, lineage=lineage)
-        self.call_rows.append(rows.num_rows)
+        if int(rows.depth.max()) < self.kv_layout.depth_planes:  # not an entry or exit stage's call
+            self.call_rows.append(rows.num_rows)
         return rows
 
     def allocated_bytes(self) -> int:
@@ -733,6 +751,20 @@ def run_bench(args) -> dict:
     `args` is an `argparse.Namespace` from `parse_args` (missing attributes take their defaults).
     """
     args = _with_defaults(args)
+    device = resolve_device(args.device)
+    model, tokenizer, model_name = load_model(args.model, DTYPES[args.dtype], device, seed=args.seed)
+    with _fixed_recurrence(model):
+        return _run_bench(args, device, model, tokenizer, model_name)
+
+
+def _fixed_recurrence(model):
+    """Huginn-family models: every mode runs `mean_recurrence` steps from zero initial states (init_scale 0), so
+    that plain decoding is a deterministic reference."""
+    recurrence = getattr(model, "recurrence", None)
+    return recurrence(init_scale=0.0) if recurrence is not None else contextlib.nullcontext()
+
+
+def _run_bench(args, device, model, tokenizer, model_name) -> dict:
     check_sampling_args(args)
     sampling = sampling_settings(args)
     if args.plot:
@@ -741,9 +773,7 @@ def run_bench(args) -> dict:
         torch.set_num_threads(args.threads)
     if args.new_tokens < 2 and any(m in args.modes for m in ("block", "pipeline")):
         raise ValueError("--new-tokens must be >= 2 for the speculative modes (nothing to draft otherwise).")
-    device = resolve_device(args.device)
     dtype = DTYPES[args.dtype]
-    model, tokenizer, model_name = load_model(args.model, dtype, device, seed=args.seed)
     # A clean greedy config: no EOS (every run commits exactly new_tokens per sequence) and none of a checkpoint's
     # generation defaults (e.g. a repetition penalty) that plain generate() would apply and the lane runs would not.
     model.generation_config = GenerationConfig(pad_token_id=0, eos_token_id=None, do_sample=False)
@@ -788,11 +818,16 @@ def run_bench(args) -> dict:
         # machine drifts); the cost of a call is its median over the rounds.
         runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
         cost_rounds = []
+        layout = model.kv_layout
+        calibrate = layout.entry_plane is None and layout.first_exit_plane is None
         for r in range(args.repeats):
-            _log(args, f"[bench] round {r + 1}/{args.repeats}: call costs over {core_grid} rows and the "
-                       f"{batch * prompt_len}-row prefill, then {' '.join(args.modes)}")
-            cost_rounds.append(measure_call_costs(model, batch, prompt_len, core_grid, head_grid, device, dtype,
-                                                  args.calibration_seconds / args.repeats, seed=args.seed + r))
+            _log(args, f"[bench] round {r + 1}/{args.repeats}: "
+                       + (f"call costs over {core_grid} rows and the {batch * prompt_len}-row prefill, then "
+                          if calibrate else "") + " ".join(args.modes))
+            if calibrate:
+                cost_rounds.append(measure_call_costs(model, batch, prompt_len, core_grid, head_grid, device,
+                                                      dtype, args.calibration_seconds / args.repeats,
+                                                      seed=args.seed + r))
             for mode in args.modes:
                 hook = None
                 if args.synthetic_acceptance is not None and mode in ("block", "pipeline"):
@@ -800,11 +835,11 @@ def run_bench(args) -> dict:
                 runs[mode].append(run_mode(model, mode, ids, n, draft_hook=hook,
                                            seed=None if sampling is None else args.seed + r, **kw))
 
-    costs = median_costs(cost_rounds)
+    costs = median_costs(cost_rounds) if cost_rounds else None
     ar_core, ar_head = ar_call_shapes(loops, batch, prompt_len, n)
     if "ar" in runs:
         ar_core, ar_head = runs["ar"][0]["core_rows"], runs["ar"][0]["head_rows"]
-    ar_predicted = predicted_seconds(costs, ar_core, ar_head)
+    ar_predicted = predicted_seconds(costs, ar_core, ar_head) if costs else None
     seconds = {mode: statistics.median(x["seconds"] for x in rs) for mode, rs in runs.items()}
     tokens = batch * n
     rows = []
@@ -839,7 +874,7 @@ def run_bench(args) -> dict:
         }
         if mode != "plain":
             stats = first["stats"]
-            predicted = predicted_seconds(costs, first["core_rows"], first["head_rows"])
+            predicted = predicted_seconds(costs, first["core_rows"], first["head_rows"]) if costs else None
             row.update(
                 core_calls=stats.core_calls,
                 core_calls_per_token=stats.core_calls * batch / stats.committed_tokens,
@@ -848,11 +883,11 @@ def run_bench(args) -> dict:
                 discarded=stats.discarded,
                 acceptance_rate_all=[x["stats"].acceptance_rate if x["stats"].drafted else None for x in rs],
                 core_calls_per_token_all=[x["stats"].core_calls * batch / x["stats"].committed_tokens for x in rs],
-                ideal_speedup_vs_ar=ar_predicted / predicted,
+                ideal_speedup_vs_ar=ar_predicted / predicted if costs else None,
                 predicted_seconds=predicted,
-                overhead_fraction=1.0 - predicted / seconds[mode],
+                overhead_fraction=1.0 - predicted / seconds[mode] if costs else None,
             )
-            if row["speedup_vs_ar"] is not None:
+            if row["speedup_vs_ar"] is not None and costs:
                 row["fraction_of_ideal"] = row["speedup_vs_ar"] / row["ideal_speedup_vs_ar"]
             row["check_passed"] = all(c["exact"] for c in checks) if exact_dtype and sampling is None else None
         rows.append(row)
@@ -865,16 +900,20 @@ def run_bench(args) -> dict:
         "args": {k_: v for k_, v in vars(args).items()},
         "model": {"name": model_name, "parameters": params, "num_loops": loops,
                   "config": {k_: getattr(model.config, k_, None) for k_ in (
-                      "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                      "num_key_value_heads", "head_dim", "total_ut_steps")}},
+                      "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "head_dim", "total_ut_steps",
+                      "n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda",
+                      "mean_recurrence")},
+                  "initial_states": "zeros (init_scale 0)" if hasattr(model, "recurrence") else None},
         "synthetic_acceptance": args.synthetic_acceptance,
         "sampling": None if sampling is None else {
             **sampling, "warpers": [type(w).__name__ for w in sampling_processors(sampling)],
             "seed": args.seed, "seeding": "torch.manual_seed(seed + round) before each timed run of a round, "
                                           "torch.manual_seed(seed) before each warm-up run"},
-        "call_costs": {"context": costs["context"], "core_seconds_by_rows": costs["core"],
-                       "prefill_rows": costs["prefill_rows"], "prefill_seconds": costs["prefill"],
-                       "head_seconds_by_rows": costs["head"], "ar_predicted_seconds": ar_predicted},
+        "call_costs": None if costs is None else {
+            "context": costs["context"], "core_seconds_by_rows": costs["core"], "prefill_rows": costs["prefill_rows"],
+            "prefill_seconds": costs["prefill"], "head_seconds_by_rows": costs["head"],
+            "ar_predicted_seconds": ar_predicted},
         "notes": {
             "timing": "median wall time of --repeats interleaved rounds after one warm-up per mode; prefill "
                       "included; EOS ignored so every run commits batch * new_tokens tokens",
@@ -939,10 +978,13 @@ def format_table(result: dict) -> str:
         lines.append(f"*** SYNTHETIC ACCEPTANCE {result['synthetic_acceptance']}: each draft is replaced by the known "
                      "greedy token with this probability, else by a wrong one; verification is real ***")
     c = result["call_costs"]
-    core = " ".join(f"t({r})={_ms(s)}" for r, s in sorted(c["core_seconds_by_rows"].items()))
-    head = " ".join(f"h({r})={_ms(s)}" for r, s in sorted(c["head_seconds_by_rows"].items()))
-    lines.append(f"core call ms by rows (context {c['context']}): {core} | prefill t({c['prefill_rows']})="
-                 f"{_ms(c['prefill_seconds'])} | head ms: {head}")
+    if c is None:
+        lines.append("no call-cost model (ideal, %ideal, overhd): the model's entry/exit stages have KV of their own")
+    else:
+        core = " ".join(f"t({r})={_ms(s)}" for r, s in sorted(c["core_seconds_by_rows"].items()))
+        head = " ".join(f"h({r})={_ms(s)}" for r, s in sorted(c["head_seconds_by_rows"].items()))
+        lines.append(f"core call ms by rows (context {c['context']}): {core} | prefill t({c['prefill_rows']})="
+                     f"{_ms(c['prefill_seconds'])} | head ms: {head}")
     header = (f"{'mode':<9}{'tok/s':>9}{'x plain':>9}{'x ar':>7}{'ideal':>7}{'%ideal':>8}{'overhd':>8}"
               f"{'calls/tok':>10}{'accept':>8}{'peak mem':>10}  check")
     lines += [header, "-" * len(header)]

@@ -194,13 +194,14 @@ class LaneDecoder:
         targets = [lane for lane in lanes if lane.depth == self.num_loops and not lane.next_known]
         drafters = [lane for lane in lanes if self._wants_draft(lane)]
         if self.layout.first_exit_plane is None:
-            heads, attention = targets + drafters, None
+            heads = targets + drafters
         else:  # the head writes KV: every lane reaching an exit depth in use runs it, logits needed or not
             exits = (self.num_loops, self.draft_loops) if self.policy.drafts else (self.num_loops,)
             heads = [lane for lane in lanes if lane.depth in exits]
-            attention = self._attention(heads, [self.layout.exit_plane(lane.depth) for lane in heads])
         logits = None
         if heads:
+            attention = None if self.layout.first_exit_plane is None else \
+                self._attention(heads, [self.layout.exit_plane(lane.depth) for lane in heads])
             positions = torch.tensor([lane.position for lane in heads], device=self.like.device)
             logits = self.model.head(torch.stack([lane.hidden for lane in heads]), positions, attention).float()
         row_of = {id(lane): i for i, lane in enumerate(heads)}  # logits: [M, V]
