@@ -6,6 +6,8 @@ The keys live on `GenerationConfig` (so they also load from `generation_config.j
 * `speculative_mode`: `"pipeline"`, `"block"` or `None` (plain decoding).
 * `draft_loops` (d): draft from the hidden state after d loops; 1 <= d < U; pipeline needs U % d == 0.
 * `num_speculative_tokens` (K): drafts per round in block mode; >= 1.
+* `compile_core`: `False` (default), `True` (`torch.compile` with inductor) or a `torch.compile` backend name:
+  the core and head calls run as static-shape compiled calls over row buckets (`generation.stages`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 from transformers.generation import GenerationConfig, GenerationMode
 
-SPECULATIVE_KEYS = ("speculative_mode", "draft_loops", "num_speculative_tokens")
+SPECULATIVE_KEYS = ("speculative_mode", "draft_loops", "num_speculative_tokens", "compile_core")
 MODES = ("pipeline", "block")
 
 
@@ -23,12 +25,18 @@ class SpeculativeConfig:
     mode: str  # "pipeline" | "block" (decode_with_lanes also takes "ar", the engine without drafting)
     draft_loops: int
     num_speculative_tokens: int
+    compile_backend: str | None = None  # torch.compile backend of the core and head calls; None: eager
 
 
 def speculative_config(generation_config: GenerationConfig, num_loops: int) -> SpeculativeConfig | None:
     """Read and validate the speculative keys; `None` when `speculative_mode` is unset (plain decoding)."""
     mode = getattr(generation_config, "speculative_mode", None)
+    backend = compile_backend(getattr(generation_config, "compile_core", None))
     if mode is None:
+        if backend is not None:
+            raise ValueError(f"compile_core={generation_config.compile_core!r} applies to the speculative modes' "
+                             "lane decoder; set speculative_mode, or for plain decoding use transformers' own "
+                             "compilation (cache_implementation='static').")
         return None
     if mode not in MODES:
         raise ValueError(f"speculative_mode={mode!r} is not supported; use one of {MODES} or None for plain "
@@ -52,7 +60,21 @@ def speculative_config(generation_config: GenerationConfig, num_loops: int) -> S
         )
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1 (drafts per block round).")
-    return SpeculativeConfig(mode, draft_loops, k)
+    return SpeculativeConfig(mode, draft_loops, k, backend)
+
+
+def compile_backend(compile_core) -> str | None:
+    """The `torch.compile` backend `compile_core` asks for (`True`: inductor), or None for eager calls."""
+    if compile_core is None or compile_core is False:
+        return None
+    if compile_core is True:
+        return "inductor"
+    import torch
+
+    if not isinstance(compile_core, str) or compile_core not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ValueError(f"compile_core={compile_core!r} must be True, False or a torch.compile backend name "
+                         f"({', '.join(torch._dynamo.list_backends(exclude_tags=()))}).")
+    return compile_core
 
 
 def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_config, assistant_model) -> None:

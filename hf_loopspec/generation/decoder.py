@@ -38,6 +38,7 @@ from ..cache.paged import PagedLoopCache
 from .acceptance import draft_distribution, judge, propose, target_token
 from .lanes import Lane, SequenceState
 from .policies import ARPolicy
+from .stages import EagerStages
 from .stats import SpeculationStats
 
 DraftHook = Callable[[int, int, int], int]
@@ -113,8 +114,10 @@ class LaneDecoder:
         output_scores: bool = False,
         output_logits: bool = False,
         trace: bool | str = False,
+        stages=None,
     ):
         self.model, self.cache, self.policy = model, cache, policy
+        self.stages = stages if stages is not None else EagerStages(model, cache)
         self.num_loops = model.num_loops
         self.draft_loops = draft_loops
         has_processors = logits_processor is not None and len(logits_processor)
@@ -180,7 +183,7 @@ class LaneDecoder:
             [lane.seq for lane in lanes], [lane.depth for lane in lanes], positions, like=hidden,
             lineage=[lane.lineage for lane in lanes],
         )
-        out = self.model.core(hidden, torch.tensor(positions, device=hidden.device), self.cache.attention(rows))
+        out = self.stages.core(hidden, torch.tensor(positions, device=hidden.device), rows)  # [N, H]
         self.stats.core_calls += 1
         if self.trace is not None:
             self.trace.append(CycleTrace(
@@ -198,19 +201,23 @@ class LaneDecoder:
         else:  # the head writes KV: every lane reaching an exit depth in use runs it, logits needed or not
             exits = (self.num_loops, self.draft_loops) if self.policy.drafts else (self.num_loops,)
             heads = [lane for lane in lanes if lane.depth in exits]
-        logits = None
+        logits = tops = None
         if heads:
-            attention = None if self.layout.first_exit_plane is None else \
-                self._attention(heads, [self.layout.exit_plane(lane.depth) for lane in heads])
+            exit_rows = None if self.layout.first_exit_plane is None else \
+                self._rows(heads, [self.layout.exit_plane(lane.depth) for lane in heads])
             positions = torch.tensor([lane.position for lane in heads], device=self.like.device)
-            logits = self.model.head(torch.stack([lane.hidden for lane in heads]), positions, attention).float()
+            logits = self.stages.head(torch.stack([lane.hidden for lane in heads]), positions, exit_rows).float()
+            if not self.do_sample and self.processors is None:  # greedy: one compact readback per cycle
+                tops = logits.argmax(-1).tolist()  # [M]
         row_of = {id(lane): i for i, lane in enumerate(heads)}  # logits: [M, V]
         for lane in targets:
-            self._verify(lane, logits[row_of[id(lane)]])
+            i = row_of[id(lane)]
+            self._verify(lane, logits[i], None if tops is None else tops[i])
         for lane in drafters:
             seq = self.seqs[lane.seq]
             if not seq.finished and seq.lanes and seq.lanes[-1] is lane:
-                self._draft(lane, logits[row_of[id(lane)]])
+                i = row_of[id(lane)]
+                self._draft(lane, logits[i], None if tops is None else tops[i])
         for seq in self.seqs:  # retire lanes that completed all loops
             seq.lanes = [lane for lane in seq.lanes if lane.depth < self.num_loops]
         self._embed_new_lanes()
@@ -224,7 +231,7 @@ class LaneDecoder:
         device = self.like.device
         attention = None
         if self.layout.entry_plane is not None:
-            attention = self._attention(new, [self.layout.entry_plane] * len(new))
+            attention = self.cache.attention(self._rows(new, [self.layout.entry_plane] * len(new)))
         hidden = self.model.embed(
             torch.tensor([lane.token for lane in new], device=device),
             torch.tensor([lane.position for lane in new], device=device),
@@ -234,11 +241,10 @@ class LaneDecoder:
         for lane, h in zip(new, hidden):
             lane.hidden = h
 
-    def _attention(self, lanes: list[Lane], planes: list[int]):
-        """Attention for a call of an entry or exit stage: lane i writes and reads plane `planes[i]`."""
-        rows = self.cache.plan_rows([lane.seq for lane in lanes], planes, [lane.position for lane in lanes],
+    def _rows(self, lanes: list[Lane], planes: list[int]):
+        """The rows of a call of an entry or exit stage: lane i writes and reads plane `planes[i]`."""
+        return self.cache.plan_rows([lane.seq for lane in lanes], planes, [lane.position for lane in lanes],
                                     like=self.like, lineage=[lane.lineage for lane in lanes])
-        return self.cache.attention(rows)
 
     def _wants_draft(self, lane: Lane) -> bool:
         seq = self.seqs[lane.seq]
@@ -247,7 +253,8 @@ class LaneDecoder:
                 and self.policy.may_draft(seq))
 
     # --- verification and commits -------------------------------------------------------------------------------
-    def _verify(self, lane: Lane, raw: torch.Tensor) -> None:
+    def _verify(self, lane: Lane, raw: torch.Tensor, top: int | None) -> None:
+        """`top`: the argmax of `raw`, when greedy without processors (read back with the cycle's others)."""
         seq = self.seqs[lane.seq]
         if seq.finished or lane not in seq.lanes:
             return  # killed earlier in this cycle (block mode: after a rejection of an earlier position)
@@ -256,10 +263,11 @@ class LaneDecoder:
         index = seq.lanes.index(lane)
         nxt = seq.lanes[index + 1] if index + 1 < len(seq.lanes) else None
         if nxt is None:
-            target = target_token(scores, self.do_sample)
+            target = target_token(scores, self.do_sample) if top is None else top
         else:
             seq.stats.verified += 1
-            accepted, target = judge(nxt.token, nxt.draft_q, scores, self.do_sample)
+            accepted, target = judge(nxt.token, nxt.draft_q, scores, self.do_sample) if top is None \
+                else (nxt.token == top, top)
             nxt.is_draft = False  # verified: not counted as discarded
             if accepted:
                 seq.stats.accepted += 1
@@ -316,7 +324,7 @@ class LaneDecoder:
             self.cache.truncate(seq.index, plane, min(length, self.cache.length(seq.index, plane)))
 
     # --- drafts -------------------------------------------------------------------------------------------------
-    def _draft(self, lane: Lane, raw: torch.Tensor) -> None:
+    def _draft(self, lane: Lane, raw: torch.Tensor, top: int | None) -> None:
         seq = self.seqs[lane.seq]
         if self.processors is not None:
             width = self.prompt_width + len(seq.generated)
@@ -324,7 +332,7 @@ class LaneDecoder:
             prefix = torch.cat([self.ids[seq.index, :width], self.ids.new_tensor(pending)])
             raw = self._process(seq.index, prefix, raw)
         q = draft_distribution(raw, self.do_sample)
-        token = propose(raw, q)
+        token = propose(raw, q) if top is None else top
         if self.draft_hook is not None:
             hooked = int(self.draft_hook(seq.index, lane.position + 1, token))
             if q is not None and hooked != token:  # a forced proposal is a point mass: still lossless

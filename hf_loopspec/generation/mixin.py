@@ -14,9 +14,10 @@ from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.paged import PagedLoopCache
-from .config import SPECULATIVE_KEYS, check_generation_mode, speculative_config
+from .config import SPECULATIVE_KEYS, check_generation_mode, compile_backend, speculative_config
 from .decoder import LaneDecoder
 from .policies import ARPolicy, BlockPolicy, PipelinePolicy
+from .stages import StaticStages, capacity_for
 from .stats import SpeculationStats
 
 RUNTIME_KEYS = ("draft_hook", "speculative_trace")
@@ -102,6 +103,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         runtime = getattr(self, "_loopspec_runtime", {})
         result = self.decode_with_lanes(
             input_ids, spec.mode, draft_loops=spec.draft_loops, num_speculative_tokens=spec.num_speculative_tokens,
+            compile_core=spec.compile_backend or False,
             cache=model_kwargs["cache"], attention_mask=model_kwargs.get("attention_mask"),
             logits_processor=logits_processor, stopping_criteria=stopping_criteria,
             pad_token_id=_as_int(generation_config._pad_token_tensor), max_length=generation_config.max_length,
@@ -120,12 +122,18 @@ class LoopSpecGenerationMixin(GenerationMixin):
         )
 
     def decode_with_lanes(self, input_ids, mode: str, *, draft_loops: int = 1, num_speculative_tokens: int = 4,
-                          cache: PagedLoopCache, **options):
+                          cache: PagedLoopCache, compile_core: bool | str = False, **options):
         """Run the lane decoder directly (`mode` "ar", "block" or "pipeline"); `generate` calls this.
 
         `options` are `LaneDecoder`'s keyword arguments. The benchmark uses mode "ar" as its baseline: the same
-        engine and cache, without drafting.
+        engine and cache, without drafting. `compile_core` (see `generation.config`) runs the core and head as
+        static-shape compiled calls (`generation.stages.StaticStages`).
         """
+        backend = compile_backend(compile_core)
+        if backend is not None:
+            capacity = capacity_for(len(input_ids), self.num_loops, num_speculative_tokens)
+            options["stages"] = StaticStages.for_run(
+                self, cache, backend, len(input_ids), capacity, options["max_length"], input_ids.device, self.dtype)
         policy = {
             "ar": lambda: ARPolicy(self.num_loops),
             "pipeline": lambda: PipelinePolicy(self.num_loops),
