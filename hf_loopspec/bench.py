@@ -19,6 +19,16 @@ mode's time is the median of its rounds and includes prefill. Every output of ev
 reference: in fp32 it must be equal (`check_passed`), in bf16/fp16 the agreement rate (common-prefix fraction)
 is reported with the first divergent token and the reference's top-1/top-2 logit margin there.
 
+Random-weight shapes (`SHAPES`) cover both families: `ouro-tiny`, `ouro-100m`, `ouro-1.4b`, and `huginn-tiny`,
+`huginn-small` (Huginn-0125's 2 + 4 + 2 stage layout at width 512, 32 recurrence steps), `huginn-3.5b` (the real
+shape, for a GPU). Huginn-family models run every mode from zero initial states (init_scale 0) at
+`mean_recurrence` steps; `draft_loops` then counts recurrence steps. Their prelude and coda have KV of their own,
+so the call-cost model below (which times core and head calls alone) is not computed for them: the ideal
+columns stay empty, and the comparison is measured time and core calls per token.
+
+`--compile [BACKEND]` runs the lane modes with `compile_core` (static-shape compiled core and head calls,
+`generation/stages.py`); each row reports `compile_seconds`, its warm-up run minus its median timed run.
+
 `--synthetic-acceptance A` (for random weights, whose drafts are almost never right): every draft proposal is
 replaced through `draft_hook` by the known greedy token with probability A (seeded), otherwise by a wrong token.
 Verification stays real, so outputs must still equal the reference. The known token comes from the mode's own
@@ -102,7 +112,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from .cache.paged import PagedLoopCache
-from .generation.config import speculative_config
+from .generation.config import compile_backend, speculative_config
 from .models.huginn import HuginnConfig, HuginnForCausalLM
 from .models.ouro import OuroConfig, OuroForCausalLM
 
@@ -120,6 +130,9 @@ SHAPES = {
     "ouro-1.4b": ("ouro", {"vocab_size": 49152, "hidden_size": 2048, "intermediate_size": 5632,
                            "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
                            "head_dim": 128, "total_ut_steps": 4}),
+    "huginn-tiny": ("huginn", {"vocab_size": 256, "n_embd": 64, "n_heads": 4, "intermediate_size": 128,
+                               "n_layers_in_prelude": 1, "n_layers_in_recurrent_block": 2, "n_layers_in_coda": 1,
+                               "mean_recurrence": 8}),
     # Huginn-0125's stage layout (2 + 4 + 2 sandwich blocks, 32 steps) at a CPU-sized width, and the real shape.
     "huginn-small": ("huginn", {"vocab_size": 8192, "n_embd": 512, "n_heads": 8, "intermediate_size": 1536,
                                 "n_layers_in_prelude": 2, "n_layers_in_recurrent_block": 4, "n_layers_in_coda": 2,
@@ -280,6 +293,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="seed of the random weights, prompts, synthetic drafts and sampled runs "
                              "(default: %(default)s)")
     parser.add_argument("--threads", type=_positive, default=None, help="torch.set_num_threads")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="run the lane modes' core and head calls compiled (generate's compile_core) with this "
+                             "torch.compile backend (default when given: inductor); plain is transformers' loop")
     parser.add_argument("--calibration-seconds", type=float, default=3.0,
                         help="time budget of the core/head call-cost measurements (default: %(default)s)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
@@ -476,11 +492,12 @@ def sampling_processors(sampling: dict | None) -> LogitsProcessorList | None:
 
 
 def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook=None,
-             output_logits: bool = False, sampling: dict | None = None, seed: int | None = None) -> dict:
+             output_logits: bool = False, sampling: dict | None = None, seed: int | None = None,
+             compile_core: str | None = None) -> dict:
     """Run one mode once; returns seconds, generated ids `[B, N]`, stats and the recorded call shapes.
 
     `sampling` (from `sampling_settings`): sample with these settings instead of greedy decoding; `seed`: call
-    `torch.manual_seed(seed)` first (untimed).
+    `torch.manual_seed(seed)` first (untimed); `compile_core`: a torch.compile backend for the lane modes.
     """
     device = ids.device
     if seed is not None:
@@ -514,7 +531,7 @@ def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loop
                 ids, mode, draft_loops=draft_loops, num_speculative_tokens=k, cache=cache, attention_mask=None,
                 logits_processor=processors, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(
                     prompt_width + new_tokens)]), pad_token_id=0, max_length=prompt_width + new_tokens,
-                draft_hook=draft_hook, do_sample=sampling is not None)
+                draft_hook=draft_hook, do_sample=sampling is not None, compile_core=compile_core or False)
             _synchronize(device)
             result["seconds"] = time.perf_counter() - start
         finally:
@@ -751,6 +768,7 @@ def run_bench(args) -> dict:
     `args` is an `argparse.Namespace` from `parse_args` (missing attributes take their defaults).
     """
     args = _with_defaults(args)
+    compile_backend(args.compile)  # a ValueError for an unknown backend, before the model loads
     device = resolve_device(args.device)
     model, tokenizer, model_name = load_model(args.model, DTYPES[args.dtype], device, seed=args.seed)
     with _fixed_recurrence(model):
@@ -787,7 +805,7 @@ def _run_bench(args, device, model, tokenizer, model_name) -> dict:
         text = Path(args.prompt_file).read_text()
     ids = make_prompts(tokenizer, vocab, batch, prompt_len, args.seed, text).to(device)
     exact_dtype = dtype == torch.float32
-    kw = {"draft_loops": d, "k": k, "sampling": sampling}
+    kw = {"draft_loops": d, "k": k, "sampling": sampling, "compile_core": args.compile}
     info = machine_info(device)
 
     with torch.inference_mode():
@@ -804,6 +822,7 @@ def _run_bench(args, device, model, tokenizer, model_name) -> dict:
         head_grid = sorted({1, *(batch * r for r in range(1, max(2, k + 1) + 1))})
 
         hooks_ref: dict[str, torch.Tensor] = {}
+        warmup_seconds: dict[str, float] = {}
         for mode in args.modes:  # warm-up (and, with synthetic acceptance, each mode's own greedy continuation)
             if mode == "plain":
                 continue
@@ -811,8 +830,8 @@ def _run_bench(args, device, model, tokenizer, model_name) -> dict:
             hook = None
             if args.synthetic_acceptance is not None and mode != "ar":
                 hook = synthetic_hook(reference, prompt_len, args.synthetic_acceptance, vocab, args.seed)
-            hooks_ref[mode] = run_mode(model, mode, ids, n, draft_hook=hook,
-                                       seed=None if sampling is None else args.seed, **kw)["generated"]
+            warmup = run_mode(model, mode, ids, n, draft_hook=hook, seed=None if sampling is None else args.seed, **kw)
+            hooks_ref[mode], warmup_seconds[mode] = warmup["generated"], warmup["seconds"]
 
         # Each round times the call costs too, so that they see the same machine load as the runs (a shared
         # machine drifts); the cost of a call is its median over the rounds.
@@ -867,6 +886,9 @@ def _run_bench(args, device, model, tokenizer, model_name) -> dict:
             "fraction_of_ideal": None,
             "predicted_seconds": None,
             "overhead_fraction": None,
+            "warmup_seconds": warmup_seconds.get(mode),
+            "compile_seconds": warmup_seconds[mode] - seconds[mode] if args.compile and mode in warmup_seconds
+            else None,
             "peak_mem_bytes": max(x["peak_mem_bytes"] for x in rs),
             "kv_cache_bytes": max(x["kv_bytes"] for x in rs),
             "check": check,
@@ -922,6 +944,8 @@ def _run_bench(args, device, model, tokenizer, model_name) -> dict:
             "ideal_speedup_vs_ar": "T_hat(ar) / T_hat(mode), T_hat = sum of the measured costs of the run's core "
                                    "and head calls by row count (see hf_loopspec.bench docstring)",
             "overhead_fraction": "1 - T_hat(mode) / measured time: the share of time outside core and head calls",
+            "compile_seconds": "with --compile: the mode's warm-up run (which compiles every bucket it meets) minus "
+                               "its median timed run; buckets met only in timed runs would compile there",
             "peak_mem_kind": "cuda_max_memory_allocated" if device.type == "cuda"
                              else "params_plus_kv_cache_allocated_bytes (CPU: torch allocations are not traced)",
             "check": SAMPLING_CHECK_NOTE if sampling is not None else
@@ -974,6 +998,11 @@ def format_table(result: dict) -> str:
         lines.append(f"*** {sampling_title(result['sampling'])}{' (' + ', '.join(off) + ' off)' if off else ''}: "
                      "every mode samples, seeded with --seed + round; acceptance is the real min(1, p/q); outputs "
                      "are not comparable with plain token by token ***")
+    if a.get("compile"):
+        compile_s = ", ".join(f"{r['mode']} {r['compile_seconds']:.1f}s" for r in result["rows"]
+                              if r.get("compile_seconds") is not None)
+        lines.append(f"lane modes compiled (compile_core, backend {a['compile']}); compile time (warm-up minus timed "
+                     f"run): {compile_s}")
     if result["synthetic_acceptance"] is not None:
         lines.append(f"*** SYNTHETIC ACCEPTANCE {result['synthetic_acceptance']}: each draft is replaced by the known "
                      "greedy token with this probability, else by a wrong one; verification is real ***")

@@ -108,6 +108,31 @@ def test_synthetic_full_acceptance_reproduces_the_pipeline_cost_model(draft_loop
     assert "SYNTHETIC ACCEPTANCE 1.0" in bench.format_table(result)
 
 
+def test_bench_runs_a_huginn_shape_with_calls_per_token_of_its_recurrence(tmp_path):
+    """huginn-tiny (8 recurrence steps): plain and ar take 8 core calls per token, pipeline at synthetic full
+    acceptance (N-1)d + U calls, outputs equal plain greedy; no call-cost model (its prelude and coda have KV)."""
+    args = bench.parse_args([*FAST, "--model", "huginn-tiny", "--synthetic-acceptance", "1.0", "--draft-loops", "2",
+                             "--json", str(tmp_path / "h.json")])
+    result = bench.run_bench(args)
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert result["model"]["num_loops"] == 8 and result["model"]["config"]["model_type"] == "huginn_raven"
+    assert rows["plain"]["core_calls_per_token"] == rows["ar"]["core_calls_per_token"] == 8
+    assert rows["pipeline"]["core_calls_per_token"] == pytest.approx(((N - 1) * 2 + 8) / N)
+    assert all(r["check_passed"] for r in result["rows"][1:]) and result["call_costs"] is None
+    assert rows["pipeline"]["ideal_speedup_vs_ar"] is None
+    assert "no call-cost model" in bench.format_table(result)
+
+
+def test_bench_compile_reports_compile_time_and_keeps_outputs(tmp_path):
+    args = bench.parse_args([*FAST, "--modes", "plain,ar,pipeline", "--compile", "aot_eager"])
+    result = bench.run_bench(args)
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert rows["plain"]["compile_seconds"] is None
+    assert rows["ar"]["compile_seconds"] is not None and rows["pipeline"]["compile_seconds"] is not None
+    assert all(r["check_passed"] for r in result["rows"][1:])
+    assert "backend aot_eager" in bench.format_table(result)
+
+
 def test_synthetic_hook_is_seeded_and_wrong_tokens_differ():
     ref = torch.tensor([[7] * 50])
     picks = [bench.synthetic_hook(ref, 10, 0.5, 20, seed=1) for _ in range(2)]
@@ -252,6 +277,7 @@ def test_invalid_speculative_settings_are_clear_errors(checkpoint, capsys):
     assert "multiple of draft_loops=3" in _run_error([*base, "--mode", "pipeline", "--draft-loops", "3"], capsys)
     assert "outside [1, 3]" in _run_error([*base, "--mode", "block", "--draft-loops", "4"], capsys)
     assert "outside [1, 3]" in _run_error(["bench", *FAST, "--draft-loops", "5"], capsys)
+    assert "torch.compile backend name" in _run_error(["bench", *FAST, "--compile", "no-such-backend"], capsys)
 
 
 @pytest.mark.parametrize("mode", ["plain", "block", "pipeline"])

@@ -72,8 +72,8 @@ def compile_backend(compile_core) -> str | None:
     import torch
 
     if not isinstance(compile_core, str) or compile_core not in torch._dynamo.list_backends(exclude_tags=()):
-        raise ValueError(f"compile_core={compile_core!r} must be True, False or a torch.compile backend name "
-                         f"({', '.join(torch._dynamo.list_backends(exclude_tags=()))}).")
+        raise ValueError(f"compile_core={compile_core!r} must be True, False or a torch.compile backend name, "
+                         f"e.g. {', '.join(torch._dynamo.list_backends())} or aot_eager.")
     return compile_core
 
 
