@@ -29,8 +29,8 @@ from transformers.modeling_utils import PreTrainedModel
 
 from ...generation.mixin import LoopSpecGenerationMixin
 from ...looped import KVAttention, KVLayout
+from ..base import LoopedCausalLMMixin, StrictLoadingMixin, one_cache
 from ..layers import RMSNorm, apply_rotary, check_token_ids, rotary_cos_sin, rotate_interleaved
-from ..loading import StrictLoadingMixin
 from ..loops import forward_rows
 from .configuration_huginn import HuginnConfig
 
@@ -263,10 +263,7 @@ class HuginnModel(HuginnPreTrainedModel):
         past_key_values: Cache | None = None,
         **kwargs,
     ) -> HuginnModelOutput:
-        if past_key_values is not None:
-            if cache is not None:
-                raise ValueError("Pass the KV cache as `cache` or as `past_key_values`, not both.")
-            cache = past_key_values
+        cache = one_cache(cache, past_key_values)
         if inputs_embeds is not None or input_ids is None:
             raise ValueError("Huginn models take `input_ids` (the prelude and the embedding scale apply to token "
                              "embeddings); `inputs_embeds` is not supported.")
@@ -310,7 +307,7 @@ class HuginnCausalLMOutput(CausalLMOutputWithPast):
     step_logits: tuple[torch.FloatTensor, ...] | None = None
 
 
-class HuginnForCausalLM(HuginnPreTrainedModel, LoopSpecGenerationMixin):
+class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGenerationMixin):
     """Huginn with its LM head: the `LoopedModel` protocol plus HF `forward` / `generate`, both of which take
     `num_steps`, `init_scale` and `init_seed` (see `HuginnModel.recurrence`)."""
 
@@ -322,43 +319,17 @@ class HuginnForCausalLM(HuginnPreTrainedModel, LoopSpecGenerationMixin):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.post_init()
 
-    # --- LoopedModel protocol -------------------------------------------------------------------------------
-    @property
-    def num_loops(self) -> int:
-        return self.transformer.num_loops
-
-    @property
-    def kv_layout(self) -> KVLayout:
-        return self.transformer.kv_layout
-
+    # --- LoopedModel protocol (num_loops, kv_layout, embed, core: LoopedCausalLMMixin) ------------------------
     def recurrence(self, num_steps: int | None = None, init_scale: float | None = None,
                    init_seed: int | None = None):
         """See `HuginnModel.recurrence`."""
         return self.transformer.recurrence(num_steps, init_scale, init_seed)
-
-    def embed(self, input_ids, positions, sequences, attention):
-        return self.transformer.embed(input_ids, positions, sequences, attention)
-
-    def core(self, hidden, positions, attention):
-        return self.transformer.core(hidden, positions, attention)
 
     def head(self, hidden, positions, attention):
         """Logits (fp32) of lane states at any step; the coda writes and reads the exit plane in `attention`."""
         return self.lm_head(self.transformer.decode(hidden, positions, attention)).float()
 
     # --- HF API ---------------------------------------------------------------------------------------------
-    def get_input_embeddings(self):
-        return self.transformer.wte
-
-    def set_input_embeddings(self, value):
-        self.transformer.wte = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, value):
-        self.lm_head = value
-
     def generate(self, *args, num_steps: int | None = None, init_scale: float | None = None,
                  init_seed: int | None = None, **kwargs):
         """`GenerationMixin.generate` (with hf_loopspec's speculative modes) at `num_steps` recurrence steps, with

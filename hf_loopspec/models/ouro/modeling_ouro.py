@@ -21,8 +21,8 @@ from transformers.modeling_utils import PreTrainedModel
 
 from ...generation.mixin import LoopSpecGenerationMixin
 from ...looped import KVAttention, KVLayout
+from ..base import LoopedCausalLMMixin, StrictLoadingMixin, one_cache
 from ..layers import RMSNorm, apply_rotary, check_token_ids, rotary_cos_sin
-from ..loading import StrictLoadingMixin
 from ..loops import forward_rows
 from .configuration_ouro import OuroConfig
 
@@ -158,10 +158,7 @@ class OuroModel(OuroPreTrainedModel):
         past_key_values: Cache | None = None,
         **kwargs,
     ) -> OuroModelOutput:
-        if past_key_values is not None:
-            if cache is not None:
-                raise ValueError("Pass the KV cache as `cache` or as `past_key_values`, not both.")
-            cache = past_key_values
+        cache = one_cache(cache, past_key_values)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
         embeddings = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, H]
@@ -183,7 +180,7 @@ class OuroModel(OuroPreTrainedModel):
         )
 
 
-class OuroForCausalLM(OuroPreTrainedModel, LoopSpecGenerationMixin):
+class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerationMixin):
     """Ouro with its LM head: the `LoopedModel` protocol plus HF `forward` / `generate`."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -194,38 +191,12 @@ class OuroForCausalLM(OuroPreTrainedModel, LoopSpecGenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    # --- LoopedModel protocol -------------------------------------------------------------------------------
-    @property
-    def num_loops(self) -> int:
-        return self.config.total_ut_steps
-
-    @property
-    def kv_layout(self) -> KVLayout:
-        return self.model.kv_layout
-
-    def embed(self, input_ids: torch.Tensor, positions=None, sequences=None, attention=None) -> torch.Tensor:
-        return self.model.embed(input_ids)
-
-    def core(self, hidden: torch.Tensor, positions: torch.Tensor, attention: KVAttention) -> torch.Tensor:
-        return self.model.core(hidden, positions, attention)
-
+    # --- LoopedModel protocol (num_loops, kv_layout, embed, core: LoopedCausalLMMixin) ------------------------
     def head(self, hidden: torch.Tensor, positions=None, attention=None) -> torch.Tensor:
         """Logits of any depth's output; Ouro's head is stateless (positions and attention are not used)."""
         return self.lm_head(hidden)
 
     # --- HF API ---------------------------------------------------------------------------------------------
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, value):
-        self.lm_head = value
-
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

@@ -1,4 +1,5 @@
-"""Loading and saving rules shared by the model families."""
+"""What the classes of every model family share: strict loading and saving, and the causal LM's delegation of the
+`LoopedModel` protocol and the embedding accessors to its base model."""
 
 from __future__ import annotations
 
@@ -34,3 +35,43 @@ class StrictLoadingMixin:
                 "Check that the checkpoint belongs to this model family and has the shape its config.json says."
             )
         return (model, info) if want_info else model
+
+
+class LoopedCausalLMMixin:
+    """Put first in a causal LM's bases: `num_loops`, `kv_layout`, `embed` and `core` are the base model's
+    (`self.base_model`), and the output embeddings are `self.lm_head`. The class itself defines `head`."""
+
+    @property
+    def num_loops(self) -> int:
+        return self.base_model.num_loops
+
+    @property
+    def kv_layout(self):
+        return self.base_model.kv_layout
+
+    def embed(self, input_ids, positions=None, sequences=None, attention=None):
+        return self.base_model.embed(input_ids, positions, sequences, attention)
+
+    def core(self, hidden, positions, attention):
+        return self.base_model.core(hidden, positions, attention)
+
+    def get_input_embeddings(self):
+        return self.base_model.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.base_model.set_input_embeddings(value)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+
+def one_cache(cache, past_key_values):
+    """The KV cache of a forward call, passed as `cache` (transformers >= 5.24) or `past_key_values`, not both."""
+    if past_key_values is None:
+        return cache
+    if cache is not None:
+        raise ValueError("Pass the KV cache as `cache` or as `past_key_values`, not both.")
+    return past_key_values
