@@ -6,6 +6,10 @@ One page pool `[num_layers, num_pages, page_size, kv_heads, head_dim]` (keys and
 (sequence, depth, position, layer): every (sequence, depth) pair owns a *block table*, the list of pages
 holding its positions in order, and a *valid length*. Table id = `seq * num_planes + depth`.
 
+"Depth" here is a *plane* index (`KVLayout`): planes `0 .. U-1` are loop depths; a model whose entry or exit
+stage has KV (Huginn's prelude and coda) adds planes for them, which the cache stores like any other (it knows
+no model). A stage with fewer layers than `num_layers` leaves the pool's other layers unused on its pages.
+
 Pages are reference counted, so a sequence can be forked (beam search, tree speculation) without copying:
 the fork shares every page, and the first write into a shared page copies it (copy on write). `truncate`
 rolls back a suffix of one (sequence, depth) and frees pages it no longer needs.
