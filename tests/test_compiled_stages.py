@@ -109,8 +109,8 @@ def test_capacity_and_buckets():
     assert capacity_for(1, 4, 4) == 8 and capacity_for(3, 4, 1) == 16 and capacity_for(1, 2, 1) == 4
     model = tiny_spec_model(0, 4, vocab=VOCAB)
     stages = StaticStages(model, "aot_eager", capacity=32, tables=4, pages_per_table=2, device=torch.device("cpu"))
-    assert stages.buckets == (4, 8, 16, 32)
-    assert [stages.bucket(n) for n in (1, 4, 5, 32, 33)] == [4, 4, 8, 32, None]  # above the largest: eager
+    assert stages.buckets == (1, 2, 4, 8, 16, 32)
+    assert [stages.bucket(n) for n in (1, 3, 4, 5, 32, 33)] == [1, 4, 4, 8, 32, None]  # above the largest: eager
     wide = StaticStages(model, "aot_eager", capacity=4096, tables=4, pages_per_table=2, device=torch.device("cpu"))
     assert wide.buckets == tuple(32 << i for i in range(8))  # at most 8 entries per compiled function
 

@@ -5,7 +5,7 @@
 `torch.compile` without recompilation (and, later, CUDA-graph capture) needs:
 
 * Row buckets: a call's rows are padded up to a bucket, one of the (at most 8) powers of two from
-  max(4, capacity / 128) to the run's capacity (`capacity_for`). Padded rows are inactive: slot -1 (they write
+  max(1, capacity / 128) to the run's capacity (`capacity_for`). Padded rows are inactive: slot -1 (they write
   no KV), context length 0 (they read none and attend to nothing), position 0, zero hidden state; their outputs
   are dropped. A call with more rows than the largest bucket (a long prompt's prefill) runs eagerly.
 * Fixed-capacity metadata: each stage keeps device buffers of `capacity` rows (slot, table, context length,
@@ -113,8 +113,8 @@ class StaticStages:
     def __init__(self, model, backend: str, capacity: int, tables: int, pages_per_table: int,
                  device: torch.device):
         self.model, self.cache = model, None
-        # At most 8 buckets (dynamo keeps 8 compiled entries per function): capacity / 128, ..., capacity, >= 4.
-        self.buckets = tuple(size for size in (capacity >> i for i in range(7, -1, -1)) if size >= 4)
+        # At most 8 buckets (dynamo keeps 8 compiled entries per function): capacity / 128, ..., capacity, >= 1.
+        self.buckets = tuple(size for size in (capacity >> i for i in range(7, -1, -1)) if size >= 1)
         self.compiles: Counter[str] = Counter()  # graphs compiled per stage
         self.shapes: dict[str, set[int]] = {"core": set(), "head": set()}  # buckets each stage has run
         self.core_rows = StaticRows(capacity, tables, pages_per_table, device)
