@@ -9,6 +9,7 @@ outputs unchanged, and bad options raise.
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
@@ -17,14 +18,14 @@ from huginn_utils import tiny_huginn
 from speculative_utils import left_pad, plain, random_prompts, speculative, tiny_spec_model
 
 from hf_loopspec import PagedLoopCache
-from hf_loopspec.generation.stages import StaticStages, capacity_for
+from hf_loopspec.generation.stages import StaticStages, capacity_for, static_stages_of
 
 VOCAB = 96
 NEW = 24
 
 
 def stages_of(model) -> StaticStages:
-    (stages,) = model._loopspec_static_stages.values()
+    (stages,) = static_stages_of(model)
     return stages
 
 
@@ -47,6 +48,7 @@ def test_ouro_compiled_equals_eager_and_compiles_once_per_bucket(mode, d, k):
     again = speculative(model, ids, mask, NEW, mode, d, k, compile_core="aot_eager")  # same shapes: no compile
     assert again.sequences.tolist() == ref.sequences.tolist()
     assert stages.shapes == shapes and dict(stages.compiles) == before
+    copy.deepcopy(model)  # compiled stages live beside the model, not on it
 
 
 def test_ar_lane_mode_compiled_equals_plain():

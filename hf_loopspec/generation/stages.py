@@ -55,6 +55,13 @@ def capacity_for(batch: int, num_loops: int, num_speculative_tokens: int) -> int
 
 
 _STATIC_ROWS: weakref.WeakValueDictionary[int, StaticRows] = weakref.WeakValueDictionary()
+_STAGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {shape key: StaticStages}, kept off
+# the model itself so that copying or pickling a model never meets compiled functions
+
+
+def static_stages_of(model) -> list[StaticStages]:
+    """The compiled stages built for `model` so far (one per backend and shape)."""
+    return list(_STAGES.get(model, {}).values())
 
 
 @torch.library.custom_op("hf_loopspec::static_attention", mutates_args=())
@@ -131,7 +138,7 @@ class StaticStages:
         tables = batch * cache.num_planes
         pages_per_table = -(-max_positions // cache.page_size)
         key = (backend, str(device), dtype, capacity, tables, pages_per_table, cache.kv_layout)
-        store = model.__dict__.setdefault("_loopspec_static_stages", {})
+        store = _STAGES.setdefault(model, {})
         if key not in store:
             store[key] = cls(model, backend, capacity, tables, pages_per_table, device)
         stages = store[key]
