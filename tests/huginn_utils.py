@@ -150,6 +150,8 @@ def write_hub_folder(folder: Path, config: HuginnConfig, sd: dict, *, freqs_cis:
                                "block_class_name", "rope_style", "init_values", "bos_token_id", "eos_token_id",
                                "pad_token_id")},
     }
+    if config_json["rope_style"] == "interleaved":
+        del config_json["rope_style"]  # our switch: Huginn-0125's own config.json has no such key
     (folder / "config.json").write_text(json.dumps(config_json, indent=2))
     tensors = {k: v.to(dtype).contiguous() for k, v in sd.items()}
     if lm_head_copy and cfg["tie_embeddings"]:

@@ -82,9 +82,9 @@ def _(q, k, v, handle, layer_idx):
 class StaticRows:
     """Fixed-capacity row metadata of one stage, and the `KVAttention` its compiled calls use.
 
-    `load` pads a `RowBatch` into the buffers; `__call__` attends with the padded
-    rows through the `static_attention` op. The padded batch keeps the real rows' lineage, so a debug cache still
-    checks invariant I1.
+    `load` pads a `RowBatch` into the buffers; `__call__` attends with the padded rows through the
+    `static_attention` op. The padded batch keeps the real rows' lineage, so a debug cache still checks I1. Block
+    table entries past a table's current pages may be stale: rows never read past their context length.
     """
 
     def __init__(self, capacity: int, tables: int, pages_per_table: int, device: torch.device):

@@ -110,6 +110,8 @@ def state_seed(seed: int, sequence: int, position: int) -> int:
 
 
 class HuginnPreTrainedModel(StrictLoadingMixin, PreTrainedModel):
+    """Loading rules of the family: strict keys, the checkpoints' `freqs_cis` buffer ignored."""
+
     config: HuginnConfig
     config_class = HuginnConfig
     base_model_prefix = "transformer"
