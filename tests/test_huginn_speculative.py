@@ -46,11 +46,11 @@ def plain(model, ids, mask, new, **settings):
 def speculative(model, ids, mask, new, mode, d, k, *, num_steps=STEPS, debug=True, **settings):
     with model.recurrence(num_steps=num_steps):
         cache = PagedLoopCache(model.kv_layout, page_size=4, debug=debug)
-    extra = {} if k is None else {"num_speculative_tokens": k}
+    options = {"do_sample": False, **settings} | ({} if k is None else {"num_speculative_tokens": k})
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD,
-                              eos_token_id=None, return_dict_in_generate=True, speculative_mode=mode, draft_loops=d,
-                              cache=cache, num_steps=num_steps, **extra, **settings)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=PAD, eos_token_id=None,
+                              return_dict_in_generate=True, speculative_mode=mode, draft_loops=d, cache=cache,
+                              num_steps=num_steps, **options)
 
 
 def ar_planes(model, num_steps=STEPS) -> list[int]:
@@ -130,3 +130,29 @@ def test_pipeline_needs_draft_loops_dividing_num_steps():
     model, _ = tiny_huginn()
     with pytest.raises(ValueError, match="draft_loops"):
         model.generate(random_ids((1, 3)), max_new_tokens=2, speculative_mode="pipeline", draft_loops=4, num_steps=6)
+
+
+def test_cache_made_for_other_num_steps_raises():
+    model, _ = tiny_huginn()
+    ids = random_ids((1, 3))
+    cache = PagedLoopCache(model.kv_layout)  # made for mean_recurrence = 4 steps
+    with pytest.raises(ValueError, match="num_steps"):
+        model.generate(ids, max_new_tokens=2, speculative_mode="pipeline", draft_loops=1, num_steps=6, cache=cache)
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "block"])
+def test_sampling_paths_with_coda_kv(mode):
+    """Lossless speculative sampling through the exit planes: top_k=1 sampling equals greedy, and a seeded sampled
+    run repeats (the distribution itself is tested model-independently in test_speculative_sampling.py)."""
+    model, _ = tiny_huginn(seed=4, damp=0.1)
+    ids, mask = left_pad(prompts_for("ragged", seed=3), PAD)
+    settings = INITS["seeded"]
+    ref = plain(model, ids, mask, 12, **settings)
+    greedy_like = speculative(model, ids, mask, 12, mode, 2, 3, do_sample=True, top_k=1, **settings)
+    assert greedy_like.sequences.tolist() == ref.sequences.tolist()
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(speculative(model, ids, mask, 12, mode, 2, 3, do_sample=True, temperature=1.5,
+                                **settings).sequences.tolist())
+    assert runs[0] == runs[1]

@@ -146,8 +146,12 @@ class LaneDecoder:
         if cache.num_sequences:
             raise ValueError("speculative decoding needs an empty PagedLoopCache (this one already holds "
                              f"{cache.num_sequences} sequences); pass a fresh cache or none.")
-        cache.ensure_sequences(batch)
         self.layout = model.kv_layout
+        if cache.kv_layout != self.layout:
+            raise ValueError(f"the PagedLoopCache was made for {cache.kv_layout}, but this run writes {self.layout} "
+                             "(for Huginn: the planes depend on num_steps); create it with "
+                             "PagedLoopCache(model.kv_layout) under the same settings, or pass none.")
+        cache.ensure_sequences(batch)
         self.like = torch.empty(0, dtype=model.dtype, device=input_ids.device)  # the KV dtype and device
         self.seqs = []
         for s in range(batch):
