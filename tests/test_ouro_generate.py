@@ -148,3 +148,9 @@ def test_generate_rejects_cache_sized_from_config(setup):
     model, _, prompts, _, _ = setup
     with pytest.raises(ValueError, match="loop"):
         generate(model, prompts[0][None], cache=DynamicCache(config=model.config), do_sample=False)
+
+
+def test_generate_rejects_a_static_cache_implementation(setup):
+    model, _, prompts, _, _ = setup
+    with pytest.raises(ValueError, match="cache_implementation='static'"):
+        generate(model, prompts[0][None], cache_implementation="static", do_sample=False)

@@ -133,5 +133,6 @@ def _check_layer_count(cache: Cache, layout: KVLayout) -> None:
         raise ValueError(
             f"cache has {len(cache.layers)} layers, but a looped model writes one KV per (plane, layer): "
             f"{layout.num_planes} planes x {layout.num_layers} layers = {needed}. Pass `DynamicCache()` (it grows) "
-            "or `hf_loopspec.PagedLoopCache`, not a cache sized from the config's num_hidden_layers."
+            "or `hf_loopspec.PagedLoopCache`, not a cache sized from the config's num_hidden_layers (which is what "
+            "cache_implementation='static' builds: not supported for looped models)."
         )
