@@ -124,6 +124,17 @@ def test_cached_decoding_equals_full_forward(variant, cache_kind):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_static_cache_generate_equals_dynamic():
+    model, _ = tiny_huginn("retrofitted", seed=8)
+    ids, mask = _left_pad([random_ids((n,), seed=n) for n in (5, 2)])
+    settings = {"num_steps": 3, "init_scale": 1.0, "init_seed": 4, "max_new_tokens": 6, "do_sample": False,
+                "pad_token_id": PAD, "eos_token_id": None}
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, **settings)
+        static = model.generate(ids, attention_mask=mask, cache_implementation="static", **settings)
+    assert static.tolist() == expected.tolist()
+
+
 def test_continuing_a_cache_with_other_settings_raises():
     model, _ = tiny_huginn()
     ids = random_ids((1, 4))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import left_pad, random_ids, reference, tiny_model
+from transformers import CompileConfig
 from transformers.cache_utils import DynamicCache
 
 PAD = 1  # explicit pad id, distinct from Ouro's eos id 0
@@ -150,7 +151,21 @@ def test_generate_rejects_cache_sized_from_config(setup):
         generate(model, prompts[0][None], cache=DynamicCache(config=model.config), do_sample=False)
 
 
-def test_generate_rejects_a_static_cache_implementation(setup):
-    model, _, prompts, _, _ = setup
-    with pytest.raises(ValueError, match="cache_implementation='static'"):
-        generate(model, prompts[0][None], cache_implementation="static", do_sample=False)
+def test_static_cache_generate_equals_dynamic(setup):
+    """`cache_implementation="static"`: a StaticCache with one layer per (loop, layer), the 2-D padding mask kept
+    (transformers would build 4-D masks for num_hidden_layers layers), unwritten capacity masked."""
+    model, _, _, ids, mask = setup
+    expected = generate(model, ids, mask, do_sample=False, eos_token_id=None)
+    static = generate(model, ids, mask, do_sample=False, eos_token_id=None, cache_implementation="static")
+    torch.testing.assert_close(static, expected, atol=0, rtol=0)
+
+
+def test_transformers_compiled_static_path_equals_dynamic(setup):
+    """transformers' own compiled decoding (static cache + `compile_config`; forced on CPU, aot_eager backend)."""
+    model, _, _, ids, mask = setup
+    config = CompileConfig(backend="aot_eager", mode=None)
+    config._compile_all_devices = True
+    expected = generate(model, ids, mask, do_sample=False, eos_token_id=None)
+    compiled = generate(model, ids, mask, do_sample=False, eos_token_id=None, cache_implementation="static",
+                        compile_config=config)
+    torch.testing.assert_close(compiled, expected, atol=0, rtol=0)

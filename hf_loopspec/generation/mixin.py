@@ -7,9 +7,10 @@ decoder when a speculative mode is set. Plain decoding (`speculative_mode=None`)
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -91,8 +92,21 @@ class LoopSpecGenerationMixin(GenerationMixin):
         if default:
             model_kwargs["cache"] = DynamicCache()
             return
+        if user_cache is None and generation_config.use_cache is not False \
+                and generation_config.cache_implementation == "static":
+            model_kwargs["cache"] = looped_static_cache(self.config, self.kv_layout, max_cache_length)
+            return
         super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                               max_cache_length)
+
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        """transformers' inputs, except that the attention mask stays the 2-D padding mask: with a static cache
+        transformers would replace it by 4-D masks built for one KV per layer, and looped models build their own
+        (`ops.attention.dense.padded_causal_mask`)."""
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        if isinstance(inputs.get("attention_mask"), dict) or getattr(inputs.get("attention_mask"), "ndim", 2) != 2:
+            inputs["attention_mask"] = kwargs.get("attention_mask")
+        return inputs
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
@@ -142,6 +156,16 @@ class LoopSpecGenerationMixin(GenerationMixin):
         decoder = LaneDecoder(self, cache, policy, mode=mode, draft_loops=draft_loops, input_ids=input_ids,
                               **options)
         return decoder.run()
+
+
+def looped_static_cache(config, layout, max_cache_len: int) -> StaticCache:
+    """A `StaticCache` of `max_cache_len` positions with one layer per (plane, layer) of `layout`: the static cache
+    of `cache_implementation="static"`, which transformers would size from `num_hidden_layers`."""
+    layers = layout.num_planes * layout.num_layers
+    sized = copy.deepcopy(config)
+    sized.num_hidden_layers = layers
+    sized.layer_types = ["full_attention"] * layers
+    return StaticCache(config=sized, max_cache_len=max_cache_len)
 
 
 def _as_int(tensor) -> int | None:

@@ -66,12 +66,15 @@ class _DenseRows(ForwardRows):
         if cache is not None:
             _check_layer_count(cache, layout)
         past = cache.get_seq_length() if cache is not None else 0
+        if torch.is_tensor(past):  # a static cache counts in a tensor that its own writes advance in place
+            past = past.clone()
         if position_ids is None:
             position_ids = positions_from_mask(attention_mask, past, length, device)
         self.positions = position_ids.to(device).expand(batch, length)  # [B, T]
         self.sequences = torch.arange(batch, device=device)[:, None].expand(batch, length)  # [B, T]
         self.cache, self.layout, self.past = cache, layout, past
-        self.mask = padded_causal_mask(attention_mask, past, length, device)
+        capacity = cache.layers[0].max_cache_len if cache is not None and cache.is_compileable else None
+        self.mask = padded_causal_mask(attention_mask, past, length, device, key_length=capacity)
 
     def gather(self, x):
         return x
@@ -81,7 +84,8 @@ class _DenseRows(ForwardRows):
 
     def attention(self, plane):
         first_layer = plane * self.layout.num_layers
-        if self.cache is not None and self.cache.get_seq_length(first_layer) != self.past:
+        grows = self.cache is not None and not torch.is_tensor(self.past)  # (checked on growing caches only)
+        if grows and self.cache.get_seq_length(first_layer) != self.past:
             raise ValueError(
                 f"KV plane {plane} of the cache holds {self.cache.get_seq_length(first_layer)} positions, but this "
                 f"call continues from {self.past}: continue a cache with the settings that filled it (the same "
@@ -133,6 +137,6 @@ def _check_layer_count(cache: Cache, layout: KVLayout) -> None:
         raise ValueError(
             f"cache has {len(cache.layers)} layers, but a looped model writes one KV per (plane, layer): "
             f"{layout.num_planes} planes x {layout.num_layers} layers = {needed}. Pass `DynamicCache()` (it grows) "
-            "or `hf_loopspec.PagedLoopCache`, not a cache sized from the config's num_hidden_layers (which is what "
-            "cache_implementation='static' builds: not supported for looped models)."
+            "or `hf_loopspec.PagedLoopCache`, not a cache sized from the config's num_hidden_layers (for a static "
+            "cache use generate(cache_implementation='static'), which sizes it for the looped model)."
         )

@@ -1,7 +1,8 @@
 """Attention over a standard `transformers` Cache: the path that plain `forward` and `generate` take.
 
-A looped model writes one KV entry per (loop, layer), so the Cache must hold `num_loops * num_layers` layers;
-loop `u`, layer `l` uses cache layer `u * num_layers + l`.
+A looped model writes one KV entry per (plane, layer), so the Cache must hold `num_planes * num_layers` layers;
+plane `p`, layer `l` uses cache layer `p * num_layers + l`. A `StaticCache` returns its whole capacity from
+`update`; the mask then covers the capacity (`padded_causal_mask(..., key_length=)`).
 """
 
 from __future__ import annotations
@@ -13,33 +14,40 @@ from transformers.cache_utils import Cache
 
 def padded_causal_mask(
     attention_mask: torch.Tensor | None,  # [B, S] 1 = real token, 0 = padding; or None (no padding)
-    past_length: int,
+    past_length: int | torch.Tensor,
     query_length: int,
     device: torch.device,
+    key_length: int | None = None,
 ) -> torch.Tensor | None:
     """Boolean mask `[B or 1, 1, T, S]` (True = may attend) for `T` new tokens after `past_length` cached ones.
 
     A query at absolute position `i` sees key `j` when `j <= i` and key `j` is not padding. Every query also
     sees itself, so the rows of padding tokens stay finite (their outputs are never used). Returns `None` when
     nothing needs masking (one query and no padding).
+
+    `key_length` (a static cache's capacity, whose `past_length` is a device tensor): the mask always exists and
+    is `key_length` wide, keys at or past `past_length + T` (not written yet) are masked, and nothing is read back
+    to the host, so the mask compiles into a graph.
     """
-    total = past_length + query_length
-    if attention_mask is not None:
-        if attention_mask.dim() != 2 or attention_mask.shape[-1] != total:
+    if key_length is None:
+        total = past_length + query_length
+        if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[-1] != total):
             raise ValueError(
                 f"attention_mask has shape {tuple(attention_mask.shape)}, expected a 2-D [batch, {total}] mask "
                 f"covering the {past_length} cached and {query_length} new tokens."
             )
-        if bool(attention_mask.all()):
+        if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None
-    if attention_mask is None and query_length == 1:
-        return None
-    q_pos = torch.arange(past_length, total, device=device)[:, None]  # [T, 1]
-    k_pos = torch.arange(total, device=device)[None, :]  # [1, S]
+        if attention_mask is None and query_length == 1:
+            return None
+    width = total if key_length is None else key_length
+    q_pos = (torch.arange(query_length, device=device) + past_length)[:, None]  # [T, 1]
+    k_pos = torch.arange(width, device=device)[None, :]  # [1, S]
     mask = (k_pos <= q_pos)[None, None]  # [1, 1, T, S]
     if attention_mask is not None:
-        real = attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]  # [B, 1, 1, S]
-        mask = (mask & real) | (k_pos == q_pos)[None, None]
+        real = attention_mask.to(device=device, dtype=torch.bool)  # [B, total]
+        real = F.pad(real, (0, width - real.shape[1]))  # [B, S]: keys not written yet are not real
+        mask = (mask & real[:, None, None, :]) | (k_pos == q_pos)[None, None]
     return mask
 
 
