@@ -9,6 +9,9 @@ for the embedded model, which was trained on Python; `PROMPT_TEXT`, English, for
 `--prompt-file`.
 
 * `plain`: `model.generate(..., speculative_mode=None)`, transformers' own loop on a `DynamicCache`.
+* `static` (only when asked for in `--modes`): the same with `cache_implementation="static"`, which transformers
+  compiles on CUDA (its own fast path, the honest plain baseline on a GPU); its `compile_seconds` is its warm-up
+  minus its median timed run.
 * `ar`: `model.decode_with_lanes(ids, "ar")` on a `PagedLoopCache`: the lane engine without drafting, U core calls
   per token. The baseline of the speculative modes (same engine, same cache, same entry point).
 * `block`, `pipeline`: `model.decode_with_lanes(ids, mode, draft_loops=d, num_speculative_tokens=K)`.
@@ -116,7 +119,8 @@ from .generation.config import compile_backend, speculative_config
 from .models.huginn import HuginnConfig, HuginnForCausalLM
 from .models.ouro import OuroConfig, OuroForCausalLM
 
-MODES = ("plain", "ar", "block", "pipeline")
+MODES = ("plain", "ar", "block", "pipeline")  # the default set
+PLAIN_MODES = ("plain", "static")  # transformers' own loop: DynamicCache, or cache_implementation="static"
 LANE_MODES = ("ar", "block", "pipeline")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -198,10 +202,10 @@ class ModelNotAvailable(ValueError):
 # --- arguments ----------------------------------------------------------------------------------------------------
 def _modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in (*MODES, "static")]
     if bad or not modes:
         raise argparse.ArgumentTypeError(f"unknown mode(s) {bad or text!r}; choose a comma-separated subset of "
-                                         f"{','.join(MODES)}")
+                                         f"{','.join(MODES)},static")
     return list(dict.fromkeys(modes))
 
 
@@ -269,7 +273,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="(default: %(default)s)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--modes", type=_modes, default=list(MODES),
-                        help=f"comma-separated subset of {','.join(MODES)} (default: all)")
+                        help=f"comma-separated subset of {','.join(MODES)},static (default: {','.join(MODES)}); "
+                             "static: plain generate with cache_implementation='static' (compiled by transformers "
+                             "on CUDA)")
     parser.add_argument("--draft-loops", type=_positive, default=1,
                         help="d: draft from the output of loop d (default: %(default)s)")
     parser.add_argument("--num-speculative-tokens", type=_positive, default=4,
@@ -506,17 +512,18 @@ def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loop
     result = {"mode": mode}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    if mode == "plain":
-        cache = DynamicCache()
+    if mode in PLAIN_MODES:
+        cache_kwargs = {"plain": {"cache": DynamicCache()}, "static": {"cache_implementation": "static"}}[mode]
         _synchronize(device)
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              do_sample=sampling is not None, **(sampling or {}), speculative_mode=None,
-                             pad_token_id=0, cache=cache, return_dict_in_generate=True, output_logits=output_logits)
+                             pad_token_id=0, **cache_kwargs, return_dict_in_generate=True,
+                             output_logits=output_logits)
         _synchronize(device)
         result["seconds"] = time.perf_counter() - start
         result["stats"] = None
-        result["kv_bytes"] = _dynamic_cache_bytes(cache)
+        result["kv_bytes"] = _dynamic_cache_bytes(out.cache)
         result["logits"] = out.logits if output_logits else None
     else:
         cache = _RecordingCache(model.kv_layout)
@@ -878,7 +885,7 @@ def _run_bench(args, device, model, tokenizer, model_name) -> dict:
             "ratio_vs_plain": seconds["plain"] / seconds[mode] if "plain" in seconds else None,
             "speedup_vs_ar": seconds["ar"] / seconds[mode] if "ar" in seconds else None,
             "core_calls": None,
-            "core_calls_per_token": float(loops) if mode == "plain" else None,
+            "core_calls_per_token": float(loops) if mode in PLAIN_MODES else None,
             "acceptance_rate": None,
             "drafted": None, "verified": None, "accepted": None, "rejected": None, "discarded": None,
             "acceptance_rate_all": None, "core_calls_per_token_all": None,
@@ -887,14 +894,14 @@ def _run_bench(args, device, model, tokenizer, model_name) -> dict:
             "predicted_seconds": None,
             "overhead_fraction": None,
             "warmup_seconds": warmup_seconds.get(mode),
-            "compile_seconds": warmup_seconds[mode] - seconds[mode] if args.compile and mode in warmup_seconds
-            else None,
+            "compile_seconds": warmup_seconds[mode] - seconds[mode]
+            if (args.compile and mode in LANE_MODES) or mode == "static" else None,
             "peak_mem_bytes": max(x["peak_mem_bytes"] for x in rs),
             "kv_cache_bytes": max(x["kv_bytes"] for x in rs),
             "check": check,
             "check_passed": None,
         }
-        if mode != "plain":
+        if mode not in PLAIN_MODES:
             stats = first["stats"]
             predicted = predicted_seconds(costs, first["core_rows"], first["head_rows"]) if costs else None
             row.update(
@@ -911,6 +918,7 @@ def _run_bench(args, device, model, tokenizer, model_name) -> dict:
             )
             if row["speedup_vs_ar"] is not None and costs:
                 row["fraction_of_ideal"] = row["speedup_vs_ar"] / row["ideal_speedup_vs_ar"]
+        if mode != "plain":
             row["check_passed"] = all(c["exact"] for c in checks) if exact_dtype and sampling is None else None
         rows.append(row)
 
@@ -998,11 +1006,11 @@ def format_table(result: dict) -> str:
         lines.append(f"*** {sampling_title(result['sampling'])}{' (' + ', '.join(off) + ' off)' if off else ''}: "
                      "every mode samples, seeded with --seed + round; acceptance is the real min(1, p/q); outputs "
                      "are not comparable with plain token by token ***")
-    if a.get("compile"):
-        compile_s = ", ".join(f"{r['mode']} {r['compile_seconds']:.1f}s" for r in result["rows"]
-                              if r.get("compile_seconds") is not None)
-        lines.append(f"lane modes compiled (compile_core, backend {a['compile']}); compile time (warm-up minus timed "
-                     f"run): {compile_s}")
+    compile_s = ", ".join(f"{r['mode']} {r['compile_seconds']:.1f}s" for r in result["rows"]
+                          if r.get("compile_seconds") is not None)
+    if compile_s:
+        lanes = f"lane modes compiled (compile_core, backend {a['compile']}); " if a.get("compile") else ""
+        lines.append(f"{lanes}warm-up minus timed run (compile time where compiled): {compile_s}")
     if result["synthetic_acceptance"] is not None:
         lines.append(f"*** SYNTHETIC ACCEPTANCE {result['synthetic_acceptance']}: each draft is replaced by the known "
                      "greedy token with this probability, else by a wrong one; verification is real ***")

@@ -133,6 +133,13 @@ def test_bench_compile_reports_compile_time_and_keeps_outputs(tmp_path):
     assert "backend aot_eager" in bench.format_table(result)
 
 
+def test_bench_static_mode_is_transformers_loop_on_a_static_cache():
+    result = bench.run_bench(bench.parse_args([*FAST, "--modes", "plain,static,pipeline"]))
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert rows["static"]["check_passed"] is True and rows["static"]["core_calls_per_token"] == 4
+    assert rows["static"]["compile_seconds"] is not None and rows["static"]["kv_cache_bytes"] > 0
+
+
 def test_synthetic_hook_is_seeded_and_wrong_tokens_differ():
     ref = torch.tensor([[7] * 50])
     picks = [bench.synthetic_hook(ref, 10, 0.5, 20, seed=1) for _ in range(2)]
