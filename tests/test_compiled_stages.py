@@ -34,7 +34,7 @@ def assert_no_recompilation(stages: StaticStages) -> None:
         assert stages.compiles[stage] == len(stages.shapes[stage]), (stage, stages.compiles, stages.shapes)
 
 
-@pytest.mark.parametrize("mode,d,k", [("pipeline", 1, None), ("pipeline", 2, None), ("block", 1, 3), ("block", 2, 4)])
+@pytest.mark.parametrize("mode,d,k", [("pipeline", 1, None), ("block", 2, 4)])
 def test_ouro_compiled_equals_eager_and_compiles_once_per_bucket(mode, d, k):
     model = tiny_spec_model(3, 4, vocab=VOCAB, damp=0.1)
     ids, mask = left_pad(random_prompts(3, [6, 2, 9], VOCAB))
@@ -63,7 +63,7 @@ def test_ar_lane_mode_compiled_equals_plain():
     assert_no_recompilation(stages_of(model))
 
 
-@pytest.mark.parametrize("mode,d,k", [("pipeline", 2, None), ("block", 3, 2)])
+@pytest.mark.parametrize("mode,d,k", [("pipeline", 2, None)])
 def test_huginn_compiled_equals_plain(mode, d, k):
     """Huginn's head has KV (the coda), so its compiled head call goes through the exit plane's static rows."""
     model, _ = tiny_huginn(seed=3, damp=0.1)
