@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from helpers import left_pad
 from huginn_utils import (
     PAD,
     VARIANTS,
@@ -126,7 +127,7 @@ def test_cached_decoding_equals_full_forward(variant, cache_kind):
 
 def test_static_cache_generate_equals_dynamic():
     model, _ = tiny_huginn("retrofitted", seed=8)
-    ids, mask = _left_pad([random_ids((n,), seed=n) for n in (5, 2)])
+    ids, mask = left_pad([random_ids((n,), seed=n) for n in (5, 2)], PAD)
     settings = {"num_steps": 3, "init_scale": 1.0, "init_seed": 4, "max_new_tokens": 6, "do_sample": False,
                 "pad_token_id": PAD, "eos_token_id": None}
     with torch.no_grad():
@@ -146,20 +147,11 @@ def test_continuing_a_cache_with_other_settings_raises():
             model(ids[:, :1], cache=out.cache, num_steps=3, init_scale=0.0, output_step_logits=True)
 
 
-def _left_pad(rows):
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
-    return ids, mask
-
-
 def test_padded_batch_equals_rows_alone():
     """Upstream ignores the attention mask; here a left-padded row gives what it gives alone (forward and generate)."""
     model, _ = tiny_huginn(seed=4)
     rows = [random_ids((n,), seed=10 + n) for n in (7, 3, 5)]
-    ids, mask = _left_pad(rows)
+    ids, mask = left_pad(rows, PAD)
     settings = {"num_steps": 3, "init_scale": 0.0}
     with torch.no_grad():
         batched = model(ids, attention_mask=mask, **settings).logits
@@ -178,7 +170,7 @@ def test_padded_batch_keys_random_states_by_real_position():
     are keyed by (sequence, position of the real token), not by the padded column."""
     model, _ = tiny_huginn(seed=4)
     rows = [random_ids((n,), seed=10 + n) for n in (7, 3, 5)]
-    ids, mask = _left_pad(rows)
+    ids, mask = left_pad(rows, PAD)
     settings = {"num_steps": 3, "init_scale": 1.0, "init_seed": 5}
     with torch.no_grad():
         batched = model(ids, attention_mask=mask, **settings).logits

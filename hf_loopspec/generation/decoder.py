@@ -183,10 +183,7 @@ class LaneDecoder:
         lanes = [lane for seq in self.seqs if not seq.finished for lane in self.policy.select(seq)]
         hidden = torch.stack([lane.hidden for lane in lanes])  # [N, H]
         positions = [lane.position for lane in lanes]
-        rows = self.cache.plan_rows(
-            [lane.seq for lane in lanes], [lane.depth for lane in lanes], positions, like=hidden,
-            lineage=[lane.lineage for lane in lanes],
-        )
+        rows = self._rows(lanes, [lane.depth for lane in lanes])
         out = self.stages.core(hidden, torch.tensor(positions, device=hidden.device), rows)  # [N, H]
         self.stats.core_calls += 1
         if self.trace is not None:
@@ -246,7 +243,7 @@ class LaneDecoder:
             lane.hidden = h
 
     def _rows(self, lanes: list[Lane], planes: list[int]):
-        """The rows of a call of an entry or exit stage: lane i writes and reads plane `planes[i]`."""
+        """The rows of one call (core, entry or exit stage): lane i writes and reads plane `planes[i]`."""
         return self.cache.plan_rows([lane.seq for lane in lanes], planes, [lane.position for lane in lanes],
                                     like=self.like, lineage=[lane.lineage for lane in lanes])
 

@@ -118,8 +118,9 @@ class StaticStages:
     """The model's core and head as compiled calls over row buckets (see the module docstring)."""
 
     def __init__(self, model, backend: str, capacity: int, tables: int, pages_per_table: int,
-                 device: torch.device):
+                 device: torch.device, head_attends: bool = False):
         self.model, self.cache = model, None
+        self.head_attends = head_attends  # the head has KV (exit planes): it attends through `head_rows`
         # At most 8 buckets (dynamo keeps 8 compiled entries per function): capacity / 128, ..., capacity, >= 1.
         self.buckets = tuple(size for size in (capacity >> i for i in range(7, -1, -1)) if size >= 1)
         self.compiles: Counter[str] = Counter()  # graphs compiled per stage
@@ -128,19 +129,19 @@ class StaticStages:
         self.head_rows = StaticRows(capacity, tables, pages_per_table, device)
         self._core = self._compile(StaticStages._run_core, backend, "core")
         self._head = self._compile(StaticStages._run_head, backend, "head")
-        self._head_plain = self._compile(StaticStages._run_head_plain, backend, "head")
 
     @classmethod
     def for_run(cls, model, cache: PagedLoopCache, backend: str, batch: int, capacity: int, max_positions: int,
                 device: torch.device, dtype: torch.dtype) -> StaticStages:
         """The model's stages for a run of `batch` sequences of at most `max_positions` positions on `cache`,
-        built on first use and cached on the model."""
+        built on first use and kept (beside the model) for later runs of the same shapes."""
         tables = batch * cache.num_planes
         pages_per_table = -(-max_positions // cache.page_size)
         key = (backend, str(device), dtype, capacity, tables, pages_per_table, cache.kv_layout)
         store = _STAGES.setdefault(model, {})
         if key not in store:
-            store[key] = cls(model, backend, capacity, tables, pages_per_table, device)
+            store[key] = cls(model, backend, capacity, tables, pages_per_table, device,
+                             head_attends=cache.kv_layout.first_exit_plane is not None)
         stages = store[key]
         stages.cache = cache
         return stages
@@ -161,33 +162,28 @@ class StaticStages:
         return self.model.core(hidden, positions, self.core_rows)
 
     def _run_head(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model.head(hidden, positions, self.head_rows)
-
-    def _run_head_plain(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model.head(hidden, positions, None)
+        return self.model.head(hidden, positions, self.head_rows if self.head_attends else None)
 
     def bucket(self, rows: int) -> int | None:
         return next((size for size in self.buckets if size >= rows), None)
 
     def core(self, hidden: torch.Tensor, positions: torch.Tensor, rows: RowBatch) -> torch.Tensor:
-        n = rows.num_rows
-        size = self.bucket(n)
-        if size is None:
-            return self.model.core(hidden, positions, self.cache.attention(rows))
-        self.core_rows.load(self.cache, rows, size)
-        self.shapes["core"].add(size)
-        return self._core(_pad(hidden, size), _pad(positions, size))[:n]
+        return self._call("core", self._core, self.core_rows, self.model.core, hidden, positions, rows)
 
     def head(self, hidden: torch.Tensor, positions: torch.Tensor, rows: RowBatch | None) -> torch.Tensor:
+        return self._call("head", self._head, self.head_rows, self.model.head, hidden, positions, rows)
+
+    def _call(self, stage: str, compiled, static_rows: StaticRows, eager, hidden, positions, rows):
+        """`hidden` `[n, H]` through the compiled stage in the smallest bucket that holds n rows, or eagerly
+        above the largest; `rows` (None for a head without KV) is loaded into the stage's static buffers."""
         n = len(hidden)
         size = self.bucket(n)
         if size is None:
-            return self.model.head(hidden, positions, None if rows is None else self.cache.attention(rows))
-        self.shapes["head"].add(size)
-        if rows is None:
-            return self._head_plain(_pad(hidden, size), _pad(positions, size))[:n]
-        self.head_rows.load(self.cache, rows, size)
-        return self._head(_pad(hidden, size), _pad(positions, size))[:n]
+            return eager(hidden, positions, None if rows is None else self.cache.attention(rows))
+        if rows is not None:
+            static_rows.load(self.cache, rows, size)
+        self.shapes[stage].add(size)
+        return compiled(_pad(hidden, size), _pad(positions, size))[:n]
 
 
 def _pad(x: torch.Tensor, size: int) -> torch.Tensor:
