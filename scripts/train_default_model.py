@@ -373,7 +373,7 @@ def main(argv=None) -> None:
     # save
     model.config.dtype = torch.float32
     model.generation_config = GenerationConfig(
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, do_sample=False, max_new_tokens=128,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, do_sample=False,
         speculative_mode="pipeline", draft_loops=1, num_speculative_tokens=4,
     )
     model.save_pretrained(out_dir)

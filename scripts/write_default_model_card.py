@@ -105,9 +105,10 @@ print(tok.decode(out.sequences[0]), out.speculation.acceptance_rate)
 ```
 
 `generation_config.json` makes greedy pipelined self-speculation from depth 1 the default
-(`speculative_mode: "pipeline"`, `draft_loops: 1`, `num_speculative_tokens: 4`, `max_new_tokens: 128`); pass
-`speculative_mode=None` for plain decoding. `eos_token_id` = `pad_token_id` = `bos_token_id` = 0
-(`<|endoftext|>`).
+(`speculative_mode: "pipeline"`, `draft_loops: 1`, `num_speculative_tokens: 4`); pass `speculative_mode=None`
+for plain decoding. It sets no length limit, so the `max_new_tokens` or `max_length` a caller passes always
+wins (without either, transformers' default `max_length` of 20 applies). `eos_token_id` = `pad_token_id` =
+`bos_token_id` = 0 (`<|endoftext|>`).
 
 ## Architecture
 

@@ -132,3 +132,14 @@ def test_pipeline_equals_plain_greedy(model, tokenizer):
     assert spec.sequences.tolist() == plain.tolist()
     stats = spec.speculation
     assert stats.verified > 0 and stats.core_calls_per_token < model.num_loops
+
+
+def test_generation_config_leaves_the_length_to_the_caller(model, tokenizer, folder):
+    """No length limit in generation_config.json: a caller's `max_length` (as lm-eval passes it) is what binds."""
+    stored = json.loads((folder / "generation_config.json").read_text())
+    assert "max_new_tokens" not in stored and "max_length" not in stored
+    inputs = tokenizer("import os\n", return_tensors="pt")
+    limit = inputs["input_ids"].shape[-1] + 10
+    with torch.no_grad():  # min_new_tokens keeps EOS out, so the length is exactly the caller's limit
+        out = model.generate(**inputs, max_length=limit, min_new_tokens=10)
+    assert out.shape[-1] == limit
