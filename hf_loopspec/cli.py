@@ -23,7 +23,9 @@ import os
 import sys
 import time
 
-from . import bench
+from . import loading
+from .bench import args as bench_args
+from .bench import main as bench_main
 from .hub import export as hub_export
 
 
@@ -43,24 +45,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mode", choices=("plain", "block", "pipeline"), default="pipeline",
                      help="plain: transformers' loop; block / pipeline: self-speculative decoding "
                           "(default: %(default)s)")
-    gen.add_argument("--draft-loops", type=bench._positive, default=1,
+    gen.add_argument("--draft-loops", type=bench_args.positive, default=1,
                      help="d: draft from the output of loop d (default: %(default)s)")
-    gen.add_argument("--num-speculative-tokens", type=bench._positive, default=4,
+    gen.add_argument("--num-speculative-tokens", type=bench_args.positive, default=4,
                      help="K: drafts per block round (default: %(default)s)")
-    gen.add_argument("--max-new-tokens", type=bench._positive, default=128, help="(default: %(default)s)")
+    gen.add_argument("--max-new-tokens", type=bench_args.positive, default=128, help="(default: %(default)s)")
     gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    gen.add_argument("--temperature", type=bench._non_negative_float, default=None)
-    gen.add_argument("--top-k", type=bench._positive, default=None)
-    gen.add_argument("--top-p", type=bench._fraction, default=None)
+    gen.add_argument("--temperature", type=bench_args.non_negative_float, default=None)
+    gen.add_argument("--top-k", type=bench_args.positive, default=None)
+    gen.add_argument("--top-p", type=bench_args.fraction, default=None)
     gen.add_argument("--seed", type=int, default=None, help="torch seed (for sampling)")
     gen.add_argument("--chat", action="store_true", help="wrap PROMPT in the tokenizer's chat template")
-    gen.add_argument("--dtype", choices=("auto", *sorted(bench.DTYPES)), default="auto",
+    gen.add_argument("--dtype", choices=("auto", *sorted(loading.DTYPES)), default="auto",
                      help="auto (the default): float32 on CPU, the checkpoint's dtype on CUDA")
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
 
     bench_parser = commands.add_parser("bench", help="benchmark plain, ar, block and pipeline decoding",
-                                       description=bench.__doc__.split("\n\n")[0])
-    bench.add_arguments(bench_parser)
+                                       description=bench_args.DESCRIPTION)
+    bench_args.add_arguments(bench_parser)
     hub_export.add_subcommand(commands)
     return parser
 
@@ -69,9 +71,9 @@ def generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
-    device = bench.resolve_device(args.device)
-    dtype = "auto" if args.dtype == "auto" else bench.DTYPES[args.dtype]
-    model, tokenizer, name = bench.load_model(args.model, dtype, device, need_tokenizer=True)
+    device = loading.resolve_device(args.device)
+    dtype = "auto" if args.dtype == "auto" else loading.DTYPES[args.dtype]
+    model, tokenizer, name = loading.load_model(args.model, dtype, device, need_tokenizer=True)
     if args.chat:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"--chat: the tokenizer of {name} has no chat template; drop --chat.")
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             return generate(args)
         if args.command == "export":
             return hub_export.main_from_args(args)
-        return bench.main_from_args(args)
+        return bench_main.main_from_args(args)
     except (ValueError, OSError) as err:  # bad input or a missing model / file: a message, no traceback
         if os.environ.get("HF_LOOPSPEC_TRACEBACK"):
             raise

@@ -13,9 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
-from hf_loopspec import bench, cli
+from hf_loopspec import cli, loading
+from hf_loopspec.bench import args as bench_args
+from hf_loopspec.bench import costs, plot, prompts, report, run, shapes
+from hf_loopspec.bench.main import run_bench
 
 torch.set_num_threads(1)  # tiny models: more threads only add overhead on a shared machine
 
@@ -31,14 +34,14 @@ ROW_KEYS = {"mode", "tokens_per_s", "ratio_vs_plain", "speedup_vs_ar", "core_cal
 def all_modes(tmp_path_factory):
     """(result, JSON path) of one bench run over all four modes, batch 2."""
     path = tmp_path_factory.mktemp("bench") / "out" / "bench.json"
-    return bench.run_bench(bench.parse_args([*FAST, "--batch-size", "2", "--json", str(path)])), path
+    return run_bench(bench_args.parse_args([*FAST, "--batch-size", "2", "--json", str(path)])), path
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny random Ouro checkpoint folder with a word-level tokenizer covering its whole vocabulary."""
     folder = tmp_path_factory.mktemp("tiny-ouro")
-    model = bench.random_model("ouro-tiny", torch.float32, torch.device("cpu"), seed=3)
+    model = shapes.random_model("ouro-tiny", torch.float32, torch.device("cpu"), seed=3)
     model.save_pretrained(folder)
     words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"w{i}" for i in range(3, model.config.vocab_size)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
@@ -53,7 +56,7 @@ def checkpoint(tmp_path_factory):
 
 def test_bench_runs_every_mode_and_writes_the_documented_json(all_modes):
     result, path = all_modes
-    assert [r["mode"] for r in result["rows"]] == list(bench.MODES)
+    assert [r["mode"] for r in result["rows"]] == list(bench_args.MODES)
     for row in result["rows"]:
         assert ROW_KEYS <= set(row)
         assert row["tokens_per_s"] > 0 and row["peak_mem_bytes"] > 0
@@ -62,7 +65,7 @@ def test_bench_runs_every_mode_and_writes_the_documented_json(all_modes):
     assert result["notes"]["peak_mem_kind"].startswith("params_plus_kv_cache")
     on_disk = json.loads(path.read_text())
     assert {"rows", "machine", "args", "call_costs"} <= set(on_disk)
-    assert [r["mode"] for r in on_disk["rows"]] == list(bench.MODES)
+    assert [r["mode"] for r in on_disk["rows"]] == list(bench_args.MODES)
     ar = next(r for r in result["rows"] if r["mode"] == "ar")
     assert ar["core_calls_per_token"] == 4.0 and ar["ideal_speedup_vs_ar"] == pytest.approx(1.0)
 
@@ -78,9 +81,9 @@ def test_bench_speculative_outputs_equal_plain_greedy(all_modes):
 def test_bench_loads_a_checkpoint_and_cuts_prompts_from_a_file(checkpoint, tmp_path):
     text = tmp_path / "prompt.txt"
     text.write_text(" ".join(f"w{3 + i % 50}" for i in range(40)))
-    args = bench.parse_args([*FAST, "--model", str(checkpoint), "--modes", "plain,pipeline", "--prompt-file",
-                             str(text), "--batch-size", "2"])
-    result = bench.run_bench(args)
+    args = bench_args.parse_args([*FAST, "--model", str(checkpoint), "--modes", "plain,pipeline", "--prompt-file",
+                                  str(text), "--batch-size", "2"])
+    result = run_bench(args)
     assert result["model"]["name"] == str(checkpoint)
     assert result["rows"][1]["check_passed"] is True
 
@@ -88,16 +91,16 @@ def test_bench_loads_a_checkpoint_and_cuts_prompts_from_a_file(checkpoint, tmp_p
 def test_compare_reports_the_first_divergence():
     ref = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]])
     out = torch.tensor([[5, 6, 7, 8], [1, 2, 9, 9]])
-    check = bench.compare(out, ref)
+    check = run.compare(out, ref)
     assert not check["exact"] and check["agreement_rate"] == pytest.approx((4 + 2) / 8)
     assert check["first_divergence"] == {"seq": 1, "token_index": 2, "reference_token": 3, "token": 9}
 
 
 @pytest.mark.parametrize("draft_loops", [1, 2])
 def test_synthetic_full_acceptance_reproduces_the_pipeline_cost_model(draft_loops, tmp_path):
-    args = bench.parse_args([*FAST, "--modes", "plain,block,pipeline", "--synthetic-acceptance", "1.0",
-                             "--draft-loops", str(draft_loops), "--json", str(tmp_path / "b.json")])
-    result = bench.run_bench(args)
+    args = bench_args.parse_args([*FAST, "--modes", "plain,block,pipeline", "--synthetic-acceptance", "1.0",
+                                  "--draft-loops", str(draft_loops), "--json", str(tmp_path / "b.json")])
+    result = run_bench(args)
     rows = {r["mode"]: r for r in result["rows"]}
     assert result["synthetic_acceptance"] == 1.0
     assert json.loads((tmp_path / "b.json").read_text())["synthetic_acceptance"] == 1.0
@@ -105,36 +108,36 @@ def test_synthetic_full_acceptance_reproduces_the_pipeline_cost_model(draft_loop
         assert rows[mode]["acceptance_rate"] == 1.0 and rows[mode]["check_passed"] is True
     assert rows["pipeline"]["core_calls_per_token"] == pytest.approx(((N - 1) * draft_loops + 4) / N)
     assert rows["block"]["core_calls_per_token"] < 4
-    assert "SYNTHETIC ACCEPTANCE 1.0" in bench.format_table(result)
+    assert "SYNTHETIC ACCEPTANCE 1.0" in report.format_table(result)
 
 
 def test_bench_runs_a_huginn_shape_with_calls_per_token_of_its_recurrence(tmp_path):
     """huginn-tiny (8 recurrence steps): plain and ar take 8 core calls per token, pipeline at synthetic full
     acceptance (N-1)d + U calls, outputs equal plain greedy; no call-cost model (its prelude and coda have KV)."""
-    args = bench.parse_args([*FAST, "--model", "huginn-tiny", "--synthetic-acceptance", "1.0", "--draft-loops", "2",
-                             "--json", str(tmp_path / "h.json")])
-    result = bench.run_bench(args)
+    args = bench_args.parse_args([*FAST, "--model", "huginn-tiny", "--synthetic-acceptance", "1.0", "--draft-loops",
+                                  "2", "--json", str(tmp_path / "h.json")])
+    result = run_bench(args)
     rows = {r["mode"]: r for r in result["rows"]}
     assert result["model"]["num_loops"] == 8 and result["model"]["config"]["model_type"] == "huginn_raven"
     assert rows["plain"]["core_calls_per_token"] == rows["ar"]["core_calls_per_token"] == 8
     assert rows["pipeline"]["core_calls_per_token"] == pytest.approx(((N - 1) * 2 + 8) / N)
     assert all(r["check_passed"] for r in result["rows"][1:]) and result["call_costs"] is None
     assert rows["pipeline"]["ideal_speedup_vs_ar"] is None
-    assert "no call-cost model" in bench.format_table(result)
+    assert "no call-cost model" in report.format_table(result)
 
 
 def test_bench_compile_reports_compile_time_and_keeps_outputs(tmp_path):
-    args = bench.parse_args([*FAST, "--modes", "plain,ar,pipeline", "--compile", "aot_eager"])
-    result = bench.run_bench(args)
+    args = bench_args.parse_args([*FAST, "--modes", "plain,ar,pipeline", "--compile", "aot_eager"])
+    result = run_bench(args)
     rows = {r["mode"]: r for r in result["rows"]}
     assert rows["plain"]["compile_seconds"] is None
     assert rows["ar"]["compile_seconds"] is not None and rows["pipeline"]["compile_seconds"] is not None
     assert all(r["check_passed"] for r in result["rows"][1:])
-    assert "backend aot_eager" in bench.format_table(result)
+    assert "backend aot_eager" in report.format_table(result)
 
 
 def test_bench_static_mode_is_transformers_loop_on_a_static_cache():
-    result = bench.run_bench(bench.parse_args([*FAST, "--modes", "plain,static,pipeline"]))
+    result = run_bench(bench_args.parse_args([*FAST, "--modes", "plain,static,pipeline"]))
     rows = {r["mode"]: r for r in result["rows"]}
     assert rows["static"]["check_passed"] is True and rows["static"]["core_calls_per_token"] == 4
     assert rows["static"]["compile_seconds"] is not None and rows["static"]["kv_cache_bytes"] > 0
@@ -142,7 +145,7 @@ def test_bench_static_mode_is_transformers_loop_on_a_static_cache():
 
 def test_synthetic_hook_is_seeded_and_wrong_tokens_differ():
     ref = torch.tensor([[7] * 50])
-    picks = [bench.synthetic_hook(ref, 10, 0.5, 20, seed=1) for _ in range(2)]
+    picks = [run.synthetic_hook(ref, 10, 0.5, 20, seed=1) for _ in range(2)]
     a = [picks[0](0, 10 + i, 0) for i in range(50)]
     assert a == [picks[1](0, 10 + i, 0) for i in range(50)]
     assert 0 < a.count(7) < 50 and all(0 <= x < 20 for x in a)
@@ -150,17 +153,17 @@ def test_synthetic_hook_is_seeded_and_wrong_tokens_differ():
 
 def test_ideal_model_interpolates_call_costs():
     table = {1: 1.0, 2: 1.5, 4: 2.5}
-    assert bench.interpolate(table, 3) == pytest.approx(2.0)
-    assert bench.interpolate(table, 8) == pytest.approx(4.5)  # extrapolated with the last slope
-    costs = {"core": {1: 1.0, 4: 1.0}, "prefill": 3.0, "prefill_rows": 8, "head": {1: 0.5}}
-    core, head = bench.ar_call_shapes(loops=4, batch=1, prompt_len=8, new_tokens=3)
+    assert costs.interpolate(table, 3) == pytest.approx(2.0)
+    assert costs.interpolate(table, 8) == pytest.approx(4.5)  # extrapolated with the last slope
+    measured = {"core": {1: 1.0, 4: 1.0}, "prefill": 3.0, "prefill_rows": 8, "head": {1: 0.5}}
+    core, head = costs.ar_call_shapes(loops=4, batch=1, prompt_len=8, new_tokens=3)
     assert core == [8] * 4 + [1] * 8 and head == [1] * 3
-    assert bench.predicted_seconds(costs, core, head) == pytest.approx(4 * 3.0 + 8 * 1.0 + 3 * 0.5)
+    assert costs.predicted_seconds(measured, core, head) == pytest.approx(4 * 3.0 + 8 * 1.0 + 3 * 0.5)
 
 
 def test_bench_plot_writes_a_png(all_modes, tmp_path):
     pytest.importorskip("matplotlib")
-    bench.plot(all_modes[0], str(tmp_path / "bench.png"))
+    plot.plot(all_modes[0], str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -181,13 +184,13 @@ def test_bench_do_sample_runs_every_mode_and_reports_not_comparable(tmp_path, ca
     assert result["sampling"]["warpers"] == ["TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"]
     assert result["sampling"]["temperature"] == 0.8 and result["all_checks_passed"] is True
     rows = {r["mode"]: r for r in result["rows"]}
-    assert list(rows) == list(bench.MODES)
+    assert list(rows) == list(bench_args.MODES)
     for mode, row in rows.items():
         assert ROW_KEYS <= set(row) and row["tokens_per_s"] > 0
         assert row["check"]["exact"] is None and row["check"]["note"].startswith("sampling: not comparable")
         assert row["check_passed"] is None
         assert f"{mode:<9}" in table
-    assert table.count("sampling: not comparable") == len(bench.MODES)
+    assert table.count("sampling: not comparable") == len(bench_args.MODES)
     assert rows["ar"]["drafted"] == 0 and rows["ar"]["ideal_speedup_vs_ar"] == pytest.approx(1.0)
     for mode in ("block", "pipeline"):
         row = rows[mode]
@@ -203,29 +206,47 @@ def test_bench_sampled_runs_are_seeded_and_use_generates_warpers():
     """Same seed, same tokens and counters; and `ar` at batch 1 draws exactly plain generate's tokens (one
     multinomial per token from the same processed scores), which holds only if the bench's warpers are the ones
     generate builds, in its order."""
-    model = bench.random_model("ouro-tiny", torch.float32, torch.device("cpu"), seed=0)
-    model.generation_config = GenerationConfig(pad_token_id=0, eos_token_id=None, do_sample=False)  # as run_bench
-    ids = bench.make_prompts(None, model.config.vocab_size, 1, 8, seed=0)
-    sampling = bench.sampling_settings(bench.parse_args(SAMPLING))
+    model = shapes.random_model("ouro-tiny", seed=0)
+    ids = prompts.make_prompts(None, model.config.vocab_size, 1, 8, seed=0)
+    sampling = run.sampling_settings(bench_args.parse_args(SAMPLING))
     runs = {}
-    with torch.inference_mode():
+    with torch.inference_mode(), run.bench_generation_config(model, sampling):
+        processors = run.generation_processors(model, 8, ids.device)
+        assert [type(p).__name__ for p in processors] == ["TemperatureLogitsWarper", "TopKLogitsWarper",
+                                                           "TopPLogitsWarper"]
         for mode in ("plain", "ar", "pipeline", "pipeline"):
-            run = bench.run_mode(model, mode, ids, 12, draft_loops=1, k=4, sampling=sampling, seed=5)
+            result = run.run_mode(model, mode, ids, 12, draft_loops=1, k=4, processors=processors, seed=5)
             if mode in runs:
-                assert torch.equal(run["generated"], runs[mode]["generated"])
-                assert run["stats"].to_dict() == runs[mode]["stats"].to_dict()
-            runs[mode] = run
+                assert torch.equal(result["generated"], runs[mode]["generated"])
+                assert result["stats"].to_dict() == runs[mode]["stats"].to_dict()
+            runs[mode] = result
     assert torch.equal(runs["ar"]["generated"], runs["plain"]["generated"])
-    assert bench.sampling_processors(None) is None
-    assert not bench.sampling_processors({"temperature": 1.0, "top_p": 1.0, "top_k": 0})  # all off: no warpers
+    with run.bench_generation_config(model, {"temperature": 1.0, "top_p": 1.0, "top_k": 0}):
+        assert not run.generation_processors(model, 8, ids.device)  # all off: no warpers
+
+
+def test_bench_leaves_the_callers_generation_config_alone():
+    """The bench runs on its own clean config (no EOS, none of a checkpoint's defaults) and puts the caller's
+    object back untouched, even when a run fails."""
+    model = shapes.random_model("ouro-tiny", seed=0)
+    mine = model.generation_config
+    mine.repetition_penalty = 1.3
+    before = mine.to_dict()
+    with run.bench_generation_config(model, None):
+        assert model.generation_config is not mine and model.generation_config.eos_token_id is None
+        assert model.generation_config.repetition_penalty is None
+    assert model.generation_config is mine and mine.to_dict() == before
+    with pytest.raises(RuntimeError), run.bench_generation_config(model, None):
+        raise RuntimeError("a failed run")
+    assert model.generation_config is mine
 
 
 def test_bench_refuses_sampling_options_that_would_not_apply(capsys):
     assert "only apply with --do-sample" in _run_error(["bench", *FAST, "--temperature", "0.7"], capsys)
-    args = bench.parse_args(FAST)
+    args = bench_args.parse_args(FAST)
     args.do_sample, args.synthetic_acceptance = True, 0.9  # (argparse refuses this; run_bench does too)
     with pytest.raises(ValueError, match="cannot be combined with --do-sample"):
-        bench.run_bench(args)
+        run_bench(args)
 
 
 # --- generate -------------------------------------------------------------------------------------------------------
@@ -303,8 +324,8 @@ def test_missing_models_are_clear_errors(tmp_path, capsys):
     assert "random-weight shape" in _run_error(["generate", "hi", "--model", "ouro-tiny", "--device", "cpu"], capsys)
     _run_error(["generate", "hi", "--model", str(tmp_path / "nowhere"), "--device", "cpu"], capsys)
     try:
-        bench.default_model_path()
-    except bench.ModelNotAvailable:
+        loading.default_model_path()
+    except loading.ModelNotAvailable:
         err = _run_error(["generate", "hi", "--device", "cpu"], capsys)
         assert "embedded default model" in err and "--model" in err
 

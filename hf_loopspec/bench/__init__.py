@@ -1,0 +1,110 @@
+"""`hf-loopspec bench`: plain vs AR vs block vs pipeline decoding in one process, with the limit it is judged by.
+
+Modules: `args` (the command's arguments), `shapes` (random-weight models), `prompts`, `run` (one timed run of one
+mode and its check), `costs` (call-cost calibration and the cost model), `report` (the JSON document, whose schema
+it owns, and the table), `plot`, `main` (`run_bench`, the entry points). Model loading is `hf_loopspec.loading`.
+
+What runs
+---------
+Four modes over the same greedy prompts (`--batch-size` sequences of `--prompt-len` tokens, `--new-tokens`
+new tokens each; EOS is ignored in every mode, so every run commits exactly `batch * new_tokens` tokens). The
+prompts are seeded random ids for random weights, else slices of a built-in text (`PROMPT_CODE`, Python source,
+for the embedded model, which was trained on Python; `PROMPT_TEXT`, English, for other checkpoints) or of
+`--prompt-file`.
+
+* `plain`: `model.generate(..., speculative_mode=None)`, transformers' own loop on a `DynamicCache`.
+* `static` (only when asked for in `--modes`): the same with `cache_implementation="static"`, which transformers
+  compiles on CUDA (its own fast path, the honest plain baseline on a GPU); its `compile_seconds` is its warm-up
+  minus its median timed run.
+* `ar`: `model.decode_with_lanes(ids, "ar")` on a `PagedLoopCache`: the lane engine without drafting, U core calls
+  per token. The baseline of the speculative modes (same engine, same cache, same entry point).
+* `block`, `pipeline`: `model.decode_with_lanes(ids, mode, draft_loops=d, num_speculative_tokens=K)`.
+
+`plain` is also run once, untimed, first: its greedy output is the reference. Every mode is then warmed up
+once, and the timed runs are interleaved (`plain ar block pipeline plain ar ...`, `--repeats` rounds); a
+mode's time is the median of its rounds and includes prefill. Every output of every run is compared with the
+reference: in fp32 it must be equal (`check_passed`), in bf16/fp16 the agreement rate (common-prefix fraction)
+is reported with the first divergent token and the reference's top-1/top-2 logit margin there.
+
+Random-weight shapes (`SHAPES`) cover both families: `ouro-tiny`, `ouro-100m`, `ouro-1.4b`, and `huginn-tiny`,
+`huginn-small` (Huginn-0125's 2 + 4 + 2 stage layout at width 512, 32 recurrence steps), `huginn-3.5b` (the real
+shape, for a GPU). Huginn-family models run every mode from zero initial states (init_scale 0) at
+`mean_recurrence` steps; `draft_loops` then counts recurrence steps. Their prelude and coda have KV of their own,
+so the call-cost model below (which times core and head calls alone) is not computed for them: the ideal
+columns stay empty, and the comparison is measured time and core calls per token.
+
+`--compile [BACKEND]` runs the lane modes with `compile_core` (static-shape compiled core and head calls,
+`generation/stages.py`); each row reports `compile_seconds`, its warm-up run minus its median timed run.
+
+`--synthetic-acceptance A` (for random weights, whose drafts are almost never right): every draft proposal is
+replaced through `draft_hook` by the known greedy token with probability A (seeded), otherwise by a wrong token.
+Verification stays real, so outputs must still equal the reference. The known token comes from the mode's own
+warm-up output: in fp32 that equals the reference (the timed runs' checks confirm it); in bf16 it keeps the
+acceptance at A after a rounding divergence from plain decoding.
+
+The limit it is judged against
+------------------------------
+In every round, before its runs (so that both see the same machine load), one core call (`model.core` over a
+`PagedLoopCache` `RowBatch` at context `prompt_len`) is timed for the row counts the strategies use: t(R) for
+R = 1, B, 2B, ..., max(U/d, K+1)*B, and the causal prefill call t_pre over P*B rows (B = batch, P = prompt
+length); the head over M rows likewise, h(M); each is the median over the rounds. During every lane run the
+row count of each core call (from `plan_rows`) and each head call (a forward hook on the output embeddings) is
+recorded. If nothing but these calls cost time, a run would take
+
+    T_hat(mode) = sum_i t(R_i) + sum_j h(M_j)          (t, h interpolated piecewise-linearly between grid points)
+
+For `ar` with N new tokens that is U prefill calls, (N-1)*U calls of B rows and N head calls of B rows:
+
+    T_hat(ar) = U*t_pre + (N-1)*U*t(B) + N*h(B)
+
+and the reported limit is
+
+    ideal_speedup_vs_ar = T_hat(ar) / T_hat(mode)
+    fraction_of_ideal   = speedup_vs_ar / ideal_speedup_vs_ar      (speedup_vs_ar = T(ar) / T(mode), measured)
+    overhead_fraction   = 1 - T_hat(mode) / T(mode)               (time outside core and head calls: Python,
+                                                                    cache bookkeeping, row planning)
+
+In steady state (N large, prefill negligible, c = decode core calls per token of one sequence) this is the
+per-token form: for the pipeline (every call runs ceil(U/d) lanes per sequence, one head call per d calls with
+a target and a draft row per sequence)
+
+    (U*t(B) + h(B)) / (c*t(ceil(U/d)*B) + (c/d)*h(2B)),      c = d + (U-d)(1-a)   (DESIGN 3)
+
+and for block (a round = (K+1)d draft calls of B rows, K draft heads of B rows, U-d verify calls and one verify
+head of (K+1)B rows; r = c / ((K+1)d + U - d) rounds per token)
+
+    (U*t(B) + h(B)) / (r * [(K+1)d*t(B) + (U-d)*t((K+1)B) + K*h(B) + h((K+1)B)]).
+
+On a GPU at small batch t(R) is nearly flat in R, so the pipeline's limit approaches U/c; on a CPU t(R) grows
+with R and the limit is lower. The measured call costs are in the JSON (`call_costs`).
+
+Memory (`peak_mem_bytes`): on CUDA `torch.cuda.max_memory_allocated` over the run (weights included); on CPU
+the parameter bytes plus the KV cache's allocated bytes (the `PagedLoopCache` pool, which grows by doubling, or
+the `DynamicCache` tensors) at the end of the run (`peak_mem_kind` says which).
+
+Sampling (`--do-sample`)
+------------------------
+With `--do-sample` (and `--temperature`, default 1.0, `--top-p`, default 1.0, `--top-k`, default 0 = off) every
+mode samples: `plain` through `model.generate(do_sample=True, temperature=..., top_p=..., top_k=...)`, the lane
+modes through `decode_with_lanes(do_sample=True, logits_processor=...)` with the same warpers that generate
+builds (`sampling_processors`: temperature, top-k, top-p, in generate's order). Drafts are judged by lossless
+speculative sampling (accept with min(1, p/q), else draw from the residual), so `acceptance_rate` is that real
+acceptance, not a greedy match. Every run is seeded with `torch.manual_seed(seed + round)` (warm-ups with
+`seed`), so a bench repeats. The outputs are random draws: they are not compared token by token with plain
+(`check: {"exact": null, "note": ...}`, `check_passed: null`; the exit status stays 0); that the speculative
+modes sample the same distribution as plain is tested in `tests/test_speculative_sampling.py`. Sampled runs
+differ from round to round, so the counters, calls/token and the ideal speed-up are the first timed round's (as
+with greedy decoding) and `acceptance_rate_all` / `core_calls_per_token_all` list every round's. The untimed
+first plain run is then only a warm-up. `--synthetic-acceptance` is refused with `--do-sample`: it replaces drafts
+by *the known greedy token*, and sampling has no known token to replace them by.
+"""
+
+
+def __getattr__(name: str):
+    # `from hf_loopspec.bench import run_bench`, without importing the orchestration (and the model loading it
+    # needs) for users of `hf_loopspec.bench.shapes` alone.
+    if name == "run_bench":
+        from .main import run_bench
+
+        return run_bench
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

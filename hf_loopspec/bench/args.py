@@ -1,0 +1,153 @@
+"""`hf-loopspec bench` arguments: the parser (`add_arguments`, `parse_args`), checked argument types (also used by
+`hf-loopspec generate`), and the checks that need more than one argument (`check_sampling_args`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..loading import DTYPES
+from .shapes import SHAPES
+
+MODES = ("plain", "ar", "block", "pipeline")  # the default set
+PLAIN_MODES = ("plain", "static")  # transformers' own loop: DynamicCache, or cache_implementation="static"
+LANE_MODES = ("ar", "block", "pipeline")
+DESCRIPTION = "plain vs AR vs block vs pipeline decoding in one process, with the limit it is judged by."
+
+
+def parse_modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in (*MODES, "static")]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {bad or text!r}; choose a comma-separated subset of "
+                                         f"{','.join(MODES)},static")
+    return list(dict.fromkeys(modes))
+
+
+def checked(kind: type, ok, requirement: str):
+    """An argparse `type` that parses `kind` (int or float) and refuses values for which `ok` is false."""
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not ok(value):  # comparisons with nan are false, so nan is refused too
+            raise argparse.ArgumentTypeError(f"{value} {requirement}")
+        return value
+
+    return parse
+
+
+fraction = checked(float, lambda v: 0.0 <= v <= 1.0, "is outside [0, 1]")
+positive = checked(int, lambda v: v >= 1, "must be >= 1")
+positive_float = checked(float, lambda v: v > 0, "must be > 0")
+non_negative = checked(int, lambda v: v >= 0, "must be >= 0")
+non_negative_float = checked(float, lambda v: v >= 0, "must be >= 0")
+
+
+SYNTHETIC_WITH_SAMPLING = ("--synthetic-acceptance cannot be combined with --do-sample: it replaces each draft by the "
+                           "known greedy token, and sampled decoding has no known token (its acceptance is the real "
+                           "min(1, p/q)); drop one of the two.")
+
+
+class _SyntheticAcceptance(argparse.Action):
+    """Stores `--synthetic-acceptance A`; an argparse error when `--do-sample` came first."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, "do_sample", False):
+            raise argparse.ArgumentError(self, SYNTHETIC_WITH_SAMPLING)
+        setattr(namespace, self.dest, values)
+
+
+class _DoSample(argparse.Action):
+    """`--do-sample` (store true); an argparse error when `--synthetic-acceptance` came first."""
+
+    def __init__(self, option_strings, dest, default=False, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, "synthetic_acceptance", None) is not None:
+            raise argparse.ArgumentError(self, SYNTHETIC_WITH_SAMPLING)
+        setattr(namespace, self.dest, True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `bench` options to `parser` (used by `hf-loopspec bench` and `python -m hf_loopspec.bench`)."""
+    parser.add_argument("--model", default="default",
+                        help="'default' (the embedded model), a checkpoint path or Hub id, or a random-weight shape: "
+                             f"{', '.join(SHAPES)} (default: %(default)s)")
+    parser.add_argument("--batch-size", type=positive, default=1, help="sequences (default: %(default)s)")
+    parser.add_argument("--prompt-len", type=positive, default=64,
+                        help="prompt tokens per sequence (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=positive, default=64,
+                        help="new tokens per sequence (default: %(default)s)")
+    parser.add_argument("--prompt-file", default=None, metavar="PATH",
+                        help="text to cut the prompts from (models with a tokenizer; default: a built-in text)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="(default: %(default)s)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("--modes", type=parse_modes, default=list(MODES),
+                        help=f"comma-separated subset of {','.join(MODES)},static (default: {','.join(MODES)}); "
+                             "static: plain generate with cache_implementation='static' (compiled by transformers "
+                             "on CUDA)")
+    parser.add_argument("--draft-loops", type=positive, default=1,
+                        help="d: draft from the output of loop d (default: %(default)s)")
+    parser.add_argument("--num-speculative-tokens", type=positive, default=4,
+                        help="K: drafts per block round (default: %(default)s)")
+    parser.add_argument("--repeats", type=positive, default=3,
+                        help="timed rounds; the median is reported (default: %(default)s)")
+    parser.add_argument("--synthetic-acceptance", type=fraction, default=None, metavar="A",
+                        action=_SyntheticAcceptance,
+                        help="replace each draft by the known greedy token with probability A (random weights; "
+                             "greedy decoding only)")
+    parser.add_argument("--do-sample", action=_DoSample,
+                        help="every mode samples (lossless speculative sampling; seeded with --seed + round); "
+                             "outputs are then not compared with plain")
+    parser.add_argument("--temperature", type=positive_float, default=1.0,
+                        help="sampling temperature, with --do-sample (default: %(default)s)")
+    parser.add_argument("--top-p", type=fraction, default=1.0,
+                        help="nucleus sampling mass, with --do-sample; 1 = off (default: %(default)s)")
+    parser.add_argument("--top-k", type=non_negative, default=0,
+                        help="keep the K most likely tokens, with --do-sample; 0 = off (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random weights, prompts, synthetic drafts and sampled runs "
+                             "(default: %(default)s)")
+    parser.add_argument("--threads", type=positive, default=None, help="torch.set_num_threads")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="run the lane modes' core and head calls compiled (generate's compile_core) with this "
+                             "torch.compile backend (default when given: inductor); plain is transformers' loop")
+    parser.add_argument("--calibration-seconds", type=float, default=3.0,
+                        help="time budget of the core/head call-cost measurements (default: %(default)s)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-loopspec bench", description=DESCRIPTION)
+    return add_arguments(parser)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def with_defaults(args) -> argparse.Namespace:
+    merged = vars(parse_args([])).copy()
+    merged.update({k: v for k, v in vars(args).items()})
+    if isinstance(merged["modes"], str):
+        merged["modes"] = parse_modes(merged["modes"])
+    return argparse.Namespace(**merged)
+
+
+def check_sampling_args(args) -> None:
+    """`ValueError` for sampling options that cannot mean what they say (see the module docstring)."""
+    if args.do_sample and args.synthetic_acceptance is not None:
+        raise ValueError(SYNTHETIC_WITH_SAMPLING)
+    if not args.do_sample:
+        unused = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name, off in
+                  (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0)) if getattr(args, name) != off]
+        if unused:
+            raise ValueError(f"{', '.join(unused)} only apply with --do-sample (greedy decoding ignores them); "
+                             "add --do-sample or drop them.")

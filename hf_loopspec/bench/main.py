@@ -1,0 +1,200 @@
+"""The benchmark's orchestration (`run_bench`: reference run, warm-ups, interleaved timed rounds with the call-cost
+calibration, then the result document) and its entry points (`main_from_args` for `hf-loopspec bench`, `main` for
+`python -m hf_loopspec.bench`). See `hf_loopspec.bench` for what is measured."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+from ..generation.config import compile_backend, speculative_config
+from ..loading import DTYPES, load_model, resolve_device
+from .args import LANE_MODES, build_parser, check_sampling_args, with_defaults
+from .costs import ar_call_shapes, measure_call_costs, median_costs, predicted_seconds
+from .plot import plot, pyplot
+from .prompts import PROMPT_CODE, PROMPT_TEXT, make_prompts
+from .report import SAMPLING_CHECK_NOTE, build_result, format_table, machine_info, mode_row, write_result
+from .run import bench_generation_config, compare, generation_processors, run_mode, sampling_settings, synthetic_hook
+
+
+@dataclass
+class _Bench:
+    """What every run of one benchmark shares."""
+
+    args: object
+    model: object
+    ids: torch.Tensor  # [B, P] prompts
+    vocab: int
+    run_kwargs: dict  # run_mode's draft_loops, k, processors, compile_core
+    sampled: bool
+
+    def seed(self, offset: int) -> int | None:
+        """The torch seed of a sampled run (`--seed` + round; warm-ups: `--seed`), None when greedy."""
+        return self.args.seed + offset if self.sampled else None
+
+    def hook(self, mode: str, reference: torch.Tensor | None):
+        """The `--synthetic-acceptance` draft hook of a speculative mode (None otherwise)."""
+        if self.args.synthetic_acceptance is None or mode not in ("block", "pipeline") or reference is None:
+            return None
+        return synthetic_hook(reference, self.args.prompt_len, self.args.synthetic_acceptance, self.vocab,
+                              self.args.seed)
+
+
+def run_bench(args) -> dict:
+    """Run the benchmark (see `hf_loopspec.bench`); returns the result document (also written by `--json`).
+
+    `args` is an `argparse.Namespace` from `parse_args` (missing attributes take their defaults). The model's
+    `generation_config` is left as it was.
+    """
+    args = with_defaults(args)
+    check_sampling_args(args)
+    compile_backend(args.compile)  # a ValueError for an unknown backend, before the model loads
+    if args.plot:
+        pyplot()  # fail before the runs, not after them
+    if args.new_tokens < 2 and any(m in args.modes for m in ("block", "pipeline")):
+        raise ValueError("--new-tokens must be >= 2 for the speculative modes (nothing to draft otherwise).")
+    device = resolve_device(args.device)
+    model, tokenizer, model_name = load_model(args.model, DTYPES[args.dtype], device, seed=args.seed)
+    sampling = sampling_settings(args)
+    with _fixed_recurrence(model), bench_generation_config(model, sampling):
+        result = _run_bench(args, device, model, tokenizer, model_name, sampling)
+    if args.json:
+        write_result(result, args.json)
+    if args.plot:
+        plot(result, args.plot)
+    return result
+
+
+def _fixed_recurrence(model):
+    """Huginn-family models: every mode runs `mean_recurrence` steps from zero initial states (init_scale 0), so
+    that plain decoding is a deterministic reference."""
+    recurrence = getattr(model, "recurrence", None)
+    return recurrence(init_scale=0.0) if recurrence is not None else contextlib.nullcontext()
+
+
+def _validate(args, loops: int) -> None:
+    for mode in ("block", "pipeline"):
+        if mode in args.modes:
+            cfg = GenerationConfig(do_sample=False)
+            cfg.speculative_mode, cfg.draft_loops, cfg.num_speculative_tokens = (
+                mode, args.draft_loops, args.num_speculative_tokens)
+            speculative_config(cfg, loops)  # raises ValueError with the same message generate() would
+
+
+def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loops = model.num_loops
+    _validate(args, loops)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    text = Path(args.prompt_file).read_text() if args.prompt_file else (
+        PROMPT_CODE if args.model == "default" else PROMPT_TEXT)
+    ids = make_prompts(tokenizer, vocab, args.batch_size, args.prompt_len, args.seed, text).to(device)
+    processors = generation_processors(model, args.prompt_len, device)
+    bench = _Bench(args, model, ids, vocab, {"draft_loops": args.draft_loops, "k": args.num_speculative_tokens,
+                                             "processors": processors, "compile_core": args.compile},
+                   sampled=sampling is not None)
+    machine = machine_info(device)
+    with torch.inference_mode():
+        runs, warmup_seconds, cost_rounds, reference, reference_logits = _measure(bench, model_name, device)
+    costs = median_costs(cost_rounds) if cost_rounds else None
+    ar_core, ar_head = ar_call_shapes(loops, args.batch_size, args.prompt_len, args.new_tokens)
+    if "ar" in runs:
+        ar_core, ar_head = runs["ar"][0]["core_rows"], runs["ar"][0]["head_rows"]
+    ar_predicted = predicted_seconds(costs, ar_core, ar_head) if costs else None
+    seconds = {mode: statistics.median(x["seconds"] for x in rs) for mode, rs in runs.items()}
+    exact_dtype = DTYPES[args.dtype] == torch.float32
+    rows = []
+    for mode, rs in runs.items():
+        if sampling is None:
+            checks = [compare(x["generated"], reference, reference_logits) for x in rs]
+            check = "reference" if mode == "plain" else min(checks, key=lambda c: c["agreement_rate"])
+            exact = all(c["exact"] for c in checks) if exact_dtype else None
+        else:
+            check, exact = {"exact": None, "note": SAMPLING_CHECK_NOTE}, None
+        compiled = (args.compile and mode in LANE_MODES) or mode == "static"
+        rows.append(mode_row(mode, rs, seconds, batch=args.batch_size, new_tokens=args.new_tokens, loops=loops,
+                             check=check, exact=exact, costs=costs, ar_predicted=ar_predicted,
+                             warmup_seconds=warmup_seconds.get(mode), compiled=bool(compiled)))
+    warpers = [type(w).__name__ for w in processors] if sampling is not None else None
+    return build_result(rows, args=args, machine=machine, model=model, model_name=model_name, sampling=sampling,
+                        warpers=warpers, costs=costs, ar_predicted=ar_predicted)
+
+
+def _measure(bench: _Bench, model_name: str, device: torch.device):
+    """The reference run, one warm-up per mode, then `--repeats` interleaved rounds, each with its call costs.
+
+    Each round times the call costs too, so that they see the same machine load as the runs (a shared machine
+    drifts); the cost of a call is its median over the rounds.
+    """
+    args, model, ids, n = bench.args, bench.model, bench.ids, bench.args.new_tokens
+    what = "plain reference run" if not bench.sampled else f"SAMPLING {sampling_settings(args)}; plain warm-up run"
+    _log(args, f"[bench] {model_name} on {device} {args.dtype}: {what}")
+    exact_dtype = DTYPES[args.dtype] == torch.float32
+    reference_run = run_mode(model, "plain", ids, n, output_logits=not exact_dtype and not bench.sampled,
+                             seed=bench.seed(0), **bench.run_kwargs)
+    reference = reference_run["generated"]
+
+    own_reference: dict[str, torch.Tensor] = {}
+    warmup_seconds: dict[str, float] = {}
+    for mode in args.modes:  # warm-up (and, with synthetic acceptance, each mode's own greedy continuation)
+        if mode == "plain":
+            continue
+        _log(args, f"[bench] warm-up {mode}")
+        warmup = run_mode(model, mode, ids, n, draft_hook=bench.hook(mode, reference), seed=bench.seed(0),
+                          **bench.run_kwargs)
+        own_reference[mode], warmup_seconds[mode] = warmup["generated"], warmup["seconds"]
+
+    batch, loops, d, k = args.batch_size, model.num_loops, args.draft_loops, args.num_speculative_tokens
+    core_grid = sorted({1, *(batch * r for r in range(1, max(math.ceil(loops / d), k + 1) + 1))})
+    head_grid = sorted({1, *(batch * r for r in range(1, max(2, k + 1) + 1))})
+    layout = model.kv_layout
+    calibrate = layout.entry_plane is None and layout.first_exit_plane is None
+    runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    cost_rounds = []
+    for r in range(args.repeats):
+        _log(args, f"[bench] round {r + 1}/{args.repeats}: "
+                   + (f"call costs over {core_grid} rows and the {batch * args.prompt_len}-row prefill, then "
+                      if calibrate else "") + " ".join(args.modes))
+        if calibrate:
+            cost_rounds.append(measure_call_costs(model, batch, args.prompt_len, core_grid, head_grid, device,
+                                                  DTYPES[args.dtype], args.calibration_seconds / args.repeats,
+                                                  seed=args.seed + r))
+        for mode in args.modes:
+            runs[mode].append(run_mode(model, mode, ids, n, draft_hook=bench.hook(mode, own_reference.get(mode)),
+                                       seed=bench.seed(r), **bench.run_kwargs))
+    return runs, warmup_seconds, cost_rounds, reference, reference_run["logits"]
+
+
+def _log(args, message: str) -> None:
+    if not args.quiet:
+        print(message, file=sys.stderr, flush=True)
+
+
+def main_from_args(args) -> int:
+    """Run, print the table; exit status 1 when an fp32 greedy output differs from plain greedy (sampled outputs
+    are not compared: exit status 0)."""
+    result = run_bench(args)
+    print(format_table(result))
+    if not result["all_checks_passed"]:
+        print("hf-loopspec bench: MISMATCH: a speculative output differs from plain greedy decoding in fp32.",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hf_loopspec.bench ...`: the same as `hf-loopspec bench ...`."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return main_from_args(args)
+    except (ValueError, OSError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")

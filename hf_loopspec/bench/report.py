@@ -1,0 +1,235 @@
+"""The benchmark's results: the JSON document (`build_result`; this module owns its schema, `SCHEMA_VERSION`), the
+human-readable table (`format_table`), and reading a results file back (`load_result`).
+
+Schema (`"schema": "hf-loopspec-bench/1"`): `rows` (one per mode, `ROW_KEYS` and the counters), `machine`,
+`args`, `model`, `synthetic_acceptance`, `sampling`, `call_costs`, `notes`, `all_checks_passed`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from .args import PLAIN_MODES
+from .costs import predicted_seconds
+
+SCHEMA = "hf-loopspec-bench/1"
+SAMPLING_CHECK_NOTE = ("sampling: not comparable: outputs are random draws, so plain is no token-by-token reference; "
+                       "speculative sampling is lossless (accept with min(1, p/q), residual on rejection), tested "
+                       "distributionally in tests/test_speculative_sampling.py")
+NOTES = {
+    "timing": "median wall time of --repeats interleaved rounds after one warm-up per mode; prefill "
+              "included; EOS ignored so every run commits batch * new_tokens tokens",
+    "core_calls_per_token": "core calls of the run (prefill included) per committed token of one "
+                            "sequence: core_calls * batch / committed tokens; plain: U by construction",
+    "ideal_speedup_vs_ar": "T_hat(ar) / T_hat(mode), T_hat = sum of the measured costs of the run's core "
+                           "and head calls by row count (see hf_loopspec.bench.costs)",
+    "overhead_fraction": "1 - T_hat(mode) / measured time: the share of time outside core and head calls",
+    "compile_seconds": "with --compile: the mode's warm-up run (which compiles every bucket it meets) minus "
+                       "its median timed run; buckets met only in timed runs would compile there",
+    "rounds": "counters, core_calls_per_token and ideal_speedup_vs_ar are the first timed round's; "
+              "acceptance_rate_all / core_calls_per_token_all list every round's (they differ only when "
+              "sampling)",
+}
+GREEDY_CHECK_NOTE = ("fp32: every output of every run equals plain greedy (check_passed); other dtypes: "
+                     "agreement_rate = mean common-prefix fraction with plain greedy (worst run)")
+CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "total_ut_steps", "n_layers_in_prelude",
+               "n_layers_in_recurrent_block", "n_layers_in_coda", "mean_recurrence")
+
+def machine_info(device: torch.device) -> dict:
+    import transformers
+
+    from .. import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "cpus_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_avg_1m_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_loopspec": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu,
+    }
+    return info
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f}MiB"
+
+
+def _num(x, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def sampling_title(sampling: dict) -> str:
+    """`SAMPLING (temperature T, top_p P, top_k K)` for the table header and the plot title."""
+    return f"SAMPLING (temperature {sampling['temperature']}, top_p {sampling['top_p']}, top_k {sampling['top_k']})"
+
+
+def format_table(result: dict) -> str:
+    """The human-readable table: header with the run's settings, the call costs, one line per mode."""
+    a, m = result["args"], result["machine"]
+    lines = [(
+        f"hf-loopspec bench | {result['model']['name']} ({result['model']['parameters'] / 1e6:.1f}M params) | "
+        f"{m['device_name']} {a['dtype']} | threads {m['torch_threads']} | batch {a['batch_size']} | "
+        f"prompt {a['prompt_len']} | new {a['new_tokens']} | d={a['draft_loops']} K={a['num_speculative_tokens']} "
+        f"| repeats {a['repeats']} | load avg {_num(m.get('load_avg_1m_start'))}->{_num(m.get('load_avg_1m_end'))}"
+    )]
+    if result.get("sampling") is not None:
+        off = [name for name, value, no_op in (("top_p", result["sampling"]["top_p"], 1.0),
+                                                ("top_k", result["sampling"]["top_k"], 0)) if value == no_op]
+        lines.append(f"*** {sampling_title(result['sampling'])}{' (' + ', '.join(off) + ' off)' if off else ''}: "
+                     "every mode samples, seeded with --seed + round; acceptance is the real min(1, p/q); outputs "
+                     "are not comparable with plain token by token ***")
+    compile_s = ", ".join(f"{r['mode']} {r['compile_seconds']:.1f}s" for r in result["rows"]
+                          if r.get("compile_seconds") is not None)
+    if compile_s:
+        lanes = f"lane modes compiled (compile_core, backend {a['compile']}); " if a.get("compile") else ""
+        lines.append(f"{lanes}warm-up minus timed run (compile time where compiled): {compile_s}")
+    if result["synthetic_acceptance"] is not None:
+        lines.append(f"*** SYNTHETIC ACCEPTANCE {result['synthetic_acceptance']}: each draft is replaced by the known "
+                     "greedy token with this probability, else by a wrong one; verification is real ***")
+    c = result["call_costs"]
+    if c is None:
+        lines.append("no call-cost model (ideal, %ideal, overhd): the model's entry/exit stages have KV of their own")
+    else:
+        core = " ".join(f"t({r})={_ms(s)}" for r, s in sorted(c["core_seconds_by_rows"].items()))
+        head = " ".join(f"h({r})={_ms(s)}" for r, s in sorted(c["head_seconds_by_rows"].items()))
+        lines.append(f"core call ms by rows (context {c['context']}): {core} | prefill t({c['prefill_rows']})="
+                     f"{_ms(c['prefill_seconds'])} | head ms: {head}")
+    header = (f"{'mode':<9}{'tok/s':>9}{'x plain':>9}{'x ar':>7}{'ideal':>7}{'%ideal':>8}{'overhd':>8}"
+              f"{'calls/tok':>10}{'accept':>8}{'peak mem':>10}  check")
+    lines += [header, "-" * len(header)]
+    for r in result["rows"]:
+        if r["check"] == "reference":
+            check = "reference"
+        elif r["check"].get("exact", False) is None:
+            check = "sampling: not comparable"
+        elif r["check_passed"] is not None:
+            check = "equal" if r["check_passed"] else f"MISMATCH {r['check'].get('first_divergence')}"
+        else:
+            check = f"agree {r['check']['agreement_rate']:.3f}"
+        lines.append(
+            f"{r['mode']:<9}{r['tokens_per_s']:>9.1f}{_num(r['ratio_vs_plain']):>9}{_num(r['speedup_vs_ar']):>7}"
+            f"{_num(r['ideal_speedup_vs_ar']):>7}{_num(r['fraction_of_ideal'], '{:.0%}'):>8}"
+            f"{_num(r['overhead_fraction'], '{:.0%}'):>8}{_num(r['core_calls_per_token']):>10}"
+            f"{_num(r['acceptance_rate'], '{:.3f}'):>8}{_mib(r['peak_mem_bytes']):>10}  {check}"
+        )
+    lines.append("x ar: measured speed-up over ar; ideal: the speed-up the run's core/head call counts and measured "
+                 "call costs imply; overhd: share of the time outside core/head calls.")
+    return "\n".join(lines)
+
+
+# --- the JSON document -------------------------------------------------------------------------------------------
+def mode_row(mode: str, runs: list[dict], seconds: dict[str, float], *, batch: int, new_tokens: int, loops: int,
+             check, exact: bool | None, costs: dict | None, ar_predicted: float | None,
+             warmup_seconds: float | None, compiled: bool) -> dict:
+    """One row of `rows`: a mode's median time, speed-ups, counters (lane modes), ideal speed-up and check.
+
+    `runs`: the mode's timed runs (`run.run_mode` results); `check`: "reference" or a `compare` dict;
+    `exact`: whether every run equals the reference (None when not checked for identity).
+    """
+    first, tokens = runs[0], batch * new_tokens
+    row = {
+        "mode": mode, "tokens": tokens, "seconds": seconds[mode], "seconds_all": [x["seconds"] for x in runs],
+        "tokens_per_s": tokens / seconds[mode],
+        "ratio_vs_plain": seconds["plain"] / seconds[mode] if "plain" in seconds else None,
+        "speedup_vs_ar": seconds["ar"] / seconds[mode] if "ar" in seconds else None,
+        "core_calls": None, "core_calls_per_token": float(loops) if mode in PLAIN_MODES else None,
+        "acceptance_rate": None,
+        "drafted": None, "verified": None, "accepted": None, "rejected": None, "discarded": None,
+        "acceptance_rate_all": None, "core_calls_per_token_all": None,
+        "ideal_speedup_vs_ar": None, "fraction_of_ideal": None, "predicted_seconds": None, "overhead_fraction": None,
+        "warmup_seconds": warmup_seconds,
+        "compile_seconds": warmup_seconds - seconds[mode] if compiled else None,
+        "peak_mem_bytes": max(x["peak_mem_bytes"] for x in runs),
+        "kv_cache_bytes": max(x["kv_bytes"] for x in runs),
+        "check": check, "check_passed": None if mode == "plain" else exact,
+    }
+    if mode in PLAIN_MODES:
+        return row
+    stats = first["stats"]
+    row.update(
+        core_calls=stats.core_calls, core_calls_per_token=stats.core_calls * batch / stats.committed_tokens,
+        acceptance_rate=stats.acceptance_rate if stats.drafted else None,
+        drafted=stats.drafted, verified=stats.verified, accepted=stats.accepted, rejected=stats.rejected,
+        discarded=stats.discarded,
+        acceptance_rate_all=[x["stats"].acceptance_rate if x["stats"].drafted else None for x in runs],
+        core_calls_per_token_all=[x["stats"].core_calls * batch / x["stats"].committed_tokens for x in runs],
+    )
+    if costs is not None:
+        predicted = predicted_seconds(costs, first["core_rows"], first["head_rows"])
+        row.update(ideal_speedup_vs_ar=ar_predicted / predicted, predicted_seconds=predicted,
+                   overhead_fraction=1.0 - predicted / seconds[mode])
+        if row["speedup_vs_ar"] is not None:
+            row["fraction_of_ideal"] = row["speedup_vs_ar"] / row["ideal_speedup_vs_ar"]
+    return row
+
+
+def build_result(rows: list[dict], *, args, machine: dict, model, model_name: str, sampling: dict | None,
+                 warpers: list[str] | None, costs: dict | None, ar_predicted: float | None) -> dict:
+    """The whole JSON document (see the module docstring)."""
+    machine = {**machine, "load_avg_1m_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    cuda = machine["device"].startswith("cuda")
+    return {
+        "schema": SCHEMA,
+        "rows": rows,
+        "machine": machine,
+        "args": dict(vars(args)),
+        "model": {"name": model_name, "parameters": sum(p.numel() for p in model.parameters()),
+                  "num_loops": model.num_loops,
+                  "config": {key: getattr(model.config, key, None) for key in CONFIG_KEYS},
+                  "initial_states": "zeros (init_scale 0)" if hasattr(model, "recurrence") else None},
+        "synthetic_acceptance": args.synthetic_acceptance,
+        "sampling": None if sampling is None else {
+            **sampling, "warpers": warpers, "seed": args.seed,
+            "seeding": "torch.manual_seed(seed + round) before each timed run of a round, torch.manual_seed(seed) "
+                       "before each warm-up run"},
+        "call_costs": None if costs is None else {
+            "context": costs["context"], "core_seconds_by_rows": costs["core"], "prefill_rows": costs["prefill_rows"],
+            "prefill_seconds": costs["prefill"], "head_seconds_by_rows": costs["head"],
+            "ar_predicted_seconds": ar_predicted},
+        "notes": {**NOTES,
+                  "peak_mem_kind": "cuda_max_memory_allocated" if cuda
+                  else "params_plus_kv_cache_allocated_bytes (CPU: torch allocations are not traced)",
+                  "check": GREEDY_CHECK_NOTE if sampling is None else SAMPLING_CHECK_NOTE},
+        "all_checks_passed": all(r["check_passed"] is not False for r in rows),
+    }
+
+
+def write_result(result: dict, path: str | Path) -> None:
+    """Write `result` as JSON (row-count keys of the call costs become strings, as JSON needs)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2, default=str))
+
+
+def load_result(path: str | Path) -> dict:
+    """A results file written by `write_result` (or `--json`); `ValueError` when it is not one."""
+    try:
+        result = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not JSON ({err}); pass a file written by `hf-loopspec bench --json`.") from None
+    if not isinstance(result, dict) or not {"rows", "machine", "args", "model"} <= set(result):
+        raise ValueError(f"{path} is not an `hf-loopspec bench --json` results file (it lacks rows, machine, args "
+                         "or model).")
+    return result

@@ -1,0 +1,180 @@
+"""One timed run of one mode (`run_mode`), the check of its output against the reference (`compare`), and the
+draft overrides of `--synthetic-acceptance` (`synthetic_hook`)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
+from transformers.cache_utils import DynamicCache
+
+from ..cache.paged import PagedLoopCache
+from .args import PLAIN_MODES
+
+
+class _RecordingCache(PagedLoopCache):
+    """A `PagedLoopCache` that records the row count of every core call (one `plan_rows` per call; the calls of
+    entry and exit stages with KV, which write other planes, are not core calls)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.call_rows: list[int] = []
+
+    def plan_rows(self, seq, depth, position, like, lineage=None):
+        rows = super().plan_rows(seq, depth, position, like, lineage=lineage)
+        if int(rows.depth.max()) < self.kv_layout.depth_planes:  # not an entry or exit stage's call
+            self.call_rows.append(rows.num_rows)
+        return rows
+
+    def allocated_bytes(self) -> int:
+        return 0 if self.k_pool is None else 2 * self.k_pool.numel() * self.k_pool.element_size()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _dynamic_cache_bytes(cache) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if torch.is_tensor(t):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def synthetic_hook(reference: torch.Tensor, prompt_len: int, acceptance: float, vocab: int, seed: int):
+    """`draft_hook` that proposes `reference[seq, position - prompt_len]` with probability `acceptance`, else a
+    different (wrong) token; seeded, so every run of a mode sees the same pattern."""
+    rng = random.Random(seed)
+    ref = reference.tolist()
+
+    def hook(seq: int, position: int, proposed: int) -> int:
+        right = ref[seq][position - prompt_len]
+        if rng.random() < acceptance:
+            return right
+        wrong = rng.randrange(vocab - 1)
+        return wrong + (wrong >= right)
+
+    return hook
+
+
+def sampling_settings(args) -> dict | None:
+    """`{"temperature", "top_p", "top_k"}` of a `--do-sample` bench, else `None` (greedy)."""
+    if not args.do_sample:
+        return None
+    return {"temperature": float(args.temperature), "top_p": float(args.top_p), "top_k": int(args.top_k)}
+
+
+@contextlib.contextmanager
+def bench_generation_config(model, sampling: dict | None):
+    """Within the block, `model.generation_config` is the bench's own: no EOS (every run commits exactly
+    `new_tokens` per sequence), pad 0, greedy or `sampling`, and none of a checkpoint's generation defaults (e.g. a
+    repetition penalty, which transformers would merge into any config passed to `generate`). The caller's config
+    object is put back on exit, untouched."""
+    original = model.generation_config
+    model.generation_config = GenerationConfig(pad_token_id=0, eos_token_id=None, do_sample=sampling is not None,
+                                               **(sampling or {}))
+    try:
+        yield
+    finally:
+        model.generation_config = original
+
+
+def generation_processors(model, prompt_len: int, device: torch.device) -> LogitsProcessorList:
+    """The logits processors `generate` builds from `model.generation_config` (inside `bench_generation_config`:
+    the sampling warpers, in transformers' order), built by transformers' own code, for the lane modes."""
+    config, _ = model._prepare_generation_config(None)
+    return model._get_logits_processor(config, input_ids_seq_length=prompt_len, device=device)
+
+
+def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook=None,
+             output_logits: bool = False, processors: LogitsProcessorList | None = None, seed: int | None = None,
+             compile_core: str | None = None) -> dict:
+    """Run one mode once, inside `bench_generation_config` (greedy or sampled as `model.generation_config` says);
+    returns seconds, generated ids `[B, N]`, stats and the recorded call shapes.
+
+    `processors`: the lane modes' logits processors (`generation_processors`); `seed`: call `torch.manual_seed(seed)`
+    first (untimed); `compile_core`: a torch.compile backend for the lane modes.
+    """
+    device = ids.device
+    if seed is not None:
+        torch.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if mode in PLAIN_MODES:
+        result, out = _run_plain(model, mode, ids, new_tokens, output_logits)
+    else:
+        result, out = _run_lanes(model, mode, ids, new_tokens, draft_loops=draft_loops, k=k, draft_hook=draft_hook,
+                                 processors=processors, compile_core=compile_core)
+    result["generated"] = out.sequences[:, ids.shape[1]:].cpu()
+    if device.type == "cuda":
+        result["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
+    else:
+        result["peak_mem_bytes"] = _param_bytes(model) + result["kv_bytes"]
+    return result
+
+
+def _run_plain(model, mode: str, ids: torch.Tensor, new_tokens: int, output_logits: bool):
+    cache_kwargs = {"plain": {"cache": DynamicCache()}, "static": {"cache_implementation": "static"}}[mode]
+    synchronize(ids.device)
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, speculative_mode=None,
+                         **cache_kwargs, return_dict_in_generate=True, output_logits=output_logits)
+    synchronize(ids.device)
+    seconds = time.perf_counter() - start
+    return {"mode": mode, "seconds": seconds, "stats": None, "kv_bytes": _dynamic_cache_bytes(out.cache),
+            "logits": out.logits if output_logits else None}, out
+
+
+def _run_lanes(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook,
+               processors, compile_core):
+    cache = _RecordingCache(model.kv_layout)
+    head_rows: list[int] = []
+    handle = model.get_output_embeddings().register_forward_hook(
+        lambda module, args, output: head_rows.append(args[0].shape[:-1].numel()))
+    max_length = ids.shape[1] + new_tokens
+    try:
+        synchronize(ids.device)
+        start = time.perf_counter()
+        out = model.decode_with_lanes(
+            ids, mode, draft_loops=draft_loops, num_speculative_tokens=k, cache=cache, attention_mask=None,
+            logits_processor=processors, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(max_length)]),
+            pad_token_id=0, max_length=max_length, draft_hook=draft_hook,
+            do_sample=model.generation_config.do_sample, compile_core=compile_core or False)
+        synchronize(ids.device)
+        seconds = time.perf_counter() - start
+    finally:
+        handle.remove()
+    return {"mode": mode, "seconds": seconds, "stats": out.stats, "core_rows": cache.call_rows,
+            "head_rows": head_rows, "kv_bytes": cache.allocated_bytes()}, out
+
+
+def compare(generated: torch.Tensor, reference: torch.Tensor, reference_logits=None) -> dict:
+    """Agreement of `generated` `[B, N]` with `reference` `[B, N]`: exact, common-prefix fraction, first divergence."""
+    batch, n = reference.shape
+    if generated.shape != reference.shape:
+        return {"exact": False, "agreement_rate": 0.0, "first_divergence": None,
+                "error": f"shape {tuple(generated.shape)} != reference {tuple(reference.shape)}"}
+    differs = generated != reference
+    prefixes = [int(differs[b].int().argmax()) if differs[b].any() else n for b in range(batch)]
+    check = {"exact": not bool(differs.any()), "agreement_rate": sum(prefixes) / (batch * n),
+             "first_divergence": None}
+    if not check["exact"]:
+        seq = min(range(batch), key=lambda b: prefixes[b])
+        index = prefixes[seq]
+        check["first_divergence"] = {"seq": seq, "token_index": index, "reference_token": int(reference[seq, index]),
+                                     "token": int(generated[seq, index])}
+        if reference_logits is not None:
+            top2 = reference_logits[index][seq].float().topk(2).values
+            check["first_divergence"]["reference_top1_top2_margin"] = float(top2[0] - top2[1])
+    return check
