@@ -11,9 +11,12 @@
 Sampling (`--do-sample`) works in every mode: the speculative modes use lossless speculative sampling (a draft is
 kept with probability min(1, p/q)), and `generate` prints that acceptance rate.
 
-Bad input (unknown choices, invalid draft depths, `bench --do-sample --synthetic-acceptance`, a missing model)
-ends with a one-line message on stderr and exit status 2; set `HF_LOOPSPEC_TRACEBACK=1` to see the traceback
-instead.
+Every error a user can cause (a bad argument, a missing folder, a zero-byte, truncated or corrupt weights file, a
+pickle-only checkpoint, a device the models do not run on, a prompt longer than the model's positions, invalid
+speculative settings) ends with ONE line on stderr, `hf-loopspec COMMAND: error: <problem>; <fix>`, and exit status
+2. `--debug` (or the environment variable `HF_LOOPSPEC_DEBUG=1`) shows the traceback instead. The handler is
+`main`: argument errors come from `OneLineParser`, everything else from the `ValueError` / `OSError` that the
+commands raise (see `hf_loopspec.input_checks`).
 """
 
 from __future__ import annotations
@@ -27,10 +30,21 @@ from . import loading
 from .bench import args as bench_args
 from .bench import main as bench_main
 from .hub import export as hub_export
+from .input_checks import check_positions
+
+DEBUG_ENV = "HF_LOOPSPEC_DEBUG"
+USER_ERRORS = (ValueError, OSError)  # what the commands raise for input a user can fix
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose errors are one line on stderr (the problem and where the usage is), status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="hf-loopspec",
         description="Looped LMs (Ouro) with lossless pipelined self-speculative decoding.",
     )
@@ -64,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        description=bench_args.DESCRIPTION)
     bench_args.add_arguments(bench_parser)
     hub_export.add_subcommand(commands)
+    for command in commands.choices.values():
+        command.add_argument("--debug", action="store_true",
+                             help=f"show the traceback of an error instead of one line (or set {DEBUG_ENV}=1)")
     return parser
 
 
@@ -83,8 +100,9 @@ def generate(args: argparse.Namespace) -> int:
         enc = tokenizer(args.prompt, return_tensors="pt")
     if enc["input_ids"].shape[-1] == 0:
         raise ValueError("the prompt is empty after tokenization; pass some text.")
-    enc = {k: v.to(device) for k, v in enc.items()}
     prompt_len = enc["input_ids"].shape[-1]
+    check_positions(model.config, prompt_len, args.max_new_tokens, prompt_flag="PROMPT", new_flag="--max-new-tokens")
+    enc = {k: v.to(device) for k, v in enc.items()}
 
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample, "return_dict_in_generate": True,
               "streamer": TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)}
@@ -124,20 +142,36 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """`hf-loopspec COMMAND ...`; returns the exit status: 0, 1 for a failed bench check, 2 for input a user can fix
+    (one line on stderr unless --debug / HF_LOOPSPEC_DEBUG), 130 when interrupted."""
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return generate(args)
         if args.command == "export":
             return hub_export.main_from_args(args)
         return bench_main.main_from_args(args)
-    except (ValueError, OSError) as err:  # bad input or a missing model / file: a message, no traceback
-        if os.environ.get("HF_LOOPSPEC_TRACEBACK"):
+    except USER_ERRORS as err:
+        if args.debug or debug_requested():
             raise
-        message = str(err).strip() or type(err).__name__
-        print(f"hf-loopspec {args.command}: error: {message}", file=sys.stderr)
+        print(f"hf-loopspec {args.command}: error: {one_line(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.debug or debug_requested():
+            raise
+        print(f"hf-loopspec {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def one_line(message) -> str:
+    """`message` (text or an exception) on a single line: whitespace runs, newlines included, become one space."""
+    text = " ".join(str(message).split())
+    return text or type(message).__name__
+
+
+def debug_requested() -> bool:
+    """Whether the environment asks for tracebacks (`HF_LOOPSPEC_DEBUG` set to anything but '', 0, false, no)."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
 if __name__ == "__main__":

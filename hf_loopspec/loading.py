@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .bench.shapes import SHAPES, random_model
+from .input_checks import check_source
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -17,15 +18,24 @@ class ModelNotAvailable(ValueError):
 
 
 def resolve_device(name: str | None) -> torch.device:
-    """`torch.device(name)`, CUDA when available for None; `ValueError` for a bad name or a missing CUDA."""
+    """The torch device for `--device NAME` (None: cuda when available, else cpu); `ValueError` for a name that is
+    not a device, a type the models do not run on (meta, ...) or a device this machine does not have."""
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
     if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if available["cuda"] else "cpu")
     try:
         device = torch.device(name)
-    except RuntimeError:
+    except (RuntimeError, ValueError):
         raise ValueError(f"--device {name!r} is not a torch device (use cpu, cuda or cuda:N).") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name} was requested but CUDA is not available here; use --device cpu.")
+    if device.type not in available:
+        raise ValueError(f"--device {name}: the models do not run on {device.type} tensors; use cpu or cuda (cuda:N).")
+    if not available[device.type]:
+        raise ValueError(f"--device {name} was requested but {device.type.upper()} is not available here; use "
+                         "--device cpu.")
+    count = torch.cuda.device_count() if device.type == "cuda" else 1
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"--device {name}: this machine has {count} {device.type} device(s), index 0 to "
+                         f"{count - 1}.")
     return device
 
 
@@ -62,9 +72,10 @@ def load_model(spec: str, dtype: torch.dtype | str, device: torch.device, *, nee
 
     import hf_loopspec  # noqa: F401  (registers the Auto classes)
 
+    check_source(str(path))  # a one-line error for a missing folder, damaged weights or pickle-only weights
     if dtype == "auto":
         dtype = torch.float32 if device.type == "cpu" else "auto"
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_safetensors=True).to(device).eval()
     if not hasattr(model, "decode_with_lanes"):
         raise ModelNotAvailable(f"{path} loads as {type(model).__name__}, which is not an hf_loopspec looped model.")
     try:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from ..loading import DTYPES
 from .shapes import SHAPES
@@ -32,7 +33,9 @@ def checked(kind: type, ok, requirement: str):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
-        if not ok(value):  # comparisons with nan are false, so nan is refused too
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{value} is not a finite number")
+        if not ok(value):
             raise argparse.ArgumentTypeError(f"{value} {requirement}")
         return value
 
@@ -116,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                         help="run the lane modes' core and head calls compiled (generate's compile_core) with this "
                              "torch.compile backend (default when given: inductor); plain is transformers' loop")
-    parser.add_argument("--calibration-seconds", type=float, default=3.0,
+    parser.add_argument("--calibration-seconds", type=positive_float, default=3.0,
                         help="time budget of the core/head call-cost measurements (default: %(default)s)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG bar chart (needs matplotlib)")

@@ -15,8 +15,9 @@ import torch
 from transformers import GenerationConfig
 
 from ..generation.config import compile_backend, speculative_config
+from ..input_checks import check_positions
 from ..loading import DTYPES, load_model, resolve_device
-from .args import LANE_MODES, build_parser, check_sampling_args, with_defaults
+from .args import LANE_MODES, check_sampling_args, with_defaults
 from .costs import ar_call_shapes, measure_call_costs, median_costs, predicted_seconds
 from .plot import plot, pyplot
 from .prompts import PROMPT_CODE, PROMPT_TEXT, make_prompts
@@ -93,6 +94,8 @@ def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:
         torch.set_num_threads(args.threads)
     loops = model.num_loops
     _validate(args, loops)
+    check_positions(model.config, args.prompt_len, args.new_tokens, prompt_flag="--prompt-len",
+                    new_flag="--new-tokens")
     vocab = model.get_output_embeddings().weight.shape[0]
     text = Path(args.prompt_file).read_text() if args.prompt_file else (
         PROMPT_CODE if args.model == "default" else PROMPT_TEXT)
@@ -191,10 +194,7 @@ def main_from_args(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m hf_loopspec.bench ...`: the same as `hf-loopspec bench ...`."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return main_from_args(args)
-    except (ValueError, OSError) as err:
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    """`python -m hf_loopspec.bench ...`: the same as `hf-loopspec bench ...`, error handling included."""
+    from ..cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])

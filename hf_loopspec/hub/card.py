@@ -70,7 +70,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 repo = "${repo_id}"
 model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True, dtype=torch.bfloat16, device_map="cuda")
-tok = AutoTokenizer.from_pretrained(repo, trust_remote_code=True, padding_side="left")
+${tokenizer_code}
 ${inputs_code}
 gen = dict(${generate_kwargs})
 ```
@@ -313,6 +313,7 @@ def build_model_card(
     summary: str | None = None,
     what_it_is: str | None = None,
     num_loops: int = 4,
+    tokenizer: bool = True,
     chat: bool = False,
     eos_token_ids: list[int] | int | None = None,
     sampling: dict | None = None,
@@ -327,7 +328,8 @@ def build_model_card(
     """A `ModelCard` for an exported hf-loopspec repo (see the module docstring).
 
     `benchmarks` is a path to a BENCHMARKS.md, its text, `"default"` (the checkout's file when there is one) or
-    None (no benchmark file: the card says there are no measured numbers). `chat=True` (models with a chat
+    None (no benchmark file: the card says there are no measured numbers). `tokenizer=False` (the repo ships no
+    tokenizer) loads the base model's tokenizer in the code. `chat=True` (models with a chat
     template, such as the Thinking variants) shows chat-template usage; `sampling` (e.g. `{"temperature": 1.0,
     "top_p": 0.7}`) is used in every example, with `do_sample=True`.
     """
@@ -364,6 +366,7 @@ def build_model_card(
         "base_model_or_repo": base_model or repo_id,
         "num_loops": num_loops,
         "generation_defaults": _generation_defaults(speculative_mode, draft_loops, num_speculative_tokens, eos),
+        "tokenizer_code": _tokenizer_code(tokenizer, base_model),
         "inputs_code": inputs_code,
         "generate_kwargs": generate_kwargs,
         "variant_section": _variant_section(chat, eos, sampling),
@@ -377,6 +380,16 @@ def build_model_card(
         tags=list(dict.fromkeys([*TAGS, *tags])),
     )
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{MODEL_CARD_TEMPLATE.substitute(fields)}")
+
+
+def _tokenizer_code(tokenizer: bool, base_model: str | None) -> str:
+    """The card's tokenizer line: the repo's own tokenizer (it never needs remote code: the export drops tokenizer
+    `auto_map`s), else the base model's."""
+    if tokenizer:
+        return 'tok = AutoTokenizer.from_pretrained(repo, padding_side="left")'
+    source = json.dumps(base_model or "<the tokenizer the weights were trained with>")
+    return (f"tok = AutoTokenizer.from_pretrained({source}, padding_side=\"left\")  "
+            "# this repo ships no tokenizer")
 
 
 def _generation_defaults(mode: str | None, draft_loops: int, k: int, eos: list[int]) -> str:

@@ -16,6 +16,12 @@
   (`model.generate(custom_generate=OUT, trust_remote_code=True, speculative_mode=...)`);
 * `README.md`: the model card (`hf_loopspec.hub.card.build_model_card`).
 
+Guarantees: SRC is checked before it loads (`hf_loopspec.input_checks.check_source`: safetensors only, complete
+files); the folder is written beside OUT and moved into place only when complete, so a failed export leaves OUT as
+it was and `--overwrite` replaces the previous export as a set (`hf_loopspec.hub.staging`); the only remote-code
+pointers in OUT are the ones the export writes (config.json's `auto_map` to the shims; a source tokenizer's
+`auto_map` is dropped, and a tokenizer that cannot load without its own code is refused).
+
 Command line: `python -m hf_loopspec.hub.export SRC OUT [options]` (`main_export`), and the `export` subcommand of
 `hf-loopspec` when the CLI registers it with `add_subcommand`.
 """
@@ -24,9 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
+
+from ..input_checks import check_source
+from .staging import check_destination, staged_folder
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 AUTO_MAP = {
@@ -72,35 +82,50 @@ def export_checkpoint(
         benchmarks: the BENCHMARKS.md to quote (path or text), `"default"` (the checkout's), or None.
         model_card_kwargs: passed to `build_model_card` (`title`, `summary`, `sampling`, `tags`, ...).
 
-    Raises `ValueError` when `src` is not a model hf_loopspec can decode speculatively, `FileExistsError` when
-    `out` is not empty (and `overwrite` is False), `OSError` when `src` cannot be read.
+    The folder is written beside `out` and moved into place only when complete (`hf_loopspec.hub.staging`): with
+    `overwrite=True` the previous contents of `out` are replaced as a set (hidden entries such as `.git` are
+    kept), and a failed export leaves `out` as it was. Remote-code pointers of the source are never carried: the
+    config's `auto_map` names only the shims written here, and the tokenizer's `auto_map` is dropped.
+
+    Raises `ValueError` when `src` is not a model hf_loopspec can decode speculatively, when its tokenizer needs
+    its own remote code, or for a bad setting; `FileExistsError` when `out` is not empty (and `overwrite` is
+    False); `OSError` when `src` cannot be read (see `hf_loopspec.input_checks.check_source`).
     """
     import torch
     from transformers import AutoModelForCausalLM
 
     import hf_loopspec
-    from hf_loopspec.generation.config import speculative_config
 
-    from .card import build_model_card
-
-    src, out = str(src), Path(out)
-    if Path(src).exists() and Path(src).resolve() == out.resolve():
-        raise ValueError(f"export needs a new folder: OUT ({out}) is the source checkpoint.")
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} exists and is not a folder.")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} is not empty; pass overwrite=True (--overwrite) to write into it.")
+    src = str(src)
+    out = check_destination(out, overwrite=overwrite)
+    if Path(src).exists() and (Path(src).resolve() == out.resolve() or out.resolve() in Path(src).resolve().parents):
+        raise ValueError(f"OUT ({out}) is or contains the source checkpoint {src}; export into another folder.")
+    shard_bytes = shard_size(max_shard_size)
     if dtype not in (None, *DTYPES):
         raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}.")
+    check_source(src)
 
     load_dtype = "auto" if dtype in (None, "auto") else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=load_dtype, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=load_dtype, trust_remote_code=trust_remote_code,
+                                                 use_safetensors=True)
     if not isinstance(model, hf_loopspec.OuroForCausalLM):
         raise ValueError(f"{src} loads as {type(model).__name__}; export supports hf_loopspec's Ouro models "
                          "(model_type 'ouro').")
     model.eval()
-
     tokenizer = _load_tokenizer(src)
+    gen = _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens)
+    card = _model_card(src, out, model, tokenizer, repo_id=repo_id, base_model=base_model, license=license,
+                       benchmarks=benchmarks, **model_card_kwargs)
+    with staged_folder(out) as stage:
+        _write_folder(stage, model, tokenizer, shard_bytes)
+        card.save(stage / "README.md")
+    return out
+
+
+def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens):
+    """`model.generation_config` with the speculative defaults (validated), eos ids that end a chat turn, a pad id."""
+    from hf_loopspec.generation.config import speculative_config
+
     gen = model.generation_config
     if speculative_mode is not None:
         probe = type(gen)(do_sample=False)
@@ -123,60 +148,106 @@ def export_checkpoint(
     if gen.pad_token_id is None:
         eos = gen.eos_token_id
         gen.pad_token_id = (eos[0] if isinstance(eos, list) and eos else eos) if eos is not None else 0
+    return gen
 
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.auto_map = dict(AUTO_MAP)
-    model.save_pretrained(out, max_shard_size=max_shard_size)
-    config_path = out / "config.json"
-    config = json.loads(config_path.read_text())
-    config["auto_map"] = dict(AUTO_MAP)  # in case save_pretrained rewrote it from a remote-code class
-    config["architectures"] = ["OuroForCausalLM"]
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+def _model_card(src: str, out: Path, model, tokenizer, *, repo_id, base_model, license, benchmarks,
+                **model_card_kwargs):
+    """The card of the export (built before anything is written, so that a bad benchmarks file fails first)."""
+    from .card import build_model_card
 
-    for name in SHIM_FILES:
-        shutil.copyfile(TEMPLATES / name, out / name)
-    (out / "custom_generate").mkdir(exist_ok=True)
-    shutil.copyfile(TEMPLATES / "custom_generate" / "generate.py", out / "custom_generate" / "generate.py")
-    (out / "custom_generate" / "requirements.txt").write_text(
-        CUSTOM_GENERATE_REQUIREMENTS.format(version=hf_loopspec.__version__))
-
+    gen = model.generation_config
     source_card = _source_card_data(src)
     is_hub_id = not Path(src).exists() and src.count("/") == 1
     if base_model is None:
         base_model = src if is_hub_id else source_card.get("base_model")
-    license = license or source_card.get("license") or "apache-2.0"
-    eos = gen.eos_token_id
     card_args = {
-        "repo_id": repo_id or f"your-username/{out.resolve().name}",
+        "repo_id": repo_id or f"your-username/{out.name}",
         "base_model": base_model,
-        "license": license,
+        "license": license or source_card.get("license") or "apache-2.0",
         "num_loops": model.num_loops,
+        "tokenizer": tokenizer is not None,
         "chat": bool(getattr(tokenizer, "chat_template", None)),
-        "eos_token_ids": eos,
-        "speculative_mode": speculative_mode,
-        "draft_loops": draft_loops,
-        "num_speculative_tokens": num_speculative_tokens,
+        "eos_token_ids": gen.eos_token_id,
+        "speculative_mode": gen.speculative_mode,
+        "draft_loops": gen.draft_loops,
+        "num_speculative_tokens": gen.num_speculative_tokens,
         "benchmarks": benchmarks,
     }
     if gen.do_sample and "sampling" not in model_card_kwargs:
         card_args["sampling"] = {k: getattr(gen, k) for k in ("temperature", "top_p", "top_k")
                                  if getattr(gen, k, None) is not None}
     card_args.update(model_card_kwargs)
-    build_model_card(**card_args).save(out / "README.md")
-    return out
+    return build_model_card(**card_args)
+
+
+def _write_folder(folder: Path, model, tokenizer, max_shard_size: int) -> None:
+    """Weights, config (auto_map: the shims only), tokenizer (no auto_map), shims and custom_generate/."""
+    import hf_loopspec
+
+    model.config.auto_map = dict(AUTO_MAP)
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config["auto_map"] = dict(AUTO_MAP)  # in case save_pretrained rewrote it from a remote-code class
+    config.pop("custom_pipelines", None)  # remote pipeline code of the source: not written by the export
+    config["architectures"] = ["OuroForCausalLM"]
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+        settings_path = folder / "tokenizer_config.json"
+        settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
+        if settings.pop("auto_map", None) is not None:  # the source's code pointers; it loaded without them
+            settings_path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+    for name in SHIM_FILES:
+        shutil.copyfile(TEMPLATES / name, folder / name)
+    (folder / "custom_generate").mkdir()
+    shutil.copyfile(TEMPLATES / "custom_generate" / "generate.py", folder / "custom_generate" / "generate.py")
+    (folder / "custom_generate" / "requirements.txt").write_text(
+        CUSTOM_GENERATE_REQUIREMENTS.format(version=hf_loopspec.__version__))
 
 
 def _load_tokenizer(src: str):
-    """SRC's tokenizer, or None when SRC has none."""
+    """SRC's tokenizer, loaded without remote code; None when SRC has no tokenizer_config.json and none loads.
+
+    Raises `ValueError` when SRC has a tokenizer that cannot be loaded without its own remote code (naming the
+    `auto_map` entries) or cannot be loaded at all: an export never drops the tokenizer silently."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(src)
-    except (OSError, ValueError, KeyError, TypeError):
+        return AutoTokenizer.from_pretrained(src, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        settings = _source_tokenizer_settings(src)
+        if settings is None:
+            return None
+        if settings.get("auto_map"):
+            raise ValueError(
+                f"the tokenizer of {src} loads only with its own remote code (tokenizer_config.json auto_map: "
+                f"{json.dumps(settings['auto_map'])}); an export never carries code it did not write, so give the "
+                "source a tokenizer that loads without trust_remote_code.") from None
+        reason = " ".join(str(err).split())[:300]
+        raise ValueError(f"the tokenizer of {src} cannot be loaded ({type(err).__name__}: {reason}); fix or remove "
+                         "its tokenizer files.") from None
+
+
+def _source_tokenizer_settings(src: str) -> dict | None:
+    """SRC's tokenizer_config.json ({} when it is unreadable), or None when SRC has none."""
+    from transformers.utils import cached_file
+
+    try:
+        path = cached_file(src, "tokenizer_config.json", _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)
+    except OSError:
+        path = None
+    if path is None:
         return None
+    try:
+        settings = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return settings if isinstance(settings, dict) else {}
 
 
 def _end_of_turn_id(tokenizer) -> int | None:
@@ -206,7 +277,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The `export` options (used by `main_export` and by `add_subcommand`)."""
     parser.add_argument("src", metavar="SRC", help="checkpoint folder or Hub id (e.g. ByteDance/Ouro-1.4B)")
     parser.add_argument("out", metavar="OUT", help="folder to write (must be empty unless --overwrite)")
-    parser.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (default: %(default)s)")
+    parser.add_argument("--max-shard-size", default="2GB",
+                        help="safetensors shard size: 500MB, 2GB, ... or bytes (default: %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype (default: the checkpoint's)")
     parser.add_argument("--speculative-mode", choices=("pipeline", "block", "none"), default="pipeline",
                         help="default decoding written to generation_config.json (default: %(default)s)")
@@ -219,14 +291,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="BENCHMARKS.md to quote in the card ('none' for no speed table)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="let SRC's own remote code load (not needed for Ouro checkpoints)")
-    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the contents of a non-empty OUT (hidden entries such as .git are kept)")
     return parser
 
 
 def main_from_args(args: argparse.Namespace) -> int:
     """Run an export from parsed arguments; prints the files written. Raises ValueError / OSError on bad input."""
     out = export_checkpoint(
-        args.src, args.out, max_shard_size=_shard_size(args.max_shard_size), dtype=args.dtype,
+        args.src, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
         overwrite=args.overwrite,
         speculative_mode=None if args.speculative_mode == "none" else args.speculative_mode,
         draft_loops=args.draft_loops, num_speculative_tokens=args.num_speculative_tokens, repo_id=args.repo_id,
@@ -249,19 +322,23 @@ def add_subcommand(subparsers) -> argparse.ArgumentParser:
 
 
 def main_export(argv: list[str] | None = None) -> int:
-    """`hf-loopspec export SRC OUT ...` / `python -m hf_loopspec.hub.export SRC OUT ...`; returns the exit status
-    (2 with a one-line message on bad input or a missing checkpoint)."""
-    parser = add_arguments(argparse.ArgumentParser(prog="hf-loopspec export", description=__doc__.split("\n\n")[0]))
-    args = parser.parse_args(argv)
-    try:
-        return main_from_args(args)
-    except (ValueError, OSError) as err:
-        print(f"{parser.prog}: error: {str(err).strip() or type(err).__name__}", file=sys.stderr)
-        return 2
+    """`python -m hf_loopspec.hub.export SRC OUT ...`: the same as `hf-loopspec export SRC OUT ...` (exit status 2
+    with a one-line message on bad input, see `hf_loopspec.cli`)."""
+    from ..cli import main as cli_main
+
+    return cli_main(["export", *(sys.argv[1:] if argv is None else argv)])
 
 
-def _shard_size(text: str) -> str | int:
-    return int(text) if str(text).isdigit() else text
+def shard_size(value: str | int) -> int:
+    """Bytes for a shard size: a byte count or a number with a decimal unit ("40KB", "500MB", "2GB", "1TB", as
+    `save_pretrained` reads them); `ValueError` naming the fix otherwise."""
+    text = str(value).strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)B?", text, flags=re.IGNORECASE)
+    size = int(float(match[1]) * 1000 ** " KMGT".index(match[2].upper() or " ")) if match else 0
+    if size < 1:
+        raise ValueError(f"max shard size {value!r} is not a size; pass --max-shard-size (max_shard_size) as e.g. "
+                         "500MB, 2GB or a byte count.")
+    return size
 
 
 if __name__ == "__main__":

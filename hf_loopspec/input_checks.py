@@ -1,0 +1,113 @@
+"""Checks of what a user passes before anything loads or runs, so that the mistakes a user can make (a mistyped
+folder, a zero-byte, truncated or corrupt `model.safetensors`, a missing shard, a pickle-only folder, a prompt
+longer than the model's positions) end in one `ValueError` / `FileNotFoundError` naming the problem and the fix,
+instead of a traceback from deep inside transformers or safetensors.
+
+Contract of `check_source(spec)`: when `spec` is an existing folder, it holds `config.json` and safetensors weights
+(`model.safetensors`, or the index `model.safetensors.index.json` and every shard it names) whose headers parse
+and whose data regions lie inside the files. Pickle weights (`pytorch_model.bin`, ...) are never loaded:
+unpickling runs code, so a folder that has only those is refused (load with `use_safetensors=True`, which makes
+transformers refuse pickle-only Hub repos too). When `spec` is not a folder it must be a valid Hub repo id; a
+path-like string that names nothing is reported as a missing folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_source(spec: str) -> None:
+    """Raise `FileNotFoundError` / `ValueError` (one line, naming the fix) for a checkpoint that cannot load safely;
+    see the module docstring for what is checked. Hub ids are only checked for their form."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        check_folder(path)
+        return
+    if path.exists():
+        raise ValueError(f"{spec} is a file; pass the checkpoint folder (the one that holds config.json and "
+                         f"{SAFE_WEIGHTS}).")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(spec)
+    except HFValidationError:
+        raise FileNotFoundError(f"no such folder: {spec}; pass an existing checkpoint folder or a Hub id such as "
+                                "ByteDance/Ouro-1.4B.") from None
+
+
+def check_folder(folder: Path) -> None:
+    """The folder part of `check_source`: config.json, then every safetensors file the checkpoint needs."""
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json, so it is not a checkpoint folder; pass the folder "
+                                f"that holds config.json and {SAFE_WEIGHTS}.")
+    for shard in weight_files(folder):
+        check_safetensors(shard)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files a load of `folder` reads (the index's shards, or model.safetensors)."""
+    index = folder / SAFE_INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{index} is not a valid safetensors index ({type(err).__name__}: {err}); re-download "
+                             "or re-save the checkpoint.") from None
+        return [folder / name for name in names]
+    if (folder / SAFE_WEIGHTS).exists():
+        return [folder / SAFE_WEIGHTS]
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise ValueError(
+            f"{folder} has only pickle weights ({', '.join(pickles[:3])}), which hf-loopspec does not load because "
+            "unpickling can run arbitrary code; convert them once, in an environment you trust, with "
+            "`AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder)` (which writes "
+            f"{SAFE_WEIGHTS}).")
+    raise FileNotFoundError(f"{folder} has no {SAFE_WEIGHTS} (nor {SAFE_INDEX}); pass a folder with the "
+                            "checkpoint's safetensors weights.")
+
+
+def check_safetensors(path: Path) -> None:
+    """`ValueError` unless `path` is a complete safetensors file (header parses, every tensor inside the file)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing (the checkpoint's index names it); re-download or re-save "
+                                "the checkpoint.")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty (0 bytes); re-download or re-save the checkpoint.")
+    try:
+        with safe_open(str(path), framework="pt"):  # parses the header and checks it covers exactly the file
+            pass
+    except SafetensorError as err:
+        raise ValueError(f"{path} is truncated or corrupt ({err}); re-download or re-save the checkpoint.") from None
+
+
+def max_positions(config) -> int | None:
+    """The most positions the model's config allows (Ouro: max_position_embeddings, Huginn: block_size), if set."""
+    for key in ("max_position_embeddings", "block_size"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_positions(config, prompt_len: int, new_tokens: int, *, prompt_flag: str, new_flag: str) -> None:
+    """`ValueError` when a prompt of `prompt_len` tokens plus `new_tokens` would pass the model's maximum positions
+    (positions past it were never trained: the output would be garbage without an error)."""
+    limit = max_positions(config)
+    if limit is None or prompt_len + new_tokens <= limit:
+        return
+    if prompt_len >= limit:
+        raise ValueError(f"the prompt is {prompt_len} tokens and the model has {limit} positions; shorten "
+                         f"{prompt_flag} to under {limit} tokens.")
+    raise ValueError(f"the prompt ({prompt_len} tokens) plus {new_flag} {new_tokens} passes the model's {limit} "
+                     f"positions; lower {new_flag} to {limit - prompt_len} or shorten {prompt_flag}.")
+
+
+__all__ = ["check_folder", "check_positions", "check_safetensors", "check_source", "max_positions", "weight_files"]
