@@ -113,7 +113,7 @@ def export_checkpoint(
                          "(model_type 'ouro').")
     model.eval()
     tokenizer = _load_tokenizer(src)
-    gen = _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens)
+    _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens)
     card = _model_card(src, out, model, tokenizer, repo_id=repo_id, base_model=base_model, license=license,
                        benchmarks=benchmarks, **model_card_kwargs)
     with staged_folder(out) as stage:
@@ -123,7 +123,8 @@ def export_checkpoint(
 
 
 def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens):
-    """`model.generation_config` with the speculative defaults (validated), eos ids that end a chat turn, a pad id."""
+    """Set on `model.generation_config` (and return it) the speculative defaults (validated), eos ids that end a
+    chat turn and a pad id."""
     from hf_loopspec.generation.config import speculative_config
 
     gen = model.generation_config

@@ -1,0 +1,223 @@
+"""Every error a user can cause through `hf-loopspec` is ONE line on stderr (`hf-loopspec CMD: error: ...` naming the
+problem and the fix) and exit status 2, with nothing written anywhere; `--debug` / `HF_LOOPSPEC_DEBUG=1` show the
+traceback instead. Broken checkpoints (zero-byte, truncated and corrupt weights, a missing shard, pickle-only, no
+config) are made by the tests from a tiny checkpoint; `generate`, `bench` and `export` are run through the real entry
+point (`cli.main(argv)` in-process, and `python -m hf_loopspec.cli` in a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_utils import save_checkpoint, snapshot
+
+from hf_loopspec import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+POSITIONS = 16  # max_position_embeddings of the checkpoint: small, so that too-long prompts are cheap
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return save_checkpoint(tmp_path_factory.mktemp("good") / "ckpt", seed=1, max_position_embeddings=POSITIONS)
+
+
+def _truncate(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+
+
+def _garbage_header(folder: Path) -> None:  # the 8-byte header length claims more bytes than the file has
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes((2**40).to_bytes(8, "little") + data[8:])
+
+
+def _pickle_only(folder: Path) -> None:
+    (folder / "model.safetensors").unlink()
+    torch.save({"w": torch.zeros(2)}, folder / "pytorch_model.bin")
+
+
+def _missing_shard(folder: Path) -> None:
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = {"metadata": {}, "weight_map": {"a": names[0], "b": names[1]}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+BREAKAGES = {  # name: (how the checkpoint is damaged, what the message must say)
+    "zero-byte": (lambda f: (f / "model.safetensors").write_bytes(b""), "is empty (0 bytes)"),
+    "truncated": (_truncate, "is truncated or corrupt"),
+    "corrupt-header": (_garbage_header, "is truncated or corrupt"),
+    "pickle-only": (_pickle_only, "has only pickle weights (pytorch_model.bin)"),
+    "missing-shard": (_missing_shard, "model-00002-of-00002.safetensors is missing"),
+    "bad-index": (lambda f: (f / "model.safetensors.index.json").write_text("{not json"),
+                  "not a valid safetensors index"),
+    "no-config": (lambda f: (f / "config.json").unlink(), "has no config.json"),
+    "no-weights": (lambda f: (f / "model.safetensors").unlink(), "has no model.safetensors"),
+}
+
+
+def broken(good: Path, tmp_path: Path, kind: str) -> Path:
+    folder = tmp_path / kind
+    shutil.copytree(good, folder)
+    BREAKAGES[kind][0](folder)
+    return folder
+
+
+def command(name: str, model: str, tmp_path: Path) -> list[str]:
+    """A run of `name` on `model` that would succeed with a good checkpoint."""
+    if name == "generate":
+        return ["generate", "w5 w6", "--model", model, "--device", "cpu", "--max-new-tokens", "2"]
+    if name == "bench":
+        return ["bench", "--model", model, "--device", "cpu", "--prompt-len", "4", "--new-tokens", "2", "--repeats",
+                "1", "--calibration-seconds", "0.05", "--quiet", "--modes", "plain"]
+    return ["export", model, str(tmp_path / "OUT"), "--benchmarks", "none"]
+
+
+def one_error_line(capsys, name: str) -> str:
+    """The single line on stderr (nothing else there, nothing on stdout)."""
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and len(lines) == 1, f"stdout {out!r}, stderr {err!r}"
+    assert lines[0].startswith(f"hf-loopspec {name}: error: "), lines[0]
+    return lines[0]
+
+
+# --- broken checkpoints, missing folders --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["generate", "bench", "export"])
+@pytest.mark.parametrize("kind", list(BREAKAGES))
+def test_broken_checkpoints_are_one_line_errors(kind, name, good, tmp_path, capsys):
+    folder = broken(good, tmp_path, kind)
+    before = snapshot(tmp_path)
+    assert cli.main(command(name, str(folder), tmp_path)) == 2
+    line = one_error_line(capsys, name)
+    assert BREAKAGES[kind][1] in line and str(folder) in line
+    assert snapshot(tmp_path) == before  # export: no OUT, no staging folder left beside it
+
+
+@pytest.mark.parametrize("name", ["generate", "bench", "export"])
+@pytest.mark.parametrize("spec", ["{tmp}/nowhere", "./nowhere", "some/where/else"])
+def test_a_missing_local_folder_is_not_reported_as_a_hub_id(spec, name, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = spec.format(tmp=tmp_path)
+    assert cli.main(command(name, spec, tmp_path)) == 2
+    line = one_error_line(capsys, name)
+    assert f"no such folder: {spec}" in line and "Repo id" not in line
+    assert not (tmp_path / "OUT").exists()
+
+
+def test_a_file_is_not_a_checkpoint_folder(good, capsys):
+    assert cli.main(command("generate", str(good / "config.json"), good)) == 2
+    assert "config.json is a file; pass the checkpoint folder" in one_error_line(capsys, "generate")
+
+
+# --- devices, numbers, positions ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["generate", "bench"])
+@pytest.mark.parametrize("device, message", [("meta", "do not run on meta tensors"), ("cuda:99", "--device cuda:99"),
+                                             ("quantum", "is not a torch device")])
+def test_unsupported_devices_are_one_line_errors(device, message, name, good, tmp_path, capsys):
+    argv = [*command(name, str(good), tmp_path), "--device", device]
+    assert cli.main(argv) == 2
+    assert message in one_error_line(capsys, name)
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "x", "--do-sample", "--temperature", "inf"],
+    ["generate", "x", "--do-sample", "--temperature", "nan"],
+    ["generate", "x", "--do-sample", "--top-p", "nan"],
+    ["bench", "--do-sample", "--temperature", "inf"],
+    ["bench", "--calibration-seconds", "nan"],
+    ["bench", "--calibration-seconds", "inf"],
+    ["export", "src", "out", "--max-shard-size", "5XB"],
+    ["export", "src", "out", "--max-shard-size", "0"],
+    ["generate", "x", "--mode", "fast"],
+])
+def test_bad_numbers_and_choices_are_one_line_errors(argv, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    try:
+        status = cli.main(argv)
+    except SystemExit as exit_:  # argparse's own exit
+        status = exit_.code
+    assert status == 2
+    line = one_error_line(capsys, argv[0])
+    assert argv[-1] in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def _last_line(err: str) -> str:
+    """stderr's last line, after checking that every other line is the weights-loading progress bar."""
+    lines = err.strip().splitlines()
+    assert all("Loading weights" in line for line in lines[:-1]), err
+    return lines[-1]
+
+
+def test_prompts_too_long_for_the_model_are_errors(good, tmp_path, capsys):
+    long_prompt = " ".join(["w5"] * (POSITIONS + 2))
+    assert cli.main(["generate", long_prompt, "--model", str(good), "--device", "cpu"]) == 2
+    assert f"the prompt is {POSITIONS + 2} tokens and the model has {POSITIONS} positions; shorten PROMPT" in \
+        _last_line(capsys.readouterr().err)
+    four = "w5 w6 w7 w8"
+    base = ["generate", four, "--model", str(good), "--device", "cpu", "--mode", "plain"]
+    assert cli.main([*base, "--max-new-tokens", str(POSITIONS - 3)]) == 2
+    assert f"lower --max-new-tokens to {POSITIONS - 4}" in _last_line(capsys.readouterr().err)
+    assert cli.main([*base, "--max-new-tokens", str(POSITIONS - 4)]) == 0  # exactly the model's positions: fine
+    capsys.readouterr()
+    bench_argv = [*command("bench", str(good), tmp_path), "--prompt-len", "12", "--new-tokens", "8"]
+    assert cli.main(bench_argv) == 2
+    assert "lower --new-tokens to 4 or shorten --prompt-len" in _last_line(capsys.readouterr().err)
+
+
+# --- the traceback on request, interrupts, a real process -----------------------------------------------------------
+
+
+def test_debug_flag_and_environment_variable_show_the_traceback(good, tmp_path, capsys, monkeypatch):
+    folder = broken(good, tmp_path, "zero-byte")
+    argv = command("generate", str(folder), tmp_path)
+    with pytest.raises(ValueError, match=r"is empty \(0 bytes\)"):
+        cli.main([*argv, "--debug"])
+    monkeypatch.setenv("HF_LOOPSPEC_DEBUG", "1")
+    with pytest.raises(ValueError, match=r"is empty \(0 bytes\)"):
+        cli.main(argv)
+    monkeypatch.setenv("HF_LOOPSPEC_DEBUG", "0")
+    assert cli.main(argv) == 2
+    one_error_line(capsys, "generate")
+
+
+def test_an_interrupt_is_one_line_and_status_130(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.bench, "main_from_args", interrupted)
+    assert cli.main(["bench"]) == 130
+    assert capsys.readouterr().err == "hf-loopspec bench: interrupted\n"
+
+
+def run_cli(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k != "HF_LOOPSPEC_DEBUG"}
+    environment.update(HF_HUB_OFFLINE="1",
+                       PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    return subprocess.run([sys.executable, "-m", "hf_loopspec.cli", *argv], capture_output=True, text=True,
+                          env=environment, cwd=tmp_path, timeout=300, check=False)
+
+
+def test_a_real_process_prints_one_line(good, tmp_path):
+    """`python -m hf_loopspec.cli` (one subprocess: its imports cost seconds; --debug is tested in-process)."""
+    folder = broken(good, tmp_path, "truncated")
+    before = snapshot(tmp_path)
+    proc = run_cli(tmp_path, *command("export", str(folder), tmp_path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("hf-loopspec export: error: "), proc.stderr
+    assert "is truncated or corrupt" in proc.stderr
+    assert snapshot(tmp_path) == before

@@ -1,0 +1,172 @@
+"""`export` never leaves wrong weights, foreign code or a half-written folder: `--overwrite` replaces the previous
+export as a set (no stale weights file or index survives, sharded or not), symlinks inside OUT are replaced and
+never written through, hidden entries (.git) are kept, a failed export leaves OUT and its parent exactly as they
+were, and the source tokenizer's remote-code pointers are dropped (or the export refuses, naming them). Tiny
+checkpoints built here; the oracle for the weights is the source's safetensors file."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+from checkpoint_utils import save_checkpoint, snapshot
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+import hf_loopspec
+from hf_loopspec import cli
+from hf_loopspec.hub import export
+
+FOREIGN = ["evil/repo--tokenization_evil.EvilTokenizer", None]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Two tiny checkpoints with different weights: {'a': folder, 'b': folder}."""
+    root = tmp_path_factory.mktemp("sources")
+    return {name: save_checkpoint(root / name, seed=seed) for name, seed in (("a", 1), ("b", 2))}
+
+
+def run_export(src, out, *extra: str) -> None:
+    assert cli.main(["export", str(src), str(out), "--benchmarks", "none", *extra]) == 0
+
+
+def assert_weights_of(out, src) -> None:
+    """OUT loads exactly SRC's tensors, and every safetensors file in OUT is one the load reads."""
+    index = out / "model.safetensors.index.json"
+    shards = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {"model.safetensors"}
+    assert {p.name for p in out.glob("*.safetensors")} == shards
+    loaded = hf_loopspec.OuroForCausalLM.from_pretrained(out).state_dict()
+    expected = load_file(src / "model.safetensors")
+    assert set(expected) <= set(loaded)
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_overwrite_replaces_the_previous_export_as_a_set(sources, tmp_path, capsys):
+    out = tmp_path / "OUT"
+    run_export(sources["a"], out)
+    assert (out / "model.safetensors").is_file()
+    run_export(sources["b"], out, "--max-shard-size", "100KB", "--overwrite")  # sharded over unsharded
+    assert not (out / "model.safetensors").exists() and len(list(out.glob("*.safetensors"))) > 1
+    assert_weights_of(out, sources["b"])
+    run_export(sources["a"], out, "--overwrite")  # unsharded over sharded: no dangling index
+    assert not (out / "model.safetensors.index.json").exists()
+    assert_weights_of(out, sources["a"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT"]  # no staging folder left beside OUT
+    capsys.readouterr()
+
+
+def test_overwrite_replaces_symlinks_and_a_file_named_custom_generate_and_keeps_hidden_entries(sources, tmp_path):
+    outside = tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    (outside / "weights").write_bytes(b"not to be touched")
+    (outside / "dir" / "generate.py").write_text("not to be touched")
+    out = tmp_path / "OUT"
+    (out / ".git").mkdir(parents=True)
+    (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (out / "custom_generate").write_text("a file where export writes a folder")
+    (out / "stale.txt").write_text("from an earlier export")
+    os.symlink(outside / "weights", out / "model.safetensors")
+    os.symlink(outside / "dir", out / "modeling_ouro.py")
+    os.symlink(outside / "weights", out / ".link")
+    before = snapshot(outside)
+
+    run_export(sources["a"], out, "--overwrite")
+    assert snapshot(outside) == before
+    assert not (out / "model.safetensors").is_symlink() and not (out / "modeling_ouro.py").is_symlink()
+    assert (out / "custom_generate" / "generate.py").is_file() and not (out / "stale.txt").exists()
+    assert (out / ".git" / "HEAD").read_text() == "ref: refs/heads/main\n"
+    assert os.readlink(out / ".link") == str(outside / "weights")  # kept as a link, not followed
+    assert_weights_of(out, sources["a"])
+
+
+def test_a_failed_export_leaves_out_and_its_parent_as_they_were(sources, tmp_path, monkeypatch):
+    out = tmp_path / "OUT"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"the previous weights")
+    before = snapshot(tmp_path)
+    # Fails after the weights and tokenizer are written into the staging folder.
+    monkeypatch.setattr(export, "SHIM_FILES", ("configuration_ouro.py", "no_such_template.py"))
+    with pytest.raises(FileNotFoundError, match="no_such_template.py"):
+        export.export_checkpoint(sources["a"], out, overwrite=True, benchmarks=None)
+    with pytest.raises(FileNotFoundError):
+        export.export_checkpoint(sources["a"], tmp_path / "new" / "deeper" / "OUT", benchmarks=None)
+    assert snapshot(tmp_path) == before
+
+
+def test_refusals_before_anything_is_written(sources, tmp_path, capsys):
+    out = tmp_path / "OUT"
+    out.mkdir()
+    (out / "keep.txt").write_text("keep")
+    (tmp_path / "target").mkdir()
+    os.symlink(tmp_path / "target", tmp_path / "link")
+    inner = tmp_path / "OUT" / "src"
+    shutil.copytree(sources["a"], inner)
+    before = snapshot(tmp_path)
+    cases = [
+        ([str(sources["a"]), str(out)], "is not empty; pass --overwrite"),
+        ([str(sources["a"]), str(out), "--overwrite", "--max-shard-size", "5XB"], "is not a size"),
+        ([str(sources["a"]), str(tmp_path / "link"), "--overwrite"], "is a symlink"),
+        ([str(inner), str(out), "--overwrite"], "is or contains the source checkpoint"),
+        ([str(sources["a"]), str(out / "keep.txt"), "--overwrite"], "exists and is not a folder"),
+    ]
+    for argv, message in cases:
+        assert cli.main(["export", *argv, "--benchmarks", "none"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert snapshot(tmp_path) == before
+
+
+def with_foreign_tokenizer_code(src, folder, *, class_known: bool):
+    """A copy of `src` whose tokenizer_config.json points AutoTokenizer at another repo's code (and config.json at a
+    remote pipeline); `class_known=False` also drops the tokenizer class, so only that code could load it."""
+    shutil.copytree(src, folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings["auto_map"] = {"AutoTokenizer": FOREIGN}
+    if not class_known:
+        settings.pop("tokenizer_class", None)
+        settings.pop("backend", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    config = json.loads((folder / "config.json").read_text())
+    config["custom_pipelines"] = {"text-generation": {"impl": "evil/repo--pipe.Pipe"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_export_drops_remote_code_pointers_it_did_not_write(sources, tmp_path):
+    src = with_foreign_tokenizer_code(sources["a"], tmp_path / "src", class_known=True)
+    out = tmp_path / "OUT"
+    export.export_checkpoint(src, out, benchmarks=None)
+    for path in out.rglob("*"):
+        if path.is_file() and path.suffix in (".json", ".md", ".py", ".txt"):
+            assert "evil/repo" not in path.read_text(), path
+    assert json.loads((out / "config.json").read_text())["auto_map"] == export.AUTO_MAP
+    # The card's tokenizer line is what the folder needs: run it as written, without remote code.
+    card = (out / "README.md").read_text()
+    line = re.search(r"^tok = AutoTokenizer\.from_pretrained\(repo, .*\)$", card, flags=re.MULTILINE)[0]
+    assert "trust_remote_code" not in line
+    scope = {"AutoTokenizer": AutoTokenizer, "repo": str(out)}
+    exec(line, scope)  # noqa: S102  (the card's own code)
+    source_tok = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
+    assert scope["tok"]("w5 w6 w7")["input_ids"] == source_tok("w5 w6 w7")["input_ids"] == [5, 6, 7]
+
+
+def test_export_refuses_a_tokenizer_that_needs_its_own_code(sources, tmp_path):
+    src = with_foreign_tokenizer_code(sources["a"], tmp_path / "src", class_known=False)
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError, match="loads only with its own remote code.*evil/repo--tokenization_evil"):
+        export.export_checkpoint(src, tmp_path / "OUT", benchmarks=None)
+    assert snapshot(tmp_path) == before
+
+
+def test_the_card_of_a_source_without_tokenizer_loads_the_base_models(tmp_path):
+    src = save_checkpoint(tmp_path / "src", seed=3, tokenizer=False)
+    out = export.export_checkpoint(src, tmp_path / "OUT", base_model="ByteDance/Ouro-1.4B", benchmarks=None)
+    assert not (out / "tokenizer_config.json").exists()
+    assert ('tok = AutoTokenizer.from_pretrained("ByteDance/Ouro-1.4B", padding_side="left")  # this repo ships no '
+            "tokenizer") in (out / "README.md").read_text()
