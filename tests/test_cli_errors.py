@@ -199,7 +199,7 @@ def test_an_interrupt_is_one_line_and_status_130(monkeypatch, capsys):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli.bench, "main_from_args", interrupted)
+    monkeypatch.setattr(cli.bench_main, "main_from_args", interrupted)
     assert cli.main(["bench"]) == 130
     assert capsys.readouterr().err == "hf-loopspec bench: interrupted\n"
 
