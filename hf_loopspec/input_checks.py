@@ -13,7 +13,9 @@ path-like string that names nothing is reported as a missing folder.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -38,6 +40,22 @@ def check_source(spec: str) -> None:
     except HFValidationError:
         raise FileNotFoundError(f"no such folder: {spec}; pass an existing checkpoint folder or a Hub id such as "
                                 "ByteDance/Ouro-1.4B.") from None
+
+
+@contextlib.contextmanager
+def hub_errors_explained(spec: str) -> Iterator[None]:
+    """Around a load of `spec`: when `spec` is no local path, an `OSError` of the load (the Hub could not provide
+    it) is raised again saying that `spec` was tried as a Hub repo id, not a missing folder the user may have
+    meant."""
+    if Path(spec).expanduser().exists():
+        yield
+        return
+    try:
+        yield
+    except OSError as err:
+        reason = " ".join(str(err).split())
+        raise OSError(f"{spec} is not a local folder, and loading it as a Hub repo id failed ({reason}); check the "
+                      "folder path, or the repo id and the connection.") from err
 
 
 def check_folder(folder: Path) -> None:
@@ -110,4 +128,5 @@ def check_positions(config, prompt_len: int, new_tokens: int, *, prompt_flag: st
                      f"positions; lower {new_flag} to {limit - prompt_len} or shorten {prompt_flag}.")
 
 
-__all__ = ["check_folder", "check_positions", "check_safetensors", "check_source", "max_positions", "weight_files"]
+__all__ = ["check_folder", "check_positions", "check_safetensors", "check_source", "hub_errors_explained",
+           "max_positions", "weight_files"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from .bench.shapes import SHAPES, random_model
-from .input_checks import check_source
+from .input_checks import check_source, hub_errors_explained
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,7 +75,8 @@ def load_model(spec: str, dtype: torch.dtype | str, device: torch.device, *, nee
     check_source(str(path))  # a one-line error for a missing folder, damaged weights or pickle-only weights
     if dtype == "auto":
         dtype = torch.float32 if device.type == "cpu" else "auto"
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_safetensors=True).to(device).eval()
+    with hub_errors_explained(str(path)):
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_safetensors=True).to(device).eval()
     if not hasattr(model, "decode_with_lanes"):
         raise ModelNotAvailable(f"{path} loads as {type(model).__name__}, which is not an hf_loopspec looped model.")
     try:

@@ -116,6 +116,17 @@ def test_a_missing_local_folder_is_not_reported_as_a_hub_id(spec, name, tmp_path
     assert not (tmp_path / "OUT").exists()
 
 
+@pytest.mark.parametrize("name", ["generate", "export"])
+def test_a_hub_id_that_cannot_be_loaded_says_it_was_tried_as_one(name, tmp_path, capsys, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no network: the id is not in the cache
+    assert cli.main(command(name, "no-such-org/no-such-model", tmp_path)) == 2
+    line = one_error_line(capsys, name)
+    assert "no-such-org/no-such-model is not a local folder, and loading it as a Hub repo id failed" in line
+    assert not (tmp_path / "OUT").exists()
+
+
 def test_a_file_is_not_a_checkpoint_folder(good, capsys):
     assert cli.main(command("generate", str(good / "config.json"), good)) == 2
     assert "config.json is a file; pass the checkpoint folder" in one_error_line(capsys, "generate")

@@ -35,7 +35,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..input_checks import check_source
+from ..input_checks import check_source, hub_errors_explained
 from .staging import check_destination, staged_folder
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -106,8 +106,9 @@ def export_checkpoint(
     check_source(src)
 
     load_dtype = "auto" if dtype in (None, "auto") else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=load_dtype, trust_remote_code=trust_remote_code,
-                                                 use_safetensors=True)
+    with hub_errors_explained(src):
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=load_dtype, trust_remote_code=trust_remote_code,
+                                                     use_safetensors=True)
     if not isinstance(model, hf_loopspec.OuroForCausalLM):
         raise ValueError(f"{src} loads as {type(model).__name__}; export supports hf_loopspec's Ouro models "
                          "(model_type 'ouro').")
