@@ -206,6 +206,18 @@ def test_debug_flag_and_environment_variable_show_the_traceback(good, tmp_path, 
     one_error_line(capsys, "generate")
 
 
+def test_the_module_entry_points_share_the_handler(tmp_path, capsys):
+    """`python -m hf_loopspec.bench` and `python -m hf_loopspec.hub.export` run `hf-loopspec bench` / `export`."""
+    from hf_loopspec.bench.main import main as bench_entry
+    from hf_loopspec.hub.export import main_export
+
+    assert bench_entry(["--model", str(tmp_path / "nowhere"), "--device", "cpu"]) == 2
+    assert "no such folder" in one_error_line(capsys, "bench")
+    assert main_export([str(tmp_path / "nowhere"), str(tmp_path / "OUT")]) == 2
+    assert "no such folder" in one_error_line(capsys, "export")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_interrupt_is_one_line_and_status_130(monkeypatch, capsys):
     def interrupted(args):
         raise KeyboardInterrupt
