@@ -1,5 +1,6 @@
-"""The `hf-loopspec` command line: `generate` (stream a completion), `bench` (see `hf_loopspec.bench`) and
-`export` (a Hub-ready folder, see `hf_loopspec.hub.export`).
+"""The `hf-loopspec` command line: `generate` (stream a completion), `bench` (see `hf_loopspec.bench`),
+`export` (a Hub-ready folder, see `hf_loopspec.hub.export`), `batch` (a JSONL file of prompts, data-parallel under
+`accelerate launch`, see `hf_loopspec.batch`) and `lm-eval` (lm-evaluation-harness with the models registered).
 
     hf-loopspec generate "The capital of France is" --mode pipeline --draft-loops 1 --max-new-tokens 64
     hf-loopspec generate "Hi" --model ByteDance/Ouro-1.4B-Thinking --chat --mode block --num-speculative-tokens 4
@@ -7,6 +8,10 @@
     hf-loopspec bench --model ouro-100m --batch-size 1 --new-tokens 64 --synthetic-acceptance 0.9 --json out.json
     hf-loopspec bench --model ouro-100m --do-sample --temperature 0.8 --top-k 50
     hf-loopspec export ByteDance/Ouro-1.4B ./Ouro-1.4B-loopspec
+    hf-loopspec batch prompts.jsonl --output completions.jsonl --batch-size 16 --max-new-tokens 256
+    accelerate launch --num_processes 8 -m hf_loopspec.cli batch prompts.jsonl --output completions.jsonl
+    hf-loopspec lm-eval run --model hf --model_args pretrained=ByteDance/Ouro-1.4B --tasks gsm8k \\
+        --gen_kwargs speculative_mode=pipeline,draft_loops=1
 
 Sampling (`--do-sample`) works in every mode: the speculative modes use lossless speculative sampling (a draft is
 kept with probability min(1, p/q)), and `generate` prints that acceptance rate.
@@ -27,10 +32,13 @@ import sys
 import time
 
 from . import loading
+from .batch import run_batch
 from .bench import args as bench_args
 from .bench import main as bench_main
+from .evaluation import run_lm_eval
 from .hub import export as hub_export
 from .input_checks import check_positions
+from .prompting import encode_prompt, generate_kwargs
 
 DEBUG_ENV = "HF_LOOPSPEC_DEBUG"
 USER_ERRORS = (ValueError, OSError)  # what the commands raise for input a user can fix
@@ -48,31 +56,31 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hf-loopspec",
         description="Looped LMs (Ouro) with lossless pipelined self-speculative decoding.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,export}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,batch,bench,export,lm-eval}")
 
     gen = commands.add_parser("generate", help="stream a completion of PROMPT",
                               description="Stream a completion of PROMPT as tokens are committed, then print the "
                                           "decoding statistics on stderr.")
     gen.add_argument("prompt", metavar="PROMPT")
-    gen.add_argument("--model", default="default",
-                     help="checkpoint folder or Hub id; 'default' (the default) is the model embedded in the package")
-    gen.add_argument("--mode", choices=("plain", "block", "pipeline"), default="pipeline",
-                     help="plain: transformers' loop; block / pipeline: self-speculative decoding "
-                          "(default: %(default)s)")
-    gen.add_argument("--draft-loops", type=bench_args.positive, default=1,
-                     help="d: draft from the output of loop d (default: %(default)s)")
-    gen.add_argument("--num-speculative-tokens", type=bench_args.positive, default=4,
-                     help="K: drafts per block round (default: %(default)s)")
-    gen.add_argument("--max-new-tokens", type=bench_args.positive, default=128, help="(default: %(default)s)")
-    gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    gen.add_argument("--temperature", type=bench_args.non_negative_float, default=None)
-    gen.add_argument("--top-k", type=bench_args.positive, default=None)
-    gen.add_argument("--top-p", type=bench_args.fraction, default=None)
-    gen.add_argument("--seed", type=int, default=None, help="torch seed (for sampling)")
-    gen.add_argument("--chat", action="store_true", help="wrap PROMPT in the tokenizer's chat template")
-    gen.add_argument("--dtype", choices=("auto", *sorted(loading.DTYPES)), default="auto",
-                     help="auto (the default): float32 on CPU, the checkpoint's dtype on CUDA")
+    _add_generation_options(gen, chat_help="wrap PROMPT in the tokenizer's chat template")
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+
+    batch = commands.add_parser(
+        "batch", help="generate for every row of a JSONL file (data-parallel under accelerate launch)",
+        description="Generate a completion for every {\"id\": ..., \"prompt\": ...} row of PROMPTS into OUT (JSONL, "
+                    "input order), in length-grouped batches. Under `accelerate launch --num_processes N -m "
+                    "hf_loopspec.cli batch ...` every process decodes its shard of the batches. Resumable: rerun the "
+                    "same command after a kill and only the unfinished rows are generated.")
+    batch.add_argument("prompts", metavar="PROMPTS",
+                       help="JSONL file, one {\"id\": ..., \"prompt\": ...} object a line")
+    batch.add_argument("--output", required=True, metavar="OUT",
+                       help="the JSONL file to write (parts go to OUT.parts/)")
+    batch.add_argument("--field", default="prompt", help="the field that holds the text (default: %(default)s)")
+    batch.add_argument("--batch-size", type=bench_args.positive, default=8,
+                       help="rows per batch (default: %(default)s)")
+    _add_generation_options(batch, chat_help="wrap each prompt in the tokenizer's chat template")
+    batch.add_argument("--device", default=None,
+                       help="one process only: cpu, cuda, cuda:1, ... (default: the device accelerate assigns)")
 
     bench_parser = commands.add_parser("bench", help="benchmark plain, ar, block and pipeline decoding",
                                        description=bench_args.DESCRIPTION)
@@ -81,7 +89,34 @@ def build_parser() -> argparse.ArgumentParser:
     for command in commands.choices.values():
         command.add_argument("--debug", action="store_true",
                              help=f"show the traceback of an error instead of one line (or set {DEBUG_ENV}=1)")
+    # prefix_chars="\0": no option belongs to this parser, so every argument (--model ... too) goes to lm-eval
+    lm_eval = commands.add_parser("lm-eval", add_help=False, prefix_chars="\0",
+                                  help="run lm-evaluation-harness's CLI with the hf_loopspec models registered")
+    lm_eval.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the lm-eval command")
+    lm_eval.set_defaults(debug=False)  # tracebacks: HF_LOOPSPEC_DEBUG=1
     return parser
+
+
+def _add_generation_options(parser: argparse.ArgumentParser, chat_help: str) -> None:
+    """The model and decoding options that `generate` and `batch` share."""
+    parser.add_argument("--model", default="default", help="checkpoint folder or Hub id; 'default' (the default) "
+                                                             "is the model embedded in the package")
+    parser.add_argument("--mode", choices=("plain", "block", "pipeline"), default="pipeline",
+                        help="plain: transformers' loop; block / pipeline: self-speculative decoding "
+                             "(default: %(default)s)")
+    parser.add_argument("--draft-loops", type=bench_args.positive, default=1,
+                        help="d: draft from the output of loop d (default: %(default)s)")
+    parser.add_argument("--num-speculative-tokens", type=bench_args.positive, default=4,
+                        help="K: drafts per block round (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=bench_args.positive, default=128, help="(default: %(default)s)")
+    parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=bench_args.non_negative_float, default=None)
+    parser.add_argument("--top-k", type=bench_args.positive, default=None)
+    parser.add_argument("--top-p", type=bench_args.fraction, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="torch seed (for sampling)")
+    parser.add_argument("--chat", action="store_true", help=chat_help)
+    parser.add_argument("--dtype", choices=("auto", *sorted(loading.DTYPES)), default="auto",
+                        help="auto (the default): float32 on CPU, the checkpoint's dtype on CUDA")
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -90,31 +125,12 @@ def generate(args: argparse.Namespace) -> int:
 
     device = loading.resolve_device(args.device)
     dtype = "auto" if args.dtype == "auto" else loading.DTYPES[args.dtype]
-    model, tokenizer, name = loading.load_model(args.model, dtype, device, need_tokenizer=True)
-    if args.chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"--chat: the tokenizer of {name} has no chat template; drop --chat.")
-        enc = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)
-    else:
-        enc = tokenizer(args.prompt, return_tensors="pt")
-    if enc["input_ids"].shape[-1] == 0:
-        raise ValueError("the prompt is empty after tokenization; pass some text.")
+    model, tokenizer, _ = loading.load_model(args.model, dtype, device, need_tokenizer=True)
+    enc = {"input_ids": torch.tensor([encode_prompt(tokenizer, args.prompt, args.chat)], device=device)}
     prompt_len = enc["input_ids"].shape[-1]
     check_positions(model.config, prompt_len, args.max_new_tokens, prompt_flag="PROMPT", new_flag="--max-new-tokens")
-    enc = {k: v.to(device) for k, v in enc.items()}
-
-    kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample, "return_dict_in_generate": True,
+    kwargs = {**generate_kwargs(args, model, tokenizer), "return_dict_in_generate": True,
               "streamer": TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)}
-    for key in ("temperature", "top_k", "top_p"):
-        if getattr(args, key) is not None:
-            kwargs[key] = getattr(args, key)
-    if args.mode != "plain":
-        kwargs.update(speculative_mode=args.mode, draft_loops=args.draft_loops,
-                      num_speculative_tokens=args.num_speculative_tokens)
-    if model.generation_config.pad_token_id is None:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        kwargs["pad_token_id"] = pad if pad is not None else 0
     if args.seed is not None:
         torch.manual_seed(args.seed)
 
@@ -150,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
             return generate(args)
         if args.command == "export":
             return hub_export.main_from_args(args)
+        if args.command == "batch":
+            return run_batch(args)
+        if args.command == "lm-eval":
+            return run_lm_eval(args.args)
         return bench_main.main_from_args(args)
     except USER_ERRORS as err:
         if args.debug or debug_requested():

@@ -1,0 +1,14 @@
+"""`hf-loopspec batch PROMPTS --output OUT.jsonl`: generate for every row of a JSONL file, in one process or
+data-parallel under `accelerate launch`, resumable after a kill.
+
+Modules: `prompts` (reading and checking the input, the length-grouped batch plan), `parts` (the per-process part
+files, resuming, the atomic merge), `run` (the command: sharding with accelerate, decoding, progress).
+
+Output: one JSON row per input row, in input order: `id`, `completion` (the new text, EOS excluded), `new_tokens`
+(EOS included), `stop` (`"eos"` or `"length"`) and, in the speculative modes, `speculation` (that row's counters:
+committed, drafted, verified, accepted, rejected, discarded).
+"""
+
+from .run import run_batch
+
+__all__ = ["run_batch"]

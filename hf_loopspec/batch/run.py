@@ -1,0 +1,123 @@
+"""`hf-loopspec batch`: one process, or data-parallel under `accelerate launch`.
+
+Every process reads and checks the whole input, loads the model and tokenizes every prompt (bad input fails in
+every process alike, before anything is generated), plans the same length-grouped batches, and takes its shard
+of them with `accelerate`'s `PartialState.split_between_processes`. It appends each finished batch to its own
+part file (`parts.PartStore`); when every process is done, the main process merges the parts into OUT in input
+order. A tqdm bar on the main process shows its own shard's rows, tokens/s and acceptance rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from .. import bench
+from ..prompting import encode_prompt, generate_kwargs
+from .parts import PartStore
+from .prompts import id_key, plan_batches, read_prompts
+
+# A process that finishes its shard early waits for the others at the final barrier; allow long shards.
+BARRIER_TIMEOUT = timedelta(hours=24)
+SETTING_KEYS = ("field", "model", "mode", "draft_loops", "num_speculative_tokens", "max_new_tokens", "batch_size",
+                "chat", "do_sample", "temperature", "top_k", "top_p", "seed", "dtype")
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """What the output depends on: the input file's SHA-256 and the options that change what is generated."""
+    digest = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
+    return {"input_sha256": digest, **{key: getattr(args, key) for key in SETTING_KEYS}}
+
+
+def decode_batch(model, tokenizer, prompts: list[list[int]], kwargs: dict) -> list[dict]:
+    """Generate for one batch of token-id prompts (left-padded together); one result dict per prompt, in order.
+
+    A row's output ends at its first EOS (kept in `new_tokens`, not in the text); `stop` says whether it ended
+    at EOS or at the length limit; `speculation` holds its counters (`SequenceStats`) in the speculative modes.
+    """
+    enc = tokenizer.pad({"input_ids": prompts}, padding=True, padding_side="left", return_tensors="pt")
+    enc = enc.to(model.device)
+    with torch.inference_mode():
+        out = model.generate(**enc, **kwargs, return_dict_in_generate=True)
+    new = out.sequences[:, enc["input_ids"].shape[-1]:]  # [batch, new]
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    stats = getattr(out, "speculation", None)
+    results = []
+    for row, tokens in enumerate(new.tolist()):
+        stop = next((i for i, token in enumerate(tokens) if token in eos), None)
+        kept = tokens if stop is None else tokens[: stop + 1]
+        result = {"completion": tokenizer.decode(kept, skip_special_tokens=True), "new_tokens": len(kept),
+                  "stop": "length" if stop is None else "eos"}
+        if stats is not None:
+            result["speculation"] = asdict(stats.per_sequence[row])
+        results.append(result)
+    return results
+
+
+def _progress(state, total: int):
+    from tqdm.auto import tqdm
+
+    desc = "rows" if state.num_processes == 1 else f"rows (process 0 of {state.num_processes})"
+    return tqdm(total=total, desc=desc, unit="row", disable=not state.is_main_process, file=sys.stderr)
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    """The command (see the module docstring); exit status 0 once OUT is written."""
+    from accelerate import PartialState
+
+    prompts = read_prompts(args.prompts, args.field)
+    state = PartialState(timeout=BARRIER_TIMEOUT)
+    store = PartStore(args.output, run_settings(args), state.process_index)
+    store.check_settings()
+    if args.device is not None and state.num_processes > 1:
+        raise ValueError(f"--device {args.device} cannot be used with {state.num_processes} processes: accelerate "
+                         "places each process on its own device; drop --device.")
+    device = state.device if args.device is None else bench.resolve_device(args.device)
+    dtype = "auto" if args.dtype == "auto" else bench.DTYPES[args.dtype]
+    model, tokenizer, _ = bench.load_model(args.model, dtype, device, need_tokenizer=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # left padding needs a pad token; masked out anyway
+    encoded = [encode_prompt(tokenizer, p.prompt, args.chat, f"{args.prompts}, line {p.line}") for p in prompts]
+    kwargs = generate_kwargs(args, model, tokenizer)
+    batches = plan_batches([len(ids) for ids in encoded], args.batch_size)
+
+    if state.is_main_process:
+        store.create()
+    state.wait_for_everyone()
+    done = store.finished_ids()
+    with state.split_between_processes(list(enumerate(batches))) as shard:
+        todo = [(index, rows) for index, rows in shard if any(id_key(prompts[i].id) not in done for i in rows)]
+    if state.is_main_process and done:
+        print(f"resuming: {len(done)} of {len(prompts)} rows were already done", file=sys.stderr, flush=True)
+
+    tokens = accepted = verified = 0
+    start = time.perf_counter()
+    with store.open() as part, _progress(state, sum(len(rows) for _, rows in todo)) as bar:
+        for index, rows in todo:
+            if args.seed is not None:  # per batch, so sampled rows do not depend on sharding or resuming
+                torch.manual_seed(args.seed + index)
+            results = decode_batch(model, tokenizer, [encoded[i] for i in rows], kwargs)
+            store.append(part, ({"id": prompts[i].id, **result} for i, result in zip(rows, results)
+                                if id_key(prompts[i].id) not in done))
+            tokens += sum(r["new_tokens"] for r in results)
+            accepted += sum(r.get("speculation", {}).get("accepted", 0) for r in results)
+            verified += sum(r.get("speculation", {}).get("verified", 0) for r in results)
+            postfix = {"tok/s": f"{tokens / (time.perf_counter() - start):.1f}"}
+            if verified:
+                postfix["accepted"] = f"{accepted / verified:.1%}"
+            bar.set_postfix(postfix, refresh=False)
+            bar.update(len(rows))
+
+    state.wait_for_everyone()
+    if state.is_main_process:
+        count = store.merge(prompts)
+        print(f"wrote {count} rows to {args.output}", file=sys.stderr, flush=True)
+    return 0
