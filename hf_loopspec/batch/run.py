@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -69,12 +70,32 @@ def _progress(state, total: int):
     return tqdm(total=total, desc=desc, unit="row", disable=not state.is_main_process, file=sys.stderr)
 
 
+def process_state():
+    """accelerate's `PartialState` for this process, on the CPU (gloo) when asked for or when there is no GPU.
+
+    `accelerate launch --cpu` starts a single process (its multi-CPU launch goes through mpirun with a hostfile),
+    and a multi-process launch without a GPU (`accelerate launch --multi_gpu`, `torchrun`) is only distributed if
+    the state is made with `cpu=True`; without it every process would believe it is alone and redo all rows.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6 knows every device type
+    has_accelerator = accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+    cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or (world_size > 1 and not has_accelerator)
+    state = PartialState(cpu=cpu, timeout=BARRIER_TIMEOUT)
+    if state.num_processes != world_size:
+        raise ValueError(f"this process was launched as one of {world_size} (WORLD_SIZE), but accelerate runs "
+                         f"{state.num_processes}; launch with `accelerate launch --num_processes N -m "
+                         "hf_loopspec.cli batch ...`.")
+    return state
+
+
 def run_batch(args: argparse.Namespace) -> int:
     """The command (see the module docstring); exit status 0 once OUT is written."""
-    from accelerate import PartialState
-
     prompts = read_prompts(args.prompts, args.field)
-    state = PartialState(timeout=BARRIER_TIMEOUT)
+    state = process_state()
     store = PartStore(args.output, run_settings(args), state.process_index)
     store.check_settings()
     if args.device is not None and state.num_processes > 1:
@@ -119,5 +140,6 @@ def run_batch(args: argparse.Namespace) -> int:
     state.wait_for_everyone()
     if state.is_main_process:
         count = store.merge(prompts)
-        print(f"wrote {count} rows to {args.output}", file=sys.stderr, flush=True)
+        processes = "1 process" if state.num_processes == 1 else f"{state.num_processes} processes"
+        print(f"wrote {count} rows to {args.output} ({processes})", file=sys.stderr, flush=True)
     return 0

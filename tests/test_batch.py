@@ -1,0 +1,225 @@
+"""`hf-loopspec batch` on the embedded model (CPU, fp32): every row equals plain greedy decoding of the batch it
+was decoded in; a real two-process `accelerate launch` gives the one-process output by id; a run SIGKILLed in the
+middle of writing a batch resumes to the same output, decoding only the batches it had not finished; bad input is a
+one-line error naming the line before any model is loaded; a restart with other settings is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_loopspec import bench, cli
+from hf_loopspec.assets import default_model_path
+from hf_loopspec.batch import run as batch_run
+from hf_loopspec.batch.parts import PartStore
+from hf_loopspec.batch.prompts import plan_batches
+
+torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parents[1]
+NEW = 10  # new tokens per row
+BATCH = 4
+GROUPS = 6  # prompt lengths; BATCH prompts of each, so every planned batch is one length and has no padding
+STEMS = ("def f{}(a, b):", "import mod{}", "class C{}:", "x = [{}, 2]", "for i in range({}):", "print({})",
+         "return {}")
+
+
+def subprocess_env() -> dict:
+    """One torch thread per process, offline, this checkout's hf_loopspec, no GPU."""
+    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                CUDA_VISIBLE_DEVICES="",
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+
+
+def batch_args(prompts: Path, output: Path, *extra: str) -> list[str]:
+    return ["batch", str(prompts), "--output", str(output), "--batch-size", str(BATCH), "--max-new-tokens", str(NEW),
+            "--mode", "pipeline", *extra]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def groups(tokenizer) -> list[list[str]]:
+    """GROUPS lists of BATCH prompts; equal token lengths within a list, different lengths across lists."""
+    by_length = defaultdict(list)
+    for i in range(40):
+        for stem in STEMS:
+            text = stem.format(i) + "\n"
+            by_length[len(tokenizer(text).input_ids)].append(text)
+    lengths = [n for n in sorted(by_length) if len(by_length[n]) >= BATCH][:GROUPS]
+    assert len(lengths) == GROUPS
+    return [by_length[n][:BATCH] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory, groups) -> Path:
+    """The groups' prompts interleaved (file order is not length order); ids alternate strings and integers."""
+    path = tmp_path_factory.mktemp("batch") / "prompts.jsonl"
+    texts = [group[k] for k in range(BATCH) for group in groups]
+    rows = [{"id": n if n % 2 else f"q{n}", "prompt": text, "meta": n} for n, text in enumerate(texts)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(prompts_file) -> list[dict]:
+    """The one-process output (in this process)."""
+    output = prompts_file.with_name("one.jsonl")
+    assert cli.main(batch_args(prompts_file, output, "--device", "cpu")) == 0
+    return read_jsonl(output)
+
+
+def test_rows_equal_plain_decoding_of_their_batch(reference, prompts_file, groups, model, tokenizer):
+    rows = {json.dumps(row["id"]): row for row in reference}
+    assert [row["id"] for row in reference] == [row["id"] for row in read_jsonl(prompts_file)]  # input order
+    ids_of = {row["prompt"]: json.dumps(row["id"]) for row in read_jsonl(prompts_file)}
+    for group in groups:  # the plan decodes each group as one unpadded batch, in file order
+        ids = torch.tensor([tokenizer(text).input_ids for text in group])  # [BATCH, length]
+        with torch.no_grad():
+            plain = model.generate(ids, max_new_tokens=NEW, do_sample=False, speculative_mode=None)
+        for text, tokens in zip(group, plain[:, ids.shape[1]:].tolist()):
+            kept = tokens[: tokens.index(0) + 1] if 0 in tokens else tokens  # through the first EOS (id 0)
+            row = rows[ids_of[text]]
+            assert row["completion"] == tokenizer.decode(kept, skip_special_tokens=True)
+            assert row["new_tokens"] == len(kept) == row["speculation"]["committed"]
+            assert row["stop"] == ("eos" if 0 in tokens else "length")
+            spec = row["speculation"]
+            assert spec["accepted"] + spec["rejected"] == spec["verified"]
+    assert sum(row["speculation"]["verified"] for row in reference) > 0
+
+
+def test_plan_groups_rows_by_length():
+    lengths = [7, 3, 9, 3, 5, 7, 1, 9, 3, 2, 8]
+    plan = plan_batches(lengths, 3)
+    assert sorted(i for rows in plan for i in rows) == list(range(len(lengths)))
+    assert all(len(rows) <= 3 for rows in plan)
+    spans = sorted((min(lengths[i] for i in rows), max(lengths[i] for i in rows)) for rows in plan)
+    assert all(hi <= next_lo for (_, hi), (next_lo, _) in zip(spans, spans[1:]))  # batches do not overlap
+    assert plan == plan_batches(lengths, 3)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_under_accelerate_equal_one_process(reference, prompts_file, tmp_path):
+    output = tmp_path / "two.jsonl"
+    # `--multi_gpu` is accelerate's torchrun launcher; without a GPU the processes run on the CPU over gloo
+    # (`accelerate launch --cpu` would start a single process).
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(free_port()), "-m", "hf_loopspec.cli"]
+    proc = subprocess.run([*launch, *batch_args(prompts_file, output)], capture_output=True, text=True,
+                          env=subprocess_env(), cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "(2 processes)" in proc.stderr
+    assert read_jsonl(output) == reference
+    assert not output.with_name("two.jsonl.parts").exists()
+
+
+KILLER = """
+import os, signal, sys
+from hf_loopspec import cli
+from hf_loopspec.batch.parts import PartStore
+
+appended = []
+original = PartStore.append
+
+def append_then_die(handle, rows):
+    rows = list(rows)
+    if len(appended) == 2:  # the third batch: half of its first line reaches the file, then SIGKILL
+        handle.write(__import__("json").dumps(rows[0])[:20])
+        handle.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    appended.append(rows)
+    original(handle, rows)
+
+PartStore.append = staticmethod(append_then_die)
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_same_output(reference, prompts_file, tmp_path, monkeypatch, capsys):
+    output = tmp_path / "resumed.jsonl"
+    args = batch_args(prompts_file, output, "--device", "cpu")
+    script = tmp_path / "killer.py"
+    script.write_text(textwrap.dedent(KILLER))
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          env=subprocess_env(), cwd=tmp_path, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-4000:]
+    part = output.with_name("resumed.jsonl.parts") / "process-0.jsonl"
+    data = part.read_bytes()
+    assert data.count(b"\n") == 2 * BATCH and not data.endswith(b"\n")  # two batches and a torn line
+    assert not output.exists()
+
+    decoded = []
+    original = batch_run.decode_batch
+    monkeypatch.setattr(batch_run, "decode_batch", lambda m, t, p, k: decoded.append(len(p)) or original(m, t, p, k))
+    assert cli.main(args) == 0
+    assert f"resuming: {2 * BATCH} of {GROUPS * BATCH} rows were already done" in capsys.readouterr().err
+    assert decoded == [BATCH] * (GROUPS - 2)  # only the unfinished batches
+    assert read_jsonl(output) == reference  # each id once, in input order, same completions
+    assert not part.parent.exists()
+
+
+BAD_INPUTS = {
+    "not-json": (['{"id": 1, "prompt": "a"}', "{'id': 2}"], [], 2, "is not valid JSON"),
+    "not-an-object": (['{"id": 1, "prompt": "a"}', "[1, 2]"], [], 2, "is a JSON list, not an object"),
+    "missing-id": (['{"id": 1, "prompt": "a"}', '{"prompt": "b"}'], [], 2, "has no 'id'"),
+    "bool-id": (['{"id": true, "prompt": "a"}'], [], 1, "id True is a bool"),
+    "duplicate-id": (['{"id": "a", "prompt": "x"}', "", '{"id": "b", "prompt": "y"}', '{"id": "a", "prompt": "z"}'],
+                     [], 4, "id 'a' was already used on line 1"),
+    "empty-prompt": (['{"id": 1, "prompt": "a"}', '{"id": 2, "prompt": "  "}'], [], 2, "is empty"),
+    "missing-field": (['{"id": 1, "prompt": "a"}'], ["--field", "text"], 1, "has no 'text' field"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_names_the_line_before_loading_a_model(case, tmp_path, monkeypatch, capsys):
+    lines, extra, line, message = BAD_INPUTS[case]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    monkeypatch.setattr(bench, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    output = tmp_path / "out.jsonl"
+    assert cli.main(["batch", str(prompts), "--output", str(output), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("hf-loopspec batch: error: ")
+    assert f"{prompts}, line {line}" in err and message in err
+    assert not output.exists() and not output.with_name("out.jsonl.parts").exists()
+
+
+def test_restart_with_other_settings_is_refused(prompts_file, tmp_path, monkeypatch, capsys):
+    output = tmp_path / "out.jsonl"
+    first = cli.build_parser().parse_args(batch_args(prompts_file, output))
+    PartStore(output, batch_run.run_settings(first), 0).create()  # what a killed first run leaves
+    monkeypatch.setattr(bench, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert cli.main([*batch_args(prompts_file, output), "--batch-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "other settings (batch_size: 4 then, 2 now)" in err and "delete" in err
