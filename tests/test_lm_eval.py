@@ -1,0 +1,92 @@
+"""`hf-loopspec lm-eval` runs lm-evaluation-harness's own CLI (its `hf` backend, `model.generate` in batches with
+its stop-sequence criterion and a `max_length`) on the embedded model offline, over a tiny local generate_until
+task written here; the outputs it logs with speculative `--gen_kwargs` equal plain decoding's at the same batch
+size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_loopspec import cli
+from hf_loopspec.assets import default_model_path
+
+torch.set_num_threads(1)
+
+TASK = "loopspec_tiny"
+PROMPTS = ["def add(a, b):\n", "import os\n\n", "class Point:\n", "for i in range(3):\n", "x = [1, 2, 3]\n",
+           "def main():\n", "if x is None:\n", "try:\n"]
+YAML = """\
+task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{target}}}}"
+generation_kwargs:
+  until: ["\\n\\n"]
+  max_gen_toks: 12
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    """The task folder (YAML + JSONL); offline: no Hub, datasets' cache in a temporary folder."""
+    folder = tmp_path_factory.mktemp("lm_eval_task")
+    data = folder / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "target": "pass"}) + "\n" for p in PROMPTS), encoding="utf-8")
+    (folder / f"{TASK}.yaml").write_text(YAML.format(task=TASK, data=data), encoding="utf-8")
+    with pytest.MonkeyPatch.context() as env:
+        for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+            env.setenv(key, "1")
+        env.setenv("HF_DATASETS_CACHE", str(folder / "datasets_cache"))
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def logged(task_dir):
+    """`logged(batch_size, gen_kwargs)`: the responses lm-eval logs per doc_id (each run once)."""
+    runs = {}
+
+    def run(batch_size: int, gen_kwargs: str) -> dict[int, list]:
+        if (batch_size, gen_kwargs) not in runs:
+            out = task_dir / f"out-{batch_size}-{len(runs)}"
+            code = cli.main(["lm-eval", "run", "--model", "hf", "--model_args",
+                             f"pretrained={default_model_path()},dtype=float32", "--tasks", TASK, "--include_path",
+                             str(task_dir), "--batch_size", str(batch_size), "--device", "cpu", "--log_samples",
+                             "--output_path", str(out), "--gen_kwargs", gen_kwargs])
+            assert code == 0
+            (samples,) = out.rglob(f"samples_{TASK}_*.jsonl")
+            rows = [json.loads(line) for line in samples.read_text(encoding="utf-8").splitlines()]
+            assert sorted(row["doc_id"] for row in rows) == list(range(len(PROMPTS)))
+            runs[batch_size, gen_kwargs] = {row["doc_id"]: row for row in rows}
+        return runs[batch_size, gen_kwargs]
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("batch_size", "gen_kwargs"), [
+    (1, "speculative_mode=pipeline,draft_loops=1"),
+    (4, "speculative_mode=pipeline,draft_loops=1"),
+    (4, "speculative_mode=block,draft_loops=1,num_speculative_tokens=3"),
+])
+def test_speculative_gen_kwargs_log_plain_outputs(logged, batch_size, gen_kwargs):
+    # the embedded model's generation_config.json defaults to pipeline, so plain is asked for explicitly
+    plain = logged(batch_size, "speculative_mode=None")
+    spec = logged(batch_size, gen_kwargs)
+    mode = gen_kwargs.split(",")[0].split("=")[1]
+    for doc_id, row in spec.items():
+        assert row["arguments"]["gen_args_0"]["arg_1"]["speculative_mode"] == mode
+        assert plain[doc_id]["arguments"]["gen_args_0"]["arg_1"]["speculative_mode"] is None
+        assert row["resps"] == plain[doc_id]["resps"], (doc_id, row["doc"])
+    assert any(row["resps"][0][0].strip() for row in plain.values())  # something was generated
