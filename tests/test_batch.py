@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_loopspec import bench, cli
+from hf_loopspec import cli, loading
 from hf_loopspec.assets import default_model_path
 from hf_loopspec.batch import run as batch_run
 from hf_loopspec.batch.parts import PartStore
@@ -206,7 +206,7 @@ def test_bad_input_names_the_line_before_loading_a_model(case, tmp_path, monkeyp
     lines, extra, line, message = BAD_INPUTS[case]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    monkeypatch.setattr(bench, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     output = tmp_path / "out.jsonl"
     assert cli.main(["batch", str(prompts), "--output", str(output), *extra]) == 2
     err = capsys.readouterr().err.strip()
@@ -219,7 +219,18 @@ def test_restart_with_other_settings_is_refused(prompts_file, tmp_path, monkeypa
     output = tmp_path / "out.jsonl"
     first = cli.build_parser().parse_args(batch_args(prompts_file, output))
     PartStore(output, batch_run.run_settings(first), 0).create()  # what a killed first run leaves
-    monkeypatch.setattr(bench, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     assert cli.main([*batch_args(prompts_file, output), "--batch-size", "2"]) == 2
     err = capsys.readouterr().err
     assert "other settings (batch_size: 4 then, 2 now)" in err and "delete" in err
+
+
+def test_plain_mode_decodes_plain_on_a_speculative_default(prompts_file, tmp_path, capsys):
+    """The embedded model's generation_config.json defaults to pipeline; `--mode plain` must still decode plain."""
+    prompts = tmp_path / "two.jsonl"
+    prompts.write_text("".join(prompts_file.read_text(encoding="utf-8").splitlines(keepends=True)[:2]))
+    output = tmp_path / "plain.jsonl"
+    assert cli.main([*batch_args(prompts, output), "--mode", "plain", "--device", "cpu"]) == 0
+    assert all("speculation" not in row for row in read_jsonl(output))
+    assert cli.main(["generate", "import os\n", "--mode", "plain", "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    assert "core calls" not in capsys.readouterr().err  # the counters of a speculative run

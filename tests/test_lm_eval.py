@@ -6,7 +6,6 @@ size."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -75,18 +74,13 @@ def logged(task_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("batch_size", "gen_kwargs"), [
-    (1, "speculative_mode=pipeline,draft_loops=1"),
-    (4, "speculative_mode=pipeline,draft_loops=1"),
-    (4, "speculative_mode=block,draft_loops=1,num_speculative_tokens=3"),
-])
-def test_speculative_gen_kwargs_log_plain_outputs(logged, batch_size, gen_kwargs):
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_speculative_gen_kwargs_log_plain_outputs(logged, batch_size):
     # the embedded model's generation_config.json defaults to pipeline, so plain is asked for explicitly
     plain = logged(batch_size, "speculative_mode=None")
-    spec = logged(batch_size, gen_kwargs)
-    mode = gen_kwargs.split(",")[0].split("=")[1]
+    spec = logged(batch_size, "speculative_mode=pipeline,draft_loops=1")
     for doc_id, row in spec.items():
-        assert row["arguments"]["gen_args_0"]["arg_1"]["speculative_mode"] == mode
+        assert row["arguments"]["gen_args_0"]["arg_1"]["speculative_mode"] == "pipeline"
         assert plain[doc_id]["arguments"]["gen_args_0"]["arg_1"]["speculative_mode"] is None
         assert row["resps"] == plain[doc_id]["resps"], (doc_id, row["doc"])
     assert any(row["resps"][0][0].strip() for row in plain.values())  # something was generated

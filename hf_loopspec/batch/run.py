@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .. import bench
+from .. import loading
 from ..prompting import encode_prompt, generate_kwargs
 from .parts import PartStore
 from .prompts import id_key, plan_batches, read_prompts
@@ -101,9 +101,9 @@ def run_batch(args: argparse.Namespace) -> int:
     if args.device is not None and state.num_processes > 1:
         raise ValueError(f"--device {args.device} cannot be used with {state.num_processes} processes: accelerate "
                          "places each process on its own device; drop --device.")
-    device = state.device if args.device is None else bench.resolve_device(args.device)
-    dtype = "auto" if args.dtype == "auto" else bench.DTYPES[args.dtype]
-    model, tokenizer, _ = bench.load_model(args.model, dtype, device, need_tokenizer=True)
+    device = state.device if args.device is None else loading.resolve_device(args.device)
+    dtype = "auto" if args.dtype == "auto" else loading.DTYPES[args.dtype]
+    model, tokenizer, _ = loading.load_model(args.model, dtype, device, need_tokenizer=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # left padding needs a pad token; masked out anyway
     encoded = [encode_prompt(tokenizer, p.prompt, args.chat, f"{args.prompts}, line {p.line}") for p in prompts]
