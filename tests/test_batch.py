@@ -234,3 +234,14 @@ def test_plain_mode_decodes_plain_on_a_speculative_default(prompts_file, tmp_pat
     assert all("speculation" not in row for row in read_jsonl(output))
     assert cli.main(["generate", "import os\n", "--mode", "plain", "--max-new-tokens", "4", "--device", "cpu"]) == 0
     assert "core calls" not in capsys.readouterr().err  # the counters of a speculative run
+
+
+def test_prompt_past_the_models_positions_names_the_line(tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"id": 1, "prompt": "import os\n"}, {"id": 2, "prompt": "x = 1\n" * 1500}]  # > 2048 positions
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    output = tmp_path / "out.jsonl"
+    assert cli.main(["batch", str(prompts), "--output", str(output), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"{prompts}, line 2" in err and "positions" in err
+    assert not output.exists() and not output.with_name("out.jsonl.parts").exists()

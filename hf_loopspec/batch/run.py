@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .. import loading
+from ..input_checks import check_positions
 from ..prompting import encode_prompt, generate_kwargs
 from .parts import PartStore
 from .prompts import id_key, plan_batches, read_prompts
@@ -106,7 +107,12 @@ def run_batch(args: argparse.Namespace) -> int:
     model, tokenizer, _ = loading.load_model(args.model, dtype, device, need_tokenizer=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # left padding needs a pad token; masked out anyway
-    encoded = [encode_prompt(tokenizer, p.prompt, args.chat, f"{args.prompts}, line {p.line}") for p in prompts]
+    encoded = []
+    for p in prompts:
+        where = f"the prompt on {args.prompts}, line {p.line}"
+        encoded.append(encode_prompt(tokenizer, p.prompt, args.chat, where))
+        check_positions(model.config, len(encoded[-1]), args.max_new_tokens, prompt_flag=where,
+                        new_flag="--max-new-tokens")
     kwargs = generate_kwargs(args, model, tokenizer)
     batches = plan_batches([len(ids) for ids in encoded], args.batch_size)
 
