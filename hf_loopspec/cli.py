@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        description=bench_args.DESCRIPTION)
     bench_args.add_arguments(bench_parser)
     hub_export.add_subcommand(commands)
-    for command in commands.choices.values():
+    for command in commands.choices.values():  # every subcommand registered above
         command.add_argument("--debug", action="store_true",
                              help=f"show the traceback of an error instead of one line (or set {DEBUG_ENV}=1)")
     # prefix_chars="\0": no option belongs to this parser, so every argument (--model ... too) goes to lm-eval
@@ -172,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
             return run_lm_eval(args.args)
         return bench_main.main_from_args(args)
     except USER_ERRORS as err:
-        if args.debug or debug_requested():
+        if debug_requested(args):
             raise
         print(f"hf-loopspec {args.command}: error: {one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        if args.debug or debug_requested():
+        if debug_requested(args):
             raise
         print(f"hf-loopspec {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -189,8 +189,10 @@ def one_line(message) -> str:
     return text or type(message).__name__
 
 
-def debug_requested() -> bool:
-    """Whether the environment asks for tracebacks (`HF_LOOPSPEC_DEBUG` set to anything but '', 0, false, no)."""
+def debug_requested(args: argparse.Namespace) -> bool:
+    """Whether tracebacks are asked for: `--debug`, or `HF_LOOPSPEC_DEBUG` set to anything but '', 0, false, no."""
+    if getattr(args, "debug", False):
+        return True
     return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
