@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..generation.config import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
 from ..loading import DTYPES
 from .shapes import SHAPES
 
@@ -93,9 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"comma-separated subset of {','.join(MODES)},static (default: {','.join(MODES)}); "
                              "static: plain generate with cache_implementation='static' (compiled by transformers "
                              "on CUDA)")
-    parser.add_argument("--draft-loops", type=positive, default=1,
+    parser.add_argument("--draft-loops", type=positive, default=DEFAULT_DRAFT_LOOPS,
                         help="d: draft from the output of loop d (default: %(default)s)")
-    parser.add_argument("--num-speculative-tokens", type=positive, default=4,
+    parser.add_argument("--num-speculative-tokens", type=positive, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
                         help="K: drafts per block round (default: %(default)s)")
     parser.add_argument("--repeats", type=positive, default=3,
                         help="timed rounds; the median is reported (default: %(default)s)")

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig
 
-from ..generation.config import compile_backend, speculative_config
+from ..generation.config import compile_backend, resolve_speculative
 from ..input_checks import check_positions
 from ..loading import DTYPES, load_model, resolve_device
 from .args import LANE_MODES, check_sampling_args, with_defaults
@@ -82,11 +81,8 @@ def _fixed_recurrence(model):
 
 def _validate(args, loops: int) -> None:
     for mode in ("block", "pipeline"):
-        if mode in args.modes:
-            cfg = GenerationConfig(do_sample=False)
-            cfg.speculative_mode, cfg.draft_loops, cfg.num_speculative_tokens = (
-                mode, args.draft_loops, args.num_speculative_tokens)
-            speculative_config(cfg, loops)  # raises ValueError with the same message generate() would
+        if mode in args.modes:  # raises ValueError with the same message generate() would
+            resolve_speculative(mode, args.draft_loops, args.num_speculative_tokens, num_loops=loops)
 
 
 def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:

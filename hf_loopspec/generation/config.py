@@ -1,4 +1,4 @@
-"""The speculative-decoding settings of one `generate` call, and their validation.
+"""The speculative-decoding settings of one `generate` call, their defaults, and their validation.
 
 The keys live on `GenerationConfig` (so they also load from `generation_config.json`) and are accepted as
 `generate` kwargs:
@@ -8,6 +8,10 @@ The keys live on `GenerationConfig` (so they also load from `generation_config.j
 * `num_speculative_tokens` (K): drafts per round in block mode; >= 1.
 * `compile_core`: `False` (default), `True` (`torch.compile` with inductor) or a `torch.compile` backend name:
   the core and head calls run as static-shape compiled calls over row buckets (`generation.stages`).
+
+`resolve_speculative` is the one validation of these settings: `generate` resolves them once per call (from the
+generation config, `speculative_config`) and passes the `SpeculativeConfig` down; `decode_with_lanes`, the bench
+and the export validate through the same function.
 """
 
 from __future__ import annotations
@@ -18,33 +22,38 @@ from transformers.generation import GenerationConfig, GenerationMode
 
 SPECULATIVE_KEYS = ("speculative_mode", "draft_loops", "num_speculative_tokens", "compile_core")
 MODES = ("pipeline", "block")
+LANE_MODES = ("ar", *MODES)  # `decode_with_lanes` also runs "ar": the lane engine without drafting
+DEFAULT_DRAFT_LOOPS = 1
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    mode: str  # "pipeline" | "block" (decode_with_lanes also takes "ar", the engine without drafting)
-    draft_loops: int
-    num_speculative_tokens: int
+    """Validated settings of one lane-decoder run (build it with `resolve_speculative`)."""
+
+    mode: str  # one of LANE_MODES
+    draft_loops: int = DEFAULT_DRAFT_LOOPS
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     compile_backend: str | None = None  # torch.compile backend of the core and head calls; None: eager
 
 
-def speculative_config(generation_config: GenerationConfig, num_loops: int) -> SpeculativeConfig | None:
-    """Read and validate the speculative keys; `None` when `speculative_mode` is unset (plain decoding)."""
-    mode = getattr(generation_config, "speculative_mode", None)
-    backend = compile_backend(getattr(generation_config, "compile_core", None))
-    if mode is None:
-        if backend is not None:
-            raise ValueError(f"compile_core={generation_config.compile_core!r} applies to the speculative modes' "
-                             "lane decoder; set speculative_mode, or for plain decoding use transformers' own "
-                             "compilation (cache_implementation='static').")
-        return None
-    if mode not in MODES:
-        raise ValueError(f"speculative_mode={mode!r} is not supported; use one of {MODES} or None for plain "
+def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, compile_core=None, *, num_loops: int,
+                        modes: tuple[str, ...] = MODES) -> SpeculativeConfig:
+    """Validate one run's settings for a model of `num_loops` loops; `None` takes the default. Raises `ValueError`
+    naming the argument, its value and the fix."""
+    if mode not in modes:
+        raise ValueError(f"speculative_mode={mode!r} is not supported; use one of {modes} or None for plain "
                          "decoding.")
-    draft_loops = getattr(generation_config, "draft_loops", None)
-    draft_loops = 1 if draft_loops is None else draft_loops
-    k = getattr(generation_config, "num_speculative_tokens", None)
-    k = 4 if k is None else k
+    draft_loops = DEFAULT_DRAFT_LOOPS if draft_loops is None else draft_loops
+    k = DEFAULT_NUM_SPECULATIVE_TOKENS if num_speculative_tokens is None else num_speculative_tokens
+    if mode != "ar":
+        _check_draft_loops(mode, draft_loops, num_loops)
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1 (drafts per block round).")
+    return SpeculativeConfig(mode, draft_loops, k, compile_backend(compile_core))
+
+
+def _check_draft_loops(mode: str, draft_loops, num_loops: int) -> None:
     if not isinstance(draft_loops, int) or not 1 <= draft_loops <= num_loops - 1:
         raise ValueError(
             f"draft_loops={draft_loops!r} is outside [1, {num_loops - 1}] for a model with {num_loops} loops: "
@@ -58,9 +67,21 @@ def speculative_config(generation_config: GenerationConfig, num_loops: int) -> S
             f"speculative_mode='pipeline' needs the loop count ({num_loops}) to be a multiple of "
             f"draft_loops={draft_loops}; use draft_loops in {valid} or speculative_mode='block'."
         )
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1 (drafts per block round).")
-    return SpeculativeConfig(mode, draft_loops, k, backend)
+
+
+def speculative_config(generation_config: GenerationConfig, num_loops: int) -> SpeculativeConfig | None:
+    """The speculative keys of a generation config, resolved; `None` when `speculative_mode` is unset (plain)."""
+    mode = getattr(generation_config, "speculative_mode", None)
+    compile_core = getattr(generation_config, "compile_core", None)
+    if mode is None:
+        if compile_backend(compile_core) is not None:
+            raise ValueError(f"compile_core={compile_core!r} applies to the speculative modes' lane decoder; set "
+                             "speculative_mode, or for plain decoding use transformers' own compilation "
+                             "(cache_implementation='static').")
+        return None
+    return resolve_speculative(mode, getattr(generation_config, "draft_loops", None),
+                               getattr(generation_config, "num_speculative_tokens", None), compile_core,
+                               num_loops=num_loops)
 
 
 def compile_backend(compile_core) -> str | None:

@@ -101,7 +101,6 @@ class LaneDecoder:
         policy: ARPolicy,
         *,
         mode: str,
-        draft_loops: int,
         input_ids: torch.Tensor,  # [B, S] left-padded
         attention_mask: torch.Tensor | None,  # [B, S] or None
         logits_processor,
@@ -119,7 +118,6 @@ class LaneDecoder:
         self.model, self.cache, self.policy = model, cache, policy
         self.stages = stages if stages is not None else EagerStages(model, cache)
         self.num_loops = model.num_loops
-        self.draft_loops = draft_loops
         has_processors = logits_processor is not None and len(logits_processor)
         self.processors = [row_processors(logits_processor, s) for s in range(len(input_ids))] \
             if has_processors else None
@@ -132,7 +130,7 @@ class LaneDecoder:
         self.output_scores, self.output_logits = output_scores, output_logits
         self.trace = [] if trace else None
         self.trace_hidden = trace == "hidden"
-        self.stats = SpeculationStats(mode=mode, draft_loops=draft_loops if policy.drafts else 0)
+        self.stats = SpeculationStats(mode=mode, draft_loops=policy.draft_loops or 0)
         self._ids = count()
 
         batch, width = input_ids.shape
@@ -200,8 +198,7 @@ class LaneDecoder:
         if self.layout.first_exit_plane is None:
             heads = targets + drafters
         else:  # the head writes KV: every lane reaching an exit depth in use runs it, logits needed or not
-            exits = (self.num_loops, self.draft_loops) if self.policy.drafts else (self.num_loops,)
-            heads = [lane for lane in lanes if lane.depth in exits]
+            heads = [lane for lane in lanes if lane.depth in self.policy.exit_depths]
         logits = tops = None
         if heads:
             exit_rows = None if self.layout.first_exit_plane is None else \
@@ -249,9 +246,8 @@ class LaneDecoder:
 
     def _wants_draft(self, lane: Lane) -> bool:
         seq = self.seqs[lane.seq]
-        return (self.policy.drafts and lane.depth == self.draft_loops and not lane.next_known
-                and seq.lanes[-1] is lane and lane.position + 1 <= seq.last_draft_position
-                and self.policy.may_draft(seq))
+        return (not lane.next_known and seq.lanes[-1] is lane and lane.position + 1 <= seq.last_draft_position
+                and self.policy.wants_draft(seq, lane))
 
     # --- verification and commits -------------------------------------------------------------------------------
     def _verify(self, lane: Lane, raw: torch.Tensor, top: int | None) -> None:
@@ -281,9 +277,8 @@ class LaneDecoder:
                 nxt = None
         self._commit(seq, target, scores, raw)
         if not seq.finished and nxt is None:
-            spawned = self._spawn(seq, lane, target, is_draft=False)
-            seq.round_drafts = 0
-            seq.lanes.append(spawned)
+            seq.lanes.append(self._spawn(seq, lane, target, is_draft=False))
+            self.policy.restarted(seq)
 
     def _commit(self, seq: SequenceState, token: int, scores: torch.Tensor, raw: torch.Tensor) -> None:
         width = self.prompt_width + len(seq.generated)
@@ -340,7 +335,7 @@ class LaneDecoder:
                 q = torch.nn.functional.one_hot(torch.tensor(hooked), raw.shape[-1]).to(raw)
             token = hooked
         seq.stats.drafted += 1
-        seq.round_drafts += 1
+        self.policy.drafted(seq)
         drafted = self._spawn(seq, lane, token, is_draft=True)
         drafted.draft_q = q
         seq.lanes.append(drafted)

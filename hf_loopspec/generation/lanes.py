@@ -39,7 +39,6 @@ class SequenceState:
     raw_logits: list[torch.Tensor] = field(default_factory=list)
     finished: bool = False
     stopped_at: int | None = None  # generated tokens when a stopping criterion first fired
-    round_drafts: int = 0  # block mode: drafts proposed since the last committed-and-spawned token
     stats: SequenceStats = field(default_factory=SequenceStats)
 
     @property

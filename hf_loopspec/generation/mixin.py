@@ -17,15 +17,19 @@ from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.paged import PagedLoopCache
-from .config import SPECULATIVE_KEYS, check_generation_mode, compile_backend, speculative_config
+from .call import current_call, runtime_options, scoped
+from .config import (
+    LANE_MODES,
+    SPECULATIVE_KEYS,
+    SpeculativeConfig,
+    check_generation_mode,
+    resolve_speculative,
+    speculative_config,
+)
 from .decoder import LaneDecoder
-from .policies import ARPolicy, BlockPolicy, PipelinePolicy
+from .policies import policy_for
 from .stages import StaticStages, capacity_for
 from .stats import SpeculationStats
-
-RUNTIME_KEYS = ("draft_hook", "speculative_trace")
-"""Per-call options that are not generation settings: `draft_hook` (test-only: override draft proposals,
-see `LaneDecoder`) and `speculative_trace` (`True` or `"hidden"`: record every cycle in `out.trace`)."""
 
 
 @dataclass
@@ -51,28 +55,34 @@ class LoopSpecGenerationMixin(GenerationMixin):
     """Generation for looped models (see the module docstring)."""
 
     def generate(self, *args, **kwargs):
-        runtime = {key: kwargs.pop(key) for key in RUNTIME_KEYS if key in kwargs}
-        self._loopspec_runtime = runtime
-        try:
+        """`GenerationMixin.generate` inside a `GenerateCall` (`generation.call`) that holds this call's
+        `draft_hook` and `speculative_trace` and, once resolved, its speculative settings."""
+        with scoped(runtime_options(kwargs)):
             return super().generate(*args, **kwargs)
-        finally:
-            self._loopspec_runtime = {}
+
+    def _speculative(self, generation_config) -> SpeculativeConfig | None:
+        """This call's speculative settings: resolved once per `generate` call (`_prepare_generation_config`);
+        resolved from `generation_config` when a hook is reached outside `LoopSpecGenerationMixin.generate`."""
+        call = current_call()
+        if call is None or not call.resolved:
+            return speculative_config(generation_config, self.num_loops)
+        return call.speculative
 
     def _prepare_generation_config(self, generation_config, **kwargs):
         ours = {key: kwargs.pop(key) for key in SPECULATIVE_KEYS if key in kwargs}
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
         for key, value in ours.items():
             setattr(generation_config, key, value)
+        call = current_call()
+        if call is not None:
+            call.speculative, call.resolved = speculative_config(generation_config, self.num_loops), True
         return generation_config, model_kwargs
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-        spec = speculative_config(generation_config, self.num_loops)
+        spec = self._speculative(generation_config)
         if spec is not None:
             check_generation_mode(spec, generation_mode, generation_config,
                                   generation_mode_kwargs.get("assistant_model"))
-            runtime = getattr(self, "_loopspec_runtime", {})
-            if runtime.get("draft_hook") is not None and not callable(runtime["draft_hook"]):
-                raise ValueError(f"draft_hook={runtime['draft_hook']!r} must be callable(seq, position, token).")
         super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
@@ -80,7 +90,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         """Looped models write one KV per (loop, layer): the default cache is a growing `DynamicCache()` for
         plain decoding and a `PagedLoopCache` for speculative decoding, which needs per-depth planes."""
         user_cache = model_kwargs.get("cache")
-        if speculative_config(generation_config, self.num_loops) is not None:
+        if self._speculative(generation_config) is not None:
             if user_cache is None:
                 model_kwargs["cache"] = PagedLoopCache(self.kv_layout)
             elif not isinstance(user_cache, PagedLoopCache):
@@ -113,21 +123,19 @@ class LoopSpecGenerationMixin(GenerationMixin):
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
-        spec = speculative_config(generation_config, self.num_loops)
+        spec = self._speculative(generation_config)
         if spec is None:
             return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                                    synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
-        runtime = getattr(self, "_loopspec_runtime", {})
-        result = self.decode_with_lanes(
-            input_ids, spec.mode, draft_loops=spec.draft_loops, num_speculative_tokens=spec.num_speculative_tokens,
-            compile_core=spec.compile_backend or False,
-            cache=model_kwargs["cache"], attention_mask=model_kwargs.get("attention_mask"),
+        call = current_call()
+        result = self._run_lanes(
+            input_ids, spec, cache=model_kwargs["cache"], attention_mask=model_kwargs.get("attention_mask"),
             logits_processor=logits_processor, stopping_criteria=stopping_criteria,
             pad_token_id=_as_int(generation_config._pad_token_tensor), max_length=generation_config.max_length,
-            streamer=streamer, draft_hook=runtime.get("draft_hook"), do_sample=generation_config.do_sample,
+            streamer=streamer, draft_hook=call.draft_hook if call else None, do_sample=generation_config.do_sample,
             output_scores=generation_config.return_dict_in_generate and generation_config.output_scores,
             output_logits=generation_config.return_dict_in_generate and generation_config.output_logits,
-            trace=runtime.get("speculative_trace", False),
+            trace=call.trace if call else False,
         )
         if streamer is not None:
             streamer.end()
@@ -138,25 +146,27 @@ class LoopSpecGenerationMixin(GenerationMixin):
             speculation=result.stats, trace=result.trace,
         )
 
-    def decode_with_lanes(self, input_ids, mode: str, *, draft_loops: int = 1, num_speculative_tokens: int = 4,
-                          cache: PagedLoopCache, compile_core: bool | str = False, **options):
-        """Run the lane decoder directly (`mode` "ar", "block" or "pipeline"); `generate` calls this.
+    def decode_with_lanes(self, input_ids, mode: str, *, draft_loops: int | None = None,
+                          num_speculative_tokens: int | None = None, compile_core: bool | str = False,
+                          cache: PagedLoopCache, **options):
+        """Run the lane decoder directly (`mode` "ar", "block" or "pipeline"); the settings are validated by
+        `generation.config.resolve_speculative`, as `generate`'s are (None: the default).
 
         `options` are `LaneDecoder`'s keyword arguments. The benchmark uses mode "ar" as its baseline: the same
         engine and cache, without drafting. `compile_core` (see `generation.config`) runs the core and head as
         static-shape compiled calls (`generation.stages.StaticStages`).
         """
-        backend = compile_backend(compile_core)
-        if backend is not None:
-            capacity = capacity_for(len(input_ids), self.num_loops, num_speculative_tokens)
-            options["stages"] = StaticStages.for_run(
-                self, cache, backend, len(input_ids), capacity, options["max_length"], input_ids.device, self.dtype)
-        policy = {
-            "ar": lambda: ARPolicy(self.num_loops),
-            "pipeline": lambda: PipelinePolicy(self.num_loops),
-            "block": lambda: BlockPolicy(self.num_loops, draft_loops, num_speculative_tokens),
-        }[mode]()
-        decoder = LaneDecoder(self, cache, policy, mode=mode, draft_loops=draft_loops, input_ids=input_ids,
+        spec = resolve_speculative(mode, draft_loops, num_speculative_tokens, compile_core, num_loops=self.num_loops,
+                                   modes=LANE_MODES)
+        return self._run_lanes(input_ids, spec, cache=cache, **options)
+
+    def _run_lanes(self, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCache, **options):
+        """One lane-decoder run with resolved settings (`generate` and `decode_with_lanes` end here)."""
+        if spec.compile_backend is not None:
+            capacity = capacity_for(len(input_ids), self.num_loops, spec.num_speculative_tokens)
+            options["stages"] = StaticStages.for_run(self, cache, spec.compile_backend, len(input_ids), capacity,
+                                                     options["max_length"], input_ids.device, self.dtype)
+        decoder = LaneDecoder(self, cache, policy_for(spec, self.num_loops), mode=spec.mode, input_ids=input_ids,
                               **options)
         return decoder.run()
 

@@ -1,0 +1,60 @@
+"""What one `generate` call resolves once and its steps share, scoped to the call (never stored on the model).
+
+transformers' `generate` reaches the model through hooks with fixed signatures (`_prepare_generation_config`,
+`_validate_generation_mode`, `_prepare_cache_for_generation`, `_sample`). `LoopSpecGenerationMixin.generate`
+opens a `GenerateCall` for the duration of the call in a context variable: the per-call options that are not
+generation settings (`draft_hook`, `speculative_trace`) and the speculative settings, resolved once from the
+call's generation config. A context variable is private to its thread (and asyncio task), so two threads calling
+`generate` on one model each see their own call; nested calls restore the outer one on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from .config import SpeculativeConfig
+
+RUNTIME_KEYS = ("draft_hook", "speculative_trace")
+"""Per-call `generate` kwargs that are not generation settings: `draft_hook` (test-only: override draft proposals,
+`draft_hook(sequence, position, proposed_token) -> token`) and `speculative_trace` (`True` or `"hidden"`: record
+every cycle in `out.trace`)."""
+
+
+@dataclass
+class GenerateCall:
+    draft_hook: Callable[[int, int, int], int] | None = None
+    trace: bool | str = False
+    speculative: SpeculativeConfig | None = None  # resolved once, when transformers prepares the generation config
+    resolved: bool = False  # whether `speculative` has been resolved (None then means plain decoding)
+
+
+_CURRENT: ContextVar[GenerateCall | None] = ContextVar("hf_loopspec_generate_call", default=None)
+
+
+def runtime_options(kwargs: dict) -> GenerateCall:
+    """Pop the `RUNTIME_KEYS` from `generate`'s kwargs into a new call; raises `ValueError` for a bad value."""
+    hook = kwargs.pop("draft_hook", None)
+    if hook is not None and not callable(hook):
+        raise ValueError(f"draft_hook={hook!r} must be callable(seq, position, token).")
+    trace = kwargs.pop("speculative_trace", None) or False
+    if trace not in (True, False, "hidden"):
+        raise ValueError(f"speculative_trace={trace!r} must be True, False or 'hidden'.")
+    return GenerateCall(draft_hook=hook, trace=trace)
+
+
+@contextlib.contextmanager
+def scoped(call: GenerateCall) -> Iterator[GenerateCall]:
+    """Make `call` the current call of this thread until the block exits."""
+    token = _CURRENT.set(call)
+    try:
+        yield call
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_call() -> GenerateCall | None:
+    """The `GenerateCall` of the `generate` running in this thread, or None outside one."""
+    return _CURRENT.get()
