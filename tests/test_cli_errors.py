@@ -1,8 +1,8 @@
 """Every error a user can cause through `hf-loopspec` is ONE line on stderr (`hf-loopspec CMD: error: ...` naming the
 problem and the fix) and exit status 2, with nothing written anywhere; `--debug` / `HF_LOOPSPEC_DEBUG=1` show the
 traceback instead. Broken checkpoints (zero-byte, truncated and corrupt weights, a missing shard, pickle-only, no
-config) are made by the tests from a tiny checkpoint; `generate`, `bench` and `export` are run through the real entry
-point (`cli.main(argv)` in-process, and `python -m hf_loopspec.cli` in a subprocess)."""
+config) are made by the tests from a tiny checkpoint; `generate`, `batch`, `bench` and `export` run through the real
+entry point (`cli.main(argv)` in-process, and `python -m hf_loopspec.cli` in a subprocess)."""
 
 from __future__ import annotations
 
@@ -73,9 +73,14 @@ def broken(good: Path, tmp_path: Path, kind: str) -> Path:
 
 
 def command(name: str, model: str, tmp_path: Path) -> list[str]:
-    """A run of `name` on `model` that would succeed with a good checkpoint."""
+    """A run of `name` on `model` that would succeed with a good checkpoint (batch: writes its PROMPTS file)."""
     if name == "generate":
         return ["generate", "w5 w6", "--model", model, "--device", "cpu", "--max-new-tokens", "2"]
+    if name == "batch":
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text('{"id": 0, "prompt": "w5 w6"}\n')
+        return ["batch", str(prompts), "--output", str(tmp_path / "out.jsonl"), "--model", model, "--device", "cpu",
+                "--max-new-tokens", "2"]
     if name == "bench":
         return ["bench", "--model", model, "--device", "cpu", "--prompt-len", "4", "--new-tokens", "2", "--repeats",
                 "1", "--calibration-seconds", "0.05", "--quiet", "--modes", "plain"]
@@ -94,18 +99,19 @@ def one_error_line(capsys, name: str) -> str:
 # --- broken checkpoints, missing folders --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["generate", "bench", "export"])
+@pytest.mark.parametrize("name", ["generate", "batch", "bench", "export"])
 @pytest.mark.parametrize("kind", list(BREAKAGES))
 def test_broken_checkpoints_are_one_line_errors(kind, name, good, tmp_path, capsys):
     folder = broken(good, tmp_path, kind)
+    argv = command(name, str(folder), tmp_path)
     before = snapshot(tmp_path)
-    assert cli.main(command(name, str(folder), tmp_path)) == 2
+    assert cli.main(argv) == 2
     line = one_error_line(capsys, name)
     assert BREAKAGES[kind][1] in line and str(folder) in line
     assert snapshot(tmp_path) == before  # export: no OUT, no staging folder left beside it
 
 
-@pytest.mark.parametrize("name", ["generate", "bench", "export"])
+@pytest.mark.parametrize("name", ["generate", "batch", "bench", "export"])
 @pytest.mark.parametrize("spec", ["{tmp}/nowhere", "./nowhere", "some/where/else"])
 def test_a_missing_local_folder_is_not_reported_as_a_hub_id(spec, name, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
