@@ -5,6 +5,7 @@ one-line error naming the line before any model is loaded; a restart with other 
 
 from __future__ import annotations
 
+import csv as csv_module
 import json
 import os
 import signal
@@ -195,7 +196,7 @@ BAD_INPUTS = {
     "missing-id": (['{"id": 1, "prompt": "a"}', '{"prompt": "b"}'], [], 2, "has no 'id'"),
     "bool-id": (['{"id": true, "prompt": "a"}'], [], 1, "id True is a bool"),
     "duplicate-id": (['{"id": "a", "prompt": "x"}', "", '{"id": "b", "prompt": "y"}', '{"id": "a", "prompt": "z"}'],
-                     [], 4, "id 'a' was already used on line 1"),
+                     [], 4, "id 'a' was already used on " + "{prompts}, line 1"),
     "empty-prompt": (['{"id": 1, "prompt": "a"}', '{"id": 2, "prompt": "  "}'], [], 2, "is empty"),
     "missing-field": (['{"id": 1, "prompt": "a"}'], ["--field", "text"], 1, "has no 'text' field"),
 }
@@ -211,8 +212,18 @@ def test_bad_input_names_the_line_before_loading_a_model(case, tmp_path, monkeyp
     assert cli.main(["batch", str(prompts), "--output", str(output), *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("hf-loopspec batch: error: ")
-    assert f"{prompts}, line {line}" in err and message in err
+    assert f"{prompts}, line {line}" in err and message.format(prompts=prompts) in err
     assert not output.exists() and not output.with_name("out.jsonl.parts").exists()
+
+
+@pytest.mark.parametrize("target", ["folder", "input"])
+def test_output_that_is_a_folder_or_the_input_is_refused(target, prompts_file, tmp_path, monkeypatch, capsys):
+    output = tmp_path if target == "folder" else prompts_file
+    before = prompts_file.read_bytes()
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert cli.main(batch_args(prompts_file, output)) == 2
+    assert f"--output {output} is {'a folder' if target == 'folder' else 'the input file'}" in capsys.readouterr().err
+    assert prompts_file.read_bytes() == before
 
 
 def test_restart_with_other_settings_is_refused(prompts_file, tmp_path, monkeypatch, capsys):
@@ -245,3 +256,20 @@ def test_prompt_past_the_models_positions_names_the_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{prompts}, line 2" in err and "positions" in err
     assert not output.exists() and not output.with_name("out.jsonl.parts").exists()
+
+
+def test_csv_read_with_datasets_gives_the_jsonl_output(prompts_file, tmp_path, capsys):
+    rows = read_jsonl(prompts_file)[:3]
+    jsonl, csv = tmp_path / "p.jsonl", tmp_path / "p.csv"
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    with csv.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv_module.writer(handle)
+        writer.writerows([("id", "text"), *((row["id"], row["prompt"]) for row in rows)])
+    for source, field in ((jsonl, "prompt"), (csv, "text")):
+        output = tmp_path / f"from-{source.suffix[1:]}.jsonl"
+        assert cli.main([*batch_args(source, output, "--mode", "plain", "--device", "cpu"), "--field", field]) == 0
+    from_jsonl = [{**row, "id": str(row["id"])} for row in read_jsonl(tmp_path / "from-jsonl.jsonl")]
+    assert read_jsonl(tmp_path / "from-csv.jsonl") == from_jsonl  # a CSV column of mixed ids is read as text
+    csv.write_text('id,text\n1,"import os"\n2,\n')  # an empty cell
+    assert cli.main(["batch", str(csv), "--output", str(tmp_path / "bad.jsonl"), "--field", "text"]) == 2
+    assert f"{csv}, row 2: 'text' is a NoneType, not a string" in capsys.readouterr().err

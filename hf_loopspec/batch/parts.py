@@ -110,7 +110,7 @@ class PartStore:
         missing = [p for p in prompts if id_key(p.id) not in rows]
         if missing:
             raise RuntimeError(f"{len(missing)} of {len(prompts)} rows have no output yet (first: id {missing[0].id!r} "
-                               f"on line {missing[0].line}); rerun the same command to generate them.")
+                               f"on {missing[0].where}); rerun the same command to generate them.")
         _write_atomic(self.output, "".join(json.dumps(rows[id_key(p.id)], ensure_ascii=False) + "\n"
                                            for p in prompts))
         shutil.rmtree(self.dir)

@@ -1,9 +1,10 @@
-"""The input of `hf-loopspec batch`: a JSONL file of `{"id": ..., "prompt": ...}` rows, read and checked in full
-before anything is generated, and the length-grouped batches the rows are decoded in.
+"""The input of `hf-loopspec batch`: a JSONL file of `{"id": ..., "prompt": ...}` rows (or a CSV, Parquet or JSON
+file that `datasets` reads), read and checked in full before anything is generated, and the length-grouped batches
+the rows are decoded in.
 
 Contract of `read_prompts`: every non-blank line is a JSON object with an `id` (a string or an integer, unique in
 the file) and a non-empty string in the text field (`prompt` unless `field` says otherwise); anything else is a
-`ValueError` that names the file, the line number and the fix. Blank lines are skipped.
+`ValueError` that names the file, the line (or row) number and the fix. Blank lines are skipped.
 """
 
 from __future__ import annotations
@@ -13,21 +14,25 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+DATASETS_BUILDERS = {".csv": "csv", ".parquet": "parquet", ".json": "json"}  # other suffixes: JSONL
+
 
 @dataclass(frozen=True)
 class PromptRow:
-    line: int  # 1-based line number in the input file
+    where: str  # "FILE, line N" (JSONL) or "FILE, row N" (read with datasets), N from 1
     id: str | int
     prompt: str
 
 
-def _check_row(path: Path, number: int, text: str, field: str) -> PromptRow:
-    where = f"{path}, line {number}"
+def _parse_line(where: str, text: str):
     try:
-        row = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"{where} is not valid JSON ({err.msg} at column {err.colno}); each line must be one JSON "
                          'object such as {"id": 1, "prompt": "..."}.') from None
+
+
+def _check_row(where: str, row, field: str) -> PromptRow:
     if not isinstance(row, dict):
         raise ValueError(f"{where} is a JSON {type(row).__name__}, not an object with an id and a {field!r} field.")
     if "id" not in row:
@@ -43,27 +48,46 @@ def _check_row(path: Path, number: int, text: str, field: str) -> PromptRow:
         raise ValueError(f"{where}: {field!r} is a {type(prompt).__name__}, not a string.")
     if not prompt.strip():
         raise ValueError(f"{where}: the prompt ({field!r}) is empty; remove the row or give it some text.")
-    return PromptRow(number, row_id, prompt)
+    return PromptRow(where, row_id, prompt)
+
+
+def _jsonl_rows(path: Path):
+    """(where, row) for every non-blank line of a JSONL file."""
+    with path.open(encoding="utf-8") as lines:
+        for number, text in enumerate(lines, start=1):
+            if text.strip():
+                where = f"{path}, line {number}"
+                yield where, _parse_line(where, text)
+
+
+def _dataset_rows(path: Path, builder: str):
+    """(where, row) for every row of a file that `datasets` reads with `builder` (csv, parquet, json)."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"reading {path} needs the `datasets` package (pip install datasets); or write the prompts "
+                         "as JSONL, one object a line.") from None
+    table = datasets.load_dataset(builder, data_files=str(path), split="train")
+    for number, row in enumerate(table, start=1):
+        yield f"{path}, row {number}", row
 
 
 def read_prompts(path: str | Path, field: str = "prompt") -> list[PromptRow]:
-    """Every row of the JSONL file `path` in file order, checked as the module docstring says."""
+    """Every row of `path` in file order, checked as the module docstring says: a JSONL file, or a CSV, Parquet or
+    JSON file read with `datasets` (its rows are numbered from 1 in the messages, as "row N")."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"PROMPTS {path} is not a file; pass a JSONL file with one {{\"id\", {field!r}}} row a line.")
+    builder = DATASETS_BUILDERS.get(path.suffix.lower())
     rows: list[PromptRow] = []
-    first_line: dict[str, int] = {}  # id key -> line number of its first row
-    with path.open(encoding="utf-8") as lines:
-        for number, text in enumerate(lines, start=1):
-            if not text.strip():
-                continue
-            row = _check_row(path, number, text, field)
-            key = id_key(row.id)
-            if key in first_line:
-                raise ValueError(f"{path}, line {number}: id {row.id!r} was already used on line {first_line[key]}; "
-                                 "ids must be unique.")
-            first_line[key] = number
-            rows.append(row)
+    first: dict[str, PromptRow] = {}  # id key -> its first row
+    for where, row in _jsonl_rows(path) if builder is None else _dataset_rows(path, builder):
+        prompt = _check_row(where, row, field)
+        key = id_key(prompt.id)
+        if key in first:
+            raise ValueError(f"{where}: id {prompt.id!r} was already used on {first[key].where}; ids must be unique.")
+        first[key] = prompt
+        rows.append(prompt)
     if not rows:
         raise ValueError(f"PROMPTS {path} holds no rows.")
     return rows

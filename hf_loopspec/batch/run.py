@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import sys
 import time
 from dataclasses import asdict
@@ -28,6 +27,7 @@ from .prompts import id_key, plan_batches, read_prompts
 
 # A process that finishes its shard early waits for the others at the final barrier; allow long shards.
 BARRIER_TIMEOUT = timedelta(hours=24)
+WORLD_SIZE_KEYS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 SETTING_KEYS = ("field", "model", "mode", "draft_loops", "num_speculative_tokens", "max_new_tokens", "batch_size",
                 "chat", "do_sample", "temperature", "top_k", "top_p", "seed", "dtype")
 
@@ -79,15 +79,15 @@ def process_state():
     the state is made with `cpu=True`; without it every process would believe it is alone and redo all rows.
     """
     from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
+    from accelerate.utils import get_int_from_env, parse_flag_from_env
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = get_int_from_env(WORLD_SIZE_KEYS, 1)  # torchrun / accelerate launch, or an MPI launcher
     accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6 knows every device type
     has_accelerator = accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
     cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or (world_size > 1 and not has_accelerator)
     state = PartialState(cpu=cpu, timeout=BARRIER_TIMEOUT)
     if state.num_processes != world_size:
-        raise ValueError(f"this process was launched as one of {world_size} (WORLD_SIZE), but accelerate runs "
+        raise ValueError(f"this process was launched as one of {world_size}, but accelerate runs "
                          f"{state.num_processes}; launch with `accelerate launch --num_processes N -m "
                          "hf_loopspec.cli batch ...`.")
     return state
@@ -96,6 +96,10 @@ def process_state():
 def run_batch(args: argparse.Namespace) -> int:
     """The command (see the module docstring); exit status 0 once OUT is written."""
     prompts = read_prompts(args.prompts, args.field)
+    output = Path(args.output)
+    if output.is_dir() or output.resolve() == Path(args.prompts).resolve():
+        raise ValueError(f"--output {output} is {'a folder' if output.is_dir() else 'the input file'}; pass the path "
+                         "of the JSONL file to write, such as completions.jsonl.")
     state = process_state()
     store = PartStore(args.output, run_settings(args), state.process_index)
     store.check_settings()
@@ -109,7 +113,7 @@ def run_batch(args: argparse.Namespace) -> int:
         tokenizer.pad_token = tokenizer.eos_token  # left padding needs a pad token; masked out anyway
     encoded = []
     for p in prompts:
-        where = f"the prompt on {args.prompts}, line {p.line}"
+        where = f"the prompt on {p.where}"
         encoded.append(encode_prompt(tokenizer, p.prompt, args.chat, where))
         check_positions(model.config, len(encoded[-1]), args.max_new_tokens, prompt_flag=where,
                         new_flag="--max-new-tokens")
