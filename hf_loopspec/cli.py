@@ -93,7 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
     lm_eval = commands.add_parser("lm-eval", add_help=False, prefix_chars="\0",
                                   help="run lm-evaluation-harness's CLI with the hf_loopspec models registered")
     lm_eval.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the lm-eval command")
-    lm_eval.set_defaults(debug=False)  # tracebacks: HF_LOOPSPEC_DEBUG=1
     return parser
 
 
