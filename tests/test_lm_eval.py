@@ -6,6 +6,7 @@ size."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -85,3 +86,11 @@ def test_speculative_gen_kwargs_log_plain_outputs(logged, batch_size):
         assert plain[doc_id]["arguments"]["gen_args_0"]["arg_1"]["speculative_mode"] is None
         assert row["resps"] == plain[doc_id]["resps"], (doc_id, row["doc"])
     assert any(row["resps"][0][0].strip() for row in plain.values())  # something was generated
+
+
+def test_without_lm_eval_installed_the_error_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "lm_eval.__main__", None)  # what an install without the extra looks like
+    assert cli.main(["lm-eval", "run", "--tasks", TASK]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("hf-loopspec lm-eval: error: lm-eval is not installed")
+    assert 'pip install "hf-loopspec[eval]"' in err

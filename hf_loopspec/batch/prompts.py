@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,8 +68,9 @@ def _dataset_rows(path: Path, builder: str):
     except ImportError:
         raise ValueError(f"reading {path} needs the `datasets` package (pip install datasets); or write the prompts "
                          "as JSONL, one object a line.") from None
-    table = datasets.load_dataset(builder, data_files=str(path), split="train")
-    for number, row in enumerate(table, start=1):
+    with tempfile.TemporaryDirectory() as cache:  # the Arrow copy is not kept in the user's datasets cache
+        rows = list(datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache))
+    for number, row in enumerate(rows, start=1):
         yield f"{path}, row {number}", row
 
 
