@@ -23,7 +23,7 @@ from .. import loading
 from ..input_checks import check_positions
 from ..prompting import encode_prompt, generate_kwargs
 from .parts import PartStore
-from .prompts import id_key, plan_batches, read_prompts
+from .prompts import PromptRow, id_key, plan_batches, read_prompts
 
 # A process that finishes its shard early waits for the others at the final barrier; allow long shards.
 BARRIER_TIMEOUT = timedelta(hours=24)
@@ -93,48 +93,27 @@ def process_state():
     return state
 
 
-def run_batch(args: argparse.Namespace) -> int:
-    """The command (see the module docstring); exit status 0 once OUT is written."""
-    prompts = read_prompts(args.prompts, args.field)
-    output = Path(args.output)
-    if output.is_dir() or output.resolve() == Path(args.prompts).resolve():
-        raise ValueError(f"--output {output} is {'a folder' if output.is_dir() else 'the input file'}; pass the path "
-                         "of the JSONL file to write, such as completions.jsonl.")
-    state = process_state()
-    store = PartStore(args.output, run_settings(args), state.process_index)
-    store.check_settings()
-    if args.device is not None and state.num_processes > 1:
-        raise ValueError(f"--device {args.device} cannot be used with {state.num_processes} processes: accelerate "
-                         "places each process on its own device; drop --device.")
-    device = state.device if args.device is None else loading.resolve_device(args.device)
-    dtype = "auto" if args.dtype == "auto" else loading.DTYPES[args.dtype]
-    model, tokenizer, _ = loading.load_model(args.model, dtype, device, need_tokenizer=True)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # left padding needs a pad token; masked out anyway
+def encode_prompts(prompts: list[PromptRow], model, tokenizer, args: argparse.Namespace) -> list[list[int]]:
+    """Every prompt's token ids; `ValueError` naming the row for one that is empty or too long for the model."""
     encoded = []
-    for p in prompts:
-        where = f"the prompt on {p.where}"
-        encoded.append(encode_prompt(tokenizer, p.prompt, args.chat, where))
+    for prompt in prompts:
+        where = f"the prompt on {prompt.where}"
+        encoded.append(encode_prompt(tokenizer, prompt.prompt, args.chat, where))
         check_positions(model.config, len(encoded[-1]), args.max_new_tokens, prompt_flag=where,
                         new_flag="--max-new-tokens")
-    kwargs = generate_kwargs(args, model, tokenizer)
-    batches = plan_batches([len(ids) for ids in encoded], args.batch_size)
+    return encoded
 
-    if state.is_main_process:
-        store.create()
-    state.wait_for_everyone()
-    done = store.finished_ids()
-    with state.split_between_processes(list(enumerate(batches))) as shard:
-        todo = [(index, rows) for index, rows in shard if any(id_key(prompts[i].id) not in done for i in rows)]
-    if state.is_main_process and done:
-        print(f"resuming: {len(done)} of {len(prompts)} rows were already done", file=sys.stderr, flush=True)
 
+def decode_shard(state, store: PartStore, todo: list[tuple[int, list[int]]], prompts: list[PromptRow],
+                 encoded: list[list[int]], done: set[str], model, tokenizer, kwargs: dict, seed: int | None) -> None:
+    """Decode this process's unfinished batches (`(batch number, row indices)`), appending each to its part file
+    (rows already done are not written twice) and updating the main process's progress bar."""
     tokens = accepted = verified = 0
     start = time.perf_counter()
     with store.open() as part, _progress(state, sum(len(rows) for _, rows in todo)) as bar:
         for index, rows in todo:
-            if args.seed is not None:  # per batch, so sampled rows do not depend on sharding or resuming
-                torch.manual_seed(args.seed + index)
+            if seed is not None:  # per batch, so sampled rows do not depend on sharding or resuming
+                torch.manual_seed(seed + index)
             results = decode_batch(model, tokenizer, [encoded[i] for i in rows], kwargs)
             store.append(part, ({"id": prompts[i].id, **result} for i, result in zip(rows, results)
                                 if id_key(prompts[i].id) not in done))
@@ -147,9 +126,42 @@ def run_batch(args: argparse.Namespace) -> int:
             bar.set_postfix(postfix, refresh=False)
             bar.update(len(rows))
 
+
+def run_batch(args: argparse.Namespace) -> int:
+    """The command (see the module docstring); exit status 0 once OUT is written."""
+    prompts = read_prompts(args.prompts, args.field)
+    output = Path(args.output)
+    if output.is_dir() or output.resolve() == Path(args.prompts).resolve():
+        raise ValueError(f"--output {output} is {'a folder' if output.is_dir() else 'the input file'}; pass the path "
+                         "of the JSONL file to write, such as completions.jsonl.")
+    state = process_state()
+    store = PartStore(output, run_settings(args), state.process_index)
+    store.check_settings()
+    if args.device is not None and state.num_processes > 1:
+        raise ValueError(f"--device {args.device} cannot be used with {state.num_processes} processes: accelerate "
+                         "places each process on its own device; drop --device.")
+    device = state.device if args.device is None else loading.resolve_device(args.device)
+    dtype = "auto" if args.dtype == "auto" else loading.DTYPES[args.dtype]
+    model, tokenizer, _ = loading.load_model(args.model, dtype, device, need_tokenizer=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # left padding needs a pad token; masked out anyway
+    encoded = encode_prompts(prompts, model, tokenizer, args)
+    kwargs = generate_kwargs(args, model, tokenizer)
+    batches = plan_batches([len(ids) for ids in encoded], args.batch_size)
+
+    if state.is_main_process:
+        store.create()
+    state.wait_for_everyone()  # the parts folder and its settings exist before any process reads or writes parts
+    done = store.finished_ids()
+    with state.split_between_processes(list(enumerate(batches))) as shard:
+        todo = [(index, rows) for index, rows in shard if any(id_key(prompts[i].id) not in done for i in rows)]
+    if state.is_main_process and done:
+        print(f"resuming: {len(done)} of {len(prompts)} rows were already done", file=sys.stderr, flush=True)
+    decode_shard(state, store, todo, prompts, encoded, done, model, tokenizer, kwargs, args.seed)
+
     state.wait_for_everyone()
     if state.is_main_process:
         count = store.merge(prompts)
         processes = "1 process" if state.num_processes == 1 else f"{state.num_processes} processes"
-        print(f"wrote {count} rows to {args.output} ({processes})", file=sys.stderr, flush=True)
+        print(f"wrote {count} rows to {output} ({processes})", file=sys.stderr, flush=True)
     return 0
