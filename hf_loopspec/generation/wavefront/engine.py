@@ -1,0 +1,160 @@
+"""Set-up, host loop and tear-down of one wavefront run (see `step` for the cycle).
+
+Set-up reserves, in the run's `PagedLoopCache`, every page a sequence can need (C = padded prompt width +
+max_new_tokens positions in every plane), so block tables stay constant inside the run, and embeds the prompt.
+The host loop runs the step R cycles at a time and then calls `read_back`, the only place where the host reads
+the device state during the run; it stops when every sequence has finished. The prompt rows exist only during
+the first cycles (a number known in advance: U, plus K*d in block mode), after which they are dropped from the
+state. Tear-down truncates the cache to the device's KV lengths and builds the lane decoder's `DecodeResult`.
+
+The engine covers Ouro-like models (entry and head stages without KV), greedy decoding, EOS and length stops.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from dataclasses import replace
+
+import torch
+
+from ...cache.paged import PagedLoopCache
+from ..decoder import DecodeResult
+from ..stats import SequenceStats, SpeculationStats
+from .state import COUNTERS, Plan, WavefrontState
+from .step import make_step
+
+WAVEFRONT_MODES = ("ar", "block", "pipeline")
+DEFAULT_READ_EVERY = 4
+
+
+def read_back(state: WavefrontState) -> tuple[list[int], list[bool]]:
+    """The host's only look at a running state: committed counts and finished flags."""
+    both = torch.stack([state.n_out, state.finished.long()]).cpu()  # [2, B]
+    return both[0].tolist(), [bool(x) for x in both[1].tolist()]
+
+
+def lanes_for(mode: str, num_loops: int, draft_loops: int, num_speculative_tokens: int) -> int:
+    """L: the most lanes a sequence holds at once (pipeline: one per d depths; block: the round's K + 1)."""
+    return {"ar": 1, "pipeline": num_loops // max(draft_loops, 1), "block": num_speculative_tokens + 1}[mode]
+
+
+class WavefrontEngine:
+    """One batch decoded to completion by the wavefront step.
+
+    `draft_override` `[B, C]` (test-only): a draft for position p of sequence b becomes `draft_override[b, p]`
+    where that is >= 0. `compile_backend`: a `torch.compile` backend for the step (fullgraph), or None (eager).
+    """
+
+    def __init__(self, model, cache: PagedLoopCache, *, mode: str, draft_loops: int, num_speculative_tokens: int,
+                 input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id: int | None,
+                 max_length: int, eos_token_id=None, draft_override: torch.Tensor | None = None,
+                 read_every: int = DEFAULT_READ_EVERY, compile_backend: str | None = None):
+        if cache.num_sequences:
+            raise ValueError("the wavefront engine needs an empty PagedLoopCache (this one already holds "
+                             f"{cache.num_sequences} sequences); pass a fresh cache or none.")
+        if not isinstance(read_every, int) or read_every < 1:
+            raise ValueError(f"read_every={read_every!r} must be an integer >= 1 (cycles between read-backs).")
+        self.model, self.cache, self.read_every = model, cache, read_every
+        self.input_ids = input_ids
+        self.pad = 0 if pad_token_id is None else pad_token_id
+        batch, width = input_ids.shape
+        max_new = max(max_length - width, 0)
+        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        draft_loops = draft_loops if mode != "ar" else 0
+        self.plan = Plan(mode, model.num_loops, draft_loops, num_speculative_tokens,
+                         lanes_for(mode, model.num_loops, draft_loops, num_speculative_tokens),
+                         cache.num_planes, cache.page_size, width + max_new, bool(eos))
+        self.prefill_cycles = model.num_loops + (num_speculative_tokens * draft_loops if mode == "block" else 0)
+        self.stats = SpeculationStats(mode=mode, draft_loops=draft_loops)
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        with torch.no_grad():
+            self.state = self._initial_state(input_ids, mask, max_new, eos, draft_override)
+        step = make_step(model, self.plan)
+        if compile_backend is not None:  # on a private copy of the code: dynamo counts recompiles per code object
+            step = torch.compile(types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__,
+                                                    step.__defaults__, step.__closure__),
+                                 backend=compile_backend, fullgraph=True)
+        self.step = step
+        self.cycles = 0
+
+    def _reserve(self, batch: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages for C positions of every (sequence, plane); returns the block tables and the trash slot (position
+        C - 1 of sequence 0, plane 0: no lane ever sits there, the last token is never fed back)."""
+        cache, positions = self.cache, self.plan.positions
+        seq = torch.arange(batch).repeat_interleave(cache.num_planes * positions)
+        plane = torch.arange(cache.num_planes).repeat_interleave(positions).repeat(batch)
+        position = torch.arange(positions).repeat(batch * cache.num_planes)
+        rows = cache.plan_rows(seq, plane, position, like=like)
+        return rows.block_tables.long(), rows.slot[positions - 1]
+
+    def _initial_state(self, input_ids, mask, max_new: int, eos: list[int], draft_override) -> WavefrontState:
+        plan, device = self.plan, input_ids.device
+        batch, width = input_ids.shape
+        lanes, prompts = plan.lanes, max(width - 1, 0)
+        like = torch.empty(0, dtype=self.model.dtype, device=device)
+        block_tables, trash = self._reserve(batch, like)
+        embed = self.model.get_input_embeddings()
+        hidden_size = embed.weight.shape[1]
+        prompt_len = mask.sum(1)  # [B]
+        long = dict(dtype=torch.long, device=device)
+        state = WavefrontState(
+            token=torch.zeros(batch, lanes, **long), position=torch.zeros(batch, lanes, **long),
+            depth=torch.zeros(batch, lanes, **long), alive=torch.zeros(batch, lanes, dtype=torch.bool, device=device),
+            draft=torch.zeros(batch, lanes, dtype=torch.bool, device=device),
+            hidden=torch.zeros(batch, lanes, hidden_size, dtype=like.dtype, device=device),
+            prompt_hidden=torch.zeros(batch, prompts, hidden_size, dtype=like.dtype, device=device),
+            prompt_real=torch.arange(prompts, device=device) < (prompt_len - 1)[:, None],
+            prompt_depth=torch.zeros(batch, **long),
+            out=torch.full((batch, max_new + 1), self.pad, **long), n_out=torch.zeros(batch, **long),
+            finished=(prompt_len == 0) | (max_new == 0), prompt_len=prompt_len,
+            max_new=torch.tensor(max_new, **long), eos=torch.tensor(eos or [-1], **long),
+            round_drafts=torch.zeros(batch, **long), counters=torch.zeros(batch, len(COUNTERS), **long),
+            core_calls=torch.zeros((), **long),
+            draft_override=torch.full((batch, plan.positions), -1, **long) if draft_override is None
+            else draft_override.to(**long),
+            k_pool=self.cache.k_pool, v_pool=self.cache.v_pool, block_tables=block_tables, trash_slot=trash,
+            kv_len=torch.zeros(batch, plan.planes, **long),
+        )
+        for b in range(batch):  # set-up runs once per batch on the host
+            prompt = input_ids[b][mask[b]]
+            n = len(prompt)
+            if n == 0:
+                continue
+            vectors = embed(prompt)  # [n, H]
+            state.prompt_hidden[b, : n - 1] = vectors[:-1]
+            slot = (n - 1) % lanes
+            state.token[b, slot], state.position[b, slot] = prompt[-1], n - 1
+            state.alive[b, slot] = not bool(state.finished[b])
+            state.hidden[b, slot] = vectors[-1]
+        return state
+
+    def run(self) -> DecodeResult:
+        with torch.no_grad():
+            done = bool(self.state.finished.all())
+            while not done:
+                for _ in range(self.read_every):
+                    if self.cycles == self.prefill_cycles:  # every prompt row has passed all loops
+                        self.state = replace(self.state, prompt_hidden=self.state.prompt_hidden[:, :0].clone(),
+                                             prompt_real=self.state.prompt_real[:, :0].clone())
+                    self.state = self.step(self.state)
+                    self.cycles += 1
+                _, finished = read_back(self.state)
+                done = all(finished)
+        return self._result()
+
+    def read_backs_bound(self) -> int:
+        """The most read-backs a run of `self.cycles` cycles may have made: ceil(cycles / R)."""
+        return math.ceil(self.cycles / self.read_every)
+
+    def _result(self) -> DecodeResult:
+        state = self.state
+        for b, lengths in enumerate(state.kv_len.tolist()):
+            for plane, length in enumerate(lengths):
+                self.cache.truncate(b, plane, length)
+        for row in state.counters.tolist():
+            self.stats.per_sequence.append(SequenceStats(**dict(zip(COUNTERS, row))))
+        self.stats.core_calls = int(state.core_calls)
+        steps = int(state.n_out.max()) if len(state.n_out) else 0
+        sequences = torch.cat([self.input_ids, state.out[:, :steps].to(self.input_ids.dtype)], 1)
+        return DecodeResult(sequences=sequences, scores=None, logits=None, stats=self.stats, trace=None)

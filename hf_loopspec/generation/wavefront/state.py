@@ -1,0 +1,70 @@
+"""The wavefront engine's state: one flat dataclass of fixed-shape tensors on the model's device.
+
+Shapes: B sequences, L lane slots per sequence, P prompt rows per sequence (0 once the prompt has passed all
+loops), H hidden size, T = max_new_tokens, C positions reserved per sequence (padded prompt width + T), planes =
+the KV planes of the model.
+
+Lane slots. A sequence's live lanes hold consecutive positions, so lane position p lives in slot p % L. A lane
+is a token on its way through the loops: `depth` loops done, `hidden` the input of its next loop. `draft` marks
+a lane proposed at depth d and not verified yet.
+
+Prompt rows. Every real prompt token but the last runs its U loops as a prompt row (all of a sequence's rows
+share one depth; their next token is known, so they neither draft nor verify). The last prompt token is a lane.
+
+Counters are per sequence, in the column order of `COUNTERS` (the fields of `SequenceStats`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+COUNTERS = ("committed", "drafted", "verified", "accepted", "rejected", "discarded")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The static settings of one run (Python values: constants of the compiled step)."""
+
+    mode: str  # "ar", "block" or "pipeline"
+    num_loops: int  # U
+    draft_loops: int  # d; 0 in mode "ar"
+    num_speculative_tokens: int  # K (block)
+    lanes: int  # L
+    planes: int  # KV planes per sequence
+    page_size: int
+    positions: int  # C: positions reserved per sequence
+    has_eos: bool
+
+
+@dataclass(eq=False)
+class WavefrontState:
+    # lane slots
+    token: torch.Tensor  # [B, L] int64
+    position: torch.Tensor  # [B, L] int64
+    depth: torch.Tensor  # [B, L] int64  loops completed
+    alive: torch.Tensor  # [B, L] bool
+    draft: torch.Tensor  # [B, L] bool   proposed at depth d, not verified yet
+    hidden: torch.Tensor  # [B, L, H]
+    # prompt rows
+    prompt_hidden: torch.Tensor  # [B, P, H]
+    prompt_real: torch.Tensor  # [B, P] bool  row p holds the prompt token at position p
+    prompt_depth: torch.Tensor  # [B] int64
+    # committed tokens and stopping
+    out: torch.Tensor  # [B, T + 1] int64: committed tokens, pad after them; column T absorbs masked writes
+    n_out: torch.Tensor  # [B] int64
+    finished: torch.Tensor  # [B] bool
+    prompt_len: torch.Tensor  # [B] int64  real prompt tokens
+    max_new: torch.Tensor  # [] int64
+    eos: torch.Tensor  # [E] int64 (E >= 1; unused when the plan has no EOS)
+    round_drafts: torch.Tensor  # [B] int64  block: drafts since the sequence's round began
+    counters: torch.Tensor  # [B, len(COUNTERS)] int64
+    core_calls: torch.Tensor  # [] int64
+    draft_override: torch.Tensor  # [B, C] int64: a draft for position p becomes draft_override[b, p] when >= 0
+    # KV: the pools of the run's PagedLoopCache, its (constant) block tables and the valid lengths
+    k_pool: torch.Tensor  # [layers, pages, page_size, Hkv, D]
+    v_pool: torch.Tensor  # [layers, pages, page_size, Hkv, D]
+    block_tables: torch.Tensor  # [B * planes, pages per table] int64
+    trash_slot: torch.Tensor  # [] int64: a reserved slot no real row uses; masked rows write there
+    kv_len: torch.Tensor  # [B, planes] int64

@@ -1,0 +1,213 @@
+"""One decoding cycle of the wavefront engine as a pure tensor function `step(state) -> state`.
+
+The cycle is the lane decoder's (see `generation.decoder`), over every sequence at once and without host
+synchronisation (no `.item()`, `.tolist()`, host-built tensors or Python branches on tensor values), so that
+`torch.compile(step, fullgraph=True)` traces it whole:
+
+1. Selection: every live lane and prompt row runs, except in block mode, where a sequence with a lane (or prompt
+   rows) below depth d runs only those.
+2. One core call over all B*L lane slots and B*P prompt rows. Rows that do not run are masked: they write their KV
+   into a reserved trash slot, read nothing that reaches an output, and keep their hidden state.
+3. The head on every lane slot; argmax gives the target (at depth U) and the draft proposal (at depth d).
+4. Verification, per sequence, in position order over the lanes that reached depth U: a target is committed;
+   the next lane is accepted when its token equals the target, else it and its descendants die and every KV
+   plane is rolled back (a `kv_len` update, I4). Processing stops at a rejection, at EOS, at `max_new_tokens`,
+   or at the last target; a target with no accepted lane after it spawns a new lane at depth 0 (a restart).
+5. Drafting: the frontier lane that has just reached depth d proposes the next token (or
+   `state.draft_override`) as a new lane at depth 0, while that position can still matter.
+6. Lanes at depth U retire; spawned lanes are embedded into their slot (position % L).
+
+Invariants: a sequence's live lanes hold consecutive positions (so slot = position % L is unique); at most one
+lane is spawned per sequence per cycle (a restart needs the frontier at depth U, a draft needs it at depth d);
+a finished sequence has no live lane or prompt row, so further steps leave it unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .state import Plan, WavefrontState
+
+_COMMITTED, _DRAFTED, _VERIFIED, _ACCEPTED, _REJECTED, _DISCARDED = range(6)
+
+
+class SlotAttention:
+    """`KVAttention` of one core call over fixed-shape rows: every row writes its KV, then attends to positions
+    0..position of its own (sequence, plane) through the run's constant block tables.
+
+    A masked row writes into the trash slot and its output is zero. Reads past a row's position are clamped to
+    its own position (written in this call) and masked out, so no unwritten slot reaches an output.
+    """
+
+    def __init__(self, state: WavefrontState, plan: Plan, seq: torch.Tensor, plane: torch.Tensor,
+                 position: torch.Tensor, active: torch.Tensor):
+        # seq, plane, position: [N] int64; active: [N] bool
+        self.k_pool, self.v_pool, self.active = state.k_pool, state.v_pool, active
+        page_size = plan.page_size
+        table = seq * plan.planes + plane.clamp(max=plan.planes - 1)  # [N]
+        position = position.clamp(0, plan.positions - 1)
+        page = state.block_tables[table, position // page_size]  # [N]
+        self.write_slot = torch.where(active, page * page_size + position % page_size, state.trash_slot)  # [N]
+        span = torch.arange(plan.positions, device=seq.device)  # [C]
+        read = torch.minimum(span, position[:, None])  # [N, C]
+        pages = state.block_tables[table[:, None], read // page_size]  # [N, C]
+        self.read_slot = pages * page_size + read % page_size  # [N, C]
+        self.visible = span <= position[:, None]  # [N, C]
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [N, Hq, D]   k, v: [N, Hkv, D]
+        k_flat = self.k_pool[layer_idx].flatten(0, 1)  # [pages * page_size, Hkv, D] (a view: writes land in the pool)
+        v_flat = self.v_pool[layer_idx].flatten(0, 1)
+        k_flat.index_copy_(0, self.write_slot, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, self.write_slot, v.to(v_flat.dtype))
+        keys = k_flat[self.read_slot].transpose(1, 2).float()  # [N, Hkv, C, D]
+        values = v_flat[self.read_slot].transpose(1, 2).float()
+        out = F.scaled_dot_product_attention(
+            q.float()[:, :, None], keys, values, attn_mask=self.visible[:, None, None], scale=q.shape[-1] ** -0.5,
+            enable_gqa=True,
+        )[:, :, 0]  # [N, Hq, D]
+        return torch.where(self.active[:, None, None], out, 0.0).to(q.dtype)
+
+
+def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
+    """The cycle of `plan` for `model` (a looped model whose entry and head stages have no KV, e.g. Ouro)."""
+    embed_tokens = model.get_input_embeddings()
+
+    def step(state: WavefrontState) -> WavefrontState:
+        ran, prompt_ran = _run_core(model, plan, state)
+        top = model.head(state.hidden).argmax(-1)  # [B, L] (unused slots: ignored)
+        drafter = _drafters(plan, state, ran)  # [B, L], chosen before verification
+        spawn_tok, spawn_pos, restart = _verify(plan, state, ran, top)
+        _draft(plan, state, drafter, top, spawn_tok, spawn_pos, restart, embed_tokens)
+        return state
+
+    return step
+
+
+def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1 and 2: one core call; returns which lane slots `[B, L]` and prompt rows `[B]` ran."""
+    batch, lanes = s.token.shape
+    prompts = s.prompt_real.shape[1]
+    live = ~s.finished  # [B]
+    alive = s.alive & live[:, None]  # [B, L]
+    prompt_live = live & (s.prompt_depth < plan.num_loops) & s.prompt_real.any(1)  # [B]
+    ran, prompt_ran = alive, prompt_live
+    if plan.mode == "block":
+        lane_below = alive & (s.depth < plan.draft_loops)  # [B, L]
+        prompt_below = prompt_live & (s.prompt_depth < plan.draft_loops)  # [B]
+        drafting = lane_below.any(1) | prompt_below  # [B]
+        ran = alive & (lane_below | ~drafting[:, None])
+        prompt_ran = prompt_live & (prompt_below | ~drafting)
+    prompt_rows = prompt_ran[:, None] & s.prompt_real  # [B, P]
+    device = s.token.device
+    seq = torch.arange(batch, device=device)
+    hidden = torch.cat([s.hidden.flatten(0, 1), s.prompt_hidden.flatten(0, 1)])  # [B*L + B*P, H]
+    position = torch.cat([s.position.flatten(), torch.arange(prompts, device=device).repeat(batch)])
+    plane = torch.cat([s.depth.flatten(), s.prompt_depth.repeat_interleave(prompts)])
+    row_seq = torch.cat([seq.repeat_interleave(lanes), seq.repeat_interleave(prompts)])
+    active = torch.cat([ran.flatten(), prompt_rows.flatten()])
+    out = model.core(hidden, position, SlotAttention(s, plan, row_seq, plane, position, active))
+    s.core_calls = s.core_calls + live.any().long()
+    n = batch * lanes
+    s.hidden = torch.where(ran[..., None], out[:n].view_as(s.hidden), s.hidden)
+    s.prompt_hidden = torch.where(prompt_rows[..., None], out[n:].view_as(s.prompt_hidden), s.prompt_hidden)
+    s.depth = s.depth + ran.long()
+    s.prompt_depth = s.prompt_depth + prompt_ran.long()
+    written = s.kv_len.flatten().scatter_reduce(
+        0, (row_seq * plan.planes + plane.clamp(max=plan.planes - 1)), torch.where(active, position + 1, 0), "amax")
+    s.kv_len = written.view_as(s.kv_len)
+    return ran, prompt_ran
+
+
+def _drafters(plan: Plan, s: WavefrontState, ran: torch.Tensor) -> torch.Tensor:
+    """The lane of each sequence that proposes a draft this cycle, if any: `[B, L]` bool."""
+    if plan.mode == "ar":
+        return torch.zeros_like(ran)
+    frontier = torch.where(s.alive, s.position, -1).amax(1, keepdim=True)  # [B, 1]
+    last_draft = s.prompt_len + s.max_new - 2  # [B]: no lane beyond it is needed (the last token is not fed back)
+    drafter = ran & (s.depth == plan.draft_loops) & (s.position == frontier) & (s.position < last_draft[:, None])
+    if plan.mode == "block":
+        drafter = drafter & (s.round_drafts < plan.num_speculative_tokens)[:, None]
+    return drafter
+
+
+def _shift_left(x: torch.Tensor, fill) -> torch.Tensor:
+    """`x[:, r + 1]` at column r, `fill` in the last column: `[B, L]`."""
+    return torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], 1)
+
+
+def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor):
+    """Step 4. Returns each sequence's restart lane: token `[B]`, position `[B]`, and whether there is one `[B]`."""
+    lanes = s.token.shape[1]
+    rank = torch.arange(lanes, device=s.token.device)  # [L]
+    oldest = torch.where(s.alive, s.position, s.position.new_tensor(2**62)).amin(1)  # [B]
+    order = (oldest[:, None] + rank) % lanes  # [B, L]: slot of the lane at rank r (position oldest + r)
+    by_rank = lambda x: x.gather(1, order)  # noqa: E731
+    alive, token, top_r = by_rank(s.alive & ~s.finished[:, None]), by_rank(s.token), by_rank(top)
+    target = by_rank(ran & (s.depth == plan.num_loops))  # [B, L] a prefix of the ranks
+    has_next = _shift_left(alive, False)
+    match = _shift_left(token, -1) == top_r
+    stop = (s.n_out[:, None] + rank + 1) >= s.max_new  # [B, L] committing rank r reaches max_new_tokens
+    if plan.has_eos:
+        stop = stop | torch.isin(top_r, s.eos)
+    go_on = has_next & match & ~stop
+    reached = torch.cat([torch.ones_like(go_on[:, :1]), go_on[:, :-1]], 1).long().cumprod(1).bool()
+    commit = target & reached  # [B, L]
+    n_commit = commit.sum(1)  # [B]
+    verified = commit & has_next
+    accepted, rejected = verified & match, verified & ~match
+    finished_now = (commit & stop).any(1)  # [B]
+    last = (n_commit - 1).clamp(min=0)[:, None]  # [B, 1] rank of the last committed target
+    last_pos = by_rank(s.position).gather(1, last)[:, 0]  # [B]
+    last_top = top_r.gather(1, last)[:, 0]
+    was_rejected = rejected.any(1)
+    restart = (n_commit > 0) & ~finished_now & ~(has_next & match).gather(1, last)[:, 0]
+
+    # lanes that die: descendants of a rejected draft, and every lane of a finished sequence
+    killed = (alive & was_rejected[:, None] & (rank > last)) | (alive & finished_now[:, None])
+    draft = by_rank(s.draft) & ~torch.cat([torch.zeros_like(verified[:, :1]), verified[:, :-1]], 1)
+    counts = torch.stack([n_commit, torch.zeros_like(n_commit), verified.sum(1), accepted.sum(1),
+                          rejected.sum(1), (killed & draft).sum(1)], 1)  # [B, 6] in COUNTERS order
+    s.counters = s.counters + counts
+    to_slots = lambda x: torch.empty_like(x).scatter(1, order, x)  # noqa: E731
+    s.draft = to_slots(draft)
+    s.alive = s.alive & ~to_slots(killed) & (s.depth < plan.num_loops) & ~s.finished[:, None]
+
+    columns = torch.where(commit, s.n_out[:, None] + rank, s.out.shape[1] - 1)  # [B, L]
+    s.out = s.out.scatter(1, columns, top_r)
+    s.n_out = s.n_out + n_commit
+    s.finished = s.finished | finished_now
+    big = s.kv_len.new_tensor(2**62)
+    keep = torch.where(was_rejected, last_pos + 1, big)  # [B] rollback to the verified prefix (I4)
+    keep = torch.minimum(keep, torch.where(finished_now, s.prompt_len + s.n_out - 1, big))  # as serial AR leaves it
+    s.kv_len = torch.minimum(s.kv_len, keep[:, None])
+    s.round_drafts = torch.where(restart, 0, s.round_drafts)
+    return last_top, last_pos + 1, restart
+
+
+def _draft(plan: Plan, s: WavefrontState, drafter, top, restart_tok, restart_pos, restart, embed_tokens) -> None:
+    """Steps 5 and 6: propose drafts, and embed each sequence's spawned lane (a draft or a restart) into its slot."""
+    drafter = drafter & s.alive & ~s.finished[:, None]  # still the frontier after verification
+    has_draft = drafter.any(1)  # [B]
+    draft_pos = torch.where(drafter, s.position, 0).amax(1) + 1  # [B]
+    proposed = torch.where(drafter, top, 0).amax(1)  # [B]
+    forced = s.draft_override.gather(1, draft_pos.clamp(max=plan.positions - 1)[:, None])[:, 0]
+    draft_tok = torch.where(forced >= 0, forced, proposed)
+    s.counters = s.counters + torch.stack(
+        [torch.zeros_like(has_draft), has_draft, *[torch.zeros_like(has_draft)] * 4], 1).long()
+    s.round_drafts = s.round_drafts + has_draft.long()
+
+    spawn = restart | has_draft  # [B]
+    token = torch.where(restart, restart_tok, draft_tok)
+    position = torch.where(restart, restart_pos, draft_pos)
+    slot = (torch.arange(s.token.shape[1], device=s.token.device) == (position % s.token.shape[1])[:, None]) \
+        & spawn[:, None]  # [B, L]
+    s.token = torch.where(slot, token[:, None], s.token)
+    s.position = torch.where(slot, position[:, None], s.position)
+    s.depth = torch.where(slot, 0, s.depth)
+    s.alive = s.alive | slot
+    s.draft = torch.where(slot, has_draft[:, None], s.draft)
+    s.hidden = torch.where(slot[..., None], embed_tokens(token)[:, None], s.hidden)

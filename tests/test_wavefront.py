@@ -1,0 +1,150 @@
+"""The wavefront engine (`generation.wavefront`) against two independent oracles: plain greedy decoding
+(transformers' loop on a `DynamicCache`) and the lane decoder, the reference engine.
+
+Every run must give plain greedy's tokens, the lane decoder's counters (core calls, committed, drafted, verified,
+accepted, rejected, discarded: the same cycles), and KV planes equal to serial AR's (I4). Forced rejection
+patterns go through the engine's device-side `draft_override` and the lane decoder's `draft_hook`, built from
+the same pattern. The step compiles with `torch.compile(fullgraph=True)` (a graph break raises), and the host
+reads the device state at most once per R cycles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from speculative_utils import (
+    PAD,
+    assert_cache_matches_ar,
+    assert_counter_invariants,
+    forcing_hook,
+    generated_counts,
+    left_pad,
+    paged_cache,
+    plain,
+    random_prompts,
+    real_tokens,
+    tiny_spec_model,
+)
+from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+from hf_loopspec.generation.wavefront import WavefrontEngine
+from hf_loopspec.generation.wavefront import engine as engine_module
+
+VOCAB = 80
+NEW = 16
+CASES = [("ar", 1, 1), ("pipeline", 1, 1), ("pipeline", 2, 1), ("block", 1, 3), ("block", 2, 2)]
+CASE_IDS = [f"{m}-d{d}-K{k}" for m, d, k in CASES]
+
+
+def _batch(seed: int, lengths=(5, 2, 7)):
+    model = tiny_spec_model(seed, vocab=VOCAB, damp=0.5)  # damp < 1: drafts get accepted as well as rejected
+    ids, mask = left_pad(random_prompts(seed, lengths, VOCAB))
+    return model, ids, mask
+
+
+def _wavefront(model, ids, mask, new, mode, d, k, *, eos=None, override=None, read_every=4, backend=None):
+    cache = paged_cache(model, debug=False)
+    engine = WavefrontEngine(model, cache, mode=mode, draft_loops=d, num_speculative_tokens=k, input_ids=ids,
+                             attention_mask=mask, pad_token_id=PAD, max_length=ids.shape[1] + new, eos_token_id=eos,
+                             draft_override=override, read_every=read_every, compile_backend=backend)
+    return engine, engine.run(), cache
+
+
+def _lanes(model, ids, mask, new, mode, d, k, *, eos=None, hook=None):
+    stopping = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + new)])
+    if eos is not None:
+        stopping.append(EosTokenCriteria(eos))
+    with torch.no_grad():
+        return model.decode_with_lanes(ids, mode, draft_loops=d, num_speculative_tokens=k,
+                                       cache=paged_cache(model, debug=False), attention_mask=mask,
+                                       logits_processor=None, stopping_criteria=stopping, pad_token_id=PAD,
+                                       max_length=ids.shape[1] + new, draft_hook=hook)
+
+
+def _check(model, mask, result, cache, lanes, ref, new, eos=None):
+    torch.testing.assert_close(result.sequences, ref.sequences, atol=0, rtol=0)
+    torch.testing.assert_close(result.sequences, lanes.sequences, atol=0, rtol=0)
+    assert result.stats.to_dict() == lanes.stats.to_dict()
+    committed = generated_counts(ref.sequences, mask.shape[1], new, eos)
+    assert_counter_invariants(result.stats, committed)
+    assert_cache_matches_ar(cache, ref.cache, mask, committed, model.config.num_hidden_layers)
+
+
+@pytest.mark.parametrize(("mode", "d", "k"), CASES, ids=CASE_IDS)
+def test_identity_with_plain_and_lanes(mode, d, k):
+    """A padded batch with an EOS that stops one sequence early while the others go on to max_new_tokens."""
+    model, ids, mask = _batch(1)
+    free = plain(model, ids, mask, NEW)
+    eos = int(free.sequences[0, ids.shape[1] + 5])  # sequence 0 stops at its 6th token (or earlier)
+    ref = plain(model, ids, mask, NEW, eos_token_id=eos)
+    _, result, cache = _wavefront(model, ids, mask, NEW, mode, d, k, eos=eos)
+    lanes = _lanes(model, ids, mask, NEW, mode, d, k, eos=eos)
+    _check(model, mask, result, cache, lanes, ref, NEW, eos)
+    if mode != "ar":
+        assert result.stats.accepted > 0 and result.stats.rejected > 0
+
+
+PATTERNS = {
+    "all_rejected": lambda s, i: False,
+    "alternating": lambda s, i: i % 2 == 1,
+    "reject3_then_accept": lambda s, i: i % 4 == 3,
+}
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+@pytest.mark.parametrize(("mode", "d", "k"), CASES[1:4], ids=CASE_IDS[1:4])
+def test_forced_patterns(mode, d, k, pattern):
+    """The same forced drafts through `draft_override` and the lane decoder's `draft_hook`."""
+    model, ids, mask = _batch(2, (4, 6))
+    ref = plain(model, ids, mask, NEW)
+    prompt_lens = [int(n) for n in mask.sum(1)]
+    reference = [real_tokens(ref.sequences, mask, s) for s in range(len(ids))]
+    hook = forcing_hook(reference, prompt_lens, PATTERNS[pattern], VOCAB)
+    positions = ids.shape[1] + NEW
+    override = torch.tensor([[hook(s, p, 0) if prompt_lens[s] <= p < len(reference[s]) else -1
+                              for p in range(positions)] for s in range(len(ids))])
+    _, result, cache = _wavefront(model, ids, mask, NEW, mode, d, k, override=override)
+    lanes = _lanes(model, ids, mask, NEW, mode, d, k, hook=hook)
+    _check(model, mask, result, cache, lanes, ref, NEW)
+    assert result.stats.rejected > 0
+    assert (result.stats.accepted > 0) == (pattern != "all_rejected")
+
+
+@pytest.mark.parametrize("mode", ["ar", "pipeline", "block"])
+def test_step_compiles_whole(mode):
+    """`torch.compile(step, fullgraph=True)`: a graph break raises; the compiled run equals the eager one."""
+    model, ids, mask = _batch(3, (3, 5))
+    d, k = (2, 2) if mode == "block" else (1, 1)
+    _, eager, _ = _wavefront(model, ids, mask, 8, mode, d, k, eos=[7, 11])
+    _, compiled, _ = _wavefront(model, ids, mask, 8, mode, d, k, eos=[7, 11], backend="eager")
+    torch.testing.assert_close(compiled.sequences, eager.sequences, atol=0, rtol=0)
+    assert compiled.stats.to_dict() == eager.stats.to_dict()
+
+
+@pytest.mark.parametrize("read_every", [1, 3])
+def test_read_backs_at_most_one_per_r_cycles(monkeypatch, read_every):
+    calls = []
+    original = engine_module.read_back
+
+    def counting(state):
+        calls.append(1)
+        return original(state)
+
+    monkeypatch.setattr(engine_module, "read_back", counting)
+    model, ids, mask = _batch(4, (3,))
+    engine, result, _ = _wavefront(model, ids, mask, 10, "pipeline", 1, 1, read_every=read_every)
+    assert engine.cycles >= result.stats.core_calls > 0
+    assert 1 <= len(calls) <= math.ceil(engine.cycles / read_every)
+
+
+def test_errors_name_the_setting():
+    model, ids, mask = _batch(5, (3,))
+    cache = paged_cache(model)
+    cache.ensure_sequences(1)
+    with pytest.raises(ValueError, match="empty PagedLoopCache"):
+        WavefrontEngine(model, cache, mode="pipeline", draft_loops=1, num_speculative_tokens=1, input_ids=ids,
+                        attention_mask=mask, pad_token_id=PAD, max_length=8)
+    with pytest.raises(ValueError, match="read_every=0"):
+        _wavefront(model, ids, mask, 4, "pipeline", 1, 1, read_every=0)
