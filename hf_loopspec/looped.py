@@ -4,14 +4,19 @@ A looped LM is `embed -> core x U -> head`, where `core` is one pass of a shared
 in `hf_loopspec.generation` drive a model only through this protocol, so a new looped family plugs in by
 implementing it:
 
+* `lane_width` and `lane_dtype`: a lane state (what a token carries through the loops) is `[lane_width]` in
+  `lane_dtype`, which is also the dtype of the KV the stages write (Ouro: the hidden size; Huginn: twice its
+  width, `[state | prelude output]`). Strategies and caches size and type their buffers from these, never from
+  the embedding matrix or `model.dtype`.
 * `embed(input_ids, positions, sequences, attention)` maps token ids `[*rows]` to the loop-0 input
-  `[*rows, hidden]` (the lane state a token carries through the loops).
-* `core(hidden, positions, attention)` runs ONE loop of the stack over a batch of rows `[*rows, hidden]`.
+  `[*rows, lane_width]`.
+* `core(hidden, positions, attention)` runs ONE loop of the stack over a batch of rows `[*rows, lane_width]`.
   Rows are independent apart from attention: each row may belong to a different sequence, sit at a different
   position and at a different loop depth, because every loop uses the same weights. `positions` `[*rows]`
   are the rotary positions; everything about KV addressing (which plane a row writes, which history it reads)
   lives in the `attention` object, never in the model.
-* `head(hidden, positions, attention)` maps any depth's output to logits: the depth-d draft and the depth-U
+* `head(hidden, positions, attention)` maps any depth's output to **fp32** logits `[*rows, vocab]` (whatever
+  `lane_dtype` is, so that drafts and targets are judged in one precision): the depth-d draft and the depth-U
   target use one head.
 
 Entry and exit stages with their own KV. Ouro's `embed` and `head` are stateless and get `attention=None`.
@@ -82,6 +87,12 @@ class LoopedModel(Protocol):
 
     @property
     def kv_layout(self) -> KVLayout: ...
+
+    @property
+    def lane_width(self) -> int: ...
+
+    @property
+    def lane_dtype(self) -> torch.dtype: ...
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor,
               attention: KVAttention | None) -> torch.Tensor: ...

@@ -6,6 +6,7 @@ bad input ends with a one-line message and exit status 2. No timing assertions."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 from pathlib import Path
@@ -113,7 +114,8 @@ def test_synthetic_full_acceptance_reproduces_the_pipeline_cost_model(draft_loop
 
 def test_bench_runs_a_huginn_shape_with_calls_per_token_of_its_recurrence(tmp_path):
     """huginn-tiny (8 recurrence steps): plain and ar take 8 core calls per token, pipeline at synthetic full
-    acceptance (N-1)d + U calls, outputs equal plain greedy; no call-cost model (its prelude and coda have KV)."""
+    acceptance (N-1)d + U calls, outputs equal plain greedy; its call costs (prelude and coda timed on their own
+    KV planes) give the ideal columns, and ar's ideal speed-up over itself is 1."""
     args = bench_args.parse_args([*FAST, "--model", "huginn-tiny", "--synthetic-acceptance", "1.0", "--draft-loops",
                                   "2", "--json", str(tmp_path / "h.json")])
     result = run_bench(args)
@@ -121,9 +123,28 @@ def test_bench_runs_a_huginn_shape_with_calls_per_token_of_its_recurrence(tmp_pa
     assert result["model"]["num_loops"] == 8 and result["model"]["config"]["model_type"] == "huginn_raven"
     assert rows["plain"]["core_calls_per_token"] == rows["ar"]["core_calls_per_token"] == 8
     assert rows["pipeline"]["core_calls_per_token"] == pytest.approx(((N - 1) * 2 + 8) / N)
-    assert all(r["check_passed"] for r in result["rows"][1:]) and result["call_costs"] is None
-    assert rows["pipeline"]["ideal_speedup_vs_ar"] is None
-    assert "no call-cost model" in report.format_table(result)
+    assert all(r["check_passed"] for r in result["rows"][1:])
+    costs_json = result["call_costs"]
+    for stage in ("embed", "core", "head"):
+        assert costs_json[f"{stage}_prefill_seconds"] > 0
+        assert all(s > 0 for s in costs_json[f"{stage}_seconds_by_rows"].values())
+    assert rows["ar"]["ideal_speedup_vs_ar"] == pytest.approx(1.0)
+    assert rows["ar"]["predicted_seconds"] == pytest.approx(costs_json["ar_predicted_seconds"])
+    for mode in ("block", "pipeline"):
+        assert rows[mode]["ideal_speedup_vs_ar"] > 0 and rows[mode]["fraction_of_ideal"] > 0
+    assert "head h(1)=" in report.format_table(result) and "embed e(1)=" in report.format_table(result)
+
+
+@pytest.mark.parametrize("shape", ["ouro-tiny", "huginn-tiny"])
+def test_ar_call_rows_are_the_rows_an_ar_run_records(shape):
+    """The cost model's `ar` call shapes (used when `ar` is not among the modes) are what the decoder counts."""
+    model = shapes.random_model(shape)
+    ids = prompts.make_prompts(None, model.config.vocab_size, 2, 8, seed=0)
+    recurrence = model.recurrence(init_scale=0.0) if shape.startswith("huginn") else contextlib.nullcontext()
+    with torch.inference_mode(), recurrence, run.bench_generation_config(model, None):
+        recorded = run.run_mode(model, "ar", ids, 5, draft_loops=1, k=4)["call_rows"]
+    head_has_kv = model.kv_layout.first_exit_plane is not None
+    assert recorded == costs.ar_call_rows(model.num_loops, 2, 8, 5, head_has_kv)
 
 
 def test_bench_compile_reports_compile_time_and_keeps_outputs(tmp_path):
@@ -155,10 +176,12 @@ def test_ideal_model_interpolates_call_costs():
     table = {1: 1.0, 2: 1.5, 4: 2.5}
     assert costs.interpolate(table, 3) == pytest.approx(2.0)
     assert costs.interpolate(table, 8) == pytest.approx(4.5)  # extrapolated with the last slope
-    measured = {"core": {1: 1.0, 4: 1.0}, "prefill": 3.0, "prefill_rows": 8, "head": {1: 0.5}}
-    core, head = costs.ar_call_shapes(loops=4, batch=1, prompt_len=8, new_tokens=3)
-    assert core == [8] * 4 + [1] * 8 and head == [1] * 3
-    assert costs.predicted_seconds(measured, core, head) == pytest.approx(4 * 3.0 + 8 * 1.0 + 3 * 0.5)
+    measured = {"prefill_rows": 8, "prefill": {"embed": 0.25, "core": 3.0, "head": 2.0},
+                "by_rows": {"embed": {1: 0.1}, "core": {1: 1.0, 4: 1.0}, "head": {1: 0.5}}}
+    rows = costs.ar_call_rows(loops=4, batch=1, prompt_len=8, new_tokens=3, head_has_kv=False)
+    assert rows == {"embed": [8, 1, 1], "core": [8] * 4 + [1] * 8, "head": [1] * 3}
+    expected = (0.25 + 2 * 0.1) + (4 * 3.0 + 8 * 1.0) + 3 * 0.5
+    assert costs.predicted_seconds(measured, rows) == pytest.approx(expected)
 
 
 def test_bench_plot_writes_a_png(all_modes, tmp_path):

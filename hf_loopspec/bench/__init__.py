@@ -29,9 +29,8 @@ is reported with the first divergent token and the reference's top-1/top-2 logit
 Random-weight shapes (`SHAPES`) cover both families: `ouro-tiny`, `ouro-100m`, `ouro-1.4b`, and `huginn-tiny`,
 `huginn-small` (Huginn-0125's 2 + 4 + 2 stage layout at width 512, 32 recurrence steps), `huginn-3.5b` (the real
 shape, for a GPU). Huginn-family models run every mode from zero initial states (init_scale 0) at
-`mean_recurrence` steps; `draft_loops` then counts recurrence steps. Their prelude and coda have KV of their own,
-so the call-cost model below (which times core and head calls alone) is not computed for them: the ideal
-columns stay empty, and the comparison is measured time and core calls per token.
+`mean_recurrence` steps; `draft_loops` then counts recurrence steps. Their prelude (`embed`) and coda (`head`)
+have KV of their own: the call-cost model below times them on their own planes.
 
 `--compile [BACKEND]` runs the lane modes with `compile_core` (static-shape compiled core and head calls,
 `generation/stages.py`); each row reports `compile_seconds`, its warm-up run minus its median timed run.
@@ -44,18 +43,20 @@ acceptance at A after a rounding divergence from plain decoding.
 
 The limit it is judged against
 ------------------------------
-In every round, before its runs (so that both see the same machine load), one core call (`model.core` over a
-`PagedLoopCache` `RowBatch` at context `prompt_len`) is timed for the row counts the strategies use: t(R) for
-R = 1, B, 2B, ..., max(U/d, K+1)*B, and the causal prefill call t_pre over P*B rows (B = batch, P = prompt
-length); the head over M rows likewise, h(M); each is the median over the rounds. During every lane run the
-row count of each core call (from `plan_rows`) and each head call (a forward hook on the output embeddings) is
-recorded. If nothing but these calls cost time, a run would take
+In every round, before its runs (so that both see the same machine load), one call of each stage of the
+`LoopedModel` protocol (`core`, `head`, `embed`, over a `PagedLoopCache` `RowBatch` at context `prompt_len`) is
+timed for the row counts the strategies use: t(R) for R = 1, B, 2B, ..., max(U/d, K+1)*B core rows, the causal
+prefill call t_pre over P*B rows (B = batch, P = prompt length); the head h(M) and embed e(M) likewise; each is
+the median over the rounds (`costs`). Every lane run counts the rows of each of its stage calls on the host
+(`SpeculationStats.call_rows`; nothing in a timed run waits for the device). If nothing but these calls cost
+time, a run would take
 
-    T_hat(mode) = sum_i t(R_i) + sum_j h(M_j)          (t, h interpolated piecewise-linearly between grid points)
+    T_hat(mode) = sum_i t(R_i) + sum_j h(M_j) + sum_k e(E_k)   (interpolated piecewise-linearly between points)
 
-For `ar` with N new tokens that is U prefill calls, (N-1)*U calls of B rows and N head calls of B rows:
+For `ar` with N new tokens that is U prefill calls, (N-1)*U calls of B rows, N head calls of B rows (Ouro) and
+the embedding of the prompt and of N-1 tokens:
 
-    T_hat(ar) = U*t_pre + (N-1)*U*t(B) + N*h(B)
+    T_hat(ar) = U*t_pre + (N-1)*U*t(B) + N*h(B) + e_pre + (N-1)*e(B)
 
 and the reported limit is
 
@@ -86,8 +87,10 @@ Sampling (`--do-sample`)
 ------------------------
 With `--do-sample` (and `--temperature`, default 1.0, `--top-p`, default 1.0, `--top-k`, default 0 = off) every
 mode samples: `plain` through `model.generate(do_sample=True, temperature=..., top_p=..., top_k=...)`, the lane
-modes through `decode_with_lanes(do_sample=True, logits_processor=...)` with the same warpers that generate
-builds (`sampling_processors`: temperature, top-k, top-p, in generate's order). Drafts are judged by lossless
+modes through `decode_with_lanes(do_sample=True, logits_processor=...)` with the processors that generate builds
+from the same settings, built by transformers' own code (`run.generation_processors`). The bench runs on a
+generation config of its own (no EOS, none of a checkpoint's generation defaults) and leaves the caller's
+`model.generation_config` as it was. Drafts are judged by lossless
 speculative sampling (accept with min(1, p/q), else draw from the residual), so `acceptance_rate` is that real
 acceptance, not a greedy match. Every run is seeded with `torch.manual_seed(seed + round)` (warm-ups with
 `seed`), so a bench repeats. The outputs are random draws: they are not compared token by token with plain

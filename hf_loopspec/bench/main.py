@@ -5,7 +5,6 @@ calibration, then the result document) and its entry points (`main_from_args` fo
 from __future__ import annotations
 
 import contextlib
-import math
 import statistics
 import sys
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from ..generation.config import compile_backend, resolve_speculative
 from ..input_checks import check_positions
 from ..loading import DTYPES, load_model, resolve_device
 from .args import LANE_MODES, check_sampling_args, with_defaults
-from .costs import ar_call_shapes, measure_call_costs, median_costs, predicted_seconds
+from .costs import ar_call_rows, call_grids, measure_call_costs, median_costs, predicted_seconds
 from .plot import plot, pyplot
 from .prompts import PROMPT_CODE, PROMPT_TEXT, make_prompts
 from .report import SAMPLING_CHECK_NOTE, build_result, format_table, machine_info, mode_row, write_result
@@ -103,11 +102,10 @@ def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:
     machine = machine_info(device)
     with torch.inference_mode():
         runs, warmup_seconds, cost_rounds, reference, reference_logits = _measure(bench, model_name, device)
-    costs = median_costs(cost_rounds) if cost_rounds else None
-    ar_core, ar_head = ar_call_shapes(loops, args.batch_size, args.prompt_len, args.new_tokens)
-    if "ar" in runs:
-        ar_core, ar_head = runs["ar"][0]["core_rows"], runs["ar"][0]["head_rows"]
-    ar_predicted = predicted_seconds(costs, ar_core, ar_head) if costs else None
+    costs = median_costs(cost_rounds)
+    ar_rows = runs["ar"][0]["call_rows"] if "ar" in runs else ar_call_rows(
+        loops, args.batch_size, args.prompt_len, args.new_tokens, model.kv_layout.first_exit_plane is not None)
+    ar_predicted = predicted_seconds(costs, ar_rows)
     seconds = {mode: statistics.median(x["seconds"] for x in rs) for mode, rs in runs.items()}
     exact_dtype = DTYPES[args.dtype] == torch.float32
     rows = []
@@ -151,21 +149,15 @@ def _measure(bench: _Bench, model_name: str, device: torch.device):
                           **bench.run_kwargs)
         own_reference[mode], warmup_seconds[mode] = warmup["generated"], warmup["seconds"]
 
-    batch, loops, d, k = args.batch_size, model.num_loops, args.draft_loops, args.num_speculative_tokens
-    core_grid = sorted({1, *(batch * r for r in range(1, max(math.ceil(loops / d), k + 1) + 1))})
-    head_grid = sorted({1, *(batch * r for r in range(1, max(2, k + 1) + 1))})
-    layout = model.kv_layout
-    calibrate = layout.entry_plane is None and layout.first_exit_plane is None
+    batch = args.batch_size
+    grids = call_grids(batch, model.num_loops, args.draft_loops, args.num_speculative_tokens)
     runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     cost_rounds = []
     for r in range(args.repeats):
-        _log(args, f"[bench] round {r + 1}/{args.repeats}: "
-                   + (f"call costs over {core_grid} rows and the {batch * args.prompt_len}-row prefill, then "
-                      if calibrate else "") + " ".join(args.modes))
-        if calibrate:
-            cost_rounds.append(measure_call_costs(model, batch, args.prompt_len, core_grid, head_grid, device,
-                                                  DTYPES[args.dtype], args.calibration_seconds / args.repeats,
-                                                  seed=args.seed + r))
+        _log(args, f"[bench] round {r + 1}/{args.repeats}: call costs over {grids['core']} core rows and the "
+                   f"{batch * args.prompt_len}-row prefill, then " + " ".join(args.modes))
+        cost_rounds.append(measure_call_costs(model, batch, args.prompt_len, grids, device,
+                                              args.calibration_seconds / args.repeats, seed=args.seed + r))
         for mode in args.modes:
             runs[mode].append(run_mode(model, mode, ids, n, draft_hook=bench.hook(mode, own_reference.get(mode)),
                                        seed=bench.seed(r), **bench.run_kwargs))

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .args import PLAIN_MODES
-from .costs import predicted_seconds
+from .costs import STAGES, predicted_seconds
 
 SCHEMA = "hf-loopspec-bench/1"
 SAMPLING_CHECK_NOTE = ("sampling: not comparable: outputs are random draws, so plain is no token-by-token reference; "
@@ -86,6 +86,16 @@ def sampling_title(sampling: dict) -> str:
     return f"SAMPLING (temperature {sampling['temperature']}, top_p {sampling['top_p']}, top_k {sampling['top_k']})"
 
 
+def _call_costs_line(c: dict) -> str:
+    """`call ms by rows (context P): core t(1)=... prefill t(BP)=... | head h(1)=... | embed e(1)=...`."""
+    parts = []
+    for stage, letter in (("core", "t"), ("head", "h"), ("embed", "e")):
+        points = sorted((int(r), s) for r, s in c[f"{stage}_seconds_by_rows"].items())  # (JSON keys are strings)
+        parts.append(f"{stage} " + " ".join(f"{letter}({r})={_ms(s)}" for r, s in points)
+                     + f" prefill {letter}({c['prefill_rows']})={_ms(c[f'{stage}_prefill_seconds'])}")
+    return f"call ms by rows (context {c['context']}): " + " | ".join(parts)
+
+
 def format_table(result: dict) -> str:
     """The human-readable table: header with the run's settings, the call costs, one line per mode."""
     a, m = result["args"], result["machine"]
@@ -109,14 +119,7 @@ def format_table(result: dict) -> str:
     if result["synthetic_acceptance"] is not None:
         lines.append(f"*** SYNTHETIC ACCEPTANCE {result['synthetic_acceptance']}: each draft is replaced by the known "
                      "greedy token with this probability, else by a wrong one; verification is real ***")
-    c = result["call_costs"]
-    if c is None:
-        lines.append("no call-cost model (ideal, %ideal, overhd): the model's entry/exit stages have KV of their own")
-    else:
-        core = " ".join(f"t({r})={_ms(s)}" for r, s in sorted(c["core_seconds_by_rows"].items()))
-        head = " ".join(f"h({r})={_ms(s)}" for r, s in sorted(c["head_seconds_by_rows"].items()))
-        lines.append(f"core call ms by rows (context {c['context']}): {core} | prefill t({c['prefill_rows']})="
-                     f"{_ms(c['prefill_seconds'])} | head ms: {head}")
+    lines.append(_call_costs_line(result["call_costs"]))
     header = (f"{'mode':<9}{'tok/s':>9}{'x plain':>9}{'x ar':>7}{'ideal':>7}{'%ideal':>8}{'overhd':>8}"
               f"{'calls/tok':>10}{'accept':>8}{'peak mem':>10}  check")
     lines += [header, "-" * len(header)]
@@ -142,7 +145,7 @@ def format_table(result: dict) -> str:
 
 # --- the JSON document -------------------------------------------------------------------------------------------
 def mode_row(mode: str, runs: list[dict], seconds: dict[str, float], *, batch: int, new_tokens: int, loops: int,
-             check, exact: bool | None, costs: dict | None, ar_predicted: float | None,
+             check, exact: bool | None, costs: dict, ar_predicted: float,
              warmup_seconds: float | None, compiled: bool) -> dict:
     """One row of `rows`: a mode's median time, speed-ups, counters (lane modes), ideal speed-up and check.
 
@@ -177,17 +180,16 @@ def mode_row(mode: str, runs: list[dict], seconds: dict[str, float], *, batch: i
         acceptance_rate_all=[x["stats"].acceptance_rate if x["stats"].drafted else None for x in runs],
         core_calls_per_token_all=[x["stats"].core_calls * batch / x["stats"].committed_tokens for x in runs],
     )
-    if costs is not None:
-        predicted = predicted_seconds(costs, first["core_rows"], first["head_rows"])
-        row.update(ideal_speedup_vs_ar=ar_predicted / predicted, predicted_seconds=predicted,
-                   overhead_fraction=1.0 - predicted / seconds[mode])
-        if row["speedup_vs_ar"] is not None:
-            row["fraction_of_ideal"] = row["speedup_vs_ar"] / row["ideal_speedup_vs_ar"]
+    predicted = predicted_seconds(costs, first["call_rows"])
+    row.update(ideal_speedup_vs_ar=ar_predicted / predicted, predicted_seconds=predicted,
+               overhead_fraction=1.0 - predicted / seconds[mode])
+    if row["speedup_vs_ar"] is not None:
+        row["fraction_of_ideal"] = row["speedup_vs_ar"] / row["ideal_speedup_vs_ar"]
     return row
 
 
 def build_result(rows: list[dict], *, args, machine: dict, model, model_name: str, sampling: dict | None,
-                 warpers: list[str] | None, costs: dict | None, ar_predicted: float | None) -> dict:
+                 warpers: list[str] | None, costs: dict, ar_predicted: float) -> dict:
     """The whole JSON document (see the module docstring)."""
     machine = {**machine, "load_avg_1m_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     cuda = machine["device"].startswith("cuda")
@@ -205,9 +207,10 @@ def build_result(rows: list[dict], *, args, machine: dict, model, model_name: st
             **sampling, "warpers": warpers, "seed": args.seed,
             "seeding": "torch.manual_seed(seed + round) before each timed run of a round, torch.manual_seed(seed) "
                        "before each warm-up run"},
-        "call_costs": None if costs is None else {
-            "context": costs["context"], "core_seconds_by_rows": costs["core"], "prefill_rows": costs["prefill_rows"],
-            "prefill_seconds": costs["prefill"], "head_seconds_by_rows": costs["head"],
+        "call_costs": {
+            "context": costs["context"], "prefill_rows": costs["prefill_rows"],
+            **{f"{stage}_seconds_by_rows": costs["by_rows"][stage] for stage in STAGES},
+            **{f"{stage}_prefill_seconds": costs["prefill"][stage] for stage in STAGES},
             "ar_predicted_seconds": ar_predicted},
         "notes": {**NOTES,
                   "peak_mem_kind": "cuda_max_memory_allocated" if cuda

@@ -15,24 +15,6 @@ from ..cache.paged import PagedLoopCache
 from .args import PLAIN_MODES
 
 
-class _RecordingCache(PagedLoopCache):
-    """A `PagedLoopCache` that records the row count of every core call (one `plan_rows` per call; the calls of
-    entry and exit stages with KV, which write other planes, are not core calls)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.call_rows: list[int] = []
-
-    def plan_rows(self, seq, depth, position, like, lineage=None):
-        rows = super().plan_rows(seq, depth, position, like, lineage=lineage)
-        if int(rows.depth.max()) < self.kv_layout.depth_planes:  # not an entry or exit stage's call
-            self.call_rows.append(rows.num_rows)
-        return rows
-
-    def allocated_bytes(self) -> int:
-        return 0 if self.k_pool is None else 2 * self.k_pool.numel() * self.k_pool.element_size()
-
-
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -40,6 +22,10 @@ def synchronize(device: torch.device) -> None:
 
 def _param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _paged_cache_bytes(cache: PagedLoopCache) -> int:
+    return 0 if cache.k_pool is None else 2 * cache.k_pool.numel() * cache.k_pool.element_size()
 
 
 def _dynamic_cache_bytes(cache) -> int:
@@ -101,7 +87,7 @@ def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loop
              output_logits: bool = False, processors: LogitsProcessorList | None = None, seed: int | None = None,
              compile_core: str | None = None) -> dict:
     """Run one mode once, inside `bench_generation_config` (greedy or sampled as `model.generation_config` says);
-    returns seconds, generated ids `[B, N]`, stats and the recorded call shapes.
+    returns seconds, generated ids `[B, N]`, and for the lane modes the stats and the row counts of every call.
 
     `processors`: the lane modes' logits processors (`generation_processors`); `seed`: call `torch.manual_seed(seed)`
     first (untimed); `compile_core`: a torch.compile backend for the lane modes.
@@ -138,25 +124,20 @@ def _run_plain(model, mode: str, ids: torch.Tensor, new_tokens: int, output_logi
 
 def _run_lanes(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook,
                processors, compile_core):
-    cache = _RecordingCache(model.kv_layout)
-    head_rows: list[int] = []
-    handle = model.get_output_embeddings().register_forward_hook(
-        lambda module, args, output: head_rows.append(args[0].shape[:-1].numel()))
+    cache = PagedLoopCache(model.kv_layout)
     max_length = ids.shape[1] + new_tokens
-    try:
-        synchronize(ids.device)
-        start = time.perf_counter()
-        out = model.decode_with_lanes(
-            ids, mode, draft_loops=draft_loops, num_speculative_tokens=k, cache=cache, attention_mask=None,
-            logits_processor=processors, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(max_length)]),
-            pad_token_id=0, max_length=max_length, draft_hook=draft_hook,
-            do_sample=model.generation_config.do_sample, compile_core=compile_core or False)
-        synchronize(ids.device)
-        seconds = time.perf_counter() - start
-    finally:
-        handle.remove()
-    return {"mode": mode, "seconds": seconds, "stats": out.stats, "core_rows": cache.call_rows,
-            "head_rows": head_rows, "kv_bytes": cache.allocated_bytes()}, out
+    synchronize(ids.device)
+    start = time.perf_counter()
+    out = model.decode_with_lanes(
+        ids, mode, draft_loops=draft_loops, num_speculative_tokens=k, cache=cache, attention_mask=None,
+        logits_processor=processors, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(max_length)]),
+        pad_token_id=0, max_length=max_length, draft_hook=draft_hook,
+        do_sample=model.generation_config.do_sample, compile_core=compile_core or False)
+    synchronize(ids.device)
+    seconds = time.perf_counter() - start
+    # The row counts of every stage call come with the stats (counted on the host: no device sync in the run).
+    return {"mode": mode, "seconds": seconds, "stats": out.stats, "call_rows": out.stats.call_rows,
+            "kv_bytes": _paged_cache_bytes(cache)}, out
 
 
 def compare(generated: torch.Tensor, reference: torch.Tensor, reference_logits=None) -> dict:

@@ -150,7 +150,7 @@ class LaneDecoder:
                              "(for Huginn: the planes depend on num_steps); create it with "
                              "PagedLoopCache(model.kv_layout) under the same settings, or pass none.")
         cache.ensure_sequences(batch)
-        self.like = torch.empty(0, dtype=model.dtype, device=input_ids.device)  # the KV dtype and device
+        self.like = torch.empty(0, dtype=model.lane_dtype, device=input_ids.device)  # the KV dtype and device
         self.seqs = []
         for s in range(batch):
             prompt = input_ids[s][mask[s]]
@@ -184,6 +184,7 @@ class LaneDecoder:
         rows = self._rows(lanes, [lane.depth for lane in lanes])
         out = self.stages.core(hidden, torch.tensor(positions, device=hidden.device), rows)  # [N, H]
         self.stats.core_calls += 1
+        self.stats.call_rows["core"].append(len(lanes))
         if self.trace is not None:
             self.trace.append(CycleTrace(
                 [RowTrace(lane.seq, lane.position, lane.depth, lane.token, lane.is_draft) for lane in lanes],
@@ -204,7 +205,8 @@ class LaneDecoder:
             exit_rows = None if self.layout.first_exit_plane is None else \
                 self._rows(heads, [self.layout.exit_plane(lane.depth) for lane in heads])
             positions = torch.tensor([lane.position for lane in heads], device=self.like.device)
-            logits = self.stages.head(torch.stack([lane.hidden for lane in heads]), positions, exit_rows).float()
+            logits = self.stages.head(torch.stack([lane.hidden for lane in heads]), positions, exit_rows)  # fp32
+            self.stats.call_rows["head"].append(len(heads))
             if not self.do_sample and self.processors is None:  # greedy: one compact readback per cycle
                 tops = logits.argmax(-1).tolist()  # [M]
         row_of = {id(lane): i for i, lane in enumerate(heads)}  # logits: [M, V]
@@ -236,6 +238,7 @@ class LaneDecoder:
             torch.tensor([lane.seq for lane in new], device=device),
             attention,
         )  # [n, H]
+        self.stats.call_rows["embed"].append(len(new))
         for lane, h in zip(new, hidden):
             lane.hidden = h
 

@@ -165,7 +165,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         if spec.compile_backend is not None:
             capacity = capacity_for(len(input_ids), self.num_loops, spec.num_speculative_tokens)
             options["stages"] = StaticStages.for_run(self, cache, spec.compile_backend, len(input_ids), capacity,
-                                                     options["max_length"], input_ids.device, self.dtype)
+                                                     options["max_length"], input_ids.device, self.lane_dtype)
         decoder = LaneDecoder(self, cache, policy_for(spec, self.num_loops), mode=spec.mode, input_ids=input_ids,
                               **options)
         return decoder.run()

@@ -7,6 +7,8 @@ its verification (a descendant of a rejected draft, or in flight when its sequen
 Exact invariants (tested): `accepted + rejected == verified`, `drafted == verified + discarded`,
 `committed_tokens` == number of generated tokens, `core_calls_per_token == core_calls / committed_tokens`.
 `core_calls` counts every call of the shared stack in the run, prompt prefill included, across the batch.
+`call_rows` lists the row count of every stage call of the run, in order, per stage ("embed", "core", "head"):
+what a cost model needs (`hf_loopspec.bench.costs`); it is not part of `to_dict`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class SpeculationStats:
     draft_loops: int
     core_calls: int = 0
     per_sequence: list[SequenceStats] = field(default_factory=list)
+    call_rows: dict[str, list[int]] = field(default_factory=lambda: {"embed": [], "core": [], "head": []})
 
     def _total(self, name: str) -> int:
         return sum(getattr(s, name) for s in self.per_sequence)

@@ -38,8 +38,9 @@ class StrictLoadingMixin:
 
 
 class LoopedCausalLMMixin:
-    """Put first in a causal LM's bases: `num_loops`, `kv_layout`, `embed` and `core` are the base model's
-    (`self.base_model`), and the output embeddings are `self.lm_head`. The class itself defines `head`."""
+    """Put first in a causal LM's bases: `num_loops`, `kv_layout`, `lane_width`, `lane_dtype`, `embed` and `core`
+    are the base model's (`self.base_model`), and the output embeddings are `self.lm_head`. The class itself defines
+    `head`."""
 
     @property
     def num_loops(self) -> int:
@@ -48,6 +49,14 @@ class LoopedCausalLMMixin:
     @property
     def kv_layout(self):
         return self.base_model.kv_layout
+
+    @property
+    def lane_width(self) -> int:
+        return self.base_model.lane_width
+
+    @property
+    def lane_dtype(self):
+        return self.base_model.lane_dtype
 
     def embed(self, input_ids, positions=None, sequences=None, attention=None):
         return self.base_model.embed(input_ids, positions, sequences, attention)

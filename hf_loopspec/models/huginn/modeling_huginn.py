@@ -191,6 +191,15 @@ class HuginnModel(HuginnPreTrainedModel):
         return KVLayout(planes, layers, c.num_key_value_heads, c.head_dim, entry_plane=entry,
                         first_exit_plane=first_exit)
 
+    @property
+    def lane_width(self) -> int:
+        """A lane state is [state | prelude output]."""
+        return 2 * self.config.n_embd
+
+    @property
+    def lane_dtype(self) -> torch.dtype:
+        return self.wte.weight.dtype
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         c = self.config
         if c.rope_style == "interleaved":

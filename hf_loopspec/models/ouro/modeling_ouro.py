@@ -126,6 +126,14 @@ class OuroModel(OuroPreTrainedModel):
         c = self.config
         return KVLayout(c.total_ut_steps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
 
+    @property
+    def lane_width(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def lane_dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
     def get_input_embeddings(self):
         return self.embed_tokens
 
@@ -193,8 +201,8 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
 
     # --- LoopedModel protocol (num_loops, kv_layout, embed, core: LoopedCausalLMMixin) ------------------------
     def head(self, hidden: torch.Tensor, positions=None, attention=None) -> torch.Tensor:
-        """Logits of any depth's output; Ouro's head is stateless (positions and attention are not used)."""
-        return self.lm_head(hidden)
+        """fp32 logits of any depth's output; Ouro's head is stateless (positions and attention are not used)."""
+        return self.lm_head(hidden).float()
 
     # --- HF API ---------------------------------------------------------------------------------------------
     def forward(
