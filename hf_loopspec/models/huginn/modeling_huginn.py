@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 import torch
@@ -103,6 +104,12 @@ class Recurrence:
     init_seed: int | None
 
 
+_RECURRENCE: ContextVar[dict[int, Recurrence] | None] = ContextVar("huginn_recurrence", default=None)
+"""The settings of the `recurrence` blocks open in this thread (or asyncio task), keyed by `id(HuginnModel)`: a
+call's settings never live on the shared model, so threads decoding one model with different settings do not
+interfere. Never mutated: a block sets a new dict and restores the previous one on exit."""
+
+
 def state_seed(seed: int, sequence: int, position: int) -> int:
     """A generator seed for one token's initial state, mixed from (seed, sequence, position)."""
     mixed = (seed * 0x9E3779B97F4A7C15 + sequence * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) % 2**64
@@ -146,17 +153,22 @@ class HuginnModel(HuginnPreTrainedModel):
         self.core_block = nn.ModuleList(HuginnBlock(config, i) for i in range(config.n_layers_in_recurrent_block))
         self.coda = nn.ModuleList(HuginnBlock(config, i) for i in range(config.n_layers_in_coda))
         self.ln_f = RMSNorm(config.n_embd, config.norm_eps)
-        self.settings = Recurrence(config.mean_recurrence, 1.0, None)
         self.post_init()
 
     # --- recurrence settings --------------------------------------------------------------------------------
+    @property
+    def settings(self) -> Recurrence:
+        """The settings of the innermost `recurrence` block open in this thread, else the defaults."""
+        return (_RECURRENCE.get() or {}).get(id(self)) or Recurrence(self.config.mean_recurrence, 1.0, None)
+
     @contextlib.contextmanager
     def recurrence(self, num_steps: int | None = None, init_scale: float | None = None,
                    init_seed: int | None = None) -> Iterator[Recurrence]:
         """Run the block with these settings (None keeps the current value; outside any block: `mean_recurrence`
         steps, init_scale 1.0). A positive `init_scale` without a seed draws one from torch's global generator,
         so `torch.manual_seed` makes a run reproducible, and every token's state within the block is keyed by
-        (seed, sequence, position): forward calls, cached steps and every decoding mode draw the same states."""
+        (seed, sequence, position): forward calls, cached steps and every decoding mode draw the same states.
+        The settings hold for this thread (or asyncio task) only; the model itself is not changed."""
         if num_steps is not None and (not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1):
             raise ValueError(f"num_steps={num_steps!r} must be an integer >= 1 (default: mean_recurrence="
                              f"{self.config.mean_recurrence}).")
@@ -164,17 +176,17 @@ class HuginnModel(HuginnPreTrainedModel):
             raise ValueError(f"init_scale={init_scale!r} must be a number >= 0 (0 gives zero initial states).")
         if init_seed is not None and (not isinstance(init_seed, int) or isinstance(init_seed, bool) or init_seed < 0):
             raise ValueError(f"init_seed={init_seed!r} must be a non-negative integer or None.")
-        previous = self.settings
+        current = self.settings
         updates = {k: v for k, v in (("num_steps", num_steps), ("init_scale", init_scale), ("init_seed", init_seed))
                    if v is not None}
-        settings = replace(previous, **updates)
+        settings = replace(current, **updates)
         if settings.init_scale > 0 and settings.init_seed is None:
             settings = replace(settings, init_seed=int(torch.randint(2**62, ())))
-        self.settings = settings
+        token = _RECURRENCE.set({**(_RECURRENCE.get() or {}), id(self): settings})
         try:
             yield settings
         finally:
-            self.settings = previous
+            _RECURRENCE.reset(token)
 
     # --- LoopedModel protocol -------------------------------------------------------------------------------
     @property
