@@ -4,6 +4,8 @@ a saved `generation_config.json`, without transformers' "model_kwargs are not us
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from speculative_utils import PAD, left_pad, paged_cache, plain, random_prompts, tiny_spec_model
@@ -196,3 +198,33 @@ def test_keys_set_on_the_default_generation_config_survive_save_and_reload(input
     loaded = _save_and_reload(model, tmp_path)
     assert '"speculative_mode": "pipeline"' in (tmp_path / "generation_config.json").read_text()
     assert getattr(loaded.generation_config, "speculative_mode", None) == "pipeline"
+
+
+@pytest.mark.parametrize("how", ["file", "argument"])
+def test_keys_in_a_generation_config_marked_from_model_config_are_honoured(inputs, tmp_path, how):
+    """Older transformers versions save `"_from_model_config": true`, and transformers then drops every non-standard
+    key when it builds the config; the speculative keys of such a file (or of such a config passed to
+    `from_pretrained`) are restored, so the model decodes speculatively, with plain's tokens."""
+    model = tiny_spec_model(55, 4, vocab=VOCAB)
+    ids, mask = inputs
+    ref = plain(model, ids, mask, 8)
+    model.save_pretrained(tmp_path)
+    saved = {"_from_model_config": True, "pad_token_id": PAD, "speculative_mode": "block", "draft_loops": 2,
+             "num_speculative_tokens": 3}
+    if how == "file":
+        (tmp_path / "generation_config.json").write_text(json.dumps(saved))
+        assert getattr(GenerationConfig.from_pretrained(tmp_path), "speculative_mode", None) is None  # transformers
+        loaded = OuroForCausalLM.from_pretrained(tmp_path).eval()
+    else:
+        config = GenerationConfig(pad_token_id=PAD)
+        for key in ("speculative_mode", "draft_loops", "num_speculative_tokens"):
+            setattr(config, key, saved[key])
+        config._from_model_config = True
+        loaded = OuroForCausalLM.from_pretrained(tmp_path, generation_config=config).eval()
+    assert (loaded.generation_config.speculative_mode, loaded.generation_config.draft_loops,
+            loaded.generation_config.num_speculative_tokens) == ("block", 2, 3)
+    with torch.no_grad():
+        out = loaded.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                              return_dict_in_generate=True)
+    assert out.speculation.mode == "block" and out.speculation.draft_loops == 2
+    assert out.sequences.tolist() == ref.sequences.tolist()

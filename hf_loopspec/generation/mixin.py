@@ -28,6 +28,7 @@ from .config import (
 )
 from .decoder import LaneDecoder
 from .policies import policy_for
+from .processors import plain_fallback, warn_once
 from .stages import StaticStages, capacity_for
 from .stats import SpeculationStats
 
@@ -38,17 +39,6 @@ class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
 
     speculation: SpeculationStats | None = None
     trace: list | None = None
-
-
-def mark_user_generation_config(generation_config) -> None:
-    """Keep speculative keys set on a model's default generation config through `save_pretrained`.
-
-    A default generation config is marked `_from_model_config`, and transformers drops every non-standard key
-    when it loads a file so marked; once speculative keys are set, the config is the user's own.
-    """
-    if generation_config is not None and any(getattr(generation_config, k, None) is not None
-                                             for k in SPECULATIVE_KEYS):
-        generation_config._from_model_config = False
 
 
 class LoopSpecGenerationMixin(GenerationMixin):
@@ -127,6 +117,15 @@ class LoopSpecGenerationMixin(GenerationMixin):
         if spec is None:
             return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                                    synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+        fallback = plain_fallback(logits_processor)
+        if fallback is not None:
+            warn_once(fallback)
+            result = super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
+                                     synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+            if not generation_config.return_dict_in_generate:
+                return result
+            stats = SpeculationStats(spec.mode, spec.draft_loops, fallback=fallback)
+            return SpeculativeDecoderOnlyOutput(**result, speculation=stats)
         call = current_call()
         result = self._run_lanes(
             input_ids, spec, cache=model_kwargs["cache"], attention_mask=model_kwargs.get("attention_mask"),

@@ -3,16 +3,35 @@
 
 from __future__ import annotations
 
-from ..generation.mixin import mark_user_generation_config
+from ..generation.saved_config import mark_user_generation_config, restore_speculative_keys, saved_generation_dict
 
 
 class StrictLoadingMixin:
     """Put before `PreTrainedModel` in the bases: a checkpoint that does not match the model raises, and speculative
-    keys on the default generation config survive `save_pretrained`."""
+    keys survive `save_pretrained` and `from_pretrained` (`generation.saved_config`)."""
 
     def save_pretrained(self, *args, **kwargs):
         mark_user_generation_config(getattr(self, "generation_config", None))
         return super().save_pretrained(*args, **kwargs)
+
+    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
+                             cache_dir=None, force_download=False, proxies=None, local_files_only=False, token=None,
+                             revision=None, subfolder="", trust_remote_code=None, **kwargs):
+        """transformers' loading of the generation config, plus the speculative keys it drops from a config marked
+        `_from_model_config` (e.g. a `generation_config.json` saved by an older transformers version)."""
+        download = {"cache_dir": cache_dir, "force_download": force_download, "proxies": proxies,
+                    "local_files_only": local_files_only, "token": token, "revision": revision, "subfolder": subfolder}
+        super().adjust_generation_fn(generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
+                                     **download, trust_remote_code=trust_remote_code, **kwargs)
+        if not self.can_generate() or not getattr(self.generation_config, "_from_model_config", False):
+            return
+        if generation_config is not None:
+            saved = generation_config.to_dict()
+        elif pretrained_model_name_or_path is not None:
+            saved = saved_generation_dict(pretrained_model_name_or_path, **download)
+        else:
+            return
+        restore_speculative_keys(self.generation_config, saved)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):

@@ -1,0 +1,56 @@
+"""Speculative keys through `save_pretrained` / `from_pretrained`.
+
+transformers drops every non-standard key of a generation config marked `_from_model_config` (as a default config
+derived from `config.json` is, and as files saved by older transformers versions are) when it builds the
+`GenerationConfig`. The speculative keys are non-standard, so:
+
+* `mark_user_generation_config` unmarks a config that carries speculative keys before it is saved;
+* `restore_speculative_keys` puts back the keys that a loaded `generation_config.json` (or a `generation_config`
+  passed to `from_pretrained`) carried but transformers dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from transformers import GenerationConfig
+from transformers.utils import GENERATION_CONFIG_NAME, cached_file
+
+from .config import SPECULATIVE_KEYS
+
+logger = logging.getLogger(__name__)
+
+
+def mark_user_generation_config(generation_config) -> None:
+    """Keep speculative keys set on a model's default generation config through `save_pretrained`: once speculative
+    keys are set, the config is the user's own, not one derived from `config.json`."""
+    if generation_config is not None and any(getattr(generation_config, k, None) is not None
+                                             for k in SPECULATIVE_KEYS):
+        generation_config._from_model_config = False
+
+
+def restore_speculative_keys(target: GenerationConfig, saved: dict) -> None:
+    """Set on `target` the speculative keys of `saved` (a generation config's dict) that it lacks; a config that
+    then carries them is the user's own (`_from_model_config` False), so later saves and `generate` keep them."""
+    restored = {key: saved[key] for key in SPECULATIVE_KEYS
+                if saved.get(key) is not None and getattr(target, key, None) is None}
+    for key, value in restored.items():
+        setattr(target, key, value)
+    if restored:
+        target._from_model_config = False
+
+
+def saved_generation_dict(path, **download_kwargs) -> dict:
+    """The raw `generation_config.json` of a checkpoint (`{}` when it has none or it cannot be read)."""
+    try:
+        resolved = cached_file(path, GENERATION_CONFIG_NAME, _raise_exceptions_for_missing_entries=False,
+                               _raise_exceptions_for_connection_errors=False, **download_kwargs)
+        if resolved is None:
+            return {}
+        with open(resolved, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as error:
+        logger.warning("hf_loopspec could not read %s of %s to restore its speculative keys (%s); decoding uses "
+                       "the generation config transformers loaded.", GENERATION_CONFIG_NAME, path, error)
+        return {}
