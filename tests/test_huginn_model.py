@@ -7,6 +7,8 @@ layout (pre-norm blocks, rotate-half RoPE, GQA, no q/k bias, embedding scale 1, 
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 
 import pytest
@@ -210,6 +212,24 @@ def test_hub_layout_folder_loads(tmp_path, trust_remote_code):
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers) == (32, 4, 6)
 
 
+def test_upstream_config_with_another_n_layers_loads_with_a_warning(tmp_path, caplog):
+    """The upstream code builds the model from the per-stage layer counts, whatever `n_layers` says: such a
+    config.json loads (weights intact) with a warning that names both numbers, and `n_layers` becomes the sum."""
+    config = tiny_huginn_config()
+    model, sd = tiny_huginn(seed=7)
+    folder = write_hub_folder(tmp_path / "huginn", config, sd, dtype=torch.float32)
+    config_json = json.loads((folder / "config.json").read_text())
+    config_json["n_layers"] = 9  # prelude 2 + recurrent block 2 + coda 2 = 6
+    (folder / "config.json").write_text(json.dumps(config_json))
+    with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+        loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert any("n_layers=9" in r.getMessage() and "= 6" in r.getMessage() for r in caplog.records)
+    assert loaded.config.n_layers == loaded.config.num_hidden_layers == 6
+    ids = random_ids((1, 6), seed=8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, init_scale=0.0).logits, model(ids, init_scale=0.0).logits)
+
+
 def test_bf16_hub_folder_loads_in_bf16(tmp_path):
     config = tiny_huginn_config("retrofitted")
     _, sd = tiny_huginn("retrofitted")
@@ -233,7 +253,6 @@ def test_mismatched_checkpoint_raises(tmp_path):
     ({"n_heads": 5}, "not divisible by n_heads"),
     ({"n_heads": 8, "num_key_value_heads": 3, "qk_bias": False}, "num_key_value_heads"),
     ({"num_key_value_heads": 2}, "qk_bias"),
-    ({"n_layers": 7}, "n_layers"),
     ({"rope_style": "complex"}, "rope_style"),
     ({"block_class_name": "Other"}, "block_class_name"),
     ({"tie_embeddings": True, "tie_word_embeddings": False}, "disagree"),

@@ -7,10 +7,13 @@ The field names match the `config.json` of `tomg-group-umd/huginn-0125` (its rem
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import ClassVar
 
 from transformers.configuration_utils import PreTrainedConfig
+
+logger = logging.getLogger(__name__)
 
 BLOCK_STYLES = {"SandwichBlock": "sandwich", "TransformerPreNormBlock": "pre_norm"}
 ROPE_STYLES = ("interleaved", "rotate_half")
@@ -31,7 +34,8 @@ class HuginnConfig(PreTrainedConfig):
         head_dim (`int`, *optional*): per-head width; default `n_embd // n_heads`.
         intermediate_size (`int`): width of the gated SiLU MLP.
         n_layers_in_prelude, n_layers_in_recurrent_block, n_layers_in_coda (`int`): the three stages.
-        n_layers (`int`, *optional*): their sum (alias `num_hidden_layers`); checked when given.
+        n_layers (`int`, *optional*): their sum (alias `num_hidden_layers`); a different value (as some configs
+            saved by the upstream code carry) is replaced by the sum, with a warning.
         mean_recurrence (`int`): default number of recurrence steps at inference.
         block_size (`int`): maximum positions.
         rope_base (`float`): RoPE base; `rope_theta`, when set, takes precedence (both are kept equal).
@@ -96,8 +100,13 @@ class HuginnConfig(PreTrainedConfig):
                                  "pass head_dim explicitly or choose a divisible head count.")
             self.head_dim = self.n_embd // self.n_heads
         stages = self.n_layers_in_prelude + self.n_layers_in_recurrent_block + self.n_layers_in_coda
-        if self.n_layers is None:
-            self.n_layers = stages
+        if self.n_layers is not None and self.n_layers != stages:
+            logger.warning(
+                "HuginnConfig.n_layers=%s (num_hidden_layers) differs from prelude + recurrent block + coda = %s + %s "
+                "+ %s = %s; the model is built from the per-stage counts (as the upstream code does), and n_layers is "
+                "set to %s.", self.n_layers, self.n_layers_in_prelude, self.n_layers_in_recurrent_block,
+                self.n_layers_in_coda, stages, stages)
+        self.n_layers = stages
         if self.rope_theta is not None:  # the transformers name wins when both are set
             self.rope_base = self.rope_theta
         self.rope_theta = self.rope_base
@@ -135,13 +144,6 @@ class HuginnConfig(PreTrainedConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"HuginnConfig.{name}={value!r} is invalid: it must be an integer >= 0.")
-        stages = self.n_layers_in_prelude + self.n_layers_in_recurrent_block + self.n_layers_in_coda
-        if self.n_layers != stages:
-            raise ValueError(
-                f"HuginnConfig.n_layers={self.n_layers} (num_hidden_layers) must equal prelude + recurrent block + "
-                f"coda = {self.n_layers_in_prelude} + {self.n_layers_in_recurrent_block} + "
-                f"{self.n_layers_in_coda} = {stages}."
-            )
         if self.padded_vocab_size not in (None, self.vocab_size):
             raise ValueError(
                 f"HuginnConfig.padded_vocab_size={self.padded_vocab_size} differs from vocab_size={self.vocab_size}; "
