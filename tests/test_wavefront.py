@@ -11,6 +11,7 @@ reads the device state at most once per R cycles.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -63,10 +64,15 @@ def _lanes(model, ids, mask, new, mode, d, k, *, eos=None, hook=None):
                                        max_length=ids.shape[1] + new, draft_hook=hook)
 
 
+def _counts(stats) -> dict:
+    return {key: value for key, value in stats.to_dict().items() if key != "engine"}
+
+
 def _check(model, mask, result, cache, lanes, ref, new, eos=None):
     torch.testing.assert_close(result.sequences, ref.sequences, atol=0, rtol=0)
     torch.testing.assert_close(result.sequences, lanes.sequences, atol=0, rtol=0)
-    assert result.stats.to_dict() == lanes.stats.to_dict()
+    assert _counts(result.stats) == _counts(lanes.stats)
+    assert (result.stats.engine, lanes.stats.engine) == ("wavefront", "lanes")
     committed = generated_counts(ref.sequences, mask.shape[1], new, eos)
     assert_counter_invariants(result.stats, committed)
     assert_cache_matches_ar(cache, ref.cache, mask, committed, model.config.num_hidden_layers)
@@ -114,13 +120,55 @@ def test_forced_patterns(mode, d, k, pattern):
 
 @pytest.mark.parametrize("mode", ["ar", "pipeline", "block"])
 def test_step_compiles_whole(mode):
-    """`torch.compile(step, fullgraph=True)`: a graph break raises; the compiled run equals the eager one."""
+    """`torch.compile(step, fullgraph=True)` (a graph break raises) compiles the prefill step and the decode step;
+    the compiled run equals the eager one. The speculative modes compile through `generate(compile_core=...)`."""
     model, ids, mask = _batch(3, (3, 5))
     d, k = (2, 2) if mode == "block" else (1, 1)
     _, eager, _ = _wavefront(model, ids, mask, 8, mode, d, k, eos=[7, 11])
-    _, compiled, _ = _wavefront(model, ids, mask, 8, mode, d, k, eos=[7, 11], backend="eager")
+    torch._dynamo.utils.counters.clear()
+    if mode == "ar":
+        _, compiled, _ = _wavefront(model, ids, mask, 8, mode, d, k, eos=[7, 11], backend="eager")
+    else:
+        compiled = _generate(model, ids, mask, 8, mode, d, k, eos_token_id=[7, 11], speculative_engine="wavefront",
+                             compile_core="eager")
+        compiled.stats = compiled.speculation
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     torch.testing.assert_close(compiled.sequences, eager.sequences, atol=0, rtol=0)
     assert compiled.stats.to_dict() == eager.stats.to_dict()
+
+
+def _generate(model, ids, mask, new, mode, d, k, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD,
+                              return_dict_in_generate=True, speculative_mode=mode, draft_loops=d,
+                              num_speculative_tokens=k, **kwargs)
+
+
+def test_generate_speculative_engine():
+    """`speculative_engine` picks the engine; "auto" (the default) runs the lane decoder for now."""
+    model, ids, mask = _batch(6)
+    eos = 9
+    ref = plain(model, ids, mask, NEW, eos_token_id=eos)
+    runs = {engine: _generate(model, ids, mask, NEW, "pipeline", 1, 1, eos_token_id=eos, speculative_engine=engine)
+            for engine in ("wavefront", "lanes", None)}
+    for engine, out in runs.items():
+        torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
+        assert out.speculation.engine == (engine or "lanes")
+    assert _counts(runs["wavefront"].speculation) == _counts(runs["lanes"].speculation)
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    ({"speculative_engine": "fast"}, "speculative_engine='fast'"),
+    ({"speculative_engine": "wavefront", "do_sample": True}, "do_sample=True"),
+    ({"speculative_engine": "wavefront", "repetition_penalty": 1.3}, "RepetitionPenaltyLogitsProcessor"),
+    ({"speculative_engine": "wavefront", "draft_hook": lambda s, p, t: t}, "draft_hook"),
+    ({"speculative_engine": "wavefront", "speculative_mode": None}, "set speculative_mode"),
+])
+def test_generate_engine_errors_name_the_setting(kwargs, named):
+    model, ids, mask = _batch(7, (3,))
+    options = {"max_new_tokens": 4, "pad_token_id": PAD, "speculative_mode": "pipeline", "do_sample": False, **kwargs}
+    with pytest.raises(ValueError, match=re.escape(named)):
+        model.generate(ids, attention_mask=mask, **options)
 
 
 @pytest.mark.parametrize("read_every", [1, 3])

@@ -8,6 +8,8 @@ The keys live on `GenerationConfig` (so they also load from `generation_config.j
 * `num_speculative_tokens` (K): drafts per round in block mode; >= 1.
 * `compile_core`: `False` (default), `True` (`torch.compile` with inductor) or a `torch.compile` backend name:
   the core and head calls run as static-shape compiled calls over row buckets (`generation.stages`).
+* `speculative_engine`: `"auto"` (default), `"lanes"` or `"wavefront"`: which engine runs the mode (see
+  `generation.wavefront.select`); asking for `"wavefront"` with a setting it does not support is a `ValueError`.
 
 `resolve_speculative` is the one validation of these settings: `generate` resolves them once per call (from the
 generation config, `speculative_config`) and passes the `SpeculativeConfig` down; `decode_with_lanes`, the bench
@@ -20,11 +22,12 @@ from dataclasses import dataclass
 
 from transformers.generation import GenerationConfig, GenerationMode
 
-SPECULATIVE_KEYS = ("speculative_mode", "draft_loops", "num_speculative_tokens", "compile_core")
+SPECULATIVE_KEYS = ("speculative_mode", "draft_loops", "num_speculative_tokens", "compile_core", "speculative_engine")
 MODES = ("pipeline", "block")
 LANE_MODES = ("ar", *MODES)  # `decode_with_lanes` also runs "ar": the lane engine without drafting
 DEFAULT_DRAFT_LOOPS = 1
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+ENGINES = ("auto", "lanes", "wavefront")
 
 
 @dataclass(frozen=True)
@@ -35,10 +38,11 @@ class SpeculativeConfig:
     draft_loops: int = DEFAULT_DRAFT_LOOPS
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     compile_backend: str | None = None  # torch.compile backend of the core and head calls; None: eager
+    engine: str = "auto"  # one of ENGINES
 
 
-def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, compile_core=None, *, num_loops: int,
-                        modes: tuple[str, ...] = MODES) -> SpeculativeConfig:
+def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, compile_core=None, engine=None, *,
+                        num_loops: int, modes: tuple[str, ...] = MODES) -> SpeculativeConfig:
     """Validate one run's settings for a model of `num_loops` loops; `None` takes the default. Raises `ValueError`
     naming the argument, its value and the fix."""
     if mode not in modes:
@@ -50,7 +54,11 @@ def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, com
         _check_draft_loops(mode, draft_loops, num_loops)
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1 (drafts per block round).")
-    return SpeculativeConfig(mode, draft_loops, k, compile_backend(compile_core))
+    engine = "auto" if engine is None else engine
+    if engine not in ENGINES:
+        raise ValueError(f"speculative_engine={engine!r} is not an engine; use one of {ENGINES} (auto: the fastest "
+                         "engine that supports every setting of the call).")
+    return SpeculativeConfig(mode, draft_loops, k, compile_backend(compile_core), engine)
 
 
 def _check_draft_loops(mode: str, draft_loops, num_loops: int) -> None:
@@ -73,14 +81,18 @@ def speculative_config(generation_config: GenerationConfig, num_loops: int) -> S
     """The speculative keys of a generation config, resolved; `None` when `speculative_mode` is unset (plain)."""
     mode = getattr(generation_config, "speculative_mode", None)
     compile_core = getattr(generation_config, "compile_core", None)
+    engine = getattr(generation_config, "speculative_engine", None)
     if mode is None:
+        if engine not in (None, "auto"):
+            raise ValueError(f"speculative_engine={engine!r} chooses the engine of a speculative mode; set "
+                             "speculative_mode too, or drop speculative_engine for plain decoding.")
         if compile_backend(compile_core) is not None:
             raise ValueError(f"compile_core={compile_core!r} applies to the speculative modes' lane decoder; set "
                              "speculative_mode, or for plain decoding use transformers' own compilation "
                              "(cache_implementation='static').")
         return None
     return resolve_speculative(mode, getattr(generation_config, "draft_loops", None),
-                               getattr(generation_config, "num_speculative_tokens", None), compile_core,
+                               getattr(generation_config, "num_speculative_tokens", None), compile_core, engine,
                                num_loops=num_loops)
 
 

@@ -31,6 +31,7 @@ from .policies import policy_for
 from .processors import plain_fallback, warn_once
 from .stages import StaticStages, capacity_for
 from .stats import SpeculationStats
+from .wavefront.select import run_engine
 
 
 @dataclass
@@ -127,8 +128,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
             stats = SpeculationStats(spec.mode, spec.draft_loops, fallback=fallback)
             return SpeculativeDecoderOnlyOutput(**result, speculation=stats)
         call = current_call()
-        result = self._run_lanes(
-            input_ids, spec, cache=model_kwargs["cache"], attention_mask=model_kwargs.get("attention_mask"),
+        result = run_engine(
+            self, input_ids, spec, cache=model_kwargs["cache"], attention_mask=model_kwargs.get("attention_mask"),
             logits_processor=logits_processor, stopping_criteria=stopping_criteria,
             pad_token_id=_as_int(generation_config._pad_token_tensor), max_length=generation_config.max_length,
             streamer=streamer, draft_hook=call.draft_hook if call else None, do_sample=generation_config.do_sample,

@@ -31,6 +31,7 @@ class SpeculationStats:
     mode: str
     draft_loops: int
     core_calls: int = 0
+    engine: str = "lanes"  # the engine that ran: "lanes" or "wavefront"
     per_sequence: list[SequenceStats] = field(default_factory=list)
     call_rows: dict[str, list[int]] = field(default_factory=lambda: {"embed": [], "core": [], "head": []})
 
@@ -72,8 +73,9 @@ class SpeculationStats:
     def to_dict(self) -> dict:
         keys = ("committed_tokens", "drafted", "verified", "accepted", "rejected", "discarded", "acceptance_rate",
                 "core_calls_per_token")
-        return {"mode": self.mode, "draft_loops": self.draft_loops, "core_calls": self.core_calls,
-                **{k: getattr(self, k) for k in keys}, "per_sequence": [asdict(s) for s in self.per_sequence]}
+        return {"mode": self.mode, "engine": self.engine, "draft_loops": self.draft_loops,
+                "core_calls": self.core_calls, **{k: getattr(self, k) for k in keys},
+                "per_sequence": [asdict(s) for s in self.per_sequence]}
 
     def __getitem__(self, key: str):
         return self.to_dict()[key]

@@ -66,7 +66,7 @@ class WavefrontEngine:
                          lanes_for(mode, model.num_loops, draft_loops, num_speculative_tokens),
                          cache.num_planes, cache.page_size, width + max_new, bool(eos))
         self.prefill_cycles = model.num_loops + (num_speculative_tokens * draft_loops if mode == "block" else 0)
-        self.stats = SpeculationStats(mode=mode, draft_loops=draft_loops)
+        self.stats = SpeculationStats(mode=mode, draft_loops=draft_loops, engine="wavefront")
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         with torch.no_grad():
             self.state = self._initial_state(input_ids, mask, max_new, eos, draft_override)

@@ -1,0 +1,64 @@
+"""Which engine runs a speculative `generate` call (`speculative_engine`), and the wavefront engine's entry point.
+
+The wavefront engine covers: Ouro-like models (no KV in the entry or exit stage), greedy decoding without logits
+processors, EOS and length stops (`max_new_tokens` / `max_length`), padded batches, and `compile_core` (the step
+is compiled whole with that backend). Everything else of a call is named by `unsupported`:
+
+* `speculative_engine="lanes"` runs the lane decoder;
+* `"wavefront"` runs the wavefront engine, or raises `ValueError` naming every unsupported setting of the call;
+* `"auto"` (the default) runs the lane decoder for now: the wavefront engine does not yet cover the whole fast
+  path of issue 15 (sampling, top-k/p, min-p, repetition penalty, `min_new_tokens`, streamers, Huginn).
+"""
+
+from __future__ import annotations
+
+from transformers import EosTokenCriteria, MaxLengthCriteria
+
+from ...cache.paged import PagedLoopCache
+from ..config import SpeculativeConfig
+from ..decoder import DecodeResult
+from .engine import WavefrontEngine
+
+
+def unsupported(model, options: dict) -> list[str]:
+    """The settings of a call (the lane decoder's `options`) that the wavefront engine does not support."""
+    problems = []
+    layout = model.kv_layout
+    if layout.entry_plane is not None or layout.first_exit_plane is not None:
+        problems.append(f"{type(model).__name__} (its entry or exit stage has KV, e.g. Huginn)")
+    if options.get("do_sample"):
+        problems.append("do_sample=True")
+    problems += [f"logits processor {type(p).__name__}" for p in options.get("logits_processor") or ()]
+    problems += [f"stopping criterion {type(c).__name__}" for c in options.get("stopping_criteria") or ()
+                 if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
+    for name, label in (("streamer", "streamer"), ("draft_hook", "draft_hook"), ("trace", "speculative_trace"),
+                        ("output_scores", "output_scores"), ("output_logits", "output_logits")):
+        if options.get(name):
+            problems.append(label)
+    return problems
+
+
+def choose_engine(model, spec: SpeculativeConfig, options: dict) -> str:
+    """"lanes" or "wavefront" for `spec.engine` (see the module docstring)."""
+    if spec.engine != "wavefront":
+        return "lanes"
+    problems = unsupported(model, options)
+    if problems:
+        raise ValueError(f"speculative_engine='wavefront' does not support {'; '.join(problems)}. Drop "
+                         f"{'it' if len(problems) == 1 else 'them'}, or pass speculative_engine='lanes' (or 'auto').")
+    return "wavefront"
+
+
+def run_engine(model, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCache, **options) -> DecodeResult:
+    """One speculative run of `generate` on the engine `choose_engine` picks (`options`: the lane decoder's)."""
+    if choose_engine(model, spec, options) == "lanes":
+        return model._run_lanes(input_ids, spec, cache=cache, **options)
+    eos = [int(t) for c in options.get("stopping_criteria") or () if isinstance(c, EosTokenCriteria)
+           for t in c.eos_token_id.reshape(-1).tolist()]
+    engine = WavefrontEngine(
+        model, cache, mode=spec.mode, draft_loops=spec.draft_loops,
+        num_speculative_tokens=spec.num_speculative_tokens, input_ids=input_ids,
+        attention_mask=options.get("attention_mask"), pad_token_id=options.get("pad_token_id"),
+        max_length=options["max_length"], eos_token_id=eos or None, compile_backend=spec.compile_backend,
+    )
+    return engine.run()
