@@ -1,8 +1,11 @@
 """Tests of the paged-attention ops in `hf_loopspec.ops.attention`.
 
-* The PyTorch reference against an independent oracle: a per-row loop over each table's *dense* keys and values
-  in fp64, which knows nothing about pages (named scenes, and random ones drawn by hypothesis).
-* The Triton kernels against the same oracle and against the reference: on CPU under `TRITON_INTERPRET=1`
+* The oracle is the package's readable reference, `naive.naive_paged_attention` (one row and one position at a
+  time), run in fp64; it is itself checked against dense attention over each table's keys and values, which
+  knows nothing about pages.
+* The vectorised PyTorch path (`torch_paged`) against the oracle (named scenes, and random ones drawn by
+  hypothesis).
+* The Triton kernels against the same oracle and against the PyTorch path: on CPU under `TRITON_INTERPRET=1`
   (fp32, fp16) and on a GPU (`gpu` marker; adds bf16). The variable must be set before the kernels are
   decorated, so `test_triton_kernels_under_interpreter` reruns this module's kernel tests (those named
   `*triton*` or `*dispatch*`) in a subprocess that sets it; in this process they are skipped.
@@ -25,7 +28,15 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_loopspec.ops.attention import naive, paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from hf_loopspec.ops.attention import (
+    naive_paged_attention,
+    naive_write_kv,
+    paged_attention,
+    paged_attention_torch,
+    torch_paged,
+    write_kv,
+    write_kv_torch,
+)
 
 try:
     from hf_loopspec.ops.attention.triton_paged import paged_attention_triton, write_kv_triton
@@ -129,17 +140,18 @@ def make_scene(
 
 
 def oracle(scene: Scene) -> torch.Tensor:
-    """Dead-simple per-row attention over the dense keys and values, in fp64: `[N, Hq, D]`."""
-    num_rows, num_heads, head_dim = scene.q.shape
-    group = num_heads // scene.k_cache.shape[2]
-    out = torch.zeros(num_rows, num_heads, head_dim, dtype=torch.float64)
+    """The readable reference on the scene's pool, in fp64 on the CPU: `[N, Hq, D]`."""
+    return naive_paged_attention(*scene.to("cpu", torch.float64).args())
+
+
+def dense_attention(scene: Scene) -> torch.Tensor:
+    """Each row's attention over its table's dense keys and values (no pages), in fp64: `[N, Hq, D]`."""
+    out = torch.zeros(scene.q.shape, dtype=torch.float64)
     for n, (table, context) in enumerate(zip(scene.table_ids.tolist(), scene.context_lens.tolist())):
-        if context == 0:
-            continue
-        k = scene.keys[table][:context].cpu().double().repeat_interleave(group, dim=1)  # [context, Hq, D]
-        v = scene.values[table][:context].cpu().double().repeat_interleave(group, dim=1)
-        probs = (torch.einsum("hd,chd->hc", scene.q[n].cpu().double(), k) * scene.scale).softmax(-1)
-        out[n] = torch.einsum("hc,chd->hd", probs, v)
+        if context:
+            q = scene.q[n, :, None].double()  # [Hq, 1, D]
+            k, v = (x[table][:context].double().transpose(0, 1) for x in (scene.keys, scene.values))  # [Hkv, C, D]
+            out[n] = F.scaled_dot_product_attention(q, k, v, scale=scene.scale, enable_gqa=True)[:, 0]
     return out
 
 
@@ -191,40 +203,62 @@ def assert_matches_oracle(out: torch.Tensor, scene: Scene) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The PyTorch reference.
+# The readable reference (the oracle) and the vectorised PyTorch path.
+
+
+@pytest.mark.parametrize("name", SCENES)
+def test_naive_reference_matches_dense_attention(name):
+    scene = scene_named(name)
+    torch.testing.assert_close(oracle(scene), dense_attention(scene), rtol=1e-12, atol=1e-12)  # fp64 both
+
+
+def test_naive_write_kv_then_attend_reads_what_was_written():
+    """The reference pair on one table: write a prompt's KV row by row, then attend causally."""
+    gen = torch.Generator().manual_seed(0)
+    length, page_size = 9, 4
+    q, k, v = (torch.randn(length, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    k_cache, v_cache = (torch.full((4, page_size, 2, 8), float("nan"), dtype=torch.float64) for _ in range(2))
+    block_tables = torch.tensor([[3, 0, 2, -1]])
+    positions = torch.arange(length)
+    naive_write_kv(k, v, k_cache, v_cache, block_tables[0, positions // page_size] * page_size + positions % page_size)
+    out = naive_paged_attention(q, k_cache, v_cache, block_tables, torch.zeros(length, dtype=torch.long),
+                                positions + 1, 8**-0.5)
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              is_causal=True).transpose(0, 1)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", SCENES)
-def test_reference_matches_oracle(name, dtype):
+def test_torch_path_matches_oracle(name, dtype):
     scene = scene_named(name).to(dtype=dtype)
-    assert_matches_oracle(paged_attention_ref(*scene.args()), scene)
+    assert_matches_oracle(paged_attention_torch(*scene.args()), scene)
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
 @pytest.mark.parametrize("name", ["gqa-3-on-1", "mixed-tables-depths-runs"])  # one row per table, and shared tables
-def test_reference_accepts_int32_and_int64_row_metadata(name, index_dtype):
+def test_torch_path_accepts_int32_and_int64_row_metadata(name, index_dtype):
     scene = scene_named(name).to(index_dtype=index_dtype)
-    assert_matches_oracle(paged_attention_ref(*scene.args()), scene)
+    assert_matches_oracle(paged_attention_torch(*scene.args()), scene)
 
 
 @settings(max_examples=60, deadline=None)
 @given(scene=random_scenes())
-def test_reference_matches_oracle_on_random_scenes(scene):
-    assert_matches_oracle(paged_attention_ref(*scene.args()), scene)
+def test_torch_path_matches_oracle_on_random_scenes(scene):
+    assert_matches_oracle(paged_attention_torch(*scene.args()), scene)
 
 
-def test_reference_split_into_one_table_per_chunk_matches_oracle(monkeypatch):
-    monkeypatch.setattr(naive, "_GATHER_BYTES", 1)
+def test_torch_path_split_into_one_table_per_chunk_matches_oracle(monkeypatch):
+    monkeypatch.setattr(torch_paged, "_GATHER_BYTES", 1)
     scene = scene_named("mixed-tables-depths-runs")
-    assert_matches_oracle(paged_attention_ref(*scene.args()), scene)
+    assert_matches_oracle(paged_attention_torch(*scene.args()), scene)
 
 
-def test_reference_of_only_inactive_rows_or_no_rows_is_zero():
+def test_torch_path_of_only_inactive_rows_or_no_rows_is_zero():
     scene = make_scene([8], [(0, 0), (0, 0)], num_heads=2, num_kv_heads=1, head_dim=16, page_size=4)
-    assert torch.equal(paged_attention_ref(*scene.args()), torch.zeros_like(scene.q))
+    assert torch.equal(paged_attention_torch(*scene.args()), torch.zeros_like(scene.q))
     no_rows = replace(scene, q=scene.q[:0], table_ids=scene.table_ids[:0], context_lens=scene.context_lens[:0])
-    assert paged_attention_ref(*no_rows.args()).shape == (0, 2, 16)
+    assert paged_attention_torch(*no_rows.args()).shape == (0, 2, 16)
 
 
 def write_kv_case(device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -236,14 +270,23 @@ def write_kv_case(device: str = "cpu", dtype: torch.dtype = torch.float32):
     return k, v, k_cache, v_cache, slots
 
 
-def test_write_kv_ref_scatters_rows_and_skips_negative_slots():
+def test_naive_write_kv_scatters_rows_and_skips_negative_slots():
     k, v, k_cache, v_cache, slots = write_kv_case()
-    write_kv_ref(k, v, k_cache, v_cache, slots)
+    naive_write_kv(k, v, k_cache, v_cache, slots)
     for row, slot in ((0, 9), (2, 0), (3, 7)):
         assert torch.equal(k_cache[slot // 4, slot % 4], k[row]) and torch.equal(v_cache[slot // 4, slot % 4], v[row])
     written = torch.zeros(3, 4, dtype=torch.bool)
     written.view(-1)[[9, 0, 7]] = True
     assert k_cache[~written].isnan().all() and v_cache[~written].isnan().all()
+
+
+def test_write_kv_torch_matches_the_reference():
+    k, v, k_cache, v_cache, slots = write_kv_case()
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    naive_write_kv(k, v, expected_k, expected_v, slots)
+    write_kv_torch(k, v, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -269,11 +312,11 @@ def test_triton_kernels_under_interpreter():
 @needs_triton
 @pytest.mark.parametrize("device, dtype", KERNEL_TARGETS)
 @pytest.mark.parametrize("name", SCENES)
-def test_triton_paged_attention_matches_oracle_and_reference(name, device, dtype):
+def test_triton_paged_attention_matches_oracle_and_torch_path(name, device, dtype):
     scene = scene_named(name).to(device, dtype)
     out = paged_attention_triton(*scene.args())
     assert_matches_oracle(out, scene)
-    torch.testing.assert_close(out, paged_attention_ref(*scene.args()), **TOLERANCES[dtype])
+    torch.testing.assert_close(out, paged_attention_torch(*scene.args()), **TOLERANCES[dtype])
 
 
 @needs_triton
@@ -287,10 +330,10 @@ def test_triton_paged_attention_matches_oracle_on_random_scenes(scene, device, d
 
 @needs_triton
 @pytest.mark.parametrize("device, dtype", KERNEL_TARGETS)
-def test_triton_write_kv_matches_reference(device, dtype):
+def test_triton_write_kv_matches_the_reference(device, dtype):
     k, v, k_cache, v_cache, slots = write_kv_case(device, dtype)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    write_kv_ref(k, v, expected_k, expected_v, slots)
+    naive_write_kv(k, v, expected_k, expected_v, slots)
     write_kv_triton(k, v, k_cache, v_cache, slots)
     torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
@@ -298,10 +341,10 @@ def test_triton_write_kv_matches_reference(device, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_dispatch_on_cpu_picks_kernel_only_under_interpreter(dtype):
-    """On CPU the reference runs, except under the interpreter, which takes fp32/fp16 but not bf16."""
+    """On CPU the PyTorch path runs, except under the interpreter, which takes fp32/fp16 but not bf16."""
     scene = scene_named("mixed-tables-depths-runs").to(dtype=dtype)
     kernel = INTERPRETED and dtype != torch.bfloat16
-    expected = (paged_attention_triton if kernel else paged_attention_ref)(*scene.args())
+    expected = (paged_attention_triton if kernel else paged_attention_torch)(*scene.args())
     assert torch.equal(paged_attention(*scene.args()), expected)
 
 

@@ -2,8 +2,9 @@
 
 Each public function dispatches to the Triton kernel (`triton_paged.py`) when the tensors are on CUDA and
 triton imports, or when the kernels were built for Triton's CPU interpreter (`TRITON_INTERPRET=1` set before
-this package is imported; bf16 then still takes the reference, which the interpreter mishandles). Everywhere
-else, in particular on CPU, the vectorised PyTorch reference (`naive.py`) runs.
+this package is imported; bf16 then still takes the PyTorch path, which the interpreter mishandles). Everywhere
+else, in particular on CPU, the vectorised PyTorch path (`torch_paged.py`) runs. `naive.py` holds the readable
+per-row reference (`naive_paged_attention`, `naive_write_kv`) that both are tested against.
 
 Pool layout: `k_cache` and `v_cache` are `[num_pages, page_size, Hkv, D]`; position `j` of block table `t`
 lives at page `block_tables[t, j // page_size]`, offset `j % page_size`, flat slot `page * page_size + offset`.
@@ -13,14 +14,16 @@ from __future__ import annotations
 
 import torch
 
-from .naive import paged_attention_ref, write_kv_ref
+from .naive import naive_paged_attention, naive_write_kv
+from .torch_paged import paged_attention_torch, write_kv_torch
 
 try:
     from .triton_paged import INTERPRETED, paged_attention_triton, write_kv_triton
 except ImportError:  # triton is optional
     INTERPRETED, paged_attention_triton, write_kv_triton = False, None, None
 
-__all__ = ["paged_attention", "paged_attention_ref", "write_kv", "write_kv_ref"]
+__all__ = ["naive_paged_attention", "naive_write_kv", "paged_attention", "paged_attention_torch", "write_kv",
+           "write_kv_torch"]
 
 
 def write_kv(
@@ -31,7 +34,7 @@ def write_kv(
     slots: torch.Tensor,  # [N] int64: page_id * page_size + offset; < 0 means "inactive row: write nothing"
 ) -> None:
     """Scatter new keys and values (one entry per row) into one layer's page pool."""
-    backend = write_kv_triton if _use_triton(k) else write_kv_ref
+    backend = write_kv_triton if _use_triton(k) else write_kv_torch
     backend(k, v, k_cache, v_cache, slots)
 
 
@@ -54,7 +57,7 @@ def paged_attention(
 
     Returns `[N, Hq, D]` in `q.dtype` (zeros for inactive rows); scores and softmax accumulate in fp32.
     """
-    backend = paged_attention_triton if _use_triton(q) else paged_attention_ref
+    backend = paged_attention_triton if _use_triton(q) else paged_attention_torch
     return backend(q, k_cache, v_cache, block_tables, table_ids, context_lens, scale)
 
 

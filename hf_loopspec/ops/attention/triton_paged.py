@@ -1,6 +1,6 @@
 """Triton kernels for the paged KV pool: `write_kv_triton` and `paged_attention_triton`.
 
-Same contracts as `naive.write_kv_ref` and `naive.paged_attention_ref`. Neither launcher synchronises with the
+Same contracts as `naive.naive_write_kv` and `naive.naive_paged_attention`. Neither launcher synchronises with the
 host, so both can be captured in a CUDA graph.
 
 The attention kernel runs one program per (row, KV head). The program loads the `Hq // Hkv` query heads that
@@ -143,7 +143,7 @@ def write_kv_triton(
     v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
     slots: torch.Tensor,  # [N] int64; < 0 marks an inactive row
 ) -> None:
-    """Triton twin of `naive.write_kv_ref`: scatter each row's key and value into its flat slot."""
+    """Triton twin of `naive.naive_write_kv`: scatter each row's key and value into its flat slot."""
     _check_unit_stride(k, v, k_cache, v_cache)
     num_rows, num_kv_heads, head_dim = k.shape
     if num_rows == 0:
@@ -177,7 +177,7 @@ def paged_attention_triton(
     context_lens: torch.Tensor,  # [N] int; 0 marks an inactive row
     scale: float,
 ) -> torch.Tensor:
-    """Triton twin of `naive.paged_attention_ref`: `[N, Hq, D]` in `q.dtype`, zeros for inactive rows."""
+    """Triton twin of `naive.naive_paged_attention`: `[N, Hq, D]` in `q.dtype`, zeros for inactive rows."""
     _check_unit_stride(q, k_cache, v_cache, block_tables)
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
