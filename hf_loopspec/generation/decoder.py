@@ -26,18 +26,17 @@ Every lane has a lineage id linked to its parent; a `PagedLoopCache(debug=True)`
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
 
 import torch
-from transformers import LogitsProcessorList, PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from ..cache.paged import PagedLoopCache
 from .acceptance import draft_distribution, judge, propose, target_token
 from .lanes import Lane, SequenceState
 from .policies import ARPolicy
+from .processors import row_processors
 from .stages import EagerStages
 from .stats import SpeculationStats
 
@@ -70,25 +69,6 @@ class DecodeResult:
     logits: tuple[torch.Tensor, ...] | None
     stats: SpeculationStats
     trace: list[CycleTrace] | None
-
-
-def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessorList:
-    """The processors as they apply to batch row `row` alone (the decoder calls them one row at a time).
-
-    Processors that hold per-row state are narrowed to that row: a repetition penalty's per-row
-    `prompt_ignore_length`, and the batch index that `prefix_allowed_tokens_fn` receives.
-    """
-    narrowed = LogitsProcessorList()
-    for processor in processors:
-        if isinstance(processor, RepetitionPenaltyLogitsProcessor) and torch.is_tensor(processor.prompt_ignore_length):
-            processor = copy.copy(processor)
-            processor.prompt_ignore_length = processor.prompt_ignore_length[row : row + 1]
-        elif isinstance(processor, PrefixConstrainedLogitsProcessor):
-            allowed = processor._prefix_allowed_tokens_fn
-            processor = copy.copy(processor)
-            processor._prefix_allowed_tokens_fn = lambda _, tokens, fn=allowed: fn(row, tokens)
-        narrowed.append(processor)
-    return narrowed
 
 
 class LaneDecoder:

@@ -34,6 +34,7 @@ class SpeculationStats:
     engine: str = "lanes"  # the engine that ran: "lanes" or "wavefront"
     per_sequence: list[SequenceStats] = field(default_factory=list)
     call_rows: dict[str, list[int]] = field(default_factory=lambda: {"embed": [], "core": [], "head": []})
+    fallback: str | None = None  # why the call decoded with plain decoding instead (every counter is then 0)
 
     def _total(self, name: str) -> int:
         return sum(getattr(s, name) for s in self.per_sequence)
@@ -73,7 +74,7 @@ class SpeculationStats:
     def to_dict(self) -> dict:
         keys = ("committed_tokens", "drafted", "verified", "accepted", "rejected", "discarded", "acceptance_rate",
                 "core_calls_per_token")
-        return {"mode": self.mode, "engine": self.engine, "draft_loops": self.draft_loops,
+        return {"mode": self.mode, "engine": self.engine, "draft_loops": self.draft_loops, "fallback": self.fallback,
                 "core_calls": self.core_calls, **{k: getattr(self, k) for k in keys},
                 "per_sequence": [asdict(s) for s in self.per_sequence]}
 

@@ -1,0 +1,82 @@
+"""Logits processors that the lane decoder cannot run losslessly: `generate` decodes plainly, warns once naming the
+processor, and reports the fallback in `out.speculation.fallback`; the output is plain decoding's.
+
+The cases are a stateful processor that runs the model on its own context (classifier-free guidance through
+`guidance_scale`), watermarking (`SynthIDTextWatermarkingConfig`, under seeded sampling) and a user's processor
+that treats batch rows differently. Each is first shown to change plain decoding's output, so equality is not
+vacuous; the expectation is plain decoding with the same settings.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from speculative_utils import PAD, left_pad, paged_cache, random_prompts, tiny_spec_model
+from transformers import LogitsProcessor, LogitsProcessorList, SynthIDTextWatermarkingConfig
+
+from hf_loopspec.generation import processors
+
+VOCAB = 64
+NEW = 10
+
+
+class RowBias(LogitsProcessor):
+    """Favours token 10 + batch row: called one row at a time, every row would favour token 10."""
+
+    def __call__(self, input_ids, scores):
+        rows = torch.arange(len(scores))
+        scores = scores.clone()
+        scores[rows, 10 + rows] += 50.0
+        return scores
+
+
+CASES = {
+    "guidance_scale": ({"guidance_scale": 1.5}, "UnbatchedClassifierFreeGuidanceLogitsProcessor"),
+    "synthid": ({"do_sample": True, "watermarking_config": SynthIDTextWatermarkingConfig(
+        keys=[654, 400, 836, 123, 340], ngram_len=3)}, "SynthIDTextWatermarkLogitsProcessor"),
+    "row_bias": ({"logits_processor": LogitsProcessorList([RowBias()])}, "RowBias"),
+}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_spec_model(81, 4, vocab=VOCAB, damp=0.15)
+    return model, *left_pad(random_prompts(81, [5, 3], VOCAB))
+
+
+def run(model, ids, mask, seed=0, **kwargs):
+    """A seeded greedy (or, with do_sample, sampled) call; returns the dict output."""
+    kwargs = {"do_sample": False, **kwargs}
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=PAD,
+                              return_dict_in_generate=True, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "block"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_unsupported_processor_falls_back_to_plain_with_one_warning(setup, case, mode, monkeypatch, caplog):
+    model, ids, mask = setup
+    settings, name = CASES[case]
+    ref = run(model, ids, mask, **settings)
+    without = {k: v for k, v in settings.items() if k == "do_sample"}
+    assert ref.sequences.tolist() != run(model, ids, mask, **without).sequences.tolist()
+    monkeypatch.setattr(processors, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+        outs = [run(model, ids, mask, speculative_mode=mode, cache=paged_cache(model), **settings) for _ in range(2)]
+    warnings = [r.getMessage() for r in caplog.records if "plain decoding instead" in r.getMessage()]
+    assert len(warnings) == 1 and name in warnings[0]
+    for out in outs:
+        assert out.sequences.tolist() == ref.sequences.tolist()
+        assert name in out.speculation.fallback and out.speculation.mode == mode
+        assert out.speculation.core_calls == out.speculation.committed_tokens == 0
+
+
+def test_row_pure_processors_still_run_speculatively(setup):
+    model, ids, mask = setup
+    settings = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "suppress_tokens": [3, 4]}
+    out = run(model, ids, mask, speculative_mode="pipeline", **settings)
+    assert out.speculation.fallback is None and out.speculation.committed_tokens > 0
+    assert out.sequences.tolist() == run(model, ids, mask, **settings).sequences.tolist()
