@@ -42,6 +42,10 @@ from .stats import SpeculationStats
 
 DraftHook = Callable[[int, int, int], int]
 """`draft_hook(sequence, position, proposed_token) -> token`: test-only override of draft proposals."""
+ExitRule = Callable[[list[torch.Tensor]], torch.Tensor]
+"""`exit_rule(states) -> logits [N, V]`: the target logits of N lanes from their outputs `[N, H]` after every loop
+(`states[k]`: after loop k + 1), for a call whose exit options select another exit than the last loop's head
+(e.g. Ouro's `exit_at_step`); see `LoopSpecGenerationMixin.exit_rule`."""
 
 
 @dataclass(frozen=True)
@@ -94,9 +98,14 @@ class LaneDecoder:
         output_logits: bool = False,
         trace: bool | str = False,
         stages=None,
+        exit_rule: ExitRule | None = None,
     ):
         self.model, self.cache, self.policy = model, cache, policy
         self.stages = stages if stages is not None else EagerStages(model, cache)
+        self.exit_rule = exit_rule  # targets are still judged at depth U, from the exit the rule selects
+        if exit_rule is not None and model.kv_layout.first_exit_plane is not None:
+            raise ValueError("exit options need a head without KV of its own (the lane decoder keeps no exit plane "
+                             "for the exits they select); decode with speculative_mode=None.")
         self.num_loops = model.num_loops
         has_processors = logits_processor is not None and len(logits_processor)
         self.processors = [row_processors(logits_processor, s) for s in range(len(input_ids))] \
@@ -173,11 +182,13 @@ class LaneDecoder:
         for lane, h in zip(lanes, out):
             lane.hidden = h
             lane.depth += 1
+            if self.exit_rule is not None:
+                lane.states.append(h)
 
         targets = [lane for lane in lanes if lane.depth == self.num_loops and not lane.next_known]
         drafters = [lane for lane in lanes if self._wants_draft(lane)]
         if self.layout.first_exit_plane is None:
-            heads = targets + drafters
+            heads = drafters + ([] if self.exit_rule is not None else targets)
         else:  # the head writes KV: every lane reaching an exit depth in use runs it, logits needed or not
             heads = [lane for lane in lanes if lane.depth in self.policy.exit_depths]
         logits = tops = None
@@ -190,9 +201,8 @@ class LaneDecoder:
             if not self.do_sample and self.processors is None:  # greedy: one compact readback per cycle
                 tops = logits.argmax(-1).tolist()  # [M]
         row_of = {id(lane): i for i, lane in enumerate(heads)}  # logits: [M, V]
-        for lane in targets:
-            i = row_of[id(lane)]
-            self._verify(lane, logits[i], None if tops is None else tops[i])
+        for lane, (raw, top) in zip(targets, self._target_logits(targets, logits, tops, row_of)):
+            self._verify(lane, raw, top)
         for lane in drafters:
             seq = self.seqs[lane.seq]
             if not seq.finished and seq.lanes and seq.lanes[-1] is lane:
@@ -201,6 +211,18 @@ class LaneDecoder:
         for seq in self.seqs:  # retire lanes that completed all loops
             seq.lanes = [lane for lane in seq.lanes if lane.depth < self.num_loops]
         self._embed_new_lanes()
+
+    def _target_logits(self, targets: list[Lane], logits, tops, row_of) -> list[tuple[torch.Tensor, int | None]]:
+        """Per target lane its logits `[V]` and, when read back, their argmax: from the cycle's head call, or, with an
+        exit rule, from the rule over the lanes' per-loop outputs."""
+        if self.exit_rule is None:
+            return [(logits[row_of[id(lane)]], None if tops is None else tops[row_of[id(lane)]]) for lane in targets]
+        if not targets:
+            return []
+        states = [torch.stack([lane.states[k] for lane in targets]) for k in range(self.num_loops)]  # U x [T, H]
+        exit_logits = self.exit_rule(states).float()  # [T, V]
+        exit_tops = exit_logits.argmax(-1).tolist() if not self.do_sample and self.processors is None else None
+        return [(exit_logits[i], None if exit_tops is None else exit_tops[i]) for i in range(len(targets))]
 
     def _embed_new_lanes(self) -> None:
         """One `embed` call for every lane spawned since the last one (all sequences), through the entry plane

@@ -26,7 +26,7 @@ from .config import (
     resolve_speculative,
     speculative_config,
 )
-from .decoder import LaneDecoder
+from .decoder import ExitRule, LaneDecoder
 from .policies import policy_for
 from .processors import plain_fallback, warn_once
 from .stages import StaticStages, capacity_for
@@ -135,7 +135,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
             streamer=streamer, draft_hook=call.draft_hook if call else None, do_sample=generation_config.do_sample,
             output_scores=generation_config.return_dict_in_generate and generation_config.output_scores,
             output_logits=generation_config.return_dict_in_generate and generation_config.output_logits,
-            trace=call.trace if call else False,
+            trace=call.trace if call else False, exit_rule=self.exit_rule(**model_kwargs),
         )
         if streamer is not None:
             streamer.end()
@@ -145,6 +145,13 @@ class LoopSpecGenerationMixin(GenerationMixin):
             sequences=result.sequences, scores=result.scores, logits=result.logits, cache=model_kwargs["cache"],
             speculation=result.stats, trace=result.trace,
         )
+
+    def exit_rule(self, **model_kwargs) -> ExitRule | None:
+        """How the lane decoder computes a target's logits for a call's model kwargs (`decoder.ExitRule`); None: the
+        head on the last loop's output. A family whose `forward` takes exit options (Ouro's `exit_at_step`, ...)
+        overrides this with the same selection, so that speculative decoding honours them as plain decoding does,
+        and raises the same `ValueError` for invalid ones."""
+        return None
 
     def decode_with_lanes(self, input_ids, mode: str, *, draft_loops: int | None = None,
                           num_speculative_tokens: int | None = None, compile_core: bool | str = False,

@@ -237,13 +237,7 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
         `output_hidden_states=True` returns the embeddings and every loop's output, plus `exit_gate_logits`;
         `output_loop_logits=True` returns every loop's logits.
         """
-        loops = self.num_loops
-        if exit_at_step is not None and not 0 <= exit_at_step < loops:
-            raise ValueError(f"exit_at_step={exit_at_step} is outside [0, {loops - 1}] for a {loops}-loop model.")
-        if exit_threshold is not None and not 0.0 <= exit_threshold <= 1.0:
-            raise ValueError(f"exit_threshold={exit_threshold} must lie in [0, 1].")
-        if sum(x is not None and x is not False for x in (exit_at_step, exit_threshold, use_weighted_exit)) > 1:
-            raise ValueError("Pass at most one of exit_at_step, exit_threshold and use_weighted_exit.")
+        check_exit_options(self.num_loops, exit_at_step, exit_threshold, use_weighted_exit)
         needs_loops = output_hidden_states or output_loop_logits or exit_at_step is not None \
             or exit_threshold is not None or use_weighted_exit
         out = self.model(
@@ -272,6 +266,23 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
             loop_logits=loop_logits if output_loop_logits else None,
         )
 
+    def exit_rule(self, exit_at_step: int | None = None, exit_threshold: float | None = None,
+                  use_weighted_exit: bool = False, **model_kwargs):
+        """The lane decoder's target logits for a `generate` call with an exit option (see `forward`): the same
+        selection as `forward`, from a lane's outputs after every loop; None without an exit option."""
+        check_exit_options(self.num_loops, exit_at_step, exit_threshold, use_weighted_exit)
+        if exit_at_step is None and exit_threshold is None and not use_weighted_exit:
+            return None
+
+        def logits(states: list[torch.Tensor]) -> torch.Tensor:  # U x [N, H] -> [N, V]
+            if exit_at_step is not None:
+                return self.lm_head(states[exit_at_step])
+            gate_logits = torch.cat([self.model.early_exit_gate(h) for h in states], dim=-1)  # [N, U]
+            loop_logits = tuple(self.lm_head(h) for h in states)
+            return self._select_exit(loop_logits, gate_logits, None, exit_threshold, use_weighted_exit)
+
+        return logits
+
     @staticmethod
     def _select_exit(loop_logits, gate_logits, exit_at_step, exit_threshold, use_weighted_exit):
         if exit_at_step is not None:
@@ -286,6 +297,16 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
         reached[..., -1] = True
         step = reached.int().argmax(-1)  # first loop that reaches the threshold
         return stacked.gather(-2, step[..., None, None].expand(*step.shape, 1, stacked.shape[-1])).squeeze(-2)
+
+
+def check_exit_options(loops: int, exit_at_step, exit_threshold, use_weighted_exit) -> None:
+    """`ValueError` for exit options that select no loop of a `loops`-loop model, or more than one rule."""
+    if exit_at_step is not None and (not isinstance(exit_at_step, int) or not 0 <= exit_at_step < loops):
+        raise ValueError(f"exit_at_step={exit_at_step!r} is outside [0, {loops - 1}] for a {loops}-loop model.")
+    if exit_threshold is not None and not 0.0 <= exit_threshold <= 1.0:
+        raise ValueError(f"exit_threshold={exit_threshold} must lie in [0, 1].")
+    if sum(x is not None and x is not False for x in (exit_at_step, exit_threshold, use_weighted_exit)) > 1:
+        raise ValueError("Pass at most one of exit_at_step, exit_threshold and use_weighted_exit.")
 
 
 def exit_probabilities(gate_logits: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,60 @@
+"""Ouro's exit options (`exit_at_step`, `exit_threshold`, `use_weighted_exit`) passed to `generate`: both speculative
+modes give plain decoding's tokens, and plain's `ValueError` for invalid values before any work.
+
+Plain decoding runs every loop and feeds the selected loop's logits (or their gate-weighted mean) to the token
+choice; each option is first shown to change plain decoding's output, so equality is not vacuous. Drafts still
+come from depth d, so they are both accepted and rejected.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from speculative_utils import (
+    PAD,
+    assert_cache_matches_ar,
+    assert_counter_invariants,
+    left_pad,
+    paged_cache,
+    plain,
+    random_prompts,
+    speculative,
+    tiny_spec_model,
+)
+
+VOCAB = 64
+NEW = 16
+OPTIONS = {"exit_at_step=1": {"exit_at_step": 1}, "exit_threshold=0.9": {"exit_threshold": 0.9},
+           "use_weighted_exit": {"use_weighted_exit": True}}
+MODES = [("pipeline", 1, None), ("block", 2, 3)]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_spec_model(91, 4, vocab=VOCAB, damp=0.15)
+    ids, mask = left_pad(random_prompts(91, [6, 3], VOCAB))
+    return model, ids, mask, plain(model, ids, mask, NEW).sequences
+
+
+@pytest.mark.parametrize("mode,d,k", MODES, ids=[m for m, _, _ in MODES])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_exit_options_give_plain_tokens(setup, name, mode, d, k):
+    model, ids, mask, last_loop = setup
+    ref = plain(model, ids, mask, NEW, **OPTIONS[name])
+    assert ref.sequences.tolist() != last_loop.tolist()
+    out = speculative(model, ids, mask, NEW, mode, d, k, **OPTIONS[name])
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    assert_counter_invariants(out.speculation, [NEW, NEW])
+    assert_cache_matches_ar(out.cache, ref.cache, mask, [NEW, NEW], model.config.num_hidden_layers)
+
+
+@pytest.mark.parametrize("options,message", [({"exit_at_step": 4}, "exit_at_step=4"),
+                                             ({"exit_threshold": 1.5}, "exit_threshold=1.5"),
+                                             ({"exit_at_step": 1, "use_weighted_exit": True}, "at most one")])
+def test_invalid_exit_options_raise_before_any_work(setup, options, message):
+    model, ids, mask, _ = setup
+    cache = paged_cache(model)
+    with pytest.raises(ValueError, match=message), torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD,
+                       speculative_mode="pipeline", cache=cache, **options)
+    assert cache.num_sequences == 0
