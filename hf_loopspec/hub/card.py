@@ -21,6 +21,8 @@ from string import Template
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from ..generation.config import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
+
 TAGS = ("looped-language-model", "speculative-decoding", "custom_generate")
 OURO_PAPER = "https://arxiv.org/abs/2510.25741"
 OURO_BIBTEX = """@article{zhu2025ouro,
@@ -318,8 +320,8 @@ def build_model_card(
     eos_token_ids: list[int] | int | None = None,
     sampling: dict | None = None,
     speculative_mode: str | None = "pipeline",
-    draft_loops: int = 1,
-    num_speculative_tokens: int = 4,
+    draft_loops: int = DEFAULT_DRAFT_LOOPS,
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
     benchmarks: str | Path | None = "default",
     prompt: str = "def fibonacci(n):",
     max_new_tokens: int = 128,

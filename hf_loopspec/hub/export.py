@@ -35,6 +35,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from ..generation.config import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, resolve_speculative
 from ..input_checks import check_source, hub_errors_explained
 from .staging import check_destination, staged_folder
 
@@ -57,8 +58,8 @@ def export_checkpoint(
     dtype: str | None = None,
     overwrite: bool = False,
     speculative_mode: str | None = "pipeline",
-    draft_loops: int = 1,
-    num_speculative_tokens: int = 4,
+    draft_loops: int = DEFAULT_DRAFT_LOOPS,
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
     repo_id: str | None = None,
     base_model: str | None = None,
     license: str | None = None,
@@ -126,14 +127,9 @@ def export_checkpoint(
 def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens):
     """Set on `model.generation_config` (and return it) the speculative defaults (validated), eos ids that end a
     chat turn and a pad id."""
-    from hf_loopspec.generation.config import speculative_config
-
     gen = model.generation_config
-    if speculative_mode is not None:
-        probe = type(gen)(do_sample=False)
-        probe.speculative_mode, probe.draft_loops, probe.num_speculative_tokens = (
-            speculative_mode, draft_loops, num_speculative_tokens)
-        speculative_config(probe, model.num_loops)  # the ValueError generate() would raise
+    if speculative_mode is not None:  # the ValueError generate() would raise
+        resolve_speculative(speculative_mode, draft_loops, num_speculative_tokens, num_loops=model.num_loops)
     # A config derived from config.json is saved with `_from_model_config: true`, and such a file's extra keys are
     # dropped when it is loaded: mark it as a real generation config so the speculative defaults survive.
     gen._from_model_config = False
@@ -284,8 +280,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype (default: the checkpoint's)")
     parser.add_argument("--speculative-mode", choices=("pipeline", "block", "none"), default="pipeline",
                         help="default decoding written to generation_config.json (default: %(default)s)")
-    parser.add_argument("--draft-loops", type=int, default=1, help="default d (default: %(default)s)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="default K (default: %(default)s)")
+    parser.add_argument("--draft-loops", type=int, default=DEFAULT_DRAFT_LOOPS,
+                        help="default d (default: %(default)s)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
+                        help="default K (default: %(default)s)")
     parser.add_argument("--repo-id", default=None, help="Hub repo id used in the model card's code")
     parser.add_argument("--base-model", default=None, help="model card base_model (default: SRC when a Hub id)")
     parser.add_argument("--license", default=None, help="model card license (default: the source's or apache-2.0)")
