@@ -36,6 +36,7 @@ from .batch import run_batch
 from .bench import args as bench_args
 from .bench import main as bench_main
 from .evaluation import run_lm_eval
+from .generation.config import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
 from .hub import export as hub_export
 from .input_checks import check_positions
 from .prompting import encode_prompt, generate_kwargs
@@ -103,9 +104,9 @@ def _add_generation_options(parser: argparse.ArgumentParser, chat_help: str) -> 
     parser.add_argument("--mode", choices=("plain", "block", "pipeline"), default="pipeline",
                         help="plain: transformers' loop; block / pipeline: self-speculative decoding "
                              "(default: %(default)s)")
-    parser.add_argument("--draft-loops", type=bench_args.positive, default=1,
+    parser.add_argument("--draft-loops", type=bench_args.positive, default=DEFAULT_DRAFT_LOOPS,
                         help="d: draft from the output of loop d (default: %(default)s)")
-    parser.add_argument("--num-speculative-tokens", type=bench_args.positive, default=4,
+    parser.add_argument("--num-speculative-tokens", type=bench_args.positive, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
                         help="K: drafts per block round (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=bench_args.positive, default=128, help="(default: %(default)s)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
