@@ -188,7 +188,7 @@ class LaneDecoder:
         targets = [lane for lane in lanes if lane.depth == self.num_loops and not lane.next_known]
         drafters = [lane for lane in lanes if self._wants_draft(lane)]
         if self.layout.first_exit_plane is None:
-            heads = drafters + ([] if self.exit_rule is not None else targets)
+            heads = ([] if self.exit_rule is not None else targets) + drafters
         else:  # the head writes KV: every lane reaching an exit depth in use runs it, logits needed or not
             heads = [lane for lane in lanes if lane.depth in self.policy.exit_depths]
         logits = tops = None
