@@ -4,11 +4,12 @@ One cycle = one core call over the lanes the policy selects, across every sequen
 mixed sequence, position and depth). After the call, in this order, per sequence:
 
 1. Verification. A lane that reaches depth U yields the target for the next position (its logits, or those of
-   the exit a call's exit options select (`ExitRule`), pass the logits processors with the committed prefix). If the next lane's draft passes the acceptance rule
-   (`acceptance.judge`: equal to the argmax when greedy, lossless speculative sampling otherwise) it is
-   accepted and keeps running; otherwise it and its descendants are killed, every KV plane of the sequence is
-   truncated to the verified prefix (I4), and a new lane starts at depth 0 with the target token. The target
-   is committed: stopping criteria run, the streamer is fed, and a finished sequence drops all its lanes.
+   the exit a call's exit options select (`ExitRule`), pass the logits processors with the committed prefix).
+   If the next lane's draft passes the acceptance rule (`acceptance.judge`: equal to the argmax when greedy,
+   lossless speculative sampling otherwise) it is accepted and keeps running; otherwise it and its descendants
+   are killed, every KV plane of the sequence is truncated to the verified prefix (I4), and a new lane starts at
+   depth 0 with the target token. The target is committed: stopping criteria run, the streamer is fed, and a
+   finished sequence drops all its lanes.
 2. Drafting. The frontier lane that has just reached depth d proposes the next token (argmax of, or a sample
    from, the processed depth-d logits; or `draft_hook`) as a new lane at depth 0, if the policy allows it and
    the position can still matter.
