@@ -162,6 +162,7 @@ def test_generate_speculative_engine():
     ({"speculative_engine": "wavefront", "do_sample": True}, "do_sample=True"),
     ({"speculative_engine": "wavefront", "repetition_penalty": 1.3}, "RepetitionPenaltyLogitsProcessor"),
     ({"speculative_engine": "wavefront", "draft_hook": lambda s, p, t: t}, "draft_hook"),
+    ({"speculative_engine": "wavefront", "exit_at_step": 1}, "exit options"),
     ({"speculative_engine": "wavefront", "speculative_mode": None}, "set speculative_mode"),
 ])
 def test_generate_engine_errors_name_the_setting(kwargs, named):

@@ -32,7 +32,8 @@ def unsupported(model, options: dict) -> list[str]:
     problems += [f"stopping criterion {type(c).__name__}" for c in options.get("stopping_criteria") or ()
                  if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
     for name, label in (("streamer", "streamer"), ("draft_hook", "draft_hook"), ("trace", "speculative_trace"),
-                        ("output_scores", "output_scores"), ("output_logits", "output_logits")):
+                        ("output_scores", "output_scores"), ("output_logits", "output_logits"),
+                        ("exit_rule", "exit options (exit_at_step, exit_threshold, use_weighted_exit)")):
         if options.get(name):
             problems.append(label)
     return problems
