@@ -49,7 +49,9 @@ class WavefrontEngine:
     def __init__(self, model, cache: PagedLoopCache, *, mode: str, draft_loops: int, num_speculative_tokens: int,
                  input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id: int | None,
                  max_length: int, eos_token_id=None, draft_override: torch.Tensor | None = None,
-                 read_every: int = DEFAULT_READ_EVERY, compile_backend: str | None = None):
+                 read_every: int = DEFAULT_READ_EVERY, compile_backend: str | None = None,
+                 repetition_penalty: float | None = None, penalty_ignore: torch.Tensor | None = None,
+                 eos_hold: torch.Tensor | None = None):
         if cache.num_sequences:
             raise ValueError("the wavefront engine needs an empty PagedLoopCache (this one already holds "
                              f"{cache.num_sequences} sequences); pass a fresh cache or none.")
@@ -64,12 +66,16 @@ class WavefrontEngine:
         draft_loops = draft_loops if mode != "ar" else 0
         self.plan = Plan(mode, model.num_loops, draft_loops, num_speculative_tokens,
                          lanes_for(mode, model.num_loops, draft_loops, num_speculative_tokens),
-                         cache.num_planes, cache.page_size, width + max_new, bool(eos))
+                         cache.num_planes, cache.page_size, width + max_new, bool(eos), repetition_penalty,
+                         eos_hold is not None)
         self.prefill_cycles = model.num_loops + (num_speculative_tokens * draft_loops if mode == "block" else 0)
         self.stats = SpeculationStats(mode=mode, draft_loops=draft_loops, engine="wavefront")
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         with torch.no_grad():
             self.state = self._initial_state(input_ids, mask, max_new, eos, draft_override)
+            self.state.seen = self._seen(input_ids, penalty_ignore)
+            if eos_hold is not None:
+                self.state.eos_hold = eos_hold.to(device=input_ids.device, dtype=torch.long)
         step = make_step(model, self.plan)
         if compile_backend is not None:  # on a private copy of the code: dynamo counts recompiles per code object
             step = torch.compile(types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__,
@@ -113,6 +119,7 @@ class WavefrontEngine:
             core_calls=torch.zeros((), **long),
             draft_override=torch.full((batch, plan.positions), -1, **long) if draft_override is None
             else draft_override.to(**long),
+            seen=torch.zeros(batch, 0, dtype=torch.bool, device=device), eos_hold=torch.zeros(0, **long),
             k_pool=self.cache.k_pool, v_pool=self.cache.v_pool, block_tables=block_tables, trash_slot=trash,
             kv_len=torch.zeros(batch, plan.planes, **long),
         )
@@ -128,6 +135,17 @@ class WavefrontEngine:
             state.alive[b, slot] = not bool(state.finished[b])
             state.hidden[b, slot] = vectors[-1]
         return state
+
+    def _seen(self, input_ids: torch.Tensor, ignore: torch.Tensor | None) -> torch.Tensor:
+        """`[B, V]` the tokens of each padded prompt row (the row transformers' processors see) from column
+        `ignore[b]` on (all columns when None); `[B, 0]` without a repetition penalty."""
+        if self.plan.repetition_penalty is None:
+            return self.state.seen
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        seen = torch.zeros(len(input_ids), vocab, dtype=torch.long, device=input_ids.device)
+        counted = torch.ones_like(input_ids) if ignore is None else \
+            (torch.arange(input_ids.shape[1], device=input_ids.device) >= ignore.to(input_ids.device)[:, None]).long()
+        return seen.scatter_reduce(1, input_ids, counted, "amax").bool()
 
     def run(self) -> DecodeResult:
         with torch.no_grad():

@@ -1,18 +1,26 @@
 """Which engine runs a speculative `generate` call (`speculative_engine`), and the wavefront engine's entry point.
 
-The wavefront engine covers: Ouro-like models (no KV in the entry or exit stage), greedy decoding without logits
-processors, EOS and length stops (`max_new_tokens` / `max_length`), padded batches, and `compile_core` (the step
-is compiled whole with that backend). Everything else of a call is named by `unsupported`:
+The wavefront engine covers: Ouro-like models (no KV in the entry or exit stage), greedy decoding with
+`repetition_penalty` and `min_new_tokens` (as device ops) and no other logits processor, EOS and length stops
+(`max_new_tokens` / `max_length`), padded batches, and `compile_core` (the step is compiled whole with that
+backend). Everything else of a call is named by `unsupported`:
 
 * `speculative_engine="lanes"` runs the lane decoder;
 * `"wavefront"` runs the wavefront engine, or raises `ValueError` naming every unsupported setting of the call;
 * `"auto"` (the default) runs the lane decoder for now: the wavefront engine does not yet cover the whole fast
-  path of issue 15 (sampling, top-k/p, min-p, repetition penalty, `min_new_tokens`, streamers, Huginn).
+  path of issue 15 (sampling, top-k/p, min-p, streamers, Huginn).
 """
 
 from __future__ import annotations
 
-from transformers import EosTokenCriteria, MaxLengthCriteria
+import torch
+from transformers import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
 
 from ...cache.paged import PagedLoopCache
 from ..config import SpeculativeConfig
@@ -28,7 +36,9 @@ def unsupported(model, options: dict) -> list[str]:
         problems.append(f"{type(model).__name__} (its entry or exit stage has KV, e.g. Huginn)")
     if options.get("do_sample"):
         problems.append("do_sample=True")
-    problems += [f"logits processor {type(p).__name__}" for p in options.get("logits_processor") or ()]
+    width = options["input_ids"].shape[1]
+    problems += [f"logits processor {type(p).__name__}" for p in options.get("logits_processor") or ()
+                 if not _on_device(p, width)]
     problems += [f"stopping criterion {type(c).__name__}" for c in options.get("stopping_criteria") or ()
                  if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
     for name, label in (("streamer", "streamer"), ("draft_hook", "draft_hook"), ("trace", "speculative_trace"),
@@ -37,6 +47,33 @@ def unsupported(model, options: dict) -> list[str]:
         if options.get(name):
             problems.append(label)
     return problems
+
+
+def _on_device(processor, width: int) -> bool:
+    """Whether the engine applies `processor` itself (`step._process`) for a prompt of `width` columns."""
+    if isinstance(processor, RepetitionPenaltyLogitsProcessor):
+        ignore = processor.prompt_ignore_length  # None, an int or a [B] tensor of prompt columns not counted
+        return ignore is None or bool((torch.as_tensor(ignore) <= width).all())
+    return isinstance(processor, (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor))
+
+
+def _processor_settings(options: dict, vocab: int) -> dict:
+    """The engine's arguments for the processors it applies itself (`WavefrontEngine`)."""
+    settings, width = {}, options["input_ids"].shape[1]
+    hold = torch.zeros(vocab, dtype=torch.long)  # id v is held back while fewer than hold[v] tokens are generated
+    for p in options.get("logits_processor") or ():
+        if isinstance(p, RepetitionPenaltyLogitsProcessor):
+            settings["repetition_penalty"] = float(p.penalty)
+            if p.prompt_ignore_length is not None:
+                settings["penalty_ignore"] = torch.as_tensor(p.prompt_ignore_length).expand(len(options["input_ids"]))
+        elif isinstance(p, (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor)):
+            # MinLength: held while width + i < min_length; MinNewTokens: while width + i - skip < min_new_tokens
+            until = p.min_length - width if isinstance(p, MinLengthLogitsProcessor) \
+                else p.min_new_tokens + p.prompt_length_to_skip - width
+            ids = torch.as_tensor(p.eos_token_id).reshape(-1).cpu()
+            hold[ids] = torch.maximum(hold[ids], torch.tensor(until))
+            settings["eos_hold"] = hold
+    return settings
 
 
 def choose_engine(model, spec: SpeculativeConfig, options: dict) -> str:
@@ -52,7 +89,7 @@ def choose_engine(model, spec: SpeculativeConfig, options: dict) -> str:
 
 def run_engine(model, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCache, **options) -> DecodeResult:
     """One speculative run of `generate` on the engine `choose_engine` picks (`options`: the lane decoder's)."""
-    if choose_engine(model, spec, options) == "lanes":
+    if choose_engine(model, spec, {**options, "input_ids": input_ids}) == "lanes":
         return model._run_lanes(input_ids, spec, cache=cache, **options)
     eos = [int(t) for c in options.get("stopping_criteria") or () if isinstance(c, EosTokenCriteria)
            for t in c.eos_token_id.reshape(-1).tolist()]
@@ -61,5 +98,6 @@ def run_engine(model, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCac
         num_speculative_tokens=spec.num_speculative_tokens, input_ids=input_ids,
         attention_mask=options.get("attention_mask"), pad_token_id=options.get("pad_token_id"),
         max_length=options["max_length"], eos_token_id=eos or None, compile_backend=spec.compile_backend,
+        **_processor_settings({**options, "input_ids": input_ids}, model.get_output_embeddings().weight.shape[0]),
     )
     return engine.run()

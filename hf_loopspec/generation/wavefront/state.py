@@ -36,6 +36,8 @@ class Plan:
     page_size: int
     positions: int  # C: positions reserved per sequence
     has_eos: bool
+    repetition_penalty: float | None = None  # greedy logits processing (transformers' processors, as device ops)
+    holds_eos: bool = False  # `min_length` / `min_new_tokens`: some ids are held back early (`eos_hold`)
 
 
 @dataclass(eq=False)
@@ -62,6 +64,8 @@ class WavefrontState:
     counters: torch.Tensor  # [B, len(COUNTERS)] int64
     core_calls: torch.Tensor  # [] int64
     draft_override: torch.Tensor  # [B, C] int64: a draft for position p becomes draft_override[b, p] when >= 0
+    seen: torch.Tensor  # [B, V] bool: the prompt row's tokens the penalty counts, and the committed tokens
+    eos_hold: torch.Tensor  # [V] int64: id v cannot be the i-th generated token (0-based) while i < eos_hold[v]
     # KV: the pools of the run's PagedLoopCache, its (constant) block tables and the valid lengths
     k_pool: torch.Tensor  # [layers, pages, page_size, Hkv, D]
     v_pool: torch.Tensor  # [layers, pages, page_size, Hkv, D]

@@ -78,7 +78,7 @@ def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
 
     def step(state: WavefrontState) -> WavefrontState:
         ran, prompt_ran = _run_core(model, plan, state)
-        top = model.head(state.hidden).argmax(-1)  # [B, L] (unused slots: ignored)
+        top = _process(plan, state, model.head(state.hidden)).argmax(-1)  # [B, L] (unused slots: ignored)
         drafter = _drafters(plan, state, ran)  # [B, L], chosen before verification
         spawn_tok, spawn_pos, restart = _verify(plan, state, ran, top)
         _draft(plan, state, drafter, top, spawn_tok, spawn_pos, restart, embed_tokens)
@@ -120,6 +120,23 @@ def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch
         0, (row_seq * plan.planes + plane.clamp(max=plan.planes - 1)), torch.where(active, position + 1, 0), "amax")
     s.kv_len = written.view_as(s.kv_len)
     return ran, prompt_ran
+
+
+def _process(plan: Plan, s: WavefrontState, logits: torch.Tensor) -> torch.Tensor:
+    """transformers' greedy processors on `logits` `[B, L, V]`, each slot with its own path as the prefix: the
+    slot at position p chooses the token at p + 1 after tokens 0..p (the padded prompt row, the committed tokens,
+    and the lanes up to p, which lie on the same path)."""
+    if plan.repetition_penalty is not None:
+        lanes = s.token.shape[1]
+        on_path = s.alive[:, None, :] & (s.position[:, None, :] <= s.position[:, :, None])  # [B, L, L]
+        seen = s.seen[:, None].expand(-1, lanes, -1).long().scatter_reduce(
+            2, s.token[:, None, :].expand(-1, lanes, -1), on_path.long(), "amax").bool()  # [B, L, V]
+        penalty = plan.repetition_penalty
+        logits = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+    if plan.holds_eos:
+        generated = s.position + 1 - s.prompt_len[:, None]  # [B, L] index of the token each slot chooses
+        logits = logits.masked_fill(generated[..., None] < s.eos_hold, float("-inf"))
+    return logits
 
 
 def _drafters(plan: Plan, s: WavefrontState, ran: torch.Tensor) -> torch.Tensor:
@@ -178,6 +195,8 @@ def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor)
 
     columns = torch.where(commit, s.n_out[:, None] + rank, s.out.shape[1] - 1)  # [B, L]
     s.out = s.out.scatter(1, columns, top_r)
+    if plan.repetition_penalty is not None:
+        s.seen = s.seen.long().scatter_reduce(1, top_r, commit.long(), "amax").bool()  # the committed tokens
     s.n_out = s.n_out + n_commit
     s.finished = s.finished | finished_now
     big = s.kv_len.new_tensor(2**62)
