@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tolerances import fp32_tolerance
 
 from hf_loopspec.ops.attention import (
     naive_paged_attention,
@@ -48,7 +49,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 GARBAGE_PAGE = 10**6  # out-of-range page id used to pad some block tables
 
 TOLERANCES = {
-    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    # One attention layer on unit-normal q, k, v (outputs are convex combinations of the values: scale 1) whose
+    # widest reduction is over 150 positions (the longest scene; head_dim <= 128): derived in tests/tolerances.py.
+    torch.float32: fp32_tolerance(layers=1, width=150),
     torch.float16: {"atol": 2e-3, "rtol": 2e-3},
     torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2},
 }

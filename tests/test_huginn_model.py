@@ -23,12 +23,11 @@ from huginn_utils import (
     tiny_huginn_config,
     write_hub_folder,
 )
+from tolerances import assert_fp32_close, huginn_depth
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from hf_loopspec import HuginnConfig, HuginnForCausalLM, HuginnModel, PagedLoopCache
-
-ATOL = 2e-4
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -40,9 +39,10 @@ def test_step_logits_match_reference_zero_state(variant, num_steps):
         out = model(ids, num_steps=num_steps, init_scale=0.0, output_step_logits=True, use_cache=False)
     ref = reference(sd, ids, model.config, torch.zeros(2, 9, model.config.n_embd), num_steps)
     assert len(out.step_logits) == num_steps
+    depth = huginn_depth(model.config, num_steps)
     for step in range(num_steps):
-        torch.testing.assert_close(out.step_logits[step], ref["step_logits"][step], atol=ATOL, rtol=1e-4)
-    torch.testing.assert_close(out.logits, ref["step_logits"][-1], atol=ATOL, rtol=1e-4)
+        assert_fp32_close(out.step_logits[step], ref["step_logits"][step], **depth)
+    assert_fp32_close(out.logits, ref["step_logits"][-1], **depth)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -57,9 +57,10 @@ def test_logits_and_states_match_reference_random_state(variant):
         out = model(ids, output_hidden_states=True, output_step_logits=True, use_cache=False)
     assert state.abs().sum() > 0
     ref = reference(sd, ids, model.config, state, 4)
-    torch.testing.assert_close(out.logits, ref["step_logits"][-1], atol=ATOL, rtol=1e-4)
+    depth = huginn_depth(model.config, 4)
+    assert_fp32_close(out.logits, ref["step_logits"][-1], **depth)
     for step in range(4):
-        torch.testing.assert_close(out.hidden_states[1 + step], ref["states"][step], atol=ATOL, rtol=1e-4)
+        assert_fp32_close(out.hidden_states[1 + step], ref["states"][step], **depth)
 
 
 def test_step_logits_equal_shallower_runs():
@@ -70,7 +71,7 @@ def test_step_logits_equal_shallower_runs():
         deep = model(ids, num_steps=5, init_scale=1.0, init_seed=3, output_step_logits=True)
         for steps in (1, 2, 4):
             shallow = model(ids, num_steps=steps, init_scale=1.0, init_seed=3)
-            torch.testing.assert_close(deep.step_logits[steps - 1], shallow.logits, atol=1e-5, rtol=1e-5)
+            assert_fp32_close(deep.step_logits[steps - 1], shallow.logits, **huginn_depth(model.config, steps))
 
 
 def test_initial_state_law_and_keys():
@@ -124,7 +125,7 @@ def test_cached_decoding_equals_full_forward(variant, cache_kind):
         for t in range(6, 10):
             out = model(ids[:, t : t + 1], cache=out.cache, **settings)
             steps.append(out.logits)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert_fp32_close(torch.cat(steps, dim=1), full, **huginn_depth(model.config, 3))
 
 
 def test_static_cache_generate_equals_dynamic():
@@ -161,7 +162,7 @@ def test_padded_batch_equals_rows_alone():
                                    eos_token_id=None, **settings)
         for i, row in enumerate(rows):
             alone = model(row[None], **settings).logits
-            torch.testing.assert_close(batched[i, -len(row):], alone[0], atol=1e-4, rtol=1e-4)
+            assert_fp32_close(batched[i, -len(row):], alone[0], **huginn_depth(model.config, 3))
             alone_gen = model.generate(row[None], max_new_tokens=6, do_sample=False, pad_token_id=PAD,
                                        eos_token_id=None, **settings)
             assert generated[i, -6:].tolist() == alone_gen[0, -6:].tolist()
@@ -181,7 +182,7 @@ def test_padded_batch_keys_random_states_by_real_position():
             only_mask = torch.zeros_like(only)
             only[i], only_mask[i] = row, 1
             alone = model(only, attention_mask=only_mask, **settings).logits
-            torch.testing.assert_close(batched[i, -len(row):], alone[i], atol=1e-4, rtol=1e-4)
+            assert_fp32_close(batched[i, -len(row):], alone[i], **huginn_depth(model.config, 3))
 
 
 def test_save_and_load_round_trip(tmp_path):

@@ -8,16 +8,26 @@ import json
 
 import pytest
 import torch
-from helpers import HUB_AUTO_MAP, config_values, hub_key_shapes, random_ids, reference, tiny_model, write_hub_folder
+from helpers import (
+    HUB_AUTO_MAP,
+    config_values,
+    hub_key_shapes,
+    random_ids,
+    reference,
+    tiny_config,
+    tiny_model,
+    write_hub_folder,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tolerances import assert_fp32_close, ouro_depth
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import hf_loopspec
 from hf_loopspec import OuroConfig, OuroForCausalLM, OuroModel
 
-TOL = {"atol": 1e-5, "rtol": 1e-5}
 ARCH = {"num_key_value_heads": 2, "head_dim": 24, "total_ut_steps": 3}  # GQA, explicit head_dim, U = 3
+DEPTH = ouro_depth(tiny_config(**ARCH))  # of every fp32 comparison with the fp32 reference below
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +76,7 @@ def test_save_pretrained_writes_hub_keys_and_round_trips(source, saved):
     assert loaded.dtype == torch.float32 and not loaded.training
     for key, value in loaded.state_dict().items():
         torch.testing.assert_close(value, sd[key], atol=0, rtol=0)
-    torch.testing.assert_close(logits(loaded, ids), ref, **TOL)
+    assert_fp32_close(logits(loaded, ids), ref, **DEPTH)
     assert loaded.config.total_ut_steps == 3 and loaded.config.head_dim == 24
 
 
@@ -82,7 +92,7 @@ def test_load_in_bfloat16(source, saved):
 def test_load_with_device_map_cpu(source, saved):
     loaded = OuroForCausalLM.from_pretrained(saved, device_map="cpu")
     assert all(p.device.type == "cpu" for p in loaded.parameters())
-    torch.testing.assert_close(logits(loaded, source[2]), source[3], **TOL)
+    assert_fp32_close(logits(loaded, source[2]), source[3], **DEPTH)
 
 
 # --- a folder laid out like the Hub repo ----------------------------------------------------------------------
@@ -109,8 +119,8 @@ def test_hub_folder_loads_registered_causal_lm(source, hub_folder, trust_remote_
     with torch.no_grad():
         out = model(source[2], output_loop_logits=True)
     for u in range(3):
-        torch.testing.assert_close(out.loop_logits[u], ref["loop_logits"][u], **TOL)
-    torch.testing.assert_close(out.exit_gate_logits, ref["gate_logits"], **TOL)
+        assert_fp32_close(out.loop_logits[u], ref["loop_logits"][u], **DEPTH)
+    assert_fp32_close(out.exit_gate_logits, ref["gate_logits"], **DEPTH)
     assert model.generation_config.eos_token_id == 0 and model.generation_config.pad_token_id == 0
 
 
@@ -128,9 +138,9 @@ def test_hub_folder_loads_base_model(source, hub_folder):
     ref = bf16_reference(source)
     with torch.no_grad():
         out = model(source[2], output_hidden_states=True)
-    torch.testing.assert_close(out.last_hidden_state, ref["loop_hidden"][-1], **TOL)
+    assert_fp32_close(out.last_hidden_state, ref["loop_hidden"][-1], **DEPTH)
     for u in range(3):
-        torch.testing.assert_close(out.hidden_states[u + 1], ref["loop_hidden"][u], **TOL)
+        assert_fp32_close(out.hidden_states[u + 1], ref["loop_hidden"][u], **DEPTH)
 
 
 # --- checkpoints that do not match the config -----------------------------------------------------------------

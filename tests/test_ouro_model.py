@@ -8,9 +8,8 @@ import torch
 import torch.nn.functional as F
 from helpers import left_pad, random_ids, reference, tiny_config, tiny_model
 from ouro_reference import exit_distribution
+from tolerances import assert_fp32_close, ouro_depth
 from transformers.cache_utils import DynamicCache
-
-TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 # MHA and GQA (incl. a single KV head), U in {1, 3, 4}, explicit head_dim != hidden / heads (= 16).
 ARCHS = {
@@ -22,8 +21,9 @@ ARCHS = {
 }
 
 
-def assert_close(actual, expected, **tol):
-    torch.testing.assert_close(actual, expected.to(actual.dtype), **(tol or TOL))
+def assert_close(actual, expected, config):
+    """The package's output against the fp32 reference's: rounding of a full forward of `config` apart."""
+    assert_fp32_close(actual, expected.to(actual.dtype), **ouro_depth(config))
 
 
 # --- parity with the reference ------------------------------------------------------------------------------
@@ -39,10 +39,10 @@ def test_loop_logits_and_gates_match_reference(arch):
         out = model(ids, output_loop_logits=True, use_cache=False)
     assert len(out.loop_logits) == loops
     for u in range(loops):
-        assert_close(out.loop_logits[u], ref["loop_logits"][u])
+        assert_close(out.loop_logits[u], ref["loop_logits"][u], model.config)
     assert out.exit_gate_logits.shape == (3, 11, loops)
-    assert_close(out.exit_gate_logits, ref["gate_logits"])
-    assert_close(out.logits, ref["loop_logits"][-1])  # no exit option: the last loop
+    assert_close(out.exit_gate_logits, ref["gate_logits"], model.config)
+    assert_close(out.logits, ref["loop_logits"][-1], model.config)  # no exit option: the last loop
 
 
 def test_single_sequence_and_default_logits_match_reference():
@@ -52,7 +52,7 @@ def test_single_sequence_and_default_logits_match_reference():
     with torch.no_grad():
         out = model(ids[None])
     assert out.loop_logits is None and out.exit_gate_logits is None
-    assert_close(out.logits[0], ref["loop_logits"][-1, 0])
+    assert_close(out.logits[0], ref["loop_logits"][-1, 0], model.config)
 
 
 def test_hidden_states_are_embeddings_then_every_loop():
@@ -62,13 +62,13 @@ def test_hidden_states_are_embeddings_then_every_loop():
     with torch.no_grad():
         out = model(ids, output_hidden_states=True, use_cache=False)
     assert len(out.hidden_states) == 4
-    assert_close(out.hidden_states[0], sd["model.embed_tokens.weight"][ids])
+    assert_close(out.hidden_states[0], sd["model.embed_tokens.weight"][ids], model.config)
     for u in range(3):
-        assert_close(out.hidden_states[u + 1], ref["loop_hidden"][u])
-    assert_close(out.exit_gate_logits, ref["gate_logits"])
+        assert_close(out.hidden_states[u + 1], ref["loop_hidden"][u], model.config)
+    assert_close(out.exit_gate_logits, ref["gate_logits"], model.config)
     with torch.no_grad():
         base = model.model(ids, use_cache=False)
-    assert_close(base.last_hidden_state, ref["loop_hidden"][-1])
+    assert_close(base.last_hidden_state, ref["loop_hidden"][-1], model.config)
 
 
 def test_logits_to_keep_and_loss():
@@ -79,9 +79,9 @@ def test_logits_to_keep_and_loss():
         last = model(ids, logits_to_keep=1).logits
         loss = model(ids, labels=ids).loss
     assert last.shape == (2, 1, 101)
-    assert_close(last, ref[:, -1:])
+    assert_close(last, ref[:, -1:], model.config)
     expected = F.cross_entropy(ref[:, :-1].reshape(-1, 101), ids[:, 1:].reshape(-1))
-    assert_close(loss, expected)
+    assert_close(loss, expected, model.config)
 
 
 # --- exit options ---------------------------------------------------------------------------------------------
@@ -94,7 +94,7 @@ def test_exit_at_step_selects_that_loop():
     for k in range(4):
         with torch.no_grad():
             out = model(ids, exit_at_step=k)
-        assert_close(out.logits, ref["loop_logits"][k])
+        assert_close(out.logits, ref["loop_logits"][k], model.config)
     # loops differ, so the above really distinguishes them
     assert (ref["loop_logits"][0] - ref["loop_logits"][-1]).abs().max() > 0.1
 
@@ -108,7 +108,7 @@ def test_weighted_exit_is_expectation_under_exit_distribution():
     expected = (probs.permute(2, 0, 1)[..., None] * ref["loop_logits"].double()).sum(0)
     with torch.no_grad():
         out = model(ids, use_weighted_exit=True)
-    assert_close(out.logits, expected)
+    assert_close(out.logits, expected, model.config)
 
 
 def _threshold_choice(gate_logits, q):
@@ -137,7 +137,7 @@ def test_exit_threshold_picks_first_loop_reaching_threshold_per_token(q):
     expected = torch.stack([ref["loop_logits"][choice[b, t], b, t] for b in range(3) for t in range(16)])
     with torch.no_grad():
         out = model(ids, exit_threshold=q)
-    assert_close(out.logits.reshape(-1, 101), expected)
+    assert_close(out.logits.reshape(-1, 101), expected, model.config)
 
 
 def test_exit_threshold_extremes():
@@ -147,8 +147,8 @@ def test_exit_threshold_extremes():
     with torch.no_grad():
         first = model(ids, exit_threshold=0.0).logits  # p_0 >= 0: every token exits after loop 0
         last = model(ids, exit_threshold=1.0).logits  # the cumulative mass reaches 1 only at the last loop
-    assert_close(first, ref["loop_logits"][0])
-    assert_close(last, ref["loop_logits"][-1])
+    assert_close(first, ref["loop_logits"][0], model.config)
+    assert_close(last, ref["loop_logits"][-1], model.config)
 
 
 @pytest.mark.parametrize(
@@ -186,7 +186,7 @@ def test_incremental_decoding_with_dynamic_cache_matches_full_forward(chunks, ar
             out = model(ids[:, start:start + n], cache=cache, output_loop_logits=True)
         assert out.cache is cache
         for u in range(loops):
-            assert_close(out.loop_logits[u], ref["loop_logits"][u][:, start:start + n])
+            assert_close(out.loop_logits[u], ref["loop_logits"][u][:, start:start + n], model.config)
         start += n
         assert cache.get_seq_length() == start
     assert len(cache.layers) == loops * layers  # one KV per (loop, layer)
@@ -200,7 +200,7 @@ def test_past_key_values_alias():
     with torch.no_grad():
         model(ids[:, :4], past_key_values=cache)
         out = model(ids[:, 4:], past_key_values=cache)
-    assert_close(out.logits, ref[:, 4:])
+    assert_close(out.logits, ref[:, 4:], model.config)
     with pytest.raises(ValueError):
         model(ids[:, 4:], cache=DynamicCache(), past_key_values=DynamicCache())
 
@@ -218,8 +218,8 @@ def test_left_padded_batch_matches_each_row_alone():
         ref = reference(sd, row, model.config)
         n = len(row)
         for u in range(4):
-            assert_close(out.loop_logits[u][i, -n:], ref["loop_logits"][u][0])
-        assert_close(out.exit_gate_logits[i, -n:], ref["gate_logits"][0])
+            assert_close(out.loop_logits[u][i, -n:], ref["loop_logits"][u][0], model.config)
+        assert_close(out.exit_gate_logits[i, -n:], ref["gate_logits"][0], model.config)
 
 
 def test_left_padded_batch_with_cache_matches_each_row_alone():
@@ -237,7 +237,7 @@ def test_left_padded_batch_with_cache_matches_each_row_alone():
     for i, row in enumerate(rows):
         full = torch.cat([row, extra[i]])
         ref = reference(sd, full, model.config)["loop_logits"][-1, 0]
-        assert_close(logits[i, -len(full):], ref)
+        assert_close(logits[i, -len(full):], ref, model.config)
 
 
 # --- bad input ------------------------------------------------------------------------------------------------

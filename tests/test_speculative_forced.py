@@ -35,6 +35,7 @@ from speculative_utils import (
     tiny_spec_model,
     trace_divergence,
 )
+from tolerances import ouro_depth
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 VOCAB = 80
@@ -74,7 +75,8 @@ def check_run(model, prompts, ids, mask, out, ref, committed, accept=None):
     torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
     assert out.cache.debug and out.cache.tags is not None  # every read was checked against its lineage (I1)
     assert_counter_invariants(out.speculation, committed)
-    assert_cache_matches_ar(out.cache, ref.cache, mask, committed, model.config.num_hidden_layers)
+    assert_cache_matches_ar(out.cache, ref.cache, mask, committed, model.config.num_hidden_layers,
+                            depth=ouro_depth(model.config))
     if accept is not None:
         for s, p, _ in events(out, "accept"):
             assert accept(s, p, p - len(prompts[s])), f"draft at sequence {s}, position {p} should be rejected"
