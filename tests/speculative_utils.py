@@ -203,11 +203,11 @@ def paged_plane(cache: PagedLoopCache, seq: int, depth: int, layer: int, n: int)
 
 
 def assert_cache_matches_ar(paged: PagedLoopCache, ar: DynamicCache, mask: torch.Tensor,
-                            generated: Sequence[int], num_layers: int, *, depth: dict[str, int],
+                            generated: Sequence[int], num_layers: int, *, model_depth: dict[str, int],
                             planes: Sequence[int] | None = None) -> None:
     """I4: every plane (or the given `planes`) of every sequence equals what serial AR wrote for the committed tokens,
-    up to the fp32 rounding of a forward of `depth` (`ouro_depth` / `huginn_depth` of the model: a bound for every
-    plane).
+    up to the fp32 rounding of a forward of `model_depth` (the model's `ouro_depth` / `huginn_depth`: a bound for
+    every plane).
 
     The AR `DynamicCache` is `[B, Hkv, S, D]` per cache layer (depth * num_layers + layer), with pad columns on the
     left; it holds every token except the last generated one (and, for rows that finished early, pad steps after
@@ -225,8 +225,8 @@ def assert_cache_matches_ar(paged: PagedLoopCache, ar: DynamicCache, mask: torch
                 v_ar = ar_layer.values[s, :, pads:pads + n].transpose(0, 1)
                 k, v = paged_plane(paged, s, depth, layer, n)
                 where = f"sequence {s}, depth {depth}, layer {layer}"
-                assert_fp32_close(k, k_ar, **depth, msg=lambda m, w=where: f"keys of {w}: {m}")
-                assert_fp32_close(v, v_ar, **depth, msg=lambda m, w=where: f"values of {w}: {m}")
+                assert_fp32_close(k, k_ar, **model_depth, msg=lambda m, w=where: f"keys of {w}: {m}")
+                assert_fp32_close(v, v_ar, **model_depth, msg=lambda m, w=where: f"values of {w}: {m}")
 
 
 # --- forced draft patterns ------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def test_token_identity_with_plain_greedy(damp, batch, init):
         assert out.sequences.tolist() == ref.sequences.tolist(), label
         assert_counter_invariants(out.speculation, [NEW] * len(prompts))
         assert_cache_matches_ar(out.cache, ref.cache, mask, [NEW] * len(prompts), num_layers=2,
-                                depth=huginn_depth(model.config, STEPS), planes=ar_planes(model))
+                                model_depth=huginn_depth(model.config, STEPS), planes=ar_planes(model))
 
 
 @pytest.mark.parametrize("mode,d,k", [("pipeline", 2, None), ("block", 2, 3)])
@@ -96,7 +96,7 @@ def test_forced_rejections_keep_tokens_and_kv(mode, d, k, pattern):
     assert out.sequences.tolist() == ref.sequences.tolist()
     assert out.speculation.rejected > 0
     assert_cache_matches_ar(out.cache, ref.cache, mask, [NEW] * len(prompts), num_layers=2,
-                            depth=huginn_depth(model.config, STEPS), planes=ar_planes(model))
+                            model_depth=huginn_depth(model.config, STEPS), planes=ar_planes(model))
     draft_plane = out.cache.kv_layout.exit_plane(d)
     for s, prompt in enumerate(prompts):  # the draft-depth coda plane holds every position AR feeds back
         assert out.cache.length(s, draft_plane) == len(prompt) + NEW - 1

@@ -76,7 +76,7 @@ def check_run(model, prompts, ids, mask, out, ref, committed, accept=None):
     assert out.cache.debug and out.cache.tags is not None  # every read was checked against its lineage (I1)
     assert_counter_invariants(out.speculation, committed)
     assert_cache_matches_ar(out.cache, ref.cache, mask, committed, model.config.num_hidden_layers,
-                            depth=ouro_depth(model.config))
+                            model_depth=ouro_depth(model.config))
     if accept is not None:
         for s, p, _ in events(out, "accept"):
             assert accept(s, p, p - len(prompts[s])), f"draft at sequence {s}, position {p} should be rejected"

@@ -94,7 +94,7 @@ def test_token_identity_matrix(loops, batch):
                 continue
             assert_counter_invariants(out.speculation, committed)
             assert_cache_matches_ar(out.cache, ref.cache, mask, committed, model.config.num_hidden_layers,
-                                    depth=ouro_depth(model.config))
+                                    model_depth=ouro_depth(model.config))
             accepted += out.speculation.accepted
             verified += out.speculation.verified
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -134,7 +134,7 @@ def test_agreeing_model_long_accepted_runs(mode, d, k):
     assert stats.accepted >= 0.8 * 3 * 59
     assert_counter_invariants(stats, [60, 60, 60])
     assert_cache_matches_ar(out.cache, ref.cache, mask, [60, 60, 60], model.config.num_hidden_layers,
-                            depth=ouro_depth(model.config))
+                            model_depth=ouro_depth(model.config))
 
 
 @pytest.mark.parametrize("mode,d,k", [("pipeline", 1, None), ("block", 2, 2)])

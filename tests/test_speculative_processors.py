@@ -92,7 +92,7 @@ def test_stop_strings(setup, mode, d, k):
     committed = [len(tok.decode(ref.sequences[s, ids.shape[1]:]).replace("<pad>", "")) for s in range(3)]
     assert_counter_invariants(out.speculation, committed)
     assert_cache_matches_ar(out.cache, ref.cache, mask, committed, model.config.num_hidden_layers,
-                            depth=ouro_depth(model.config))
+                            model_depth=ouro_depth(model.config))
 
 
 @pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
@@ -113,7 +113,7 @@ def test_eos_token_id_list(setup, mode, d, k):
     assert committed[1] == first[eos_a] + 1 and committed[0] == NEW
     assert_counter_invariants(out.speculation, committed)
     assert_cache_matches_ar(out.cache, ref.cache, mask, committed, model.config.num_hidden_layers,
-                            depth=ouro_depth(model.config))
+                            model_depth=ouro_depth(model.config))
 
 
 @pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
@@ -125,7 +125,7 @@ def test_repetition_penalty_batch1(setup, mode, d, k):
     ref, out = check(model, ids, mask, mode, d, k, repetition_penalty=1.5)
     assert out.speculation.accepted > 0 and out.speculation.rejected > 0
     assert_cache_matches_ar(out.cache, ref.cache, mask, [NEW], model.config.num_hidden_layers,
-                            depth=ouro_depth(model.config))
+                            model_depth=ouro_depth(model.config))
 
 
 @pytest.mark.parametrize("mode,d,k", [MODES[0], MODES[2]], ids=[MODE_IDS[0], MODE_IDS[2]])
