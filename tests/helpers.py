@@ -11,11 +11,9 @@ from safetensors.torch import save_file
 
 from hf_loopspec import OuroConfig, OuroForCausalLM
 
-# The models here are tiny: intra-op threads only add overhead (and thrash on a shared 2-core machine).
-torch.set_num_threads(1)
-
+VOCAB = 101
 TINY = {
-    "vocab_size": 101,
+    "vocab_size": VOCAB,
     "hidden_size": 64,
     "intermediate_size": 96,
     "num_hidden_layers": 2,
@@ -117,24 +115,6 @@ def tiny_model(seed: int = 0, gate_scale: float = 1.0, **overrides):
 def reference(sd: dict, input_ids: torch.Tensor, config) -> dict:
     """The independent reference (tests/ouro_reference.py) on Hub-named weights and one unpadded batch."""
     return ouro_reference({k: v.float() for k, v in sd.items()}, input_ids, config_values(config))
-
-
-def random_ids(length: int, vocab: int = TINY["vocab_size"], seed: int = 0, batch: int | None = None, low: int = 3):
-    """Random token ids in [low, vocab) (ids 0..2 are Ouro's special tokens), `[length]` or `[batch, length]`."""
-    gen = torch.Generator().manual_seed(seed)
-    shape = (length,) if batch is None else (batch, length)
-    return torch.randint(low, vocab, shape, generator=gen)
-
-
-def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad 1-D id tensors into `(input_ids [B, T], attention_mask [B, T])`."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = r
-        mask[i, width - len(r):] = 1
-    return ids, mask
 
 
 def write_hub_folder(folder: Path, config, sd: dict, dtype: torch.dtype = torch.bfloat16,

@@ -13,12 +13,11 @@ from safetensors.torch import save_file
 
 from hf_loopspec import HuginnConfig, HuginnForCausalLM
 
-torch.set_num_threads(1)
-
 PAD = 0
+VOCAB = 97
 # Huginn-0125's layout in miniature: sandwich blocks, interleaved RoPE, MHA, q/k bias, embedding scale sqrt(E).
 TINY = {
-    "vocab_size": 97, "n_embd": 32, "n_heads": 4, "intermediate_size": 48, "n_layers_in_prelude": 2,
+    "vocab_size": VOCAB, "n_embd": 32, "n_heads": 4, "intermediate_size": 48, "n_layers_in_prelude": 2,
     "n_layers_in_recurrent_block": 2, "n_layers_in_coda": 2, "mean_recurrence": 4, "block_size": 256,
     "rope_base": 50000.0, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": PAD,
 }
@@ -123,11 +122,6 @@ def tiny_huginn(variant: str = "huginn", seed: int = 0, damp: float = 1.0, **ove
 
 def reference(sd: dict, input_ids: torch.Tensor, config: HuginnConfig, state: torch.Tensor, num_steps: int) -> dict:
     return huginn_reference(sd, input_ids, reference_config(config), state, num_steps)
-
-
-def random_ids(shape, vocab: int = TINY["vocab_size"], seed: int = 0) -> torch.Tensor:
-    """Random ids in [3, vocab): never the pad, bos or eos ids."""
-    return torch.randint(3, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def write_hub_folder(folder: Path, config: HuginnConfig, sd: dict, *, freqs_cis: bool = True,

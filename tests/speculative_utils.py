@@ -16,11 +16,19 @@ from transformers.cache_utils import DynamicCache
 from hf_loopspec import OuroConfig, OuroForCausalLM
 from hf_loopspec.cache.paged import PagedLoopCache
 
-# The models are tiny: intra-op threads only add overhead on the shared 2-core machine.
-torch.set_num_threads(1)
-
 PAD = 0
 PAGE = 4  # page size of every PagedLoopCache in these tests: rollbacks cross page boundaries often
+
+# The speculative settings the tests run: (speculative_mode, draft_loops d, num_speculative_tokens K). Pipeline
+# drafts from one and from two loops; block rounds with one draft loop and K = PAGE (rounds fill whole pages), and
+# with two draft loops and K = 2 (rounds straddle page boundaries).
+MODES = [("pipeline", 1, None), ("pipeline", 2, None), ("block", 1, 4), ("block", 2, 2)]
+MODE_IDS = [f"{m}-d{d}" + (f"-K{k}" if k else "") for m, d, k in MODES]
+
+
+def mode_kwargs(mode: str, d: int, k: int | None = None) -> dict:
+    """`generate`'s keyword arguments for one (mode, d, K) of `MODES`."""
+    return {"speculative_mode": mode, "draft_loops": d} | ({} if k is None else {"num_speculative_tokens": k})
 
 
 # --- models and prompts -------------------------------------------------------------------------------------------
@@ -60,23 +68,6 @@ def tiny_spec_model(seed: int, loops: int = 4, *, vocab: int = 96, hidden: int =
     return model
 
 
-def random_prompts(seed: int, lengths: Sequence[int], vocab: int) -> list[torch.Tensor]:
-    """One random prompt per length, ids in [1, vocab) (never the pad id)."""
-    gen = torch.Generator().manual_seed(10_000 + seed)
-    return [torch.randint(1, vocab, (n,), generator=gen) for n in lengths]
-
-
-def left_pad(rows: Sequence[torch.Tensor], pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad 1-D id tensors into `(input_ids [B, T], attention_mask [B, T])`."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = r
-        mask[i, width - len(r):] = 1
-    return ids, mask
-
-
 def paged_cache(model, debug: bool = True) -> PagedLoopCache:
     return PagedLoopCache(model.kv_layout, page_size=PAGE, debug=debug)
 
@@ -95,13 +86,10 @@ def plain(model, ids, mask, max_new: int, **kwargs):
 def speculative(model, ids, mask, max_new: int, mode: str, d: int = 1, k: int | None = None, *, debug: bool = True,
                 **kwargs):
     """Speculative greedy decoding on a fresh `PagedLoopCache(page_size=4)`; returns the dict output."""
-    if k is not None:
-        kwargs["num_speculative_tokens"] = k
     kwargs.setdefault("cache", paged_cache(model, debug))
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                              pad_token_id=PAD, return_dict_in_generate=True, speculative_mode=mode,
-                              draft_loops=d, **kwargs)
+                              pad_token_id=PAD, return_dict_in_generate=True, **mode_kwargs(mode, d, k), **kwargs)
 
 
 # --- facts read off plain outputs -----------------------------------------------------------------------------------

@@ -10,8 +10,6 @@ from hf_loopspec.bench.shapes import SHAPES, random_model, shape_config
 from hf_loopspec.models.huginn import HuginnConfig
 from hf_loopspec.models.ouro import OuroConfig
 
-torch.set_num_threads(1)
-
 OURO = OuroConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   total_ut_steps=4, max_position_embeddings=64, pad_token_id=0)
 HUGINN = HuginnConfig(vocab_size=64, n_embd=32, n_heads=4, intermediate_size=48, n_layers_in_prelude=1,

@@ -21,8 +21,6 @@ from hf_loopspec.bench import args as bench_args
 from hf_loopspec.bench import costs, plot, prompts, report, run, shapes
 from hf_loopspec.bench.main import run_bench
 
-torch.set_num_threads(1)  # tiny models: more threads only add overhead on a shared machine
-
 ROOT = Path(__file__).resolve().parents[1]
 N = 8  # new tokens
 FAST = ["--model", "ouro-tiny", "--device", "cpu", "--prompt-len", "8", "--new-tokens", str(N), "--repeats", "1",

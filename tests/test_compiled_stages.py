@@ -15,7 +15,8 @@ import shutil
 import pytest
 import torch
 from huginn_utils import tiny_huginn
-from speculative_utils import left_pad, plain, random_prompts, speculative, tiny_spec_model
+from inputs import left_pad, random_prompts
+from speculative_utils import plain, speculative, tiny_spec_model
 from tolerances import assert_fp32_close, ouro_depth
 
 from hf_loopspec import PagedLoopCache

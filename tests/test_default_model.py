@@ -18,8 +18,6 @@ import hf_loopspec  # noqa: F401  (registers the Ouro classes with the Auto fact
 from hf_loopspec import OuroForCausalLM
 from hf_loopspec.assets import default_model_path
 
-torch.set_num_threads(1)
-
 MAX_BYTES = 25 * 10**6
 SNIPPET_TOKENS = 192
 FALLBACK_SNIPPET = '''def _splitext(p, sep, altsep, extsep):

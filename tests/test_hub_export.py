@@ -20,8 +20,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from huggingface_hub import ModelCard
+from inputs import left_pad, random_prompts
 from safetensors.torch import load_file
-from speculative_utils import left_pad, random_prompts, tiny_spec_model
+from speculative_utils import tiny_spec_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
 from transformers import PreTrainedTokenizerFast

@@ -13,16 +13,16 @@ import math
 
 import pytest
 import torch
-from helpers import left_pad
 from huginn_utils import (
     PAD,
     VARIANTS,
-    random_ids,
+    VOCAB,
     reference,
     tiny_huginn,
     tiny_huginn_config,
     write_hub_folder,
 )
+from inputs import left_pad, random_ids
 from tolerances import assert_fp32_close, huginn_depth
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
@@ -34,7 +34,7 @@ from hf_loopspec import HuginnConfig, HuginnForCausalLM, HuginnModel, PagedLoopC
 @pytest.mark.parametrize("num_steps", [1, 3])
 def test_step_logits_match_reference_zero_state(variant, num_steps):
     model, sd = tiny_huginn(variant, seed=1)
-    ids = random_ids((2, 9), seed=2)
+    ids = random_ids((2, 9), VOCAB, seed=2)
     with torch.no_grad():
         out = model(ids, num_steps=num_steps, init_scale=0.0, output_step_logits=True, use_cache=False)
     ref = reference(sd, ids, model.config, torch.zeros(2, 9, model.config.n_embd), num_steps)
@@ -49,7 +49,7 @@ def test_step_logits_match_reference_zero_state(variant, num_steps):
 def test_logits_and_states_match_reference_random_state(variant):
     """With init_scale 1 the model's own keyed states are fed to the reference (their law is tested below)."""
     model, sd = tiny_huginn(variant, seed=3)
-    ids = random_ids((2, 7), seed=4)
+    ids = random_ids((2, 7), VOCAB, seed=4)
     with torch.no_grad(), model.recurrence(num_steps=4, init_scale=1.0, init_seed=11):
         positions = torch.arange(7).expand(2, 7)
         sequences = torch.arange(2)[:, None].expand(2, 7)
@@ -66,7 +66,7 @@ def test_logits_and_states_match_reference_random_state(variant):
 def test_step_logits_equal_shallower_runs():
     """Step r's logits are what `num_steps = r + 1` gives (the coda has a KV plane per exit depth)."""
     model, _ = tiny_huginn(seed=5)
-    ids = random_ids((1, 6), seed=6)
+    ids = random_ids((1, 6), VOCAB, seed=6)
     with torch.no_grad():
         deep = model(ids, num_steps=5, init_scale=1.0, init_seed=3, output_step_logits=True)
         for steps in (1, 2, 4):
@@ -98,7 +98,7 @@ def test_initial_state_law_and_keys():
 
 def test_unseeded_runs_vary_and_torch_seed_reproduces():
     model, _ = tiny_huginn(seed=9)
-    ids = random_ids((1, 5), seed=1)
+    ids = random_ids((1, 5), VOCAB, seed=1)
     with torch.no_grad():
         torch.manual_seed(0)
         a = model(ids).logits
@@ -113,7 +113,7 @@ def test_unseeded_runs_vary_and_torch_seed_reproduces():
 @pytest.mark.parametrize("cache_kind", ["dynamic", "paged"])
 def test_cached_decoding_equals_full_forward(variant, cache_kind):
     model, _ = tiny_huginn(variant, seed=2)
-    ids = random_ids((2, 10), seed=3)
+    ids = random_ids((2, 10), VOCAB, seed=3)
     settings = {"num_steps": 3, "init_scale": 1.0, "init_seed": 21}
     with torch.no_grad():
         full = model(ids, use_cache=False, **settings).logits
@@ -130,7 +130,7 @@ def test_cached_decoding_equals_full_forward(variant, cache_kind):
 
 def test_static_cache_generate_equals_dynamic():
     model, _ = tiny_huginn("retrofitted", seed=8)
-    ids, mask = left_pad([random_ids((n,), seed=n) for n in (5, 2)], PAD)
+    ids, mask = left_pad([random_ids(n, VOCAB, seed=n) for n in (5, 2)], PAD)
     settings = {"num_steps": 3, "init_scale": 1.0, "init_seed": 4, "max_new_tokens": 6, "do_sample": False,
                 "pad_token_id": PAD, "eos_token_id": None}
     with torch.no_grad():
@@ -141,7 +141,7 @@ def test_static_cache_generate_equals_dynamic():
 
 def test_continuing_a_cache_with_other_settings_raises():
     model, _ = tiny_huginn()
-    ids = random_ids((1, 4))
+    ids = random_ids((1, 4), VOCAB)
     with torch.no_grad():
         out = model(ids, num_steps=3, init_scale=0.0)
         with pytest.raises(ValueError, match="continue a cache with the settings that filled it"):
@@ -153,7 +153,7 @@ def test_continuing_a_cache_with_other_settings_raises():
 def test_padded_batch_equals_rows_alone():
     """Upstream ignores the attention mask; here a left-padded row gives what it gives alone (forward and generate)."""
     model, _ = tiny_huginn(seed=4)
-    rows = [random_ids((n,), seed=10 + n) for n in (7, 3, 5)]
+    rows = [random_ids(n, VOCAB, seed=10 + n) for n in (7, 3, 5)]
     ids, mask = left_pad(rows, PAD)
     settings = {"num_steps": 3, "init_scale": 0.0}
     with torch.no_grad():
@@ -172,7 +172,7 @@ def test_padded_batch_keys_random_states_by_real_position():
     """With random states, row i of a padded batch equals row i of a batch in which only row i is real: states
     are keyed by (sequence, position of the real token), not by the padded column."""
     model, _ = tiny_huginn(seed=4)
-    rows = [random_ids((n,), seed=10 + n) for n in (7, 3, 5)]
+    rows = [random_ids(n, VOCAB, seed=10 + n) for n in (7, 3, 5)]
     ids, mask = left_pad(rows, PAD)
     settings = {"num_steps": 3, "init_scale": 1.0, "init_seed": 5}
     with torch.no_grad():
@@ -190,7 +190,7 @@ def test_save_and_load_round_trip(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(loaded) is HuginnForCausalLM
-    ids = random_ids((1, 5))
+    ids = random_ids((1, 5), VOCAB)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, init_scale=0.0).logits, model(ids, init_scale=0.0).logits)
 
@@ -205,7 +205,7 @@ def test_hub_layout_folder_loads(tmp_path, trust_remote_code):
     loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=trust_remote_code).eval()
     assert type(loaded) is HuginnForCausalLM and loaded.config.tie_word_embeddings
     assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
-    ids = random_ids((1, 6), seed=8)
+    ids = random_ids((1, 6), VOCAB, seed=8)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, init_scale=0.0).logits, model(ids, init_scale=0.0).logits)
     assert type(AutoModel.from_pretrained(folder)) is HuginnModel
@@ -238,7 +238,7 @@ def test_bf16_hub_folder_loads_in_bf16(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
     assert loaded.dtype == torch.bfloat16
     with torch.no_grad():
-        assert loaded(random_ids((1, 4)), init_scale=0.0).logits.dtype == torch.float32
+        assert loaded(random_ids((1, 4), VOCAB), init_scale=0.0).logits.dtype == torch.float32
 
 
 def test_mismatched_checkpoint_raises(tmp_path):
@@ -282,7 +282,7 @@ def test_aliases_and_tie_names():
 ])
 def test_bad_recurrence_arguments_raise(kwargs, match):
     model, _ = tiny_huginn()
-    ids = random_ids((1, 3))
+    ids = random_ids((1, 3), VOCAB)
     with pytest.raises(ValueError, match=match):
         model(ids, **kwargs)
     with pytest.raises(ValueError, match=match):

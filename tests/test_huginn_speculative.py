@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from huginn_utils import PAD, random_ids, tiny_huginn
+from huginn_utils import PAD, VOCAB, tiny_huginn
+from inputs import left_pad, random_ids
 from speculative_utils import (
+    MODES,
     assert_cache_matches_ar,
     assert_counter_invariants,
     block_calls,
     forcing_hook,
-    left_pad,
     pipeline_calls,
     real_tokens,
 )
@@ -28,13 +29,12 @@ from hf_loopspec import PagedLoopCache
 STEPS = 6
 NEW = 40
 DAMPS = (1.0, 0.03)  # acceptance of pipeline d=2 drafts: about 0.05 and 0.65 (long rejection chains / long runs)
-COMBOS = [("pipeline", 1, None), ("pipeline", 3, None), ("block", 1, 3), ("block", 4, 1)]
 INITS = {"zero": {"init_scale": 0.0}, "seeded": {"init_scale": 1.0, "init_seed": 1234}}
 
 
 def prompts_for(batch: str, seed: int) -> list[torch.Tensor]:
     lengths = {"unpadded": [5, 5, 5], "ragged": [6, 1, 3]}[batch]
-    return [random_ids((n,), seed=100 * seed + i) for i, n in enumerate(lengths)]
+    return [random_ids(n, VOCAB, seed=100 * seed + i) for i, n in enumerate(lengths)]
 
 
 def plain(model, ids, mask, new, **settings):
@@ -69,7 +69,7 @@ def test_token_identity_with_plain_greedy(damp, batch, init):
     prompts = prompts_for(batch, seed=int(damp * 100))
     ids, mask = left_pad(prompts, PAD)
     ref = plain(model, ids, mask, NEW, **INITS[init])
-    for mode, d, k in COMBOS:
+    for mode, d, k in MODES:
         out = speculative(model, ids, mask, NEW, mode, d, k, **INITS[init])
         label = f"{mode} d={d} K={k}"
         assert out.sequences.tolist() == ref.sequences.tolist(), label
@@ -123,7 +123,7 @@ def test_core_calls_at_32_steps(mode, d, k, accept):
 @pytest.mark.parametrize("d", [0, 6, 7])
 def test_draft_loops_must_be_below_num_steps(d):
     model, _ = tiny_huginn()
-    ids = random_ids((1, 3))
+    ids = random_ids((1, 3), VOCAB)
     with pytest.raises(ValueError, match="draft_loops"):
         model.generate(ids, max_new_tokens=2, speculative_mode="block", draft_loops=d, num_steps=6)
 
@@ -131,12 +131,13 @@ def test_draft_loops_must_be_below_num_steps(d):
 def test_pipeline_needs_draft_loops_dividing_num_steps():
     model, _ = tiny_huginn()
     with pytest.raises(ValueError, match="draft_loops"):
-        model.generate(random_ids((1, 3)), max_new_tokens=2, speculative_mode="pipeline", draft_loops=4, num_steps=6)
+        model.generate(random_ids((1, 3), VOCAB), max_new_tokens=2, speculative_mode="pipeline", draft_loops=4,
+                       num_steps=6)
 
 
 def test_cache_made_for_other_num_steps_raises():
     model, _ = tiny_huginn()
-    ids = random_ids((1, 3))
+    ids = random_ids((1, 3), VOCAB)
     cache = PagedLoopCache(model.kv_layout)  # made for mean_recurrence = 4 steps
     with pytest.raises(ValueError, match="num_steps"):
         model.generate(ids, max_new_tokens=2, speculative_mode="pipeline", draft_loops=1, num_steps=6, cache=cache)

@@ -13,7 +13,8 @@ import matplotlib
 import nbformat
 import pytest
 import torch
-from speculative_utils import left_pad, random_prompts, tiny_spec_model
+from inputs import left_pad, random_prompts
+from speculative_utils import tiny_spec_model
 
 from hf_loopspec.trace_plot import plot_schedule, schedule_grid
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import left_pad, random_ids, reference, tiny_model
+from helpers import VOCAB, reference, tiny_model
+from inputs import left_pad, random_ids
 from tolerances import assert_fp32_close, ouro_depth
 from transformers import CompileConfig
 from transformers.cache_utils import DynamicCache
@@ -20,7 +21,7 @@ LENGTHS = (6, 3, 9)
 def setup():
     """(model, state_dict, prompts, padded ids, attention mask)."""
     model, sd = tiny_model(seed=201, num_key_value_heads=2)
-    prompts = [random_ids(n, seed=210 + i) for i, n in enumerate(LENGTHS)]
+    prompts = [random_ids(n, VOCAB, seed=210 + i) for i, n in enumerate(LENGTHS)]
     ids, mask = left_pad(prompts, PAD)
     return model, sd, prompts, ids, mask
 

@@ -10,14 +10,15 @@ import pytest
 import torch
 from helpers import (
     HUB_AUTO_MAP,
+    VOCAB,
     config_values,
     hub_key_shapes,
-    random_ids,
     reference,
     tiny_config,
     tiny_model,
     write_hub_folder,
 )
+from inputs import random_ids
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tolerances import assert_fp32_close, ouro_depth
@@ -34,7 +35,7 @@ DEPTH = ouro_depth(tiny_config(**ARCH))  # of every fp32 comparison with the fp3
 def source():
     """(model, state_dict, input_ids, reference logits of the last loop) for a tiny fp32 model."""
     model, sd = tiny_model(seed=101, **ARCH)
-    ids = random_ids(9, batch=2, seed=102)
+    ids = random_ids((2, 9), VOCAB, seed=102)
     return model, sd, ids, reference(sd, ids, model.config)["loop_logits"][-1]
 
 

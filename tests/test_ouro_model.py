@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import left_pad, random_ids, reference, tiny_config, tiny_model
+from helpers import VOCAB, reference, tiny_config, tiny_model
+from inputs import left_pad, random_ids
 from ouro_reference import exit_distribution
 from tolerances import assert_fp32_close, ouro_depth
 from transformers.cache_utils import DynamicCache
@@ -33,7 +34,7 @@ def assert_close(actual, expected, config):
 def test_loop_logits_and_gates_match_reference(arch):
     model, sd = tiny_model(seed=1, **ARCHS[arch])
     loops = model.config.total_ut_steps
-    ids = random_ids(11, batch=3, seed=2)
+    ids = random_ids((3, 11), VOCAB, seed=2)
     ref = reference(sd, ids, model.config)
     with torch.no_grad():
         out = model(ids, output_loop_logits=True, use_cache=False)
@@ -47,7 +48,7 @@ def test_loop_logits_and_gates_match_reference(arch):
 
 def test_single_sequence_and_default_logits_match_reference():
     model, sd = tiny_model(seed=3)
-    ids = random_ids(13, seed=4)  # one sequence [T]
+    ids = random_ids(13, VOCAB, seed=4)  # one sequence [T]
     ref = reference(sd, ids, model.config)
     with torch.no_grad():
         out = model(ids[None])
@@ -57,7 +58,7 @@ def test_single_sequence_and_default_logits_match_reference():
 
 def test_hidden_states_are_embeddings_then_every_loop():
     model, sd = tiny_model(seed=5, total_ut_steps=3)
-    ids = random_ids(8, batch=2, seed=6)
+    ids = random_ids((2, 8), VOCAB, seed=6)
     ref = reference(sd, ids, model.config)
     with torch.no_grad():
         out = model(ids, output_hidden_states=True, use_cache=False)
@@ -73,7 +74,7 @@ def test_hidden_states_are_embeddings_then_every_loop():
 
 def test_logits_to_keep_and_loss():
     model, sd = tiny_model(seed=7)
-    ids = random_ids(10, batch=2, seed=8)
+    ids = random_ids((2, 10), VOCAB, seed=8)
     ref = reference(sd, ids, model.config)["loop_logits"][-1]
     with torch.no_grad():
         last = model(ids, logits_to_keep=1).logits
@@ -89,7 +90,7 @@ def test_logits_to_keep_and_loss():
 
 def test_exit_at_step_selects_that_loop():
     model, sd = tiny_model(seed=9)
-    ids = random_ids(9, batch=2, seed=10)
+    ids = random_ids((2, 9), VOCAB, seed=10)
     ref = reference(sd, ids, model.config)
     for k in range(4):
         with torch.no_grad():
@@ -101,7 +102,7 @@ def test_exit_at_step_selects_that_loop():
 
 def test_weighted_exit_is_expectation_under_exit_distribution():
     model, sd = tiny_model(seed=11, gate_scale=3.0)
-    ids = random_ids(9, batch=2, seed=12)
+    ids = random_ids((2, 9), VOCAB, seed=12)
     ref = reference(sd, ids, model.config)
     probs = exit_distribution(ref["gate_logits"])  # [B, T, U], float64
     assert torch.allclose(probs.sum(-1), torch.ones_like(probs[..., 0]))
@@ -129,7 +130,7 @@ def test_exit_threshold_picks_first_loop_reaching_threshold_per_token(q):
     sd["model.early_exit_gate.weight"] = 1.5 * torch.randn(1, 64, generator=gen)
     sd["model.early_exit_gate.bias"] = torch.tensor([-0.5])
     model.load_state_dict(sd, strict=True)
-    ids = random_ids(16, batch=3, seed=15)
+    ids = random_ids((3, 16), VOCAB, seed=15)
     ref = reference(sd, ids, model.config)
     choice, cum = _threshold_choice(ref["gate_logits"], q)
     assert len(choice.unique()) >= 3, f"threshold {q} does not spread the tokens over the loops: {choice}"
@@ -142,7 +143,7 @@ def test_exit_threshold_picks_first_loop_reaching_threshold_per_token(q):
 
 def test_exit_threshold_extremes():
     model, sd = tiny_model(seed=16, gate_scale=2.0)
-    ids = random_ids(7, batch=2, seed=17)
+    ids = random_ids((2, 7), VOCAB, seed=17)
     ref = reference(sd, ids, model.config)
     with torch.no_grad():
         first = model(ids, exit_threshold=0.0).logits  # p_0 >= 0: every token exits after loop 0
@@ -166,7 +167,7 @@ def test_exit_threshold_extremes():
 def test_invalid_exit_arguments_raise(kwargs):
     model, _ = tiny_model(seed=0)
     with pytest.raises(ValueError):
-        model(random_ids(4, batch=1), **kwargs)
+        model(random_ids((1, 4), VOCAB), **kwargs)
 
 
 # --- cached decoding ----------------------------------------------------------------------------------------
@@ -177,7 +178,7 @@ def test_invalid_exit_arguments_raise(kwargs):
 def test_incremental_decoding_with_dynamic_cache_matches_full_forward(chunks, arch):
     model, sd = tiny_model(seed=18, **ARCHS[arch])
     loops, layers = model.config.total_ut_steps, model.config.num_hidden_layers
-    ids = random_ids(sum(chunks), batch=2, seed=19)
+    ids = random_ids((2, sum(chunks)), VOCAB, seed=19)
     ref = reference(sd, ids, model.config)
     cache = DynamicCache()
     start = 0
@@ -194,7 +195,7 @@ def test_incremental_decoding_with_dynamic_cache_matches_full_forward(chunks, ar
 
 def test_past_key_values_alias():
     model, sd = tiny_model(seed=20)
-    ids = random_ids(6, batch=1, seed=21)
+    ids = random_ids((1, 6), VOCAB, seed=21)
     ref = reference(sd, ids, model.config)["loop_logits"][-1]
     cache = DynamicCache()
     with torch.no_grad():
@@ -210,7 +211,7 @@ def test_past_key_values_alias():
 
 def test_left_padded_batch_matches_each_row_alone():
     model, sd = tiny_model(seed=22, num_key_value_heads=2)
-    rows = [random_ids(n, seed=30 + n) for n in (7, 3, 10, 1)]
+    rows = [random_ids(n, VOCAB, seed=30 + n) for n in (7, 3, 10, 1)]
     ids, mask = left_pad(rows, pad_id=5)
     with torch.no_grad():
         out = model(ids, attention_mask=mask, output_loop_logits=True, use_cache=False)
@@ -224,8 +225,8 @@ def test_left_padded_batch_matches_each_row_alone():
 
 def test_left_padded_batch_with_cache_matches_each_row_alone():
     model, sd = tiny_model(seed=23)
-    rows = [random_ids(n, seed=40 + n) for n in (6, 2, 4)]
-    extra = random_ids(4, batch=3, seed=41)  # continuation tokens, fed 1 then 3 at a time
+    rows = [random_ids(n, VOCAB, seed=40 + n) for n in (6, 2, 4)]
+    extra = random_ids((3, 4), VOCAB, seed=41)  # continuation tokens, fed 1 then 3 at a time
     ids, mask = left_pad(rows, pad_id=7)
     cache = DynamicCache()
     with torch.no_grad():
@@ -246,7 +247,7 @@ def test_left_padded_batch_with_cache_matches_each_row_alone():
 @pytest.mark.parametrize("bad_id", [101, 10_000, -1])
 def test_out_of_vocab_ids_raise(bad_id):
     model, _ = tiny_model(seed=0)
-    ids = random_ids(5, batch=2)
+    ids = random_ids((2, 5), VOCAB)
     ids[1, 2] = bad_id
     with pytest.raises(ValueError, match="vocab"):
         model(ids)
@@ -275,5 +276,5 @@ def test_cache_sized_from_config_raises_with_loop_count():
     model, _ = tiny_model(seed=0, total_ut_steps=3)
     cache = DynamicCache(config=model.config)  # num_hidden_layers (2) layers: too few for 3 loops x 2 layers
     with pytest.raises(ValueError, match=r"loop") as info:
-        model(random_ids(4, batch=1), cache=cache)
+        model(random_ids((1, 4), VOCAB), cache=cache)
     assert "3" in str(info.value) and "6" in str(info.value)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from inputs import left_pad, random_prompts
 from speculative_utils import (
     assert_counter_invariants,
     block_calls,
@@ -17,10 +18,8 @@ from speculative_utils import (
     events,
     forcing_hook,
     generated_counts,
-    left_pad,
     pipeline_calls,
     plain,
-    random_prompts,
     real_tokens,
     speculative,
     tiny_spec_model,

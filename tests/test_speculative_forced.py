@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from inputs import left_pad, random_prompts
 from speculative_utils import (
+    MODE_IDS,
+    MODES,
     PAGE,
     assert_cache_matches_ar,
     assert_counter_invariants,
@@ -27,9 +30,7 @@ from speculative_utils import (
     first_new_occurrence,
     forcing_hook,
     generated_counts,
-    left_pad,
     plain,
-    random_prompts,
     real_tokens,
     speculative,
     tiny_spec_model,
@@ -40,8 +41,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 VOCAB = 80
 NEW = 24
-MODES = [("pipeline", 1, None), ("pipeline", 2, None), ("block", 1, 4), ("block", 2, 2), ("block", 1, 1)]
-MODE_IDS = [f"{m}-d{d}" + (f"-K{k}" if k else "") for m, d, k in MODES]
+# The shared matrix and block K = 1 (a draft every other position, so page-end rejections start on a new round).
+FORCED = [*MODES, ("block", 1, 1)]
+FORCED_IDS = [*MODE_IDS, "block-d1-K1"]
 
 PATTERNS = {
     "all_rejected": lambda pos, i: False,
@@ -87,7 +89,7 @@ def check_run(model, prompts, ids, mask, out, ref, committed, accept=None):
         assert found is None, f"traced hidden state differs from the teacher-forced reference: {found}"
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,d,k", FORCED, ids=FORCED_IDS)
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 @pytest.mark.parametrize("lengths", [[4], [4, 7, 1]], ids=["batch1", "batch3_ragged"])
 def test_forced_pattern(lengths, pattern, mode, d, k):
@@ -122,7 +124,7 @@ def test_forced_pattern(lengths, pattern, mode, d, k):
         assert any(ps[j + 2] - ps[j] == 2 for ps in by_seq.values() for j in range(len(ps) - 2))
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,d,k", FORCED, ids=FORCED_IDS)
 def test_per_sequence_patterns_in_one_batch(mode, d, k):
     """Different histories side by side in one call: one sequence accepts everything, one rejects everything, one
     rejects every third draft; rows of all three share core calls."""
@@ -157,7 +159,7 @@ def _eos_case(min_index: int, batch_lengths, others_free: bool):
     raise AssertionError("no seed with a suitable eos token")
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,d,k", FORCED, ids=FORCED_IDS)
 @pytest.mark.parametrize("pattern", ["all_accepted", "alternating"])
 def test_eos_with_lanes_in_flight(pattern, mode, d, k):
     """EOS is committed while drafts beyond it are in flight: they are discarded, the run stops exactly where plain
@@ -181,7 +183,7 @@ def test_eos_with_lanes_in_flight(pattern, mode, d, k):
             assert out.speculation.discarded > 0  # unverified drafts past the eos were dropped
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,d,k", FORCED, ids=FORCED_IDS)
 @pytest.mark.parametrize("pattern", ["all_accepted", "alternating", "all_rejected"])
 def test_one_sequence_finishes_while_others_continue(pattern, mode, d, k):
     """Sequence 0 emits eos early; sequences 1 and 2 never do and run to max_new_tokens. Plain decoding pads the
@@ -212,7 +214,7 @@ class StopAtWidth(StoppingCriteria):
         return torch.full((input_ids.shape[0],), input_ids.shape[-1] >= self.width, dtype=torch.bool)
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,d,k", FORCED, ids=FORCED_IDS)
 @pytest.mark.parametrize("stop_after", [1, 2, 5, 13])
 def test_length_stop_mid_wavefront(stop_after, mode, d, k):
     """A stopping criterion ends the run after `stop_after` tokens, with the pipeline full of accepted drafts."""
@@ -232,7 +234,7 @@ def test_length_stop_mid_wavefront(stop_after, mode, d, k):
         assert out.speculation.discarded > 0  # drafts were still in flight at the stop
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,d,k", FORCED, ids=FORCED_IDS)
 @pytest.mark.parametrize("max_new", [1, 2, 3, 6, 7])
 @pytest.mark.parametrize("pattern", ["all_accepted", "alternating"])
 def test_max_new_tokens_edges(pattern, max_new, mode, d, k):

@@ -24,14 +24,13 @@ import time
 
 import pytest
 import torch
+from inputs import left_pad, random_prompts
 from speculative_utils import (
     assert_cache_matches_ar,
     assert_counter_invariants,
     divergence_report,
     generated_counts,
-    left_pad,
     plain,
-    random_prompts,
     speculative,
     tiny_spec_model,
     trace_divergence,

@@ -11,14 +11,15 @@ import string
 
 import pytest
 import torch
+from inputs import left_pad, random_prompts
 from speculative_utils import (
+    MODE_IDS,
+    MODES,
     PAD,
     assert_cache_matches_ar,
     assert_counter_invariants,
     generated_counts,
-    left_pad,
     plain,
-    random_prompts,
     speculative,
     tiny_spec_model,
 )
@@ -29,8 +30,6 @@ from transformers.generation.streamers import BaseStreamer
 
 VOCAB = 64
 NEW = 30
-MODES = [("pipeline", 1, None), ("pipeline", 2, None), ("block", 1, 3), ("block", 2, 4)]
-MODE_IDS = [f"{m}-d{d}" + (f"-K{k}" if k else "") for m, d, k in MODES]
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from speculative_utils import MODES, mode_kwargs
 from transformers import (
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
@@ -150,13 +151,11 @@ def sample_pairs(model, settings, seed, **generate_kwargs) -> torch.Tensor:
     return counts
 
 
-MODES = [dict(speculative_mode="pipeline", draft_loops=1), dict(speculative_mode="pipeline", draft_loops=2),
-         dict(speculative_mode="block", draft_loops=1, num_speculative_tokens=2),
-         dict(speculative_mode="block", draft_loops=2, num_speculative_tokens=3)]
+SETTINGS = [mode_kwargs(*m) for m in MODES]  # generate's keyword arguments of each speculative mode
 
 
-@pytest.mark.parametrize(("mode", "settings"), [(MODES[0], "none"), (MODES[1], "warped"), (MODES[2], "warped"),
-                                                (MODES[3], "none")],
+@pytest.mark.parametrize(("mode", "settings"), [(SETTINGS[0], "none"), (SETTINGS[1], "warped"), (SETTINGS[2], "warped"),
+                                                (SETTINGS[3], "none")],
                          ids=["pipeline-d1-none", "pipeline-d2-warped", "block-d1-warped", "block-d2-none"])
 def test_joint_distribution_of_two_tokens_equals_plain_sampling(sampling_model, mode, settings):
     joint = exact_joint(sampling_model, PROCESSOR_SETTINGS[settings])
@@ -182,7 +181,7 @@ def test_statistical_test_has_power_against_the_approximate_rule(sampling_model,
     assert chi_square_p_value(counts, exact_joint(sampling_model, {})) < ALPHA
 
 
-@pytest.mark.parametrize("mode", MODES[:1] + MODES[2:3], ids=["pipeline", "block"])
+@pytest.mark.parametrize("mode", SETTINGS[:1] + SETTINGS[2:3], ids=["pipeline", "block"])
 def test_same_seed_same_output_and_top_k_1_is_greedy(sampling_model, mode):
     ids = torch.tensor([PROMPT, [2, 2, 7]])
     runs = []

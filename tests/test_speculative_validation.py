@@ -8,7 +8,8 @@ import json
 
 import pytest
 import torch
-from speculative_utils import PAD, left_pad, paged_cache, plain, random_prompts, tiny_spec_model
+from inputs import left_pad, random_prompts
+from speculative_utils import PAD, paged_cache, plain, tiny_spec_model
 from transformers import GenerationConfig
 from transformers.cache_utils import DynamicCache
 

@@ -1,0 +1,16 @@
+"""Settings every test module shares; pytest loads this file before any test module.
+
+The shared helpers are plain modules, imported by name (pytest puts tests/ on `sys.path`), each helper defined
+once:
+
+* `inputs`: seeded random token ids and prompts, left padding;
+* `tolerances`: fp32 tolerances derived from eps, depth and reduction width;
+* `helpers`: tiny Ouro configs and models, Hub-named weights, the Ouro reference, Hub-like folders;
+* `huginn_utils`: the same for Huginn;
+* `speculative_utils`: the speculative mode matrix, plain and speculative runs, counters, I4 and trace checks.
+"""
+
+import torch
+
+# The test models are tiny: intra-op threads only add overhead (and thrash on a shared machine).
+torch.set_num_threads(1)
