@@ -26,8 +26,6 @@ from hf_loopspec.batch import run as batch_run
 from hf_loopspec.batch.parts import PartStore
 from hf_loopspec.batch.prompts import plan_batches
 
-torch.set_num_threads(1)
-
 ROOT = Path(__file__).resolve().parents[1]
 NEW = 10  # new tokens per row
 BATCH = 4

@@ -9,12 +9,9 @@ import json
 import sys
 
 import pytest
-import torch
 
 from hf_loopspec import cli
 from hf_loopspec.assets import default_model_path
-
-torch.set_num_threads(1)
 
 TASK = "loopspec_tiny"
 PROMPTS = ["def add(a, b):\n", "import os\n\n", "class Point:\n", "for i in range(3):\n", "x = [1, 2, 3]\n",
