@@ -11,9 +11,10 @@ from __future__ import annotations
 import threading
 
 import torch
+from huginn_utils import VOCAB as HUGINN_VOCAB
 from huginn_utils import tiny_huginn
-from huginn_utils import random_ids as huginn_ids
-from speculative_utils import PAD, left_pad, random_prompts, tiny_spec_model
+from inputs import left_pad, random_ids, random_prompts
+from speculative_utils import PAD, tiny_spec_model
 from transformers.generation.streamers import BaseStreamer
 
 from hf_loopspec import PagedLoopCache
@@ -115,7 +116,7 @@ def test_ouro_calls_in_two_threads_keep_their_own_hooks_traces_and_settings():
 def test_huginn_calls_in_two_threads_keep_their_recurrence_settings():
     model, _ = tiny_huginn(seed=3, damp=0.1)
     defaults = Recurrence(model.config.mean_recurrence, 1.0, None)
-    ids, mask = left_pad([huginn_ids((n,), seed=70 + n) for n in (5, 2)], PAD)
+    ids, mask = left_pad([random_ids(n, HUGINN_VOCAB, seed=70 + n) for n in (5, 2)], PAD)
 
     def plain_4_steps(streamer):
         return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,

@@ -226,7 +226,7 @@ def test_upstream_config_with_another_n_layers_loads_with_a_warning(tmp_path, ca
         loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
     assert any("n_layers=9" in r.getMessage() and "= 6" in r.getMessage() for r in caplog.records)
     assert loaded.config.n_layers == loaded.config.num_hidden_layers == 6
-    ids = random_ids((1, 6), seed=8)
+    ids = random_ids((1, 6), VOCAB, seed=8)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, init_scale=0.0).logits, model(ids, init_scale=0.0).logits)
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from inputs import left_pad, random_prompts
 from speculative_utils import (
     PAD,
     assert_cache_matches_ar,
     assert_counter_invariants,
-    left_pad,
     paged_cache,
     plain,
-    random_prompts,
     speculative,
     tiny_spec_model,
 )

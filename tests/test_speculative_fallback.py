@@ -13,7 +13,8 @@ import logging
 
 import pytest
 import torch
-from speculative_utils import PAD, left_pad, paged_cache, random_prompts, tiny_spec_model
+from inputs import left_pad, random_prompts
+from speculative_utils import PAD, paged_cache, tiny_spec_model
 from transformers import LogitsProcessor, LogitsProcessorList, SynthIDTextWatermarkingConfig
 
 from hf_loopspec.generation import processors

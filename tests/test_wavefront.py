@@ -15,16 +15,15 @@ import re
 
 import pytest
 import torch
+from inputs import left_pad, random_prompts
 from speculative_utils import (
     PAD,
     assert_cache_matches_ar,
     assert_counter_invariants,
     forcing_hook,
     generated_counts,
-    left_pad,
     paged_cache,
     plain,
-    random_prompts,
     real_tokens,
     tiny_spec_model,
 )
