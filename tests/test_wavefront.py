@@ -27,6 +27,7 @@ from speculative_utils import (
     real_tokens,
     tiny_spec_model,
 )
+from tolerances import ouro_depth
 from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from hf_loopspec.generation.wavefront import WavefrontEngine
@@ -74,7 +75,8 @@ def _check(model, mask, result, cache, lanes, ref, new, eos=None):
     assert (result.stats.engine, lanes.stats.engine) == ("wavefront", "lanes")
     committed = generated_counts(ref.sequences, mask.shape[1], new, eos)
     assert_counter_invariants(result.stats, committed)
-    assert_cache_matches_ar(cache, ref.cache, mask, committed, model.config.num_hidden_layers)
+    assert_cache_matches_ar(cache, ref.cache, mask, committed, model.config.num_hidden_layers,
+                            model_depth=ouro_depth(model.config))
 
 
 @pytest.mark.parametrize(("mode", "d", "k"), CASES, ids=CASE_IDS)
