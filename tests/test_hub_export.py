@@ -11,9 +11,11 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
+from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,6 +32,8 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 from transformers.generation.streamers import BaseStreamer
 
 import hf_loopspec
+from hf_loopspec.bench import args as bench_args
+from hf_loopspec.bench.report import command_line
 from hf_loopspec.hub import card as hub_card
 from hf_loopspec.hub import custom_generate, export
 
@@ -460,71 +464,50 @@ def test_card_parses_and_has_the_metadata(exported):
     assert "apply_chat_template" in text  # the source tokenizer has a chat template
 
 
-BENCHMARKS = """# Benchmarks
-
-## How to run
-
-| column | meaning |
-|---|---|
-| tok/s | 12.5 |
-
-## Results
-
-### Smoke run (not a result): 2026-01-01, laptop
-
-```bash
-hf-loopspec bench --model ouro-tiny
-```
-
-```
-mode        tok/s  x plain   x ar  ideal  %ideal  overhd calls/tok  accept  peak mem  check
-plain       999.0     1.00      -      -       -       -      4.00       -       1MiB  reference
-```
-
-### H200, ouro-1.4b shape, batch 1: 2026-02-02
-
-Machine: 1x NVIDIA H200, torch 2.13, bf16.
-
-```bash
-hf-loopspec bench --model ouro-1.4b --dtype bfloat16 --synthetic-acceptance 0.9
-```
-
-```
-hf-loopspec bench | ouro-1.4b (1400.0M params) | NVIDIA H200 bfloat16 | threads 16 | batch 1 | prompt 128
-*** SYNTHETIC ACCEPTANCE 0.9: each draft is replaced by the known greedy token with this probability ***
-core call ms by rows (context 128): t(1)=5.00 | prefill t(128)=9.00 | head ms: h(1)=0.40
-mode        tok/s  x plain   x ar  ideal  %ideal  overhd calls/tok  accept  peak mem  check
---------------------------------------------------------------------------------------------
-plain       101.5     1.00      -      -       -       -      4.00       -    3000MiB  reference
-ar           98.0     0.97   1.00   1.00    100%     10%      4.00       -    3100MiB  agree 1.000
-pipeline    260.2     2.56   2.66   3.00     89%     12%      1.30   0.900    3200MiB  agree 0.990
-x ar: measured speed-up over ar; ideal: ...
-```
-"""
+BENCH_JSON = ROOT / "bench_results" / "cpu_ouro100m_b1.json"  # a recorded `hf-loopspec bench --json` result
 
 
-def test_speed_section_quotes_measured_tables_only(tmp_path):
-    results = hub_card.parse_benchmarks(BENCHMARKS)
-    assert [r.title for r in results] == ["H200, ouro-1.4b shape, batch 1: 2026-02-02"]
-    r = results[0]
-    assert r.machine == "1x NVIDIA H200, torch 2.13, bf16." and r.synthetic
-    assert r.command.startswith("hf-loopspec bench --model ouro-1.4b")
-    table = r.tables[0].splitlines()
-    assert table[0].startswith("| mode | tok/s |") and len(table) == 5
-    assert "| pipeline | 260.2 | 2.56 | 2.66 | 1.30 | 0.900 | agree 0.990 |" in table
-    card = hub_card.build_model_card(repo_id="x/y", benchmarks=BENCHMARKS)
-    assert "260.2" in card.text and "Synthetic acceptance" in card.text and "999.0" not in card.text
-    assert "No measured speed numbers" not in card.text
-    empty = hub_card.build_model_card(repo_id="x/y", benchmarks="# Benchmarks\n\n## Results\n\nNone yet.\n")
-    assert "No measured speed numbers" in empty.text
+def test_speed_section_is_built_from_bench_json_files_or_documents():
+    """Every mode's measured numbers, the machine and the command come from the JSON; a file and its document give
+    the same card; without results the card says it has none."""
+    result = json.loads(BENCH_JSON.read_text())
+    text = hub_card.build_model_card(repo_id="x/y", benchmarks=[BENCH_JSON]).text
+    assert text == hub_card.build_model_card(repo_id="x/y", benchmarks=[result]).text
+    for row in result["rows"]:
+        assert f"| {row['mode']} | {row['tokens_per_s']:.1f} | {row['ratio_vs_plain']:.2f} |" in text
+    assert f"Synthetic acceptance {result['synthetic_acceptance']}" in text
+    assert result["machine"]["device_name"] in text and "No measured speed numbers" not in text
+    assert "No measured speed numbers" in hub_card.build_model_card(repo_id="x/y", benchmarks=[]).text
 
 
-def test_the_checkout_benchmarks_file_parses():
-    path = ROOT / "BENCHMARKS.md"
-    if not path.is_file():
-        pytest.skip("no BENCHMARKS.md in this checkout")
-    for result in hub_card.parse_benchmarks(path.read_text()):
-        assert result.tables and not hub_card._NOT_A_RESULT.search(result.title)
+def test_the_cards_command_reproduces_the_measured_arguments():
+    """The command quoted in a card parses back to the arguments the result was measured with."""
+    result = json.loads(BENCH_JSON.read_text())
+    command = shlex.split(command_line(result))
+    assert command[:2] == ["hf-loopspec", "bench"]
+    parsed, defaults = vars(bench_args.parse_args(command[2:])), vars(bench_args.parse_args([]))
+    for key, value in parsed.items():
+        if key not in ("json", "plot", "quiet"):  # (options added after the run was recorded: their defaults)
+            assert result["args"].get(key, defaults[key]) == value, key
+
+
+def test_speed_section_refuses_files_that_are_not_bench_results(tmp_path):
+    (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
+    (tmp_path / "text.json").write_text("mode tok/s\nplain 9.0")
+    for name in ("other.json", "text.json"):
+        with pytest.raises(ValueError, match=name):
+            hub_card.build_model_card(repo_id="x/y", benchmarks=[tmp_path / name])
+
+
+def test_card_text_comes_from_the_family_table_and_the_packaged_template():
+    template = resources.files("hf_loopspec.hub").joinpath("templates", "model_card.md")
+    assert hub_card.MODEL_CARD_TEMPLATE.template == template.read_text(encoding="utf-8")
+    assert '"hub/templates/*.md"' in (ROOT / "pyproject.toml").read_text()  # shipped as package data
+    card = hub_card.build_model_card(repo_id="x/y", chat=True, eos_token_ids=[0, 2]).text
+    ouro = hub_card.FAMILIES["ouro"]
+    assert ouro.bibtex in card and ouro.chat_template in card and ouro.kv_example in card
+    with pytest.raises(ValueError, match="family='huginn' has no card text"):
+        hub_card.build_model_card(repo_id="x/y", family="huginn")
 
 
 @pytest.mark.parametrize("name", ["Ouro-1.4B", "Ouro-2.6B", "Ouro-1.4B-Thinking", "Ouro-2.6B-Thinking"])
@@ -541,15 +524,15 @@ def test_rendered_variant_cards(name):
 
 
 def test_render_script_matches_the_committed_cards(tmp_path):
-    """The committed cards are what scripts/render_model_cards.py writes (rerun it after editing card.py); the speed
-    section is left out (it follows BENCHMARKS.md)."""
+    """The committed cards are what scripts/render_model_cards.py writes (rerun it after editing the card code or
+    template); the speed section is left out (it quotes the bench results the script is given)."""
     spec = importlib.util.spec_from_file_location("render_model_cards", ROOT / "scripts" / "render_model_cards.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     assert script.main(["--out", str(tmp_path)]) == 0
     for path in sorted(tmp_path.rglob("*.md")):
         committed = ROOT / "model_cards" / path.relative_to(tmp_path)
-        # the speed section follows BENCHMARKS.md, which changes on its own schedule
+        # the speed section quotes whichever bench results the script was given
         assert _without_speed(committed.read_text()) == _without_speed(path.read_text()), (
             f"{committed} is stale: run scripts/render_model_cards.py")
 
@@ -563,7 +546,7 @@ def _without_speed(text: str) -> str:
 
 def test_main_export(source, tmp_path, capsys):
     out = tmp_path / "cli-out"
-    assert export.main_export([str(source[1]), str(out), "--speculative-mode", "block", "--benchmarks", "none"]) == 0
+    assert export.main_export([str(source[1]), str(out), "--speculative-mode", "block"]) == 0
     assert "exported" in capsys.readouterr().out
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["speculative_mode"] == "block"
@@ -577,7 +560,7 @@ def test_export_subcommand_hook(source, tmp_path):
     commands = parser.add_subparsers(dest="command", required=True)
     export.add_subcommand(commands)
     args = parser.parse_args(["export", str(source[1]), str(tmp_path / "o"), "--draft-loops", "2",
-                              "--max-shard-size", "50000", "--benchmarks", "none"])
+                              "--max-shard-size", "50000"])
     assert args.command == "export" and export.main_from_args(args) == 0
     assert json.loads((tmp_path / "o" / "generation_config.json").read_text())["draft_loops"] == 2
     assert (tmp_path / "o" / "model.safetensors.index.json").is_file()  # 50000 bytes per shard

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .args import PLAIN_MODES
+from .args import PLAIN_MODES, parse_args
 from .costs import STAGES, predicted_seconds
 
 SCHEMA = "hf-loopspec-bench/1"
@@ -86,6 +86,33 @@ def sampling_title(sampling: dict) -> str:
     return f"SAMPLING (temperature {sampling['temperature']}, top_p {sampling['top_p']}, top_k {sampling['top_k']})"
 
 
+def check_text(row: dict) -> str:
+    """A row's check in words: reference, equal, MISMATCH ..., agree 0.984, or sampling: not comparable."""
+    if row["check"] == "reference":
+        return "reference"
+    if row["check"].get("exact", False) is None:
+        return "sampling: not comparable"
+    if row["check_passed"] is not None:
+        return "equal" if row["check_passed"] else f"MISMATCH {row['check'].get('first_divergence')}"
+    return f"agree {row['check']['agreement_rate']:.3f}"
+
+
+def command_line(result: dict) -> str:
+    """The `hf-loopspec bench` command of a result: its arguments that differ from the defaults (`--quiet`,
+    `--json` and `--plot`, which do not change what is measured, left out)."""
+    defaults = vars(parse_args([]))
+    parts = ["hf-loopspec bench"]
+    for key, value in result["args"].items():
+        if key not in defaults or key in ("quiet", "json", "plot") or value == defaults[key]:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        else:
+            parts.append(f"{flag} {','.join(value) if isinstance(value, list) else value}")
+    return " ".join(parts)
+
+
 def _call_costs_line(c: dict) -> str:
     """`call ms by rows (context P): core t(1)=... prefill t(BP)=... | head h(1)=... | embed e(1)=...`."""
     parts = []
@@ -124,14 +151,7 @@ def format_table(result: dict) -> str:
               f"{'calls/tok':>10}{'accept':>8}{'peak mem':>10}  check")
     lines += [header, "-" * len(header)]
     for r in result["rows"]:
-        if r["check"] == "reference":
-            check = "reference"
-        elif r["check"].get("exact", False) is None:
-            check = "sampling: not comparable"
-        elif r["check_passed"] is not None:
-            check = "equal" if r["check_passed"] else f"MISMATCH {r['check'].get('first_divergence')}"
-        else:
-            check = f"agree {r['check']['agreement_rate']:.3f}"
+        check = check_text(r)
         lines.append(
             f"{r['mode']:<9}{r['tokens_per_s']:>9.1f}{_num(r['ratio_vs_plain']):>9}{_num(r['speedup_vs_ar']):>7}"
             f"{_num(r['ideal_speedup_vs_ar']):>7}{_num(r['fraction_of_ideal'], '{:.0%}'):>8}"

@@ -10,7 +10,6 @@ import importlib
 
 _EXPORTS = {
     "build_model_card": "card",
-    "parse_benchmarks": "card",
     "export_checkpoint": "export",
     "main_export": "export",
 }

@@ -63,7 +63,7 @@ def export_checkpoint(
     repo_id: str | None = None,
     base_model: str | None = None,
     license: str | None = None,
-    benchmarks: str | Path | None = "default",
+    benchmarks: list[dict | str | Path] | None = None,
     trust_remote_code: bool = False,
     **model_card_kwargs,
 ) -> Path:
@@ -80,7 +80,8 @@ def export_checkpoint(
             `your-username/<folder name>`.
         base_model: the card's `base_model`; default `src` when it is a Hub id, else the source card's.
         license: the card's license; default the source card's, else `apache-2.0`.
-        benchmarks: the BENCHMARKS.md to quote (path or text), `"default"` (the checkout's), or None.
+        benchmarks: `hf-loopspec bench` results for the card's speed section (JSON documents or `--json` files);
+            None: the card says there are no measured numbers.
         model_card_kwargs: passed to `build_model_card` (`title`, `summary`, `sampling`, `tags`, ...).
 
     The folder is written beside `out` and moved into place only when complete (`hf_loopspec.hub.staging`): with
@@ -287,8 +288,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--repo-id", default=None, help="Hub repo id used in the model card's code")
     parser.add_argument("--base-model", default=None, help="model card base_model (default: SRC when a Hub id)")
     parser.add_argument("--license", default=None, help="model card license (default: the source's or apache-2.0)")
-    parser.add_argument("--benchmarks", default="default", metavar="PATH",
-                        help="BENCHMARKS.md to quote in the card ('none' for no speed table)")
+    parser.add_argument("--benchmarks", action="append", default=None, metavar="JSON",
+                        help="an `hf-loopspec bench --json` results file to quote in the card's speed section "
+                             "(repeatable; 'none' or no flag: the card says it has no measured numbers)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="let SRC's own remote code load (not needed for Ouro checkpoints)")
     parser.add_argument("--overwrite", action="store_true",
@@ -304,7 +306,8 @@ def main_from_args(args: argparse.Namespace) -> int:
         speculative_mode=None if args.speculative_mode == "none" else args.speculative_mode,
         draft_loops=args.draft_loops, num_speculative_tokens=args.num_speculative_tokens, repo_id=args.repo_id,
         base_model=args.base_model, license=args.license,
-        benchmarks=None if args.benchmarks == "none" else args.benchmarks, trust_remote_code=args.trust_remote_code,
+        benchmarks=[path for path in args.benchmarks or () if path != "none"],
+        trust_remote_code=args.trust_remote_code,
     )
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     print(f"exported {args.src} -> {out} ({len(files)} files):")

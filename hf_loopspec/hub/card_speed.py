@@ -1,0 +1,70 @@
+"""The speed section of a model card, built from `hf-loopspec bench` results (the JSON documents of
+`hf_loopspec.bench.report`, whose schema that module owns): one subsection per result with its machine, the command
+that reproduces it and a table per mode. Without results the section says that there are no measured numbers,
+instead of showing any."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..bench.report import check_text, command_line, load_result
+
+NO_NUMBERS = (
+    "No measured speed numbers: no `hf-loopspec bench` results were given when this card was written, so it shows "
+    "none. Measure on your own hardware with `hf-loopspec bench --model <repo or folder>` (it checks every "
+    "speculative output against plain decoding and prints tokens/s, core calls per token and draft acceptance). "
+    "What can be said without a measurement is the call count: plain decoding runs the shared stack U times per "
+    "token, pipelined drafting from loop d runs it about d + (U - d)(1 - a) times per token at draft acceptance a; "
+    "whether fewer calls mean less time depends on the hardware (see Limitations).")
+SYNTHETIC_NOTE = ("**Synthetic acceptance {rate}:** drafts replaced by the known greedy token at this rate "
+                  "(verification is real). This measures the decoding engine, not this model's drafts.")
+SAMPLING_NOTE = ("**Sampling** ({settings}): outputs are random draws, not compared token by token; acceptance is "
+                 "the real min(1, p/q).")
+COLUMNS = ("mode", "tok/s", "× plain", "× ar", "calls/token", "acceptance", "check")
+
+
+def bench_results(benchmarks: Sequence[dict | str | Path] | None) -> list[dict]:
+    """Result documents from documents or `--json` file paths; `ValueError` for a file that is not one."""
+    return [b if isinstance(b, dict) else load_result(b) for b in benchmarks or ()]
+
+
+def speed_section(results: Sequence[dict]) -> str:
+    """The card's speed section for bench result documents (module docstring)."""
+    if not results:
+        return NO_NUMBERS
+    parts = ["Measured with `hf-loopspec bench` (tokens/s are for all sequences of the batch, prefill included; "
+             "each table names its machine and the command that reproduces it)."]
+    for result in results:
+        parts.extend(_subsection(result))
+    return "\n\n".join(parts)
+
+
+def _subsection(result: dict) -> list[str]:
+    a, m = result["args"], result["machine"]
+    title = (f"### {result['model']['name']}, {a['dtype']}, batch {a['batch_size']}, prompt {a['prompt_len']}, "
+             f"{a['new_tokens']} new tokens")
+    parts = [title]
+    if result.get("synthetic_acceptance") is not None:
+        parts.append(SYNTHETIC_NOTE.format(rate=result["synthetic_acceptance"]))
+    if result.get("sampling") is not None:
+        s = result["sampling"]
+        parts.append(SAMPLING_NOTE.format(settings=f"temperature {s['temperature']}, top_p {s['top_p']}, "
+                                                   f"top_k {s['top_k']}"))
+    parts.append(f"Machine: {m['device_name']} ({m['torch_threads']} torch threads), torch {m['torch']}, "
+                 f"transformers {m['transformers']}, hf-loopspec {m['hf_loopspec']}.")
+    parts.append(f"Command:\n\n```bash\n{command_line(result)}\n```")
+    parts.append(_table(result["rows"]))
+    return parts
+
+
+def _table(rows: list[dict]) -> str:
+    def number(x, fmt: str = "{:.2f}") -> str:
+        return "-" if x is None else fmt.format(x)
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    for r in rows:
+        cells = (r["mode"], f"{r['tokens_per_s']:.1f}", number(r["ratio_vs_plain"]), number(r["speedup_vs_ar"]),
+                 number(r["core_calls_per_token"]), number(r["acceptance_rate"], "{:.3f}"), check_text(r))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
