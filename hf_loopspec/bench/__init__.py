@@ -62,7 +62,7 @@ and the reported limit is
 
     ideal_speedup_vs_ar = T_hat(ar) / T_hat(mode)
     fraction_of_ideal   = speedup_vs_ar / ideal_speedup_vs_ar      (speedup_vs_ar = T(ar) / T(mode), measured)
-    overhead_fraction   = 1 - T_hat(mode) / T(mode)               (time outside core and head calls: Python,
+    overhead_fraction   = 1 - T_hat(mode) / T(mode)               (time outside embed, core, head calls: Python,
                                                                     cache bookkeeping, row planning)
 
 In steady state (N large, prefill negligible, c = decode core calls per token of one sequence) this is the

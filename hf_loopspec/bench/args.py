@@ -121,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="run the lane modes' core and head calls compiled (generate's compile_core) with this "
                              "torch.compile backend (default when given: inductor); plain is transformers' loop")
     parser.add_argument("--calibration-seconds", type=positive_float, default=3.0,
-                        help="time budget of the core/head call-cost measurements (default: %(default)s)")
+                        help="time budget of the embed/core/head call-cost measurements (default: %(default)s)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

@@ -28,7 +28,7 @@ NOTES = {
                             "sequence: core_calls * batch / committed tokens; plain: U by construction",
     "ideal_speedup_vs_ar": "T_hat(ar) / T_hat(mode), T_hat = sum of the measured costs of the run's core "
                            "and head calls by row count (see hf_loopspec.bench.costs)",
-    "overhead_fraction": "1 - T_hat(mode) / measured time: the share of time outside core and head calls",
+    "overhead_fraction": "1 - T_hat(mode) / measured time: the share of time outside embed, core and head calls",
     "compile_seconds": "with --compile: the mode's warm-up run (which compiles every bucket it meets) minus "
                        "its median timed run; buckets met only in timed runs would compile there",
     "rounds": "counters, core_calls_per_token and ideal_speedup_vs_ar are the first timed round's; "
@@ -158,8 +158,8 @@ def format_table(result: dict) -> str:
             f"{_num(r['overhead_fraction'], '{:.0%}'):>8}{_num(r['core_calls_per_token']):>10}"
             f"{_num(r['acceptance_rate'], '{:.3f}'):>8}{_mib(r['peak_mem_bytes']):>10}  {check}"
         )
-    lines.append("x ar: measured speed-up over ar; ideal: the speed-up the run's core/head call counts and measured "
-                 "call costs imply; overhd: share of the time outside core/head calls.")
+    lines.append("x ar: measured speed-up over ar; ideal: the speed-up the run's embed/core/head call counts and "
+                 "measured call costs imply; overhd: share of the time outside those calls.")
     return "\n".join(lines)
 
 
