@@ -12,8 +12,6 @@ from hf_loopspec.bench.shapes import random_model
 from hf_loopspec.cache.paged import PagedLoopCache
 from hf_loopspec.looped import LoopedModel
 
-torch.set_num_threads(1)
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", ["ouro-tiny", "huginn-tiny"])
