@@ -59,3 +59,14 @@ def test_invalid_exit_options_raise_before_any_work(setup, options, message):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD,
                        speculative_mode="pipeline", cache=cache, **options)
     assert cache.num_sequences == 0
+
+
+@pytest.mark.parametrize("mode,d,k", MODES, ids=[m for m, _, _ in MODES])
+def test_config_early_exit_settings_mean_the_same_in_every_mode(mode, d, k):
+    """The config's `early_exit_threshold` / `early_exit_step` (checkpoint metadata; `generate` applies them in no
+    mode) leave speculative decoding equal to plain decoding."""
+    model = tiny_spec_model(91, 4, vocab=VOCAB, damp=0.15)
+    model.config.early_exit_threshold, model.config.early_exit_step = 0.9, 1
+    ids, mask = left_pad(random_prompts(92, [5, 2], VOCAB))
+    ref = plain(model, ids, mask, NEW)
+    assert speculative(model, ids, mask, NEW, mode, d, k).sequences.tolist() == ref.sequences.tolist()
