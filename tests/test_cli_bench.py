@@ -110,6 +110,28 @@ def test_synthetic_full_acceptance_reproduces_the_pipeline_cost_model(draft_loop
     assert "SYNTHETIC ACCEPTANCE 1.0" in report.format_table(result)
 
 
+def test_bench_engines_runs_each_lane_mode_under_both_engines(tmp_path):
+    """`--engines lanes,wavefront`: every lane mode once per engine in one process, rows named by engine and
+    carrying it; full synthetic acceptance gives both engines the pipeline cost model and plain's tokens."""
+    args = bench_args.parse_args([*FAST, "--modes", "plain,ar,pipeline", "--engines", "lanes,wavefront",
+                                  "--synthetic-acceptance", "1.0", "--batch-size", "2",
+                                  "--json", str(tmp_path / "b.json")])
+    result = run_bench(args)
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert list(rows) == ["plain", "ar", "ar/wavefront", "pipeline", "pipeline/wavefront"]
+    assert [r["engine"] for r in result["rows"]] == [None, "lanes", "wavefront", "lanes", "wavefront"]
+    assert result["all_checks_passed"]
+    for name in ("ar", "pipeline"):
+        lanes, wavefront = rows[name], rows[f"{name}/wavefront"]
+        assert wavefront["check_passed"] is True
+        assert wavefront["core_calls_per_token"] == lanes["core_calls_per_token"]
+        assert wavefront["ideal_speedup_vs_ar"] is not None  # its call rows feed the cost model
+    assert rows["pipeline/wavefront"]["core_calls_per_token"] == pytest.approx((N - 1 + 4) / N)
+    assert "pipeline/wavefront" in report.format_table(result)
+    with pytest.raises(ValueError, match="--engines wavefront"):
+        run_bench(bench_args.parse_args([*FAST, "--engines", "wavefront", "--do-sample"]))
+
+
 def test_bench_runs_a_huginn_shape_with_calls_per_token_of_its_recurrence(tmp_path):
     """huginn-tiny (8 recurrence steps): plain and ar take 8 core calls per token, pipeline at synthetic full
     acceptance (N-1)d + U calls, outputs equal plain greedy; its call costs (prelude and coda timed on their own

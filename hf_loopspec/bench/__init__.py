@@ -35,6 +35,13 @@ have KV of their own: the call-cost model below times them on their own planes.
 `--compile [BACKEND]` runs the lane modes with `compile_core` (static-shape compiled core and head calls,
 `generation/stages.py`); each row reports `compile_seconds`, its warm-up run minus its median timed run.
 
+`--engines lanes,wavefront` runs every lane mode (ar, block, pipeline) under each engine in the same process: the
+lane decoder's rows keep the mode's name, the wavefront engine's (`generation.wavefront`, greedy only) are named
+`MODE/wavefront`; every JSON row carries `engine` (None for plain modes). The wavefront engine's call rows are the
+fixed shapes it runs (every lane slot and prompt row in each core call, masked or not); with `--compile` its whole
+step is compiled (fullgraph); with `--synthetic-acceptance` its draft override is filled from the same seeded hook
+position by position, so at A < 1 its pattern differs from the lane decoder's at the same acceptance rate.
+
 `--synthetic-acceptance A` (for random weights, whose drafts are almost never right): every draft proposal is
 replaced through `draft_hook` by the known greedy token with probability A (seeded), otherwise by a wrong token.
 Verification stays real, so outputs must still equal the reference. The known token comes from the mode's own

@@ -13,6 +13,7 @@ from .shapes import SHAPES
 MODES = ("plain", "ar", "block", "pipeline")  # the default set
 PLAIN_MODES = ("plain", "static")  # transformers' own loop: DynamicCache, or cache_implementation="static"
 LANE_MODES = ("ar", "block", "pipeline")
+ENGINES = ("lanes", "wavefront")  # the engines that can run a lane mode (`generation.wavefront`)
 DESCRIPTION = "plain vs AR vs block vs pipeline decoding in one process, with the limit it is judged by."
 
 
@@ -23,6 +24,15 @@ def parse_modes(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"unknown mode(s) {bad or text!r}; choose a comma-separated subset of "
                                          f"{','.join(MODES)},static")
     return list(dict.fromkeys(modes))
+
+
+def parse_engines(text: str) -> list[str]:
+    engines = [e.strip() for e in text.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ENGINES]
+    if bad or not engines:
+        raise argparse.ArgumentTypeError(f"unknown engine(s) {bad or text!r}; choose a comma-separated subset of "
+                                         f"{','.join(ENGINES)}")
+    return list(dict.fromkeys(engines))
 
 
 def checked(kind: type, ok, requirement: str):
@@ -94,6 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"comma-separated subset of {','.join(MODES)},static (default: {','.join(MODES)}); "
                              "static: plain generate with cache_implementation='static' (compiled by transformers "
                              "on CUDA)")
+    parser.add_argument("--engines", type=parse_engines, default=["lanes"],
+                        help=f"comma-separated subset of {','.join(ENGINES)}: the engines that run each lane mode "
+                             "(ar, block, pipeline); the wavefront engine's rows are named MODE/wavefront; it is "
+                             "greedy only (default: lanes)")
     parser.add_argument("--draft-loops", type=positive, default=DEFAULT_DRAFT_LOOPS,
                         help="d: draft from the output of loop d (default: %(default)s)")
     parser.add_argument("--num-speculative-tokens", type=positive, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
@@ -142,6 +156,8 @@ def with_defaults(args) -> argparse.Namespace:
     merged.update({k: v for k, v in vars(args).items()})
     if isinstance(merged["modes"], str):
         merged["modes"] = parse_modes(merged["modes"])
+    if isinstance(merged["engines"], str):
+        merged["engines"] = parse_engines(merged["engines"])
     return argparse.Namespace(**merged)
 
 
@@ -149,6 +165,9 @@ def check_sampling_args(args) -> None:
     """`ValueError` for sampling options that cannot mean what they say (see the module docstring)."""
     if args.do_sample and args.synthetic_acceptance is not None:
         raise ValueError(SYNTHETIC_WITH_SAMPLING)
+    if args.do_sample and "wavefront" in args.engines:
+        raise ValueError("--engines wavefront runs greedy decoding only (its sampling is not built yet); drop "
+                         "--do-sample or use --engines lanes.")
     if not args.do_sample:
         unused = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name, off in
                   (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0)) if getattr(args, name) != off]

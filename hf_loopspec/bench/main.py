@@ -38,6 +38,15 @@ class _Bench:
         """The torch seed of a sampled run (`--seed` + round; warm-ups: `--seed`), None when greedy."""
         return self.args.seed + offset if self.sampled else None
 
+    def runs(self) -> dict[str, tuple[str, str | None]]:
+        """Run name -> (mode, engine): each lane mode once per `--engines` engine (named MODE/wavefront for the
+        wavefront engine), plain modes once (engine None)."""
+        named = {}
+        for mode in self.args.modes:
+            for engine in (self.args.engines if mode in LANE_MODES else [None]):
+                named[mode if engine in (None, "lanes") else f"{mode}/{engine}"] = (mode, engine)
+        return named
+
     def hook(self, mode: str, reference: torch.Tensor | None):
         """The `--synthetic-acceptance` draft hook of a speculative mode (None otherwise)."""
         if self.args.synthetic_acceptance is None or mode not in ("block", "pipeline") or reference is None:
@@ -109,17 +118,18 @@ def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:
     seconds = {mode: statistics.median(x["seconds"] for x in rs) for mode, rs in runs.items()}
     exact_dtype = DTYPES[args.dtype] == torch.float32
     rows = []
-    for mode, rs in runs.items():
+    for name, rs in runs.items():
+        mode, engine = bench.runs()[name]
         if sampling is None:
             checks = [compare(x["generated"], reference, reference_logits) for x in rs]
-            check = "reference" if mode == "plain" else min(checks, key=lambda c: c["agreement_rate"])
+            check = "reference" if name == "plain" else min(checks, key=lambda c: c["agreement_rate"])
             exact = all(c["exact"] for c in checks) if exact_dtype else None
         else:
             check, exact = {"exact": None, "note": SAMPLING_CHECK_NOTE}, None
         compiled = (args.compile and mode in LANE_MODES) or mode == "static"
-        rows.append(mode_row(mode, rs, seconds, batch=args.batch_size, new_tokens=args.new_tokens, loops=loops,
+        rows.append(mode_row(name, rs, seconds, batch=args.batch_size, new_tokens=args.new_tokens, loops=loops,
                              check=check, exact=exact, costs=costs, ar_predicted=ar_predicted,
-                             warmup_seconds=warmup_seconds.get(mode), compiled=bool(compiled)))
+                             warmup_seconds=warmup_seconds.get(name), compiled=bool(compiled), engine=engine))
     warpers = [type(w).__name__ for w in processors] if sampling is not None else None
     return build_result(rows, args=args, machine=machine, model=model, model_name=model_name, sampling=sampling,
                         warpers=warpers, costs=costs, ar_predicted=ar_predicted)
@@ -141,27 +151,33 @@ def _measure(bench: _Bench, model_name: str, device: torch.device):
 
     own_reference: dict[str, torch.Tensor] = {}
     warmup_seconds: dict[str, float] = {}
-    for mode in args.modes:  # warm-up (and, with synthetic acceptance, each mode's own greedy continuation)
+    named = bench.runs()
+    for name, (mode, engine) in named.items():  # warm-up (with synthetic acceptance: each run's own continuation)
         if mode == "plain":
             continue
-        _log(args, f"[bench] warm-up {mode}")
+        _log(args, f"[bench] warm-up {name}")
         warmup = run_mode(model, mode, ids, n, draft_hook=bench.hook(mode, reference), seed=bench.seed(0),
-                          **bench.run_kwargs)
-        own_reference[mode], warmup_seconds[mode] = warmup["generated"], warmup["seconds"]
+                          **bench.run_kwargs, **_engine(engine))
+        own_reference[name], warmup_seconds[name] = warmup["generated"], warmup["seconds"]
 
     batch = args.batch_size
     grids = call_grids(batch, model.num_loops, args.draft_loops, args.num_speculative_tokens)
-    runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    runs: dict[str, list[dict]] = {name: [] for name in named}
     cost_rounds = []
     for r in range(args.repeats):
         _log(args, f"[bench] round {r + 1}/{args.repeats}: call costs over {grids['core']} core rows and the "
-                   f"{batch * args.prompt_len}-row prefill, then " + " ".join(args.modes))
+                   f"{batch * args.prompt_len}-row prefill, then " + " ".join(named))
         cost_rounds.append(measure_call_costs(model, batch, args.prompt_len, grids, device,
                                               args.calibration_seconds / args.repeats, seed=args.seed + r))
-        for mode in args.modes:
-            runs[mode].append(run_mode(model, mode, ids, n, draft_hook=bench.hook(mode, own_reference.get(mode)),
-                                       seed=bench.seed(r), **bench.run_kwargs))
+        for name, (mode, engine) in named.items():
+            runs[name].append(run_mode(model, mode, ids, n, draft_hook=bench.hook(mode, own_reference.get(name)),
+                                       seed=bench.seed(r), **bench.run_kwargs, **_engine(engine)))
     return runs, warmup_seconds, cost_rounds, reference, reference_run["logits"]
+
+
+def _engine(engine: str | None) -> dict:
+    """`run_mode`'s engine argument of a run (plain modes have none)."""
+    return {} if engine is None else {"engine": engine}
 
 
 def _log(args, message: str) -> None:

@@ -147,13 +147,14 @@ def format_table(result: dict) -> str:
         lines.append(f"*** SYNTHETIC ACCEPTANCE {result['synthetic_acceptance']}: each draft is replaced by the known "
                      "greedy token with this probability, else by a wrong one; verification is real ***")
     lines.append(_call_costs_line(result["call_costs"]))
-    header = (f"{'mode':<9}{'tok/s':>9}{'x plain':>9}{'x ar':>7}{'ideal':>7}{'%ideal':>8}{'overhd':>8}"
+    width = max([9, *(len(r["mode"]) + 1 for r in result["rows"])])
+    header = (f"{'mode':<{width}}{'tok/s':>9}{'x plain':>9}{'x ar':>7}{'ideal':>7}{'%ideal':>8}{'overhd':>8}"
               f"{'calls/tok':>10}{'accept':>8}{'peak mem':>10}  check")
     lines += [header, "-" * len(header)]
     for r in result["rows"]:
         check = check_text(r)
         lines.append(
-            f"{r['mode']:<9}{r['tokens_per_s']:>9.1f}{_num(r['ratio_vs_plain']):>9}{_num(r['speedup_vs_ar']):>7}"
+            f"{r['mode']:<{width}}{r['tokens_per_s']:>9.1f}{_num(r['ratio_vs_plain']):>9}{_num(r['speedup_vs_ar']):>7}"
             f"{_num(r['ideal_speedup_vs_ar']):>7}{_num(r['fraction_of_ideal'], '{:.0%}'):>8}"
             f"{_num(r['overhead_fraction'], '{:.0%}'):>8}{_num(r['core_calls_per_token']):>10}"
             f"{_num(r['acceptance_rate'], '{:.3f}'):>8}{_mib(r['peak_mem_bytes']):>10}  {check}"
@@ -166,15 +167,17 @@ def format_table(result: dict) -> str:
 # --- the JSON document -------------------------------------------------------------------------------------------
 def mode_row(mode: str, runs: list[dict], seconds: dict[str, float], *, batch: int, new_tokens: int, loops: int,
              check, exact: bool | None, costs: dict, ar_predicted: float,
-             warmup_seconds: float | None, compiled: bool) -> dict:
+             warmup_seconds: float | None, compiled: bool, engine: str | None = None) -> dict:
     """One row of `rows`: a mode's median time, speed-ups, counters (lane modes), ideal speed-up and check.
 
     `runs`: the mode's timed runs (`run.run_mode` results); `check`: "reference" or a `compare` dict;
-    `exact`: whether every run equals the reference (None when not checked for identity).
+    `exact`: whether every run equals the reference (None when not checked for identity); `engine`: the engine
+    of a lane mode's run ("lanes" or "wavefront"; None for plain modes).
     """
     first, tokens = runs[0], batch * new_tokens
     row = {
-        "mode": mode, "tokens": tokens, "seconds": seconds[mode], "seconds_all": [x["seconds"] for x in runs],
+        "mode": mode, "engine": engine, "tokens": tokens, "seconds": seconds[mode],
+        "seconds_all": [x["seconds"] for x in runs],
         "tokens_per_s": tokens / seconds[mode],
         "ratio_vs_plain": seconds["plain"] / seconds[mode] if "plain" in seconds else None,
         "speedup_vs_ar": seconds["ar"] / seconds[mode] if "ar" in seconds else None,

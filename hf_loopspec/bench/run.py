@@ -12,6 +12,7 @@ from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteri
 from transformers.cache_utils import DynamicCache
 
 from ..cache.paged import PagedLoopCache
+from ..generation.wavefront import WavefrontEngine
 from .args import PLAIN_MODES
 
 
@@ -85,12 +86,13 @@ def generation_processors(model, prompt_len: int, device: torch.device) -> Logit
 
 def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook=None,
              output_logits: bool = False, processors: LogitsProcessorList | None = None, seed: int | None = None,
-             compile_core: str | None = None) -> dict:
+             compile_core: str | None = None, engine: str = "lanes") -> dict:
     """Run one mode once, inside `bench_generation_config` (greedy or sampled as `model.generation_config` says);
     returns seconds, generated ids `[B, N]`, and for the lane modes the stats and the row counts of every call.
 
     `processors`: the lane modes' logits processors (`generation_processors`); `seed`: call `torch.manual_seed(seed)`
-    first (untimed); `compile_core`: a torch.compile backend for the lane modes.
+    first (untimed); `compile_core`: a torch.compile backend for the lane modes; `engine`: the engine of a lane
+    mode, "lanes" or "wavefront" (`draft_hook` then becomes its device-side `draft_override`).
     """
     device = ids.device
     if seed is not None:
@@ -100,8 +102,9 @@ def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loop
     if mode in PLAIN_MODES:
         result, out = _run_plain(model, mode, ids, new_tokens, output_logits)
     else:
-        result, out = _run_lanes(model, mode, ids, new_tokens, draft_loops=draft_loops, k=k, draft_hook=draft_hook,
-                                 processors=processors, compile_core=compile_core)
+        run = _run_wavefront if engine == "wavefront" else _run_lanes
+        result, out = run(model, mode, ids, new_tokens, draft_loops=draft_loops, k=k, draft_hook=draft_hook,
+                          processors=processors, compile_core=compile_core)
     result["generated"] = out.sequences[:, ids.shape[1]:].cpu()
     if device.type == "cuda":
         result["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -136,6 +139,31 @@ def _run_lanes(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_lo
     synchronize(ids.device)
     seconds = time.perf_counter() - start
     # The row counts of every stage call come with the stats (counted on the host: no device sync in the run).
+    return {"mode": mode, "seconds": seconds, "stats": out.stats, "call_rows": out.stats.call_rows,
+            "kv_bytes": _paged_cache_bytes(cache)}, out
+
+
+def _run_wavefront(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook,
+                   processors, compile_core):
+    if processors:
+        names = [type(p).__name__ for p in processors]
+        raise ValueError(f"the bench's wavefront runs take no logits processors ({names}): greedy only.")
+    cache = PagedLoopCache(model.kv_layout)
+    max_length = ids.shape[1] + new_tokens
+    override = None
+    if draft_hook is not None:  # drafts can be made for positions prompt .. prompt + new - 1
+        override = torch.full((len(ids), max_length), -1, dtype=torch.long)
+        for seq in range(len(ids)):
+            for position in range(ids.shape[1], max_length):
+                override[seq, position] = draft_hook(seq, position, -1)
+        override = override.to(ids.device)
+    synchronize(ids.device)
+    start = time.perf_counter()  # set-up (page reservation, prompt embedding) is timed, as in the lane decoder's run
+    out = WavefrontEngine(model, cache, mode=mode, draft_loops=draft_loops, num_speculative_tokens=k, input_ids=ids,
+                          attention_mask=None, pad_token_id=0, max_length=max_length, draft_override=override,
+                          compile_backend=compile_core or None).run()
+    synchronize(ids.device)
+    seconds = time.perf_counter() - start
     return {"mode": mode, "seconds": seconds, "stats": out.stats, "call_rows": out.stats.call_rows,
             "kv_bytes": _paged_cache_bytes(cache)}, out
 

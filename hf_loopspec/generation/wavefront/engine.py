@@ -129,6 +129,7 @@ class WavefrontEngine:
             if n == 0:
                 continue
             vectors = embed(prompt)  # [n, H]
+            self.stats.call_rows["embed"].append(n)
             state.prompt_hidden[b, : n - 1] = vectors[:-1]
             slot = (n - 1) % lanes
             state.token[b, slot], state.position[b, slot] = prompt[-1], n - 1
@@ -157,9 +158,19 @@ class WavefrontEngine:
                                              prompt_real=self.state.prompt_real[:, :0].clone())
                     self.state = self.step(self.state)
                     self.cycles += 1
+                    self._count_rows()
                 _, finished = read_back(self.state)
                 done = all(finished)
         return self._result()
+
+    def _count_rows(self) -> None:
+        """`stats.call_rows` of one step (counted on the host from the shapes): every lane slot and prompt row runs
+        the core (masked or not), every lane slot the head, and one spawned lane per sequence is embedded."""
+        batch, lanes = self.state.token.shape
+        rows = self.stats.call_rows
+        rows["core"].append(batch * (lanes + self.state.prompt_real.shape[1]))
+        rows["head"].append(batch * lanes)
+        rows["embed"].append(batch)
 
     def read_backs_bound(self) -> int:
         """The most read-backs a run of `self.cycles` cycles may have made: ceil(cycles / R)."""
