@@ -98,10 +98,10 @@ class WavefrontEngine:
         plan, device = self.plan, input_ids.device
         batch, width = input_ids.shape
         lanes, prompts = plan.lanes, max(width - 1, 0)
-        like = torch.empty(0, dtype=self.model.dtype, device=device)
+        like = torch.empty(0, dtype=self.model.lane_dtype, device=device)  # the KV and lane dtype
         block_tables, trash = self._reserve(batch, like)
         embed = self.model.get_input_embeddings()
-        hidden_size = embed.weight.shape[1]
+        hidden_size = self.model.lane_width
         prompt_len = mask.sum(1)  # [B]
         long = dict(dtype=torch.long, device=device)
         state = WavefrontState(
