@@ -182,6 +182,37 @@ def test_generate_processors_on_device(mode, d, k):
     assert runs["wavefront"].speculation.engine == "wavefront"
 
 
+class _Recorder:
+    """A streamer that records what it receives."""
+
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_generate_streams_what_plain_streams():
+    """The streamer gets plain decoding's calls (the prompt, then one column per step, pads after EOS), fed from
+    the read-backs."""
+    model, ids, mask = _batch(9)
+    eos = int(plain(model, ids, mask, NEW).sequences[0, ids.shape[1] + 3])
+    streams = {}
+    for engine in ("wavefront", "lanes", "plain"):
+        streamer = _Recorder()
+        if engine == "plain":
+            plain(model, ids, mask, NEW, eos_token_id=eos, streamer=streamer)
+        else:
+            _generate(model, ids, mask, NEW, "pipeline", 1, 1, eos_token_id=eos, streamer=streamer,
+                      speculative_engine=engine)
+        assert streamer.ended
+        streams[engine] = streamer.puts
+    assert streams["wavefront"] == streams["plain"] == streams["lanes"]
+
+
 @pytest.mark.parametrize(("kwargs", "named"), [
     ({"speculative_engine": "fast"}, "speculative_engine='fast'"),
     ({"speculative_engine": "wavefront", "do_sample": True}, "do_sample=True"),
@@ -202,9 +233,9 @@ def test_read_backs_at_most_one_per_r_cycles(monkeypatch, read_every):
     calls = []
     original = engine_module.read_back
 
-    def counting(state):
+    def counting(*args, **kwargs):
         calls.append(1)
-        return original(state)
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(engine_module, "read_back", counting)
     model, ids, mask = _batch(4, (3,))

@@ -28,10 +28,11 @@ WAVEFRONT_MODES = ("ar", "block", "pipeline")
 DEFAULT_READ_EVERY = 4
 
 
-def read_back(state: WavefrontState) -> tuple[list[int], list[bool]]:
-    """The host's only look at a running state: committed counts and finished flags."""
+def read_back(state: WavefrontState, tokens: bool = False):
+    """The host's only look at a running state: committed counts `[B]`, finished flags `[B]` and, when `tokens`
+    (a streamer is fed), the committed-token buffer `[B, T + 1]` on the host (else None)."""
     both = torch.stack([state.n_out, state.finished.long()]).cpu()  # [2, B]
-    return both[0].tolist(), [bool(x) for x in both[1].tolist()]
+    return both[0].tolist(), [bool(x) for x in both[1].tolist()], state.out.cpu() if tokens else None
 
 
 def lanes_for(mode: str, num_loops: int, draft_loops: int, num_speculative_tokens: int) -> int:
@@ -51,13 +52,14 @@ class WavefrontEngine:
                  max_length: int, eos_token_id=None, draft_override: torch.Tensor | None = None,
                  read_every: int = DEFAULT_READ_EVERY, compile_backend: str | None = None,
                  repetition_penalty: float | None = None, penalty_ignore: torch.Tensor | None = None,
-                 eos_hold: torch.Tensor | None = None):
+                 eos_hold: torch.Tensor | None = None, streamer=None):
         if cache.num_sequences:
             raise ValueError("the wavefront engine needs an empty PagedLoopCache (this one already holds "
                              f"{cache.num_sequences} sequences); pass a fresh cache or none.")
         if not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every={read_every!r} must be an integer >= 1 (cycles between read-backs).")
         self.model, self.cache, self.read_every = model, cache, read_every
+        self.streamer, self.streamed = streamer, 0  # columns fed to the streamer so far
         self.input_ids = input_ids
         self.pad = 0 if pad_token_id is None else pad_token_id
         batch, width = input_ids.shape
@@ -159,8 +161,9 @@ class WavefrontEngine:
                     self.state = self.step(self.state)
                     self.cycles += 1
                     self._count_rows()
-                _, finished = read_back(self.state)
+                counts, finished, tokens = read_back(self.state, tokens=self.streamer is not None)
                 done = all(finished)
+                self._stream(counts, finished, tokens)
         return self._result()
 
     def _count_rows(self) -> None:
@@ -171,6 +174,16 @@ class WavefrontEngine:
         rows["core"].append(batch * (lanes + self.state.prompt_real.shape[1]))
         rows["head"].append(batch * lanes)
         rows["embed"].append(batch)
+
+    def _stream(self, counts: list[int], finished: list[bool], tokens: torch.Tensor | None) -> None:
+        """Feed the streamer like plain decoding: column i once every unfinished sequence has it (every column
+        once all have finished); several columns per read-back."""
+        if self.streamer is None:
+            return
+        ready = min((n for n, f in zip(counts, finished) if not f), default=max(counts, default=0))
+        while self.streamed < ready:
+            self.streamer.put(tokens[:, self.streamed].to(self.input_ids.dtype))
+            self.streamed += 1
 
     def read_backs_bound(self) -> int:
         """The most read-backs a run of `self.cycles` cycles may have made: ceil(cycles / R)."""

@@ -2,13 +2,13 @@
 
 The wavefront engine covers: Ouro-like models (no KV in the entry or exit stage), greedy decoding with
 `repetition_penalty` and `min_new_tokens` (as device ops) and no other logits processor, EOS and length stops
-(`max_new_tokens` / `max_length`), padded batches, and `compile_core` (the step is compiled whole with that
+(`max_new_tokens` / `max_length`), padded batches, streamers, and `compile_core` (the step is compiled whole with that
 backend). Everything else of a call is named by `unsupported`:
 
 * `speculative_engine="lanes"` runs the lane decoder;
 * `"wavefront"` runs the wavefront engine, or raises `ValueError` naming every unsupported setting of the call;
 * `"auto"` (the default) runs the lane decoder for now: the wavefront engine does not yet cover the whole fast
-  path of issue 15 (sampling, top-k/p, min-p, streamers, Huginn).
+  path of issue 15 (sampling, top-k/p, min-p, Huginn).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def unsupported(model, options: dict) -> list[str]:
                  if not _on_device(p, width)]
     problems += [f"stopping criterion {type(c).__name__}" for c in options.get("stopping_criteria") or ()
                  if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
-    for name, label in (("streamer", "streamer"), ("draft_hook", "draft_hook"), ("trace", "speculative_trace"),
+    for name, label in (("draft_hook", "draft_hook"), ("trace", "speculative_trace"),
                         ("output_scores", "output_scores"), ("output_logits", "output_logits"),
                         ("exit_rule", "exit options (exit_at_step, exit_threshold, use_weighted_exit)")):
         if options.get(name):
@@ -98,6 +98,7 @@ def run_engine(model, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCac
         num_speculative_tokens=spec.num_speculative_tokens, input_ids=input_ids,
         attention_mask=options.get("attention_mask"), pad_token_id=options.get("pad_token_id"),
         max_length=options["max_length"], eos_token_id=eos or None, compile_backend=spec.compile_backend,
+        streamer=options.get("streamer"),
         **_processor_settings({**options, "input_ids": input_ids}, model.get_output_embeddings().weight.shape[0]),
     )
     return engine.run()
