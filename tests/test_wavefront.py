@@ -141,6 +141,12 @@ def test_step_compiles_whole(mode):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     torch.testing.assert_close(compiled.sequences, eager.sequences, atol=0, rtol=0)
     assert compiled.stats.to_dict() == eager.stats.to_dict()
+    if mode == "pipeline":  # a second call with the same settings and shapes compiles nothing
+        torch._dynamo.utils.counters.clear()
+        again = _generate(model, ids, mask, 8, mode, d, k, speculative_engine="wavefront", compile_core="eager",
+                          **settings)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+        torch.testing.assert_close(again.sequences, eager.sequences, atol=0, rtol=0)
 
 
 def _generate(model, ids, mask, new, mode, d, k, **kwargs):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import types
+import weakref
 from dataclasses import replace
 
 import torch
@@ -26,6 +27,22 @@ from .step import make_step
 
 WAVEFRONT_MODES = ("ar", "block", "pipeline")
 DEFAULT_READ_EVERY = 4
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(plan, backend): compiled step}
+
+
+def compiled_step(model, plan: Plan, backend: str):
+    """`torch.compile(step, fullgraph=True)` of `plan`'s step for `model`, built on first use and kept beside the
+    model, so that later runs of the same plan (and shapes) compile nothing. Each is compiled from a private copy of
+    the step's code: dynamo counts recompiles per code object."""
+    store = _COMPILED.setdefault(model, {})
+    if (plan, backend) not in store:
+        step = make_step(model, plan)
+        private = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__,
+                                     step.__closure__)
+        store[plan, backend] = torch.compile(private, backend=backend, fullgraph=True)
+    return store[plan, backend]
 
 
 def read_back(state: WavefrontState, tokens: bool = False):
@@ -78,12 +95,8 @@ class WavefrontEngine:
             self.state.seen = self._seen(input_ids, penalty_ignore)
             if eos_hold is not None:
                 self.state.eos_hold = eos_hold.to(device=input_ids.device, dtype=torch.long)
-        step = make_step(model, self.plan)
-        if compile_backend is not None:  # on a private copy of the code: dynamo counts recompiles per code object
-            step = torch.compile(types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__,
-                                                    step.__defaults__, step.__closure__),
-                                 backend=compile_backend, fullgraph=True)
-        self.step = step
+        self.step = make_step(model, self.plan) if compile_backend is None else \
+            compiled_step(model, self.plan, compile_backend)
         self.cycles = 0
 
     def _reserve(self, batch: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
