@@ -198,12 +198,15 @@ def assert_cache_matches_ar(paged: PagedLoopCache, ar: DynamicCache, mask: torch
     every plane).
 
     The AR `DynamicCache` is `[B, Hkv, S, D]` per cache layer (depth * num_layers + layer), with pad columns on the
-    left; it holds every token except the last generated one (and, for rows that finished early, pad steps after
-    the finish, which are not compared). The paged cache stores real tokens only, position p at column p + pads.
+    left; it holds every column except the last generated one, for rows that finished early the stop token and the
+    pad steps after it included (plain decoding feeds them with mask 1), and so does a returned paged cache
+    (`LaneDecoder._complete_cache`). The paged cache stores real tokens only, position p at column p + pads.
     """
-    for s, gen in enumerate(generated):
+    steps = max(generated)
+    assert paged.get_seq_length() == mask.shape[1] + steps - 1 == ar.get_seq_length()
+    for s in range(len(generated)):
         pads = int((mask[s] == 0).sum())
-        n = int(mask[s].sum()) + gen - 1
+        n = int(mask[s].sum()) + steps - 1
         for depth in range(paged.num_planes) if planes is None else planes:
             assert paged.length(s, depth) == n, (
                 f"sequence {s}, depth {depth}: valid length {paged.length(s, depth)}, serial AR holds {n} tokens")

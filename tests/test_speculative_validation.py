@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from inputs import left_pad, random_prompts
@@ -14,6 +15,7 @@ from transformers import GenerationConfig
 from transformers.cache_utils import DynamicCache
 
 from hf_loopspec import OuroForCausalLM
+from hf_loopspec.generation import decoder
 
 VOCAB = 64
 
@@ -58,6 +60,13 @@ BAD = [
     ({"speculative_mode": "block", "num_beams": 2}, r"num_beams=2"),
     ({"speculative_mode": "pipeline", "prompt_lookup_num_tokens": 3}, r"prompt_lookup_num_tokens=3"),
     ({"speculative_mode": "pipeline", "cache": "dynamic"}, r"DynamicCache"),
+    ({"speculative_mode": "pipeline", "draft_loops": True}, r"draft_loops=True"),
+    ({"speculative_mode": "block", "num_speculative_tokens": False}, r"num_speculative_tokens=False"),
+    ({"speculative_mode": "block", "num_speculative_tokens": torch.tensor([2])}, r"num_speculative_tokens=tensor"),
+    ({"speculative_mode": "pipeline", "output_hidden_states": True, "return_dict_in_generate": True},
+     r"output_hidden_states=True"),
+    ({"speculative_mode": "block", "output_attentions": True, "return_dict_in_generate": True},
+     r"output_attentions=True"),
 ]
 
 
@@ -95,14 +104,24 @@ def test_assistant_model_rejected(model, inputs, monkeypatch):
     assert counter.calls == 0
 
 
-def test_nonempty_paged_cache_rejected(model, inputs):
+@pytest.mark.parametrize("mode", [None, "pipeline"])
+def test_cache_of_other_inputs_rejected(model, inputs, mode):
+    """A filled PagedLoopCache continues only the sequence that filled it: the ids must extend what it consumed and
+    the mask must mark as many real tokens there as it stores per row."""
     ids, mask = inputs
     cache = paged_cache(model)
-    model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=PAD,
-                   speculative_mode="pipeline", cache=cache)
-    with pytest.raises(ValueError, match="empty PagedLoopCache"):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=PAD,
+                         speculative_mode="pipeline", cache=cache, return_dict_in_generate=True)
+    width = out.sequences.shape[1]
+    with pytest.raises(ValueError, match=f"input_ids has {ids.shape[1]} columns, but the PagedLoopCache has already "
+                                         f"consumed {width - 1}"):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=PAD,
-                       speculative_mode="pipeline", cache=cache)
+                       speculative_mode=mode, cache=cache)
+    longer = torch.cat([out.sequences, out.sequences[:, -1:]], dim=1)
+    shifted = torch.ones_like(longer)  # claims the left padding was real
+    with pytest.raises(ValueError, match=r"attention_mask marks \[[0-9, ]+\] real tokens"):
+        model.generate(longer, attention_mask=shifted, max_new_tokens=3, do_sample=False, pad_token_id=PAD,
+                       speculative_mode=mode, cache=cache)
 
 
 def test_non_callable_draft_hook_rejected(model, inputs, monkeypatch):
@@ -229,3 +248,67 @@ def test_keys_in_a_generation_config_marked_from_model_config_are_honoured(input
                               return_dict_in_generate=True)
     assert out.speculation.mode == "block" and out.speculation.draft_loops == 2
     assert out.sequences.tolist() == ref.sequences.tolist()
+
+
+@pytest.mark.parametrize("value", [np.int64(2), np.int32(2), torch.tensor(2), 2])
+def test_integer_arguments_accept_numpy_and_tensor_integers(model, inputs, value):
+    ids, mask = inputs
+    expected = plain(model, ids, mask, 5).sequences
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=PAD,
+                         speculative_mode="block", draft_loops=value, num_speculative_tokens=value)
+    assert out.tolist() == expected.tolist()
+
+
+MODES = [{}, {"speculative_mode": "pipeline"}, {"speculative_mode": "block"}]
+MALFORMED = {  # (ids, mask) from the valid (ids, mask) -> message
+    "3-D ids": (lambda i, m: (i[None], m[None]), r"input_ids must be a 2-D \[batch, length\] tensor"),
+    "empty prompt": (lambda i, m: (i[:, :0], m[:, :0]), r"input_ids has no tokens"),
+    "fully masked row": (lambda i, m: (i, torch.cat([m[:1] * 0, m[1:]])), r"attention_mask marks no real token in rows \[0\]"),
+    "mask of another shape": (lambda i, m: (i, m[:, 1:]), r"attention_mask has shape \(2, 5\)"),
+    "1-D mask": (lambda i, m: (i[0], m[0]), r"input_ids must be a 2-D"),
+    "non-binary mask": (lambda i, m: (i, m.float() * 0.5), r"attention_mask must hold only 0 .* \[0\.5\]"),
+}
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["plain", "pipeline", "block"])
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_inputs_raise_in_every_mode(model, inputs, monkeypatch, mode, case):
+    make, message = MALFORMED[case]
+    ids, mask = make(*inputs)
+    counter = CountingCore(model, monkeypatch)
+    with pytest.raises(ValueError, match=message):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=PAD, **mode)
+    assert counter.calls == 0
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["plain", "pipeline", "block"])
+def test_use_cache_false_returns_no_cache(model, inputs, mode):
+    ids, mask = inputs
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=PAD,
+                         use_cache=False, return_dict_in_generate=True, **mode)
+    assert out.cache is None
+    assert out.sequences.tolist() == plain(model, ids, mask, 3).sequences.tolist()
+
+
+def test_id_buffer_grows_with_the_output(model, inputs, monkeypatch):
+    """A huge max_new_tokens allocates nothing up front (the buffer starts at IDS_CHUNK columns past the prompt), and
+    a buffer that must grow many times (IDS_CHUNK = 1) still gives plain's tokens."""
+    ids, mask = inputs
+    widths = []
+    run = decoder.LaneDecoder.run
+
+    def recording_run(self):
+        result = run(self)
+        widths.append(self.ids.shape[1])
+        return result
+
+    monkeypatch.setattr(decoder.LaneDecoder, "run", recording_run)
+    eos = int(plain(model, ids, mask, 1).sequences[0, -1])  # row 0 stops after one token
+    out = model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=50_000_000, do_sample=False,
+                         pad_token_id=PAD, eos_token_id=eos, speculative_mode="pipeline")
+    assert out.shape[1] == ids.shape[1] + 1 and widths == [ids.shape[1] + decoder.IDS_CHUNK]
+    monkeypatch.setattr(decoder, "IDS_CHUNK", 1)
+    for mode in ("pipeline", "block"):
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD,
+                             eos_token_id=None, speculative_mode=mode)
+        assert got.tolist() == plain(model, ids, mask, 12, eos_token_id=None).sequences.tolist()

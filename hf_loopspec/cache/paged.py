@@ -14,6 +14,15 @@ Pages are reference counted, so a sequence can be forked (beam search, tree spec
 the fork shares every page, and the first write into a shared page copies it (copy on write). `truncate`
 rolls back a suffix of one (sequence, depth) and frees pages it no longer needs.
 
+The transformers view (`get_seq_length`)
+----------------------------------------
+transformers counts input *columns* (padding included); the cache stores real tokens only. Every plane records
+how many columns it has consumed (`columns`), and `get_seq_length(layer_idx)` reports that of the plane holding
+cache layer `layer_idx` (plane * num_layers + layer). After any run (plain or speculative) a plane that the run
+wrote holds, for every sequence, exactly the real tokens of its consumed columns, as plain decoding stores them:
+every column but the last generated one, the stop token and padding after an early stop included. A plane that
+the run did not use (e.g. Huginn's draft-depth coda plane under plain decoding) keeps its older count.
+
 Invariants enforced on every write (`plan_rows`)
 ------------------------------------------------
 * I2: no two rows of one call write the same (sequence, depth, position).
@@ -39,15 +48,15 @@ from transformers.cache_utils import Cache
 
 from ..looped import KVLayout
 from ..ops import attention as attention_ops
+from . import lineage as lineage_checks
+from .lineage import LineageError
 from .rows import RowBatch
+
+__all__ = ["CacheCapacityError", "LineageError", "PagedKVAttention", "PagedLoopCache"]
 
 
 class CacheCapacityError(RuntimeError):
     """The page pool is full and the cache was created with a fixed capacity."""
-
-
-class LineageError(AssertionError):
-    """A row read a KV entry that its own ancestry did not write (invariant I1)."""
 
 
 class PagedLoopCache(Cache):
@@ -81,7 +90,8 @@ class PagedLoopCache(Cache):
         self._lengths: list[int] = []  # per table: valid positions
         self._block_tables: torch.Tensor | None = None  # device copy, rebuilt when stale
         self._parents: dict[int, int] = {}  # debug: lineage id -> parent id (-1 for a first token)
-        self._columns = 0  # HF view: how many input columns (padding included) the model has consumed
+        # HF view, per plane: how many input columns (padding included) that plane has consumed
+        self._columns = [0] * layout.num_planes
 
     # --- sizes and reports ------------------------------------------------------------------------------------
     @property
@@ -309,48 +319,59 @@ class PagedLoopCache(Cache):
         if self.debug:
             self._parents[child] = parent
 
-    def _ancestry(self, lineage_id: int, position: int) -> list[int]:
-        """Lineage ids of the reader's own path at positions 0..position."""
-        chain = [lineage_id]
-        while len(chain) <= position:
-            parent = self._parents.get(chain[-1])
-            if parent is None or parent < 0:
-                raise LineageError(f"lineage id {chain[-1]} at position {position - len(chain) + 1} has no "
-                                   "recorded parent; call link_lineage for every token")
-            chain.append(parent)
-        return chain[::-1]
+    # --- history from an earlier call -------------------------------------------------------------------------
+    def columns(self, plane: int = 0) -> int:
+        """HF view: input columns (padding included) that `plane` has consumed."""
+        return self._columns[plane]
 
-    def _tag_and_check(self, layer: int, rows: RowBatch) -> None:
-        if rows.lineage is None:
+    def set_columns(self, count: int, planes) -> None:
+        """HF view: `planes` now hold every real token of the first `count` input columns."""
+        for plane in planes:
+            self._columns[plane] = count
+
+    def check_stored(self, attention_mask: torch.Tensor) -> None:
+        """Raise unless every sequence stores exactly the real tokens that `attention_mask` `[B, >= columns]`
+        marks in the columns the cache has consumed (the cache belongs to these inputs)."""
+        past = self.columns()
+        stored = [self.length(s, 0) for s in range(self.num_sequences)]
+        marked = attention_mask[:, :past].bool().sum(-1).tolist()[: len(stored)]
+        if stored != marked:
+            raise ValueError(
+                f"the PagedLoopCache stores {stored} tokens per sequence, but attention_mask marks {marked} real "
+                f"tokens in the {past} columns the cache has consumed: pass the ids and mask that filled the cache "
+                "with the new tokens appended, or a fresh cache.")
+
+    def extend_plane_from(self, seq: int, plane: int, source: int) -> None:
+        """Extend `plane` of `seq` to the length of plane `source` with copies of `source`'s KV (and debug tags).
+
+        For a plane that only steers drafts: a history decoded without drafting lacks the draft-depth plane of
+        a head with KV, and borrowing the target plane's entries there changes which tokens are proposed, never
+        which are committed.
+        """
+        dst, src = self._table(seq, plane), self._table(seq, source)
+        start, end = self._lengths[dst], self._lengths[src]
+        if end <= start:
             return
-        slots = rows.slot.tolist()
-        flat_tags = self.tags[layer].view(-1)
-        for slot, lid in zip(slots, rows.lineage):
-            flat_tags[slot] = lid
-        tables = rows.block_tables.cpu()
-        for n, lid in enumerate(rows.lineage):
-            t, p = int(rows.table[n]), int(rows.position[n])
-            expected = torch.tensor(self._ancestry(lid, p))
-            pos = torch.arange(p + 1)
-            pages = tables[t, pos // self.page_size].long()
-            found = flat_tags[pages * self.page_size + pos % self.page_size]
-            bad = (found != expected).nonzero()
-            if len(bad):
-                j = int(bad[0])
-                s, d = divmod(t, self.num_planes)
-                raise LineageError(
-                    f"I1 violated: row of lineage {lid} at sequence {s}, depth {d}, position {p} reads position "
-                    f"{j} at layer {layer}, written by lineage {int(found[j])}, but its own ancestor there is "
-                    f"{int(expected[j])}."
-                )
+        positions = range(start, end)
+        pages = [self._writable_page(dst, p // self.page_size, self.k_pool) for p in positions]
+        to_slots = [page * self.page_size + p % self.page_size for page, p in zip(pages, positions)]
+        from_slots = [self._pages[src][p // self.page_size] * self.page_size + p % self.page_size for p in positions]
+        for pool in (self.k_pool, self.v_pool) + ((self.tags,) if self.debug else ()):
+            flat = pool.view(pool.shape[0], -1, *pool.shape[3:])  # [layers, pages * page_size, ...]
+            flat[:, to_slots] = flat[:, from_slots]
+        self._lengths[dst] = end
+        self._block_tables = None
+
+    def adopt_history(self, seq: int, lineage: list[int]) -> None:
+        """Debug: make the stored positions of `seq` the path `lineage` (one id per position, a chain), so that
+        tokens of a new call that descend from `lineage[-1]` read them as their own history (I1)."""
+        if self.debug:
+            lineage_checks.adopt(self, seq, lineage)
 
     # --- transformers Cache API ---------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._columns
-
-    def advance_columns(self, count: int) -> None:
-        """HF view: the model consumed `count` more input columns (padding included)."""
-        self._columns += count
+        plane = layer_idx // self.kv_layout.num_layers
+        return self._columns[plane] if plane < self.num_planes else 0
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         raise NotImplementedError(
@@ -368,18 +389,24 @@ class PagedLoopCache(Cache):
         self._select([int(i) for i in indices.tolist()])
 
     def crop(self, tokens_to_remove: int) -> None:
-        """HF view: forget the last `tokens_to_remove` input columns of every sequence, in every plane."""
-        if tokens_to_remove <= 0:
-            return
-        for s in range(self.num_sequences):
-            for d in range(self.num_planes):
-                self.truncate(s, d, max(0, self.length(s, d) - tokens_to_remove))
-        self._columns = max(0, self._columns - tokens_to_remove)
+        """HF view (transformers 5 convention): a negative `tokens_to_remove` forgets that many of the last input
+        columns of every plane; the removed columns are taken to be real tokens of every sequence."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of columns to remove, as for "
+                             "transformers' caches.")
+        keep = max(self.columns() + tokens_to_remove, 0)
+        for d in range(self.num_planes):
+            removed = self._columns[d] - keep
+            if removed <= 0:
+                continue
+            for s in range(self.num_sequences):
+                self.truncate(s, d, max(0, self.length(s, d) - removed))
+            self._columns[d] = keep
 
     def reset(self) -> None:
         for s in range(self.num_sequences):
             self.free(s)
-        self._pages, self._lengths, self._columns = [], [], 0
+        self._pages, self._lengths, self._columns = [], [], [0] * self.num_planes
         self._parents.clear()
         self._block_tables = None
 
@@ -419,7 +446,7 @@ class PagedKVAttention:
         k_pool, v_pool = cache.k_pool[layer_idx], cache.v_pool[layer_idx]  # [pages, page_size, Hkv, D]
         attention_ops.write_kv(k, v, k_pool, v_pool, rows.slot)
         if cache.debug:
-            cache._tag_and_check(layer_idx, rows)
+            lineage_checks.tag_and_check(cache, layer_idx, rows)
         return attention_ops.paged_attention(
             q, k_pool, v_pool, rows.block_tables, rows.table, rows.context_len, self.scale
         )

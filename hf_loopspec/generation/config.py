@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from transformers.generation import GenerationConfig, GenerationMode
 
+from .inputs import as_integer
+
 SPECULATIVE_KEYS = ("speculative_mode", "draft_loops", "num_speculative_tokens", "compile_core", "speculative_engine")
 MODES = ("pipeline", "block")
 LANE_MODES = ("ar", *MODES)  # `decode_with_lanes` also runs "ar": the lane engine without drafting
@@ -48,11 +50,12 @@ def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, com
     if mode not in modes:
         raise ValueError(f"speculative_mode={mode!r} is not supported; use one of {modes} or None for plain "
                          "decoding.")
-    draft_loops = DEFAULT_DRAFT_LOOPS if draft_loops is None else draft_loops
-    k = DEFAULT_NUM_SPECULATIVE_TOKENS if num_speculative_tokens is None else num_speculative_tokens
+    draft_loops = DEFAULT_DRAFT_LOOPS if draft_loops is None else as_integer(draft_loops, "draft_loops")
+    k = (DEFAULT_NUM_SPECULATIVE_TOKENS if num_speculative_tokens is None
+         else as_integer(num_speculative_tokens, "num_speculative_tokens"))
     if mode != "ar":
         _check_draft_loops(mode, draft_loops, num_loops)
-    if not isinstance(k, int) or k < 1:
+    if k < 1:
         raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1 (drafts per block round).")
     engine = "auto" if engine is None else engine
     if engine not in ENGINES:
@@ -62,7 +65,7 @@ def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, com
 
 
 def _check_draft_loops(mode: str, draft_loops, num_loops: int) -> None:
-    if not isinstance(draft_loops, int) or not 1 <= draft_loops <= num_loops - 1:
+    if not 1 <= draft_loops <= num_loops - 1:
         raise ValueError(
             f"draft_loops={draft_loops!r} is outside [1, {num_loops - 1}] for a model with {num_loops} loops: "
             "drafts come from a shallower loop than the last one. "
@@ -121,6 +124,11 @@ def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_c
     if generation_config.num_beams > 1 or generation_mode in (GenerationMode.BEAM_SEARCH,):
         raise ValueError(f"speculative_mode={spec.mode!r} cannot be combined with beam search "
                          f"(num_beams={generation_config.num_beams}); pass num_beams=1 or speculative_mode=None.")
+    for option in ("output_hidden_states", "output_attentions"):
+        if getattr(generation_config, option, False):
+            raise ValueError(f"{option}=True is not supported with speculative_mode={spec.mode!r}: the lane decoder "
+                             "never runs padding columns, so it cannot return plain decoding's per-step tensors. "
+                             f"Use speculative_mode=None for {option}, or a forward call on the output sequences.")
     if generation_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(f"speculative_mode={spec.mode!r} supports greedy decoding and sampling, not "
                          f"{generation_mode}.")

@@ -35,11 +35,14 @@ import torch
 
 from ..cache.paged import PagedLoopCache
 from .acceptance import draft_distribution, judge, propose, target_token
+from .history import run_planes, start_rows
 from .lanes import Lane, SequenceState
 from .policies import ARPolicy
 from .processors import row_processors
 from .stages import EagerStages
 from .stats import SpeculationStats
+
+IDS_CHUNK = 64  # id buffer columns reserved at first for generated tokens; the buffer doubles as they come
 
 DraftHook = Callable[[int, int, int], int]
 """`draft_hook(sequence, position, proposed_token) -> token`: test-only override of draft proposals."""
@@ -100,6 +103,7 @@ class LaneDecoder:
         trace: bool | str = False,
         stages=None,
         exit_rule: ExitRule | None = None,
+        complete_cache: bool = True,
     ):
         self.model, self.cache, self.policy = model, cache, policy
         self.stages = stages if stages is not None else EagerStages(model, cache)
@@ -114,57 +118,68 @@ class LaneDecoder:
         self.stopping = stopping_criteria
         # Like transformers' loop: a stopped row is padded only when an EOS criterion exists; otherwise it keeps
         # decoding until every row has stopped, and all rows end at the step where the last one stopped.
-        self.pad_stopped = stopping_criteria is not None and any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+        eos = [c.eos_token_id for c in stopping_criteria or () if hasattr(c, "eos_token_id")]
+        self.pad_stopped = bool(eos)
+        self.eos_ids = {int(t) for ids in eos for t in torch.as_tensor(ids).reshape(-1).tolist()}
         self.streamer, self.draft_hook = streamer, draft_hook
         self.do_sample = do_sample
         self.output_scores, self.output_logits = output_scores, output_logits
+        self.complete_cache = complete_cache
         self.trace = [] if trace else None
         self.trace_hidden = trace == "hidden"
         self.stats = SpeculationStats(mode=mode, draft_loops=policy.draft_loops or 0)
         self._ids = count()
+        self.filling = False  # completing the cache after the run (`_complete_cache`)
 
         batch, width = input_ids.shape
         self.prompt_width = width
         self.pad = pad_token_id if pad_token_id is not None else 0
-        max_new = max(max_length - width, 0)
-        self.ids = torch.full((batch, width + max_new), self.pad, dtype=input_ids.dtype, device=input_ids.device)
+        self.max_new = max(max_length - width, 0)
+        # [B, width + generated so far]: grows with the output (`_reserve`), not sized for max_new up front
+        self.ids = input_ids.new_full((batch, width + min(self.max_new, IDS_CHUNK)), self.pad)
         self.ids[:, :width] = input_ids
-        self.streamed = 0
-        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        if cache.num_sequences:
-            raise ValueError("speculative decoding needs an empty PagedLoopCache (this one already holds "
-                             f"{cache.num_sequences} sequences); pass a fresh cache or none.")
+        self.settled = 0  # columns streamed and checked by the stopping criteria (`_settle_columns`)
+        self.score_steps: list[torch.Tensor] = []  # per settled step [B, V], with output_scores
         self.layout = model.kv_layout
-        if cache.kv_layout != self.layout:
-            raise ValueError(f"the PagedLoopCache was made for {cache.kv_layout}, but this run writes {self.layout} "
-                             "(for Huginn: the planes depend on num_steps); create it with "
-                             "PagedLoopCache(model.kv_layout) under the same settings, or pass none.")
-        cache.ensure_sequences(batch)
+        starts = start_rows(cache, self.layout, self.num_loops, policy.draft_loops,
+                            input_ids, attention_mask)
         self.like = torch.empty(0, dtype=model.lane_dtype, device=input_ids.device)  # the KV dtype and device
         self.seqs = []
-        for s in range(batch):
-            prompt = input_ids[s][mask[s]]
-            state = SequenceState(index=s, prompt_len=len(prompt), max_new=max_new)
+        for s, start in enumerate(starts):
+            state = SequenceState(index=s, prompt_len=start.stored + len(start.tokens), max_new=self.max_new)
             self.stats.per_sequence.append(state.stats)
-            parent = -1
-            for p, token in enumerate(prompt.tolist()):
-                lane = Lane(s, p, token, 0, None, next(self._ids), next_known=p < len(prompt) - 1)
-                cache.link_lineage(lane.lineage, parent)
-                parent = lane.lineage
-                state.lanes.append(lane)
-            if not state.lanes or max_new == 0:
+            state.lanes = self._known_lanes(s, start.stored, start.tokens, last_known=False)
+            if self.max_new == 0:
                 state.lanes.clear()
                 state.finished = True
             self.seqs.append(state)
         self._embed_new_lanes()
 
+    def _known_lanes(self, seq: int, stored: int, tokens: list[int], last_known: bool) -> list[Lane]:
+        """Lanes for given `tokens` at positions `stored, stored + 1, ...` of `seq`, after its stored history (the
+        next token of each is known, except after the last one unless `last_known`)."""
+        parent = -1
+        if stored:
+            history = [next(self._ids) for _ in range(stored)]
+            self.cache.adopt_history(seq, history)
+            parent = history[-1]
+        lanes = []
+        for i, token in enumerate(tokens):
+            lane = Lane(seq, stored + i, token, 0, None, next(self._ids),
+                        next_known=last_known or i < len(tokens) - 1)
+            self.cache.link_lineage(lane.lineage, parent)
+            parent = lane.lineage
+            lanes.append(lane)
+        return lanes
+
     # --- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> DecodeResult:
         while any(not s.finished for s in self.seqs):
             self.cycle()
-            self._end_stopped_rows()
-            self._stream_columns()
-        self._stream_columns(final=True)
+            self._settle_columns()
+        self._settle_columns()
+        if self.complete_cache:
+            self._complete_cache()
         return self._result()
 
     def cycle(self) -> None:
@@ -173,9 +188,12 @@ class LaneDecoder:
         positions = [lane.position for lane in lanes]
         rows = self._rows(lanes, [lane.depth for lane in lanes])
         out = self.stages.core(hidden, torch.tensor(positions, device=hidden.device), rows)  # [N, H]
-        self.stats.core_calls += 1
-        self.stats.call_rows["core"].append(len(lanes))
-        if self.trace is not None:
+        if self.filling:
+            self.stats.cache_fill_calls += 1
+        else:
+            self.stats.core_calls += 1
+            self.stats.call_rows["core"].append(len(lanes))
+        if self.trace is not None and not self.filling:
             self.trace.append(CycleTrace(
                 [RowTrace(lane.seq, lane.position, lane.depth, lane.token, lane.is_draft) for lane in lanes],
                 hidden=out.detach().clone() if self.trace_hidden else None,
@@ -288,6 +306,7 @@ class LaneDecoder:
 
     def _commit(self, seq: SequenceState, token: int, scores: torch.Tensor, raw: torch.Tensor) -> None:
         width = self.prompt_width + len(seq.generated)
+        self._reserve(width + 1)
         self.ids[seq.index, width] = token
         seq.generated.append(token)
         seq.stats.committed += 1
@@ -296,29 +315,87 @@ class LaneDecoder:
         if self.output_logits:
             seq.raw_logits.append(raw)
         self._event("commit", seq.index, seq.prompt_len + len(seq.generated) - 1, token)
-        row = self.ids[seq.index : seq.index + 1, : width + 1]
-        if seq.stopped_at is None and self.stopping is not None and bool(self.stopping(row, scores[None]).any()):
-            seq.stopped_at = len(seq.generated)
-        if (seq.stopped_at is not None and self.pad_stopped) or len(seq.generated) >= seq.max_new:
+        # An EOS token stops its row at this column whatever the other criteria say: no need to decode on.
+        if len(seq.generated) >= seq.max_new or (self.pad_stopped and token in self.eos_ids):
             self._finish(seq)
 
-    def _end_stopped_rows(self) -> None:
-        """Without an EOS criterion, end the run at the step where the last row stopped (see `pad_stopped`)."""
-        if self.pad_stopped or any(s.stopped_at is None and not s.finished for s in self.seqs):
-            return
-        steps = max((s.stopped_at for s in self.seqs if s.stopped_at is not None), default=0)
-        for seq in self.seqs:
-            if not seq.finished and len(seq.generated) >= steps:
-                extra = len(seq.generated) - steps
-                seq.stats.committed -= extra
-                del seq.generated[steps:], seq.scores[steps:], seq.raw_logits[steps:]
-                self._finish(seq)
+    def _settle_columns(self) -> None:
+        """Stream and check the stopping criteria column by column, as plain decoding does: column c (the c-th
+        generated token of every row) once every unfinished row has committed it, with the whole batch
+        `[B, prompt + c + 1]` and, when scores are returned, every step's `[B, V]` scores so far (else None). A row that stops there and has run ahead is cut
+        back; without an EOS criterion, rows end together at the column where the last one stops."""
+        while True:
+            live = [len(s.generated) for s in self.seqs if not s.finished]
+            if self.settled >= (min(live) if live else max(len(s.generated) for s in self.seqs)):
+                return
+            c = self.settled
+            self.settled += 1
+            width = self.prompt_width + c + 1
+            if self.streamer is not None:
+                self.streamer.put(self.ids[:, width - 1].cpu())
+            scores = None  # what transformers passes: every step's scores so far, when they are returned
+            if self.output_scores:
+                self.score_steps.append(self._step("scores", c))
+                scores = tuple(self.score_steps)
+            if self.stopping is None:
+                continue
+            stops = torch.as_tensor(self.stopping(self.ids[:, :width], scores)).expand(len(self.seqs)).tolist()
+            for seq, stop in zip(self.seqs, stops):
+                seq.stopped = seq.stopped or bool(stop)
+                if seq.stopped and self.pad_stopped:
+                    self._end_at(seq, c + 1)
+            if not self.pad_stopped and all(s.stopped for s in self.seqs):
+                for seq in self.seqs:
+                    self._end_at(seq, c + 1)
+
+    def _end_at(self, seq: SequenceState, steps: int) -> None:
+        """End `seq` with (at most) `steps` generated tokens: a row that ran ahead is cut back."""
+        extra = len(seq.generated) - steps
+        if extra > 0:
+            seq.stats.committed -= extra
+            del seq.generated[steps:], seq.scores[steps:], seq.raw_logits[steps:]
+            self.ids[seq.index, self.prompt_width + steps:] = self.pad
+        if extra > 0 or not seq.finished:
+            self._finish(seq)
 
     def _finish(self, seq: SequenceState) -> None:
         """Stop a sequence: drop its lanes and leave its planes as serial AR would (all but the last token)."""
         seq.stats.discarded += seq.kill_from(0)
         seq.finished = True
         self._truncate(seq, seq.prompt_len + len(seq.generated) - 1)
+
+    def _complete_cache(self) -> None:
+        """Make the cache hold what plain decoding's does: every output column but the last, so a row that
+        stopped early also stores its stop token and the padding after it (plain decoding feeds them); then the
+        cache reports the columns it has consumed. Its calls count as `cache_fill_calls`, not `core_calls`."""
+        steps = max(len(s.generated) for s in self.seqs)
+        if steps == 0:
+            return
+        self.filling = True
+        for seq in self.seqs:
+            done = self.prompt_width + len(seq.generated) - 1  # the first column the row has not fed
+            tokens = self.ids[seq.index, done: self.prompt_width + steps - 1].tolist()
+            if tokens:
+                seq.lanes = self._known_lanes(seq.index, seq.prompt_len + len(seq.generated) - 1, tokens,
+                                              last_known=True)
+                seq.finished = False
+        self._embed_new_lanes()
+        while any(not s.finished for s in self.seqs):
+            self.cycle()
+            for seq in self.seqs:
+                seq.finished = not seq.lanes
+        self.filling = False
+        self.cache.set_columns(self.prompt_width + steps - 1,
+                               run_planes(self.layout, self.num_loops, self.policy.draft_loops))
+
+    def _reserve(self, width: int) -> None:
+        """Grow the id buffer to hold `width` columns (doubling, up to the prompt plus max_new)."""
+        if width <= self.ids.shape[1]:
+            return
+        grown = self.ids.new_full((len(self.ids), min(self.prompt_width + self.max_new, 2 * self.ids.shape[1])),
+                                  self.pad)
+        grown[:, : self.ids.shape[1]] = self.ids
+        self.ids = grown
 
     def _truncate(self, seq: SequenceState, length: int) -> None:
         """Roll every KV plane of `seq` back to at most `length` positions (I4)."""
@@ -361,33 +438,20 @@ class LaneDecoder:
         if self.trace is not None:
             self.trace[-1].events.append((kind, seq, position, token))
 
-    # --- streaming and results ----------------------------------------------------------------------------------
-    def _stream_columns(self, final: bool = False) -> None:
-        """Feed the streamer column by column, like plain decoding: column i once every sequence has it."""
-        if self.streamer is None:
-            return
-        ready = min((len(s.generated) for s in self.seqs if not s.finished), default=None)
-        if ready is None or final:
-            ready = max((len(s.generated) for s in self.seqs), default=0)
-        while self.streamed < ready:
-            self.streamer.put(self.ids[:, self.prompt_width + self.streamed].cpu())
-            self.streamed += 1
-
+    # --- results ----------------------------------------------------------------------------------------------
     def _result(self) -> DecodeResult:
         steps = max((len(s.generated) for s in self.seqs), default=0)
         sequences = self.ids[:, : self.prompt_width + steps]
         return DecodeResult(
             sequences=sequences,
-            scores=self._per_step("scores", steps) if self.output_scores else None,
-            logits=self._per_step("raw_logits", steps) if self.output_logits else None,
+            scores=tuple(self.score_steps) if self.output_scores else None,
+            logits=tuple(self._step("raw_logits", i) for i in range(steps)) if self.output_logits else None,
             stats=self.stats,
             trace=self.trace,
         )
 
-    def _per_step(self, name: str, steps: int) -> tuple[torch.Tensor, ...]:
-        """Per step a `[B, V]` tensor; rows that had already finished at that step hold zeros."""
+    def _step(self, name: str, step: int) -> torch.Tensor:
+        """`[B, V]` scores or logits of one step; rows that had already finished at that step hold zeros."""
         per_seq = [getattr(s, name) for s in self.seqs]
         like = next(x[0] for x in per_seq if x)
-        return tuple(
-            torch.stack([x[i] if i < len(x) else torch.zeros_like(like) for x in per_seq]) for i in range(steps)
-        )
+        return torch.stack([x[step] if step < len(x) else torch.zeros_like(like) for x in per_seq])

@@ -32,14 +32,14 @@ class Lane:
 @dataclass(eq=False)
 class SequenceState:
     index: int
-    prompt_len: int  # real (unpadded) prompt tokens
+    prompt_len: int  # real (unpadded) tokens before the first generated one, a cached history included
     max_new: int  # generation budget (max_length minus the padded prompt width)
     lanes: list[Lane] = field(default_factory=list)  # live, ordered by position
     generated: list[int] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)  # processed target scores per committed token
     raw_logits: list[torch.Tensor] = field(default_factory=list)
     finished: bool = False
-    stopped_at: int | None = None  # generated tokens when a stopping criterion first fired
+    stopped: bool = False  # a stopping criterion has fired for this row (transformers: no longer "unfinished")
     stats: SequenceStats = field(default_factory=SequenceStats)
 
     @property

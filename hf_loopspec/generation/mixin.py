@@ -28,6 +28,7 @@ from .config import (
     speculative_config,
 )
 from .decoder import ExitRule, LaneDecoder
+from .inputs import check_inputs
 from .policies import policy_for
 from .processors import plain_fallback, warn_once
 from .stages import StaticStages, capacity_for
@@ -49,6 +50,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
     def generate(self, *args, **kwargs):
         """`GenerationMixin.generate` inside a `GenerateCall` (`generation.call`) that holds this call's
         `draft_hook` and `speculative_trace` and, once resolved, its speculative settings."""
+        ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+        check_inputs(ids, kwargs.get("attention_mask"), kwargs.get("cache", kwargs.get("past_key_values")))
         with scoped(runtime_options(kwargs)):
             return super().generate(*args, **kwargs)
 
@@ -137,13 +140,15 @@ class LoopSpecGenerationMixin(GenerationMixin):
             output_scores=generation_config.return_dict_in_generate and generation_config.output_scores,
             output_logits=generation_config.return_dict_in_generate and generation_config.output_logits,
             trace=call.trace if call else False, exit_rule=self.exit_rule(**model_kwargs),
+            complete_cache=generation_config.use_cache is not False,
         )
         if streamer is not None:
             streamer.end()
         if not generation_config.return_dict_in_generate:
             return result.sequences
         return SpeculativeDecoderOnlyOutput(
-            sequences=result.sequences, scores=result.scores, logits=result.logits, cache=model_kwargs["cache"],
+            sequences=result.sequences, scores=result.scores, logits=result.logits,
+            cache=model_kwargs["cache"] if generation_config.use_cache is not False else None,
             speculation=result.stats, trace=result.trace,
         )
 

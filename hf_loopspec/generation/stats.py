@@ -32,6 +32,7 @@ class SpeculationStats:
     draft_loops: int
     core_calls: int = 0
     engine: str = "lanes"  # the engine that ran: "lanes" or "wavefront"
+    cache_fill_calls: int = 0  # calls after decoding that complete the returned cache (rows that stopped early)
     per_sequence: list[SequenceStats] = field(default_factory=list)
     call_rows: dict[str, list[int]] = field(default_factory=lambda: {"embed": [], "core": [], "head": []})
     fallback: str | None = None  # why the call decoded with plain decoding instead (every counter is then 0)
@@ -75,7 +76,8 @@ class SpeculationStats:
         keys = ("committed_tokens", "drafted", "verified", "accepted", "rejected", "discarded", "acceptance_rate",
                 "core_calls_per_token")
         return {"mode": self.mode, "engine": self.engine, "draft_loops": self.draft_loops, "fallback": self.fallback,
-                "core_calls": self.core_calls, **{k: getattr(self, k) for k in keys},
+                "core_calls": self.core_calls,
+                "cache_fill_calls": self.cache_fill_calls, **{k: getattr(self, k) for k in keys},
                 "per_sequence": [asdict(s) for s in self.per_sequence]}
 
     def __getitem__(self, key: str):

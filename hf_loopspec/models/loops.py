@@ -104,15 +104,19 @@ class _PagedRows(ForwardRows):
             raise ValueError(f"the PagedLoopCache holds {cache.num_sequences} sequences but the input has batch "
                              f"size {batch}; pass a cache made for this batch.")
         cache.ensure_sequences(batch)
-        if attention_mask is None:
-            real = torch.ones(batch, length, dtype=torch.bool, device=device)
-        else:
-            real = attention_mask[:, -length:].to(device=device, dtype=torch.bool)
+        self.past = cache.columns()
+        if attention_mask is None:  # every column real (transformers also drops an all-ones mask)
+            attention_mask = torch.ones(batch, self.past + length, dtype=torch.bool, device=device)
+        if attention_mask.shape[-1] != self.past + length:
+            raise ValueError(f"attention_mask has {attention_mask.shape[-1]} columns, but the PagedLoopCache holds "
+                             f"{self.past} and this call adds {length}: pass the whole sequence's mask.")
+        cache.check_stored(attention_mask)
+        real = attention_mask[:, -length:].to(device=device, dtype=torch.bool)
         self.seq, self.col = real.nonzero(as_tuple=True)  # [N] each, sequence-major
         start = torch.tensor(cache.lengths(0), device=device)  # [B] real tokens already stored
         self.positions = start[self.seq] + real.long().cumsum(-1)[self.seq, self.col] - 1  # [N]
         self.sequences = self.seq
-        self.cache, self.shape, self.like = cache, (batch, length), like
+        self.cache, self.shape, self.like, self.planes = cache, (batch, length), like, []
 
     def gather(self, x):
         return x[self.seq, self.col]
@@ -123,11 +127,17 @@ class _PagedRows(ForwardRows):
         return out
 
     def attention(self, plane):
+        if self.cache.columns(plane) != self.past:
+            raise ValueError(
+                f"KV plane {plane} of the PagedLoopCache holds {self.cache.columns(plane)} columns, but this call "
+                f"continues from {self.past}: continue a cache with the settings that filled it (the same number "
+                "of loops or recurrence steps, and per-step outputs requested on every call or on none).")
+        self.planes.append(plane)
         rows = self.cache.plan_rows(self.seq, [plane] * len(self.seq), self.positions, like=self.like)
         return self.cache.attention(rows)
 
     def close(self):
-        self.cache.advance_columns(self.shape[1])
+        self.cache.set_columns(self.past + self.shape[1], self.planes)
 
 
 def _check_layer_count(cache: Cache, layout: KVLayout) -> None:

@@ -1,0 +1,62 @@
+"""Up-front checks of `generate`'s inputs, in every mode (plain decoding included).
+
+transformers lets some malformed inputs through to the model, where they fail late with an unrelated message
+(an IndexError, "too many values to unpack") or decode silently from nothing (an empty or fully masked prompt,
+whose first token would come from no context at all). Each check here raises a `ValueError` that names the
+argument, its value and the fix.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..cache.paged import PagedLoopCache
+
+
+def as_integer(value, name: str) -> int:
+    """`value` as a Python int: a Python or numpy integer or a 0-d integer tensor; anything else, bools included
+    (`True` as a count is almost always a mistake), raises a `ValueError` naming `name`."""
+    if torch.is_tensor(value) and value.ndim == 0 and not (value.dtype == torch.bool or value.is_floating_point()
+                                                            or value.is_complex()):
+        return int(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)  # Python and numpy integers
+    raise ValueError(f"{name}={value!r} must be an integer (a Python or numpy integer, or a 0-d integer tensor).")
+
+
+def check_inputs(input_ids, attention_mask, cache) -> None:
+    """Raise a `ValueError` for ids that are not `[batch, length]` with at least one column, a mask of another
+    shape or with values other than 0 and 1, or a row without a real token after what `cache` has consumed."""
+    if not torch.is_tensor(input_ids):
+        return  # None (transformers starts from BOS) or inputs_embeds-only calls
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be a 2-D [batch, length] tensor of token ids, got shape "
+                         f"{tuple(input_ids.shape)}; for one prompt pass ids[None] (or tokenizer(..., "
+                         "return_tensors='pt')).")
+    if input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids has no tokens (shape {tuple(input_ids.shape)}): every row needs at least one "
+                         "(e.g. the BOS token), as the first generated token needs a context.")
+    past = int(cache.get_seq_length()) if isinstance(cache, Cache) else 0
+    if isinstance(cache, PagedLoopCache) and past >= input_ids.shape[1]:
+        raise ValueError(f"input_ids has {input_ids.shape[1]} columns, but the PagedLoopCache has already consumed "
+                         f"{past}: pass the whole sequence (the ids that filled the cache, then the new tokens).")
+    if attention_mask is None:
+        return
+    if not torch.is_tensor(attention_mask) or attention_mask.shape != input_ids.shape:
+        shape = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask has shape {shape}, but input_ids has shape {tuple(input_ids.shape)}: "
+                         "pass one 0/1 entry per token (1 = real token, 0 = padding).")
+    binary = (attention_mask == 0) | (attention_mask == 1)
+    if not bool(binary.all()):
+        bad = attention_mask[~binary].unique()[:5].tolist()
+        raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (real token), got values {bad}: "
+                         "looped models take a padding mask, not weights or an additive mask.")
+    empty = (attention_mask[:, past:] == 0).all(-1).nonzero().flatten().tolist()
+    if empty:
+        where = "" if not past else f" after the {past} columns the cache has consumed"
+        raise ValueError(f"attention_mask marks no real token in rows {empty}{where}: every row needs at least one "
+                         "real token (mask 1) to continue from; drop those rows or give them a token.")
+

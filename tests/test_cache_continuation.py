@@ -1,0 +1,128 @@
+"""A returned `PagedLoopCache` is a transformers cache that any mode can continue (issue 14, point 1).
+
+For every pair of modes (plain / pipeline / block -> plain / pipeline / block), on Ouro and Huginn, a padded batch
+in which rows stop early at EOS in the first call: the first call fills a `PagedLoopCache`; the second call passes
+the whole sequence (the first output, then a new suffix per row, padded in the middle) with that cache. Its output
+must equal one uninterrupted plain call over the whole sequence without a cache (transformers' loop on a fresh
+`DynamicCache`), and the cache must report what it holds (`get_seq_length` per layer, tokens per row).
+A 3-turn chat with the embedded default model continues its cache across turns in mixed modes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from huginn_utils import tiny_huginn
+from speculative_utils import PAD, left_pad, random_prompts, tiny_spec_model
+from transformers import AutoTokenizer
+from transformers.cache_utils import DynamicCache
+
+import hf_loopspec
+from hf_loopspec import PagedLoopCache
+from hf_loopspec.generation.history import run_planes
+
+MODES = {"plain": {"speculative_mode": None}, "pipeline": {"speculative_mode": "pipeline", "draft_loops": 2},
+         "block": {"speculative_mode": "block", "draft_loops": 1, "num_speculative_tokens": 2}}
+FIRST, SECOND = 7, 6  # new tokens of the two calls
+
+
+def generate(model, ids, mask, new, mode, eos, cache=None, **extra):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD,
+                              eos_token_id=eos, return_dict_in_generate=True, cache=cache, **MODES[mode], **extra)
+
+
+def ouro_case():
+    model = tiny_spec_model(61, 4, vocab=64, damp=0.3)
+    return model, 64, {}
+
+
+def huginn_case():
+    model, _ = tiny_huginn(seed=3, damp=0.3)
+    return model, model.config.vocab_size, {"num_steps": 4, "init_scale": 1.0, "init_seed": 77}
+
+
+@pytest.fixture(scope="module", params=["ouro", "huginn"])
+def case(request):
+    model, vocab, settings = {"ouro": ouro_case, "huginn": huginn_case}[request.param]()
+    ids, mask = left_pad(random_prompts(7, [5, 2, 4], vocab))
+    free = generate(model, ids, mask, FIRST, "plain", None, **settings).sequences[:, ids.shape[1]:]
+    eos = int(free[0, 2])  # row 0 stops after 3 tokens, others when they meet it (or at the length limit)
+    suffixes = random_prompts(8, [3, 1, 2], vocab)
+    return model, settings, ids, mask, eos, suffixes
+
+
+def extend(sequences, mask, suffixes):
+    """The whole sequence after a first call: its output (mask 1 on every generated column, as transformers extends
+    it), then each row's suffix right-aligned, so rows get padding in the middle and prefixes of different lengths."""
+    width = max(len(x) for x in suffixes)
+    tail = torch.full((len(suffixes), width), PAD, dtype=sequences.dtype)
+    tail_mask = torch.zeros((len(suffixes), width), dtype=mask.dtype)
+    for s, x in enumerate(suffixes):
+        tail[s, width - len(x):], tail_mask[s, width - len(x):] = x, 1
+    generated = sequences.shape[1] - mask.shape[1]
+    full_mask = torch.cat([mask, torch.ones(len(mask), generated, dtype=mask.dtype), tail_mask], dim=1)
+    return torch.cat([sequences, tail], dim=1), full_mask
+
+
+def assert_cache_reports(model, cache: PagedLoopCache, mode: str, columns: int, mask, settings):
+    """The cache consumed every column but the last and stores, per row, the real tokens of those columns."""
+    assert cache.get_seq_length() == columns
+    layout, loops = cache.kv_layout, settings.get("num_steps", model.num_loops)
+    for plane in run_planes(layout, loops, MODES[mode].get("draft_loops")):
+        assert cache.get_seq_length(plane * layout.num_layers) == columns, plane
+        assert [cache.length(s, plane) for s in range(len(mask))] == mask[:, :columns].sum(-1).tolist(), plane
+
+
+@pytest.mark.parametrize("first,second", list(itertools.product(MODES, MODES)))
+def test_continue_any_mode_from_any_mode(case, first, second):
+    model, settings, ids, mask, eos, suffixes = case
+    with model.recurrence(num_steps=settings["num_steps"]) if "num_steps" in settings else torch.no_grad():
+        cache = PagedLoopCache(model.kv_layout, page_size=4, debug=True)
+    out = generate(model, ids, mask, FIRST, first, eos, cache, **settings)
+    assert out.cache is cache
+    full, full_mask = extend(out.sequences, mask, suffixes)
+    assert_cache_reports(model, cache, first, out.sequences.shape[1] - 1, full_mask, settings)
+    expected = generate(model, full, full_mask, SECOND, "plain", eos, DynamicCache(), **settings).sequences
+    got = generate(model, full, full_mask, SECOND, second, eos, cache, **settings)
+    assert got.sequences.tolist() == expected.tolist(), f"{first} -> {second}"
+    assert_cache_reports(model, cache, second, got.sequences.shape[1] - 1,
+                         torch.cat([full_mask, torch.ones(len(full), got.sequences.shape[1] - full.shape[1],
+                                                          dtype=full_mask.dtype)], dim=1), settings)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_three_turn_chat_reuses_the_cache_in_mixed_modes():
+    """The embedded model's tokenizer has no chat template of its own, so the test gives it a ChatML one. Each turn
+    appends the template's text after the assistant's reply (its generated ids kept as they are) and the next user
+    message, and continues the previous turn's cache; every turn equals a plain call over the whole conversation."""
+    path = hf_loopspec.default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = tokenizer.chat_template or CHATML
+    model = hf_loopspec.OuroForCausalLM.from_pretrained(path).eval()
+    users = ["Hello there.", "Tell me about loops.", "And then?"]
+    marker = "\u0000REPLY\u0000"
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": users[0]}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    cache = PagedLoopCache(model.kv_layout)
+    history = [{"role": "user", "content": users[0]}]
+    for turn, mode in enumerate(["pipeline", "block", "plain"]):
+        if turn:
+            text = tokenizer.apply_chat_template(
+                history + [{"role": "assistant", "content": marker}, {"role": "user", "content": users[turn]}],
+                add_generation_prompt=True, tokenize=False)
+            suffix = tokenizer(text[text.index(marker) + len(marker):], return_tensors="pt")["input_ids"]
+            ids = torch.cat([ids, suffix], dim=1)
+            history.append({"role": "user", "content": users[turn]})
+        mask = torch.ones_like(ids)
+        expected = generate(model, ids, mask, 12, "plain", tokenizer.eos_token_id, DynamicCache()).sequences
+        out = generate(model, ids, mask, 12, mode, tokenizer.eos_token_id, cache)
+        assert out.sequences.tolist() == expected.tolist(), f"turn {turn} ({mode})"
+        assert cache.get_seq_length() == out.sequences.shape[1] - 1
+        ids = out.sequences
+        history.append({"role": "assistant", "content": tokenizer.decode(ids[0, -12:])})
