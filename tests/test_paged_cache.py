@@ -233,6 +233,13 @@ class TestPlainGenerateOnPagedCache:
             assert_fp32_close(out_p[real], out_d[real], **ouro_depth(model.config))
         assert paged.get_seq_length() == 9
         assert [paged.length(s, 2) for s in range(3)] == mask.sum(-1).tolist()
+        layers = model.config.num_hidden_layers
+        assert [paged.get_seq_length(p * layers + 1) for p in range(paged.num_planes)] == [9] * paged.num_planes
+        paged.crop(-2)  # transformers' convention: a negative count of columns to forget
+        assert paged.get_seq_length() == 7
+        assert [paged.length(s, paged.num_planes - 1) for s in range(3)] == (mask.sum(-1) - 2).tolist()
+        with pytest.raises(ValueError, match="negative"):
+            paged.crop(2)
 
     @pytest.mark.parametrize("options", [
         dict(do_sample=False),
