@@ -192,21 +192,23 @@ def paged_plane(cache: PagedLoopCache, seq: int, depth: int, layer: int, n: int)
 
 def assert_cache_matches_ar(paged: PagedLoopCache, ar: DynamicCache, mask: torch.Tensor,
                             generated: Sequence[int], num_layers: int, *, model_depth: dict[str, int],
-                            planes: Sequence[int] | None = None) -> None:
+                            planes: Sequence[int] | None = None, completed: bool = True) -> None:
     """I4: every plane (or the given `planes`) of every sequence equals what serial AR wrote for the committed tokens,
     up to the fp32 rounding of a forward of `model_depth` (the model's `ouro_depth` / `huginn_depth`: a bound for
     every plane).
 
     The AR `DynamicCache` is `[B, Hkv, S, D]` per cache layer (depth * num_layers + layer), with pad columns on the
     left; it holds every column except the last generated one, for rows that finished early the stop token and the
-    pad steps after it included (plain decoding feeds them with mask 1), and so does a returned paged cache
-    (`LaneDecoder._complete_cache`). The paged cache stores real tokens only, position p at column p + pads.
+    pad steps after it included (plain decoding feeds them with mask 1), and so does the cache `generate` returns
+    (`LaneDecoder._complete_cache`); with `completed=False` (the wavefront engine) rows hold only their committed
+    tokens. The paged cache stores real tokens only, position p at column p + pads.
     """
     steps = max(generated)
-    assert paged.get_seq_length() == mask.shape[1] + steps - 1 == ar.get_seq_length()
-    for s in range(len(generated)):
+    if completed:
+        assert paged.get_seq_length() == mask.shape[1] + steps - 1 == ar.get_seq_length()
+    for s, gen in enumerate(generated):
         pads = int((mask[s] == 0).sum())
-        n = int(mask[s].sum()) + steps - 1
+        n = int(mask[s].sum()) + (steps if completed else gen) - 1
         for depth in range(paged.num_planes) if planes is None else planes:
             assert paged.length(s, depth) == n, (
                 f"sequence {s}, depth {depth}: valid length {paged.length(s, depth)}, serial AR holds {n} tokens")

@@ -65,7 +65,9 @@ def _lanes(model, ids, mask, new, mode, d, k, *, eos=None, hook=None):
 
 
 def _counts(stats) -> dict:
-    return {key: value for key, value in stats.to_dict().items() if key != "engine"}
+    """The decoding counters; `cache_fill_calls` (the lane decoder completing the cache `generate` returns, which
+    the wavefront engine does not do) is not one of them."""
+    return {key: value for key, value in stats.to_dict().items() if key not in ("engine", "cache_fill_calls")}
 
 
 def _check(model, mask, result, cache, lanes, ref, new, eos=None):
@@ -76,7 +78,7 @@ def _check(model, mask, result, cache, lanes, ref, new, eos=None):
     committed = generated_counts(ref.sequences, mask.shape[1], new, eos)
     assert_counter_invariants(result.stats, committed)
     assert_cache_matches_ar(cache, ref.cache, mask, committed, model.config.num_hidden_layers,
-                            model_depth=ouro_depth(model.config))
+                            model_depth=ouro_depth(model.config), completed=False)
 
 
 @pytest.mark.parametrize(("mode", "d", "k"), CASES, ids=CASE_IDS)

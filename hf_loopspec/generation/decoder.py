@@ -103,7 +103,7 @@ class LaneDecoder:
         trace: bool | str = False,
         stages=None,
         exit_rule: ExitRule | None = None,
-        complete_cache: bool = True,
+        complete_cache: bool = False,
     ):
         self.model, self.cache, self.policy = model, cache, policy
         self.stages = stages if stages is not None else EagerStages(model, cache)
