@@ -15,7 +15,8 @@ import itertools
 import pytest
 import torch
 from huginn_utils import tiny_huginn
-from speculative_utils import PAD, left_pad, random_prompts, tiny_spec_model
+from inputs import left_pad, random_prompts
+from speculative_utils import PAD, tiny_spec_model
 from transformers import AutoTokenizer
 from transformers.cache_utils import DynamicCache
 
