@@ -1,4 +1,4 @@
-"""Small helpers shared by the test files: tiny configs, random Hub-named weights, tiny models, Hub-like folders."""
+"""Helpers of the Ouro tests: tiny configs, tiny models with Hub-named weights, the reference, Hub-like folders."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from ouro_reference import ouro_reference
 from safetensors.torch import save_file
 
-from hf_loopspec import OuroConfig, OuroForCausalLM
+from hf_loopspec import OuroConfig
+from hf_loopspec.bench.shapes import random_model
 
 VOCAB = 101
 TINY = {
@@ -81,34 +82,16 @@ def config_values(config) -> dict:
     return values
 
 
-def random_hub_state_dict(config, seed: int = 0, gate_scale: float = 1.0) -> dict[str, torch.Tensor]:
-    """Random fp32 weights under the Hub key names, independent of the package's initialisation.
-
-    Matrices get std 1/sqrt(fan_in) (so activations and logits are O(1) and argmaxes are well separated),
-    norm weights 1 + noise (so a swapped or skipped norm shows), the exit gate `gate_scale` times that.
-    """
-    cfg = config_values(config)
-    gen = torch.Generator().manual_seed(seed)
-    sd = {}
-    for key, shape in hub_key_shapes(cfg).items():
-        if key == "model.embed_tokens.weight":
-            t = torch.randn(shape, generator=gen)
-        elif key.endswith("norm.weight") or "layernorm" in key:
-            t = 1.0 + 0.3 * torch.randn(shape, generator=gen)
-        elif key.startswith("model.early_exit_gate"):
-            t = gate_scale * torch.randn(shape, generator=gen) / (shape[-1] ** 0.5 if key.endswith("weight") else 1)
-        else:
-            t = torch.randn(shape, generator=gen) / shape[1] ** 0.5
-        sd[key] = t
-    return sd
-
-
 def tiny_model(seed: int = 0, gate_scale: float = 1.0, **overrides):
-    """(model, state_dict): a tiny fp32 `OuroForCausalLM` in eval mode loaded strictly with random Hub weights."""
+    """(model, state_dict): a tiny fp32 `OuroForCausalLM` in eval mode with the package's seeded random weights
+    (`hf_loopspec.bench.shapes`, the one recipe the bench shares: matrices std 1/sqrt(fan_in), so that activations
+    and logits are O(1) and argmaxes well separated; norm weights 1 + noise, so that a swapped or skipped norm
+    shows; the exit gate `gate_scale` times the matrix recipe), and a copy of them under the Hub key names (checked
+    against ouro.md's key table) for the independent reference and Hub-like folders."""
     config = tiny_config(**overrides)
-    model = OuroForCausalLM(config).eval()
-    sd = random_hub_state_dict(config, seed, gate_scale)
-    model.load_state_dict(sd, strict=True)
+    model = random_model(config, seed=seed, gate_scale=gate_scale)
+    sd = {key: value.clone() for key, value in model.state_dict().items()}
+    assert {key: tuple(value.shape) for key, value in sd.items()} == hub_key_shapes(config_values(config))
     return model, sd
 
 

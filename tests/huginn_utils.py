@@ -1,5 +1,5 @@
-"""Helpers of the Huginn tests: tiny configs of both variants, random weights under the Hub key names (from
-`huginn.md`'s key table, independent of the package), and Hub-like checkpoint folders."""
+"""Helpers of the Huginn tests: tiny configs of both variants, tiny models with weights under the Hub key names
+(checked against `huginn.md`'s key table), the reference, and Hub-like checkpoint folders."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from huginn_reference import huginn_reference
 from safetensors.torch import save_file
 
-from hf_loopspec import HuginnConfig, HuginnForCausalLM
+from hf_loopspec import HuginnConfig
+from hf_loopspec.bench.shapes import random_model
 
 PAD = 0
 VOCAB = 97
@@ -79,44 +80,20 @@ def hub_key_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_hub_state_dict(config: HuginnConfig, seed: int = 0, damp: float = 1.0) -> dict[str, torch.Tensor]:
-    """Random fp32 weights under the Hub names: matrices std 1/sqrt(fan_in), norm weights 1 + 0.3 noise, q/k bias
-    0.3 noise, embeddings unit normal / sqrt(E) * 4 (O(1) after the sqrt(E) scale).
+def tiny_huginn(variant: str = "huginn", seed: int = 0, damp: float = 1.0, **overrides):
+    """(model, state_dict): a tiny fp32 `HuginnForCausalLM` in eval mode with the package's seeded random weights
+    (`hf_loopspec.bench.shapes`, the one recipe the bench shares), and a copy of them under the Hub names (checked
+    against huginn.md's key table: no `lm_head.weight` when the embeddings are tied).
 
     `damp` < 1 makes consecutive recurrence steps agree, so drafts get accepted: the adapter keeps most of the state
     (its state half is close to the identity) and the recurrent blocks' attention and MLP outputs are scaled down.
     """
-    cfg = reference_config(config)
-    gen = torch.Generator().manual_seed(seed)
-    sd = {}
-    for key, shape in hub_key_shapes(cfg).items():
-        if "norm_" in key or key.endswith("ln_f.weight"):
-            t = 1.0 + 0.3 * torch.randn(shape, generator=gen)
-        elif key.endswith("qk_bias"):
-            t = 0.3 * torch.randn(shape, generator=gen)
-        elif key == "transformer.wte.weight":
-            t = torch.randn(shape, generator=gen) * 4 / cfg["embed_scale"]
-        else:
-            t = torch.randn(shape, generator=gen) / shape[1] ** 0.5
-        sd[key] = t
-    if damp < 1:
-        emb = cfg["n_embd"]
-        sd["transformer.adapter.weight"][:, :emb] = torch.eye(emb) + damp * sd["transformer.adapter.weight"][:, :emb]
-        for key in sd:
-            if key.startswith("transformer.core_block.") and key.endswith(("attn.proj.weight", "mlp.proj.weight")):
-                sd[key] = sd[key] * damp
-    return sd
-
-
-def tiny_huginn(variant: str = "huginn", seed: int = 0, damp: float = 1.0, **overrides):
-    """(model, state_dict): a tiny fp32 `HuginnForCausalLM` in eval mode loaded strictly from random Hub weights."""
     config = tiny_huginn_config(variant, **overrides)
-    model = HuginnForCausalLM(config).eval()
-    sd = random_hub_state_dict(config, seed, damp)
-    full = dict(sd)
+    model = random_model(config, seed=seed, damp=damp)
+    sd = {key: value.clone() for key, value in model.state_dict().items()}
     if config.tie_word_embeddings:
-        full["lm_head.weight"] = sd["transformer.wte.weight"]
-    model.load_state_dict(full, strict=True)
+        del sd["lm_head.weight"]
+    assert {key: tuple(value.shape) for key, value in sd.items()} == hub_key_shapes(reference_config(config))
     return model, sd
 
 

@@ -28,7 +28,9 @@ from hf_loopspec import PagedLoopCache
 
 STEPS = 6
 NEW = 40
-DAMPS = (1.0, 0.03)  # acceptance of pipeline d=2 drafts: about 0.05 and 0.65 (long rejection chains / long runs)
+# Acceptance of pipeline d=2 drafts of the seed-5 model on the ragged prompts: about 0.15 undamped, 0.7 (seeded
+# states) to 1.0 (zero states) at 0.03: long rejection chains / long runs.
+DAMPS = (1.0, 0.03)
 INITS = {"zero": {"init_scale": 0.0}, "seeded": {"init_scale": 1.0, "init_seed": 1234}}
 
 
@@ -65,7 +67,7 @@ def ar_planes(model, num_steps=STEPS) -> list[int]:
 @pytest.mark.parametrize("batch", ["unpadded", "ragged"])
 @pytest.mark.parametrize("damp", DAMPS)
 def test_token_identity_with_plain_greedy(damp, batch, init):
-    model, _ = tiny_huginn(seed=3, damp=damp)
+    model, _ = tiny_huginn(seed=5, damp=damp)
     prompts = prompts_for(batch, seed=int(damp * 100))
     ids, mask = left_pad(prompts, PAD)
     ref = plain(model, ids, mask, NEW, **INITS[init])

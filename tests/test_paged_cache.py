@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from tolerances import assert_fp32_close, ouro_depth
 from transformers import DynamicCache
 
-from hf_loopspec import KVLayout, OuroConfig, OuroForCausalLM, PagedLoopCache
+from hf_loopspec import KVLayout, OuroConfig, PagedLoopCache
+from hf_loopspec.bench.shapes import random_model
 from hf_loopspec.cache.paged import CacheCapacityError, LineageError
 
 LAYOUT = KVLayout(num_planes=3, num_layers=2, num_kv_heads=2, head_dim=4)
@@ -205,11 +206,10 @@ class TestLineageChecker:
 
 
 def tiny_model(seed=0, **overrides):
-    torch.manual_seed(seed)
     config = OuroConfig(vocab_size=89, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, total_ut_steps=3, eos_token_id=None,
                         pad_token_id=0, **overrides)
-    return OuroForCausalLM(config).eval()
+    return random_model(config, seed=seed)
 
 
 def padded_batch(seed=0):

@@ -16,8 +16,10 @@ The recipe, per parameter in `named_parameters()` order, drawn from one seeded g
 * Ouro's layers are sandwiches whose branch outputs pass an RMSNorm (`*_layernorm_2`) before they join the
   residual stream, so those norm weights are scaled by `damp`, and the shared final norm (applied after every
   loop) gets weight 1, so that re-normalising an almost unchanged state is almost the identity;
-* Huginn's adapter keeps most of the state (its state half becomes identity + damp * W) and the recurrent
-  blocks' attention and MLP output projections are scaled by `damp`.
+* Huginn's adapter keeps most of the state (its state half becomes identity + damp * W), the recurrent
+  blocks' attention and MLP output projections are scaled by `damp`, and so is their norm weights' noise
+  (Huginn-0125's sandwich blocks normalise the residual stream itself, so a noisy norm would turn the state a
+  little at every step however small the branches are).
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def randomize_weights(model, seed: int = 0, *, damp: float = 1.0, gate_scale: fl
         for name, param in model.named_parameters():
             if name.endswith(("embed_tokens.weight", "wte.weight")):
                 normal(param, 0.0, 1.0 / embed_scale)
-            elif "norm" in name:
+            elif "norm" in name or name.endswith("ln_f.weight"):  # Huginn's final norm is `ln_f`
                 normal(param, 1.0, 0.3)
             elif name.endswith("qk_bias"):
                 normal(param, 0.0, 0.3)
@@ -125,8 +127,12 @@ def _damp(model, family: str, damp: float) -> None:
     adapter = params["transformer.adapter.weight"]  # [E, 2E]: state half | prelude half
     adapter[:, :width] = torch.eye(width, device=adapter.device, dtype=adapter.dtype) + damp * adapter[:, :width]
     for name, param in params.items():
-        if name.startswith("transformer.core_block.") and name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+        if not name.startswith("transformer.core_block."):
+            continue
+        if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
             param.mul_(damp)
+        elif "norm" in name:  # sandwich blocks normalise the residual stream itself: noise 0.3 -> damp * 0.3
+            param.sub_(1.0).mul_(damp).add_(1.0)
 
 
 def _family(config) -> str:
