@@ -72,8 +72,7 @@ def logged(task_dir):
 
 
 @pytest.mark.slow
-# batch size 4 with speculative gen_kwargs needs stopping criteria called with the whole batch (issue 14, point 6)
-@pytest.mark.parametrize("batch_size", [1])
+@pytest.mark.parametrize("batch_size", [1, 4])  # 4: lm-eval's stop-sequence criterion sees the whole batch
 def test_speculative_gen_kwargs_log_plain_outputs(logged, batch_size):
     # the embedded model's generation_config.json defaults to pipeline, so plain is asked for explicitly
     plain = logged(batch_size, "speculative_mode=None")
