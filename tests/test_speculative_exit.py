@@ -70,3 +70,19 @@ def test_config_early_exit_settings_mean_the_same_in_every_mode(mode, d, k):
     ids, mask = left_pad(random_prompts(92, [5, 2], VOCAB))
     ref = plain(model, ids, mask, NEW)
     assert speculative(model, ids, mask, NEW, mode, d, k).sequences.tolist() == ref.sequences.tolist()
+
+
+@pytest.mark.parametrize("mode", [None, "pipeline", "block"])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_huginn_refuses_exit_options_in_every_mode(name, mode):
+    """Huginn has no exit selection: an exit option would pass through `forward`'s `**kwargs` unread, so it is refused
+    in plain decoding, both speculative modes and `forward`, instead of silently decoding at full depth."""
+    from huginn_utils import tiny_huginn
+
+    model, _ = tiny_huginn(seed=1)
+    ids = torch.tensor([[5, 6, 7]])
+    spec = {} if mode is None else {"speculative_mode": mode, "draft_loops": 2}
+    with pytest.raises(ValueError, match=name.split("=")[0]):  # transformers' unused-kwargs check or ours
+        model.generate(ids, max_new_tokens=2, do_sample=False, num_steps=4, init_scale=0.0, **spec, **OPTIONS[name])
+    with pytest.raises(ValueError, match="has no exit options"):
+        model(ids, num_steps=2, **OPTIONS[name])

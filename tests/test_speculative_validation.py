@@ -263,7 +263,8 @@ MODES = [{}, {"speculative_mode": "pipeline"}, {"speculative_mode": "block"}]
 MALFORMED = {  # (ids, mask) from the valid (ids, mask) -> message
     "3-D ids": (lambda i, m: (i[None], m[None]), r"input_ids must be a 2-D \[batch, length\] tensor"),
     "empty prompt": (lambda i, m: (i[:, :0], m[:, :0]), r"input_ids has no tokens"),
-    "fully masked row": (lambda i, m: (i, torch.cat([m[:1] * 0, m[1:]])), r"attention_mask marks no real token in rows \[0\]"),
+    "fully masked row": (lambda i, m: (i, torch.cat([m[:1] * 0, m[1:]])),
+                         r"attention_mask marks no real token in rows \[0\]"),
     "mask of another shape": (lambda i, m: (i, m[:, 1:]), r"attention_mask has shape \(2, 5\)"),
     "1-D mask": (lambda i, m: (i[0], m[0]), r"input_ids must be a 2-D"),
     "non-binary mask": (lambda i, m: (i, m.float() * 0.5), r"attention_mask must hold only 0 .* \[0\.5\]"),

@@ -322,8 +322,9 @@ class LaneDecoder:
     def _settle_columns(self) -> None:
         """Stream and check the stopping criteria column by column, as plain decoding does: column c (the c-th
         generated token of every row) once every unfinished row has committed it, with the whole batch
-        `[B, prompt + c + 1]` and, when scores are returned, every step's `[B, V]` scores so far (else None). A row that stops there and has run ahead is cut
-        back; without an EOS criterion, rows end together at the column where the last one stops."""
+        `[B, prompt + c + 1]` and, when scores are returned, every step's `[B, V]` scores so far (else None). A row
+        that stops there and has run ahead is cut back; without an EOS criterion, rows end together at the column
+        where the last one stops."""
         while True:
             live = [len(s.generated) for s in self.seqs if not s.finished]
             if self.settled >= (min(live) if live else max(len(s.generated) for s in self.seqs)):

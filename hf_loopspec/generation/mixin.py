@@ -36,6 +36,18 @@ from .stats import SpeculationStats
 from .wavefront.select import run_engine
 
 
+EXIT_OPTIONS = ("exit_at_step", "exit_threshold", "use_weighted_exit")  # Ouro's exit selection (forward, generate)
+
+
+def reject_exit_options(model_name: str, kwargs: dict) -> None:
+    """`ValueError` when `kwargs` set one of `EXIT_OPTIONS`, for a family whose forward has no exit selection: such
+    an option would otherwise pass through `**kwargs` unread and silently change nothing."""
+    given = [f"{name}={kwargs[name]!r}" for name in EXIT_OPTIONS if kwargs.get(name) not in (None, False)]
+    if given:
+        raise ValueError(f"{', '.join(given)}: {model_name} has no exit options (they select one of Ouro's loops); "
+                         "drop them (Huginn models choose their depth with num_steps).")
+
+
 @dataclass
 class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus the speculative run's counters and, on request, its cycle trace."""
@@ -156,7 +168,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
         """How the lane decoder computes a target's logits for a call's model kwargs (`decoder.ExitRule`); None: the
         head on the last loop's output. A family whose `forward` takes exit options (Ouro's `exit_at_step`, ...)
         overrides this with the same selection, so that speculative decoding honours them as plain decoding does,
-        and raises the same `ValueError` for invalid ones."""
+        and raises the same `ValueError` for invalid ones. A family without exit options refuses them."""
+        reject_exit_options(type(self).__name__, model_kwargs)
         return None
 
     def decode_with_lanes(self, input_ids, mode: str, *, draft_loops: int | None = None,

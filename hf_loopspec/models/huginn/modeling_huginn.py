@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 
-from ...generation.mixin import LoopSpecGenerationMixin
+from ...generation.mixin import LoopSpecGenerationMixin, reject_exit_options
 from ...looped import KVAttention, KVLayout
 from ..base import LoopedCausalLMMixin, StrictLoadingMixin, one_cache
 from ..layers import RMSNorm, apply_rotary, check_token_ids, rotary_cos_sin, rotate_interleaved
@@ -383,8 +383,9 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
         Runs `num_steps` recurrence steps (default `mean_recurrence`) from initial states of scale `init_scale`
         (default 1.0; 0 gives zeros) keyed by `init_seed` (drawn from torch's generator when None).
         `output_step_logits=True` also decodes every step's state (each with its own coda KV plane).
-        Logits are fp32.
+        Logits are fp32. Ouro's exit options (`exit_at_step`, ...) raise `ValueError`: this family has none.
         """
+        reject_exit_options(type(self).__name__, kwargs)
         out = self.transformer(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
