@@ -35,7 +35,6 @@ from .stages import StaticStages, capacity_for
 from .stats import SpeculationStats
 from .wavefront.select import run_engine
 
-
 EXIT_OPTIONS = ("exit_at_step", "exit_threshold", "use_weighted_exit")  # Ouro's exit selection (forward, generate)
 
 
