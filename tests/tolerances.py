@@ -38,7 +38,7 @@ def fp32_tolerance(layers: int, width: int, scale: float = 1.0) -> dict[str, flo
 
 def rms(values: torch.Tensor) -> float:
     """Root mean square of the finite entries (scores carry -inf for banned tokens, unwritten cache pages NaN)."""
-    finite = values[torch.isfinite(values)].double()
+    finite = values.detach()[torch.isfinite(values)].double()
     return float(finite.pow(2).mean().sqrt()) if finite.numel() else 0.0
 
 
