@@ -114,6 +114,9 @@ def _add_generation_options(parser: argparse.ArgumentParser, chat_help: str) -> 
     parser.add_argument("--top-k", type=bench_args.positive, default=None)
     parser.add_argument("--top-p", type=bench_args.fraction, default=None)
     parser.add_argument("--seed", type=int, default=None, help="torch seed (for sampling)")
+    parser.add_argument("--repetition-penalty", type=bench_args.positive_float, default=None,
+                        help="divide the scores of tokens already in the text by P (> 1 discourages repeats; "
+                             "greedy or sampled, lossless under speculation)")
     parser.add_argument("--chat", action="store_true", help=chat_help)
     parser.add_argument("--dtype", choices=("auto", *sorted(loading.DTYPES)), default="auto",
                         help="auto (the default): float32 on CPU, the checkpoint's dtype on CUDA")

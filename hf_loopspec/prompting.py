@@ -32,7 +32,7 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     tokenizer's pad (or EOS) id, else 0.
     """
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
-    for key in ("temperature", "top_k", "top_p"):
+    for key in ("temperature", "top_k", "top_p", "repetition_penalty"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
     if args.mode == "plain":

@@ -13,9 +13,11 @@ Everything is built offline and reproducibly from the running interpreter:
    `transformers.PreTrainedTokenizerFast` (bos = eos = pad = `<|endoftext|>`), so `AutoTokenizer` loads it.
 3. Model: `hf_loopspec.OuroForCausalLM` with U = `--loops` (4) loops over a small shared stack. The objective
    is the mean over loops of the LM cross-entropy of every loop's logits, so every depth is decodable (the
-   drafts of self-speculation come from the shallow depths). AdamW, linear warmup then cosine decay, gradient
-   clipping, bf16 autocast on CPU (fp32 master weights), random windows of `--seq-len` + 1 tokens from the
-   concatenated training files (each file preceded by `<|endoftext|>`).
+   drafts of self-speculation come from the shallow depths). AdamW, linear warmup then cosine decay (or, with
+   `--decay-fraction`, warmup-stable-decay), gradient clipping, bf16 autocast on CPU (fp32 master weights),
+   random windows of `--seq-len` + 1 tokens from the concatenated training files (each file preceded by
+   `<|endoftext|>`). `--attn-implementation eager` trains faster than SDPA on one CPU thread at these sizes
+   (SDPA's CPU flash-attention backward dominated a profile); the saved model loads with the default.
 4. Output (`--out`): `config.json`, `model.safetensors` (fp32), `generation_config.json` (greedy, pipeline
    speculation from depth 1 by default), tokenizer files and `training_report.json` (per-loop validation loss,
    steps, tokens, wall time, command, versions, machine).
@@ -28,11 +30,17 @@ command on the same machine, interpreter and library versions gives the same wei
 schedules by elapsed wall time (not bit-reproducible: the step count depends on the machine's load); with
 both, `--minutes` is only a safety stop (the schedule stays that of `--steps`), and a run it cut short after
 N steps is reproduced by the same command with `--stop-at-step N` instead of `--minutes` (the report's
-`reproduce_command`).
+`reproduce_command`). On a machine of unknown load, `--decay-fraction F --decay-at-minutes D` fits the run to
+a time budget and stays reproducible: the LR stays constant after the warmup until D minutes of training, the
+step S reached then fixes the run's length, S / (1 - F) steps, and the cosine decay takes the rest; the report
+records both, and `--steps S/(1-F) --decay-start-step S` in place of `--decay-at-minutes` repeats the run step
+for step (the report's `reproduce_command` writes it out).
 
-Example (the shipped model):
+The shipped model was trained by the command in its `training_report.json` (`command`, `reproduce_command`):
 
-    python scripts/train_default_model.py --out hf_loopspec/assets/default_model --steps 650 --minutes 21 --threads 1
+    python scripts/train_default_model.py --out /work/train19/default_model --hidden-size 320 \
+        --intermediate-size 960 --num-heads 10 --num-kv-heads 5 --decay-fraction 0.25 --warmup-steps 100 \
+        --decay-at-minutes 60 --minutes 84 --threads 1 --attn-implementation eager
 """
 
 from __future__ import annotations
@@ -79,6 +87,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final LR as a fraction of --lr")
     p.add_argument("--warmup", type=float, default=0.05, help="warmup as a fraction of training")
+    p.add_argument("--warmup-steps", type=int, default=None, help="warmup in steps (for --decay-fraction)")
+    p.add_argument("--decay-fraction", type=float, default=None,
+                   help="warmup-stable-decay schedule instead of cosine: constant LR after the warmup, then a "
+                        "cosine decay to the final LR over the last DECAY_FRACTION of the steps")
+    p.add_argument("--decay-at-minutes", type=float, default=None,
+                   help="with --decay-fraction: start the decay when training has run this long; the run then "
+                        "lasts decay_start / (1 - DECAY_FRACTION) steps (a schedule that fits a time budget on a "
+                        "machine of unknown load and stays reproducible: the report records the steps)")
+    p.add_argument("--decay-start-step", type=int, default=None,
+                   help="with --decay-fraction and --steps: start the decay at this step (reproduces a run that "
+                        "used --decay-at-minutes)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
     p.add_argument("--loop-weights", type=str, default=None,
@@ -88,11 +107,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--branch-gain-init", type=float, default=0.1,
                    help="initial weight of the attention/MLP output norms (see init_for_sandwich_norms)")
     p.add_argument("--no-bf16", action="store_true", help="train in fp32 instead of bf16 autocast")
+    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"],
+                   help="attention kernel while training (eager is faster on one CPU thread at these sizes); "
+                        "the saved config does not carry it")
     p.add_argument("--eval-every", type=int, default=100, help="steps between quick validation checks")
     p.add_argument("--eval-tokens", type=int, default=32768, help="validation tokens for the final evaluation")
     args = p.parse_args(argv)
-    if args.steps is None and args.minutes is None:
-        p.error("pass --steps and/or --minutes")
+    if args.decay_fraction is None:
+        if args.steps is None and args.minutes is None:
+            p.error("pass --steps and/or --minutes")
+        if any(x is not None for x in (args.decay_at_minutes, args.decay_start_step, args.warmup_steps)):
+            p.error("--decay-at-minutes, --decay-start-step and --warmup-steps need --decay-fraction")
+    else:
+        if not 0 < args.decay_fraction < 1:
+            p.error(f"--decay-fraction must be in (0, 1), got {args.decay_fraction}")
+        if args.warmup_steps is None:
+            p.error("--decay-fraction needs --warmup-steps (the step count is not known in advance)")
+        if (args.decay_at_minutes is None) == (args.decay_start_step is None):
+            p.error("--decay-fraction needs exactly one of --decay-at-minutes and --decay-start-step")
+        if args.decay_start_step is not None and args.steps is None:
+            p.error("--decay-start-step needs --steps")
+        if args.decay_at_minutes is not None and args.steps is not None:
+            p.error("--decay-at-minutes sets the step count: drop --steps")
     return args
 
 
@@ -228,24 +264,47 @@ def evaluate(model, stream, seq_len: int, max_tokens: int, batch_size: int = 8, 
     }
 
 
-def lr_at(progress: float, args) -> float:
-    if progress < args.warmup:
-        return args.lr * max(progress, 1e-3) / args.warmup
-    t = min(1.0, (progress - args.warmup) / max(1e-9, 1 - args.warmup))
+def cosine_between(t: float, args) -> float:
+    """The LR a fraction `t` in [0, 1] into a cosine decay from `--lr` to `--lr * --min-lr-ratio`."""
+    t = min(1.0, max(0.0, t))
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def reproduce_command(argv: list[str], stopped_by: str, steps: int) -> str:
-    """The command that reproduces this run step for step: a `--minutes` stop becomes `--stop-at-step`."""
+def lr_at(progress: float, args) -> float:
+    """Cosine schedule: linear warmup over `--warmup` of training (`progress` in [0, 1]), then cosine decay."""
+    if progress < args.warmup:
+        return args.lr * max(progress, 1e-3) / args.warmup
+    return cosine_between((progress - args.warmup) / max(1e-9, 1 - args.warmup), args)
+
+
+def wsd_lr_at(step: int, decay_start: int | None, total: int | None, args) -> float:
+    """Warmup-stable-decay: linear warmup over `--warmup-steps`, `--lr` until `decay_start` (None: not known
+    yet), then cosine decay to the final LR at step `total`."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    if decay_start is None or step < decay_start:
+        return args.lr
+    return cosine_between((step - decay_start) / max(1, total - decay_start), args)
+
+
+def reproduce_command(argv: list[str], stopped_by: str, steps: int, schedule: dict | None = None) -> str:
+    """The command that reproduces this run step for step: a `--minutes` stop becomes `--stop-at-step`, and a
+    warmup-stable-decay run whose decay `--decay-at-minutes` started (`schedule`: its `decay_start` and
+    `total_steps`) gets them as `--decay-start-step` and `--steps`."""
+    drop = {"--minutes"} if stopped_by == "minutes" else set()
+    if schedule is not None and schedule.get("decay_at_minutes") is not None:
+        drop |= {"--decay-at-minutes", "--steps"}
     kept, skip = [], False
     for arg in argv:
         if skip:
             skip = False
             continue
-        if stopped_by == "minutes" and arg.startswith("--minutes"):
+        if arg.split("=", 1)[0] in drop:
             skip = "=" not in arg
             continue
         kept.append(arg)
+    if schedule is not None and schedule.get("decay_at_minutes") is not None:
+        kept += ["--steps", str(schedule["total_steps"]), "--decay-start-step", str(schedule["decay_start"])]
     if stopped_by == "minutes":
         kept += ["--stop-at-step", str(steps)]
     return "python " + shlex.join([Path(sys.argv[0]).as_posix(), *kept])
@@ -305,6 +364,7 @@ def main(argv=None) -> None:
         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )
     config.architectures = ["OuroForCausalLM"]
+    config._attn_implementation = args.attn_implementation
     model = OuroForCausalLM(config)
     init_for_sandwich_norms(model, args.embed_init_std, args.branch_gain_init)
     model.train()
@@ -327,9 +387,14 @@ def main(argv=None) -> None:
     step, tokens_seen, t_train = 0, 0, time.time()
     bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, mininterval=5)
     stopped_by = "steps"
+    wsd = args.decay_fraction is not None
+    total_steps, decay_start = args.steps, args.decay_start_step
     while True:
         elapsed = time.time() - t_train
-        if args.steps is not None and step >= args.steps:
+        if wsd and decay_start is None and elapsed >= args.decay_at_minutes * 60:
+            decay_start, total_steps = step, round(step / (1 - args.decay_fraction))
+            bar.write(f"decay starts at step {step} ({elapsed / 60:.1f} min); the run ends at step {total_steps}")
+        if total_steps is not None and step >= total_steps:
             break
         if args.stop_at_step is not None and step >= args.stop_at_step:
             stopped_by = "stop_at_step"
@@ -337,8 +402,10 @@ def main(argv=None) -> None:
         if budget is not None and elapsed >= budget:
             stopped_by = "minutes"
             break
-        progress = step / args.steps if args.steps is not None else elapsed / budget
-        lr = lr_at(progress, args)
+        if wsd:
+            lr = wsd_lr_at(step, decay_start, total_steps, args)
+        else:
+            lr = lr_at(step / args.steps if args.steps is not None else elapsed / budget, args)
         for group in opt.param_groups:
             group["lr"] = lr
         starts = torch.randint(0, len(train_ids) - args.seq_len - 1, (args.batch_size,), generator=gen)
@@ -364,9 +431,16 @@ def main(argv=None) -> None:
             bar.write(f"step {step}: train {[round(x.item(), 3) for x in losses]} val {quick['loss']}")
     bar.close()
     train_wall = time.time() - t_train
+    schedule = None
+    if wsd:  # a run stopped before its decay began is reproduced with the decay starting at its last step
+        schedule = {"kind": "warmup-stable-decay", "warmup_steps": args.warmup_steps,
+                    "decay_fraction": args.decay_fraction, "decay_at_minutes": args.decay_at_minutes,
+                    "decay_start": step if decay_start is None else decay_start,
+                    "total_steps": step if total_steps is None else total_steps}
 
     # final evaluation in fp32 (the stored precision)
     model.eval()
+    model.set_attn_implementation("sdpa")  # the default of a loaded model
     final = evaluate(model, val_ids, args.seq_len, args.eval_tokens)
     print(f"validation per loop: {final}", flush=True)
 
@@ -396,7 +470,9 @@ def main(argv=None) -> None:
         "command": "python " + shlex.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
         "args": vars(args),
         "stopped_by": stopped_by,
-        "reproduce_command": reproduce_command(argv if argv is not None else sys.argv[1:], stopped_by, step),
+        "reproduce_command": reproduce_command(argv if argv is not None else sys.argv[1:], stopped_by, step,
+                                               schedule),
+        "schedule": schedule or {"kind": "cosine", "warmup": args.warmup},
         "steps": step,
         "tokens_seen": tokens_seen,
         "wall_time_s": {"data_and_tokenizer": round(t_data, 1), "training": round(train_wall, 1),

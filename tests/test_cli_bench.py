@@ -309,6 +309,24 @@ def test_generate_streams_the_same_text_in_every_mode(checkpoint, capsys):
     assert texts["plain"].strip() and texts["plain"] == texts["block"] == texts["pipeline"]
 
 
+def test_generate_repetition_penalty_is_applied_and_lossless(checkpoint, capsys):
+    """`--repetition-penalty` reaches generate: plain CLI text is transformers' own plain decoding with the
+    penalty (the oracle), and the speculative modes print the same text."""
+    model = loading.load_model(str(checkpoint), torch.float32, torch.device("cpu"), need_tokenizer=True)[0]
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint)
+    prompt = "w5 w9 w5 w9"
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    with torch.no_grad():
+        oracle = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, repetition_penalty=3.0,
+                                speculative_mode=None)
+    expected = tokenizer.decode(oracle[0, ids.shape[1]:], skip_special_tokens=True)
+    for mode in ("plain", "block", "pipeline"):
+        argv = ["generate", prompt, "--model", str(checkpoint), "--mode", mode, "--max-new-tokens", "8",
+                "--device", "cpu", "--repetition-penalty", "3.0"]
+        assert cli.main(argv) == 0
+        assert capsys.readouterr().out.strip() == expected.strip()
+
+
 # --- bad input ------------------------------------------------------------------------------------------------------
 
 
@@ -316,6 +334,7 @@ def test_generate_streams_the_same_text_in_every_mode(checkpoint, capsys):
     (["generate", "x", "--mode", "fast"], "invalid choice"),
     (["generate"], "required"),
     (["generate", "x", "--draft-loops", "0"], "must be >= 1"),
+    (["generate", "x", "--repetition-penalty", "0"], "must be > 0"),
     (["bench", "--modes", "plain,turbo"], "unknown mode"),
     (["bench", "--synthetic-acceptance", "1.5"], "outside [0, 1]"),
     (["bench", "--do-sample", "--synthetic-acceptance", "0.9"], "--synthetic-acceptance cannot be combined with "

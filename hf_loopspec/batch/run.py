@@ -29,7 +29,7 @@ from .prompts import PromptRow, id_key, plan_batches, read_prompts
 BARRIER_TIMEOUT = timedelta(hours=24)
 WORLD_SIZE_KEYS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 SETTING_KEYS = ("field", "model", "mode", "draft_loops", "num_speculative_tokens", "max_new_tokens", "batch_size",
-                "chat", "do_sample", "temperature", "top_k", "top_p", "seed", "dtype")
+                "chat", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "dtype")
 
 
 def run_settings(args: argparse.Namespace) -> dict:
