@@ -36,9 +36,10 @@ step S reached then fixes the run's length, S / (1 - F) steps, and the cosine de
 records both, and `--steps S/(1-F) --decay-start-step S` in place of `--decay-at-minutes` repeats the run step
 for step (the report's `reproduce_command` writes it out).
 
-The shipped model was trained by the command in its `training_report.json` (`command`, `reproduce_command`):
+Example: a run fitted to about 80 minutes on one thread (the shipped model's command is in its
+`training_report.json`, `command` and `reproduce_command`):
 
-    python scripts/train_default_model.py --out /work/train19/default_model --hidden-size 320 \
+    python scripts/train_default_model.py --out hf_loopspec/assets/default_model --hidden-size 320 \
         --intermediate-size 960 --num-heads 10 --num-kv-heads 5 --decay-fraction 0.25 --warmup-steps 100 \
         --decay-at-minutes 60 --minutes 84 --threads 1 --attn-implementation eager
 """
