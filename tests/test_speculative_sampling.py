@@ -1,6 +1,9 @@
 """Lossless speculative sampling: the acceptance rule by exhaustive enumeration, and the joint distribution of
 sampled tokens under pipeline and block modes against the exact distribution of plain sampling.
 
+Each distribution test runs under both engines (`speculative_engine`): the lane decoder (`acceptance.judge`) and
+the wavefront engine (the same rule as tensor ops, `generation.wavefront.processing.choose`).
+
 Statistics: Pearson's chi-square goodness of fit against the exact probabilities, computed here with an
 independent full forward of the model and transformers' own processors. The p-value comes from the
 regularised upper incomplete gamma function; a test fails when p < 1e-3 (its false-alarm rate). Cells with an
@@ -152,14 +155,16 @@ def sample_pairs(model, settings, seed, **generate_kwargs) -> torch.Tensor:
 
 
 SETTINGS = [mode_kwargs(*m) for m in MODES]  # generate's keyword arguments of each speculative mode
+ENGINES = ["lanes", "wavefront"]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize(("mode", "settings"), [(SETTINGS[0], "none"), (SETTINGS[1], "warped"), (SETTINGS[2], "warped"),
                                                 (SETTINGS[3], "none")],
                          ids=["pipeline-d1-none", "pipeline-d2-warped", "block-d1-warped", "block-d2-none"])
-def test_joint_distribution_of_two_tokens_equals_plain_sampling(sampling_model, mode, settings):
+def test_joint_distribution_of_two_tokens_equals_plain_sampling(sampling_model, mode, settings, engine):
     joint = exact_joint(sampling_model, PROCESSOR_SETTINGS[settings])
-    counts = sample_pairs(sampling_model, PROCESSOR_SETTINGS[settings], seed=1, **mode)
+    counts = sample_pairs(sampling_model, PROCESSOR_SETTINGS[settings], seed=1, speculative_engine=engine, **mode)
     assert chi_square_p_value(counts, joint) > ALPHA
 
 
@@ -181,24 +186,30 @@ def test_statistical_test_has_power_against_the_approximate_rule(sampling_model,
     assert chi_square_p_value(counts, exact_joint(sampling_model, {})) < ALPHA
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("mode", SETTINGS[:1] + SETTINGS[2:3], ids=["pipeline", "block"])
-def test_same_seed_same_output_and_top_k_1_is_greedy(sampling_model, mode):
+def test_same_seed_same_output_and_top_k_1_is_greedy(sampling_model, mode, engine):
     ids = torch.tensor([PROMPT, [2, 2, 7]])
     runs = []
     for _ in range(2):
         torch.manual_seed(123)
-        runs.append(sampling_model.generate(ids, max_new_tokens=12, do_sample=True, **mode))
+        runs.append(sampling_model.generate(ids, max_new_tokens=12, do_sample=True, speculative_engine=engine, **mode))
     assert torch.equal(*runs)
+    torch.manual_seed(124)
+    assert not torch.equal(runs[0], sampling_model.generate(ids, max_new_tokens=12, do_sample=True,
+                                                            speculative_engine=engine, **mode))
     greedy = sampling_model.generate(ids, max_new_tokens=12, do_sample=False)
-    top1 = sampling_model.generate(ids, max_new_tokens=12, do_sample=True, top_k=1, **mode,
-                                   cache=PagedLoopCache(sampling_model.kv_layout, debug=True))
+    top1 = sampling_model.generate(ids, max_new_tokens=12, do_sample=True, top_k=1, speculative_engine=engine, **mode,
+                                   cache=PagedLoopCache(sampling_model.kv_layout, debug=engine == "lanes"))
     assert torch.equal(top1, greedy)
 
 
-def test_greedy_path_does_not_consume_random_numbers(sampling_model):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_greedy_path_does_not_consume_random_numbers(sampling_model, engine):
     ids = torch.tensor([PROMPT])
     torch.manual_seed(5)
-    sampling_model.generate(ids, max_new_tokens=8, do_sample=False, speculative_mode="pipeline")
+    sampling_model.generate(ids, max_new_tokens=8, do_sample=False, speculative_mode="pipeline",
+                            speculative_engine=engine)
     after = torch.rand(1)
     torch.manual_seed(5)
     assert torch.equal(torch.rand(1), after)

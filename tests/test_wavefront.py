@@ -28,10 +28,12 @@ from speculative_utils import (
     tiny_spec_model,
 )
 from tolerances import ouro_depth
-from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers import EosTokenCriteria, GenerationConfig, MaxLengthCriteria, StoppingCriteriaList
 
 from hf_loopspec.generation.wavefront import WavefrontEngine
 from hf_loopspec.generation.wavefront import engine as engine_module
+from hf_loopspec.generation.wavefront.processing import device_processors, draw, score_ops
+from hf_loopspec.generation.wavefront.state import Plan
 
 VOCAB = 80
 NEW = 16
@@ -121,19 +123,27 @@ def test_forced_patterns(mode, d, k, pattern):
     assert (result.stats.accepted > 0) == (pattern != "all_rejected")
 
 
-@pytest.mark.parametrize("mode", ["ar", "pipeline", "block"])
+SAMPLED = {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "min_p": 0.05}
+
+
+@pytest.mark.parametrize("mode", ["ar", "pipeline", "sampled"])
 def test_step_compiles_whole(mode):
     """`torch.compile(step, fullgraph=True)` (a graph break raises) compiles the prefill step and the decode step;
     the compiled run equals the eager one. The speculative modes compile through `generate(compile_core=...)`, with
-    the processors the engine applies on the device."""
+    the processors the engine applies on the device; "sampled" is block mode with every sampling warper (greedy
+    choice compiles in the other two), seeded alike (the uniforms come from the run's generator, outside the step)."""
     model, ids, mask = _batch(3, (3, 5))
+    sampled = mode == "sampled"
+    mode = "block" if sampled else mode
     d, k = (2, 2) if mode == "block" else (1, 1)
-    settings = {"eos_token_id": [7, 11], "repetition_penalty": 1.3, "min_new_tokens": 3}
+    settings = {"eos_token_id": [7, 11], "repetition_penalty": 1.3, "min_new_tokens": 3} | (SAMPLED if sampled else {})
+    torch.manual_seed(0)
     if mode == "ar":
         _, eager, _ = _wavefront(model, ids, mask, 8, mode, d, k, eos=[7, 11])
     else:
         eager = _generate(model, ids, mask, 8, mode, d, k, speculative_engine="wavefront", **settings)
     torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
     if mode == "ar":
         _, compiled, _ = _wavefront(model, ids, mask, 8, mode, d, k, eos=[7, 11], backend="eager")
     else:
@@ -152,8 +162,9 @@ def test_step_compiles_whole(mode):
 
 
 def _generate(model, ids, mask, new, mode, d, k, **kwargs):
+    kwargs.setdefault("do_sample", False)
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD,
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=PAD,
                               return_dict_in_generate=True, speculative_mode=mode, draft_loops=d,
                               num_speculative_tokens=k, **kwargs)
 
@@ -223,7 +234,7 @@ def test_generate_streams_what_plain_streams():
 
 @pytest.mark.parametrize(("kwargs", "named"), [
     ({"speculative_engine": "fast"}, "speculative_engine='fast'"),
-    ({"speculative_engine": "wavefront", "do_sample": True}, "do_sample=True"),
+    ({"speculative_engine": "wavefront", "do_sample": True, "typical_p": 0.5}, "TypicalLogitsWarper"),
     ({"speculative_engine": "wavefront", "no_repeat_ngram_size": 2}, "NoRepeatNGramLogitsProcessor"),
     ({"speculative_engine": "wavefront", "draft_hook": lambda s, p, t: t}, "draft_hook"),
     ({"speculative_engine": "wavefront", "exit_at_step": 1}, "exit options"),
@@ -261,3 +272,48 @@ def test_errors_name_the_setting():
                         attention_mask=mask, pad_token_id=PAD, max_length=8)
     with pytest.raises(ValueError, match="read_every=0"):
         _wavefront(model, ids, mask, 4, "pipeline", 1, 1, read_every=0)
+
+
+WARPED = [
+    {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.1},
+    {"top_k": 1}, {"top_k": 40},  # k = 1; k above the vocabulary
+    {"top_p": 0.0}, {"top_p": 0.5, "min_p": 1.0},  # the fewest tokens each warper keeps
+    {"temperature": 0.05, "min_p": 0.0, "top_p": 0.999},
+]
+
+
+@pytest.mark.parametrize("settings", WARPED, ids=[",".join(f"{k}={v}" for k, v in w.items()) for w in WARPED])
+def test_sampling_warpers_are_transformers(settings):
+    """The engine's processing of `[B, L, V]` slot scores equals the processors `generate` builds for the same
+    sampling settings (transformers' own `_get_logits_processor`: its classes and order) applied to each slot's
+    `[1, V]` row, on logits with ties, -inf entries, a constant row and large values."""
+    model, ids, _ = _batch(10, (3,))
+    processors = model._get_logits_processor(GenerationConfig(do_sample=True, **settings), input_ids_seq_length=3,
+                                             device="cpu")
+    assert processors, settings
+    gen = torch.Generator().manual_seed(0)
+    scores = (torch.randn(3, 4, 16, generator=gen) * 4).round() / 2  # [B, L, V]: many ties
+    scores[0, 1] = 1.5  # every token tied
+    scores[1, 2, ::3] = float("-inf")
+    scores[2, 0, 5] = 1e4
+    items, tensors = device_processors(processors, ids, 16)
+    assert not tensors
+    plan = Plan("pipeline", 4, 1, 1, 4, 4, 4, 8, False, processors=items, do_sample=True)
+    got = scores
+    for op in score_ops(plan):
+        got = op(None, got)  # the warpers read no state
+    expected = torch.stack([torch.stack([processors(ids, row[None].clone())[0] for row in rows]) for rows in scores])
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_draw_follows_the_weights():
+    """Inverse-CDF draws at evenly spread uniforms give every index its share of the weight to within one draw,
+    never an index of zero weight (also for the largest uniform below 1)."""
+    weights = torch.tensor([[0.0, 3.0, 0.0, 1.0, 4.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # [2, 6]
+    n = 800
+    u = (torch.arange(n) + 0.5) / n  # [n]
+    for row in weights:
+        counts = torch.bincount(draw(row.expand(n, -1), u), minlength=6).double()
+        assert ((counts - n * row / row.sum()).abs() <= 1).all(), counts
+    top = torch.tensor([1 - 2**-24])
+    assert int(draw(torch.tensor([[0.3, 0.7, 0.0, 0.0]]), top)) == 1

@@ -7,7 +7,8 @@ the device state during the run; it stops when every sequence has finished. The 
 the first cycles (a number known in advance: U, plus K*d in block mode), after which they are dropped from the
 state. Tear-down truncates the cache to the device's KV lengths and builds the lane decoder's `DecodeResult`.
 
-The engine covers Ouro-like models (entry and head stages without KV), greedy decoding, EOS and length stops.
+The engine covers Ouro-like models (entry and head stages without KV), greedy decoding and sampling with the
+logits processors `processing` runs on the device, EOS and length stops.
 """
 
 from __future__ import annotations
@@ -68,14 +69,15 @@ class WavefrontEngine:
                  input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id: int | None,
                  max_length: int, eos_token_id=None, draft_override: torch.Tensor | None = None,
                  read_every: int = DEFAULT_READ_EVERY, compile_backend: str | None = None,
-                 repetition_penalty: float | None = None, penalty_ignore: torch.Tensor | None = None,
-                 eos_hold: torch.Tensor | None = None, streamer=None):
+                 processors: tuple = (), penalty_ignore: torch.Tensor | None = None,
+                 eos_hold: torch.Tensor | None = None, do_sample: bool = False, streamer=None):
         if cache.num_sequences:
             raise ValueError("the wavefront engine needs an empty PagedLoopCache (this one already holds "
                              f"{cache.num_sequences} sequences); pass a fresh cache or none.")
         if not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every={read_every!r} must be an integer >= 1 (cycles between read-backs).")
         self.model, self.cache, self.read_every = model, cache, read_every
+        self.vocab = model.get_output_embeddings().weight.shape[0]  # V: the width of the head's logits
         self.streamer, self.streamed = streamer, 0  # columns fed to the streamer so far
         self.input_ids = input_ids
         self.pad = 0 if pad_token_id is None else pad_token_id
@@ -85,8 +87,7 @@ class WavefrontEngine:
         draft_loops = draft_loops if mode != "ar" else 0
         self.plan = Plan(mode, model.num_loops, draft_loops, num_speculative_tokens,
                          lanes_for(mode, model.num_loops, draft_loops, num_speculative_tokens),
-                         cache.num_planes, cache.page_size, width + max_new, bool(eos), repetition_penalty,
-                         eos_hold is not None)
+                         cache.num_planes, cache.page_size, width + max_new, bool(eos), processors, do_sample)
         self.prefill_cycles = model.num_loops + (num_speculative_tokens * draft_loops if mode == "block" else 0)
         self.stats = SpeculationStats(mode=mode, draft_loops=draft_loops, engine="wavefront")
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
@@ -95,6 +96,12 @@ class WavefrontEngine:
             self.state.seen = self._seen(input_ids, penalty_ignore)
             if eos_hold is not None:
                 self.state.eos_hold = eos_hold.to(device=input_ids.device, dtype=torch.long)
+        # sampling: the uniforms of every step come from this device generator, seeded from torch's global one (so
+        # torch.manual_seed repeats a run); greedy runs draw nothing
+        self.generator = None
+        if do_sample:
+            seed = int(torch.randint(2**62, ()))
+            self.generator = torch.Generator(input_ids.device).manual_seed(seed)
         self.step = make_step(model, self.plan) if compile_backend is None else \
             compiled_step(model, self.plan, compile_backend)
         self.cycles = 0
@@ -123,6 +130,8 @@ class WavefrontEngine:
             token=torch.zeros(batch, lanes, **long), position=torch.zeros(batch, lanes, **long),
             depth=torch.zeros(batch, lanes, **long), alive=torch.zeros(batch, lanes, dtype=torch.bool, device=device),
             draft=torch.zeros(batch, lanes, dtype=torch.bool, device=device),
+            draft_q=torch.zeros(batch, lanes, self.vocab if plan.do_sample else 0, device=device),
+            noise=torch.zeros(batch, lanes, 2 if plan.do_sample else 0, device=device),
             hidden=torch.zeros(batch, lanes, hidden_size, dtype=like.dtype, device=device),
             prompt_hidden=torch.zeros(batch, prompts, hidden_size, dtype=like.dtype, device=device),
             prompt_real=torch.arange(prompts, device=device) < (prompt_len - 1)[:, None],
@@ -157,8 +166,7 @@ class WavefrontEngine:
         `ignore[b]` on (all columns when None); `[B, 0]` without a repetition penalty."""
         if self.plan.repetition_penalty is None:
             return self.state.seen
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        seen = torch.zeros(len(input_ids), vocab, dtype=torch.long, device=input_ids.device)
+        seen = torch.zeros(len(input_ids), self.vocab, dtype=torch.long, device=input_ids.device)
         counted = torch.ones_like(input_ids) if ignore is None else \
             (torch.arange(input_ids.shape[1], device=input_ids.device) >= ignore.to(input_ids.device)[:, None]).long()
         return seen.scatter_reduce(1, input_ids, counted, "amax").bool()
@@ -171,6 +179,9 @@ class WavefrontEngine:
                     if self.cycles == self.prefill_cycles:  # every prompt row has passed all loops
                         self.state = replace(self.state, prompt_hidden=self.state.prompt_hidden[:, :0].clone(),
                                              prompt_real=self.state.prompt_real[:, :0].clone())
+                    if self.generator is not None:
+                        self.state.noise = torch.rand(self.state.noise.shape, generator=self.generator,
+                                                      device=self.state.noise.device)
                     self.state = self.step(self.state)
                     self.cycles += 1
                     self._count_rows()

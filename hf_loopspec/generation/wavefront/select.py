@@ -13,19 +13,13 @@ backend). Everything else of a call is named by `unsupported`:
 
 from __future__ import annotations
 
-import torch
-from transformers import (
-    EosTokenCriteria,
-    MaxLengthCriteria,
-    MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-)
+from transformers import EosTokenCriteria, MaxLengthCriteria
 
 from ...cache.paged import PagedLoopCache
 from ..config import SpeculativeConfig
 from ..decoder import DecodeResult
 from .engine import WavefrontEngine
+from .processing import device_processors, on_device
 
 
 def unsupported(model, options: dict) -> list[str]:
@@ -34,11 +28,9 @@ def unsupported(model, options: dict) -> list[str]:
     layout = model.kv_layout
     if layout.entry_plane is not None or layout.first_exit_plane is not None:
         problems.append(f"{type(model).__name__} (its entry or exit stage has KV, e.g. Huginn)")
-    if options.get("do_sample"):
-        problems.append("do_sample=True")
     width = options["input_ids"].shape[1]
     problems += [f"logits processor {type(p).__name__}" for p in options.get("logits_processor") or ()
-                 if not _on_device(p, width)]
+                 if not on_device(p, width)]
     problems += [f"stopping criterion {type(c).__name__}" for c in options.get("stopping_criteria") or ()
                  if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
     for name, label in (("draft_hook", "draft_hook"), ("trace", "speculative_trace"),
@@ -47,33 +39,6 @@ def unsupported(model, options: dict) -> list[str]:
         if options.get(name):
             problems.append(label)
     return problems
-
-
-def _on_device(processor, width: int) -> bool:
-    """Whether the engine applies `processor` itself (`step._process`) for a prompt of `width` columns."""
-    if isinstance(processor, RepetitionPenaltyLogitsProcessor):
-        ignore = processor.prompt_ignore_length  # None, an int or a [B] tensor of prompt columns not counted
-        return ignore is None or bool((torch.as_tensor(ignore) <= width).all())
-    return isinstance(processor, (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor))
-
-
-def _processor_settings(options: dict, vocab: int) -> dict:
-    """The engine's arguments for the processors it applies itself (`WavefrontEngine`)."""
-    settings, width = {}, options["input_ids"].shape[1]
-    hold = torch.zeros(vocab, dtype=torch.long)  # id v is held back while fewer than hold[v] tokens are generated
-    for p in options.get("logits_processor") or ():
-        if isinstance(p, RepetitionPenaltyLogitsProcessor):
-            settings["repetition_penalty"] = float(p.penalty)
-            if p.prompt_ignore_length is not None:
-                settings["penalty_ignore"] = torch.as_tensor(p.prompt_ignore_length).expand(len(options["input_ids"]))
-        elif isinstance(p, (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor)):
-            # MinLength: held while width + i < min_length; MinNewTokens: while width + i - skip < min_new_tokens
-            until = p.min_length - width if isinstance(p, MinLengthLogitsProcessor) \
-                else p.min_new_tokens + p.prompt_length_to_skip - width
-            ids = torch.as_tensor(p.eos_token_id).reshape(-1).cpu()
-            hold[ids] = torch.maximum(hold[ids], torch.tensor(until))
-            settings["eos_hold"] = hold
-    return settings
 
 
 def choose_engine(model, spec: SpeculativeConfig, options: dict) -> str:
@@ -91,6 +56,8 @@ def run_engine(model, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCac
     """One speculative run of `generate` on the engine `choose_engine` picks (`options`: the lane decoder's)."""
     if choose_engine(model, spec, {**options, "input_ids": input_ids}) == "lanes":
         return model._run_lanes(input_ids, spec, cache=cache, **options)
+    processors, tensors = device_processors(options.get("logits_processor"), input_ids,
+                                            model.get_output_embeddings().weight.shape[0])
     eos = [int(t) for c in options.get("stopping_criteria") or () if isinstance(c, EosTokenCriteria)
            for t in c.eos_token_id.reshape(-1).tolist()]
     engine = WavefrontEngine(
@@ -99,6 +66,6 @@ def run_engine(model, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCac
         attention_mask=options.get("attention_mask"), pad_token_id=options.get("pad_token_id"),
         max_length=options["max_length"], eos_token_id=eos or None, compile_backend=spec.compile_backend,
         streamer=options.get("streamer"),
-        **_processor_settings({**options, "input_ids": input_ids}, model.get_output_embeddings().weight.shape[0]),
+        processors=processors, do_sample=bool(options.get("do_sample")), **tensors,
     )
     return engine.run()

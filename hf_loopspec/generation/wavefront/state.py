@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 COUNTERS = ("committed", "drafted", "verified", "accepted", "rejected", "discarded")
+PENALTY, HOLD = "repetition_penalty", "eos_hold"  # `Plan.processors` items (PENALTY, penalty) and (HOLD,)
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,17 @@ class Plan:
     page_size: int
     positions: int  # C: positions reserved per sequence
     has_eos: bool
-    repetition_penalty: float | None = None  # greedy logits processing (transformers' processors, as device ops)
-    holds_eos: bool = False  # `min_length` / `min_new_tokens`: some ids are held back early (`eos_hold`)
+    processors: tuple = ()  # the call's logits processors, in order, as `processing.device_processors` gives them
+    do_sample: bool = False  # sampling (lossless speculative sampling) instead of greedy decoding
+
+    @property
+    def repetition_penalty(self) -> float | None:
+        return next((item[1] for item in self.processors if item[0] == PENALTY), None)
+
+    @property
+    def holds_eos(self) -> bool:
+        """Whether `min_length` / `min_new_tokens` hold some ids back early (`WavefrontState.eos_hold`)."""
+        return (HOLD,) in self.processors
 
 
 @dataclass(eq=False)
@@ -48,6 +58,8 @@ class WavefrontState:
     depth: torch.Tensor  # [B, L] int64  loops completed
     alive: torch.Tensor  # [B, L] bool
     draft: torch.Tensor  # [B, L] bool   proposed at depth d, not verified yet
+    draft_q: torch.Tensor  # [B, L, V] float32 sampling: the distribution a draft was drawn from; [B, L, 0] greedy
+    noise: torch.Tensor  # [B, L, 2] float32 sampling: this cycle's uniforms (drawn before the step); [B, L, 0] greedy
     hidden: torch.Tensor  # [B, L, H]
     # prompt rows
     prompt_hidden: torch.Tensor  # [B, P, H]

@@ -8,11 +8,13 @@ synchronisation (no `.item()`, `.tolist()`, host-built tensors or Python branche
    rows) below depth d runs only those.
 2. One core call over all B*L lane slots and B*P prompt rows. Rows that do not run are masked: they write their KV
    into a reserved trash slot, read nothing that reaches an output, and keep their hidden state.
-3. The head on every lane slot; argmax gives the target (at depth U) and the draft proposal (at depth d).
+3. The head on every lane slot, the call's logits processors, and each slot's choice (`processing.choose`):
+   its token (the target at depth U, the draft proposal at depth d) and whether the lane after it is accepted
+   (greedy: its token equals the argmax; sampling: the lossless rule).
 4. Verification, per sequence, in position order over the lanes that reached depth U: a target is committed;
-   the next lane is accepted when its token equals the target, else it and its descendants die and every KV
-   plane is rolled back (a `kv_len` update, I4). Processing stops at a rejection, at EOS, at `max_new_tokens`,
-   or at the last target; a target with no accepted lane after it spawns a new lane at depth 0 (a restart).
+   when the next lane is accepted it goes on, else it and its descendants die and every KV plane is rolled back
+   (a `kv_len` update, I4). Processing stops at a rejection, at EOS, at `max_new_tokens`, or at the last target;
+   a target with no accepted lane after it spawns a new lane at depth 0 (a restart).
 5. Drafting: the frontier lane that has just reached depth d proposes the next token (or
    `state.draft_override`) as a new lane at depth 0, while that position can still matter.
 6. Lanes at depth U retire; spawned lanes are embedded into their slot (position % L).
@@ -29,6 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .processing import choose, score_ops
 from .state import Plan, WavefrontState
 
 _COMMITTED, _DRAFTED, _VERIFIED, _ACCEPTED, _REJECTED, _DISCARDED = range(6)
@@ -75,13 +78,17 @@ class SlotAttention:
 def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
     """The cycle of `plan` for `model` (a looped model whose entry and head stages have no KV, e.g. Ouro)."""
     embed_tokens = model.get_input_embeddings()
+    ops = score_ops(plan)
 
     def step(state: WavefrontState) -> WavefrontState:
         ran, prompt_ran = _run_core(model, plan, state)
-        top = _process(plan, state, model.head(state.hidden)).argmax(-1)  # [B, L] (unused slots: ignored)
+        scores = model.head(state.hidden)  # [B, L, V]
+        for op in ops:
+            scores = op(state, scores)
+        token, accept, probs = choose(plan, state, scores)  # [B, L], [B, L], [B, L, V] or None (unused: ignored)
         drafter = _drafters(plan, state, ran)  # [B, L], chosen before verification
-        spawn_tok, spawn_pos, restart = _verify(plan, state, ran, top)
-        _draft(plan, state, drafter, top, spawn_tok, spawn_pos, restart, embed_tokens)
+        spawn_tok, spawn_pos, restart = _verify(plan, state, ran, token, accept)
+        _draft(plan, state, drafter, token, probs, spawn_tok, spawn_pos, restart, embed_tokens)
         return state
 
     return step
@@ -122,23 +129,6 @@ def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch
     return ran, prompt_ran
 
 
-def _process(plan: Plan, s: WavefrontState, logits: torch.Tensor) -> torch.Tensor:
-    """transformers' greedy processors on `logits` `[B, L, V]`, each slot with its own path as the prefix: the
-    slot at position p chooses the token at p + 1 after tokens 0..p (the padded prompt row, the committed tokens,
-    and the lanes up to p, which lie on the same path)."""
-    if plan.repetition_penalty is not None:
-        lanes = s.token.shape[1]
-        on_path = s.alive[:, None, :] & (s.position[:, None, :] <= s.position[:, :, None])  # [B, L, L]
-        seen = s.seen[:, None].expand(-1, lanes, -1).long().scatter_reduce(
-            2, s.token[:, None, :].expand(-1, lanes, -1), on_path.long(), "amax").bool()  # [B, L, V]
-        penalty = plan.repetition_penalty
-        logits = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
-    if plan.holds_eos:
-        generated = s.position + 1 - s.prompt_len[:, None]  # [B, L] index of the token each slot chooses
-        logits = logits.masked_fill(generated[..., None] < s.eos_hold, float("-inf"))
-    return logits
-
-
 def _drafters(plan: Plan, s: WavefrontState, ran: torch.Tensor) -> torch.Tensor:
     """The lane of each sequence that proposes a draft this cycle, if any: `[B, L]` bool."""
     if plan.mode == "ar":
@@ -156,17 +146,19 @@ def _shift_left(x: torch.Tensor, fill) -> torch.Tensor:
     return torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], 1)
 
 
-def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor):
-    """Step 4. Returns each sequence's restart lane: token `[B]`, position `[B]`, and whether there is one `[B]`."""
+def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor, accept: torch.Tensor):
+    """Step 4, with each slot's chosen token `top` `[B, L]` and whether the lane after it is accepted `accept`
+    `[B, L]` (`processing.choose`). Returns each sequence's restart lane: token `[B]`, position `[B]`, and whether
+    there is one `[B]`."""
     lanes = s.token.shape[1]
     rank = torch.arange(lanes, device=s.token.device)  # [L]
     oldest = torch.where(s.alive, s.position, s.position.new_tensor(2**62)).amin(1)  # [B]
     order = (oldest[:, None] + rank) % lanes  # [B, L]: slot of the lane at rank r (position oldest + r)
     by_rank = lambda x: x.gather(1, order)  # noqa: E731
-    alive, token, top_r = by_rank(s.alive & ~s.finished[:, None]), by_rank(s.token), by_rank(top)
+    alive, top_r = by_rank(s.alive & ~s.finished[:, None]), by_rank(top)
     target = by_rank(ran & (s.depth == plan.num_loops))  # [B, L] a prefix of the ranks
     has_next = _shift_left(alive, False)
-    match = _shift_left(token, -1) == top_r
+    match = by_rank(accept)
     stop = (s.n_out[:, None] + rank + 1) >= s.max_new  # [B, L] committing rank r reaches max_new_tokens
     if plan.has_eos:
         stop = stop | torch.isin(top_r, s.eos)
@@ -207,8 +199,10 @@ def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor)
     return last_top, last_pos + 1, restart
 
 
-def _draft(plan: Plan, s: WavefrontState, drafter, top, restart_tok, restart_pos, restart, embed_tokens) -> None:
-    """Steps 5 and 6: propose drafts, and embed each sequence's spawned lane (a draft or a restart) into its slot."""
+def _draft(plan: Plan, s: WavefrontState, drafter, top, probs, restart_tok, restart_pos, restart,
+           embed_tokens) -> None:
+    """Steps 5 and 6: propose drafts (`top` `[B, L]`, drawn from `probs` `[B, L, V]` when sampling), and embed each
+    sequence's spawned lane (a draft or a restart) into its slot."""
     drafter = drafter & s.alive & ~s.finished[:, None]  # still the frontier after verification
     has_draft = drafter.any(1)  # [B]
     draft_pos = torch.where(drafter, s.position, 0).amax(1) + 1  # [B]
@@ -229,4 +223,8 @@ def _draft(plan: Plan, s: WavefrontState, drafter, top, restart_tok, restart_pos
     s.depth = torch.where(slot, 0, s.depth)
     s.alive = s.alive | slot
     s.draft = torch.where(slot, has_draft[:, None], s.draft)
+    if plan.do_sample:  # the draft's q: the drafter's probabilities, or a point mass on a forced token (lossless)
+        q = torch.where(drafter[..., None], probs, 0.0).sum(1)  # [B, V] (at most one drafter per sequence)
+        q = torch.where((forced >= 0)[:, None], F.one_hot(draft_tok, q.shape[-1]).to(q.dtype), q)
+        s.draft_q = torch.where(slot[..., None], q[:, None], s.draft_q)
     s.hidden = torch.where(slot[..., None], embed_tokens(token)[:, None], s.hidden)

@@ -1,0 +1,131 @@
+"""Logits processing and token choice of the wavefront step, as device tensor ops over every lane slot at once.
+
+Processing. The engine runs a call's logits processors in the call's own order (`Plan.processors`, built by
+`device_processors` from the `LogitsProcessorList` transformers made): the repetition penalty and the
+`min_length` / `min_new_tokens` EOS hold as its own ops, each slot with its own path as the prefix (the prompt
+row, the committed tokens and the lanes up to the slot, which lie on one path); the sampling warpers
+(temperature, top-k, top-p, min-p) as transformers' own warper objects, which are tensor functions of the scores
+alone, applied to the `[B * L, V]` slot scores.
+
+Choice (`choose`), per slot, from its processed scores:
+
+* greedy: the slot's token is the argmax; the lane after it is accepted when its token equals that argmax;
+* sampling: `acceptance`'s lossless rule, on every slot at once: the lane x after the slot, drafted from q, is
+  accepted with probability min(1, p(x) / q(x)); the slot's token is then x, else a draw from
+  normalise(max(p - q, 0)) (a slot with no draft after it draws from p). Random numbers come from `state.noise`
+  `[B, L, 2]` (uniforms drawn before each step from the run's device generator: column 0 judges, column 1 draws).
+  A draw from weights w is the inverse of w's cumulative sum at u * sum(w), so a zero weight is never drawn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import (
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from .state import HOLD, PENALTY, Plan, WavefrontState
+
+WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+ScoreOp = Callable[[WavefrontState, torch.Tensor], torch.Tensor]  # (state, scores [B, L, V]) -> scores [B, L, V]
+
+
+def on_device(processor, width: int) -> bool:
+    """Whether the engine applies `processor` itself, for a prompt of `width` columns (exact classes: a subclass
+    may change what they do)."""
+    if type(processor) is RepetitionPenaltyLogitsProcessor:
+        ignore = processor.prompt_ignore_length  # None, an int or a [B] tensor of prompt columns not counted
+        return ignore is None or bool((torch.as_tensor(ignore) <= width).all())
+    return type(processor) in (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, *WARPERS)
+
+
+def device_processors(processors, input_ids: torch.Tensor, vocab: int) -> tuple[tuple, dict]:
+    """`Plan.processors` for `processors` (every one `on_device`), and the engine's tensors they need:
+    `penalty_ignore` `[B]` (prompt columns the penalty skips) and `eos_hold` `[V]` (id v is held back while fewer
+    than `eos_hold[v]` tokens are generated)."""
+    items, tensors, width = [], {}, input_ids.shape[1]
+    hold = torch.zeros(vocab, dtype=torch.long)
+    for p in processors or ():
+        if isinstance(p, RepetitionPenaltyLogitsProcessor):
+            items.append((PENALTY, float(p.penalty)))
+            if p.prompt_ignore_length is not None:
+                tensors["penalty_ignore"] = torch.as_tensor(p.prompt_ignore_length).expand(len(input_ids))
+        elif isinstance(p, (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor)):
+            # MinLength: held while width + i < min_length; MinNewTokens: while width + i - skip < min_new_tokens
+            until = p.min_length - width if isinstance(p, MinLengthLogitsProcessor) \
+                else p.min_new_tokens + p.prompt_length_to_skip - width
+            ids = torch.as_tensor(p.eos_token_id).reshape(-1).cpu()
+            hold[ids] = torch.maximum(hold[ids], torch.tensor(until))
+            tensors["eos_hold"] = hold
+            if (HOLD,) not in items:
+                items.append((HOLD,))
+        else:  # a warper, item (class, settings): rebuilt inside the step (settings, not objects, keep plans hashable)
+            items.append((type(p), tuple(sorted(vars(p).items()))))
+    return tuple(items), tensors
+
+
+def score_ops(plan: Plan) -> list[ScoreOp]:
+    """The step's processing of `plan`, in order (see the module docstring)."""
+    ops = []
+    for item in plan.processors:
+        if item[0] == PENALTY:
+            ops.append(lambda s, scores, penalty=item[1]: _penalise(s, scores, penalty))
+        elif item[0] == HOLD:
+            ops.append(_hold)
+        else:
+            warper = item[0](**dict(item[1]))
+            ops.append(lambda s, scores, w=warper: w(None, scores.flatten(0, 1)).view_as(scores))
+    return ops
+
+
+def _penalise(s: WavefrontState, scores: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' repetition penalty with each slot's own path as the prefix."""
+    lanes = s.token.shape[1]
+    on_path = s.alive[:, None, :] & (s.position[:, None, :] <= s.position[:, :, None])  # [B, L, L]
+    seen = s.seen[:, None].expand(-1, lanes, -1).long().scatter_reduce(
+        2, s.token[:, None, :].expand(-1, lanes, -1), on_path.long(), "amax").bool()  # [B, L, V]
+    return torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+
+
+def _hold(s: WavefrontState, scores: torch.Tensor) -> torch.Tensor:
+    """`min_length` / `min_new_tokens`: the held ids are -inf for the tokens generated too early."""
+    generated = s.position + 1 - s.prompt_len[:, None]  # [B, L] index of the token each slot chooses
+    return scores.masked_fill(generated[..., None] < s.eos_hold, float("-inf"))
+
+
+def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One index per row of `weights` `[..., V]` (non-negative, not all zero) with probability proportional to
+    the weight, from uniforms `u` `[...]` in [0, 1): the first index whose cumulative weight exceeds u * total."""
+    cumulative = weights.cumsum(-1)  # [..., V] non-decreasing: its last entry is the largest
+    total = cumulative[..., -1:]
+    point = torch.minimum(u[..., None] * total, torch.nextafter(total, torch.zeros_like(total)))  # below the total
+    return (cumulative <= point).sum(-1).clamp(max=weights.shape[-1] - 1)
+
+
+def choose(plan: Plan, s: WavefrontState, scores: torch.Tensor):
+    """Per slot: its token `[B, L]`, whether the lane at its position + 1 is accepted `[B, L]` (meaningful where
+    that lane is a live draft), and its probabilities `[B, L, V]` (None when greedy). See the module docstring."""
+    lanes = s.token.shape[1]
+    after = (s.position + 1) % lanes  # [B, L] the slot of the lane at position + 1, if it lives
+    x = s.token.gather(1, after)  # [B, L]
+    if not plan.do_sample:
+        top = scores.argmax(-1)
+        return top, x == top, None
+    p = torch.softmax(scores.float(), -1)  # [B, L, V]
+    q = s.draft_q.gather(1, after[..., None].expand_as(p))  # [B, L, V] the draft distribution of the next lane
+    judged = (s.alive & s.draft).gather(1, after) & (s.position.gather(1, after) == s.position + 1)  # [B, L]
+    p_x, q_x = p.gather(2, x[..., None])[..., 0], q.gather(2, x[..., None])[..., 0]
+    accept = s.noise[..., 0] * q_x < p_x  # u < p(x) / q(x), with q(x) > 0 for a drafted x
+    residual = (p - q).clamp(min=0)
+    residual_left = judged & (residual.sum(-1) > 0)  # p == q to rounding leaves no residual mass: draw from p
+    token = draw(torch.where(residual_left[..., None], residual, p), s.noise[..., 1])
+    return torch.where(judged & accept, x, token), accept, p
