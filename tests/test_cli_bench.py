@@ -128,8 +128,11 @@ def test_bench_engines_runs_each_lane_mode_under_both_engines(tmp_path):
         assert wavefront["ideal_speedup_vs_ar"] is not None  # its call rows feed the cost model
     assert rows["pipeline/wavefront"]["core_calls_per_token"] == pytest.approx((N - 1 + 4) / N)
     assert "pipeline/wavefront" in report.format_table(result)
-    with pytest.raises(ValueError, match="--engines wavefront"):
-        run_bench(bench_args.parse_args([*FAST, "--engines", "wavefront", "--do-sample"]))
+    sampled = run_bench(bench_args.parse_args([*FAST, "--modes", "pipeline", "--engines", "wavefront",
+                                               *SAMPLING]))  # the wavefront engine samples too
+    assert [(r["mode"], r["engine"], r["check"]["exact"]) for r in sampled["rows"]] == \
+        [("pipeline/wavefront", "wavefront", None)]
+    assert sampled["rows"][0]["drafted"] > 0
 
 
 def test_bench_runs_a_huginn_shape_with_calls_per_token_of_its_recurrence(tmp_path):

@@ -36,7 +36,7 @@ have KV of their own: the call-cost model below times them on their own planes.
 `generation/stages.py`); each row reports `compile_seconds`, its warm-up run minus its median timed run.
 
 `--engines lanes,wavefront` runs every lane mode (ar, block, pipeline) under each engine in the same process: the
-lane decoder's rows keep the mode's name, the wavefront engine's (`generation.wavefront`, greedy only) are named
+lane decoder's rows keep the mode's name, the wavefront engine's (`generation.wavefront`, greedy or sampled) are named
 `MODE/wavefront`; every JSON row carries `engine` (None for plain modes). The wavefront engine's call rows are the
 fixed shapes it runs (every lane slot and prompt row in each core call, masked or not); with `--compile` its whole
 step is compiled (fullgraph); with `--synthetic-acceptance` its draft override is filled from the same seeded hook

@@ -106,8 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "on CUDA)")
     parser.add_argument("--engines", type=parse_engines, default=["lanes"],
                         help=f"comma-separated subset of {','.join(ENGINES)}: the engines that run each lane mode "
-                             "(ar, block, pipeline); the wavefront engine's rows are named MODE/wavefront; it is "
-                             "greedy only (default: lanes)")
+                             "(ar, block, pipeline); the wavefront engine's rows are named MODE/wavefront "
+                             "(default: lanes)")
     parser.add_argument("--draft-loops", type=positive, default=DEFAULT_DRAFT_LOOPS,
                         help="d: draft from the output of loop d (default: %(default)s)")
     parser.add_argument("--num-speculative-tokens", type=positive, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
@@ -165,9 +165,6 @@ def check_sampling_args(args) -> None:
     """`ValueError` for sampling options that cannot mean what they say (see the module docstring)."""
     if args.do_sample and args.synthetic_acceptance is not None:
         raise ValueError(SYNTHETIC_WITH_SAMPLING)
-    if args.do_sample and "wavefront" in args.engines:
-        raise ValueError("--engines wavefront runs greedy decoding only (its sampling is not built yet); drop "
-                         "--do-sample or use --engines lanes.")
     if not args.do_sample:
         unused = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name, off in
                   (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0)) if getattr(args, name) != off]

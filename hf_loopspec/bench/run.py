@@ -13,6 +13,7 @@ from transformers.cache_utils import DynamicCache
 
 from ..cache.paged import PagedLoopCache
 from ..generation.wavefront import WavefrontEngine
+from ..generation.wavefront.processing import device_processors
 from .args import PLAIN_MODES
 
 
@@ -145,9 +146,7 @@ def _run_lanes(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_lo
 
 def _run_wavefront(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook,
                    processors, compile_core):
-    if processors:
-        names = [type(p).__name__ for p in processors]
-        raise ValueError(f"the bench's wavefront runs take no logits processors ({names}): greedy only.")
+    on_device, tensors = device_processors(processors, ids, model.get_output_embeddings().weight.shape[0])
     cache = PagedLoopCache(model.kv_layout)
     max_length = ids.shape[1] + new_tokens
     override = None
@@ -161,7 +160,8 @@ def _run_wavefront(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draf
     start = time.perf_counter()  # set-up (page reservation, prompt embedding) is timed, as in the lane decoder's run
     out = WavefrontEngine(model, cache, mode=mode, draft_loops=draft_loops, num_speculative_tokens=k, input_ids=ids,
                           attention_mask=None, pad_token_id=0, max_length=max_length, draft_override=override,
-                          compile_backend=compile_core or None).run()
+                          compile_backend=compile_core or None, processors=on_device,
+                          do_sample=model.generation_config.do_sample, **tensors).run()
     synchronize(ids.device)
     seconds = time.perf_counter() - start
     return {"mode": mode, "seconds": seconds, "stats": out.stats, "call_rows": out.stats.call_rows,
