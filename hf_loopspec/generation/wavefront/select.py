@@ -1,14 +1,14 @@
 """Which engine runs a speculative `generate` call (`speculative_engine`), and the wavefront engine's entry point.
 
-The wavefront engine covers: Ouro-like models (no KV in the entry or exit stage), greedy decoding with
-`repetition_penalty` and `min_new_tokens` (as device ops) and no other logits processor, EOS and length stops
-(`max_new_tokens` / `max_length`), padded batches, streamers, and `compile_core` (the step is compiled whole with that
-backend). Everything else of a call is named by `unsupported`:
+The wavefront engine covers: Ouro-like models (no KV in the entry or exit stage), greedy decoding and sampling
+with the logits processors it runs on the device (`processing.on_device`: `repetition_penalty`, `min_new_tokens`,
+`min_length`, temperature, top-k, top-p, min-p), EOS and length stops (`max_new_tokens` / `max_length`), padded
+batches, streamers, and `compile_core` (the step is compiled whole with that backend). Everything else of a call is
+named by `unsupported`:
 
 * `speculative_engine="lanes"` runs the lane decoder;
 * `"wavefront"` runs the wavefront engine, or raises `ValueError` naming every unsupported setting of the call;
-* `"auto"` (the default) runs the lane decoder for now: the wavefront engine does not yet cover the whole fast
-  path of issue 15 (sampling, top-k/p, min-p, Huginn).
+* `"auto"` (the default) runs the lane decoder for now.
 """
 
 from __future__ import annotations
