@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 from transformers.cache_utils import DynamicCache
 
 from hf_loopspec import OuroForCausalLM
-from hf_loopspec.generation import decoder
+from hf_loopspec.generation import columns, decoder
 
 VOCAB = 64
 
@@ -300,15 +300,15 @@ def test_id_buffer_grows_with_the_output(model, inputs, monkeypatch):
 
     def recording_run(self):
         result = run(self)
-        widths.append(self.ids.shape[1])
+        widths.append(self.columns.ids.shape[1])
         return result
 
     monkeypatch.setattr(decoder.LaneDecoder, "run", recording_run)
     eos = int(plain(model, ids, mask, 1).sequences[0, -1])  # row 0 stops after one token
     out = model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=50_000_000, do_sample=False,
                          pad_token_id=PAD, eos_token_id=eos, speculative_mode="pipeline")
-    assert out.shape[1] == ids.shape[1] + 1 and widths == [ids.shape[1] + decoder.IDS_CHUNK]
-    monkeypatch.setattr(decoder, "IDS_CHUNK", 1)
+    assert out.shape[1] == ids.shape[1] + 1 and widths == [ids.shape[1] + columns.IDS_CHUNK]
+    monkeypatch.setattr(columns, "IDS_CHUNK", 1)
     for mode in ("pipeline", "block"):
         got = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD,
                              eos_token_id=None, speculative_mode=mode)

@@ -28,21 +28,20 @@ Every lane has a lineage id linked to its parent; a `PagedLoopCache(debug=True)`
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from itertools import count
 
 import torch
 
 from ..cache.paged import PagedLoopCache
 from .acceptance import draft_distribution, judge, propose, target_token
+from .columns import OutputColumns, stack_step
 from .history import run_planes, start_rows
 from .lanes import Lane, SequenceState
 from .policies import ARPolicy
 from .processors import row_processors
+from .records import CycleTrace, DecodeResult, RowTrace
 from .stages import EagerStages
 from .stats import SpeculationStats
-
-IDS_CHUNK = 64  # id buffer columns reserved at first for generated tokens; the buffer doubles as they come
 
 DraftHook = Callable[[int, int, int], int]
 """`draft_hook(sequence, position, proposed_token) -> token`: test-only override of draft proposals."""
@@ -50,33 +49,6 @@ ExitRule = Callable[[list[torch.Tensor]], torch.Tensor]
 """`exit_rule(states) -> logits [N, V]`: the target logits of N lanes from their outputs `[N, H]` after every loop
 (`states[k]`: after loop k + 1), for a call whose exit options select another exit than the last loop's head
 (e.g. Ouro's `exit_at_step`); see `LoopSpecGenerationMixin.exit_rule`."""
-
-
-@dataclass(frozen=True)
-class RowTrace:
-    seq: int
-    position: int
-    depth: int  # loops completed before this call
-    token: int
-    is_draft: bool
-
-
-@dataclass
-class CycleTrace:
-    """One core call: the rows it ran and what happened after it (events: (kind, seq, position, token))."""
-
-    rows: list[RowTrace]
-    events: list[tuple[str, int, int, int]] = field(default_factory=list)
-    hidden: torch.Tensor | None = None  # [N, H] outputs, when hidden states are traced
-
-
-@dataclass
-class DecodeResult:
-    sequences: torch.Tensor  # [B, S + generated]
-    scores: tuple[torch.Tensor, ...] | None  # per step [B, V]
-    logits: tuple[torch.Tensor, ...] | None
-    stats: SpeculationStats
-    trace: list[CycleTrace] | None
 
 
 class LaneDecoder:
@@ -115,13 +87,7 @@ class LaneDecoder:
         has_processors = logits_processor is not None and len(logits_processor)
         self.processors = [row_processors(logits_processor, s) for s in range(len(input_ids))] \
             if has_processors else None
-        self.stopping = stopping_criteria
-        # Like transformers' loop: a stopped row is padded only when an EOS criterion exists; otherwise it keeps
-        # decoding until every row has stopped, and all rows end at the step where the last one stopped.
-        eos = [c.eos_token_id for c in stopping_criteria or () if hasattr(c, "eos_token_id")]
-        self.pad_stopped = bool(eos)
-        self.eos_ids = {int(t) for ids in eos for t in torch.as_tensor(ids).reshape(-1).tolist()}
-        self.streamer, self.draft_hook = streamer, draft_hook
+        self.draft_hook = draft_hook
         self.do_sample = do_sample
         self.output_scores, self.output_logits = output_scores, output_logits
         self.complete_cache = complete_cache
@@ -131,15 +97,8 @@ class LaneDecoder:
         self._ids = count()
         self.filling = False  # completing the cache after the run (`_complete_cache`)
 
-        batch, width = input_ids.shape
-        self.prompt_width = width
-        self.pad = pad_token_id if pad_token_id is not None else 0
-        self.max_new = max(max_length - width, 0)
-        # [B, width + generated so far]: grows with the output (`_reserve`), not sized for max_new up front
-        self.ids = input_ids.new_full((batch, width + min(self.max_new, IDS_CHUNK)), self.pad)
-        self.ids[:, :width] = input_ids
-        self.settled = 0  # columns streamed and checked by the stopping criteria (`_settle_columns`)
-        self.score_steps: list[torch.Tensor] = []  # per settled step [B, V], with output_scores
+        self.columns = OutputColumns(input_ids, pad_token_id, max_length, stopping_criteria, streamer, output_scores)
+        self.max_new = self.columns.max_new
         self.layout = model.kv_layout
         starts = start_rows(cache, self.layout, self.num_loops, policy.draft_loops,
                             input_ids, attention_mask)
@@ -176,8 +135,8 @@ class LaneDecoder:
     def run(self) -> DecodeResult:
         while any(not s.finished for s in self.seqs):
             self.cycle()
-            self._settle_columns()
-        self._settle_columns()
+            self.columns.settle(self.seqs, self._end_at)
+        self.columns.settle(self.seqs, self._end_at)
         if self.complete_cache:
             self._complete_cache()
         return self._result()
@@ -279,8 +238,7 @@ class LaneDecoder:
         seq = self.seqs[lane.seq]
         if seq.finished or lane not in seq.lanes:
             return  # killed earlier in this cycle (block mode: after a rejection of an earlier position)
-        width = self.prompt_width + len(seq.generated)
-        scores = self._process(seq.index, self.ids[seq.index, :width], raw)
+        scores = self._process(seq.index, self.columns.prefix(seq.index, len(seq.generated)), raw)
         index = seq.lanes.index(lane)
         nxt = seq.lanes[index + 1] if index + 1 < len(seq.lanes) else None
         if nxt is None:
@@ -305,9 +263,7 @@ class LaneDecoder:
             self.policy.restarted(seq)
 
     def _commit(self, seq: SequenceState, token: int, scores: torch.Tensor, raw: torch.Tensor) -> None:
-        width = self.prompt_width + len(seq.generated)
-        self._reserve(width + 1)
-        self.ids[seq.index, width] = token
+        self.columns.write(seq.index, len(seq.generated), token)
         seq.generated.append(token)
         seq.stats.committed += 1
         if self.output_scores:
@@ -316,38 +272,8 @@ class LaneDecoder:
             seq.raw_logits.append(raw)
         self._event("commit", seq.index, seq.prompt_len + len(seq.generated) - 1, token)
         # An EOS token stops its row at this column whatever the other criteria say: no need to decode on.
-        if len(seq.generated) >= seq.max_new or (self.pad_stopped and token in self.eos_ids):
+        if len(seq.generated) >= seq.max_new or self.columns.ends_row(token):
             self._finish(seq)
-
-    def _settle_columns(self) -> None:
-        """Stream and check the stopping criteria column by column, as plain decoding does: column c (the c-th
-        generated token of every row) once every unfinished row has committed it, with the whole batch
-        `[B, prompt + c + 1]` and, when scores are returned, every step's `[B, V]` scores so far (else None). A row
-        that stops there and has run ahead is cut back; without an EOS criterion, rows end together at the column
-        where the last one stops."""
-        while True:
-            live = [len(s.generated) for s in self.seqs if not s.finished]
-            if self.settled >= (min(live) if live else max(len(s.generated) for s in self.seqs)):
-                return
-            c = self.settled
-            self.settled += 1
-            width = self.prompt_width + c + 1
-            if self.streamer is not None:
-                self.streamer.put(self.ids[:, width - 1].cpu())
-            scores = None  # what transformers passes: every step's scores so far, when they are returned
-            if self.output_scores:
-                self.score_steps.append(self._step("scores", c))
-                scores = tuple(self.score_steps)
-            if self.stopping is None:
-                continue
-            stops = torch.as_tensor(self.stopping(self.ids[:, :width], scores)).expand(len(self.seqs)).tolist()
-            for seq, stop in zip(self.seqs, stops):
-                seq.stopped = seq.stopped or bool(stop)
-                if seq.stopped and self.pad_stopped:
-                    self._end_at(seq, c + 1)
-            if not self.pad_stopped and all(s.stopped for s in self.seqs):
-                for seq in self.seqs:
-                    self._end_at(seq, c + 1)
 
     def _end_at(self, seq: SequenceState, steps: int) -> None:
         """End `seq` with (at most) `steps` generated tokens: a row that ran ahead is cut back."""
@@ -355,7 +281,7 @@ class LaneDecoder:
         if extra > 0:
             seq.stats.committed -= extra
             del seq.generated[steps:], seq.scores[steps:], seq.raw_logits[steps:]
-            self.ids[seq.index, self.prompt_width + steps:] = self.pad
+            self.columns.cut_back(seq.index, steps)
         if extra > 0 or not seq.finished:
             self._finish(seq)
 
@@ -373,9 +299,10 @@ class LaneDecoder:
         if steps == 0:
             return
         self.filling = True
+        width = self.columns.prompt_width
         for seq in self.seqs:
-            done = self.prompt_width + len(seq.generated) - 1  # the first column the row has not fed
-            tokens = self.ids[seq.index, done: self.prompt_width + steps - 1].tolist()
+            done = width + len(seq.generated) - 1  # the first column the row has not fed
+            tokens = self.columns.ids[seq.index, done: width + steps - 1].tolist()
             if tokens:
                 seq.lanes = self._known_lanes(seq.index, seq.prompt_len + len(seq.generated) - 1, tokens,
                                               last_known=True)
@@ -386,17 +313,8 @@ class LaneDecoder:
             for seq in self.seqs:
                 seq.finished = not seq.lanes
         self.filling = False
-        self.cache.set_columns(self.prompt_width + steps - 1,
+        self.cache.set_columns(width + steps - 1,
                                run_planes(self.layout, self.num_loops, self.policy.draft_loops))
-
-    def _reserve(self, width: int) -> None:
-        """Grow the id buffer to hold `width` columns (doubling, up to the prompt plus max_new)."""
-        if width <= self.ids.shape[1]:
-            return
-        grown = self.ids.new_full((len(self.ids), min(self.prompt_width + self.max_new, 2 * self.ids.shape[1])),
-                                  self.pad)
-        grown[:, : self.ids.shape[1]] = self.ids
-        self.ids = grown
 
     def _truncate(self, seq: SequenceState, length: int) -> None:
         """Roll every KV plane of `seq` back to at most `length` positions (I4)."""
@@ -407,9 +325,9 @@ class LaneDecoder:
     def _draft(self, lane: Lane, raw: torch.Tensor, top: int | None) -> None:
         seq = self.seqs[lane.seq]
         if self.processors is not None:
-            width = self.prompt_width + len(seq.generated)
             pending = [x.token for x in seq.lanes if x.position > seq.prompt_len + len(seq.generated) - 1]
-            prefix = torch.cat([self.ids[seq.index, :width], self.ids.new_tensor(pending)])
+            committed = self.columns.prefix(seq.index, len(seq.generated))
+            prefix = torch.cat([committed, committed.new_tensor(pending)])
             raw = self._process(seq.index, prefix, raw)
         q = draft_distribution(raw, self.do_sample)
         token = propose(raw, q) if top is None else top
@@ -442,17 +360,10 @@ class LaneDecoder:
     # --- results ----------------------------------------------------------------------------------------------
     def _result(self) -> DecodeResult:
         steps = max((len(s.generated) for s in self.seqs), default=0)
-        sequences = self.ids[:, : self.prompt_width + steps]
         return DecodeResult(
-            sequences=sequences,
-            scores=tuple(self.score_steps) if self.output_scores else None,
-            logits=tuple(self._step("raw_logits", i) for i in range(steps)) if self.output_logits else None,
+            sequences=self.columns.ids[:, : self.columns.prompt_width + steps],  # [B, S + steps]
+            scores=tuple(self.columns.score_steps) if self.output_scores else None,
+            logits=tuple(stack_step(self.seqs, "raw_logits", i) for i in range(steps)) if self.output_logits else None,
             stats=self.stats,
             trace=self.trace,
         )
-
-    def _step(self, name: str, step: int) -> torch.Tensor:
-        """`[B, V]` scores or logits of one step; rows that had already finished at that step hold zeros."""
-        per_seq = [getattr(s, name) for s in self.seqs]
-        like = next(x[0] for x in per_seq if x)
-        return torch.stack([x[step] if step < len(x) else torch.zeros_like(like) for x in per_seq])

@@ -1,0 +1,218 @@
+"""`PageTables`: the page pool and block tables under `PagedLoopCache` (allocation, sharing, rollback).
+
+Storage model
+-------------
+One page pool `[num_layers, num_pages, page_size, kv_heads, head_dim]` (keys and values). A KV address is
+(sequence, depth, position, layer): every (sequence, depth) pair owns a *block table*, the list of pages
+holding its positions in order, and a *valid length*. Table id = `seq * num_planes + depth`.
+
+"Depth" here is a *plane* index (`KVLayout`): planes `0 .. U-1` are loop depths; a model whose entry or exit
+stage has KV (Huginn's prelude and coda) adds planes for them, which the cache stores like any other (it knows
+no model). A stage with fewer layers than `num_layers` leaves the pool's other layers unused on its pages.
+
+Pages are reference counted, so a sequence can be forked (beam search, tree speculation) without copying:
+the fork shares every page, and the first write into a shared page copies it (copy on write). `truncate`
+rolls back a suffix of one (sequence, depth) and frees pages it no longer needs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..looped import KVLayout
+
+
+class CacheCapacityError(RuntimeError):
+    """The page pool is full and the cache was created with a fixed capacity."""
+
+
+class PageTables:
+    """Paged KV storage of `layout.num_planes` tables per sequence (see the module docstring).
+
+    Args:
+        layout: planes, layers, kv heads and head size of the model (`model.kv_layout`).
+        page_size: positions per page.
+        max_pages: fixed capacity in pages; `None` grows the pool on demand (doubling).
+        debug: keep a lineage tag per written slot (checked by `cache.lineage`) and poison unused memory with NaN.
+    """
+
+    def __init__(self, layout: KVLayout, page_size: int, max_pages: int | None, debug: bool):
+        self.kv_layout = layout
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.debug = debug
+        self.k_pool: torch.Tensor | None = None  # [layers, pages, page_size, kv_heads, head_dim]
+        self.v_pool: torch.Tensor | None = None
+        self.tags: torch.Tensor | None = None  # debug: [layers, pages, page_size] lineage id, -1 = never written
+        self._refs: list[int] = []  # per page
+        self._free: list[int] = []  # free page ids (a stack)
+        self._pages: list[list[int]] = []  # per table
+        self._lengths: list[int] = []  # per table: valid positions
+        self._block_tables: torch.Tensor | None = None  # device copy, rebuilt when stale
+
+    # --- sizes and reports ------------------------------------------------------------------------------------
+    @property
+    def num_planes(self) -> int:
+        return self.kv_layout.num_planes
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._pages) // self.num_planes
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._refs)
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def bytes_per_token_per_depth(self, dtype: torch.dtype | None = None) -> int:
+        """KV bytes one token takes in one depth plane (keys and values, all layers)."""
+        dtype = dtype or (self.k_pool.dtype if self.k_pool is not None else torch.float32)
+        lay = self.kv_layout
+        return 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * torch.finfo(dtype).bits // 8
+
+    def length(self, seq: int, depth: int) -> int:
+        """Valid positions of (seq, depth)."""
+        return self._lengths[self._table(seq, depth)]
+
+    def lengths(self, depth: int) -> list[int]:
+        """Valid positions of every sequence at `depth`."""
+        return [self._lengths[s * self.num_planes + depth] for s in range(self.num_sequences)]
+
+    def _table(self, seq: int, depth: int) -> int:
+        if not 0 <= depth < self.num_planes:
+            raise ValueError(f"depth={depth} is outside [0, {self.num_planes - 1}] for this cache.")
+        if not 0 <= seq < self.num_sequences:
+            raise ValueError(f"seq={seq} is not a sequence of this cache (it has {self.num_sequences}).")
+        return seq * self.num_planes + depth
+
+    # --- page allocation --------------------------------------------------------------------------------------
+    def ensure_sequences(self, count: int) -> None:
+        """Make sequence slots `0 .. count-1` exist (new ones empty)."""
+        while self.num_sequences < count:
+            self._pages.extend([] for _ in range(self.num_planes))
+            self._lengths.extend(0 for _ in range(self.num_planes))
+        self._block_tables = None
+
+    def _grow(self, needed: int, like: torch.Tensor) -> None:
+        lay = self.kv_layout
+        old = self.num_pages
+        new = max(2 * old, old + needed, 4)
+        if self.max_pages is not None:
+            if old + needed > self.max_pages:
+                raise CacheCapacityError(
+                    f"PagedLoopCache capacity is {self.max_pages} pages of {self.page_size} positions; "
+                    f"{self.pages_in_use} are in use and {needed} more were requested. Raise max_pages, lower "
+                    "the batch size or the number of new tokens, or pass max_pages=None to grow on demand."
+                )
+            new = min(new, self.max_pages)
+        shape = (lay.num_layers, new, self.page_size, lay.num_kv_heads, lay.head_dim)
+        fill = float("nan") if self.debug else 0.0
+        k_pool = torch.full(shape, fill, dtype=like.dtype, device=like.device)
+        v_pool = torch.full(shape, fill, dtype=like.dtype, device=like.device)
+        tags = torch.full((lay.num_layers, new, self.page_size), -1, dtype=torch.long) if self.debug else None
+        if old:
+            k_pool[:, :old] = self.k_pool
+            v_pool[:, :old] = self.v_pool
+            if self.debug:
+                tags[:, :old] = self.tags
+        self.k_pool, self.v_pool, self.tags = k_pool, v_pool, tags
+        self._refs.extend(0 for _ in range(new - old))
+        self._free.extend(range(new - 1, old - 1, -1))
+
+    def _alloc(self, like: torch.Tensor) -> int:
+        if not self._free:
+            self._grow(1, like)
+        page = self._free.pop()
+        self._refs[page] = 1
+        return page
+
+    def _release(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            self._free.append(page)
+
+    def _writable_page(self, table: int, index: int, like: torch.Tensor) -> int:
+        """Page `index` of `table`, allocated if missing and copied first if it is shared."""
+        pages = self._pages[table]
+        if index == len(pages):
+            pages.append(self._alloc(like))
+            self._block_tables = None
+        page = pages[index]
+        if self._refs[page] > 1:  # copy on write
+            fresh = self._alloc(like)
+            self.k_pool[:, fresh] = self.k_pool[:, page]
+            self.v_pool[:, fresh] = self.v_pool[:, page]
+            if self.debug:
+                self.tags[:, fresh] = self.tags[:, page]
+            self._release(page)
+            pages[index] = fresh
+            self._block_tables = None
+            page = fresh
+        return page
+
+    def block_tables(self, device: torch.device) -> torch.Tensor:
+        """`[num_tables, max_pages]` int32 page ids on `device` (entries past a table's pages are -1)."""
+        if self._block_tables is None or self._block_tables.device != device:
+            width = max([len(p) for p in self._pages] + [1])
+            host = torch.full((len(self._pages), width), -1, dtype=torch.int32)
+            for t, pages in enumerate(self._pages):
+                host[t, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            self._block_tables = host.to(device)
+        return self._block_tables
+
+    # --- rollback, forks ----------------------------------------------------------------------------------------
+    def truncate(self, seq: int, depth: int, length: int) -> None:
+        """Keep only positions `0 .. length-1` of (seq, depth); pages no longer needed are freed."""
+        t = self._table(seq, depth)
+        if not 0 <= length <= self._lengths[t]:
+            raise ValueError(f"cannot truncate sequence {seq}, depth {depth} of length {self._lengths[t]} to "
+                             f"{length}.")
+        keep = -(-length // self.page_size)
+        for page in self._pages[t][keep:]:
+            self._release(page)
+        del self._pages[t][keep:]
+        self._lengths[t] = length
+        self._block_tables = None
+
+    def free(self, seq: int) -> None:
+        """Release every page of `seq` (its slot stays, empty)."""
+        for d in range(self.num_planes):
+            self.truncate(seq, d, 0)
+
+    def fork(self, seq: int) -> int:
+        """A new sequence slot sharing all of `seq`'s pages (copy on write); returns its index."""
+        branch = self.num_sequences
+        self.ensure_sequences(branch + 1)
+        for d in range(self.num_planes):
+            src, dst = self._table(seq, d), self._table(branch, d)
+            self._pages[dst] = list(self._pages[src])
+            self._lengths[dst] = self._lengths[src]
+            for page in self._pages[dst]:
+                self._refs[page] += 1
+        return branch
+
+    def commit(self, branch: int, into: int) -> None:
+        """Make `into` hold what `branch` holds and leave `branch` empty."""
+        for d in range(self.num_planes):
+            src, dst = self._table(branch, d), self._table(into, d)
+            for page in self._pages[dst]:
+                self._release(page)
+            self._pages[dst], self._pages[src] = self._pages[src], []
+            self._lengths[dst], self._lengths[src] = self._lengths[src], 0
+        self._block_tables = None
+
+    def _select(self, order: list[int]) -> None:
+        """Sequence i becomes a (page-sharing) copy of old sequence order[i]."""
+        old_pages, old_lengths = self._pages, self._lengths
+        self._pages = [list(old_pages[s * self.num_planes + d]) for s in order for d in range(self.num_planes)]
+        self._lengths = [old_lengths[s * self.num_planes + d] for s in order for d in range(self.num_planes)]
+        for pages in self._pages:
+            for page in pages:
+                self._refs[page] += 1
+        for pages in old_pages:
+            for page in pages:
+                self._release(page)
+        self._block_tables = None

@@ -1,0 +1,102 @@
+"""The output columns of one lane-decoder run: the id buffer and plain decoding's column-by-column semantics.
+
+Sequences commit tokens at their own pace (a row whose drafts are accepted runs ahead), but transformers streams
+and checks stopping criteria one column at a time, over the whole batch. `OutputColumns` holds the batch's ids
+and replays that order: column c is settled once every unfinished row has committed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .lanes import SequenceState
+
+IDS_CHUNK = 64  # id buffer columns reserved at first for generated tokens; the buffer doubles as they come
+
+
+class OutputColumns:
+    """The batch's ids `[B, prompt width + generated]` (left-padded prompt, then each row's committed tokens, pad
+    after a row's end) and the streaming and stopping-criteria checks of plain decoding's loop."""
+
+    def __init__(self, input_ids: torch.Tensor, pad_token_id: int | None, max_length: int, stopping_criteria,
+                 streamer, output_scores: bool):
+        self.stopping, self.streamer, self.output_scores = stopping_criteria, streamer, output_scores
+        # Like transformers' loop: a stopped row is padded only when an EOS criterion exists; otherwise it keeps
+        # decoding until every row has stopped, and all rows end at the step where the last one stopped.
+        eos = [c.eos_token_id for c in stopping_criteria or () if hasattr(c, "eos_token_id")]
+        self.pad_stopped = bool(eos)
+        self.eos_ids = {int(t) for ids in eos for t in torch.as_tensor(ids).reshape(-1).tolist()}
+        batch, width = input_ids.shape
+        self.prompt_width = width
+        self.pad = pad_token_id if pad_token_id is not None else 0
+        self.max_new = max(max_length - width, 0)
+        # [B, width + generated so far]: grows with the output (`_reserve`), not sized for max_new up front
+        self.ids = input_ids.new_full((batch, width + min(self.max_new, IDS_CHUNK)), self.pad)
+        self.ids[:, :width] = input_ids
+        self.settled = 0  # columns streamed and checked by the stopping criteria (`settle`)
+        self.score_steps: list[torch.Tensor] = []  # per settled step [B, V], with output_scores
+
+    def prefix(self, seq: int, generated: int) -> torch.Tensor:
+        """`[prompt width + generated]` ids of row `seq`: its padded prompt and first `generated` tokens."""
+        return self.ids[seq, : self.prompt_width + generated]
+
+    def write(self, seq: int, step: int, token: int) -> None:
+        """Put `token` in generated column `step` of row `seq`."""
+        self._reserve(self.prompt_width + step + 1)
+        self.ids[seq, self.prompt_width + step] = token
+
+    def ends_row(self, token: int) -> bool:
+        """An EOS token stops its row at its column whatever the other criteria say (with an EOS criterion)."""
+        return self.pad_stopped and token in self.eos_ids
+
+    def cut_back(self, seq: int, steps: int) -> None:
+        """Pad row `seq` after its first `steps` generated tokens."""
+        self.ids[seq, self.prompt_width + steps:] = self.pad
+
+    def settle(self, seqs: list[SequenceState], end_at: Callable[[SequenceState, int], None]) -> None:
+        """Stream and check the stopping criteria column by column, as plain decoding does: column c (the c-th
+        generated token of every row) once every unfinished row has committed it, with the whole batch
+        `[B, prompt + c + 1]` and, when scores are returned, every step's `[B, V]` scores so far (else None). A row
+        that stops there is ended by `end_at(seq, c + 1)` (which cuts back a row that has run ahead); without an
+        EOS criterion, rows end together at the column where the last one stops."""
+        while True:
+            live = [len(s.generated) for s in seqs if not s.finished]
+            if self.settled >= (min(live) if live else max(len(s.generated) for s in seqs)):
+                return
+            c = self.settled
+            self.settled += 1
+            width = self.prompt_width + c + 1
+            if self.streamer is not None:
+                self.streamer.put(self.ids[:, width - 1].cpu())
+            scores = None  # what transformers passes: every step's scores so far, when they are returned
+            if self.output_scores:
+                self.score_steps.append(stack_step(seqs, "scores", c))
+                scores = tuple(self.score_steps)
+            if self.stopping is None:
+                continue
+            stops = torch.as_tensor(self.stopping(self.ids[:, :width], scores)).expand(len(seqs)).tolist()
+            for seq, stop in zip(seqs, stops):
+                seq.stopped = seq.stopped or bool(stop)
+                if seq.stopped and self.pad_stopped:
+                    end_at(seq, c + 1)
+            if not self.pad_stopped and all(s.stopped for s in seqs):
+                for seq in seqs:
+                    end_at(seq, c + 1)
+
+    def _reserve(self, width: int) -> None:
+        """Grow the id buffer to hold `width` columns (doubling, up to the prompt plus max_new)."""
+        if width <= self.ids.shape[1]:
+            return
+        grown = self.ids.new_full((len(self.ids), min(self.prompt_width + self.max_new, 2 * self.ids.shape[1])),
+                                  self.pad)
+        grown[:, : self.ids.shape[1]] = self.ids
+        self.ids = grown
+
+
+def stack_step(seqs: list[SequenceState], name: str, step: int) -> torch.Tensor:
+    """`[B, V]` scores or logits (`name`) of one step; rows that had already finished at that step hold zeros."""
+    per_seq = [getattr(s, name) for s in seqs]
+    like = next(x[0] for x in per_seq if x)
+    return torch.stack([x[step] if step < len(x) else torch.zeros_like(like) for x in per_seq])
