@@ -10,6 +10,8 @@ The keys live on `GenerationConfig` (so they also load from `generation_config.j
   the core and head calls run as static-shape compiled calls over row buckets (`generation.stages`).
 * `speculative_engine`: `"auto"` (default), `"lanes"` or `"wavefront"`: which engine runs the mode (see
   `generation.wavefront.select`); asking for `"wavefront"` with a setting it does not support is a `ValueError`.
+* `second_draft_loops` (d2): pipeline only, d < d2 < U, greedy only: a lane re-reads its draft at depth d2 and a
+  different argmax starts a sibling lane (`generation.siblings`); `None` (default): off.
 
 `resolve_speculative` is the one validation of these settings: `generate` resolves them once per call (from the
 generation config, `speculative_config`) and passes the `SpeculativeConfig` down; `decode_with_lanes`, the bench
@@ -24,7 +26,8 @@ from transformers.generation import GenerationConfig, GenerationMode
 
 from .inputs import as_integer
 
-SPECULATIVE_KEYS = ("speculative_mode", "draft_loops", "num_speculative_tokens", "compile_core", "speculative_engine")
+SPECULATIVE_KEYS = ("speculative_mode", "draft_loops", "num_speculative_tokens", "compile_core", "speculative_engine",
+                    "second_draft_loops")
 MODES = ("pipeline", "block")
 LANE_MODES = ("ar", *MODES)  # `decode_with_lanes` also runs "ar": the lane engine without drafting
 DEFAULT_DRAFT_LOOPS = 1
@@ -41,10 +44,11 @@ class SpeculativeConfig:
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     compile_backend: str | None = None  # torch.compile backend of the core and head calls; None: eager
     engine: str = "auto"  # one of ENGINES
+    second_draft_loops: int | None = None  # d2: depth of second proposals (pipeline, greedy); None: off
 
 
 def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, compile_core=None, engine=None, *,
-                        num_loops: int, modes: tuple[str, ...] = MODES) -> SpeculativeConfig:
+                        num_loops: int, modes: tuple[str, ...] = MODES, second_draft_loops=None) -> SpeculativeConfig:
     """Validate one run's settings for a model of `num_loops` loops; `None` takes the default. Raises `ValueError`
     naming the argument, its value and the fix."""
     if mode not in modes:
@@ -61,7 +65,9 @@ def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, com
     if engine not in ENGINES:
         raise ValueError(f"speculative_engine={engine!r} is not an engine; use one of {ENGINES} (auto: the fastest "
                          "engine that supports every setting of the call).")
-    return SpeculativeConfig(mode, draft_loops, k, compile_backend(compile_core), engine)
+    backend = compile_backend(compile_core)
+    second = _check_second_draft_loops(mode, draft_loops, second_draft_loops, num_loops, backend)
+    return SpeculativeConfig(mode, draft_loops, k, backend, engine, second)
 
 
 def _check_draft_loops(mode: str, draft_loops, num_loops: int) -> None:
@@ -80,12 +86,34 @@ def _check_draft_loops(mode: str, draft_loops, num_loops: int) -> None:
         )
 
 
+def _check_second_draft_loops(mode: str, draft_loops: int, second, num_loops: int, backend) -> int | None:
+    """`second_draft_loops` validated (None: off)."""
+    if second is None:
+        return None
+    second = as_integer(second, "second_draft_loops")
+    if mode != "pipeline":
+        raise ValueError(f"second_draft_loops={second} needs speculative_mode='pipeline' (got {mode!r}): second "
+                         "proposals re-read a pipeline lane's draft; drop second_draft_loops for other modes.")
+    if not draft_loops < second < num_loops:
+        raise ValueError(f"second_draft_loops={second} must lie strictly between draft_loops={draft_loops} and the loop "
+                         f"count {num_loops} (a deeper draft than the first, shallower than the target); pass one of "
+                         f"{list(range(draft_loops + 1, num_loops)) or 'nothing: use a smaller draft_loops'} or None.")
+    if backend is not None:
+        raise ValueError(f"second_draft_loops={second} cannot be combined with compile_core={backend!r} (the compiled "
+                         "calls size their block tables for one branch per sequence); drop one of the two.")
+    return second
+
+
 def speculative_config(generation_config: GenerationConfig, num_loops: int) -> SpeculativeConfig | None:
     """The speculative keys of a generation config, resolved; `None` when `speculative_mode` is unset (plain)."""
     mode = getattr(generation_config, "speculative_mode", None)
     compile_core = getattr(generation_config, "compile_core", None)
     engine = getattr(generation_config, "speculative_engine", None)
     if mode is None:
+        second = getattr(generation_config, "second_draft_loops", None)
+        if second is not None:
+            raise ValueError(f"second_draft_loops={second!r} is a setting of speculative_mode='pipeline'; set that "
+                             "too, or drop second_draft_loops for plain decoding.")
         if engine not in (None, "auto"):
             raise ValueError(f"speculative_engine={engine!r} chooses the engine of a speculative mode; set "
                              "speculative_mode too, or drop speculative_engine for plain decoding.")
@@ -96,7 +124,8 @@ def speculative_config(generation_config: GenerationConfig, num_loops: int) -> S
         return None
     return resolve_speculative(mode, getattr(generation_config, "draft_loops", None),
                                getattr(generation_config, "num_speculative_tokens", None), compile_core, engine,
-                               num_loops=num_loops)
+                               num_loops=num_loops,
+                               second_draft_loops=getattr(generation_config, "second_draft_loops", None))
 
 
 def compile_backend(compile_core) -> str | None:
@@ -129,6 +158,10 @@ def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_c
             raise ValueError(f"{option}=True is not supported with speculative_mode={spec.mode!r}: the lane decoder "
                              "never runs padding columns, so it cannot return plain decoding's per-step tensors. "
                              f"Use speculative_mode=None for {option}, or a forward call on the output sequences.")
+    if spec.second_draft_loops is not None and generation_mode != GenerationMode.GREEDY_SEARCH:
+        raise ValueError(f"second_draft_loops={spec.second_draft_loops} supports greedy decoding only (do_sample=False): "
+                         "with two candidates for one position, plain speculative sampling is no longer lossless. "
+                         "Pass do_sample=False or second_draft_loops=None.")
     if generation_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(f"speculative_mode={spec.mode!r} supports greedy decoding and sampling, not "
                          f"{generation_mode}.")

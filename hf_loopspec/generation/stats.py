@@ -6,6 +6,12 @@ its verification (a descendant of a rejected draft, or in flight when its sequen
 
 Exact invariants (tested): `accepted + rejected == verified`, `drafted == verified + discarded`,
 `committed_tokens` == number of generated tokens, `core_calls_per_token == core_calls / committed_tokens`.
+
+Second proposals (`second_draft_loops`): `second_drafts` counts sibling lanes spawned (they are not in `drafted`),
+`second_accepted` the verifications that chose the sibling. A verification judges one position, whichever of its
+one or two candidates it keeps: it is *accepted* when either matches, so `second_accepted <= accepted` and
+`second_accepted <= second_drafts`, and the identities above hold unchanged (the drafts of a sibling's branch
+count in `drafted` and end verified, once the branch is chosen, or discarded).
 `core_calls` counts every call of the shared stack in the run, prompt prefill included, across the batch.
 `call_rows` lists the row count of every stage call of the run, in order, per stage ("embed", "core", "head"):
 what a cost model needs (`hf_loopspec.bench.costs`); it is not part of `to_dict`.
@@ -24,6 +30,8 @@ class SequenceStats:
     accepted: int = 0
     rejected: int = 0
     discarded: int = 0
+    second_drafts: int = 0
+    second_accepted: int = 0
 
 
 @dataclass
@@ -65,6 +73,14 @@ class SpeculationStats:
         return self._total("discarded")
 
     @property
+    def second_drafts(self) -> int:
+        return self._total("second_drafts")
+
+    @property
+    def second_accepted(self) -> int:
+        return self._total("second_accepted")
+
+    @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.verified if self.verified else 0.0
 
@@ -73,8 +89,8 @@ class SpeculationStats:
         return self.core_calls / self.committed_tokens if self.committed_tokens else 0.0
 
     def to_dict(self) -> dict:
-        keys = ("committed_tokens", "drafted", "verified", "accepted", "rejected", "discarded", "acceptance_rate",
-                "core_calls_per_token")
+        keys = ("committed_tokens", "drafted", "verified", "accepted", "rejected", "discarded", "second_drafts",
+                "second_accepted", "acceptance_rate", "core_calls_per_token")
         return {"mode": self.mode, "engine": self.engine, "draft_loops": self.draft_loops, "fallback": self.fallback,
                 "core_calls": self.core_calls,
                 "cache_fill_calls": self.cache_fill_calls, **{k: getattr(self, k) for k in keys},

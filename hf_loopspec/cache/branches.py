@@ -1,0 +1,126 @@
+"""Branch slots: branch-private KV for competing proposals of one position (DESIGN I5).
+
+A *branch* holds the KV of a sibling proposal for position `point` of a sequence (its *parent*) and of the tokens
+after it on the same branch: tokens that compete with the parent's own tokens at positions >= `point`. It lives in
+a sequence slot of the cache after the batch's sequences (`open` returns it), with one block table per plane like
+any sequence, so its rows are planned, written and attended like any other (`plan_rows`, the attention ops and the
+debug lineage check need nothing new).
+
+Invariant B (branch-private storage), for every plane k:
+
+* The branch's plane-k table is created when the branch first writes plane k (lazily, per plane, in `plan_rows`):
+  it then shares the parent's pages for positions 0 .. point-1 and nothing else. The page that holds position
+  point-1 and has room for `point` is shared too, and the first write into it from either side copies it
+  (copy on write), so no write of one side ever lands in a slot the other side reads.
+* Positions 0 .. point-1 of the parent's plane k are the common history: they must all be written before the
+  branch first writes plane k (checked when the table is created), and they are never rewritten while the branch
+  is open (a truncation of the parent's plane below `point` raises): rolling back the common history means the
+  branch is no longer a continuation of it, so it must be closed first.
+
+Hence a branch row reads, at positions < point, exactly the common ancestry, and at positions >= point only what
+its own branch wrote, and the parent's rows never see the branch's entries. With `debug=True` the lineage check
+(I1) verifies this on every read of both sides.
+
+`promote` makes a branch the parent's history without copying: the parent's planes are truncated to `point`, each
+plane the branch opened replaces the parent's table (its page list moves over), and planes it never wrote keep the
+parent's truncated table. `close` releases a losing branch's pages. When no branch is open the branch slots are
+dropped, so `num_sequences` is the batch's again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Branch:
+    parent: int  # sequence slot whose history the branch continues
+    point: int  # the first position the branch owns
+    opened: set[int] = field(default_factory=set)  # planes whose table the branch has created
+
+
+class BranchSlots:
+    """The open branches of one `PagedLoopCache` (see the module docstring); `cache.branches`."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self._open: dict[int, _Branch] = {}  # branch slot -> its branch
+        self._base: int | None = None  # the first branch slot (the batch's sequence count when the first opened)
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._open
+
+    def open(self, parent: int, point: int) -> int:
+        """A new branch of sequence `parent` owning positions >= `point`; returns its slot (no pages yet)."""
+        cache = self.cache
+        if self._base is None:
+            self._base = cache.num_sequences
+        slot = next((s for s in range(self._base, cache.num_sequences) if s not in self._open), cache.num_sequences)
+        cache.ensure_sequences(slot + 1)
+        self._open[slot] = _Branch(parent, point)
+        return slot
+
+    def before_write(self, slot: int, plane: int) -> None:
+        """Called by `plan_rows` for every table a call writes: create a branch's plane-`plane` table on its first
+        write, sharing the parent's common history (invariant B)."""
+        branch = self._open.get(slot)
+        if branch is None or plane in branch.opened:
+            return
+        cache = self.cache
+        src, dst = cache._table(branch.parent, plane), cache._table(slot, plane)
+        if cache._lengths[src] < branch.point:
+            raise ValueError(f"branch of sequence {branch.parent} at position {branch.point} writes plane {plane}, "
+                             f"whose common history holds only {cache._lengths[src]} positions (invariant B).")
+        shared = cache._pages[src][: -(-branch.point // cache.page_size)]
+        for page in shared:
+            cache._refs[page] += 1
+        cache._pages[dst], cache._lengths[dst] = list(shared), branch.point
+        cache._block_tables = None
+        branch.opened.add(plane)
+
+    def check_truncate(self, seq: int, plane: int, length: int) -> None:
+        """Raise when truncating (seq, plane) to `length` would rewrite an open branch's common history."""
+        for branch in self._open.values():
+            if branch.parent == seq and length < branch.point and plane in branch.opened:
+                raise ValueError(f"truncating sequence {seq}, plane {plane} to {length} positions rolls back the "
+                                 f"common history of its open branch at position {branch.point}: close the branch "
+                                 "first (invariant B).")
+
+    def close(self, slot: int) -> None:
+        """Release a branch's pages and its slot."""
+        branch = self._open.pop(slot)
+        for plane in branch.opened:
+            self.cache.truncate(slot, plane, 0)
+        self._drop_slots()
+
+    def promote(self, slot: int) -> None:
+        """Make the branch the parent's history from `point` on (see the module docstring) and close its slot."""
+        cache = self.cache
+        branch = self._open.pop(slot)
+        for other in self._open.values():
+            if other.parent == branch.parent and other.point >= branch.point:
+                raise ValueError(f"cannot promote the branch of sequence {branch.parent} at position {branch.point} "
+                                 f"while its branch at position {other.point} is open: close that one first.")
+        for plane in range(cache.num_planes):
+            cache.truncate(branch.parent, plane, min(branch.point, cache.length(branch.parent, plane)))
+            if plane in branch.opened:
+                src, dst = cache._table(slot, plane), cache._table(branch.parent, plane)
+                for page in cache._pages[dst]:
+                    cache._release(page)
+                cache._pages[dst], cache._pages[src] = cache._pages[src], []
+                cache._lengths[dst], cache._lengths[src] = cache._lengths[src], 0
+        cache._block_tables = None
+        self._drop_slots()
+
+    def close_all(self) -> None:
+        for slot in list(self._open):
+            self.close(slot)
+
+    def _drop_slots(self) -> None:
+        """With no branch open, remove the (empty) branch slots."""
+        if self._open or self._base is None:
+            return
+        cache, cut = self.cache, self._base * self.cache.num_planes
+        del cache._pages[cut:], cache._lengths[cut:]
+        cache._block_tables = None
+        self._base = None

@@ -1,0 +1,104 @@
+"""Second proposals (pipeline mode, `second_draft_loops=d2`): a sibling lane from a deeper draft, with private KV.
+
+A main-path lane X at position p drafted B for p + 1 when it reached depth d. When X reaches depth d2 it re-reads
+its proposal: if the (processed) depth-d2 argmax C differs from B, a *sibling* lane for C starts at position p + 1
+(depth 0) in a new branch, at most one per position. When X reaches depth U its target T decides:
+
+* T == B: B is accepted as without siblings; C's branch is closed (its lanes dropped, its pages released).
+* T == C: the sibling is chosen (`second_accepted`): B and everything after it on the main path (its lanes and
+  branches) are killed, and C's branch becomes the main path: its lanes keep running (C is U - d2 loops deep), and
+  the cache promotes its KV into the sequence's tables without copying (`PagedLoopCache.branches.promote`).
+* otherwise both are rejected: both are killed, the cache rolls back, and a lane restarts from T, as without
+  siblings.
+
+The sibling drafts further like any frontier lane (choice documented in README "Second proposals"): a leaf sibling
+that is chosen has no draft in flight and no way to draft any more (it is past depth d), so the pipeline would stall
+until its target; a drafting sibling hands over a full wavefront, so choosing it costs only the d2 - d cycles by
+which it started later than B. Only main-path lanes make second proposals, so every branch is a chain of lanes
+hanging off the main path (a lane of a promoted branch is main-path and proposes again once it reaches d2).
+
+KV (DESIGN I5): a branch's lanes write and read the branch's slot of the cache, which shares the main path's pages
+below p + 1 and copies the partially filled page on first write (invariant B in `cache.branches`). The common history
+is complete in every plane before the branch writes that plane, because X and the lanes before it are deeper than
+any lane of the branch (wavefront order). Every lane's lineage id links to its parent, so `PagedLoopCache(debug=True)`
+checks every read of both branches against the reader's own ancestry (I1).
+
+Greedy only: with two candidates for one position, the sampled acceptance rule of `acceptance` is no longer
+lossless (`config` rejects `do_sample=True`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import count
+
+from ..cache.paged import PagedLoopCache
+from .lanes import Branch, Lane, SequenceState
+
+SecondHook = Callable[[int, int, int, int], int]
+"""`second_draft_hook(sequence, position, first_token, proposed) -> token`: test-only override of a second proposal
+(returning `first_token` makes none)."""
+
+
+class SecondProposals:
+    """Second proposals at depth `depth` (d2) for one run: who re-reads, spawning siblings, and their fate."""
+
+    def __init__(self, cache: PagedLoopCache, depth: int, hook: SecondHook | None = None):
+        self.cache, self.depth, self.hook = cache, depth, hook
+        self._idents = count(1)
+
+    def wants(self, seq: SequenceState, lane: Lane) -> bool:
+        """Whether main-path `lane`, which has just run, re-reads its draft now: it reached depth d2 and its next
+        lane is an unverified draft without a sibling yet."""
+        if lane.branch is not None or lane.depth != self.depth or lane.next_known or seq.finished:
+            return False
+        nxt = next_main(seq, lane)
+        return nxt is not None and nxt.is_draft and nxt.position not in seq.branches
+
+    def propose(self, seq: SequenceState, lane: Lane, top: int, spawn: Callable[..., Lane]) -> Lane | None:
+        """Re-read `lane`'s draft with the depth-d2 argmax `top`; returns the sibling it spawns (via `spawn(seq,
+        parent, token, is_draft)`, which links its lineage), or None when the proposal agrees with the draft."""
+        first = next_main(seq, lane)
+        token = top if self.hook is None else int(self.hook(seq.index, first.position, first.token, top))
+        if token == first.token:
+            return None
+        branch = Branch(self.cache.branches.open(seq.index, first.position), next(self._idents))
+        sibling = spawn(seq, lane, token, is_draft=True)
+        sibling.branch = branch
+        branch.lanes.append(sibling)
+        seq.branches[first.position] = branch
+        seq.stats.second_drafts += 1
+        return sibling
+
+
+def next_main(seq: SequenceState, lane: Lane) -> Lane | None:
+    """The main-path lane after main-path `lane`, if any."""
+    index = seq.lanes.index(lane)
+    return seq.lanes[index + 1] if index + 1 < len(seq.lanes) else None
+
+
+def path_of(seq: SequenceState, lane: Lane) -> list[Lane]:
+    """The list that holds `lane`: the main path or its branch's lanes."""
+    return seq.lanes if lane.branch is None else lane.branch.lanes
+
+
+def close_branches(cache: PagedLoopCache, seq: SequenceState, start: int) -> int:
+    """Kill every branch of `seq` at a position >= `start` and release its KV; returns how many first-proposal drafts
+    died with them (a branch's first lane is a second proposal, counted by `second_drafts`)."""
+    discarded = 0
+    for position in [p for p in seq.branches if p >= start]:
+        branch = seq.branches.pop(position)
+        discarded += sum(lane.is_draft for lane in branch.lanes[1:])
+        branch.lanes.clear()
+        cache.branches.close(branch.slot)
+    return discarded
+
+
+def promote(cache: PagedLoopCache, seq: SequenceState, branch: Branch) -> None:
+    """Make `branch` the main path after the lanes before its position (the caller has killed the main lanes from
+    there and every later branch): its lanes join the main path and its KV becomes the sequence's."""
+    del seq.branches[branch.position]
+    cache.branches.promote(branch.slot)
+    for lane in branch.lanes:
+        lane.branch = None
+    seq.lanes.extend(branch.lanes)
