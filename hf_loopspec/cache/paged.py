@@ -1,6 +1,8 @@
 """`PagedLoopCache`: per-depth paged KV storage for looped models, as a `transformers` Cache.
 
-Storage model: see `cache.pages` (page pool, block tables, reference counting, copy on write, rollback).
+Storage model: see `cache.pages` (page pool, block tables, reference counting, copy on write, rollback). Competing
+proposals of one position keep their KV in branch slots (`branches`, `cache.branches`: invariant B, branch-private
+storage).
 
 The transformers view (`get_seq_length`)
 ----------------------------------------
@@ -37,6 +39,7 @@ from transformers.cache_utils import Cache
 from ..looped import KVLayout
 from ..ops import attention as attention_ops
 from . import lineage as lineage_checks
+from .branches import BranchSlots
 from .lineage import LineageError
 from .pages import CacheCapacityError, PageTables
 from .rows import RowBatch
@@ -66,6 +69,7 @@ class PagedLoopCache(PageTables, Cache):
         self._parents: dict[int, int] = {}  # debug: lineage id -> parent id (-1 for a first token)
         # HF view, per plane: how many input columns (padding included) that plane has consumed
         self._columns = [0] * layout.num_planes
+        self.branches = BranchSlots(self)  # branch-private slots of competing proposals (`cache.branches`, I5)
 
     # --- rows -------------------------------------------------------------------------------------------------
     def plan_rows(self, seq, depth, position, like: torch.Tensor, lineage=None) -> RowBatch:
@@ -84,6 +88,8 @@ class PagedLoopCache(PageTables, Cache):
         written: dict[int, list[int]] = {}
         for t, p in zip(tables, position):
             written.setdefault(t, []).append(p)
+        for t in written:
+            self.branches.before_write(*divmod(t, self.num_planes))
         for t, ps in written.items():
             expected = range(self._lengths[t], self._lengths[t] + len(ps))
             if sorted(ps) != list(expected):
@@ -210,7 +216,13 @@ class PagedLoopCache(PageTables, Cache):
                 self.truncate(s, d, max(0, self.length(s, d) - removed))
             self._columns[d] = keep
 
+    def truncate(self, seq: int, depth: int, length: int) -> None:
+        """`PageTables.truncate`, refused when it would roll back an open branch's common history (invariant B)."""
+        self.branches.check_truncate(seq, depth, length)
+        super().truncate(seq, depth, length)
+
     def reset(self) -> None:
+        self.branches.close_all()
         for s in range(self.num_sequences):
             self.free(s)
         self._pages, self._lengths, self._columns = [], [], [0] * self.num_planes

@@ -17,15 +17,17 @@ from dataclasses import dataclass
 
 from .config import SpeculativeConfig
 
-RUNTIME_KEYS = ("draft_hook", "speculative_trace")
+RUNTIME_KEYS = ("draft_hook", "second_draft_hook", "speculative_trace")
 """Per-call `generate` kwargs that are not generation settings: `draft_hook` (test-only: override draft proposals,
-`draft_hook(sequence, position, proposed_token) -> token`) and `speculative_trace` (`True` or `"hidden"`: record
-every cycle in `out.trace`)."""
+`draft_hook(sequence, position, proposed_token) -> token`), `second_draft_hook` (test-only: override second
+proposals, `second_draft_hook(sequence, position, first_token, proposed_token) -> token`) and `speculative_trace`
+(`True` or `"hidden"`: record every cycle in `out.trace`)."""
 
 
 @dataclass
 class GenerateCall:
     draft_hook: Callable[[int, int, int], int] | None = None
+    second_draft_hook: Callable[[int, int, int, int], int] | None = None
     trace: bool | str = False
     speculative: SpeculativeConfig | None = None  # resolved once, when transformers prepares the generation config
     resolved: bool = False  # whether `speculative` has been resolved (None then means plain decoding)
@@ -39,10 +41,13 @@ def runtime_options(kwargs: dict) -> GenerateCall:
     hook = kwargs.pop("draft_hook", None)
     if hook is not None and not callable(hook):
         raise ValueError(f"draft_hook={hook!r} must be callable(seq, position, token).")
+    second = kwargs.pop("second_draft_hook", None)
+    if second is not None and not callable(second):
+        raise ValueError(f"second_draft_hook={second!r} must be callable(seq, position, first_token, token).")
     trace = kwargs.pop("speculative_trace", None) or False
     if trace not in (True, False, "hidden"):
         raise ValueError(f"speculative_trace={trace!r} must be True, False or 'hidden'.")
-    return GenerateCall(draft_hook=hook, trace=trace)
+    return GenerateCall(draft_hook=hook, second_draft_hook=second, trace=trace)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,8 @@ mixed sequence, position and depth). After the call, in this order, per sequence
    finished sequence drops all its lanes.
 2. Drafting. The frontier lane that has just reached depth d proposes the next token (argmax of, or a sample
    from, the processed depth-d logits; or `draft_hook`) as a new lane at depth 0, if the policy allows it and
-   the position can still matter.
+   the position can still matter. With second proposals (`generation.siblings`), the lanes of sibling branches
+   draft too, and a main-path lane that has just reached depth d2 re-reads its draft, which may start a sibling.
 
 The prompt enters as lanes too (one per real prompt token, all at depth 0), so prefill is U calls of P rows
 and the pipeline starts drafting as soon as the last prompt token reaches depth d.
@@ -40,6 +41,7 @@ from .lanes import Lane, SequenceState
 from .policies import ARPolicy
 from .processors import row_processors
 from .records import CycleTrace, DecodeResult, RowTrace
+from .siblings import SecondHook, SecondProposals, close_branches, next_main, path_of, promote
 from .stages import EagerStages
 from .stats import SpeculationStats
 
@@ -76,6 +78,8 @@ class LaneDecoder:
         stages=None,
         exit_rule: ExitRule | None = None,
         complete_cache: bool = False,
+        second_draft_loops: int | None = None,
+        second_draft_hook: SecondHook | None = None,
     ):
         self.model, self.cache, self.policy = model, cache, policy
         self.stages = stages if stages is not None else EagerStages(model, cache)
@@ -84,6 +88,11 @@ class LaneDecoder:
             raise ValueError("exit options need a head without KV of its own (the lane decoder keeps no exit plane "
                              "for the exits they select); decode with speculative_mode=None.")
         self.num_loops = model.num_loops
+        self.seconds = None if second_draft_loops is None else SecondProposals(cache, second_draft_loops,
+                                                                              second_draft_hook)
+        if self.seconds is not None and (do_sample or model.kv_layout.first_exit_plane is not None):
+            raise ValueError(f"second_draft_loops={second_draft_loops} supports greedy decoding of models whose head "
+                             "has no KV of its own (not do_sample=True, not Huginn); pass second_draft_loops=None.")
         has_processors = logits_processor is not None and len(logits_processor)
         self.processors = [row_processors(logits_processor, s) for s in range(len(input_ids))] \
             if has_processors else None
@@ -154,7 +163,8 @@ class LaneDecoder:
             self.stats.call_rows["core"].append(len(lanes))
         if self.trace is not None and not self.filling:
             self.trace.append(CycleTrace(
-                [RowTrace(lane.seq, lane.position, lane.depth, lane.token, lane.is_draft) for lane in lanes],
+                [RowTrace(lane.seq, lane.position, lane.depth, lane.token, lane.is_draft,
+                          0 if lane.branch is None else lane.branch.ident) for lane in lanes],
                 hidden=out.detach().clone() if self.trace_hidden else None,
             ))
         for lane, h in zip(lanes, out):
@@ -165,8 +175,10 @@ class LaneDecoder:
 
         targets = [lane for lane in lanes if lane.depth == self.num_loops and not lane.next_known]
         drafters = [lane for lane in lanes if self._wants_draft(lane)]
+        rereaders = [] if self.seconds is None else \
+            [lane for lane in lanes if self.seconds.wants(self.seqs[lane.seq], lane)]
         if self.layout.first_exit_plane is None:
-            heads = ([] if self.exit_rule is not None else targets) + drafters
+            heads = ([] if self.exit_rule is not None else targets) + drafters + rereaders
         else:  # the head writes KV: every lane reaching an exit depth in use runs it, logits needed or not
             heads = [lane for lane in lanes if lane.depth in self.policy.exit_depths]
         logits = tops = None
@@ -183,9 +195,14 @@ class LaneDecoder:
             self._verify(lane, raw, top)
         for lane in drafters:
             seq = self.seqs[lane.seq]
-            if not seq.finished and seq.lanes and seq.lanes[-1] is lane:
+            if not seq.finished and path_of(seq, lane)[-1:] == [lane]:
                 i = row_of[id(lane)]
                 self._draft(lane, logits[i], None if tops is None else tops[i])
+        for lane in rereaders:
+            seq = self.seqs[lane.seq]
+            if lane in seq.lanes and self.seconds.wants(seq, lane):  # not killed by a verification of this cycle
+                i = row_of[id(lane)]
+                self._second(seq, lane, logits[i], None if tops is None else tops[i])
         for seq in self.seqs:  # retire lanes that completed all loops
             seq.lanes = [lane for lane in seq.lanes if lane.depth < self.num_loops]
         self._embed_new_lanes()
@@ -205,7 +222,7 @@ class LaneDecoder:
     def _embed_new_lanes(self) -> None:
         """One `embed` call for every lane spawned since the last one (all sequences), through the entry plane
         when the model's entry stage has KV."""
-        new = [lane for seq in self.seqs for lane in seq.lanes if lane.hidden is None]
+        new = [lane for seq in self.seqs for lane in seq.live_lanes if lane.hidden is None]
         if not new:
             return
         device = self.like.device
@@ -224,12 +241,12 @@ class LaneDecoder:
 
     def _rows(self, lanes: list[Lane], planes: list[int]):
         """The rows of one call (core, entry or exit stage): lane i writes and reads plane `planes[i]`."""
-        return self.cache.plan_rows([lane.seq for lane in lanes], planes, [lane.position for lane in lanes],
+        return self.cache.plan_rows([lane.slot for lane in lanes], planes, [lane.position for lane in lanes],
                                     like=self.like, lineage=[lane.lineage for lane in lanes])
 
     def _wants_draft(self, lane: Lane) -> bool:
         seq = self.seqs[lane.seq]
-        return (not lane.next_known and seq.lanes[-1] is lane and lane.position + 1 <= seq.last_draft_position
+        return (not lane.next_known and path_of(seq, lane)[-1] is lane and lane.position + 1 <= seq.last_draft_position
                 and self.policy.wants_draft(seq, lane))
 
     # --- verification and commits -------------------------------------------------------------------------------
@@ -248,13 +265,21 @@ class LaneDecoder:
             accepted, target = judge(nxt.token, nxt.draft_q, scores, self.do_sample) if top is None \
                 else (nxt.token == top, top)
             nxt.is_draft = False  # verified: not counted as discarded
+            sibling = seq.branches.get(nxt.position)
+            self._event("accept" if accepted else "reject", nxt.seq, nxt.position, nxt.token)
             if accepted:
                 seq.stats.accepted += 1
-                self._event("accept", nxt.seq, nxt.position, nxt.token)
+                seq.stats.discarded += close_branches(self.cache, seq, nxt.position)
+            elif sibling is not None and sibling.lanes[0].token == target:
+                seq.stats.accepted += 1
+                seq.stats.second_accepted += 1
+                self._event("accept_second", nxt.seq, nxt.position, target)
+                seq.stats.discarded += self._kill_from(seq, index + 1, keep=sibling)
+                promote(self.cache, seq, sibling)
+                seq.lanes[index + 1].is_draft = False
             else:
                 seq.stats.rejected += 1
-                self._event("reject", nxt.seq, nxt.position, nxt.token)
-                seq.stats.discarded += seq.kill_from(index + 1)
+                seq.stats.discarded += self._kill_from(seq, index + 1)
                 self._truncate(seq, lane.position + 1)
                 nxt = None
         self._commit(seq, target, scores, raw)
@@ -285,9 +310,16 @@ class LaneDecoder:
         if extra > 0 or not seq.finished:
             self._finish(seq)
 
+    def _kill_from(self, seq: SequenceState, index: int, keep=None) -> int:
+        """Kill the main-path lanes `index..` of `seq` and every branch after the lane before them except `keep`;
+        returns how many unverified first-proposal drafts died."""
+        start = seq.lanes[index - 1].position + 1 if index else 0
+        killed = seq.kill_from(index)
+        return killed + close_branches(self.cache, seq, start + (keep is not None))
+
     def _finish(self, seq: SequenceState) -> None:
         """Stop a sequence: drop its lanes and leave its planes as serial AR would (all but the last token)."""
-        seq.stats.discarded += seq.kill_from(0)
+        seq.stats.discarded += self._kill_from(seq, 0)
         seq.finished = True
         self._truncate(seq, seq.prompt_len + len(seq.generated) - 1)
 
@@ -325,10 +357,7 @@ class LaneDecoder:
     def _draft(self, lane: Lane, raw: torch.Tensor, top: int | None) -> None:
         seq = self.seqs[lane.seq]
         if self.processors is not None:
-            pending = [x.token for x in seq.lanes if x.position > seq.prompt_len + len(seq.generated) - 1]
-            committed = self.columns.prefix(seq.index, len(seq.generated))
-            prefix = torch.cat([committed, committed.new_tensor(pending)])
-            raw = self._process(seq.index, prefix, raw)
+            raw = self._process(seq.index, self._prefix(seq, lane), raw)
         q = draft_distribution(raw, self.do_sample)
         token = propose(raw, q) if top is None else top
         if self.draft_hook is not None:
@@ -340,11 +369,34 @@ class LaneDecoder:
         self.policy.drafted(seq)
         drafted = self._spawn(seq, lane, token, is_draft=True)
         drafted.draft_q = q
-        seq.lanes.append(drafted)
+        path_of(seq, lane).append(drafted)
+
+    def _second(self, seq: SequenceState, lane: Lane, raw: torch.Tensor, top: int | None) -> None:
+        """Re-read main-path `lane`'s draft from its depth-d2 logits `raw` `[V]` (greedy; `top`: their argmax when
+        read back with the cycle's others)."""
+        if top is None:
+            top = int(self._process(seq.index, self._prefix(seq, lane), raw).argmax())
+        sibling = self.seconds.propose(seq, lane, top, self._spawn)
+        if sibling is not None:
+            self._event("second", seq.index, sibling.position, sibling.token)
+
+    def _prefix(self, seq: SequenceState, lane: Lane) -> torch.Tensor:
+        """The ids `[n]` before the token `lane` is the last of: the committed ones, then the pending tokens of the
+        lanes on `lane`'s path up to it."""
+        done = seq.prompt_len + len(seq.generated) - 1  # the position of the last committed token
+        path = [x for x in seq.lanes if x.position <= lane.position and
+                (lane.branch is None or x.position < lane.branch.position)]
+        if lane.branch is not None:
+            path += [x for x in lane.branch.lanes if x.position <= lane.position]
+        pending = [x.token for x in path if x.position > done]
+        committed = self.columns.prefix(seq.index, len(seq.generated))
+        return torch.cat([committed, committed.new_tensor(pending)])
 
     def _spawn(self, seq: SequenceState, parent: Lane, token: int, is_draft: bool) -> Lane:
-        """A new lane for `token` after `parent`; it is embedded with the other new lanes at the end of the cycle."""
-        lane = Lane(seq.index, parent.position + 1, token, 0, None, next(self._ids), is_draft=is_draft)
+        """A new lane for `token` after `parent`, on its path; it is embedded with the other new lanes at the end of
+        the cycle."""
+        lane = Lane(seq.index, parent.position + 1, token, 0, None, next(self._ids), is_draft=is_draft,
+                    branch=parent.branch)
         self.cache.link_lineage(lane.lineage, parent.lineage)
         return lane
 

@@ -147,7 +147,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
             self, input_ids, spec, cache=model_kwargs["cache"], attention_mask=model_kwargs.get("attention_mask"),
             logits_processor=logits_processor, stopping_criteria=stopping_criteria,
             pad_token_id=_as_int(generation_config._pad_token_tensor), max_length=generation_config.max_length,
-            streamer=streamer, draft_hook=call.draft_hook if call else None, do_sample=generation_config.do_sample,
+            streamer=streamer, draft_hook=call.draft_hook if call else None,
+            second_draft_hook=call.second_draft_hook if call else None, do_sample=generation_config.do_sample,
             output_scores=generation_config.return_dict_in_generate and generation_config.output_scores,
             output_logits=generation_config.return_dict_in_generate and generation_config.output_logits,
             trace=call.trace if call else False, exit_rule=self.exit_rule(**model_kwargs),
@@ -173,7 +174,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
 
     def decode_with_lanes(self, input_ids, mode: str, *, draft_loops: int | None = None,
                           num_speculative_tokens: int | None = None, compile_core: bool | str = False,
-                          cache: PagedLoopCache, **options):
+                          second_draft_loops: int | None = None, cache: PagedLoopCache, **options):
         """Run the lane decoder directly (`mode` "ar", "block" or "pipeline"); the settings are validated by
         `generation.config.resolve_speculative`, as `generate`'s are (None: the default).
 
@@ -182,7 +183,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         static-shape compiled calls (`generation.stages.StaticStages`).
         """
         spec = resolve_speculative(mode, draft_loops, num_speculative_tokens, compile_core, num_loops=self.num_loops,
-                                   modes=LANE_MODES)
+                                   modes=LANE_MODES, second_draft_loops=second_draft_loops)
         return self._run_lanes(input_ids, spec, cache=cache, **options)
 
     def _run_lanes(self, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCache, **options):
@@ -192,7 +193,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
             options["stages"] = StaticStages.for_run(self, cache, spec.compile_backend, len(input_ids), capacity,
                                                      options["max_length"], input_ids.device, self.lane_dtype)
         decoder = LaneDecoder(self, cache, policy_for(spec, self.num_loops), mode=spec.mode, input_ids=input_ids,
-                              **options)
+                              second_draft_loops=spec.second_draft_loops, **options)
         return decoder.run()
 
 

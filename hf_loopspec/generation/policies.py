@@ -35,7 +35,7 @@ class ARPolicy:
         return (self.num_loops,) if self.draft_loops is None else (self.num_loops, self.draft_loops)
 
     def select(self, seq: SequenceState) -> list[Lane]:
-        return [lane for lane in seq.lanes if lane.depth < self.num_loops]
+        return [lane for lane in seq.live_lanes if lane.depth < self.num_loops]
 
     def wants_draft(self, seq: SequenceState, lane: Lane) -> bool:
         """Whether `lane`, the frontier lane of `seq` that has just run, proposes the next token now."""

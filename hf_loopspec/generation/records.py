@@ -16,11 +16,14 @@ class RowTrace:
     depth: int  # loops completed before this call
     token: int
     is_draft: bool
+    branch: int = 0  # 0: the sequence's main path; k > 0: the k-th sibling branch of the run (second proposals)
 
 
 @dataclass
 class CycleTrace:
-    """One core call: the rows it ran and what happened after it (events: (kind, seq, position, token))."""
+    """One core call: the rows it ran and what happened after it (events: (kind, seq, position, token); kinds:
+    "accept", "reject", "commit", and with second proposals "second" (a sibling spawned) and "accept_second" (a
+    verification chose the sibling; "accept" and "reject" then judge the main-path draft alone))."""
 
     rows: list[RowTrace]
     events: list[tuple[str, int, int, int]] = field(default_factory=list)

@@ -33,7 +33,8 @@ def unsupported(model, options: dict) -> list[str]:
                  if not on_device(p, width)]
     problems += [f"stopping criterion {type(c).__name__}" for c in options.get("stopping_criteria") or ()
                  if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
-    for name, label in (("draft_hook", "draft_hook"), ("trace", "speculative_trace"),
+    for name, label in (("draft_hook", "draft_hook"), ("second_draft_hook", "second_draft_hook"),
+                        ("trace", "speculative_trace"),
                         ("output_scores", "output_scores"), ("output_logits", "output_logits"),
                         ("exit_rule", "exit options (exit_at_step, exit_threshold, use_weighted_exit)")):
         if options.get(name):
@@ -46,6 +47,8 @@ def choose_engine(model, spec: SpeculativeConfig, options: dict) -> str:
     if spec.engine != "wavefront":
         return "lanes"
     problems = unsupported(model, options)
+    if spec.second_draft_loops is not None:
+        problems.append(f"second_draft_loops={spec.second_draft_loops} (second proposals run in the lane decoder)")
     if problems:
         raise ValueError(f"speculative_engine='wavefront' does not support {'; '.join(problems)}. Drop "
                          f"{'it' if len(problems) == 1 else 'them'}, or pass speculative_engine='lanes' (or 'auto').")
