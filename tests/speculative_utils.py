@@ -253,15 +253,20 @@ def events(out, kind: str) -> list[tuple[int, int, int]]:
 def _row_paths(trace, prompts: Sequence[Sequence[int]]):
     """For every traced row, the tokens of its own path (its ancestry) at positions 0..position.
 
-    A sequence's live lanes form one path and a lane's ancestors all ran after they were spawned, so the token of
-    the latest row seen at each position (this cycle's rows included) is the row's ancestor there.
+    A sequence's main-path lanes form one path and a lane's ancestors all ran after they were spawned, so the token
+    of the latest row seen at each position (this cycle's rows included) is the row's ancestor there. A sibling
+    branch (`row.branch` > 0, second proposals) is a path of its own that starts at its first row's position and
+    continues the main path before it; a promoted branch's lanes run as main-path rows from the next cycle on.
     """
-    latest = [dict(enumerate(int(t) for t in p)) for p in prompts]
+    latest = {(s, 0): dict(enumerate(int(t) for t in p)) for s, p in enumerate(prompts)}
     paths = []
     for cycle in trace:
         for r in cycle.rows:
-            latest[r.seq][r.position] = r.token
-        paths.append([tuple(latest[r.seq][j] for j in range(r.position + 1)) for r in cycle.rows])
+            key = (r.seq, r.branch)
+            if key not in latest:  # a new branch: its first row is its sibling lane
+                latest[key] = {j: t for j, t in latest[(r.seq, 0)].items() if j < r.position}
+            latest[key][r.position] = r.token
+        paths.append([tuple(latest[(r.seq, r.branch)][j] for j in range(r.position + 1)) for r in cycle.rows])
     return paths
 
 

@@ -41,7 +41,7 @@ from .lanes import Lane, SequenceState
 from .policies import ARPolicy
 from .processors import row_processors
 from .records import CycleTrace, DecodeResult, RowTrace
-from .siblings import SecondHook, SecondProposals, close_branches, next_main, path_of, promote
+from .siblings import SecondHook, SecondProposals, close_branches, path_of, promote
 from .stages import EagerStages
 from .stats import SpeculationStats
 
@@ -176,7 +176,7 @@ class LaneDecoder:
         targets = [lane for lane in lanes if lane.depth == self.num_loops and not lane.next_known]
         drafters = [lane for lane in lanes if self._wants_draft(lane)]
         rereaders = [] if self.seconds is None else \
-            [lane for lane in lanes if self.seconds.wants(self.seqs[lane.seq], lane)]
+            [lane for lane in lanes if self.seconds.candidate(self.seqs[lane.seq], lane)]
         if self.layout.first_exit_plane is None:
             heads = ([] if self.exit_rule is not None else targets) + drafters + rereaders
         else:  # the head writes KV: every lane reaching an exit depth in use runs it, logits needed or not
@@ -200,7 +200,7 @@ class LaneDecoder:
                 self._draft(lane, logits[i], None if tops is None else tops[i])
         for lane in rereaders:
             seq = self.seqs[lane.seq]
-            if lane in seq.lanes and self.seconds.wants(seq, lane):  # not killed by a verification of this cycle
+            if self.seconds.wants(seq, lane):  # alive and on the main path after this cycle's verifications
                 i = row_of[id(lane)]
                 self._second(seq, lane, logits[i], None if tops is None else tops[i])
         for seq in self.seqs:  # retire lanes that completed all loops
@@ -269,7 +269,7 @@ class LaneDecoder:
             self._event("accept" if accepted else "reject", nxt.seq, nxt.position, nxt.token)
             if accepted:
                 seq.stats.accepted += 1
-                seq.stats.discarded += close_branches(self.cache, seq, nxt.position)
+                seq.stats.discarded += close_branches(self.cache, seq, nxt.position, nxt.position + 1)
             elif sibling is not None and sibling.lanes[0].token == target:
                 seq.stats.accepted += 1
                 seq.stats.second_accepted += 1

@@ -47,18 +47,23 @@ class SecondProposals:
         self.cache, self.depth, self.hook = cache, depth, hook
         self._idents = count(1)
 
+    def candidate(self, seq: SequenceState, lane: Lane) -> bool:
+        """Whether `lane`, which has just run, may re-read its draft in this cycle: it reached depth d2 and the next
+        lane on its path is an unverified draft. A branch lane qualifies too: the cycle's verifications (which run
+        first) may promote its branch, and its head row must be in the cycle's head call."""
+        nxt = next_on_path(seq, lane)
+        return lane.depth == self.depth and not lane.next_known and nxt is not None and nxt.is_draft
+
     def wants(self, seq: SequenceState, lane: Lane) -> bool:
-        """Whether main-path `lane`, which has just run, re-reads its draft now: it reached depth d2 and its next
-        lane is an unverified draft without a sibling yet."""
-        if lane.branch is not None or lane.depth != self.depth or lane.next_known or seq.finished:
-            return False
-        nxt = next_main(seq, lane)
-        return nxt is not None and nxt.is_draft and nxt.position not in seq.branches
+        """Whether `lane` re-reads its draft now (after the cycle's verifications): it is a live main-path candidate
+        whose next position has no sibling yet."""
+        return (not seq.finished and lane.branch is None and self.candidate(seq, lane)
+                and lane.position + 1 not in seq.branches)
 
     def propose(self, seq: SequenceState, lane: Lane, top: int, spawn: Callable[..., Lane]) -> Lane | None:
         """Re-read `lane`'s draft with the depth-d2 argmax `top`; returns the sibling it spawns (via `spawn(seq,
         parent, token, is_draft)`, which links its lineage), or None when the proposal agrees with the draft."""
-        first = next_main(seq, lane)
+        first = next_on_path(seq, lane)
         token = top if self.hook is None else int(self.hook(seq.index, first.position, first.token, top))
         if token == first.token:
             return None
@@ -71,10 +76,11 @@ class SecondProposals:
         return sibling
 
 
-def next_main(seq: SequenceState, lane: Lane) -> Lane | None:
-    """The main-path lane after main-path `lane`, if any."""
-    index = seq.lanes.index(lane)
-    return seq.lanes[index + 1] if index + 1 < len(seq.lanes) else None
+def next_on_path(seq: SequenceState, lane: Lane) -> Lane | None:
+    """The live lane after `lane` on its path (main or branch); None when there is none or `lane` is dead."""
+    path = path_of(seq, lane)
+    index = next((i for i, x in enumerate(path) if x is lane), None)
+    return path[index + 1] if index is not None and index + 1 < len(path) else None
 
 
 def path_of(seq: SequenceState, lane: Lane) -> list[Lane]:
@@ -82,11 +88,12 @@ def path_of(seq: SequenceState, lane: Lane) -> list[Lane]:
     return seq.lanes if lane.branch is None else lane.branch.lanes
 
 
-def close_branches(cache: PagedLoopCache, seq: SequenceState, start: int) -> int:
-    """Kill every branch of `seq` at a position >= `start` and release its KV; returns how many first-proposal drafts
-    died with them (a branch's first lane is a second proposal, counted by `second_drafts`)."""
+def close_branches(cache: PagedLoopCache, seq: SequenceState, start: int, stop: int | None = None) -> int:
+    """Kill every branch of `seq` at a position in [start, stop) (stop None: no end) and release its KV; returns how
+    many first-proposal drafts died with them (a branch's first lane is a second proposal, counted by
+    `second_drafts`)."""
     discarded = 0
-    for position in [p for p in seq.branches if p >= start]:
+    for position in [p for p in seq.branches if start <= p and (stop is None or p < stop)]:
         branch = seq.branches.pop(position)
         discarded += sum(lane.is_draft for lane in branch.lanes[1:])
         branch.lanes.clear()

@@ -1,0 +1,212 @@
+"""Second proposals (`second_draft_loops=d2`, pipeline): sibling lanes with branch-private KV (DESIGN I5).
+
+The prototype review's demands, on the real lane decoder and paged cache:
+
+* The B/C interleavings forced deterministically: `draft_hook` sets the main-path draft B of every position and
+  `second_draft_hook` the sibling C, so each verification's outcome is fixed in advance: "q1" (B right, C a
+  different wrong token: B accepted, C's branch dropped), "q2" (B wrong, C right: the sibling is chosen and its
+  branch becomes the main path) or "none" (both wrong: rollback and restart). Patterns mix them, with sibling
+  branches that open a new page or share a partly filled one, consecutive rollbacks, EOS and length stops while
+  both branches hold live descendants.
+* Every run: tokens == plain greedy; the lineage checker on (`PagedLoopCache(debug=True)`: every read of every
+  row, on either branch, checked against its own ancestry); every traced row equal to a teacher-forced forward of
+  its own path; every KV plane equal to serial AR's after the run (I4); no page or branch slot left behind; the
+  counter identities, and the closed forms of core calls for the pure patterns.
+* A mutation (siblings writing one shared slot, the prototype's bug) is caught by the lineage checker.
+"""
+
+from __future__ import annotations
+
+import pytest
+from inputs import left_pad, random_prompts
+from speculative_utils import (
+    PAGE,
+    events,
+    first_new_occurrence,
+    paged_cache,
+    pipeline_calls,
+    plain,
+    real_tokens,
+    speculative,
+    tiny_spec_model,
+)
+from test_speculative_forced import StopAtWidth, check_run
+from transformers import StoppingCriteriaList
+
+from hf_loopspec.cache.paged import LineageError, PagedLoopCache
+
+VOCAB = 80
+NEW = 20
+CONFIGS = [(1, 2), (1, 3), (2, 3)]  # (draft_loops d, second_draft_loops d2) of a 4-loop model
+CONFIG_IDS = [f"d{d}-d2{d2}" for d, d2 in CONFIGS]
+
+# outcome of the verification of generated token i at position pos: "q1", "q2" or "none"
+PATTERNS = {
+    "q1": lambda pos, i: "q1",
+    "q2": lambda pos, i: "q2",
+    "none": lambda pos, i: "none",
+    "rotating": lambda pos, i: ("q1", "q2", "none")[i % 3],
+    "rollbacks_then_q2": lambda pos, i: "q2" if i % 4 == 3 else "none",  # consecutive rollbacks
+    "q2_opens_page": lambda pos, i: "q2" if pos % PAGE == 0 else "q1",  # the chosen branch starts a new page
+    "q2_mid_page": lambda pos, i: "q2" if pos % PAGE == 2 else "none",  # ... shares a partly filled one
+}
+
+
+def _case(seed, lengths):
+    model = tiny_spec_model(seed, 4, vocab=VOCAB)
+    prompts = random_prompts(seed, lengths, VOCAB)
+    ids, mask = left_pad(prompts)
+    return model, prompts, ids, mask
+
+
+def _hooks(free, mask, prompts, outcome):
+    """`draft_hook` and `second_draft_hook` forcing `outcome(seq, position, i)`; `free` is plain greedy without stops,
+    so it knows the right token of every position a draft can be made for. Wrong tokens differ from the right one
+    and from each other."""
+    reference = [real_tokens(free.sequences, mask, s) for s in range(len(prompts))]
+
+    def which(s, pos):
+        return outcome(s, pos, pos - len(prompts[s]))
+
+    def first(s, pos, proposed):
+        right = reference[s][pos]
+        return right if which(s, pos) == "q1" else (right + 1) % VOCAB
+
+    def second(s, pos, first_token, proposed):
+        right = reference[s][pos]
+        return right if which(s, pos) == "q2" else (right + 2) % VOCAB
+
+    return {"draft_hook": first, "second_draft_hook": second}
+
+
+def _run(model, ids, mask, max_new, d, d2, hooks, **kwargs):
+    return speculative(model, ids, mask, max_new, "pipeline", d, second_draft_loops=d2, speculative_trace="hidden",
+                       **hooks, **kwargs)
+
+
+def check_second_run(model, prompts, ids, mask, out, ref, committed, outcome=None):
+    """`check_run`'s checks (with a forced `outcome`: the main-path draft B is accepted exactly for "q1", the sibling
+    chosen exactly for "q2"), and no page or branch slot outlives the run."""
+    accept = None if outcome is None else (lambda s, p, i: outcome(s, p, i) == "q1")
+    check_run(model, prompts, ids, mask, out, ref, committed, accept)
+    if outcome is not None:
+        chosen = events(out, "accept_second")
+        assert all(outcome(s, p, p - len(prompts[s])) == "q2" for s, p, _ in chosen)
+        assert len(chosen) == out.speculation.second_accepted
+    stats = out.speculation
+    assert stats.second_accepted <= min(stats.accepted, stats.second_drafts)
+    cache = out.cache
+    assert cache.num_sequences == len(prompts)  # branch slots are gone
+    held = sum(-(-cache.length(s, p) // PAGE) for s in range(len(prompts)) for p in range(cache.num_planes))
+    assert cache.pages_in_use == held  # the losing branches' pages were released
+
+
+def _both_branches_live(out) -> bool:
+    """Whether some cycle ran descendants on both branches of one position: a sibling branch's row past its sibling's
+    position next to a main-path row at the same position."""
+    for cycle in out.trace:
+        sibling_at = {}  # branch -> its sibling's position (the sibling runs as long as its branch lives)
+        for r in cycle.rows:
+            if r.branch:
+                sibling_at[r.branch] = min(sibling_at.get(r.branch, r.position), r.position)
+        deep = {(r.seq, r.position) for r in cycle.rows if r.branch and r.position > sibling_at[r.branch]}
+        if any(not r.branch and (r.seq, r.position) in deep for r in cycle.rows):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("d,d2", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_forced_second_pattern(pattern, d, d2):
+    lengths = [5, 2] if pattern in ("rotating", "q2_mid_page") else [5]
+    model, prompts, ids, mask = _case(31, lengths)
+    rule = PATTERNS[pattern]
+
+    def outcome(s, pos, i):
+        return rule(pos, i)
+
+    ref = plain(model, ids, mask, NEW)
+    out = _run(model, ids, mask, NEW, d, d2, _hooks(ref, mask, prompts, outcome))
+    check_second_run(model, prompts, ids, mask, out, ref, [NEW] * len(prompts), outcome)
+    stats, b = out.speculation, len(prompts)
+    if pattern == "q1":  # siblings spawned and always dropped; the schedule is plain pipeline's
+        assert stats.second_drafts >= b * (NEW - 1) and stats.second_accepted == 0 and stats.rejected == 0
+        assert stats.core_calls == pipeline_calls(NEW, 4, d, accept=True)
+    elif pattern == "q2":  # every position's sibling is chosen: the next token's lane starts d2 - d calls late
+        assert stats.second_accepted == stats.accepted == stats.verified == b * (NEW - 1)
+        assert stats.core_calls == (NEW - 1) * d2 + 4
+    elif pattern == "none":  # both rejected everywhere: U calls per token, as without speculation
+        assert stats.rejected == stats.verified == b * (NEW - 1) and stats.second_accepted == 0
+        assert stats.core_calls == pipeline_calls(NEW, 4, d, accept=False)
+    else:
+        assert stats.second_accepted and bool(stats.rejected) == (pattern != "q2_opens_page")
+    if pattern in ("q2", "rotating") and (d, d2) == (1, 2):  # a branch lives U - d2 = 2 calls: long enough
+        assert _both_branches_live(out)
+
+
+def _eos_case(min_index: int):
+    """A seed whose plain continuation of one prompt emits a token first at index >= min_index (taken as eos)."""
+    for seed in range(40, 90):
+        model, prompts, ids, mask = _case(seed, [5])
+        free = plain(model, ids, mask, NEW)
+        options = [(i, t) for t, i in first_new_occurrence(free.sequences[0, ids.shape[1]:].tolist(),
+                                                           min_index).items() if i < NEW - 4]
+        if options:
+            index, eos = min(options)
+            return model, prompts, ids, mask, free, eos, index
+    raise AssertionError("no seed with a suitable eos token")
+
+
+@pytest.mark.parametrize("chosen", ["q1", "q2", "none"])
+def test_eos_with_descendants_on_both_branches(chosen):
+    """The eos token is committed by a verification whose position holds both candidates, each with live
+    descendants (d=1, d2=2); every position before it chooses the sibling. The run stops where plain greedy stops,
+    and both branches' lanes and pages are dropped."""
+    model, prompts, ids, mask, free, eos, index = _eos_case(6)
+    eos_position = len(prompts[0]) + index
+
+    def outcome(s, pos, i):
+        return chosen if pos == eos_position else "q2"
+
+    ref = plain(model, ids, mask, NEW, eos_token_id=eos)
+    assert int(ref.sequences[0, -1]) == eos
+    out = _run(model, ids, mask, NEW, 1, 2, _hooks(free, mask, prompts, outcome), eos_token_id=eos)
+    check_second_run(model, prompts, ids, mask, out, ref, [index + 1], outcome)
+    commit_cycle = next(c for c, cycle in enumerate(out.trace) if ("commit", 0, eos_position, eos) in cycle.events) \
+        if chosen != "none" else len(out.trace) - 1
+    rows = out.trace[commit_cycle].rows  # the last call: descendants past the eos on both branches
+    assert any(r.branch and r.position > eos_position for r in rows)
+    assert any(not r.branch and r.position > eos_position for r in rows)
+
+
+@pytest.mark.parametrize("stop_after", [2, 7])
+def test_length_stop_with_descendants_on_both_branches(stop_after):
+    """A stopping criterion the decoder cannot foresee ends the run while siblings and their drafts are in flight."""
+    model, prompts, ids, mask = _case(33, [5, 3])
+
+    def outcome(s, pos, i):
+        return ("q2", "q1")[i % 2]
+
+    free = plain(model, ids, mask, NEW)
+    stop = StoppingCriteriaList([StopAtWidth(ids.shape[1] + stop_after)])
+    ref = plain(model, ids, mask, NEW, stopping_criteria=stop)
+    out = _run(model, ids, mask, NEW, 1, 2, _hooks(free, mask, prompts, outcome), stopping_criteria=stop)
+    check_second_run(model, prompts, ids, mask, out, ref, [stop_after] * 2, outcome)
+    last = out.trace[-1].rows
+    assert any(r.branch for r in last) and any(not r.branch and r.position > len(prompts[r.seq]) + stop_after - 1
+                                                 for r in last)
+
+
+@pytest.mark.parametrize("d,d2", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_identity_with_real_second_proposals(seed, d, d2):
+    """No hooks: the model's own depth-d and depth-d2 proposals, on a random and on a damped model (whose loops agree,
+    so drafts and siblings get accepted); a ragged batch, 40 tokens. Tokens equal plain greedy, every plane equals
+    serial AR's."""
+    model = tiny_spec_model(50 + seed, 4, vocab=VOCAB, damp=(1.0, 0.5)[seed])
+    prompts = random_prompts(50 + seed, [6, 1, 9], VOCAB)
+    ids, mask = left_pad(prompts)
+    ref = plain(model, ids, mask, 40)
+    out = speculative(model, ids, mask, 40, "pipeline", d, second_draft_loops=d2)
+    check_second_run(model, prompts, ids, mask, out, ref, [40] * 3)
+    assert out.speculation.second_drafts > 0
