@@ -7,8 +7,9 @@
 Each cell is one row of one core call: the token whose loop `depth` that call computes. Colours tell the fate of the
 token's lane: the prompt, a token started from a verified target (the first token, a correction or a bonus), a draft
 that was later accepted, a draft that was rejected, and a draft that was discarded without a verification (a
-descendant of a rejected draft, or in flight when the sequence stopped). The numbers above the columns count the
-tokens committed after each call. `schedule_grid` returns the same information as data (no matplotlib needed).
+descendant of a rejected draft, or in flight when the sequence stopped). With second proposals
+(`second_draft_loops`), a sibling lane is drawn as a second proposal, chosen or dropped, and the lanes drafted on its
+branch like any draft. The numbers above the columns count the tokens committed after each call. `schedule_grid` returns the same information as data (no matplotlib needed).
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-KINDS = ("prompt", "target", "accepted", "rejected", "discarded")
+KINDS = ("prompt", "target", "accepted", "rejected", "discarded", "second_accepted", "second")
 COLORS = {
     "prompt": "#d9d9d9",
     "target": "#9ecae1",  # started from a verified target token
     "accepted": "#a1d99b",
     "rejected": "#fc9272",
     "discarded": "#fdd0a2",
+    "second_accepted": "#31a354",
+    "second": "#bcbddc",
 }
 LABELS = {
     "prompt": "prompt",
@@ -30,6 +33,8 @@ LABELS = {
     "accepted": "draft, accepted",
     "rejected": "draft, rejected",
     "discarded": "draft, discarded unverified",
+    "second_accepted": "second proposal (sibling), chosen",
+    "second": "second proposal (sibling), dropped",
 }
 
 
@@ -39,7 +44,8 @@ class _Lane:
     token: int
     is_draft: bool
     prompt: bool
-    fate: str | None = None  # "accepted" / "rejected" once verified
+    fate: str | None = None  # "accepted" / "rejected" / "second_accepted" once verified
+    second: bool = False  # a sibling lane (second proposal)
 
 
 @dataclass
@@ -69,32 +75,26 @@ def schedule_grid(trace: Sequence, seq: int = 0, num_loops: int | None = None) -
                          "and a speculative_mode.")
     first = [row for row in trace[0].rows if row.seq == seq]
     prompt_positions = {row.position for row in first if row.depth == 0}
-    current: dict[tuple[int, int], _Lane] = {}  # (position, token) -> its newest lane
+    current: dict[tuple[int, int, int], _Lane] = {}  # (position, token, branch) -> its newest lane
     rows_at: list[tuple[int, int, _Lane]] = []
     commits = []
     deepest = 0
+    branches: set[int] = set()  # sibling branches seen (the first row of one is its sibling lane)
     for c, cycle in enumerate(trace):
         for row in cycle.rows:
             if row.seq != seq:
                 continue
-            key = (row.position, row.token)
+            branch = getattr(row, "branch", 0)
+            key = (row.position, row.token, branch)
             lane = current.get(key)
             if row.depth == 0 or lane is None:
-                lane = _Lane(row.position, row.token, row.is_draft, row.position in prompt_positions)
+                lane = _Lane(row.position, row.token, row.is_draft, row.position in prompt_positions,
+                             second=bool(branch) and branch not in branches)
                 current[key] = lane
+                branches.add(branch)
             rows_at.append((c, row.depth, lane))
             deepest = max(deepest, row.depth)
-        committed = 0
-        for kind, s, position, token in cycle.events:
-            if s != seq:
-                continue
-            if kind in ("accept", "reject"):
-                lane = current.get((position, token))
-                if lane is not None:
-                    lane.fate = "accepted" if kind == "accept" else "rejected"
-            elif kind == "commit":
-                committed += 1
-        commits.append(committed)
+        commits.append(_read_events(cycle.events, seq, current))
     loops = num_loops if num_loops is not None else deepest + 1
 
     def kind_of(lane: _Lane) -> str:
@@ -102,18 +102,42 @@ def schedule_grid(trace: Sequence, seq: int = 0, num_loops: int | None = None) -
             return "prompt"
         if lane.fate is not None:
             return lane.fate
+        if lane.second:
+            return "second"
         return "discarded" if lane.is_draft else "target"
 
     grouped: dict[tuple[int, int], list[_Lane]] = {}
     for c, depth, lane in rows_at:
         grouped.setdefault((c, depth), []).append(lane)
-    priority = {k: i for i, k in enumerate(("rejected", "discarded", "accepted", "target", "prompt"))}
+    order = ("second_accepted", "rejected", "second", "discarded", "accepted", "target", "prompt")
+    priority = {k: i for i, k in enumerate(order)}
     cells = []
     for (c, depth), lanes in sorted(grouped.items()):
         kinds = [kind_of(lane) for lane in lanes]
         cells.append(Cell(c, depth, [lane.token for lane in lanes], [lane.position for lane in lanes],
                           min(kinds, key=priority.__getitem__)))
     return ScheduleGrid(cells, len(trace), loops, commits, len(prompt_positions))
+
+
+def _read_events(events, seq: int, current: dict) -> int:
+    """Record the fates that one cycle's events give the lanes of `seq` in `current`; returns its commits. A chosen
+    sibling's branch joins the main path (its lanes are keyed as branch 0 from then on)."""
+    committed = 0
+    for kind, s, position, token in events:
+        if s != seq:
+            continue
+        if kind in ("accept", "reject"):
+            lane = current.get((position, token, 0))
+            if lane is not None:
+                lane.fate = "accepted" if kind == "accept" else "rejected"
+        elif kind == "accept_second":
+            branch = next(k[2] for k in current if k[:2] == (position, token) and k[2] and current[k].second)
+            current[(position, token, branch)].fate = "second_accepted"
+            for key in [k for k in current if k[2] == branch]:
+                current[key[:2] + (0,)] = current.pop(key)
+        elif kind == "commit":
+            committed += 1
+    return committed
 
 
 def plot_schedule(trace: Sequence, *, seq: int = 0, tokenizer=None, num_loops: int | None = None,

@@ -31,9 +31,10 @@ from speculative_utils import (
     tiny_spec_model,
 )
 from test_speculative_forced import StopAtWidth, check_run
-from transformers import StoppingCriteriaList
+from transformers import GenerationConfig, StoppingCriteriaList
 
 from hf_loopspec.cache.paged import LineageError, PagedLoopCache
+from hf_loopspec.trace_plot import schedule_grid
 
 VOCAB = 80
 NEW = 20
@@ -210,3 +211,49 @@ def test_identity_with_real_second_proposals(seed, d, d2):
     out = speculative(model, ids, mask, 40, "pipeline", d, second_draft_loops=d2)
     check_second_run(model, prompts, ids, mask, out, ref, [40] * 3)
     assert out.speculation.second_drafts > 0
+
+
+def test_siblings_sharing_one_slot_is_caught(monkeypatch):
+    """The prototype's bug as a mutation: copy on write is switched off, so a sibling's first write into the page it
+    shares with the main path lands in the slot the main path's lanes read. The lineage checker must raise."""
+    model, prompts, ids, mask = _case(31, [5])
+    ref = plain(model, ids, mask, NEW)
+    hooks = _hooks(ref, mask, prompts, lambda s, p, i: "q1")  # siblings everywhere, most inside a page
+    original = PagedLoopCache._writable_page
+
+    def shared_page(self, table, index, like):
+        pages = self._pages[table]
+        if index < len(pages) and self._refs[pages[index]] > 1:
+            return pages[index]  # the mutation: write into the shared page instead of a copy
+        return original(self, table, index, like)
+
+    monkeypatch.setattr(PagedLoopCache, "_writable_page", shared_page)
+    with pytest.raises(LineageError, match="I1 violated"):
+        _run(model, ids, mask, NEW, 1, 2, hooks)
+
+
+def test_schedule_shows_siblings():
+    model, prompts, ids, mask = _case(31, [5])
+    ref = plain(model, ids, mask, NEW)
+    out = speculative(model, ids, mask, NEW, "pipeline", 1, second_draft_loops=2, speculative_trace=True,
+                      **_hooks(ref, mask, prompts, lambda s, p, i: PATTERNS["rotating"](p, i)))
+    grid = schedule_grid(out.trace, num_loops=4)
+    chosen = [c for c in grid.cells if c.kind == "second_accepted"]
+    assert len([c for c in chosen if c.depth == 0]) == out.speculation.second_accepted > 0
+    assert any(c.kind == "second" for c in grid.cells)  # dropped siblings
+    assert sum(grid.commits) == NEW
+
+
+def test_generation_config_key_and_greedy_only():
+    model, prompts, ids, mask = _case(32, [4, 6])
+    ref = plain(model, ids, mask, 12)
+    config = GenerationConfig(speculative_mode="pipeline", draft_loops=1, second_draft_loops=3, max_new_tokens=12,
+                              do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    out = model.generate(ids, attention_mask=mask, generation_config=config, cache=paged_cache(model))
+    assert out.sequences.tolist() == ref.sequences.tolist() and out.speculation.second_drafts > 0
+    with pytest.raises(ValueError, match=r"(?s)(?=.*second_draft_loops=3)(?=.*greedy)"):
+        model.generate(ids, attention_mask=mask, generation_config=config, do_sample=True)
+    with pytest.raises(ValueError, match="second_draft_loops=2"):
+        model.decode_with_lanes(ids, "pipeline", second_draft_loops=2, cache=paged_cache(model),
+                                attention_mask=mask, logits_processor=None, stopping_criteria=None, pad_token_id=0,
+                                max_length=ids.shape[1] + 4, do_sample=True)

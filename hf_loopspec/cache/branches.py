@@ -96,11 +96,12 @@ class BranchSlots:
     def promote(self, slot: int) -> None:
         """Make the branch the parent's history from `point` on (see the module docstring) and close its slot."""
         cache = self.cache
-        branch = self._open.pop(slot)
-        for other in self._open.values():
-            if other.parent == branch.parent and other.point >= branch.point:
+        branch = self._open[slot]
+        for other_slot, other in self._open.items():
+            if other_slot != slot and other.parent == branch.parent and other.point >= branch.point:
                 raise ValueError(f"cannot promote the branch of sequence {branch.parent} at position {branch.point} "
                                  f"while its branch at position {other.point} is open: close that one first.")
+        del self._open[slot]
         for plane in range(cache.num_planes):
             cache.truncate(branch.parent, plane, min(branch.point, cache.length(branch.parent, plane)))
             if plane in branch.opened:

@@ -1,0 +1,82 @@
+"""PagedLoopCache branch slots (`cache.branches`, invariant B of `hf_loopspec.cache.branches`): a branch shares its
+parent's common history, copies the partly filled page on its first write, is promoted without copying, releases its
+pages when closed, and refuses to outlive a rollback of its common history."""
+
+from __future__ import annotations
+
+import pytest
+from test_paged_cache import LAYOUT, fill_values, read_values, write
+
+from hf_loopspec import PagedLoopCache
+
+
+def _parent(length: int = 8) -> PagedLoopCache:
+    """One sequence holding positions 0..length-1 in planes 0 and 1, value = position (plane 0) or 100 + position."""
+    cache = PagedLoopCache(LAYOUT, page_size=4)
+    for plane, base in ((0, 0.0), (1, 100.0)):
+        for p in range(length):
+            fill_values(cache, write(cache, 0, plane, [p]), base + p)
+    return cache
+
+
+def test_branch_shares_the_common_history_and_copies_the_partly_filled_page():
+    cache = _parent()
+    before = cache.pages_in_use
+    slot = cache.branches.open(0, 6)
+    assert slot == 1 and cache.length(slot, 0) == 0  # no table until the branch writes the plane
+    fill_values(cache, write(cache, slot, 0, [6]), -6.0)
+    parent_pages, branch_pages = cache._pages[0], cache._pages[slot * cache.num_planes]
+    assert branch_pages[0] == parent_pages[0]  # positions 0..3: the same page
+    assert branch_pages[1] != parent_pages[1]  # positions 4..7: copied on the first write
+    assert cache.pages_in_use == before + 1
+    assert read_values(cache, slot, 0) == [0, 1, 2, 3, 4, 5, -6]
+    assert read_values(cache, 0, 0) == list(range(8))  # the parent never sees the branch's write
+    fill_values(cache, write(cache, slot, 0, [7, 8]), -7.0)
+    assert read_values(cache, 0, 0) == list(range(8)) and cache.length(slot, 0) == 9
+
+
+def test_promote_moves_the_branch_pages_without_copying():
+    cache = _parent()
+    slot = cache.branches.open(0, 6)
+    fill_values(cache, write(cache, slot, 0, [6, 7, 8]), -1.0)
+    pages = list(cache._pages[slot * cache.num_planes])
+    cache.branches.promote(slot)
+    assert cache._pages[0] == pages and cache.length(0, 0) == 9  # plane 0: the branch's table itself
+    assert cache.length(0, 1) == 6 and read_values(cache, 0, 1) == [100 + p for p in range(6)]  # unopened: truncated
+    assert cache.num_sequences == 1  # the branch slot is gone
+    assert cache.pages_in_use == 3 + 2  # plane 0: 9 positions; plane 1: 6 positions
+
+
+def test_close_releases_the_branch_pages():
+    cache = _parent()
+    before = cache.pages_in_use
+    slot = cache.branches.open(0, 5)
+    fill_values(cache, write(cache, slot, 0, [5, 6, 7, 8, 9]), -1.0)
+    fill_values(cache, write(cache, slot, 1, [5]), -1.0)
+    assert cache.pages_in_use > before
+    cache.branches.close(slot)
+    assert cache.pages_in_use == before and cache.num_sequences == 1
+    assert read_values(cache, 0, 0) == list(range(8))
+
+
+def test_common_history_cannot_change_under_an_open_branch():
+    cache = _parent()
+    slot = cache.branches.open(0, 6)
+    write(cache, slot, 0, [6])
+    with pytest.raises(ValueError, match="invariant B"):
+        cache.truncate(0, 0, 5)  # a rollback below the branch point
+    cache.truncate(0, 0, 6)  # the parent's own tokens from the branch point on may go
+    short = _parent(4)
+    branch = short.branches.open(0, 6)
+    with pytest.raises(ValueError, match="invariant B"):  # the common history is not complete yet
+        write(short, branch, 0, [6])
+
+
+def test_promote_refuses_while_a_later_branch_is_open():
+    cache = _parent()
+    early, late = cache.branches.open(0, 5), cache.branches.open(0, 7)
+    with pytest.raises(ValueError, match="close that one first"):
+        cache.branches.promote(early)
+    cache.branches.close(late)
+    cache.branches.promote(early)
+    assert cache.num_sequences == 1
