@@ -116,8 +116,12 @@ def _both_branches_live(out) -> bool:
     return False
 
 
-@pytest.mark.parametrize("d,d2", CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize("pattern", list(PATTERNS))
+# every pattern with d = 1, d2 = 2 (branches live two calls beside the main path); the pure ones and the mix for
+# the other depths (suite time)
+FORCED = [(p, 1, 2) for p in PATTERNS] + [(p, d, d2) for d, d2 in CONFIGS[1:] for p in ("q2", "none", "rotating")]
+
+
+@pytest.mark.parametrize("pattern,d,d2", FORCED, ids=[f"{p}-d{d}-d2{d2}" for p, d, d2 in FORCED])
 def test_forced_second_pattern(pattern, d, d2):
     lengths = [5, 2] if pattern in ("rotating", "q2_mid_page") else [5]
     model, prompts, ids, mask = _case(31, lengths)

@@ -38,13 +38,16 @@ class _Bench:
         """The torch seed of a sampled run (`--seed` + round; warm-ups: `--seed`), None when greedy."""
         return self.args.seed + offset if self.sampled else None
 
-    def runs(self) -> dict[str, tuple[str, str | None]]:
-        """Run name -> (mode, engine): each lane mode once per `--engines` engine (named MODE/wavefront for the
-        wavefront engine), plain modes once (engine None)."""
+    def runs(self) -> dict[str, tuple[str, str | None, int | None]]:
+        """Run name -> (mode, engine, second_draft_loops): each lane mode once per `--engines` engine (named
+        MODE/wavefront for the wavefront engine), plain modes once (engine None), and with `--second-draft-loops`
+        pipeline once more on the lane engine with second proposals (named pipeline+second)."""
         named = {}
         for mode in self.args.modes:
             for engine in (self.args.engines if mode in LANE_MODES else [None]):
-                named[mode if engine in (None, "lanes") else f"{mode}/{engine}"] = (mode, engine)
+                named[mode if engine in (None, "lanes") else f"{mode}/{engine}"] = (mode, engine, None)
+            if mode == "pipeline" and self.args.second_draft_loops is not None:
+                named["pipeline+second"] = (mode, "lanes", self.args.second_draft_loops)
         return named
 
     def hook(self, mode: str, reference: torch.Tensor | None):
@@ -90,7 +93,11 @@ def _fixed_recurrence(model):
 def _validate(args, loops: int) -> None:
     for mode in ("block", "pipeline"):
         if mode in args.modes:  # raises ValueError with the same message generate() would
-            resolve_speculative(mode, args.draft_loops, args.num_speculative_tokens, num_loops=loops)
+            resolve_speculative(mode, args.draft_loops, args.num_speculative_tokens, num_loops=loops,
+                                second_draft_loops=args.second_draft_loops if mode == "pipeline" else None)
+    if args.second_draft_loops is not None and "pipeline" not in args.modes:
+        raise ValueError(f"--second-draft-loops {args.second_draft_loops} adds a pipeline run: include pipeline "
+                         "in --modes.")
 
 
 def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:
@@ -119,7 +126,7 @@ def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:
     exact_dtype = DTYPES[args.dtype] == torch.float32
     rows = []
     for name, rs in runs.items():
-        mode, engine = bench.runs()[name]
+        mode, engine, _ = bench.runs()[name]
         if sampling is None:
             checks = [compare(x["generated"], reference, reference_logits) for x in rs]
             check = "reference" if name == "plain" else min(checks, key=lambda c: c["agreement_rate"])
@@ -152,12 +159,12 @@ def _measure(bench: _Bench, model_name: str, device: torch.device):
     own_reference: dict[str, torch.Tensor] = {}
     warmup_seconds: dict[str, float] = {}
     named = bench.runs()
-    for name, (mode, engine) in named.items():  # warm-up (with synthetic acceptance: each run's own continuation)
+    for name, (mode, engine, second) in named.items():  # warm-up (synthetic acceptance: each run's own continuation)
         if mode == "plain":
             continue
         _log(args, f"[bench] warm-up {name}")
         warmup = run_mode(model, mode, ids, n, draft_hook=bench.hook(mode, reference), seed=bench.seed(0),
-                          **bench.run_kwargs, **_engine(engine))
+                          **bench.run_kwargs, **_engine(engine, second))
         own_reference[name], warmup_seconds[name] = warmup["generated"], warmup["seconds"]
 
     batch = args.batch_size
@@ -169,15 +176,15 @@ def _measure(bench: _Bench, model_name: str, device: torch.device):
                    f"{batch * args.prompt_len}-row prefill, then " + " ".join(named))
         cost_rounds.append(measure_call_costs(model, batch, args.prompt_len, grids, device,
                                               args.calibration_seconds / args.repeats, seed=args.seed + r))
-        for name, (mode, engine) in named.items():
+        for name, (mode, engine, second) in named.items():
             runs[name].append(run_mode(model, mode, ids, n, draft_hook=bench.hook(mode, own_reference.get(name)),
-                                       seed=bench.seed(r), **bench.run_kwargs, **_engine(engine)))
+                                       seed=bench.seed(r), **bench.run_kwargs, **_engine(engine, second)))
     return runs, warmup_seconds, cost_rounds, reference, reference_run["logits"]
 
 
-def _engine(engine: str | None) -> dict:
-    """`run_mode`'s engine argument of a run (plain modes have none)."""
-    return {} if engine is None else {"engine": engine}
+def _engine(engine: str | None, second: int | None = None) -> dict:
+    """`run_mode`'s engine (plain modes have none) and second_draft_loops arguments of a run."""
+    return ({} if engine is None else {"engine": engine}) | ({} if second is None else {"second_draft_loops": second})
 
 
 def _log(args, message: str) -> None:

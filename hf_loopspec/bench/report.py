@@ -130,6 +130,7 @@ def format_table(result: dict) -> str:
         f"hf-loopspec bench | {result['model']['name']} ({result['model']['parameters'] / 1e6:.1f}M params) | "
         f"{m['device_name']} {a['dtype']} | threads {m['torch_threads']} | batch {a['batch_size']} | "
         f"prompt {a['prompt_len']} | new {a['new_tokens']} | d={a['draft_loops']} K={a['num_speculative_tokens']} "
+        + (f"d2={a['second_draft_loops']} " if a.get("second_draft_loops") is not None else "") +
         f"| repeats {a['repeats']} | load avg {_num(m.get('load_avg_1m_start'))}->{_num(m.get('load_avg_1m_end'))}"
     )]
     if result.get("sampling") is not None:
@@ -184,6 +185,7 @@ def mode_row(mode: str, runs: list[dict], seconds: dict[str, float], *, batch: i
         "core_calls": None, "core_calls_per_token": float(loops) if mode in PLAIN_MODES else None,
         "acceptance_rate": None,
         "drafted": None, "verified": None, "accepted": None, "rejected": None, "discarded": None,
+        "second_drafts": None, "second_accepted": None,
         "acceptance_rate_all": None, "core_calls_per_token_all": None,
         "ideal_speedup_vs_ar": None, "fraction_of_ideal": None, "predicted_seconds": None, "overhead_fraction": None,
         "warmup_seconds": warmup_seconds,
@@ -199,7 +201,7 @@ def mode_row(mode: str, runs: list[dict], seconds: dict[str, float], *, batch: i
         core_calls=stats.core_calls, core_calls_per_token=stats.core_calls * batch / stats.committed_tokens,
         acceptance_rate=stats.acceptance_rate if stats.drafted else None,
         drafted=stats.drafted, verified=stats.verified, accepted=stats.accepted, rejected=stats.rejected,
-        discarded=stats.discarded,
+        discarded=stats.discarded, second_drafts=stats.second_drafts, second_accepted=stats.second_accepted,
         acceptance_rate_all=[x["stats"].acceptance_rate if x["stats"].drafted else None for x in runs],
         core_calls_per_token_all=[x["stats"].core_calls * batch / x["stats"].committed_tokens for x in runs],
     )

@@ -87,13 +87,14 @@ def generation_processors(model, prompt_len: int, device: torch.device) -> Logit
 
 def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook=None,
              output_logits: bool = False, processors: LogitsProcessorList | None = None, seed: int | None = None,
-             compile_core: str | None = None, engine: str = "lanes") -> dict:
+             compile_core: str | None = None, engine: str = "lanes", second_draft_loops: int | None = None) -> dict:
     """Run one mode once, inside `bench_generation_config` (greedy or sampled as `model.generation_config` says);
     returns seconds, generated ids `[B, N]`, and for the lane modes the stats and the row counts of every call.
 
     `processors`: the lane modes' logits processors (`generation_processors`); `seed`: call `torch.manual_seed(seed)`
     first (untimed); `compile_core`: a torch.compile backend for the lane modes; `engine`: the engine of a lane
-    mode, "lanes" or "wavefront" (`draft_hook` then becomes its device-side `draft_override`).
+    mode, "lanes" or "wavefront" (`draft_hook` then becomes its device-side `draft_override`); `second_draft_loops`:
+    pipeline with second proposals (lane engine).
     """
     device = ids.device
     if seed is not None:
@@ -103,9 +104,12 @@ def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loop
     if mode in PLAIN_MODES:
         result, out = _run_plain(model, mode, ids, new_tokens, output_logits)
     else:
-        run = _run_wavefront if engine == "wavefront" else _run_lanes
-        result, out = run(model, mode, ids, new_tokens, draft_loops=draft_loops, k=k, draft_hook=draft_hook,
-                          processors=processors, compile_core=compile_core)
+        if engine == "wavefront":
+            result, out = _run_wavefront(model, mode, ids, new_tokens, draft_loops=draft_loops, k=k,
+                                         draft_hook=draft_hook, processors=processors, compile_core=compile_core)
+        else:
+            result, out = _run_lanes(model, mode, ids, new_tokens, draft_loops=draft_loops, k=k, draft_hook=draft_hook,
+                                     processors=processors, compile_core=compile_core, second=second_draft_loops)
     result["generated"] = out.sequences[:, ids.shape[1]:].cpu()
     if device.type == "cuda":
         result["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -127,7 +131,7 @@ def _run_plain(model, mode: str, ids: torch.Tensor, new_tokens: int, output_logi
 
 
 def _run_lanes(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook,
-               processors, compile_core):
+               processors, compile_core, second: int | None = None):
     cache = PagedLoopCache(model.kv_layout)
     max_length = ids.shape[1] + new_tokens
     synchronize(ids.device)
@@ -136,7 +140,7 @@ def _run_lanes(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_lo
         ids, mode, draft_loops=draft_loops, num_speculative_tokens=k, cache=cache, attention_mask=None,
         logits_processor=processors, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(max_length)]),
         pad_token_id=0, max_length=max_length, draft_hook=draft_hook,
-        do_sample=model.generation_config.do_sample, compile_core=compile_core or False)
+        do_sample=model.generation_config.do_sample, compile_core=compile_core or False, second_draft_loops=second)
     synchronize(ids.device)
     seconds = time.perf_counter() - start
     # The row counts of every stage call come with the stats (counted on the host: no device sync in the run).
