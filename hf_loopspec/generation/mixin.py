@@ -3,10 +3,10 @@
 It adds `speculative_mode`, `draft_loops`, `num_speculative_tokens`, `compile_core`, `speculative_engine` and
 `second_draft_loops` to `generate` (as kwargs or on the `GenerationConfig`), resolves and validates them once per
 call before any work (`generation.call`), and routes greedy decoding and sampling to the lane decoder when a
-speculative mode is set, unless a logits processor
-is not known to be row-pure (`generation.processors`: the call then decodes plainly, and says so). Plain decoding
-(`speculative_mode=None`) is transformers' own loop, on a growing `DynamicCache` by default or, with
-`cache_implementation="static"`, on a `StaticCache` sized for one layer per (plane, layer) (`looped_static_cache`).
+speculative mode is set, unless a logits processor is not known to be row-pure (`generation.processors`: the call
+then decodes plainly, and says so). Plain decoding (`speculative_mode=None`) is transformers' own loop, on a growing
+`DynamicCache` by default or, with `cache_implementation="static"`, on a `StaticCache` sized for one layer per
+(plane, layer) (`looped_static_cache`).
 """
 
 from __future__ import annotations
