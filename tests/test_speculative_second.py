@@ -21,6 +21,8 @@ import pytest
 from inputs import left_pad, random_prompts
 from speculative_utils import (
     PAGE,
+    assert_cache_matches_ar,
+    assert_counter_invariants,
     events,
     first_new_occurrence,
     paged_cache,
@@ -31,6 +33,8 @@ from speculative_utils import (
     tiny_spec_model,
 )
 from test_speculative_forced import StopAtWidth, check_run
+from test_speculative_identity import BATCHES
+from tolerances import ouro_depth
 from transformers import GenerationConfig, StoppingCriteriaList
 
 from hf_loopspec.cache.paged import LineageError, PagedLoopCache
@@ -94,11 +98,16 @@ def check_second_run(model, prompts, ids, mask, out, ref, committed, outcome=Non
         chosen = events(out, "accept_second")
         assert all(outcome(s, p, p - len(prompts[s])) == "q2" for s, p, _ in chosen)
         assert len(chosen) == out.speculation.second_accepted
+    assert_released(out, len(prompts))
+
+
+def assert_released(out, batch: int) -> None:
+    """Nothing of a branch outlives the run, and the second-proposal counters are consistent."""
     stats = out.speculation
     assert stats.second_accepted <= min(stats.accepted, stats.second_drafts)
     cache = out.cache
-    assert cache.num_sequences == len(prompts)  # branch slots are gone
-    held = sum(-(-cache.length(s, p) // PAGE) for s in range(len(prompts)) for p in range(cache.num_planes))
+    assert cache.num_sequences == batch  # branch slots are gone
+    held = sum(-(-cache.length(s, p) // PAGE) for s in range(batch) for p in range(cache.num_planes))
     assert cache.pages_in_use == held  # the losing branches' pages were released
 
 
@@ -202,18 +211,28 @@ def test_length_stop_with_descendants_on_both_branches(stop_after):
                                                  for r in last)
 
 
-@pytest.mark.parametrize("d,d2", CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize("seed", [0, 1])
-def test_identity_with_real_second_proposals(seed, d, d2):
-    """No hooks: the model's own depth-d and depth-d2 proposals, on a random and on a damped model (whose loops agree,
-    so drafts and siblings get accepted); a ragged batch, 40 tokens. Tokens equal plain greedy, every plane equals
-    serial AR's."""
-    model = tiny_spec_model(50 + seed, 4, vocab=VOCAB, damp=(1.0, 0.5)[seed])
-    prompts = random_prompts(50 + seed, [6, 1, 9], VOCAB)
+IDENTITY = [(4, d, d2) for d, d2 in CONFIGS] + [(3, 1, 2)]  # (U, d, d2): every valid pair for U = 3 and 4
+
+
+@pytest.mark.parametrize("loops,d,d2", IDENTITY, ids=[f"U{u}-d{d}-d2{d2}" for u, d, d2 in IDENTITY])
+@pytest.mark.parametrize("damp", [1.0, 0.1])
+def test_identity_with_real_second_proposals(damp, loops, d, d2):
+    """No hooks: the model's own depth-d and depth-d2 proposals, on an undamped random model (drafts mostly wrong,
+    siblings often spawned and sometimes chosen) and a damped one (whose loops agree: drafts mostly right), for
+    two seeds' ragged batches of the identity matrix (`test_speculative_identity.BATCHES`) decoded together, 40
+    new tokens. Tokens equal plain greedy, the counters keep their identities, every plane equals serial AR's,
+    nothing of a branch is left behind. (Lineage checker off, as in the identity matrix: every other test here runs
+    with it on.)"""
+    model = tiny_spec_model(60 + loops, loops, vocab=VOCAB, damp=damp)
+    prompts = [p for seed in range(2) for p in random_prompts(seed, BATCHES["ragged3"](seed, 0), VOCAB)]
     ids, mask = left_pad(prompts)
     ref = plain(model, ids, mask, 40)
-    out = speculative(model, ids, mask, 40, "pipeline", d, second_draft_loops=d2)
-    check_second_run(model, prompts, ids, mask, out, ref, [40] * 3)
+    out = speculative(model, ids, mask, 40, "pipeline", d, second_draft_loops=d2, debug=False)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    assert_counter_invariants(out.speculation, [40] * len(prompts))
+    assert_cache_matches_ar(out.cache, ref.cache, mask, [40] * len(prompts), model.config.num_hidden_layers,
+                            model_depth=ouro_depth(model.config))
+    assert_released(out, len(prompts))
     assert out.speculation.second_drafts > 0
 
 
