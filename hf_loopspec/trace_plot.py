@@ -9,7 +9,8 @@ token's lane: the prompt, a token started from a verified target (the first toke
 that was later accepted, a draft that was rejected, and a draft that was discarded without a verification (a
 descendant of a rejected draft, or in flight when the sequence stopped). With second proposals
 (`second_draft_loops`), a sibling lane is drawn as a second proposal, chosen or dropped, and the lanes drafted on its
-branch like any draft. The numbers above the columns count the tokens committed after each call. `schedule_grid` returns the same information as data (no matplotlib needed).
+branch like any draft. The numbers above the columns count the tokens committed after each call. `schedule_grid`
+returns the same information as data (no matplotlib needed).
 """
 
 from __future__ import annotations

@@ -95,9 +95,10 @@ def _check_second_draft_loops(mode: str, draft_loops: int, second, num_loops: in
         raise ValueError(f"second_draft_loops={second} needs speculative_mode='pipeline' (got {mode!r}): second "
                          "proposals re-read a pipeline lane's draft; drop second_draft_loops for other modes.")
     if not draft_loops < second < num_loops:
-        raise ValueError(f"second_draft_loops={second} must lie strictly between draft_loops={draft_loops} and the loop "
-                         f"count {num_loops} (a deeper draft than the first, shallower than the target); pass one of "
-                         f"{list(range(draft_loops + 1, num_loops)) or 'nothing: use a smaller draft_loops'} or None.")
+        raise ValueError(f"second_draft_loops={second} must lie strictly between draft_loops={draft_loops} and the "
+                         f"loop count {num_loops} (a deeper draft than the first, shallower than the target); pass "
+                         f"one of {list(range(draft_loops + 1, num_loops)) or 'nothing: use a smaller draft_loops'} "
+                         "or None.")
     if backend is not None:
         raise ValueError(f"second_draft_loops={second} cannot be combined with compile_core={backend!r} (the compiled "
                          "calls size their block tables for one branch per sequence); drop one of the two.")
@@ -159,8 +160,9 @@ def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_c
                              "never runs padding columns, so it cannot return plain decoding's per-step tensors. "
                              f"Use speculative_mode=None for {option}, or a forward call on the output sequences.")
     if spec.second_draft_loops is not None and generation_mode != GenerationMode.GREEDY_SEARCH:
-        raise ValueError(f"second_draft_loops={spec.second_draft_loops} supports greedy decoding only (do_sample=False): "
-                         "with two candidates for one position, plain speculative sampling is no longer lossless. "
+        raise ValueError(f"second_draft_loops={spec.second_draft_loops} supports greedy decoding only "
+                         "(do_sample=False): with two candidates for one position, plain speculative sampling is no "
+                         "longer lossless. "
                          "Pass do_sample=False or second_draft_loops=None.")
     if generation_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(f"speculative_mode={spec.mode!r} supports greedy decoding and sampling, not "
