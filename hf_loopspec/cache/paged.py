@@ -1,8 +1,6 @@
 """`PagedLoopCache`: per-depth paged KV storage for looped models, as a `transformers` Cache.
 
-Storage model: see `cache.pages` (page pool, block tables, reference counting, copy on write, rollback). Competing
-proposals of one position keep their KV in branch slots (`branches`, `cache.branches`: invariant B, branch-private
-storage).
+Storage model: see `cache.pages` (page pool, block tables, reference counting, copy on write, rollback).
 
 The transformers view (`get_seq_length`)
 ----------------------------------------
@@ -28,7 +26,17 @@ With `debug=True`, every written slot is tagged with the *lineage id* of the row
 gives every token it computes an id and links it to its parent (the id of the token before it on the same
 path) with `link_lineage`. Before attending, each row's read set is checked: position j of its table must carry
 the id of its own ancestor at j. The first violation raises `LineageError` naming (sequence, depth, position,
-layer). Unused pool memory is poisoned with NaN in debug mode.
+layer). Unused pool memory is poisoned with NaN in debug mode. Branch slots are tables like any other, so the
+check covers every read of every branch.
+
+Branches (I5, `branches`: `cache.branches`)
+-------------------------------------------
+Competing proposals for one position (a sibling lane and its descendants) write to a *branch slot*: its plane-k
+table is created on its first write to plane k and then shares the parent's pages for positions below the branch
+point, which must all be written and are never rewritten while the branch is open (a truncation below the point
+raises); the partly filled page is copied on the first write of either side. So each side reads only the common
+history and its own writes (invariant B). Promoting a branch moves its page lists into the parent's tables without
+copying; closing it releases its pages.
 """
 
 from __future__ import annotations
