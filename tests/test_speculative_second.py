@@ -57,6 +57,14 @@ PATTERNS = {
 }
 
 
+def second_calls(n: int, loops: int, d: int, d2: int, rejected: int, chosen: int) -> int:
+    """Core calls of a batch-1 pipeline run of n tokens with second proposals (2 d2 >= U): U + (n - 1) d when every
+    main draft is accepted (`pipeline_calls`); each verification that rejects both candidates restarts its position
+    at depth 0, U - d calls later than an accepted draft would have gone on; each that chooses the sibling goes on
+    from a lane spawned d2 - d calls after the draft (the sibling drafted further, so nothing else is late)."""
+    return loops + (n - 1) * d + (loops - d) * rejected + (d2 - d) * chosen
+
+
 def _case(seed, lengths):
     model = tiny_spec_model(seed, 4, vocab=VOCAB)
     prompts = random_prompts(seed, lengths, VOCAB)
@@ -154,6 +162,8 @@ def test_forced_second_pattern(pattern, d, d2):
         assert stats.core_calls == pipeline_calls(NEW, 4, d, accept=False)
     else:
         assert stats.second_accepted and bool(stats.rejected) == (pattern != "q2_opens_page")
+    if b == 1:
+        assert stats.core_calls == second_calls(NEW, 4, d, d2, stats.rejected, stats.second_accepted)
     if pattern in ("q2", "rotating") and (d, d2) == (1, 2):  # a branch lives U - d2 = 2 calls: long enough
         assert _both_branches_live(out)
 
