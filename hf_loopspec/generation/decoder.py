@@ -274,7 +274,7 @@ class LaneDecoder:
                 seq.stats.accepted += 1
                 seq.stats.second_accepted += 1
                 self._event("accept_second", nxt.seq, nxt.position, target)
-                seq.stats.discarded += self._kill_from(seq, index + 1, keep=sibling)
+                seq.stats.discarded += self._kill_from(seq, index + 1, keep_sibling=True)
                 promote(self.cache, seq, sibling)
                 seq.lanes[index + 1].is_draft = False
             else:
@@ -310,12 +310,13 @@ class LaneDecoder:
         if extra > 0 or not seq.finished:
             self._finish(seq)
 
-    def _kill_from(self, seq: SequenceState, index: int, keep=None) -> int:
-        """Kill the main-path lanes `index..` of `seq` and every branch after the lane before them except `keep`;
-        returns how many unverified first-proposal drafts died."""
-        start = seq.lanes[index - 1].position + 1 if index else 0
+    def _kill_from(self, seq: SequenceState, index: int, keep_sibling: bool = False) -> int:
+        """Kill the main-path lanes `index..` of `seq` and the branches at their positions, except, with
+        `keep_sibling`, the sibling of the first of them (it is being promoted); returns how many unverified
+        first-proposal drafts died."""
+        start = seq.lanes[index - 1].position + 1 if index else 0  # the first killed position
         killed = seq.kill_from(index)
-        return killed + close_branches(self.cache, seq, start + (keep is not None))
+        return killed + close_branches(self.cache, seq, start + 1 if keep_sibling else start)
 
     def _finish(self, seq: SequenceState) -> None:
         """Stop a sequence: drop its lanes and leave its planes as serial AR would (all but the last token)."""
