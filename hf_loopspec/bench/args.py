@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--draft-loops", type=positive, default=DEFAULT_DRAFT_LOOPS,
                         help="d: draft from the output of loop d (default: %(default)s)")
     parser.add_argument("--second-draft-loops", type=positive, default=None, metavar="D2",
-                        help="also run pipeline with second proposals from loop D2 (second_draft_loops; greedy, lane "
+                        help="also run pipeline with second proposals from loop D2 (second_draft_loops; lane "
                              "engine), as the row 'pipeline+second' (default: off)")
     parser.add_argument("--num-speculative-tokens", type=positive, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
                         help="K: drafts per block round (default: %(default)s)")
@@ -168,9 +168,6 @@ def check_sampling_args(args) -> None:
     """`ValueError` for sampling options that cannot mean what they say (see the module docstring)."""
     if args.do_sample and args.synthetic_acceptance is not None:
         raise ValueError(SYNTHETIC_WITH_SAMPLING)
-    if args.do_sample and args.second_draft_loops is not None:
-        raise ValueError(f"--second-draft-loops {args.second_draft_loops}: second proposals are greedy only; drop "
-                         "--do-sample or --second-draft-loops.")
     if not args.do_sample:
         unused = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name, off in
                   (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0)) if getattr(args, name) != off]

@@ -8,6 +8,13 @@ are -inf); `q` is the probability vector the draft was sampled from; `p` the tar
   on rejection draw the replacement from `normalise(max(p - q, 0))`. The committed token is then distributed
   exactly as `p`, whatever `q` is. A position with no draft samples from `p`.
 
+* Two candidates (second proposals: a draft x ~ q1 and a second candidate c ~ q2 drawn independently for the same
+  position): x is judged as above; if it is rejected, c is judged against the residual r1 = normalise(max(p - q1,
+  0)) in the same way (accept with probability min(1, r1(c) / q2(c))), and if it is rejected too the replacement is
+  drawn from normalise(max(r1 - q2, 0)). Recursive rejection: the committed token is distributed exactly as p
+  (tests enumerate it). A candidate c equal to a rejected x has r1(c) = 0, so it is always rejected: the decoder
+  spawns no sibling for it but still draws the replacement from the second residual.
+
 Random numbers come from torch's global generator, consumed in a fixed order, so a seeded run repeats.
 """
 
@@ -53,3 +60,21 @@ def judge(draft: int, q: torch.Tensor | None, scores: torch.Tensor, do_sample: b
     if torch.rand((), device=p.device) < acceptance_probability(draft, q, p):
         return True, draft
     return False, int(torch.multinomial(residual(p, q), 1))
+
+
+def judge_two(draft: int, q: torch.Tensor | None, second: int, q_second: torch.Tensor | None, scores: torch.Tensor,
+              do_sample: bool) -> tuple[int, int]:
+    """Judge a draft and a second candidate for one position; returns (which was kept: 1 the draft, 2 the second
+    candidate, 0 neither; committed token)."""
+    if not do_sample:
+        target = int(scores.argmax())
+        return (1 if draft == target else 2 if second == target else 0), target
+    if q is None or q_second is None:
+        raise ValueError("sampled candidates must carry the distributions they were drawn from")
+    p = torch.softmax(scores, dim=-1)
+    if torch.rand((), device=p.device) < acceptance_probability(draft, q, p):
+        return 1, draft
+    left = residual(p, q)
+    if torch.rand((), device=p.device) < acceptance_probability(second, q_second, left):
+        return 2, second
+    return 0, int(torch.multinomial(residual(left, q_second), 1))

@@ -10,8 +10,8 @@ The keys live on `GenerationConfig` (so they also load from `generation_config.j
   the core and head calls run as static-shape compiled calls over row buckets (`generation.stages`).
 * `speculative_engine`: `"auto"` (default), `"lanes"` or `"wavefront"`: which engine runs the mode (see
   `generation.wavefront.select`); asking for `"wavefront"` with a setting it does not support is a `ValueError`.
-* `second_draft_loops` (d2): pipeline only, d < d2 < U, greedy only: a lane re-reads its draft at depth d2 and a
-  different argmax starts a sibling lane (`generation.siblings`); `None` (default): off.
+* `second_draft_loops` (d2): pipeline only, d < d2 < U: a lane re-reads its draft at depth d2 and a different
+  proposal starts a sibling lane (`generation.siblings`); `None` (default): off.
 
 `resolve_speculative` is the one validation of these settings: `generate` resolves them once per call (from the
 generation config, `speculative_config`) and passes the `SpeculativeConfig` down; `decode_with_lanes`, the bench
@@ -159,11 +159,6 @@ def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_c
             raise ValueError(f"{option}=True is not supported with speculative_mode={spec.mode!r}: the lane decoder "
                              "never runs padding columns, so it cannot return plain decoding's per-step tensors. "
                              f"Use speculative_mode=None for {option}, or a forward call on the output sequences.")
-    if spec.second_draft_loops is not None and generation_mode != GenerationMode.GREEDY_SEARCH:
-        raise ValueError(f"second_draft_loops={spec.second_draft_loops} supports greedy decoding only "
-                         "(do_sample=False): with two candidates for one position, plain speculative sampling is no "
-                         "longer lossless. "
-                         "Pass do_sample=False or second_draft_loops=None.")
     if generation_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(f"speculative_mode={spec.mode!r} supports greedy decoding and sampling, not "
                          f"{generation_mode}.")

@@ -34,7 +34,7 @@ from itertools import count
 import torch
 
 from ..cache.paged import PagedLoopCache
-from .acceptance import draft_distribution, judge, propose, target_token
+from .acceptance import draft_distribution, judge, judge_two, propose, target_token
 from .columns import OutputColumns, stack_step
 from .history import run_planes, start_rows
 from .lanes import Lane, SequenceState
@@ -90,9 +90,9 @@ class LaneDecoder:
         self.num_loops = model.num_loops
         self.seconds = None if second_draft_loops is None else SecondProposals(cache, second_draft_loops,
                                                                               second_draft_hook)
-        if self.seconds is not None and (do_sample or model.kv_layout.first_exit_plane is not None):
-            raise ValueError(f"second_draft_loops={second_draft_loops} supports greedy decoding of models whose head "
-                             "has no KV of its own (not do_sample=True, not Huginn); pass second_draft_loops=None.")
+        if self.seconds is not None and model.kv_layout.first_exit_plane is not None:
+            raise ValueError(f"second_draft_loops={second_draft_loops} supports models whose head has no KV of its own "
+                             f"(not {type(model).__name__}); pass second_draft_loops=None.")
         has_processors = logits_processor is not None and len(logits_processor)
         self.processors = [row_processors(logits_processor, s) for s in range(len(input_ids))] \
             if has_processors else None
@@ -262,15 +262,14 @@ class LaneDecoder:
             target = target_token(scores, self.do_sample) if top is None else top
         else:
             seq.stats.verified += 1
-            accepted, target = judge(nxt.token, nxt.draft_q, scores, self.do_sample) if top is None \
-                else (nxt.token == top, top)
-            nxt.is_draft = False  # verified: not counted as discarded
             sibling = seq.branches.get(nxt.position)
-            self._event("accept" if accepted else "reject", nxt.seq, nxt.position, nxt.token)
-            if accepted:
+            kept, target = self._judge(nxt, None if sibling is None else sibling.lanes[0], scores, top)
+            nxt.is_draft = False  # verified: not counted as discarded
+            self._event("accept" if kept == 1 else "reject", nxt.seq, nxt.position, nxt.token)
+            if kept == 1:
                 seq.stats.accepted += 1
                 seq.stats.discarded += close_branches(self.cache, seq, nxt.position, nxt.position + 1)
-            elif sibling is not None and sibling.lanes[0].token == target:
+            elif kept == 2:
                 seq.stats.accepted += 1
                 seq.stats.second_accepted += 1
                 self._event("accept_second", nxt.seq, nxt.position, target)
@@ -286,6 +285,18 @@ class LaneDecoder:
         if not seq.finished and nxt is None:
             seq.lanes.append(self._spawn(seq, lane, target, is_draft=False))
             self.policy.restarted(seq)
+
+    def _judge(self, nxt: Lane, sibling: Lane | None, scores: torch.Tensor, top: int | None) -> tuple[int, int]:
+        """Judge the draft `nxt` (and its sibling, or a second candidate equal to it) against the target `scores`
+        `[V]`; returns (kept: 1 the draft, 2 the sibling, 0 neither; committed token). `top`: the argmax of
+        `scores`, when read back with the cycle's others (greedy without processors)."""
+        if top is not None:
+            return (1 if nxt.token == top else 2 if sibling is not None and sibling.token == top else 0), top
+        if sibling is None and nxt.second_q is None:
+            accepted, target = judge(nxt.token, nxt.draft_q, scores, self.do_sample)
+            return int(accepted), target
+        second, q_second = (nxt.token, nxt.second_q) if sibling is None else (sibling.token, sibling.draft_q)
+        return judge_two(nxt.token, nxt.draft_q, second, q_second, scores, self.do_sample)
 
     def _commit(self, seq: SequenceState, token: int, scores: torch.Tensor, raw: torch.Tensor) -> None:
         self.columns.write(seq.index, len(seq.generated), token)
@@ -373,11 +384,14 @@ class LaneDecoder:
         path_of(seq, lane).append(drafted)
 
     def _second(self, seq: SequenceState, lane: Lane, raw: torch.Tensor, top: int | None) -> None:
-        """Re-read main-path `lane`'s draft from its depth-d2 logits `raw` `[V]` (greedy; `top`: their argmax when
-        read back with the cycle's others)."""
+        """Re-read main-path `lane`'s draft from its depth-d2 logits `raw` `[V]`: their argmax (`top`, when read back
+        with the cycle's others), or a sample from the processed distribution."""
+        q = None
         if top is None:
-            top = int(self._process(seq.index, self._prefix(seq, lane), raw).argmax())
-        sibling = self.seconds.propose(seq, lane, top, self._spawn)
+            scores = self._process(seq.index, self._prefix(seq, lane), raw)
+            q = draft_distribution(scores, self.do_sample)
+            top = propose(scores, q)
+        sibling = self.seconds.propose(seq, lane, top, q, self._spawn)
         if sibling is not None:
             self._event("second", seq.index, sibling.position, sibling.token)
 

@@ -30,6 +30,7 @@ class Lane:
     is_draft: bool = False  # proposed from depth d and not verified yet
     next_known: bool = False  # a prompt token that is not the last: the next token is given, nothing to verify
     draft_q: torch.Tensor | None = None  # sampling: [V] the distribution the draft was drawn from
+    second_q: torch.Tensor | None = None  # sampling: [V] a second candidate equal to the draft was drawn from it
     states: list[torch.Tensor] = field(default_factory=list)  # [H] after every loop so far (only for an exit rule)
     branch: Branch | None = None  # the sibling branch the lane belongs to; None: the main path
 

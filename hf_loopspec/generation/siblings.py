@@ -1,15 +1,16 @@
 """Second proposals (pipeline mode, `second_draft_loops=d2`): a sibling lane from a deeper draft, with private KV.
 
 A main-path lane X at position p drafted B for p + 1 when it reached depth d. When X reaches depth d2 it re-reads
-its proposal: if the (processed) depth-d2 argmax C differs from B, a *sibling* lane for C starts at position p + 1
-(depth 0) in a new branch, at most one per position. When X reaches depth U its target T decides:
+its proposal: if the depth-d2 proposal C (the argmax of the processed depth-d2 logits, or a sample from them when
+sampling) differs from B, a *sibling* lane for C starts at position p + 1 (depth 0) in a new branch, at most one per
+position. When X reaches depth U the target judges both (`acceptance.judge_two`: greedy, the target token T picks
+B, C or neither; sampling, recursive rejection, lossless) and commits T:
 
-* T == B: B is accepted as without siblings; C's branch is closed (its lanes dropped, its pages released).
-* T == C: the sibling is chosen (`second_accepted`): B and everything after it on the main path (its lanes and
+* B kept: as without siblings; C's branch is closed (its lanes dropped, its pages released).
+* C kept: the sibling is chosen (`second_accepted`): B and everything after it on the main path (its lanes and
   branches) are killed, and C's branch becomes the main path: its lanes keep running (C is U - d2 loops deep), and
   the cache promotes its KV into the sequence's tables without copying (`PagedLoopCache.branches.promote`).
-* otherwise both are rejected: both are killed, the cache rolls back, and a lane restarts from T, as without
-  siblings.
+* neither: both are killed, the cache rolls back, and a lane restarts from T, as without siblings.
 
 The sibling drafts further like any frontier lane (choice documented in README "Second proposals"): a leaf sibling
 that is chosen has no draft in flight and no way to draft any more (it is past depth d), so the pipeline would stall
@@ -23,14 +24,17 @@ is complete in every plane before the branch writes that plane, because X and th
 any lane of the branch (wavefront order). Every lane's lineage id links to its parent, so `PagedLoopCache(debug=True)`
 checks every read of both branches against the reader's own ancestry (I1).
 
-Greedy only: with two candidates for one position, the sampled acceptance rule of `acceptance` is no longer
-lossless (`config` rejects `do_sample=True`).
+Sampling: every draft whose parent reaches d2 gets a second candidate C drawn from the depth-d2 distribution q2,
+independently of B; when C == B no sibling is spawned but B records q2, since a rejection's replacement must then
+come from the second residual (`acceptance.judge_two`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import count
+
+import torch
 
 from ..cache.paged import PagedLoopCache
 from .lanes import Branch, Lane, SequenceState
@@ -60,16 +64,24 @@ class SecondProposals:
         return (not seq.finished and lane.branch is None and self.candidate(seq, lane)
                 and lane.position + 1 not in seq.branches)
 
-    def propose(self, seq: SequenceState, lane: Lane, top: int, spawn: Callable[..., Lane]) -> Lane | None:
-        """Re-read `lane`'s draft with the depth-d2 argmax `top`; returns the sibling it spawns (via `spawn(seq,
-        parent, token, is_draft)`, which links its lineage), or None when the proposal agrees with the draft."""
+    def propose(self, seq: SequenceState, lane: Lane, token: int, q: torch.Tensor | None,
+                spawn: Callable[..., Lane]) -> Lane | None:
+        """Re-read `lane`'s draft: `token` is the depth-d2 proposal (argmax, or a sample from `q` `[V]` when
+        sampling); returns the sibling it spawns (via `spawn(seq, parent, token, is_draft)`, which links its
+        lineage), or None when the proposal equals the draft (when sampling, the draft then records `q`: its
+        verification draws a rejection's replacement from the second residual, `acceptance.judge_two`)."""
         first = next_on_path(seq, lane)
-        token = top if self.hook is None else int(self.hook(seq.index, first.position, first.token, top))
+        if self.hook is not None:
+            hooked = int(self.hook(seq.index, first.position, first.token, token))
+            if q is not None and hooked != token:  # a forced proposal is a point mass: still lossless
+                q = torch.nn.functional.one_hot(torch.tensor(hooked), q.shape[-1]).to(q)
+            token = hooked
         if token == first.token:
+            first.second_q = q
             return None
         branch = Branch(self.cache.branches.open(seq.index, first.position), next(self._idents))
         sibling = spawn(seq, lane, token, is_draft=True)
-        sibling.branch = branch
+        sibling.branch, sibling.draft_q = branch, q
         branch.lanes.append(sibling)
         seq.branches[first.position] = branch
         seq.stats.second_drafts += 1
