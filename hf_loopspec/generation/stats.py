@@ -9,7 +9,7 @@ Exact invariants (tested): `accepted + rejected == verified`, `drafted == verifi
 
 Second proposals (`second_draft_loops`): `second_drafts` counts sibling lanes spawned (they are not in `drafted`),
 `second_accepted` the verifications that chose the sibling. A verification judges one position, whichever of its
-one or two candidates it keeps: it is *accepted* when either matches, so `second_accepted <= accepted` and
+one or two candidates it keeps: it is *accepted* when it keeps either, so `second_accepted <= accepted` and
 `second_accepted <= second_drafts`, and the identities above hold unchanged (the drafts of a sibling's branch
 count in `drafted` and end verified, once the branch is chosen, or discarded).
 `core_calls` counts every call of the shared stack in the run, prompt prefill included, across the batch.
