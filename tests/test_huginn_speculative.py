@@ -161,3 +161,19 @@ def test_sampling_paths_with_coda_kv(mode):
         runs.append(speculative(model, ids, mask, 12, mode, 2, 3, do_sample=True, temperature=1.5,
                                 **settings).sequences.tolist())
     assert runs[0] == runs[1]
+
+
+def test_second_proposals():
+    """Second proposals (pipeline d=1, d2=2): the coda writes a third exit plane (depth d2) and sibling branches own
+    private prelude, core and coda tables; tokens equal plain greedy with I1 on, and every plane AR writes equals
+    AR's (I4)."""
+    model, _ = tiny_huginn(seed=5, damp=1.0)
+    ids, mask = left_pad(prompts_for("ragged", seed=100), PAD)
+    ref = plain(model, ids, mask, 24, **INITS["seeded"])
+    out = speculative(model, ids, mask, 24, "pipeline", 1, None, second_draft_loops=2, **INITS["seeded"])
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    assert out.speculation.second_drafts > 0 and out.speculation.second_accepted > 0
+    assert_counter_invariants(out.speculation, [24] * 3)
+    assert_cache_matches_ar(out.cache, ref.cache, mask, [24] * 3, num_layers=2,
+                            model_depth=huginn_depth(model.config, STEPS), planes=ar_planes(model))
+    assert out.cache.num_sequences == 3

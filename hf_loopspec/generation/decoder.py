@@ -19,9 +19,9 @@ The prompt enters as lanes too (one per real prompt token, all at depth 0), so p
 and the pipeline starts drafting as soon as the last prompt token reaches depth d.
 
 Lanes spawned in a cycle are embedded together by one `embed` call at its end. When the model's head has KV
-(exit planes in `KVLayout`), every lane that reaches an exit depth in use (d when drafting, and U) runs the
-head, so the exit plane of that depth holds every position; the entry stage's plane is written by `embed`.
-Rollbacks truncate every plane.
+(exit planes in `KVLayout`), every lane that reaches an exit depth in use (d when drafting, d2 with second
+proposals, and U) runs the head, so the exit plane of that depth holds every position; the entry stage's plane is
+written by `embed`. Rollbacks truncate every plane.
 
 Every lane has a lineage id linked to its parent; a `PagedLoopCache(debug=True)` checks every read against it.
 """
@@ -90,9 +90,6 @@ class LaneDecoder:
         self.num_loops = model.num_loops
         self.seconds = None if second_draft_loops is None else SecondProposals(cache, second_draft_loops,
                                                                               second_draft_hook)
-        if self.seconds is not None and model.kv_layout.first_exit_plane is not None:
-            raise ValueError(f"second_draft_loops={second_draft_loops} supports models whose head has no KV of its own "
-                             f"(not {type(model).__name__}); pass second_draft_loops=None.")
         has_processors = logits_processor is not None and len(logits_processor)
         self.processors = [row_processors(logits_processor, s) for s in range(len(input_ids))] \
             if has_processors else None
@@ -109,7 +106,7 @@ class LaneDecoder:
         self.columns = OutputColumns(input_ids, pad_token_id, max_length, stopping_criteria, streamer, output_scores)
         self.max_new = self.columns.max_new
         self.layout = model.kv_layout
-        starts = start_rows(cache, self.layout, self.num_loops, policy.draft_loops,
+        starts = start_rows(cache, self.layout, self.num_loops, policy.draft_depths,
                             input_ids, attention_mask)
         self.like = torch.empty(0, dtype=model.lane_dtype, device=input_ids.device)  # the KV dtype and device
         self.seqs = []
@@ -358,7 +355,7 @@ class LaneDecoder:
                 seq.finished = not seq.lanes
         self.filling = False
         self.cache.set_columns(width + steps - 1,
-                               run_planes(self.layout, self.num_loops, self.policy.draft_loops))
+                               run_planes(self.layout, self.num_loops, *self.policy.draft_depths))
 
     def _truncate(self, seq: SequenceState, length: int) -> None:
         """Roll every KV plane of `seq` back to at most `length` positions (I4)."""

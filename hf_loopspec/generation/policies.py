@@ -25,14 +25,20 @@ class ARPolicy:
     """Every live lane runs; nothing is drafted."""
 
     draft_loops: int | None = None  # the depth drafts come from; None: no drafts
+    second_draft_loops: int | None = None  # the depth second proposals come from; None: none
 
     def __init__(self, num_loops: int):
         self.num_loops = num_loops
 
     @property
+    def draft_depths(self) -> tuple[int, ...]:
+        """The depths whose head proposes tokens: d, and d2 with second proposals; () without drafts."""
+        return tuple(depth for depth in (self.draft_loops, self.second_draft_loops) if depth is not None)
+
+    @property
     def exit_depths(self) -> tuple[int, ...]:
-        """The depths at which lanes run the head (the target depth U, and the draft depth when drafting)."""
-        return (self.num_loops,) if self.draft_loops is None else (self.num_loops, self.draft_loops)
+        """The depths at which lanes run the head: the target depth U and the draft depths."""
+        return (self.num_loops, *self.draft_depths)
 
     def select(self, seq: SequenceState) -> list[Lane]:
         return [lane for lane in seq.live_lanes if lane.depth < self.num_loops]
@@ -51,9 +57,9 @@ class ARPolicy:
 class PipelinePolicy(ARPolicy):
     """Every live lane runs; the frontier drafts at depth d."""
 
-    def __init__(self, num_loops: int, draft_loops: int):
+    def __init__(self, num_loops: int, draft_loops: int, second_draft_loops: int | None = None):
         super().__init__(num_loops)
-        self.draft_loops = draft_loops
+        self.draft_loops, self.second_draft_loops = draft_loops, second_draft_loops
 
     def wants_draft(self, seq: SequenceState, lane: Lane) -> bool:
         return lane.depth == self.draft_loops
@@ -86,5 +92,5 @@ def policy_for(spec: SpeculativeConfig, num_loops: int) -> ARPolicy:
     if spec.mode == "ar":
         return ARPolicy(num_loops)
     if spec.mode == "pipeline":
-        return PipelinePolicy(num_loops, spec.draft_loops)
+        return PipelinePolicy(num_loops, spec.draft_loops, spec.second_draft_loops)
     return BlockPolicy(num_loops, spec.draft_loops, spec.num_speculative_tokens)
