@@ -103,7 +103,7 @@ def test_forced_pattern(lengths, pattern, mode, d, k):
 
     ref = plain(model, ids, mask, NEW)
     hook, calls = _hook(ref, mask, prompts, accept)
-    out = speculative(model, ids, mask, NEW, mode, d, k, draft_hook=hook, speculative_trace="hidden")
+    out = speculative(model, ids, mask, NEW, mode, d, k, debug=True, draft_hook=hook, speculative_trace="hidden")
     check_run(model, prompts, ids, mask, out, ref, [NEW] * len(prompts), accept)
     assert len(calls) == out.speculation.drafted  # the hook saw every proposal
     rejected, accepted = events(out, "reject"), events(out, "accept")
@@ -135,7 +135,7 @@ def test_per_sequence_patterns_in_one_batch(mode, d, k):
 
     ref = plain(model, ids, mask, NEW)
     hook, _ = _hook(ref, mask, prompts, accept)
-    out = speculative(model, ids, mask, NEW, mode, d, k, draft_hook=hook, speculative_trace="hidden")
+    out = speculative(model, ids, mask, NEW, mode, d, k, debug=True, draft_hook=hook, speculative_trace="hidden")
     check_run(model, prompts, ids, mask, out, ref, [NEW] * 3, accept)
     per = out.speculation.per_sequence
     assert per[0].rejected == 0 and per[1].accepted == 0 and per[2].accepted and per[2].rejected
@@ -173,7 +173,7 @@ def test_eos_with_lanes_in_flight(pattern, mode, d, k):
     hook, _ = _hook(free, mask, prompts, accept)
     ref = plain(model, ids, mask, NEW, eos_token_id=eos)
     assert ref.sequences.shape[1] == ids.shape[1] + index + 1 and int(ref.sequences[0, -1]) == eos
-    out = speculative(model, ids, mask, NEW, mode, d, k, draft_hook=hook, eos_token_id=eos,
+    out = speculative(model, ids, mask, NEW, mode, d, k, debug=True, draft_hook=hook, eos_token_id=eos,
                       speculative_trace="hidden")
     check_run(model, prompts, ids, mask, out, ref, [index + 1], accept)
     if pattern == "all_accepted" and mode == "pipeline":  # lanes at and past the eos were in flight
@@ -198,7 +198,7 @@ def test_one_sequence_finishes_while_others_continue(pattern, mode, d, k):
     ref = plain(model, ids, mask, NEW, eos_token_id=eos)
     committed = generated_counts(ref.sequences, ids.shape[1], NEW, eos)
     assert committed == [index + 1, NEW, NEW]
-    out = speculative(model, ids, mask, NEW, mode, d, k, draft_hook=hook, eos_token_id=eos,
+    out = speculative(model, ids, mask, NEW, mode, d, k, debug=True, draft_hook=hook, eos_token_id=eos,
                       speculative_trace="hidden")
     check_run(model, prompts, ids, mask, out, ref, committed, accept)
     assert (out.sequences[0, ids.shape[1] + index + 1:] == 0).all()
@@ -227,7 +227,7 @@ def test_length_stop_mid_wavefront(stop_after, mode, d, k):
     stop = StoppingCriteriaList([StopAtWidth(ids.shape[1] + stop_after)])
     ref = plain(model, ids, mask, NEW, stopping_criteria=stop)
     assert ref.sequences.shape[1] == ids.shape[1] + stop_after
-    out = speculative(model, ids, mask, NEW, mode, d, k, draft_hook=hook, stopping_criteria=stop,
+    out = speculative(model, ids, mask, NEW, mode, d, k, debug=True, draft_hook=hook, stopping_criteria=stop,
                       speculative_trace="hidden")
     check_run(model, prompts, ids, mask, out, ref, [stop_after] * 2, accept)
     if mode == "pipeline" and d == 1:
@@ -247,7 +247,7 @@ def test_max_new_tokens_edges(pattern, max_new, mode, d, k):
 
     ref = plain(model, ids, mask, max_new)
     hook, _ = _hook(ref, mask, prompts, accept)
-    out = speculative(model, ids, mask, max_new, mode, d, k, draft_hook=hook, speculative_trace="hidden")
+    out = speculative(model, ids, mask, max_new, mode, d, k, debug=True, draft_hook=hook, speculative_trace="hidden")
     check_run(model, prompts, ids, mask, out, ref, [max_new] * 2, accept)
     # no draft is ever made for a position whose token is never fed back
     assert all(r.position <= len(prompts[r.seq]) + max_new - 2 for cycle in out.trace for r in cycle.rows)

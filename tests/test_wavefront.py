@@ -15,6 +15,7 @@ import re
 
 import pytest
 import torch
+from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
 from speculative_utils import (
     PAD,
@@ -170,16 +171,20 @@ def _generate(model, ids, mask, new, mode, d, k, **kwargs):
 
 
 def test_generate_speculative_engine():
-    """`speculative_engine` picks the engine; "auto" (the default) runs the lane decoder for now."""
+    """`speculative_engine` picks the engine; "auto" (the default) runs the wavefront engine when it supports the
+    call, else the lane decoder: here for a debug cache (its lineage checks follow lanes)."""
     model, ids, mask = _batch(6)
     eos = 9
     ref = plain(model, ids, mask, NEW, eos_token_id=eos)
     runs = {engine: _generate(model, ids, mask, NEW, "pipeline", 1, 1, eos_token_id=eos, speculative_engine=engine)
             for engine in ("wavefront", "lanes", None)}
+    runs["debug"] = _generate(model, ids, mask, NEW, "pipeline", 1, 1, eos_token_id=eos,
+                              cache=paged_cache(model, debug=True))
     for engine, out in runs.items():
         torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
-        assert out.speculation.engine == (engine or "lanes")
+        assert out.speculation.engine == {None: "wavefront", "debug": "lanes"}.get(engine, engine)
     assert _counts(runs["wavefront"].speculation) == _counts(runs["lanes"].speculation)
+    assert _counts(runs[None].speculation) == _counts(runs["lanes"].speculation)
 
 
 @pytest.mark.parametrize(("mode", "d", "k"), [("pipeline", 1, 1), ("block", 2, 2)])
@@ -238,6 +243,7 @@ def test_generate_streams_what_plain_streams():
     ({"speculative_engine": "wavefront", "no_repeat_ngram_size": 2}, "NoRepeatNGramLogitsProcessor"),
     ({"speculative_engine": "wavefront", "draft_hook": lambda s, p, t: t}, "draft_hook"),
     ({"speculative_engine": "wavefront", "exit_at_step": 1}, "exit options"),
+    ({"speculative_engine": "wavefront", "max_time": 100.0}, "MaxTimeCriteria"),
     ({"speculative_engine": "wavefront", "speculative_mode": None}, "set speculative_mode"),
 ])
 def test_generate_engine_errors_name_the_setting(kwargs, named):
@@ -245,6 +251,42 @@ def test_generate_engine_errors_name_the_setting(kwargs, named):
     options = {"max_new_tokens": 4, "pad_token_id": PAD, "speculative_mode": "pipeline", "do_sample": False, **kwargs}
     with pytest.raises(ValueError, match=re.escape(named)):
         model.generate(ids, attention_mask=mask, **options)
+
+
+FALLBACKS = {  # settings the wavefront engine does not support: "auto" runs the lane decoder for them
+    "draft_hook": {"draft_hook": lambda s, p, t: t},
+    "trace": {"speculative_trace": True},
+    "processor": {"no_repeat_ngram_size": 2},
+    "criterion": {"max_time": 100.0},
+    "scores": {"output_scores": True},
+    "debug cache": {"cache": "debug"},
+    "continued cache": {"cache": "filled"},
+    "huginn": {"init_scale": 0.0},  # a zero initial state: plain and speculative start alike
+}
+
+
+@pytest.mark.parametrize("case", sorted(FALLBACKS))
+def test_auto_falls_back_to_lanes(case):
+    """"auto" runs the lane decoder for a setting the wavefront engine does not support (plain's tokens either
+    way), and says so in `out.speculation.engine`."""
+    settings = dict(FALLBACKS[case])
+    if case == "huginn":
+        model = tiny_huginn(seed=5)[0]
+        ids, mask = left_pad(random_prompts(7, (3, 5), model.config.vocab_size))
+    else:
+        model, ids, mask = _batch(7, (3, 5))
+    if settings.get("cache") == "debug":
+        settings["cache"] = paged_cache(model, debug=True)
+    elif settings.get("cache") == "filled":  # the first tokens decoded by the wavefront engine, then continued
+        first = _generate(model, ids, mask, 3, "pipeline", 1, 1)
+        assert first.speculation.engine == "wavefront"
+        ids, mask = first.sequences, torch.cat([mask, torch.ones_like(first.sequences[:, mask.shape[1]:])], 1)
+        settings["cache"] = first.cache
+    ref = plain(model, ids, mask, 6, **{k: v for k, v in settings.items()
+                                         if k not in ("draft_hook", "speculative_trace", "cache")})
+    out = _generate(model, ids, mask, 6, "pipeline", 1, 1, **settings)
+    assert out.speculation.engine == "lanes"
+    torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("read_every", [1, 3])

@@ -22,6 +22,7 @@ import torch
 
 from ...cache.paged import PagedLoopCache
 from ..decoder import DecodeResult
+from ..history import run_planes
 from ..stats import SequenceStats, SpeculationStats
 from .state import COUNTERS, Plan, WavefrontState
 from .step import make_step
@@ -70,13 +71,14 @@ class WavefrontEngine:
                  max_length: int, eos_token_id=None, draft_override: torch.Tensor | None = None,
                  read_every: int = DEFAULT_READ_EVERY, compile_backend: str | None = None,
                  processors: tuple = (), penalty_ignore: torch.Tensor | None = None,
-                 eos_hold: torch.Tensor | None = None, do_sample: bool = False, streamer=None):
+                 eos_hold: torch.Tensor | None = None, do_sample: bool = False, streamer=None,
+                 complete_cache: bool = False):
         if cache.num_sequences:
             raise ValueError("the wavefront engine needs an empty PagedLoopCache (this one already holds "
                              f"{cache.num_sequences} sequences); pass a fresh cache or none.")
         if not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every={read_every!r} must be an integer >= 1 (cycles between read-backs).")
-        self.model, self.cache, self.read_every = model, cache, read_every
+        self.model, self.cache, self.read_every, self.complete_cache = model, cache, read_every, complete_cache
         self.vocab = model.get_output_embeddings().weight.shape[0]  # V: the width of the head's logits
         self.streamer, self.streamed = streamer, 0  # columns fed to the streamer so far
         self.input_ids = input_ids
@@ -135,7 +137,7 @@ class WavefrontEngine:
             hidden=torch.zeros(batch, lanes, hidden_size, dtype=like.dtype, device=device),
             prompt_hidden=torch.zeros(batch, prompts, hidden_size, dtype=like.dtype, device=device),
             prompt_real=torch.arange(prompts, device=device) < (prompt_len - 1)[:, None],
-            prompt_depth=torch.zeros(batch, **long),
+            prompt_start=torch.zeros(batch, **long), prompt_depth=torch.zeros(batch, **long),
             out=torch.full((batch, max_new + 1), self.pad, **long), n_out=torch.zeros(batch, **long),
             finished=(prompt_len == 0) | (max_new == 0), prompt_len=prompt_len,
             max_new=torch.tensor(max_new, **long), eos=torch.tensor(eos or [-1], **long),
@@ -188,7 +190,40 @@ class WavefrontEngine:
                 counts, finished, tokens = read_back(self.state, tokens=self.streamer is not None)
                 done = all(finished)
                 self._stream(counts, finished, tokens)
+            if self.complete_cache:
+                self._complete_cache()
         return self._result()
+
+    def _complete_cache(self) -> None:
+        """Make the cache hold what plain decoding's does (as the lane decoder's `_complete_cache`): every output
+        column but the last, so a row that stopped early also stores its stop token and the padding after it. Those
+        tokens run their U loops as prompt rows of one more state, through the eager step (other shapes than the
+        run's); the calls count as `cache_fill_calls`. The cache then reports the columns it has consumed."""
+        state, width = self.state, self.input_ids.shape[1]
+        counts = state.n_out.tolist()
+        steps = max(counts, default=0)
+        if steps == 0:
+            return
+        fill = [steps - n for n in counts]  # tokens to feed per row: its last token, then pads
+        if max(fill):
+            device = state.token.device
+            tokens = torch.full((len(counts), max(fill)), self.pad, dtype=torch.long, device=device)  # [B, F]
+            last = state.out.gather(1, (state.n_out - 1).clamp(min=0)[:, None])[:, 0]  # [B]
+            tokens[:, 0] = torch.where(state.n_out > 0, last, self.input_ids[:, -1].to(device))
+            fill_t = torch.tensor(fill, device=device)
+            filling = replace(
+                state, prompt_hidden=self.model.get_input_embeddings()(tokens),
+                prompt_real=torch.arange(max(fill), device=device) < fill_t[:, None],
+                prompt_start=state.prompt_len + state.n_out - 1, prompt_depth=torch.zeros_like(state.prompt_depth),
+                alive=torch.zeros_like(state.alive), finished=fill_t == 0, core_calls=state.core_calls.clone(),
+                counters=state.counters.clone())
+            step = make_step(self.model, self.plan)
+            for _ in range(self.model.num_loops):
+                filling = step(filling)
+            self.stats.cache_fill_calls = self.model.num_loops
+            state.kv_len = filling.kv_len
+        self.cache.set_columns(width + steps - 1, run_planes(self.model.kv_layout, self.model.num_loops,
+                                                             self.plan.draft_loops or None))
 
     def _count_rows(self) -> None:
         """`stats.call_rows` of one step (counted on the host from the shapes): every lane slot and prompt row runs

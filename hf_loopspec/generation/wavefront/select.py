@@ -8,7 +8,8 @@ named by `unsupported`:
 
 * `speculative_engine="lanes"` runs the lane decoder;
 * `"wavefront"` runs the wavefront engine, or raises `ValueError` naming every unsupported setting of the call;
-* `"auto"` (the default) runs the lane decoder for now.
+* `"auto"` (the default) runs the wavefront engine when it supports every setting of the call, else the lane
+  decoder (`out.speculation.engine` says which ran).
 """
 
 from __future__ import annotations
@@ -22,17 +23,23 @@ from .engine import WavefrontEngine
 from .processing import device_processors, on_device
 
 
-def unsupported(model, options: dict) -> list[str]:
-    """The settings of a call (the lane decoder's `options`) that the wavefront engine does not support."""
+def unsupported(model, cache: PagedLoopCache, options: dict) -> list[str]:
+    """The settings of a call (its cache and the lane decoder's `options`) that the wavefront engine does not
+    support."""
     problems = []
     layout = model.kv_layout
     if layout.entry_plane is not None or layout.first_exit_plane is not None:
         problems.append(f"{type(model).__name__} (its entry or exit stage has KV, e.g. Huginn)")
+    if cache.num_sequences:
+        problems.append(f"a cache that already holds {cache.num_sequences} sequences (continuing from it)")
+    if cache.debug:
+        problems.append("PagedLoopCache(debug=True) (its lineage checks follow the lane decoder's lanes)")
     width = options["input_ids"].shape[1]
     problems += [f"logits processor {type(p).__name__}" for p in options.get("logits_processor") or ()
                  if not on_device(p, width)]
     problems += [f"stopping criterion {type(c).__name__}" for c in options.get("stopping_criteria") or ()
-                 if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
+                 if not (type(c) is EosTokenCriteria or type(c) is MaxLengthCriteria
+                         and c.max_length == options["max_length"])]
     for name, label in (("draft_hook", "draft_hook"), ("second_draft_hook", "second_draft_hook"),
                         ("trace", "speculative_trace"),
                         ("output_scores", "output_scores"), ("output_logits", "output_logits"),
@@ -42,22 +49,24 @@ def unsupported(model, options: dict) -> list[str]:
     return problems
 
 
-def choose_engine(model, spec: SpeculativeConfig, options: dict) -> str:
+def choose_engine(model, spec: SpeculativeConfig, cache: PagedLoopCache, options: dict) -> str:
     """"lanes" or "wavefront" for `spec.engine` (see the module docstring)."""
-    if spec.engine != "wavefront":
+    if spec.engine == "lanes":
         return "lanes"
-    problems = unsupported(model, options)
+    problems = unsupported(model, cache, options)
     if spec.second_draft_loops is not None:
         problems.append(f"second_draft_loops={spec.second_draft_loops} (second proposals run in the lane decoder)")
-    if problems:
+    if not problems:
+        return "wavefront"
+    if spec.engine == "wavefront":
         raise ValueError(f"speculative_engine='wavefront' does not support {'; '.join(problems)}. Drop "
                          f"{'it' if len(problems) == 1 else 'them'}, or pass speculative_engine='lanes' (or 'auto').")
-    return "wavefront"
+    return "lanes"
 
 
 def run_engine(model, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCache, **options) -> DecodeResult:
     """One speculative run of `generate` on the engine `choose_engine` picks (`options`: the lane decoder's)."""
-    if choose_engine(model, spec, {**options, "input_ids": input_ids}) == "lanes":
+    if choose_engine(model, spec, cache, {**options, "input_ids": input_ids}) == "lanes":
         return model._run_lanes(input_ids, spec, cache=cache, **options)
     processors, tensors = device_processors(options.get("logits_processor"), input_ids,
                                             model.get_output_embeddings().weight.shape[0])
@@ -70,5 +79,6 @@ def run_engine(model, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCac
         max_length=options["max_length"], eos_token_id=eos or None, compile_backend=spec.compile_backend,
         streamer=options.get("streamer"),
         processors=processors, do_sample=bool(options.get("do_sample")), **tensors,
+        complete_cache=bool(options.get("complete_cache")),
     )
     return engine.run()

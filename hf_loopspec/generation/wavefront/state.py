@@ -10,6 +10,7 @@ a lane proposed at depth d and not verified yet.
 
 Prompt rows. Every real prompt token but the last runs its U loops as a prompt row (all of a sequence's rows
 share one depth; their next token is known, so they neither draft nor verify). The last prompt token is a lane.
+After the run, the same rows carry the tokens that complete the cache (`WavefrontEngine._complete_cache`).
 
 Counters are per sequence, in the column order of `COUNTERS` (the fields of `SequenceStats`).
 """
@@ -63,7 +64,8 @@ class WavefrontState:
     hidden: torch.Tensor  # [B, L, H]
     # prompt rows
     prompt_hidden: torch.Tensor  # [B, P, H]
-    prompt_real: torch.Tensor  # [B, P] bool  row p holds the prompt token at position p
+    prompt_real: torch.Tensor  # [B, P] bool  row p holds the known token at position prompt_start + p
+    prompt_start: torch.Tensor  # [B] int64  0 (the prompt), or where the tokens completing the cache begin
     prompt_depth: torch.Tensor  # [B] int64
     # committed tokens and stopping
     out: torch.Tensor  # [B, T + 1] int64: committed tokens, pad after them; column T absorbs masked writes

@@ -112,7 +112,8 @@ def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch
     device = s.token.device
     seq = torch.arange(batch, device=device)
     hidden = torch.cat([s.hidden.flatten(0, 1), s.prompt_hidden.flatten(0, 1)])  # [B*L + B*P, H]
-    position = torch.cat([s.position.flatten(), torch.arange(prompts, device=device).repeat(batch)])
+    prompt_position = torch.arange(prompts, device=device) + s.prompt_start[:, None]  # [B, P]
+    position = torch.cat([s.position.flatten(), prompt_position.flatten()])
     plane = torch.cat([s.depth.flatten(), s.prompt_depth.repeat_interleave(prompts)])
     row_seq = torch.cat([seq.repeat_interleave(lanes), seq.repeat_interleave(prompts)])
     active = torch.cat([ran.flatten(), prompt_rows.flatten()])
