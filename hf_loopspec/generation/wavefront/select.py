@@ -14,6 +14,9 @@ named by `unsupported`:
 
 from __future__ import annotations
 
+import os
+
+import torch
 from transformers import EosTokenCriteria, MaxLengthCriteria
 
 from ...cache.paged import PagedLoopCache
@@ -34,6 +37,12 @@ def unsupported(model, cache: PagedLoopCache, options: dict) -> list[str]:
         problems.append(f"a cache that already holds {cache.num_sequences} sequences (continuing from it)")
     if cache.debug:
         problems.append("PagedLoopCache(debug=True) (its lineage checks follow the lane decoder's lanes)")
+    ids = options["input_ids"]
+    reserved = len(ids) * cache.num_planes * options["max_length"] * cache.bytes_per_token_per_depth(model.lane_dtype)
+    if reserved > free_memory(ids.device) / 2:
+        problems.append(f"max_length={options['max_length']} (KV pages for every position of {len(ids)} sequences "
+                        f"in {cache.num_planes} planes, reserved up front, need {reserved / 2**30:.1f} GiB: more "
+                        "than half the free memory)")
     width = options["input_ids"].shape[1]
     problems += [f"logits processor {type(p).__name__}" for p in options.get("logits_processor") or ()
                  if not on_device(p, width)]
@@ -47,6 +56,13 @@ def unsupported(model, cache: PagedLoopCache, options: dict) -> list[str]:
         if options.get(name):
             problems.append(label)
     return problems
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes of memory free on `device` (CUDA: the driver's count; otherwise the host's available memory)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def choose_engine(model, spec: SpeculativeConfig, cache: PagedLoopCache, options: dict) -> str:
