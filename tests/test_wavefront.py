@@ -33,6 +33,7 @@ from transformers import EosTokenCriteria, GenerationConfig, MaxLengthCriteria, 
 
 from hf_loopspec.generation.wavefront import WavefrontEngine
 from hf_loopspec.generation.wavefront import engine as engine_module
+from hf_loopspec.generation.wavefront.device import GraphStep, uses_cuda_graphs
 from hf_loopspec.generation.wavefront.processing import device_processors, draw, score_ops
 from hf_loopspec.generation.wavefront.state import Plan
 
@@ -303,6 +304,28 @@ def test_read_backs_at_most_one_per_r_cycles(monkeypatch, read_every):
     engine, result, _ = _wavefront(model, ids, mask, 10, "pipeline", 1, 1, read_every=read_every)
     assert engine.cycles >= result.stats.core_calls > 0
     assert 1 <= len(calls) <= math.ceil(engine.cycles / read_every)
+
+
+def test_graph_step_falls_back_to_eager(caplog):
+    """`GraphStep` (CUDA graphs; untested on a GPU) runs the eager step, and says so, when the compiled step fails:
+    the run gives the eager run's tokens and counters. `uses_cuda_graphs` picks it for inductor on CUDA only."""
+    model, ids, mask = _batch(11, (3, 5))
+    _, eager, _ = _wavefront(model, ids, mask, 6, "pipeline", 1, 1)
+
+    def failing(state):
+        raise RuntimeError("capture failed")
+
+    engine = WavefrontEngine(model, paged_cache(model, debug=False), mode="pipeline", draft_loops=1,
+                             num_speculative_tokens=1, input_ids=ids, attention_mask=mask, pad_token_id=PAD,
+                             max_length=ids.shape[1] + 6)
+    engine.step = GraphStep(failing, engine.step)
+    with caplog.at_level("WARNING"):
+        result = engine.run()
+    assert engine.step.failed and "capture failed" in caplog.text
+    torch.testing.assert_close(result.sequences, eager.sequences, atol=0, rtol=0)
+    assert _counts(result.stats) == _counts(eager.stats)
+    assert [uses_cuda_graphs(torch.device(d), b) for d, b in [("cuda", "inductor"), ("cuda", "eager"),
+                                                              ("cpu", "inductor")]] == [True, False, False]
 
 
 def test_errors_name_the_setting():

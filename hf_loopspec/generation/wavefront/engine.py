@@ -24,6 +24,7 @@ from ...cache.paged import PagedLoopCache
 from ..decoder import DecodeResult
 from ..history import run_planes
 from ..stats import SequenceStats, SpeculationStats
+from .device import GraphStep, ReadBack, uses_cuda_graphs
 from .state import COUNTERS, Plan, WavefrontState
 from .step import make_step
 
@@ -31,27 +32,33 @@ WAVEFRONT_MODES = ("ar", "block", "pipeline")
 DEFAULT_READ_EVERY = 4
 
 
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(plan, backend): compiled step}
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(plan, backend, graphs): step}
 
 
-def compiled_step(model, plan: Plan, backend: str):
+def compiled_step(model, plan: Plan, backend: str, device: torch.device):
     """`torch.compile(step, fullgraph=True)` of `plan`'s step for `model`, built on first use and kept beside the
     model, so that later runs of the same plan (and shapes) compile nothing. Each is compiled from a private copy of
-    the step's code: dynamo counts recompiles per code object."""
+    the step's code: dynamo counts recompiles per code object. Inductor on CUDA compiles with
+    `mode="reduce-overhead"` (CUDA graphs, with an eager fallback: `device.GraphStep`; untested on a GPU)."""
     store = _COMPILED.setdefault(model, {})
-    if (plan, backend) not in store:
+    graphs = uses_cuda_graphs(device, backend)
+    if (plan, backend, graphs) not in store:
         step = make_step(model, plan)
         private = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__,
                                      step.__closure__)
-        store[plan, backend] = torch.compile(private, backend=backend, fullgraph=True)
-    return store[plan, backend]
+        if graphs:
+            store[plan, backend, graphs] = GraphStep(torch.compile(private, mode="reduce-overhead", fullgraph=True),
+                                                     step)
+        else:
+            store[plan, backend, graphs] = torch.compile(private, backend=backend, fullgraph=True)
+    return store[plan, backend, graphs]
 
 
-def read_back(state: WavefrontState, tokens: bool = False):
+def read_back(state: WavefrontState, tokens: bool = False) -> ReadBack:
     """The host's only look at a running state: committed counts `[B]`, finished flags `[B]` and, when `tokens`
-    (a streamer is fed), the committed-token buffer `[B, T + 1]` on the host (else None)."""
-    both = torch.stack([state.n_out, state.finished.long()]).cpu()  # [2, B]
-    return both[0].tolist(), [bool(x) for x in both[1].tolist()], state.out.cpu() if tokens else None
+    (a streamer is fed), the committed-token buffer `[B, T + 1]`, copied to the host (`ReadBack.values`; on CUDA
+    the copy overlaps the cycles launched before the host asks for them)."""
+    return ReadBack(state, tokens)
 
 
 def lanes_for(mode: str, num_loops: int, draft_loops: int, num_speculative_tokens: int) -> int:
@@ -105,7 +112,7 @@ class WavefrontEngine:
             seed = int(torch.randint(2**62, ()))
             self.generator = torch.Generator(input_ids.device).manual_seed(seed)
         self.step = make_step(model, self.plan) if compile_backend is None else \
-            compiled_step(model, self.plan, compile_backend)
+            compiled_step(model, self.plan, compile_backend, input_ids.device)
         self.cycles = 0
 
     def _reserve(self, batch: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,25 +181,36 @@ class WavefrontEngine:
         return seen.scatter_reduce(1, input_ids, counted, "amax").bool()
 
     def run(self) -> DecodeResult:
+        """Cycles until every sequence has finished. On CUDA the host looks at a read-back only after launching the
+        next R cycles (they overlap its copy; a finished state stays unchanged by them); elsewhere at once."""
+        lag = 1 if self.state.n_out.is_cuda else 0
         with torch.no_grad():
+            in_flight = []
             done = bool(self.state.finished.all())
             while not done:
                 for _ in range(self.read_every):
-                    if self.cycles == self.prefill_cycles:  # every prompt row has passed all loops
-                        self.state = replace(self.state, prompt_hidden=self.state.prompt_hidden[:, :0].clone(),
-                                             prompt_real=self.state.prompt_real[:, :0].clone())
-                    if self.generator is not None:
-                        self.state.noise = torch.rand(self.state.noise.shape, generator=self.generator,
-                                                      device=self.state.noise.device)
-                    self.state = self.step(self.state)
-                    self.cycles += 1
-                    self._count_rows()
-                counts, finished, tokens = read_back(self.state, tokens=self.streamer is not None)
-                done = all(finished)
-                self._stream(counts, finished, tokens)
+                    self._advance()
+                in_flight.append(read_back(self.state, tokens=self.streamer is not None))
+                if len(in_flight) > lag:
+                    counts, finished, tokens = in_flight.pop(0).values()
+                    done = all(finished)
+                    self._stream(counts, finished, tokens)
             if self.complete_cache:
                 self._complete_cache()
         return self._result()
+
+    def _advance(self) -> None:
+        """One cycle: drop the prompt rows once they have passed all loops, draw the cycle's uniforms (sampling),
+        run the step."""
+        if self.cycles == self.prefill_cycles:
+            self.state = replace(self.state, prompt_hidden=self.state.prompt_hidden[:, :0].clone(),
+                                 prompt_real=self.state.prompt_real[:, :0].clone())
+        if self.generator is not None:
+            self.state.noise = torch.rand(self.state.noise.shape, generator=self.generator,
+                                          device=self.state.noise.device)
+        self.state = self.step(self.state)
+        self.cycles += 1
+        self._count_rows()
 
     def _complete_cache(self) -> None:
         """Make the cache hold what plain decoding's does (as the lane decoder's `_complete_cache`): every output
