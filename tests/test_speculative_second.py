@@ -107,7 +107,7 @@ def _hooks(free, mask, prompts, outcome):
 
 def _run(model, ids, mask, max_new, d, d2, hooks, **kwargs):
     return speculative(model, ids, mask, max_new, "pipeline", d, second_draft_loops=d2, speculative_trace="hidden",
-                       **hooks, **kwargs)
+                       debug=True, **hooks, **kwargs)
 
 
 def check_second_run(model, prompts, ids, mask, out, ref, committed, outcome=None):
