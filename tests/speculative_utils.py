@@ -202,8 +202,9 @@ def assert_cache_matches_ar(paged: PagedLoopCache, ar: DynamicCache, mask: torch
     The AR `DynamicCache` is `[B, Hkv, S, D]` per cache layer (depth * num_layers + layer), with pad columns on the
     left; it holds every column except the last generated one, for rows that finished early the stop token and the
     pad steps after it included (plain decoding feeds them with mask 1), and so does the cache `generate` returns
-    (`LaneDecoder._complete_cache`); with `completed=False` (the wavefront engine) rows hold only their committed
-    tokens. The paged cache stores real tokens only, position p at column p + pads.
+    (`LaneDecoder._complete_cache`, `WavefrontEngine._complete_cache`); with `completed=False` (a `WavefrontEngine`
+    run without `complete_cache`) rows hold only their committed tokens. The paged cache stores real tokens only,
+    position p at column p + pads.
     """
     steps = max(generated)
     if completed:
