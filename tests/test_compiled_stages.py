@@ -41,13 +41,14 @@ def test_ouro_compiled_equals_eager_and_compiles_once_per_bucket(mode, d, k):
     model = tiny_spec_model(3, 4, vocab=VOCAB, damp=0.1)
     ids, mask = left_pad(random_prompts(3, [6, 2, 9], VOCAB))
     ref = plain(model, ids, mask, NEW)
-    out = speculative(model, ids, mask, NEW, mode, d, k, compile_core="aot_eager")
+    out = speculative(model, ids, mask, NEW, mode, d, k, compile_core="aot_eager", speculative_engine="lanes")
     assert out.sequences.tolist() == ref.sequences.tolist()
     stages = stages_of(model)
     assert stages.shapes["core"] and stages.shapes["head"]
     assert_no_recompilation(stages)
     before, shapes = dict(stages.compiles), {k_: set(v) for k_, v in stages.shapes.items()}
-    again = speculative(model, ids, mask, NEW, mode, d, k, compile_core="aot_eager")  # same shapes: no compile
+    again = speculative(model, ids, mask, NEW, mode, d, k, compile_core="aot_eager",
+                        speculative_engine="lanes")  # same shapes: no compile
     assert again.sequences.tolist() == ref.sequences.tolist()
     assert stages.shapes == shapes and dict(stages.compiles) == before
     copy.deepcopy(model)  # compiled stages live beside the model, not on it
@@ -136,6 +137,6 @@ def test_inductor_compiled_equals_plain():
     model = tiny_spec_model(7, 4, vocab=VOCAB, damp=0.1)
     ids, mask = left_pad(random_prompts(7, [5, 8], VOCAB))
     ref = plain(model, ids, mask, NEW)
-    out = speculative(model, ids, mask, NEW, "pipeline", 1, compile_core=True)
+    out = speculative(model, ids, mask, NEW, "pipeline", 1, compile_core=True, speculative_engine="lanes")
     assert out.sequences.tolist() == ref.sequences.tolist()
     assert_no_recompilation(stages_of(model))

@@ -182,7 +182,8 @@ def test_statistical_test_has_power_against_the_approximate_rule(sampling_model,
         return False, int(torch.multinomial(torch.softmax(scores, -1), 1))
 
     monkeypatch.setattr(decoder, "judge", greedy_match)
-    counts = sample_pairs(sampling_model, {}, seed=3, speculative_mode="pipeline", draft_loops=1)
+    counts = sample_pairs(sampling_model, {}, seed=3, speculative_mode="pipeline", draft_loops=1,
+                          speculative_engine="lanes")  # the patched rule is the lane decoder's
     assert chi_square_p_value(counts, exact_joint(sampling_model, {})) < ALPHA
 
 
