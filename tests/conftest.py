@@ -7,7 +7,14 @@ once:
 * `tolerances`: fp32 tolerances derived from eps, depth and reduction width;
 * `helpers`: tiny Ouro configs and models, Hub-named weights, the Ouro reference, Hub-like folders;
 * `huginn_utils`: the same for Huginn;
-* `speculative_utils`: the speculative mode matrix, plain and speculative runs, counters, I4 and trace checks.
+* `speculative_utils`: the speculative mode matrix (`MODES`; `MODE_PAIR`, one setting per mode, for tests whose
+  subject is not the schedule), tiny Ouro models for speculation, plain and speculative runs, counters, I4 and trace
+  checks.
+
+Every tiny model's weights come from `hf_loopspec.bench.shapes.random_model`, the one seeded recipe that the
+benchmark shapes use too. A test that needs a property of its random model (drafts both accepted and rejected, long
+accepted runs, a token that stops a row early) asserts it, so a change of the recipe shows up as a failed
+assertion rather than a silently weaker test.
 """
 
 import torch

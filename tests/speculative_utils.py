@@ -14,6 +14,7 @@ from tolerances import assert_fp32_close, fp32_tolerance, ouro_depth, rms
 from transformers.cache_utils import DynamicCache
 
 from hf_loopspec import OuroConfig, OuroForCausalLM
+from hf_loopspec.bench.shapes import random_model
 from hf_loopspec.cache.paged import PagedLoopCache
 
 PAD = 0
@@ -24,6 +25,10 @@ PAGE = 4  # page size of every PagedLoopCache in these tests: rollbacks cross pa
 # with two draft loops and K = 2 (rounds straddle page boundaries).
 MODES = [("pipeline", 1, None), ("pipeline", 2, None), ("block", 1, 4), ("block", 2, 2)]
 MODE_IDS = [f"{m}-d{d}" + (f"-K{k}" if k else "") for m, d, k in MODES]
+# One setting of each mode from the matrix, for tests whose subject is not the schedule (exit options, stopping,
+# validation, cache continuation): pipeline drafting from one loop, and block rounds that straddle page boundaries.
+MODE_PAIR = [MODES[0], MODES[3]]
+MODE_PAIR_IDS = [MODE_IDS[0], MODE_IDS[3]]
 
 
 def mode_kwargs(mode: str, d: int, k: int | None = None) -> dict:
@@ -36,36 +41,19 @@ def mode_kwargs(mode: str, d: int, k: int | None = None) -> dict:
 
 def tiny_spec_model(seed: int, loops: int = 4, *, vocab: int = 96, hidden: int = 32, damp: float = 1.0,
                     eos: int | list[int] | None = None) -> OuroForCausalLM:
-    """A tiny fp32 Ouro (2 layers, 4 heads, 2 kv heads, `loops` loops) with seeded random weights, in eval mode.
+    """A tiny fp32 Ouro (2 layers, 4 heads, 2 kv heads, `loops` loops) in eval mode, with the package's seeded random
+    weights (`hf_loopspec.bench.shapes.random_model`, the one recipe the bench and every test model share: O(1)
+    activations and well separated argmaxes; a real exit gate, `gate_scale=1`, for the exit options).
 
-    Matrices get std 1/sqrt(fan_in) (O(1) activations, well separated argmaxes), norm weights 1 + 0.3 noise.
-
-    `damp` < 1 makes consecutive loops agree, so that drafts get accepted: Ouro's layers are "sandwiches" whose
-    branch outputs pass an RMSNorm (`input_layernorm_2`, `post_attention_layernorm_2`) before they join the
-    residual stream, so scaling `o_proj` / `down_proj` would be undone by that norm; the norm *weights* are
-    scaled by `damp` instead, and the shared final norm (applied after every loop) gets weight 1 so that
-    re-normalising an almost unchanged state is almost the identity.
+    `damp` < 1 makes consecutive loops agree, so that drafts get accepted (see the recipe for how). Tests that need
+    accepted and rejected drafts, or long accepted runs, assert that their model gives them.
     """
     config = OuroConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, total_ut_steps=loops, max_position_embeddings=512,
         bos_token_id=None, eos_token_id=eos, pad_token_id=PAD, tie_word_embeddings=False,
     )
-    model = OuroForCausalLM(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("embed_tokens.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
-            else:  # norm weights and the exit gate's bias
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
-            if name.endswith("layernorm_2.weight"):
-                p.mul_(damp)
-            if name == "model.norm.weight" and damp < 1:
-                p.fill_(1.0)
-    return model
+    return random_model(config, seed=seed, damp=damp, gate_scale=1.0)
 
 
 def paged_cache(model, debug: bool = True) -> PagedLoopCache:

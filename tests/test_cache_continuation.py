@@ -16,7 +16,7 @@ import pytest
 import torch
 from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
-from speculative_utils import PAD, tiny_spec_model
+from speculative_utils import MODE_PAIR, MODE_PAIR_IDS, PAD, mode_kwargs, tiny_spec_model
 from transformers import AutoTokenizer
 from transformers.cache_utils import DynamicCache
 
@@ -24,8 +24,9 @@ import hf_loopspec
 from hf_loopspec import PagedLoopCache
 from hf_loopspec.generation.history import run_planes
 
-MODES = {"plain": {"speculative_mode": None}, "pipeline": {"speculative_mode": "pipeline", "draft_loops": 2},
-         "block": {"speculative_mode": "block", "draft_loops": 1, "num_speculative_tokens": 2}}
+# plain decoding and one setting of each speculative mode from the shared matrix, by name
+MODES = {"plain": {"speculative_mode": None}} | {name: mode_kwargs(*m) for name, m in zip(MODE_PAIR_IDS, MODE_PAIR)}
+PIPELINE, BLOCK = MODE_PAIR_IDS
 FIRST, SECOND = 7, 6  # new tokens of the two calls
 
 
@@ -50,7 +51,7 @@ def case(request):
     model, vocab, settings = {"ouro": ouro_case, "huginn": huginn_case}[request.param]()
     ids, mask = left_pad(random_prompts(7, [5, 2, 4], vocab))
     free = generate(model, ids, mask, FIRST, "plain", None, **settings).sequences[:, ids.shape[1]:]
-    eos = int(free[0, 2])  # row 0 stops after 3 tokens, others when they meet it (or at the length limit)
+    eos = int(free[0, 2])  # row 0 stops within 3 tokens (at its first `eos`), the others if they meet it
     suffixes = random_prompts(8, [3, 1, 2], vocab)
     return model, settings, ids, mask, eos, suffixes
 
@@ -112,7 +113,7 @@ def test_three_turn_chat_reuses_the_cache_in_mixed_modes():
                                         return_tensors="pt", return_dict=True)["input_ids"]
     cache = PagedLoopCache(model.kv_layout)
     history = [{"role": "user", "content": users[0]}]
-    for turn, mode in enumerate(["pipeline", "block", "plain"]):
+    for turn, mode in enumerate([PIPELINE, BLOCK, "plain"]):
         if turn:
             text = tokenizer.apply_chat_template(
                 history + [{"role": "assistant", "content": marker}, {"role": "user", "content": users[turn]}],

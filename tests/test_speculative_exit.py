@@ -12,6 +12,8 @@ import pytest
 import torch
 from inputs import left_pad, random_prompts
 from speculative_utils import (
+    MODE_PAIR,
+    MODE_PAIR_IDS,
     PAD,
     assert_cache_matches_ar,
     assert_counter_invariants,
@@ -26,7 +28,6 @@ VOCAB = 64
 NEW = 16
 OPTIONS = {"exit_at_step=1": {"exit_at_step": 1}, "exit_threshold=0.9": {"exit_threshold": 0.9},
            "use_weighted_exit": {"use_weighted_exit": True}}
-MODES = [("pipeline", 1, None), ("block", 2, 3)]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def setup():
     return model, ids, mask, plain(model, ids, mask, NEW).sequences
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=[m for m, _, _ in MODES])
+@pytest.mark.parametrize("mode,d,k", MODE_PAIR, ids=MODE_PAIR_IDS)
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_exit_options_give_plain_tokens(setup, name, mode, d, k):
     model, ids, mask, last_loop = setup
@@ -61,7 +62,7 @@ def test_invalid_exit_options_raise_before_any_work(setup, options, message):
     assert cache.num_sequences == 0
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=[m for m, _, _ in MODES])
+@pytest.mark.parametrize("mode,d,k", MODE_PAIR, ids=MODE_PAIR_IDS)
 def test_config_early_exit_settings_mean_the_same_in_every_mode(mode, d, k):
     """The config's `early_exit_threshold` / `early_exit_step` (checkpoint metadata; `generate` applies them in no
     mode) leave speculative decoding equal to plain decoding."""

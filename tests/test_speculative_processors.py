@@ -18,6 +18,7 @@ from speculative_utils import (
     PAD,
     assert_cache_matches_ar,
     assert_counter_invariants,
+    first_new_occurrence,
     generated_counts,
     plain,
     speculative,
@@ -34,11 +35,15 @@ NEW = 30
 
 @pytest.fixture(scope="module")
 def setup():
-    """(model, ids, mask, plain continuation per row)."""
-    model = tiny_spec_model(41, 4, vocab=VOCAB, damp=0.15)
-    ids, mask = left_pad(random_prompts(41, [5, 2, 8], VOCAB))
+    """(model, ids, mask, plain continuation per row), checked for what the tests rely on: no continuation emits the
+    pad id (the stop-string tests decode them as text), and unprocessed drafts are both accepted and rejected."""
+    model = tiny_spec_model(43, 4, vocab=VOCAB, damp=0.15)
+    ids, mask = left_pad(random_prompts(43, [5, 2, 8], VOCAB))
     free = plain(model, ids, mask, NEW)
     conts = [free.sequences[s, ids.shape[1]:].tolist() for s in range(3)]
+    assert all(PAD not in c for c in conts)
+    stats = speculative(model, ids, mask, NEW, *MODES[0], debug=False).speculation
+    assert stats.accepted > 0 and stats.rejected > 0, stats.to_dict()
     return model, ids, mask, conts
 
 
@@ -250,8 +255,9 @@ def test_streamer_sees_the_plain_token_sequence(setup, rows, mode, d, k):
 def test_output_scores_and_logits(setup, mode, d, k):
     """Per-step processed scores and raw logits equal plain decoding's (up to fp32 rounding) for every row and step
     before the row finished; one row stops at eos, so later steps of that row are not compared."""
-    model, ids, mask, conts = setup
-    eos = conts[1][6]
+    model, ids, mask, _ = setup
+    processed = plain(model, ids, mask, NEW, no_repeat_ngram_size=2).sequences[:, ids.shape[1]:].tolist()
+    eos = min((i, t) for t, i in first_new_occurrence(processed[1], 6).items() if t not in processed[0])[1]
     kwargs = {"output_scores": True, "output_logits": True, "no_repeat_ngram_size": 2, "eos_token_id": eos}
     ref, out = check(model, ids, mask, mode, d, k, **kwargs)
     committed = generated_counts(ref.sequences, ids.shape[1], NEW, eos)

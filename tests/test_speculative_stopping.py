@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from inputs import left_pad, random_prompts
-from speculative_utils import PAD, forcing_hook, plain, speculative, tiny_spec_model
+from speculative_utils import MODE_PAIR, MODE_PAIR_IDS, PAD, forcing_hook, plain, speculative, tiny_spec_model
 from tolerances import assert_fp32_close, ouro_depth
 from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
@@ -21,7 +21,6 @@ import hf_loopspec
 
 VOCAB, NEW = 64, 14
 PATTERNS = [lambda i: True, lambda i: False, lambda i: i % 2 == 0]  # per row: accept draft i?
-COMBOS = [("pipeline", 1, None), ("block", 2, 3)]
 
 
 class Recording(StoppingCriteria):
@@ -107,11 +106,11 @@ def assert_same_calls(expected: Recording, got: Recording, finished_before, dept
         assert_fp32_close(scores_g[live], scores_e[live], **depth)  # the lanes' calls batch rows differently
 
 
-@pytest.mark.parametrize("mode,d,k", COMBOS)
+@pytest.mark.parametrize("mode,d,k", MODE_PAIR, ids=MODE_PAIR_IDS)
 def test_custom_criterion_without_eos(setup, mode, d, k):
     """Rows stop at different steps and keep decoding until the last one stops; all end there (no padding)."""
     model, prompts, ids, mask, free, reference = setup
-    stops = [int(free[0, 2]), int(free[2, 8])]
+    stops = [int(free[0, 2]), int(free[1, 5]), int(free[2, 8])]  # every row meets one by its own token
     (want, crit_e, stream_e), (got, crit_g, stream_g) = run_both(
         model, prompts, ids, mask, reference, mode, d, k, lambda: [Recording(stops)], eos_token_id=None)
     assert got.sequences.tolist() == want.sequences.tolist()
@@ -121,7 +120,7 @@ def test_custom_criterion_without_eos(setup, mode, d, k):
     assert_same_calls(crit_e[0], crit_g[0], lambda s: NEW, ouro_depth(model.config))
 
 
-@pytest.mark.parametrize("mode,d,k", COMBOS)
+@pytest.mark.parametrize("mode,d,k", MODE_PAIR, ids=MODE_PAIR_IDS)
 def test_custom_criterion_with_eos_pads_rows_that_stop(setup, mode, d, k):
     """With an EOS criterion a row that stops (by EOS or by the custom criterion) is padded from the next step;
     the fast row 0 runs ahead of its stop and is cut back to it."""
@@ -163,7 +162,7 @@ def stop_text(tokenizer, free, row, index) -> str:
     return text
 
 
-@pytest.mark.parametrize("mode,d,k", COMBOS)
+@pytest.mark.parametrize("mode,d,k", MODE_PAIR, ids=MODE_PAIR_IDS)
 def test_stop_strings_without_eos(text_setup, mode, d, k):
     model, tokenizer, vocab, prompts, ids, mask, free, reference = text_setup
     stops = [stop_text(tokenizer, free, row, index) for row, index in enumerate([2, 4, 7, 5])]  # rows at own speeds
@@ -182,7 +181,7 @@ def test_stop_strings_without_eos(text_setup, mode, d, k):
     assert stream_g.puts == stream_e.puts
 
 
-@pytest.mark.parametrize("mode,d,k", COMBOS)
+@pytest.mark.parametrize("mode,d,k", MODE_PAIR, ids=MODE_PAIR_IDS)
 def test_lm_eval_stop_sequence_criterion_at_batch_4(text_setup, mode, d, k):
     """lm-eval's criterion indexes rows by batch position and stops when all rows are done: it gets the whole batch
     at every step, and the output equals plain's (it crashed with IndexError when called one row at a time)."""
