@@ -28,6 +28,7 @@ from inputs import left_pad, random_prompts
 from speculative_utils import (
     assert_cache_matches_ar,
     assert_counter_invariants,
+    block_rounds,
     divergence_report,
     generated_counts,
     plain,
@@ -123,14 +124,16 @@ def test_batch_of_one(loops):
 def test_agreeing_model_long_accepted_runs(mode, d, k):
     """A model whose loops agree (damped residual branches): most drafts are accepted (long accepted runs, many
     lanes in flight at once) and the output is unchanged."""
-    model = tiny_spec_model(7, 4, vocab=VOCAB, damp=0.03)
-    ids, mask = left_pad(random_prompts(7, [6, 2, 4], VOCAB))
+    model = tiny_spec_model(11, 4, vocab=VOCAB, damp=0.03)
+    ids, mask = left_pad(random_prompts(11, [6, 2, 4], VOCAB))
     ref = plain(model, ids, mask, 60)
     out = speculative(model, ids, mask, 60, mode, d, k)
     torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
     stats = out.speculation
     assert stats.acceptance_rate > 0.8, stats.to_dict()
-    assert stats.accepted >= 0.8 * 3 * 59
+    # at least 80% of the drafts a run that accepts everything verifies (pipeline: one per token but the last)
+    most = 3 * (59 if mode == "pipeline" else sum(block_rounds(60, k, accept=True)))
+    assert stats.accepted >= 0.8 * most, (stats.accepted, most)
     assert_counter_invariants(stats, [60, 60, 60])
     assert_cache_matches_ar(out.cache, ref.cache, mask, [60, 60, 60], model.config.num_hidden_layers,
                             model_depth=ouro_depth(model.config))
