@@ -13,6 +13,10 @@ equals the reference token for token, and sums the counters of `out.speculation`
 * `core_calls_per_token` = calls of the shared layer stack / committed tokens, prompt prefill included (plain
   decoding needs U = 4 per token).
 
+Showcase: the greedy continuations (`--showcase-tokens` new tokens, plain decoding, `--repetition-penalty` if
+given) of `SHOWCASE_PROMPTS`, the README's prompt first, each checked to equal pipeline decoding with the same
+settings; the card lists them and `tests/test_default_model.py` checks them for degenerate repetition.
+
 Writes JSON to `--out` (default: stdout). Threads: `--threads`, default 1 (shared machine).
 
     python scripts/measure_default_model.py --out model_cards/hf-loopspec-default/measurements.json
@@ -36,6 +40,15 @@ SETTINGS = [
     {"speculative_mode": "block", "draft_loops": 1, "num_speculative_tokens": 4},
     {"speculative_mode": "block", "draft_loops": 2, "num_speculative_tokens": 4},
 ]
+# Each prompt ends with the text of a line, not with its newline: the BPE merges a newline with the next line's
+# indentation, so a prompt ending in a bare "\n" starts the model at a token boundary it rarely saw in training.
+SHOWCASE_PROMPTS = [
+    "def fibonacci(n):",  # the README's main command
+    "import os\nimport sys\n\n\ndef main():",
+    'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):',
+    'def read_config(path):\n    """Read a configuration file and return a dict."""',
+    "for i, line in enumerate(lines):",
+]
 
 
 def parse_args(argv=None):
@@ -46,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=48)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--showcase-tokens", type=int, default=64)
+    p.add_argument("--repetition-penalty", type=float, default=None, help="for the showcase (as in the README)")
     return p.parse_args(argv)
 
 
@@ -70,6 +85,24 @@ def held_out_prompts(tokenizer, report: dict, count: int, length: int) -> list[d
         prompts.append({"file": rel, "char_offset": start, "tokens": len(ids), "ids": ids,
                         "text": tokenizer.decode(ids)})
     return prompts
+
+
+def showcase_samples(model, tokenizer, args) -> dict:
+    """Greedy plain continuations of `SHOWCASE_PROMPTS`, each compared with pipeline decoding (same settings)."""
+    import torch
+
+    settings = {"max_new_tokens": args.showcase_tokens, "do_sample": False}
+    if args.repetition_penalty is not None:
+        settings["repetition_penalty"] = args.repetition_penalty
+    samples = []
+    with torch.no_grad():
+        for prompt in SHOWCASE_PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            plain = model.generate(input_ids=ids, speculative_mode=None, **settings)
+            spec = model.generate(input_ids=ids, speculative_mode="pipeline", draft_loops=1, **settings)
+            samples.append({"prompt": prompt, "continuation": tokenizer.decode(plain[0, ids.shape[1]:]),
+                            "pipeline_identical": spec.tolist() == plain.tolist()})
+    return {"settings": settings, "samples": samples}
 
 
 def main(argv=None) -> None:
@@ -133,6 +166,7 @@ def main(argv=None) -> None:
                   f"{totals['core_calls'] / totals['committed_tokens']:.3f}, identical {not mismatches}",
                   file=sys.stderr, flush=True)
 
+    showcase = showcase_samples(model, tokenizer, args)
     weights = folder / "model.safetensors"
     result = {
         "command": "python " + shlex.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
@@ -144,6 +178,7 @@ def main(argv=None) -> None:
         "plain_greedy_core_calls_per_token": float(loops),
         "settings": results,
         "prompts": [{k: v for k, v in p.items() if k != "ids"} for p in prompts],
+        "showcase": showcase,
         "wall_time_s": round(time.time() - t0, 1),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},

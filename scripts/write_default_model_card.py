@@ -4,10 +4,12 @@
     python scripts/write_default_model_card.py \\
         --model hf_loopspec/assets/default_model \\
         --measurements model_cards/hf-loopspec-default/measurements.json \\
+        --bench bench_results/cpu_default_b1.json \\
         --out model_cards/hf-loopspec-default/README.md
 
-Reads `training_report.json` and `config.json` of the model folder and the JSON of
-`scripts/measure_default_model.py`; writes the card with `huggingface_hub.ModelCard` / `ModelCardData`.
+Reads `training_report.json` and `config.json` of the model folder, the JSON of
+`scripts/measure_default_model.py` and the `hf-loopspec bench --json` result of the model (its speed section);
+writes the card with `huggingface_hub.ModelCard` / `ModelCardData`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(ROOT / "hf_loopspec" / "assets" / "default_model"))
     p.add_argument("--measurements", default=str(ROOT / "model_cards" / "hf-loopspec-default" / "measurements.json"))
+    p.add_argument("--bench", default=str(ROOT / "bench_results" / "cpu_default_b1.json"),
+                   help="`hf-loopspec bench --model default --json` result (greedy)")
     p.add_argument("--out", default=str(ROOT / "model_cards" / "hf-loopspec-default" / "README.md"))
     return p.parse_args(argv)
 
@@ -34,7 +38,46 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def body(config: dict, report: dict, measured: dict, size_mb: float) -> str:
+def schedule_text(report: dict) -> str:
+    """The learning-rate schedule of the run, in words."""
+    args, schedule = report["args"], report.get("schedule") or {"kind": "cosine"}
+    final = f"{100 * args['min_lr_ratio']:g}%"
+    if schedule["kind"] == "warmup-stable-decay":
+        how = (f" (the decay began when training had run {schedule['decay_at_minutes']:g} min)"
+               if schedule.get("decay_at_minutes") is not None else "")
+        return (f"{schedule['warmup_steps']} steps of linear warmup, constant until step {schedule['decay_start']}"
+                f"{how}, then cosine decay to {final} at step {schedule['total_steps']}")
+    return f"{100 * args['warmup']:g}% linear warmup and cosine decay to {final}"
+
+
+def speed_section(bench: dict) -> str:
+    """The pipeline / plain speed ratio of an `hf-loopspec bench --json` result, with its command and machine."""
+    a, m = bench["args"], bench["machine"]
+    command = (f"hf-loopspec bench --model {a['model']} --batch-size {a['batch_size']} --prompt-len {a['prompt_len']} "
+               f"--new-tokens {a['new_tokens']} --threads {a['threads']} --repeats {a['repeats']}")
+    rows = {r["mode"]: r for r in bench["rows"]}
+    plain = rows["plain"]["tokens_per_s"]
+    lines = table(["mode", "tokens/s", "x plain", "draft acceptance", "core calls / token", "output == plain"], [
+        [mode, f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / plain:.2f}",
+         "-" if r.get("acceptance_rate") is None else f"{100 * r['acceptance_rate']:.1f}%",
+         f"{r['core_calls_per_token']:.2f}", r["check"]] for mode, r in rows.items()])
+    return f"""Measured with
+
+```
+{command}
+```
+
+on {m['cpu']} ({m['cpu_count']} cores, {m['torch_threads']} torch threads, 1-minute load average
+{m['load_avg_1m_start']:.2f} at the start and {m['load_avg_1m_end']:.2f} at the end; the machine was shared), torch
+{m['torch']}, batch 1, fp32, greedy, draft depth {a['draft_loops']}:
+
+{lines}
+
+**Pipeline / plain: {rows['pipeline']['tokens_per_s'] / plain:.2f}x** on this run (a median of {a['repeats']}
+interleaved rounds; on a shared machine such ratios move by several percent between runs)."""
+
+
+def body(config: dict, report: dict, measured: dict, bench: dict, size_mb: float) -> str:
     args, corpus, val = report["args"], report["corpus"], report["validation"]
     loops = config["total_ut_steps"]
     n_params = report["parameters"]
@@ -148,8 +191,9 @@ Tokenizer: byte-level BPE trained with `tokenizers` on the training files, {conf
   {args['batch_size']} x {args['seq_len']} tokens (random windows, seed {args['seed']}),
   {report['tokens_seen']:,} tokens seen (about {report['tokens_seen'] / corpus['train_tokens']:.2f} epochs),
   peak LR {args['lr']:g} with
-  {100 * args['warmup']:g}% linear warmup and cosine decay to {100 * args['min_lr_ratio']:g}%, gradient clipping
-  {args['clip']}, bf16 autocast with fp32 master weights; stored in fp32.
+  {schedule_text(report)}, gradient clipping
+  {args['clip']}, bf16 autocast with fp32 master weights ({args.get('attn_implementation', 'sdpa')} attention);
+  stored in fp32.
 - Initialisation for the sandwich norms: token embeddings N(0, {args.get('embed_init_std', 0.02):g}) and the
   attention/MLP output-norm weights set to {args.get('branch_gain_init', 1.0):g}, so the current token is not
   drowned by unit-RMS branch outputs and every loop starts close to the identity (with the library's default
@@ -159,8 +203,10 @@ Tokenizer: byte-level BPE trained with `tokenizers` on the training files, {conf
 - Versions: torch {v['torch']}, transformers {v['transformers']}, tokenizers {v['tokenizers']}, Python
   {m['python']}.
 
-The script is deterministic (fixed seeds, step-count schedule, one thread): rerunning the command with the same
-interpreter and library versions on the same kind of CPU reproduces the run.
+The script is deterministic (fixed seeds, a schedule fixed by step counts, one thread): rerunning the command
+above (the report's `reproduce_command`, which states as step counts what the run fixed by wall time) with the
+same interpreter and library versions on the same kind of CPU reproduces the run. The command as it was run:
+`{report['command']}`.
 
 Intermediate checks (8 validation windows):
 
@@ -190,19 +236,19 @@ Measured with
 
 (`scripts/measure_default_model.py`; the raw numbers, per prompt, are in `measurements.json` next to this card).
 
-**Read these numbers with care.** Greedy decoding of a model this small falls into repetition loops (runs
-of bare docstring-quote lines, `self.path.path.path...`), and repeated text is easy for the shallow loops to
-predict, so the acceptance in free generation is much higher than the teacher-forced agreement on real code in
-the table above (loop 1 agrees with loop U on {100 * val['agreement_with_last_loop'][0]:.0f}% of validation
-tokens). Every speculative output was checked token for token against plain greedy decoding (last column).
+**Read these numbers with care.** They are measured on the model's own greedy continuations, and text a
+small model writes (including any repetition in it) is easier for the shallow loops to predict than real code:
+teacher-forced on validation code, loop 1 agrees with loop U on
+{100 * val['agreement_with_last_loop'][0]:.0f}% of the tokens. Every speculative output was checked token for token
+against plain greedy decoding (last column).
 
-## Sample
+## Speed
 
-Greedy, plain decoding, prompt `{report['sample']['prompt']}`:
+{speed_section(bench)}
 
-```python
-{report['sample']['greedy_64']}
-```
+## Samples
+
+{showcase_section(measured['showcase'])}
 
 ## Limitations
 
@@ -219,6 +265,19 @@ License: Apache-2.0 (the training data is the CPython standard library, under th
 """
 
 
+def showcase_section(showcase: dict) -> str:
+    """The greedy continuations of the showcase prompts (the README's first)."""
+    settings = ", ".join(f"{k}={v}" for k, v in showcase["settings"].items())
+    parts = [f"Plain decoding with `{settings}` (the README's settings), the README's prompt first; pipelined "
+             "self-speculation printed the same tokens for every prompt "
+             f"({'yes' if all(x['pipeline_identical'] for x in showcase['samples']) else 'NO'}). "
+             "`tests/test_default_model.py` checks that none of these continuations repeats a block of tokens "
+             "three times back to back."]
+    for sample in showcase["samples"]:
+        parts.append(f"Prompt `{sample['prompt']!r}`:\n\n```python\n{sample['prompt']}{sample['continuation']}\n```")
+    return "\n\n".join(parts)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     from huggingface_hub import ModelCard, ModelCardData
@@ -227,13 +286,14 @@ def main(argv=None) -> None:
     config = json.loads((folder / "config.json").read_text())
     report = json.loads((folder / "training_report.json").read_text())
     measured = json.loads(Path(args.measurements).read_text())
+    bench = json.loads(Path(args.bench).read_text())
     size_mb = sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) / 1e6
     data = ModelCardData(
         license="apache-2.0", library_name="transformers", pipeline_tag="text-generation", language=["code"],
         tags=["looped-language-model", "speculative-decoding", "ouro", "hf-loopspec"],
         model_name="hf-loopspec-default",
     )
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body(config, report, measured, size_mb)}")
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body(config, report, measured, bench, size_mb)}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     card.save(out)

@@ -1,11 +1,13 @@
 """The embedded default model (`hf_loopspec/assets/default_model/`): loads offline, is a 4-loop Ouro, fits the
-size budget, its tokenizer round-trips, every loop predicts held-out stdlib code far better than chance, and
-pipelined self-speculation reproduces plain greedy decoding."""
+size budget, its tokenizer round-trips, every loop predicts held-out stdlib code far better than chance,
+pipelined self-speculation reproduces plain greedy decoding, and the README's main command (and the other
+prompts its card shows) does not fall into degenerate repetition."""
 
 from __future__ import annotations
 
 import json
 import math
+import shlex
 import sysconfig
 from pathlib import Path
 
@@ -15,10 +17,14 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_loopspec  # noqa: F401  (registers the Ouro classes with the Auto factories)
-from hf_loopspec import OuroForCausalLM
+from hf_loopspec import OuroForCausalLM, cli
 from hf_loopspec.assets import default_model_path
+from hf_loopspec.prompting import encode_prompt, generate_kwargs
 
 MAX_BYTES = 25 * 10**6
+ROOT = Path(__file__).resolve().parents[1]
+CARD_MEASUREMENTS = ROOT / "model_cards" / "hf-loopspec-default" / "measurements.json"
+CHECKED_TOKENS = 64
 SNIPPET_TOKENS = 192
 FALLBACK_SNIPPET = '''def _splitext(p, sep, altsep, extsep):
     """Split the extension from a pathname."""
@@ -141,3 +147,50 @@ def test_generation_config_leaves_the_length_to_the_caller(model, tokenizer, fol
     with torch.no_grad():  # min_new_tokens keeps EOS out, so the length is exactly the caller's limit
         out = model.generate(**inputs, max_length=limit, min_new_tokens=10)
     assert out.shape[-1] == limit
+
+
+def readme_main_command() -> list[str]:
+    """The arguments after `hf-loopspec` of the README's main command (the first set-up block)."""
+    for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines():
+        if "&& hf-loopspec generate " in line:
+            return shlex.split(line.split("&& hf-loopspec ", 1)[1])
+    raise AssertionError("README.md has no `... && hf-loopspec generate ...` command")
+
+
+def repeated_block(tokens: list[int], copies: int = 3) -> tuple[int, int] | None:
+    """Degenerate repetition: a block of n >= 2 tokens that occurs `copies` times back to back (so one token six
+    times in a row counts too). The first such (start, n), or None."""
+    for n in range(2, len(tokens) // copies + 1):
+        for start in range(len(tokens) - copies * n + 1):
+            block = tokens[start:start + n]
+            if all(tokens[start + k * n:start + (k + 1) * n] == block for k in range(1, copies)):
+                return start, n
+    return None
+
+
+def test_repeated_block_definition():
+    assert repeated_block([5, 1, 2, 1, 2, 1, 2, 9]) == (1, 2)
+    assert repeated_block([7] * 6) == (0, 2) and repeated_block([7] * 5) is None
+    assert repeated_block([1, 2, 1, 2, 3, 1, 2]) is None and repeated_block(list(range(64))) is None
+
+
+def test_readme_command_and_card_prompts_do_not_loop(model, tokenizer):
+    """The README's main command, run for its first 64 tokens on its prompt and on the other prompts the model
+    card shows: plain greedy decoding with the command's settings has no degenerate repetition, and the command's
+    speculative mode prints exactly the same tokens."""
+    args = cli.build_parser().parse_args(readme_main_command())
+    assert args.command == "generate" and args.model == "default" and not args.do_sample
+    args.max_new_tokens = CHECKED_TOKENS
+    kwargs = generate_kwargs(args, model, tokenizer)
+    card_prompts = [s["prompt"] for s in json.loads(CARD_MEASUREMENTS.read_text())["showcase"]["samples"]]
+    assert card_prompts[0] == args.prompt and len(card_prompts) == 5
+    for prompt in card_prompts:
+        ids = torch.tensor([encode_prompt(tokenizer, prompt, args.chat)])
+        with torch.no_grad():
+            plain = model.generate(input_ids=ids, **{**kwargs, "speculative_mode": None})
+            spec = model.generate(input_ids=ids, **kwargs)
+        new = plain[0, ids.shape[1]:].tolist()
+        assert len(new) == CHECKED_TOKENS or new[-1] == tokenizer.eos_token_id
+        assert spec.tolist() == plain.tolist(), prompt
+        found = repeated_block(new)
+        assert found is None, (prompt, found, tokenizer.decode(new))
