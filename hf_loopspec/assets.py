@@ -1,7 +1,7 @@
 """Files shipped inside the package.
 
 `default_model_path()` is the folder of the embedded default model: a tiny Ouro-architecture looped LM
-(U = 4 loops over 2 layers, 3.7M parameters, byte-level BPE vocabulary of 4096) trained on the CPython
+(U = 4 loops over 2 layers, 5.1M parameters, byte-level BPE vocabulary of 4096) trained on the CPython
 standard library by `scripts/train_default_model.py` (card: `model_cards/hf-loopspec-default/`). It is for
 demos and tests only:
 
@@ -35,7 +35,7 @@ def default_model_path() -> str:
             f"The embedded default model is missing from {DEFAULT_MODEL_DIR} (no {', '.join(missing)}). The "
             "package was installed without its data files: reinstall hf-loopspec from a wheel or checkout that "
             "includes hf_loopspec/assets/default_model/ (package data), or recreate the model with "
-            "`python scripts/train_default_model.py --out hf_loopspec/assets/default_model --steps 650`."
+            "the `reproduce_command` of its training report (model_cards/hf-loopspec-default/ shows it)."
         )
     return str(DEFAULT_MODEL_DIR)
 

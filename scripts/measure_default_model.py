@@ -15,7 +15,8 @@ equals the reference token for token, and sums the counters of `out.speculation`
 
 Showcase: the greedy continuations (`--showcase-tokens` new tokens, plain decoding, `--repetition-penalty` if
 given) of `SHOWCASE_PROMPTS`, the README's prompt first, each checked to equal pipeline decoding with the same
-settings; the card lists them and `tests/test_default_model.py` checks them for degenerate repetition.
+settings and checked for degenerate repetition (`repeated_block`); `tests/test_default_model.py` checks the
+README's command.
 
 Writes JSON to `--out` (default: stdout). Threads: `--threads`, default 1 (shared machine).
 
@@ -87,6 +88,18 @@ def held_out_prompts(tokenizer, report: dict, count: int, length: int) -> list[d
     return prompts
 
 
+def repeated_block(tokens: list[int], copies: int = 3) -> tuple[int, int] | None:
+    """Degenerate repetition: a block of n >= 2 tokens that occurs `copies` times back to back (so one token six
+    times in a row counts too). The first such (start, n), or None."""
+    for n in range(2, len(tokens) // copies + 1):
+        for start in range(len(tokens) - copies * n + 1):
+            block = tokens[start:start + n]
+            if all(tokens[start + k * n:start + (k + 1) * n] == block for k in range(1, copies)):
+                return start, n
+    return None
+
+
+
 def showcase_samples(model, tokenizer, args) -> dict:
     """Greedy plain continuations of `SHOWCASE_PROMPTS`, each compared with pipeline decoding (same settings)."""
     import torch
@@ -100,7 +113,9 @@ def showcase_samples(model, tokenizer, args) -> dict:
             ids = tokenizer(prompt, return_tensors="pt").input_ids
             plain = model.generate(input_ids=ids, speculative_mode=None, **settings)
             spec = model.generate(input_ids=ids, speculative_mode="pipeline", draft_loops=1, **settings)
-            samples.append({"prompt": prompt, "continuation": tokenizer.decode(plain[0, ids.shape[1]:]),
+            new = plain[0, ids.shape[1]:].tolist()
+            samples.append({"prompt": prompt, "continuation": tokenizer.decode(new),
+                            "repeated_block": repeated_block(new),
                             "pipeline_identical": spec.tolist() == plain.tolist()})
     return {"settings": settings, "samples": samples}
 

@@ -16,8 +16,7 @@ Everything is built offline and reproducibly from the running interpreter:
    drafts of self-speculation come from the shallow depths). AdamW, linear warmup then cosine decay (or, with
    `--decay-fraction`, warmup-stable-decay), gradient clipping, bf16 autocast on CPU (fp32 master weights),
    random windows of `--seq-len` + 1 tokens from the concatenated training files (each file preceded by
-   `<|endoftext|>`). `--attn-implementation eager` trains faster than SDPA on one CPU thread at these sizes
-   (SDPA's CPU flash-attention backward dominated a profile); the saved model loads with the default.
+   `<|endoftext|>`).
 4. Output (`--out`): `config.json`, `model.safetensors` (fp32), `generation_config.json` (greedy, pipeline
    speculation from depth 1 by default), tokenizer files and `training_report.json` (per-loop validation loss,
    steps, tokens, wall time, command, versions, machine).
@@ -41,7 +40,7 @@ Example: a run fitted to about 80 minutes on one thread (the shipped model's com
 
     python scripts/train_default_model.py --out hf_loopspec/assets/default_model --hidden-size 320 \
         --intermediate-size 960 --num-heads 10 --num-kv-heads 5 --decay-fraction 0.25 --warmup-steps 100 \
-        --decay-at-minutes 60 --minutes 84 --threads 1 --attn-implementation eager
+        --decay-at-minutes 60 --minutes 84 --threads 1
 """
 
 from __future__ import annotations
@@ -108,9 +107,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--branch-gain-init", type=float, default=0.1,
                    help="initial weight of the attention/MLP output norms (see init_for_sandwich_norms)")
     p.add_argument("--no-bf16", action="store_true", help="train in fp32 instead of bf16 autocast")
-    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"],
-                   help="attention kernel while training (eager is faster on one CPU thread at these sizes); "
-                        "the saved config does not carry it")
     p.add_argument("--eval-every", type=int, default=100, help="steps between quick validation checks")
     p.add_argument("--eval-tokens", type=int, default=32768, help="validation tokens for the final evaluation")
     args = p.parse_args(argv)
@@ -365,7 +361,6 @@ def main(argv=None) -> None:
         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )
     config.architectures = ["OuroForCausalLM"]
-    config._attn_implementation = args.attn_implementation
     model = OuroForCausalLM(config)
     init_for_sandwich_norms(model, args.embed_init_std, args.branch_gain_init)
     model.train()
@@ -441,7 +436,6 @@ def main(argv=None) -> None:
 
     # final evaluation in fp32 (the stored precision)
     model.eval()
-    model.set_attn_implementation("sdpa")  # the default of a loaded model
     final = evaluate(model, val_ids, args.seq_len, args.eval_tokens)
     print(f"validation per loop: {final}", flush=True)
 
