@@ -60,7 +60,8 @@ def speed_section(bench: dict) -> str:
     lines = table(["mode", "tokens/s", "x plain", "draft acceptance", "core calls / token", "output == plain"], [
         [mode, f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / plain:.2f}",
          "-" if r.get("acceptance_rate") is None else f"{100 * r['acceptance_rate']:.1f}%",
-         f"{r['core_calls_per_token']:.2f}", r["check"]] for mode, r in rows.items()])
+         f"{r['core_calls_per_token']:.2f}",
+         "reference" if mode == "plain" else "yes" if r.get("check_passed") else "NO"] for mode, r in rows.items()])
     return f"""Measured with
 
 ```
