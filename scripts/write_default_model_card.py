@@ -278,7 +278,7 @@ def showcase_section(showcase: dict) -> str:
              + ("None of these continuations has it." if not looping else
                 f"Found in {', '.join(looping)}; none in the others.")
              + " Without the repetition penalty, greedy decoding of this model loops on most prompts. "
-             "`tests/test_default_model.py` checks the README's command."]
+             "`tests/test_default_model.py` checks all of these prompts with the README's settings."]
     for sample in samples:
         parts.append(f"Prompt `{sample['prompt']!r}`:\n\n```python\n{sample['prompt']}{sample['continuation']}\n```")
     return "\n\n".join(parts)

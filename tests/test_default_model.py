@@ -1,7 +1,7 @@
 """The embedded default model (`hf_loopspec/assets/default_model/`): loads offline, is a 4-loop Ouro, fits the
 size budget, its tokenizer round-trips, every loop predicts held-out stdlib code far better than chance,
-pipelined self-speculation reproduces plain greedy decoding, and the README's main command (and the other
-prompts its card shows) does not fall into degenerate repetition."""
+pipelined self-speculation reproduces plain greedy decoding, and the README's main command (and the four
+other prompts its card shows, with the same settings) does not fall into degenerate repetition."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def _measure_script():
     return module
 
 
-repeated_block = _measure_script().repeated_block
+_MEASURE = _measure_script()
+repeated_block, SHOWCASE_PROMPTS = _MEASURE.repeated_block, _MEASURE.SHOWCASE_PROMPTS
 SNIPPET_TOKENS = 192
 FALLBACK_SNIPPET = '''def _splitext(p, sep, altsep, extsep):
     """Split the extension from a pathname."""
@@ -174,18 +175,20 @@ def test_repeated_block_definition():
     assert repeated_block([1, 2, 1, 2, 3, 1, 2]) is None and repeated_block(list(range(64))) is None
 
 
-def test_readme_command_does_not_loop(model, tokenizer):
-    """The README's main command, run for its first 64 tokens: plain greedy decoding with the command's settings
-    has no degenerate repetition, and the command's speculative mode prints exactly the same tokens. (The model
-    card shows four more prompts with the same settings and says which of them repeat.)"""
+@pytest.mark.parametrize("index", range(len(SHOWCASE_PROMPTS)))
+def test_readme_settings_do_not_loop(model, tokenizer, index):
+    """The README's main command, run for its first 64 tokens on the README's prompt and on the card's other
+    showcase prompts: plain greedy decoding with the command's settings has no degenerate repetition, and the
+    command's speculative mode prints exactly the same tokens."""
     args = cli.build_parser().parse_args(readme_main_command())
     assert args.command == "generate" and args.model == "default" and not args.do_sample
+    assert SHOWCASE_PROMPTS[0] == args.prompt  # the card shows the README's prompt first
     args.max_new_tokens = CHECKED_TOKENS
     kwargs = generate_kwargs(args, model, tokenizer)
     card = json.loads(CARD_MEASUREMENTS.read_text())["showcase"]
-    assert card["samples"][0]["prompt"] == args.prompt  # the card shows the README's prompt and settings
+    assert [sample["prompt"] for sample in card["samples"]] == SHOWCASE_PROMPTS
     assert card["settings"].get("repetition_penalty") == kwargs.get("repetition_penalty")
-    ids = torch.tensor([encode_prompt(tokenizer, args.prompt, args.chat)])
+    ids = torch.tensor([encode_prompt(tokenizer, SHOWCASE_PROMPTS[index], args.chat)])
     with torch.no_grad():
         plain = model.generate(input_ids=ids, **{**kwargs, "speculative_mode": None})
         spec = model.generate(input_ids=ids, **kwargs)
