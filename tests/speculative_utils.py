@@ -74,8 +74,8 @@ def plain(model, ids, mask, max_new: int, **kwargs):
 def speculative(model, ids, mask, max_new: int, mode: str, d: int = 1, k: int | None = None, *, debug: bool = False,
                 **kwargs):
     """Speculative greedy decoding on a fresh `PagedLoopCache(page_size=4)`; returns the dict output. The engine is
-    generate's default ("auto": the wavefront engine when it supports the call); `debug=True` (lineage checks) makes
-    it the lane decoder."""
+    generate's default ("auto": in the tests the wavefront engine when it supports the call, see `conftest.py`);
+    `debug=True` (lineage checks) makes it the lane decoder."""
     kwargs.setdefault("cache", paged_cache(model, debug))
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,

@@ -33,6 +33,7 @@ from transformers import EosTokenCriteria, GenerationConfig, MaxLengthCriteria, 
 
 from hf_loopspec.generation.wavefront import WavefrontEngine
 from hf_loopspec.generation.wavefront import engine as engine_module
+from hf_loopspec.generation.wavefront import select
 from hf_loopspec.generation.wavefront.device import GraphStep, uses_cuda_graphs
 from hf_loopspec.generation.wavefront.processing import device_processors, draw, score_ops
 from hf_loopspec.generation.wavefront.state import Plan
@@ -186,6 +187,20 @@ def test_generate_speculative_engine():
         assert out.speculation.engine == {None: "wavefront", "debug": "lanes"}.get(engine, engine)
     assert _counts(runs["wavefront"].speculation) == _counts(runs["lanes"].speculation)
     assert _counts(runs[None].speculation) == _counts(runs["lanes"].speculation)
+
+
+@pytest.mark.device_rule
+def test_auto_picks_the_lane_decoder_on_a_cpu_eager():
+    """With the real device rule, "auto" on a CPU runs the lane decoder when the call is eager (measured faster there)
+    and the wavefront engine when it compiles or runs on CUDA; plain's tokens either way."""
+    model, ids, mask = _batch(6, (3, 5))
+    ref = plain(model, ids, mask, 6)
+    out = _generate(model, ids, mask, 6, "pipeline", 1, 1)
+    assert out.speculation.engine == "lanes"
+    torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
+    assert not select.wavefront_preferred(torch.device("cpu"), None)
+    assert select.wavefront_preferred(torch.device("cpu"), "inductor")
+    assert select.wavefront_preferred(torch.device("cuda"), None)
 
 
 @pytest.mark.parametrize(("mode", "d", "k"), [("pipeline", 1, 1), ("block", 2, 2)])

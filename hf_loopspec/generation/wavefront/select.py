@@ -8,8 +8,9 @@ named by `unsupported`:
 
 * `speculative_engine="lanes"` runs the lane decoder;
 * `"wavefront"` runs the wavefront engine, or raises `ValueError` naming every unsupported setting of the call;
-* `"auto"` (the default) runs the wavefront engine when it supports every setting of the call, else the lane
-  decoder (`out.speculation.engine` says which ran).
+* `"auto"` (the default) runs the wavefront engine when it supports every setting of the call and is the faster
+  engine where the call runs (`wavefront_preferred`), else the lane decoder (`out.speculation.engine` says which
+  ran).
 """
 
 from __future__ import annotations
@@ -65,9 +66,19 @@ def free_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def wavefront_preferred(device: torch.device, compile_backend: str | None) -> bool:
+    """Whether "auto" prefers the wavefront engine for a call on `device` compiled with `compile_backend` (None:
+    eager). Measured on a CPU (`BENCHMARKS.md`, "Engines"): eager, the lane decoder is faster (its attention reads
+    each row's valid length, the wavefront step computes every lane slot); compiled, the wavefront engine is (its
+    whole cycle is one graph). On CUDA the wavefront engine is the design's fast path (no host work per cycle,
+    CUDA-graph replay), not measured yet."""
+    return device.type == "cuda" or compile_backend is not None
+
+
 def choose_engine(model, spec: SpeculativeConfig, cache: PagedLoopCache, options: dict) -> str:
     """"lanes" or "wavefront" for `spec.engine` (see the module docstring)."""
-    if spec.engine == "lanes":
+    if spec.engine == "lanes" or spec.engine == "auto" and not wavefront_preferred(options["input_ids"].device,
+                                                                                   spec.compile_backend):
         return "lanes"
     problems = unsupported(model, cache, options)
     if spec.second_draft_loops is not None:
