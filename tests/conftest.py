@@ -5,11 +5,17 @@ once:
 
 * `inputs`: seeded random token ids and prompts, left padding;
 * `tolerances`: fp32 tolerances derived from eps, depth and reduction width;
-* `helpers`: tiny Ouro configs and models, Hub-named weights, the Ouro reference, Hub-like folders;
+* `helpers`: tiny Ouro configs (`tiny_config`, which every tiny Ouro model starts from) and models, Hub-named
+  weights, the Ouro reference, Hub-like folders;
 * `huginn_utils`: the same for Huginn;
 * `speculative_utils`: the speculative mode matrix (`MODES`; `MODE_PAIR`, one setting per mode, for tests whose
-  subject is not the schedule), tiny Ouro models for speculation, plain and speculative runs, counters, I4 and trace
-  checks.
+  subject is not the schedule; `mode_params` turns the matrix, a filter or a map of it into pytest parameters, and
+  `named_modes` gives generate's arguments by name, plain included), tiny Ouro models and cases for speculation,
+  the plain and speculative decoding calls (Ouro and Huginn), counters, forced-run, I4 and trace checks;
+* `recorders`: a streamer and a stopping criterion that record what `generate` hands them.
+
+A file that tests a subset of the matrix derives it from `MODES` (`mode_params(keep=...)`) rather than restating
+settings.
 
 Every tiny model's weights come from `hf_loopspec.bench.shapes.random_model`, the one seeded recipe that the
 benchmark shapes use too. A test that needs a property of its random model (drafts both accepted and rejected, long

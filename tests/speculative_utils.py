@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
+from helpers import tiny_config
+from inputs import left_pad, random_prompts
 from tolerances import assert_fp32_close, fp32_tolerance, ouro_depth, rms
 from transformers.cache_utils import DynamicCache
 
-from hf_loopspec import OuroConfig, OuroForCausalLM
+from hf_loopspec import OuroForCausalLM
 from hf_loopspec.bench.shapes import random_model
 from hf_loopspec.cache.paged import PagedLoopCache
 
@@ -24,16 +27,32 @@ PAGE = 4  # page size of every PagedLoopCache in these tests: rollbacks cross pa
 # drafts from one and from two loops; block rounds with one draft loop and K = PAGE (rounds fill whole pages), and
 # with two draft loops and K = 2 (rounds straddle page boundaries).
 MODES = [("pipeline", 1, None), ("pipeline", 2, None), ("block", 1, 4), ("block", 2, 2)]
-MODE_IDS = [f"{m}-d{d}" + (f"-K{k}" if k else "") for m, d, k in MODES]
+
+
+def mode_id(mode: str, d: int, k: int | None = None) -> str:
+    """A test id of one (mode, d, K): "pipeline-d1", "block-d2-K2"."""
+    return f"{mode}-d{d}" + (f"-K{k}" if k else "")
+
+
+def mode_params(settings: Sequence[tuple] = MODES, keep: Callable[[str, int, int | None], bool] | None = None) -> list:
+    """`settings` (default: `MODES`; a file that varies the matrix passes a map of it) for which `keep(mode, d, K)`
+    holds (all without `keep`), as `pytest.param`s named by `mode_id`, for `parametrize("mode,d,k", ...)`."""
+    return [pytest.param(*s, id=mode_id(*s)) for s in settings if keep is None or keep(*s)]
+
+
 # One setting of each mode from the matrix, for tests whose subject is not the schedule (exit options, stopping,
 # validation, cache continuation): pipeline drafting from one loop, and block rounds that straddle page boundaries.
 MODE_PAIR = [MODES[0], MODES[3]]
-MODE_PAIR_IDS = [MODE_IDS[0], MODE_IDS[3]]
 
 
 def mode_kwargs(mode: str, d: int, k: int | None = None) -> dict:
     """`generate`'s keyword arguments for one (mode, d, K) of `MODES`."""
     return {"speculative_mode": mode, "draft_loops": d} | ({} if k is None else {"num_speculative_tokens": k})
+
+
+def named_modes(settings: Sequence[tuple] = MODE_PAIR) -> dict[str, dict]:
+    """`generate`'s keyword arguments by test id: "plain" (no speculation), then each of `settings`."""
+    return {"plain": {"speculative_mode": None}} | {mode_id(*m): mode_kwargs(*m) for m in settings}
 
 
 # --- models and prompts -------------------------------------------------------------------------------------------
@@ -48,38 +67,54 @@ def tiny_spec_model(seed: int, loops: int = 4, *, vocab: int = 96, hidden: int =
     `damp` < 1 makes consecutive loops agree, so that drafts get accepted (see the recipe for how). Tests that need
     accepted and rejected drafts, or long accepted runs, assert that their model gives them.
     """
-    config = OuroConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, total_ut_steps=loops, max_position_embeddings=512,
-        bos_token_id=None, eos_token_id=eos, pad_token_id=PAD, tie_word_embeddings=False,
-    )
+    config = tiny_config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_key_value_heads=2,
+                         total_ut_steps=loops, max_position_embeddings=512, bos_token_id=None, eos_token_id=eos,
+                         pad_token_id=PAD, tie_word_embeddings=False)
     return random_model(config, seed=seed, damp=damp, gate_scale=1.0)
 
 
-def paged_cache(model, debug: bool = True) -> PagedLoopCache:
-    return PagedLoopCache(model.kv_layout, page_size=PAGE, debug=debug)
+def spec_case(seed: int, lengths: Sequence[int], vocab: int, loops: int = 4, damp: float = 1.0):
+    """(model, prompts, ids, mask): `tiny_spec_model(seed, loops, vocab=vocab, damp=damp)`, one seeded random prompt
+    per length (`inputs.random_prompts(seed, ...)`), and the prompts left-padded into `(ids, mask)`."""
+    model = tiny_spec_model(seed, loops, vocab=vocab, damp=damp)
+    prompts = random_prompts(seed, lengths, vocab)
+    return model, prompts, *left_pad(prompts)
+
+
+def paged_cache(model, debug: bool = True, num_steps: int | None = None) -> PagedLoopCache:
+    """A fresh `PagedLoopCache(page_size=PAGE)` for `model`, with the lineage checker when `debug`; for a Huginn model
+    at `num_steps` recurrence steps (its planes depend on them; default: the config's `mean_recurrence`)."""
+    if num_steps is None:
+        return PagedLoopCache(model.kv_layout, page_size=PAGE, debug=debug)
+    with model.recurrence(num_steps=num_steps):
+        return PagedLoopCache(model.kv_layout, page_size=PAGE, debug=debug)
 
 
 # --- the two decoders -----------------------------------------------------------------------------------------------
 
 
-def plain(model, ids, mask, max_new: int, **kwargs):
-    """Plain greedy decoding (transformers' loop, `DynamicCache`); returns the dict output (`.cache` included)."""
-    kwargs.setdefault("cache", DynamicCache())
+def _generate(model, ids, mask, max_new: int, **kwargs):
+    """`model.generate` without gradients, greedy unless `kwargs` say otherwise, pad id `PAD`, the dict output."""
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                              pad_token_id=PAD, return_dict_in_generate=True, **kwargs)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=PAD,
+                              return_dict_in_generate=True, **{"do_sample": False} | kwargs)
+
+
+def plain(model, ids, mask, max_new: int, **kwargs):
+    """Plain decoding (transformers' loop, `DynamicCache`; greedy unless `kwargs` say otherwise); returns the dict
+    output (`.cache` included)."""
+    return _generate(model, ids, mask, max_new, **{"cache": DynamicCache()} | kwargs)
 
 
 def speculative(model, ids, mask, max_new: int, mode: str, d: int = 1, k: int | None = None, *, debug: bool = False,
                 **kwargs):
-    """Speculative greedy decoding on a fresh `PagedLoopCache(page_size=4)`; returns the dict output. The engine is
-    generate's default ("auto": in the tests the wavefront engine when it supports the call, see `conftest.py`);
-    `debug=True` (lineage checks) makes it the lane decoder."""
-    kwargs.setdefault("cache", paged_cache(model, debug))
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                              pad_token_id=PAD, return_dict_in_generate=True, **mode_kwargs(mode, d, k), **kwargs)
+    """Speculative decoding (greedy unless `kwargs` say otherwise) on a fresh `paged_cache` (for the call's
+    `num_steps`, if given); returns the dict output. The engine is generate's default ("auto": in the tests the
+    wavefront engine when it supports the call, see `conftest.py`); `debug=True` (lineage checks) makes it the lane
+    decoder."""
+    if "cache" not in kwargs:
+        kwargs["cache"] = paged_cache(model, debug, kwargs.get("num_steps"))
+    return _generate(model, ids, mask, max_new, **mode_kwargs(mode, d, k), **kwargs)
 
 
 # --- facts read off plain outputs -----------------------------------------------------------------------------------
@@ -236,6 +271,26 @@ def forcing_hook(reference: Sequence[Sequence[int]], prompt_lens: Sequence[int],
 def events(out, kind: str) -> list[tuple[int, int, int]]:
     """(seq, position, token) of every traced event of one kind ("accept", "reject", "commit")."""
     return [(s, p, t) for cycle in out.trace for (k, s, p, t) in cycle.events if k == kind]
+
+
+def check_forced_run(model, prompts, ids, mask, out, ref, committed, accept=None):
+    """Everything every run with forced draft outcomes must satisfy (test_speculative_forced.py's docstring): tokens
+    equal plain decoding's `ref`, every read was checked against its lineage (I1), the counter identities, every
+    plane equals serial AR's (I4), the traced outcome of every draft follows `accept(seq, position, i)` when given,
+    and traced hidden states equal the teacher-forced reference when traced."""
+    torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
+    assert out.cache.debug and out.cache.tags is not None  # every read was checked against its lineage (I1)
+    assert_counter_invariants(out.speculation, committed)
+    assert_cache_matches_ar(out.cache, ref.cache, mask, committed, model.config.num_hidden_layers,
+                            model_depth=ouro_depth(model.config))
+    if accept is not None:
+        for s, p, _ in events(out, "accept"):
+            assert accept(s, p, p - len(prompts[s])), f"draft at sequence {s}, position {p} should be rejected"
+        for s, p, _ in events(out, "reject"):
+            assert not accept(s, p, p - len(prompts[s])), f"draft at sequence {s}, position {p} should be accepted"
+    if out.trace and out.trace[0].hidden is not None:
+        found = trace_divergence(model, out, [p.tolist() for p in prompts])
+        assert found is None, f"traced hidden state differs from the teacher-forced reference: {found}"
 
 
 # --- teacher-forced comparison of traced hidden states --------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 import torch
 from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
-from speculative_utils import MODE_PAIR, MODE_PAIR_IDS, PAD, mode_kwargs, tiny_spec_model
+from speculative_utils import PAD, named_modes, paged_cache, tiny_spec_model
 from transformers import AutoTokenizer
 from transformers.cache_utils import DynamicCache
 
@@ -25,8 +25,8 @@ from hf_loopspec import PagedLoopCache
 from hf_loopspec.generation.history import run_planes
 
 # plain decoding and one setting of each speculative mode from the shared matrix, by name
-MODES = {"plain": {"speculative_mode": None}} | {name: mode_kwargs(*m) for name, m in zip(MODE_PAIR_IDS, MODE_PAIR)}
-PIPELINE, BLOCK = MODE_PAIR_IDS
+MODES = named_modes()
+PIPELINE, BLOCK = list(MODES)[1:]
 FIRST, SECOND = 7, 6  # new tokens of the two calls
 
 
@@ -81,8 +81,7 @@ def assert_cache_reports(model, cache: PagedLoopCache, mode: str, columns: int, 
 @pytest.mark.parametrize("first,second", list(itertools.product(MODES, MODES)))
 def test_continue_any_mode_from_any_mode(case, first, second):
     model, settings, ids, mask, eos, suffixes = case
-    with model.recurrence(num_steps=settings["num_steps"]) if "num_steps" in settings else torch.no_grad():
-        cache = PagedLoopCache(model.kv_layout, page_size=4, debug=True)
+    cache = paged_cache(model, debug=True, num_steps=settings.get("num_steps"))
     out = generate(model, ids, mask, FIRST, first, eos, cache, **settings)
     assert out.cache is cache
     full, full_mask = extend(out.sequences, mask, suffixes)

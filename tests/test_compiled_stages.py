@@ -16,10 +16,9 @@ import pytest
 import torch
 from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
-from speculative_utils import plain, speculative, tiny_spec_model
+from speculative_utils import mode_params, paged_cache, plain, speculative, tiny_spec_model
 from tolerances import assert_fp32_close, ouro_depth
 
-from hf_loopspec import PagedLoopCache
 from hf_loopspec.generation.stages import StaticStages, capacity_for, static_stages_of
 
 VOCAB = 96
@@ -36,7 +35,7 @@ def assert_no_recompilation(stages: StaticStages) -> None:
         assert stages.compiles[stage] == len(stages.shapes[stage]), (stage, stages.compiles, stages.shapes)
 
 
-@pytest.mark.parametrize("mode,d,k", [("pipeline", 1, None), ("block", 2, 4)])
+@pytest.mark.parametrize("mode,d,k", mode_params(keep=lambda mode, d, k: d == 1))
 def test_ouro_compiled_equals_eager_and_compiles_once_per_bucket(mode, d, k):
     model = tiny_spec_model(3, 4, vocab=VOCAB, damp=0.1)
     ids, mask = left_pad(random_prompts(3, [6, 2, 9], VOCAB))
@@ -60,28 +59,22 @@ def test_ar_lane_mode_compiled_equals_plain():
     ids, mask = left_pad(random_prompts(4, [5, 3], VOCAB))
     ref = plain(model, ids, mask, NEW)
     with torch.no_grad():
-        out = model.decode_with_lanes(ids, "ar", cache=PagedLoopCache(model.kv_layout, page_size=4, debug=True),
+        out = model.decode_with_lanes(ids, "ar", cache=paged_cache(model),
                                       compile_core="aot_eager", attention_mask=mask, logits_processor=None,
                                       stopping_criteria=None, pad_token_id=0, max_length=ids.shape[1] + NEW)
     assert out.sequences.tolist() == ref.sequences.tolist()
     assert_no_recompilation(stages_of(model))
 
 
-@pytest.mark.parametrize("mode,d,k", [("pipeline", 2, None)])
+@pytest.mark.parametrize("mode,d,k", mode_params(keep=lambda mode, d, k: (mode, d) == ("pipeline", 2)))
 def test_huginn_compiled_equals_plain(mode, d, k):
     """Huginn's head has KV (the coda), so its compiled head call goes through the exit plane's static rows."""
     model, _ = tiny_huginn(seed=3, damp=0.1)
     ids, mask = left_pad(random_prompts(5, [4, 7], VOCAB))
     settings = {"num_steps": 6, "init_scale": 1.0, "init_seed": 9, "eos_token_id": None}
-    with torch.no_grad():
-        ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
-                             **settings)
-        with model.recurrence(num_steps=6):
-            cache = PagedLoopCache(model.kv_layout, page_size=4, debug=True)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
-                             speculative_mode=mode, draft_loops=d, num_speculative_tokens=k or 4, cache=cache,
-                             compile_core="aot_eager", **settings)
-    assert out.tolist() == ref.tolist()
+    ref = plain(model, ids, mask, NEW, **settings)
+    out = speculative(model, ids, mask, NEW, mode, d, k, debug=True, compile_core="aot_eager", **settings)
+    assert out.sequences.tolist() == ref.sequences.tolist()
     assert_no_recompilation(stages_of(model))
 
 
@@ -89,7 +82,7 @@ def test_padded_rows_write_nothing_and_change_no_output():
     """One core call through a bucket (rows padded with inactive rows) against the same call made eagerly on an
     identical cache: equal outputs for the real rows, and identical page pools (NaN-poisoned where unwritten)."""
     model = tiny_spec_model(6, 4, vocab=VOCAB)
-    caches = [PagedLoopCache(model.kv_layout, page_size=4, debug=True) for _ in range(2)]
+    caches = [paged_cache(model) for _ in range(2)]
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randn(5, 32, generator=gen)
     for cache in caches:  # the same history at depth 0 for two sequences

@@ -23,13 +23,13 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 from inputs import left_pad, random_prompts
+from recorders import RecordingStreamer, StopAtWidth
 from safetensors.torch import load_file
 from speculative_utils import tiny_spec_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
 from transformers import PreTrainedTokenizerFast
-from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 import hf_loopspec
 from hf_loopspec.bench import args as bench_args
@@ -348,28 +348,6 @@ def foreign_module(tmp_path_factory):
     sys.modules.pop("foreign_ouro", None)
 
 
-class Recorder(BaseStreamer):
-    def __init__(self):
-        self.chunks, self.ended = [], False
-
-    def put(self, value):
-        self.chunks.append(value.reshape(-1).tolist())
-
-    def end(self):
-        self.ended = True
-
-
-class StopAfter(StoppingCriteria):
-    """Stops a row once it holds `length` tokens; records that it was consulted."""
-
-    def __init__(self, length):
-        self.length, self.calls = length, 0
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.calls += 1
-        return torch.full((input_ids.shape[0],), input_ids.shape[-1] >= self.length, dtype=torch.bool)
-
-
 @pytest.fixture(scope="module")
 def foreign(foreign_module, exported):
     return foreign_module.load_folder(exported)
@@ -394,14 +372,14 @@ def test_custom_generate_shares_the_weights_of_a_different_class(foreign, export
 def test_custom_generate_keeps_streamer_and_stopping_criteria(foreign, exported, batch, expected):
     ids = batch[0][1:]
     stop_at = ids.shape[-1] + 5
-    recorder, stop = Recorder(), StopAfter(stop_at)
+    recorder, stop = RecordingStreamer(), StopAtWidth(stop_at)
     out = foreign.generate(ids, max_new_tokens=NEW, do_sample=False, custom_generate=str(exported),
                            trust_remote_code=True, speculative_mode="pipeline", streamer=recorder,
                            stopping_criteria=StoppingCriteriaList([stop]), return_dict_in_generate=True)
     assert out.sequences.shape[-1] == stop_at and stop.calls > 0
     assert out.sequences[0].tolist() == expected[1, batch[1].shape[-1] - ids.shape[-1]:][:stop_at].tolist()
-    assert recorder.chunks[0] == ids[0].tolist() and recorder.ended
-    assert [t for chunk in recorder.chunks[1:] for t in chunk] == out.sequences[0, ids.shape[-1]:].tolist()
+    assert recorder.puts[0] == ids.tolist() and recorder.ends == 1
+    assert [t for put in recorder.puts[1:] for t in put] == out.sequences[0, ids.shape[-1]:].tolist()
     assert out.speculation.committed_tokens == 5
 
 

@@ -19,8 +19,11 @@ from speculative_utils import (
     assert_counter_invariants,
     block_calls,
     forcing_hook,
+    mode_params,
     pipeline_calls,
+    plain,
     real_tokens,
+    speculative,
 )
 from tolerances import huginn_depth
 
@@ -31,29 +34,16 @@ NEW = 40
 # Acceptance of pipeline d=2 drafts of the seed-5 model on the ragged prompts: about 0.15 undamped, 0.7 (seeded
 # states) to 1.0 (zero states) at 0.03: long rejection chains / long runs.
 DAMPS = (1.0, 0.03)
-INITS = {"zero": {"init_scale": 0.0}, "seeded": {"init_scale": 1.0, "init_seed": 1234}}
+# Every run: STEPS recurrence steps, no eos (every row generates all its tokens), one of two initial-state draws.
+RUN = {"num_steps": STEPS, "eos_token_id": None}
+INITS = {"zero": RUN | {"init_scale": 0.0}, "seeded": RUN | {"init_scale": 1.0, "init_seed": 1234}}
+# The matrix's settings that draft from two steps, for the tests whose subject is the coda's exit planes.
+TWO_STEP_DRAFTS = mode_params(keep=lambda mode, d, k: d == 2)
 
 
 def prompts_for(batch: str, seed: int) -> list[torch.Tensor]:
     lengths = {"unpadded": [5, 5, 5], "ragged": [6, 1, 3]}[batch]
     return [random_ids(n, VOCAB, seed=100 * seed + i) for i, n in enumerate(lengths)]
-
-
-def plain(model, ids, mask, new, **settings):
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD,
-                              eos_token_id=None, return_dict_in_generate=True, num_steps=settings.pop("num_steps",
-                                                                                                   STEPS), **settings)
-
-
-def speculative(model, ids, mask, new, mode, d, k, *, num_steps=STEPS, debug=True, **settings):
-    with model.recurrence(num_steps=num_steps):
-        cache = PagedLoopCache(model.kv_layout, page_size=4, debug=debug)
-    options = {"do_sample": False, **settings} | ({} if k is None else {"num_speculative_tokens": k})
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=PAD, eos_token_id=None,
-                              return_dict_in_generate=True, speculative_mode=mode, draft_loops=d, cache=cache,
-                              num_steps=num_steps, **options)
 
 
 def ar_planes(model, num_steps=STEPS) -> list[int]:
@@ -72,7 +62,7 @@ def test_token_identity_with_plain_greedy(damp, batch, init):
     ids, mask = left_pad(prompts, PAD)
     ref = plain(model, ids, mask, NEW, **INITS[init])
     for mode, d, k in MODES:
-        out = speculative(model, ids, mask, NEW, mode, d, k, **INITS[init])
+        out = speculative(model, ids, mask, NEW, mode, d, k, debug=True, **INITS[init])
         label = f"{mode} d={d} K={k}"
         assert out.sequences.tolist() == ref.sequences.tolist(), label
         assert_counter_invariants(out.speculation, [NEW] * len(prompts))
@@ -80,7 +70,7 @@ def test_token_identity_with_plain_greedy(damp, batch, init):
                                 model_depth=huginn_depth(model.config, STEPS), planes=ar_planes(model))
 
 
-@pytest.mark.parametrize("mode,d,k", [("pipeline", 2, None), ("block", 2, 3)])
+@pytest.mark.parametrize("mode,d,k", TWO_STEP_DRAFTS)
 @pytest.mark.parametrize("pattern", ["all_rejected", "alternating", "two_rejections_in_a_row"])
 def test_forced_rejections_keep_tokens_and_kv(mode, d, k, pattern):
     """Forced rejection patterns roll back every plane (core, prelude, both coda depths) with I1 checked on every
@@ -94,7 +84,7 @@ def test_forced_rejections_keep_tokens_and_kv(mode, d, k, pattern):
     ref = plain(model, ids, mask, NEW, **settings)
     reference = [real_tokens(ref.sequences, mask, s) for s in range(len(prompts))]
     hook = forcing_hook(reference, [len(p) for p in prompts], accept, model.config.vocab_size)
-    out = speculative(model, ids, mask, NEW, mode, d, k, draft_hook=hook, **settings)
+    out = speculative(model, ids, mask, NEW, mode, d, k, debug=True, draft_hook=hook, **settings)
     assert out.sequences.tolist() == ref.sequences.tolist()
     assert out.speculation.rejected > 0
     assert_cache_matches_ar(out.cache, ref.cache, mask, [NEW] * len(prompts), num_layers=2,
@@ -105,7 +95,7 @@ def test_forced_rejections_keep_tokens_and_kv(mode, d, k, pattern):
 
 
 @pytest.mark.parametrize("accept", [True, False], ids=["all_accepted", "all_rejected"])
-@pytest.mark.parametrize("mode,d,k", [("pipeline", 4, None), ("pipeline", 8, None), ("block", 4, 4), ("block", 8, 2)])
+@pytest.mark.parametrize("mode,d,k", mode_params([(mode, 4 * d, k) for mode, d, k in MODES]))  # depths x 4
 def test_core_calls_at_32_steps(mode, d, k, accept):
     """draft_loops counts recurrence steps: at 32 steps the core-call counts follow DESIGN 3's closed forms with
     U = 32 (AR: 32 calls per token)."""
@@ -113,10 +103,11 @@ def test_core_calls_at_32_steps(mode, d, k, accept):
     n = 6
     prompts = prompts_for("unpadded", seed=1)[:1]
     ids, mask = left_pad(prompts, PAD)
-    ref = plain(model, ids, mask, n, num_steps=32, init_scale=0.0)
+    settings = {"num_steps": 32, "eos_token_id": None, "init_scale": 0.0}
+    ref = plain(model, ids, mask, n, **settings)
     reference = [real_tokens(ref.sequences, mask, 0)]
     hook = forcing_hook(reference, [len(prompts[0])], lambda s, i: accept, model.config.vocab_size)
-    out = speculative(model, ids, mask, n, mode, d, k, num_steps=32, debug=False, draft_hook=hook, init_scale=0.0)
+    out = speculative(model, ids, mask, n, mode, d, k, draft_hook=hook, **settings)
     assert out.sequences.tolist() == ref.sequences.tolist()
     expected = pipeline_calls(n, 32, d, accept) if mode == "pipeline" else block_calls(n, 32, d, k, accept)
     assert out.speculation.core_calls == expected
@@ -145,20 +136,20 @@ def test_cache_made_for_other_num_steps_raises():
         model.generate(ids, max_new_tokens=2, speculative_mode="pipeline", draft_loops=1, num_steps=6, cache=cache)
 
 
-@pytest.mark.parametrize("mode", ["pipeline", "block"])
-def test_sampling_paths_with_coda_kv(mode):
+@pytest.mark.parametrize("mode,d,k", TWO_STEP_DRAFTS)
+def test_sampling_paths_with_coda_kv(mode, d, k):
     """Lossless speculative sampling through the exit planes: top_k=1 sampling equals greedy, and a seeded sampled
     run repeats (the distribution itself is tested model-independently in test_speculative_sampling.py)."""
     model, _ = tiny_huginn(seed=4, damp=0.1)
     ids, mask = left_pad(prompts_for("ragged", seed=3), PAD)
     settings = INITS["seeded"]
     ref = plain(model, ids, mask, 12, **settings)
-    greedy_like = speculative(model, ids, mask, 12, mode, 2, 3, do_sample=True, top_k=1, **settings)
+    greedy_like = speculative(model, ids, mask, 12, mode, d, k, debug=True, do_sample=True, top_k=1, **settings)
     assert greedy_like.sequences.tolist() == ref.sequences.tolist()
     runs = []
     for _ in range(2):
         torch.manual_seed(7)
-        runs.append(speculative(model, ids, mask, 12, mode, 2, 3, do_sample=True, temperature=1.5,
+        runs.append(speculative(model, ids, mask, 12, mode, d, k, debug=True, do_sample=True, temperature=1.5,
                                 **settings).sequences.tolist())
     assert runs[0] == runs[1]
 
@@ -170,7 +161,7 @@ def test_second_proposals():
     model, _ = tiny_huginn(seed=5, damp=1.0)
     ids, mask = left_pad(prompts_for("ragged", seed=100), PAD)
     ref = plain(model, ids, mask, 24, **INITS["seeded"])
-    out = speculative(model, ids, mask, 24, "pipeline", 1, None, second_draft_loops=2, **INITS["seeded"])
+    out = speculative(model, ids, mask, 24, "pipeline", 1, debug=True, second_draft_loops=2, **INITS["seeded"])
     assert out.sequences.tolist() == ref.sequences.tolist()
     assert out.speculation.second_drafts > 0 and out.speculation.second_accepted > 0
     assert_counter_invariants(out.speculation, [24] * 3)

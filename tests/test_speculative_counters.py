@@ -18,6 +18,7 @@ from speculative_utils import (
     events,
     forcing_hook,
     generated_counts,
+    mode_params,
     pipeline_calls,
     plain,
     real_tokens,
@@ -71,7 +72,7 @@ def test_core_calls_closed_form(lengths, loops, mode, d, k, accept, n):
             assert s.discarded == 0 and s.drafted == s.verified
 
 
-@pytest.mark.parametrize("mode,d,k", [("pipeline", 1, None), ("pipeline", 2, None), ("block", 1, 4), ("block", 2, 3)])
+@pytest.mark.parametrize("mode,d,k", mode_params())
 def test_counters_with_free_drafts_and_eos(mode, d, k):
     """Unforced drafts (a model whose loops agree often, so runs mix acceptances and rejections) and a batch in
     which one sequence stops at eos: the identities hold per sequence, committed counts equal the plain output's

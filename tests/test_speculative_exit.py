@@ -13,10 +13,10 @@ import torch
 from inputs import left_pad, random_prompts
 from speculative_utils import (
     MODE_PAIR,
-    MODE_PAIR_IDS,
     PAD,
     assert_cache_matches_ar,
     assert_counter_invariants,
+    mode_params,
     paged_cache,
     plain,
     speculative,
@@ -37,7 +37,7 @@ def setup():
     return model, ids, mask, plain(model, ids, mask, NEW).sequences
 
 
-@pytest.mark.parametrize("mode,d,k", MODE_PAIR, ids=MODE_PAIR_IDS)
+@pytest.mark.parametrize("mode,d,k", mode_params(MODE_PAIR))
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_exit_options_give_plain_tokens(setup, name, mode, d, k):
     model, ids, mask, last_loop = setup
@@ -62,7 +62,7 @@ def test_invalid_exit_options_raise_before_any_work(setup, options, message):
     assert cache.num_sequences == 0
 
 
-@pytest.mark.parametrize("mode,d,k", MODE_PAIR, ids=MODE_PAIR_IDS)
+@pytest.mark.parametrize("mode,d,k", mode_params(MODE_PAIR))
 def test_config_early_exit_settings_mean_the_same_in_every_mode(mode, d, k):
     """The config's `early_exit_threshold` / `early_exit_step` (checkpoint metadata; `generate` applies them in no
     mode) leave speculative decoding equal to plain decoding."""

@@ -18,32 +18,27 @@ continue. In every run:
 from __future__ import annotations
 
 import pytest
-import torch
-from inputs import left_pad, random_prompts
+from recorders import StopAtWidth
 from speculative_utils import (
-    MODE_IDS,
     MODES,
     PAGE,
-    assert_cache_matches_ar,
-    assert_counter_invariants,
+    check_forced_run,
     events,
     first_new_occurrence,
     forcing_hook,
     generated_counts,
+    mode_params,
     plain,
     real_tokens,
+    spec_case,
     speculative,
-    tiny_spec_model,
-    trace_divergence,
 )
-from tolerances import ouro_depth
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
 VOCAB = 80
 NEW = 24
 # The shared matrix and block K = 1 (a draft every other position, so page-end rejections start on a new round).
-FORCED = [*MODES, ("block", 1, 1)]
-FORCED_IDS = [*MODE_IDS, "block-d1-K1"]
+FORCED = mode_params([*MODES, ("block", 1, 1)])
 
 PATTERNS = {
     "all_rejected": lambda pos, i: False,
@@ -53,13 +48,6 @@ PATTERNS = {
     "reject_at_page_start": lambda pos, i: pos % PAGE != 0,  # the rejected draft opens a new page
     "reject_at_page_end": lambda pos, i: pos % PAGE != PAGE - 1,  # ... fills the last slot of a page
 }
-
-
-def _case(seed, lengths, loops=4):
-    model = tiny_spec_model(seed, loops, vocab=VOCAB)
-    prompts = random_prompts(seed, lengths, VOCAB)
-    ids, mask = left_pad(prompts)
-    return model, prompts, ids, mask
 
 
 def _hook(free, mask, prompts, accept):
@@ -72,30 +60,13 @@ def _hook(free, mask, prompts, accept):
     return hook, calls
 
 
-def check_run(model, prompts, ids, mask, out, ref, committed, accept=None):
-    """Everything every forced run must satisfy (see the module docstring)."""
-    torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
-    assert out.cache.debug and out.cache.tags is not None  # every read was checked against its lineage (I1)
-    assert_counter_invariants(out.speculation, committed)
-    assert_cache_matches_ar(out.cache, ref.cache, mask, committed, model.config.num_hidden_layers,
-                            model_depth=ouro_depth(model.config))
-    if accept is not None:
-        for s, p, _ in events(out, "accept"):
-            assert accept(s, p, p - len(prompts[s])), f"draft at sequence {s}, position {p} should be rejected"
-        for s, p, _ in events(out, "reject"):
-            assert not accept(s, p, p - len(prompts[s])), f"draft at sequence {s}, position {p} should be accepted"
-    if out.trace and out.trace[0].hidden is not None:
-        found = trace_divergence(model, out, [p.tolist() for p in prompts])
-        assert found is None, f"traced hidden state differs from the teacher-forced reference: {found}"
-
-
-@pytest.mark.parametrize("mode,d,k", FORCED, ids=FORCED_IDS)
+@pytest.mark.parametrize("mode,d,k", FORCED)
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 @pytest.mark.parametrize("lengths", [[4], [4, 7, 1]], ids=["batch1", "batch3_ragged"])
 def test_forced_pattern(lengths, pattern, mode, d, k):
     if pattern == "reject_at_page_end":  # block K=1 drafts every other position: start on a rejected one
         lengths = [lengths[0] - 1, *lengths[1:]]
-    model, prompts, ids, mask = _case(11, lengths)
+    model, prompts, ids, mask = spec_case(11, lengths, VOCAB)
     rule = PATTERNS[pattern]
 
     def accept(s, pos, i):
@@ -104,7 +75,7 @@ def test_forced_pattern(lengths, pattern, mode, d, k):
     ref = plain(model, ids, mask, NEW)
     hook, calls = _hook(ref, mask, prompts, accept)
     out = speculative(model, ids, mask, NEW, mode, d, k, debug=True, draft_hook=hook, speculative_trace="hidden")
-    check_run(model, prompts, ids, mask, out, ref, [NEW] * len(prompts), accept)
+    check_forced_run(model, prompts, ids, mask, out, ref, [NEW] * len(prompts), accept)
     assert len(calls) == out.speculation.drafted  # the hook saw every proposal
     rejected, accepted = events(out, "reject"), events(out, "accept")
     if pattern == "all_rejected":  # every round / every position: one rejection per committed token but the last
@@ -124,11 +95,11 @@ def test_forced_pattern(lengths, pattern, mode, d, k):
         assert any(ps[j + 2] - ps[j] == 2 for ps in by_seq.values() for j in range(len(ps) - 2))
 
 
-@pytest.mark.parametrize("mode,d,k", FORCED, ids=FORCED_IDS)
+@pytest.mark.parametrize("mode,d,k", FORCED)
 def test_per_sequence_patterns_in_one_batch(mode, d, k):
     """Different histories side by side in one call: one sequence accepts everything, one rejects everything, one
     rejects every third draft; rows of all three share core calls."""
-    model, prompts, ids, mask = _case(12, [6, 2, 4])
+    model, prompts, ids, mask = spec_case(12, [6, 2, 4], VOCAB)
 
     def accept(s, pos, i):
         return (True, False, i % 3 != 0)[s]
@@ -136,7 +107,7 @@ def test_per_sequence_patterns_in_one_batch(mode, d, k):
     ref = plain(model, ids, mask, NEW)
     hook, _ = _hook(ref, mask, prompts, accept)
     out = speculative(model, ids, mask, NEW, mode, d, k, debug=True, draft_hook=hook, speculative_trace="hidden")
-    check_run(model, prompts, ids, mask, out, ref, [NEW] * 3, accept)
+    check_forced_run(model, prompts, ids, mask, out, ref, [NEW] * 3, accept)
     per = out.speculation.per_sequence
     assert per[0].rejected == 0 and per[1].accepted == 0 and per[2].accepted and per[2].rejected
     assert any(len({r.seq for r in cycle.rows}) == 3 for cycle in out.trace)
@@ -147,7 +118,7 @@ def _eos_case(min_index: int, batch_lengths, others_free: bool):
     `others_free`) the other sequences never emit; returns (model, prompts, ids, mask, free, eos, index), `free`
     being plain greedy without eos."""
     for seed in range(20, 80):
-        model, prompts, ids, mask = _case(seed, batch_lengths)
+        model, prompts, ids, mask = spec_case(seed, batch_lengths, VOCAB)
         free = plain(model, ids, mask, NEW)
         conts = [free.sequences[s, ids.shape[1]:].tolist() for s in range(len(prompts))]
         taken = set().union(*conts[1:]) if others_free and len(conts) > 1 else set()
@@ -159,7 +130,7 @@ def _eos_case(min_index: int, batch_lengths, others_free: bool):
     raise AssertionError("no seed with a suitable eos token")
 
 
-@pytest.mark.parametrize("mode,d,k", FORCED, ids=FORCED_IDS)
+@pytest.mark.parametrize("mode,d,k", FORCED)
 @pytest.mark.parametrize("pattern", ["all_accepted", "alternating"])
 def test_eos_with_lanes_in_flight(pattern, mode, d, k):
     """EOS is committed while drafts beyond it are in flight: they are discarded, the run stops exactly where plain
@@ -175,7 +146,7 @@ def test_eos_with_lanes_in_flight(pattern, mode, d, k):
     assert ref.sequences.shape[1] == ids.shape[1] + index + 1 and int(ref.sequences[0, -1]) == eos
     out = speculative(model, ids, mask, NEW, mode, d, k, debug=True, draft_hook=hook, eos_token_id=eos,
                       speculative_trace="hidden")
-    check_run(model, prompts, ids, mask, out, ref, [index + 1], accept)
+    check_forced_run(model, prompts, ids, mask, out, ref, [index + 1], accept)
     if pattern == "all_accepted" and mode == "pipeline":  # lanes at and past the eos were in flight
         eos_position = len(prompts[0]) + index
         assert any(r.position >= eos_position for cycle in out.trace for r in cycle.rows)
@@ -183,7 +154,7 @@ def test_eos_with_lanes_in_flight(pattern, mode, d, k):
             assert out.speculation.discarded > 0  # unverified drafts past the eos were dropped
 
 
-@pytest.mark.parametrize("mode,d,k", FORCED, ids=FORCED_IDS)
+@pytest.mark.parametrize("mode,d,k", FORCED)
 @pytest.mark.parametrize("pattern", ["all_accepted", "alternating", "all_rejected"])
 def test_one_sequence_finishes_while_others_continue(pattern, mode, d, k):
     """Sequence 0 emits eos early; sequences 1 and 2 never do and run to max_new_tokens. Plain decoding pads the
@@ -200,25 +171,15 @@ def test_one_sequence_finishes_while_others_continue(pattern, mode, d, k):
     assert committed == [index + 1, NEW, NEW]
     out = speculative(model, ids, mask, NEW, mode, d, k, debug=True, draft_hook=hook, eos_token_id=eos,
                       speculative_trace="hidden")
-    check_run(model, prompts, ids, mask, out, ref, committed, accept)
+    check_forced_run(model, prompts, ids, mask, out, ref, committed, accept)
     assert (out.sequences[0, ids.shape[1] + index + 1:] == 0).all()
 
 
-class StopAtWidth(StoppingCriteria):
-    """A length stop that speculation cannot foresee: stops every row once the ids reach `width` columns."""
-
-    def __init__(self, width: int):
-        self.width = width
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return torch.full((input_ids.shape[0],), input_ids.shape[-1] >= self.width, dtype=torch.bool)
-
-
-@pytest.mark.parametrize("mode,d,k", FORCED, ids=FORCED_IDS)
+@pytest.mark.parametrize("mode,d,k", FORCED)
 @pytest.mark.parametrize("stop_after", [1, 2, 5, 13])
 def test_length_stop_mid_wavefront(stop_after, mode, d, k):
     """A stopping criterion ends the run after `stop_after` tokens, with the pipeline full of accepted drafts."""
-    model, prompts, ids, mask = _case(13, [5, 3])
+    model, prompts, ids, mask = spec_case(13, [5, 3], VOCAB)
 
     def accept(s, pos, i):
         return True
@@ -229,17 +190,17 @@ def test_length_stop_mid_wavefront(stop_after, mode, d, k):
     assert ref.sequences.shape[1] == ids.shape[1] + stop_after
     out = speculative(model, ids, mask, NEW, mode, d, k, debug=True, draft_hook=hook, stopping_criteria=stop,
                       speculative_trace="hidden")
-    check_run(model, prompts, ids, mask, out, ref, [stop_after] * 2, accept)
+    check_forced_run(model, prompts, ids, mask, out, ref, [stop_after] * 2, accept)
     if mode == "pipeline" and d == 1:
         assert out.speculation.discarded > 0  # drafts were still in flight at the stop
 
 
-@pytest.mark.parametrize("mode,d,k", FORCED, ids=FORCED_IDS)
+@pytest.mark.parametrize("mode,d,k", FORCED)
 @pytest.mark.parametrize("max_new", [1, 2, 3, 6, 7])
 @pytest.mark.parametrize("pattern", ["all_accepted", "alternating"])
 def test_max_new_tokens_edges(pattern, max_new, mode, d, k):
     """max_new_tokens cuts a block round short (K=4, 7 tokens: 5 + 2) or ends the pipeline in its ramp-up."""
-    model, prompts, ids, mask = _case(14, [4, 6])
+    model, prompts, ids, mask = spec_case(14, [4, 6], VOCAB)
     rule = PATTERNS[pattern]
 
     def accept(s, pos, i):
@@ -248,6 +209,6 @@ def test_max_new_tokens_edges(pattern, max_new, mode, d, k):
     ref = plain(model, ids, mask, max_new)
     hook, _ = _hook(ref, mask, prompts, accept)
     out = speculative(model, ids, mask, max_new, mode, d, k, debug=True, draft_hook=hook, speculative_trace="hidden")
-    check_run(model, prompts, ids, mask, out, ref, [max_new] * 2, accept)
+    check_forced_run(model, prompts, ids, mask, out, ref, [max_new] * 2, accept)
     # no draft is ever made for a position whose token is never fed back
     assert all(r.position <= len(prompts[r.seq]) + max_new - 2 for cycle in out.trace for r in cycle.rows)

@@ -26,12 +26,16 @@ import pytest
 import torch
 from inputs import left_pad, random_prompts
 from speculative_utils import (
+    MODE_PAIR,
+    MODES,
     assert_cache_matches_ar,
     assert_counter_invariants,
     block_rounds,
     divergence_report,
     generated_counts,
+    mode_params,
     plain,
+    spec_case,
     speculative,
     tiny_spec_model,
     trace_divergence,
@@ -120,7 +124,8 @@ def test_batch_of_one(loops):
             assert_counter_invariants(out.speculation, [NEW])
 
 
-@pytest.mark.parametrize("mode,d,k", [("pipeline", 1, None), ("pipeline", 2, None), ("block", 1, 4), ("block", 2, 8)])
+# the matrix, with d = 2 block rounds of K = 8 drafts (two pages) in place of K = 2: long accepted runs need long rounds
+@pytest.mark.parametrize("mode,d,k", mode_params([(m, d, 8 if (m, d) == ("block", 2) else k) for m, d, k in MODES]))
 def test_agreeing_model_long_accepted_runs(mode, d, k):
     """A model whose loops agree (damped residual branches): most drafts are accepted (long accepted runs, many
     lanes in flight at once) and the output is unchanged."""
@@ -139,14 +144,12 @@ def test_agreeing_model_long_accepted_runs(mode, d, k):
                             model_depth=ouro_depth(model.config))
 
 
-@pytest.mark.parametrize("mode,d,k", [("pipeline", 1, None), ("block", 2, 2)])
+@pytest.mark.parametrize("mode,d,k", mode_params(MODE_PAIR))
 def test_traced_hidden_states_equal_teacher_forced_reference(mode, d, k):
     """Every row of every cycle (drafts, rejected drafts and their descendants included) outputs what a
     teacher-forced full forward of its own path gives at its position and depth (DESIGN 7: compare at the first
     affected cycle, not only final tokens)."""
-    model = tiny_spec_model(3, 4, vocab=VOCAB, damp=0.15)
-    prompts = random_prompts(3, [5, 2, 7], VOCAB)
-    ids, mask = left_pad(prompts)
+    model, prompts, ids, mask = spec_case(3, [5, 2, 7], VOCAB, damp=0.15)
     ref = plain(model, ids, mask, NEW)
     out = speculative(model, ids, mask, NEW, mode, d, k, speculative_trace="hidden")
     torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
@@ -157,9 +160,7 @@ def test_traced_hidden_states_equal_teacher_forced_reference(mode, d, k):
 def test_divergence_diagnostic_points_at_the_first_bad_row():
     """The diagnostic itself: a perturbed traced hidden state is reported at its cycle, position and depth, and a
     perturbed output token is reported with its teacher-forced logit margin."""
-    model = tiny_spec_model(5, 4, vocab=VOCAB, damp=0.15)
-    prompts = random_prompts(5, [4, 6], VOCAB)
-    ids, mask = left_pad(prompts)
+    model, prompts, ids, mask = spec_case(5, [4, 6], VOCAB, damp=0.15)
     ref = plain(model, ids, mask, 12)
     out = speculative(model, ids, mask, 12, "pipeline", 1, speculative_trace="hidden")
     assert trace_divergence(model, out, [p.tolist() for p in prompts]) is None

@@ -12,14 +12,15 @@ import string
 import pytest
 import torch
 from inputs import left_pad, random_prompts
+from recorders import RecordingStreamer
 from speculative_utils import (
-    MODE_IDS,
     MODES,
     PAD,
     assert_cache_matches_ar,
     assert_counter_invariants,
     first_new_occurrence,
     generated_counts,
+    mode_params,
     plain,
     speculative,
     tiny_spec_model,
@@ -27,10 +28,11 @@ from speculative_utils import (
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tolerances import assert_fp32_close, ouro_depth
 from transformers import PreTrainedTokenizerFast
-from transformers.generation.streamers import BaseStreamer
 
 VOCAB = 64
 NEW = 30
+# the settings of the matrix that draft from one loop, for the processors whose subject is not the schedule
+ONE_DRAFT_LOOP = mode_params(keep=lambda mode, d, k: d == 1)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,7 @@ def _never_emitted(conts):
     return next(t for t in range(1, VOCAB) if all(t not in c for c in conts))
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,d,k", mode_params())
 def test_stop_strings(setup, mode, d, k):
     model, ids, mask, conts = setup
     tok = char_tokenizer()
@@ -99,14 +101,14 @@ def test_stop_strings(setup, mode, d, k):
                             model_depth=ouro_depth(model.config))
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,d,k", mode_params())
 def test_stop_string_in_batch_without_eos(setup, mode, d, k):
     model, ids, mask, conts = setup
     tok = char_tokenizer()
     check(model, ids, mask, mode, d, k, stop_strings=[_stop_string(tok, conts[0], 6)], tokenizer=tok)
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,d,k", mode_params())
 def test_eos_token_id_list(setup, mode, d, k):
     model, ids, mask, conts = setup
     first = {t: i for i, t in reversed(list(enumerate(conts[1])))}
@@ -120,7 +122,7 @@ def test_eos_token_id_list(setup, mode, d, k):
                             model_depth=ouro_depth(model.config))
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,d,k", mode_params())
 def test_repetition_penalty_batch1(setup, mode, d, k):
     model, ids, mask, _ = setup
     row = slice(int((mask[2] == 0).sum()), None)
@@ -132,13 +134,13 @@ def test_repetition_penalty_batch1(setup, mode, d, k):
                             model_depth=ouro_depth(model.config))
 
 
-@pytest.mark.parametrize("mode,d,k", [MODES[0], MODES[2]], ids=[MODE_IDS[0], MODE_IDS[2]])
+@pytest.mark.parametrize("mode,d,k", ONE_DRAFT_LOOP)
 def test_repetition_penalty_padded_batch(setup, mode, d, k):
     model, ids, mask, _ = setup
     check(model, ids, mask, mode, d, k, repetition_penalty=1.5)
 
 
-@pytest.mark.parametrize("mode,d,k", [MODES[0], MODES[2]], ids=[MODE_IDS[0], MODE_IDS[2]])
+@pytest.mark.parametrize("mode,d,k", ONE_DRAFT_LOOP)
 def test_prefix_allowed_tokens_fn_sees_the_batch_index(setup, mode, d, k):
     model, ids, mask, _ = setup
 
@@ -161,7 +163,7 @@ PROCESSORS = {
 }
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,d,k", mode_params())
 @pytest.mark.parametrize("name", list(PROCESSORS))
 def test_other_processors_padded_batch(setup, name, mode, d, k):
     model, ids, mask, conts = setup
@@ -170,7 +172,7 @@ def test_other_processors_padded_batch(setup, name, mode, d, k):
     check(model, ids, mask, mode, d, k, **kwargs)
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,d,k", mode_params())
 def test_min_new_tokens(setup, mode, d, k):
     model, ids, mask, conts = setup
     eos = conts[0][2]  # row 0 would stop after 3 tokens
@@ -183,7 +185,7 @@ def test_min_new_tokens(setup, mode, d, k):
     assert_counter_invariants(out.speculation, committed)
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,d,k", mode_params())
 def test_bad_words_ids(setup, mode, d, k):
     model, ids, mask, conts = setup
     bad = [[conts[0][3]], conts[1][5:7], conts[2][1:4]]
@@ -193,7 +195,7 @@ def test_bad_words_ids(setup, mode, d, k):
     assert_counter_invariants(out.speculation, [NEW] * 3)
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,d,k", mode_params())
 @pytest.mark.parametrize("rows", [[2], [0, 1, 2]], ids=["batch1", "batch3_ragged"])
 def test_all_processors_together(setup, rows, mode, d, k):
     model, ids, mask, conts = setup
@@ -209,22 +211,7 @@ def test_all_processors_together(setup, rows, mode, d, k):
     check(model, ids, mask, mode, d, k, **kwargs)
 
 
-class RecordingStreamer(BaseStreamer):
-    """Records every `put` value (a copy) and counts `end` calls."""
-
-    def __init__(self):
-        self.puts: list[torch.Tensor] = []
-        self.ends = 0
-
-    def put(self, value):
-        assert self.ends == 0, "put after end"
-        self.puts.append(value.detach().clone())
-
-    def end(self):
-        self.ends += 1
-
-
-@pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,d,k", mode_params())
 @pytest.mark.parametrize("rows", [[0], [0, 1, 2]], ids=["batch1", "batch3_ragged"])
 def test_streamer_sees_the_plain_token_sequence(setup, rows, mode, d, k):
     """The streamer receives the same values in the same order as with plain decoding (the prompt, then one column
@@ -248,10 +235,10 @@ def test_streamer_sees_the_plain_token_sequence(setup, rows, mode, d, k):
     torch.testing.assert_close(seq, ref_seq, atol=0, rtol=0)
     assert len(puts) == len(ref_puts) == 1 + ref_seq.shape[1] - ids.shape[1]
     for i, (a, b) in enumerate(zip(puts, ref_puts)):
-        assert a.shape == b.shape and torch.equal(a, b), f"put #{i}: {a.tolist()} != plain {b.tolist()}"
+        assert a == b, f"put #{i}: {a} != plain {b}"
 
 
-@pytest.mark.parametrize("mode,d,k", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("mode,d,k", mode_params())
 def test_output_scores_and_logits(setup, mode, d, k):
     """Per-step processed scores and raw logits equal plain decoding's (up to fp32 rounding) for every row and step
     before the row finished; one row stops at eos, so later steps of that row are not compared."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from speculative_utils import MODES, mode_kwargs
+from speculative_utils import MODES, mode_id, mode_kwargs, mode_params
 from transformers import (
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
@@ -154,17 +154,18 @@ def sample_pairs(model, settings, seed, **generate_kwargs) -> torch.Tensor:
     return counts
 
 
-SETTINGS = [mode_kwargs(*m) for m in MODES]  # generate's keyword arguments of each speculative mode
 ENGINES = ["lanes", "wavefront"]
+# every setting of the matrix once, with the processor settings in turn
+JOINT = [pytest.param(m, processors, id=f"{mode_id(*m)}-{processors}")
+         for m, processors in zip(MODES, ["none", "warped", "warped", "none"])]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize(("mode", "settings"), [(SETTINGS[0], "none"), (SETTINGS[1], "warped"), (SETTINGS[2], "warped"),
-                                                (SETTINGS[3], "none")],
-                         ids=["pipeline-d1-none", "pipeline-d2-warped", "block-d1-warped", "block-d2-none"])
+@pytest.mark.parametrize(("mode", "settings"), JOINT)
 def test_joint_distribution_of_two_tokens_equals_plain_sampling(sampling_model, mode, settings, engine):
     joint = exact_joint(sampling_model, PROCESSOR_SETTINGS[settings])
-    counts = sample_pairs(sampling_model, PROCESSOR_SETTINGS[settings], seed=1, speculative_engine=engine, **mode)
+    counts = sample_pairs(sampling_model, PROCESSOR_SETTINGS[settings], seed=1, speculative_engine=engine,
+                          **mode_kwargs(*mode))
     assert chi_square_p_value(counts, joint) > ALPHA
 
 
@@ -188,19 +189,20 @@ def test_statistical_test_has_power_against_the_approximate_rule(sampling_model,
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("mode", SETTINGS[:1] + SETTINGS[2:3], ids=["pipeline", "block"])
-def test_same_seed_same_output_and_top_k_1_is_greedy(sampling_model, mode, engine):
+@pytest.mark.parametrize("mode,d,k", mode_params(keep=lambda mode, d, k: d == 1))
+def test_same_seed_same_output_and_top_k_1_is_greedy(sampling_model, mode, d, k, engine):
     ids = torch.tensor([PROMPT, [2, 2, 7]])
+    spec = mode_kwargs(mode, d, k)
     runs = []
     for _ in range(2):
         torch.manual_seed(123)
-        runs.append(sampling_model.generate(ids, max_new_tokens=12, do_sample=True, speculative_engine=engine, **mode))
+        runs.append(sampling_model.generate(ids, max_new_tokens=12, do_sample=True, speculative_engine=engine, **spec))
     assert torch.equal(*runs)
     torch.manual_seed(124)
     assert not torch.equal(runs[0], sampling_model.generate(ids, max_new_tokens=12, do_sample=True,
-                                                            speculative_engine=engine, **mode))
+                                                            speculative_engine=engine, **spec))
     greedy = sampling_model.generate(ids, max_new_tokens=12, do_sample=False)
-    top1 = sampling_model.generate(ids, max_new_tokens=12, do_sample=True, top_k=1, speculative_engine=engine, **mode,
+    top1 = sampling_model.generate(ids, max_new_tokens=12, do_sample=True, top_k=1, speculative_engine=engine, **spec,
                                    cache=PagedLoopCache(sampling_model.kv_layout, debug=engine == "lanes"))
     assert torch.equal(top1, greedy)
 

@@ -20,20 +20,22 @@ from __future__ import annotations
 import pytest
 import torch
 from inputs import left_pad, random_prompts
+from recorders import StopAtWidth
 from speculative_utils import (
     PAGE,
     assert_cache_matches_ar,
     assert_counter_invariants,
+    check_forced_run,
     events,
     first_new_occurrence,
     paged_cache,
     pipeline_calls,
     plain,
     real_tokens,
+    spec_case,
     speculative,
     tiny_spec_model,
 )
-from test_speculative_forced import StopAtWidth, check_run
 from test_speculative_identity import BATCHES
 from test_speculative_sampling import (
     ALPHA,
@@ -78,13 +80,6 @@ def second_calls(n: int, loops: int, d: int, d2: int, rejected: int, chosen: int
     return loops + (n - 1) * d + (loops - d) * rejected + (d2 - d) * chosen
 
 
-def _case(seed, lengths):
-    model = tiny_spec_model(seed, 4, vocab=VOCAB)
-    prompts = random_prompts(seed, lengths, VOCAB)
-    ids, mask = left_pad(prompts)
-    return model, prompts, ids, mask
-
-
 def _hooks(free, mask, prompts, outcome):
     """`draft_hook` and `second_draft_hook` forcing `outcome(seq, position, i)`; `free` is plain greedy without stops,
     so it knows the right token of every position a draft can be made for. Wrong tokens differ from the right one
@@ -111,10 +106,10 @@ def _run(model, ids, mask, max_new, d, d2, hooks, **kwargs):
 
 
 def check_second_run(model, prompts, ids, mask, out, ref, committed, outcome=None):
-    """`check_run`'s checks (with a forced `outcome`: the main-path draft B is accepted exactly for "q1", the sibling
-    chosen exactly for "q2"), and no page or branch slot outlives the run."""
+    """`check_forced_run`'s checks (with a forced `outcome`: the main-path draft B is accepted exactly for "q1", the
+    sibling chosen exactly for "q2"), and no page or branch slot outlives the run."""
     accept = None if outcome is None else (lambda s, p, i: outcome(s, p, i) == "q1")
-    check_run(model, prompts, ids, mask, out, ref, committed, accept)
+    check_forced_run(model, prompts, ids, mask, out, ref, committed, accept)
     if outcome is not None:
         chosen = events(out, "accept_second")
         assert all(outcome(s, p, p - len(prompts[s])) == "q2" for s, p, _ in chosen)
@@ -154,7 +149,7 @@ FORCED = [(p, 1, 2) for p in PATTERNS] + [(p, d, d2) for d, d2 in CONFIGS[1:] fo
 @pytest.mark.parametrize("pattern,d,d2", FORCED, ids=[f"{p}-d{d}-d2{d2}" for p, d, d2 in FORCED])
 def test_forced_second_pattern(pattern, d, d2):
     lengths = [5, 2] if pattern in ("rotating", "q2_mid_page") else [5]
-    model, prompts, ids, mask = _case(31, lengths)
+    model, prompts, ids, mask = spec_case(31, lengths, VOCAB)
     rule = PATTERNS[pattern]
 
     def outcome(s, pos, i):
@@ -184,7 +179,7 @@ def test_forced_second_pattern(pattern, d, d2):
 def _eos_case(min_index: int):
     """A seed whose plain continuation of one prompt emits a token first at index >= min_index (taken as eos)."""
     for seed in range(40, 90):
-        model, prompts, ids, mask = _case(seed, [5])
+        model, prompts, ids, mask = spec_case(seed, [5], VOCAB)
         free = plain(model, ids, mask, NEW)
         options = [(i, t) for t, i in first_new_occurrence(free.sequences[0, ids.shape[1]:].tolist(),
                                                            min_index).items() if i < NEW - 4]
@@ -219,7 +214,7 @@ def test_eos_with_descendants_on_both_branches(chosen):
 @pytest.mark.parametrize("stop_after", [2, 7])
 def test_length_stop_with_descendants_on_both_branches(stop_after):
     """A stopping criterion the decoder cannot foresee ends the run while siblings and their drafts are in flight."""
-    model, prompts, ids, mask = _case(33, [5, 3])
+    model, prompts, ids, mask = spec_case(33, [5, 3], VOCAB)
 
     def outcome(s, pos, i):
         return ("q2", "q1")[i % 2]
@@ -262,7 +257,7 @@ def test_identity_with_real_second_proposals(damp, loops, d, d2):
 def test_siblings_sharing_one_slot_is_caught(monkeypatch):
     """The prototype's bug as a mutation: copy on write is switched off, so a sibling's first write into the page it
     shares with the main path lands in the slot the main path's lanes read. The lineage checker must raise."""
-    model, prompts, ids, mask = _case(31, [5])
+    model, prompts, ids, mask = spec_case(31, [5], VOCAB)
     ref = plain(model, ids, mask, NEW)
     hooks = _hooks(ref, mask, prompts, lambda s, p, i: "q1")  # siblings everywhere, most inside a page
     original = PagedLoopCache._writable_page
@@ -279,7 +274,7 @@ def test_siblings_sharing_one_slot_is_caught(monkeypatch):
 
 
 def test_schedule_shows_siblings():
-    model, prompts, ids, mask = _case(31, [5])
+    model, prompts, ids, mask = spec_case(31, [5], VOCAB)
     ref = plain(model, ids, mask, NEW)
     out = speculative(model, ids, mask, NEW, "pipeline", 1, second_draft_loops=2, speculative_trace=True,
                       **_hooks(ref, mask, prompts, lambda s, p, i: PATTERNS["rotating"](p, i)))
@@ -291,7 +286,7 @@ def test_schedule_shows_siblings():
 
 
 def test_generation_config_key():
-    model, prompts, ids, mask = _case(32, [4, 6])
+    model, prompts, ids, mask = spec_case(32, [4, 6], VOCAB)
     ref = plain(model, ids, mask, 12)
     config = GenerationConfig(speculative_mode="pipeline", draft_loops=1, second_draft_loops=3, max_new_tokens=12,
                               do_sample=False, pad_token_id=0, return_dict_in_generate=True)

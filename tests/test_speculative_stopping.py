@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from inputs import left_pad, random_prompts
-from speculative_utils import MODE_PAIR, MODE_PAIR_IDS, PAD, forcing_hook, plain, speculative, tiny_spec_model
+from speculative_utils import MODE_PAIR, PAD, forcing_hook, mode_params, plain, spec_case, speculative
 from tolerances import assert_fp32_close, ouro_depth
 from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
@@ -68,9 +67,7 @@ class LmEvalLike(StoppingCriteria):
 
 @pytest.fixture(scope="module")
 def setup():
-    model = tiny_spec_model(71, 4, vocab=VOCAB, damp=0.3)
-    prompts = random_prompts(71, [5, 2, 4], VOCAB)
-    ids, mask = left_pad(prompts)
+    model, prompts, ids, mask = spec_case(71, [5, 2, 4], VOCAB, damp=0.3)
     free = plain(model, ids, mask, NEW, eos_token_id=None).sequences
     reference = [prompts[s].tolist() + free[s, ids.shape[1]:].tolist() for s in range(len(prompts))]
     return model, prompts, ids, mask, free[:, ids.shape[1]:], reference
@@ -106,7 +103,7 @@ def assert_same_calls(expected: Recording, got: Recording, finished_before, dept
         assert_fp32_close(scores_g[live], scores_e[live], **depth)  # the lanes' calls batch rows differently
 
 
-@pytest.mark.parametrize("mode,d,k", MODE_PAIR, ids=MODE_PAIR_IDS)
+@pytest.mark.parametrize("mode,d,k", mode_params(MODE_PAIR))
 def test_custom_criterion_without_eos(setup, mode, d, k):
     """Rows stop at different steps and keep decoding until the last one stops; all end there (no padding)."""
     model, prompts, ids, mask, free, reference = setup
@@ -120,7 +117,7 @@ def test_custom_criterion_without_eos(setup, mode, d, k):
     assert_same_calls(crit_e[0], crit_g[0], lambda s: NEW, ouro_depth(model.config))
 
 
-@pytest.mark.parametrize("mode,d,k", MODE_PAIR, ids=MODE_PAIR_IDS)
+@pytest.mark.parametrize("mode,d,k", mode_params(MODE_PAIR))
 def test_custom_criterion_with_eos_pads_rows_that_stop(setup, mode, d, k):
     """With an EOS criterion a row that stops (by EOS or by the custom criterion) is padded from the next step;
     the fast row 0 runs ahead of its stop and is cut back to it."""
@@ -147,9 +144,7 @@ def text_setup():
     """A tiny model over the embedded model's tokenizer (4096 tokens), for criteria that decode text."""
     tokenizer = AutoTokenizer.from_pretrained(hf_loopspec.default_model_path())
     vocab = len(tokenizer)
-    model = tiny_spec_model(72, 4, vocab=vocab, damp=0.3)
-    prompts = random_prompts(72, [6, 3, 5, 2], vocab)
-    ids, mask = left_pad(prompts)
+    model, prompts, ids, mask = spec_case(72, [6, 3, 5, 2], vocab, damp=0.3)
     free = plain(model, ids, mask, NEW, eos_token_id=None).sequences
     reference = [prompts[s].tolist() + free[s, ids.shape[1]:].tolist() for s in range(len(prompts))]
     return model, tokenizer, vocab, prompts, ids, mask, free[:, ids.shape[1]:], reference
@@ -162,7 +157,7 @@ def stop_text(tokenizer, free, row, index) -> str:
     return text
 
 
-@pytest.mark.parametrize("mode,d,k", MODE_PAIR, ids=MODE_PAIR_IDS)
+@pytest.mark.parametrize("mode,d,k", mode_params(MODE_PAIR))
 def test_stop_strings_without_eos(text_setup, mode, d, k):
     model, tokenizer, vocab, prompts, ids, mask, free, reference = text_setup
     stops = [stop_text(tokenizer, free, row, index) for row, index in enumerate([2, 4, 7, 5])]  # rows at own speeds
@@ -181,7 +176,7 @@ def test_stop_strings_without_eos(text_setup, mode, d, k):
     assert stream_g.puts == stream_e.puts
 
 
-@pytest.mark.parametrize("mode,d,k", MODE_PAIR, ids=MODE_PAIR_IDS)
+@pytest.mark.parametrize("mode,d,k", mode_params(MODE_PAIR))
 def test_lm_eval_stop_sequence_criterion_at_batch_4(text_setup, mode, d, k):
     """lm-eval's criterion indexes rows by batch position and stops when all rows are done: it gets the whole batch
     at every step, and the output equals plain's (it crashed with IndexError when called one row at a time)."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from inputs import left_pad, random_prompts
-from speculative_utils import MODE_PAIR, MODE_PAIR_IDS, PAD, mode_kwargs, paged_cache, plain, tiny_spec_model
+from speculative_utils import PAD, named_modes, paged_cache, plain, tiny_spec_model
 from transformers import GenerationConfig
 from transformers.cache_utils import DynamicCache
 
@@ -270,8 +270,7 @@ def test_integer_arguments_accept_numpy_and_tensor_integers(model, inputs, value
 
 
 # plain decoding and one setting of each speculative mode from the shared matrix
-MODES = [{}] + [mode_kwargs(*m) for m in MODE_PAIR]
-MODE_NAMES = ["plain", *MODE_PAIR_IDS]
+MODES = named_modes()
 MALFORMED = {  # (ids, mask) from the valid (ids, mask) -> message
     "3-D ids": (lambda i, m: (i[None], m[None]), r"input_ids must be a 2-D \[batch, length\] tensor"),
     "empty prompt": (lambda i, m: (i[:, :0], m[:, :0]), r"input_ids has no tokens"),
@@ -283,7 +282,7 @@ MALFORMED = {  # (ids, mask) from the valid (ids, mask) -> message
 }
 
 
-@pytest.mark.parametrize("mode", MODES, ids=MODE_NAMES)
+@pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))
 @pytest.mark.parametrize("case", list(MALFORMED))
 def test_malformed_inputs_raise_in_every_mode(model, inputs, monkeypatch, mode, case):
     make, message = MALFORMED[case]
@@ -294,7 +293,7 @@ def test_malformed_inputs_raise_in_every_mode(model, inputs, monkeypatch, mode, 
     assert counter.calls == 0
 
 
-@pytest.mark.parametrize("mode", MODES, ids=MODE_NAMES)
+@pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))
 def test_use_cache_false_returns_no_cache(model, inputs, mode):
     ids, mask = inputs
     out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=PAD,
