@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_config
+from huginn_utils import tiny_huginn_config
 
 from hf_loopspec.bench.shapes import SHAPES, random_model, shape_config
-from hf_loopspec.models.huginn import HuginnConfig
-from hf_loopspec.models.ouro import OuroConfig
 
-OURO = OuroConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  total_ut_steps=4, max_position_embeddings=64, pad_token_id=0)
-HUGINN = HuginnConfig(vocab_size=64, n_embd=32, n_heads=4, intermediate_size=48, n_layers_in_prelude=1,
-                      n_layers_in_recurrent_block=1, n_layers_in_coda=1, mean_recurrence=4, block_size=64)
+# the tests' tiny configs (4 loops / recurrence steps), narrowed to the recipe's subject: 64 tokens, one block a stage
+OURO = tiny_config(vocab_size=64, hidden_size=32, intermediate_size=64)
+HUGINN = tiny_huginn_config(vocab_size=64, n_layers_in_prelude=1, n_layers_in_recurrent_block=1, n_layers_in_coda=1)
 
 
 def _weights(model) -> dict[str, torch.Tensor]:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from inputs import left_pad, random_prompts
 from tolerances import assert_fp32_close, ouro_depth
 from transformers import DynamicCache
 
-from hf_loopspec import KVLayout, OuroConfig, PagedLoopCache
-from hf_loopspec.bench.shapes import random_model
+from hf_loopspec import KVLayout, PagedLoopCache
 from hf_loopspec.cache.paged import CacheCapacityError, LineageError
 
 LAYOUT = KVLayout(num_planes=3, num_layers=2, num_kv_heads=2, head_dim=4)
@@ -205,26 +206,15 @@ class TestLineageChecker:
         assert torch.isnan(cache.k_pool).any()
 
 
-def tiny_model(seed=0, **overrides):
-    config = OuroConfig(vocab_size=89, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, total_ut_steps=3, eos_token_id=None,
-                        pad_token_id=0, **overrides)
-    return random_model(config, seed=seed)
-
-
-def padded_batch(seed=0):
-    torch.manual_seed(seed + 100)
-    ids = torch.randint(1, 89, (3, 9))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    mask[2, :1] = 0
-    return ids.masked_fill(mask == 0, 0), mask
+def model_and_batch(seed: int = 0):
+    """A tiny GQA Ouro with U = 3 (three planes) and a left-padded batch of three prompts (9, 5 and 8 tokens)."""
+    model, _ = tiny_model(seed, num_key_value_heads=2, total_ut_steps=3, eos_token_id=None)
+    return model, *left_pad(random_prompts(seed, [9, 5, 8], model.config.vocab_size))
 
 
 class TestPlainGenerateOnPagedCache:
     def test_forward_logits_match_dynamic_cache_with_padding_and_chunks(self):
-        model = tiny_model()
-        ids, mask = padded_batch()
+        model, ids, mask = model_and_batch()
         paged, dense = PagedLoopCache(model.kv_layout, page_size=4, debug=True), DynamicCache()
         for a, b in [(0, 5), (5, 8), (8, 9)]:
             out_p = model(ids[:, a:b], attention_mask=mask[:, :b], cache=paged).logits
@@ -248,16 +238,14 @@ class TestPlainGenerateOnPagedCache:
         dict(do_sample=False, repetition_penalty=1.3),
     ])
     def test_generate_equals_dynamic_cache_path(self, options):
-        model = tiny_model(1)
-        ids, mask = padded_batch(1)
+        model, ids, mask = model_and_batch(1)
         reference = model.generate(ids, attention_mask=mask, max_new_tokens=12, **options)
         paged = model.generate(ids, attention_mask=mask, max_new_tokens=12,
                                cache=PagedLoopCache(model.kv_layout, page_size=4, debug=True), **options)
         assert torch.equal(paged, reference)
 
     def test_sampling_with_seed_equals_dynamic_cache_path(self):
-        model = tiny_model(2)
-        ids, mask = padded_batch(2)
+        model, ids, mask = model_and_batch(2)
         torch.manual_seed(7)
         reference = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=True,
                                    num_return_sequences=2)
@@ -267,8 +255,7 @@ class TestPlainGenerateOnPagedCache:
         assert torch.equal(paged, reference)
 
     def test_continuing_from_a_returned_cache(self):
-        model = tiny_model(3)
-        ids, mask = padded_batch(3)
+        model, ids, mask = model_and_batch(3)
         full = model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False)
         first = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                                return_dict_in_generate=True, cache=PagedLoopCache(model.kv_layout, page_size=4))
@@ -278,7 +265,6 @@ class TestPlainGenerateOnPagedCache:
         assert torch.equal(second, full)
 
     def test_a_cache_for_another_model_shape_is_rejected(self):
-        model = tiny_model()
-        ids, mask = padded_batch()
+        model, ids, mask = model_and_batch()
         with pytest.raises(ValueError, match="PagedLoopCache was made for"):
             model(ids, attention_mask=mask, cache=PagedLoopCache(LAYOUT))

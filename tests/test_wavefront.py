@@ -17,23 +17,26 @@ import pytest
 import torch
 from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
+from recorders import RecordingStreamer
 from speculative_utils import (
+    MODE_PAIR,
     PAD,
     assert_cache_matches_ar,
     assert_counter_invariants,
     forcing_hook,
     generated_counts,
+    mode_params,
     paged_cache,
     plain,
     real_tokens,
+    speculative,
     tiny_spec_model,
 )
 from tolerances import ouro_depth
 from transformers import EosTokenCriteria, GenerationConfig, MaxLengthCriteria, StoppingCriteriaList
 
-from hf_loopspec.generation.wavefront import WavefrontEngine
+from hf_loopspec.generation.wavefront import WavefrontEngine, select
 from hf_loopspec.generation.wavefront import engine as engine_module
-from hf_loopspec.generation.wavefront import select
 from hf_loopspec.generation.wavefront.device import GraphStep, uses_cuda_graphs
 from hf_loopspec.generation.wavefront.processing import device_processors, draw, score_ops
 from hf_loopspec.generation.wavefront.state import Plan
@@ -144,13 +147,13 @@ def test_step_compiles_whole(mode):
     if mode == "ar":
         _, eager, _ = _wavefront(model, ids, mask, 8, mode, d, k, eos=[7, 11])
     else:
-        eager = _generate(model, ids, mask, 8, mode, d, k, speculative_engine="wavefront", **settings)
+        eager = speculative(model, ids, mask, 8, mode, d, k, speculative_engine="wavefront", **settings)
     torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
     if mode == "ar":
         _, compiled, _ = _wavefront(model, ids, mask, 8, mode, d, k, eos=[7, 11], backend="eager")
     else:
-        compiled = _generate(model, ids, mask, 8, mode, d, k, speculative_engine="wavefront", compile_core="eager",
+        compiled = speculative(model, ids, mask, 8, mode, d, k, speculative_engine="wavefront", compile_core="eager",
                              **settings)
         compiled.stats, eager.stats = compiled.speculation, eager.speculation
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
@@ -158,18 +161,10 @@ def test_step_compiles_whole(mode):
     assert compiled.stats.to_dict() == eager.stats.to_dict()
     if mode == "pipeline":  # a second call with the same settings and shapes compiles nothing
         torch._dynamo.utils.counters.clear()
-        again = _generate(model, ids, mask, 8, mode, d, k, speculative_engine="wavefront", compile_core="eager",
+        again = speculative(model, ids, mask, 8, mode, d, k, speculative_engine="wavefront", compile_core="eager",
                           **settings)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
         torch.testing.assert_close(again.sequences, eager.sequences, atol=0, rtol=0)
-
-
-def _generate(model, ids, mask, new, mode, d, k, **kwargs):
-    kwargs.setdefault("do_sample", False)
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=PAD,
-                              return_dict_in_generate=True, speculative_mode=mode, draft_loops=d,
-                              num_speculative_tokens=k, **kwargs)
 
 
 def test_generate_speculative_engine():
@@ -178,10 +173,9 @@ def test_generate_speculative_engine():
     model, ids, mask = _batch(6)
     eos = 9
     ref = plain(model, ids, mask, NEW, eos_token_id=eos)
-    runs = {engine: _generate(model, ids, mask, NEW, "pipeline", 1, 1, eos_token_id=eos, speculative_engine=engine)
+    runs = {engine: speculative(model, ids, mask, NEW, "pipeline", 1, 1, eos_token_id=eos, speculative_engine=engine)
             for engine in ("wavefront", "lanes", None)}
-    runs["debug"] = _generate(model, ids, mask, NEW, "pipeline", 1, 1, eos_token_id=eos,
-                              cache=paged_cache(model, debug=True))
+    runs["debug"] = speculative(model, ids, mask, NEW, "pipeline", 1, 1, debug=True, eos_token_id=eos)
     for engine, out in runs.items():
         torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
         assert out.speculation.engine == {None: "wavefront", "debug": "lanes"}.get(engine, engine)
@@ -195,7 +189,7 @@ def test_auto_picks_the_lane_decoder_on_a_cpu_eager():
     and the wavefront engine when it compiles or runs on CUDA; plain's tokens either way."""
     model, ids, mask = _batch(6, (3, 5))
     ref = plain(model, ids, mask, 6)
-    out = _generate(model, ids, mask, 6, "pipeline", 1, 1)
+    out = speculative(model, ids, mask, 6, "pipeline", 1, 1)
     assert out.speculation.engine == "lanes"
     torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
     assert not select.wavefront_preferred(torch.device("cpu"), None)
@@ -203,7 +197,7 @@ def test_auto_picks_the_lane_decoder_on_a_cpu_eager():
     assert select.wavefront_preferred(torch.device("cuda"), None)
 
 
-@pytest.mark.parametrize(("mode", "d", "k"), [("pipeline", 1, 1), ("block", 2, 2)])
+@pytest.mark.parametrize(("mode", "d", "k"), mode_params(MODE_PAIR))
 def test_generate_processors_on_device(mode, d, k):
     """`repetition_penalty` and `min_new_tokens` as the engine's own device ops: plain greedy's tokens (which the
     penalty changes), the lane decoder's counters. EOS is the token plain decoding would emit first without
@@ -215,24 +209,11 @@ def test_generate_processors_on_device(mode, d, k):
     settings.update(eos_token_id=eos, min_new_tokens=4)
     ref = plain(model, ids, mask, NEW, **settings)
     assert not torch.equal(ref.sequences, plain(model, ids, mask, NEW, eos_token_id=eos).sequences)
-    runs = {engine: _generate(model, ids, mask, NEW, mode, d, k, speculative_engine=engine, **settings)
+    runs = {engine: speculative(model, ids, mask, NEW, mode, d, k, speculative_engine=engine, **settings)
             for engine in ("wavefront", "lanes")}
     torch.testing.assert_close(runs["wavefront"].sequences, ref.sequences, atol=0, rtol=0)
     assert _counts(runs["wavefront"].speculation) == _counts(runs["lanes"].speculation)
     assert runs["wavefront"].speculation.engine == "wavefront"
-
-
-class _Recorder:
-    """A streamer that records what it receives."""
-
-    def __init__(self):
-        self.puts, self.ended = [], False
-
-    def put(self, value):
-        self.puts.append(value.tolist())
-
-    def end(self):
-        self.ended = True
 
 
 def test_generate_streams_what_plain_streams():
@@ -242,13 +223,13 @@ def test_generate_streams_what_plain_streams():
     eos = int(plain(model, ids, mask, NEW).sequences[0, ids.shape[1] + 3])
     streams = {}
     for engine in ("wavefront", "lanes", "plain"):
-        streamer = _Recorder()
+        streamer = RecordingStreamer()
         if engine == "plain":
             plain(model, ids, mask, NEW, eos_token_id=eos, streamer=streamer)
         else:
-            _generate(model, ids, mask, NEW, "pipeline", 1, 1, eos_token_id=eos, streamer=streamer,
+            speculative(model, ids, mask, NEW, "pipeline", 1, 1, eos_token_id=eos, streamer=streamer,
                       speculative_engine=engine)
-        assert streamer.ended
+        assert streamer.ends == 1
         streams[engine] = streamer.puts
     assert streams["wavefront"] == streams["plain"] == streams["lanes"]
 
@@ -294,13 +275,13 @@ def test_auto_falls_back_to_lanes(case):
     if settings.get("cache") == "debug":
         settings["cache"] = paged_cache(model, debug=True)
     elif settings.get("cache") == "filled":  # the first tokens decoded by the wavefront engine, then continued
-        first = _generate(model, ids, mask, 3, "pipeline", 1, 1)
+        first = speculative(model, ids, mask, 3, "pipeline", 1, 1)
         assert first.speculation.engine == "wavefront"
         ids, mask = first.sequences, torch.cat([mask, torch.ones_like(first.sequences[:, mask.shape[1]:])], 1)
         settings["cache"] = first.cache
     ref = plain(model, ids, mask, 6, **{k: v for k, v in settings.items()
                                          if k not in ("draft_hook", "speculative_trace", "cache")})
-    out = _generate(model, ids, mask, 6, "pipeline", 1, 1, **settings)
+    out = speculative(model, ids, mask, 6, "pipeline", 1, 1, **settings)
     assert out.speculation.engine == "lanes"
     torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
 
