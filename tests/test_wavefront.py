@@ -129,6 +129,41 @@ def test_forced_patterns(mode, d, k, pattern):
     assert (result.stats.accepted > 0) == (pattern != "all_rejected")
 
 
+@pytest.mark.parametrize("read_every", [1, 3])
+@pytest.mark.parametrize(("mode", "d", "k"), [CASES[0], CASES[1], CASES[3]], ids=[CASE_IDS[0], CASE_IDS[1], CASE_IDS[3]])
+def test_span_covers_every_live_lane(mode, d, k, read_every):
+    """The host's span bound (`span.SpanBound`) holds: before every cycle, each live lane of an unfinished sequence
+    sits below the span its step reads, with every draft accepted (the frontier moves fastest) or alternately
+    rejected; the run uses several spans below C and gives plain's tokens."""
+    new = 40
+    model, ids, mask = _batch(2, (4, 6))
+    ref = plain(model, ids, mask, new)
+    prompt_lens = [int(n) for n in mask.sum(1)]
+    reference = [real_tokens(ref.sequences, mask, s) for s in range(len(ids))]
+    for pattern in (lambda s, i: True, PATTERNS["alternating"]):
+        hook = forcing_hook(reference, prompt_lens, pattern, VOCAB)
+        override = torch.tensor([[hook(s, p, 0) if prompt_lens[s] <= p < len(reference[s]) else -1
+                                  for p in range(ids.shape[1] + new)] for s in range(len(ids))])
+        engine = WavefrontEngine(model, paged_cache(model, debug=False), mode=mode, draft_loops=d,
+                                 num_speculative_tokens=k, input_ids=ids, attention_mask=mask, pad_token_id=PAD,
+                                 max_length=ids.shape[1] + new, draft_override=override, read_every=read_every)
+        build, used = engine.build_step, []
+
+        def checked(plan, build=build, used=used):
+            step = build(plan)
+
+            def run(state):
+                live = state.alive & ~state.finished[:, None]
+                assert int(torch.where(live, state.position, -1).max()) < plan.read_span
+                used.append(plan.read_span)
+                return step(state)
+            return run
+
+        engine.build_step = checked
+        torch.testing.assert_close(engine.run().sequences, ref.sequences, atol=0, rtol=0)
+        assert len(set(used)) >= 2 and min(used) < engine.plan.positions
+
+
 SAMPLED = {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "min_p": 0.05}
 
 
@@ -314,10 +349,11 @@ def test_graph_step_falls_back_to_eager(caplog):
     engine = WavefrontEngine(model, paged_cache(model, debug=False), mode="pipeline", draft_loops=1,
                              num_speculative_tokens=1, input_ids=ids, attention_mask=mask, pad_token_id=PAD,
                              max_length=ids.shape[1] + 6)
-    engine.step = GraphStep(failing, engine.step)
+    eager_step = engine.build_step
+    engine.build_step = lambda plan: GraphStep(failing, eager_step(plan))
     with caplog.at_level("WARNING"):
         result = engine.run()
-    assert engine.step.failed and "capture failed" in caplog.text
+    assert engine.steps and all(step.failed for step in engine.steps.values()) and "capture failed" in caplog.text
     torch.testing.assert_close(result.sequences, eager.sequences, atol=0, rtol=0)
     assert _counts(result.stats) == _counts(eager.stats)
     assert [uses_cuda_graphs(torch.device(d), b) for d, b in [("cuda", "inductor"), ("cuda", "eager"),

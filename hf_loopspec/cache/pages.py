@@ -122,6 +122,14 @@ class PageTables:
         self._refs.extend(0 for _ in range(new - old))
         self._free.extend(range(new - 1, old - 1, -1))
 
+    def allocate_in_order(self) -> None:
+        """With no page in use, make the next allocations take pages 0, 1, 2, ... in turn, as a fresh cache does
+        (growing the pool keeps that order), so that whole tables allocated one after the other get one contiguous
+        run of the pool each (the wavefront engine reads each table as a view)."""
+        if self.pages_in_use:
+            raise ValueError(f"allocate_in_order needs a cache with no page in use ({self.pages_in_use} are).")
+        self._free = list(range(self.num_pages - 1, -1, -1))
+
     def _alloc(self, like: torch.Tensor) -> int:
         if not self._free:
             self._grow(1, like)

@@ -25,6 +25,7 @@ from ..decoder import DecodeResult
 from ..history import run_planes
 from ..stats import SequenceStats, SpeculationStats
 from .device import GraphStep, ReadBack, uses_cuda_graphs
+from .span import SpanBound
 from .state import COUNTERS, Plan, WavefrontState
 from .step import make_step
 
@@ -111,26 +112,35 @@ class WavefrontEngine:
         if do_sample:
             seed = int(torch.randint(2**62, ()))
             self.generator = torch.Generator(input_ids.device).manual_seed(seed)
-        self.step = make_step(model, self.plan) if compile_backend is None else \
-            compiled_step(model, self.plan, compile_backend, input_ids.device)
+        # the step of each span (`span.SpanBound`): a plan of its own, so a compiled step compiles once per span
+        self.build_step = (lambda plan: make_step(model, plan)) if compile_backend is None else \
+            (lambda plan: compiled_step(model, plan, compile_backend, input_ids.device))
+        self.steps = {}  # span -> step
+        self.spans = SpanBound(width, self.plan.lanes, self.plan.positions, compile_backend is not None)
         self.cycles = 0
 
-    def _reserve(self, batch: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pages for C positions of every (sequence, plane); returns the block tables and the trash slot (position
-        C - 1 of sequence 0, plane 0: no lane ever sits there, the last token is never fed back)."""
+    def _reserve(self, batch: int, like: torch.Tensor) -> torch.Tensor:
+        """Pages for C positions of every (sequence, plane), allocated in table order from page 0, so that table t
+        holds its positions at pool slots t * W .. t * W + C - 1 (`Plan.table_width`); returns the trash slot
+        (position C - 1 of sequence 0, plane 0: no lane ever sits there, the last token is never fed back)."""
         cache, positions = self.cache, self.plan.positions
+        cache.allocate_in_order()
         seq = torch.arange(batch).repeat_interleave(cache.num_planes * positions)
         plane = torch.arange(cache.num_planes).repeat_interleave(positions).repeat(batch)
         position = torch.arange(positions).repeat(batch * cache.num_planes)
         rows = cache.plan_rows(seq, plane, position, like=like)
-        return rows.block_tables.long(), rows.slot[positions - 1]
+        tables = batch * cache.num_planes
+        expected = torch.arange(tables)[:, None] * self.plan.table_width + torch.arange(positions)  # [tables, C]
+        if not torch.equal(rows.slot.cpu().view(tables, positions), expected):
+            raise RuntimeError("the wavefront engine's KV tables are not laid out contiguously in the page pool.")
+        return rows.slot[positions - 1]
 
     def _initial_state(self, input_ids, mask, max_new: int, eos: list[int], draft_override) -> WavefrontState:
         plan, device = self.plan, input_ids.device
         batch, width = input_ids.shape
         lanes, prompts = plan.lanes, max(width - 1, 0)
         like = torch.empty(0, dtype=self.model.lane_dtype, device=device)  # the KV and lane dtype
-        block_tables, trash = self._reserve(batch, like)
+        trash = self._reserve(batch, like)
         embed = self.model.get_input_embeddings()
         hidden_size = self.model.lane_width
         prompt_len = mask.sum(1)  # [B]
@@ -153,7 +163,7 @@ class WavefrontEngine:
             draft_override=torch.full((batch, plan.positions), -1, **long) if draft_override is None
             else draft_override.to(**long),
             seen=torch.zeros(batch, 0, dtype=torch.bool, device=device), eos_hold=torch.zeros(0, **long),
-            k_pool=self.cache.k_pool, v_pool=self.cache.v_pool, block_tables=block_tables, trash_slot=trash,
+            k_pool=self.cache.k_pool, v_pool=self.cache.v_pool, trash_slot=trash,
             kv_len=torch.zeros(batch, plan.planes, **long),
         )
         for b in range(batch):  # set-up runs once per batch on the host
@@ -185,14 +195,16 @@ class WavefrontEngine:
         next R cycles (they overlap its copy; a finished state stays unchanged by them); elsewhere at once."""
         lag = 1 if self.state.n_out.is_cuda else 0
         with torch.no_grad():
-            in_flight = []
+            in_flight = []  # (cycles run when it was taken, read-back)
             done = bool(self.state.finished.all())
             while not done:
                 for _ in range(self.read_every):
                     self._advance()
-                in_flight.append(read_back(self.state, tokens=self.streamer is not None))
+                in_flight.append((self.cycles, read_back(self.state, tokens=self.streamer is not None)))
                 if len(in_flight) > lag:
-                    counts, finished, tokens = in_flight.pop(0).values()
+                    cycle, taken = in_flight.pop(0)
+                    counts, finished, tokens = taken.values()
+                    self.spans.observe(cycle, counts, finished)
                     done = all(finished)
                     self._stream(counts, finished, tokens)
             if self.complete_cache:
@@ -201,14 +213,17 @@ class WavefrontEngine:
 
     def _advance(self) -> None:
         """One cycle: drop the prompt rows once they have passed all loops, draw the cycle's uniforms (sampling),
-        run the step."""
+        run the step of the cycle's span."""
         if self.cycles == self.prefill_cycles:
             self.state = replace(self.state, prompt_hidden=self.state.prompt_hidden[:, :0].clone(),
                                  prompt_real=self.state.prompt_real[:, :0].clone())
         if self.generator is not None:
             self.state.noise = torch.rand(self.state.noise.shape, generator=self.generator,
                                           device=self.state.noise.device)
-        self.state = self.step(self.state)
+        span = self.spans.span(self.cycles)
+        if span not in self.steps:
+            self.steps[span] = self.build_step(replace(self.plan, span=span))
+        self.state = self.steps[span](self.state)
         self.cycles += 1
         self._count_rows()
 

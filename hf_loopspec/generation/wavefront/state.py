@@ -40,6 +40,18 @@ class Plan:
     has_eos: bool
     processors: tuple = ()  # the call's logits processors, in order, as `processing.device_processors` gives them
     do_sample: bool = False  # sampling (lossless speculative sampling) instead of greedy decoding
+    span: int | None = None  # S: rows read positions 0..S-1 only (no live row sits at S or beyond); None: all C
+
+    @property
+    def table_width(self) -> int:
+        """W: pool slots per (sequence, plane) table (C rounded up to whole pages); table t holds its positions at
+        pool slots t * W .. t * W + C - 1 (`WavefrontEngine._reserve`)."""
+        return -(-self.positions // self.page_size) * self.page_size
+
+    @property
+    def read_span(self) -> int:
+        """S, the positions a step reads: `span`, or all C reserved positions."""
+        return self.positions if self.span is None else self.span
 
     @property
     def repetition_penalty(self) -> float | None:
@@ -80,9 +92,8 @@ class WavefrontState:
     draft_override: torch.Tensor  # [B, C] int64: a draft for position p becomes draft_override[b, p] when >= 0
     seen: torch.Tensor  # [B, V] bool: the prompt row's tokens the penalty counts, and the committed tokens
     eos_hold: torch.Tensor  # [V] int64: id v cannot be the i-th generated token (0-based) while i < eos_hold[v]
-    # KV: the pools of the run's PagedLoopCache, its (constant) block tables and the valid lengths
+    # KV: the pools of the run's PagedLoopCache (table t at slots t * W ..: `Plan.table_width`) and the valid lengths
     k_pool: torch.Tensor  # [layers, pages, page_size, Hkv, D]
     v_pool: torch.Tensor  # [layers, pages, page_size, Hkv, D]
-    block_tables: torch.Tensor  # [B * planes, pages per table] int64
     trash_slot: torch.Tensor  # [] int64: a reserved slot no real row uses; masked rows write there
     kv_len: torch.Tensor  # [B, planes] int64

@@ -38,41 +38,75 @@ _COMMITTED, _DRAFTED, _VERIFIED, _ACCEPTED, _REJECTED, _DISCARDED = range(6)
 
 
 class SlotAttention:
-    """`KVAttention` of one core call over fixed-shape rows: every row writes its KV, then attends to positions
-    0..position of its own (sequence, plane) through the run's constant block tables.
+    """`KVAttention` of one core call over fixed-shape rows: the B*L lane rows, then the B*P prompt rows. Every row
+    writes its KV, then attends to positions 0..position of its own (sequence, plane), reading only positions below
+    `plan.read_span` (no row that counts sits at or beyond it: `Plan.span`).
 
-    A masked row writes into the trash slot and its output is zero. Reads past a row's position are clamped to
-    its own position (written in this call) and masked out, so no unwritten slot reaches an output.
+    The pool holds table t = sequence * planes + plane at slots t * W .. t * W + C - 1 (`Plan.table_width`), so the
+    keys of every table are one strided view of the pool, `[B * planes, S, Hkv, D]`, read in place. Lane rows are
+    placed on a grid of R query cells per table (R = 1: in modes "ar" and "pipeline" a sequence's running lanes have
+    distinct depths; R = L in block mode: a lane's cell is its slot) by a one-hot matrix (exact in fp32). The prompt
+    rows of a sequence share one plane: they attend together, causally, to a copy of their table.
+
+    A masked row writes into the trash slot and its output is zero. Masked-out positions hold zeros (the pool's
+    fill) or KV written before, never NaN, so they cannot reach an output.
     """
 
-    def __init__(self, state: WavefrontState, plan: Plan, seq: torch.Tensor, plane: torch.Tensor,
-                 position: torch.Tensor, active: torch.Tensor):
-        # seq, plane, position: [N] int64; active: [N] bool
-        self.k_pool, self.v_pool, self.active = state.k_pool, state.v_pool, active
-        page_size = plan.page_size
-        table = seq * plan.planes + plane.clamp(max=plan.planes - 1)  # [N]
-        position = position.clamp(0, plan.positions - 1)
-        page = state.block_tables[table, position // page_size]  # [N]
-        self.write_slot = torch.where(active, page * page_size + position % page_size, state.trash_slot)  # [N]
-        span = torch.arange(plan.positions, device=seq.device)  # [C]
-        read = torch.minimum(span, position[:, None])  # [N, C]
-        pages = state.block_tables[table[:, None], read // page_size]  # [N, C]
-        self.read_slot = pages * page_size + read % page_size  # [N, C]
-        self.visible = span <= position[:, None]  # [N, C]
+    def __init__(self, state: WavefrontState, plan: Plan, lanes: tuple, prompts: tuple):
+        # lanes: plane, position, active, each [B, L]; prompts: plane [B], position [B, P], active [B, P]
+        self.k_pool, self.v_pool, self.plan = state.k_pool, state.v_pool, plan
+        plane, position, active = lanes
+        prompt_plane, prompt_position, prompt_active = prompts
+        batch, lanes = position.shape
+        device = position.device
+        seq = torch.arange(batch, device=device)  # [B]
+        plane, prompt_plane = plane.clamp(max=plan.planes - 1), prompt_plane.clamp(max=plan.planes - 1)
+        self.prompt_table = seq * plan.planes + prompt_plane  # [B]
+        self.active = torch.cat([active.flatten(), prompt_active.flatten()])  # [N]
+        slot = lambda table, pos: table * plan.table_width + pos.clamp(0, plan.positions - 1)  # noqa: E731
+        written = torch.cat([slot(seq[:, None] * plan.planes + plane, position).flatten(),
+                             slot(self.prompt_table[:, None], prompt_position).flatten()])  # [N]
+        self.write_slot = torch.where(self.active, written, state.trash_slot)  # [N]
+        cells = lanes if plan.mode == "block" else 1  # R
+        cell = plane * cells + (torch.arange(lanes, device=device) if cells > 1 else 0)  # [B, L]
+        self.place = ((cell[..., None] == torch.arange(plan.planes * cells, device=device)) & active[..., None]) \
+            .float()  # [B, L, planes * R] one-hot: the grid cell of each running lane
+        cell_position = torch.where(self.place.bool(), position[..., None], 0).amax(1)  # [B, planes * R]; 0: empty
+        span = torch.arange(plan.read_span, device=device)  # [S]
+        self.lane_visible = (span <= cell_position[..., None]).view(batch * plan.planes, 1, cells, -1)
+        self.prompt_visible = (span <= prompt_position[..., None])[:, None]  # [B, 1, P, S]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [N, Hq, D]   k, v: [N, Hkv, D]
+        plan = self.plan
         k_flat = self.k_pool[layer_idx].flatten(0, 1)  # [pages * page_size, Hkv, D] (a view: writes land in the pool)
         v_flat = self.v_pool[layer_idx].flatten(0, 1)
         k_flat.index_copy_(0, self.write_slot, k.to(k_flat.dtype))
         v_flat.index_copy_(0, self.write_slot, v.to(v_flat.dtype))
-        keys = k_flat[self.read_slot].transpose(1, 2).float()  # [N, Hkv, C, D]
-        values = v_flat[self.read_slot].transpose(1, 2).float()
-        out = F.scaled_dot_product_attention(
-            q.float()[:, :, None], keys, values, attn_mask=self.visible[:, None, None], scale=q.shape[-1] ** -0.5,
-            enable_gqa=True,
-        )[:, :, 0]  # [N, Hq, D]
+        batch, lanes, grid = self.place.shape
+        tables = batch * plan.planes
+        shape = (tables, plan.table_width, *k_flat.shape[1:])
+        keys = k_flat[: tables * plan.table_width].view(shape)[:, : plan.read_span]  # [B * planes, S, Hkv, D]
+        values = v_flat[: tables * plan.table_width].view(shape)[:, : plan.read_span]
+        n = batch * lanes
+        lane_q = q[:n].float().view(batch, lanes, -1)  # [B, L, Hq * D]
+        grid_q = (self.place.transpose(1, 2) @ lane_q).view(tables, grid // plan.planes, *q.shape[1:])  # [., R, Hq, D]
+        grid_out = _attend(grid_q.transpose(1, 2), keys, values, self.lane_visible)  # [B * planes, Hq, R, D]
+        out = [(self.place @ grid_out.transpose(1, 2).reshape(batch, grid, -1)).view(n, *q.shape[1:])]  # [B*L, Hq, D]
+        prompts = self.prompt_visible.shape[2]
+        if prompts:
+            prompt_q = q[n:].float().view(batch, prompts, *q.shape[1:]).transpose(1, 2)  # [B, Hq, P, D]
+            prompt_out = _attend(prompt_q, keys[self.prompt_table], values[self.prompt_table], self.prompt_visible)
+            out.append(prompt_out.transpose(1, 2).flatten(0, 1))  # [B*P, Hq, D]
+        out = torch.cat(out)  # [N, Hq, D]
         return torch.where(self.active[:, None, None], out, 0.0).to(q.dtype)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """fp32 attention of queries `q` `[G, Hq, R, D]` over `keys`, `values` `[G, S, Hkv, D]` (strided views are read in
+    place) with mask `visible` `[G, 1, R, S]`: `[G, Hq, R, D]`."""
+    return F.scaled_dot_product_attention(q, keys.transpose(1, 2).float(), values.transpose(1, 2).float(),
+                                          attn_mask=visible, scale=q.shape[-1] ** -0.5, enable_gqa=True)
 
 
 def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
@@ -110,23 +144,19 @@ def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch
         prompt_ran = prompt_live & (prompt_below | ~drafting)
     prompt_rows = prompt_ran[:, None] & s.prompt_real  # [B, P]
     device = s.token.device
-    seq = torch.arange(batch, device=device)
     hidden = torch.cat([s.hidden.flatten(0, 1), s.prompt_hidden.flatten(0, 1)])  # [B*L + B*P, H]
     prompt_position = torch.arange(prompts, device=device) + s.prompt_start[:, None]  # [B, P]
-    position = torch.cat([s.position.flatten(), prompt_position.flatten()])
-    plane = torch.cat([s.depth.flatten(), s.prompt_depth.repeat_interleave(prompts)])
-    row_seq = torch.cat([seq.repeat_interleave(lanes), seq.repeat_interleave(prompts)])
-    active = torch.cat([ran.flatten(), prompt_rows.flatten()])
-    out = model.core(hidden, position, SlotAttention(s, plan, row_seq, plane, position, active))
+    attention = SlotAttention(s, plan, (s.depth, s.position, ran), (s.prompt_depth, prompt_position, prompt_rows))
+    out = model.core(hidden, torch.cat([s.position.flatten(), prompt_position.flatten()]), attention)
     s.core_calls = s.core_calls + live.any().long()
     n = batch * lanes
     s.hidden = torch.where(ran[..., None], out[:n].view_as(s.hidden), s.hidden)
     s.prompt_hidden = torch.where(prompt_rows[..., None], out[n:].view_as(s.prompt_hidden), s.prompt_hidden)
+    ends = torch.cat([torch.where(ran, s.position + 1, 0), torch.where(prompt_rows, prompt_position + 1, 0)], 1)
+    planes = torch.cat([s.depth, s.prompt_depth[:, None].expand(-1, prompts)], 1)  # [B, L + P] each row's plane
+    s.kv_len = s.kv_len.scatter_reduce(1, planes.clamp(max=plan.planes - 1), ends, "amax")  # ends: [B, L + P]
     s.depth = s.depth + ran.long()
     s.prompt_depth = s.prompt_depth + prompt_ran.long()
-    written = s.kv_len.flatten().scatter_reduce(
-        0, (row_seq * plan.planes + plane.clamp(max=plan.planes - 1)), torch.where(active, position + 1, 0), "amax")
-    s.kv_len = written.view_as(s.kv_len)
     return ran, prompt_ran
 
 
