@@ -381,7 +381,7 @@ WARPED = [
 
 @pytest.mark.parametrize("settings", WARPED, ids=[",".join(f"{k}={v}" for k, v in w.items()) for w in WARPED])
 def test_sampling_warpers_are_transformers(settings):
-    """The engine's processing of `[B, L, V]` slot scores equals the processors `generate` builds for the same
+    """The engine's processing of `[B, R, V]` slot scores equals the processors `generate` builds for the same
     sampling settings (transformers' own `_get_logits_processor`: its classes and order) applied to each slot's
     `[1, V]` row, on logits with ties, -inf entries, a constant row and large values."""
     model, ids, _ = _batch(10, (3,))
@@ -398,7 +398,7 @@ def test_sampling_warpers_are_transformers(settings):
     plan = Plan("pipeline", 4, 1, 1, 4, 4, 4, 8, False, processors=items, do_sample=True)
     got = scores
     for op in score_ops(plan):
-        got = op(None, got)  # the warpers read no state
+        got = op(None, got, None)  # the warpers read no state nor slots
     expected = torch.stack([torch.stack([processors(ids, row[None].clone())[0] for row in rows]) for rows in scores])
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
 

@@ -27,7 +27,7 @@ from ..stats import SequenceStats, SpeculationStats
 from .device import GraphStep, ReadBack, uses_cuda_graphs
 from .span import SpanBound
 from .state import COUNTERS, Plan, WavefrontState
-from .step import make_step
+from .step import head_rows, make_step
 
 WAVEFRONT_MODES = ("ar", "block", "pipeline")
 DEFAULT_READ_EVERY = 4
@@ -260,11 +260,12 @@ class WavefrontEngine:
 
     def _count_rows(self) -> None:
         """`stats.call_rows` of one step (counted on the host from the shapes): every lane slot and prompt row runs
-        the core (masked or not), every lane slot the head, and one spawned lane per sequence is embedded."""
+        the core (masked or not), `step.head_rows` slots per sequence the head, and one spawned lane per sequence is
+        embedded."""
         batch, lanes = self.state.token.shape
         rows = self.stats.call_rows
         rows["core"].append(batch * (lanes + self.state.prompt_real.shape[1]))
-        rows["head"].append(batch * lanes)
+        rows["head"].append(batch * head_rows(self.plan))
         rows["embed"].append(batch)
 
     def _stream(self, counts: list[int], finished: list[bool], tokens: torch.Tensor | None) -> None:

@@ -1,11 +1,12 @@
-"""Logits processing and token choice of the wavefront step, as device tensor ops over every lane slot at once.
+"""Logits processing and token choice of the wavefront step, as device tensor ops over the lane slots whose head
+output the cycle uses (`slots` `[B, R]`: `step.head_slots`), all at once.
 
 Processing. The engine runs a call's logits processors in the call's own order (`Plan.processors`, built by
 `device_processors` from the `LogitsProcessorList` transformers made): the repetition penalty and the
 `min_length` / `min_new_tokens` EOS hold as its own ops, each slot with its own path as the prefix (the prompt
 row, the committed tokens and the lanes up to the slot, which lie on one path); the sampling warpers
 (temperature, top-k, top-p, min-p) as transformers' own warper objects, which are tensor functions of the scores
-alone, applied to the `[B * L, V]` slot scores.
+alone, applied to the `[B * R, V]` slot scores.
 
 Choice (`choose`), per slot, from its processed scores:
 
@@ -13,7 +14,7 @@ Choice (`choose`), per slot, from its processed scores:
 * sampling: `acceptance`'s lossless rule, on every slot at once: the lane x after the slot, drafted from q, is
   accepted with probability min(1, p(x) / q(x)); the slot's token is then x, else a draw from
   normalise(max(p - q, 0)) (a slot with no draft after it draws from p). Random numbers come from `state.noise`
-  `[B, L, 2]` (uniforms drawn before each step from the run's device generator: column 0 judges, column 1 draws).
+  `[B, L, 2]` (each slot's uniforms, drawn before each step from the run's device generator: column 0 judges, column 1 draws).
   A draw from weights w is the inverse of w's cumulative sum at u * sum(w), so a zero weight is never drawn.
 """
 
@@ -36,7 +37,8 @@ from .state import HOLD, PENALTY, Plan, WavefrontState
 
 WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
-ScoreOp = Callable[[WavefrontState, torch.Tensor], torch.Tensor]  # (state, scores [B, L, V]) -> scores [B, L, V]
+ScoreOp = Callable[[WavefrontState, torch.Tensor, torch.Tensor], torch.Tensor]  # (state, scores [B, R, V], slots
+# [B, R]) -> scores [B, R, V]
 
 
 def on_device(processor, width: int) -> bool:
@@ -78,27 +80,28 @@ def score_ops(plan: Plan) -> list[ScoreOp]:
     ops = []
     for item in plan.processors:
         if item[0] == PENALTY:
-            ops.append(lambda s, scores, penalty=item[1]: _penalise(s, scores, penalty))
+            ops.append(lambda s, scores, slots, penalty=item[1]: _penalise(s, scores, slots, penalty))
         elif item[0] == HOLD:
             ops.append(_hold)
         else:
             warper = item[0](**dict(item[1]))
-            ops.append(lambda s, scores, w=warper: w(None, scores.flatten(0, 1)).view_as(scores))
+            ops.append(lambda s, scores, slots, w=warper: w(None, scores.flatten(0, 1)).view_as(scores))
     return ops
 
 
-def _penalise(s: WavefrontState, scores: torch.Tensor, penalty: float) -> torch.Tensor:
+def _penalise(s: WavefrontState, scores: torch.Tensor, slots: torch.Tensor, penalty: float) -> torch.Tensor:
     """transformers' repetition penalty with each slot's own path as the prefix."""
-    lanes = s.token.shape[1]
-    on_path = s.alive[:, None, :] & (s.position[:, None, :] <= s.position[:, :, None])  # [B, L, L]
-    seen = s.seen[:, None].expand(-1, lanes, -1).long().scatter_reduce(
-        2, s.token[:, None, :].expand(-1, lanes, -1), on_path.long(), "amax").bool()  # [B, L, V]
+    rows = slots.shape[1]
+    position = s.position.gather(1, slots)  # [B, R]
+    on_path = s.alive[:, None, :] & (s.position[:, None, :] <= position[:, :, None])  # [B, R, L]
+    seen = s.seen[:, None].expand(-1, rows, -1).long().scatter_reduce(
+        2, s.token[:, None, :].expand(-1, rows, -1), on_path.long(), "amax").bool()  # [B, R, V]
     return torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
 
 
-def _hold(s: WavefrontState, scores: torch.Tensor) -> torch.Tensor:
+def _hold(s: WavefrontState, scores: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """`min_length` / `min_new_tokens`: the held ids are -inf for the tokens generated too early."""
-    generated = s.position + 1 - s.prompt_len[:, None]  # [B, L] index of the token each slot chooses
+    generated = s.position.gather(1, slots) + 1 - s.prompt_len[:, None]  # [B, R] index of the token each chooses
     return scores.masked_fill(generated[..., None] < s.eos_hold, float("-inf"))
 
 
@@ -111,21 +114,24 @@ def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (cumulative <= point).sum(-1).clamp(max=weights.shape[-1] - 1)
 
 
-def choose(plan: Plan, s: WavefrontState, scores: torch.Tensor):
-    """Per slot: its token `[B, L]`, whether the lane at its position + 1 is accepted `[B, L]` (meaningful where
-    that lane is a live draft), and its probabilities `[B, L, V]` (None when greedy). See the module docstring."""
+def choose(plan: Plan, s: WavefrontState, scores: torch.Tensor, slots: torch.Tensor):
+    """Per slot of `slots` `[B, R]`, from its scores `[B, R, V]`: its token `[B, R]`, whether the lane at its
+    position + 1 is accepted `[B, R]` (meaningful where that lane is a live draft), and its probabilities
+    `[B, R, V]` (None when greedy). See the module docstring."""
     lanes = s.token.shape[1]
-    after = (s.position + 1) % lanes  # [B, L] the slot of the lane at position + 1, if it lives
-    x = s.token.gather(1, after)  # [B, L]
+    position = s.position.gather(1, slots)  # [B, R]
+    after = (position + 1) % lanes  # [B, R] the slot of the lane at position + 1, if it lives
+    x = s.token.gather(1, after)  # [B, R]
     if not plan.do_sample:
         top = scores.argmax(-1)
         return top, x == top, None
-    p = torch.softmax(scores.float(), -1)  # [B, L, V]
-    q = s.draft_q.gather(1, after[..., None].expand_as(p))  # [B, L, V] the draft distribution of the next lane
-    judged = (s.alive & s.draft).gather(1, after) & (s.position.gather(1, after) == s.position + 1)  # [B, L]
+    p = torch.softmax(scores.float(), -1)  # [B, R, V]
+    q = s.draft_q.gather(1, after[..., None].expand_as(p))  # [B, R, V] the draft distribution of the next lane
+    judged = (s.alive & s.draft).gather(1, after) & (s.position.gather(1, after) == position + 1)  # [B, R]
+    noise = s.noise.gather(1, slots[..., None].expand(-1, -1, 2))  # [B, R, 2]
     p_x, q_x = p.gather(2, x[..., None])[..., 0], q.gather(2, x[..., None])[..., 0]
-    accept = s.noise[..., 0] * q_x < p_x  # u < p(x) / q(x), with q(x) > 0 for a drafted x
+    accept = noise[..., 0] * q_x < p_x  # u < p(x) / q(x), with q(x) > 0 for a drafted x
     residual = (p - q).clamp(min=0)
     residual_left = judged & (residual.sum(-1) > 0)  # p == q to rounding leaves no residual mass: draw from p
-    token = draw(torch.where(residual_left[..., None], residual, p), s.noise[..., 1])
+    token = draw(torch.where(residual_left[..., None], residual, p), noise[..., 1])
     return torch.where(judged & accept, x, token), accept, p

@@ -8,7 +8,8 @@ synchronisation (no `.item()`, `.tolist()`, host-built tensors or Python branche
    rows) below depth d runs only those.
 2. One core call over all B*L lane slots and B*P prompt rows. Rows that do not run are masked: they write their KV
    into a reserved trash slot, read nothing that reaches an output, and keep their hidden state.
-3. The head on every lane slot, the call's logits processors, and each slot's choice (`processing.choose`):
+3. The head on the lane slots whose output the cycle uses (`head_slots`: the targets at depth U and, in pipeline
+   mode, the lane at depth d), the call's logits processors, and each such slot's choice (`processing.choose`):
    its token (the target at depth U, the draft proposal at depth d) and whether the lane after it is accepted
    (greedy: its token equals the argmax; sampling: the lossless rule).
 4. Verification, per sequence, in position order over the lanes that reached depth U: a target is committed;
@@ -116,16 +117,42 @@ def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
 
     def step(state: WavefrontState) -> WavefrontState:
         ran, prompt_ran = _run_core(model, plan, state)
-        scores = model.head(state.hidden)  # [B, L, V]
+        slots = head_slots(plan, state, ran)  # [B, R]
+        scores = model.head(state.hidden.gather(1, slots[..., None].expand(-1, -1, state.hidden.shape[-1])))
         for op in ops:
-            scores = op(state, scores)
-        token, accept, probs = choose(plan, state, scores)  # [B, L], [B, L], [B, L, V] or None (unused: ignored)
+            scores = op(state, scores, slots)  # [B, R, V]
+        token, accept, probs = (None if x is None else _to_slots(x, slots, lanes=state.token.shape[1])
+                                for x in choose(plan, state, scores, slots))  # [B, L], [B, L], [B, L, V] or None
         drafter = _drafters(plan, state, ran)  # [B, L], chosen before verification
         spawn_tok, spawn_pos, restart = _verify(plan, state, ran, token, accept)
         _draft(plan, state, drafter, token, probs, spawn_tok, spawn_pos, restart, embed_tokens)
         return state
 
     return step
+
+
+def head_rows(plan: Plan) -> int:
+    """R: the lane slots per sequence whose head output a cycle uses (`head_slots`)."""
+    return {"ar": 1, "pipeline": min(2, plan.lanes), "block": plan.lanes}[plan.mode]
+
+
+def head_slots(plan: Plan, s: WavefrontState, ran: torch.Tensor) -> torch.Tensor:
+    """The lane slots whose head output the cycle uses, `[B, R]` (`head_rows`): in block mode every slot (a round's
+    K + 1 targets); else the slot that has reached depth U (the target) and, in pipeline mode, the one at depth d
+    (the drafter). A sequence's running lanes have distinct depths there, so there is at most one of each; an
+    absent one is slot 0 again (its result is the same as slot 0's, and unused unless slot 0 is needed)."""
+    batch, lanes = s.token.shape
+    if head_rows(plan) == lanes:
+        return torch.arange(lanes, device=s.token.device).expand(batch, lanes)
+    depths = (plan.num_loops,) if plan.mode == "ar" else (plan.num_loops, plan.draft_loops)
+    return torch.stack([(ran & (s.depth == depth)).long().argmax(1) for depth in depths], 1)
+
+
+def _to_slots(x: torch.Tensor, slots: torch.Tensor, lanes: int) -> torch.Tensor:
+    """`x` `[B, R, ...]` of the slots `slots` `[B, R]` placed at those slots of `[B, L, ...]` (zeros elsewhere;
+    a slot listed twice gets the same value twice)."""
+    index = slots.view(*slots.shape, *[1] * (x.dim() - 2)).expand_as(x)
+    return x.new_zeros(x.shape[0], lanes, *x.shape[2:]).scatter(1, index, x)
 
 
 def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch.Tensor]:
