@@ -1,9 +1,11 @@
 """Set-up, host loop and tear-down of one wavefront run (see `step` for the cycle).
 
 Set-up reserves, in the run's `PagedLoopCache`, every page a sequence can need (C = padded prompt width +
-max_new_tokens positions in every plane), so block tables stay constant inside the run, and embeds the prompt.
-The host loop runs the step R cycles at a time and then calls `read_back`, the only place where the host reads
-the device state during the run; it stops when every sequence has finished. The prompt rows exist only during
+max_new_tokens positions in every plane), table after table from page 0, so each (sequence, plane) is one
+contiguous run of the pool for the whole run (`Plan.table_width`), and embeds the prompt. The host loop runs the
+step R cycles at a time and then calls `read_back`, the only place where the host reads the device state during
+the run; it stops when every sequence has finished. Each cycle runs the step of its span (`span.SpanBound`: the
+positions its attention reads, bounded from the cycle count and the latest read-back). The prompt rows exist only during
 the first cycles (a number known in advance: U, plus K*d in block mode), after which they are dropped from the
 state. Tear-down truncates the cache to the device's KV lengths and builds the lane decoder's `DecodeResult`.
 
