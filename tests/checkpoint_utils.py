@@ -1,4 +1,5 @@
-"""Tiny checkpoint folders for the CLI and export tests, and a snapshot of a folder tree to prove it did not change."""
+"""Tiny checkpoint folders and their word-level tokenizer for the CLI and export tests, and a snapshot of a folder
+tree to prove it did not change."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ from helpers import TINY, tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"w{i}" for i in range(3, TINY["vocab_size"])]
 
-
-def word_tokenizer() -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer over the tiny vocabulary: 'w5 w9' -> [5, 9]."""
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<|endoftext|>"))
+def word_tokenizer(vocab: int = TINY["vocab_size"], chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer over a tiny model's `vocab` ids: ids 0..2 are <|endoftext|> (eos, pad),
+    <|im_start|> and <|im_end|>, then 'w5 w9' -> [5, 9]; with `chat_template` when given."""
+    words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"w{i}" for i in range(3, vocab)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                                    unk_token="<|endoftext|>")
+    fast.chat_template = chat_template
+    return fast
 
 
 def save_checkpoint(folder: Path, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:

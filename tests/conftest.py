@@ -13,6 +13,10 @@ once:
   `named_modes` gives generate's arguments by name, plain included), tiny Ouro models and cases for speculation,
   the plain and speculative decoding calls (Ouro and Huginn), counters, forced-run, I4 and trace checks;
 * `recorders`: a streamer and a stopping criterion that record what `generate` hands them.
+* `sampling_utils`: the statistics of the speculative sampling tests (their model is the `sampling_model` fixture
+  below);
+* `checkpoint_utils`: tiny checkpoint folders with a word-level tokenizer, folder snapshots;
+* `processes`: the checkout's root (`ROOT`) and the environment of the Python processes tests start.
 
 A file that tests a subset of the matrix derives it from `MODES` (`mode_params(keep=...)`) rather than restating
 settings.
@@ -24,6 +28,7 @@ assertion rather than a silently weaker test.
 """
 
 import pytest
+import sampling_utils
 import torch
 
 from hf_loopspec.generation.wavefront import select
@@ -40,3 +45,9 @@ def auto_prefers_wavefront(request, monkeypatch):
     so "auto" prefers the wavefront engine here as it does on CUDA. Tests marked `device_rule` see the real rule."""
     if request.node.get_closest_marker("device_rule") is None:
         monkeypatch.setattr(select, "wavefront_preferred", lambda device, compile_backend: True)
+
+
+@pytest.fixture(scope="module")
+def sampling_model():
+    """The tiny model of the speculative sampling tests (`sampling_utils.tiny_sampling_model`)."""
+    return sampling_utils.tiny_sampling_model()

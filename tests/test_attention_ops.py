@@ -20,13 +20,13 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from processes import ROOT
 from tolerances import fp32_tolerance
 
 from hf_loopspec.ops.attention import (
@@ -45,7 +45,6 @@ except ImportError:
     paged_attention_triton = write_kv_triton = None
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 GARBAGE_PAGE = 10**6  # out-of-range page id used to pad some block tables
 
 TOLERANCES = {
@@ -303,7 +302,7 @@ def test_triton_kernels_under_interpreter():
     result = subprocess.run(
         [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "triton or dispatch"],
         check=False,
-        cwd=REPO_ROOT,
+        cwd=ROOT,
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,

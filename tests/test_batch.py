@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import csv as csv_module
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import subprocess_env
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_loopspec import cli, loading
@@ -26,19 +26,11 @@ from hf_loopspec.batch import run as batch_run
 from hf_loopspec.batch.parts import PartStore
 from hf_loopspec.batch.prompts import plan_batches
 
-ROOT = Path(__file__).resolve().parents[1]
 NEW = 10  # new tokens per row
 BATCH = 4
 GROUPS = 6  # prompt lengths; BATCH prompts of each, so every planned batch is one length and has no padding
 STEMS = ("def f{}(a, b):", "import mod{}", "class C{}:", "x = [{}, 2]", "for i in range({}):", "print({})",
          "return {}")
-
-
-def subprocess_env() -> dict:
-    """One torch thread per process, offline, this checkout's hf_loopspec, no GPU."""
-    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                CUDA_VISIBLE_DEVICES="",
-                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
 
 
 def batch_args(prompts: Path, output: Path, *extra: str) -> list[str]:

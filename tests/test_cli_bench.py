@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from checkpoint_utils import word_tokenizer
+from processes import ROOT
 from transformers import PreTrainedTokenizerFast
 
 from hf_loopspec import cli, loading
@@ -21,7 +21,6 @@ from hf_loopspec.bench import args as bench_args
 from hf_loopspec.bench import costs, plot, prompts, report, run, shapes
 from hf_loopspec.bench.main import run_bench
 
-ROOT = Path(__file__).resolve().parents[1]
 N = 8  # new tokens
 FAST = ["--model", "ouro-tiny", "--device", "cpu", "--prompt-len", "8", "--new-tokens", str(N), "--repeats", "1",
         "--calibration-seconds", "0.05", "--quiet"]
@@ -42,11 +41,7 @@ def checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-ouro")
     model = shapes.random_model("ouro-tiny", torch.float32, torch.device("cpu"), seed=3)
     model.save_pretrained(folder)
-    words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"w{i}" for i in range(3, model.config.vocab_size)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                            unk_token="<|endoftext|>").save_pretrained(folder)
+    word_tokenizer(model.config.vocab_size).save_pretrained(folder)
     return folder
 
 

@@ -7,7 +7,6 @@ entry point (`cli.main(argv)` in-process, and `python -m hf_loopspec.cli` in a s
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_utils import save_checkpoint, snapshot
+from processes import subprocess_env
 
 from hf_loopspec import cli
 
-ROOT = Path(__file__).resolve().parents[1]
 POSITIONS = 16  # max_position_embeddings of the checkpoint: small, so that too-long prompts are cheap
 
 
@@ -234,11 +233,8 @@ def test_an_interrupt_is_one_line_and_status_130(monkeypatch, capsys):
 
 
 def run_cli(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
-    environment = {k: v for k, v in os.environ.items() if k != "HF_LOOPSPEC_DEBUG"}
-    environment.update(HF_HUB_OFFLINE="1",
-                       PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     return subprocess.run([sys.executable, "-m", "hf_loopspec.cli", *argv], capture_output=True, text=True,
-                          env=environment, cwd=tmp_path, timeout=300, check=False)
+                          env=subprocess_env(drop=("HF_LOOPSPEC_DEBUG",)), cwd=tmp_path, timeout=300, check=False)
 
 
 def test_a_real_process_prints_one_line(good, tmp_path):

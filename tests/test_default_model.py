@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from processes import ROOT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_loopspec  # noqa: F401  (registers the Ouro classes with the Auto factories)
@@ -23,13 +24,13 @@ from hf_loopspec.assets import default_model_path
 from hf_loopspec.prompting import encode_prompt, generate_kwargs
 
 MAX_BYTES = 25 * 10**6
-ROOT = Path(__file__).resolve().parents[1]
 CARD_MEASUREMENTS = ROOT / "model_cards" / "hf-loopspec-default" / "measurements.json"
 CHECKED_TOKENS = 64
 
 
 def _measure_script():
-    spec = importlib.util.spec_from_file_location("measure_default_model", ROOT / "scripts" / "measure_default_model.py")
+    script = ROOT / "scripts" / "measure_default_model.py"
+    spec = importlib.util.spec_from_file_location("measure_default_model", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -21,14 +20,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from checkpoint_utils import word_tokenizer
 from huggingface_hub import ModelCard
 from inputs import left_pad, random_prompts
+from processes import ROOT, subprocess_env
 from recorders import RecordingStreamer, StopAtWidth
 from safetensors.torch import load_file
 from speculative_utils import tiny_spec_model
-from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
-from transformers import PreTrainedTokenizerFast
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 import hf_loopspec
@@ -37,7 +36,6 @@ from hf_loopspec.bench.report import command_line
 from hf_loopspec.hub import card as hub_card
 from hf_loopspec.hub import custom_generate, export
 
-ROOT = Path(__file__).resolve().parents[1]
 NEW = 12
 PAD = 0
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -47,23 +45,13 @@ CHATML_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['cont
 # --- fixtures ---------------------------------------------------------------------------------------------------------
 
 
-def tiny_tokenizer(vocab: int, chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
-    words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"w{i}" for i in range(3, vocab)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                   unk_token="<|endoftext|>")
-    fast.chat_template = chat_template
-    return fast
-
-
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     """(model, folder): a tiny fp32 Ouro that accepts some drafts, saved with a word-level chat tokenizer."""
     model = tiny_spec_model(seed=5, damp=0.15)
     folder = tmp_path_factory.mktemp("src")
     model.save_pretrained(folder)
-    tiny_tokenizer(model.config.vocab_size).save_pretrained(folder)
+    word_tokenizer(model.config.vocab_size, CHAT_TEMPLATE).save_pretrained(folder)
     return model, folder
 
 
@@ -92,10 +80,7 @@ def expected(source, batch):
 def fresh_env(tmp_path: Path) -> dict:
     """Environment of a fresh interpreter: its own remote-code module cache, offline, hf_loopspec importable (from
     the checkout when it is not installed) but not imported."""
-    env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    env.pop("HF_MODULES_CACHE", None)
-    return env
+    return subprocess_env(HF_HOME=str(tmp_path / "hf_home"), drop=("HF_MODULES_CACHE",))
 
 
 def run_fresh(script: str, tmp_path: Path, *args: str) -> dict:
@@ -138,7 +123,7 @@ def test_export_of_a_chatml_model_stops_at_the_end_of_turn(source, tmp_path):
     """With a ChatML template (Ouro's Thinking models), `<|im_end|>` (2) joins the eos ids of generation_config.json."""
     src = tmp_path / "chat-src"
     source[0].save_pretrained(src)
-    tiny_tokenizer(source[0].config.vocab_size, CHATML_TEMPLATE).save_pretrained(src)
+    word_tokenizer(source[0].config.vocab_size, CHATML_TEMPLATE).save_pretrained(src)
     for eos, want in ((None, [2]), (0, [0, 2]), ([0, 2], [0, 2])):
         config = json.loads((src / "config.json").read_text())
         config["eos_token_id"] = eos

@@ -4,23 +4,21 @@ of `hf_loopspec.trace_plot` reads a pipeline trace correctly."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import matplotlib
 import nbformat
 import pytest
 import torch
 from inputs import left_pad, random_prompts
+from processes import ROOT, subprocess_env
 from speculative_utils import tiny_spec_model
 
 from hf_loopspec.trace_plot import plot_schedule, schedule_grid
 
 matplotlib.use("Agg")
 
-ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "examples" / "loopspec_colab.ipynb"
 
 
@@ -34,11 +32,7 @@ def default_model_or_skip() -> str:
 
 
 def offline_env() -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", LOOPSPEC_NOTEBOOK_FAST="1", TOKENIZERS_PARALLELISM="false",
-               CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    env.pop("MPLBACKEND", None)  # the kernel's inline backend
-    return env
+    return subprocess_env(LOOPSPEC_NOTEBOOK_FAST="1", drop=("MPLBACKEND",))  # MPLBACKEND: the kernel's inline backend
 
 
 # --- the notebook ---------------------------------------------------------------------------------------------------

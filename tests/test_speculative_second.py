@@ -21,6 +21,16 @@ import pytest
 import torch
 from inputs import left_pad, random_prompts
 from recorders import StopAtWidth
+from sampling_utils import (
+    ALPHA,
+    PROCESSOR_SETTINGS,
+    SAMPLES,
+    chi_square_p_value,
+    exact_joint,
+    pair_counts,
+    random_distribution,
+)
+from sampling_utils import PROMPT as SAMPLING_PROMPT
 from speculative_utils import (
     PAGE,
     assert_cache_matches_ar,
@@ -37,17 +47,6 @@ from speculative_utils import (
     tiny_spec_model,
 )
 from test_speculative_identity import BATCHES
-from test_speculative_sampling import (
-    ALPHA,
-    PROCESSOR_SETTINGS,
-    SAMPLES,
-    chi_square_p_value,
-    exact_joint,
-    random_distribution,
-    sampling_model,  # noqa: F401 (the sampling tests' model fixture)
-)
-from test_speculative_sampling import PROMPT as SAMPLING_PROMPT
-from test_speculative_sampling import VOCAB as SAMPLING_VOCAB
 from tolerances import ouro_depth
 from transformers import GenerationConfig, StoppingCriteriaList
 
@@ -346,7 +345,7 @@ def test_judge_two_draws_follow_the_rule():
 
 
 @pytest.mark.parametrize(("d", "d2", "settings"), [(1, 3, "warped")])
-def test_sampled_joint_distribution_with_second_proposals(sampling_model, d, d2, settings):  # noqa: F811
+def test_sampled_joint_distribution_with_second_proposals(sampling_model, d, d2, settings):
     """Two sampled tokens per row, 3000 rows: their joint distribution equals plain sampling's (exact, from full
     forwards, after temperature, top-k and repetition penalty), with siblings spawned and chosen along the way.
     Power: with the replacement drawn from the first residual instead of the second, this test's p-value was 4e-31
@@ -356,8 +355,7 @@ def test_sampled_joint_distribution_with_second_proposals(sampling_model, d, d2,
     out = sampling_model.generate(ids, max_new_tokens=2, do_sample=True, top_p=1.0, speculative_mode="pipeline",
                                   draft_loops=d, second_draft_loops=d2, return_dict_in_generate=True,
                                   **PROCESSOR_SETTINGS[settings])
-    counts = torch.zeros(SAMPLING_VOCAB * SAMPLING_VOCAB)
-    counts.index_add_(0, out.sequences[:, -2] * SAMPLING_VOCAB + out.sequences[:, -1], torch.ones(SAMPLES))
+    counts = pair_counts(out.sequences)
     assert chi_square_p_value(counts, exact_joint(sampling_model, PROCESSOR_SETTINGS[settings])) > ALPHA
     stats = out.speculation
     assert stats.second_drafts > 100 and stats.second_accepted > 10 and stats.rejected > 10

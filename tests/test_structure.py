@@ -8,9 +8,10 @@ here so that a change that breaks it fails with the module or function named, ra
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "hf_loopspec"
+from processes import ROOT
+
+PACKAGE = ROOT / "hf_loopspec"
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 80
 
