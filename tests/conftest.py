@@ -11,8 +11,11 @@ once:
 * `speculative_utils`: the speculative mode matrix (`MODES`; `MODE_PAIR`, one setting per mode, for tests whose
   subject is not the schedule; `mode_params` turns the matrix, a filter or a map of it into pytest parameters, and
   `named_modes` gives generate's arguments by name, plain included), tiny Ouro models and cases for speculation,
-  the plain and speculative decoding calls (Ouro and Huginn), counters, forced-run, I4 and trace checks;
-* `recorders`: a streamer and a stopping criterion that record what `generate` hands them.
+  the identity matrix's batch shapes, the plain and speculative decoding calls (Ouro and Huginn), counters,
+  forced-run, I4 and trace checks;
+* `paged_utils`: a small KV layout, rows planned and values written and read through a `PagedLoopCache`'s block
+  tables (the cache unit tests and the I4 check);
+* `recorders`: a streamer and a stopping criterion that record what `generate` hands them;
 * `sampling_utils`: the statistics of the speculative sampling tests (their model is the `sampling_model` fixture
   below);
 * `checkpoint_utils`: tiny checkpoint folders with a word-level tokenizer, folder snapshots;
@@ -22,9 +25,9 @@ A file that tests a subset of the matrix derives it from `MODES` (`mode_params(k
 settings.
 
 Every tiny model's weights come from `hf_loopspec.bench.shapes.random_model`, the one seeded recipe that the
-benchmark shapes use too. A test that needs a property of its random model (drafts both accepted and rejected, long
-accepted runs, a token that stops a row early) asserts it, so a change of the recipe shows up as a failed
-assertion rather than a silently weaker test.
+benchmark shapes use too, except the sampling tests' model (`sampling_utils.tiny_sampling_model` says why). A test
+that needs a property of its random model (drafts both accepted and rejected, long accepted runs, a token that stops
+a row early) asserts it, so a change of the recipe shows up as a failed assertion rather than a silently weaker test.
 """
 
 import pytest

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import tiny_config
 from inputs import left_pad, random_prompts
+from paged_utils import paged_plane
 from tolerances import assert_fp32_close, fp32_tolerance, ouro_depth, rms
 from transformers.cache_utils import DynamicCache
 
@@ -56,6 +57,15 @@ def named_modes(settings: Sequence[tuple] = MODE_PAIR) -> dict[str, dict]:
 
 
 # --- models and prompts -------------------------------------------------------------------------------------------
+
+
+# Prompt lengths of one seed's batch of the identity matrix, by batch shape: `BATCHES[shape](seed, group)`.
+BATCHES = {
+    # one unpadded prompt per seed, all of one length per call: rows without padding, independent sequences
+    "unpadded": lambda seed, group: [2 + group],
+    # three ragged prompts per seed: left padding of up to 8 columns
+    "ragged3": lambda seed, group: [3 + seed % 5, 1 + seed % 3, 9],
+}
 
 
 def tiny_spec_model(seed: int, loops: int = 4, *, vocab: int = 96, hidden: int = 32, damp: float = 1.0,
@@ -204,15 +214,6 @@ def block_calls(n: int, loops: int, d: int, k: int, accept: bool) -> int:
 
 
 # --- KV cache (I4) --------------------------------------------------------------------------------------------------
-
-
-def paged_plane(cache: PagedLoopCache, seq: int, depth: int, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values `[n, Hkv, D]` of positions 0..n-1 of (seq, depth), gathered through the block table."""
-    pages = cache._pages[seq * cache.num_planes + depth]
-    pos = torch.arange(n)
-    page = torch.tensor(pages, dtype=torch.long)[pos // cache.page_size] if n else pos
-    off = pos % cache.page_size
-    return cache.k_pool[layer][page, off], cache.v_pool[layer][page, off]
 
 
 def assert_cache_matches_ar(paged: PagedLoopCache, ar: DynamicCache, mask: torch.Tensor,

@@ -9,32 +9,12 @@ from helpers import tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from inputs import left_pad, random_prompts
+from paged_utils import LAYOUT, LIKE, fill_values, read_values, write
 from tolerances import assert_fp32_close, ouro_depth
 from transformers import DynamicCache
 
 from hf_loopspec import KVLayout, PagedLoopCache
 from hf_loopspec.cache.paged import CacheCapacityError, LineageError
-
-LAYOUT = KVLayout(num_planes=3, num_layers=2, num_kv_heads=2, head_dim=4)
-LIKE = torch.zeros(1, dtype=torch.float32)
-
-
-def write(cache, seq, depth, positions, lineage=None):
-    return cache.plan_rows([seq] * len(positions), [depth] * len(positions), positions, like=LIKE, lineage=lineage)
-
-
-def fill_values(cache, rows, value):
-    """Write a recognisable value into every layer of the rows' slots."""
-    for layer in range(cache.kv_layout.num_layers):
-        flat = cache.k_pool[layer].view(-1, *cache.k_pool.shape[3:])
-        flat[rows.slot] = value
-
-
-def read_values(cache, seq, depth):
-    """Keys of (seq, depth) at every valid position, read through the block table, layer 0: [len]."""
-    pages = cache._pages[seq * cache.num_planes + depth]
-    length = cache.length(seq, depth)
-    return [float(cache.k_pool[0, pages[p // cache.page_size], p % cache.page_size, 0, 0]) for p in range(length)]
 
 
 class TestAllocator:

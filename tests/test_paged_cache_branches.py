@@ -5,7 +5,7 @@ pages when closed, and refuses to outlive a rollback of its common history."""
 from __future__ import annotations
 
 import pytest
-from test_paged_cache import LAYOUT, fill_values, read_values, write
+from paged_utils import LAYOUT, fill_values, read_values, write
 
 from hf_loopspec import PagedLoopCache
 

@@ -26,6 +26,7 @@ import pytest
 import torch
 from inputs import left_pad, random_prompts
 from speculative_utils import (
+    BATCHES,
     MODE_PAIR,
     MODES,
     assert_cache_matches_ar,
@@ -46,12 +47,6 @@ SEEDS = 40  # prompt seeds per (U, batch shape); every seed is checked against e
 NEW = 40
 VOCAB = 96
 DAMPS = (1.0, 0.25, 0.1, 0.04)  # one model per damping: acceptance from ~0.05 (undamped, U=4) to ~0.8
-BATCHES = {
-    # one unpadded prompt per seed, all of one length per call: rows without padding, independent sequences
-    "unpadded": lambda seed, group: [2 + group],
-    # three ragged prompts per seed: left padding of up to 8 columns
-    "ragged3": lambda seed, group: [3 + seed % 5, 1 + seed % 3, 9],
-}
 
 
 def combos(loops: int) -> list[tuple[str, int, int | None]]:

@@ -32,6 +32,7 @@ from sampling_utils import (
 )
 from sampling_utils import PROMPT as SAMPLING_PROMPT
 from speculative_utils import (
+    BATCHES,
     PAGE,
     assert_cache_matches_ar,
     assert_counter_invariants,
@@ -46,7 +47,6 @@ from speculative_utils import (
     speculative,
     tiny_spec_model,
 )
-from test_speculative_identity import BATCHES
 from tolerances import ouro_depth
 from transformers import GenerationConfig, StoppingCriteriaList
 
@@ -236,7 +236,7 @@ IDENTITY = [(4, d, d2) for d, d2 in CONFIGS] + [(3, 1, 2)]  # (U, d, d2): every 
 def test_identity_with_real_second_proposals(damp, loops, d, d2):
     """No hooks: the model's own depth-d and depth-d2 proposals, on an undamped random model (drafts mostly wrong,
     siblings often spawned and sometimes chosen) and a damped one (whose loops agree: drafts mostly right), for
-    two seeds' ragged batches of the identity matrix (`test_speculative_identity.BATCHES`) decoded together, 40
+    two seeds' ragged batches of the identity matrix (`speculative_utils.BATCHES`) decoded together, 40
     new tokens. Tokens equal plain greedy, the counters keep their identities, every plane equals serial AR's,
     nothing of a branch is left behind. (Lineage checker off, as in the identity matrix: every other test here runs
     with it on.)"""
