@@ -103,8 +103,9 @@ def paged_cache(model, debug: bool = True, num_steps: int | None = None) -> Page
 # --- the two decoders -----------------------------------------------------------------------------------------------
 
 
-def _generate(model, ids, mask, max_new: int, **kwargs):
-    """`model.generate` without gradients, greedy unless `kwargs` say otherwise, pad id `PAD`, the dict output."""
+def generate_dict(model, ids, mask, max_new: int, **kwargs):
+    """`model.generate` as the tests call it: without gradients, greedy unless `kwargs` say otherwise, pad id `PAD`;
+    returns the dict output. `plain` and `speculative` add their caches and settings."""
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=PAD,
                               return_dict_in_generate=True, **{"do_sample": False} | kwargs)
@@ -113,7 +114,7 @@ def _generate(model, ids, mask, max_new: int, **kwargs):
 def plain(model, ids, mask, max_new: int, **kwargs):
     """Plain decoding (transformers' loop, `DynamicCache`; greedy unless `kwargs` say otherwise); returns the dict
     output (`.cache` included)."""
-    return _generate(model, ids, mask, max_new, **{"cache": DynamicCache()} | kwargs)
+    return generate_dict(model, ids, mask, max_new, **{"cache": DynamicCache()} | kwargs)
 
 
 def speculative(model, ids, mask, max_new: int, mode: str, d: int = 1, k: int | None = None, *, debug: bool = False,
@@ -124,7 +125,7 @@ def speculative(model, ids, mask, max_new: int, mode: str, d: int = 1, k: int | 
     decoder."""
     if "cache" not in kwargs:
         kwargs["cache"] = paged_cache(model, debug, kwargs.get("num_steps"))
-    return _generate(model, ids, mask, max_new, **mode_kwargs(mode, d, k), **kwargs)
+    return generate_dict(model, ids, mask, max_new, **mode_kwargs(mode, d, k), **kwargs)
 
 
 # --- facts read off plain outputs -----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 import torch
 from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
-from speculative_utils import PAD, named_modes, paged_cache, tiny_spec_model
+from speculative_utils import PAD, generate_dict, named_modes, paged_cache, tiny_spec_model
 from transformers import AutoTokenizer
 from transformers.cache_utils import DynamicCache
 
@@ -31,9 +31,8 @@ FIRST, SECOND = 7, 6  # new tokens of the two calls
 
 
 def generate(model, ids, mask, new, mode, eos, cache=None, **extra):
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=PAD,
-                              eos_token_id=eos, return_dict_in_generate=True, cache=cache, **MODES[mode], **extra)
+    """One call in the mode named `mode` (`MODES`), stopping at `eos`, on `cache` (None: generate's own)."""
+    return generate_dict(model, ids, mask, new, eos_token_id=eos, cache=cache, **MODES[mode], **extra)
 
 
 def ouro_case():

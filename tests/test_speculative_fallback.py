@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 from inputs import left_pad, random_prompts
-from speculative_utils import PAD, paged_cache, tiny_spec_model
+from speculative_utils import generate_dict, paged_cache, tiny_spec_model
 from transformers import LogitsProcessor, LogitsProcessorList, SynthIDTextWatermarkingConfig
 
 from hf_loopspec.generation import processors
@@ -49,11 +49,8 @@ def setup():
 
 def run(model, ids, mask, seed=0, **kwargs):
     """A seeded greedy (or, with do_sample, sampled) call; returns the dict output."""
-    kwargs = {"do_sample": False, **kwargs}
     torch.manual_seed(seed)
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=PAD,
-                              return_dict_in_generate=True, **kwargs)
+    return generate_dict(model, ids, mask, NEW, **kwargs)
 
 
 @pytest.mark.parametrize("mode", ["pipeline", "block"])
