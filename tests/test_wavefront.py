@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ from speculative_utils import (
 from tolerances import ouro_depth
 from transformers import EosTokenCriteria, GenerationConfig, MaxLengthCriteria, StoppingCriteriaList
 
-from hf_loopspec.generation.wavefront import WavefrontEngine, select
+from hf_loopspec.generation.wavefront import WavefrontEngine, select, span
 from hf_loopspec.generation.wavefront import engine as engine_module
 from hf_loopspec.generation.wavefront.device import GraphStep, uses_cuda_graphs
 from hf_loopspec.generation.wavefront.processing import device_processors, draw, score_ops
@@ -162,6 +163,39 @@ def test_span_covers_every_live_lane(mode, d, k, read_every):
         engine.build_step = checked
         torch.testing.assert_close(engine.run().sequences, ref.sequences, atol=0, rtol=0)
         assert len(set(used)) >= 2 and min(used) < engine.plan.positions
+
+
+@pytest.mark.parametrize(("mode", "d", "k"), CASES, ids=CASE_IDS)
+def test_compact_rows_equal_fixed_rows(mode, d, k):
+    """Eager on a CPU the core runs the active rows only (`Plan.compact`): the same tokens, counters and KV lengths
+    as the fixed rows that a compiled or CUDA step runs, with fewer core rows (an EOS stops one sequence early)."""
+    model, ids, mask = _batch(1)
+    eos = int(plain(model, ids, mask, NEW).sequences[0, ids.shape[1] + 5])
+    runs = {}
+    for compact in (True, False):
+        cache = paged_cache(model, debug=False)
+        engine = WavefrontEngine(model, cache, mode=mode, draft_loops=d, num_speculative_tokens=k, input_ids=ids,
+                                 attention_mask=mask, pad_token_id=PAD, max_length=ids.shape[1] + NEW, eos_token_id=eos)
+        assert engine.plan.compact
+        engine.plan = replace(engine.plan, compact=compact)
+        runs[compact] = (engine.run(), cache)
+    (fast, fast_cache), (fixed, fixed_cache) = runs[True], runs[False]
+    torch.testing.assert_close(fast.sequences, fixed.sequences, atol=0, rtol=0)
+    assert _counts(fast.stats) == _counts(fixed.stats)
+    assert sum(fast.stats.call_rows["core"]) < sum(fixed.stats.call_rows["core"])
+    for plane in range(fast_cache.num_planes):  # KV values: I4 against serial AR in the other tests (matmuls over
+        assert fast_cache.lengths(plane) == fixed_cache.lengths(plane)  # other row counts round differently)
+
+
+def test_span_buckets():
+    """Spans are capped at C and rounded up: compiled to powers of two from 64 (few compiles of the step), eager to
+    multiples of 16; before any read-back the bound is the cycle count's, after one the committed count's."""
+    assert [span.bucket(n, compiled=True) for n in (1, 64, 65, 129)] == [64, 64, 128, 256]
+    assert [span.bucket(n, compiled=False) for n in (1, 16, 17, 100)] == [16, 16, 32, 112]
+    bound = span.SpanBound(width=10, lanes=4, positions=300, compiled=False)
+    assert [bound.span(c) for c in (0, 7, 290)] == [16, 32, 300]
+    bound.observe(100, counts=[5, 40], finished=[False, True])  # the finished sequence's count does not matter
+    assert bound.span(102) == span.bucket(10 + 5 + 4 - 1 + 2, compiled=False)
 
 
 SAMPLED = {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "min_p": 0.05}

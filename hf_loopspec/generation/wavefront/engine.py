@@ -99,7 +99,8 @@ class WavefrontEngine:
         draft_loops = draft_loops if mode != "ar" else 0
         self.plan = Plan(mode, model.num_loops, draft_loops, num_speculative_tokens,
                          lanes_for(mode, model.num_loops, draft_loops, num_speculative_tokens),
-                         cache.num_planes, cache.page_size, width + max_new, bool(eos), processors, do_sample)
+                         cache.num_planes, cache.page_size, width + max_new, bool(eos), processors, do_sample,
+                         compact=compile_backend is None and input_ids.device.type == "cpu")
         self.prefill_cycles = model.num_loops + (num_speculative_tokens * draft_loops if mode == "block" else 0)
         self.stats = SpeculationStats(mode=mode, draft_loops=draft_loops, engine="wavefront")
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
@@ -161,7 +162,7 @@ class WavefrontEngine:
             finished=(prompt_len == 0) | (max_new == 0), prompt_len=prompt_len,
             max_new=torch.tensor(max_new, **long), eos=torch.tensor(eos or [-1], **long),
             round_drafts=torch.zeros(batch, **long), counters=torch.zeros(batch, len(COUNTERS), **long),
-            core_calls=torch.zeros((), **long),
+            core_calls=torch.zeros((), **long), core_rows=torch.zeros((), **long),
             draft_override=torch.full((batch, plan.positions), -1, **long) if draft_override is None
             else draft_override.to(**long),
             seen=torch.zeros(batch, 0, dtype=torch.bool, device=device), eos_hold=torch.zeros(0, **long),
@@ -262,11 +263,12 @@ class WavefrontEngine:
 
     def _count_rows(self) -> None:
         """`stats.call_rows` of one step (counted on the host from the shapes): every lane slot and prompt row runs
-        the core (masked or not), `step.head_rows` slots per sequence the head, and one spawned lane per sequence is
-        embedded."""
+        the core (masked or not; with `Plan.compact` the active ones, as the step counted them on the CPU),
+        `step.head_rows` slots per sequence the head, and one spawned lane per sequence is embedded."""
         batch, lanes = self.state.token.shape
         rows = self.stats.call_rows
-        rows["core"].append(batch * (lanes + self.state.prompt_real.shape[1]))
+        rows["core"].append(int(self.state.core_rows) if self.plan.compact
+                            else batch * (lanes + self.state.prompt_real.shape[1]))
         rows["head"].append(batch * head_rows(self.plan))
         rows["embed"].append(batch)
 

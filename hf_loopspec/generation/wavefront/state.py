@@ -41,6 +41,7 @@ class Plan:
     processors: tuple = ()  # the call's logits processors, in order, as `processing.device_processors` gives them
     do_sample: bool = False  # sampling (lossless speculative sampling) instead of greedy decoding
     span: int | None = None  # S: rows read positions 0..S-1 only (no live row sits at S or beyond); None: all C
+    compact: bool = False  # the core runs the active rows only (eager on a CPU: `step`, step 2)
 
     @property
     def table_width(self) -> int:
@@ -89,6 +90,7 @@ class WavefrontState:
     round_drafts: torch.Tensor  # [B] int64  block: drafts since the sequence's round began
     counters: torch.Tensor  # [B, len(COUNTERS)] int64
     core_calls: torch.Tensor  # [] int64
+    core_rows: torch.Tensor  # [] int64: rows the latest core call ran (set with `Plan.compact` only)
     draft_override: torch.Tensor  # [B, C] int64: a draft for position p becomes draft_override[b, p] when >= 0
     seen: torch.Tensor  # [B, V] bool: the prompt row's tokens the penalty counts, and the committed tokens
     eos_hold: torch.Tensor  # [V] int64: id v cannot be the i-th generated token (0-based) while i < eos_hold[v]

@@ -7,7 +7,10 @@ synchronisation (no `.item()`, `.tolist()`, host-built tensors or Python branche
 1. Selection: every live lane and prompt row runs, except in block mode, where a sequence with a lane (or prompt
    rows) below depth d runs only those.
 2. One core call over all B*L lane slots and B*P prompt rows. Rows that do not run are masked: they write their KV
-   into a reserved trash slot, read nothing that reaches an output, and keep their hidden state.
+   into a reserved trash slot, read nothing that reaches an output, and keep their hidden state. With
+   `Plan.compact` (eager on a CPU, where nothing waits on a device) the core's layers run the active rows only,
+   selected by a boolean index: the one data-dependent shape of the step, and the reason it is off wherever the
+   step is compiled or runs on CUDA; attention puts them back on the fixed rows.
 3. The head on the lane slots whose output the cycle uses (`head_slots`: the targets at depth U and, in pipeline
    mode, the lane at depth d), the call's logits processors, and each such slot's choice (`processing.choose`):
    its token (the target at depth U, the draft proposal at depth d) and whether the lane after it is accepted
@@ -77,9 +80,13 @@ class SlotAttention:
         self.lane_visible = (span <= cell_position[..., None]).view(batch * plan.planes, 1, cells, -1)
         self.prompt_visible = (span <= prompt_position[..., None])[:, None]  # [B, 1, P, S]
 
+    rows = None  # [n] the rows the core call runs when it runs only the active ones (`Plan.compact`), else None
+
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [N, Hq, D]   k, v: [N, Hkv, D]
+        # q: [N, Hq, D]   k, v: [N, Hkv, D]   ([n, ...] for the rows `rows` when compacted)
         plan = self.plan
+        if self.rows is not None:  # back on the fixed rows: inactive ones are zeros, written to the trash slot
+            q, k, v = (x.new_zeros(len(self.active), *x.shape[1:]).index_copy(0, self.rows, x) for x in (q, k, v))
         k_flat = self.k_pool[layer_idx].flatten(0, 1)  # [pages * page_size, Hkv, D] (a view: writes land in the pool)
         v_flat = self.v_pool[layer_idx].flatten(0, 1)
         k_flat.index_copy_(0, self.write_slot, k.to(k_flat.dtype))
@@ -99,8 +106,8 @@ class SlotAttention:
             prompt_q = q[n:].float().view(batch, prompts, *q.shape[1:]).transpose(1, 2)  # [B, Hq, P, D]
             prompt_out = _attend(prompt_q, keys[self.prompt_table], values[self.prompt_table], self.prompt_visible)
             out.append(prompt_out.transpose(1, 2).flatten(0, 1))  # [B*P, Hq, D]
-        out = torch.cat(out)  # [N, Hq, D]
-        return torch.where(self.active[:, None, None], out, 0.0).to(q.dtype)
+        out = torch.where(self.active[:, None, None], torch.cat(out), 0.0).to(q.dtype)  # [N, Hq, D]
+        return out if self.rows is None else out[self.rows]
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -173,8 +180,15 @@ def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch
     device = s.token.device
     hidden = torch.cat([s.hidden.flatten(0, 1), s.prompt_hidden.flatten(0, 1)])  # [B*L + B*P, H]
     prompt_position = torch.arange(prompts, device=device) + s.prompt_start[:, None]  # [B, P]
+    position = torch.cat([s.position.flatten(), prompt_position.flatten()])  # [N]
     attention = SlotAttention(s, plan, (s.depth, s.position, ran), (s.prompt_depth, prompt_position, prompt_rows))
-    out = model.core(hidden, torch.cat([s.position.flatten(), prompt_position.flatten()]), attention)
+    if plan.compact:  # the active rows only (a data-dependent shape: CPU eager, see the module docstring)
+        attention.rows = attention.active.nonzero()[:, 0]  # [n]
+        rows = attention.rows
+        out = hidden.index_copy(0, rows, model.core(hidden[rows], position[rows], attention))  # [N, H]
+        s.core_rows = torch.tensor(len(rows))
+    else:
+        out = model.core(hidden, position, attention)  # [N, H]
     s.core_calls = s.core_calls + live.any().long()
     n = batch * lanes
     s.hidden = torch.where(ran[..., None], out[:n].view_as(s.hidden), s.hidden)
