@@ -25,7 +25,10 @@ synchronisation (no `.item()`, `.tolist()`, host-built tensors or Python branche
 
 Invariants: a sequence's live lanes hold consecutive positions (so slot = position % L is unique); at most one
 lane is spawned per sequence per cycle (a restart needs the frontier at depth U, a draft needs it at depth d);
-a finished sequence has no live lane or prompt row, so further steps leave it unchanged.
+in modes "ar" and "pipeline" every live lane runs every cycle, so a sequence's live lanes have distinct depths
+(`SlotAttention`'s grid and `head_slots` rely on it); after a cycle, an unfinished sequence's oldest live lane
+sits at position prompt_len + n_out - 1 (its last committed token, or its last prompt token: `span.SpanBound`
+relies on it); a finished sequence has no live lane or prompt row, so further steps leave it unchanged.
 """
 
 from __future__ import annotations
