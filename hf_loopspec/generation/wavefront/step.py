@@ -80,7 +80,7 @@ class SlotAttention:
             .float()  # [B, L, planes * R] one-hot: the grid cell of each running lane
         cell_position = torch.where(self.place.bool(), position[..., None], 0).amax(1)  # [B, planes * R]; 0: empty
         span = torch.arange(plan.read_span, device=device)  # [S]
-        self.lane_visible = (span <= cell_position[..., None]).view(batch * plan.planes, 1, cells, -1)
+        self.lane_visible = (span <= cell_position[..., None]).view(batch * plan.planes, 1, cells, -1)  # [., 1, R, S]
         self.prompt_visible = (span <= prompt_position[..., None])[:, None]  # [B, 1, P, S]
 
     rows = None  # [n] the rows the core call runs when it runs only the active ones (`Plan.compact`), else None
