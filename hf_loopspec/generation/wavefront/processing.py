@@ -11,11 +11,11 @@ alone, applied to the `[B * R, V]` slot scores.
 Choice (`choose`), per slot, from its processed scores:
 
 * greedy: the slot's token is the argmax; the lane after it is accepted when its token equals that argmax;
-* sampling: `acceptance`'s lossless rule, on every slot at once: the lane x after the slot, drafted from q, is
+* sampling: `acceptance`'s lossless rule, on those slots at once: the lane x after the slot, drafted from q, is
   accepted with probability min(1, p(x) / q(x)); the slot's token is then x, else a draw from
   normalise(max(p - q, 0)) (a slot with no draft after it draws from p). Random numbers come from `state.noise`
-  `[B, L, 2]` (each slot's uniforms, drawn before each step from the run's device generator: column 0 judges, column 1 draws).
-  A draw from weights w is the inverse of w's cumulative sum at u * sum(w), so a zero weight is never drawn.
+  `[B, L, 2]` (each slot's uniforms, drawn before each step from the run's device generator: column 0 judges,
+  column 1 draws). A draw from weights w is the inverse of w's cumulative sum at u * sum(w), so a zero weight is never drawn.
 """
 
 from __future__ import annotations
