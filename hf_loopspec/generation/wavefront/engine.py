@@ -64,6 +64,24 @@ def read_back(state: WavefrontState, tokens: bool = False) -> ReadBack:
     return ReadBack(state, tokens)
 
 
+def second_proposals_problem(mode: str, num_loops: int, draft_loops: int, second_draft_loops: int | None,
+                             do_sample: bool) -> str | None:
+    """Why the wavefront engine cannot run second proposals `second_draft_loops` (d2) with these settings, or None.
+    It keeps one sibling slot per sequence, which holds when a sibling is decided before it could draft or a next
+    sibling open: U - d2 <= d (`state`); greedy only."""
+    if second_draft_loops is None:
+        return None
+    if mode != "pipeline":
+        return f"second_draft_loops={second_draft_loops} needs mode 'pipeline' (got {mode!r})"
+    if num_loops - second_draft_loops > draft_loops:
+        return (f"second_draft_loops={second_draft_loops} with draft_loops={draft_loops} on a {num_loops}-loop model "
+                f"(the wavefront engine keeps one sibling per sequence: it needs second_draft_loops >= "
+                f"{num_loops - draft_loops})")
+    if do_sample:
+        return f"second_draft_loops={second_draft_loops} with do_sample=True (wavefront second proposals are greedy)"
+    return None
+
+
 def lanes_for(mode: str, num_loops: int, draft_loops: int, num_speculative_tokens: int) -> int:
     """L: the most lanes a sequence holds at once (pipeline: one per d depths; block: the round's K + 1)."""
     return {"ar": 1, "pipeline": num_loops // max(draft_loops, 1), "block": num_speculative_tokens + 1}[mode]
@@ -73,7 +91,9 @@ class WavefrontEngine:
     """One batch decoded to completion by the wavefront step.
 
     `draft_override` `[B, C]` (test-only): a draft for position p of sequence b becomes `draft_override[b, p]`
-    where that is >= 0. `compile_backend`: a `torch.compile` backend for the step (fullgraph), or None (eager).
+    where that is >= 0; `second_override` likewise for second proposals (`second_draft_loops`: d2, see
+    `second_proposals_problem`). `compile_backend`: a `torch.compile` backend for the step (fullgraph), or None
+    (eager).
     """
 
     def __init__(self, model, cache: PagedLoopCache, *, mode: str, draft_loops: int, num_speculative_tokens: int,
@@ -82,12 +102,16 @@ class WavefrontEngine:
                  read_every: int = DEFAULT_READ_EVERY, compile_backend: str | None = None,
                  processors: tuple = (), penalty_ignore: torch.Tensor | None = None,
                  eos_hold: torch.Tensor | None = None, do_sample: bool = False, streamer=None,
-                 complete_cache: bool = False):
+                 complete_cache: bool = False, second_draft_loops: int | None = None,
+                 second_override: torch.Tensor | None = None):
         if cache.num_sequences:
             raise ValueError("the wavefront engine needs an empty PagedLoopCache (this one already holds "
                              f"{cache.num_sequences} sequences); pass a fresh cache or none.")
         if not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every={read_every!r} must be an integer >= 1 (cycles between read-backs).")
+        problem = second_proposals_problem(mode, model.num_loops, draft_loops, second_draft_loops, do_sample)
+        if problem:
+            raise ValueError(problem)
         self.model, self.cache, self.read_every, self.complete_cache = model, cache, read_every, complete_cache
         self.vocab = model.get_output_embeddings().weight.shape[0]  # V: the width of the head's logits
         self.streamer, self.streamed = streamer, 0  # columns fed to the streamer so far
@@ -100,12 +124,13 @@ class WavefrontEngine:
         self.plan = Plan(mode, model.num_loops, draft_loops, num_speculative_tokens,
                          lanes_for(mode, model.num_loops, draft_loops, num_speculative_tokens),
                          cache.num_planes, cache.page_size, width + max_new, bool(eos), processors, do_sample,
-                         compact=compile_backend is None and input_ids.device.type == "cpu")
+                         compact=compile_backend is None and input_ids.device.type == "cpu",
+                         second_loops=second_draft_loops)
         self.prefill_cycles = model.num_loops + (num_speculative_tokens * draft_loops if mode == "block" else 0)
         self.stats = SpeculationStats(mode=mode, draft_loops=draft_loops, engine="wavefront")
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         with torch.no_grad():
-            self.state = self._initial_state(input_ids, mask, max_new, eos, draft_override)
+            self.state = self._initial_state(input_ids, mask, max_new, eos, draft_override, second_override)
             self.state.seen = self._seen(input_ids, penalty_ignore)
             if eos_hold is not None:
                 self.state.eos_hold = eos_hold.to(device=input_ids.device, dtype=torch.long)
@@ -138,7 +163,8 @@ class WavefrontEngine:
             raise RuntimeError("the wavefront engine's KV tables are not laid out contiguously in the page pool.")
         return rows.slot[positions - 1]
 
-    def _initial_state(self, input_ids, mask, max_new: int, eos: list[int], draft_override) -> WavefrontState:
+    def _initial_state(self, input_ids, mask, max_new: int, eos: list[int], draft_override,
+                       second_override) -> WavefrontState:
         plan, device = self.plan, input_ids.device
         batch, width = input_ids.shape
         lanes, prompts = plan.lanes, max(width - 1, 0)
@@ -165,9 +191,15 @@ class WavefrontEngine:
             core_calls=torch.zeros((), **long), core_rows=torch.zeros((), **long),
             draft_override=torch.full((batch, plan.positions), -1, **long) if draft_override is None
             else draft_override.to(**long),
+            second_override=torch.full((batch, plan.positions), -1, **long) if second_override is None
+            else second_override.to(**long),
             seen=torch.zeros(batch, 0, dtype=torch.bool, device=device), eos_hold=torch.zeros(0, **long),
             k_pool=self.cache.k_pool, v_pool=self.cache.v_pool, trash_slot=trash,
             kv_len=torch.zeros(batch, plan.planes, **long),
+            sib_token=torch.zeros(batch, **long), sib_position=torch.zeros(batch, **long),
+            sib_depth=torch.zeros(batch, **long), sib_alive=torch.zeros(batch, dtype=torch.bool, device=device),
+            sib_hidden=torch.zeros(batch, hidden_size, dtype=like.dtype, device=device),
+            sib_k=self._private_rows(batch), sib_v=self._private_rows(batch),
         )
         for b in range(batch):  # set-up runs once per batch on the host
             prompt = input_ids[b][mask[b]]
@@ -182,6 +214,13 @@ class WavefrontEngine:
             state.alive[b, slot] = not bool(state.finished[b])
             state.hidden[b, slot] = vectors[-1]
         return state
+
+    def _private_rows(self, batch: int) -> torch.Tensor:
+        """A sibling's private KV rows (`WavefrontState.sib_k`): `[layers, B * planes + 1, Hkv, D]` with second
+        proposals, else `[layers, 0, Hkv, D]`."""
+        pool = self.cache.k_pool  # [layers, pages, page_size, Hkv, D]
+        rows = batch * self.plan.planes + 1 if self.plan.second_loops is not None else 0
+        return pool.new_zeros(pool.shape[0], rows, *pool.shape[3:])
 
     def _seen(self, input_ids: torch.Tensor, ignore: torch.Tensor | None) -> torch.Tensor:
         """`[B, V]` the tokens of each padded prompt row (the row transformers' processors see) from column
@@ -262,15 +301,18 @@ class WavefrontEngine:
                                                              self.plan.draft_loops or None))
 
     def _count_rows(self) -> None:
-        """`stats.call_rows` of one step (counted on the host from the shapes): every lane slot and prompt row runs
-        the core (masked or not; with `Plan.compact` the active ones, as the step counted them on the CPU),
-        `step.head_rows` slots per sequence the head, and one spawned lane per sequence is embedded."""
+        """`stats.call_rows` of one step (counted on the host from the shapes): every lane slot, prompt row and
+        sibling slot runs the core (masked or not; with `Plan.compact` the active ones, as the step counted them on
+        the CPU), `step.head_rows` slots per sequence the head (plus one for a chosen sibling that drafts at once),
+        and one spawned lane (plus one sibling) per sequence is embedded."""
         batch, lanes = self.state.token.shape
-        rows = self.stats.call_rows
-        rows["core"].append(int(self.state.core_rows) if self.plan.compact
-                            else batch * (lanes + self.state.prompt_real.shape[1]))
-        rows["head"].append(batch * head_rows(self.plan))
-        rows["embed"].append(batch)
+        plan, rows = self.plan, self.stats.call_rows
+        second = plan.second_loops is not None
+        rows["core"].append(int(self.state.core_rows) if plan.compact
+                            else batch * (lanes + self.state.prompt_real.shape[1] + second))
+        promoted_drafts = second and plan.num_loops - plan.second_loops == plan.draft_loops
+        rows["head"].append(batch * (head_rows(plan) + promoted_drafts))
+        rows["embed"].append(batch * (1 + second))
 
     def _stream(self, counts: list[int], finished: list[bool], tokens: torch.Tensor | None) -> None:
         """Feed the streamer like plain decoding: column i once every unfinished sequence has it (every column

@@ -12,6 +12,19 @@ Prompt rows. Every real prompt token but the last runs its U loops as a prompt r
 share one depth; their next token is known, so they neither draft nor verify). The last prompt token is a lane.
 After the run, the same rows carry the tokens that complete the cache (`WavefrontEngine._complete_cache`).
 
+Sibling slot (second proposals, `Plan.second_loops` = d2; pipeline only, with U - d2 <= d). Each sequence has one
+extra lane slot, `sib_*`, for a sibling: when a main-path lane X at position p reaches depth d2 and the depth-d2
+argmax C differs from its draft B at p + 1, C starts there at depth 0. While it is a sibling, C writes its KV only
+into the sequence's private branch storage `sib_k` / `sib_v` (one position, p + 1, per plane) and reads the main
+tables at positions 0..p (the common history, complete in every plane C reaches: X and the lanes before it are
+deeper) plus that private position; main-path rows never read the branch storage, and C's writes never land in a
+main table. X's target decides C's fate U - d2 cycles later, when C is U - d2 <= d loops deep, so C never drafts,
+and no second sibling can open before the first is decided (the next main lane reaches d2 d cycles after X): one
+slot per sequence suffices. If the target chooses C, C moves into its main lane slot (B and its descendants die),
+the main tables roll back to p + 1 positions, and C's private KV is copied into position p + 1 of the planes it
+wrote (a device copy of at most U - d2 entries per sequence and layer; `step._promote`), so the main tables hold
+exactly C's history, as if C had been the main lane all along (I4).
+
 Counters are per sequence, in the column order of `COUNTERS` (the fields of `SequenceStats`).
 """
 
@@ -21,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-COUNTERS = ("committed", "drafted", "verified", "accepted", "rejected", "discarded")
+COUNTERS = ("committed", "drafted", "verified", "accepted", "rejected", "discarded", "second_drafts", "second_accepted")
 PENALTY, HOLD = "repetition_penalty", "eos_hold"  # `Plan.processors` items (PENALTY, penalty) and (HOLD,)
 
 
@@ -42,6 +55,7 @@ class Plan:
     do_sample: bool = False  # sampling (lossless speculative sampling) instead of greedy decoding
     span: int | None = None  # S: rows read positions 0..S-1 only (no live row sits at S or beyond); None: all C
     compact: bool = False  # the core runs the active rows only (eager on a CPU: `step`, step 2)
+    second_loops: int | None = None  # d2: second proposals (pipeline, greedy, U - d2 <= d); None: off
 
     @property
     def table_width(self) -> int:
@@ -92,6 +106,7 @@ class WavefrontState:
     core_calls: torch.Tensor  # [] int64
     core_rows: torch.Tensor  # [] int64: rows the latest core call ran (set with `Plan.compact` only)
     draft_override: torch.Tensor  # [B, C] int64: a draft for position p becomes draft_override[b, p] when >= 0
+    second_override: torch.Tensor  # [B, C] int64: a second proposal for position p becomes this when >= 0
     seen: torch.Tensor  # [B, V] bool: the prompt row's tokens the penalty counts, and the committed tokens
     eos_hold: torch.Tensor  # [V] int64: id v cannot be the i-th generated token (0-based) while i < eos_hold[v]
     # KV: the pools of the run's PagedLoopCache (table t at slots t * W ..: `Plan.table_width`) and the valid lengths
@@ -99,3 +114,20 @@ class WavefrontState:
     v_pool: torch.Tensor  # [layers, pages, page_size, Hkv, D]
     trash_slot: torch.Tensor  # [] int64: a reserved slot no real row uses; masked rows write there
     kv_len: torch.Tensor  # [B, planes] int64
+    # sibling slot (second proposals; see the module docstring): one per sequence
+    sib_token: torch.Tensor  # [B] int64
+    sib_position: torch.Tensor  # [B] int64
+    sib_depth: torch.Tensor  # [B] int64
+    sib_alive: torch.Tensor  # [B] bool
+    sib_hidden: torch.Tensor  # [B, H]
+    sib_k: torch.Tensor  # [layers, B * planes + 1, Hkv, D]: row b * planes + k holds (b, plane k, sib_position); the
+    sib_v: torch.Tensor  # last row absorbs masked writes. [layers, 0, Hkv, D] without second proposals
+
+
+def counts(s: WavefrontState, **columns: torch.Tensor) -> torch.Tensor:
+    """`[B, len(COUNTERS)]` int64 to add to `s.counters`: the named columns (each `[B]`), zeros elsewhere."""
+    zero = torch.zeros_like(s.n_out)
+    stacked = torch.stack([columns.pop(name, zero).long() for name in COUNTERS], 1)
+    if columns:
+        raise KeyError(f"not counters: {sorted(columns)}")
+    return stacked

@@ -23,8 +23,15 @@ synchronisation (no `.item()`, `.tolist()`, host-built tensors or Python branche
    `state.draft_override`) as a new lane at depth 0, while that position can still matter.
 6. Lanes at depth U retire; spawned lanes are embedded into their slot (position % L).
 
+Second proposals (`Plan.second_loops` = d2, `sibling`): the sequence's sibling runs in step 2 as one more row on
+its private KV; in step 3 the lane at depth d2 is a head slot too; in step 4 a target whose next position has a
+sibling keeps the main draft, chooses the sibling (which then takes the main draft's slot: `sibling.promote`;
+when it is d loops deep it drafts at once, from a second head call on its slot) or rejects both; after step 5 the
+lane that has just reached d2 re-reads its draft (`sibling.reread`).
+
 Invariants: a sequence's live lanes hold consecutive positions (so slot = position % L is unique); at most one
-lane is spawned per sequence per cycle (a restart needs the frontier at depth U, a draft needs it at depth d);
+lane is spawned per sequence per cycle (a restart needs the frontier at depth U, a draft needs it at depth d), plus
+at most one sibling, in its own slot, at a position that has a live lane (so below the frontier);
 in modes "ar" and "pipeline" every live lane runs every cycle, so a sequence's live lanes have distinct depths
 (`SlotAttention`'s grid and `head_slots` rely on it); after a cycle, an unfinished sequence's oldest live lane
 sits at position prompt_len + n_out - 1 (its last committed token, or its last prompt token: `span.SpanBound`
@@ -38,14 +45,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from . import sibling
 from .processing import choose, score_ops
-from .state import Plan, WavefrontState
-
-_COMMITTED, _DRAFTED, _VERIFIED, _ACCEPTED, _REJECTED, _DISCARDED = range(6)
+from .state import Plan, WavefrontState, counts
 
 
 class SlotAttention:
-    """`KVAttention` of one core call over fixed-shape rows: the B*L lane rows, then the B*P prompt rows. Every row
+    """`KVAttention` of one core call over fixed-shape rows: the B*L lane rows, the B*P prompt rows, then (second
+    proposals) the B sibling rows (`sibling.SiblingRows`: private KV). Every lane or prompt row
     writes its KV, then attends to positions 0..position of its own (sequence, plane), reading only positions below
     `plan.read_span` (no row that counts sits at or beyond it: `Plan.span`).
 
@@ -59,8 +66,9 @@ class SlotAttention:
     fill) or KV written before, never NaN, so they cannot reach an output.
     """
 
-    def __init__(self, state: WavefrontState, plan: Plan, lanes: tuple, prompts: tuple):
-        # lanes: plane, position, active, each [B, L]; prompts: plane [B], position [B, P], active [B, P]
+    def __init__(self, state: WavefrontState, plan: Plan, lanes: tuple, prompts: tuple, siblings: tuple | None = None):
+        # lanes: plane, position, active, each [B, L]; prompts: plane [B], position [B, P], active [B, P]; siblings:
+        # plane, position, active, each [B], or None
         self.k_pool, self.v_pool, self.plan = state.k_pool, state.v_pool, plan
         plane, position, active = lanes
         prompt_plane, prompt_position, prompt_active = prompts
@@ -69,11 +77,12 @@ class SlotAttention:
         seq = torch.arange(batch, device=device)  # [B]
         plane, prompt_plane = plane.clamp(max=plan.planes - 1), prompt_plane.clamp(max=plan.planes - 1)
         self.prompt_table = seq * plan.planes + prompt_plane  # [B]
-        self.active = torch.cat([active.flatten(), prompt_active.flatten()])  # [N]
+        self.siblings = None if siblings is None else sibling.SiblingRows(state, plan, *siblings)
+        self.active = torch.cat([active.flatten(), prompt_active.flatten(), *(siblings or ())[2:]])  # [N]
         slot = lambda table, pos: table * plan.table_width + pos.clamp(0, plan.positions - 1)  # noqa: E731
         written = torch.cat([slot(seq[:, None] * plan.planes + plane, position).flatten(),
                              slot(self.prompt_table[:, None], prompt_position).flatten()])  # [N]
-        self.write_slot = torch.where(self.active, written, state.trash_slot)  # [N]
+        self.write_slot = torch.where(self.active[: len(written)], written, state.trash_slot)  # [B*L + B*P]
         cells = lanes if plan.mode == "block" else 1  # R
         cell = plane * cells + (torch.arange(lanes, device=device) if cells > 1 else 0)  # [B, L]
         self.place = ((cell[..., None] == torch.arange(plan.planes * cells, device=device)) & active[..., None]) \
@@ -92,8 +101,9 @@ class SlotAttention:
             q, k, v = (x.new_zeros(len(self.active), *x.shape[1:]).index_copy(0, self.rows, x) for x in (q, k, v))
         k_flat = self.k_pool[layer_idx].flatten(0, 1)  # [pages * page_size, Hkv, D] (a view: writes land in the pool)
         v_flat = self.v_pool[layer_idx].flatten(0, 1)
-        k_flat.index_copy_(0, self.write_slot, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, self.write_slot, v.to(v_flat.dtype))
+        pooled = len(self.write_slot)  # the lane and prompt rows: they write the pool
+        k_flat.index_copy_(0, self.write_slot, k[:pooled].to(k_flat.dtype))
+        v_flat.index_copy_(0, self.write_slot, v[:pooled].to(v_flat.dtype))
         batch, lanes, grid = self.place.shape
         tables = batch * plan.planes
         shape = (tables, plan.table_width, *k_flat.shape[1:])
@@ -106,9 +116,11 @@ class SlotAttention:
         out = [(self.place @ grid_out.transpose(1, 2).reshape(batch, grid, -1)).view(n, *q.shape[1:])]  # [B*L, Hq, D]
         prompts = self.prompt_visible.shape[2]
         if prompts:
-            prompt_q = q[n:].float().view(batch, prompts, *q.shape[1:]).transpose(1, 2)  # [B, Hq, P, D]
+            prompt_q = q[n:pooled].float().view(batch, prompts, *q.shape[1:]).transpose(1, 2)  # [B, Hq, P, D]
             prompt_out = _attend(prompt_q, keys[self.prompt_table], values[self.prompt_table], self.prompt_visible)
             out.append(prompt_out.transpose(1, 2).flatten(0, 1))  # [B*P, Hq, D]
+        if self.siblings is not None:
+            out.append(self.siblings.attend(layer_idx, q[pooled:], k[pooled:], v[pooled:], keys, values, _attend))
         out = torch.where(self.active[:, None, None], torch.cat(out), 0.0).to(q.dtype)  # [N, Hq, D]
         return out if self.rows is None else out[self.rows]
 
@@ -125,36 +137,56 @@ def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
     embed_tokens = model.get_input_embeddings()
     ops = score_ops(plan)
 
+    second = plan.second_loops is not None
+    promoted_drafts = second and plan.num_loops - plan.second_loops == plan.draft_loops  # a chosen sibling is d deep
+
     def step(state: WavefrontState) -> WavefrontState:
         ran, prompt_ran = _run_core(model, plan, state)
         slots = head_slots(plan, state, ran)  # [B, R]
-        scores = model.head(state.hidden.gather(1, slots[..., None].expand(-1, -1, state.hidden.shape[-1])))
-        for op in ops:
-            scores = op(state, scores, slots)  # [B, R, V]
+        scores = _head(model, ops, state, slots)  # [B, R, V]
         token, accept, probs = (None if x is None else _to_slots(x, slots, lanes=state.token.shape[1])
                                 for x in choose(plan, state, scores, slots))  # [B, L], [B, L], [B, L, V] or None
         drafter = _drafters(plan, state, ran)  # [B, L], chosen before verification
-        spawn_tok, spawn_pos, restart = _verify(plan, state, ran, token, accept)
+        rereader = ran & (state.depth == plan.second_loops) if second else None  # [B, L]
+        spawn_tok, spawn_pos, restart, taken = _verify(plan, state, ran, token, accept)
+        drafter = drafter & ~taken  # a chosen sibling took a killed lane's slot, which may have been the drafter's
+        if promoted_drafts:  # a sibling chosen at depth d is the frontier: it drafts now, from its own head row
+            ready = taken & (state.depth == plan.draft_loops) & (state.position < _last_draft(state))  # [B, L]
+            top = _head(model, ops, state, taken.long().argmax(1, keepdim=True)).argmax(-1)  # [B, 1]
+            drafter, token = drafter | ready, torch.where(ready, top, token)
         _draft(plan, state, drafter, token, probs, spawn_tok, spawn_pos, restart, embed_tokens)
+        if second:
+            sibling.reread(plan, state, rereader, token, embed_tokens)
         return state
 
     return step
 
 
+def _head(model, ops, s: WavefrontState, slots: torch.Tensor) -> torch.Tensor:
+    """The processed head scores `[B, R, V]` of the lane slots `slots` `[B, R]`."""
+    scores = model.head(s.hidden.gather(1, slots[..., None].expand(-1, -1, s.hidden.shape[-1])))
+    for op in ops:
+        scores = op(s, scores, slots)
+    return scores
+
+
 def head_rows(plan: Plan) -> int:
     """R: the lane slots per sequence whose head output a cycle uses (`head_slots`)."""
-    return {"ar": 1, "pipeline": min(2, plan.lanes), "block": plan.lanes}[plan.mode]
+    pipeline = min(2, plan.lanes) if plan.second_loops is None else 3
+    return {"ar": 1, "pipeline": pipeline, "block": plan.lanes}[plan.mode]
 
 
 def head_slots(plan: Plan, s: WavefrontState, ran: torch.Tensor) -> torch.Tensor:
     """The lane slots whose head output the cycle uses, `[B, R]` (`head_rows`): in block mode every slot (a round's
     K + 1 targets); else the slot that has reached depth U (the target) and, in pipeline mode, the one at depth d
-    (the drafter). A sequence's running lanes have distinct depths there, so there is at most one of each; an
+    (the drafter) and, with second proposals, the one at depth d2 (it re-reads its draft). A sequence's running
+    lanes have distinct depths there, so there is at most one of each; an
     absent one is slot 0 again (its result is the same as slot 0's, and unused unless slot 0 is needed)."""
     batch, lanes = s.token.shape
     if head_rows(plan) == lanes:
         return torch.arange(lanes, device=s.token.device).expand(batch, lanes)
     depths = (plan.num_loops,) if plan.mode == "ar" else (plan.num_loops, plan.draft_loops)
+    depths += () if plan.second_loops is None else (plan.second_loops,)
     return torch.stack([(ran & (s.depth == depth)).long().argmax(1) for depth in depths], 1)
 
 
@@ -166,7 +198,8 @@ def _to_slots(x: torch.Tensor, slots: torch.Tensor, lanes: int) -> torch.Tensor:
 
 
 def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 1 and 2: one core call; returns which lane slots `[B, L]` and prompt rows `[B]` ran."""
+    """Step 1 and 2: one core call (with the sibling rows, second proposals); returns which lane slots `[B, L]` and
+    prompt rows `[B]` ran."""
     batch, lanes = s.token.shape
     prompts = s.prompt_real.shape[1]
     live = ~s.finished  # [B]
@@ -181,10 +214,14 @@ def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch
         prompt_ran = prompt_live & (prompt_below | ~drafting)
     prompt_rows = prompt_ran[:, None] & s.prompt_real  # [B, P]
     device = s.token.device
-    hidden = torch.cat([s.hidden.flatten(0, 1), s.prompt_hidden.flatten(0, 1)])  # [B*L + B*P, H]
+    second = plan.second_loops is not None
+    sib_ran = s.sib_alive & live  # [B]
+    hidden = torch.cat([s.hidden.flatten(0, 1), s.prompt_hidden.flatten(0, 1),
+                        *([s.sib_hidden] if second else ())])  # [N, H]: N = B*L + B*P (+ B)
     prompt_position = torch.arange(prompts, device=device) + s.prompt_start[:, None]  # [B, P]
-    position = torch.cat([s.position.flatten(), prompt_position.flatten()])  # [N]
-    attention = SlotAttention(s, plan, (s.depth, s.position, ran), (s.prompt_depth, prompt_position, prompt_rows))
+    position = torch.cat([s.position.flatten(), prompt_position.flatten(), *([s.sib_position] if second else ())])
+    attention = SlotAttention(s, plan, (s.depth, s.position, ran), (s.prompt_depth, prompt_position, prompt_rows),
+                              (s.sib_depth, s.sib_position, sib_ran) if second else None)
     if plan.compact:  # the active rows only (a data-dependent shape: CPU eager, see the module docstring)
         attention.rows = attention.active.nonzero()[:, 0]  # [n]
         rows = attention.rows
@@ -195,7 +232,11 @@ def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch
     s.core_calls = s.core_calls + live.any().long()
     n = batch * lanes
     s.hidden = torch.where(ran[..., None], out[:n].view_as(s.hidden), s.hidden)
-    s.prompt_hidden = torch.where(prompt_rows[..., None], out[n:].view_as(s.prompt_hidden), s.prompt_hidden)
+    m = n + batch * prompts
+    s.prompt_hidden = torch.where(prompt_rows[..., None], out[n:m].view_as(s.prompt_hidden), s.prompt_hidden)
+    if second:  # the sibling's KV went to its private rows: the main tables' lengths do not change
+        s.sib_hidden = torch.where(sib_ran[:, None], out[m:], s.sib_hidden)
+        s.sib_depth = s.sib_depth + sib_ran.long()
     ends = torch.cat([torch.where(ran, s.position + 1, 0), torch.where(prompt_rows, prompt_position + 1, 0)], 1)
     planes = torch.cat([s.depth, s.prompt_depth[:, None].expand(-1, prompts)], 1)  # [B, L + P] each row's plane
     s.kv_len = s.kv_len.scatter_reduce(1, planes.clamp(max=plan.planes - 1), ends, "amax")  # ends: [B, L + P]
@@ -209,11 +250,16 @@ def _drafters(plan: Plan, s: WavefrontState, ran: torch.Tensor) -> torch.Tensor:
     if plan.mode == "ar":
         return torch.zeros_like(ran)
     frontier = torch.where(s.alive, s.position, -1).amax(1, keepdim=True)  # [B, 1]
-    last_draft = s.prompt_len + s.max_new - 2  # [B]: no lane beyond it is needed (the last token is not fed back)
-    drafter = ran & (s.depth == plan.draft_loops) & (s.position == frontier) & (s.position < last_draft[:, None])
+    drafter = ran & (s.depth == plan.draft_loops) & (s.position == frontier) & (s.position < _last_draft(s))
     if plan.mode == "block":
         drafter = drafter & (s.round_drafts < plan.num_speculative_tokens)[:, None]
     return drafter
+
+
+def _last_draft(s: WavefrontState) -> torch.Tensor:
+    """`[B, 1]`: lanes at positions below it may draft (no lane beyond it is needed: the last token is not fed
+    back)."""
+    return (s.prompt_len + s.max_new - 2)[:, None]
 
 
 def _shift_left(x: torch.Tensor, fill) -> torch.Tensor:
@@ -224,7 +270,7 @@ def _shift_left(x: torch.Tensor, fill) -> torch.Tensor:
 def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor, accept: torch.Tensor):
     """Step 4, with each slot's chosen token `top` `[B, L]` and whether the lane after it is accepted `accept`
     `[B, L]` (`processing.choose`). Returns each sequence's restart lane: token `[B]`, position `[B]`, and whether
-    there is one `[B]`."""
+    there is one `[B]`; and the lane slots `[B, L]` that chosen siblings took (`sibling.promote`)."""
     lanes = s.token.shape[1]
     rank = torch.arange(lanes, device=s.token.device)  # [L]
     oldest = torch.where(s.alive, s.position, s.position.new_tensor(2**62)).amin(1)  # [B]
@@ -234,6 +280,7 @@ def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor,
     target = by_rank(ran & (s.depth == plan.num_loops))  # [B, L] a prefix of the ranks
     has_next = _shift_left(alive, False)
     match = by_rank(accept)
+    chosen = has_next & (sibling.chosen(s, order, top_r) if plan.second_loops is not None else torch.zeros_like(match))
     stop = (s.n_out[:, None] + rank + 1) >= s.max_new  # [B, L] committing rank r reaches max_new_tokens
     if plan.has_eos:
         stop = stop | torch.isin(top_r, s.eos)
@@ -242,20 +289,21 @@ def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor,
     commit = target & reached  # [B, L]
     n_commit = commit.sum(1)  # [B]
     verified = commit & has_next
-    accepted, rejected = verified & match, verified & ~match
+    accepted, rejected, second = verified & (match | chosen), verified & ~match & ~chosen, verified & ~match & chosen
     finished_now = (commit & stop).any(1)  # [B]
     last = (n_commit - 1).clamp(min=0)[:, None]  # [B, 1] rank of the last committed target
-    last_pos = by_rank(s.position).gather(1, last)[:, 0]  # [B]
+    position_r = by_rank(s.position)  # [B, L]
+    last_pos = position_r.gather(1, last)[:, 0]  # [B]
     last_top = top_r.gather(1, last)[:, 0]
-    was_rejected = rejected.any(1)
-    restart = (n_commit > 0) & ~finished_now & ~(has_next & match).gather(1, last)[:, 0]
+    was_rejected = (verified & ~match).any(1)  # the main draft was not kept (the sibling may have been)
+    restart = (n_commit > 0) & ~finished_now & ~(has_next & (match | chosen)).gather(1, last)[:, 0]
 
     # lanes that die: descendants of a rejected draft, and every lane of a finished sequence
     killed = (alive & was_rejected[:, None] & (rank > last)) | (alive & finished_now[:, None])
     draft = by_rank(s.draft) & ~torch.cat([torch.zeros_like(verified[:, :1]), verified[:, :-1]], 1)
-    counts = torch.stack([n_commit, torch.zeros_like(n_commit), verified.sum(1), accepted.sum(1),
-                          rejected.sum(1), (killed & draft).sum(1)], 1)  # [B, 6] in COUNTERS order
-    s.counters = s.counters + counts
+    s.counters = s.counters + counts(s, committed=n_commit, verified=verified.sum(1), accepted=accepted.sum(1),
+                                     rejected=rejected.sum(1), discarded=(killed & draft).sum(1),
+                                     second_accepted=second.sum(1))
     to_slots = lambda x: torch.empty_like(x).scatter(1, order, x)  # noqa: E731
     s.draft = to_slots(draft)
     s.alive = s.alive & ~to_slots(killed) & (s.depth < plan.num_loops) & ~s.finished[:, None]
@@ -271,7 +319,11 @@ def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor,
     keep = torch.minimum(keep, torch.where(finished_now, s.prompt_len + s.n_out - 1, big))  # as serial AR leaves it
     s.kv_len = torch.minimum(s.kv_len, keep[:, None])
     s.round_drafts = torch.where(restart, 0, s.round_drafts)
-    return last_top, last_pos + 1, restart
+    taken = torch.zeros_like(s.alive)
+    if plan.second_loops is not None:  # the sibling leaves its slot once its parent's target is committed
+        s.sib_alive = s.sib_alive & ~s.finished & ~(commit & (position_r + 1 == s.sib_position[:, None])).any(1)
+        taken = sibling.promote(plan, s, second.any(1) & ~finished_now)
+    return last_top, last_pos + 1, restart, taken
 
 
 def _draft(plan: Plan, s: WavefrontState, drafter, top, probs, restart_tok, restart_pos, restart,
@@ -284,8 +336,7 @@ def _draft(plan: Plan, s: WavefrontState, drafter, top, probs, restart_tok, rest
     proposed = torch.where(drafter, top, 0).amax(1)  # [B]
     forced = s.draft_override.gather(1, draft_pos.clamp(max=plan.positions - 1)[:, None])[:, 0]
     draft_tok = torch.where(forced >= 0, forced, proposed)
-    s.counters = s.counters + torch.stack(
-        [torch.zeros_like(has_draft), has_draft, *[torch.zeros_like(has_draft)] * 4], 1).long()
+    s.counters = s.counters + counts(s, drafted=has_draft)
     s.round_drafts = s.round_drafts + has_draft.long()
 
     spawn = restart | has_draft  # [B]
