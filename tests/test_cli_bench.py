@@ -107,15 +107,21 @@ def test_synthetic_full_acceptance_reproduces_the_pipeline_cost_model(draft_loop
 
 def test_bench_engines_runs_each_lane_mode_under_both_engines(tmp_path):
     """`--engines lanes,wavefront`: every lane mode once per engine in one process, rows named by engine and
-    carrying it; full synthetic acceptance gives both engines the pipeline cost model and plain's tokens."""
+    carrying it; full synthetic acceptance gives both engines the pipeline cost model and plain's tokens; with
+    `--second-draft-loops` pipeline runs once more per engine with second proposals, with the same counters."""
     args = bench_args.parse_args([*FAST, "--modes", "plain,ar,pipeline", "--engines", "lanes,wavefront",
-                                  "--synthetic-acceptance", "1.0", "--batch-size", "2",
+                                  "--synthetic-acceptance", "1.0", "--batch-size", "2", "--second-draft-loops", "3",
                                   "--json", str(tmp_path / "b.json")])
     result = run_bench(args)
     rows = {r["mode"]: r for r in result["rows"]}
-    assert list(rows) == ["plain", "ar", "ar/wavefront", "pipeline", "pipeline/wavefront"]
-    assert [r["engine"] for r in result["rows"]] == [None, "lanes", "wavefront", "lanes", "wavefront"]
+    assert list(rows) == ["plain", "ar", "ar/wavefront", "pipeline", "pipeline/wavefront", "pipeline+second",
+                          "pipeline+second/wavefront"]
+    assert [r["engine"] for r in result["rows"]] == [None, "lanes", "wavefront", "lanes", "wavefront", "lanes",
+                                                      "wavefront"]
     assert result["all_checks_passed"]
+    lanes, wavefront = rows["pipeline+second"], rows["pipeline+second/wavefront"]
+    assert [lanes[k] for k in ("second_drafts", "second_accepted", "core_calls_per_token")] == \
+        [wavefront[k] for k in ("second_drafts", "second_accepted", "core_calls_per_token")]
     for name in ("ar", "pipeline"):
         lanes, wavefront = rows[name], rows[f"{name}/wavefront"]
         assert wavefront["check_passed"] is True

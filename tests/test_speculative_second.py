@@ -244,7 +244,8 @@ def test_identity_with_real_second_proposals(damp, loops, d, d2):
     prompts = [p for seed in range(2) for p in random_prompts(seed, BATCHES["ragged3"](seed, 0), VOCAB)]
     ids, mask = left_pad(prompts)
     ref = plain(model, ids, mask, 40)
-    out = speculative(model, ids, mask, 40, "pipeline", d, second_draft_loops=d2, debug=False)
+    out = speculative(model, ids, mask, 40, "pipeline", d, second_draft_loops=d2, debug=False,
+                      speculative_engine="lanes")  # the wavefront engine's identity: test_wavefront_second.py
     assert out.sequences.tolist() == ref.sequences.tolist()
     assert_counter_invariants(out.speculation, [40] * len(prompts))
     assert_cache_matches_ar(out.cache, ref.cache, mask, [40] * len(prompts), model.config.num_hidden_layers,

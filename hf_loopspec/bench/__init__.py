@@ -20,7 +20,8 @@ for the embedded model, which was trained on Python; `PROMPT_TEXT`, English, for
   per token. The baseline of the speculative modes (same engine, same cache, same entry point).
 * `block`, `pipeline`: `model.decode_with_lanes(ids, mode, draft_loops=d, num_speculative_tokens=K)`.
 * `pipeline+second` (with `--second-draft-loops D2`): pipeline with second proposals from loop D2
-  (`second_draft_loops`, lane engine); its row adds `second_drafts` and `second_accepted`.
+  (`second_draft_loops`), once per `--engines` engine (`pipeline+second/wavefront`: the wavefront engine, which
+  needs D2 >= U - d and greedy decoding); its rows add `second_drafts` and `second_accepted`.
 
 `plain` is also run once, untimed, first: its greedy output is the reference. Every mode is then warmed up
 once, and the timed runs are interleaved (`plain ar block pipeline plain ar ...`, `--repeats` rounds); a

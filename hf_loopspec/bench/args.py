@@ -111,8 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--draft-loops", type=positive, default=DEFAULT_DRAFT_LOOPS,
                         help="d: draft from the output of loop d (default: %(default)s)")
     parser.add_argument("--second-draft-loops", type=positive, default=None, metavar="D2",
-                        help="also run pipeline with second proposals from loop D2 (second_draft_loops; lane "
-                             "engine), as the row 'pipeline+second' (default: off)")
+                        help="also run pipeline with second proposals from loop D2 (second_draft_loops) on each "
+                             "engine, as the rows 'pipeline+second' and 'pipeline+second/wavefront' (default: off)")
     parser.add_argument("--num-speculative-tokens", type=positive, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
                         help="K: drafts per block round (default: %(default)s)")
     parser.add_argument("--repeats", type=positive, default=3,

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..generation.config import compile_backend, resolve_speculative
+from ..generation.wavefront.engine import second_proposals_problem
 from ..input_checks import check_positions
 from ..loading import DTYPES, load_model, resolve_device
 from .args import LANE_MODES, check_sampling_args, with_defaults
@@ -41,13 +42,16 @@ class _Bench:
     def runs(self) -> dict[str, tuple[str, str | None, int | None]]:
         """Run name -> (mode, engine, second_draft_loops): each lane mode once per `--engines` engine (named
         MODE/wavefront for the wavefront engine), plain modes once (engine None), and with `--second-draft-loops`
-        pipeline once more on the lane engine with second proposals (named pipeline+second)."""
+        pipeline once more per engine with second proposals (named pipeline+second, pipeline+second/wavefront)."""
         named = {}
         for mode in self.args.modes:
-            for engine in (self.args.engines if mode in LANE_MODES else [None]):
+            engines = self.args.engines if mode in LANE_MODES else [None]
+            for engine in engines:
                 named[mode if engine in (None, "lanes") else f"{mode}/{engine}"] = (mode, engine, None)
             if mode == "pipeline" and self.args.second_draft_loops is not None:
-                named["pipeline+second"] = (mode, "lanes", self.args.second_draft_loops)
+                for engine in engines:
+                    name = "pipeline+second" if engine == "lanes" else f"pipeline+second/{engine}"
+                    named[name] = (mode, engine, self.args.second_draft_loops)
         return named
 
     def hook(self, mode: str, reference: torch.Tensor | None):
@@ -98,6 +102,11 @@ def _validate(args, loops: int) -> None:
     if args.second_draft_loops is not None and "pipeline" not in args.modes:
         raise ValueError(f"--second-draft-loops {args.second_draft_loops} adds a pipeline run: include pipeline "
                          "in --modes.")
+    problem = second_proposals_problem("pipeline", loops, args.draft_loops, args.second_draft_loops,
+                                       bool(args.do_sample)) if "wavefront" in args.engines else None
+    if problem:
+        raise ValueError(f"--engines wavefront does not support {problem}; drop wavefront from --engines or change "
+                         "--second-draft-loops.")
 
 
 def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:

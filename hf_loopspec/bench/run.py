@@ -94,7 +94,7 @@ def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loop
     `processors`: the lane modes' logits processors (`generation_processors`); `seed`: call `torch.manual_seed(seed)`
     first (untimed); `compile_core`: a torch.compile backend for the lane modes; `engine`: the engine of a lane
     mode, "lanes" or "wavefront" (`draft_hook` then becomes its device-side `draft_override`); `second_draft_loops`:
-    pipeline with second proposals (lane engine).
+    pipeline with second proposals.
     """
     device = ids.device
     if seed is not None:
@@ -106,7 +106,8 @@ def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loop
     else:
         if engine == "wavefront":
             result, out = _run_wavefront(model, mode, ids, new_tokens, draft_loops=draft_loops, k=k,
-                                         draft_hook=draft_hook, processors=processors, compile_core=compile_core)
+                                         draft_hook=draft_hook, processors=processors, compile_core=compile_core,
+                                         second=second_draft_loops)
         else:
             result, out = _run_lanes(model, mode, ids, new_tokens, draft_loops=draft_loops, k=k, draft_hook=draft_hook,
                                      processors=processors, compile_core=compile_core, second=second_draft_loops)
@@ -149,7 +150,7 @@ def _run_lanes(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_lo
 
 
 def _run_wavefront(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook,
-                   processors, compile_core):
+                   processors, compile_core, second: int | None = None):
     on_device, tensors = device_processors(processors, ids, model.get_output_embeddings().weight.shape[0])
     cache = PagedLoopCache(model.kv_layout)
     max_length = ids.shape[1] + new_tokens
@@ -165,7 +166,7 @@ def _run_wavefront(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draf
     out = WavefrontEngine(model, cache, mode=mode, draft_loops=draft_loops, num_speculative_tokens=k, input_ids=ids,
                           attention_mask=None, pad_token_id=0, max_length=max_length, draft_override=override,
                           compile_backend=compile_core or None, processors=on_device,
-                          do_sample=model.generation_config.do_sample, **tensors).run()
+                          do_sample=model.generation_config.do_sample, second_draft_loops=second, **tensors).run()
     synchronize(ids.device)
     seconds = time.perf_counter() - start
     return {"mode": mode, "seconds": seconds, "stats": out.stats, "call_rows": out.stats.call_rows,

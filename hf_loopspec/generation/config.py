@@ -66,7 +66,7 @@ def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, com
         raise ValueError(f"speculative_engine={engine!r} is not an engine; use one of {ENGINES} (auto: the fastest "
                          "engine that supports every setting of the call).")
     backend = compile_backend(compile_core)
-    second = _check_second_draft_loops(mode, draft_loops, second_draft_loops, num_loops, backend)
+    second = _check_second_draft_loops(mode, draft_loops, second_draft_loops, num_loops)
     return SpeculativeConfig(mode, draft_loops, k, backend, engine, second)
 
 
@@ -86,7 +86,7 @@ def _check_draft_loops(mode: str, draft_loops, num_loops: int) -> None:
         )
 
 
-def _check_second_draft_loops(mode: str, draft_loops: int, second, num_loops: int, backend) -> int | None:
+def _check_second_draft_loops(mode: str, draft_loops: int, second, num_loops: int) -> int | None:
     """`second_draft_loops` validated (None: off)."""
     if second is None:
         return None
@@ -99,10 +99,17 @@ def _check_second_draft_loops(mode: str, draft_loops: int, second, num_loops: in
                          f"loop count {num_loops} (a deeper draft than the first, shallower than the target); pass "
                          f"one of {list(range(draft_loops + 1, num_loops)) or 'nothing: use a smaller draft_loops'} "
                          "or None.")
-    if backend is not None:
-        raise ValueError(f"second_draft_loops={second} cannot be combined with compile_core={backend!r} (the compiled "
-                         "calls size their block tables for one branch per sequence); drop one of the two.")
     return second
+
+
+def check_lane_second_proposals(spec: SpeculativeConfig) -> None:
+    """The lane decoder's compiled calls size their block tables for one branch per sequence: no second proposals
+    with `compile_core` there (the wavefront engine compiles them: `wavefront.engine.second_proposals_problem`)."""
+    if spec.second_draft_loops is not None and spec.compile_backend is not None:
+        raise ValueError(f"second_draft_loops={spec.second_draft_loops} cannot be combined with "
+                         f"compile_core={spec.compile_backend!r} in the lane decoder (its compiled calls size their "
+                         "block tables for one branch per sequence); drop one of the two, or run the wavefront engine "
+                         "(greedy, second_draft_loops >= num_loops - draft_loops).")
 
 
 def speculative_config(generation_config: GenerationConfig, num_loops: int) -> SpeculativeConfig | None:

@@ -25,6 +25,7 @@ from .config import (
     SPECULATIVE_KEYS,
     SpeculativeConfig,
     check_generation_mode,
+    check_lane_second_proposals,
     resolve_speculative,
     speculative_config,
 )
@@ -189,6 +190,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
 
     def _run_lanes(self, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCache, **options):
         """One lane-decoder run with resolved settings (`generate` and `decode_with_lanes` end here)."""
+        check_lane_second_proposals(spec)
         if spec.compile_backend is not None:
             capacity = capacity_for(len(input_ids), self.num_loops, spec.num_speculative_tokens)
             options["stages"] = StaticStages.for_run(self, cache, spec.compile_backend, len(input_ids), capacity,

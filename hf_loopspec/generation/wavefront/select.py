@@ -3,8 +3,9 @@
 The wavefront engine covers: Ouro-like models (no KV in the entry or exit stage), greedy decoding and sampling
 with the logits processors it runs on the device (`processing.on_device`: `repetition_penalty`, `min_new_tokens`,
 `min_length`, temperature, top-k, top-p, min-p), EOS and length stops (`max_new_tokens` / `max_length`), padded
-batches, streamers, and `compile_core` (the step is compiled whole with that backend). Everything else of a call is
-named by `unsupported`:
+batches, streamers, `compile_core` (the step is compiled whole with that backend), and greedy second proposals
+with second_draft_loops >= U - draft_loops (`engine.second_proposals_problem`). Everything else of a call is named
+by `unsupported` or `second_proposals_problem`:
 
 * `speculative_engine="lanes"` runs the lane decoder;
 * `"wavefront"` runs the wavefront engine, or raises `ValueError` naming every unsupported setting of the call;
@@ -23,7 +24,7 @@ from transformers import EosTokenCriteria, MaxLengthCriteria
 from ...cache.paged import PagedLoopCache
 from ..config import SpeculativeConfig
 from ..decoder import DecodeResult
-from .engine import WavefrontEngine
+from .engine import WavefrontEngine, second_proposals_problem
 from .processing import device_processors, on_device
 
 
@@ -81,8 +82,9 @@ def choose_engine(model, spec: SpeculativeConfig, cache: PagedLoopCache, options
                                                                                    spec.compile_backend):
         return "lanes"
     problems = unsupported(model, cache, options)
-    if spec.second_draft_loops is not None:
-        problems.append(f"second_draft_loops={spec.second_draft_loops} (second proposals run in the lane decoder)")
+    second = second_proposals_problem(spec.mode, model.num_loops, spec.draft_loops, spec.second_draft_loops,
+                                      bool(options.get("do_sample")))
+    problems += [second] if second else []
     if not problems:
         return "wavefront"
     if spec.engine == "wavefront":
@@ -106,6 +108,6 @@ def run_engine(model, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCac
         max_length=options["max_length"], eos_token_id=eos or None, compile_backend=spec.compile_backend,
         streamer=options.get("streamer"),
         processors=processors, do_sample=bool(options.get("do_sample")), **tensors,
-        complete_cache=bool(options.get("complete_cache")),
+        complete_cache=bool(options.get("complete_cache")), second_draft_loops=spec.second_draft_loops,
     )
     return engine.run()

@@ -156,7 +156,7 @@ def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
             drafter, token = drafter | ready, torch.where(ready, top, token)
         _draft(plan, state, drafter, token, probs, spawn_tok, spawn_pos, restart, embed_tokens)
         if second:
-            sibling.reread(plan, state, rereader, token, embed_tokens)
+            sibling.reread(plan, state, rereader & ~taken, token, embed_tokens)
         return state
 
     return step
