@@ -345,17 +345,19 @@ def test_judge_two_draws_follow_the_rule():
     assert chi_square_p_value(draws, p.double()) > ALPHA
 
 
+@pytest.mark.parametrize("engine", ["lanes", "wavefront"])
 @pytest.mark.parametrize(("d", "d2", "settings"), [(1, 3, "warped")])
-def test_sampled_joint_distribution_with_second_proposals(sampling_model, d, d2, settings):
+def test_sampled_joint_distribution_with_second_proposals(sampling_model, d, d2, settings, engine):
     """Two sampled tokens per row, 3000 rows: their joint distribution equals plain sampling's (exact, from full
-    forwards, after temperature, top-k and repetition penalty), with siblings spawned and chosen along the way.
+    forwards, after temperature, top-k and repetition penalty), with siblings spawned and chosen along the way, on
+    both engines (the wavefront engine's two-candidate rule: `wavefront.processing`).
     Power: with the replacement drawn from the first residual instead of the second, this test's p-value was 4e-31
     (and 3e-11 with d2 = 2 and no processors), measured once by patching `decoder.judge_two`."""
     torch.manual_seed(3)
     ids = torch.tensor([SAMPLING_PROMPT] * SAMPLES)
     out = sampling_model.generate(ids, max_new_tokens=2, do_sample=True, top_p=1.0, speculative_mode="pipeline",
                                   draft_loops=d, second_draft_loops=d2, return_dict_in_generate=True,
-                                  **PROCESSOR_SETTINGS[settings])
+                                  speculative_engine=engine, **PROCESSOR_SETTINGS[settings])
     counts = pair_counts(out.sequences)
     assert chi_square_p_value(counts, exact_joint(sampling_model, PROCESSOR_SETTINGS[settings])) > ALPHA
     stats = out.speculation

@@ -142,14 +142,19 @@ def test_forced_patterns(loops, d, d2, pattern):
         assert stats.second_accepted > 0 and stats.rejected > 0 and stats.accepted > stats.second_accepted
 
 
-def test_step_compiles_whole():
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_step_compiles_whole(sampled):
     """`generate(compile_core=...)` runs second proposals on the wavefront engine, whose step (sibling rows, private
-    KV, promotion, re-reading) compiles with `torch.compile(fullgraph=True)` (a graph break raises): the prefill
-    step and the decode step, with the same tokens and counters as the eager step."""
+    KV, promotion, re-reading; sampled: the two-candidate rule and the draws) compiles with
+    `torch.compile(fullgraph=True)` (a graph break raises): the prefill step and the decode step, with the same
+    tokens and counters as the eager step (sampled: seeded alike, the uniforms come from outside the step)."""
     model, ids, mask = _case(7, 6, (3, 5))
     settings = {"speculative_engine": "wavefront", "second_draft_loops": 4, "eos_token_id": [7, 11]}
+    settings |= {"do_sample": True, "temperature": 0.8, "top_k": 20} if sampled else {}
+    torch.manual_seed(0)
     eager = speculative(model, ids, mask, 8, "pipeline", 2, **settings)
     torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
     compiled = speculative(model, ids, mask, 8, "pipeline", 2, compile_core="eager", **settings)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     assert compiled.speculation.engine == "wavefront"
@@ -158,20 +163,16 @@ def test_step_compiles_whole():
     assert eager.speculation.second_drafts > 0
 
 
-@pytest.mark.parametrize(("kwargs", "named"), [
-    ({"second_draft_loops": 2}, "second_draft_loops >= 3"),  # U - d2 = 2 > d = 1: two siblings at once
-    ({"second_draft_loops": 3, "do_sample": True}, "do_sample=True"),
-])
-def test_unsupported_settings(kwargs, named):
-    """Outside the engine's second proposals, "wavefront" raises a ValueError naming the setting, and "auto" runs the
-    lane decoder (same tokens as plain)."""
+def test_unsupported_depth():
+    """With U - d2 > d (two siblings could be open at once), "wavefront" raises a ValueError naming the setting and
+    its fix, and "auto" runs the lane decoder (same tokens as plain); with U - d2 <= d "auto" runs the wavefront
+    engine."""
     model, ids, mask = _case(8, 4, (4, 6))
-    with pytest.raises(ValueError, match=named):
-        speculative(model, ids, mask, 6, "pipeline", 1, speculative_engine="wavefront", **kwargs)
-    out = speculative(model, ids, mask, 6, "pipeline", 1, **kwargs)
+    with pytest.raises(ValueError, match=r"second_draft_loops=2 .*second_draft_loops >= 3"):
+        speculative(model, ids, mask, 6, "pipeline", 1, speculative_engine="wavefront", second_draft_loops=2)
+    out = speculative(model, ids, mask, 6, "pipeline", 1, second_draft_loops=2)
     assert out.speculation.engine == "lanes"
-    if not kwargs.get("do_sample"):
-        assert out.sequences.tolist() == plain(model, ids, mask, 6).sequences.tolist()
+    assert out.sequences.tolist() == plain(model, ids, mask, 6).sequences.tolist()
     supported = speculative(model, ids, mask, 6, "pipeline", 1, second_draft_loops=3)
     assert supported.speculation.engine == "wavefront"
 

@@ -21,7 +21,7 @@ for the embedded model, which was trained on Python; `PROMPT_TEXT`, English, for
 * `block`, `pipeline`: `model.decode_with_lanes(ids, mode, draft_loops=d, num_speculative_tokens=K)`.
 * `pipeline+second` (with `--second-draft-loops D2`): pipeline with second proposals from loop D2
   (`second_draft_loops`), once per `--engines` engine (`pipeline+second/wavefront`: the wavefront engine, which
-  needs D2 >= U - d and greedy decoding); its rows add `second_drafts` and `second_accepted`.
+  needs D2 >= U - d); its rows add `second_drafts` and `second_accepted`.
 
 `plain` is also run once, untimed, first: its greedy output is the reference. Every mode is then warmed up
 once, and the timed runs are interleaved (`plain ar block pipeline plain ar ...`, `--repeats` rounds); a

@@ -102,8 +102,8 @@ def _validate(args, loops: int) -> None:
     if args.second_draft_loops is not None and "pipeline" not in args.modes:
         raise ValueError(f"--second-draft-loops {args.second_draft_loops} adds a pipeline run: include pipeline "
                          "in --modes.")
-    problem = second_proposals_problem("pipeline", loops, args.draft_loops, args.second_draft_loops,
-                                       bool(args.do_sample)) if "wavefront" in args.engines else None
+    problem = second_proposals_problem("pipeline", loops, args.draft_loops, args.second_draft_loops) \
+        if "wavefront" in args.engines else None
     if problem:
         raise ValueError(f"--engines wavefront does not support {problem}; drop wavefront from --engines or change "
                          "--second-draft-loops.")

@@ -44,7 +44,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     compile_backend: str | None = None  # torch.compile backend of the core and head calls; None: eager
     engine: str = "auto"  # one of ENGINES
-    second_draft_loops: int | None = None  # d2: depth of second proposals (pipeline, greedy); None: off
+    second_draft_loops: int | None = None  # d2: depth of second proposals (pipeline); None: off
 
 
 def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, compile_core=None, engine=None, *,
@@ -109,7 +109,7 @@ def check_lane_second_proposals(spec: SpeculativeConfig) -> None:
         raise ValueError(f"second_draft_loops={spec.second_draft_loops} cannot be combined with "
                          f"compile_core={spec.compile_backend!r} in the lane decoder (its compiled calls size their "
                          "block tables for one branch per sequence); drop one of the two, or run the wavefront engine "
-                         "(greedy, second_draft_loops >= num_loops - draft_loops).")
+                         "(second_draft_loops >= num_loops - draft_loops).")
 
 
 def speculative_config(generation_config: GenerationConfig, num_loops: int) -> SpeculativeConfig | None:

@@ -64,11 +64,10 @@ def read_back(state: WavefrontState, tokens: bool = False) -> ReadBack:
     return ReadBack(state, tokens)
 
 
-def second_proposals_problem(mode: str, num_loops: int, draft_loops: int, second_draft_loops: int | None,
-                             do_sample: bool) -> str | None:
+def second_proposals_problem(mode: str, num_loops: int, draft_loops: int, second_draft_loops: int | None) -> str | None:
     """Why the wavefront engine cannot run second proposals `second_draft_loops` (d2) with these settings, or None.
     It keeps one sibling slot per sequence, which holds when a sibling is decided before it could draft or a next
-    sibling open: U - d2 <= d (`state`); greedy only."""
+    sibling open: U - d2 <= d (`state`)."""
     if second_draft_loops is None:
         return None
     if mode != "pipeline":
@@ -77,8 +76,6 @@ def second_proposals_problem(mode: str, num_loops: int, draft_loops: int, second
         return (f"second_draft_loops={second_draft_loops} with draft_loops={draft_loops} on a {num_loops}-loop model "
                 f"(the wavefront engine keeps one sibling per sequence: it needs second_draft_loops >= "
                 f"{num_loops - draft_loops})")
-    if do_sample:
-        return f"second_draft_loops={second_draft_loops} with do_sample=True (wavefront second proposals are greedy)"
     return None
 
 
@@ -109,7 +106,7 @@ class WavefrontEngine:
                              f"{cache.num_sequences} sequences); pass a fresh cache or none.")
         if not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every={read_every!r} must be an integer >= 1 (cycles between read-backs).")
-        problem = second_proposals_problem(mode, model.num_loops, draft_loops, second_draft_loops, do_sample)
+        problem = second_proposals_problem(mode, model.num_loops, draft_loops, second_draft_loops)
         if problem:
             raise ValueError(problem)
         self.model, self.cache, self.read_every, self.complete_cache = model, cache, read_every, complete_cache
@@ -179,7 +176,7 @@ class WavefrontEngine:
             depth=torch.zeros(batch, lanes, **long), alive=torch.zeros(batch, lanes, dtype=torch.bool, device=device),
             draft=torch.zeros(batch, lanes, dtype=torch.bool, device=device),
             draft_q=torch.zeros(batch, lanes, self.vocab if plan.do_sample else 0, device=device),
-            noise=torch.zeros(batch, lanes, 2 if plan.do_sample else 0, device=device),
+            noise=torch.zeros(batch, lanes, (2 + (plan.second_loops is not None)) * plan.do_sample, device=device),
             hidden=torch.zeros(batch, lanes, hidden_size, dtype=like.dtype, device=device),
             prompt_hidden=torch.zeros(batch, prompts, hidden_size, dtype=like.dtype, device=device),
             prompt_real=torch.arange(prompts, device=device) < (prompt_len - 1)[:, None],
@@ -198,6 +195,8 @@ class WavefrontEngine:
             kv_len=torch.zeros(batch, plan.planes, **long),
             sib_token=torch.zeros(batch, **long), sib_position=torch.zeros(batch, **long),
             sib_depth=torch.zeros(batch, **long), sib_alive=torch.zeros(batch, dtype=torch.bool, device=device),
+            sib_read=torch.zeros(batch, dtype=torch.bool, device=device),
+            sib_q=torch.zeros(batch, self.vocab if plan.do_sample else 0, device=device),
             sib_hidden=torch.zeros(batch, hidden_size, dtype=like.dtype, device=device),
             sib_k=self._private_rows(batch), sib_v=self._private_rows(batch),
         )

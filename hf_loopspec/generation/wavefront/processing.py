@@ -128,10 +128,30 @@ def choose(plan: Plan, s: WavefrontState, scores: torch.Tensor, slots: torch.Ten
     p = torch.softmax(scores.float(), -1)  # [B, R, V]
     q = s.draft_q.gather(1, after[..., None].expand_as(p))  # [B, R, V] the draft distribution of the next lane
     judged = (s.alive & s.draft).gather(1, after) & (s.position.gather(1, after) == position + 1)  # [B, R]
-    noise = s.noise.gather(1, slots[..., None].expand(-1, -1, 2))  # [B, R, 2]
+    noise = s.noise.gather(1, slots[..., None].expand(-1, -1, s.noise.shape[-1]))  # [B, R, 2 or 3]
     p_x, q_x = p.gather(2, x[..., None])[..., 0], q.gather(2, x[..., None])[..., 0]
     accept = noise[..., 0] * q_x < p_x  # u < p(x) / q(x), with q(x) > 0 for a drafted x
     residual = (p - q).clamp(min=0)
     residual_left = judged & (residual.sum(-1) > 0)  # p == q to rounding leaves no residual mass: draw from p
-    token = draw(torch.where(residual_left[..., None], residual, p), noise[..., 1])
+    left = torch.where(residual_left[..., None], residual, p)  # [B, R, V] (unnormalised) a replacement's weights
+    token = draw(left, noise[..., 1])
+    if plan.second_loops is not None:
+        token = _second_candidate(s, judged & (s.sib_position[:, None] == position + 1), left, noise, token)
     return torch.where(judged & accept, x, token), accept, p
+
+
+def _second_candidate(s: WavefrontState, judged: torch.Tensor, left: torch.Tensor, noise: torch.Tensor,
+                      token: torch.Tensor) -> torch.Tensor:
+    """Sampling with second proposals (`acceptance.judge_two`): where a judged slot's next position also has a second
+    candidate c ~ q2 (`state.sib_read`: a sibling, or c equal to the draft), a rejected draft's replacement is c with
+    probability min(1, r1(c) / q2(c)) (uniform column 2), r1 = normalise(`left`), else a draw from
+    normalise(max(r1 - q2, 0)) (column 1; r1 when that has no mass). `judged` `[B, R]`, `left` `[B, R, V]`, `noise`
+    `[B, R, 3]`, `token` `[B, R]` the one-candidate replacement; returns the replacement `[B, R]`."""
+    two = judged & s.sib_read[:, None]  # [B, R]
+    r1 = left / left.sum(-1, keepdim=True)
+    q2 = s.sib_q[:, None].expand_as(r1)  # [B, R, V]
+    c = s.sib_token[:, None].expand_as(two)  # [B, R]
+    keep_c = noise[..., 2] * q2.gather(2, c[..., None])[..., 0] < r1.gather(2, c[..., None])[..., 0]
+    rest = (r1 - q2).clamp(min=0)
+    replacement = draw(torch.where((rest.sum(-1) > 0)[..., None], rest, r1), noise[..., 1])
+    return torch.where(two, torch.where(keep_c, c, replacement), token)

@@ -3,8 +3,8 @@
 The wavefront engine covers: Ouro-like models (no KV in the entry or exit stage), greedy decoding and sampling
 with the logits processors it runs on the device (`processing.on_device`: `repetition_penalty`, `min_new_tokens`,
 `min_length`, temperature, top-k, top-p, min-p), EOS and length stops (`max_new_tokens` / `max_length`), padded
-batches, streamers, `compile_core` (the step is compiled whole with that backend), and greedy second proposals
-with second_draft_loops >= U - draft_loops (`engine.second_proposals_problem`). Everything else of a call is named
+batches, streamers, `compile_core` (the step is compiled whole with that backend), and second proposals with
+second_draft_loops >= U - draft_loops (`engine.second_proposals_problem`). Everything else of a call is named
 by `unsupported` or `second_proposals_problem`:
 
 * `speculative_engine="lanes"` runs the lane decoder;
@@ -82,8 +82,7 @@ def choose_engine(model, spec: SpeculativeConfig, cache: PagedLoopCache, options
                                                                                    spec.compile_backend):
         return "lanes"
     problems = unsupported(model, cache, options)
-    second = second_proposals_problem(spec.mode, model.num_loops, spec.draft_loops, spec.second_draft_loops,
-                                      bool(options.get("do_sample")))
+    second = second_proposals_problem(spec.mode, model.num_loops, spec.draft_loops, spec.second_draft_loops)
     problems += [second] if second else []
     if not problems:
         return "wavefront"

@@ -6,10 +6,12 @@ See `state` for the slot and its KV invariant. Per cycle (`step`):
   sequence's private branch row `sib_k[layer, b * planes + plane]` and attends to the main table of its plane at
   positions below its own (the common history) plus that private row;
 * verification (`step._verify`) judges a target whose next position has a sibling against both candidates
-  (`chosen`: greedy, the sibling holds the target's argmax while the main draft does not); the sibling leaves its
-  slot when its parent's target is committed or its sequence finishes, and when chosen it is `promote`d;
-* after verification a main-path lane that has just reached d2 re-reads its draft (`reread`): its depth-d2 argmax
-  (or `state.second_override`) starts a sibling when it differs from the draft after it.
+  (`chosen`: the committed token is the sibling's and the main draft was not kept; greedy, the target's argmax;
+  sampling, `processing`'s two-candidate rule, as `acceptance.judge_two`); the sibling leaves its slot when its
+  parent's target is committed or its sequence finishes, and when chosen it is `promote`d;
+* after verification a main-path lane that has just reached d2 re-reads its draft (`reread`): its depth-d2 argmax,
+  or a draw from its depth-d2 distribution (or `state.second_override`), is the position's second candidate, and
+  starts a sibling when it differs from the draft after it.
 
 As in the lane decoder (`generation.siblings`), a sibling counts in `second_drafts`, a verification that chooses it
 in `accepted` and `second_accepted`, and a chosen sibling becomes a main-path lane that is not a draft.
@@ -18,6 +20,7 @@ in `accepted` and `second_accepted`, and a chosen sibling becomes a main-path la
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .state import Plan, WavefrontState, counts
 
@@ -80,22 +83,30 @@ def promote(plan: Plan, s: WavefrontState, promoted: torch.Tensor) -> torch.Tens
     return slot
 
 
-def reread(plan: Plan, s: WavefrontState, rereader: torch.Tensor, top: torch.Tensor, embed_tokens) -> None:
+def reread(plan: Plan, s: WavefrontState, rereader: torch.Tensor, top: torch.Tensor, probs: torch.Tensor | None,
+           embed_tokens) -> None:
     """Second proposals: each `rereader` `[B, L]` (a lane that reached d2 in this cycle) still alive on the main path
-    with a live unverified draft after it re-reads that draft: its depth-d2 argmax `top` `[B, L]` (or
-    `state.second_override`) starts a sibling at the draft's position when it differs from the draft's token."""
+    with a live unverified draft after it re-reads that draft: its depth-d2 proposal `top` `[B, L]` (the argmax, or a
+    draw from `probs` `[B, L, V]` when sampling; or `state.second_override`, then a point mass) is the second
+    candidate of the draft's position (`sib_read`, `sib_q`), and starts a sibling there when it differs from the
+    draft's token."""
     lanes = s.token.shape[1]
     after = (s.position + 1) % lanes  # [B, L] the slot of the lane after each
     draft_after = (s.alive & s.draft).gather(1, after) & (s.position.gather(1, after) == s.position + 1)
-    rereader = rereader & s.alive & ~s.finished[:, None] & draft_after & ~s.sib_alive[:, None]  # [B, L]
+    rereader = rereader & s.alive & ~s.finished[:, None] & draft_after & ~s.sib_read[:, None]  # [B, L]
     has = rereader.any(1)  # [B]
     position = torch.where(rereader, s.position, 0).amax(1) + 1  # [B]
     first = s.token.gather(1, (position % lanes)[:, None])[:, 0]  # [B] the draft's token
     forced = s.second_override.gather(1, position.clamp(max=plan.positions - 1)[:, None])[:, 0]
     token = torch.where(forced >= 0, forced, torch.where(rereader, top, 0).amax(1))
     spawn = has & (token != first)  # [B]
-    s.sib_token = torch.where(spawn, token, s.sib_token)
-    s.sib_position = torch.where(spawn, position, s.sib_position)
+    s.sib_token = torch.where(has, token, s.sib_token)
+    s.sib_position = torch.where(has, position, s.sib_position)
+    s.sib_read = s.sib_read | has
+    if probs is not None:
+        q = torch.where(rereader[..., None], probs, 0.0).sum(1)  # [B, V] (at most one re-reader per sequence)
+        q = torch.where((forced >= 0)[:, None], F.one_hot(token, q.shape[-1]).to(q.dtype), q)
+        s.sib_q = torch.where(has[:, None], q, s.sib_q)
     s.sib_depth = torch.where(spawn, 0, s.sib_depth)
     s.sib_alive = s.sib_alive | spawn
     s.sib_hidden = torch.where(spawn[:, None], embed_tokens(token), s.sib_hidden)

@@ -13,17 +13,20 @@ share one depth; their next token is known, so they neither draft nor verify). T
 After the run, the same rows carry the tokens that complete the cache (`WavefrontEngine._complete_cache`).
 
 Sibling slot (second proposals, `Plan.second_loops` = d2; pipeline only, with U - d2 <= d). Each sequence has one
-extra lane slot, `sib_*`, for a sibling: when a main-path lane X at position p reaches depth d2 and the depth-d2
-argmax C differs from its draft B at p + 1, C starts there at depth 0. While it is a sibling, C writes its KV only
-into the sequence's private branch storage `sib_k` / `sib_v` (one position, p + 1, per plane) and reads the main
-tables at positions 0..p (the common history, complete in every plane C reaches: X and the lanes before it are
-deeper) plus that private position; main-path rows never read the branch storage, and C's writes never land in a
-main table. X's target decides C's fate U - d2 cycles later, when C is U - d2 <= d loops deep, so C never drafts,
-and no second sibling can open before the first is decided (the next main lane reaches d2 d cycles after X): one
-slot per sequence suffices. If the target chooses C, C moves into its main lane slot (B and its descendants die),
-the main tables roll back to p + 1 positions, and C's private KV is copied into position p + 1 of the planes it
-wrote (a device copy of at most U - d2 entries per sequence and layer; `step._promote`), so the main tables hold
-exactly C's history, as if C had been the main lane all along (I4).
+extra lane slot, `sib_*`, for a sibling: when a main-path lane X at position p reaches depth d2 and its depth-d2
+proposal C (argmax, or a draw when sampling) differs from its draft B at p + 1, C starts there at depth 0.
+
+Invariant (branch-private KV): while it is a sibling, C writes its KV only into its sequence's private rows
+`sib_k` / `sib_v` (position p + 1, one row per plane) and reads the main tables at positions 0..p (the common
+history, complete in every plane C reaches: X and the lanes before it are deeper) plus its own private rows;
+main-path rows never read the private rows, and C never writes a main table. X's target decides C's fate U - d2
+cycles after C starts, when C is U - d2 <= d loops deep: C never drafts as a sibling (chosen at depth d, it drafts
+at once, as its sequence's frontier), and no second sibling opens before the first is decided (the next main lane
+reaches d2 d cycles after X): one slot per sequence suffices. If the target chooses C, C takes B's lane slot (B and
+its descendants die), the main tables roll back to p + 1 positions, and C's private rows are copied into position
+p + 1 of the planes C wrote (a device copy of at most U - d2 rows per sequence and layer: `sibling.promote`), so the
+main tables hold exactly C's history, as if C had been the main lane all along (I4). Otherwise the private rows are
+simply left behind (the next sibling overwrites them).
 
 Counters are per sequence, in the column order of `COUNTERS` (the fields of `SequenceStats`).
 """
@@ -55,7 +58,7 @@ class Plan:
     do_sample: bool = False  # sampling (lossless speculative sampling) instead of greedy decoding
     span: int | None = None  # S: rows read positions 0..S-1 only (no live row sits at S or beyond); None: all C
     compact: bool = False  # the core runs the active rows only (eager on a CPU: `step`, step 2)
-    second_loops: int | None = None  # d2: second proposals (pipeline, greedy, U - d2 <= d); None: off
+    second_loops: int | None = None  # d2: second proposals (pipeline, U - d2 <= d); None: off
 
     @property
     def table_width(self) -> int:
@@ -87,7 +90,8 @@ class WavefrontState:
     alive: torch.Tensor  # [B, L] bool
     draft: torch.Tensor  # [B, L] bool   proposed at depth d, not verified yet
     draft_q: torch.Tensor  # [B, L, V] float32 sampling: the distribution a draft was drawn from; [B, L, 0] greedy
-    noise: torch.Tensor  # [B, L, 2] float32 sampling: this cycle's uniforms (drawn before the step); [B, L, 0] greedy
+    noise: torch.Tensor  # [B, L, 2] float32 sampling: this cycle's uniforms (drawn before the step); [B, L, 0] greedy;
+    # [B, L, 3] sampling with second proposals
     hidden: torch.Tensor  # [B, L, H]
     # prompt rows
     prompt_hidden: torch.Tensor  # [B, P, H]
@@ -119,6 +123,9 @@ class WavefrontState:
     sib_position: torch.Tensor  # [B] int64
     sib_depth: torch.Tensor  # [B] int64
     sib_alive: torch.Tensor  # [B] bool
+    sib_read: torch.Tensor  # [B] bool: a second candidate sib_token was drawn for sib_position (a sibling, or equal to
+    # the draft there), not judged yet
+    sib_q: torch.Tensor  # [B, V] float32 sampling: the distribution the second candidate was drawn from; [B, 0] greedy
     sib_hidden: torch.Tensor  # [B, H]
     sib_k: torch.Tensor  # [layers, B * planes + 1, Hkv, D]: row b * planes + k holds (b, plane k, sib_position); the
     sib_v: torch.Tensor  # last row absorbs masked writes. [layers, 0, Hkv, D] without second proposals

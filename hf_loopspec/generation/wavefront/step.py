@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from . import sibling
-from .processing import choose, score_ops
+from .processing import choose, draw, score_ops
 from .state import Plan, WavefrontState, counts
 
 
@@ -151,12 +151,11 @@ def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
         spawn_tok, spawn_pos, restart, taken = _verify(plan, state, ran, token, accept)
         drafter = drafter & ~taken  # a chosen sibling took a killed lane's slot, which may have been the drafter's
         if promoted_drafts:  # a sibling chosen at depth d is the frontier: it drafts now, from its own head row
-            ready = taken & (state.depth == plan.draft_loops) & (state.position < _last_draft(state))  # [B, L]
-            top = _head(model, ops, state, taken.long().argmax(1, keepdim=True)).argmax(-1)  # [B, 1]
-            drafter, token = drafter | ready, torch.where(ready, top, token)
+            drafter, token, probs = _promoted_draft(model, ops, plan, state, taken, drafter, token, probs)
         _draft(plan, state, drafter, token, probs, spawn_tok, spawn_pos, restart, embed_tokens)
         if second:
-            sibling.reread(plan, state, rereader & ~taken, token, embed_tokens)
+            proposal = token if probs is None else draw(probs, state.noise[..., 1])  # [B, L] a fresh draw when sampling
+            sibling.reread(plan, state, rereader & ~taken, proposal, probs, embed_tokens)
         return state
 
     return step
@@ -168,6 +167,23 @@ def _head(model, ops, s: WavefrontState, slots: torch.Tensor) -> torch.Tensor:
     for op in ops:
         scores = op(s, scores, slots)
     return scores
+
+
+def _promoted_draft(model, ops, plan: Plan, s: WavefrontState, taken: torch.Tensor, drafter: torch.Tensor,
+                    token: torch.Tensor, probs: torch.Tensor | None):
+    """A sibling chosen at depth d (`taken` `[B, L]`: the slot it took) is its sequence's frontier and drafts in this
+    cycle, from a head call on its slot (its draw uses its slot's uniforms, unused by the killed lane it replaced).
+    Returns `drafter`, `token` `[B, L]` and `probs` `[B, L, V]` (None when greedy) with its draft added."""
+    ready = taken & (s.depth == plan.draft_loops) & (s.position < _last_draft(s))  # [B, L]
+    slot = taken.long().argmax(1, keepdim=True)  # [B, 1]
+    scores = _head(model, ops, s, slot)  # [B, 1, V]
+    if probs is None:
+        top = scores.argmax(-1)  # [B, 1]
+    else:
+        own = torch.softmax(scores.float(), -1)  # [B, 1, V]
+        top = draw(own, s.noise.gather(1, slot[..., None].expand(-1, -1, s.noise.shape[-1]))[..., 1])
+        probs = torch.where(ready[..., None], own, probs)
+    return drafter | ready, torch.where(ready, top, token), probs
 
 
 def head_rows(plan: Plan) -> int:
@@ -321,7 +337,8 @@ def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor,
     s.round_drafts = torch.where(restart, 0, s.round_drafts)
     taken = torch.zeros_like(s.alive)
     if plan.second_loops is not None:  # the sibling leaves its slot once its parent's target is committed
-        s.sib_alive = s.sib_alive & ~s.finished & ~(commit & (position_r + 1 == s.sib_position[:, None])).any(1)
+        decided = s.finished | (commit & (position_r + 1 == s.sib_position[:, None])).any(1)  # [B]
+        s.sib_alive, s.sib_read = s.sib_alive & ~decided, s.sib_read & ~decided
         taken = sibling.promote(plan, s, second.any(1) & ~finished_now)
     return last_top, last_pos + 1, restart, taken
 
