@@ -1,5 +1,8 @@
 """Second proposals (pipeline mode, `second_draft_loops=d2`): a sibling lane from a deeper draft, with private KV.
 
+This is the lane decoder's version (any d2, branches of several lanes); the wavefront engine's, for d2 >= U - d with
+one single-lane sibling per sequence, is `wavefront.sibling`.
+
 A main-path lane X at position p drafted B for p + 1 when it reached depth d. When X reaches depth d2 it re-reads
 its proposal: if the depth-d2 proposal C (the argmax of the processed depth-d2 logits, or a sample from them when
 sampling) differs from B, a *sibling* lane for C starts at position p + 1 (depth 0) in a new branch, at most one per

@@ -2,7 +2,8 @@
 
 `state.WavefrontState` holds the whole batch in fixed-shape tensors, `step.make_step` builds the pure cycle
 `step(state) -> state`, and `engine.WavefrontEngine` sets a run up, drives the step from the host with a read-back
-every R cycles, and tears the state down into the lane decoder's `DecodeResult`.
+every R cycles, and tears the state down into the lane decoder's `DecodeResult`. `sibling` adds second proposals
+to the step (one sibling slot per sequence, with private KV), `processing` the logits processing and token choice.
 """
 
 from .engine import WAVEFRONT_MODES, WavefrontEngine, read_back
