@@ -28,7 +28,7 @@ from speculative_utils import (
 from tolerances import ouro_depth
 from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from hf_loopspec.generation.wavefront import WavefrontEngine
+from hf_loopspec.generation.wavefront import WavefrontEngine, sibling
 
 VOCAB = 80
 NEW = 16
@@ -196,3 +196,25 @@ def test_generate_with_processors(loops, d, d2):
                       **settings)
     assert out.sequences.tolist() == ref.sequences.tolist()
     assert out.speculation.engine == "wavefront" and out.speculation.second_accepted > 0
+
+
+def test_sibling_writing_the_main_table_is_caught(monkeypatch):
+    """The prototype's bug as a mutation: the sibling also writes its KV into the main table's slot of its position,
+    where the main draft's KV lives. With the main draft kept ("q1" everywhere), its descendants then read the
+    sibling's KV and the main tables keep it: the checks above must fail."""
+    original = sibling.SiblingRows.attend
+
+    def shared_slot(self, layer_idx, q, k, v, keys, values, attend):
+        position = self.visible[:, 0, 0, :-1].sum(1).clamp(max=keys.shape[1] - 1)  # [B] (it sees those before it)
+        active = (self.write_row < self.k_rows.shape[1] - 1)[:, None, None]  # [B, 1, 1] (the last row: masked)
+        for table, new in ((keys, k), (values, v)):  # views of the pool: the writes land in the main tables
+            table[self.table, position] = torch.where(active, new.to(table.dtype), table[self.table, position])
+        return original(self, layer_idx, q, k, v, keys, values, attend)
+
+    model, ids, mask = _case(6, 4, (4, 6))
+    free = plain(model, ids, mask, NEW)
+    hooks, overrides = _forcing(free, mask, PATTERNS["q1"])
+    monkeypatch.setattr(sibling.SiblingRows, "attend", shared_slot)
+    result, cache, lanes = _runs(model, ids, mask, 1, 3, hooks=hooks, overrides=overrides)
+    with pytest.raises(AssertionError):
+        _check(model, mask, result, cache, lanes, free)
