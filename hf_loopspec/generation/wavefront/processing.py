@@ -13,9 +13,11 @@ Choice (`choose`), per slot, from its processed scores:
 * greedy: the slot's token is the argmax; the lane after it is accepted when its token equals that argmax;
 * sampling: `acceptance`'s lossless rule, on those slots at once: the lane x after the slot, drafted from q, is
   accepted with probability min(1, p(x) / q(x)); the slot's token is then x, else a draw from
-  normalise(max(p - q, 0)) (a slot with no draft after it draws from p). Random numbers come from `state.noise`
-  `[B, L, 2]` (each slot's uniforms, drawn before each step from the run's device generator: column 0 judges,
-  column 1 draws). A draw from weights w is the inverse of w's cumulative sum at u * sum(w), so a zero weight is never drawn.
+  normalise(max(p - q, 0)) (a slot with no draft after it draws from p). With second proposals the position may
+  also hold a second candidate, judged by recursive rejection (`_second_candidate`). Random numbers come from
+  `state.noise` `[B, L, 2]` (`[B, L, 3]` with second proposals): each slot's uniforms, drawn before each step from
+  the run's device generator (column 0 judges the draft, column 1 draws, column 2 judges a second candidate). A
+  draw from weights w is the inverse of w's cumulative sum at u * sum(w), so a zero weight is never drawn.
 """
 
 from __future__ import annotations
