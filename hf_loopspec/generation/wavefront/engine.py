@@ -191,7 +191,8 @@ class WavefrontEngine:
             second_override=torch.full((batch, plan.positions), -1, **long) if second_override is None
             else second_override.to(**long),
             seen=torch.zeros(batch, 0, dtype=torch.bool, device=device), eos_hold=torch.zeros(0, **long),
-            k_pool=self.cache.k_pool, v_pool=self.cache.v_pool, trash_slot=trash,
+            k_pool=self.cache.k_pool.view(-1, *self.cache.k_pool.shape[-2:]),
+            v_pool=self.cache.v_pool.view(-1, *self.cache.v_pool.shape[-2:]), trash_slot=trash,
             kv_len=torch.zeros(batch, plan.planes, **long),
             sib_token=torch.zeros(batch, **long), sib_position=torch.zeros(batch, **long),
             sib_depth=torch.zeros(batch, **long), sib_alive=torch.zeros(batch, dtype=torch.bool, device=device),

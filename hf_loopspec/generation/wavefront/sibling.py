@@ -77,8 +77,10 @@ def promote(plan: Plan, s: WavefrontState, promoted: torch.Tensor) -> torch.Tens
     table = torch.arange(batch, device=device)[:, None] * plan.planes + planes  # [B, planes]
     position = s.sib_position.clamp(0, plan.positions - 1)[:, None]
     dest = torch.where(written, table * plan.table_width + position, s.trash_slot).flatten()  # [B * planes]
+    layers = s.sib_k.shape[0]
+    dest = (torch.arange(layers, device=device)[:, None] * (s.k_pool.shape[0] // layers) + dest).flatten()  # per layer
     for pool, rows in ((s.k_pool, s.sib_k), (s.v_pool, s.sib_v)):
-        pool.flatten(1, 2).index_copy_(1, dest, rows[:, :-1])  # pool: [layers, pages * page_size, Hkv, D] view
+        pool.index_copy_(0, dest, rows[:, :-1].flatten(0, 1))  # pool: the flat [layers * pages * page_size, Hkv, D]
     s.kv_len = torch.where(written, s.sib_position[:, None] + 1, s.kv_len)
     return slot
 

@@ -113,9 +113,11 @@ class WavefrontState:
     second_override: torch.Tensor  # [B, C] int64: a second proposal for position p becomes this when >= 0
     seen: torch.Tensor  # [B, V] bool: the prompt row's tokens the penalty counts, and the committed tokens
     eos_hold: torch.Tensor  # [V] int64: id v cannot be the i-th generated token (0-based) while i < eos_hold[v]
-    # KV: the pools of the run's PagedLoopCache (table t at slots t * W ..: `Plan.table_width`) and the valid lengths
-    k_pool: torch.Tensor  # [layers, pages, page_size, Hkv, D]
-    v_pool: torch.Tensor  # [layers, pages, page_size, Hkv, D]
+    # KV: the pools of the run's PagedLoopCache as flat views (layer l's table t at slots l * pages * page_size +
+    # t * W ..: `Plan.table_width`), and the valid lengths. The step writes these tensors themselves in place:
+    # compiled, writes through views made inside the step would copy the pool out and back every call (inductor)
+    k_pool: torch.Tensor  # [layers * pages * page_size, Hkv, D]
+    v_pool: torch.Tensor  # [layers * pages * page_size, Hkv, D]
     trash_slot: torch.Tensor  # [] int64: a reserved slot no real row uses; masked rows write there
     kv_len: torch.Tensor  # [B, planes] int64
     # sibling slot (second proposals; see the module docstring): one per sequence

@@ -56,20 +56,23 @@ class SlotAttention:
     writes its KV, then attends to positions 0..position of its own (sequence, plane), reading only positions below
     `plan.read_span` (no row that counts sits at or beyond it: `Plan.span`).
 
-    The pool holds table t = sequence * planes + plane at slots t * W .. t * W + C - 1 (`Plan.table_width`), so the
-    keys of every table are one strided view of the pool, `[B * planes, S, Hkv, D]`, read in place. Lane rows are
-    placed on a grid of R query cells per table (R = 1: in modes "ar" and "pipeline" a sequence's running lanes have
-    distinct depths; R = L in block mode: a lane's cell is its slot) by a one-hot matrix (exact in fp32). The prompt
-    rows of a sequence share one plane: they attend together, causally, to a copy of their table.
+    Each layer's part of the (flat) pool holds table t = sequence * planes + plane at slots t * W .. t * W + C - 1
+    (`Plan.table_width`), so the keys of every table are one strided view of the pool, `[B * planes, S, Hkv, D]`,
+    read in place. Lane rows are placed on a grid of R query cells per table (R = 1: in modes "ar" and "pipeline" a
+    sequence's running lanes have distinct depths; R = L in block mode: a lane's cell is its slot) by a one-hot matrix
+    (exact in fp32). The prompt rows of a sequence share one plane: they attend together, causally, to a copy of
+    their table.
 
     A masked row writes into the trash slot and its output is zero. Masked-out positions hold zeros (the pool's
     fill) or KV written before, never NaN, so they cannot reach an output.
     """
 
-    def __init__(self, state: WavefrontState, plan: Plan, lanes: tuple, prompts: tuple, siblings: tuple | None = None):
+    def __init__(self, state: WavefrontState, plan: Plan, layers: int, lanes: tuple, prompts: tuple,
+                 siblings: tuple | None = None):
         # lanes: plane, position, active, each [B, L]; prompts: plane [B], position [B, P], active [B, P]; siblings:
         # plane, position, active, each [B], or None
         self.k_pool, self.v_pool, self.plan = state.k_pool, state.v_pool, plan
+        self.layer_slots = state.k_pool.shape[0] // layers  # pool slots per layer
         plane, position, active = lanes
         prompt_plane, prompt_position, prompt_active = prompts
         batch, lanes = position.shape
@@ -99,16 +102,16 @@ class SlotAttention:
         plan = self.plan
         if self.rows is not None:  # back on the fixed rows: inactive ones are zeros, written to the trash slot
             q, k, v = (x.new_zeros(len(self.active), *x.shape[1:]).index_copy(0, self.rows, x) for x in (q, k, v))
-        k_flat = self.k_pool[layer_idx].flatten(0, 1)  # [pages * page_size, Hkv, D] (a view: writes land in the pool)
-        v_flat = self.v_pool[layer_idx].flatten(0, 1)
+        first = layer_idx * self.layer_slots  # the layer's first slot in the flat pools
         pooled = len(self.write_slot)  # the lane and prompt rows: they write the pool
-        k_flat.index_copy_(0, self.write_slot, k[:pooled].to(k_flat.dtype))
-        v_flat.index_copy_(0, self.write_slot, v[:pooled].to(v_flat.dtype))
+        self.k_pool.index_copy_(0, self.write_slot + first, k[:pooled].to(self.k_pool.dtype))
+        self.v_pool.index_copy_(0, self.write_slot + first, v[:pooled].to(self.v_pool.dtype))
         batch, lanes, grid = self.place.shape
         tables = batch * plan.planes
-        shape = (tables, plan.table_width, *k_flat.shape[1:])
-        keys = k_flat[: tables * plan.table_width].view(shape)[:, : plan.read_span]  # [B * planes, S, Hkv, D]
-        values = v_flat[: tables * plan.table_width].view(shape)[:, : plan.read_span]
+        shape = (tables, plan.table_width, *self.k_pool.shape[1:])
+        tables_of = lambda pool: pool[first: first + tables * plan.table_width].view(shape)  # noqa: E731
+        keys = tables_of(self.k_pool)[:, : plan.read_span]  # [B * planes, S, Hkv, D]
+        values = tables_of(self.v_pool)[:, : plan.read_span]
         n = batch * lanes
         lane_q = q[:n].float().view(batch, lanes, -1)  # [B, L, Hq * D]
         grid_q = (self.place.transpose(1, 2) @ lane_q).view(tables, grid // plan.planes, *q.shape[1:])  # [., R, Hq, D]
@@ -236,7 +239,8 @@ def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch
                         *([s.sib_hidden] if second else ())])  # [N, H]: N = B*L + B*P (+ B)
     prompt_position = torch.arange(prompts, device=device) + s.prompt_start[:, None]  # [B, P]
     position = torch.cat([s.position.flatten(), prompt_position.flatten(), *([s.sib_position] if second else ())])
-    attention = SlotAttention(s, plan, (s.depth, s.position, ran), (s.prompt_depth, prompt_position, prompt_rows),
+    attention = SlotAttention(s, plan, model.kv_layout.num_layers, (s.depth, s.position, ran),
+                              (s.prompt_depth, prompt_position, prompt_rows),
                               (s.sib_depth, s.sib_position, sib_ran) if second else None)
     if plan.compact:  # the active rows only (a data-dependent shape: CPU eager, see the module docstring)
         attention.rows = attention.active.nonzero()[:, 0]  # [n]
