@@ -130,12 +130,13 @@ def test_forced_patterns(mode, d, k, pattern):
     assert (result.stats.accepted > 0) == (pattern != "all_rejected")
 
 
-@pytest.mark.parametrize("read_every", [1, 3])
+@pytest.mark.parametrize(("read_every", "per_call"), [(1, 1), (3, 1), (3, 3)])
 @pytest.mark.parametrize(("mode", "d", "k"), [CASES[i] for i in (0, 1, 3)], ids=[CASE_IDS[i] for i in (0, 1, 3)])
-def test_span_covers_every_live_lane(mode, d, k, read_every):
+def test_span_covers_every_live_lane(mode, d, k, read_every, per_call):
     """The host's span bound (`span.SpanBound`) holds: before every cycle, each live lane of an unfinished sequence
     sits below the span its step reads, with every draft accepted (the frontier moves fastest) or alternately
-    rejected; the run uses several spans below C and gives plain's tokens."""
+    rejected; the run uses several spans below C and gives plain's tokens. `per_call` cycles run per call of the
+    step function (compiled: all R between two read-backs), all with the span the engine picks for the call."""
     new = 40
     model, ids, mask = _batch(2, (4, 6))
     ref = plain(model, ids, mask, new)
@@ -150,17 +151,19 @@ def test_span_covers_every_live_lane(mode, d, k, read_every):
                                  max_length=ids.shape[1] + new, draft_override=override, read_every=read_every)
         build, used = engine.build_step, []
 
-        def checked(plan, build=build, used=used):
-            step = build(plan)
+        def checked(plan, cycles, build=build, used=used):
+            step = build(plan, 1)
 
-            def run(state):
-                live = state.alive & ~state.finished[:, None]
-                assert int(torch.where(live, state.position, -1).max()) < plan.read_span
-                used.append(plan.read_span)
-                return step(state)
+            def run(state, noise):
+                for cycle in range(cycles):
+                    live = state.alive & ~state.finished[:, None]
+                    assert int(torch.where(live, state.position, -1).max()) < plan.read_span
+                    used.append(plan.read_span)
+                    state = step(state, None if noise is None else noise[cycle: cycle + 1])
+                return state
             return run
 
-        engine.build_step = checked
+        engine.build_step, engine.cycles_per_call = checked, per_call
         torch.testing.assert_close(engine.run().sequences, ref.sequences, atol=0, rtol=0)
         assert len(set(used)) >= 2 and min(used) < engine.plan.positions
 
@@ -202,11 +205,13 @@ SAMPLED = {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "mi
 
 
 @pytest.mark.parametrize("mode", ["ar", "pipeline", "sampled"])
-def test_step_compiles_whole(mode):
+def test_step_compiles_whole(mode, monkeypatch):
     """`torch.compile(step, fullgraph=True)` (a graph break raises) compiles the prefill step and the decode step;
     the compiled run equals the eager one. The speculative modes compile through `generate(compile_core=...)`, with
     the processors the engine applies on the device; "sampled" is block mode with every sampling warper (greedy
-    choice compiles in the other two), seeded alike (the uniforms come from the run's generator, outside the step)."""
+    choice compiles in the other two), seeded alike (the uniforms come from the run's generator, outside the step).
+    Two cycles per compiled call (the default unrolls more: slower to trace, the same code)."""
+    monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
     model, ids, mask = _batch(3, (3, 5))
     sampled = mode == "sampled"
     mode = "block" if sampled else mode
@@ -377,14 +382,14 @@ def test_graph_step_falls_back_to_eager(caplog):
     model, ids, mask = _batch(11, (3, 5))
     _, eager, _ = _wavefront(model, ids, mask, 6, "pipeline", 1, 1)
 
-    def failing(state):
+    def failing(state, noise):
         raise RuntimeError("capture failed")
 
     engine = WavefrontEngine(model, paged_cache(model, debug=False), mode="pipeline", draft_loops=1,
                              num_speculative_tokens=1, input_ids=ids, attention_mask=mask, pad_token_id=PAD,
                              max_length=ids.shape[1] + 6)
     eager_step = engine.build_step
-    engine.build_step = lambda plan: GraphStep(failing, eager_step(plan))
+    engine.build_step = lambda plan, cycles: GraphStep(failing, eager_step(plan, cycles))
     with caplog.at_level("WARNING"):
         result = engine.run()
     assert engine.steps and all(step.failed for step in engine.steps.values()) and "capture failed" in caplog.text

@@ -29,6 +29,7 @@ from tolerances import ouro_depth
 from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from hf_loopspec.generation.wavefront import WavefrontEngine, sibling
+from hf_loopspec.generation.wavefront import engine as engine_module
 
 VOCAB = 80
 NEW = 16
@@ -143,11 +144,13 @@ def test_forced_patterns(loops, d, d2, pattern):
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_step_compiles_whole(sampled):
+def test_step_compiles_whole(sampled, monkeypatch):
     """`generate(compile_core=...)` runs second proposals on the wavefront engine, whose step (sibling rows, private
     KV, promotion, re-reading; sampled: the two-candidate rule and the draws) compiles with
     `torch.compile(fullgraph=True)` (a graph break raises): the prefill step and the decode step, with the same
-    tokens and counters as the eager step (sampled: seeded alike, the uniforms come from outside the step)."""
+    tokens and counters as the eager step (sampled: seeded alike, the uniforms come from outside the step). Two
+    cycles per compiled call (the default unrolls more: slower to trace, the same code)."""
+    monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
     model, ids, mask = _case(7, 6, (3, 5))
     settings = {"speculative_engine": "wavefront", "second_draft_loops": 4, "eos_token_id": [7, 11]}
     settings |= {"do_sample": True, "temperature": 0.8, "top_k": 20} if sampled else {}

@@ -75,15 +75,15 @@ class GraphStep:
     def __init__(self, compiled, eager):
         self.compiled, self.eager, self.failed = compiled, eager, False
 
-    def __call__(self, state: WavefrontState) -> WavefrontState:
+    def __call__(self, state: WavefrontState, noise: torch.Tensor | None) -> WavefrontState:
         if not self.failed:
             for pool in (state.k_pool, state.v_pool):
                 torch._dynamo.mark_static_address(pool)  # written in place by every replay
             try:
                 torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are this one's inputs
-                return self.compiled(state)
+                return self.compiled(state, noise)
             except Exception as error:  # noqa: BLE001 - any compile or capture failure: run eagerly instead
                 logger.warning("hf_loopspec: the wavefront step could not run as a CUDA graph (%s: %s); running it "
                                "eagerly.", type(error).__name__, error)
                 self.failed = True
-        return self.eager(state)
+        return self.eager(state, noise)

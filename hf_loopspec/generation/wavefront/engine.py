@@ -4,10 +4,14 @@ Set-up reserves, in the run's `PagedLoopCache`, every page a sequence can need (
 max_new_tokens positions in every plane), table after table from page 0, so each (sequence, plane) is one
 contiguous run of the pool for the whole run (`Plan.table_width`), and embeds the prompt. The host loop runs the
 step R cycles at a time and then calls `read_back`, the only place where the host reads the device state during
-the run; it stops when every sequence has finished. Each cycle runs the step of its span (`span.SpanBound`: the
-positions its attention reads, bounded from the cycle count and the latest read-back). The prompt rows exist only during
-the first cycles (a number known in advance: U, plus K*d in block mode), after which they are dropped from the
-state. Tear-down truncates the cache to the device's KV lengths and builds the lane decoder's `DecodeResult`.
+the run; it stops when every sequence has finished. Compiled, those R cycles (up to `CYCLES_PER_CALL`) are one call
+of one compiled function (`step.make_cycles`), with inductor's C++ wrapper on a CPU (`CPU_INDUCTOR_OPTIONS`): on
+small shapes the fixed cost of a call (dynamo's guards, the wrapper between the kernels) is most of a cycle's. Each
+call runs the step of its span (`span.SpanBound`: the positions its attention reads, bounded from the cycle count and
+the latest read-back; the span of the call's last cycle). The prompt rows exist only during the first cycles (a
+number known in advance: U, plus K*d in block mode), after which they are dropped from the state (at the first call
+that starts after them). Tear-down truncates the cache to the device's KV lengths and builds the lane decoder's
+`DecodeResult`.
 
 The engine covers Ouro-like models (entry and head stages without KV), greedy decoding and sampling with the
 logits processors `processing` runs on the device, EOS and length stops.
@@ -29,32 +33,36 @@ from ..stats import SequenceStats, SpeculationStats
 from .device import GraphStep, ReadBack, uses_cuda_graphs
 from .span import SpanBound
 from .state import COUNTERS, Plan, WavefrontState
-from .step import head_rows, make_step
+from .step import head_rows, make_cycles, make_step
 
 WAVEFRONT_MODES = ("ar", "block", "pipeline")
 DEFAULT_READ_EVERY = 4
+CYCLES_PER_CALL = 4  # compiled: cycles per call of the step function (unrolled: compile time grows with it)
+CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}  # inductor's options for the step function on a CPU
 
 
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(plan, backend, graphs): step}
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(plan, cycles, backend, graphs): fn}
 
 
-def compiled_step(model, plan: Plan, backend: str, device: torch.device):
-    """`torch.compile(step, fullgraph=True)` of `plan`'s step for `model`, built on first use and kept beside the
-    model, so that later runs of the same plan (and shapes) compile nothing. Each is compiled from a private copy of
-    the step's code: dynamo counts recompiles per code object. Inductor on CUDA compiles with
-    `mode="reduce-overhead"` (CUDA graphs, with an eager fallback: `device.GraphStep`; untested on a GPU)."""
+def compiled_cycles(model, plan: Plan, cycles: int, backend: str, device: torch.device):
+    """`torch.compile(fullgraph=True)` of `cycles` cycles of `plan`'s step for `model` (`step.make_cycles`), built
+    on first use and kept beside the model, so that later runs of the same plan (and shapes) compile nothing. Each is
+    compiled from a private copy of the function's code: dynamo counts recompiles per code object. Inductor on CUDA
+    compiles with `mode="reduce-overhead"` (CUDA graphs, with an eager fallback: `device.GraphStep`; untested on a
+    GPU)."""
     store = _COMPILED.setdefault(model, {})
-    graphs = uses_cuda_graphs(device, backend)
-    if (plan, backend, graphs) not in store:
-        step = make_step(model, plan)
-        private = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__,
-                                     step.__closure__)
-        if graphs:
-            store[plan, backend, graphs] = GraphStep(torch.compile(private, mode="reduce-overhead", fullgraph=True),
-                                                     step)
+    key = (plan, cycles, backend, uses_cuda_graphs(device, backend))
+    if key not in store:
+        run = make_cycles(model, plan, cycles)
+        private = types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__, run.__defaults__,
+                                     run.__closure__)
+        if key[-1]:
+            store[key] = GraphStep(torch.compile(private, mode="reduce-overhead", fullgraph=True), run)
+        elif backend == "inductor" and device.type == "cpu":  # a C++ wrapper: no Python between the kernels
+            store[key] = torch.compile(private, backend=backend, fullgraph=True, options=CPU_INDUCTOR_OPTIONS)
         else:
-            store[plan, backend, graphs] = torch.compile(private, backend=backend, fullgraph=True)
-    return store[plan, backend, graphs]
+            store[key] = torch.compile(private, backend=backend, fullgraph=True)
+    return store[key]
 
 
 def read_back(state: WavefrontState, tokens: bool = False) -> ReadBack:
@@ -137,10 +145,14 @@ class WavefrontEngine:
         if do_sample:
             seed = int(torch.randint(2**62, ()))
             self.generator = torch.Generator(input_ids.device).manual_seed(seed)
-        # the step of each span (`span.SpanBound`): a plan of its own, so a compiled step compiles once per span
-        self.build_step = (lambda plan: make_step(model, plan)) if compile_backend is None else \
-            (lambda plan: compiled_step(model, plan, compile_backend, input_ids.device))
-        self.steps = {}  # span -> step
+        # cycles per call of the step function: compiled, up to CYCLES_PER_CALL of the R cycles between two
+        # read-backs run as one call (its fixed cost, dynamo's guards and the call's wrapper, is paid once for them);
+        # eager, one (nothing to save)
+        self.cycles_per_call = math.gcd(read_every, CYCLES_PER_CALL) if compile_backend is not None else 1
+        # the step function of each span (`span.SpanBound`): a plan of its own, so it compiles once per span
+        self.build_step = (lambda plan, cycles: make_cycles(model, plan, cycles)) if compile_backend is None else \
+            (lambda plan, cycles: compiled_cycles(model, plan, cycles, compile_backend, input_ids.device))
+        self.steps = {}  # (span, cycles) -> step function
         self.spans = SpanBound(width, self.plan.lanes, self.plan.positions, compile_backend is not None)
         self.cycles = 0
 
@@ -240,8 +252,8 @@ class WavefrontEngine:
             in_flight = []  # (cycles run when it was taken, read-back)
             done = bool(self.state.finished.all())
             while not done:
-                for _ in range(self.read_every):
-                    self._advance()
+                for _ in range(self.read_every // self.cycles_per_call):
+                    self._advance(self.cycles_per_call)
                 in_flight.append((self.cycles, read_back(self.state, tokens=self.streamer is not None)))
                 if len(in_flight) > lag:
                     cycle, taken = in_flight.pop(0)
@@ -253,21 +265,24 @@ class WavefrontEngine:
                 self._complete_cache()
         return self._result()
 
-    def _advance(self) -> None:
-        """One cycle: drop the prompt rows once they have passed all loops, draw the cycle's uniforms (sampling),
-        run the step of the cycle's span."""
-        if self.cycles == self.prefill_cycles:
+    def _advance(self, cycles: int) -> None:
+        """`cycles` cycles in one call of the step function: drop the prompt rows once they have passed all loops (at
+        the first call that starts after the prefill: until then they ride along masked), draw each cycle's uniforms
+        (sampling), run the step function of the span of the call's last cycle (spans grow with the cycle)."""
+        if self.cycles >= self.prefill_cycles and self.state.prompt_real.shape[1]:
             self.state = replace(self.state, prompt_hidden=self.state.prompt_hidden[:, :0].clone(),
                                  prompt_real=self.state.prompt_real[:, :0].clone())
-        if self.generator is not None:
-            self.state.noise = torch.rand(self.state.noise.shape, generator=self.generator,
-                                          device=self.state.noise.device)
-        span = self.spans.span(self.cycles)
-        if span not in self.steps:
-            self.steps[span] = self.build_step(replace(self.plan, span=span))
-        self.state = self.steps[span](self.state)
-        self.cycles += 1
-        self._count_rows()
+        noise = None
+        if self.generator is not None:  # [cycles, B, L, 2 or 3], one draw per cycle
+            noise = torch.stack([torch.rand(self.state.noise.shape, generator=self.generator,
+                                            device=self.state.noise.device) for _ in range(cycles)])
+        span = self.spans.span(self.cycles + cycles - 1)
+        if (span, cycles) not in self.steps:
+            self.steps[span, cycles] = self.build_step(replace(self.plan, span=span), cycles)
+        self.state = self.steps[span, cycles](self.state, noise)
+        for _ in range(cycles):
+            self.cycles += 1
+            self._count_rows()
 
     def _complete_cache(self) -> None:
         """Make the cache hold what plain decoding's does (as the lane decoder's `_complete_cache`): every output

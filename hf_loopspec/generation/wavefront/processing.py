@@ -15,9 +15,10 @@ Choice (`choose`), per slot, from its processed scores:
   accepted with probability min(1, p(x) / q(x)); the slot's token is then x, else a draw from
   normalise(max(p - q, 0)) (a slot with no draft after it draws from p). With second proposals the position may
   also hold a second candidate, judged by recursive rejection (`_second_candidate`). Random numbers come from
-  `state.noise` `[B, L, 2]` (`[B, L, 3]` with second proposals): each slot's uniforms, drawn before each step from
-  the run's device generator (column 0 judges the draft, column 1 draws, column 2 judges a second candidate). A
-  draw from weights w is the inverse of w's cumulative sum at u * sum(w), so a zero weight is never drawn.
+  `state.noise` `[B, L, 2]` (`[B, L, 3]` with second proposals): each slot's uniforms for the cycle, drawn by the
+  host from the run's device generator, one draw per cycle (column 0 judges the draft, column 1 draws, column 2
+  judges a second candidate). A draw from weights w is the inverse of w's cumulative sum at u * sum(w), so a zero
+  weight is never drawn.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ class SlotAttention:
         n = batch * lanes
         lane_q = q[:n].float().view(batch, lanes, -1)  # [B, L, Hq * D]
         grid_q = (self.place.transpose(1, 2) @ lane_q).view(tables, grid // plan.planes, *q.shape[1:])  # [., R, Hq, D]
-        grid_out = _attend(grid_q.transpose(1, 2), keys, values, self.lane_visible)  # [B * planes, Hq, R, D]
+        grid_out = _attend_cells(grid_q.transpose(1, 2), keys, values, self.lane_visible)  # [B * planes, Hq, R, D]
         out = [(self.place @ grid_out.transpose(1, 2).reshape(batch, grid, -1)).view(n, *q.shape[1:])]  # [B*L, Hq, D]
         prompts = self.prompt_visible.shape[2]
         if prompts:
@@ -126,6 +126,19 @@ class SlotAttention:
             out.append(self.siblings.attend(layer_idx, q[pooled:], k[pooled:], v[pooled:], keys, values, _attend))
         out = torch.where(self.active[:, None, None], torch.cat(out), 0.0).to(q.dtype)  # [N, Hq, D]
         return out if self.rows is None else out[self.rows]
+
+
+def _attend_cells(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """`_attend` for a few query cells per table (the lane grid): the same attention as two batched products and a
+    masked softmax. Compiled, this is two matrix-multiply calls and one fused kernel, cheaper than the fused attention
+    op's fixed cost on small shapes; `_attend` (that op) stays for the prompt rows, whose scores would be large."""
+    groups, heads, cells, dim = q.shape
+    kv_heads = keys.shape[2]
+    k = keys.float().transpose(1, 2)[:, :, None]  # [G, Hkv, 1, S, D] (query head h reads KV head h // (Hq / Hkv))
+    v = values.float().transpose(1, 2)[:, :, None]
+    scores = q.reshape(groups, kv_heads, heads // kv_heads, cells, dim) @ k.transpose(-1, -2) * dim ** -0.5
+    scores = scores.masked_fill(~visible[:, :, None], float("-inf"))  # [G, Hkv, Hq / Hkv, R, S]
+    return (torch.softmax(scores, -1) @ v).reshape(groups, heads, cells, dim)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -162,6 +175,22 @@ def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
         return state
 
     return step
+
+
+def make_cycles(model, plan: Plan, cycles: int) -> Callable[[WavefrontState, torch.Tensor | None], WavefrontState]:
+    """`cycles` cycles of `plan`'s step as one function `(state, noise) -> state`, cycle i sampling with the uniforms
+    `noise[i]` (`noise`: `[cycles, B, L, 2 or 3]`, None when greedy). Compiled, the cycles are one graph (unrolled:
+    compile time grows with `cycles`)."""
+    step = make_step(model, plan)
+
+    def run(state: WavefrontState, noise: torch.Tensor | None) -> WavefrontState:
+        for cycle in range(cycles):
+            if noise is not None:
+                state.noise = noise[cycle]
+            state = step(state)
+        return state
+
+    return run
 
 
 def _head(model, ops, s: WavefrontState, slots: torch.Tensor) -> torch.Tensor:
@@ -259,7 +288,8 @@ def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch
         s.sib_depth = s.sib_depth + sib_ran.long()
     ends = torch.cat([torch.where(ran, s.position + 1, 0), torch.where(prompt_rows, prompt_position + 1, 0)], 1)
     planes = torch.cat([s.depth, s.prompt_depth[:, None].expand(-1, prompts)], 1)  # [B, L + P] each row's plane
-    s.kv_len = s.kv_len.scatter_reduce(1, planes.clamp(max=plan.planes - 1), ends, "amax")  # ends: [B, L + P]
+    hit = planes.clamp(max=plan.planes - 1)[..., None] == torch.arange(plan.planes, device=device)  # [B, L + P, planes]
+    s.kv_len = torch.maximum(s.kv_len, torch.where(hit, ends[..., None], 0).amax(1))  # ends: [B, L + P]
     s.depth = s.depth + ran.long()
     s.prompt_depth = s.prompt_depth + prompt_ran.long()
     return ran, prompt_ran
@@ -305,7 +335,8 @@ def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor,
     if plan.has_eos:
         stop = stop | torch.isin(top_r, s.eos)
     go_on = has_next & match & ~stop
-    reached = torch.cat([torch.ones_like(go_on[:, :1]), go_on[:, :-1]], 1).long().cumprod(1).bool()
+    first_stop = torch.where(go_on.all(1), lanes, (~go_on).long().argmax(1))  # [B] rank of the first lane not going on
+    reached = rank <= first_stop[:, None]  # [B, L] every lane below the rank goes on (no cumprod: a fused compare)
     commit = target & reached  # [B, L]
     n_commit = commit.sum(1)  # [B]
     verified = commit & has_next
