@@ -115,7 +115,8 @@ class SlotAttention:
         n = batch * lanes
         lane_q = q[:n].float().view(batch, lanes, -1)  # [B, L, Hq * D]
         grid_q = (self.place.transpose(1, 2) @ lane_q).view(tables, grid // plan.planes, *q.shape[1:])  # [., R, Hq, D]
-        grid_out = _attend_cells(grid_q.transpose(1, 2), keys, values, self.lane_visible)  # [B * planes, Hq, R, D]
+        attend = _attend_cells if torch.compiler.is_compiling() and q.device.type == "cpu" else _attend
+        grid_out = attend(grid_q.transpose(1, 2), keys, values, self.lane_visible)  # [B * planes, Hq, R, D]
         out = [(self.place @ grid_out.transpose(1, 2).reshape(batch, grid, -1)).view(n, *q.shape[1:])]  # [B*L, Hq, D]
         prompts = self.prompt_visible.shape[2]
         if prompts:
@@ -129,9 +130,11 @@ class SlotAttention:
 
 
 def _attend_cells(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """`_attend` for a few query cells per table (the lane grid): the same attention as two batched products and a
-    masked softmax. Compiled, this is two matrix-multiply calls and one fused kernel, cheaper than the fused attention
-    op's fixed cost on small shapes; `_attend` (that op) stays for the prompt rows, whose scores would be large."""
+    """`_attend` for a few query cells per table (the lane grid), as two batched products and a masked softmax: the
+    lane grid's attention when the step is compiled for a CPU, where inductor makes it two matrix-multiply calls and
+    one fused kernel, cheaper than the fused attention op's fixed cost on small shapes (measured on ouro-tiny).
+    Eager, `_attend` (that op) stays: it reads the strided KV views in place, where the products copy them; it also
+    serves the prompt rows, whose scores would be large, and CUDA (not measured)."""
     groups, heads, cells, dim = q.shape
     kv_heads = keys.shape[2]
     k = keys.float().transpose(1, 2)[:, :, None]  # [G, Hkv, 1, S, D] (query head h reads KV head h // (Hq / Hkv))
