@@ -360,8 +360,10 @@ def test_auto_falls_back_to_lanes(case):
     torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("read_every", [1, 3])
-def test_read_backs_at_most_one_per_r_cycles(monkeypatch, read_every):
+@pytest.mark.parametrize(("read_every", "per_call"), [(1, 1), (3, 1), (3, 3)])
+def test_read_backs_at_most_one_per_r_cycles(monkeypatch, read_every, per_call):
+    """A run of N cycles reads the device state back at most ceil(N / R) times, also when the R cycles between two
+    read-backs run `per_call` at a time (compiled: all of them in one call), with plain's tokens."""
     calls = []
     original = engine_module.read_back
 
@@ -371,9 +373,14 @@ def test_read_backs_at_most_one_per_r_cycles(monkeypatch, read_every):
 
     monkeypatch.setattr(engine_module, "read_back", counting)
     model, ids, mask = _batch(4, (3,))
-    engine, result, _ = _wavefront(model, ids, mask, 10, "pipeline", 1, 1, read_every=read_every)
-    assert engine.cycles >= result.stats.core_calls > 0
+    engine = WavefrontEngine(model, paged_cache(model, debug=False), mode="pipeline", draft_loops=1,
+                             num_speculative_tokens=1, input_ids=ids, attention_mask=mask, pad_token_id=PAD,
+                             max_length=ids.shape[1] + 10, read_every=read_every)
+    engine.cycles_per_call = per_call
+    result = engine.run()
+    assert engine.cycles >= result.stats.core_calls > 0 and engine.cycles % per_call == 0
     assert 1 <= len(calls) <= math.ceil(engine.cycles / read_every)
+    torch.testing.assert_close(result.sequences, plain(model, ids, mask, 10).sequences, atol=0, rtol=0)
 
 
 def test_graph_step_falls_back_to_eager(caplog):
