@@ -191,14 +191,29 @@ def test_compact_rows_equal_fixed_rows(mode, d, k):
 
 
 def test_span_buckets():
-    """Spans are capped at C and rounded up: compiled to powers of two from 64 (few compiles of the step), eager to
-    multiples of 16; before any read-back the bound is the cycle count's, after one the committed count's."""
-    assert [span.bucket(n, compiled=True) for n in (1, 64, 65, 129)] == [64, 64, 128, 256]
-    assert [span.bucket(n, compiled=False) for n in (1, 16, 17, 100)] == [16, 16, 32, 112]
+    """Spans are capped at C and rounded up: compiled to powers of two from 64, where one of at least C / 2 is C
+    itself (few compiles of the step), eager to multiples of 16; before any read-back the bound is the cycle count's,
+    after one the committed count's."""
+    assert [span.bucket(n, compiled=True, positions=300) for n in (1, 64, 65, 129, 300, 900)] == [64, 64, 128, 300,
+                                                                                                   300, 300]
+    assert [span.bucket(n, compiled=True, positions=96) for n in (1, 64, 96)] == [96, 96, 96]
+    assert [span.bucket(n, compiled=False, positions=300) for n in (1, 16, 17, 100, 299)] == [16, 16, 32, 112, 300]
     bound = span.SpanBound(width=10, lanes=4, positions=300, compiled=False)
     assert [bound.span(c) for c in (0, 7, 290)] == [16, 32, 300]
     bound.observe(100, counts=[5, 40], finished=[False, True])  # the finished sequence's count does not matter
-    assert bound.span(102) == span.bucket(10 + 5 + 4 - 1 + 2, compiled=False)
+    assert bound.span(102) == span.bucket(10 + 5 + 4 - 1 + 2, compiled=False, positions=300)
+
+
+def test_reserved_positions():
+    """Compiled, C goes up to the next 2^k or 3 * 2^(k-1) (at least 64): never below the need, never above 1.5x it
+    (beyond 64), and every bucket is its own bucket; eager, C is the need."""
+    grid = sorted({2 ** k for k in range(6, 14)} | {3 * 2 ** (k - 1) for k in range(6, 14)})
+    for needed in range(1, 5000):
+        c = span.reserved_positions(needed, compiled=True)
+        assert c == min(g for g in grid if g >= needed), needed
+        assert c <= max(64, 1.5 * needed)
+        assert span.reserved_positions(c, compiled=True) == c
+        assert span.reserved_positions(needed, compiled=False) == needed
 
 
 SAMPLED = {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "min_p": 0.05}
@@ -206,8 +221,8 @@ SAMPLED = {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "mi
 
 @pytest.mark.parametrize("mode", ["ar", "pipeline", "sampled"])
 def test_step_compiles_whole(mode, monkeypatch):
-    """`torch.compile(step, fullgraph=True)` (a graph break raises) compiles the prefill step and the decode step;
-    the compiled run equals the eager one. The speculative modes compile through `generate(compile_core=...)`, with
+    """`torch.compile(step, fullgraph=True)` (a graph break raises) compiles the decode step once (the calls that
+    carry the prompt rows run eagerly); the compiled run equals the eager one. The speculative modes compile through `generate(compile_core=...)`, with
     the processors the engine applies on the device; "sampled" is block mode with every sampling warper (greedy
     choice compiles in the other two), seeded alike (the uniforms come from the run's generator, outside the step).
     Two cycles per compiled call (the default unrolls more: slower to trace, the same code)."""
@@ -230,7 +245,7 @@ def test_step_compiles_whole(mode, monkeypatch):
         compiled = speculative(model, ids, mask, 8, mode, d, k, speculative_engine="wavefront", compile_core="eager",
                              **settings)
         compiled.stats, eager.stats = compiled.speculation, eager.speculation
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     torch.testing.assert_close(compiled.sequences, eager.sequences, atol=0, rtol=0)
     assert compiled.stats.to_dict() == eager.stats.to_dict()
     if mode == "pipeline":  # a second call with the same settings and shapes compiles nothing
@@ -239,6 +254,22 @@ def test_step_compiles_whole(mode, monkeypatch):
                           **settings)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
         torch.testing.assert_close(again.sequences, eager.sequences, atol=0, rtol=0)
+
+
+def test_compiled_step_serves_other_lengths(monkeypatch):
+    """Compiled, a call whose prompt width and max_new_tokens fall in the bucket of reserved positions C of an
+    earlier call (`span.reserved_positions`) compiles nothing: the compiled step's shapes depend on C, not on the
+    call's own lengths. Each run equals plain greedy decoding."""
+    monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
+    model = tiny_spec_model(11, vocab=VOCAB, damp=0.5)
+    graphs = []
+    for lengths, new in (((3, 5), 8), ((9, 2), 13)):  # widths 5 and 9: C = 64 for both
+        ids, mask = left_pad(random_prompts(11, lengths, VOCAB))
+        torch._dynamo.utils.counters.clear()
+        out = speculative(model, ids, mask, new, "pipeline", 1, speculative_engine="wavefront", compile_core="eager")
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        torch.testing.assert_close(out.sequences, plain(model, ids, mask, new).sequences, atol=0, rtol=0)
+    assert graphs == [1, 0]
 
 
 def test_generate_speculative_engine():

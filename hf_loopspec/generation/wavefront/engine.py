@@ -1,8 +1,8 @@
 """Set-up, host loop and tear-down of one wavefront run (see `step` for the cycle).
 
-Set-up reserves, in the run's `PagedLoopCache`, every page a sequence can need (C = padded prompt width +
-max_new_tokens positions in every plane), table after table from page 0, so each (sequence, plane) is one
-contiguous run of the pool for the whole run (`Plan.table_width`), and embeds the prompt. The host loop runs the
+Set-up reserves, in the run's `PagedLoopCache`, every page a sequence can need (C >= padded prompt width +
+max_new_tokens positions in every plane: `span.reserved_positions`), table after table from page 0, so each
+(sequence, plane) is one contiguous run of the pool for the whole run (`Plan.table_width`), and embeds the prompt. The host loop runs the
 step R cycles at a time and then calls `read_back`, the only place where the host reads the device state during
 the run; it stops when every sequence has finished. Compiled, those R cycles (up to `CYCLES_PER_CALL`) are one call
 of one compiled function (`step.make_cycles`), with inductor's C++ wrapper on a CPU (`CPU_INDUCTOR_OPTIONS`): on
@@ -10,8 +10,11 @@ small shapes the fixed cost of a call (dynamo's guards, the wrapper between the 
 call runs the step of its span (`span.SpanBound`: the positions its attention reads, bounded from the cycle count and
 the latest read-back; the span of the call's last cycle). The prompt rows exist only during the first cycles (a
 number known in advance: U, plus K*d in block mode), after which they are dropped from the state (at the first call
-that starts after them). Tear-down truncates the cache to the device's KV lengths and builds the lane decoder's
-`DecodeResult`.
+that starts after them); the calls that carry them run eagerly, also when the step is compiled: their shapes are the
+prompt's width, and compiled they would compile once per width. So a compiled step's shapes depend on the batch
+size, the reserved positions C and the span only, and later calls whose prompt width and max_new_tokens fall in the
+same bucket of C compile nothing. Tear-down truncates the cache to the device's KV lengths and builds the lane
+decoder's `DecodeResult`.
 
 The engine covers Ouro-like models (entry and head stages without KV), greedy decoding and sampling with the
 logits processors `processing` runs on the device, EOS and length stops.
@@ -31,7 +34,7 @@ from ..decoder import DecodeResult
 from ..history import run_planes
 from ..stats import SequenceStats, SpeculationStats
 from .device import GraphStep, ReadBack, uses_cuda_graphs
-from .span import SpanBound
+from .span import SpanBound, reserved_positions
 from .state import COUNTERS, Plan, WavefrontState
 from .step import head_rows, make_cycles, make_step
 
@@ -126,9 +129,11 @@ class WavefrontEngine:
         max_new = max(max_length - width, 0)
         eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         draft_loops = draft_loops if mode != "ar" else 0
+        self.compile_backend = compile_backend
         self.plan = Plan(mode, model.num_loops, draft_loops, num_speculative_tokens,
-                         lanes_for(mode, model.num_loops, draft_loops, num_speculative_tokens),
-                         cache.num_planes, cache.page_size, width + max_new, bool(eos), processors, do_sample,
+                         lanes_for(mode, model.num_loops, draft_loops, num_speculative_tokens), cache.num_planes,
+                         cache.page_size, reserved_positions(width + max_new, compile_backend is not None),
+                         bool(eos), processors, do_sample,
                          compact=compile_backend is None and input_ids.device.type == "cpu",
                          second_loops=second_draft_loops)
         self.prefill_cycles = model.num_loops + (num_speculative_tokens * draft_loops if mode == "block" else 0)
@@ -149,10 +154,11 @@ class WavefrontEngine:
         # read-backs run as one call (its fixed cost, dynamo's guards and the call's wrapper, is paid once for them);
         # eager, one (nothing to save)
         self.cycles_per_call = math.gcd(read_every, CYCLES_PER_CALL) if compile_backend is not None else 1
-        # the step function of each span (`span.SpanBound`): a plan of its own, so it compiles once per span
+        # the step function of `cycles` cycles reading `span` positions (`span.SpanBound`): a plan of its own, so it
+        # compiles once per span (`_step_function`)
         self.build_step = (lambda plan, cycles: make_cycles(model, plan, cycles)) if compile_backend is None else \
             (lambda plan, cycles: compiled_cycles(model, plan, cycles, compile_backend, input_ids.device))
-        self.steps = {}  # (span, cycles) -> step function
+        self.steps = {}  # (span, cycles, prefill) -> step function
         self.spans = SpanBound(width, self.plan.lanes, self.plan.positions, compile_backend is not None)
         self.cycles = 0
 
@@ -193,15 +199,13 @@ class WavefrontEngine:
             prompt_hidden=torch.zeros(batch, prompts, hidden_size, dtype=like.dtype, device=device),
             prompt_real=torch.arange(prompts, device=device) < (prompt_len - 1)[:, None],
             prompt_start=torch.zeros(batch, **long), prompt_depth=torch.zeros(batch, **long),
-            out=torch.full((batch, max_new + 1), self.pad, **long), n_out=torch.zeros(batch, **long),
+            out=torch.full((batch, self._out_columns(max_new) + 1), self.pad, **long), n_out=torch.zeros(batch, **long),
             finished=(prompt_len == 0) | (max_new == 0), prompt_len=prompt_len,
             max_new=torch.tensor(max_new, **long), eos=torch.tensor(eos or [-1], **long),
             round_drafts=torch.zeros(batch, **long), counters=torch.zeros(batch, len(COUNTERS), **long),
             core_calls=torch.zeros((), **long), core_rows=torch.zeros((), **long),
-            draft_override=torch.full((batch, plan.positions), -1, **long) if draft_override is None
-            else draft_override.to(**long),
-            second_override=torch.full((batch, plan.positions), -1, **long) if second_override is None
-            else second_override.to(**long),
+            draft_override=self._override(draft_override, batch, device),
+            second_override=self._override(second_override, batch, device),
             seen=torch.zeros(batch, 0, dtype=torch.bool, device=device), eos_hold=torch.zeros(0, **long),
             k_pool=self.cache.k_pool.view(-1, *self.cache.k_pool.shape[-2:]),
             v_pool=self.cache.v_pool.view(-1, *self.cache.v_pool.shape[-2:]), trash_slot=trash,
@@ -226,6 +230,19 @@ class WavefrontEngine:
             state.alive[b, slot] = not bool(state.finished[b])
             state.hidden[b, slot] = vectors[-1]
         return state
+
+    def _out_columns(self, max_new: int) -> int:
+        """T, the committed-token buffer's columns before its trash column: max_new_tokens eager; compiled, C (not
+        the call's own count: the step's shapes depend on C alone)."""
+        return max_new if self.compile_backend is None else self.plan.positions
+
+    def _override(self, given: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
+        """`[B, C]` a draft (or second proposal) override: `given` (its columns are positions) padded with -1
+        (no override) to the C positions reserved."""
+        override = torch.full((batch, self.plan.positions), -1, dtype=torch.long, device=device)
+        if given is not None:
+            override[:, : given.shape[1]] = given[:, : self.plan.positions]
+        return override
 
     def _private_rows(self, batch: int) -> torch.Tensor:
         """A sibling's private KV rows (`WavefrontState.sib_k`): `[layers, B * planes + 1, Hkv, D]` with second
@@ -270,19 +287,27 @@ class WavefrontEngine:
         the first call that starts after the prefill: until then they ride along masked), draw each cycle's uniforms
         (sampling), run the step function of the span of the call's last cycle (spans grow with the cycle)."""
         if self.cycles >= self.prefill_cycles and self.state.prompt_real.shape[1]:
-            self.state = replace(self.state, prompt_hidden=self.state.prompt_hidden[:, :0].clone(),
-                                 prompt_real=self.state.prompt_real[:, :0].clone())
+            batch, _, hidden = self.state.prompt_hidden.shape  # empty and contiguous: the strides the step returns
+            self.state = replace(self.state, prompt_hidden=self.state.prompt_hidden.new_empty(batch, 0, hidden),
+                                 prompt_real=self.state.prompt_real.new_empty(batch, 0))
         noise = None
         if self.generator is not None:  # [cycles, B, L, 2 or 3], one draw per cycle
             noise = torch.stack([torch.rand(self.state.noise.shape, generator=self.generator,
                                             device=self.state.noise.device) for _ in range(cycles)])
         span = self.spans.span(self.cycles + cycles - 1)
-        if (span, cycles) not in self.steps:
-            self.steps[span, cycles] = self.build_step(replace(self.plan, span=span), cycles)
-        self.state = self.steps[span, cycles](self.state, noise)
+        self.state = self._step_function(span, cycles, prefill=self.state.prompt_real.shape[1] > 0)(self.state, noise)
         for _ in range(cycles):
             self.cycles += 1
             self._count_rows()
+
+    def _step_function(self, span: int, cycles: int, prefill: bool):
+        """`build_step`'s function of `cycles` cycles reading `span` positions, built once per run; a call that
+        carries the prompt rows (`prefill`) runs uncompiled."""
+        key = (span, cycles, prefill and self.compile_backend is not None)
+        if key not in self.steps:
+            plan = replace(self.plan, span=span)
+            self.steps[key] = make_cycles(self.model, plan, cycles) if key[-1] else self.build_step(plan, cycles)
+        return self.steps[key]
 
     def _complete_cache(self) -> None:
         """Make the cache hold what plain decoding's does (as the lane decoder's `_complete_cache`): every output

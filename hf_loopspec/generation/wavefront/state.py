@@ -1,8 +1,9 @@
 """The wavefront engine's state: one flat dataclass of fixed-shape tensors on the model's device.
 
 Shapes: B sequences, L lane slots per sequence, P prompt rows per sequence (0 once the prompt has passed all
-loops), H hidden size, T = max_new_tokens, C positions reserved per sequence (padded prompt width + T), planes =
-the KV planes of the model.
+loops), H hidden size, C positions reserved per sequence (at least the padded prompt width + max_new_tokens:
+`span.reserved_positions`), T output columns (max_new_tokens; C when the step is compiled, so that its shapes do not
+depend on the call's lengths), planes = the KV planes of the model.
 
 Lane slots. A sequence's live lanes hold consecutive positions, so lane position p lives in slot p % L. A lane
 is a token on its way through the loops: `depth` loops done, `hidden` the input of its next loop. `draft` marks
