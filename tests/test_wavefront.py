@@ -391,6 +391,28 @@ def test_auto_falls_back_to_lanes(case):
     torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
 
 
+def test_memory_check_counts_the_reserved_positions(monkeypatch):
+    """The KV pages reserved up front must fit in half the free memory, counted over the positions the engine
+    reserves: compiled, the bucket of C (`span.reserved_positions`), more than the call's max_length. Past it,
+    "wavefront" raises a ValueError naming max_length and "auto" runs the lane decoder (plain's tokens)."""
+    model, ids, mask = _batch(7, (3, 5))
+    cache = paged_cache(model, debug=False)
+    new = 4
+    max_length = ids.shape[1] + new
+    per_position = len(ids) * cache.num_planes * cache.bytes_per_token_per_depth(model.lane_dtype)
+    assert span.reserved_positions(max_length, compiled=True) > max_length
+    monkeypatch.setattr(select, "free_memory", lambda device: 2 * per_position * max_length)  # eager just fits
+    ref = plain(model, ids, mask, new)
+    eager = speculative(model, ids, mask, new, "pipeline", 1, 1, speculative_engine="wavefront")
+    assert eager.speculation.engine == "wavefront"
+    with pytest.raises(ValueError, match=re.escape(f"max_length={max_length} (KV pages for 64 positions")):
+        speculative(model, ids, mask, new, "pipeline", 1, 1, speculative_engine="wavefront", compile_core="eager")
+    auto = speculative(model, ids, mask, new, "pipeline", 1, 1, compile_core="eager")
+    assert auto.speculation.engine == "lanes"
+    for out in (eager, auto):
+        torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize(("read_every", "per_call"), [(1, 1), (3, 1), (3, 3)])
 def test_read_backs_at_most_one_per_r_cycles(monkeypatch, read_every, per_call):
     """A run of N cycles reads the device state back at most ceil(N / R) times, also when the R cycles between two

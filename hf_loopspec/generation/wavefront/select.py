@@ -26,11 +26,12 @@ from ..config import SpeculativeConfig
 from ..decoder import DecodeResult
 from .engine import WavefrontEngine, second_proposals_problem
 from .processing import device_processors, on_device
+from .span import reserved_positions
 
 
-def unsupported(model, cache: PagedLoopCache, options: dict) -> list[str]:
-    """The settings of a call (its cache and the lane decoder's `options`) that the wavefront engine does not
-    support."""
+def unsupported(model, cache: PagedLoopCache, options: dict, compiled: bool = False) -> list[str]:
+    """The settings of a call (its cache and the lane decoder's `options`; `compiled`: with `compile_core`) that
+    the wavefront engine does not support."""
     problems = []
     layout = model.kv_layout
     if layout.entry_plane is not None or layout.first_exit_plane is not None:
@@ -40,11 +41,12 @@ def unsupported(model, cache: PagedLoopCache, options: dict) -> list[str]:
     if cache.debug:
         problems.append("PagedLoopCache(debug=True) (its lineage checks follow the lane decoder's lanes)")
     ids = options["input_ids"]
-    reserved = len(ids) * cache.num_planes * options["max_length"] * cache.bytes_per_token_per_depth(model.lane_dtype)
+    positions = reserved_positions(options["max_length"], compiled)
+    reserved = len(ids) * cache.num_planes * positions * cache.bytes_per_token_per_depth(model.lane_dtype)
     if reserved > free_memory(ids.device) / 2:
-        problems.append(f"max_length={options['max_length']} (KV pages for every position of {len(ids)} sequences "
-                        f"in {cache.num_planes} planes, reserved up front, need {reserved / 2**30:.1f} GiB: more "
-                        "than half the free memory)")
+        problems.append(f"max_length={options['max_length']} (KV pages for {positions} positions of {len(ids)} "
+                        f"sequences in {cache.num_planes} planes, reserved up front, need {reserved / 2**30:.1f} GiB: "
+                        "more than half the free memory)")
     width = options["input_ids"].shape[1]
     problems += [f"logits processor {type(p).__name__}" for p in options.get("logits_processor") or ()
                  if not on_device(p, width)]
@@ -81,7 +83,7 @@ def choose_engine(model, spec: SpeculativeConfig, cache: PagedLoopCache, options
     if spec.engine == "lanes" or spec.engine == "auto" and not wavefront_preferred(options["input_ids"].device,
                                                                                    spec.compile_backend):
         return "lanes"
-    problems = unsupported(model, cache, options)
+    problems = unsupported(model, cache, options, compiled=spec.compile_backend is not None)
     second = second_proposals_problem(spec.mode, model.num_loops, spec.draft_loops, spec.second_draft_loops)
     problems += [second] if second else []
     if not problems:
