@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -222,10 +223,11 @@ SAMPLED = {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "mi
 @pytest.mark.parametrize("mode", ["ar", "pipeline", "sampled"])
 def test_step_compiles_whole(mode, monkeypatch):
     """`torch.compile(step, fullgraph=True)` (a graph break raises) compiles the decode step once (the calls that
-    carry the prompt rows run eagerly); the compiled run equals the eager one. The speculative modes compile through `generate(compile_core=...)`, with
-    the processors the engine applies on the device; "sampled" is block mode with every sampling warper (greedy
-    choice compiles in the other two), seeded alike (the uniforms come from the run's generator, outside the step).
-    Two cycles per compiled call (the default unrolls more: slower to trace, the same code)."""
+    carry the prompt rows run eagerly); the compiled run equals the eager one. The speculative modes compile through
+    `generate(compile_core=...)`, with the processors the engine applies on the device; "sampled" is block mode with
+    every sampling warper (greedy choice compiles in the other two), seeded alike (the uniforms come from the run's
+    generator, outside the step). Two cycles per compiled call (the default unrolls more: slower to trace, the same
+    code)."""
     monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
     model, ids, mask = _batch(3, (3, 5))
     sampled = mode == "sampled"
@@ -256,17 +258,25 @@ def test_step_compiles_whole(mode, monkeypatch):
         torch.testing.assert_close(again.sequences, eager.sequences, atol=0, rtol=0)
 
 
-def test_compiled_step_serves_other_lengths(monkeypatch):
+NO_COMPILER = shutil.which("g++") is None and shutil.which("c++") is None
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param(True, id="inductor", marks=[
+    pytest.mark.slow, pytest.mark.skipif(NO_COMPILER, reason="inductor's CPU code generation needs a C++ compiler")])])
+def test_compiled_step_serves_other_lengths(backend, monkeypatch):
     """Compiled, a call whose prompt width and max_new_tokens fall in the bucket of reserved positions C of an
     earlier call (`span.reserved_positions`) compiles nothing: the compiled step's shapes depend on C, not on the
-    call's own lengths. Each run equals plain greedy decoding."""
-    monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
+    call's own lengths. Each run equals plain greedy decoding. `compile_core=True` is the step as users compile it
+    (inductor, with its C++ wrapper on a CPU, `CYCLES_PER_CALL` cycles per call); the "eager" backend traces the
+    same graph, with 2 cycles per call (faster)."""
+    if backend == "eager":
+        monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
     model = tiny_spec_model(11, vocab=VOCAB, damp=0.5)
     graphs = []
     for lengths, new in (((3, 5), 8), ((9, 2), 13)):  # widths 5 and 9: C = 64 for both
         ids, mask = left_pad(random_prompts(11, lengths, VOCAB))
         torch._dynamo.utils.counters.clear()
-        out = speculative(model, ids, mask, new, "pipeline", 1, speculative_engine="wavefront", compile_core="eager")
+        out = speculative(model, ids, mask, new, "pipeline", 1, speculative_engine="wavefront", compile_core=backend)
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         torch.testing.assert_close(out.sequences, plain(model, ids, mask, new).sequences, atol=0, rtol=0)
     assert graphs == [1, 0]

@@ -2,19 +2,19 @@
 
 Set-up reserves, in the run's `PagedLoopCache`, every page a sequence can need (C >= padded prompt width +
 max_new_tokens positions in every plane: `span.reserved_positions`), table after table from page 0, so each
-(sequence, plane) is one contiguous run of the pool for the whole run (`Plan.table_width`), and embeds the prompt. The host loop runs the
-step R cycles at a time and then calls `read_back`, the only place where the host reads the device state during
-the run; it stops when every sequence has finished. Compiled, those R cycles (up to `CYCLES_PER_CALL`) are one call
-of one compiled function (`step.make_cycles`), with inductor's C++ wrapper on a CPU (`CPU_INDUCTOR_OPTIONS`): on
-small shapes the fixed cost of a call (dynamo's guards, the wrapper between the kernels) is most of a cycle's. Each
-call runs the step of its span (`span.SpanBound`: the positions its attention reads, bounded from the cycle count and
-the latest read-back; the span of the call's last cycle). The prompt rows exist only during the first cycles (a
-number known in advance: U, plus K*d in block mode), after which they are dropped from the state (at the first call
-that starts after them); the calls that carry them run eagerly, also when the step is compiled: their shapes are the
-prompt's width, and compiled they would compile once per width. So a compiled step's shapes depend on the batch
-size, the reserved positions C and the span only, and later calls whose prompt width and max_new_tokens fall in the
-same bucket of C compile nothing. Tear-down truncates the cache to the device's KV lengths and builds the lane
-decoder's `DecodeResult`.
+(sequence, plane) is one contiguous run of the pool for the whole run (`Plan.table_width`), and embeds the prompt.
+The host loop runs the step R cycles at a time and then calls `read_back`, the only place where the host reads the
+device state during the run; it stops when every sequence has finished. Compiled, those R cycles (up to
+`CYCLES_PER_CALL`) are one call of one compiled function (`step.make_cycles`), with inductor's C++ wrapper on a CPU
+(`CPU_INDUCTOR_OPTIONS`): on small shapes the fixed cost of a call (dynamo's guards, the wrapper between the
+kernels) is most of a cycle's. Each call runs the step of its span (`span.SpanBound`: the positions its attention
+reads, bounded from the cycle count and the latest read-back; the span of the call's last cycle). The prompt rows
+exist only during the first cycles (a number known in advance: U, plus K*d in block mode), after which they are
+dropped from the state (at the first call that starts after them); the calls that carry them run eagerly, also when
+the step is compiled: their shapes are the prompt's width, and compiled they would compile once per width. So a
+compiled step's shapes depend on the batch size, the reserved positions C and the span only, and later calls whose
+prompt width and max_new_tokens fall in the same bucket of C compile nothing. Tear-down truncates the cache to the
+device's KV lengths and builds the lane decoder's `DecodeResult`.
 
 The engine covers Ouro-like models (entry and head stages without KV), greedy decoding and sampling with the
 logits processors `processing` runs on the device, EOS and length stops.
