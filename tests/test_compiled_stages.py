@@ -55,13 +55,15 @@ def test_ouro_compiled_equals_eager_and_compiles_once_per_bucket(mode, d, k):
 
 
 def test_other_lengths_reuse_the_stages():
-    """A later call with the same batch size but longer prompts and more new tokens (more KV pages per table)
-    reuses the compiled stages: no stages of its own, no recompilation (a bucket it runs first compiles once), and
-    plain's tokens."""
+    """A later call with another batch size of the same capacity (`capacity_for`: 3 and 4 sequences of 4 loops
+    both fit 16 rows), longer prompts and more new tokens (more KV tables, more pages per table) reuses the compiled
+    stages: no stages of its own, no recompilation (a bucket it runs first compiles once), and plain's tokens."""
     model = tiny_spec_model(3, 4, vocab=VOCAB, damp=0.1)
-    for lengths, new in (([6, 2, 9], NEW), ([30, 4, 17], 3 * NEW)):  # 33 and 102 positions per sequence
+    assert capacity_for(3, 4, 1) == capacity_for(4, 4, 1)
+    for lengths, new in (([6, 2, 9], NEW), ([30, 4, 17, 11], 3 * NEW)):  # 33 and 102 positions per sequence
         ids, mask = left_pad(random_prompts(3, lengths, VOCAB))
-        out = speculative(model, ids, mask, new, "pipeline", 1, compile_core="aot_eager", speculative_engine="lanes")
+        out = speculative(model, ids, mask, new, "pipeline", 1, 1, compile_core="aot_eager",
+                          speculative_engine="lanes")
         assert out.sequences.tolist() == plain(model, ids, mask, new).sequences.tolist()
     assert_no_recompilation(stages_of(model))  # stages_of: exactly one StaticStages for both calls
 

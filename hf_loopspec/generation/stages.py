@@ -9,17 +9,17 @@
   no KV), context length 0 (they read none and attend to nothing), position 0, zero hidden state; their outputs
   are dropped. A call with more rows than the largest bucket (a long prompt's prefill) runs eagerly.
 * Fixed-capacity metadata: each stage keeps device buffers of `capacity` rows (slot, table, context length,
-  position) and a `[tables, pages per table]` block-table buffer sized for the longest sequence of the runs so far
-  (widened for a run that needs more: the graphs never see it); every call refills them in place (device copies,
-  no host synchronisation), and the attention object a compiled graph sees is the same object for the life of the
-  stages.
+  position) and a `[tables, pages per table]` block-table buffer sized for the most tables and the longest
+  sequence of the runs so far (grown for a run that needs more: the graphs never see it); every call refills them
+  in place (device copies, no host synchronisation), and the attention object a compiled graph sees is the same
+  object for the life of the stages.
 * Attention is one opaque custom op in the graph (`hf_loopspec::static_attention`): it writes the rows' KV and
   attends through the stage's `StaticRows`, which the compiler never traces (on CPU the reference groups rows by
   table, which is data dependent). Every other part of a core call (norms, projections, rotary embeddings, MLPs)
   is compiled into one graph per bucket, without graph breaks.
 
-Stages are cached on the model per (backend, device, dtype, capacity, tables, layout), so a second `generate` call
-with the same batch size and settings compiles nothing, whatever its prompt and output lengths. `compiles` counts
+Stages are cached on the model per (backend, device, dtype, capacity, layout), so a second `generate` call whose
+batch has the same capacity (`capacity_for`) and settings compiles nothing, whatever its prompt and output lengths. `compiles` counts
 the graphs each stage compiled and `shapes` the buckets it ran: without recompilation they are equal in number.
 """
 
@@ -98,11 +98,11 @@ class StaticRows:
         self.handle = id(self)
         _STATIC_ROWS[self.handle] = self
 
-    def ensure_pages(self, pages_per_table: int) -> None:
-        """Widen the block-table buffer to hold `pages_per_table` pages per table (never narrowed)."""
-        tables, width = self.block_tables.shape
-        if width < pages_per_table:
-            self.block_tables = self.block_tables.new_full((tables, pages_per_table), -1)
+    def ensure_tables(self, tables: int, pages_per_table: int) -> None:
+        """Grow the block-table buffer to hold `tables` tables of `pages_per_table` pages (it never shrinks)."""
+        rows, width = self.block_tables.shape
+        if rows < tables or width < pages_per_table:
+            self.block_tables = self.block_tables.new_full((max(rows, tables), max(width, pages_per_table)), -1)
 
     def load(self, cache: PagedLoopCache, rows: RowBatch, size: int) -> None:
         n = rows.num_rows
@@ -141,10 +141,10 @@ class StaticStages:
     def for_run(cls, model, cache: PagedLoopCache, backend: str, batch: int, capacity: int, max_positions: int,
                 device: torch.device, dtype: torch.dtype) -> StaticStages:
         """The model's stages for a run of `batch` sequences of at most `max_positions` positions on `cache`,
-        built on first use and kept (beside the model) for later runs of the same shapes, whatever their lengths."""
+        built on first use and kept (beside the model) for later runs of the same capacity, whatever their lengths."""
         tables = batch * cache.num_planes
         pages_per_table = -(-max_positions // cache.page_size)
-        key = (backend, str(device), dtype, capacity, tables, cache.kv_layout)
+        key = (backend, str(device), dtype, capacity, cache.kv_layout)
         store = _STAGES.setdefault(model, {})
         if key not in store:
             store[key] = cls(model, backend, capacity, tables, pages_per_table, device,
@@ -152,7 +152,7 @@ class StaticStages:
         stages = store[key]
         stages.cache = cache
         for rows in (stages.core_rows, stages.head_rows):
-            rows.ensure_pages(pages_per_table)
+            rows.ensure_tables(tables, pages_per_table)
         return stages
 
     def _compile(self, method, backend: str, stage: str):
