@@ -19,8 +19,9 @@
   is compiled into one graph per bucket, without graph breaks.
 
 Stages are cached on the model per (backend, device, dtype, capacity, layout), so a second `generate` call whose
-batch has the same capacity (`capacity_for`) and settings compiles nothing, whatever its prompt and output lengths. `compiles` counts
-the graphs each stage compiled and `shapes` the buckets it ran: without recompilation they are equal in number.
+batch has the same capacity (`capacity_for`) and settings compiles nothing, whatever its prompt and output lengths.
+`compiles` counts the graphs each stage compiled and `shapes` the buckets it ran: without recompilation they are
+equal in number.
 """
 
 from __future__ import annotations
