@@ -281,6 +281,21 @@ def test_compiled_step_serves_other_lengths(backend, monkeypatch):
     assert graphs == [1, 0]
 
 
+def test_compiled_step_across_batch_sizes(monkeypatch):
+    """Compiled, each batch size gives plain's tokens; a second batch size compiles once more (dynamo then marks the
+    batch dimension dynamic; batch size 1 is specialised) and a later one compiles nothing."""
+    monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
+    model = tiny_spec_model(11, vocab=VOCAB, damp=0.5)
+    graphs = []
+    for lengths in ((3, 5, 4), (6, 2), (4,), (3, 5, 4, 2, 7)):
+        ids, mask = left_pad(random_prompts(11, lengths, VOCAB))
+        torch._dynamo.utils.counters.clear()
+        out = speculative(model, ids, mask, 8, "pipeline", 1, speculative_engine="wavefront", compile_core="eager")
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        torch.testing.assert_close(out.sequences, plain(model, ids, mask, 8).sequences, atol=0, rtol=0)
+    assert graphs == [1, 1, 1, 0]
+
+
 def test_generate_speculative_engine():
     """`speculative_engine` picks the engine; "auto" (the default) runs the wavefront engine when it supports the
     call, else the lane decoder: here for a debug cache (its lineage checks follow lanes)."""
