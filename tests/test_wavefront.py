@@ -282,8 +282,9 @@ def test_compiled_step_serves_other_lengths(backend, monkeypatch):
 
 
 def test_compiled_step_across_batch_sizes(monkeypatch):
-    """Compiled, each batch size gives plain's tokens; a second batch size compiles once more (dynamo then marks the
-    batch dimension dynamic; batch size 1 is specialised) and a later one compiles nothing."""
+    """Compiled, each batch size gives plain's tokens, and after two other sizes (dynamo then marks the batch
+    dimension dynamic) a third compiles nothing. Whether the second size compiles depends on the process: dynamo's
+    automatic-dynamic record of this code outlives a compiled function (other tests may have set it)."""
     monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
     model = tiny_spec_model(11, vocab=VOCAB, damp=0.5)
     graphs = []
@@ -293,7 +294,7 @@ def test_compiled_step_across_batch_sizes(monkeypatch):
         out = speculative(model, ids, mask, 8, "pipeline", 1, speculative_engine="wavefront", compile_core="eager")
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         torch.testing.assert_close(out.sequences, plain(model, ids, mask, 8).sequences, atol=0, rtol=0)
-    assert graphs == [1, 1, 1, 0]
+    assert graphs[0] == 1 and graphs[-1] == 0, graphs
 
 
 def test_generate_speculative_engine():
