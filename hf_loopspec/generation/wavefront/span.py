@@ -3,9 +3,9 @@ per sequence (`reserved_positions`) and the span of each cycle (`SpanBound`: how
 reads, `Plan.span`).
 
 Compiled, every distinct shape is a compile of the step, so both are rounded up to coarse buckets. The reserved
-positions C (padded prompt width + max_new_tokens) go up to a number of the form 2^k or 3 * 2^(k-1), at least 64 (at
-most 1.5x the positions asked for, two buckets per doubling): calls whose prompts and lengths fall in one bucket
-share their compiled steps. Eager, C is what the call asks for.
+positions C (padded prompt width + max_new_tokens) go up to a number of the form 2^k or 3 * 2^(k-1), at least 64
+(above 64, at most 1.5x the positions asked for; two buckets per doubling): calls whose prompts and lengths fall in
+one bucket share their compiled steps. Eager, C is what the call asks for.
 
 Two facts of the cycle (`step`) bound every live lane's position p before cycle c (counted from 0):
 
