@@ -39,6 +39,7 @@ from transformers import EosTokenCriteria, GenerationConfig, MaxLengthCriteria, 
 
 from hf_loopspec.generation.wavefront import WavefrontEngine, select, span
 from hf_loopspec.generation.wavefront import engine as engine_module
+from hf_loopspec.generation.wavefront import device as device_module
 from hf_loopspec.generation.wavefront.device import GraphStep, uses_cuda_graphs
 from hf_loopspec.generation.wavefront.processing import device_processors, draw, score_ops
 from hf_loopspec.generation.wavefront.state import Plan
@@ -482,6 +483,40 @@ def test_graph_step_falls_back_to_eager(caplog):
     assert _counts(result.stats) == _counts(eager.stats)
     assert [uses_cuda_graphs(torch.device(d), b) for d, b in [("cuda", "inductor"), ("cuda", "eager"),
                                                               ("cpu", "inductor")]] == [True, False, False]
+
+
+@pytest.mark.parametrize("second", [None, 3])
+def test_graph_step_hands_on_states_it_owns(second):
+    """Under CUDA graphs a replay's outputs live in the graphs' pool and the next replay frees them, so `GraphStep`
+    must never feed one call's output tensors to the next (untestable without a GPU: here the "compiled" step is
+    the eager step, recording what it gets and returns). Every call after the first gets none of the tensors the
+    previous call returned except the buffers written in place (the KV pools, the sibling rows), which stay the
+    run's own; the run gives the eager run's tokens and counters."""
+    model, ids, mask = _batch(12, (3, 5))
+    options = dict(mode="pipeline", draft_loops=1, num_speculative_tokens=1, input_ids=ids, attention_mask=mask,
+                   pad_token_id=PAD, max_length=ids.shape[1] + 9, second_draft_loops=second)
+    eager = WavefrontEngine(model, paged_cache(model, debug=False), **options).run()
+    engine = WavefrontEngine(model, paged_cache(model, debug=False), **options)
+    eager_step, calls = engine.build_step, []
+
+    def recording(step):
+        def compiled(state, noise):
+            given = vars(state).copy()
+            result = step(state, noise)
+            calls.append((given, vars(result).copy()))
+            return result
+        return compiled
+
+    engine.build_step = lambda plan, cycles: GraphStep(recording(eager_step(plan, cycles)), eager_step(plan, cycles))
+    result = engine.run()
+    assert len(calls) > 2 and not any(step.failed for step in engine.steps.values() if isinstance(step, GraphStep))
+    for (given, returned), (next_given, _) in zip(calls, calls[1:]):
+        made = [t for t in returned.values() if all(t is not g for g in given.values())]  # the call's own outputs
+        assert made and not any(t is m for t in next_given.values() for m in made)
+    for given, _ in calls:
+        assert all(given[name] is calls[0][0][name] for name in device_module.IN_PLACE)
+    torch.testing.assert_close(result.sequences, eager.sequences, atol=0, rtol=0)
+    assert _counts(result.stats) == _counts(eager.stats)
 
 
 def test_errors_name_the_setting():

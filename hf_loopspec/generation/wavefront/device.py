@@ -8,14 +8,18 @@ and a plain compiled step, which is what the tests run.
   stream that waits for the compute stream, with an event the host waits on only when it reads the values
   (`values`), so the cycles launched meanwhile run while the copy lands. On a CPU the values are there at once.
 * `GraphStep`: the step compiled with `mode="reduce-overhead"` (inductor's CUDA graphs: each shape is captured
-  once and replayed) with the KV pools marked as static addresses (the step writes them in place). If compiling
-  or capturing fails, it logs why and runs the eager step from then on (the step is a pure tensor function, so
-  both give the same tokens).
+  once and replayed) with the buffers the step writes in place (`IN_PLACE`: the KV pools, the sibling KV rows)
+  marked as static addresses. A replay's outputs live in the graphs' memory pool, and the next replay (a new
+  generation, `cudagraph_mark_step_begin`) frees them; since every call's inputs are the previous call's outputs,
+  `GraphStep` hands the host loop copies (`owned`), the remedy torch's own error message names. If compiling or
+  capturing fails, it logs why and runs the eager step from then on (the step is a pure tensor function, so both
+  give the same tokens).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import fields, replace
 
 import torch
 
@@ -69,21 +73,44 @@ def uses_cuda_graphs(device: torch.device, backend: str | None) -> bool:
     return device.type == "cuda" and backend == "inductor"
 
 
+IN_PLACE = ("k_pool", "v_pool", "sib_k", "sib_v")  # the state's tensors the step writes in place
+
+
+def owned(result: WavefrontState, given: dict[str, torch.Tensor]) -> WavefrontState:
+    """`result` (the state a call of the compiled step returned; the step may rebind the fields of the state it was
+    given) holding no tensor a later replay can free. `given`: the state's tensors before the call, by field name.
+    The `IN_PLACE` buffers are the given ones (the step wrote them), every other tensor that is not a given one
+    passed through is copied."""
+    changes = {}
+    for field in fields(result):
+        value, before = getattr(result, field.name), given[field.name]
+        if field.name in IN_PLACE:
+            changes[field.name] = before
+        elif value is not before:
+            changes[field.name] = value.clone()
+    return replace(result, **changes)
+
+
 class GraphStep:
-    """The step under `torch.compile(mode="reduce-overhead", fullgraph=True)`, with an eager fallback."""
+    """The step under `torch.compile(mode="reduce-overhead", fullgraph=True)`, with an eager fallback. Its result
+    owns its tensors (`owned`), so it is a valid input for the next call and for the eager step."""
 
     def __init__(self, compiled, eager):
         self.compiled, self.eager, self.failed = compiled, eager, False
 
     def __call__(self, state: WavefrontState, noise: torch.Tensor | None) -> WavefrontState:
         if not self.failed:
-            for pool in (state.k_pool, state.v_pool):
-                torch._dynamo.mark_static_address(pool)  # written in place by every replay
+            for name in IN_PLACE:
+                buffer = getattr(state, name)
+                if buffer.numel():  # empty sibling rows without second proposals
+                    torch._dynamo.mark_static_address(buffer)  # written in place by every replay
+            given = {field.name: getattr(state, field.name) for field in fields(state)}
             try:
-                torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are this one's inputs
-                return self.compiled(state, noise)
+                torch.compiler.cudagraph_mark_step_begin()  # a new generation: the previous replay's outputs die
+                return owned(self.compiled(state, noise), given)
             except Exception as error:  # noqa: BLE001 - any compile or capture failure: run eagerly instead
                 logger.warning("hf_loopspec: the wavefront step could not run as a CUDA graph (%s: %s); running it "
                                "eagerly.", type(error).__name__, error)
                 self.failed = True
+                state = replace(state, **given)  # the fields as they were before the failed call
         return self.eager(state, noise)
