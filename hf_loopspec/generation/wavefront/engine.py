@@ -6,7 +6,7 @@ max_new_tokens positions in every plane: `span.reserved_positions`), table after
 The host loop runs the step R cycles at a time and then calls `read_back`, the only place where the host reads the
 device state during the run; it stops when every sequence has finished. Compiled, those R cycles (up to
 `CYCLES_PER_CALL`) are one call of one compiled function (`step.make_cycles`), with inductor's C++ wrapper on a CPU
-(`CPU_INDUCTOR_OPTIONS`): on small shapes the fixed cost of a call (dynamo's guards, the wrapper between the
+in fp32 (`CPU_INDUCTOR_OPTIONS`): on small shapes the fixed cost of a call (dynamo's guards, the wrapper between the
 kernels) is most of a cycle's. Each call runs the step of its span (`span.SpanBound`: the positions its attention
 reads, bounded from the cycle count and the latest read-back; the span of the call's last cycle). The prompt rows
 exist only during the first cycles (a number known in advance: U, plus K*d in block mode), after which they are
@@ -41,10 +41,15 @@ from .step import head_rows, make_cycles, make_step
 WAVEFRONT_MODES = ("ar", "block", "pipeline")
 DEFAULT_READ_EVERY = 4
 CYCLES_PER_CALL = 4  # compiled: cycles per call of the step function (unrolled: compile time grows with it)
-CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}  # inductor's options for the step function on a CPU
+# Inductor's options for the step function on a CPU in fp32: a C++ wrapper, no Python between the kernels. Not in
+# bf16: there (torch 2.13) the C++ wrapper's step of block mode put non-finite values into alive lanes' hidden states
+# and KV (ouro-tiny, prompt 128: EOS from the second token on), which neither the Python wrapper nor the eager step
+# do (`test_compiled_bf16_block_stays_finite`).
+CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 
 
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(plan, cycles, backend, graphs): fn}
+# model -> {(plan, cycles, backend, lane dtype, CUDA graphs): compiled function}
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def compiled_cycles(model, plan: Plan, cycles: int, backend: str, device: torch.device):
@@ -54,14 +59,14 @@ def compiled_cycles(model, plan: Plan, cycles: int, backend: str, device: torch.
     compiles with `mode="reduce-overhead"` (CUDA graphs, with an eager fallback: `device.GraphStep`; untested on a
     GPU)."""
     store = _COMPILED.setdefault(model, {})
-    key = (plan, cycles, backend, uses_cuda_graphs(device, backend))
+    key = (plan, cycles, backend, model.lane_dtype, uses_cuda_graphs(device, backend))
     if key not in store:
         run = make_cycles(model, plan, cycles)
         private = types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__, run.__defaults__,
                                      run.__closure__)
         if key[-1]:
             store[key] = GraphStep(torch.compile(private, mode="reduce-overhead", fullgraph=True), run)
-        elif backend == "inductor" and device.type == "cpu":  # a C++ wrapper: no Python between the kernels
+        elif backend == "inductor" and device.type == "cpu" and model.lane_dtype == torch.float32:
             store[key] = torch.compile(private, backend=backend, fullgraph=True, options=CPU_INDUCTOR_OPTIONS)
         else:
             store[key] = torch.compile(private, backend=backend, fullgraph=True)
