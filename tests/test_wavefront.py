@@ -39,8 +39,8 @@ from transformers import EosTokenCriteria, GenerationConfig, MaxLengthCriteria, 
 
 from hf_loopspec.bench.shapes import random_model
 from hf_loopspec.generation.wavefront import WavefrontEngine, select, span
-from hf_loopspec.generation.wavefront import engine as engine_module
 from hf_loopspec.generation.wavefront import device as device_module
+from hf_loopspec.generation.wavefront import engine as engine_module
 from hf_loopspec.generation.wavefront.device import GraphStep, uses_cuda_graphs
 from hf_loopspec.generation.wavefront.processing import device_processors, draw, score_ops
 from hf_loopspec.generation.wavefront.state import Plan
@@ -294,13 +294,11 @@ def test_compiled_bf16_block_stays_finite():
     model = random_model("ouro-tiny", torch.bfloat16)
     ids = torch.randint(3, 256, (1, 128), generator=torch.Generator().manual_seed(0))
     new = 12
-    reference = WavefrontEngine(model, paged_cache(model, debug=False), mode="block", draft_loops=1,
-                                num_speculative_tokens=4, input_ids=ids, attention_mask=None, pad_token_id=0,
-                                max_length=128 + new, eos_token_id=0).run()
+    options = dict(mode="block", draft_loops=1, num_speculative_tokens=4, input_ids=ids, attention_mask=None,
+                   pad_token_id=0, max_length=128 + new, eos_token_id=0)
+    reference = WavefrontEngine(model, paged_cache(model, debug=False), **options).run()
     assert (reference.sequences[:, 128:] != 0).all()  # the eager run decodes every token (no EOS)
-    engine = WavefrontEngine(model, paged_cache(model, debug=False), mode="block", draft_loops=1,
-                             num_speculative_tokens=4, input_ids=ids, attention_mask=None, pad_token_id=0,
-                             max_length=128 + new, eos_token_id=0, compile_backend="inductor")
+    engine = WavefrontEngine(model, paged_cache(model, debug=False), compile_backend="inductor", **options)
     result = engine.run()
     state = engine.state
     assert all(torch.isfinite(t.float()).all() for t in (state.hidden, state.k_pool, state.v_pool))
