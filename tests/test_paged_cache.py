@@ -83,6 +83,28 @@ class TestAllocator:
         cache.free(0)
         assert cache.pages_in_use == 0
 
+    @pytest.mark.parametrize("max_pages", [None, 2 * 3 * 3])
+    def test_reserve_in_order_lays_tables_out_contiguously(self, max_pages):
+        """`reserve_in_order`: every (sequence, plane) table of the batch gets its positions on consecutive pages,
+        table after table from page 0 (block table t = pages t * n .. t * n + n - 1), the same slots a row planned
+        at each position gets, and valid lengths as if written; the tables then truncate like written ones. A cache
+        that is not empty, or too small, is refused."""
+        cache = PagedLoopCache(LAYOUT, page_size=4, max_pages=max_pages)
+        cache.reserve_in_order(2, 10, like=LIKE)  # 3 pages per table, 2 sequences x 3 planes
+        n = 3
+        assert cache.block_tables(torch.device("cpu")).tolist() == [list(range(t * n, t * n + n)) for t in range(6)]
+        assert [cache.length(s, d) for s in range(2) for d in range(3)] == [10] * 6
+        assert cache.pages_in_use == 6 * n
+        planned = PagedLoopCache(LAYOUT, page_size=4)  # a fresh cache written row by row in table order
+        slots = [write(planned, s, d, list(range(10))).slot.tolist() for s in range(2) for d in range(3)]
+        assert slots == [[t * n * 4 + p for p in range(10)] for t in range(6)]
+        cache.truncate(1, 2, 5)
+        assert cache.length(1, 2) == 5 and cache.pages_in_use == 6 * n - 1
+        with pytest.raises(ValueError, match="empty cache"):
+            cache.reserve_in_order(1, 4, like=LIKE)
+        with pytest.raises(CacheCapacityError, match="capacity is 2 pages"):
+            PagedLoopCache(LAYOUT, page_size=4, max_pages=2).reserve_in_order(1, 4, like=LIKE)
+
     def test_memory_report(self):
         cache = PagedLoopCache(LAYOUT)
         assert cache.bytes_per_token_per_depth(torch.bfloat16) == 2 * 2 * 2 * 4 * 2

@@ -154,8 +154,8 @@ def test_span_covers_every_live_lane(mode, d, k, read_every, per_call):
                                  max_length=ids.shape[1] + new, draft_override=override, read_every=read_every)
         build, used = engine.build_step, []
 
-        def checked(plan, cycles, build=build, used=used):
-            step = build(plan, 1)
+        def checked(plan, cycles, prefill, build=build, used=used):
+            step = build(plan, 1, prefill)
 
             def run(state, noise):
                 for cycle in range(cycles):
@@ -224,8 +224,8 @@ SAMPLED = {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "mi
 
 @pytest.mark.parametrize("mode", ["ar", "pipeline", "sampled"])
 def test_step_compiles_whole(mode, monkeypatch):
-    """`torch.compile(step, fullgraph=True)` (a graph break raises) compiles the decode step once (the calls that
-    carry the prompt rows run eagerly); the compiled run equals the eager one. The speculative modes compile through
+    """`torch.compile(step, fullgraph=True)` (a graph break raises) compiles two graphs: the decode step, and one
+    cycle of the calls that carry the prompt rows (their number dynamic); the compiled run equals the eager one. The speculative modes compile through
     `generate(compile_core=...)`, with the processors the engine applies on the device; "sampled" is block mode with
     every sampling warper (greedy choice compiles in the other two), seeded alike (the uniforms come from the run's
     generator, outside the step). Two cycles per compiled call (the default unrolls more: slower to trace, the same
@@ -249,7 +249,7 @@ def test_step_compiles_whole(mode, monkeypatch):
         compiled = speculative(model, ids, mask, 8, mode, d, k, speculative_engine="wavefront", compile_core="eager",
                              **settings)
         compiled.stats, eager.stats = compiled.speculation, eager.speculation
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     torch.testing.assert_close(compiled.sequences, eager.sequences, atol=0, rtol=0)
     assert compiled.stats.to_dict() == eager.stats.to_dict()
     if mode == "pipeline":  # a second call with the same settings and shapes compiles nothing
@@ -268,7 +268,8 @@ NO_COMPILER = shutil.which("g++") is None and shutil.which("c++") is None
 def test_compiled_step_serves_other_lengths(backend, monkeypatch):
     """Compiled, a call whose prompt width and max_new_tokens fall in the bucket of reserved positions C of an
     earlier call (`span.reserved_positions`) compiles nothing: the compiled step's shapes depend on C, not on the
-    call's own lengths. Each run equals plain greedy decoding. `compile_core=True` is the step as users compile it
+    call's own lengths, and the one-cycle step of the calls that carry the prompt rows has their number dynamic
+    (`engine.compiled_prefill`; widths 5 and 9 here: 4 and 8 prompt rows). Each run equals plain greedy decoding. `compile_core=True` is the step as users compile it
     (inductor, with its C++ wrapper on a CPU); the "eager" backend traces the same graph. Two cycles per compiled
     call (the default unrolls more: slower to compile, the same code; the bench runs the default)."""
     monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
@@ -280,7 +281,7 @@ def test_compiled_step_serves_other_lengths(backend, monkeypatch):
         out = speculative(model, ids, mask, new, "pipeline", 1, speculative_engine="wavefront", compile_core=backend)
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         torch.testing.assert_close(out.sequences, plain(model, ids, mask, new).sequences, atol=0, rtol=0)
-    assert graphs == [1, 0]
+    assert graphs == [2, 0]
 
 
 @pytest.mark.slow
@@ -306,8 +307,9 @@ def test_compiled_bf16_block_stays_finite():
 
 
 def test_compiled_step_across_batch_sizes(monkeypatch):
-    """Compiled, each batch size gives plain's tokens, and after two other sizes (dynamo then marks the batch
-    dimension dynamic) a third compiles nothing. Whether the second size compiles depends on the process: dynamo's
+    """Compiled, each batch size gives plain's tokens (the first compiles the decode step and the prompt rows'
+    one-cycle step), and after two other sizes (dynamo then marks the batch dimension dynamic) a third compiles
+    nothing. Whether the second size compiles depends on the process: dynamo's
     automatic-dynamic record of this code outlives a compiled function (other tests may have set it)."""
     monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
     model = tiny_spec_model(11, vocab=VOCAB, damp=0.5)
@@ -318,7 +320,7 @@ def test_compiled_step_across_batch_sizes(monkeypatch):
         out = speculative(model, ids, mask, 8, "pipeline", 1, speculative_engine="wavefront", compile_core="eager")
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         torch.testing.assert_close(out.sequences, plain(model, ids, mask, 8).sequences, atol=0, rtol=0)
-    assert graphs[0] == 1 and graphs[-1] == 0, graphs
+    assert graphs[0] == 2 and graphs[-1] == 0, graphs
 
 
 def test_generate_speculative_engine():
@@ -498,7 +500,7 @@ def test_graph_step_falls_back_to_eager(caplog):
                              num_speculative_tokens=1, input_ids=ids, attention_mask=mask, pad_token_id=PAD,
                              max_length=ids.shape[1] + 6)
     eager_step = engine.build_step
-    engine.build_step = lambda plan, cycles: GraphStep(failing, eager_step(plan, cycles))
+    engine.build_step = lambda plan, cycles, prefill: GraphStep(failing, eager_step(plan, cycles, prefill))
     with caplog.at_level("WARNING"):
         result = engine.run()
     assert engine.steps and all(step.failed for step in engine.steps.values()) and "capture failed" in caplog.text
@@ -530,7 +532,8 @@ def test_graph_step_hands_on_states_it_owns(second):
             return result
         return compiled
 
-    engine.build_step = lambda plan, cycles: GraphStep(recording(eager_step(plan, cycles)), eager_step(plan, cycles))
+    engine.build_step = lambda plan, cycles, prefill: GraphStep(recording(eager_step(plan, cycles, prefill)),
+                                                                eager_step(plan, cycles, prefill))
     result = engine.run()
     assert len(calls) > 2 and not any(step.failed for step in engine.steps.values() if isinstance(step, GraphStep))
     for (given, returned), (next_given, _) in zip(calls, calls[1:]):

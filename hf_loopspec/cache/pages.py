@@ -122,13 +122,24 @@ class PageTables:
         self._refs.extend(0 for _ in range(new - old))
         self._free.extend(range(new - 1, old - 1, -1))
 
-    def allocate_in_order(self) -> None:
-        """With no page in use, make the next allocations take pages 0, 1, 2, ... in turn, as a fresh cache does
-        (growing the pool keeps that order), so that whole tables allocated one after the other get one contiguous
-        run of the pool each (the wavefront engine reads each table as a view)."""
-        if self.pages_in_use:
-            raise ValueError(f"allocate_in_order needs a cache with no page in use ({self.pages_in_use} are).")
-        self._free = list(range(self.num_pages - 1, -1, -1))
+    def reserve_in_order(self, sequences: int, positions: int, like: torch.Tensor) -> None:
+        """Give sequences 0 .. `sequences` - 1 of an empty cache `positions` valid positions in every plane, on pages
+        0, 1, 2, ... taken table after table: table t holds its positions on pages t * n .. t * n + n - 1
+        (n = ceil(positions / page_size)), one contiguous run of the pool (the wavefront engine reads each table as a
+        view). Nothing is written: the positions hold what the pool holds until the caller writes them, and the
+        caller truncates each table to what it wrote. `like`: a tensor in the KV dtype on the pool's device."""
+        if self.num_sequences or self.pages_in_use:
+            raise ValueError(f"reserve_in_order needs an empty cache (this one holds {self.num_sequences} sequences "
+                             f"on {self.pages_in_use} pages); use a fresh PagedLoopCache.")
+        per_table = -(-positions // self.page_size)
+        tables = sequences * self.num_planes
+        self.ensure_sequences(sequences)
+        if self.k_pool is None or tables * per_table > self.num_pages:
+            self._grow(max(tables * per_table - self.num_pages, 0), like)
+        self._free = list(range(self.num_pages - 1, -1, -1))  # popped from the end: pages 0, 1, 2, ...
+        for t in range(tables):
+            self._pages[t] = [self._alloc(like) for _ in range(per_table)]
+            self._lengths[t] = positions
 
     def _alloc(self, like: torch.Tensor) -> int:
         if not self._free:

@@ -10,11 +10,12 @@ in fp32 (`CPU_INDUCTOR_OPTIONS`): on small shapes the fixed cost of a call (dyna
 kernels) is most of a cycle's. Each call runs the step of its span (`span.SpanBound`: the positions its attention
 reads, bounded from the cycle count and the latest read-back; the span of the call's last cycle). The prompt rows
 exist only during the first cycles (a number known in advance: U, plus K*d in block mode), after which they are
-dropped from the state (at the first call that starts after them); the calls that carry them run eagerly, also when
-the step is compiled: their shapes are the prompt's width, and compiled they would compile once per width. So a
-compiled step's shapes depend on the batch size, the reserved positions C and the span only, and later calls whose
-prompt width and max_new_tokens fall in the same bucket of C compile nothing. Tear-down truncates the cache to the
-device's KV lengths and builds the lane decoder's `DecodeResult`.
+dropped from the state (at the first call that starts after them). Compiled, the calls that carry them run a
+function of one cycle compiled with the prompt dimension dynamic (`compiled_prefill`: one graph for every prompt
+width) and the Python wrapper, one call per cycle. So the compiled functions' shapes depend on the batch size, the
+reserved positions C and the span only, and later calls whose prompt width and max_new_tokens fall in the same
+bucket of C compile nothing. Tear-down truncates the cache to the device's KV lengths and builds the lane decoder's
+`DecodeResult`.
 
 The engine covers Ouro-like models (entry and head stages without KV), greedy decoding and sampling with the
 logits processors `processing` runs on the device, EOS and length stops.
@@ -73,6 +74,30 @@ def compiled_cycles(model, plan: Plan, cycles: int, backend: str, device: torch.
     return store[key]
 
 
+def compiled_prefill(model, plan: Plan, backend: str):
+    """One cycle of `plan`'s step for `model`, compiled (fullgraph) for states that carry prompt rows, with their
+    number P dynamic: one graph serves every prompt width of the bucket of C (P = 1, a prompt of two tokens, gets a
+    graph of its own: dynamo specializes sizes 0 and 1). Inductor's default mode everywhere: no CUDA graphs (they are
+    captured per shape, and P varies) and no C++ wrapper (with it, a second prompt width compiled again on
+    `ouro-tiny`). Kept beside the model like `compiled_cycles`."""
+    store = _COMPILED.setdefault(model, {})
+    key = (plan, "prefill", backend, model.lane_dtype)
+    if key not in store:
+        run = make_cycles(model, plan, 1)
+        private = types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__, run.__defaults__,
+                                     run.__closure__)
+        compiled = torch.compile(private, backend=backend, fullgraph=True)
+
+        def cycle(state: WavefrontState, noise: torch.Tensor | None) -> WavefrontState:
+            if state.prompt_real.shape[1] > 1:
+                torch._dynamo.mark_dynamic(state.prompt_hidden, 1)
+                torch._dynamo.mark_dynamic(state.prompt_real, 1)
+            return compiled(state, noise)
+
+        store[key] = cycle
+    return store[key]
+
+
 def read_back(state: WavefrontState, tokens: bool = False) -> ReadBack:
     """The host's only look at a running state: committed counts `[B]`, finished flags `[B]` and, when `tokens`
     (a streamer is fed), the committed-token buffer `[B, T + 1]`, copied to the host (`ReadBack.values`; on CUDA
@@ -93,6 +118,18 @@ def second_proposals_problem(mode: str, num_loops: int, draft_loops: int, second
                 f"(the wavefront engine keeps one sibling per sequence: it needs second_draft_loops >= "
                 f"{num_loops - draft_loops})")
     return None
+
+
+def one_at_a_time(cycle, cycles: int):
+    """`cycles` calls of the one-cycle function `cycle`, as a function `(state, noise) -> state` of `cycles` cycles
+    (`noise`: `[cycles, ...]` or None, as `make_cycles` takes it)."""
+
+    def run(state: WavefrontState, noise: torch.Tensor | None) -> WavefrontState:
+        for i in range(cycles):
+            state = cycle(state, None if noise is None else noise[i: i + 1])
+        return state
+
+    return run
 
 
 def lanes_for(mode: str, num_loops: int, draft_loops: int, num_speculative_tokens: int) -> int:
@@ -161,27 +198,17 @@ class WavefrontEngine:
         self.cycles_per_call = math.gcd(read_every, CYCLES_PER_CALL) if compile_backend is not None else 1
         # the step function of `cycles` cycles reading `span` positions (`span.SpanBound`): a plan of its own, so it
         # compiles once per span (`_step_function`)
-        self.build_step = (lambda plan, cycles: make_cycles(model, plan, cycles)) if compile_backend is None else \
-            (lambda plan, cycles: compiled_cycles(model, plan, cycles, compile_backend, input_ids.device))
         self.steps = {}  # (span, cycles, prefill) -> step function
         self.spans = SpanBound(width, self.plan.lanes, self.plan.positions, compile_backend is not None)
         self.cycles = 0
 
     def _reserve(self, batch: int, like: torch.Tensor) -> torch.Tensor:
-        """Pages for C positions of every (sequence, plane), allocated in table order from page 0, so that table t
-        holds its positions at pool slots t * W .. t * W + C - 1 (`Plan.table_width`); returns the trash slot
-        (position C - 1 of sequence 0, plane 0: no lane ever sits there, the last token is never fed back)."""
-        cache, positions = self.cache, self.plan.positions
-        cache.allocate_in_order()
-        seq = torch.arange(batch).repeat_interleave(cache.num_planes * positions)
-        plane = torch.arange(cache.num_planes).repeat_interleave(positions).repeat(batch)
-        position = torch.arange(positions).repeat(batch * cache.num_planes)
-        rows = cache.plan_rows(seq, plane, position, like=like)
-        tables = batch * cache.num_planes
-        expected = torch.arange(tables)[:, None] * self.plan.table_width + torch.arange(positions)  # [tables, C]
-        if not torch.equal(rows.slot.cpu().view(tables, positions), expected):
-            raise RuntimeError("the wavefront engine's KV tables are not laid out contiguously in the page pool.")
-        return rows.slot[positions - 1]
+        """Pages for C positions of every (sequence, plane), allocated in table order from page 0
+        (`PagedLoopCache.reserve_in_order`), so that table t holds its positions at pool slots t * W .. t * W + C - 1
+        (`Plan.table_width`); returns the trash slot (position C - 1 of sequence 0, plane 0: no lane ever sits
+        there, the last token is never fed back)."""
+        self.cache.reserve_in_order(batch, self.plan.positions, like)
+        return torch.tensor(self.plan.positions - 1, device=like.device)
 
     def _initial_state(self, input_ids, mask, max_new: int, eos: list[int], draft_override,
                        second_override) -> WavefrontState:
@@ -306,13 +333,22 @@ class WavefrontEngine:
             self._count_rows()
 
     def _step_function(self, span: int, cycles: int, prefill: bool):
-        """`build_step`'s function of `cycles` cycles reading `span` positions, built once per run; a call that
-        carries the prompt rows (`prefill`) runs uncompiled."""
-        key = (span, cycles, prefill and self.compile_backend is not None)
+        """`build_step`'s function of `cycles` cycles reading `span` positions, built once per run."""
+        key = (span, cycles, prefill)
         if key not in self.steps:
-            plan = replace(self.plan, span=span)
-            self.steps[key] = make_cycles(self.model, plan, cycles) if key[-1] else self.build_step(plan, cycles)
+            self.steps[key] = self.build_step(replace(self.plan, span=span), cycles, prefill)
         return self.steps[key]
+
+    def build_step(self, plan: Plan, cycles: int, prefill: bool):
+        """The function `(state, noise) -> state` of `cycles` cycles of `plan`: eager, `make_cycles`; compiled,
+        `compiled_cycles`, or for a call that carries the prompt rows (`prefill`) `cycles` calls of
+        `compiled_prefill`."""
+        backend = self.compile_backend
+        if backend is None:
+            return make_cycles(self.model, plan, cycles)
+        if prefill:
+            return one_at_a_time(compiled_prefill(self.model, plan, backend), cycles)
+        return compiled_cycles(self.model, plan, cycles, backend, self.input_ids.device)
 
     def _complete_cache(self) -> None:
         """Make the cache hold what plain decoding's does (as the lane decoder's `_complete_cache`): every output
