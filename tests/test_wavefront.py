@@ -224,12 +224,12 @@ SAMPLED = {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "mi
 
 @pytest.mark.parametrize("mode", ["ar", "pipeline", "sampled"])
 def test_step_compiles_whole(mode, monkeypatch):
-    """`torch.compile(step, fullgraph=True)` (a graph break raises) compiles two graphs: the decode step, and one
-    cycle of the calls that carry the prompt rows (their number dynamic); the compiled run equals the eager one. The speculative modes compile through
-    `generate(compile_core=...)`, with the processors the engine applies on the device; "sampled" is block mode with
-    every sampling warper (greedy choice compiles in the other two), seeded alike (the uniforms come from the run's
-    generator, outside the step). Two cycles per compiled call (the default unrolls more: slower to trace, the same
-    code)."""
+    """`torch.compile(step, fullgraph=True)` (a graph break raises) compiles two graphs: the decode step, and one cycle
+    of the calls that carry the prompt rows (their number dynamic); the compiled run equals the eager one. The
+    speculative modes compile through `generate(compile_core=...)`, with the processors the engine applies on the
+    device; "sampled" is block mode with every sampling warper (greedy choice compiles in the other two), seeded alike
+    (the uniforms come from the run's generator, outside the step). Two cycles per compiled call (the default unrolls
+    more: slower to trace, the same code)."""
     monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
     model, ids, mask = _batch(3, (3, 5))
     sampled = mode == "sampled"
@@ -266,12 +266,13 @@ NO_COMPILER = shutil.which("g++") is None and shutil.which("c++") is None
 @pytest.mark.parametrize("backend", ["eager", pytest.param(True, id="inductor", marks=[
     pytest.mark.slow, pytest.mark.skipif(NO_COMPILER, reason="inductor's CPU code generation needs a C++ compiler")])])
 def test_compiled_step_serves_other_lengths(backend, monkeypatch):
-    """Compiled, a call whose prompt width and max_new_tokens fall in the bucket of reserved positions C of an
-    earlier call (`span.reserved_positions`) compiles nothing: the compiled step's shapes depend on C, not on the
-    call's own lengths, and the one-cycle step of the calls that carry the prompt rows has their number dynamic
-    (`engine.compiled_prefill`; widths 5 and 9 here: 4 and 8 prompt rows). Each run equals plain greedy decoding. `compile_core=True` is the step as users compile it
-    (inductor, with its C++ wrapper on a CPU); the "eager" backend traces the same graph. Two cycles per compiled
-    call (the default unrolls more: slower to compile, the same code; the bench runs the default)."""
+    """Compiled, a call whose prompt width and max_new_tokens fall in the bucket of reserved positions C of an earlier
+    call (`span.reserved_positions`) compiles nothing: the compiled step's shapes depend on C, not on the call's own
+    lengths, and the one-cycle step of the calls that carry the prompt rows has their number dynamic
+    (`engine.compiled_prefill`; widths 5 and 9 here: 4 and 8 prompt rows). Each run equals plain greedy decoding.
+    `compile_core=True` is the step as users compile it (inductor, with its C++ wrapper on a CPU); the "eager" backend
+    traces the same graph. Two cycles per compiled call (the default unrolls more: slower to compile, the same code; the
+    bench runs the default)."""
     monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
     model = tiny_spec_model(11, vocab=VOCAB, damp=0.5)
     graphs = []

@@ -145,11 +145,11 @@ def test_forced_patterns(loops, d, d2, pattern):
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_step_compiles_whole(sampled, monkeypatch):
-    """`generate(compile_core=...)` runs second proposals on the wavefront engine, whose step (sibling rows, private
-    KV, promotion, re-reading; sampled: the two-candidate rule and the draws) compiles with
-    `torch.compile(fullgraph=True)` (a graph break raises): the decode step and the one-cycle step of the calls
-    that carry the prompt rows (two graphs), with the same tokens and counters as the eager step (sampled: seeded
-    alike, the uniforms come from outside the step). Two cycles per compiled call (the default unrolls more: slower to trace, the same code)."""
+    """`generate(compile_core=...)` runs second proposals on the wavefront engine, whose step (sibling rows, private KV,
+    promotion, re-reading; sampled: the two-candidate rule and the draws) compiles with `torch.compile(fullgraph=True)`
+    (a graph break raises): the decode step and the one-cycle step of the calls that carry the prompt rows (two graphs),
+    with the same tokens and counters as the eager step (sampled: seeded alike, the uniforms come from outside the
+    step). Two cycles per compiled call (the default unrolls more: slower to trace, the same code)."""
     monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
     model, ids, mask = _case(7, 6, (3, 5))
     settings = {"speculative_engine": "wavefront", "second_draft_loops": 4, "eos_token_id": [7, 11]}

@@ -53,18 +53,24 @@ CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _private_copy(function):
+    """`function` with a code object of its own: dynamo counts a function's compiles (against its recompile limit)
+    and keeps its automatic-dynamic record per code object."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
+
+
 def compiled_cycles(model, plan: Plan, cycles: int, backend: str, device: torch.device):
     """`torch.compile(fullgraph=True)` of `cycles` cycles of `plan`'s step for `model` (`step.make_cycles`), built
     on first use and kept beside the model, so that later runs of the same plan (and shapes) compile nothing. Each is
-    compiled from a private copy of the function's code: dynamo counts recompiles per code object. Inductor on CUDA
+    compiled from a private copy of the function's code (`_private_copy`). Inductor on CUDA
     compiles with `mode="reduce-overhead"` (CUDA graphs, with an eager fallback: `device.GraphStep`; untested on a
     GPU)."""
     store = _COMPILED.setdefault(model, {})
     key = (plan, cycles, backend, model.lane_dtype, uses_cuda_graphs(device, backend))
     if key not in store:
         run = make_cycles(model, plan, cycles)
-        private = types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__, run.__defaults__,
-                                     run.__closure__)
+        private = _private_copy(run)
         if key[-1]:
             store[key] = GraphStep(torch.compile(private, mode="reduce-overhead", fullgraph=True), run)
         elif backend == "inductor" and device.type == "cpu" and model.lane_dtype == torch.float32:
@@ -83,9 +89,7 @@ def compiled_prefill(model, plan: Plan, backend: str):
     store = _COMPILED.setdefault(model, {})
     key = (plan, "prefill", backend, model.lane_dtype)
     if key not in store:
-        run = make_cycles(model, plan, 1)
-        private = types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__, run.__defaults__,
-                                     run.__closure__)
+        private = _private_copy(make_cycles(model, plan, 1))
         compiled = torch.compile(private, backend=backend, fullgraph=True)
 
         def cycle(state: WavefrontState, noise: torch.Tensor | None) -> WavefrontState:
