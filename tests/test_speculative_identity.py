@@ -1,6 +1,6 @@
 """fp32 token identity of self-speculative decoding with plain greedy decoding (DESIGN 3 and 7).
 
-The matrix: 40 seeds x 40 new tokens x every valid (mode, draft_loops d, num_speculative_tokens K) for
+The matrix: 30 seeds x 40 new tokens x every valid (mode, draft_loops d, num_speculative_tokens K) for
 U in {2, 3, 4} loops (pipeline: U % d == 0; block: K in {1, 2, 4, 8}; always 1 <= d < U) x {one unpadded prompt
 per seed, three ragged left-padded prompts per seed}. The seeds of one damping are decoded together as one batch
 (the decoder keeps sequences apart, so each seed's rows are an independent check); plain greedy (transformers'
@@ -8,7 +8,7 @@ loop on a DynamicCache) runs once per batch and every combination is compared wi
 counter identities and that every KV plane equals the serial AR cache (I4). Literal batch-size-1 calls are
 covered by `test_batch_of_one`.
 
-Four residual dampings (see `tiny_spec_model`): undamped random models accept almost no drafts, damped ones
+Three residual dampings (see `tiny_spec_model`): undamped random models accept almost no drafts, damped ones
 accept many, so the matrix sees both long rejection chains and long accepted runs.
 
 On a mismatch the failure message names the first divergent token with its teacher-forced logit margin and
@@ -43,10 +43,10 @@ from speculative_utils import (
 )
 from tolerances import ouro_depth
 
-SEEDS = 40  # prompt seeds per (U, batch shape); every seed is checked against every valid (mode, d, K)
+SEEDS = 30  # prompt seeds per (U, batch shape); every seed is checked against every valid (mode, d, K)
 NEW = 40
 VOCAB = 96
-DAMPS = (1.0, 0.25, 0.1, 0.04)  # one model per damping: acceptance from ~0.05 (undamped, U=4) to ~0.8
+DAMPS = (1.0, 0.2, 0.04)  # one model per damping: acceptance from ~0.05 (undamped, U=4) to ~0.8
 
 
 def combos(loops: int) -> list[tuple[str, int, int | None]]:
@@ -66,7 +66,7 @@ def test_combos_cover_the_matrix():
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("loops", [2, 3, 4])
 def test_token_identity_matrix(loops, batch):
-    """40 seeds x 40 new tokens x every valid (mode, d, K), for one U and one batch shape.
+    """30 seeds x 40 new tokens x every valid (mode, d, K), for one U and one batch shape.
 
     The lane decoder keeps every sequence of a batch apart (own lanes, own block tables; rows share only the core
     call), so the seeds of one damping are decoded as the sequences of one batch: each seed's rows are an
@@ -107,7 +107,7 @@ def test_token_identity_matrix(loops, batch):
 def test_batch_of_one(loops):
     """Literal batch-size-1 calls: one seed per damping x every valid (mode, d, K)."""
     for seed in range(len(DAMPS)):
-        model = tiny_spec_model(500 * loops + seed, loops, vocab=VOCAB, damp=DAMPS[seed % 4])
+        model = tiny_spec_model(500 * loops + seed, loops, vocab=VOCAB, damp=DAMPS[seed])
         ids, mask = left_pad(random_prompts(seed, [2 + seed % 7], VOCAB))
         ref = plain(model, ids, mask, NEW)
         for mode, d, k in combos(loops):
