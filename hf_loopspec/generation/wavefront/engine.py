@@ -49,7 +49,8 @@ CYCLES_PER_CALL = 4  # compiled: cycles per call of the step function (unrolled:
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 
 
-# model -> {(plan, cycles, backend, lane dtype, CUDA graphs): compiled function}
+# model -> {(plan, cycles, backend, lane dtype, CUDA graphs) or (plan, "prefill", backend, lane dtype): compiled
+# function} (`compiled_cycles`, `compiled_prefill`)
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
