@@ -14,6 +14,7 @@ import math
 import re
 import shutil
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -220,6 +221,7 @@ def test_reserved_positions():
 
 
 SAMPLED = {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "min_p": 0.05}
+OTHER_SAMPLED = {"temperature": 1.3, "top_k": 7, "top_p": 0.6, "min_p": 0.2, "repetition_penalty": 1.1}
 
 
 @pytest.mark.parametrize("mode", ["ar", "pipeline", "sampled"])
@@ -228,8 +230,9 @@ def test_step_compiles_whole(mode, monkeypatch):
     of the calls that carry the prompt rows (their number dynamic); the compiled run equals the eager one. The
     speculative modes compile through `generate(compile_core=...)`, with the processors the engine applies on the
     device; "sampled" is block mode with every sampling warper (greedy choice compiles in the other two), seeded alike
-    (the uniforms come from the run's generator, outside the step). Two cycles per compiled call (the default unrolls
-    more: slower to trace, the same code)."""
+    (the uniforms come from the run's generator, outside the step), and a second call with other values of every
+    sampling setting compiles nothing (they are tensors of the state). Two cycles per compiled call (the default
+    unrolls more: slower to trace, the same code)."""
     monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
     model, ids, mask = _batch(3, (3, 5))
     sampled = mode == "sampled"
@@ -258,6 +261,17 @@ def test_step_compiles_whole(mode, monkeypatch):
                           **settings)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
         torch.testing.assert_close(again.sequences, eager.sequences, atol=0, rtol=0)
+    if sampled:  # other values of every sampling setting are tensors of the state: nothing compiles again
+        other = settings | OTHER_SAMPLED
+        torch.manual_seed(1)
+        eager = speculative(model, ids, mask, 8, mode, d, k, speculative_engine="wavefront", **other)
+        torch._dynamo.utils.counters.clear()
+        torch.manual_seed(1)
+        again = speculative(model, ids, mask, 8, mode, d, k, speculative_engine="wavefront", compile_core="eager",
+                            **other)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+        torch.testing.assert_close(again.sequences, eager.sequences, atol=0, rtol=0)
+        assert again.speculation.to_dict() == eager.speculation.to_dict()
 
 
 NO_COMPILER = shutil.which("g++") is None and shutil.which("c++") is None
@@ -580,11 +594,11 @@ def test_sampling_warpers_are_transformers(settings):
     scores[1, 2, ::3] = float("-inf")
     scores[2, 0, 5] = 1e4
     items, tensors = device_processors(processors, ids, 16)
-    assert not tensors
+    assert set(tensors) == {"settings"} and len(tensors["settings"]) == len(items) == len(processors)
     plan = Plan("pipeline", 4, 1, 1, 4, 4, 4, 8, False, processors=items, do_sample=True)
     got = scores
     for op in score_ops(plan):
-        got = op(None, got, None)  # the warpers read no state nor slots
+        got = op(SimpleNamespace(settings=tensors["settings"]), got, None)  # the warpers read their values only
     expected = torch.stack([torch.stack([processors(ids, row[None].clone())[0] for row in rows]) for rows in scores])
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
 

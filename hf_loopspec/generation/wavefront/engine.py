@@ -156,7 +156,8 @@ class WavefrontEngine:
                  max_length: int, eos_token_id=None, draft_override: torch.Tensor | None = None,
                  read_every: int = DEFAULT_READ_EVERY, compile_backend: str | None = None,
                  processors: tuple = (), penalty_ignore: torch.Tensor | None = None,
-                 eos_hold: torch.Tensor | None = None, do_sample: bool = False, streamer=None,
+                 eos_hold: torch.Tensor | None = None, settings: torch.Tensor | None = None,
+                 do_sample: bool = False, streamer=None,
                  complete_cache: bool = False, second_draft_loops: int | None = None,
                  second_override: torch.Tensor | None = None):
         if cache.num_sequences:
@@ -191,6 +192,8 @@ class WavefrontEngine:
             self.state.seen = self._seen(input_ids, penalty_ignore)
             if eos_hold is not None:
                 self.state.eos_hold = eos_hold.to(device=input_ids.device, dtype=torch.long)
+            if settings is not None:
+                self.state.settings = settings.to(device=input_ids.device, dtype=torch.float32)
         # sampling: the uniforms of every step come from this device generator, seeded from torch's global one (so
         # torch.manual_seed repeats a run); greedy runs draw nothing
         self.generator = None
@@ -244,6 +247,7 @@ class WavefrontEngine:
             draft_override=self._override(draft_override, batch, device),
             second_override=self._override(second_override, batch, device),
             seen=torch.zeros(batch, 0, dtype=torch.bool, device=device), eos_hold=torch.zeros(0, **long),
+            settings=torch.zeros(0, device=device),
             k_pool=self.cache.k_pool.view(-1, *self.cache.k_pool.shape[-2:]),
             v_pool=self.cache.v_pool.view(-1, *self.cache.v_pool.shape[-2:]), trash_slot=trash,
             kv_len=torch.zeros(batch, plan.planes, **long),
@@ -291,7 +295,7 @@ class WavefrontEngine:
     def _seen(self, input_ids: torch.Tensor, ignore: torch.Tensor | None) -> torch.Tensor:
         """`[B, V]` the tokens of each padded prompt row (the row transformers' processors see) from column
         `ignore[b]` on (all columns when None); `[B, 0]` without a repetition penalty."""
-        if self.plan.repetition_penalty is None:
+        if not self.plan.penalised:
             return self.state.seen
         seen = torch.zeros(len(input_ids), self.vocab, dtype=torch.long, device=input_ids.device)
         counted = torch.ones_like(input_ids) if ignore is None else \

@@ -3,10 +3,12 @@ output the cycle uses (`slots` `[B, R]`: `step.head_slots`), all at once.
 
 Processing. The engine runs a call's logits processors in the call's own order (`Plan.processors`, built by
 `device_processors` from the `LogitsProcessorList` transformers made): the repetition penalty and the
-`min_length` / `min_new_tokens` EOS hold as its own ops, each slot with its own path as the prefix (the prompt
-row, the committed tokens and the lanes up to the slot, which lie on one path); the sampling warpers
-(temperature, top-k, top-p, min-p) as transformers' own warper objects, which are tensor functions of the scores
-alone, applied to the `[B * R, V]` slot scores.
+`min_length` / `min_new_tokens` EOS hold, each slot with its own path as the prefix (the prompt row, the committed
+tokens and the lanes up to the slot, which lie on one path); the sampling warpers (temperature, top-k, top-p, min-p)
+on the `[B * R, V]` slot scores, with transformers' semantics: the same ops in the same order, so the same scores
+(`test_sampling_warpers_are_transformers` compares them bit for bit). A plan item holds a processor's kind and its
+structural settings only; its value (the penalty, the temperature, k, 1 - top_p, min_p) is `state.settings[i]`, a
+tensor, so a compiled step serves every value of a setting without compiling again.
 
 Choice (`choose`), per slot, from its processed scores:
 
@@ -36,7 +38,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from .state import HOLD, PENALTY, Plan, WavefrontState
+from .state import HOLD, MIN_P, PENALTY, TEMPERATURE, TOP_K, TOP_P, Plan, WavefrontState
 
 WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
@@ -54,14 +56,16 @@ def on_device(processor, width: int) -> bool:
 
 
 def device_processors(processors, input_ids: torch.Tensor, vocab: int) -> tuple[tuple, dict]:
-    """`Plan.processors` for `processors` (every one `on_device`), and the engine's tensors they need:
-    `penalty_ignore` `[B]` (prompt columns the penalty skips) and `eos_hold` `[V]` (id v is held back while fewer
-    than `eos_hold[v]` tokens are generated)."""
-    items, tensors, width = [], {}, input_ids.shape[1]
+    """`Plan.processors` for `processors` (every one `on_device`), and the engine's tensors they need: `settings`
+    `[n]` float32 (item i's value, see the module docstring; 0 for the EOS hold), `penalty_ignore` `[B]` (prompt
+    columns the penalty skips) and `eos_hold` `[V]` (id v is held back while fewer than `eos_hold[v]` tokens are
+    generated)."""
+    items, values, tensors, width = [], [], {}, input_ids.shape[1]
     hold = torch.zeros(vocab, dtype=torch.long)
     for p in processors or ():
         if isinstance(p, RepetitionPenaltyLogitsProcessor):
-            items.append((PENALTY, float(p.penalty)))
+            items.append((PENALTY,))
+            values.append(p.penalty)
             if p.prompt_ignore_length is not None:
                 tensors["penalty_ignore"] = torch.as_tensor(p.prompt_ignore_length).expand(len(input_ids))
         elif isinstance(p, (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor)):
@@ -73,27 +77,39 @@ def device_processors(processors, input_ids: torch.Tensor, vocab: int) -> tuple[
             tensors["eos_hold"] = hold
             if (HOLD,) not in items:
                 items.append((HOLD,))
-        else:  # a warper, item (class, settings): rebuilt inside the step (settings, not objects, keep plans hashable)
-            items.append((type(p), tuple(sorted(vars(p).items()))))
+                values.append(0.0)
+        elif isinstance(p, TemperatureLogitsWarper):
+            items.append((TEMPERATURE,))
+            values.append(p.temperature)
+        elif isinstance(p, TopKLogitsWarper):  # its top_k already counts min_tokens_to_keep
+            items.append((TOP_K, p.filter_value))
+            values.append(min(p.top_k, vocab))
+        elif isinstance(p, TopPLogitsWarper):  # the cumulative probability a sorted score must pass: 1 - top_p
+            items.append((TOP_P, p.filter_value, min(p.min_tokens_to_keep, vocab)))
+            values.append(1 - p.top_p)
+        else:
+            items.append((MIN_P, p.filter_value, min(p.min_tokens_to_keep, vocab)))
+            values.append(p.min_p)
+    if items:
+        tensors["settings"] = torch.tensor(values, dtype=torch.float32)
     return tuple(items), tensors
 
 
 def score_ops(plan: Plan) -> list[ScoreOp]:
-    """The step's processing of `plan`, in order (see the module docstring)."""
+    """The step's processing of `plan`, in order (see the module docstring): item i reads its value from
+    `state.settings[i]`."""
     ops = []
-    for item in plan.processors:
-        if item[0] == PENALTY:
-            ops.append(lambda s, scores, slots, penalty=item[1]: _penalise(s, scores, slots, penalty))
-        elif item[0] == HOLD:
-            ops.append(_hold)
+    for i, (kind, *static) in enumerate(plan.processors):
+        if kind in _SLOT_OPS:
+            ops.append(lambda s, scores, slots, op=_SLOT_OPS[kind], i=i: op(s, scores, slots, s.settings[i]))
         else:
-            warper = item[0](**dict(item[1]))
-            ops.append(lambda s, scores, slots, w=warper: w(None, scores.flatten(0, 1)).view_as(scores))
+            ops.append(lambda s, scores, slots, op=_WARPS[kind], i=i, static=tuple(static):
+                       op(scores.flatten(0, 1), s.settings[i], *static).view_as(scores))
     return ops
 
 
-def _penalise(s: WavefrontState, scores: torch.Tensor, slots: torch.Tensor, penalty: float) -> torch.Tensor:
-    """transformers' repetition penalty with each slot's own path as the prefix."""
+def _penalise(s: WavefrontState, scores: torch.Tensor, slots: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """transformers' repetition penalty (`penalty` `[]`) with each slot's own path as the prefix."""
     rows = slots.shape[1]
     position = s.position.gather(1, slots)  # [B, R]
     on_path = s.alive[:, None, :] & (s.position[:, None, :] <= position[:, :, None])  # [B, R, L]
@@ -102,10 +118,44 @@ def _penalise(s: WavefrontState, scores: torch.Tensor, slots: torch.Tensor, pena
     return torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
 
 
-def _hold(s: WavefrontState, scores: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def _hold(s: WavefrontState, scores: torch.Tensor, slots: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
     """`min_length` / `min_new_tokens`: the held ids are -inf for the tokens generated too early."""
     generated = s.position.gather(1, slots) + 1 - s.prompt_len[:, None]  # [B, R] index of the token each chooses
     return scores.masked_fill(generated[..., None] < s.eos_hold, float("-inf"))
+
+
+# The warpers, each on scores `[N, V]` with its value `[]` (a tensor) and its static settings: transformers'
+# semantics (see the module docstring).
+
+def _temperature(scores: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    return scores / temperature
+
+
+def _top_k(scores: torch.Tensor, k: torch.Tensor, filter_value: float) -> torch.Tensor:
+    """Every score below the k-th largest of its row is filtered (ties with it stay)."""
+    kth = scores.sort(-1, descending=True).values.gather(-1, (k.long() - 1).expand(len(scores), 1))  # [N, 1]
+    return scores.masked_fill(scores < kth, filter_value)
+
+
+def _top_p(scores: torch.Tensor, cutoff: torch.Tensor, filter_value: float, keep: int) -> torch.Tensor:
+    """With the scores sorted ascending, the ones whose cumulative probability is at most `cutoff` (1 - top_p) are
+    filtered, except the `keep` largest."""
+    ascending, order = scores.sort(-1)
+    vocab = scores.shape[-1]
+    drop = (ascending.softmax(-1).cumsum(-1) <= cutoff) & (torch.arange(vocab, device=scores.device) < vocab - keep)
+    return scores.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), filter_value)
+
+
+def _min_p(scores: torch.Tensor, min_p: torch.Tensor, filter_value: float, keep: int) -> torch.Tensor:
+    """Tokens whose probability is below min_p times their row's largest are filtered, except the `keep` most
+    probable."""
+    probs = scores.softmax(-1)
+    drop = (probs < min_p * probs.amax(-1, keepdim=True)).scatter(-1, probs.topk(keep, -1).indices, False)
+    return scores.masked_fill(drop, filter_value)
+
+
+_SLOT_OPS = {PENALTY: _penalise, HOLD: _hold}  # (state, scores [B, R, V], slots [B, R], value) -> [B, R, V]
+_WARPS = {TEMPERATURE: _temperature, TOP_K: _top_k, TOP_P: _top_p, MIN_P: _min_p}
 
 
 def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,10 @@ from dataclasses import dataclass
 import torch
 
 COUNTERS = ("committed", "drafted", "verified", "accepted", "rejected", "discarded", "second_drafts", "second_accepted")
-PENALTY, HOLD = "repetition_penalty", "eos_hold"  # `Plan.processors` items (PENALTY, penalty) and (HOLD,)
+# the kinds of `Plan.processors` items (`processing.device_processors`): (PENALTY,), (HOLD,), (TEMPERATURE,),
+# (TOP_K, filter_value), (TOP_P, filter_value, min_tokens_to_keep), (MIN_P, filter_value, min_tokens_to_keep)
+PENALTY, HOLD, TEMPERATURE, TOP_K, TOP_P, MIN_P = "repetition_penalty", "eos_hold", "temperature", "top_k", "top_p", \
+    "min_p"
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class Plan:
     positions: int  # C: positions reserved per sequence
     has_eos: bool
     processors: tuple = ()  # the call's logits processors, in order, as `processing.device_processors` gives them
+    # (their kinds and structural settings; their values are `WavefrontState.settings`)
     do_sample: bool = False  # sampling (lossless speculative sampling) instead of greedy decoding
     span: int | None = None  # S: rows read positions 0..S-1 only (no live row sits at S or beyond); None: all C
     compact: bool = False  # the core runs the active rows only (eager on a CPU: `step`, step 2)
@@ -73,13 +77,9 @@ class Plan:
         return self.positions if self.span is None else self.span
 
     @property
-    def repetition_penalty(self) -> float | None:
-        return next((item[1] for item in self.processors if item[0] == PENALTY), None)
-
-    @property
-    def holds_eos(self) -> bool:
-        """Whether `min_length` / `min_new_tokens` hold some ids back early (`WavefrontState.eos_hold`)."""
-        return (HOLD,) in self.processors
+    def penalised(self) -> bool:
+        """Whether the call has a repetition penalty (`WavefrontState.seen`)."""
+        return (PENALTY,) in self.processors
 
 
 @dataclass(eq=False)
@@ -114,6 +114,7 @@ class WavefrontState:
     second_override: torch.Tensor  # [B, C] int64: a second proposal for position p becomes this when >= 0
     seen: torch.Tensor  # [B, V] bool: the prompt row's tokens the penalty counts, and the committed tokens
     eos_hold: torch.Tensor  # [V] int64: id v cannot be the i-th generated token (0-based) while i < eos_hold[v]
+    settings: torch.Tensor  # [len(Plan.processors)] float32: the value of each processor (`processing`)
     # KV: the pools of the run's PagedLoopCache as flat views (layer l's table t at slots l * pages * page_size +
     # t * W ..: `Plan.table_width`), and the valid lengths. The step writes these tensors themselves in place:
     # compiled, writes through views made inside the step would copy the pool out and back every call (inductor)

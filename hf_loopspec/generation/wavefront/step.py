@@ -364,7 +364,7 @@ def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor,
 
     columns = torch.where(commit, s.n_out[:, None] + rank, s.out.shape[1] - 1)  # [B, L]
     s.out = s.out.scatter(1, columns, top_r)
-    if plan.repetition_penalty is not None:
+    if plan.penalised:
         s.seen = s.seen.long().scatter_reduce(1, top_r, commit.long(), "amax").bool()  # the committed tokens
     s.n_out = s.n_out + n_commit
     s.finished = s.finished | finished_now
