@@ -87,7 +87,7 @@ def device_processors(processors, input_ids: torch.Tensor, vocab: int) -> tuple[
         elif isinstance(p, TopPLogitsWarper):  # the cumulative probability a sorted score must pass: 1 - top_p
             items.append((TOP_P, p.filter_value, min(p.min_tokens_to_keep, vocab)))
             values.append(1 - p.top_p)
-        else:
+        else:  # MinPLogitsWarper, the last class `on_device` admits
             items.append((MIN_P, p.filter_value, min(p.min_tokens_to_keep, vocab)))
             values.append(p.min_p)
     if items:
