@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# GPU benchmark sized for one ~8-minute run on an H200: the Ouro-1.4B shape with random weights in bf16,
-# batch 1 and 8, synthetic acceptance 0.9, plain vs static (transformers' compiled static-cache path) vs ar vs
-# block vs pipeline (d=1, K=4), each lane mode under both engines (lane decoder and wavefront engine, rows
-# MODE/wavefront), 3 interleaved repeats.
+# GPU benchmark sized for one short run on an H200 (BENCH_LIMIT_S per batch size): the Ouro-1.4B shape with random
+# weights in bf16, batch 1 and 8, synthetic acceptance 0.9, plain vs static (transformers' compiled static-cache
+# path) vs ar vs block vs pipeline (d=1, K=4), each lane mode under both engines (lane decoder and wavefront engine,
+# rows MODE/wavefront), 3 interleaved repeats.
 #
 #   scripts/bench_gpu.sh                                    # on the GPU machine; JSON + table into $OUT (or .)
 #   scripts/bench_gpu.sh --model ouro-tiny --device cpu     # CPU dry run: extra arguments override the defaults

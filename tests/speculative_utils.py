@@ -178,7 +178,7 @@ def assert_counter_invariants(stats, committed_per_seq: Sequence[int]) -> None:
         assert stats.acceptance_rate == expected_rate
 
 
-# --- closed forms of core calls under forced patterns (DESIGN 3) ----------------------------------------------
+# --- closed forms of core calls under forced patterns (docs/design.md, "Cost model") ------------------------
 
 
 def pipeline_calls(n: int, loops: int, d: int, accept: bool) -> int:
@@ -187,7 +187,7 @@ def pipeline_calls(n: int, loops: int, d: int, accept: bool) -> int:
     All accepted: the last prompt token reaches depth d after d calls and drafts token 1; every draft reaches
     depth d d calls after it was spawned and drafts the next, so the draft of token n-1 (the last one ever
     needed: the last token is never fed back) is spawned after (n-1)d calls and yields token n U calls later:
-    (n-1)d + U. Per token this tends to d, DESIGN's d + (U-d)(1-a) at a = 1.
+    (n-1)d + U. Per token this tends to d, the cost model's d + (U-d)(1-a) at a = 1.
 
     All rejected: every target kills the draft in flight and restarts its position at depth 0 with the target
     token, which takes U calls to produce the next target: nU, i.e. U per token (a = 0), as plain AR.
@@ -210,7 +210,7 @@ def block_rounds(n: int, k: int, accept: bool) -> list[int]:
 def block_calls(n: int, loops: int, d: int, k: int, accept: bool) -> int:
     """Core calls of a block run: a round with k drafts runs the round's first token (the prompt's last token or
     the previous round's committed target) and each of the k drafts through loops 0..d-1 one after another,
-    (k+1)d calls, then loops d..U-1 once over all k+1 lanes, U-d calls: DESIGN's (K+1)d + (U-d) per round."""
+    (k+1)d calls, then loops d..U-1 once over all k+1 lanes, U-d calls: the cost model's (K+1)d + (U-d) per round."""
     return sum((drafts + 1) * d + loops - d for drafts in block_rounds(n, k, accept))
 
 

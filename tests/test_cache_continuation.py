@@ -1,4 +1,4 @@
-"""A returned `PagedLoopCache` is a transformers cache that any mode can continue (issue 14, point 1).
+"""A returned `PagedLoopCache` is a transformers cache that any mode can continue.
 
 For every pair of modes (plain / pipeline / block -> plain / pipeline / block), on Ouro and Huginn, a padded batch
 in which rows stop early at EOS in the first call: the first call fills a `PagedLoopCache`; the second call passes

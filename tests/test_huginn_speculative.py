@@ -97,8 +97,8 @@ def test_forced_rejections_keep_tokens_and_kv(mode, d, k, pattern):
 @pytest.mark.parametrize("accept", [True, False], ids=["all_accepted", "all_rejected"])
 @pytest.mark.parametrize("mode,d,k", mode_params([(mode, 4 * d, k) for mode, d, k in MODES]))  # depths x 4
 def test_core_calls_at_32_steps(mode, d, k, accept):
-    """draft_loops counts recurrence steps: at 32 steps the core-call counts follow DESIGN 3's closed forms with
-    U = 32 (AR: 32 calls per token)."""
+    """draft_loops counts recurrence steps: at 32 steps the core-call counts follow the closed forms of
+    docs/design.md, "Cost model", with U = 32 (AR: 32 calls per token)."""
     model, _ = tiny_huginn(seed=2, damp=0.1)
     n = 6
     prompts = prompts_for("unpadded", seed=1)[:1]

@@ -1,7 +1,7 @@
 """`out.speculation` counters: exact identities in every run, and exact core-call counts under forced patterns.
 
-The closed forms (`speculative_utils.pipeline_calls`, `block_calls`) are derived from DESIGN 3's cost model, not
-read off the decoder; they count every call of the shared stack, prefill included (the prompt enters as lanes at
+The closed forms (`speculative_utils.pipeline_calls`, `block_calls`) are derived from docs/design.md, "Cost model",
+not read off the decoder; they count every call of the shared stack, prefill included (the prompt enters as lanes at
 depth 0, so prefill is part of the first cycles). N = max_new_tokens, U = loops, d = draft_loops,
 K = num_speculative_tokens.
 """

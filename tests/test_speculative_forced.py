@@ -1,4 +1,6 @@
-"""Forced rejection patterns (DESIGN 7, the prototype review's "directed executor-level tests").
+"""Forced rejection patterns (the prototype review's "directed executor-level tests").
+
+docs/design.md, "Testing principles", asks for them.
 
 `draft_hook` replaces every draft proposal: it returns the plain greedy continuation's token for "accept" and a
 different token for "reject", so the verification outcome of every draft is fixed in advance. Patterns: all

@@ -1,4 +1,6 @@
-"""fp32 token identity of self-speculative decoding with plain greedy decoding (DESIGN 3 and 7).
+"""fp32 token identity of self-speculative decoding with plain greedy decoding.
+
+What is compared and why: docs/design.md, "Testing principles".
 
 The matrix: 30 seeds x 40 new tokens x every valid (mode, draft_loops d, num_speculative_tokens K) for
 U in {2, 3, 4} loops (pipeline: U % d == 0; block: K in {1, 2, 4, 8}; always 1 <= d < U) x {one unpadded prompt
@@ -14,7 +16,7 @@ accept many, so the matrix sees both long rejection chains and long accepted run
 On a mismatch the failure message names the first divergent token with its teacher-forced logit margin and
 the first cycle / depth where the traced hidden states leave the teacher-forced serial reference.
 
-The matrix runs with the I1 lineage checker off (it costs ~20% per cycle; every forced-pattern, counter and
+The matrix runs with the I1 lineage checker off (it slows every cycle down; every forced-pattern, counter and
 processor test runs with it on, and the I4 comparison here would catch stale KV that changed any stored entry).
 """
 
@@ -142,8 +144,8 @@ def test_agreeing_model_long_accepted_runs(mode, d, k):
 @pytest.mark.parametrize("mode,d,k", mode_params(MODE_PAIR))
 def test_traced_hidden_states_equal_teacher_forced_reference(mode, d, k):
     """Every row of every cycle (drafts, rejected drafts and their descendants included) outputs what a
-    teacher-forced full forward of its own path gives at its position and depth (DESIGN 7: compare at the first
-    affected cycle, not only final tokens)."""
+    teacher-forced full forward of its own path gives at its position and depth (docs/design.md, "Testing
+    principles": compare at the first affected cycle, not only final tokens)."""
     model, prompts, ids, mask = spec_case(3, [5, 2, 7], VOCAB, damp=0.15)
     ref = plain(model, ids, mask, NEW)
     out = speculative(model, ids, mask, NEW, mode, d, k, speculative_trace="hidden")

@@ -1,4 +1,6 @@
-"""Second proposals (`second_draft_loops=d2`, pipeline): sibling lanes with branch-private KV (DESIGN I5).
+"""Second proposals (`second_draft_loops=d2`, pipeline): sibling lanes with branch-private KV.
+
+The invariant they rest on: docs/design.md, "I5 (branches)".
 
 The prototype review's demands, on the real lane decoder and paged cache:
 

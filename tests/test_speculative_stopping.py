@@ -1,4 +1,4 @@
-"""Stopping criteria and the streamer see exactly what plain decoding shows them (issue 14, points 3 and 6).
+"""Stopping criteria and the streamer see exactly what plain decoding shows them.
 
 Plain decoding (transformers' loop) calls the criteria once per step with the whole batch `[batch, length]` and
 that step's scores `[batch, vocab]`, and feeds the streamer one column per step. The lane decoder commits rows at

@@ -79,7 +79,7 @@ In steady state (N large, prefill negligible, c = decode core calls per token of
 per-token form: for the pipeline (every call runs ceil(U/d) lanes per sequence, one head call per d calls with
 a target and a draft row per sequence)
 
-    (U*t(B) + h(B)) / (c*t(ceil(U/d)*B) + (c/d)*h(2B)),      c = d + (U-d)(1-a)   (DESIGN 3)
+    (U*t(B) + h(B)) / (c*t(ceil(U/d)*B) + (c/d)*h(2B)),      c = d + (U-d)(1-a)   (docs/design.md, "Cost model")
 
 and for block (a round = (K+1)d draft calls of B rows, K draft heads of B rows, U-d verify calls and one verify
 head of (K+1)B rows; r = c / ((K+1)d + U - d) rounds per token)

@@ -1,4 +1,4 @@
-"""Branch slots: branch-private KV for competing proposals of one position (DESIGN I5).
+"""Branch slots: branch-private KV for competing proposals of one position (docs/design.md, "I5 (branches)").
 
 A *branch* holds the KV of a sibling proposal for position `point` of a sequence (its *parent*) and of the tokens
 after it on the same branch: tokens that compete with the parent's own tokens at positions >= `point`. It lives in

@@ -3,7 +3,8 @@
 A lane is one token of one sequence on its way through the loops: it sits at a position, has completed
 `depth` loops, and carries the hidden state that is the input of its next loop. A sequence's live lanes hold
 consecutive positions, the oldest (deepest) first; every lane's history is the sequence's committed tokens
-plus the lanes before it, so all live lanes of a sequence lie on one path, the *main path* (DESIGN I1).
+plus the lanes before it, so all live lanes of a sequence lie on one path, the *main path* (docs/design.md,
+"I1 (own history)").
 
 With second proposals (`generation.siblings`) a sequence also holds *sibling branches*: a sibling lane competing
 with the main lane of its position, and the lanes drafted after it. A branch lane's history is the main path

@@ -7,9 +7,9 @@ its schedule needs; the decoder tells it about drafts (`drafted`) and about targ
 (`restarted`), and asks it which lanes run (`select`) and whether a frontier lane drafts (`wants_draft`).
 
 * `ARPolicy`: no drafts; every token runs its U loops alone (U calls per token). The baseline.
-* `PipelinePolicy` (DESIGN 3): every live lane runs every cycle; the frontier lane drafts as soon as it
-  reaches depth d, so with U=4, d=1 the steady state holds lanes at depths 3, 2, 1, 0 and commits one token
-  per call when drafts are accepted.
+* `PipelinePolicy` (docs/design.md, "Pipeline"): every live lane runs every cycle; the frontier lane drafts as
+  soon as it reaches depth d, so with U=4, d=1 the steady state holds lanes at depths 3, 2, 1, 0 and commits one
+  token per call when drafts are accepted.
 * `BlockPolicy`: draft K tokens one after another at depth d (only lanes below depth d run), then run loops
   d..U-1 once over all K+1 lanes and keep the longest accepted prefix plus one target token. Calls per
   round: (K+1)d + (U-d). Its round state: drafts proposed per sequence since the round began.

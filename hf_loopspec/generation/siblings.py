@@ -15,17 +15,17 @@ B, C or neither; sampling, recursive rejection, lossless) and commits T:
   the cache promotes its KV into the sequence's tables without copying (`PagedLoopCache.branches.promote`).
 * neither: both are killed, the cache rolls back, and a lane restarts from T, as without siblings.
 
-The sibling drafts further like any frontier lane (choice documented in README "Second proposals"): a leaf sibling
+The sibling drafts further like any frontier lane (docs/design.md, "Second proposals"): a leaf sibling
 that is chosen has no draft in flight and no way to draft any more (it is past depth d), so the pipeline would stall
 until its target; a drafting sibling hands over a full wavefront, so choosing it costs only the d2 - d cycles by
 which it started later than B. Only main-path lanes make second proposals, so every branch is a chain of lanes
 hanging off the main path (a lane of a promoted branch is main-path and proposes again once it reaches d2).
 
-KV (DESIGN I5): a branch's lanes write and read the branch's slot of the cache, which shares the main path's pages
-below p + 1 and copies the partially filled page on first write (invariant B in `cache.branches`). The common history
-is complete in every plane before the branch writes that plane, because X and the lanes before it are deeper than
-any lane of the branch (wavefront order). Every lane's lineage id links to its parent, so `PagedLoopCache(debug=True)`
-checks every read of both branches against the reader's own ancestry (I1).
+KV (docs/design.md, "I5 (branches)"): a branch's lanes write and read the branch's slot of the cache, which shares
+the main path's pages below p + 1 and copies the partially filled page on first write (invariant B in
+`cache.branches`). The common history is complete in every plane before the branch writes that plane, because X and
+the lanes before it are deeper than any lane of the branch (wavefront order). Every lane's lineage id links to its
+parent, so `PagedLoopCache(debug=True)` checks every read of both branches against the reader's own ancestry (I1).
 
 Sampling: every draft whose parent reaches d2 gets a second candidate C drawn from the depth-d2 distribution q2,
 independently of B; when C == B no sibling is spawned but B records q2, since a rejection's replacement must then

@@ -43,7 +43,7 @@ WAVEFRONT_MODES = ("ar", "block", "pipeline")
 DEFAULT_READ_EVERY = 4
 CYCLES_PER_CALL = 4  # compiled: cycles per call of the step function (unrolled: compile time grows with it)
 # Inductor's options for the step function on a CPU in fp32: a C++ wrapper, no Python between the kernels. Not in
-# bf16: there (torch 2.13) the C++ wrapper's step of block mode put non-finite values into alive lanes' hidden states
+# bf16: there the C++ wrapper's step of block mode put non-finite values into alive lanes' hidden states
 # and KV (ouro-tiny, prompt 128: EOS from the second token on), which neither the Python wrapper nor the eager step
 # do (`test_compiled_bf16_block_stays_finite`).
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}

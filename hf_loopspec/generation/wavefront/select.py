@@ -71,10 +71,10 @@ def free_memory(device: torch.device) -> int:
 
 def wavefront_preferred(device: torch.device, compile_backend: str | None) -> bool:
     """Whether "auto" prefers the wavefront engine for a call on `device` compiled with `compile_backend` (None:
-    eager). Measured on a CPU (`BENCHMARKS.md`, "Engines"): eager, the two engines are about equally fast (ouro-100m
-    pipeline: 0.99x at batch 1, 1.03x at batch 16), so the lane decoder runs, which does not reserve the KV pages of
-    the whole budget up front; compiled, the wavefront engine is faster (its whole cycle is one graph). On CUDA the
-    wavefront engine is the design's fast path (no host work per cycle, CUDA-graph replay), not measured yet."""
+    eager). On a CPU, eager, the two engines are about equally fast (BENCHMARKS.md), so the lane decoder runs, which
+    does not reserve the KV pages of the whole budget up front; compiled, the wavefront engine is faster (its whole
+    cycle is one graph). On CUDA the wavefront engine is the design's fast path (no host work per cycle, CUDA-graph
+    replay), not measured yet."""
     return device.type == "cuda" or compile_backend is not None
 
 
