@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Everything the project needs to learn from a lent GPU, in one prepared run of at most about 8 minutes.
+#
+#   scripts/gpu_check.sh prepare    # HERE, before the run: the wheels the GPU machine lacks into .whl/
+#   scripts/gpu_check.sh            # THERE (device tool: carry .whl, timeout_s 600): results into $OUT
+#
+# The GPU image has torch, triton and the Hub client but an older transformers than the package needs, so
+# `prepare` downloads that one wheel (pure Python) and the run installs it into /tmp/site first. Then:
+#   1. gpu_check.log: the machine (nvidia-smi, torch, CUDA, triton), then `pytest -m gpu`: the Triton paged
+#      kernels against the naive reference in fp32/fp16/bf16 (tests/test_attention_ops.py) and the wavefront
+#      engine on CUDA (tests/test_gpu_engine.py: the CUDA-graph step against eager and plain, pinned read-backs);
+#   2. scripts/bench_gpu.sh: the ouro-1.4b shape in bf16, batch 1 and 8, every mode beside plain and
+#      transformers' static-cache decoding, with the bf16 agreement report (agreement rate, first divergent token,
+#      top-1/top-2 margin there) in each row: bench_gpu_b{1,8}.{json,txt,log}.
+# Each stage runs under its own time limit, so one that hangs cannot eat the rest of the lease.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+TRANSFORMERS_WHEEL="transformers==5.24.0"
+
+if [ "${1:-}" = "prepare" ]; then
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        -d .whl "$TRANSFORMERS_WHEEL"
+fi
+
+OUT_DIR="$(mkdir -p "${OUT:-gpu_check_out}" && cd "${OUT:-gpu_check_out}" && pwd)"
+LOG="$OUT_DIR/gpu_check.log"
+PY="${PYTHON:-python3}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "installing .whl/ failed" | tee "$LOG"; exit 1; }
+    export PYTHONPATH="/tmp/site:$PWD"
+else
+    export PYTHONPATH="$PWD"
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+{
+    echo "=== machine ==="
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+    "$PY" - <<'PY'
+import torch, transformers
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, "
+      f"cuda available: {torch.cuda.is_available()}")
+try:
+    import triton
+    print(f"triton {triton.__version__}")
+except ImportError:
+    print("triton: not installed")
+PY
+    echo "=== pytest -m gpu ==="
+    timeout --kill-after=10 "${PYTEST_LIMIT_S:-200}" "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs \
+        tests/test_attention_ops.py tests/test_gpu_engine.py
+    echo "pytest exit status: $? (124 = over its time limit)"
+} 2>&1 | tee "$LOG"
+
+echo "=== bench ===" | tee -a "$LOG"
+BENCH_LIMIT_S="${BENCH_LIMIT_S:-130}" OUT="$OUT_DIR" scripts/bench_gpu.sh --repeats 2 "$@" 2>&1 | tee -a "$LOG"
