@@ -3,6 +3,7 @@
 `accelerate launch`, see `hf_loopspec.batch`) and `lm-eval` (lm-evaluation-harness with the models registered).
 
     hf-loopspec generate "The capital of France is" --mode pipeline --draft-loops 1 --max-new-tokens 64
+    hf-loopspec generate "def fibonacci(n):" --repetition-penalty 1.4 --compare     # timed against plain decoding
     hf-loopspec generate "Hi" --model ByteDance/Ouro-1.4B-Thinking --chat --mode block --num-speculative-tokens 4
     hf-loopspec generate "def parse(" --mode pipeline --do-sample --temperature 0.8 --top-p 0.95 --seed 0
     hf-loopspec bench --model ouro-100m --batch-size 1 --new-tokens 64 --synthetic-acceptance 0.9 --json out.json
@@ -14,7 +15,10 @@
         --gen_kwargs speculative_mode=pipeline,draft_loops=1
 
 Sampling (`--do-sample`) works in every mode: the speculative modes use lossless speculative sampling (a draft is
-kept with probability min(1, p/q)), and `generate` prints that acceptance rate.
+kept with probability min(1, p/q)), and `generate` prints that acceptance rate. `generate` and `batch` run torch on
+`--threads` CPU threads (default 1, see the option's help); options that the chosen decoding would ignore
+(`--temperature` / `--top-k` / `--top-p` without `--do-sample`, `--draft-loops` / `--num-speculative-tokens` with
+`--mode plain`) are refused before anything loads.
 
 Every error a user can cause (a bad argument, a missing folder, a zero-byte, truncated or corrupt weights file, a
 pickle-only checkpoint, a device the models do not run on, a prompt longer than the model's positions, invalid
@@ -114,9 +118,9 @@ def _add_generation_options(parser: argparse.ArgumentParser, chat_help: str) -> 
                         action=SpeculativeOnly, help="K: drafts per block round (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=bench_args.positive, default=128, help="(default: %(default)s)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=bench_args.non_negative_float, default=None)
-    parser.add_argument("--top-k", type=bench_args.positive, default=None)
-    parser.add_argument("--top-p", type=bench_args.fraction, default=None)
+    parser.add_argument("--temperature", type=bench_args.non_negative_float, default=None, help="with --do-sample")
+    parser.add_argument("--top-k", type=bench_args.positive, default=None, help="with --do-sample")
+    parser.add_argument("--top-p", type=bench_args.fraction, default=None, help="with --do-sample")
     parser.add_argument("--seed", type=int, default=None, help="torch seed (for sampling)")
     parser.add_argument("--repetition-penalty", type=bench_args.positive_float, default=None,
                         help="divide the scores of tokens already in the text by P (> 1 discourages repeats; "
