@@ -3,6 +3,7 @@
 `accelerate launch`, see `hf_loopspec.batch`) and `lm-eval` (lm-evaluation-harness with the models registered).
 
     hf-loopspec generate "The capital of France is" --mode pipeline --draft-loops 1 --max-new-tokens 64
+    hf-loopspec generate "def fibonacci(n):" --repetition-penalty 1.4 --compare     # timed against plain decoding
     hf-loopspec generate "Hi" --model ByteDance/Ouro-1.4B-Thinking --chat --mode block --num-speculative-tokens 4
     hf-loopspec generate "def parse(" --mode pipeline --do-sample --temperature 0.8 --top-p 0.95 --seed 0
     hf-loopspec bench --model ouro-100m --batch-size 1 --new-tokens 64 --synthetic-acceptance 0.9 --json out.json
@@ -14,7 +15,10 @@
         --gen_kwargs speculative_mode=pipeline,draft_loops=1
 
 Sampling (`--do-sample`) works in every mode: the speculative modes use lossless speculative sampling (a draft is
-kept with probability min(1, p/q)), and `generate` prints that acceptance rate.
+kept with probability min(1, p/q)), and `generate` prints that acceptance rate. `generate` and `batch` run torch on
+`--threads` CPU threads (default 1, see the option's help); options that the chosen decoding would ignore
+(`--temperature` / `--top-k` / `--top-p` without `--do-sample`, `--draft-loops` / `--num-speculative-tokens` with
+`--mode plain`) are refused before anything loads.
 
 Every error a user can cause (a bad argument, a missing folder, a zero-byte, truncated or corrupt weights file, a
 pickle-only checkpoint, a device the models do not run on, a prompt longer than the model's positions, invalid
@@ -39,9 +43,10 @@ from .evaluation import run_lm_eval
 from .generation.config import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
 from .hub import export as hub_export
 from .input_checks import check_positions
-from .prompting import encode_prompt, generate_kwargs
+from .prompting import SpeculativeOnly, check_mode_options, check_text, encode_prompt, generate_kwargs
 
 DEBUG_ENV = "HF_LOOPSPEC_DEBUG"
+DEFAULT_THREADS = 1  # see --threads' help
 USER_ERRORS = (ValueError, OSError)  # what the commands raise for input a user can fix
 
 
@@ -65,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", metavar="PROMPT")
     _add_generation_options(gen, chat_help="wrap PROMPT in the tokenizer's chat template")
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    gen.add_argument("--compare", action="store_true",
+                     help="also decode PROMPT plainly (transformers' loop) and print both times, the speed ratio and "
+                          "whether the tokens are identical (exit status 1 when greedy float32 tokens differ)")
 
     batch = commands.add_parser(
         "batch", help="generate for every row of a JSONL file (data-parallel under accelerate launch)",
@@ -105,14 +113,14 @@ def _add_generation_options(parser: argparse.ArgumentParser, chat_help: str) -> 
                         help="plain: transformers' loop; block / pipeline: self-speculative decoding "
                              "(default: %(default)s)")
     parser.add_argument("--draft-loops", type=bench_args.positive, default=DEFAULT_DRAFT_LOOPS,
-                        help="d: draft from the output of loop d (default: %(default)s)")
+                        action=SpeculativeOnly, help="d: draft from the output of loop d (default: %(default)s)")
     parser.add_argument("--num-speculative-tokens", type=bench_args.positive, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
-                        help="K: drafts per block round (default: %(default)s)")
+                        action=SpeculativeOnly, help="K: drafts per block round (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=bench_args.positive, default=128, help="(default: %(default)s)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=bench_args.non_negative_float, default=None)
-    parser.add_argument("--top-k", type=bench_args.positive, default=None)
-    parser.add_argument("--top-p", type=bench_args.fraction, default=None)
+    parser.add_argument("--temperature", type=bench_args.non_negative_float, default=None, help="with --do-sample")
+    parser.add_argument("--top-k", type=bench_args.positive, default=None, help="with --do-sample")
+    parser.add_argument("--top-p", type=bench_args.fraction, default=None, help="with --do-sample")
     parser.add_argument("--seed", type=int, default=None, help="torch seed (for sampling)")
     parser.add_argument("--repetition-penalty", type=bench_args.positive_float, default=None,
                         help="divide the scores of tokens already in the text by P (> 1 discourages repeats; "
@@ -120,44 +128,107 @@ def _add_generation_options(parser: argparse.ArgumentParser, chat_help: str) -> 
     parser.add_argument("--chat", action="store_true", help=chat_help)
     parser.add_argument("--dtype", choices=("auto", *sorted(loading.DTYPES)), default="auto",
                         help="auto (the default): float32 on CPU, the checkpoint's dtype on CUDA")
+    parser.add_argument("--threads", type=bench_args.positive, default=DEFAULT_THREADS,
+                        help="CPU threads of torch's operators (torch.set_num_threads; default: %(default)s: the "
+                             "embedded model is too small to gain from more, and threads beyond the free cores make "
+                             "decoding several times slower)")
+
+
+def check_generation_args(args: argparse.Namespace) -> None:
+    """The checks of `generate` and `batch` before anything loads: sampling options without `--do-sample` (the rule
+    `bench` applies), speculative-only options with `--mode plain`, `--compare` with `--mode plain`, a PROMPT that is
+    not UTF-8; `ValueError` naming the flag."""
+    bench_args.check_sampling_args(args)
+    check_mode_options(args)
+    if args.command == "generate":
+        check_text(args.prompt, "PROMPT")
+    if getattr(args, "compare", False) and args.mode == "plain":
+        raise ValueError("--compare decodes PROMPT plainly next to a speculative mode, and --mode plain is that "
+                         "plain run already; pass --mode pipeline or --mode block, or drop --compare.")
 
 
 def generate(args: argparse.Namespace) -> int:
+    """`hf-loopspec generate`: stream the completion on stdout, the statistics on stderr (with `--compare`, the plain
+    run's too); exit status 0, or 1 when `--compare` finds greedy float32 tokens that differ from plain decoding."""
     import torch
     from transformers import TextStreamer
 
     device = loading.resolve_device(args.device)
     dtype = "auto" if args.dtype == "auto" else loading.DTYPES[args.dtype]
     model, tokenizer, _ = loading.load_model(args.model, dtype, device, need_tokenizer=True)
-    enc = {"input_ids": torch.tensor([encode_prompt(tokenizer, args.prompt, args.chat)], device=device)}
-    prompt_len = enc["input_ids"].shape[-1]
-    check_positions(model.config, prompt_len, args.max_new_tokens, prompt_flag="PROMPT", new_flag="--max-new-tokens")
-    kwargs = {**generate_kwargs(args, model, tokenizer), "return_dict_in_generate": True,
-              "streamer": TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)}
-    if args.seed is not None:
-        torch.manual_seed(args.seed)
+    ids = encode_prompt(tokenizer, args.prompt, args.chat, where="PROMPT")
+    enc = {"input_ids": torch.tensor([ids], device=device)}
+    check_positions(model.config, len(ids), args.max_new_tokens, prompt_flag="PROMPT", new_flag="--max-new-tokens")
+    kwargs = {**generate_kwargs(args, model, tokenizer), "return_dict_in_generate": True}
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    out, seconds = _timed_generate(model, enc, {**kwargs, "streamer": streamer}, args.seed)
+    print(flush=True)
+    new = out.sequences.shape[-1] - len(ids)
+    print(f"[{args.mode}] {_speed(new, seconds)}{_speculation_summary(args, model, out)}", file=sys.stderr, flush=True)
+    if not args.compare:
+        return 0
+    plain, plain_seconds = _timed_generate(model, enc, {**kwargs, "speculative_mode": None}, args.seed)
+    plain_new = plain.sequences.shape[-1] - len(ids)
+    print(f"[plain] {_speed(plain_new, plain_seconds)}", file=sys.stderr)
+    ratio = (new / seconds) / (plain_new / plain_seconds)
+    print(f"speed {args.mode} / plain: {ratio:.2f}x", file=sys.stderr)
+    return _print_identity(args, model, out.sequences[0, len(ids):], plain.sequences[0, len(ids):])
 
+
+def _timed_generate(model, enc: dict, kwargs: dict, seed: int | None):
+    """`(model.generate(**enc, **kwargs), wall seconds)`, seeded with `seed` when given, the device synchronised."""
+    import torch
+
+    if seed is not None:
+        torch.manual_seed(seed)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(**enc, **kwargs)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    print(flush=True)
-    new = out.sequences.shape[-1] - prompt_len
-    line = f"[{args.mode}] {new} new tokens in {seconds:.2f} s ({new / seconds:.1f} tok/s, prefill included)"
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    return out, time.perf_counter() - start
+
+
+def _speed(new: int, seconds: float) -> str:
+    return f"{new} new tokens in {seconds:.2f} s ({new / seconds:.1f} tok/s, prefill included)"
+
+
+def _speculation_summary(args: argparse.Namespace, model, out) -> str:
+    """The counters of a speculative run for the statistics line ('' for plain decoding)."""
     stats = getattr(out, "speculation", None)
-    if stats is not None:
-        line += (f"; draft_loops={stats.draft_loops}: {stats.core_calls} core calls ({stats.core_calls_per_token:.2f} "
-                 f"per token, plain decoding needs {model.num_loops}); drafts accepted {stats.accepted}/"
-                 f"{stats.verified} verified ({stats.acceptance_rate:.1%})")
-        if args.mode == "block":
-            line += f", K={args.num_speculative_tokens}"
-        if args.do_sample:
-            line += ("; sampling: each draft kept with probability min(1, p/q), so the output is distributed as "
-                     "plain sampling's")
-    print(line, file=sys.stderr, flush=True)
-    return 0
+    if stats is None:
+        return ""
+    line = (f"; draft_loops={stats.draft_loops}: {stats.core_calls} core calls ({stats.core_calls_per_token:.2f} "
+            f"per token, plain decoding needs {model.num_loops}); drafts accepted {stats.accepted}/"
+            f"{stats.verified} verified ({stats.acceptance_rate:.1%})")
+    if args.mode == "block":
+        line += f", K={args.num_speculative_tokens}"
+    if args.do_sample:
+        line += ("; sampling: each draft kept with probability min(1, p/q), so the output is distributed as "
+                 "plain sampling's")
+    return line
+
+
+def _print_identity(args: argparse.Namespace, model, tokens, plain_tokens) -> int:
+    """Print whether the speculative run's new tokens equal plain decoding's; 1 when greedy float32 ones differ
+    (the guarantee is broken), else 0. Sampled runs are not compared token by token: only their distribution is
+    plain sampling's."""
+    if args.do_sample:
+        print("tokens: not compared (sampled runs differ by design; each is distributed as plain sampling)",
+              file=sys.stderr)
+        return 0
+    import torch
+
+    tokens, plain_tokens = tokens.tolist(), plain_tokens.tolist()
+    if tokens == plain_tokens:
+        print(f"tokens identical to plain decoding: yes ({len(tokens)} new tokens)", file=sys.stderr)
+        return 0
+    shorter = min(len(tokens), len(plain_tokens))
+    first = next((i for i in range(shorter) if tokens[i] != plain_tokens[i]), shorter)
+    exact = model.dtype == torch.float32
+    note = "" if exact else " (possible in reduced precision, where different batch shapes round differently)"
+    print(f"tokens identical to plain decoding: no, they differ from new token {first} on{note}", file=sys.stderr)
+    return 1 if exact else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     (one line on stderr unless --debug / HF_LOOPSPEC_DEBUG), 130 when interrupted."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command in ("generate", "batch"):
+            import torch
+
+            check_generation_args(args)
+            torch.set_num_threads(args.threads)
         if args.command == "generate":
             return generate(args)
         if args.command == "export":

@@ -8,10 +8,19 @@ lm-eval is an optional dependency: `pip install "hf-loopspec[eval]"` (tested wit
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+from .input_checks import check_source
+
+MODEL_ARGS = "--model_args"
 
 
 def run_lm_eval(args: list[str]) -> int:
-    """Run lm-eval's own CLI on `args` (as the `lm-eval` command would get them); its exit status."""
+    """Run lm-eval's own CLI on `args` (as the `lm-eval` command would get them); its exit status.
+
+    `FileNotFoundError` first when `--model_args pretrained=PATH` names a path that does not exist and is no Hub id
+    either (lm-eval would report it as a malformed repo id)."""
+    check_pretrained_paths(args)
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError as err:
@@ -27,3 +36,20 @@ def run_lm_eval(args: list[str]) -> int:
     finally:
         sys.argv = saved
     return 0
+
+
+def check_pretrained_paths(args: list[str]) -> None:
+    """`FileNotFoundError` naming `--model_args pretrained=SPEC` when SPEC is neither an existing path nor a valid Hub
+    repo id (`./nope`, `/abs/nope`); anything else is left to lm-eval."""
+    values = [value for flag, value in zip(args, args[1:]) if flag == MODEL_ARGS]
+    values += [arg.split("=", 1)[1] for arg in args if arg.startswith(f"{MODEL_ARGS}=")]
+    for value in values:  # lm-eval's form: key=value pairs separated by commas
+        for item in value.split(","):
+            key, _, spec = item.partition("=")
+            spec = spec.strip()
+            if key.strip() != "pretrained" or not spec or Path(spec).expanduser().exists():
+                continue
+            try:
+                check_source(spec)
+            except FileNotFoundError as err:
+                raise FileNotFoundError(f"{MODEL_ARGS} pretrained={spec}: {err}") from None

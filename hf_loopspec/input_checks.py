@@ -3,12 +3,12 @@ folder, a zero-byte, truncated or corrupt `model.safetensors`, a missing shard, 
 longer than the model's positions) end in one `ValueError` / `FileNotFoundError` naming the problem and the fix,
 instead of a traceback from deep inside transformers or safetensors.
 
-Contract of `check_source(spec)`: when `spec` is an existing folder, it holds `config.json` and safetensors weights
-(`model.safetensors`, or the index `model.safetensors.index.json` and every shard it names) whose headers parse
-and whose data regions lie inside the files. Pickle weights (`pytorch_model.bin`, ...) are never loaded:
-unpickling runs code, so a folder that has only those is refused (load with `use_safetensors=True`, which makes
-transformers refuse pickle-only Hub repos too). When `spec` is not a folder it must be a valid Hub repo id; a
-path-like string that names nothing is reported as a missing folder.
+Contract of `check_source(spec)`: when `spec` is an existing folder, it holds a `config.json` of a looped model type
+(Ouro's or Huginn's) and safetensors weights (`model.safetensors`, or the index `model.safetensors.index.json` and
+every shard it names) whose headers parse and whose data regions lie inside the files. Pickle weights
+(`pytorch_model.bin`, ...) are never loaded: unpickling runs code, so a folder that has only those is refused (load
+with `use_safetensors=True`, which makes transformers refuse pickle-only Hub repos too). When `spec` is not a folder
+it must be a valid Hub repo id; a path-like string that names nothing is reported as a missing folder.
 """
 
 from __future__ import annotations
@@ -63,8 +63,26 @@ def check_folder(folder: Path) -> None:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} has no config.json, so it is not a checkpoint folder; pass the folder "
                                 f"that holds config.json and {SAFE_WEIGHTS}.")
+    check_model_type(folder / "config.json")
     for shard in weight_files(folder):
         check_safetensors(shard)
+
+
+def check_model_type(config: Path) -> None:
+    """`ValueError` unless the checkpoint config `config` (a config.json) names a looped model type hf_loopspec
+    runs (Ouro, Huginn): read as JSON before any weights load, so that e.g. a gpt2 folder is refused in one line."""
+    from .models.huginn.configuration_huginn import HuginnConfig
+    from .models.ouro.configuration_ouro import OuroConfig
+
+    looped = (OuroConfig.model_type, HuginnConfig.model_type)
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (ValueError, AttributeError) as err:  # not JSON, not UTF-8, or JSON that is no object
+        raise ValueError(f"{config} is not a valid config.json ({type(err).__name__}: {err}); re-download or "
+                         "re-save the checkpoint.") from None
+    if model_type not in looped:
+        raise ValueError(f"{config} has model_type {model_type!r}, which is not a looped model hf-loopspec runs "
+                         f"({', '.join(looped)}); pass an Ouro or Huginn checkpoint folder.")
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -128,5 +146,5 @@ def check_positions(config, prompt_len: int, new_tokens: int, *, prompt_flag: st
                      f"positions; lower {new_flag} to {limit - prompt_len} or shorten {prompt_flag}.")
 
 
-__all__ = ["check_folder", "check_positions", "check_safetensors", "check_source", "hub_errors_explained",
-           "max_positions", "weight_files"]
+__all__ = ["check_folder", "check_model_type", "check_positions", "check_safetensors", "check_source",
+           "hub_errors_explained", "max_positions", "weight_files"]

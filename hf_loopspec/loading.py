@@ -72,7 +72,7 @@ def load_model(spec: str, dtype: torch.dtype | str, device: torch.device, *, nee
 
     import hf_loopspec  # noqa: F401  (registers the Auto classes)
 
-    check_source(str(path))  # a one-line error for a missing folder, damaged weights or pickle-only weights
+    check_source(str(path))  # one line for a missing folder, a model type that is not looped, damaged or pickle weights
     if dtype == "auto":
         dtype = torch.float32 if device.type == "cpu" else "auto"
     with hub_errors_explained(str(path)):

@@ -1,27 +1,62 @@
 """What `hf-loopspec generate` and `hf-loopspec batch` share: a prompt's token ids (optionally through the
-tokenizer's chat template) and the `generate` keyword arguments that the command-line options stand for."""
+tokenizer's chat template), the check that the options fit the decoding mode, and the `generate` keyword arguments
+that the command-line options stand for."""
 
 from __future__ import annotations
 
 import argparse
 
 
+class SpeculativeOnly(argparse.Action):
+    """Stores an option that only speculative decoding reads, and records it in `namespace.speculative_given`
+    (flag -> value) so that `check_mode_options` can name it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.speculative_given = {**getattr(namespace, "speculative_given", {}), option_string: values}
+
+
 def encode_prompt(tokenizer, text: str, chat: bool, where: str = "the prompt") -> list[int]:
     """The token ids of `text`, wrapped as one user turn in the chat template when `chat`.
 
-    `ValueError` when `chat` is asked for and the tokenizer has no template, or when `text` tokenizes to nothing
-    (`where` names the prompt in the message, e.g. "prompts.jsonl, line 3").
+    `ValueError` when `text` is not valid Unicode (bytes that were not UTF-8, as `sys.argv` carries them), when
+    `chat` is asked for and the tokenizer has no template, or when `text` tokenizes to nothing (`where` names the
+    prompt in the message, e.g. "prompts.jsonl, line 3"). The tokenizer's warning about a text longer than the
+    model's positions is not printed: `check_positions` turns that case into an error.
     """
+    check_text(text, where)
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"--chat: the tokenizer {tokenizer.name_or_path} has no chat template; drop --chat.")
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            return_dict=True)["input_ids"]
+                                            return_dict=True, tokenizer_kwargs={"verbose": False})["input_ids"]
     else:
-        ids = tokenizer(text)["input_ids"]
+        ids = tokenizer(text, verbose=False)["input_ids"]
     if not ids:
         raise ValueError(f"{where} is empty after tokenization; give it some text.")
     return list(ids)
+
+
+def check_text(text: str, where: str) -> None:
+    """`ValueError` naming `where` when `text` holds lone surrogates: the bytes of a command-line argument or file
+    that were not UTF-8 (Python keeps them as surrogate escapes), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        char = ord(text[err.start])
+        what = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"lone surrogate U+{char:04X}"
+        raise ValueError(f"{where} is not UTF-8 text ({what} at character {err.start}); pass it as UTF-8 (check "
+                         "the terminal's locale, or convert the text with iconv).") from None
+
+
+def check_mode_options(args: argparse.Namespace) -> None:
+    """`ValueError` when `--mode plain` comes with an option that only speculative decoding reads, naming it."""
+    if args.mode != "plain":
+        return
+    given = [f"{flag} {value}" for flag, value in getattr(args, "speculative_given", {}).items()]
+    if given:
+        raise ValueError(f"{', '.join(given)} only apply to speculative decoding, and --mode plain decodes without "
+                         "it; drop them, or pass --mode block or --mode pipeline.")
 
 
 def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:

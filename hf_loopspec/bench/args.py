@@ -1,5 +1,6 @@
 """`hf-loopspec bench` arguments: the parser (`add_arguments`, `parse_args`), checked argument types (also used by
-`hf-loopspec generate`), and the checks that need more than one argument (`check_sampling_args`)."""
+`hf-loopspec generate` and `batch`), and the checks that need more than one argument (`check_sampling_args`, also
+run for `generate` and `batch`)."""
 
 from __future__ import annotations
 
@@ -164,13 +165,19 @@ def with_defaults(args) -> argparse.Namespace:
     return argparse.Namespace(**merged)
 
 
+SAMPLING_OFF = (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0))  # the value of each option that means "off"
+
+
 def check_sampling_args(args) -> None:
-    """`ValueError` for sampling options that cannot mean what they say (see the module docstring)."""
-    if args.do_sample and args.synthetic_acceptance is not None:
+    """`ValueError` for sampling options that cannot mean what they say: `--synthetic-acceptance` with
+    `--do-sample`, or `--temperature` / `--top-p` / `--top-k` without `--do-sample` (greedy decoding ignores them).
+    The rule of `bench`, `generate` and `batch`: an option counts as given unless it is None (not passed) or its
+    off value."""
+    if args.do_sample and getattr(args, "synthetic_acceptance", None) is not None:
         raise ValueError(SYNTHETIC_WITH_SAMPLING)
     if not args.do_sample:
-        unused = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name, off in
-                  (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0)) if getattr(args, name) != off]
+        unused = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name, off in SAMPLING_OFF
+                  if getattr(args, name) not in (None, off)]
         if unused:
             raise ValueError(f"{', '.join(unused)} only apply with --do-sample (greedy decoding ignores them); "
                              "add --do-sample or drop them.")

@@ -1,0 +1,198 @@
+"""The command line's contract beyond broken checkpoints (those are `test_cli_errors.py`'s): `--threads` on
+`generate` and `batch`, `generate --compare` (plain decoding timed next to the speculative run, the tokens compared),
+the option combinations refused before anything loads (sampling options without `--do-sample`, speculative-only
+options with `--mode plain`), a checkpoint folder that is no looped model, a PROMPT that is not UTF-8, lm-eval's
+missing local folder, and no tokenizer warning ahead of an error line."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+
+import pytest
+import torch
+from checkpoint_utils import save_checkpoint, word_tokenizer
+from test_cli_errors import command, one_error_line
+from transformers import GPT2Config
+
+from hf_loopspec import cli
+
+POSITIONS = 16
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return save_checkpoint(tmp_path_factory.mktemp("good") / "ckpt", seed=1, max_position_embeddings=POSITIONS)
+
+
+@pytest.fixture
+def threads_restored():
+    """The test may change torch's thread count through the CLI; the suite's count is put back afterwards."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+# --- --threads ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["generate", "batch"])
+def test_threads_sets_torchs_thread_count_and_defaults_to_one(name, good, tmp_path, capsys, threads_restored):
+    torch.set_num_threads(3)  # neither the value asked for nor the default, so both assertions can fail
+    assert cli.main([*command(name, str(good), tmp_path), "--threads", "2"]) == 0
+    assert torch.get_num_threads() == 2
+    (tmp_path / "out.jsonl").unlink(missing_ok=True)
+    assert cli.main(command(name, str(good), tmp_path)) == 0
+    assert torch.get_num_threads() == cli.DEFAULT_THREADS == 1
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("name", ["generate", "batch"])
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_threads_must_be_a_positive_integer(name, value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*command(name, str(tmp_path / "nowhere"), tmp_path), "--threads", value])
+    assert exit_.value.code == 2
+    line = one_error_line(capsys, name)
+    assert "--threads" in line and value in line
+
+
+# --- generate --compare ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "block"])
+def test_compare_prints_both_timings_the_ratio_and_that_the_tokens_are_identical(mode, good, tmp_path, capsys):
+    argv = ["generate", "w5 w6 w7", "--model", str(good), "--device", "cpu", "--max-new-tokens", "8", "--mode", mode]
+    assert cli.main([*argv, "--compare"]) == 0
+    err = capsys.readouterr().err
+    assert f"\n[{mode}] 8 new tokens in " in err and "\n[plain] 8 new tokens in " in err
+    assert f"\nspeed {mode} / plain: " in err
+    assert "\ntokens identical to plain decoding: yes (8 new tokens)\n" in err
+
+
+def test_compare_reports_differing_tokens_and_fails(good, tmp_path, capsys, monkeypatch):
+    """A speculative run whose 4th new token differs from plain decoding's (forced: the plain run's output is
+    changed) is reported with the position and exit status 1, since greedy float32 tokens must be identical."""
+    timed = cli._timed_generate
+
+    def plain_changed(model, enc, kwargs, seed):
+        out, seconds = timed(model, enc, kwargs, seed)
+        if kwargs["speculative_mode"] is None:
+            out.sequences = out.sequences.clone()  # generate's tensors are inference tensors
+            out.sequences[0, enc["input_ids"].shape[-1] + 3] += 1
+        return out, seconds
+
+    monkeypatch.setattr(cli, "_timed_generate", plain_changed)
+    argv = ["generate", "w5 w6 w7", "--model", str(good), "--device", "cpu", "--max-new-tokens", "8", "--compare"]
+    assert cli.main(argv) == 1
+    assert "\ntokens identical to plain decoding: no, they differ from new token 3 on\n" in capsys.readouterr().err
+
+
+def test_compare_with_sampling_says_the_tokens_are_not_compared(good, capsys):
+    argv = ["generate", "w5 w6", "--model", str(good), "--device", "cpu", "--max-new-tokens", "4", "--compare",
+            "--do-sample", "--seed", "0"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "\n[plain] 4 new tokens in " in err and "\ntokens: not compared (sampled runs differ by design" in err
+
+
+# --- option combinations refused before anything loads ------------------------------------------------------------
+
+
+REFUSED = [  # (options, what the one line must contain)
+    (["--temperature", "0.7"], "--temperature 0.7 only apply with --do-sample"),
+    (["--top-p", "0.9", "--top-k", "5"], "--top-p 0.9, --top-k 5 only apply with --do-sample"),
+    (["--mode", "plain", "--draft-loops", "2"], "--draft-loops 2 only apply to speculative decoding"),
+    (["--num-speculative-tokens", "3", "--mode", "plain"], "--num-speculative-tokens 3 only apply to speculative"),
+    (["--mode", "plain", "--draft-loops", "1"], "--draft-loops 1 only apply"),  # the default value, given explicitly
+]
+
+
+@pytest.mark.parametrize("name", ["generate", "batch"])
+@pytest.mark.parametrize(("options", "message"), REFUSED)
+def test_options_that_would_be_ignored_are_refused_up_front(name, options, message, tmp_path, capsys):
+    nowhere = str(tmp_path / "nowhere")  # checked before the model: the error is about the options, not the folder
+    assert cli.main([*command(name, nowhere, tmp_path), *options]) == 2
+    line = one_error_line(capsys, name)
+    assert message in line
+    assert "--do-sample" in line if "sample" in message else "--mode block or --mode pipeline" in line
+
+
+def test_compare_with_plain_mode_is_refused(tmp_path, capsys):
+    assert cli.main([*command("generate", str(tmp_path / "nowhere"), tmp_path), "--mode", "plain", "--compare"]) == 2
+    assert "--compare decodes PROMPT plainly next to a speculative mode" in one_error_line(capsys, "generate")
+
+
+@pytest.mark.parametrize("name", ["generate", "batch"])
+def test_sampling_and_speculative_options_are_accepted_where_they_apply(name, good, tmp_path, capsys):
+    options = ["--do-sample", "--temperature", "0.7", "--top-k", "5", "--mode", "block", "--draft-loops", "1",
+               "--num-speculative-tokens", "2", "--seed", "0"]
+    assert cli.main([*command(name, str(good), tmp_path), *options]) == 0
+    capsys.readouterr()
+
+
+# --- models that are not looped, text that is not UTF-8, lm-eval's folders --------------------------------------
+
+
+@pytest.mark.parametrize("name", ["generate", "batch", "bench", "export"])
+def test_a_folder_of_another_model_type_is_refused_before_its_weights_load(name, good, tmp_path, capsys):
+    """An Ouro folder whose config.json is a gpt2 config (written by transformers' GPT2Config): one line naming the
+    file and the type, and no weights-loading progress line before it (it is refused before the weights load)."""
+    folder = tmp_path / "gpt2"
+    shutil.copytree(good, folder)
+    GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(folder)
+    assert cli.main(command(name, str(folder), tmp_path)) == 2
+    line = one_error_line(capsys, name)
+    assert f"{folder / 'config.json'} has model_type 'gpt2', which is not a looped model" in line
+    assert not (tmp_path / "OUT").exists()
+
+
+def test_a_config_that_is_not_json_is_named(good, tmp_path, capsys):
+    folder = tmp_path / "bad-config"
+    shutil.copytree(good, folder)
+    (folder / "config.json").write_text("{not json")
+    assert cli.main(command("generate", str(folder), tmp_path)) == 2
+    assert f"{folder / 'config.json'} is not a valid config.json" in one_error_line(capsys, "generate")
+
+
+@pytest.mark.parametrize(("prompt", "what"), [("ab\udcffc", "byte 0xff at character 2"),
+                                              ("\ud800x", "lone surrogate U+D800 at character 0")])
+def test_a_prompt_that_is_not_utf8_is_one_line(prompt, what, good, tmp_path, capsys):
+    """"ab\\udcffc" is what `sys.argv` holds for the bytes b"ab\\xffc" (Python decodes arguments with
+    surrogateescape); the check runs before the model loads."""
+    argv = ["generate", prompt, "--model", str(good), "--device", "cpu"]
+    assert cli.main(argv) == 2
+    assert f"PROMPT is not UTF-8 text ({what})" in one_error_line(capsys, "generate")
+
+
+@pytest.mark.parametrize("spec", ["./nope", "{tmp}/no/such/folder", "~/no-such-folder-here"])
+@pytest.mark.parametrize("form", ["separate", "joined"])
+def test_lm_eval_with_a_missing_local_folder_says_so(spec, form, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = spec.format(tmp=tmp_path)
+    model_args = f"pretrained={spec},dtype=float32"
+    given = ["--model_args", model_args] if form == "separate" else [f"--model_args={model_args}"]
+    assert cli.main(["lm-eval", "run", "--model", "hf", *given, "--tasks", "x"]) == 2
+    line = one_error_line(capsys, "lm-eval")
+    assert f"--model_args pretrained={spec}: no such folder: {spec}" in line and "Repo id" not in line
+
+
+def test_the_tokenizers_length_warning_does_not_precede_the_error(tmp_path, capsys, monkeypatch):
+    """A tokenizer whose model_max_length is the model's positions warns, when asked to encode a longer text, that
+    indexing errors will follow; the CLI turns that case into its own error line, so the warning is not printed.
+    transformers' log handler keeps the stream it was made with; it is pointed at the captured stderr here."""
+    for handler in logging.getLogger("transformers").handlers:
+        monkeypatch.setattr(handler, "stream", sys.stderr)
+    folder = save_checkpoint(tmp_path / "ckpt", seed=1, tokenizer=False, max_position_embeddings=POSITIONS)
+    tokenizer = word_tokenizer(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tokenizer.model_max_length = POSITIONS
+    tokenizer.save_pretrained(folder)
+    long_prompt = " ".join(["w5"] * (POSITIONS + 2))
+    assert len(tokenizer(long_prompt)["input_ids"]) > POSITIONS  # (the warning the CLI must not print, once here)
+    assert "Token indices sequence length is longer" in capsys.readouterr().err
+    for chat in ([], ["--chat"]):
+        assert cli.main(["generate", long_prompt, "--model", str(folder), "--device", "cpu", *chat]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert all("Loading weights" in line for line in lines[:-1]), lines
+        assert lines[-1].startswith("hf-loopspec generate: error: the prompt is ")
