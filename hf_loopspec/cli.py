@@ -35,14 +35,9 @@ import os
 import sys
 import time
 
-from . import loading
-from .batch import run_batch
 from .bench import args as bench_args
-from .bench import main as bench_main
-from .evaluation import run_lm_eval
-from .generation.config import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
+from .defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, DTYPE_NAMES
 from .hub import export as hub_export
-from .input_checks import check_positions
 from .prompting import SpeculativeOnly, check_mode_options, check_text, encode_prompt, generate_kwargs
 
 DEBUG_ENV = "HF_LOOPSPEC_DEBUG"
@@ -126,7 +121,7 @@ def _add_generation_options(parser: argparse.ArgumentParser, chat_help: str) -> 
                         help="divide the scores of tokens already in the text by P (> 1 discourages repeats; "
                              "greedy or sampled, lossless under speculation)")
     parser.add_argument("--chat", action="store_true", help=chat_help)
-    parser.add_argument("--dtype", choices=("auto", *sorted(loading.DTYPES)), default="auto",
+    parser.add_argument("--dtype", choices=("auto", *DTYPE_NAMES), default="auto",
                         help="auto (the default): float32 on CPU, the checkpoint's dtype on CUDA")
     parser.add_argument("--threads", type=bench_args.positive, default=DEFAULT_THREADS,
                         help="CPU threads of torch's operators (torch.set_num_threads; default: %(default)s: the "
@@ -152,6 +147,9 @@ def generate(args: argparse.Namespace) -> int:
     run's too); exit status 0, or 1 when `--compare` finds greedy float32 tokens that differ from plain decoding."""
     import torch
     from transformers import TextStreamer
+
+    from . import loading
+    from .input_checks import check_positions
 
     device = loading.resolve_device(args.device)
     dtype = "auto" if args.dtype == "auto" else loading.DTYPES[args.dtype]
@@ -236,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     (one line on stderr unless --debug / HF_LOOPSPEC_DEBUG), 130 when interrupted."""
     args = build_parser().parse_args(argv)
     try:
+        from . import register
+
+        register()  # deferred when the console script imported the package (`hf_loopspec_cli`)
         if args.command in ("generate", "batch"):
             import torch
 
@@ -246,9 +247,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             return hub_export.main_from_args(args)
         if args.command == "batch":
+            from .batch import run_batch
+
             return run_batch(args)
         if args.command == "lm-eval":
+            from .evaluation import run_lm_eval
+
             return run_lm_eval(args.args)
+        from .bench import main as bench_main
+
         return bench_main.main_from_args(args)
     except USER_ERRORS as err:
         if debug_requested(args):

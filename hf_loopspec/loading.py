@@ -8,9 +8,10 @@ from pathlib import Path
 import torch
 
 from .bench.shapes import SHAPES, random_model
+from .defaults import DTYPE_NAMES
 from .input_checks import check_source, hub_errors_explained
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 class ModelNotAvailable(ValueError):

@@ -401,7 +401,8 @@ def test_missing_models_are_clear_errors(tmp_path, capsys):
 
 def test_console_script_and_gpu_script_are_wired():
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert '\n[project.scripts]\nhf-loopspec = "hf_loopspec.cli:main"\n' in pyproject
+    assert '\n[project.scripts]\nhf-loopspec = "hf_loopspec_cli:main"\n' in pyproject
+    assert 'py-modules = ["hf_loopspec_cli"]' in pyproject
     assert 'bench = ["matplotlib", "tqdm"]' in pyproject
     script = ROOT / "scripts" / "bench_gpu.sh"
     assert subprocess.run(["bash", "-n", str(script)], check=False, capture_output=True).returncode == 0

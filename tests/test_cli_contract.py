@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
 import sys
 
 import pytest
 import torch
 from checkpoint_utils import save_checkpoint, word_tokenizer
+from processes import ROOT, subprocess_env
 from test_cli_errors import command, one_error_line
 from transformers import GPT2Config
 
@@ -196,3 +198,35 @@ def test_the_tokenizers_length_warning_does_not_precede_the_error(tmp_path, caps
         lines = capsys.readouterr().err.strip().splitlines()
         assert all("Loading weights" in line for line in lines[:-1]), lines
         assert lines[-1].startswith("hf-loopspec generate: error: the prompt is ")
+
+
+# --- the console script ---------------------------------------------------------------------------------------------
+
+
+def launch(*argv: str) -> subprocess.CompletedProcess:
+    """The console script's entry point (`hf_loopspec_cli.main`, what `hf-loopspec` runs) in a fresh interpreter;
+    prints which of torch and transformers it imported."""
+    code = ("import sys, hf_loopspec_cli\n"
+            f"sys.argv = ['hf-loopspec', *{list(argv)!r}]\n"
+            "try:\n    status = hf_loopspec_cli.main()\nexcept SystemExit as stop:\n    status = stop.code\n"
+            "print('imported:', [m for m in ('torch', 'transformers') if m in sys.modules])\n"
+            "sys.exit(status)")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(),
+                          cwd=ROOT, timeout=300, check=False)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["bench", "--help"], ["export", "--help"],
+                                  ["generate"], ["bench", "--batch-size", "0"]],
+                         ids=["help", "generate-help", "bench-help", "export-help", "missing-prompt", "bad-value"])
+def test_help_and_argument_errors_load_neither_torch_nor_transformers(argv):
+    result = launch(*argv)
+    assert result.returncode == (0 if "--help" in argv else 2), result.stderr
+    assert "usage: hf-loopspec" in result.stdout + result.stderr
+    assert result.stdout.rstrip().endswith("imported: []"), result.stdout[-300:]
+
+
+def test_console_script_registers_before_a_command():
+    """The deferred registration happens before the command: the embedded model loads through the Auto classes."""
+    result = launch("generate", "def f(x):", "--mode", "plain", "--max-new-tokens", "4")
+    assert result.returncode == 0, result.stderr
+    assert "[plain] 4 new tokens" in result.stderr

@@ -18,6 +18,7 @@ from checkpoint_utils import save_checkpoint, snapshot
 from processes import subprocess_env
 
 from hf_loopspec import cli
+from hf_loopspec.bench import main as bench_main
 
 POSITIONS = 16  # max_position_embeddings of the checkpoint: small, so that too-long prompts are cheap
 
@@ -227,7 +228,7 @@ def test_an_interrupt_is_one_line_and_status_130(monkeypatch, capsys):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli.bench_main, "main_from_args", interrupted)
+    monkeypatch.setattr(bench_main, "main_from_args", interrupted)
     assert cli.main(["bench"]) == 130
     assert capsys.readouterr().err == "hf-loopspec bench: interrupted\n"
 

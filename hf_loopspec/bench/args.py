@@ -7,9 +7,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..generation.config import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
-from ..loading import DTYPES
-from .shapes import SHAPES
+from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, DTYPE_NAMES
+from .shape_table import SHAPES
 
 MODES = ("plain", "ar", "block", "pipeline")  # the default set
 PLAIN_MODES = ("plain", "static")  # transformers' own loop: DynamicCache, or cache_implementation="static"
@@ -99,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="new tokens per sequence (default: %(default)s)")
     parser.add_argument("--prompt-file", default=None, metavar="PATH",
                         help="text to cut the prompts from (models with a tokenizer; default: a built-in text)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="(default: %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="(default: %(default)s)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--modes", type=parse_modes, default=list(MODES),
                         help=f"comma-separated subset of {','.join(MODES)},static (default: {','.join(MODES)}); "

@@ -24,14 +24,13 @@ from dataclasses import dataclass
 
 from transformers.generation import GenerationConfig, GenerationMode
 
+from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
 from .inputs import as_integer
 
 SPECULATIVE_KEYS = ("speculative_mode", "draft_loops", "num_speculative_tokens", "compile_core", "speculative_engine",
                     "second_draft_loops")
 MODES = ("pipeline", "block")
 LANE_MODES = ("ar", *MODES)  # `decode_with_lanes` also runs "ar": the lane engine without drafting
-DEFAULT_DRAFT_LOOPS = 1
-DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 ENGINES = ("auto", "lanes", "wavefront")
 
 
