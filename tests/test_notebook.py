@@ -108,11 +108,11 @@ def test_schedule_grid_reads_the_pipeline(pipeline_trace):
     stats = out.speculation
     assert grid.num_cycles == stats.core_calls == len(out.trace)
     assert grid.prompt_len == 6 and sum(grid.commits) == stats.committed_tokens == 16
-    # the prefill: all prompt tokens go through loops 0..3 in the first four calls
+    # the prefill: all prompt tokens go through depths 0..3 (loops 1..4) in the first four calls
     for depth in range(4):
         (cell,) = [c for c in grid.cells if c.cycle == depth and c.depth == depth]
         assert cell.kind == "prompt" and len(cell.tokens) == 6
-    # pipeline with d = 1: at most one token per (call, loop), drafts start at loop 0
+    # pipeline with d = 1: at most one token per (call, loop), drafts start at depth 0 (loop 1)
     assert all(len(c.tokens) == 1 for c in grid.cells if c.kind != "prompt")
     verdicts = {}
     for cycle in out.trace:
@@ -132,6 +132,8 @@ def test_plot_schedule_draws_every_cell(pipeline_trace, tmp_path):
     ax = fig.axes[0]
     grid = schedule_grid(pipeline_trace.trace, num_loops=4)
     assert len(ax.patches) == sum(1 for c in grid.cells if c.cycle < 20)
+    # loops counted from 1, as the prose counts them: the top row (depth 0) is loop 1, the last loop U
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["loop 1", "loop 2", "loop 3", "loop 4"]
     labels = {t.get_text() for t in ax.get_legend().get_texts()}
     assert {"prompt", "draft, accepted", "draft, rejected"} <= labels
     fig.savefig(tmp_path / "schedule.png")
