@@ -15,6 +15,7 @@ from inputs import left_pad, random_prompts
 from processes import ROOT, subprocess_env
 from speculative_utils import tiny_spec_model
 
+from hf_loopspec.hub import install
 from hf_loopspec.trace_plot import plot_schedule, schedule_grid
 
 matplotlib.use("Agg")
@@ -47,8 +48,11 @@ def test_notebook_is_stored_without_outputs():
         assert cell.outputs == [] and cell.execution_count is None, "strip the outputs before committing"
     source = "\n".join(cell.source for cell in code)
     for needle in ("google.colab", "pip", "get_device_capability", "model_info", "TextStreamer", "run_bench",
-                   "plot_schedule", "speculative_trace=True", "LOOPSPEC_NOTEBOOK_FAST"):
+                   "plot_schedule", "speculative_trace=True", "LOOPSPEC_NOTEBOOK_FAST", "torch.set_num_threads(1)",
+                   "repetition_penalty=1.4", "bar_label"):
         assert needle in source, needle
+    # Colab installs the package from the repository URL of the package metadata (it is not on PyPI)
+    assert f'"{install.requirement()}"' in source
 
 
 @pytest.mark.slow
@@ -70,7 +74,8 @@ def test_notebook_executes_on_cpu_with_the_embedded_model(tmp_path, monkeypatch)
                 texts.append(output.text)
             images += "image/png" in output.get("data", {})
     text = "".join(texts)
-    assert "device: cpu" in text and "dtype: torch.float32" in text
+    assert "device: cpu" in text and "dtype: torch.float32" in text and "torch threads: 1" in text
+    assert "x plain" in text  # the bench's speeds, beside plain decoding
     for mode in ("plain", "block", "pipeline"):
         assert f"--- {mode} ---" in text
     assert "same tokens as plain decoding: {'plain': True, 'block': True, 'pipeline': True}" in text
@@ -79,12 +84,17 @@ def test_notebook_executes_on_cpu_with_the_embedded_model(tmp_path, monkeypatch)
 
 def test_quickstart_runs_on_the_embedded_model():
     default_model_or_skip()
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py"), "--max-new-tokens", "8"],
-                          check=False, capture_output=True, text=True, env=offline_env(), timeout=300)
+    command = [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--max-new-tokens", "8", "--repeats", "1"]
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, env=offline_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "all modes gave the same tokens" in proc.stdout
+    assert "1 torch thread(s)" in proc.stdout  # the thread count is set and stated
+    speed = proc.stdout.split("speed (median of 1 interleaved rounds", 1)[1].splitlines()
+    assert speed[1].split() == ["mode", "tok/s", "x", "plain", "calls/token", "acceptance"]
+    rows = {line.split()[0]: line.split() for line in speed[2:5]}
+    assert rows["plain"][2] == "1.00" and rows["plain"][3] == "4.00"  # plain is the reference: U calls per token
     for mode in ("plain", "block", "pipeline"):
-        assert f"[{mode}] " in proc.stdout
+        assert f"[{mode}] " in proc.stdout and mode in rows
 
 
 # --- the schedule drawing -----------------------------------------------------------------------------------------
