@@ -43,6 +43,9 @@ def resolve_source(spec: str) -> Source:
         data, lead = _card(folder / "README.md")
         name = data.get("model_name") or folder.resolve().name
         return Source(spec, spec, name, f"the checkpoint {name}", False, False, data, lead)
+    from ..input_checks import check_source
+
+    check_source(spec)  # a path-like name that is no folder: "no such folder", before any Hub request
     local_only, data = _hub_state(spec)
     lead = None
     try:
