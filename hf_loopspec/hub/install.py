@@ -30,9 +30,11 @@ def project_url() -> str:
         label, _, url = entry.partition(",")
         if label.strip() == URL_LABEL and url.strip():
             return url.strip()
-    if PYPROJECT.is_file():
-        import tomllib
-
+    try:
+        import tomllib  # Python 3.11+
+    except ImportError:
+        tomllib = None
+    if tomllib is not None and PYPROJECT.is_file():
         urls = tomllib.loads(PYPROJECT.read_text(encoding="utf-8")).get("project", {}).get("urls", {})
         if urls.get(URL_LABEL):
             return urls[URL_LABEL]
