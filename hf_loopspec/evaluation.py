@@ -2,7 +2,8 @@
 classes registered, so its `hf` backend loads Ouro and Huginn checkpoints (plain folders or Hub ids) natively and
 `--gen_kwargs speculative_mode=pipeline,draft_loops=1` decodes speculatively.
 
-lm-eval is an optional dependency: `pip install "hf-loopspec[eval]"` (tested with lm-eval 0.4.13).
+lm-eval is an optional dependency, the `eval` extra (tested with lm-eval 0.4.13); the error of a missing lm-eval gives
+the install command (`hf_loopspec.hub.install`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ def run_lm_eval(args: list[str]) -> int:
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError as err:
-        raise ValueError(f"lm-eval is not installed ({err}); install it with: "
-                         'pip install "hf-loopspec[eval]"') from None
+        from .hub.install import install_command
+
+        raise ValueError(f"lm-eval is not installed ({err}); install it with: {install_command('eval')}") from None
 
     import hf_loopspec  # noqa: F401  (registers the Ouro and Huginn classes with the Auto factories)
 

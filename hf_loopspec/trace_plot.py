@@ -4,13 +4,15 @@
                          return_dict_in_generate=True, speculative_trace=True)
     fig = plot_schedule(out.trace, tokenizer=tok, num_loops=model.num_loops)
 
-Each cell is one row of one core call: the token whose loop `depth` that call computes. Colours tell the fate of the
-token's lane: the prompt, a token started from a verified target (the first token, a correction or a bonus), a draft
-that was later accepted, a draft that was rejected, and a draft that was discarded without a verification (a
-descendant of a rejected draft, or in flight when the sequence stopped). With second proposals
-(`second_draft_loops`), a sibling lane is drawn as a second proposal, chosen or dropped, and the lanes drafted on its
-branch like any draft. The numbers above the columns count the tokens committed after each call. `schedule_grid`
-returns the same information as data (no matplotlib needed).
+Each cell is one row of one core call: the token whose next loop that call computes. Loops are counted from 1 as in
+prose ("drafts from loop 1"): a row at depth k (k loops done) runs loop k + 1, and the drawing labels it so;
+`Cell.depth` keeps the 0-based depth of the traces and the cache. Colours tell the fate of the token's lane: the
+prompt, a token started from a verified target (the first token, a correction or a bonus), a draft that was later
+accepted, a draft that was rejected, and a draft that was discarded without a verification (a descendant of a rejected
+draft, or in flight when the sequence stopped). With second proposals (`second_draft_loops`), a sibling lane is drawn
+as a second proposal, chosen or dropped, and the lanes drafted on its branch like any draft. The numbers above the
+columns count the tokens committed after each call. `schedule_grid` returns the same information as data (no
+matplotlib needed).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class Cell:
     """One (cycle, depth) of the grid: the tokens computed there for the traced sequence."""
 
     cycle: int
-    depth: int
+    depth: int  # loops completed before this call (0-based); the call runs loop depth + 1
     tokens: list[int]
     positions: list[int]
     kind: str  # one of KINDS (for several rows: the most telling of their kinds)
@@ -170,9 +172,9 @@ def plot_schedule(trace: Sequence, *, seq: int = 0, tokenizer=None, num_loops: i
         if grid.commits[c]:
             ax.text(c + 0.5, -0.15, f"+{grid.commits[c]}", ha="center", va="bottom", fontsize=7, color="#31a354")
     ax.set_xlim(0, cycles)
-    ax.set_ylim(grid.num_loops, -0.6)  # depth 0 at the top
+    ax.set_ylim(grid.num_loops, -0.6)  # loop 1 at the top
     ax.set_xticks([c + 0.5 for c in range(cycles)], [str(c + 1) for c in range(cycles)], fontsize=7)
-    ax.set_yticks([d + 0.5 for d in range(grid.num_loops)], [f"loop {d}" for d in range(grid.num_loops)],
+    ax.set_yticks([d + 0.5 for d in range(grid.num_loops)], [f"loop {d + 1}" for d in range(grid.num_loops)],
                   fontsize=8)
     ax.set_xlabel("core call (cycle); +n: tokens committed after it")
     ax.tick_params(length=0)

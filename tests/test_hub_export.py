@@ -34,7 +34,7 @@ import hf_loopspec
 from hf_loopspec.bench import args as bench_args
 from hf_loopspec.bench.report import command_line
 from hf_loopspec.hub import card as hub_card
-from hf_loopspec.hub import custom_generate, export
+from hf_loopspec.hub import custom_generate, export, install
 
 NEW = 12
 PAD = 0
@@ -115,8 +115,9 @@ def test_export_writes_a_hub_ready_folder(exported, source):
     gen = json.loads((exported / "generation_config.json").read_text())
     assert (gen["speculative_mode"], gen["draft_loops"], gen["num_speculative_tokens"]) == ("pipeline", 1, 4)
     assert gen["pad_token_id"] == PAD
-    requirements = (exported / "custom_generate" / "requirements.txt").read_text().split()
-    assert f"hf-loopspec>={hf_loopspec.__version__}" in requirements
+    requirements = (exported / "custom_generate" / "requirements.txt").read_text().splitlines()
+    assert f"hf-loopspec>={hf_loopspec.__version__}" in requirements  # the form transformers checks
+    assert any(line.startswith("#") and install.install_command() in line for line in requirements)
 
 
 def test_export_of_a_chatml_model_stops_at_the_end_of_turn(source, tmp_path):
@@ -243,7 +244,7 @@ def test_remote_code_without_the_package_names_pip_install(exported, tmp_path):
         print(json.dumps({"error": str(err)}))
     """
     report = run_fresh(script, tmp_path, str(exported))
-    assert "pip install hf-loopspec" in report["error"]
+    assert install.install_command() in report["error"]
 
 
 # --- custom_generate --------------------------------------------------------------------------------------------------
@@ -466,9 +467,13 @@ def test_card_text_comes_from_the_family_table_and_the_packaged_template():
     template = resources.files("hf_loopspec.hub").joinpath("templates", "model_card.md")
     assert hub_card.MODEL_CARD_TEMPLATE.template == template.read_text(encoding="utf-8")
     assert '"hub/templates/*.md"' in (ROOT / "pyproject.toml").read_text()  # shipped as package data
-    card = hub_card.build_model_card(repo_id="x/y", chat=True, eos_token_ids=[0, 2]).text
+    card = hub_card.build_model_card(repo_id="x/y", chat=True, eos_token_ids=[0, 2],
+                                     base_model="ByteDance/Ouro-1.4B-Thinking").text
     ouro = hub_card.FAMILIES["ouro"]
     assert ouro.bibtex in card and ouro.chat_template in card and ouro.kv_example in card
+    # weights that are not the maker's: no maker claim, no request to cite the family's paper
+    other = hub_card.build_model_card(repo_id="x/y", base_model="someone/ouro-finetune").text
+    assert ouro.bibtex not in other and ouro.maker not in other and ouro.arxiv not in other
     with pytest.raises(ValueError, match="family='huginn' has no card text"):
         hub_card.build_model_card(repo_id="x/y", family="huginn")
 

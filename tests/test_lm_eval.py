@@ -89,4 +89,4 @@ def test_without_lm_eval_installed_the_error_is_one_line(monkeypatch, capsys):
     assert cli.main(["lm-eval", "run", "--tasks", TASK]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("hf-loopspec lm-eval: error: lm-eval is not installed")
-    assert 'pip install "hf-loopspec[eval]"' in err
+    assert 'pip install "hf-loopspec[eval] @ git+' in err  # the extra, from the repository (not on PyPI)

@@ -15,6 +15,7 @@ from inputs import left_pad, random_prompts
 from processes import ROOT, subprocess_env
 from speculative_utils import tiny_spec_model
 
+from hf_loopspec.hub import install
 from hf_loopspec.trace_plot import plot_schedule, schedule_grid
 
 matplotlib.use("Agg")
@@ -47,8 +48,11 @@ def test_notebook_is_stored_without_outputs():
         assert cell.outputs == [] and cell.execution_count is None, "strip the outputs before committing"
     source = "\n".join(cell.source for cell in code)
     for needle in ("google.colab", "pip", "get_device_capability", "model_info", "TextStreamer", "run_bench",
-                   "plot_schedule", "speculative_trace=True", "LOOPSPEC_NOTEBOOK_FAST"):
+                   "plot_schedule", "speculative_trace=True", "LOOPSPEC_NOTEBOOK_FAST", "torch.set_num_threads(1)",
+                   "repetition_penalty=1.4", "bar_label"):
         assert needle in source, needle
+    # Colab installs the package from the repository URL of the package metadata (it is not on PyPI)
+    assert f'"{install.requirement()}"' in source
 
 
 @pytest.mark.slow
@@ -70,7 +74,8 @@ def test_notebook_executes_on_cpu_with_the_embedded_model(tmp_path, monkeypatch)
                 texts.append(output.text)
             images += "image/png" in output.get("data", {})
     text = "".join(texts)
-    assert "device: cpu" in text and "dtype: torch.float32" in text
+    assert "device: cpu" in text and "dtype: torch.float32" in text and "torch threads: 1" in text
+    assert "x plain" in text  # the bench's speeds, beside plain decoding
     for mode in ("plain", "block", "pipeline"):
         assert f"--- {mode} ---" in text
     assert "same tokens as plain decoding: {'plain': True, 'block': True, 'pipeline': True}" in text
@@ -79,12 +84,17 @@ def test_notebook_executes_on_cpu_with_the_embedded_model(tmp_path, monkeypatch)
 
 def test_quickstart_runs_on_the_embedded_model():
     default_model_or_skip()
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py"), "--max-new-tokens", "8"],
-                          check=False, capture_output=True, text=True, env=offline_env(), timeout=300)
+    command = [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--max-new-tokens", "8", "--repeats", "1"]
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, env=offline_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "all modes gave the same tokens" in proc.stdout
+    assert "1 torch thread(s)" in proc.stdout  # the thread count is set and stated
+    speed = proc.stdout.split("speed (median of 1 interleaved rounds", 1)[1].splitlines()
+    assert speed[1].split() == ["mode", "tok/s", "x", "plain", "calls/token", "acceptance"]
+    rows = {line.split()[0]: line.split() for line in speed[2:5]}
+    assert rows["plain"][2] == "1.00" and rows["plain"][3] == "4.00"  # plain is the reference: U calls per token
     for mode in ("plain", "block", "pipeline"):
-        assert f"[{mode}] " in proc.stdout
+        assert f"[{mode}] " in proc.stdout and mode in rows
 
 
 # --- the schedule drawing -----------------------------------------------------------------------------------------
@@ -108,11 +118,11 @@ def test_schedule_grid_reads_the_pipeline(pipeline_trace):
     stats = out.speculation
     assert grid.num_cycles == stats.core_calls == len(out.trace)
     assert grid.prompt_len == 6 and sum(grid.commits) == stats.committed_tokens == 16
-    # the prefill: all prompt tokens go through loops 0..3 in the first four calls
+    # the prefill: all prompt tokens go through depths 0..3 (loops 1..4) in the first four calls
     for depth in range(4):
         (cell,) = [c for c in grid.cells if c.cycle == depth and c.depth == depth]
         assert cell.kind == "prompt" and len(cell.tokens) == 6
-    # pipeline with d = 1: at most one token per (call, loop), drafts start at loop 0
+    # pipeline with d = 1: at most one token per (call, loop), drafts start at depth 0 (loop 1)
     assert all(len(c.tokens) == 1 for c in grid.cells if c.kind != "prompt")
     verdicts = {}
     for cycle in out.trace:
@@ -132,6 +142,8 @@ def test_plot_schedule_draws_every_cell(pipeline_trace, tmp_path):
     ax = fig.axes[0]
     grid = schedule_grid(pipeline_trace.trace, num_loops=4)
     assert len(ax.patches) == sum(1 for c in grid.cells if c.cycle < 20)
+    # loops counted from 1, as the prose counts them: the top row (depth 0) is loop 1, the last loop U
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["loop 1", "loop 2", "loop 3", "loop 4"]
     labels = {t.get_text() for t in ax.get_legend().get_texts()}
     assert {"prompt", "draft, accepted", "draft, rejected"} <= labels
     fig.savefig(tmp_path / "schedule.png")

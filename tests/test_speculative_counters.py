@@ -60,7 +60,7 @@ def test_core_calls_closed_form(lengths, loops, mode, d, k, accept, n):
     assert_counter_invariants(stats, [n] * len(prompts))
     expected = pipeline_calls(n, loops, d, accept) if mode == "pipeline" else block_calls(n, loops, d, k, accept)
     assert stats.core_calls == expected
-    assert stats.core_calls_per_token == expected / (n * len(prompts))
+    assert stats.core_calls_per_token == expected / n  # per token of one sequence
     for s in stats.per_sequence:
         if mode == "pipeline":  # one draft per position n-1 positions: verified all; accepted or rejected all
             assert s.verified == n - 1
@@ -98,3 +98,29 @@ def test_counters_with_free_drafts_and_eos(mode, d, k):
         assert [p for p, _ in commits] == list(range(int(mask[s].sum()), int(mask[s].sum()) + committed[s]))
     assert stats.core_calls == len(out.trace)
     assert stats.to_dict()["committed_tokens"] == sum(committed)
+
+
+@pytest.mark.parametrize("mode,d,k", [("pipeline", 1, None), ("block", 1, 3)])
+def test_bench_rows_and_out_speculation_agree_on_calls_per_token(mode, d, k):
+    """`core_calls_per_token` means the same in `out.speculation` and in `hf-loopspec bench`'s rows: calls per token
+    of one sequence. Both are run at batch 3 under full acceptance (a forced draft hook here, the bench's synthetic
+    acceptance there), where the schedule, and so the count, is the batch-1 closed form whatever the model."""
+    from hf_loopspec.bench import args as bench_args
+    from hf_loopspec.bench import run_bench
+
+    n, lengths = 8, [5, 2, 8]
+    model = tiny_spec_model(23, 4, vocab=VOCAB)
+    prompts = random_prompts(23, lengths, VOCAB)
+    ids, mask = left_pad(prompts)
+    ref = plain(model, ids, mask, n)
+    reference = [real_tokens(ref.sequences, mask, s) for s in range(len(prompts))]
+    hook = forcing_hook(reference, lengths, lambda s, i: True, VOCAB)
+    stats = speculative(model, ids, mask, n, mode, d, k, draft_hook=hook, debug=False).speculation
+    options = ["--num-speculative-tokens", str(k)] if k else []
+    result = run_bench(bench_args.parse_args([
+        "--model", "ouro-tiny", "--device", "cpu", "--prompt-len", "8", "--new-tokens", str(n), "--repeats", "1",
+        "--calibration-seconds", "0.05", "--quiet", "--modes", f"plain,{mode}", "--batch-size", str(len(lengths)),
+        "--synthetic-acceptance", "1.0", "--draft-loops", str(d), *options]))
+    row = next(r for r in result["rows"] if r["mode"] == mode)
+    closed = pipeline_calls(n, 4, d, True) if mode == "pipeline" else block_calls(n, 4, d, k, True)
+    assert stats.core_calls_per_token == row["core_calls_per_token"] == pytest.approx(closed / n)

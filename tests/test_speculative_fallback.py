@@ -1,5 +1,6 @@
 """Logits processors that the lane decoder cannot run losslessly: `generate` decodes plainly, warns once naming the
-processor, and reports the fallback in `out.speculation.fallback`; the output is plain decoding's.
+processor (through transformers' logging, so its verbosity applies), and reports the fallback in
+`out.speculation.fallback`; the output is plain decoding's.
 
 The cases are a stateful processor that runs the model on its own context (classifier-free guidance through
 `guidance_scale`), watermarking (`SynthIDTextWatermarkingConfig`, under seeded sampling) and a user's processor
@@ -16,8 +17,7 @@ import torch
 from inputs import left_pad, random_prompts
 from speculative_utils import generate_dict, paged_cache, tiny_spec_model
 from transformers import LogitsProcessor, LogitsProcessorList, SynthIDTextWatermarkingConfig
-
-from hf_loopspec.generation import processors
+from transformers.utils import logging as transformers_logging
 
 VOCAB = 64
 NEW = 10
@@ -53,23 +53,48 @@ def run(model, ids, mask, seed=0, **kwargs):
     return generate_dict(model, ids, mask, NEW, **kwargs)
 
 
+def fallback_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "plain decoding instead" in r.getMessage()]
+
+
 @pytest.mark.parametrize("mode", ["pipeline", "block"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_unsupported_processor_falls_back_to_plain_with_one_warning(setup, case, mode, monkeypatch, caplog):
+def test_unsupported_processor_falls_back_to_plain_with_one_warning(setup, case, mode, caplog):
     model, ids, mask = setup
     settings, name = CASES[case]
     ref = run(model, ids, mask, **settings)
     without = {k: v for k, v in settings.items() if k == "do_sample"}
     assert ref.sequences.tolist() != run(model, ids, mask, **without).sequences.tolist()
-    monkeypatch.setattr(processors, "_WARNED", set())
+    transformers_logging.warning_once.cache_clear()  # "once per process": forget the other cases' warnings
     with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
         outs = [run(model, ids, mask, speculative_mode=mode, cache=paged_cache(model), **settings) for _ in range(2)]
-    warnings = [r.getMessage() for r in caplog.records if "plain decoding instead" in r.getMessage()]
+    warnings = fallback_warnings(caplog)
     assert len(warnings) == 1 and name in warnings[0]
     for out in outs:
         assert out.sequences.tolist() == ref.sequences.tolist()
         assert name in out.speculation.fallback and out.speculation.mode == mode
         assert out.speculation.core_calls == out.speculation.committed_tokens == 0
+
+
+def test_transformers_verbosity_silences_the_fallback_warning(setup, caplog):
+    """`transformers.logging.set_verbosity_error()` silences hf_loopspec's warning as it silences transformers'
+    own; back at transformers' default verbosity the same warning is logged."""
+    model, ids, mask = setup
+    settings = CASES["row_bias"][0]
+    before = transformers_logging.get_verbosity()
+    try:
+        transformers_logging.set_verbosity_error()
+        transformers_logging.warning_once.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+            out = run(model, ids, mask, speculative_mode="pipeline", **settings)
+        assert out.speculation.fallback is not None and fallback_warnings(caplog) == []
+        transformers_logging.set_verbosity_warning()
+        transformers_logging.warning_once.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+            run(model, ids, mask, speculative_mode="pipeline", **settings)
+        assert len(fallback_warnings(caplog)) == 1
+    finally:
+        transformers_logging.set_verbosity(before)
 
 
 def test_row_pure_processors_still_run_speculatively(setup):

@@ -25,7 +25,8 @@ NOTES = {
     "timing": "median wall time of --repeats interleaved rounds after one warm-up per mode; prefill "
               "included; EOS ignored so every run commits batch * new_tokens tokens",
     "core_calls_per_token": "core calls of the run (prefill included) per committed token of one "
-                            "sequence: core_calls * batch / committed tokens; plain: U by construction",
+                            "sequence: core_calls * batch / committed tokens (out.speculation."
+                            "core_calls_per_token); plain: U by construction",
     "ideal_speedup_vs_ar": "T_hat(ar) / T_hat(mode), T_hat = sum of the measured costs of the run's core "
                            "and head calls by row count (see hf_loopspec.bench.costs)",
     "overhead_fraction": "1 - T_hat(mode) / measured time: the share of time outside embed, core and head calls",
@@ -198,12 +199,12 @@ def mode_row(mode: str, runs: list[dict], seconds: dict[str, float], *, batch: i
         return row
     stats = first["stats"]
     row.update(
-        core_calls=stats.core_calls, core_calls_per_token=stats.core_calls * batch / stats.committed_tokens,
+        core_calls=stats.core_calls, core_calls_per_token=stats.core_calls_per_token,
         acceptance_rate=stats.acceptance_rate if stats.drafted else None,
         drafted=stats.drafted, verified=stats.verified, accepted=stats.accepted, rejected=stats.rejected,
         discarded=stats.discarded, second_drafts=stats.second_drafts, second_accepted=stats.second_accepted,
         acceptance_rate_all=[x["stats"].acceptance_rate if x["stats"].drafted else None for x in runs],
-        core_calls_per_token_all=[x["stats"].core_calls * batch / x["stats"].committed_tokens for x in runs],
+        core_calls_per_token_all=[x["stats"].core_calls_per_token for x in runs],
     )
     predicted = predicted_seconds(costs, first["call_rows"])
     row.update(ideal_speedup_vs_ar=ar_predicted / predicted, predicted_seconds=predicted,

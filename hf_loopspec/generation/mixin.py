@@ -19,6 +19,7 @@ from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.paged import PagedLoopCache
+from ..logs import get_logger
 from .call import current_call, runtime_options, scoped
 from .config import (
     LANE_MODES,
@@ -32,10 +33,12 @@ from .config import (
 from .decoder import ExitRule, LaneDecoder
 from .inputs import check_inputs
 from .policies import policy_for
-from .processors import plain_fallback, warn_once
+from .processors import plain_fallback
 from .stages import StaticStages, capacity_for
 from .stats import SpeculationStats
 from .wavefront.select import run_engine
+
+logger = get_logger(__name__)
 
 EXIT_OPTIONS = ("exit_at_step", "exit_threshold", "use_weighted_exit")  # Ouro's exit selection (forward, generate)
 
@@ -137,7 +140,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
                                    synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
         fallback = plain_fallback(logits_processor)
         if fallback is not None:
-            warn_once(fallback)
+            logger.warning_once("hf_loopspec: %s.", fallback)
             result = super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                                      synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
             if not generation_config.return_dict_in_generate:

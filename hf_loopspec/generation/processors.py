@@ -6,19 +6,17 @@ processor that is a pure function of (that row's ids, that row's scores): no sta
 read from other rows, no randomness of its own. `ROW_PURE` lists transformers' built-in processors and warpers
 known to be such (two of them after narrowing to the row, see `row_processors`); matched by exact class, since a
 subclass may add state. Any other processor (classifier-free guidance, which runs the model on its own context;
-watermarking; a user's own class) makes `generate` decode plainly instead, with a warning (`plain_fallback`).
+watermarking; a user's own class) makes `generate` decode plainly instead, with a warning logged once per reason
+(`plain_fallback`).
 """
 
 from __future__ import annotations
 
 import copy
-import logging
 
 import torch
 from transformers import LogitsProcessorList
 from transformers.generation import logits_process as lp
-
-logger = logging.getLogger(__name__)
 
 ROW_PURE = frozenset({
     lp.EpsilonLogitsWarper, lp.EtaLogitsWarper, lp.ExponentialDecayLengthPenalty, lp.ForcedBOSTokenLogitsProcessor,
@@ -32,9 +30,6 @@ ROW_PURE = frozenset({
     lp.PrefixConstrainedLogitsProcessor,  # narrowed: the batch index its function receives
 })
 
-_WARNED: set[str] = set()
-
-
 def plain_fallback(processors) -> str | None:
     """Why these processors cannot run speculatively (naming them), or None when they all can."""
     others = sorted({type(p).__name__ for p in processors or () if type(p) not in ROW_PURE})
@@ -43,13 +38,6 @@ def plain_fallback(processors) -> str | None:
     return (f"logits processor {', '.join(others)} is not known to be a pure function of one row's ids and scores "
             "(it may keep state across calls or read other rows), so speculative decoding could change its output; "
             "decoded with plain decoding instead")
-
-
-def warn_once(reason: str) -> None:
-    """Log `reason` the first time it occurs in this process."""
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        logger.warning("hf_loopspec: %s.", reason)
 
 
 def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessorList:

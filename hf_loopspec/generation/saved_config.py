@@ -12,14 +12,14 @@ derived from `config.json` is, and as files saved by older transformers versions
 from __future__ import annotations
 
 import json
-import logging
 
 from transformers import GenerationConfig
 from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
+from ..logs import get_logger
 from .config import SPECULATIVE_KEYS
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def mark_user_generation_config(generation_config) -> None:

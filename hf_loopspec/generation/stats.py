@@ -5,7 +5,14 @@ depth U of the token before it) is compared with it, and then *accepted* or *rej
 its verification (a descendant of a rejected draft, or in flight when its sequence stopped) is *discarded*.
 
 Exact invariants (tested): `accepted + rejected == verified`, `drafted == verified + discarded`,
-`committed_tokens` == number of generated tokens, `core_calls_per_token == core_calls / committed_tokens`.
+`committed_tokens` == number of generated tokens,
+`core_calls_per_token == core_calls * batch_size / committed_tokens`.
+
+`core_calls_per_token` is the run's calls of the shared stack (prefill included) per token of one sequence: the
+calls divided by the mean number of tokens each sequence committed. Every row of a call belongs to the same call,
+so a batch of B sequences decoded plainly needs U calls per token, whatever B: the number compares directly with
+plain decoding's U and with the cost model d + (U - d)(1 - a). `hf-loopspec bench` reports the same quantity
+under the same name.
 
 Second proposals (`second_draft_loops`): `second_drafts` counts sibling lanes spawned (they are not in `drafted`),
 `second_accepted` the verifications that chose the sibling. A verification judges one position, whichever of its
@@ -85,8 +92,13 @@ class SpeculationStats:
         return self.accepted / self.verified if self.verified else 0.0
 
     @property
+    def batch_size(self) -> int:
+        return len(self.per_sequence)
+
+    @property
     def core_calls_per_token(self) -> float:
-        return self.core_calls / self.committed_tokens if self.committed_tokens else 0.0
+        """Core calls per committed token of one sequence (see the module docstring); 0.0 before any commit."""
+        return self.core_calls * self.batch_size / self.committed_tokens if self.committed_tokens else 0.0
 
     def to_dict(self) -> dict:
         keys = ("committed_tokens", "drafted", "verified", "accepted", "rejected", "discarded", "second_drafts",

@@ -6,9 +6,12 @@ transformers`, `pipeline_tag: text-generation`, `base_model` (when known) and th
 `speculative-decoding` and `custom_generate`.
 
 Family-specific text (the name, the remote-code shims, the chat template's token ids, the citation, ...) comes from
-`FAMILIES`, one `CardFamily` per model family that `hf_loopspec.hub.export` exports (Ouro today). The speed section
-comes from `hf-loopspec bench` results passed in (`benchmarks`: JSON documents or `--json` files; see
-`hf_loopspec.hub.card_speed`), never from text the bench printed or from files of a source checkout.
+`FAMILIES`, one `CardFamily` per model family that `hf_loopspec.hub.export` exports (Ouro today). The card names the
+family's maker and asks for the family's paper to be cited only for the maker's own weights (a `base_model` in the
+maker's Hub namespace); for any other weights its identity is the source's (`source`, `summary`, `what_it_is`). The
+speed section and the `model-index` metadata come from `hf-loopspec bench` results passed in (`benchmarks`: JSON
+documents or `--json` files; see `hf_loopspec.hub.card_speed`), never from text the bench printed or from files of a
+source checkout. Install lines come from `hf_loopspec.hub.install` (the project URL of the package metadata).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from string import Template
 from huggingface_hub import ModelCard, ModelCardData
 
 from ..generation.config import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
-from .card_speed import bench_results, speed_section
+from .card_speed import bench_results, eval_results, speed_section
+from .install import install_command, project_url
 
 TAGS = ("looped-language-model", "speculative-decoding", "custom_generate")
 MODEL_CARD_TEMPLATE = Template(resources.files(__package__).joinpath("templates", "model_card.md").read_text(
@@ -36,6 +40,7 @@ class CardFamily:
 
     name: str  # as in prose: "Ouro"
     maker: str
+    hub_namespace: str  # the maker's Hub namespace: a base_model there is the maker's own weights
     paper: str  # URL
     arxiv: str  # arXiv id
     bibtex: str
@@ -49,6 +54,7 @@ FAMILIES = {
     "ouro": CardFamily(
         name="Ouro",
         maker="ByteDance",
+        hub_namespace="ByteDance",
         paper="https://arxiv.org/abs/2510.25741",
         arxiv="2510.25741",
         bibtex="""@article{zhu2025ouro,
@@ -86,6 +92,7 @@ def build_model_card(
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
     benchmarks: Sequence[dict | str | Path] | None = None,
     family: str = "ouro",
+    source: str | None = None,
     prompt: str = "def fibonacci(n):",
     max_new_tokens: int = 128,
     tags: tuple[str, ...] | list[str] = (),
@@ -96,7 +103,9 @@ def build_model_card(
     (None or empty: the card says there are no measured numbers). `family`: a key of `FAMILIES`.
     `tokenizer=False` (the repo ships no tokenizer) loads the base model's tokenizer in the code. `chat=True`
     (models with a chat template, such as the Thinking variants) shows chat-template usage; `sampling` (e.g.
-    `{"temperature": 1.0, "top_p": 0.7}`) is used in every example, with `do_sample=True`.
+    `{"temperature": 1.0, "top_p": 0.7}`) is used in every example, with `do_sample=True`. `source`: how the prose
+    names weights that are not the family maker's (e.g. "the embedded model hf-loopspec-default"); the title
+    defaults to the repo's name.
     """
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} has no card text; choose one of {', '.join(FAMILIES)}.")
@@ -104,16 +113,18 @@ def build_model_card(
     results = bench_results(benchmarks)  # a bad results file fails before anything is built
     eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
     base_link = f"[{base_model}](https://huggingface.co/{base_model})" if base_model and "/" in base_model else None
+    makers = makers_weights(base_model, family)
+    weights = base_link or source  # None: the prose says "the source checkpoint"
+    named = weights or f"a looped language model with the {fam.name} architecture"
     fields = {
         "title": title or repo_id.rsplit("/", 1)[-1],
         "summary": summary or (
-            f"{base_link or f'An {fam.name} looped language model'} packaged for transformers 5.x with "
-            "[hf-loopspec](https://pypi.org/project/hf-loopspec/): the same weights, loadable with "
-            "`trust_remote_code=True`, decoded with lossless pipelined or block self-speculation."),
-        "what_it_is": what_it_is or (
-            f"The weights are {'those of ' + base_link + ', unchanged' if base_link else f'an {fam.name} checkpoint'}"
-            f" (safetensors). {fam.name} ({fam.maker}; [paper]({fam.paper})) is a looped language model: one stack "
-            f"of layers is applied U = {num_loops} times per token with the same weights."),
+            f"{named[0].upper() + named[1:]} packaged for transformers 5.x with "
+            f"[hf-loopspec]({project_url()}): the same weights, loadable with `trust_remote_code=True`, decoded with "
+            "lossless pipelined or block self-speculation."),
+        "what_it_is": what_it_is or _what_it_is(fam, weights, makers, num_loops),
+        "project_url": project_url(),
+        "install_command": install_command(),
         "family": fam.name,
         "shim_files": " and ".join(f"`{name}`" for name in fam.shim_files),
         "repo_id": repo_id,
@@ -127,15 +138,37 @@ def build_model_card(
         "speed_section": speed_section(results),
         "kv_example": fam.kv_example,
         "family_limitations": fam.limitations,
-        "citation_intro": (f"The base model{' ' + base_link if base_link else ''} is {fam.name}, from {fam.maker} "
-                           f"([arXiv:{fam.arxiv}]({fam.paper})); please cite the paper when you use it."),
-        "bibtex": fam.bibtex,
+        "citation_section": _citation_section(fam, base_link) if makers else "",
     }
+    name = fields["title"]
     data = ModelCardData(
         license=license, library_name="transformers", pipeline_tag="text-generation", base_model=base_model,
-        tags=list(dict.fromkeys([*TAGS, *tags])),
+        tags=list(dict.fromkeys([*TAGS, *tags])), model_name=name if results else None,
+        eval_results=eval_results(results, project_url()) or None,
     )
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{MODEL_CARD_TEMPLATE.substitute(fields)}")
+
+
+def makers_weights(base_model: str | None, family: str = "ouro") -> bool:
+    """Whether `base_model` is the family maker's own checkpoint (a repo in the maker's Hub namespace)."""
+    return bool(base_model) and base_model.split("/", 1)[0] == FAMILIES[family].hub_namespace
+
+
+def _what_it_is(fam: CardFamily, weights: str | None, makers: bool, num_loops: int) -> str:
+    """The card's first words on the weights: the maker and the paper only for the maker's own weights."""
+    loop = f"one stack of layers is applied U = {num_loops} times per token with the same weights"
+    whose = f"those of {weights}" if weights else "the source checkpoint's"
+    if makers:
+        return (f"The weights are {whose}, unchanged (safetensors). {fam.name} ({fam.maker}; "
+                f"[paper]({fam.paper})) is a looped language model: {loop}.")
+    return (f"The weights are {whose}, unchanged (safetensors): a looped language model with the {fam.name} "
+            f"architecture, in which {loop}.")
+
+
+def _citation_section(fam: CardFamily, base_link: str) -> str:
+    return (f"\n## Citation\n\nThe base model {base_link} is {fam.name}, from {fam.maker} "
+            f"([arXiv:{fam.arxiv}]({fam.paper})); please cite the paper when you use it.\n\n"
+            f"```bibtex\n{fam.bibtex}\n```\n")
 
 
 def _generate_kwargs(max_new_tokens: int, sampling: dict | None, chat_eos: list[int]) -> str:
@@ -198,4 +231,4 @@ def _variant_section(fam: CardFamily, chat: bool, eos: list[int], sampling: dict
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["FAMILIES", "MODEL_CARD_TEMPLATE", "TAGS", "CardFamily", "build_model_card"]
+__all__ = ["FAMILIES", "MODEL_CARD_TEMPLATE", "TAGS", "CardFamily", "build_model_card", "makers_weights"]

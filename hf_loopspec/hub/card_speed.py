@@ -1,12 +1,14 @@
 """The speed section of a model card, built from `hf-loopspec bench` results (the JSON documents of
 `hf_loopspec.bench.report`, whose schema that module owns): one subsection per result with its machine, the command
 that reproduces it and a table per mode. Without results the section says that there are no measured numbers,
-instead of showing any."""
+instead of showing any. `eval_results` turns the same results into the card's `model-index` metadata."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+
+from huggingface_hub import EvalResult
 
 from ..bench.report import check_text, command_line, load_result
 
@@ -27,6 +29,30 @@ COLUMNS = ("mode", "tok/s", "× plain", "× ar", "calls/token", "acceptance", "c
 def bench_results(benchmarks: Sequence[dict | str | Path] | None) -> list[dict]:
     """Result documents from documents or `--json` file paths; `ValueError` for a file that is not one."""
     return [b if isinstance(b, dict) else load_result(b) for b in benchmarks or ()]
+
+
+def eval_results(results: Sequence[dict], source_url: str) -> list[EvalResult]:
+    """`model-index` entries for bench result documents: per result (the workload, named by its machine and shape,
+    is the "dataset") and per mode, tokens/s, and for speculative modes the ratio to plain decoding and the draft
+    acceptance when measured. `source_url` is where the bench comes from."""
+    entries = []
+    for result in results:
+        a, m = result["args"], result["machine"]
+        workload = (f"hf-loopspec bench: {m['device_name']}, {a['dtype']}, batch {a['batch_size']}, prompt "
+                    f"{a['prompt_len']}, {a['new_tokens']} new tokens")
+        if result.get("synthetic_acceptance") is not None:
+            workload += f", synthetic acceptance {result['synthetic_acceptance']}"
+        for row in result["rows"]:
+            metrics = [("tokens_per_second", "tokens/s", row["tokens_per_s"])]
+            if row["mode"] != "plain":
+                metrics += [("speedup_vs_plain", "x plain", row.get("ratio_vs_plain")),
+                            ("draft_acceptance", "draft acceptance", row.get("acceptance_rate"))]
+            entries += [EvalResult(task_type="text-generation", dataset_type="hf-loopspec-bench", dataset_name=workload,
+                                   metric_type=kind, metric_name=f"{row['mode']} {label}", metric_config=row["mode"],
+                                   metric_value=round(float(value), 4), source_name="hf-loopspec bench",
+                                   source_url=source_url)
+                        for kind, label, value in metrics if value is not None]
+    return entries
 
 
 def speed_section(results: Sequence[dict]) -> str:

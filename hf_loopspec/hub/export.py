@@ -1,6 +1,7 @@
 """`hf-loopspec export SRC OUT`: write a Hub-ready folder for a looped model.
 
-`export_checkpoint(src, out)` loads SRC (a checkpoint folder or Hub id that hf_loopspec supports) and writes to OUT:
+`export_checkpoint(src, out)` loads SRC (a checkpoint folder, a Hub id that hf_loopspec supports, or "default": the
+model embedded in the package) and writes to OUT:
 
 * `model.safetensors` (or shards `model-0000i-of-0000n.safetensors` + index when larger than `max_shard_size`),
   through `save_pretrained`; the checkpoint's dtype is kept unless `dtype` is given;
@@ -13,12 +14,18 @@
   `num_speculative_tokens`) besides the checkpoint's eos / pad / sampling settings; with a ChatML chat template
   (Ouro's Thinking models), `<|im_end|>` joins the eos ids, so generation stops at the end of the turn;
 * `custom_generate/generate.py` + `requirements.txt`: the strategies for any Ouro model object
-  (`model.generate(custom_generate=OUT, trust_remote_code=True, speculative_mode=...)`);
-* `README.md`: the model card (`hf_loopspec.hub.card.build_model_card`).
+  (`model.generate(custom_generate=OUT, trust_remote_code=True, speculative_mode=...)`); like every install line the
+  export writes, requirements.txt says how to install hf-loopspec from its repository (`hf_loopspec.hub.install`);
+* `README.md`: the model card (`hf_loopspec.hub.card.build_model_card`). Its identity is the source's
+  (`hf_loopspec.hub.source`): the title is `repo_id`'s name or the source's, the summary the lead of the source's
+  own card when it has one (the embedded model's is `model_cards/hf-loopspec-default/`), and the family's maker and
+  paper appear only for the maker's own weights. `--benchmarks` results fill its speed section and `model-index`.
 
 Guarantees: SRC is checked before it loads (`hf_loopspec.input_checks.check_source`: safetensors only, complete
-files); the folder is written beside OUT and moved into place only when complete, so a failed export leaves OUT as
-it was and `--overwrite` replaces the previous export as a set (`hf_loopspec.hub.staging`); the only remote-code
+files; a Hub id that is not in the local cache fails at once when the Hub cannot be used: offline mode or no
+network); the folder is written beside OUT and moved into place only when complete, so a failed export leaves OUT as
+it was, `--overwrite` replaces the previous export as a set, and the staged folders a killed export left beside OUT
+are removed by the next export to OUT (`hf_loopspec.hub.staging`); the only remote-code
 pointers in OUT are the ones the export writes (config.json's `auto_map` to the shims; a source tokenizer's
 `auto_map` is dropped, and a tokenizer that cannot load without its own code is refused).
 
@@ -31,12 +38,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
+from .. import __version__
 from ..generation.config import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, resolve_speculative
 from ..input_checks import check_source, hub_errors_explained
+from .install import install_command
+from .source import resolve_source
 from .staging import check_destination, staged_folder
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -46,7 +55,10 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM",
 }
 SHIM_FILES = ("configuration_ouro.py", "modeling_ouro.py")
-CUSTOM_GENERATE_REQUIREMENTS = "hf-loopspec>={version}\ntransformers>=5.24\n"
+# transformers checks each line as `name[<op><version>]` (no PEP 508 URLs), so the repository install is a comment
+CUSTOM_GENERATE_REQUIREMENTS = ("# hf-loopspec is not on PyPI yet; install it from its repository: {install}\n"
+                                "hf-loopspec>={version}\ntransformers>=5.24\n")
+SHIM_INSTALL = "pip install hf-loopspec"  # the templates' install line, replaced by `install_command()` when written
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -70,14 +82,14 @@ def export_checkpoint(
     """Write the Hub-ready folder `out` for the checkpoint `src` (see the module docstring); returns `out`.
 
     Args:
-        src: a checkpoint folder or Hub id (`ByteDance/Ouro-1.4B`, ...).
+        src: a checkpoint folder, a Hub id (`ByteDance/Ouro-1.4B`, ...) or "default" (the embedded model).
         out: the folder to write; it must be empty or missing unless `overwrite=True`.
         max_shard_size: passed to `save_pretrained` (`"2GB"`, `"500MB"`, or bytes).
         dtype: `"float32"`, `"bfloat16"`, `"float16"`, or None / `"auto"` to keep the checkpoint's.
         speculative_mode, draft_loops, num_speculative_tokens: the defaults written to `generation_config.json`
             (validated against the model's loop count; `speculative_mode=None` writes plain decoding).
-        repo_id: the Hub repo the folder is meant for (used in the card's code); default
-            `your-username/<folder name>`.
+        repo_id: the Hub repo the folder is meant for (the card's title and code); default
+            `your-username/<the source's name>`.
         base_model: the card's `base_model`; default `src` when it is a Hub id, else the source card's.
         license: the card's license; default the source card's, else `apache-2.0`.
         benchmarks: `hf-loopspec bench` results for the card's speed section (JSON documents or `--json` files);
@@ -91,14 +103,16 @@ def export_checkpoint(
 
     Raises `ValueError` when `src` is not a model hf_loopspec can decode speculatively, when its tokenizer needs
     its own remote code, or for a bad setting; `FileExistsError` when `out` is not empty (and `overwrite` is
-    False); `OSError` when `src` cannot be read (see `hf_loopspec.input_checks.check_source`).
+    False); `OSError` when `src` cannot be read (see `hf_loopspec.input_checks.check_source`), at once when it is a
+    Hub id that is not cached and the Hub is out of reach (`hf_loopspec.hub.source.resolve_source`).
     """
     import torch
     from transformers import AutoModelForCausalLM
 
     import hf_loopspec
 
-    src = str(src)
+    source = resolve_source(str(src))
+    src = source.path
     out = check_destination(out, overwrite=overwrite)
     if Path(src).exists() and (Path(src).resolve() == out.resolve() or out.resolve() in Path(src).resolve().parents):
         raise ValueError(f"OUT ({out}) is or contains the source checkpoint {src}; export into another folder.")
@@ -110,14 +124,14 @@ def export_checkpoint(
     load_dtype = "auto" if dtype in (None, "auto") else getattr(torch, dtype)
     with hub_errors_explained(src):
         model = AutoModelForCausalLM.from_pretrained(src, dtype=load_dtype, trust_remote_code=trust_remote_code,
-                                                     use_safetensors=True)
+                                                     use_safetensors=True, local_files_only=source.local_only)
     if not isinstance(model, hf_loopspec.OuroForCausalLM):
         raise ValueError(f"{src} loads as {type(model).__name__}; export supports hf_loopspec's Ouro models "
                          "(model_type 'ouro').")
     model.eval()
-    tokenizer = _load_tokenizer(src)
+    tokenizer = _load_tokenizer(src, source.local_only)
     _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens)
-    card = _model_card(src, out, model, tokenizer, repo_id=repo_id, base_model=base_model, license=license,
+    card = _model_card(source, model, tokenizer, repo_id=repo_id, base_model=base_model, license=license,
                        benchmarks=benchmarks, **model_card_kwargs)
     with staged_folder(out) as stage:
         _write_folder(stage, model, tokenizer, shard_bytes)
@@ -150,20 +164,23 @@ def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loo
     return gen
 
 
-def _model_card(src: str, out: Path, model, tokenizer, *, repo_id, base_model, license, benchmarks,
-                **model_card_kwargs):
-    """The card of the export (built before anything is written, so that a bad benchmarks file fails first)."""
-    from .card import build_model_card
+def _model_card(source, model, tokenizer, *, repo_id, base_model, license, benchmarks, **model_card_kwargs):
+    """The card of the export (built before anything is written, so that a bad benchmarks file fails first); its
+    identity comes from `source` (a `hf_loopspec.hub.source.Source`)."""
+    from .card import build_model_card, makers_weights
 
     gen = model.generation_config
-    source_card = _source_card_data(src)
-    is_hub_id = not Path(src).exists() and src.count("/") == 1
+    data = source.card_data
     if base_model is None:
-        base_model = src if is_hub_id else source_card.get("base_model")
+        base_model = source.spec if source.hub_id else data.get("base_model")
     card_args = {
-        "repo_id": repo_id or f"your-username/{out.name}",
+        "repo_id": repo_id or f"your-username/{source.name}",
+        "title": repo_id.rsplit("/", 1)[-1] if repo_id else source.name,
+        "summary": None if makers_weights(base_model) else source.lead,  # the maker's weights: the family's words
+        "source": source.description,
         "base_model": base_model,
-        "license": license or source_card.get("license") or "apache-2.0",
+        "license": license or data.get("license") or "apache-2.0",
+        "tags": [tag for tag in data.get("tags") or () if isinstance(tag, str)],
         "num_loops": model.num_loops,
         "tokenizer": tokenizer is not None,
         "chat": bool(getattr(tokenizer, "chat_template", None)),
@@ -182,8 +199,6 @@ def _model_card(src: str, out: Path, model, tokenizer, *, repo_id, base_model, l
 
 def _write_folder(folder: Path, model, tokenizer, max_shard_size: int) -> None:
     """Weights, config (auto_map: the shims only), tokenizer (no auto_map), shims and custom_generate/."""
-    import hf_loopspec
-
     model.config.auto_map = dict(AUTO_MAP)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     config_path = folder / "config.json"
@@ -200,15 +215,16 @@ def _write_folder(folder: Path, model, tokenizer, max_shard_size: int) -> None:
         if settings.pop("auto_map", None) is not None:  # the source's code pointers; it loaded without them
             settings_path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
-    for name in SHIM_FILES:
-        shutil.copyfile(TEMPLATES / name, folder / name)
     (folder / "custom_generate").mkdir()
-    shutil.copyfile(TEMPLATES / "custom_generate" / "generate.py", folder / "custom_generate" / "generate.py")
+    install = install_command().replace('"', '\\"')  # it lands inside a double-quoted string of the shims
+    for name in (*SHIM_FILES, "custom_generate/generate.py"):
+        text = (TEMPLATES / name).read_text(encoding="utf-8")
+        (folder / name).write_text(text.replace(SHIM_INSTALL, install), encoding="utf-8")
     (folder / "custom_generate" / "requirements.txt").write_text(
-        CUSTOM_GENERATE_REQUIREMENTS.format(version=hf_loopspec.__version__))
+        CUSTOM_GENERATE_REQUIREMENTS.format(install=install_command(), version=__version__))
 
 
-def _load_tokenizer(src: str):
+def _load_tokenizer(src: str, local_only: bool = False):
     """SRC's tokenizer, loaded without remote code; None when SRC has no tokenizer_config.json and none loads.
 
     Raises `ValueError` when SRC has a tokenizer that cannot be loaded without its own remote code (naming the
@@ -216,7 +232,7 @@ def _load_tokenizer(src: str):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(src, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(src, trust_remote_code=False, local_files_only=local_only)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         settings = _source_tokenizer_settings(src)
         if settings is None:
@@ -256,19 +272,6 @@ def _end_of_turn_id(tokenizer) -> int | None:
         return None
     token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     return token_id if isinstance(token_id, int) and token_id != tokenizer.unk_token_id else None
-
-
-def _source_card_data(src: str) -> dict:
-    """The front matter of SRC's README.md (local folders only; {} when there is none)."""
-    readme = Path(src) / "README.md"
-    if not readme.is_file():
-        return {}
-    try:
-        from huggingface_hub import ModelCard
-
-        return ModelCard.load(readme).data.to_dict()
-    except Exception:  # a malformed source card must not stop the export
-        return {}
 
 
 # --- command line ---------------------------------------------------------------------------------------------------

@@ -9,7 +9,10 @@ sit beside new ones. Symlinks inside the previous `out` are removed (or moved, w
 so nothing outside `out` is written or deleted.
 
 When the block raises (or the rename fails), the staged folder is removed, any parent folders created for it are
-removed again, and `out` is exactly as it was. A process killed mid-write leaves only the hidden `.partial` folder.
+removed again, and `out` is exactly as it was. A process killed mid-write leaves only the hidden `.partial` folder,
+and the next `staged_folder` for the same `out` removes it: a writer holds an exclusive `flock` on its staged folder
+while it writes, so a `.OUT.*.partial` folder whose lock can be taken has no live writer (one still being written,
+by a concurrent export, is left alone). Where `fcntl` is missing (Windows) stale folders are left in place.
 """
 
 from __future__ import annotations
@@ -21,23 +24,65 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): stale staged folders are not detected
+    fcntl = None
+
 
 @contextlib.contextmanager
 def staged_folder(out: str | Path) -> Iterator[Path]:
     """Yield an empty folder to write into; it replaces `out` on success (see the module docstring)."""
     out = check_destination(out, overwrite=True)
     created = _make_parents(out.parent)
+    remove_stale_stages(out)
     stage = _unique(out, "partial")
     stage.mkdir(mode=0o777)  # the umask applies, as for any folder the user creates
+    with _locked(stage):
+        try:
+            yield stage
+            _replace(stage, out)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            for folder in reversed(created):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            raise
+
+
+def remove_stale_stages(out: Path) -> list[Path]:
+    """Remove the `.OUT.*.partial` folders beside `out` that no live writer holds (module docstring); returns them."""
+    if fcntl is None or not out.parent.is_dir():
+        return []
+    removed = []
+    for stage in sorted(out.parent.glob(f".{out.name}.*.partial")):
+        if stage.is_symlink() or not stage.is_dir():
+            continue
+        fd = os.open(stage, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live writer holds it
+            continue
+        else:
+            shutil.rmtree(stage, ignore_errors=True)
+            removed.append(stage)
+        finally:
+            os.close(fd)
+    return removed
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `folder` (a no-op without fcntl)."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
     try:
-        yield stage
-        _replace(stage, out)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        for folder in reversed(created):
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        raise
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def check_destination(out: str | Path, *, overwrite: bool) -> Path:
@@ -92,4 +137,4 @@ def _replace(stage: Path, out: Path) -> None:
     shutil.rmtree(old)
 
 
-__all__ = ["check_destination", "staged_folder"]
+__all__ = ["check_destination", "remove_stale_stages", "staged_folder"]

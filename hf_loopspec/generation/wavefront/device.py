@@ -18,14 +18,14 @@ and a plain compiled step, which is what the tests run.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import fields, replace
 
 import torch
 
+from ...logs import get_logger
 from .state import WavefrontState
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class ReadBack:

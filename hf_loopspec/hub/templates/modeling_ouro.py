@@ -1,8 +1,8 @@
 """Remote-code entry point for `AutoModel(ForCausalLM).from_pretrained(..., trust_remote_code=True)`.
 
-This file was written by `hf_loopspec.hub.export_checkpoint`. The implementation lives in the `hf-loopspec`
-package (`pip install hf-loopspec`); the classes here are thin subclasses of the package's, so `generate` takes
-`speculative_mode="pipeline" | "block"`, `draft_loops` and `num_speculative_tokens`.
+This file was written by `hf_loopspec.hub.export_checkpoint`. The implementation lives in the `hf-loopspec` package
+(the README.md beside this file says how to install it); the classes here are thin subclasses of the package's, so
+`generate` takes `speculative_mode="pipeline" | "block"`, `draft_loops` and `num_speculative_tokens`.
 """
 
 try:  # inside `try` so that transformers' import check does not treat hf_loopspec as a hard requirement

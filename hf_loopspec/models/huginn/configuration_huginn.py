@@ -7,13 +7,14 @@ The field names match the `config.json` of `tomg-group-umd/huginn-0125` (its rem
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import ClassVar
 
 from transformers.configuration_utils import PreTrainedConfig
 
-logger = logging.getLogger(__name__)
+from ...logs import get_logger
+
+logger = get_logger(__name__)
 
 BLOCK_STYLES = {"SandwichBlock": "sandwich", "TransformerPreNormBlock": "pre_norm"}
 ROPE_STYLES = ("interleaved", "rotate_half")

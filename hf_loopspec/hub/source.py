@@ -1,0 +1,112 @@
+"""What an export starts from: `resolve_source(spec)` turns SRC ("default", a checkpoint folder or a Hub id) into a
+`Source`: the path to load, whether to load from local files only, and the source's identity for the model card (its
+name, its card's metadata and lead paragraphs).
+
+A Hub id is checked before anything loads. In offline mode (`HF_HUB_OFFLINE=1`, `huggingface_hub.is_offline_mode`)
+or when the Hub cannot be reached, a repo that is in the local Hub cache loads from it, and any other fails at once
+with one `OSError` saying so, instead of after transformers' retries. A repo the Hub does not know fails at once too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HUB_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Source:
+    spec: str  # as given: "default", a folder or a Hub id
+    path: str  # what `from_pretrained` loads
+    name: str  # the card's title without --repo-id: the card's model_name, the Hub repo's or the folder's name
+    description: str | None  # how the card's prose names weights without a Hub base model (None: generic words)
+    hub_id: bool
+    local_only: bool  # load with local_files_only (offline, or the Hub out of reach)
+    card_data: dict = field(default_factory=dict)  # the front matter of the source's own card
+    lead: str | None = None  # the paragraphs between the title and the first section of the source's card
+
+
+def resolve_source(spec: str) -> Source:
+    """The `Source` for SRC (module docstring); `OSError` for a Hub id that cannot be used now,
+    `ValueError` (`hf_loopspec.loading.ModelNotAvailable`) when "default" is missing from this install."""
+    if spec == "default":
+        from ..loading import default_model_path
+
+        path = str(default_model_path())
+        data, lead = _card(Path(path) / "README.md")
+        name = data.get("model_name") or "hf-loopspec-default"
+        return Source(spec, path, name, f"{name}, the demo model embedded in the hf-loopspec package", False, False,
+                      data, lead)
+    if Path(spec).expanduser().exists():
+        folder = Path(spec).expanduser()
+        data, lead = _card(folder / "README.md")
+        name = data.get("model_name") or folder.resolve().name
+        return Source(spec, spec, name, f"the checkpoint {name}", False, False, data, lead)
+    from ..input_checks import check_source
+
+    check_source(spec)  # a path-like name that is no folder: "no such folder", before any Hub request
+    local_only, data = _hub_state(spec)
+    lead = None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        readme = hf_hub_download(spec, "README.md", local_files_only=local_only)
+        card_data, lead = _card(Path(readme))
+        data = data or card_data
+    except Exception:  # no card on the Hub (or not cached): the card says less, the export goes on
+        pass
+    return Source(spec, spec, spec.rsplit("/", 1)[-1], None, True, local_only, data, lead)
+
+
+def _hub_state(repo_id: str) -> tuple[bool, dict]:
+    """(load from local files only, the repo's card metadata) for a Hub id; `OSError` when it cannot be loaded."""
+    from huggingface_hub import HfApi, is_offline_mode, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    cached = isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    if is_offline_mode():
+        if not cached:
+            raise OSError(f"{repo_id} is not a local folder, and it is not in the local Hub cache while the Hub is "
+                          "off (HF_HUB_OFFLINE=1); pass a checkpoint folder or 'default', or unset HF_HUB_OFFLINE "
+                          "to download it.")
+        return True, {}
+    try:
+        info = HfApi().model_info(repo_id, timeout=HUB_TIMEOUT_S)
+    except RepositoryNotFoundError:
+        raise OSError(f"{repo_id} is not a local folder, and the Hub has no model repo of that name (a private one "
+                      "needs `hf auth login`); check the folder path or the repo id.") from None
+    except HfHubHTTPError:  # the Hub answered; the load reports what it refuses
+        return False, {}
+    except Exception as err:  # no network, DNS, proxy, timeout: the Hub is out of reach
+        if cached:
+            return True, {}
+        reason = " ".join(str(err).split())[:200]
+        raise OSError(f"{repo_id} is not a local folder, the Hub cannot be reached ({type(err).__name__}: {reason}) "
+                      "and the repo is not in the local Hub cache; check the folder path, or the connection.") from None
+    return False, info.card_data.to_dict() if info.card_data is not None else {}
+
+
+def _card(readme: Path) -> tuple[dict, str | None]:
+    """(front matter, lead paragraphs) of a model card file; ({}, None) when there is none or it does not parse."""
+    if not readme.is_file():
+        return {}, None
+    try:
+        from huggingface_hub import ModelCard
+
+        card = ModelCard.load(readme)
+    except Exception:  # a malformed source card must not stop the export
+        return {}, None
+    lines, lead, started = card.text.splitlines(), [], False
+    for line in lines:
+        if line.startswith("# ") and not started:
+            started = True
+            continue
+        if line.startswith("#"):
+            break
+        lead.append(line)
+    text = "\n".join(lead).strip()
+    return card.data.to_dict(), text or None
+
+
+__all__ = ["Source", "resolve_source"]

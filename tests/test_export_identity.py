@@ -1,0 +1,133 @@
+"""What an export says about its source and how it finds it: `hf-loopspec export default` exports the embedded model
+with the embedded model's own card (no maker claim, no paper to cite), the card's title comes from `--repo-id` or the
+source's name (never OUT's folder name), a local source's card gives the lead and the license, `--benchmarks` fills
+`model-index`, a Hub id fails at once when the Hub cannot be used (offline, no network) unless it is cached, and the
+staged folder a killed export left beside OUT is removed by the next export. CPU, tiny models, no network."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from checkpoint_utils import save_checkpoint
+from huggingface_hub import ModelCard
+from processes import ROOT, subprocess_env
+from safetensors.torch import load_file
+
+from hf_loopspec import cli
+from hf_loopspec.assets import default_model_path
+from hf_loopspec.hub import card as hub_card
+from hf_loopspec.hub import export, source
+
+OURO = hub_card.FAMILIES["ouro"]
+DEFAULT_CARD = ROOT / "model_cards" / "hf-loopspec-default" / "README.md"
+BENCH_JSON = ROOT / "bench_results" / "cpu_ouro100m_b1.json"  # a recorded `hf-loopspec bench --json` result
+
+
+def lead_of(text: str) -> str:
+    """The paragraphs between a card's `# title` and its first `##` section."""
+    body = text.split("\n# ", 1)[1].split("\n", 1)[1]
+    return body.split("\n## ", 1)[0].strip()
+
+
+def assert_no_maker_claim(text: str) -> None:
+    assert OURO.maker not in text and OURO.arxiv not in text and OURO.bibtex not in text
+    assert "## Citation" not in text
+
+
+def test_export_default_writes_the_embedded_model_with_its_own_card(tmp_path, capsys):
+    out = tmp_path / "export"
+    assert cli.main(["export", "default", str(out)]) == 0, capsys.readouterr().err
+    weights, embedded = load_file(out / "model.safetensors"), load_file(f"{default_model_path()}/model.safetensors")
+    assert weights.keys() == embedded.keys() and all((weights[k] == embedded[k]).all() for k in weights)
+    card = ModelCard.load(out / "README.md")
+    own = ModelCard.load(DEFAULT_CARD)
+    assert card.text.lstrip().startswith("# hf-loopspec-default\n")  # the source's name, not "# export"
+    assert lead_of(own.text) in card.text  # the embedded model's card says what the weights are
+    assert_no_maker_claim(card.text)
+    assert card.data.license == own.data.license and set(own.data.tags) <= set(card.data.tags)
+    assert 'custom_generate="your-username/hf-loopspec-default"' in card.text
+
+
+def test_title_lead_and_license_come_from_a_local_source_and_benchmarks_fill_model_index(tmp_path):
+    src = save_checkpoint(tmp_path / "tiny-looped")
+    ModelCard("---\nlicense: mit\n---\n\n# Tiny looped\n\nA tiny looped model trained by someone.\n\n## More\n\nx\n"
+              ).save(src / "README.md")
+    out = export.export_checkpoint(src, tmp_path / "export", benchmarks=None)
+    card = ModelCard.load(out / "README.md")
+    assert card.text.lstrip().startswith("# tiny-looped\n") and card.data.license == "mit"
+    assert "A tiny looped model trained by someone." in card.text
+    assert_no_maker_claim(card.text)
+    assert card.data.eval_results is None  # no benchmarks: no model-index
+
+    named = export.export_checkpoint(src, tmp_path / "named", repo_id="org/My-Model", benchmarks=[BENCH_JSON])
+    card = ModelCard.load(named / "README.md")
+    assert card.text.lstrip().startswith("# My-Model\n") and 'custom_generate="org/My-Model"' in card.text
+    result = json.loads(BENCH_JSON.read_text())
+    metrics = {(e.metric_config, e.metric_type): e.metric_value for e in card.data.eval_results}
+    for row in result["rows"]:
+        assert metrics[(row["mode"], "tokens_per_second")] == pytest.approx(row["tokens_per_s"], abs=1e-4)
+        if row["mode"] != "plain":
+            assert metrics[(row["mode"], "speedup_vs_plain")] == pytest.approx(row["ratio_vs_plain"], abs=1e-4)
+    assert {e.dataset_type for e in card.data.eval_results} == {"hf-loopspec-bench"}
+    assert all(result["machine"]["device_name"] in e.dataset_name for e in card.data.eval_results)
+
+
+def test_the_makers_weights_keep_the_family_citation():
+    text = hub_card.build_model_card(repo_id="x/Ouro-1.4B-loopspec", base_model="ByteDance/Ouro-1.4B").text
+    assert OURO.bibtex in text and "## Citation" in text
+    assert_no_maker_claim(hub_card.build_model_card(repo_id="x/y", base_model="someone/ouro-finetune").text)
+
+
+def test_an_uncached_hub_id_fails_at_once_offline(tmp_path):
+    env = subprocess_env(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), drop=("HF_HUB_CACHE",))
+    proc = subprocess.run([sys.executable, "-m", "hf_loopspec.cli", "export", "someone/no-such-model",
+                           str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "someone/no-such-model" in lines[0] and "HF_HUB_OFFLINE" in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_an_unreachable_hub_fails_at_once_or_uses_the_cache(monkeypatch, cached):
+    """No network (the metadata request raises a connection error): an uncached id fails with one OSError; a cached
+    one loads from local files only (no retries against the Hub)."""
+    import huggingface_hub
+
+    def unreachable(self, repo_id, **kwargs):
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache",
+                        lambda repo_id, filename, **kw: f"/cache/{filename}" if cached else None)
+    if cached:
+        assert source._hub_state("someone/cached-model") == (True, {})
+    else:
+        with pytest.raises(OSError, match=r"someone/uncached-model .*cannot be reached.*ConnectionError"):
+            source._hub_state("someone/uncached-model")
+
+
+def test_the_next_export_removes_the_staged_folder_of_a_killed_one(tmp_path):
+    """A killed export leaves `.OUT.<random>.partial` with no writer; one that a live writer holds stays."""
+    src = save_checkpoint(tmp_path / "src")
+    out = tmp_path / "OUT"
+    stale = tmp_path / ".OUT.0badc0de.partial"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    live = tmp_path / ".OUT.0000live.partial"
+    live.mkdir()
+    fd = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a concurrent export holds its staged folder
+        export.export_checkpoint(src, out, benchmarks=None)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".OUT.0000live.partial", "OUT", "src"]
+    finally:
+        os.close(fd)
+    export.export_checkpoint(src, out, benchmarks=None, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT", "src"]
