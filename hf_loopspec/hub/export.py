@@ -42,7 +42,7 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from ..generation.config import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, resolve_speculative
+from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
 from ..input_checks import check_source, hub_errors_explained
 from .install import install_command
 from .source import resolve_source
@@ -142,6 +142,8 @@ def export_checkpoint(
 def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens):
     """Set on `model.generation_config` (and return it) the speculative defaults (validated), eos ids that end a
     chat turn and a pad id."""
+    from ..generation.config import resolve_speculative  # here: the command's parser is built without transformers
+
     gen = model.generation_config
     if speculative_mode is not None:  # the ValueError generate() would raise
         resolve_speculative(speculative_mode, draft_loops, num_speculative_tokens, num_loops=model.num_loops)
