@@ -130,6 +130,7 @@ def test_two_processes_under_accelerate_equal_one_process(reference, prompts_fil
                           env=subprocess_env(), cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "(2 processes)" in proc.stderr
+    assert f"{GROUPS * BATCH}/{GROUPS * BATCH}" in proc.stderr  # the bar counts both processes' rows
     assert read_jsonl(output) == reference
     assert not output.with_name("two.jsonl.parts").exists()
 
