@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from checkpoint_utils import save_checkpoint, snapshot
-from processes import subprocess_env
+from processes import accelerate_launch, subprocess_env
 
 import hf_loopspec
 from hf_loopspec import cli, loading
@@ -104,6 +104,25 @@ def test_a_second_run_on_the_same_output_is_refused_naming_the_first(prompts, tm
     assert cli.main(argv(prompts, output)) == 2
     assert one_error_line(capsys).endswith("error: loaded")
     assert not output.with_name("out.jsonl.parts").exists()  # it held nothing but the lock: removed
+
+
+@pytest.mark.slow
+def test_every_process_of_a_launch_is_refused_not_only_the_main_one(prompts, tmp_path):
+    """Only the main process takes the lock; the others get its refusal instead of waiting for it at a barrier."""
+    output = tmp_path / "out.jsonl"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(output)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        launch = [*accelerate_launch(2), "batch", str(prompts), "--output", str(output)]
+        proc = subprocess.run(launch, capture_output=True, text=True, env=subprocess_env(), cwd=tmp_path, timeout=600)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+    assert proc.returncode != 0
+    refusal = f"hf-loopspec batch: error: --output {output} is being written by another hf-loopspec batch run (pid " \
+              f"{holder.pid} on "
+    assert proc.stderr.count(refusal) == 2, proc.stderr[-4000:]
 
 
 # --- links and temporary files --------------------------------------------------------------------------------------
