@@ -177,7 +177,9 @@ def test_links_in_the_output_paths_are_refused(case, prompts, tmp_path, capsys, 
 
 def interrupted_run(prompts: Path, output: Path, *extra: str) -> PartStore:
     """The parts folder a run killed before its first batch leaves (its settings, one empty part file)."""
-    store = PartStore(output, batch_run.run_settings(cli.build_parser().parse_args(argv(prompts, output, *extra))), 0)
+    args = cli.build_parser().parse_args(argv(prompts, output, *extra))
+    settings = {**batch_run.run_settings(args), "weights": fingerprint.weights_fingerprint(args.model, loaded=True)}
+    store = PartStore(output, settings, 0)
     store.create()
     store.path.touch()
     return store
@@ -209,7 +211,7 @@ def test_a_resume_against_other_weights_at_the_same_path_is_refused(prompts, tmp
     capsys.readouterr()  # the progress bars of the saves
     assert cli.main(argv(prompts, output, "--model", str(folder))) == 2
     line = one_error_line(capsys)
-    assert f"weights: {{'model.safetensors': '{then}'}} then, {{'model.safetensors': '{now}'}} now" in line
+    assert f"other settings (weights model.safetensors: '{then}' then, '{now}' now)" in line
 
 
 def test_the_default_model_records_the_package_version(prompts, tmp_path, capsys, no_model, monkeypatch):
@@ -218,8 +220,35 @@ def test_the_default_model_records_the_package_version(prompts, tmp_path, capsys
     monkeypatch.setattr(fingerprint, "__version__", "99.0")  # a new package may embed other weights
     assert cli.main(argv(prompts, output)) == 2
     line = one_error_line(capsys)
-    assert f"weights: {{'hf_loopspec': '{hf_loopspec.__version__}', 'model.safetensors': " in line
-    assert "then, {'hf_loopspec': '99.0', 'model.safetensors': " in line
+    assert f"other settings (weights hf_loopspec: '{hf_loopspec.__version__}' then, '99.0' now)" in line
+
+
+def test_a_hub_id_is_fingerprinted_by_the_commit_it_loaded(prompts, tmp_path, capsys, monkeypatch):
+    import huggingface_hub.constants
+
+    repo = tmp_path / "hub" / "models--org--name"  # a Hub cache holding two commits of org/name
+    commits = ["a" * 40, "b" * 40]
+    for seed, commit in enumerate(commits, start=1):
+        save_checkpoint(repo / "snapshots" / commit, seed=seed)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commits[0])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert fingerprint.weights_fingerprint("org/name") is None  # before the load: it may fetch a newer commit
+    digests = [fingerprint.file_digest(repo / "snapshots" / commit / "model.safetensors") for commit in commits]
+    assert fingerprint.weights_fingerprint("org/name", loaded=True) == {"hub": f"org/name@{commits[0]}",
+                                                                       "model.safetensors": digests[0]}
+    output = tmp_path / "out.jsonl"
+    interrupted_run(prompts, output, "--model", "org/name")
+    (repo / "refs" / "main").write_text(commits[1])  # main moved on
+    capsys.readouterr()
+    assert cli.main(argv(prompts, output, "--model", "org/name")) == 2
+    line = capsys.readouterr().err.splitlines()[-1]  # after the weights' loading bar
+    assert f"weights hub: 'org/name@{commits[0]}' then, 'org/name@{commits[1]}' now" in line
+    assert f"weights model.safetensors: '{digests[0]}' then, '{digests[1]}' now" in line
+    (repo / "refs" / "main").write_text(commits[0])  # back to the commit of the unfinished run: it resumes
+    assert cli.main(argv(prompts, output, "--model", "org/name")) == 0
+    assert [row["id"] for row in map(json.loads, output.read_text().splitlines())] == [row["id"] for row in PROMPTS]
 
 
 def test_the_fingerprint_samples_the_data_of_large_files_and_ignores_timestamps(tmp_path):

@@ -76,6 +76,14 @@ def _complete_lines(path: Path) -> tuple[list[dict], int]:
     return rows, end
 
 
+def _difference(key: str, then, now) -> str:
+    """How a setting changed, for a message; of a dict (the weights' fingerprint) only the entries that changed."""
+    if isinstance(then, dict) and isinstance(now, dict):
+        return "; ".join(f"{key} {name}: {then.get(name)!r} then, {now.get(name)!r} now"
+                         for name in sorted(set(then) | set(now)) if then.get(name) != now.get(name))
+    return f"{key}: {then!r} then, {now!r} now"
+
+
 class PartStore:
     """The part files of one run (see the module docstring); `settings` is a JSON-able dict."""
 
@@ -108,7 +116,7 @@ class PartStore:
         stored = self._stored_settings()
         if stored is None:
             return
-        changed = [f"{key}: {stored.get(key)!r} then, {self.settings.get(key)!r} now"
+        changed = [_difference(key, stored.get(key), self.settings.get(key))
                    for key in sorted(set(stored) | set(self.settings))
                    if key not in unknown and stored.get(key) != self.settings.get(key)]
         if changed:
