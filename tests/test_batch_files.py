@@ -142,6 +142,36 @@ def test_a_preplaced_temporary_link_is_not_written_through(reference, tmp_path):
     assert os.stat(output).st_mode & 0o777 == 0o666 & ~current_umask()  # a plain file's mode, not mkstemp's 0600
 
 
+KILLED_AT_THE_RENAME = """
+import os, signal, sys
+from hf_loopspec import cli
+
+rename = os.replace
+
+def replace(src, dst):
+    if str(dst).endswith(".jsonl"):  # the merge's rename of its temporary file over OUT
+        os.kill(os.getpid(), signal.SIGKILL)
+    rename(src, dst)
+
+os.replace = replace
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_merge_killed_before_its_rename_is_redone_without_debris(reference, tmp_path):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    output = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, "-c", KILLED_AT_THE_RENAME, *argv(prompts, output)], capture_output=True,
+                          text=True, env=subprocess_env(), cwd=tmp_path, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-4000:]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert len(left) == 3 and left[0].startswith(".out.jsonl.") and left[1:] == ["out.jsonl.parts", "prompts.jsonl"]
+    assert cli.main(argv(prompts, output)) == 0
+    assert output.read_bytes() == reference
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "prompts.jsonl"]
+
+
 def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

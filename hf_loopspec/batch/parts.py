@@ -14,7 +14,8 @@ lossless after SIGTERM or SIGKILL at any point:
   never mix; a `settings.json` that does not parse is refused naming the file;
 * one run at a time owns `OUT.parts/` (`lock.RunLock`): a second run on the same OUT is refused up front;
 * the merge writes `OUT` in input order to a temporary file, fsyncs it and renames it over `OUT` (atomic), and
-  only then removes `OUT.parts/`; a kill during the merge leaves the parts, and a rerun merges again;
+  only then removes `OUT.parts/`; a kill during the merge leaves the parts, and a rerun merges again (removing the
+  temporary file the killed merge left beside OUT);
 * no file is written through a symbolic link: OUT, `OUT.parts/` or anything in it being a link is refused up front,
   part and lock files are opened with `O_NOFOLLOW`, and every temporary file is made by `tempfile.mkstemp` in the
   target's folder (exclusive creation under an unpredictable name) and renamed over the target.
@@ -23,6 +24,7 @@ lossless after SIGTERM or SIGKILL at any point:
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -34,12 +36,13 @@ from .lock import NOFOLLOW, RunLock
 from .prompts import PromptRow, id_key
 
 SETTINGS_NAME = "settings.json"
+TEMPORARY_SUFFIX = ".tmp"
 
 
 def _write_atomic(path: Path, text: str) -> None:
     """`text` as the new content of `path`, by rename: a new temporary file beside it (see the module docstring),
     fsynced, renamed over `path`, and removed again when anything fails before the rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX)
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -53,6 +56,12 @@ def _write_atomic(path: Path, text: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def temporaries(path: Path) -> list[Path]:
+    """The temporary files (not folders) that `_write_atomic(path, ...)` makes, left behind by a kill."""
+    pattern = f".{glob.escape(path.name)}.*{TEMPORARY_SUFFIX}"
+    return [entry for entry in path.parent.glob(pattern) if entry.is_symlink() or not entry.is_dir()]
 
 
 def refuse_link(path: Path, role: str, fix: str) -> None:
@@ -181,6 +190,8 @@ class PartStore:
         if missing:
             raise RuntimeError(f"{len(missing)} of {len(prompts)} rows have no output yet (first: id {missing[0].id!r} "
                                f"on {missing[0].where}); rerun the same command to generate them.")
+        for stale in temporaries(self.output):  # of a merge killed before its rename; the lock keeps others out
+            stale.unlink()
         _write_atomic(self.output, "".join(json.dumps(rows[id_key(p.id)], ensure_ascii=False) + "\n"
                                            for p in prompts))
         shutil.rmtree(self.dir)
