@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv as csv_module
 import json
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from processes import subprocess_env
+from processes import accelerate_launch, subprocess_env
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_loopspec import cli, loading
@@ -112,24 +111,15 @@ def test_plan_groups_rows_by_length():
     assert plan == plan_batches(lengths, 3)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_under_accelerate_equal_one_process(reference, prompts_file, tmp_path):
     output = tmp_path / "two.jsonl"
-    # `--multi_gpu` is accelerate's torchrun launcher; without a GPU the processes run on the CPU over gloo
-    # (`accelerate launch --cpu` would start a single process).
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(free_port()), "-m", "hf_loopspec.cli"]
+    launch = accelerate_launch(2)
     proc = subprocess.run([*launch, *batch_args(prompts_file, output)], capture_output=True, text=True,
                           env=subprocess_env(), cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "(2 processes)" in proc.stderr
+    assert f"{GROUPS * BATCH}/{GROUPS * BATCH}" in proc.stderr  # the bar counts both processes' rows
     assert read_jsonl(output) == reference
     assert not output.with_name("two.jsonl.parts").exists()
 

@@ -10,29 +10,65 @@ lossless after SIGTERM or SIGKILL at any point:
 * an id whose row is in any part file is finished: a restart with the same command skips it (the batch plan does
   not depend on what was finished, so the rows still to do are decoded next to the same rows as in an
   uninterrupted run);
-* a restart with other settings or another input is refused, so parts made under different settings never mix;
+* a restart with other settings, another input or other weights is refused, so parts made under different settings
+  never mix; a `settings.json` that does not parse is refused naming the file;
+* one run at a time owns `OUT.parts/` (`lock.RunLock`): a second run on the same OUT is refused up front;
 * the merge writes `OUT` in input order to a temporary file, fsyncs it and renames it over `OUT` (atomic), and
-  only then removes `OUT.parts/`; a kill during the merge leaves the parts, and a rerun merges again.
+  only then removes `OUT.parts/`; a kill during the merge leaves the parts, and a rerun merges again (removing the
+  temporary file the killed merge left beside OUT);
+* no file is written through a symbolic link: OUT, `OUT.parts/` or anything in it being a link is refused up front,
+  part and lock files are opened with `O_NOFOLLOW`, and every temporary file is made by `tempfile.mkstemp` in the
+  target's folder (exclusive creation under an unpredictable name) and renamed over the target.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from .lock import NOFOLLOW, RunLock
 from .prompts import PromptRow, id_key
+
+SETTINGS_NAME = "settings.json"
+TEMPORARY_SUFFIX = ".tmp"
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    """`text` as the new content of `path`, by rename: a new temporary file beside it (see the module docstring),
+    fsynced, renamed over `path`, and removed again when anything fails before the rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # the mode a plain open() would give, not mkstemp's private 0600
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def temporaries(path: Path) -> list[Path]:
+    """The temporary files (not folders) that `_write_atomic(path, ...)` makes, left behind by a kill."""
+    pattern = f".{glob.escape(path.name)}.*{TEMPORARY_SUFFIX}"
+    return [entry for entry in path.parent.glob(pattern) if entry.is_symlink() or not entry.is_dir()]
+
+
+def refuse_link(path: Path, role: str, fix: str) -> None:
+    """`ValueError` naming `path` (the `role` it plays) and `fix` when `path` is a symbolic link."""
+    if path.is_symlink():
+        raise ValueError(f"{role} {path} is a symbolic link (to {os.readlink(path)}); hf-loopspec batch does not "
+                         f"write through links: {fix}.")
 
 
 def _complete_lines(path: Path) -> tuple[list[dict], int]:
@@ -49,6 +85,14 @@ def _complete_lines(path: Path) -> tuple[list[dict], int]:
     return rows, end
 
 
+def _difference(key: str, then, now) -> str:
+    """How a setting changed, for a message; of a dict (the weights' fingerprint) only the entries that changed."""
+    if isinstance(then, dict) and isinstance(now, dict):
+        return "; ".join(f"{key} {name}: {then.get(name)!r} then, {now.get(name)!r} now"
+                         for name in sorted(set(then) | set(now)) if then.get(name) != now.get(name))
+    return f"{key}: {then!r} then, {now!r} now"
+
+
 class PartStore:
     """The part files of one run (see the module docstring); `settings` is a JSON-able dict."""
 
@@ -58,18 +102,53 @@ class PartStore:
         self.dir = output.with_name(output.name + ".parts")
         self.settings = settings
         self.path = self.dir / f"process-{process_index}.jsonl"
-        self._settings_path = self.dir / "settings.json"
+        self._settings_path = self.dir / SETTINGS_NAME
 
-    def check_settings(self) -> None:
-        """`ValueError` when `OUT.parts/` holds an unfinished run made with other settings."""
-        if not self._settings_path.is_file():
+    def lock(self) -> RunLock:
+        """The run's lock on `OUT.parts/` (a context manager; the main process holds it for the whole run)."""
+        return RunLock(self.dir, self.output)
+
+    def check_paths(self) -> None:
+        """`ValueError` when OUT, `OUT.parts/` or anything in it is a symbolic link, or `OUT.parts` is a file."""
+        refuse_link(self.output, "--output", "pass the path the link points to, or remove the link")
+        refuse_link(self.dir, "the parts folder", f"remove the link (the parts of a run must be a real folder beside "
+                                                  f"{self.output.name}), or pass another --output")
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ValueError(f"{self.dir} is a file, where hf-loopspec batch keeps the parts of an unfinished run; "
+                             "move it away, or pass another --output.")
+        for entry in sorted(self.dir.iterdir()) if self.dir.is_dir() else ():
+            refuse_link(entry, "the part folder's entry", f"remove it, or delete {self.dir} to start over")
+
+    def check_settings(self, unknown: tuple[str, ...] = ()) -> None:
+        """`ValueError` when `OUT.parts/` holds an unfinished run made with other settings, or settings that cannot
+        be read; keys in `unknown` (not known yet in this process) are not compared."""
+        stored = self._stored_settings()
+        if stored is None:
             return
-        stored = json.loads(self._settings_path.read_text(encoding="utf-8"))
-        changed = [f"{key}: {stored.get(key)!r} then, {self.settings.get(key)!r} now"
-                   for key in sorted(set(stored) | set(self.settings)) if stored.get(key) != self.settings.get(key)]
+        changed = [_difference(key, stored.get(key), self.settings.get(key))
+                   for key in sorted(set(stored) | set(self.settings))
+                   if key not in unknown and stored.get(key) != self.settings.get(key)]
         if changed:
             raise ValueError(f"{self.dir} holds an unfinished run made with other settings ({'; '.join(changed)}); "
                              f"rerun that command to finish it, or delete {self.dir} to start over.")
+
+    def _stored_settings(self) -> dict | None:
+        """The settings recorded in `OUT.parts/`, None when there is no unfinished run; `ValueError` naming the file
+        and the fix when they cannot be read, or when part files have no settings beside them."""
+        if not self._settings_path.is_file():
+            if self.dir.is_dir() and self.part_files():
+                raise ValueError(f"{self.dir} holds part files but no {SETTINGS_NAME} (the settings they were made "
+                                 f"with); restore it, or delete {self.dir} to start over.")
+            return None
+        try:
+            stored = json.loads(self._settings_path.read_bytes())
+            problem = None if isinstance(stored, dict) else f"a JSON {type(stored).__name__}, not an object"
+        except ValueError as err:  # JSON syntax or UTF-8
+            problem = f"{type(err).__name__}: {' '.join(str(err).split())}"
+        if problem is not None:
+            raise ValueError(f"{self._settings_path} is corrupt ({problem}); it records the settings of the unfinished "
+                             f"run in {self.dir}: restore it, or delete {self.dir} to start over.")
+        return stored
 
     def create(self) -> None:
         """Make `OUT.parts/` and record the settings (main process, before any process writes a part)."""
@@ -85,10 +164,10 @@ class PartStore:
         return {id_key(row["id"]) for path in self.part_files() for row in _complete_lines(path)[0]}
 
     def open(self):
-        """This process's part file opened for appending, its torn last line (if any) cut off first."""
-        if self.path.is_file():
-            os.truncate(self.path, _complete_lines(self.path)[1])
-        return self.path.open("a", encoding="utf-8")
+        """This process's part file opened for appending (never through a link), its torn last line cut off first."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NOFOLLOW, 0o666)
+        os.ftruncate(fd, _complete_lines(self.path)[1])
+        return os.fdopen(fd, "a", encoding="utf-8")
 
     @staticmethod
     def append(handle, rows: Iterable[dict]) -> None:
@@ -111,6 +190,8 @@ class PartStore:
         if missing:
             raise RuntimeError(f"{len(missing)} of {len(prompts)} rows have no output yet (first: id {missing[0].id!r} "
                                f"on {missing[0].where}); rerun the same command to generate them.")
+        for stale in temporaries(self.output):  # of a merge killed before its rename; the lock keeps others out
+            stale.unlink()
         _write_atomic(self.output, "".join(json.dumps(rows[id_key(p.id)], ensure_ascii=False) + "\n"
                                            for p in prompts))
         shutil.rmtree(self.dir)

@@ -4,14 +4,20 @@ the rows are decoded in.
 
 Contract of `read_prompts`: every non-blank line is a JSON object with an `id` (a string or an integer, unique in
 the file) and a non-empty string in the text field (`prompt` unless `field` says otherwise); anything else is a
-`ValueError` that names the file, the line (or row) number and the fix. Blank lines are skipped.
+`ValueError` that names the file, the line (or row) number and the fix. Blank lines are skipped. A text file (JSONL,
+CSV, JSON) that is not UTF-8 is refused naming the line of the first bad byte; a file `datasets` cannot read is
+refused naming the file and the reader's reason (its row or line when the reader gives one), with `datasets`'
+progress bars and log lines silenced while it reads, so that the error is the only line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import random
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,13 +58,58 @@ def _check_row(where: str, row, field: str) -> PromptRow:
     return PromptRow(where, row_id, prompt)
 
 
+def _utf8_text(path: Path) -> str:
+    """The text of `path`; `ValueError` naming the line and column (in bytes) of the first byte that is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line, line_start = data.count(b"\n", 0, err.start) + 1, data.rfind(b"\n", 0, err.start) + 1
+        raise ValueError(f"{path}, line {line}, is not UTF-8 text (byte "
+                         f"0x{data[err.start]:02x} at byte {err.start - line_start + 1} of the line); save the file "
+                         "as UTF-8.") from None
+
+
 def _jsonl_rows(path: Path):
     """(where, row) for every non-blank line of a JSONL file."""
-    with path.open(encoding="utf-8") as lines:
-        for number, text in enumerate(lines, start=1):
-            if text.strip():
-                where = f"{path}, line {number}"
-                yield where, _parse_line(where, text)
+    for number, text in enumerate(_utf8_text(path).split("\n"), start=1):
+        if text.strip():
+            where = f"{path}, line {number}"
+            yield where, _parse_line(where, text)
+
+
+@contextlib.contextmanager
+def quiet_logger(name: str, level: int = logging.CRITICAL) -> Iterator[None]:
+    """Inside the block the logger `name` (and its children) drops records below `level`."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
+
+
+@contextlib.contextmanager
+def _quiet_datasets(datasets) -> Iterator[None]:
+    """No progress bars and no log lines from `datasets` inside the block (its reader errors are raised again as one
+    line that names the file; a log line before it would only repeat them)."""
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        with quiet_logger("datasets"):
+            yield
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _reader_reason(err: BaseException) -> str:
+    """The reader's own error inside the ones `datasets` wraps it in (its `__cause__` chain), as one line."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _dataset_rows(path: Path, builder: str):
@@ -68,8 +119,16 @@ def _dataset_rows(path: Path, builder: str):
     except ImportError:
         raise ValueError(f"reading {path} needs the `datasets` package (pip install datasets); or write the prompts "
                          "as JSONL, one object a line.") from None
-    with tempfile.TemporaryDirectory() as cache:  # the Arrow copy is not kept in the user's datasets cache
-        rows = list(datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache))
+    if path.stat().st_size == 0:
+        raise ValueError(f"PROMPTS {path} is empty (0 bytes).")
+    if builder != "parquet":
+        _utf8_text(path)  # names the line of a bad byte; the readers would not
+    with tempfile.TemporaryDirectory() as cache, _quiet_datasets(datasets):  # the Arrow copy is not kept
+        try:
+            rows = list(datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache))
+        except Exception as err:  # whatever the reader raises, it is about this file
+            raise ValueError(f"PROMPTS {path} cannot be read as {builder.upper()} ({_reader_reason(err)}); fix the "
+                             "file, or write the prompts as JSONL, one object a line.") from None
     for number, row in enumerate(rows, start=1):
         yield f"{path}, row {number}", row
 

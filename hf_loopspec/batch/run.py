@@ -4,15 +4,19 @@ Every process reads and checks the whole input, loads the model and tokenizes ev
 every process alike, before anything is generated), plans the same length-grouped batches, and takes its shard
 of them with `accelerate`'s `PartialState.split_between_processes`. It appends each finished batch to its own
 part file (`parts.PartStore`); when every process is done, the main process merges the parts into OUT in input
-order. A tqdm bar on the main process shows its own shard's rows, tokens/s and acceptance rate.
+order. Before any model loads, the main process refuses links in OUT's paths, takes the run's lock on `OUT.parts/`
+(held until OUT is written) and compares the settings of an unfinished run with this one's (the weights' fingerprint
+included); what it refuses, every process refuses with the same message. A tqdm bar on the main process shows the
+whole run's rows, tokens/s and acceptance rate (`progress.RunProgress`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import logging
 import sys
-import time
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -22,8 +26,10 @@ import torch
 from .. import loading
 from ..input_checks import check_positions
 from ..prompting import encode_prompt, generate_kwargs
+from .fingerprint import weights_fingerprint
 from .parts import PartStore
-from .prompts import PromptRow, id_key, plan_batches, read_prompts
+from .progress import RunProgress
+from .prompts import PromptRow, id_key, plan_batches, quiet_logger, read_prompts
 
 # A process that finishes its shard early waits for the others at the final barrier; allow long shards.
 BARRIER_TIMEOUT = timedelta(hours=24)
@@ -33,9 +39,11 @@ SETTING_KEYS = ("field", "model", "mode", "draft_loops", "num_speculative_tokens
 
 
 def run_settings(args: argparse.Namespace) -> dict:
-    """What the output depends on: the input file's SHA-256 and the options that change what is generated."""
+    """What the output depends on: the input file's SHA-256, the options that change what is generated and the
+    weights' fingerprint (`fingerprint.weights_fingerprint`; None for a Hub id until it is loaded)."""
     digest = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
-    return {"input_sha256": digest, **{key: getattr(args, key) for key in SETTING_KEYS}}
+    return {"input_sha256": digest, **{key: getattr(args, key) for key in SETTING_KEYS},
+            "weights": weights_fingerprint(args.model)}
 
 
 def decode_batch(model, tokenizer, prompts: list[list[int]], kwargs: dict) -> list[dict]:
@@ -64,13 +72,6 @@ def decode_batch(model, tokenizer, prompts: list[list[int]], kwargs: dict) -> li
     return results
 
 
-def _progress(state, total: int):
-    from tqdm.auto import tqdm
-
-    desc = "rows" if state.num_processes == 1 else f"rows (process 0 of {state.num_processes})"
-    return tqdm(total=total, desc=desc, unit="row", disable=not state.is_main_process, file=sys.stderr)
-
-
 def process_state():
     """accelerate's `PartialState` for this process, on the CPU (gloo) when asked for or when there is no GPU.
 
@@ -93,38 +94,78 @@ def process_state():
     return state
 
 
+def on_main_process(state, check) -> None:
+    """Run `check()` on the main process only; the `ValueError` / `OSError` it raises is raised in every process (one
+    that went on alone would wait for the main process at the next barrier)."""
+    error = None
+    if state.is_main_process:
+        try:
+            check()
+        except (ValueError, OSError) as err:
+            error = err
+    message = None if error is None else str(error)
+    if state.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        message = broadcast_object_list([message])[0]
+    if error is not None:
+        raise error
+    if message is not None:
+        raise ValueError(message)
+
+
 def encode_prompts(prompts: list[PromptRow], model, tokenizer, args: argparse.Namespace) -> list[list[int]]:
-    """Every prompt's token ids; `ValueError` naming the row for one that is empty or too long for the model."""
+    """Every prompt's token ids; `ValueError` naming the row for one that is empty or too long for the model (the
+    tokenizer's own too-long warning is silenced: the positions check says it in the error instead)."""
     encoded = []
-    for prompt in prompts:
-        where = f"the prompt on {prompt.where}"
-        encoded.append(encode_prompt(tokenizer, prompt.prompt, args.chat, where))
-        check_positions(model.config, len(encoded[-1]), args.max_new_tokens, prompt_flag=where,
-                        new_flag="--max-new-tokens")
+    with quiet_logger("transformers.tokenization_utils_base", logging.ERROR):
+        for prompt in prompts:
+            where = f"the prompt on {prompt.where}"
+            encoded.append(encode_prompt(tokenizer, prompt.prompt, args.chat, where))
+            check_positions(model.config, len(encoded[-1]), args.max_new_tokens, prompt_flag=where,
+                            new_flag="--max-new-tokens")
     return encoded
 
 
-def decode_shard(state, store: PartStore, todo: list[tuple[int, list[int]]], prompts: list[PromptRow],
-                 encoded: list[list[int]], done: set[str], model, tokenizer, kwargs: dict, seed: int | None) -> None:
+def decode_shard(progress: RunProgress, store: PartStore, todo: list[tuple[int, list[int]]],
+                 prompts: list[PromptRow], encoded: list[list[int]], done: set[str], model, tokenizer, kwargs: dict,
+                 seed: int | None) -> None:
     """Decode this process's unfinished batches (`(batch number, row indices)`), appending each to its part file
-    (rows already done are not written twice) and updating the main process's progress bar."""
-    tokens = accepted = verified = 0
-    start = time.perf_counter()
-    with store.open() as part, _progress(state, sum(len(rows) for _, rows in todo)) as bar:
+    (rows already done are not written twice) and polling the progress bar after each."""
+    with store.open() as part:
         for index, rows in todo:
             if seed is not None:  # per batch, so sampled rows do not depend on sharding or resuming
                 torch.manual_seed(seed + index)
             results = decode_batch(model, tokenizer, [encoded[i] for i in rows], kwargs)
             store.append(part, ({"id": prompts[i].id, **result} for i, result in zip(rows, results)
                                 if id_key(prompts[i].id) not in done))
-            tokens += sum(r["new_tokens"] for r in results)
-            accepted += sum(r.get("speculation", {}).get("accepted", 0) for r in results)
-            verified += sum(r.get("speculation", {}).get("verified", 0) for r in results)
-            postfix = {"tok/s": f"{tokens / (time.perf_counter() - start):.1f}"}
-            if verified:
-                postfix["accepted"] = f"{accepted / verified:.1%}"
-            bar.set_postfix(postfix, refresh=False)
-            bar.update(len(rows))
+            progress.poll()
+
+
+def claim_parts(store: PartStore, stack: contextlib.ExitStack) -> None:
+    """The main process's checks before anything loads: no links in OUT's paths, the run's lock on `OUT.parts/`
+    (held until `stack` closes), and an unfinished run's settings equal to this run's (weights not known yet
+    excepted)."""
+    store.check_paths()
+    stack.enter_context(store.lock())
+    store.check_settings(unknown=() if store.settings["weights"] is not None else ("weights",))
+
+
+def load_and_encode(args: argparse.Namespace, state, store: PartStore, prompts: list[PromptRow]):
+    """`(model, tokenizer, token ids of every prompt, generate kwargs)`; a Hub id's weights, known once loaded, are
+    compared with an unfinished run's here."""
+    if args.device is not None and state.num_processes > 1:
+        raise ValueError(f"--device {args.device} cannot be used with {state.num_processes} processes: accelerate "
+                         "places each process on its own device; drop --device.")
+    device = state.device if args.device is None else loading.resolve_device(args.device)
+    dtype = "auto" if args.dtype == "auto" else loading.DTYPES[args.dtype]
+    model, tokenizer, _ = loading.load_model(args.model, dtype, device, need_tokenizer=True)
+    if store.settings["weights"] is None:
+        store.settings["weights"] = weights_fingerprint(args.model, loaded=True)
+        on_main_process(state, store.check_settings)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # left padding needs a pad token; masked out anyway
+    return model, tokenizer, encode_prompts(prompts, model, tokenizer, args), generate_kwargs(args, model, tokenizer)
 
 
 def run_batch(args: argparse.Namespace) -> int:
@@ -136,32 +177,24 @@ def run_batch(args: argparse.Namespace) -> int:
                          "of the JSONL file to write, such as completions.jsonl.")
     state = process_state()
     store = PartStore(output, run_settings(args), state.process_index)
-    store.check_settings()
-    if args.device is not None and state.num_processes > 1:
-        raise ValueError(f"--device {args.device} cannot be used with {state.num_processes} processes: accelerate "
-                         "places each process on its own device; drop --device.")
-    device = state.device if args.device is None else loading.resolve_device(args.device)
-    dtype = "auto" if args.dtype == "auto" else loading.DTYPES[args.dtype]
-    model, tokenizer, _ = loading.load_model(args.model, dtype, device, need_tokenizer=True)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # left padding needs a pad token; masked out anyway
-    encoded = encode_prompts(prompts, model, tokenizer, args)
-    kwargs = generate_kwargs(args, model, tokenizer)
-    batches = plan_batches([len(ids) for ids in encoded], args.batch_size)
-
-    if state.is_main_process:
-        store.create()
-    state.wait_for_everyone()  # the parts folder and its settings exist before any process reads or writes parts
-    done = store.finished_ids()
-    with state.split_between_processes(list(enumerate(batches))) as shard:
-        todo = [(index, rows) for index, rows in shard if any(id_key(prompts[i].id) not in done for i in rows)]
-    if state.is_main_process and done:
-        print(f"resuming: {len(done)} of {len(prompts)} rows were already done", file=sys.stderr, flush=True)
-    decode_shard(state, store, todo, prompts, encoded, done, model, tokenizer, kwargs, args.seed)
-
-    state.wait_for_everyone()
-    if state.is_main_process:
-        count = store.merge(prompts)
-        processes = "1 process" if state.num_processes == 1 else f"{state.num_processes} processes"
-        print(f"wrote {count} rows to {output} ({processes})", file=sys.stderr, flush=True)
+    with contextlib.ExitStack() as stack:
+        on_main_process(state, lambda: claim_parts(store, stack))
+        model, tokenizer, encoded, kwargs = load_and_encode(args, state, store, prompts)
+        batches = plan_batches([len(ids) for ids in encoded], args.batch_size)
+        if state.is_main_process:
+            store.create()
+        state.wait_for_everyone()  # the parts folder and its settings exist before any process reads or writes parts
+        done = store.finished_ids()
+        with state.split_between_processes(list(enumerate(batches))) as shard:
+            todo = [(index, rows) for index, rows in shard if any(id_key(prompts[i].id) not in done for i in rows)]
+        if state.is_main_process and done:
+            print(f"resuming: {len(done)} of {len(prompts)} rows were already done", file=sys.stderr, flush=True)
+        with RunProgress(store, len(prompts), len(done), enabled=state.is_main_process,
+                         poll_thread=state.num_processes > 1) as progress:
+            decode_shard(progress, store, todo, prompts, encoded, done, model, tokenizer, kwargs, args.seed)
+            state.wait_for_everyone()  # the bar keeps counting the other processes' rows meanwhile
+        if state.is_main_process:
+            count = store.merge(prompts)
+            processes = "1 process" if state.num_processes == 1 else f"{state.num_processes} processes"
+            print(f"wrote {count} rows to {output} ({processes})", file=sys.stderr, flush=True)
     return 0
