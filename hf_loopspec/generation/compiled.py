@@ -33,8 +33,3 @@ def compiled_store(model, kind: str) -> dict:
         model.__dict__[STORE_ATTRIBUTE] = store  # a plain attribute: not a submodule, buffer or parameter
     return store.setdefault(kind, {})
 
-
-def release_compiled(model) -> None:
-    """Drop every compiled function `generate(..., compile_core=...)` built for `model` (the next compiled call
-    compiles again). Not needed to free a model: dropping the model frees its compiled functions with it."""
-    model.__dict__.pop(STORE_ATTRIBUTE, None)
