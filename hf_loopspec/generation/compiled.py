@@ -32,4 +32,3 @@ def compiled_store(model, kind: str) -> dict:
         store = CompiledStore()
         model.__dict__[STORE_ATTRIBUTE] = store  # a plain attribute: not a submodule, buffer or parameter
     return store.setdefault(kind, {})
-

@@ -3,7 +3,9 @@
 transformers lets some malformed inputs through to the model, where they fail late with an unrelated message
 (an IndexError, "too many values to unpack") or decode silently from nothing (an empty or fully masked prompt,
 whose first token would come from no context at all). Each check here raises a `ValueError` that names the
-argument, its value and the fix.
+argument, its value and the fix: ids that are no int64 / int32 tensor of values (a list, floats, int8, the meta
+device), no rows, ids outside the vocabulary, a bool where generate counts tokens (`top_k=True`), and, in the
+speculative modes, right padding (`check_left_padded`).
 """
 
 from __future__ import annotations
@@ -62,7 +64,6 @@ def check_inputs(input_ids, attention_mask, cache, vocab_size: int | None = None
         where = "" if not past else f" after the {past} columns the cache has consumed"
         raise ValueError(f"attention_mask marks no real token in rows {empty}{where}: every row needs at least one "
                          "real token (mask 1) to continue from; drop those rows or give them a token.")
-
 
 
 def _check_ids_tensor(input_ids) -> None:

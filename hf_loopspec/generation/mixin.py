@@ -6,7 +6,9 @@ call before any work (`generation.call`), and routes greedy decoding and samplin
 speculative mode is set, unless a logits processor is not known to be row-pure (`generation.processors`: the call
 then decodes plainly, and says so). Plain decoding (`speculative_mode=None`) is transformers' own loop, on a growing
 `DynamicCache` by default or, with `cache_implementation="static"`, on a `StaticCache` sized for one layer per
-(plane, layer) (`looped_static_cache`).
+(plane, layer) (`looped_static_cache`). `speculative_mode=None` passed to a call means plain decoding whatever the
+model's generation config holds: its other speculative keys are then ignored (the call's own still conflict). The
+speculative modes refuse right-padded rows (`inputs.check_left_padded`).
 """
 
 from __future__ import annotations
