@@ -3,7 +3,9 @@
 transformers lets some malformed inputs through to the model, where they fail late with an unrelated message
 (an IndexError, "too many values to unpack") or decode silently from nothing (an empty or fully masked prompt,
 whose first token would come from no context at all). Each check here raises a `ValueError` that names the
-argument, its value and the fix.
+argument, its value and the fix: ids that are no int64 / int32 tensor of values (a list, floats, int8, the meta
+device), no rows, ids outside the vocabulary, a bool where generate counts tokens (`top_k=True`), and, in the
+speculative modes, right padding (`check_left_padded`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..cache.paged import PagedLoopCache
+from ..models.layers import check_token_ids
 
 
 def as_integer(value, name: str) -> int:
@@ -27,18 +30,20 @@ def as_integer(value, name: str) -> int:
     raise ValueError(f"{name}={value!r} must be an integer (a Python or numpy integer, or a 0-d integer tensor).")
 
 
-def check_inputs(input_ids, attention_mask, cache) -> None:
-    """Raise a `ValueError` for ids that are not `[batch, length]` with at least one column, a mask of another
-    shape or with values other than 0 and 1, or a row without a real token after what `cache` has consumed."""
-    if not torch.is_tensor(input_ids):
-        return  # None (transformers starts from BOS) or inputs_embeds-only calls
-    if input_ids.ndim != 2:
-        raise ValueError(f"input_ids must be a 2-D [batch, length] tensor of token ids, got shape "
-                         f"{tuple(input_ids.shape)}; for one prompt pass ids[None] (or tokenizer(..., "
-                         "return_tensors='pt')).")
-    if input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids has no tokens (shape {tuple(input_ids.shape)}): every row needs at least one "
-                         "(e.g. the BOS token), as the first generated token needs a context.")
+ID_DTYPES = (torch.int64, torch.int32)  # what an embedding takes; narrower integers cannot hold a vocabulary
+# generate's settings that count tokens: a bool there (`top_k=True`) is a mistake that would read as 1
+COUNT_SETTINGS = ("top_k", "max_new_tokens", "min_new_tokens", "max_length", "min_length", "no_repeat_ngram_size")
+
+
+def check_inputs(input_ids, attention_mask, cache, vocab_size: int | None = None) -> None:
+    """Raise a `ValueError` for ids that are not an int64 / int32 `[batch, length]` tensor with data (not on the
+    meta device), at least one row and one column and every id in `[0, vocab_size)` (when given); a mask of another
+    shape or with values other than 0 and 1; or a row without a real token after what `cache` has consumed."""
+    if input_ids is None:
+        return  # transformers starts from BOS, or an inputs_embeds-only call
+    _check_ids_tensor(input_ids)
+    if vocab_size is not None:
+        check_token_ids(input_ids, vocab_size)
     past = int(cache.get_seq_length()) if isinstance(cache, Cache) else 0
     if isinstance(cache, PagedLoopCache) and past >= input_ids.shape[1]:
         raise ValueError(f"input_ids has {input_ids.shape[1]} columns, but the PagedLoopCache has already consumed "
@@ -60,3 +65,47 @@ def check_inputs(input_ids, attention_mask, cache) -> None:
         raise ValueError(f"attention_mask marks no real token in rows {empty}{where}: every row needs at least one "
                          "real token (mask 1) to continue from; drop those rows or give them a token.")
 
+
+def _check_ids_tensor(input_ids) -> None:
+    """The form of `input_ids` (see `check_inputs`)."""
+    if not torch.is_tensor(input_ids):
+        raise ValueError(f"input_ids must be a torch tensor of token ids [batch, length], got a "
+                         f"{type(input_ids).__name__}; pass torch.tensor(ids) or tokenizer(..., return_tensors='pt').")
+    if input_ids.dtype not in ID_DTYPES:
+        raise ValueError(f"input_ids has dtype {input_ids.dtype}, but token ids must be torch.int64 (or torch.int32); "
+                         "pass input_ids.long(), or the tokenizer's ids unchanged.")
+    if input_ids.is_meta:
+        raise ValueError("input_ids is on the meta device (shapes only, no values); pass the token ids on the "
+                         "model's device, e.g. input_ids.to(model.device) from a real tensor.")
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be a 2-D [batch, length] tensor of token ids, got shape "
+                         f"{tuple(input_ids.shape)}; for one prompt pass ids[None] (or tokenizer(..., "
+                         "return_tensors='pt')).")
+    if input_ids.shape[0] == 0:
+        raise ValueError(f"input_ids has no rows (shape {tuple(input_ids.shape)}): pass at least one prompt.")
+    if input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids has no tokens (shape {tuple(input_ids.shape)}): every row needs at least one "
+                         "(e.g. the BOS token), as the first generated token needs a context.")
+
+
+def check_generation_values(generation_config) -> None:
+    """`ValueError` for a bool among the settings that count tokens (`COUNT_SETTINGS`), in every mode: transformers
+    would take `True` as 1 (or fail deep in torch)."""
+    for key in COUNT_SETTINGS:
+        value = getattr(generation_config, key, None)
+        if isinstance(value, bool):
+            raise ValueError(f"{key}={value!r} is a bool, but {key} counts tokens; pass an integer (or None to leave "
+                             "it unset).")
+
+
+def check_left_padded(attention_mask, mode: str) -> None:
+    """`ValueError` for rows whose last column is padding, in speculative mode `mode`: plain decoding continues such
+    a row after its padding, the speculative engines after its last real token, so the tokens would differ."""
+    if attention_mask is None:
+        return
+    rows = (attention_mask[:, -1] == 0).nonzero().flatten().tolist()
+    if rows:
+        raise ValueError(f"attention_mask ends in padding in rows {rows[:8]} (right padding), which "
+                         f"speculative_mode={mode!r} does not decode as plain decoding does; pad on the left "
+                         "(tokenizer.padding_side = \"left\", or AutoTokenizer.from_pretrained(..., "
+                         'padding_side="left")), or pass speculative_mode=None.')

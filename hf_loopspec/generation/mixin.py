@@ -6,7 +6,9 @@ call before any work (`generation.call`), and routes greedy decoding and samplin
 speculative mode is set, unless a logits processor is not known to be row-pure (`generation.processors`: the call
 then decodes plainly, and says so). Plain decoding (`speculative_mode=None`) is transformers' own loop, on a growing
 `DynamicCache` by default or, with `cache_implementation="static"`, on a `StaticCache` sized for one layer per
-(plane, layer) (`looped_static_cache`).
+(plane, layer) (`looped_static_cache`). `speculative_mode=None` passed to a call means plain decoding whatever the
+model's generation config holds: its other speculative keys are then ignored (the call's own still conflict). The
+speculative modes refuse right-padded rows (`inputs.check_left_padded`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .config import (
     speculative_config,
 )
 from .decoder import ExitRule, LaneDecoder
-from .inputs import check_inputs
+from .inputs import check_generation_values, check_inputs, check_left_padded
 from .policies import policy_for
 from .processors import plain_fallback
 from .stages import StaticStages, capacity_for
@@ -67,7 +69,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
         """`GenerationMixin.generate` inside a `GenerateCall` (`generation.call`) that holds this call's
         `draft_hook` and `speculative_trace` and, once resolved, its speculative settings."""
         ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-        check_inputs(ids, kwargs.get("attention_mask"), kwargs.get("cache", kwargs.get("past_key_values")))
+        check_inputs(ids, kwargs.get("attention_mask"), kwargs.get("cache", kwargs.get("past_key_values")),
+                     vocab_size=self.config.vocab_size)
         with scoped(runtime_options(kwargs)):
             return super().generate(*args, **kwargs)
 
@@ -80,10 +83,18 @@ class LoopSpecGenerationMixin(GenerationMixin):
         return call.speculative
 
     def _prepare_generation_config(self, generation_config, **kwargs):
+        """transformers' merge of the call's config and kwargs over the model's, then the speculative kwargs. When
+        the call decodes plainly (`speculative_mode` None), the speculative keys it did not pass itself (the model's
+        own, e.g. a checkpoint's `generation_config.json`) are dropped: only the call's own keys can conflict."""
         ours = {key: kwargs.pop(key) for key in SPECULATIVE_KEYS if key in kwargs}
+        given = set(ours) | {key for key in SPECULATIVE_KEYS if getattr(generation_config, key, None) is not None}
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
+        check_generation_values(generation_config)
         for key, value in ours.items():
             setattr(generation_config, key, value)
+        if getattr(generation_config, "speculative_mode", None) is None:
+            for key in set(SPECULATIVE_KEYS) - given:
+                setattr(generation_config, key, None)
         call = current_call()
         if call is not None:
             call.speculative, call.resolved = speculative_config(generation_config, self.num_loops), True
@@ -138,6 +149,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         if spec is None:
             return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                                    synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+        check_left_padded(model_kwargs.get("attention_mask"), spec.mode)
         fallback = plain_fallback(logits_processor)
         if fallback is not None:
             logger.warning_once("hf_loopspec: %s.", fallback)
@@ -151,7 +163,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         result = run_engine(
             self, input_ids, spec, cache=model_kwargs["cache"], attention_mask=model_kwargs.get("attention_mask"),
             logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-            pad_token_id=_as_int(generation_config._pad_token_tensor), max_length=generation_config.max_length,
+            pad_token_id=_as_int(generation_config._pad_token_tensor), max_length=int(generation_config.max_length),
             streamer=streamer, draft_hook=call.draft_hook if call else None,
             second_draft_hook=call.second_draft_hook if call else None, do_sample=generation_config.do_sample,
             output_scores=generation_config.return_dict_in_generate and generation_config.output_scores,

@@ -34,6 +34,7 @@ import torch
 
 from ..cache.paged import PagedKVAttention, PagedLoopCache
 from ..cache.rows import RowBatch
+from .compiled import compiled_store
 
 
 class EagerStages:
@@ -57,13 +58,12 @@ def capacity_for(batch: int, num_loops: int, num_speculative_tokens: int) -> int
 
 
 _STATIC_ROWS: weakref.WeakValueDictionary[int, StaticRows] = weakref.WeakValueDictionary()
-_STAGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {shape key: StaticStages}, kept off
-# the model itself so that copying or pickling a model never meets compiled functions
+STORE = "stages"  # the model's store of {shape key: StaticStages} (`compiled.compiled_store`)
 
 
 def static_stages_of(model) -> list[StaticStages]:
     """The compiled stages built for `model` so far (one per backend and shape)."""
-    return list(_STAGES.get(model, {}).values())
+    return list(compiled_store(model, STORE).values())
 
 
 @torch.library.custom_op("hf_loopspec::static_attention", mutates_args=())
@@ -146,7 +146,7 @@ class StaticStages:
         tables = batch * cache.num_planes
         pages_per_table = -(-max_positions // cache.page_size)
         key = (backend, str(device), dtype, capacity, cache.kv_layout)
-        store = _STAGES.setdefault(model, {})
+        store = compiled_store(model, STORE)
         if key not in store:
             store[key] = cls(model, backend, capacity, tables, pages_per_table, device,
                              head_attends=cache.kv_layout.first_exit_plane is not None)
@@ -158,11 +158,13 @@ class StaticStages:
 
     def _compile(self, method, backend: str, stage: str):
         """`torch.compile` of `method` bound to these stages, on a private copy of its code: dynamo keeps its
-        compiled entries per code object, so stages of other models never use up this one's entries."""
-        compiler = torch._dynamo.lookup_backend(backend)
+        compiled entries per code object, so stages of other models never use up this one's entries. The backend
+        closes over the counter, not the stages: dynamo keeps every backend for the life of the process, and the stages
+        reference the model."""
+        compiler, compiles = torch._dynamo.lookup_backend(backend), self.compiles
 
         def compile_graph(graph_module, example_inputs):
-            self.compiles[stage] += 1
+            compiles[stage] += 1
             return compiler(graph_module, example_inputs)
 
         private = types.FunctionType(method.__code__.replace(), method.__globals__, method.__name__)

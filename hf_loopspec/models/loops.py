@@ -98,8 +98,8 @@ class _PagedRows(ForwardRows):
     def __init__(self, layout, attention_mask, cache: PagedLoopCache, like, batch, length):
         device = like.device
         if cache.kv_layout != layout:
-            raise ValueError(f"the PagedLoopCache was made for {cache.kv_layout}, but the model writes "
-                             f"{layout}; create it with PagedLoopCache(model.kv_layout).")
+            raise ValueError(f"past_key_values: the PagedLoopCache was made for {cache.kv_layout}, but the model "
+                             f"writes {layout}; create it with PagedLoopCache(model.kv_layout).")
         if cache.num_sequences > batch:
             raise ValueError(f"the PagedLoopCache holds {cache.num_sequences} sequences but the input has batch "
                              f"size {batch}; pass a cache made for this batch.")

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import math
 import types
-import weakref
 from dataclasses import replace
 
 import torch
 
 from ...cache.paged import PagedLoopCache
+from ..compiled import compiled_store
 from ..decoder import DecodeResult
-from ..history import run_planes
+from ..history import check_cache_layout, run_planes
 from ..stats import SequenceStats, SpeculationStats
 from .device import GraphStep, ReadBack, uses_cuda_graphs
 from .span import SpanBound, reserved_positions
@@ -49,9 +49,9 @@ CYCLES_PER_CALL = 4  # compiled: cycles per call of the step function (unrolled:
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 
 
-# model -> {(plan, cycles, backend, lane dtype, CUDA graphs) or (plan, "prefill", backend, lane dtype): compiled
-# function} (`compiled_cycles`, `compiled_prefill`)
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The model's store of compiled step functions (`compiled.compiled_store`): {(plan, cycles, backend, lane dtype, CUDA
+# graphs) or (plan, "prefill", backend, lane dtype): compiled function} (`compiled_cycles`, `compiled_prefill`)
+STORE = "wavefront"
 
 
 def _private_copy(function):
@@ -67,7 +67,7 @@ def compiled_cycles(model, plan: Plan, cycles: int, backend: str, device: torch.
     compiled from a private copy of the function's code (`_private_copy`). Inductor on CUDA
     compiles with `mode="reduce-overhead"` (CUDA graphs, with an eager fallback: `device.GraphStep`; untested on a
     GPU)."""
-    store = _COMPILED.setdefault(model, {})
+    store = compiled_store(model, STORE)
     key = (plan, cycles, backend, model.lane_dtype, uses_cuda_graphs(device, backend))
     if key not in store:
         run = make_cycles(model, plan, cycles)
@@ -87,7 +87,7 @@ def compiled_prefill(model, plan: Plan, backend: str):
     graph of its own: dynamo specializes sizes 0 and 1). Inductor's default mode everywhere: no CUDA graphs (they are
     captured per shape, and P varies) and no C++ wrapper (with it, a second prompt width compiled again on
     `ouro-tiny`). Kept beside the model like `compiled_cycles`."""
-    store = _COMPILED.setdefault(model, {})
+    store = compiled_store(model, STORE)
     key = (plan, "prefill", backend, model.lane_dtype)
     if key not in store:
         private = _private_copy(make_cycles(model, plan, 1))
@@ -160,6 +160,7 @@ class WavefrontEngine:
                  do_sample: bool = False, streamer=None,
                  complete_cache: bool = False, second_draft_loops: int | None = None,
                  second_override: torch.Tensor | None = None):
+        check_cache_layout(cache, model.kv_layout)
         if cache.num_sequences:
             raise ValueError("the wavefront engine needs an empty PagedLoopCache (this one already holds "
                              f"{cache.num_sequences} sequences); pass a fresh cache or none.")
@@ -240,7 +241,8 @@ class WavefrontEngine:
             prompt_real=torch.arange(prompts, device=device) < (prompt_len - 1)[:, None],
             prompt_start=torch.zeros(batch, **long), prompt_depth=torch.zeros(batch, **long),
             out=torch.full((batch, self._out_columns(max_new) + 1), self.pad, **long), n_out=torch.zeros(batch, **long),
-            finished=(prompt_len == 0) | (max_new == 0), prompt_len=prompt_len,
+            finished=(prompt_len == 0) | (max_new == 0), invalid=torch.zeros(batch, dtype=torch.bool, device=device),
+            prompt_len=prompt_len,
             max_new=torch.tensor(max_new, **long), eos=torch.tensor(eos or [-1], **long),
             round_drafts=torch.zeros(batch, **long), counters=torch.zeros(batch, len(COUNTERS), **long),
             core_calls=torch.zeros((), **long), core_rows=torch.zeros((), **long),
@@ -319,9 +321,18 @@ class WavefrontEngine:
                     self.spans.observe(cycle, counts, finished)
                     done = all(finished)
                     self._stream(counts, finished, tokens)
+            self._check_finite()
             if self.complete_cache:
                 self._complete_cache()
         return self._result()
+
+    def _check_finite(self) -> None:
+        """The `RuntimeError` plain sampling raises (`torch.multinomial`) when probabilities are not finite."""
+        rows = self.state.invalid.nonzero().flatten().tolist()
+        if rows:
+            raise RuntimeError(f"probability tensor contains either `inf` or `nan` (sampling, sequences {rows[:8]}): "
+                               "the sampling settings overflow in float32 (e.g. a temperature too close to 0) or the "
+                               "model's logits are not finite; use a larger temperature, or greedy decoding.")
 
     def _advance(self, cycles: int) -> None:
         """`cycles` cycles in one call of the step function: drop the prompt rows once they have passed all loops (at

@@ -73,6 +73,7 @@ def device_processors(processors, input_ids: torch.Tensor, vocab: int) -> tuple[
             until = p.min_length - width if isinstance(p, MinLengthLogitsProcessor) \
                 else p.min_new_tokens + p.prompt_length_to_skip - width
             ids = torch.as_tensor(p.eos_token_id).reshape(-1).cpu()
+            ids = ids[(ids >= 0) & (ids < vocab)]  # as transformers' processors: an id outside [0, V) holds nothing
             hold[ids] = torch.maximum(hold[ids], torch.tensor(until))
             tensors["eos_hold"] = hold
             if (HOLD,) not in items:

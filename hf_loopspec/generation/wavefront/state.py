@@ -103,6 +103,7 @@ class WavefrontState:
     out: torch.Tensor  # [B, T + 1] int64: committed tokens, pad after them; column T absorbs masked writes
     n_out: torch.Tensor  # [B] int64
     finished: torch.Tensor  # [B] bool
+    invalid: torch.Tensor  # [B] bool  sampling met non-finite probabilities (the sequence is finished, the run raises)
     prompt_len: torch.Tensor  # [B] int64  real prompt tokens
     max_new: torch.Tensor  # [] int64
     eos: torch.Tensor  # [E] int64 (E >= 1; unused when the plan has no EOS)

@@ -165,6 +165,8 @@ def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
         scores = _head(model, ops, state, slots)  # [B, R, V]
         token, accept, probs = (None if x is None else _to_slots(x, slots, lanes=state.token.shape[1])
                                 for x in choose(plan, state, scores, slots))  # [B, L], [B, L], [B, L, V] or None
+        if probs is not None:
+            _flag_invalid(state, probs)
         drafter = _drafters(plan, state, ran)  # [B, L], chosen before verification
         rereader = ran & (state.depth == plan.second_loops) if second else None  # [B, L]
         spawn_tok, spawn_pos, restart, taken = _verify(plan, state, ran, token, accept)
@@ -239,6 +241,14 @@ def head_slots(plan: Plan, s: WavefrontState, ran: torch.Tensor) -> torch.Tensor
     depths = (plan.num_loops,) if plan.mode == "ar" else (plan.num_loops, plan.draft_loops)
     depths += () if plan.second_loops is None else (plan.second_loops,)
     return torch.stack([(ran & (s.depth == depth)).long().argmax(1) for depth in depths], 1)
+
+
+def _flag_invalid(s: WavefrontState, probs: torch.Tensor) -> None:
+    """Sampling: a sequence whose live lanes' probabilities `probs` `[B, L, V]` are not all finite (settings that
+    overflow in float32, non-finite logits) is marked `invalid` and finished (`WavefrontEngine.run` raises)."""
+    bad = (~probs.isfinite().all(-1) & s.alive).any(1) & ~s.finished  # [B]
+    s.invalid = s.invalid | bad
+    s.finished = s.finished | bad
 
 
 def _to_slots(x: torch.Tensor, slots: torch.Tensor, lanes: int) -> torch.Tensor:

@@ -1,0 +1,175 @@
+"""Inputs a user can get wrong, tried in every mode (plain decoding, and each speculative mode on both engines): each
+either decodes exactly as plain decoding does, or raises the same clear error in every mode (a `ValueError` naming
+the argument where plain decoding's own error would be a deep torch one; plain's `RuntimeError` for sampling whose
+probabilities are not finite). The reference is always plain `generate` on the same model."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+from inputs import left_pad, random_prompts
+from speculative_utils import MODE_PAIR, PAD, mode_id, mode_kwargs, paged_cache, plain, tiny_spec_model
+from transformers import GenerationConfig
+
+from hf_loopspec import OuroForCausalLM
+from hf_loopspec.prompting import generate_kwargs
+
+VOCAB = 96
+# every mode: plain decoding, and one setting of each speculative mode on each engine
+MODES = {"plain": {"speculative_mode": None}} | {
+    f"{mode_id(*m)}-{engine}": mode_kwargs(*m) | {"speculative_engine": engine}
+    for m in MODE_PAIR for engine in ("lanes", "wavefront")}
+SPECULATIVE = {name: kwargs for name, kwargs in MODES.items() if name != "plain"}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_spec_model(7, vocab=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return left_pad(random_prompts(7, [5, 3], VOCAB))
+
+
+def generate(model, ids, mask, max_new=6, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=PAD,
+                              **{"do_sample": False} | kwargs)
+
+
+BAD_IDS = {  # (ids, mask) from the valid (ids, mask) -> message
+    "a Python list": (lambda i, m: (i.tolist(), m), r"input_ids must be a torch tensor .* got a list"),
+    "float ids": (lambda i, m: (i.float(), m), r"input_ids has dtype torch\.float32"),
+    "int8 ids": (lambda i, m: (i.to(torch.int8), m), r"input_ids has dtype torch\.int8"),
+    "meta ids": (lambda i, m: (i.to("meta"), m), r"input_ids is on the meta device"),
+    "zero rows": (lambda i, m: (i[:0], m[:0]), r"input_ids has no rows \(shape \(0, 5\)\)"),
+    "ids outside the vocabulary": (lambda i, m: (i + VOCAB, m), r"input_ids contains ids outside the vocabulary"),
+}
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))
+@pytest.mark.parametrize("case", list(BAD_IDS))
+def test_malformed_ids_raise_the_same_error_in_every_mode(model, inputs, mode, case):
+    make, message = BAD_IDS[case]
+    with pytest.raises(ValueError, match=message):
+        generate(model, *make(*inputs), **mode)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))
+def test_int32_ids_and_numpy_max_new_tokens_decode_as_plain(model, inputs, mode):
+    ids, mask = inputs
+    expected = plain(model, ids, mask, 6).sequences
+    assert generate(model, ids.to(torch.int32), mask, **mode).tolist() == expected.tolist()
+    assert generate(model, ids, mask, max_new=np.int64(6), **mode).tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("mode", SPECULATIVE.values(), ids=list(SPECULATIVE))
+def test_right_padding_is_refused_in_the_speculative_modes(model, mode):
+    """Plain decoding continues a right-padded row after its padding; the speculative modes would continue after
+    its last real token: different tokens, so they refuse it, naming the fix."""
+    prompts = random_prompts(8, [5, 3], VOCAB)
+    right = torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        right[0][row, : len(prompt)], right[1][row, : len(prompt)] = prompt, 1
+    generate(model, *right)  # plain decoding decodes it (after the padding, with transformers' warning)
+    with pytest.raises(ValueError, match=r'(?s)rows \[1\] \(right padding\).*padding_side="left"'):
+        generate(model, *right, **mode)
+    left = left_pad(prompts)  # the same prompts padded on the left: plain's tokens
+    assert generate(model, *left, **mode).tolist() == plain(model, *left, 6).sequences.tolist()
+
+
+@pytest.mark.parametrize("mode", SPECULATIVE.values(), ids=list(SPECULATIVE))
+def test_a_cache_of_another_layout_names_past_key_values(model, inputs, mode):
+    other = tiny_spec_model(8, vocab=VOCAB, hidden=64)  # head_dim 16 instead of 8
+    with pytest.raises(ValueError, match=r"past_key_values: the PagedLoopCache was made for"):
+        generate(model, *inputs, cache=paged_cache(other, debug=False), **mode)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))
+def test_eos_ids_outside_the_vocabulary_hold_nothing_as_in_plain(model, inputs, mode):
+    """With `min_new_tokens`, an EOS id outside [0, V) holds no token back in plain decoding (transformers'
+    processors match ids, they do not index by them). The negative id -(V - t), t plain's first new token of row 0,
+    would wrap to t if used as an index and ban it during the hold: a wrapped id shows as changed tokens."""
+    ids, mask = inputs
+    first = plain(model, ids, mask, 1).sequences[0, -1].item()
+    for eos in ([first - VOCAB], [VOCAB + 5, first - VOCAB]):
+        expected = plain(model, ids, mask, 6, eos_token_id=eos, min_new_tokens=4).sequences
+        assert expected[0, ids.shape[1]].item() == first  # the wrapped id would have banned this token
+        out = generate(model, ids, mask, eos_token_id=eos, min_new_tokens=4, **mode)
+        assert out.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))
+def test_non_finite_sampling_probabilities_raise_as_in_plain(model, inputs, mode):
+    """A temperature that underflows in float32 (scores / 0) and a head whose logits are NaN give non-finite
+    probabilities: plain sampling raises torch.multinomial's RuntimeError; so does every mode, instead of emitting
+    tokens drawn from nothing."""
+    with pytest.raises(RuntimeError, match="probability tensor contains either `inf`"):
+        generate(model, *inputs, do_sample=True, temperature=1e-50, **mode)
+    broken = tiny_spec_model(7, vocab=VOCAB)
+    with torch.no_grad():
+        broken.lm_head.weight[5] = float("nan")
+    with pytest.raises(RuntimeError, match="probability tensor contains either `inf`"):
+        generate(broken, *inputs, do_sample=True, **mode)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))
+@pytest.mark.parametrize("setting", [{"top_k": True, "do_sample": True}, {"max_new_tokens": True},
+                                     {"min_new_tokens": True}], ids=["top_k", "max_new_tokens", "min_new_tokens"])
+def test_a_bool_count_is_rejected_naming_it(model, inputs, mode, setting):
+    """`top_k=True` would be taken as 1 (or fail in torch.topk): a ValueError naming the setting, in every mode."""
+    name = next(key for key in setting if key != "do_sample")
+    ids, mask = inputs
+    with pytest.raises(ValueError, match=rf"{name}=True is a bool"), torch.no_grad():
+        model.generate(ids, attention_mask=mask, pad_token_id=PAD, **{"max_new_tokens": 4} | setting | mode)
+
+
+# --- speculative_mode=None over a checkpoint's speculative defaults -------------------------------------------------
+
+SAVED_KEYS = {"speculative_mode": "pipeline", "draft_loops": 1, "second_draft_loops": 3,
+              "speculative_engine": "wavefront", "compile_core": "eager", "num_speculative_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def speculative_checkpoint(tmp_path_factory):
+    """A saved and reloaded model whose generation_config.json carries every speculative key."""
+    folder = tmp_path_factory.mktemp("speculative_checkpoint")
+    model = tiny_spec_model(7, vocab=VOCAB)
+    model.generation_config = GenerationConfig(pad_token_id=PAD, do_sample=False, **SAVED_KEYS)
+    model.save_pretrained(folder)
+    loaded = OuroForCausalLM.from_pretrained(folder).eval()
+    assert {key: getattr(loaded.generation_config, key) for key in SAVED_KEYS} == SAVED_KEYS
+    return loaded
+
+
+def test_speculative_mode_none_decodes_plainly_over_saved_speculative_keys(speculative_checkpoint, model, inputs):
+    ids, mask = inputs
+    expected = plain(model, ids, mask, 6).sequences  # the same weights without speculative keys
+    with torch.no_grad():
+        out = speculative_checkpoint.generate(ids, attention_mask=mask, max_new_tokens=6, speculative_mode=None,
+                                              return_dict_in_generate=True)
+    assert getattr(out, "speculation", None) is None
+    assert out.sequences.tolist() == expected.tolist()
+
+
+def test_plain_cli_mode_decodes_plainly_over_saved_speculative_keys(speculative_checkpoint, model, inputs):
+    """`hf-loopspec generate --mode plain` passes what `prompting.generate_kwargs` gives."""
+    ids, mask = inputs
+    args = argparse.Namespace(max_new_tokens=6, do_sample=False, temperature=None, top_k=None, top_p=None,
+                              repetition_penalty=None, mode="plain")
+    kwargs = generate_kwargs(args, speculative_checkpoint, tokenizer=None)
+    with torch.no_grad():
+        out = speculative_checkpoint.generate(ids, attention_mask=mask, **kwargs)
+    assert out.tolist() == plain(model, ids, mask, 6).sequences.tolist()
+
+
+@pytest.mark.parametrize("key", ["second_draft_loops", "speculative_engine", "compile_core"])
+def test_a_speculative_key_passed_with_speculative_mode_none_still_conflicts(speculative_checkpoint, inputs, key):
+    ids, mask = inputs
+    with pytest.raises(ValueError, match=rf"{key}={SAVED_KEYS[key]!r}"), torch.no_grad():
+        speculative_checkpoint.generate(ids, attention_mask=mask, max_new_tokens=4, speculative_mode=None,
+                                        **{key: SAVED_KEYS[key]})
