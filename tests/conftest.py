@@ -18,6 +18,9 @@ once:
 * `recorders`: a streamer and a stopping criterion that record what `generate` hands them;
 * `sampling_utils`: the statistics of the speculative sampling tests (their model is the `sampling_model` fixture
   below);
+* `differential`: the randomized differential comparison of speculative with plain greedy decoding (seeded cases
+  over the settings space, the near-tie bound of a divergence), run by `test_differential.py` and, with many more
+  seeds, by `scripts/differential_soak.py`;
 * `checkpoint_utils`: tiny checkpoint folders with a word-level tokenizer, folder snapshots;
 * `processes`: the checkout's root (`ROOT`) and the environment of the Python processes tests start.
 

@@ -82,6 +82,19 @@ class Case:
                 f"suffixes={self.suffixes})")
 
 
+# generate's logits-processor settings a case may draw, each with one value drawn from (rng, vocab)
+PROCESSORS = {
+    "no_repeat_ngram_size": lambda rng, vocab: rng.choice([1, 2, 3]),
+    "min_new_tokens": lambda rng, vocab: rng.randint(1, 6),
+    "min_length": lambda rng, vocab: rng.randint(2, 16),
+    "repetition_penalty": lambda rng, vocab: rng.choice([0.7, 1.3, 2.0]),
+    "bad_words_ids": lambda rng, vocab: [rng.sample(range(1, vocab), rng.choice([1, 2])) for _ in range(3)],
+    "suppress_tokens": lambda rng, vocab: rng.sample(range(1, vocab), 3),
+    "begin_suppress_tokens": lambda rng, vocab: rng.sample(range(1, vocab), 2),
+    "logits_processor": lambda rng, vocab: LogitsProcessorList([NoFollower(vocab)]),
+}
+
+
 def _mode(rng: random.Random, loops: int) -> dict:
     """A random speculative mode for a `loops`-loop model: pipeline (d | U, sometimes with d2) or block."""
     if rng.random() < 0.55:
@@ -106,19 +119,16 @@ def draw_case(seed: int) -> Case:
     shared: dict = {"eos_token_id": None}
     if rng.random() < 0.5:
         shared["eos_token_id"] = rng.sample(range(1, vocab), rng.choice([1, 2, 3]))
-    if rng.random() < 0.3:
-        shared["no_repeat_ngram_size"] = rng.choice([1, 2, 3])
-    if rng.random() < 0.3:
-        shared["min_new_tokens"] = rng.randint(1, 6)
-    if rng.random() < 0.3:
-        shared["repetition_penalty"] = rng.choice([0.7, 1.3, 2.0])
-    if rng.random() < 0.15:
-        shared["logits_processor"] = LogitsProcessorList([NoFollower(vocab)])
+    for name, draw in PROCESSORS.items():
+        if rng.random() < 0.2:
+            shared[name] = draw(rng, vocab)
     if family == "huginn":
         shared |= {"num_steps": loops, "init_scale": rng.choice([0.0, 1.0]), "init_seed": 1000 + seed}
     speculative = _mode(rng, loops) | {"speculative_engine": rng.choice(["auto", "auto", "lanes", "wavefront"])}
     if rng.random() < 0.15:
         speculative["use_cache"] = False
+    if rng.random() < 0.1:
+        speculative["output_scores"] = True
     first, suffixes = None, ()
     if rng.random() < 0.25 and "use_cache" not in speculative:
         first = rng.choice([{"speculative_mode": None}, _mode(rng, loops)])
@@ -198,7 +208,8 @@ def run_case(case: Case) -> Mismatch | None:
         return Mismatch(case, error=error)
     except Exception as error:  # noqa: BLE001 - every crash is a finding, reported with its case
         return Mismatch(case, error=error)
-    ref = plain(model, ids, mask, case.max_new, cache=DynamicCache(), output_scores=True, **case.shared)
+    ref = plain(model, ids, mask, case.max_new, cache=DynamicCache(), output_scores=True, speculative_mode=None,
+                **case.shared)
     if got.sequences.tolist() == ref.sequences.tolist():
         return None
     width = ids.shape[1]

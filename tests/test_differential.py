@@ -1,0 +1,49 @@
+"""Speculative `generate` against plain greedy decoding over random settings (`differential`), and the regressions
+it found.
+
+`test_random_case` runs `CASES` seeded cases of `differential.draw_case` (the whole settings space: family, loops,
+mode, d, K, d2, engine, batch and padding, EOS lists, processors, use_cache=False, output_scores, cache
+continuation); each must give plain's tokens, or diverge only at a near-tie that fp32 rounding can flip (plain's
+top-1 / top-2 margin below the bound `differential` derives). `scripts/differential_soak.py` runs many more seeds.
+"""
+
+from __future__ import annotations
+
+import pytest
+from differential import NoFollower, draw_case, model_for, run_case
+from huginn_utils import VOCAB as HUGINN_VOCAB
+from inputs import left_pad, random_prompts
+from speculative_utils import MODES, generate_dict, mode_id, mode_kwargs, plain
+from transformers import LogitsProcessorList
+
+CASES = 48  # seeds 0..CASES-1: about a minute on one core
+
+
+@pytest.mark.parametrize("seed", range(CASES))
+def test_random_case(seed):
+    mismatch = run_case(draw_case(seed))
+    assert mismatch is None or mismatch.near_tie, str(mismatch)
+
+
+FAMILIES = {"ouro": (dict(family="ouro", seed=1, loops=4, damp=0.3), {}, 64),
+            "huginn": (dict(family="huginn", seed=1, loops=4, damp=0.3),
+                       {"num_steps": 4, "init_scale": 1.0, "init_seed": 5}, HUGINN_VOCAB)}
+
+
+@pytest.mark.parametrize("processor", [False, True], ids=["no-processor", "user-processor"])
+@pytest.mark.parametrize("engine", ["auto", "lanes"])
+@pytest.mark.parametrize("mode,d,k", [pytest.param(*m, id=mode_id(*m)) for m in MODES])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_use_cache_false_gives_plain_tokens(family, mode, d, k, engine, processor):
+    """use_cache=False, without a cache passed: plain's tokens in every mode, also with a user logits processor
+    (speculative `generate` then decodes plainly, and did so on the PagedLoopCache it had made for speculation:
+    a mask / cache length `ValueError`, or other tokens)."""
+    spec, settings, vocab = FAMILIES[family]
+    model = model_for(**spec)
+    ids, mask = left_pad(random_prompts(3, [5, 2, 4], vocab))
+    extra = {"logits_processor": LogitsProcessorList([NoFollower(vocab)])} if processor else {}
+    ref = plain(model, ids, mask, 12, **settings, **extra)
+    out = generate_dict(model, ids, mask, 12, use_cache=False, speculative_engine=engine, **mode_kwargs(mode, d, k),
+                        **settings, **extra)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    assert out.cache is None
