@@ -3,7 +3,7 @@
 The shared helpers are plain modules, imported by name (pytest puts tests/ on `sys.path`), each helper defined
 once:
 
-* `inputs`: seeded random token ids and prompts, left padding;
+* `inputs`: seeded random token ids and prompts, left padding, a first call's output extended by suffixes;
 * `tolerances`: fp32 tolerances derived from eps, depth and reduction width;
 * `helpers`: tiny Ouro configs (`tiny_config`, which every tiny Ouro model starts from) and models, Hub-named
   weights, the Ouro reference, Hub-like folders;

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 from huginn_utils import tiny_huginn
-from inputs import left_pad, random_prompts
-from speculative_utils import PAD, generate_dict, paged_cache, plain, tiny_spec_model
+from inputs import extend, left_pad, random_prompts
+from speculative_utils import generate_dict, paged_cache, plain, tiny_spec_model
 from tolerances import fp32_tolerance, huginn_depth, ouro_depth, rms
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
@@ -168,19 +168,6 @@ def _depth(model, case: Case) -> dict[str, int]:
     return huginn_depth(model.config, case.loops)
 
 
-def _extend(sequences, mask, suffixes):
-    """The whole sequence after a first call: its output (mask 1 on every generated column), then each row's
-    suffix right-aligned (padding in the middle), as `test_cache_continuation.extend` builds it."""
-    width = max(len(x) for x in suffixes)
-    tail = torch.full((len(suffixes), width), PAD, dtype=sequences.dtype)
-    tail_mask = torch.zeros((len(suffixes), width), dtype=mask.dtype)
-    for s, x in enumerate(suffixes):
-        tail[s, width - len(x):], tail_mask[s, width - len(x):] = x, 1
-    generated = sequences.shape[1] - mask.shape[1]
-    full_mask = torch.cat([mask, torch.ones(len(mask), generated, dtype=mask.dtype), tail_mask], dim=1)
-    return torch.cat([sequences, tail], dim=1), full_mask
-
-
 def _inputs(model, case: Case, vocab: int):
     """(ids, mask, cache) of the compared calls: the case's prompts, or, when it continues a cache, the first
     call's output extended by the suffixes and the cache that call filled."""
@@ -189,7 +176,7 @@ def _inputs(model, case: Case, vocab: int):
         return ids, mask, None
     cache = paged_cache(model, debug=False, num_steps=case.shared.get("num_steps"))
     out = generate_dict(model, ids, mask, case.max_new, cache=cache, **case.first, **case.shared)
-    full, full_mask = _extend(out.sequences, mask, random_prompts(case.seed + 1, case.suffixes, vocab))
+    full, full_mask = extend(out.sequences, mask, random_prompts(case.seed + 1, case.suffixes, vocab))
     return full, full_mask, cache
 
 

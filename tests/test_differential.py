@@ -10,10 +10,10 @@ top-1 / top-2 margin below the bound `differential` derives). `scripts/different
 from __future__ import annotations
 
 import pytest
-from differential import NoFollower, draw_case, model_for, run_case
+from differential import REFUSED, NoFollower, draw_case, model_for, run_case
 from huginn_utils import VOCAB as HUGINN_VOCAB
-from inputs import left_pad, random_prompts
-from speculative_utils import MODES, generate_dict, mode_id, mode_kwargs, plain
+from inputs import extend, left_pad, random_prompts
+from speculative_utils import MODES, generate_dict, mode_id, mode_kwargs, paged_cache, plain
 from transformers import LogitsProcessorList
 
 CASES = 48  # seeds 0..CASES-1: about a minute on one core
@@ -47,3 +47,24 @@ def test_use_cache_false_gives_plain_tokens(family, mode, d, k, engine, processo
                         **settings, **extra)
     assert out.sequences.tolist() == ref.sequences.tolist()
     assert out.cache is None
+
+
+@pytest.mark.parametrize("engine", ["auto", "lanes", "wavefront"])
+@pytest.mark.parametrize("mode,d,k", [pytest.param(*m, id=mode_id(*m)) for m in MODES])
+def test_huginn_continues_a_filled_cache_in_every_engine(mode, d, k, engine):
+    """Huginn continuing a cache that a pipeline call filled (reported to crash in the wavefront engine's set-up):
+    plain's tokens over the whole sequence, or, for `speculative_engine="wavefront"`, its documented refusal."""
+    spec, settings, vocab = FAMILIES["huginn"]
+    model = model_for(**spec)
+    ids, mask = left_pad(random_prompts(4, [5, 2, 4], vocab))
+    cache = paged_cache(model, debug=False, num_steps=settings["num_steps"])
+    first = generate_dict(model, ids, mask, 6, cache=cache, **mode_kwargs("pipeline", 1), **settings)
+    full, full_mask = extend(first.sequences, mask, random_prompts(5, [2, 1, 3], vocab))
+    ref = plain(model, full, full_mask, 8, **settings)
+    try:
+        out = generate_dict(model, full, full_mask, 8, cache=cache, speculative_engine=engine,
+                            **mode_kwargs(mode, d, k), **settings)
+    except ValueError as error:
+        assert engine == "wavefront" and str(error).startswith(REFUSED), error
+        return
+    assert out.sequences.tolist() == ref.sequences.tolist()
