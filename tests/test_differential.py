@@ -16,6 +16,9 @@ from inputs import extend, left_pad, random_prompts
 from speculative_utils import MODES, generate_dict, mode_id, mode_kwargs, paged_cache, plain
 from transformers import LogitsProcessorList
 
+from hf_loopspec import PagedLoopCache
+from hf_loopspec.generation.wavefront import WavefrontEngine
+
 CASES = 48  # seeds 0..CASES-1: about a minute on one core
 
 
@@ -68,3 +71,14 @@ def test_huginn_continues_a_filled_cache_in_every_engine(mode, d, k, engine):
         assert engine == "wavefront" and str(error).startswith(REFUSED), error
         return
     assert out.sequences.tolist() == ref.sequences.tolist()
+
+
+def test_wavefront_engine_refuses_a_model_with_entry_or_exit_kv():
+    """The engine's own set-up (as the bench calls it, without `generate`'s engine choice) refuses Huginn with a
+    `ValueError` naming it; it crashed in the state's set-up (its lanes are twice the embedding width)."""
+    spec, _, vocab = FAMILIES["huginn"]
+    model = model_for(**spec)
+    ids, mask = left_pad(random_prompts(6, [5, 2], vocab))
+    with pytest.raises(ValueError, match="does not support HuginnForCausalLM"):
+        WavefrontEngine(model, PagedLoopCache(model.kv_layout), mode="pipeline", draft_loops=1,
+                        num_speculative_tokens=4, input_ids=ids, attention_mask=mask, pad_token_id=0, max_length=12)
