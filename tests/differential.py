@@ -130,7 +130,7 @@ def draw_case(seed: int) -> Case:
     if rng.random() < 0.1:
         speculative["output_scores"] = True
     first, suffixes = None, ()
-    if rng.random() < 0.25 and "use_cache" not in speculative:
+    if rng.random() < 0.25:
         first = rng.choice([{"speculative_mode": None}, _mode(rng, loops)])
         suffixes = tuple(rng.randint(1, 3) for _ in range(batch))
     return Case(seed, family, loops, damp, lengths, rng.randint(4, 24), speculative, shared, first, suffixes)
