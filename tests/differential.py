@@ -75,11 +75,14 @@ class Case:
     shared: dict = field(hash=False)
     first: dict | None = field(default=None, hash=False)  # generate's mode arguments of a first call, or None
     suffixes: tuple[int, ...] = ()  # lengths of the suffixes appended after the first call
+    # generated indices whose tokens in plain decoding without EOS (row index % batch) join the EOS list: stops,
+    # and EOS holds (min_new_tokens, min_length), that actually happen
+    eos_at: tuple[int, ...] = ()
 
     def describe(self) -> str:
         return (f"Case(seed={self.seed}, {self.family}, U={self.loops}, damp={self.damp}, lengths={self.lengths}, "
                 f"max_new={self.max_new}, speculative={self.speculative}, shared={self.shared}, first={self.first}, "
-                f"suffixes={self.suffixes})")
+                f"suffixes={self.suffixes}, eos_at={self.eos_at})")
 
 
 # generate's logits-processor settings a case may draw, each with one value drawn from (rng, vocab)
@@ -116,9 +119,11 @@ def draw_case(seed: int) -> Case:
     batch = rng.choice([1, 1, 2, 3])
     lengths = tuple(rng.randint(1, 10) for _ in range(batch))
     vocab = VOCAB if family == "ouro" else model_for(family, seed % 4, loops, damp).config.vocab_size
+    max_new = rng.randint(4, 24)
     shared: dict = {"eos_token_id": None}
-    if rng.random() < 0.5:
+    if rng.random() < 0.25:
         shared["eos_token_id"] = rng.sample(range(1, vocab), rng.choice([1, 2, 3]))
+    eos_at = tuple(rng.sample(range(max_new), rng.choice([1, 2]))) if rng.random() < 0.4 else ()
     for name, draw in PROCESSORS.items():
         if rng.random() < 0.2:
             shared[name] = draw(rng, vocab)
@@ -133,7 +138,7 @@ def draw_case(seed: int) -> Case:
     if rng.random() < 0.25:
         first = rng.choice([{"speculative_mode": None}, _mode(rng, loops)])
         suffixes = tuple(rng.randint(1, 3) for _ in range(batch))
-    return Case(seed, family, loops, damp, lengths, rng.randint(4, 24), speculative, shared, first, suffixes)
+    return Case(seed, family, loops, damp, lengths, max_new, speculative, shared, first, suffixes, eos_at)
 
 
 @dataclass
@@ -168,16 +173,29 @@ def _depth(model, case: Case) -> dict[str, int]:
     return huginn_depth(model.config, case.loops)
 
 
+def _shared(model, case: Case, ids, mask) -> dict:
+    """`case.shared` with the tokens of `case.eos_at` added to the EOS list (see `Case`)."""
+    if not case.eos_at:
+        return case.shared
+    holds = ("eos_token_id", "min_new_tokens", "min_length")
+    free = plain(model, ids, mask, case.max_new, speculative_mode=None,
+                 **{k: v for k, v in case.shared.items() if k not in holds})
+    width = ids.shape[1]
+    eos = [int(free.sequences[i % len(ids), width + i]) for i in case.eos_at if width + i < free.sequences.shape[1]]
+    return case.shared | {"eos_token_id": sorted(set(eos) | set(case.shared["eos_token_id"] or ()))}
+
+
 def _inputs(model, case: Case, vocab: int):
-    """(ids, mask, cache) of the compared calls: the case's prompts, or, when it continues a cache, the first
-    call's output extended by the suffixes and the cache that call filled."""
+    """(ids, mask, cache, shared) of the compared calls: the case's prompts, or, when it continues a cache, the
+    first call's output extended by the suffixes and the cache that call filled; and both calls' settings."""
     ids, mask = left_pad(random_prompts(case.seed, case.lengths, vocab))
+    shared = _shared(model, case, ids, mask)
     if case.first is None:
-        return ids, mask, None
-    cache = paged_cache(model, debug=False, num_steps=case.shared.get("num_steps"))
-    out = generate_dict(model, ids, mask, case.max_new, cache=cache, **case.first, **case.shared)
+        return ids, mask, None, shared
+    cache = paged_cache(model, debug=False, num_steps=shared.get("num_steps"))
+    out = generate_dict(model, ids, mask, case.max_new, cache=cache, **case.first, **shared)
     full, full_mask = extend(out.sequences, mask, random_prompts(case.seed + 1, case.suffixes, vocab))
-    return full, full_mask, cache
+    return full, full_mask, cache, shared
 
 
 def run_case(case: Case) -> Mismatch | None:
@@ -186,9 +204,9 @@ def run_case(case: Case) -> Mismatch | None:
     model = model_for(case.family, case.seed % 4, case.loops, case.damp)
     vocab = model.config.vocab_size
     try:
-        ids, mask, cache = _inputs(model, case, vocab)
-        cache = cache if cache is not None else paged_cache(model, debug=False, num_steps=case.shared.get("num_steps"))
-        got = generate_dict(model, ids, mask, case.max_new, cache=cache, **case.speculative, **case.shared)
+        ids, mask, cache, shared = _inputs(model, case, vocab)
+        cache = cache if cache is not None else paged_cache(model, debug=False, num_steps=shared.get("num_steps"))
+        got = generate_dict(model, ids, mask, case.max_new, cache=cache, **case.speculative, **shared)
     except ValueError as error:
         if str(error).startswith(REFUSED):
             return None
@@ -196,7 +214,7 @@ def run_case(case: Case) -> Mismatch | None:
     except Exception as error:  # noqa: BLE001 - every crash is a finding, reported with its case
         return Mismatch(case, error=error)
     ref = plain(model, ids, mask, case.max_new, cache=DynamicCache(), output_scores=True, speculative_mode=None,
-                **case.shared)
+                **shared)
     if got.sequences.tolist() == ref.sequences.tolist():
         return None
     width = ids.shape[1]
