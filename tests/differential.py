@@ -3,16 +3,20 @@
 A case (`draw_case`) is one seeded draw from the space of settings speculative `generate` accepts: the family
 (tiny Ouro, tiny Huginn), its loops U (Huginn: `num_steps`) and damping, the mode (pipeline / block), draft_loops d,
 num_speculative_tokens K, second_draft_loops d2, speculative_engine, batch size and prompt lengths (left padding),
-max_new_tokens, EOS lists, logits processors (no_repeat_ngram_size, min_new_tokens, repetition_penalty),
-use_cache=False, and continuing a cache that a first call (in any mode, plain included) filled. `run_case` decodes it
+max_new_tokens, EOS lists (random ids, and tokens plain decoding emits, so that stops and EOS holds happen), logits
+processors (`PROCESSORS`: no_repeat_ngram_size, min_new_tokens, min_length, repetition_penalty, bad_words_ids,
+suppress_tokens, begin_suppress_tokens, and a user's processor, with which `generate` decodes plainly),
+use_cache=False, output_scores, and continuing a cache that a first call (in any mode, plain included) filled. The
+wavefront engine's documented refusal (`REFUSED`) of a setting it does not run is a legal outcome. `run_case` decodes it
 speculatively and plainly (transformers' loop on a `DynamicCache`, the same settings) and returns None when the
 tokens are identical, else a `Mismatch` with plain's logit margin at the first divergent token.
 
 Margins separate bugs from rounding. Two fp32 evaluations of the same logits that differ only in the order of their
-operations (batched vs alone, paged vs dynamic cache) agree to `tolerances.fp32_tolerance(depth)`'s atol each way
-(the derivation is in `tolerances`), so they can pick different argmaxes only where plain's top-1 / top-2 margin of
-the processed scores is below twice that atol (about 1e-3 for these models). A divergence with a larger margin is a
-bug (`Mismatch.near_tie` is False); one below it is a near-tie that fp32 rounding can flip.
+operations (batched vs alone, paged vs dynamic cache) agree to `tolerances.fp32_tolerance(depth)`'s atol each way (the
+derivation is in `tolerances`), so they can pick different argmaxes only where plain's top-1 / top-2 margin of the
+processed scores is below twice that atol: for tiny Ouro with 4 loops, 9 layers of width 64 give rtol 2 * 9 * 64 *
+1.2e-7 = 1.4e-4, and logits of RMS about 3 a bound of about 8e-4; Huginn at 6 steps about 3e-3. A divergence with a
+larger margin is a bug (`Mismatch.near_tie` is False); one below it is a near-tie that fp32 rounding can flip.
 
 `tests/test_differential.py` runs a fixed number of seeded cases in the suite; `scripts/differential_soak.py` runs
 many more for developers.
