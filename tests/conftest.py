@@ -3,7 +3,7 @@
 The shared helpers are plain modules, imported by name (pytest puts tests/ on `sys.path`), each helper defined
 once:
 
-* `inputs`: seeded random token ids and prompts, left padding;
+* `inputs`: seeded random token ids and prompts, left padding, a first call's output extended by suffixes;
 * `tolerances`: fp32 tolerances derived from eps, depth and reduction width;
 * `helpers`: tiny Ouro configs (`tiny_config`, which every tiny Ouro model starts from) and models, Hub-named
   weights, the Ouro reference, Hub-like folders;
@@ -18,6 +18,9 @@ once:
 * `recorders`: a streamer and a stopping criterion that record what `generate` hands them;
 * `sampling_utils`: the statistics of the speculative sampling tests (their model is the `sampling_model` fixture
   below);
+* `differential`: the randomized differential comparison of speculative with plain greedy decoding (seeded cases
+  over the settings space, the near-tie bound of a divergence), run by `test_differential.py` and, with many more
+  seeds, by `scripts/differential_soak.py`;
 * `checkpoint_utils`: tiny checkpoint folders with a word-level tokenizer, folder snapshots;
 * `processes`: the checkout's root (`ROOT`) and the environment of the Python processes tests start.
 

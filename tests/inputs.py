@@ -1,4 +1,5 @@
-"""Model inputs shared by the test files: seeded random token ids and prompts, and left padding."""
+"""Model inputs shared by the test files: seeded random token ids and prompts, left padding, and a first call's
+output extended by suffixes (cache continuation)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,17 @@ def left_pad(rows: Sequence[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tenso
         ids[i, width - len(r):] = r
         mask[i, width - len(r):] = 1
     return ids, mask
+
+
+def extend(sequences: torch.Tensor, mask: torch.Tensor, suffixes: Sequence[torch.Tensor], pad_id: int = 0):
+    """`(ids, mask)` of the whole sequence after a first `generate` call: its output `sequences` (mask 1 on every
+    generated column, as transformers extends it), then each row's suffix right-aligned, so rows get padding in the
+    middle and prefixes of different lengths."""
+    width = max(len(x) for x in suffixes)
+    tail = torch.full((len(suffixes), width), pad_id, dtype=sequences.dtype)
+    tail_mask = torch.zeros((len(suffixes), width), dtype=mask.dtype)
+    for s, x in enumerate(suffixes):
+        tail[s, width - len(x):], tail_mask[s, width - len(x):] = x, 1
+    generated = sequences.shape[1] - mask.shape[1]
+    full_mask = torch.cat([mask, torch.ones(len(mask), generated, dtype=mask.dtype), tail_mask], dim=1)
+    return torch.cat([sequences, tail], dim=1), full_mask

@@ -15,8 +15,8 @@ import itertools
 import pytest
 import torch
 from huginn_utils import tiny_huginn
-from inputs import left_pad, random_prompts
-from speculative_utils import PAD, generate_dict, named_modes, paged_cache, tiny_spec_model
+from inputs import extend, left_pad, random_prompts
+from speculative_utils import generate_dict, named_modes, paged_cache, tiny_spec_model
 from transformers import AutoTokenizer
 from transformers.cache_utils import DynamicCache
 
@@ -53,19 +53,6 @@ def case(request):
     eos = int(free[0, 2])  # row 0 stops within 3 tokens (at its first `eos`), the others if they meet it
     suffixes = random_prompts(8, [3, 1, 2], vocab)
     return model, settings, ids, mask, eos, suffixes
-
-
-def extend(sequences, mask, suffixes):
-    """The whole sequence after a first call: its output (mask 1 on every generated column, as transformers extends
-    it), then each row's suffix right-aligned, so rows get padding in the middle and prefixes of different lengths."""
-    width = max(len(x) for x in suffixes)
-    tail = torch.full((len(suffixes), width), PAD, dtype=sequences.dtype)
-    tail_mask = torch.zeros((len(suffixes), width), dtype=mask.dtype)
-    for s, x in enumerate(suffixes):
-        tail[s, width - len(x):], tail_mask[s, width - len(x):] = x, 1
-    generated = sequences.shape[1] - mask.shape[1]
-    full_mask = torch.cat([mask, torch.ones(len(mask), generated, dtype=mask.dtype), tail_mask], dim=1)
-    return torch.cat([sequences, tail], dim=1), full_mask
 
 
 def assert_cache_reports(model, cache: PagedLoopCache, mode: str, columns: int, mask, settings):

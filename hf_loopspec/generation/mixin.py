@@ -153,6 +153,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
         fallback = plain_fallback(logits_processor)
         if fallback is not None:
             logger.warning_once("hf_loopspec: %s.", fallback)
+            if generation_config.use_cache is False:  # plain decoding without a cache, as transformers' own
+                model_kwargs.pop("cache", None)  # (the PagedLoopCache made or passed for the speculative run)
             result = super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                                      synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
             if not generation_config.return_dict_in_generate:

@@ -110,6 +110,15 @@ def read_back(state: WavefrontState, tokens: bool = False) -> ReadBack:
     return ReadBack(state, tokens)
 
 
+def model_problem(model) -> str | None:
+    """Why the wavefront engine cannot run `model`, or None: its lanes carry the core's state alone, so neither the
+    entry stage nor the head may write KV of their own (Huginn's prelude and coda do)."""
+    layout = model.kv_layout
+    if layout.entry_plane is not None or layout.first_exit_plane is not None:
+        return f"{type(model).__name__} (its entry or exit stage has KV, e.g. Huginn)"
+    return None
+
+
 def second_proposals_problem(mode: str, num_loops: int, draft_loops: int, second_draft_loops: int | None) -> str | None:
     """Why the wavefront engine cannot run second proposals `second_draft_loops` (d2) with these settings, or None.
     It keeps one sibling slot per sequence, which holds when a sibling is decided before it could draft or a next
@@ -166,9 +175,11 @@ class WavefrontEngine:
                              f"{cache.num_sequences} sequences); pass a fresh cache or none.")
         if not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every={read_every!r} must be an integer >= 1 (cycles between read-backs).")
-        problem = second_proposals_problem(mode, model.num_loops, draft_loops, second_draft_loops)
+        problem = model_problem(model) or second_proposals_problem(mode, model.num_loops, draft_loops,
+                                                                    second_draft_loops)
         if problem:
-            raise ValueError(problem)
+            raise ValueError(f"the wavefront engine does not support {problem}; run the lane decoder "
+                             "(speculative_engine='lanes', or --engines lanes in the bench).")
         self.model, self.cache, self.read_every, self.complete_cache = model, cache, read_every, complete_cache
         self.vocab = model.get_output_embeddings().weight.shape[0]  # V: the width of the head's logits
         self.streamer, self.streamed = streamer, 0  # columns fed to the streamer so far

@@ -24,7 +24,7 @@ from transformers import EosTokenCriteria, MaxLengthCriteria
 from ...cache.paged import PagedLoopCache
 from ..config import SpeculativeConfig
 from ..decoder import DecodeResult
-from .engine import WavefrontEngine, second_proposals_problem
+from .engine import WavefrontEngine, model_problem, second_proposals_problem
 from .processing import device_processors, on_device
 from .span import reserved_positions
 
@@ -32,10 +32,7 @@ from .span import reserved_positions
 def unsupported(model, cache: PagedLoopCache, options: dict, compiled: bool = False) -> list[str]:
     """The settings of a call (its cache and the lane decoder's `options`; `compiled`: with `compile_core`) that
     the wavefront engine does not support."""
-    problems = []
-    layout = model.kv_layout
-    if layout.entry_plane is not None or layout.first_exit_plane is not None:
-        problems.append(f"{type(model).__name__} (its entry or exit stage has KV, e.g. Huginn)")
+    problems = [problem] if (problem := model_problem(model)) else []
     if cache.num_sequences:
         problems.append(f"a cache that already holds {cache.num_sequences} sequences (continuing from it)")
     if cache.debug:

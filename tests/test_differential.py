@@ -1,0 +1,84 @@
+"""Speculative `generate` against plain greedy decoding over random settings (`differential`), and the regressions
+it found.
+
+`test_random_case` runs `CASES` seeded cases of `differential.draw_case` (the whole settings space: family, loops,
+mode, d, K, d2, engine, batch and padding, EOS lists, processors, use_cache=False, output_scores, cache
+continuation); each must give plain's tokens, or diverge only at a near-tie that fp32 rounding can flip (plain's
+top-1 / top-2 margin below the bound `differential` derives). `scripts/differential_soak.py` runs many more seeds.
+"""
+
+from __future__ import annotations
+
+import pytest
+from differential import REFUSED, NoFollower, draw_case, model_for, run_case
+from huginn_utils import VOCAB as HUGINN_VOCAB
+from inputs import extend, left_pad, random_prompts
+from speculative_utils import MODES, generate_dict, mode_id, mode_kwargs, paged_cache, plain
+from transformers import LogitsProcessorList
+
+from hf_loopspec import PagedLoopCache
+from hf_loopspec.generation.wavefront import WavefrontEngine
+
+CASES = 96  # seeds 0..CASES-1: 35-60 s on one core (the whole file 45-80 s), by the load of the machine
+
+
+@pytest.mark.parametrize("seed", range(CASES))
+def test_random_case(seed):
+    mismatch = run_case(draw_case(seed))
+    assert mismatch is None or mismatch.near_tie, str(mismatch)
+
+
+FAMILIES = {"ouro": (dict(family="ouro", seed=1, loops=4, damp=0.3), {}, 64),
+            "huginn": (dict(family="huginn", seed=1, loops=4, damp=0.3),
+                       {"num_steps": 4, "init_scale": 1.0, "init_seed": 5}, HUGINN_VOCAB)}
+
+
+@pytest.mark.parametrize("processor", [False, True], ids=["no-processor", "user-processor"])
+@pytest.mark.parametrize("engine", ["auto", "lanes"])
+@pytest.mark.parametrize("mode,d,k", [pytest.param(*m, id=mode_id(*m)) for m in MODES])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_use_cache_false_gives_plain_tokens(family, mode, d, k, engine, processor):
+    """use_cache=False, without a cache passed: plain's tokens in every mode, also with a user logits processor
+    (speculative `generate` then decodes plainly, and did so on the PagedLoopCache it had made for speculation:
+    a mask / cache length `ValueError`, or other tokens)."""
+    spec, settings, vocab = FAMILIES[family]
+    model = model_for(**spec)
+    ids, mask = left_pad(random_prompts(3, [5, 2, 4], vocab))
+    extra = {"logits_processor": LogitsProcessorList([NoFollower(vocab)])} if processor else {}
+    ref = plain(model, ids, mask, 12, **settings, **extra)
+    out = generate_dict(model, ids, mask, 12, use_cache=False, speculative_engine=engine, **mode_kwargs(mode, d, k),
+                        **settings, **extra)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    assert out.cache is None
+
+
+@pytest.mark.parametrize("engine", ["auto", "lanes", "wavefront"])
+@pytest.mark.parametrize("mode,d,k", [pytest.param(*m, id=mode_id(*m)) for m in MODES])
+def test_huginn_continues_a_filled_cache_in_every_engine(mode, d, k, engine):
+    """Huginn continuing a cache that a pipeline call filled (reported to crash in the wavefront engine's set-up):
+    plain's tokens over the whole sequence, or, for `speculative_engine="wavefront"`, its documented refusal."""
+    spec, settings, vocab = FAMILIES["huginn"]
+    model = model_for(**spec)
+    ids, mask = left_pad(random_prompts(4, [5, 2, 4], vocab))
+    cache = paged_cache(model, debug=False, num_steps=settings["num_steps"])
+    first = generate_dict(model, ids, mask, 6, cache=cache, **mode_kwargs("pipeline", 1), **settings)
+    full, full_mask = extend(first.sequences, mask, random_prompts(5, [2, 1, 3], vocab))
+    ref = plain(model, full, full_mask, 8, **settings)
+    try:
+        out = generate_dict(model, full, full_mask, 8, cache=cache, speculative_engine=engine,
+                            **mode_kwargs(mode, d, k), **settings)
+    except ValueError as error:
+        assert engine == "wavefront" and str(error).startswith(REFUSED), error
+        return
+    assert out.sequences.tolist() == ref.sequences.tolist()
+
+
+def test_wavefront_engine_refuses_a_model_with_entry_or_exit_kv():
+    """The engine's own set-up (as the bench calls it, without `generate`'s engine choice) refuses Huginn with a
+    `ValueError` naming it; it crashed in the state's set-up (its lanes are twice the embedding width)."""
+    spec, _, vocab = FAMILIES["huginn"]
+    model = model_for(**spec)
+    ids, mask = left_pad(random_prompts(6, [5, 2], vocab))
+    with pytest.raises(ValueError, match="does not support HuginnForCausalLM"):
+        WavefrontEngine(model, PagedLoopCache(model.kv_layout), mode="pipeline", draft_loops=1,
+                        num_speculative_tokens=4, input_ids=ids, attention_mask=mask, pad_token_id=0, max_length=12)
