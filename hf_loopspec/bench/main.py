@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..generation.config import compile_backend, resolve_speculative
-from ..generation.wavefront.engine import second_proposals_problem
+from ..generation.wavefront.limits import second_proposals_problem
 from ..input_checks import check_positions
 from ..loading import DTYPES, load_model, resolve_device
 from .args import LANE_MODES, check_sampling_args, with_defaults

@@ -103,7 +103,7 @@ def _check_second_draft_loops(mode: str, draft_loops: int, second, num_loops: in
 
 def check_lane_second_proposals(spec: SpeculativeConfig) -> None:
     """The lane decoder's compiled calls size their block tables for one branch per sequence: no second proposals
-    with `compile_core` there (the wavefront engine compiles them: `wavefront.engine.second_proposals_problem`)."""
+    with `compile_core` there (the wavefront engine compiles them: `wavefront.limits.second_proposals_problem`)."""
     if spec.second_draft_loops is not None and spec.compile_backend is not None:
         raise ValueError(f"second_draft_loops={spec.second_draft_loops} cannot be combined with "
                          f"compile_core={spec.compile_backend!r} in the lane decoder (its compiled calls size their "

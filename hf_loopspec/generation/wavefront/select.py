@@ -4,7 +4,7 @@ The wavefront engine covers: Ouro-like models (no KV in the entry or exit stage)
 with the logits processors it runs on the device (`processing.on_device`: `repetition_penalty`, `min_new_tokens`,
 `min_length`, temperature, top-k, top-p, min-p), EOS and length stops (`max_new_tokens` / `max_length`), padded
 batches, streamers, `compile_core` (the step is compiled whole with that backend), and second proposals with
-second_draft_loops >= U - draft_loops (`engine.second_proposals_problem`). Everything else of a call is named
+second_draft_loops >= U - draft_loops (`limits.second_proposals_problem`). Everything else of a call is named
 by `unsupported` or `second_proposals_problem`:
 
 * `speculative_engine="lanes"` runs the lane decoder;
@@ -24,7 +24,8 @@ from transformers import EosTokenCriteria, MaxLengthCriteria
 from ...cache.paged import PagedLoopCache
 from ..config import SpeculativeConfig
 from ..decoder import DecodeResult
-from .engine import WavefrontEngine, model_problem, second_proposals_problem
+from .engine import WavefrontEngine
+from .limits import model_problem, second_proposals_problem
 from .processing import device_processors, on_device
 from .span import reserved_positions
 

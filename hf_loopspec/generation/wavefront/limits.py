@@ -1,0 +1,28 @@
+"""What the wavefront engine cannot run: each function names the setting and why, or returns None. The engine's
+constructor and `select` (the engine choice) ask the same functions, so the rule is stated once."""
+
+from __future__ import annotations
+
+
+def model_problem(model) -> str | None:
+    """Why the wavefront engine cannot run `model`, or None: its lanes carry the core's state alone, so neither the
+    entry stage nor the head may write KV of their own (Huginn's prelude and coda do)."""
+    layout = model.kv_layout
+    if layout.entry_plane is not None or layout.first_exit_plane is not None:
+        return f"{type(model).__name__} (its entry or exit stage has KV, e.g. Huginn)"
+    return None
+
+
+def second_proposals_problem(mode: str, num_loops: int, draft_loops: int, second_draft_loops: int | None) -> str | None:
+    """Why the wavefront engine cannot run second proposals `second_draft_loops` (d2) with these settings, or None.
+    It keeps one sibling slot per sequence, which holds when a sibling is decided before it could draft or a next
+    sibling open: U - d2 <= d (`state`)."""
+    if second_draft_loops is None:
+        return None
+    if mode != "pipeline":
+        return f"second_draft_loops={second_draft_loops} needs mode 'pipeline' (got {mode!r})"
+    if num_loops - second_draft_loops > draft_loops:
+        return (f"second_draft_loops={second_draft_loops} with draft_loops={draft_loops} on a {num_loops}-loop model "
+                f"(the wavefront engine keeps one sibling per sequence: it needs second_draft_loops >= "
+                f"{num_loops - draft_loops})")
+    return None
