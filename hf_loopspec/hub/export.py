@@ -111,14 +111,14 @@ def export_checkpoint(
 
     import hf_loopspec
 
-    source = resolve_source(str(src))
-    src = source.path
-    out = check_destination(out, overwrite=overwrite)
-    if Path(src).exists() and (Path(src).resolve() == out.resolve() or out.resolve() in Path(src).resolve().parents):
-        raise ValueError(f"OUT ({out}) is or contains the source checkpoint {src}; export into another folder.")
-    shard_bytes = shard_size(max_shard_size)
+    shard_bytes = shard_size(max_shard_size)  # the settings first: a bad one is refused before any Hub request
     if dtype not in (None, *DTYPES):
         raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}.")
+    out = check_destination(out, overwrite=overwrite)
+    source = resolve_source(str(src))
+    src = source.path
+    if Path(src).exists() and (Path(src).resolve() == out.resolve() or out.resolve() in Path(src).resolve().parents):
+        raise ValueError(f"OUT ({out}) is or contains the source checkpoint {src}; export into another folder.")
     check_source(src)
 
     load_dtype = "auto" if dtype in (None, "auto") else getattr(torch, dtype)
