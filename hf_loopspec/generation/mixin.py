@@ -74,6 +74,17 @@ class LoopSpecGenerationMixin(GenerationMixin):
         with scoped(runtime_options(kwargs)):
             return super().generate(*args, **kwargs)
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """Refused, and so are `continuous_batching_context_manager` and `generate_batch`, which start here:
+        transformers' continuous batching keeps one KV layer per transformer layer in its `PagedAttentionCache`, and
+        a looped model needs one per (loop, layer), so its manager would fail every request (status FAILED, empty
+        outputs) without raising. Raises `NotImplementedError` naming what runs instead."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support transformers' continuous batching (generate_batch, "
+            "init_continuous_batching, continuous_batching_context_manager): a looped model keeps KV per (loop, "
+            "layer), which transformers' PagedAttentionCache does not hold, so every request would fail. Decode a "
+            "left-padded batch with model.generate(...) instead, or a file of prompts with `hf-loopspec batch`.")
+
     def _speculative(self, generation_config) -> SpeculativeConfig | None:
         """This call's speculative settings: resolved once per `generate` call (`_prepare_generation_config`);
         resolved from `generation_config` when a hook is reached outside `LoopSpecGenerationMixin.generate`."""
