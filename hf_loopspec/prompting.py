@@ -55,8 +55,8 @@ def check_mode_options(args: argparse.Namespace) -> None:
         return
     given = [f"{flag} {value}" for flag, value in getattr(args, "speculative_given", {}).items()]
     if given:
-        raise ValueError(f"{', '.join(given)} only apply to speculative decoding, and --mode plain decodes without "
-                         "it; drop them, or pass --mode block or --mode pipeline.")
+        raise ValueError(f"speculative-only options given with --mode plain, which decodes without them: "
+                         f"{', '.join(given)}; drop them, or pass --mode block or --mode pipeline.")
 
 
 def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:

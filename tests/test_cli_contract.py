@@ -103,11 +103,11 @@ def test_compare_with_sampling_says_the_tokens_are_not_compared(good, capsys):
 
 
 REFUSED = [  # (options, what the one line must contain)
-    (["--temperature", "0.7"], "--temperature 0.7 only apply with --do-sample"),
-    (["--top-p", "0.9", "--top-k", "5"], "--top-p 0.9, --top-k 5 only apply with --do-sample"),
-    (["--mode", "plain", "--draft-loops", "2"], "--draft-loops 2 only apply to speculative decoding"),
-    (["--num-speculative-tokens", "3", "--mode", "plain"], "--num-speculative-tokens 3 only apply to speculative"),
-    (["--mode", "plain", "--draft-loops", "1"], "--draft-loops 1 only apply"),  # the default value, given explicitly
+    (["--temperature", "0.7"], "without --do-sample, which greedy decoding ignores: --temperature 0.7;"),
+    (["--top-p", "0.9", "--top-k", "5"], "without --do-sample, which greedy decoding ignores: --top-p 0.9, --top-k 5;"),
+    (["--mode", "plain", "--draft-loops", "2"], "with --mode plain, which decodes without them: --draft-loops 2;"),
+    (["--num-speculative-tokens", "3", "--mode", "plain"], "with --mode plain, which decodes without them: --num-speculative-tokens 3;"),
+    (["--mode", "plain", "--draft-loops", "1"], "decodes without them: --draft-loops 1;"),  # the default value, given explicitly
 ]
 
 

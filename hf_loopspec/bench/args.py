@@ -178,5 +178,5 @@ def check_sampling_args(args) -> None:
         unused = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name, off in SAMPLING_OFF
                   if getattr(args, name) not in (None, off)]
         if unused:
-            raise ValueError(f"{', '.join(unused)} only apply with --do-sample (greedy decoding ignores them); "
-                             "add --do-sample or drop them.")
+            raise ValueError(f"sampling options given without --do-sample, which greedy decoding ignores: "
+                             f"{', '.join(unused)}; add --do-sample or drop them.")
