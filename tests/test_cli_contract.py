@@ -104,10 +104,11 @@ def test_compare_with_sampling_says_the_tokens_are_not_compared(good, capsys):
 
 REFUSED = [  # (options, what the one line must contain)
     (["--temperature", "0.7"], "without --do-sample, which greedy decoding ignores: --temperature 0.7;"),
-    (["--top-p", "0.9", "--top-k", "5"], "without --do-sample, which greedy decoding ignores: --top-p 0.9, --top-k 5;"),
+    (["--top-p", "0.9", "--top-k", "5"], "greedy decoding ignores: --top-p 0.9, --top-k 5;"),
     (["--mode", "plain", "--draft-loops", "2"], "with --mode plain, which decodes without them: --draft-loops 2;"),
-    (["--num-speculative-tokens", "3", "--mode", "plain"], "with --mode plain, which decodes without them: --num-speculative-tokens 3;"),
-    (["--mode", "plain", "--draft-loops", "1"], "decodes without them: --draft-loops 1;"),  # the default value, given explicitly
+    (["--num-speculative-tokens", "3", "--mode", "plain"], "decodes without them: --num-speculative-tokens 3;"),
+    # the default value, given explicitly
+    (["--mode", "plain", "--draft-loops", "1"], "decodes without them: --draft-loops 1;"),
 ]
 
 
