@@ -119,7 +119,7 @@ def test_options_that_would_be_ignored_are_refused_up_front(name, options, messa
     assert cli.main([*command(name, nowhere, tmp_path), *options]) == 2
     line = one_error_line(capsys, name)
     assert message in line
-    assert "--do-sample" in line if "sample" in message else "--mode block or --mode pipeline" in line
+    assert "--do-sample" in line if "greedy decoding ignores" in message else "--mode block or --mode pipeline" in line
 
 
 def test_compare_with_plain_mode_is_refused(tmp_path, capsys):
