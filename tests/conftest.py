@@ -22,6 +22,7 @@ once:
   over the settings space, the near-tie bound of a divergence), run by `test_differential.py` and, with many more
   seeds, by `scripts/differential_soak.py`;
 * `checkpoint_utils`: tiny checkpoint folders with a word-level tokenizer, folder snapshots;
+* `cli_utils`: a runnable command line per subcommand and the one error line a failed command prints;
 * `processes`: the checkout's root (`ROOT`) and the environment of the Python processes tests start.
 
 A file that tests a subset of the matrix derives it from `MODES` (`mode_params(keep=...)`) rather than restating

@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 from checkpoint_utils import save_checkpoint, word_tokenizer
+from cli_utils import command, one_error_line
 from processes import ROOT, subprocess_env
-from test_cli_errors import command, one_error_line
 from transformers import GPT2Config
 
 from hf_loopspec import cli
