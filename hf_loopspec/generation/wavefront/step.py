@@ -33,9 +33,9 @@ Invariants: a sequence's live lanes hold consecutive positions (so slot = positi
 lane is spawned per sequence per cycle (a restart needs the frontier at depth U, a draft needs it at depth d), plus
 at most one sibling, in its own slot, at a position that has a live lane (so below the frontier);
 in modes "ar" and "pipeline" every live lane runs every cycle, so a sequence's live lanes have distinct depths
-(`SlotAttention`'s grid and `head_slots` rely on it); after a cycle, an unfinished sequence's oldest live lane
-sits at position prompt_len + n_out - 1 (its last committed token, or its last prompt token: `span.SpanBound`
-relies on it); a finished sequence has no live lane or prompt row, so further steps leave it unchanged.
+(`ops.attention.slots.SlotAttention`'s grid and `head_slots` rely on it); after a cycle, an unfinished sequence's
+oldest live lane sits at position prompt_len + n_out - 1 (its last committed token, or its last prompt token:
+`span.SpanBound` relies on it); a finished sequence has no live lane or prompt row, so further steps leave it unchanged.
 """
 
 from __future__ import annotations
