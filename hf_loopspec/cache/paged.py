@@ -60,11 +60,10 @@ __all__ = ["CacheCapacityError", "FlatPools", "LineageError", "PagedKVAttention"
 @dataclass(frozen=True)
 class FlatPools:
     """The KV pools of a `PagedLoopCache` as flat views (`PagedLoopCache.flat_pools`): slot
-    `layer * layer_slots + page * page_size + offset` holds the entry of `layer` at `page`, `offset`."""
+    `(layer * num_pages + page) * page_size + offset` holds the entry of `layer` at `page`, `offset`."""
 
-    k: torch.Tensor  # [layers * layer_slots, Hkv, D], a view of the cache's key pool: writes land in the cache
-    v: torch.Tensor  # [layers * layer_slots, Hkv, D], the values
-    layer_slots: int  # pool slots per layer: pages * page_size
+    k: torch.Tensor  # [layers * num_pages * page_size, Hkv, D], a view of the cache's key pool: writes land in it
+    v: torch.Tensor  # [layers * num_pages * page_size, Hkv, D], the values
 
 
 class PagedLoopCache(PageTables, Cache):
@@ -151,7 +150,7 @@ class PagedLoopCache(PageTables, Cache):
             raise ValueError("flat_pools: this PagedLoopCache has no pool yet; call reserve_in_order (or write rows) "
                              "first.")
         flat = lambda pool: pool.view(-1, *pool.shape[-2:])  # noqa: E731
-        return FlatPools(k=flat(self.k_pool), v=flat(self.v_pool), layer_slots=self.num_pages * self.page_size)
+        return FlatPools(k=flat(self.k_pool), v=flat(self.v_pool))
 
     def attention(self, rows: RowBatch) -> PagedKVAttention:
         """The `KVAttention` that a model's core call over `rows` uses."""
