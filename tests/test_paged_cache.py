@@ -9,7 +9,7 @@ from helpers import tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from inputs import left_pad, random_prompts
-from paged_utils import LAYOUT, LIKE, fill_values, read_values, write
+from paged_utils import LAYOUT, LIKE, fill_values, paged_plane, read_values, write
 from tolerances import assert_fp32_close, ouro_depth
 from transformers import DynamicCache
 
@@ -104,6 +104,29 @@ class TestAllocator:
             cache.reserve_in_order(1, 4, like=LIKE)
         with pytest.raises(CacheCapacityError, match="capacity is 2 pages"):
             PagedLoopCache(LAYOUT, page_size=4, max_pages=2).reserve_in_order(1, 4, like=LIKE)
+
+    def test_flat_pools_address_the_reserved_tables_in_order(self):
+        """`flat_pools` after `reserve_in_order`: slot `layer * num_pages * page_size + t * W + j` of the flat views is
+        position j of table t (= sequence * planes + plane) in that layer, as read back through the block tables;
+        the views share the cache's memory (a write through them is what the cache holds). Before any pool it is
+        refused."""
+        cache = PagedLoopCache(LAYOUT, page_size=4)
+        with pytest.raises(ValueError, match="no pool yet; call reserve_in_order"):
+            cache.flat_pools()
+        cache.reserve_in_order(2, 10, like=LIKE)  # W = 12: 3 pages of 4 per table, 2 sequences x 3 planes
+        pools = cache.flat_pools()
+        heads, dim = LAYOUT.num_kv_heads, LAYOUT.head_dim
+        layer_slots = cache.num_pages * 4
+        assert pools.k.shape == pools.v.shape == (LAYOUT.num_layers * layer_slots, heads, dim)
+        assert pools.k.dtype == LIKE.dtype
+        for layer in range(LAYOUT.num_layers):
+            for t in range(6):
+                slots = layer * layer_slots + t * 12 + torch.arange(10)
+                written = torch.arange(10 * heads * dim, dtype=torch.float32).view(10, heads, dim)
+                written = written + 1000 * (layer * 6 + t)  # distinct per layer, table, position and entry
+                pools.k[slots], pools.v[slots] = written, -written
+                keys, values = paged_plane(cache, *divmod(t, 3), layer, 10)
+                assert torch.equal(keys, written) and torch.equal(values, -written)
 
     def test_memory_report(self):
         cache = PagedLoopCache(LAYOUT)

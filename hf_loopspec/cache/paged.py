@@ -41,6 +41,8 @@ copying; closing it releases its pages.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -52,7 +54,16 @@ from .lineage import LineageError
 from .pages import CacheCapacityError, PageTables
 from .rows import RowBatch
 
-__all__ = ["CacheCapacityError", "LineageError", "PagedKVAttention", "PagedLoopCache"]
+__all__ = ["CacheCapacityError", "FlatPools", "LineageError", "PagedKVAttention", "PagedLoopCache"]
+
+
+@dataclass(frozen=True)
+class FlatPools:
+    """The KV pools of a `PagedLoopCache` as flat views (`PagedLoopCache.flat_pools`): slot
+    `(layer * num_pages + page) * page_size + offset` holds the entry of `layer` at `page`, `offset`."""
+
+    k: torch.Tensor  # [layers * num_pages * page_size, Hkv, D], a view of the cache's key pool: writes land in it
+    v: torch.Tensor  # [layers * num_pages * page_size, Hkv, D], the values
 
 
 class PagedLoopCache(PageTables, Cache):
@@ -129,6 +140,17 @@ class PagedLoopCache(PageTables, Cache):
             block_tables=self.block_tables(device),
             lineage=lineage if self.debug else None,
         )
+
+    def flat_pools(self) -> FlatPools:
+        """The pools as flat views for a caller that addresses slots itself (the wavefront engine, after
+        `reserve_in_order`: table t's position j is page-slot t * ceil(C / page_size) * page_size + j). The views
+        share the cache's memory until the pool grows (a later `plan_rows` or reservation may replace it), so take
+        them after reserving and do not keep them across a growth."""
+        if self.k_pool is None:
+            raise ValueError("flat_pools: this PagedLoopCache has no pool yet; call reserve_in_order (or write rows) "
+                             "first.")
+        flat = lambda pool: pool.view(-1, *pool.shape[-2:])  # noqa: E731
+        return FlatPools(k=flat(self.k_pool), v=flat(self.v_pool))
 
     def attention(self, rows: RowBatch) -> PagedKVAttention:
         """The `KVAttention` that a model's core call over `rows` uses."""

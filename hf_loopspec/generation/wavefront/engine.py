@@ -29,7 +29,7 @@ from dataclasses import replace
 
 import torch
 
-from ...cache.paged import PagedLoopCache
+from ...cache.paged import FlatPools, PagedLoopCache
 from ..compiled import compiled_store
 from ..decoder import DecodeResult
 from ..history import check_cache_layout, run_planes
@@ -214,6 +214,7 @@ class WavefrontEngine:
         lanes, prompts = plan.lanes, max(width - 1, 0)
         like = torch.empty(0, dtype=self.model.lane_dtype, device=device)  # the KV and lane dtype
         trash = self._reserve(batch, like)
+        pools = self.cache.flat_pools()  # [layers * pages * page_size, Hkv, D] each, in table order
         embed = self.model.get_input_embeddings()
         hidden_size = self.model.lane_width
         prompt_len = mask.sum(1)  # [B]
@@ -238,15 +239,14 @@ class WavefrontEngine:
             second_override=self._override(second_override, batch, device),
             seen=torch.zeros(batch, 0, dtype=torch.bool, device=device), eos_hold=torch.zeros(0, **long),
             settings=torch.zeros(0, device=device),
-            k_pool=self.cache.k_pool.view(-1, *self.cache.k_pool.shape[-2:]),
-            v_pool=self.cache.v_pool.view(-1, *self.cache.v_pool.shape[-2:]), trash_slot=trash,
+            k_pool=pools.k, v_pool=pools.v, trash_slot=trash,
             kv_len=torch.zeros(batch, plan.planes, **long),
             sib_token=torch.zeros(batch, **long), sib_position=torch.zeros(batch, **long),
             sib_depth=torch.zeros(batch, **long), sib_alive=torch.zeros(batch, dtype=torch.bool, device=device),
             sib_read=torch.zeros(batch, dtype=torch.bool, device=device),
             sib_q=torch.zeros(batch, self.vocab if plan.do_sample else 0, device=device),
             sib_hidden=torch.zeros(batch, hidden_size, dtype=like.dtype, device=device),
-            sib_k=self._private_rows(batch), sib_v=self._private_rows(batch),
+            sib_k=self._private_rows(batch, pools), sib_v=self._private_rows(batch, pools),
         )
         for b in range(batch):  # set-up runs once per batch on the host
             prompt = input_ids[b][mask[b]]
@@ -275,12 +275,11 @@ class WavefrontEngine:
             override[:, : given.shape[1]] = given[:, : self.plan.positions]
         return override
 
-    def _private_rows(self, batch: int) -> torch.Tensor:
-        """A sibling's private KV rows (`WavefrontState.sib_k`): `[layers, B * planes + 1, Hkv, D]` with second
-        proposals, else `[layers, 0, Hkv, D]`."""
-        pool = self.cache.k_pool  # [layers, pages, page_size, Hkv, D]
+    def _private_rows(self, batch: int, pools: FlatPools) -> torch.Tensor:
+        """A sibling's private KV rows (`WavefrontState.sib_k`) like the cache's pools: `[layers, B * planes + 1, Hkv,
+        D]` with second proposals, else `[layers, 0, Hkv, D]`."""
         rows = batch * self.plan.planes + 1 if self.plan.second_loops is not None else 0
-        return pool.new_zeros(pool.shape[0], rows, *pool.shape[3:])
+        return pools.k.new_zeros(self.cache.kv_layout.num_layers, rows, *pools.k.shape[1:])
 
     def _seen(self, input_ids: torch.Tensor, ignore: torch.Tensor | None) -> torch.Tensor:
         """`[B, V]` the tokens of each padded prompt row (the row transformers' processors see) from column

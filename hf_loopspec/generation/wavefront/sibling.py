@@ -26,12 +26,13 @@ from .state import Plan, WavefrontState, counts
 
 
 class SiblingRows:
-    """The sibling rows of one core call (the last B rows), for `step.SlotAttention`: `plane`, `position`, `active`,
-    each `[B]`."""
+    """The sibling rows of one core call (the last B rows): the extra rows of its `SlotAttention`
+    (`ops.attention.slots`); `plane`, `position`, `active`, each `[B]`."""
 
     def __init__(self, state: WavefrontState, plan: Plan, plane: torch.Tensor, position: torch.Tensor,
                  active: torch.Tensor):
         batch = len(position)
+        self.active = active
         self.k_rows, self.v_rows = state.sib_k, state.sib_v
         self.table = torch.arange(batch, device=position.device) * plan.planes + plane.clamp(max=plan.planes - 1)
         self.write_row = torch.where(active, self.table, batch * plan.planes)  # [B]; the last row: masked

@@ -116,9 +116,10 @@ class WavefrontState:
     seen: torch.Tensor  # [B, V] bool: the prompt row's tokens the penalty counts, and the committed tokens
     eos_hold: torch.Tensor  # [V] int64: id v cannot be the i-th generated token (0-based) while i < eos_hold[v]
     settings: torch.Tensor  # [len(Plan.processors)] float32: the value of each processor (`processing`)
-    # KV: the pools of the run's PagedLoopCache as flat views (layer l's table t at slots l * pages * page_size +
-    # t * W ..: `Plan.table_width`), and the valid lengths. The step writes these tensors themselves in place:
-    # compiled, writes through views made inside the step would copy the pool out and back every call (inductor)
+    # KV: the pools of the run's PagedLoopCache as flat views (`PagedLoopCache.flat_pools`; layer l's table t at
+    # slots l * pages * page_size + t * W ..: `Plan.table_width`), and the valid lengths. The step writes these
+    # tensors themselves in place: compiled, writes through views made inside the step would copy the pool out and
+    # back every call (inductor)
     k_pool: torch.Tensor  # [layers * pages * page_size, Hkv, D]
     v_pool: torch.Tensor  # [layers * pages * page_size, Hkv, D]
     trash_slot: torch.Tensor  # [] int64: a reserved slot no real row uses; masked rows write there

@@ -33,9 +33,9 @@ Invariants: a sequence's live lanes hold consecutive positions (so slot = positi
 lane is spawned per sequence per cycle (a restart needs the frontier at depth U, a draft needs it at depth d), plus
 at most one sibling, in its own slot, at a position that has a live lane (so below the frontier);
 in modes "ar" and "pipeline" every live lane runs every cycle, so a sequence's live lanes have distinct depths
-(`SlotAttention`'s grid and `head_slots` rely on it); after a cycle, an unfinished sequence's oldest live lane
-sits at position prompt_len + n_out - 1 (its last committed token, or its last prompt token: `span.SpanBound`
-relies on it); a finished sequence has no live lane or prompt row, so further steps leave it unchanged.
+(`ops.attention.slots.SlotAttention`'s grid and `head_slots` rely on it); after a cycle, an unfinished sequence's
+oldest live lane sits at position prompt_len + n_out - 1 (its last committed token, or its last prompt token:
+`span.SpanBound` relies on it); a finished sequence has no live lane or prompt row, so further steps leave it unchanged.
 """
 
 from __future__ import annotations
@@ -45,110 +45,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ...ops.attention.slots import SlotAttention, SlotLayout
 from . import sibling
 from .processing import choose, draw, score_ops
 from .state import Plan, WavefrontState, counts
-
-
-class SlotAttention:
-    """`KVAttention` of one core call over fixed-shape rows: the B*L lane rows, the B*P prompt rows, then (second
-    proposals) the B sibling rows (`sibling.SiblingRows`: private KV). Every lane or prompt row
-    writes its KV, then attends to positions 0..position of its own (sequence, plane), reading only positions below
-    `plan.read_span` (no row that counts sits at or beyond it: `Plan.span`).
-
-    Each layer's part of the (flat) pool holds table t = sequence * planes + plane at slots t * W .. t * W + C - 1
-    (`Plan.table_width`), so the keys of every table are one strided view of the pool, `[B * planes, S, Hkv, D]`,
-    read in place. Lane rows are placed on a grid of R query cells per table (R = 1: in modes "ar" and "pipeline" a
-    sequence's running lanes have distinct depths; R = L in block mode: a lane's cell is its slot) by a one-hot matrix
-    (exact in fp32). The prompt rows of a sequence share one plane: they attend together, causally, to a copy of
-    their table.
-
-    A masked row writes into the trash slot and its output is zero. Masked-out positions hold zeros (the pool's
-    fill) or KV written before, never NaN, so they cannot reach an output.
-    """
-
-    def __init__(self, state: WavefrontState, plan: Plan, layers: int, lanes: tuple, prompts: tuple,
-                 siblings: tuple | None = None):
-        # lanes: plane, position, active, each [B, L]; prompts: plane [B], position [B, P], active [B, P]; siblings:
-        # plane, position, active, each [B], or None
-        self.k_pool, self.v_pool, self.plan = state.k_pool, state.v_pool, plan
-        self.layer_slots = state.k_pool.shape[0] // layers  # pool slots per layer
-        plane, position, active = lanes
-        prompt_plane, prompt_position, prompt_active = prompts
-        batch, lanes = position.shape
-        device = position.device
-        seq = torch.arange(batch, device=device)  # [B]
-        plane, prompt_plane = plane.clamp(max=plan.planes - 1), prompt_plane.clamp(max=plan.planes - 1)
-        self.prompt_table = seq * plan.planes + prompt_plane  # [B]
-        self.siblings = None if siblings is None else sibling.SiblingRows(state, plan, *siblings)
-        self.active = torch.cat([active.flatten(), prompt_active.flatten(), *(siblings or ())[2:]])  # [N]
-        slot = lambda table, pos: table * plan.table_width + pos.clamp(0, plan.positions - 1)  # noqa: E731
-        written = torch.cat([slot(seq[:, None] * plan.planes + plane, position).flatten(),
-                             slot(self.prompt_table[:, None], prompt_position).flatten()])  # [N]
-        self.write_slot = torch.where(self.active[: len(written)], written, state.trash_slot)  # [B*L + B*P]
-        cells = lanes if plan.mode == "block" else 1  # R
-        cell = plane * cells + (torch.arange(lanes, device=device) if cells > 1 else 0)  # [B, L]
-        self.place = ((cell[..., None] == torch.arange(plan.planes * cells, device=device)) & active[..., None]) \
-            .float()  # [B, L, planes * R] one-hot: the grid cell of each running lane
-        cell_position = torch.where(self.place.bool(), position[..., None], 0).amax(1)  # [B, planes * R]; 0: empty
-        span = torch.arange(plan.read_span, device=device)  # [S]
-        self.lane_visible = (span <= cell_position[..., None]).view(batch * plan.planes, 1, cells, -1)  # [., 1, R, S]
-        self.prompt_visible = (span <= prompt_position[..., None])[:, None]  # [B, 1, P, S]
-
-    rows = None  # [n] the rows the core call runs when it runs only the active ones (`Plan.compact`), else None
-
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [N, Hq, D]   k, v: [N, Hkv, D]   ([n, ...] for the rows `rows` when compacted)
-        plan = self.plan
-        if self.rows is not None:  # back on the fixed rows: inactive ones are zeros, written to the trash slot
-            q, k, v = (x.new_zeros(len(self.active), *x.shape[1:]).index_copy(0, self.rows, x) for x in (q, k, v))
-        first = layer_idx * self.layer_slots  # the layer's first slot in the flat pools
-        pooled = len(self.write_slot)  # the lane and prompt rows: they write the pool
-        self.k_pool.index_copy_(0, self.write_slot + first, k[:pooled].to(self.k_pool.dtype))
-        self.v_pool.index_copy_(0, self.write_slot + first, v[:pooled].to(self.v_pool.dtype))
-        batch, lanes, grid = self.place.shape
-        tables = batch * plan.planes
-        shape = (tables, plan.table_width, *self.k_pool.shape[1:])
-        tables_of = lambda pool: pool[first: first + tables * plan.table_width].view(shape)  # noqa: E731
-        keys = tables_of(self.k_pool)[:, : plan.read_span]  # [B * planes, S, Hkv, D]
-        values = tables_of(self.v_pool)[:, : plan.read_span]
-        n = batch * lanes
-        lane_q = q[:n].float().view(batch, lanes, -1)  # [B, L, Hq * D]
-        grid_q = (self.place.transpose(1, 2) @ lane_q).view(tables, grid // plan.planes, *q.shape[1:])  # [., R, Hq, D]
-        attend = _attend_cells if torch.compiler.is_compiling() and q.device.type == "cpu" else _attend
-        grid_out = attend(grid_q.transpose(1, 2), keys, values, self.lane_visible)  # [B * planes, Hq, R, D]
-        out = [(self.place @ grid_out.transpose(1, 2).reshape(batch, grid, -1)).view(n, *q.shape[1:])]  # [B*L, Hq, D]
-        prompts = self.prompt_visible.shape[2]
-        if prompts:
-            prompt_q = q[n:pooled].float().view(batch, prompts, *q.shape[1:]).transpose(1, 2)  # [B, Hq, P, D]
-            prompt_out = _attend(prompt_q, keys[self.prompt_table], values[self.prompt_table], self.prompt_visible)
-            out.append(prompt_out.transpose(1, 2).flatten(0, 1))  # [B*P, Hq, D]
-        if self.siblings is not None:
-            out.append(self.siblings.attend(layer_idx, q[pooled:], k[pooled:], v[pooled:], keys, values, _attend))
-        out = torch.where(self.active[:, None, None], torch.cat(out), 0.0).to(q.dtype)  # [N, Hq, D]
-        return out if self.rows is None else out[self.rows]
-
-
-def _attend_cells(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """`_attend` for a few query cells per table (the lane grid), as two batched products and a masked softmax: the
-    lane grid's attention when the step is compiled for a CPU, where inductor makes it two matrix-multiply calls and
-    one fused kernel, cheaper than the fused attention op's fixed cost on small shapes (measured on ouro-tiny).
-    Eager, `_attend` (that op) stays: it reads the strided KV views in place, where the products copy them; it also
-    serves the prompt rows, whose scores would be large, and CUDA (not measured)."""
-    groups, heads, cells, dim = q.shape
-    kv_heads = keys.shape[2]
-    k = keys.float().transpose(1, 2)[:, :, None]  # [G, Hkv, 1, S, D] (query head h reads KV head h // (Hq / Hkv))
-    v = values.float().transpose(1, 2)[:, :, None]
-    scores = q.reshape(groups, kv_heads, heads // kv_heads, cells, dim) @ k.transpose(-1, -2) * dim ** -0.5
-    scores = scores.masked_fill(~visible[:, :, None], float("-inf"))  # [G, Hkv, Hq / Hkv, R, S]
-    return (torch.softmax(scores, -1) @ v).reshape(groups, heads, cells, dim)
-
-
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """fp32 attention of queries `q` `[G, Hq, R, D]` over `keys`, `values` `[G, S, Hkv, D]` (strided views are read in
-    place) with mask `visible` `[G, 1, R, S]`: `[G, Hq, R, D]`."""
-    return F.scaled_dot_product_attention(q, keys.transpose(1, 2).float(), values.transpose(1, 2).float(),
-                                          attn_mask=visible, scale=q.shape[-1] ** -0.5, enable_gqa=True)
 
 
 def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
@@ -281,9 +181,11 @@ def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch
                         *([s.sib_hidden] if second else ())])  # [N, H]: N = B*L + B*P (+ B)
     prompt_position = torch.arange(prompts, device=device) + s.prompt_start[:, None]  # [B, P]
     position = torch.cat([s.position.flatten(), prompt_position.flatten(), *([s.sib_position] if second else ())])
-    attention = SlotAttention(s, plan, model.kv_layout.num_layers, (s.depth, s.position, ran),
+    layout = SlotLayout(model.kv_layout.num_layers, plan.planes, plan.table_width, plan.positions, plan.read_span,
+                        cells=plan.lanes if plan.mode == "block" else 1)  # block: a lane's grid cell is its slot
+    attention = SlotAttention(s.k_pool, s.v_pool, s.trash_slot, layout, (s.depth, s.position, ran),
                               (s.prompt_depth, prompt_position, prompt_rows),
-                              (s.sib_depth, s.sib_position, sib_ran) if second else None)
+                              sibling.SiblingRows(s, plan, s.sib_depth, s.sib_position, sib_ran) if second else None)
     if plan.compact:  # the active rows only (a data-dependent shape: CPU eager, see the module docstring)
         attention.rows = attention.active.nonzero()[:, 0]  # [n]
         rows = attention.rows

@@ -6,6 +6,9 @@ this package is imported; bf16 then still takes the PyTorch path, which the inte
 else, in particular on CPU, the vectorised PyTorch path (`torch_paged.py`) runs. `naive.py` holds the readable
 per-row reference (`naive_paged_attention`, `naive_write_kv`) that both are tested against.
 
+`slots.py` holds the wavefront engine's attention (`SlotAttention`, over tables laid out in order in flat pools,
+without block tables), tested against `naive.naive_slot_attention`.
+
 Pool layout: `k_cache` and `v_cache` are `[num_pages, page_size, Hkv, D]`; position `j` of block table `t`
 lives at page `block_tables[t, j // page_size]`, offset `j % page_size`, flat slot `page * page_size + offset`.
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .naive import naive_paged_attention, naive_write_kv
+from .naive import naive_paged_attention, naive_slot_attention, naive_write_kv
 from .torch_paged import paged_attention_torch, write_kv_torch
 
 try:
@@ -22,8 +25,8 @@ try:
 except ImportError:  # triton is optional
     INTERPRETED, paged_attention_triton, write_kv_triton = False, None, None
 
-__all__ = ["naive_paged_attention", "naive_write_kv", "paged_attention", "paged_attention_torch", "write_kv",
-           "write_kv_torch"]
+__all__ = ["naive_paged_attention", "naive_slot_attention", "naive_write_kv", "paged_attention",
+           "paged_attention_torch", "write_kv", "write_kv_torch"]
 
 
 def write_kv(
