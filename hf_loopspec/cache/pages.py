@@ -141,6 +141,36 @@ class PageTables:
             self._pages[t] = [self._alloc(like) for _ in range(per_table)]
             self._lengths[t] = positions
 
+    def repack_in_order(self, sequences: int, positions: int, like: torch.Tensor) -> None:
+        """`reserve_in_order` for a cache that may hold histories: sequences 0 .. `sequences` - 1 (those it holds
+        and new empty ones; it may hold no other, and no table more than `positions` positions) keep their stored
+        positions, each table's moved by one device copy per pool (debug tags included) to where `reserve_in_order`
+        puts them. Their valid lengths become `positions`, as there; the caller truncates each table to what it
+        holds after its run."""
+        if self.num_sequences > sequences or max(self._lengths, default=0) > positions:
+            raise ValueError(f"repack_in_order({sequences}, {positions}): the cache holds {self.num_sequences} "
+                             f"sequences of up to {max(self._lengths, default=0)} positions.")
+        self.ensure_sequences(sequences)
+        stored = list(self._lengths)  # per table
+        pools = lambda: [pool.flatten(1, 2)  # noqa: E731  [layers, pages * page_size, ...] views
+                         for pool in (self.k_pool, self.v_pool, self.tags) if pool is not None]
+        kept = []  # [layers, stored positions, ...] per pool: copies
+        if sum(stored):
+            source = [self._pages[t][j // self.page_size] * self.page_size + j % self.page_size
+                      for t, n in enumerate(stored) for j in range(n)]
+            index = torch.tensor(source, device=self.k_pool.device)
+            kept = [pool[:, index.to(pool.device)] for pool in pools()]
+        for pages in self._pages:
+            for page in pages:
+                self._release(page)
+        self._pages, self._lengths, self._block_tables = [], [], None
+        self.reserve_in_order(sequences, positions, like)
+        width = -(-positions // self.page_size) * self.page_size  # pool slots per table
+        if kept:
+            index = torch.tensor([t * width + j for t, n in enumerate(stored) for j in range(n)], device=like.device)
+            for pool, rows in zip(pools(), kept):  # views of the (possibly grown) pools: the writes land in them
+                pool[:, index.to(pool.device)] = rows.to(pool.dtype)
+
     def _alloc(self, like: torch.Tensor) -> int:
         if not self._free:
             self._grow(1, like)

@@ -18,7 +18,8 @@ bucket of C compile nothing. Tear-down truncates the cache to the device's KV le
 `DecodeResult`.
 
 The engine covers Ouro-like models (entry and head stages without KV), greedy decoding and sampling with the
-logits processors `processing` runs on the device, EOS and length stops.
+logits processors `processing` runs on the device, EOS and length stops, caches filled by earlier calls (`resume`:
+set-up moves their history into the reserved layout) and exit options (`exits`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from ..compiled import compiled_store
 from ..decoder import DecodeResult
 from ..history import check_cache_layout, run_planes
 from ..stats import SequenceStats, SpeculationStats
+from . import exits, resume
 from .device import GraphStep, ReadBack, uses_cuda_graphs
-from .limits import model_problem, second_proposals_problem
+from .limits import cache_problem, model_problem, second_proposals_problem
 from .span import SpanBound, reserved_positions
 from .state import COUNTERS, Plan, WavefrontState
 from .step import head_rows, make_cycles, make_step
@@ -145,15 +147,12 @@ class WavefrontEngine:
                  eos_hold: torch.Tensor | None = None, settings: torch.Tensor | None = None,
                  do_sample: bool = False, streamer=None,
                  complete_cache: bool = False, second_draft_loops: int | None = None,
-                 second_override: torch.Tensor | None = None):
+                 second_override: torch.Tensor | None = None, exit_rule=None):
         check_cache_layout(cache, model.kv_layout)
-        if cache.num_sequences:
-            raise ValueError("the wavefront engine needs an empty PagedLoopCache (this one already holds "
-                             f"{cache.num_sequences} sequences); pass a fresh cache or none.")
         if not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every={read_every!r} must be an integer >= 1 (cycles between read-backs).")
-        problem = model_problem(model) or second_proposals_problem(mode, model.num_loops, draft_loops,
-                                                                    second_draft_loops)
+        problem = model_problem(model) or cache_problem(cache) or second_proposals_problem(
+            mode, model.num_loops, draft_loops, second_draft_loops)
         if problem:
             raise ValueError(f"the wavefront engine does not support {problem}; run the lane decoder "
                              "(speculative_engine='lanes', or --engines lanes in the bench).")
@@ -172,7 +171,7 @@ class WavefrontEngine:
                          cache.page_size, reserved_positions(width + max_new, compile_backend is not None),
                          bool(eos), processors, do_sample,
                          compact=compile_backend is None and input_ids.device.type == "cpu",
-                         second_loops=second_draft_loops)
+                         second_loops=second_draft_loops, exit_rule=exit_rule)
         self.prefill_cycles = model.num_loops + (num_speculative_tokens * draft_loops if mode == "block" else 0)
         self.stats = SpeculationStats(mode=mode, draft_loops=draft_loops, engine="wavefront")
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
@@ -200,24 +199,26 @@ class WavefrontEngine:
         self.cycles = 0
 
     def _reserve(self, batch: int, like: torch.Tensor) -> torch.Tensor:
-        """Pages for C positions of every (sequence, plane), allocated in table order from page 0
-        (`PagedLoopCache.reserve_in_order`), so that table t holds its positions at pool slots t * W .. t * W + C - 1
-        (`Plan.table_width`); returns the trash slot (position C - 1 of sequence 0, plane 0: no lane ever sits
-        there, the last token is never fed back)."""
-        self.cache.reserve_in_order(batch, self.plan.positions, like)
+        """Pages for C positions of every (sequence, plane), allocated in table order from page 0, the history a
+        filled cache holds moved there (`PagedLoopCache.repack_in_order`, `resume`), so that table t holds its
+        positions at pool slots t * W .. t * W + C - 1 (`Plan.table_width`); returns the trash slot (position C - 1
+        of sequence 0, plane 0: no lane ever sits there, the last token is never fed back)."""
+        self.cache.repack_in_order(batch, self.plan.positions, like)
         return torch.tensor(self.plan.positions - 1, device=like.device)
 
     def _initial_state(self, input_ids, mask, max_new: int, eos: list[int], draft_override,
                        second_override) -> WavefrontState:
         plan, device = self.plan, input_ids.device
-        batch, width = input_ids.shape
-        lanes, prompts = plan.lanes, max(width - 1, 0)
+        batch, lanes = len(input_ids), plan.lanes
+        start = resume.start_of(self.cache, self.model, input_ids, mask)  # validates a filled cache
+        prompts = start.rows
         like = torch.empty(0, dtype=self.model.lane_dtype, device=device)  # the KV and lane dtype
         trash = self._reserve(batch, like)
         pools = self.cache.flat_pools()  # [layers * pages * page_size, Hkv, D] each, in table order
         embed = self.model.get_input_embeddings()
         hidden_size = self.model.lane_width
-        prompt_len = mask.sum(1)  # [B]
+        prompt_len = start.stored + start.new  # [B] the sequence's positions before its first new token
+        records = exits.empty_records(plan, batch, hidden_size, like)  # loop outputs (exit options)
         long = dict(dtype=torch.long, device=device)
         state = WavefrontState(
             token=torch.zeros(batch, lanes, **long), position=torch.zeros(batch, lanes, **long),
@@ -227,8 +228,8 @@ class WavefrontEngine:
             noise=torch.zeros(batch, lanes, (2 + (plan.second_loops is not None)) * plan.do_sample, device=device),
             hidden=torch.zeros(batch, lanes, hidden_size, dtype=like.dtype, device=device),
             prompt_hidden=torch.zeros(batch, prompts, hidden_size, dtype=like.dtype, device=device),
-            prompt_real=torch.arange(prompts, device=device) < (prompt_len - 1)[:, None],
-            prompt_start=torch.zeros(batch, **long), prompt_depth=torch.zeros(batch, **long),
+            prompt_real=torch.arange(prompts, device=device) < (start.new - 1)[:, None],
+            prompt_start=start.stored, prompt_depth=torch.zeros(batch, **long),
             out=torch.full((batch, self._out_columns(max_new) + 1), self.pad, **long), n_out=torch.zeros(batch, **long),
             finished=(prompt_len == 0) | (max_new == 0), invalid=torch.zeros(batch, dtype=torch.bool, device=device),
             prompt_len=prompt_len,
@@ -240,24 +241,24 @@ class WavefrontEngine:
             seen=torch.zeros(batch, 0, dtype=torch.bool, device=device), eos_hold=torch.zeros(0, **long),
             settings=torch.zeros(0, device=device),
             k_pool=pools.k, v_pool=pools.v, trash_slot=trash,
-            kv_len=torch.zeros(batch, plan.planes, **long),
+            kv_len=start.stored[:, None].repeat(1, plan.planes),
             sib_token=torch.zeros(batch, **long), sib_position=torch.zeros(batch, **long),
             sib_depth=torch.zeros(batch, **long), sib_alive=torch.zeros(batch, dtype=torch.bool, device=device),
             sib_read=torch.zeros(batch, dtype=torch.bool, device=device),
             sib_q=torch.zeros(batch, self.vocab if plan.do_sample else 0, device=device),
             sib_hidden=torch.zeros(batch, hidden_size, dtype=like.dtype, device=device),
             sib_k=self._private_rows(batch, pools), sib_v=self._private_rows(batch, pools),
+            loop_states=records[0], sib_states=records[1],
         )
-        for b in range(batch):  # set-up runs once per batch on the host
-            prompt = input_ids[b][mask[b]]
+        for b, prompt in enumerate(start.tokens):  # set-up runs once per batch on the host
             n = len(prompt)
             if n == 0:
                 continue
             vectors = embed(prompt)  # [n, H]
             self.stats.call_rows["embed"].append(n)
             state.prompt_hidden[b, : n - 1] = vectors[:-1]
-            slot = (n - 1) % lanes
-            state.token[b, slot], state.position[b, slot] = prompt[-1], n - 1
+            slot = int(prompt_len[b] - 1) % lanes
+            state.token[b, slot], state.position[b, slot] = prompt[-1], prompt_len[b] - 1
             state.alive[b, slot] = not bool(state.finished[b])
             state.hidden[b, slot] = vectors[-1]
         return state

@@ -13,6 +13,16 @@ def model_problem(model) -> str | None:
     return None
 
 
+def cache_problem(cache) -> str | None:
+    """Why the wavefront engine cannot run on `cache`, or None: the lineage checks of `PagedLoopCache(debug=True)`
+    follow the reference decoder's lanes (each token's ancestry, checked on every read), which the engine's masked
+    tensor state does not keep."""
+    if cache.debug:
+        return ("PagedLoopCache(debug=True) (its lineage checks are a debugging aid of the reference decoder: call "
+                "model.decode_with_lanes(...) with that cache, or pass a cache with debug=False)")
+    return None
+
+
 def second_proposals_problem(mode: str, num_loops: int, draft_loops: int, second_draft_loops: int | None) -> str | None:
     """Why the wavefront engine cannot run second proposals `second_draft_loops` (d2) with these settings, or None.
     It keeps one sibling slot per sequence, which holds when a sibling is decided before it could draft or a next

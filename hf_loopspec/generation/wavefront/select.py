@@ -3,7 +3,8 @@
 The wavefront engine covers: Ouro-like models (no KV in the entry or exit stage), greedy decoding and sampling
 with the logits processors it runs on the device (`processing.on_device`: `repetition_penalty`, `min_new_tokens`,
 `min_length`, temperature, top-k, top-p, min-p), EOS and length stops (`max_new_tokens` / `max_length`), padded
-batches, streamers, `compile_core` (the step is compiled whole with that backend), and second proposals with
+batches, streamers, `compile_core` (the step is compiled whole with that backend), a cache filled by earlier calls
+(a continued conversation: `resume`), exit options (`exits`), and second proposals with
 second_draft_loops >= U - draft_loops (`limits.second_proposals_problem`). Everything else of a call is named
 by `unsupported` or `second_proposals_problem`:
 
@@ -25,7 +26,7 @@ from ...cache.paged import PagedLoopCache
 from ..config import SpeculativeConfig
 from ..decoder import DecodeResult
 from .engine import WavefrontEngine
-from .limits import model_problem, second_proposals_problem
+from .limits import cache_problem, model_problem, second_proposals_problem
 from .processing import device_processors, on_device
 from .span import reserved_positions
 
@@ -33,11 +34,7 @@ from .span import reserved_positions
 def unsupported(model, cache: PagedLoopCache, options: dict, compiled: bool = False) -> list[str]:
     """The settings of a call (its cache and the lane decoder's `options`; `compiled`: with `compile_core`) that
     the wavefront engine does not support."""
-    problems = [problem] if (problem := model_problem(model)) else []
-    if cache.num_sequences:
-        problems.append(f"a cache that already holds {cache.num_sequences} sequences (continuing from it)")
-    if cache.debug:
-        problems.append("PagedLoopCache(debug=True) (its lineage checks follow the lane decoder's lanes)")
+    problems = [problem for problem in (model_problem(model), cache_problem(cache)) if problem]
     ids = options["input_ids"]
     positions = reserved_positions(options["max_length"], compiled)
     reserved = len(ids) * cache.num_planes * positions * cache.bytes_per_token_per_depth(model.lane_dtype)
@@ -53,8 +50,7 @@ def unsupported(model, cache: PagedLoopCache, options: dict, compiled: bool = Fa
                          and c.max_length == options["max_length"])]
     for name, label in (("draft_hook", "draft_hook"), ("second_draft_hook", "second_draft_hook"),
                         ("trace", "speculative_trace"),
-                        ("output_scores", "output_scores"), ("output_logits", "output_logits"),
-                        ("exit_rule", "exit options (exit_at_step, exit_threshold, use_weighted_exit)")):
+                        ("output_scores", "output_scores"), ("output_logits", "output_logits")):
         if options.get(name):
             problems.append(label)
     return problems
@@ -108,5 +104,6 @@ def run_engine(model, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCac
         streamer=options.get("streamer"),
         processors=processors, do_sample=bool(options.get("do_sample")), **tensors,
         complete_cache=bool(options.get("complete_cache")), second_draft_loops=spec.second_draft_loops,
+        exit_rule=options.get("exit_rule"),
     )
     return engine.run()

@@ -34,6 +34,7 @@ Counters are per sequence, in the column order of `COUNTERS` (the fields of `Seq
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,7 @@ class Plan:
     span: int | None = None  # S: rows read positions 0..S-1 only (no live row sits at S or beyond); None: all C
     compact: bool = False  # the core runs the active rows only (eager on a CPU: `step`, step 2)
     second_loops: int | None = None  # d2: second proposals (pipeline, U - d2 <= d); None: off
+    exit_rule: Callable | None = None  # the call's exit options (`decoder.ExitRule`, compared by value: `exits`)
 
     @property
     def table_width(self) -> int:
@@ -135,6 +137,9 @@ class WavefrontState:
     sib_hidden: torch.Tensor  # [B, H]
     sib_k: torch.Tensor  # [layers, B * planes + 1, Hkv, D]: row b * planes + k holds (b, plane k, sib_position); the
     sib_v: torch.Tensor  # last row absorbs masked writes. [layers, 0, Hkv, D] without second proposals
+    # exit options (`exits`): each slot's output after every loop it ran (U = 0 without an exit rule)
+    loop_states: torch.Tensor  # [B, L, U, H]: entry k after loop k + 1
+    sib_states: torch.Tensor  # [B, U, H]: the sibling's
 
 
 def counts(s: WavefrontState, **columns: torch.Tensor) -> torch.Tensor:

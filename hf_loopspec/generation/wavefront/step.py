@@ -29,6 +29,9 @@ sibling keeps the main draft, chooses the sibling (which then takes the main dra
 when it is d loops deep it drafts at once, from a second head call on its slot) or rejects both; after step 5 the
 lane that has just reached d2 re-reads its draft (`sibling.reread`).
 
+Exit options (`Plan.exit_rule`, `exits`): in step 2 every running slot keeps its output of the loop, and in step 3
+the targets' logits come from the rule over their U outputs.
+
 Invariants: a sequence's live lanes hold consecutive positions (so slot = position % L is unique); at most one
 lane is spawned per sequence per cycle (a restart needs the frontier at depth U, a draft needs it at depth d), plus
 at most one sibling, in its own slot, at a position that has a live lane (so below the frontier);
@@ -46,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ...ops.attention.slots import SlotAttention, SlotLayout
-from . import sibling
+from . import exits, sibling
 from .processing import choose, draw, score_ops
 from .state import Plan, WavefrontState, counts
 
@@ -62,7 +65,7 @@ def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
     def step(state: WavefrontState) -> WavefrontState:
         ran, prompt_ran = _run_core(model, plan, state)
         slots = head_slots(plan, state, ran)  # [B, R]
-        scores = _head(model, ops, state, slots)  # [B, R, V]
+        scores = _head(model, ops, state, slots, plan)  # [B, R, V]
         token, accept, probs = (None if x is None else _to_slots(x, slots, lanes=state.token.shape[1])
                                 for x in choose(plan, state, scores, slots))  # [B, L], [B, L], [B, L, V] or None
         if probs is not None:
@@ -71,6 +74,8 @@ def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
         rereader = ran & (state.depth == plan.second_loops) if second else None  # [B, L]
         spawn_tok, spawn_pos, restart, taken = _verify(plan, state, ran, token, accept)
         drafter = drafter & ~taken  # a chosen sibling took a killed lane's slot, which may have been the drafter's
+        if plan.exit_rule is not None and second:
+            exits.promote(state, taken)
         if promoted_drafts:  # a sibling chosen at depth d is the frontier: it drafts now, from its own head row
             drafter, token, probs = _promoted_draft(model, ops, plan, state, taken, drafter, token, probs)
         _draft(plan, state, drafter, token, probs, spawn_tok, spawn_pos, restart, embed_tokens)
@@ -98,9 +103,12 @@ def make_cycles(model, plan: Plan, cycles: int) -> Callable[[WavefrontState, tor
     return run
 
 
-def _head(model, ops, s: WavefrontState, slots: torch.Tensor) -> torch.Tensor:
-    """The processed head scores `[B, R, V]` of the lane slots `slots` `[B, R]`."""
+def _head(model, ops, s: WavefrontState, slots: torch.Tensor, plan: Plan | None = None) -> torch.Tensor:
+    """The processed head scores `[B, R, V]` of the lane slots `slots` `[B, R]`; with `plan`'s exit rule, those of
+    the targets come from it (`exits.target_scores`)."""
     scores = model.head(s.hidden.gather(1, slots[..., None].expand(-1, -1, s.hidden.shape[-1])))
+    if plan is not None and plan.exit_rule is not None:
+        scores = exits.target_scores(plan, s, slots, scores)
     for op in ops:
         scores = op(s, scores, slots)
     return scores
@@ -197,6 +205,8 @@ def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch
     n = batch * lanes
     s.hidden = torch.where(ran[..., None], out[:n].view_as(s.hidden), s.hidden)
     m = n + batch * prompts
+    if plan.exit_rule is not None:  # before the depths move on: an output is kept at the depth its loop started
+        exits.record(s, ran, out[:n].view_as(s.hidden), sib_ran if second else None, out[m:] if second else None)
     s.prompt_hidden = torch.where(prompt_rows[..., None], out[n:m].view_as(s.prompt_hidden), s.prompt_hidden)
     if second:  # the sibling's KV went to its private rows: the main tables' lengths do not change
         s.sib_hidden = torch.where(sib_ran[:, None], out[m:], s.sib_hidden)

@@ -273,15 +273,7 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
         check_exit_options(self.num_loops, exit_at_step, exit_threshold, use_weighted_exit)
         if exit_at_step is None and exit_threshold is None and not use_weighted_exit:
             return None
-
-        def logits(states: list[torch.Tensor]) -> torch.Tensor:  # U x [N, H] -> [N, V]
-            if exit_at_step is not None:
-                return self.lm_head(states[exit_at_step])
-            gate_logits = torch.cat([self.model.early_exit_gate(h) for h in states], dim=-1)  # [N, U]
-            loop_logits = tuple(self.lm_head(h) for h in states)
-            return self._select_exit(loop_logits, gate_logits, None, exit_threshold, use_weighted_exit)
-
-        return logits
+        return ExitSelection(self, exit_at_step, exit_threshold, use_weighted_exit)
 
     @staticmethod
     def _select_exit(loop_logits, gate_logits, exit_at_step, exit_threshold, use_weighted_exit):
@@ -297,6 +289,26 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
         reached[..., -1] = True
         step = reached.int().argmax(-1)  # first loop that reaches the threshold
         return stacked.gather(-2, step[..., None, None].expand(*step.shape, 1, stacked.shape[-1])).squeeze(-2)
+
+
+@dataclass(frozen=True)
+class ExitSelection:
+    """`OuroForCausalLM.exit_rule`'s rule (a `generation.decoder.ExitRule`): `forward`'s exit selection, from a
+    lane's outputs after every loop. Rules of equal options on one model are equal, so the wavefront engine's compiled
+    steps, kept per rule (`wavefront.state.Plan`), serve every call with those options."""
+
+    model: OuroForCausalLM
+    exit_at_step: int | None
+    exit_threshold: float | None
+    use_weighted_exit: bool
+
+    def __call__(self, states: list[torch.Tensor]) -> torch.Tensor:  # U x [N, H] -> [N, V]
+        model = self.model
+        if self.exit_at_step is not None:
+            return model.lm_head(states[self.exit_at_step])
+        gate_logits = torch.cat([model.model.early_exit_gate(h) for h in states], dim=-1)  # [N, U]
+        loop_logits = tuple(model.lm_head(h) for h in states)
+        return model._select_exit(loop_logits, gate_logits, None, self.exit_threshold, self.use_weighted_exit)
 
 
 def check_exit_options(loops: int, exit_at_step, exit_threshold, use_weighted_exit) -> None:
