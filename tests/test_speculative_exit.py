@@ -1,9 +1,11 @@
 """Ouro's exit options (`exit_at_step`, `exit_threshold`, `use_weighted_exit`) passed to `generate`: both speculative
-modes give plain decoding's tokens, and plain's `ValueError` for invalid values before any work.
+modes give plain decoding's tokens on the wavefront engine, and plain's `ValueError` for invalid values before any
+work.
 
 Plain decoding runs every loop and feeds the selected loop's logits (or their gate-weighted mean) to the token
 choice; each option is first shown to change plain decoding's output, so equality is not vacuous. Drafts still
-come from depth d, so they are both accepted and rejected.
+come from depth d, so they are both accepted and rejected. With second proposals (a chosen sibling carries its
+loop outputs into the main lane's slot) the engine's counters equal the lane decoder's, the reference.
 """
 
 from __future__ import annotations
@@ -43,11 +45,28 @@ def test_exit_options_give_plain_tokens(setup, name, mode, d, k):
     model, ids, mask, last_loop = setup
     ref = plain(model, ids, mask, NEW, **OPTIONS[name])
     assert ref.sequences.tolist() != last_loop.tolist()
-    out = speculative(model, ids, mask, NEW, mode, d, k, **OPTIONS[name])
+    out = speculative(model, ids, mask, NEW, mode, d, k, speculative_engine="wavefront", **OPTIONS[name])
+    assert out.speculation.engine == "wavefront"
     assert out.sequences.tolist() == ref.sequences.tolist()
     assert_counter_invariants(out.speculation, [NEW, NEW])
     assert_cache_matches_ar(out.cache, ref.cache, mask, [NEW, NEW], model.config.num_hidden_layers,
                             model_depth=ouro_depth(model.config))
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_exit_options_with_second_proposals_count_as_the_lane_decoder(setup, name):
+    """Pipeline with second proposals from depth 3 (siblings chosen by the exit's targets): plain's tokens, and the
+    lane decoder's counters, on the engine."""
+    model, ids, mask, _ = setup
+    ref = plain(model, ids, mask, NEW, **OPTIONS[name])
+    runs = {engine: speculative(model, ids, mask, NEW, "pipeline", 1, second_draft_loops=3, speculative_engine=engine,
+                                **OPTIONS[name]) for engine in ("wavefront", "lanes")}
+    assert runs["wavefront"].speculation.engine == "wavefront"
+    assert runs["wavefront"].sequences.tolist() == ref.sequences.tolist()
+    counts = {engine: {k: v for k, v in out.speculation.to_dict().items() if k != "engine"}
+              for engine, out in runs.items()}
+    assert counts["wavefront"] == counts["lanes"]
+    assert runs["wavefront"].speculation.second_accepted > 0  # some targets chose a sibling
 
 
 @pytest.mark.parametrize("options,message", [({"exit_at_step": 4}, "exit_at_step=4"),

@@ -231,14 +231,16 @@ def test_step_compiles_whole(mode, monkeypatch):
     speculative modes compile through `generate(compile_core=...)`, with the processors the engine applies on the
     device; "sampled" is block mode with every sampling warper (greedy choice compiles in the other two), seeded alike
     (the uniforms come from the run's generator, outside the step), and a second call with other values of every
-    sampling setting compiles nothing (they are tensors of the state). Two cycles per compiled call (the default
-    unrolls more: slower to trace, the same code)."""
+    sampling setting compiles nothing (they are tensors of the state). "pipeline" has an exit option: a second call
+    with it compiles nothing either (the model's exit rules are equal for equal options). Two cycles per compiled call
+    (the default unrolls more: slower to trace, the same code)."""
     monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
     model, ids, mask = _batch(3, (3, 5))
     sampled = mode == "sampled"
     mode = "block" if sampled else mode
     d, k = (2, 2) if mode == "block" else (1, 1)
     settings = {"eos_token_id": [7, 11], "repetition_penalty": 1.3, "min_new_tokens": 3} | (SAMPLED if sampled else {})
+    settings |= {"exit_threshold": 0.9} if mode == "pipeline" else {}  # targets from the exit rule (`exits`)
     torch.manual_seed(0)
     if mode == "ar":
         _, eager, _ = _wavefront(model, ids, mask, 8, mode, d, k, eos=[7, 11])
@@ -410,7 +412,6 @@ def test_generate_streams_what_plain_streams():
     ({"speculative_engine": "wavefront", "do_sample": True, "typical_p": 0.5}, "TypicalLogitsWarper"),
     ({"speculative_engine": "wavefront", "no_repeat_ngram_size": 2}, "NoRepeatNGramLogitsProcessor"),
     ({"speculative_engine": "wavefront", "draft_hook": lambda s, p, t: t}, "draft_hook"),
-    ({"speculative_engine": "wavefront", "exit_at_step": 1}, "exit options"),
     ({"speculative_engine": "wavefront", "max_time": 100.0}, "MaxTimeCriteria"),
     ({"speculative_engine": "wavefront", "speculative_mode": None}, "set speculative_mode"),
 ])
@@ -428,7 +429,6 @@ FALLBACKS = {  # settings the wavefront engine does not support: "auto" runs the
     "criterion": {"max_time": 100.0},
     "scores": {"output_scores": True},
     "debug cache": {"cache": "debug"},
-    "continued cache": {"cache": "filled"},
     "huginn": {"init_scale": 0.0},  # a zero initial state: plain and speculative start alike
 }
 
@@ -445,11 +445,6 @@ def test_auto_falls_back_to_lanes(case):
         model, ids, mask = _batch(7, (3, 5))
     if settings.get("cache") == "debug":
         settings["cache"] = paged_cache(model, debug=True)
-    elif settings.get("cache") == "filled":  # the first tokens decoded by the wavefront engine, then continued
-        first = speculative(model, ids, mask, 3, "pipeline", 1, 1)
-        assert first.speculation.engine == "wavefront"
-        ids, mask = first.sequences, torch.cat([mask, torch.ones_like(first.sequences[:, mask.shape[1]:])], 1)
-        settings["cache"] = first.cache
     ref = plain(model, ids, mask, 6, **{k: v for k, v in settings.items()
                                          if k not in ("draft_hook", "speculative_trace", "cache")})
     out = speculative(model, ids, mask, 6, "pipeline", 1, 1, **settings)
@@ -562,11 +557,9 @@ def test_graph_step_hands_on_states_it_owns(second):
 
 def test_errors_name_the_setting():
     model, ids, mask = _batch(5, (3,))
-    cache = paged_cache(model)
-    cache.ensure_sequences(1)
-    with pytest.raises(ValueError, match="empty PagedLoopCache"):
-        WavefrontEngine(model, cache, mode="pipeline", draft_loops=1, num_speculative_tokens=1, input_ids=ids,
-                        attention_mask=mask, pad_token_id=PAD, max_length=8)
+    with pytest.raises(ValueError, match=r"debug=True.*decode_with_lanes"):
+        WavefrontEngine(model, paged_cache(model, debug=True), mode="pipeline", draft_loops=1,
+                        num_speculative_tokens=1, input_ids=ids, attention_mask=mask, pad_token_id=PAD, max_length=8)
     with pytest.raises(ValueError, match="read_every=0"):
         _wavefront(model, ids, mask, 4, "pipeline", 1, 1, read_every=0)
 
