@@ -17,6 +17,13 @@ from hf_loopspec import KVLayout, PagedLoopCache
 from hf_loopspec.cache.paged import CacheCapacityError, LineageError
 
 
+def _tags(cache: PagedLoopCache, seq: int, depth: int, n: int) -> torch.Tensor:
+    """Debug lineage tags `[layers, n]` of positions 0..n-1 of (seq, depth), read through the block table."""
+    pages = torch.tensor(cache._pages[seq * cache.num_planes + depth], dtype=torch.long)
+    position = torch.arange(n)
+    return cache.tags[:, pages[position // cache.page_size], position % cache.page_size]
+
+
 class TestAllocator:
     def test_rows_get_distinct_slots_and_grow_the_pool(self):
         cache = PagedLoopCache(LAYOUT, page_size=4)
@@ -127,6 +134,39 @@ class TestAllocator:
                 pools.k[slots], pools.v[slots] = written, -written
                 keys, values = paged_plane(cache, *divmod(t, 3), layer, 10)
                 assert torch.equal(keys, written) and torch.equal(values, -written)
+
+    @pytest.mark.parametrize("debug", [False, True])
+    def test_repack_in_order_keeps_the_stored_history(self, debug):
+        """`repack_in_order` on a cache written row by row, tables interleaved on the pages (as decoding leaves
+        them): the block tables become `reserve_in_order`'s (table after table from page 0, one more sequence
+        included) and every stored position of every table and layer keeps its keys, values and debug tag; lengths
+        are the reserved positions. A cache with more sequences, or longer tables, than asked is refused."""
+        cache = PagedLoopCache(LAYOUT, page_size=4, debug=debug)
+        lengths = {(0, 0): 6, (0, 1): 6, (0, 2): 5, (1, 0): 9, (1, 1): 9, (1, 2): 9}
+        for step in range(9):  # one position per table at a time: consecutive pages belong to other tables
+            for (s, d), n in lengths.items():
+                if step < n:
+                    write(cache, s, d, [step])
+        generator = torch.Generator().manual_seed(0)  # distinct values per layer, table, position and entry
+        cache.k_pool.normal_(generator=generator), cache.v_pool.normal_(generator=generator)
+        if debug:
+            cache.tags.copy_(torch.arange(cache.tags.numel()).view_as(cache.tags))
+        stored = {(s, d, layer): paged_plane(cache, s, d, layer, n)
+                  for (s, d), n in lengths.items() for layer in range(LAYOUT.num_layers)}
+        tags = {(s, d): _tags(cache, s, d, n) for (s, d), n in lengths.items()} if debug else {}
+        cache.repack_in_order(3, 10, like=LIKE)
+        n = 3  # pages per table
+        assert cache.block_tables(torch.device("cpu")).tolist() == [list(range(t * n, t * n + n)) for t in range(9)]
+        assert [cache.length(s, d) for s in range(3) for d in range(3)] == [10] * 9
+        for (s, d, layer), (keys, values) in stored.items():
+            got = paged_plane(cache, s, d, layer, len(keys))
+            assert torch.equal(got[0], keys) and torch.equal(got[1], values), (s, d, layer)
+        for (s, d), tag in tags.items():
+            assert torch.equal(_tags(cache, s, d, tag.shape[1]), tag)
+        with pytest.raises(ValueError, match="holds 3 sequences"):
+            cache.repack_in_order(2, 10, like=LIKE)
+        with pytest.raises(ValueError, match="up to 10 positions"):
+            cache.repack_in_order(3, 9, like=LIKE)
 
     def test_memory_report(self):
         cache = PagedLoopCache(LAYOUT)
