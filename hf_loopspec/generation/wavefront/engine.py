@@ -34,11 +34,14 @@ from ..compiled import compiled_store
 from ..decoder import DecodeResult
 from ..history import check_cache_layout, run_planes
 from ..stats import SequenceStats, SpeculationStats
+from . import outputs
 from .device import GraphStep, ReadBack, uses_cuda_graphs
 from .limits import model_problem, second_proposals_problem
 from .span import SpanBound, reserved_positions
 from .state import COUNTERS, Plan, WavefrontState
 from .step import head_rows, make_cycles, make_step
+from .stopping import HostStops, host_criteria
+from .tracing import Tracer
 
 WAVEFRONT_MODES = ("ar", "block", "pipeline")
 DEFAULT_READ_EVERY = 4
@@ -145,7 +148,8 @@ class WavefrontEngine:
                  eos_hold: torch.Tensor | None = None, settings: torch.Tensor | None = None,
                  do_sample: bool = False, streamer=None,
                  complete_cache: bool = False, second_draft_loops: int | None = None,
-                 second_override: torch.Tensor | None = None):
+                 second_override: torch.Tensor | None = None, stopping_criteria=None, output_scores: bool = False,
+                 output_logits: bool = False, trace: bool | str = False):
         check_cache_layout(cache, model.kv_layout)
         if cache.num_sequences:
             raise ValueError("the wavefront engine needs an empty PagedLoopCache (this one already holds "
@@ -159,10 +163,12 @@ class WavefrontEngine:
                              "(speculative_engine='lanes', or --engines lanes in the bench).")
         self.model, self.cache, self.read_every, self.complete_cache = model, cache, read_every, complete_cache
         self.vocab = model.get_output_embeddings().weight.shape[0]  # V: the width of the head's logits
-        self.streamer, self.streamed = streamer, 0  # columns fed to the streamer so far
         self.input_ids = input_ids
         self.pad = 0 if pad_token_id is None else pad_token_id
         batch, width = input_ids.shape
+        self.stops = HostStops(input_ids, pad_token_id, max_length, stopping_criteria, streamer, output_scores) \
+            if host_criteria(stopping_criteria, max_length) else None  # which then feeds the streamer
+        self.streamer, self.streamed = None if self.stops else streamer, 0  # columns fed to the streamer so far
         max_new = max(max_length - width, 0)
         eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         draft_loops = draft_loops if mode != "ar" else 0
@@ -172,10 +178,12 @@ class WavefrontEngine:
                          cache.page_size, reserved_positions(width + max_new, compile_backend is not None),
                          bool(eos), processors, do_sample,
                          compact=compile_backend is None and input_ids.device.type == "cpu",
-                         second_loops=second_draft_loops)
+                         second_loops=second_draft_loops, output_scores=output_scores,
+                         output_logits=output_logits, trace_hidden=trace == "hidden")
         self.prefill_cycles = model.num_loops + (num_speculative_tokens * draft_loops if mode == "block" else 0)
         self.stats = SpeculationStats(mode=mode, draft_loops=draft_loops, engine="wavefront")
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        self.tracer = Tracer(input_ids, mask, trace == "hidden") if trace else None
         with torch.no_grad():
             self.state = self._initial_state(input_ids, mask, max_new, eos, draft_override, second_override)
             self.state.seen = self._seen(input_ids, penalty_ignore)
@@ -192,7 +200,7 @@ class WavefrontEngine:
         # cycles per call of the step function: compiled, up to CYCLES_PER_CALL of the R cycles between two
         # read-backs run as one call (its fixed cost, dynamo's guards and the call's wrapper, is paid once for them);
         # eager, one (nothing to save)
-        self.cycles_per_call = math.gcd(read_every, CYCLES_PER_CALL) if compile_backend is not None else 1
+        self.cycles_per_call = math.gcd(read_every, CYCLES_PER_CALL) if compile_backend and not trace else 1
         # the step function of `cycles` cycles reading `span` positions (`span.SpanBound`): a plan of its own, so it
         # compiles once per span (`_step_function`)
         self.steps = {}  # (span, cycles, prefill) -> step function
@@ -247,6 +255,8 @@ class WavefrontEngine:
             sib_q=torch.zeros(batch, self.vocab if plan.do_sample else 0, device=device),
             sib_hidden=torch.zeros(batch, hidden_size, dtype=like.dtype, device=device),
             sib_k=self._private_rows(batch, pools), sib_v=self._private_rows(batch, pools),
+            **outputs.buffers(plan, batch, self._out_columns(max_new) + 1, self.vocab, device),
+            core_out=torch.zeros(0, hidden_size, dtype=like.dtype, device=device),
         )
         for b in range(batch):  # set-up runs once per batch on the host
             prompt = input_ids[b][mask[b]]
@@ -301,13 +311,14 @@ class WavefrontEngine:
             while not done:
                 for _ in range(self.read_every // self.cycles_per_call):
                     self._advance(self.cycles_per_call)
-                in_flight.append((self.cycles, read_back(self.state, tokens=self.streamer is not None)))
+                in_flight.append((self.cycles, read_back(self.state, tokens=bool(self.streamer or self.stops))))
                 if len(in_flight) > lag:
                     cycle, taken = in_flight.pop(0)
                     counts, finished, tokens = taken.values()
                     self.spans.observe(cycle, counts, finished)
                     done = all(finished)
                     self._stream(counts, finished, tokens)
+                    done = self.stops.observe(self.state, counts, finished, tokens) if self.stops else done
             self._check_finite()
             if self.complete_cache:
                 self._complete_cache()
@@ -343,7 +354,9 @@ class WavefrontEngine:
         """`build_step`'s function of `cycles` cycles reading `span` positions, built once per run."""
         key = (span, cycles, prefill)
         if key not in self.steps:
-            self.steps[key] = self.build_step(replace(self.plan, span=span), cycles, prefill)
+            plan = replace(self.plan, span=span)
+            built = self.build_step(plan, cycles, prefill)
+            self.steps[key] = self.tracer.wrap(plan, built) if self.tracer else built
         return self.steps[key]
 
     def build_step(self, plan: Plan, cycles: int, prefill: bool):
@@ -426,4 +439,6 @@ class WavefrontEngine:
         self.stats.core_calls = int(state.core_calls)
         steps = int(state.n_out.max()) if len(state.n_out) else 0
         sequences = torch.cat([self.input_ids, state.out[:, :steps].to(self.input_ids.dtype)], 1)
-        return DecodeResult(sequences=sequences, scores=None, logits=None, stats=self.stats, trace=None)
+        return DecodeResult(sequences=sequences, scores=outputs.steps(state, "scores_out", steps),
+                            logits=outputs.steps(state, "logits_out", steps), stats=self.stats,
+                            trace=self.tracer.cycles if self.tracer else None)

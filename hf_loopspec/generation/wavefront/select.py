@@ -2,8 +2,10 @@
 
 The wavefront engine covers: Ouro-like models (no KV in the entry or exit stage), greedy decoding and sampling
 with the logits processors it runs on the device (`processing.on_device`: `repetition_penalty`, `min_new_tokens`,
-`min_length`, temperature, top-k, top-p, min-p), EOS and length stops (`max_new_tokens` / `max_length`), padded
-batches, streamers, `compile_core` (the step is compiled whole with that backend), and second proposals with
+`min_length`, temperature, top-k, top-p, min-p), EOS and length stops (`max_new_tokens` / `max_length`), every
+other stopping criterion (stop strings, `max_time`, user criteria: judged on the host at each read-back,
+`stopping`), `output_scores` / `output_logits` (`outputs`), `speculative_trace` (`tracing`), padded batches,
+streamers, `compile_core` (the step is compiled whole with that backend), and second proposals with
 second_draft_loops >= U - draft_loops (`limits.second_proposals_problem`). Everything else of a call is named
 by `unsupported` or `second_proposals_problem`:
 
@@ -19,15 +21,16 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import EosTokenCriteria, MaxLengthCriteria
+from transformers import EosTokenCriteria
 
 from ...cache.paged import PagedLoopCache
 from ..config import SpeculativeConfig
 from ..decoder import DecodeResult
-from .engine import WavefrontEngine
+from .engine import DEFAULT_READ_EVERY, WavefrontEngine
 from .limits import model_problem, second_proposals_problem
 from .processing import device_processors, on_device
 from .span import reserved_positions
+from .stopping import HOST_READ_EVERY, host_criteria
 
 
 def unsupported(model, cache: PagedLoopCache, options: dict, compiled: bool = False) -> list[str]:
@@ -48,12 +51,7 @@ def unsupported(model, cache: PagedLoopCache, options: dict, compiled: bool = Fa
     width = options["input_ids"].shape[1]
     problems += [f"logits processor {type(p).__name__}" for p in options.get("logits_processor") or ()
                  if not on_device(p, width)]
-    problems += [f"stopping criterion {type(c).__name__}" for c in options.get("stopping_criteria") or ()
-                 if not (type(c) is EosTokenCriteria or type(c) is MaxLengthCriteria
-                         and c.max_length == options["max_length"])]
     for name, label in (("draft_hook", "draft_hook"), ("second_draft_hook", "second_draft_hook"),
-                        ("trace", "speculative_trace"),
-                        ("output_scores", "output_scores"), ("output_logits", "output_logits"),
                         ("exit_rule", "exit options (exit_at_step, exit_threshold, use_weighted_exit)")):
         if options.get(name):
             problems.append(label)
@@ -108,5 +106,9 @@ def run_engine(model, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCac
         streamer=options.get("streamer"),
         processors=processors, do_sample=bool(options.get("do_sample")), **tensors,
         complete_cache=bool(options.get("complete_cache")), second_draft_loops=spec.second_draft_loops,
+        stopping_criteria=options.get("stopping_criteria"), output_scores=bool(options.get("output_scores")),
+        output_logits=bool(options.get("output_logits")), trace=options.get("trace") or False,
+        read_every=1 if options.get("trace") else HOST_READ_EVERY
+        if host_criteria(options.get("stopping_criteria"), options["max_length"]) else DEFAULT_READ_EVERY,
     )
     return engine.run()

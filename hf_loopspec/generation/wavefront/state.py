@@ -64,6 +64,9 @@ class Plan:
     span: int | None = None  # S: rows read positions 0..S-1 only (no live row sits at S or beyond); None: all C
     compact: bool = False  # the core runs the active rows only (eager on a CPU: `step`, step 2)
     second_loops: int | None = None  # d2: second proposals (pipeline, U - d2 <= d); None: off
+    output_scores: bool = False  # record each committed column's processed scores (`outputs`)
+    output_logits: bool = False  # record each committed column's raw logits (`outputs`)
+    trace_hidden: bool = False  # keep the core call's outputs (`WavefrontState.core_out`, for `tracing`)
 
     @property
     def table_width(self) -> int:
@@ -135,6 +138,10 @@ class WavefrontState:
     sib_hidden: torch.Tensor  # [B, H]
     sib_k: torch.Tensor  # [layers, B * planes + 1, Hkv, D]: row b * planes + k holds (b, plane k, sib_position); the
     sib_v: torch.Tensor  # last row absorbs masked writes. [layers, 0, Hkv, D] without second proposals
+    # requested outputs (`outputs`), written in place: per committed column the committing slot's values
+    scores_out: torch.Tensor  # [B, T + 1, V] float32 processed scores with output_scores, else [B, 0, 0]
+    logits_out: torch.Tensor  # [B, T + 1, V] float32 raw logits with output_logits, else [B, 0, 0]
+    core_out: torch.Tensor  # [N, H] the latest core call's outputs with `Plan.trace_hidden`, else [0, H]
 
 
 def counts(s: WavefrontState, **columns: torch.Tensor) -> torch.Tensor:
