@@ -18,7 +18,9 @@ bucket of C compile nothing. Tear-down truncates the cache to the device's KV le
 `DecodeResult`.
 
 The engine covers Ouro-like models (entry and head stages without KV), greedy decoding and sampling with the
-logits processors `processing` runs on the device, EOS and length stops.
+logits processors `processing` runs on the device, EOS and length stops on the device and every other stopping
+criterion on the host at read-backs (`stopping`), `output_scores` / `output_logits` (`outputs`) and traces
+(`tracing`: the state read around every cycle).
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from .limits import model_problem, second_proposals_problem
 from .span import SpanBound, reserved_positions
 from .state import COUNTERS, Plan, WavefrontState
 from .step import head_rows, make_cycles, make_step
-from .stopping import HostStops, host_criteria
-from .tracing import Tracer
+from .stopping import host_stops
+from .tracing import Tracer, traced
 
 WAVEFRONT_MODES = ("ar", "block", "pipeline")
 DEFAULT_READ_EVERY = 4
@@ -166,8 +168,7 @@ class WavefrontEngine:
         self.input_ids = input_ids
         self.pad = 0 if pad_token_id is None else pad_token_id
         batch, width = input_ids.shape
-        self.stops = HostStops(input_ids, pad_token_id, max_length, stopping_criteria, streamer, output_scores) \
-            if host_criteria(stopping_criteria, max_length) else None  # which then feeds the streamer
+        self.stops = host_stops(input_ids, pad_token_id, max_length, stopping_criteria, streamer, output_scores)
         self.streamer, self.streamed = None if self.stops else streamer, 0  # columns fed to the streamer so far
         max_new = max(max_length - width, 0)
         eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -255,8 +256,7 @@ class WavefrontEngine:
             sib_q=torch.zeros(batch, self.vocab if plan.do_sample else 0, device=device),
             sib_hidden=torch.zeros(batch, hidden_size, dtype=like.dtype, device=device),
             sib_k=self._private_rows(batch, pools), sib_v=self._private_rows(batch, pools),
-            **outputs.buffers(plan, batch, self._out_columns(max_new) + 1, self.vocab, device),
-            core_out=torch.zeros(0, hidden_size, dtype=like.dtype, device=device),
+            **outputs.buffers(plan, batch, self._out_columns(max_new) + 1, self.vocab, hidden_size, like),
         )
         for b in range(batch):  # set-up runs once per batch on the host
             prompt = input_ids[b][mask[b]]
@@ -316,9 +316,8 @@ class WavefrontEngine:
                     cycle, taken = in_flight.pop(0)
                     counts, finished, tokens = taken.values()
                     self.spans.observe(cycle, counts, finished)
-                    done = all(finished)
                     self._stream(counts, finished, tokens)
-                    done = self.stops.observe(self.state, counts, finished, tokens) if self.stops else done
+                    done = self.stops.observe(self.state, counts, finished, tokens) if self.stops else all(finished)
             self._check_finite()
             if self.complete_cache:
                 self._complete_cache()
@@ -355,8 +354,7 @@ class WavefrontEngine:
         key = (span, cycles, prefill)
         if key not in self.steps:
             plan = replace(self.plan, span=span)
-            built = self.build_step(plan, cycles, prefill)
-            self.steps[key] = self.tracer.wrap(plan, built) if self.tracer else built
+            self.steps[key] = traced(self.tracer, plan, self.build_step(plan, cycles, prefill))
         return self.steps[key]
 
     def build_step(self, plan: Plan, cycles: int, prefill: bool):
@@ -439,6 +437,5 @@ class WavefrontEngine:
         self.stats.core_calls = int(state.core_calls)
         steps = int(state.n_out.max()) if len(state.n_out) else 0
         sequences = torch.cat([self.input_ids, state.out[:, :steps].to(self.input_ids.dtype)], 1)
-        return DecodeResult(sequences=sequences, scores=outputs.steps(state, "scores_out", steps),
-                            logits=outputs.steps(state, "logits_out", steps), stats=self.stats,
-                            trace=self.tracer.cycles if self.tracer else None)
+        return DecodeResult(sequences=sequences, stats=self.stats, trace=self.tracer and self.tracer.cycles,
+                            **outputs.steps(state, steps))

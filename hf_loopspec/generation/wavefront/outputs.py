@@ -16,12 +16,14 @@ import torch
 from .state import Plan, WavefrontState
 
 
-def buffers(plan: Plan, batch: int, columns: int, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The state's `scores_out` and `logits_out`: `[B, columns, V]` zeros where requested, else `[B, 0, 0]`."""
+def buffers(plan: Plan, batch: int, columns: int, vocab: int, hidden: int, like: torch.Tensor) -> dict:
+    """The state's `scores_out` and `logits_out` (`[B, columns, V]` float32 zeros where requested, else `[B, 0, 0]`)
+    and `core_out` (`[0, H]` of `like`'s dtype: the step sets it when tracing hidden states)."""
     def buffer(wanted: bool) -> torch.Tensor:
-        return torch.zeros(batch, columns if wanted else 0, vocab if wanted else 0, device=device)
+        return torch.zeros(batch, columns if wanted else 0, vocab if wanted else 0, device=like.device)
 
-    return {"scores_out": buffer(plan.output_scores), "logits_out": buffer(plan.output_logits)}
+    return {"scores_out": buffer(plan.output_scores), "logits_out": buffer(plan.output_logits),
+            "core_out": like.new_zeros(0, hidden)}
 
 
 def slot_values(plan: Plan, logits: torch.Tensor, scores: torch.Tensor, place) -> tuple:
@@ -47,7 +49,8 @@ def zero_from(s: WavefrontState, seq: int, column: int) -> None:
             buffer[seq, column:] = 0
 
 
-def steps(s: WavefrontState, name: str, count: int) -> tuple[torch.Tensor, ...] | None:
-    """`DecodeResult.scores` / `logits` (`name`): per generated step `[B, V]`; None when not requested."""
-    buffer = getattr(s, name)
-    return tuple(buffer[:, i] for i in range(count)) if buffer.shape[1] else None
+def steps(s: WavefrontState, count: int) -> dict[str, tuple[torch.Tensor, ...] | None]:
+    """`DecodeResult`'s `scores` and `logits` of a run of `count` generated steps: per step `[B, V]`; None when not
+    requested."""
+    return {name: tuple(buffer[:, i] for i in range(count)) if buffer.shape[1] else None
+            for name, buffer in (("scores", s.scores_out), ("logits", s.logits_out))}

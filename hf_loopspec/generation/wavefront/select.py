@@ -90,6 +90,15 @@ def choose_engine(model, spec: SpeculativeConfig, cache: PagedLoopCache, options
     return "lanes"
 
 
+def read_every(options: dict) -> int:
+    """R for a call (the lane decoder's `options`): 1 when traced (`tracing` reads every cycle),
+    `stopping.HOST_READ_EVERY` with criteria the host judges, else `engine.DEFAULT_READ_EVERY`."""
+    if options.get("trace"):
+        return 1
+    return HOST_READ_EVERY if host_criteria(options.get("stopping_criteria"), options["max_length"]) \
+        else DEFAULT_READ_EVERY
+
+
 def run_engine(model, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCache, **options) -> DecodeResult:
     """One speculative run of `generate` on the engine `choose_engine` picks (`options`: the lane decoder's)."""
     if choose_engine(model, spec, cache, {**options, "input_ids": input_ids}) == "lanes":
@@ -108,7 +117,6 @@ def run_engine(model, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCac
         complete_cache=bool(options.get("complete_cache")), second_draft_loops=spec.second_draft_loops,
         stopping_criteria=options.get("stopping_criteria"), output_scores=bool(options.get("output_scores")),
         output_logits=bool(options.get("output_logits")), trace=options.get("trace") or False,
-        read_every=1 if options.get("trace") else HOST_READ_EVERY
-        if host_criteria(options.get("stopping_criteria"), options["max_length"]) else DEFAULT_READ_EVERY,
+        read_every=read_every(options),
     )
     return engine.run()

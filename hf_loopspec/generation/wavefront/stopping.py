@@ -36,6 +36,14 @@ def host_criteria(stopping_criteria, max_length: int) -> list:
             if not (type(c) is EosTokenCriteria or type(c) is MaxLengthCriteria and c.max_length == max_length)]
 
 
+def host_stops(input_ids: torch.Tensor, pad_token_id: int | None, max_length: int, stopping_criteria, streamer,
+               output_scores: bool) -> HostStops | None:
+    """The `HostStops` of a run (which then feeds the streamer), or None when it has no `host_criteria`."""
+    if not host_criteria(stopping_criteria, max_length):
+        return None
+    return HostStops(input_ids, pad_token_id, max_length, stopping_criteria, streamer, output_scores)
+
+
 class HostStops:
     """The host's side of a run with host criteria: the rows' mirrors and the column-by-column judgement.
 

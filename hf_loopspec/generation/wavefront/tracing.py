@@ -25,6 +25,11 @@ SNAPSHOT = ("token", "position", "depth", "alive", "draft", "n_out", "prompt_rea
             "sib_token", "sib_position", "sib_depth", "sib_alive")  # the fields a record reads, as host lists
 
 
+def traced(tracer: Tracer | None, plan: Plan, step):
+    """`step` recording its cycles into `tracer` (`Tracer.wrap`), or `step` itself without one."""
+    return step if tracer is None else tracer.wrap(plan, step)
+
+
 class Tracer:
     """The records of one run (`cycles`), built by the steps `wrap` returns."""
 
