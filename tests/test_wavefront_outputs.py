@@ -224,3 +224,31 @@ def test_trace_matches_the_lane_decoder(setup, mode, d, k, hidden):
     assert {"accept", "reject", "commit"} <= kinds
     for seq in range(len(ids)):
         assert schedule_grid(got.trace, seq, model.num_loops) == schedule_grid(want.trace, seq, model.num_loops)
+
+
+def test_compiled_step_with_host_outputs(text_setup):
+    """Compiled (`compile_core`, fullgraph: the recording of scores and logits adds no graph break), a run with stop
+    strings and both outputs gives plain's tokens and scores."""
+    model, tokenizer, ids, mask, free = text_setup
+    stops = [tokenizer.decode(free[row, i: i + 1]).strip() for row, i in enumerate([3, 6, 2, 8])]
+    options = dict(stop_strings=stops, tokenizer=tokenizer, output_scores=True, output_logits=True,
+                   eos_token_id=None)
+    want = plain(model, ids, mask, NEW, **options)
+    got = speculative(model, ids, mask, NEW, "pipeline", 1, compile_core="eager", **options, **WAVEFRONT)
+    assert got.speculation.engine == "wavefront"
+    assert got.sequences.tolist() == want.sequences.tolist()
+    for g, w in zip(got.scores + got.logits, want.scores + want.logits, strict=True):
+        assert_fp32_close(g, w, **ouro_depth(model.config))
+
+
+@pytest.mark.parametrize("d,second", [(1, 3), (2, 3)])
+def test_trace_with_second_proposals(setup, d, second):
+    """With second proposals (a sibling slot) the traced events equal the lane decoder's, "second" included."""
+    model, ids, mask, _ = setup
+    options = dict(speculative_trace=True, second_draft_loops=second)
+    got = speculative(model, ids, mask, NEW, "pipeline", d, **options, **WAVEFRONT)
+    want = speculative(model, ids, mask, NEW, "pipeline", d, **options, speculative_engine="lanes")
+    assert got.sequences.tolist() == want.sequences.tolist()
+    assert [c.events for c in got.trace] == [c.events for c in want.trace]
+    assert [sorted(c.rows, key=repr) for c in got.trace] == [sorted(c.rows, key=repr) for c in want.trace]
+    assert any(kind == "second" for c in got.trace for kind, *_ in c.events)
