@@ -53,6 +53,7 @@ class HostStops:
     def __init__(self, input_ids: torch.Tensor, pad_token_id: int | None, max_length: int, stopping_criteria,
                  streamer, output_scores: bool):
         self.columns = OutputColumns(input_ids, pad_token_id, max_length, stopping_criteria, streamer, output_scores)
+        # the rows' mirrors: `settle` reads their committed tokens, scores and flags only (not prompt_len)
         self.seqs = [SequenceState(index=b, prompt_len=0, max_new=self.columns.max_new) for b in range(len(input_ids))]
         self.state: WavefrontState | None = None
 
