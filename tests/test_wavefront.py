@@ -412,7 +412,6 @@ def test_generate_streams_what_plain_streams():
     ({"speculative_engine": "wavefront", "do_sample": True, "typical_p": 0.5}, "TypicalLogitsWarper"),
     ({"speculative_engine": "wavefront", "no_repeat_ngram_size": 2}, "NoRepeatNGramLogitsProcessor"),
     ({"speculative_engine": "wavefront", "draft_hook": lambda s, p, t: t}, "draft_hook"),
-    ({"speculative_engine": "wavefront", "max_time": 100.0}, "MaxTimeCriteria"),
     ({"speculative_engine": "wavefront", "speculative_mode": None}, "set speculative_mode"),
 ])
 def test_generate_engine_errors_name_the_setting(kwargs, named):
@@ -424,10 +423,7 @@ def test_generate_engine_errors_name_the_setting(kwargs, named):
 
 FALLBACKS = {  # settings the wavefront engine does not support: "auto" runs the lane decoder for them
     "draft_hook": {"draft_hook": lambda s, p, t: t},
-    "trace": {"speculative_trace": True},
     "processor": {"no_repeat_ngram_size": 2},
-    "criterion": {"max_time": 100.0},
-    "scores": {"output_scores": True},
     "debug cache": {"cache": "debug"},
     "huginn": {"init_scale": 0.0},  # a zero initial state: plain and speculative start alike
 }

@@ -47,6 +47,11 @@ class OutputColumns:
         self._reserve(self.prompt_width + step + 1)
         self.ids[seq, self.prompt_width + step] = token
 
+    def write_row(self, seq: int, tokens: torch.Tensor) -> None:
+        """Put `tokens` `[n]` in the first n generated columns of row `seq`."""
+        self._reserve(self.prompt_width + len(tokens))
+        self.ids[seq, self.prompt_width: self.prompt_width + len(tokens)] = tokens.to(self.ids)
+
     def ends_row(self, token: int) -> bool:
         """An EOS token stops its row at its column whatever the other criteria say (with an EOS criterion)."""
         return self.pad_stopped and token in self.eos_ids

@@ -73,7 +73,8 @@ def uses_cuda_graphs(device: torch.device, backend: str | None) -> bool:
     return device.type == "cuda" and backend == "inductor"
 
 
-IN_PLACE = ("k_pool", "v_pool", "sib_k", "sib_v")  # the state's tensors the step writes in place
+# the state's tensors the step writes in place
+IN_PLACE = ("k_pool", "v_pool", "sib_k", "sib_v", "scores_out", "logits_out")
 
 
 def owned(result: WavefrontState, given: dict[str, torch.Tensor]) -> WavefrontState:

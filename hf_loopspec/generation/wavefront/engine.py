@@ -18,8 +18,10 @@ bucket of C compile nothing. Tear-down truncates the cache to the device's KV le
 `DecodeResult`.
 
 The engine covers Ouro-like models (entry and head stages without KV), greedy decoding and sampling with the
-logits processors `processing` runs on the device, EOS and length stops, caches filled by earlier calls (`resume`:
-set-up moves their history into the reserved layout) and exit options (`exits`).
+logits processors `processing` runs on the device, EOS and length stops on the device and every other stopping
+criterion on the host at read-backs (`stopping`), `output_scores` / `output_logits` (`outputs`), traces
+(`tracing`: the state read around every cycle), caches filled by earlier calls (`resume`: set-up moves their
+history into the reserved layout) and exit options (`exits`).
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from ..compiled import compiled_store
 from ..decoder import DecodeResult
 from ..history import check_cache_layout, run_planes
 from ..stats import SequenceStats, SpeculationStats
-from . import exits, resume
+from . import exits, outputs, resume
 from .device import GraphStep, ReadBack, uses_cuda_graphs
 from .limits import cache_problem, model_problem, second_proposals_problem
 from .span import SpanBound, reserved_positions
 from .state import COUNTERS, Plan, WavefrontState
 from .step import head_rows, make_cycles, make_step
+from .stopping import host_stops
+from .tracing import Tracer, traced
 
 WAVEFRONT_MODES = ("ar", "block", "pipeline")
 DEFAULT_READ_EVERY = 4
@@ -147,7 +151,8 @@ class WavefrontEngine:
                  eos_hold: torch.Tensor | None = None, settings: torch.Tensor | None = None,
                  do_sample: bool = False, streamer=None,
                  complete_cache: bool = False, second_draft_loops: int | None = None,
-                 second_override: torch.Tensor | None = None, exit_rule=None):
+                 second_override: torch.Tensor | None = None, exit_rule=None, stopping_criteria=None,
+                 output_scores: bool = False, output_logits: bool = False, trace: bool | str = False):
         check_cache_layout(cache, model.kv_layout)
         if not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every={read_every!r} must be an integer >= 1 (cycles between read-backs).")
@@ -158,10 +163,11 @@ class WavefrontEngine:
                              "(speculative_engine='lanes', or --engines lanes in the bench).")
         self.model, self.cache, self.read_every, self.complete_cache = model, cache, read_every, complete_cache
         self.vocab = model.get_output_embeddings().weight.shape[0]  # V: the width of the head's logits
-        self.streamer, self.streamed = streamer, 0  # columns fed to the streamer so far
         self.input_ids = input_ids
         self.pad = 0 if pad_token_id is None else pad_token_id
         batch, width = input_ids.shape
+        self.stops = host_stops(input_ids, pad_token_id, max_length, stopping_criteria, streamer, output_scores)
+        self.streamer, self.streamed = None if self.stops else streamer, 0  # columns fed to the streamer so far
         max_new = max(max_length - width, 0)
         eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         draft_loops = draft_loops if mode != "ar" else 0
@@ -171,10 +177,12 @@ class WavefrontEngine:
                          cache.page_size, reserved_positions(width + max_new, compile_backend is not None),
                          bool(eos), processors, do_sample,
                          compact=compile_backend is None and input_ids.device.type == "cpu",
-                         second_loops=second_draft_loops, exit_rule=exit_rule)
+                         second_loops=second_draft_loops, exit_rule=exit_rule, output_scores=output_scores,
+                         output_logits=output_logits, trace_hidden=trace == "hidden")
         self.prefill_cycles = model.num_loops + (num_speculative_tokens * draft_loops if mode == "block" else 0)
         self.stats = SpeculationStats(mode=mode, draft_loops=draft_loops, engine="wavefront")
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        self.tracer = Tracer(input_ids, mask, trace == "hidden") if trace else None
         with torch.no_grad():
             self.state = self._initial_state(input_ids, mask, max_new, eos, draft_override, second_override)
             self.state.seen = self._seen(input_ids, penalty_ignore)
@@ -191,7 +199,7 @@ class WavefrontEngine:
         # cycles per call of the step function: compiled, up to CYCLES_PER_CALL of the R cycles between two
         # read-backs run as one call (its fixed cost, dynamo's guards and the call's wrapper, is paid once for them);
         # eager, one (nothing to save)
-        self.cycles_per_call = math.gcd(read_every, CYCLES_PER_CALL) if compile_backend is not None else 1
+        self.cycles_per_call = math.gcd(read_every, CYCLES_PER_CALL) if compile_backend and not trace else 1
         # the step function of `cycles` cycles reading `span` positions (`span.SpanBound`): a plan of its own, so it
         # compiles once per span (`_step_function`)
         self.steps = {}  # (span, cycles, prefill) -> step function
@@ -249,6 +257,7 @@ class WavefrontEngine:
             sib_hidden=torch.zeros(batch, hidden_size, dtype=like.dtype, device=device),
             sib_k=self._private_rows(batch, pools), sib_v=self._private_rows(batch, pools),
             loop_states=records[0], sib_states=records[1],
+            **outputs.buffers(plan, batch, self._out_columns(max_new) + 1, self.vocab, hidden_size, like),
         )
         for b, prompt in enumerate(start.tokens):  # set-up runs once per batch on the host
             n = len(prompt)
@@ -302,13 +311,13 @@ class WavefrontEngine:
             while not done:
                 for _ in range(self.read_every // self.cycles_per_call):
                     self._advance(self.cycles_per_call)
-                in_flight.append((self.cycles, read_back(self.state, tokens=self.streamer is not None)))
+                in_flight.append((self.cycles, read_back(self.state, tokens=bool(self.streamer or self.stops))))
                 if len(in_flight) > lag:
                     cycle, taken = in_flight.pop(0)
                     counts, finished, tokens = taken.values()
                     self.spans.observe(cycle, counts, finished)
-                    done = all(finished)
                     self._stream(counts, finished, tokens)
+                    done = self.stops.observe(self.state, counts, finished, tokens) if self.stops else all(finished)
             self._check_finite()
             if self.complete_cache:
                 self._complete_cache()
@@ -344,7 +353,8 @@ class WavefrontEngine:
         """`build_step`'s function of `cycles` cycles reading `span` positions, built once per run."""
         key = (span, cycles, prefill)
         if key not in self.steps:
-            self.steps[key] = self.build_step(replace(self.plan, span=span), cycles, prefill)
+            plan = replace(self.plan, span=span)
+            self.steps[key] = traced(self.tracer, plan, self.build_step(plan, cycles, prefill))
         return self.steps[key]
 
     def build_step(self, plan: Plan, cycles: int, prefill: bool):
@@ -427,4 +437,5 @@ class WavefrontEngine:
         self.stats.core_calls = int(state.core_calls)
         steps = int(state.n_out.max()) if len(state.n_out) else 0
         sequences = torch.cat([self.input_ids, state.out[:, :steps].to(self.input_ids.dtype)], 1)
-        return DecodeResult(sequences=sequences, scores=None, logits=None, stats=self.stats, trace=None)
+        return DecodeResult(sequences=sequences, stats=self.stats, trace=self.tracer and self.tracer.cycles,
+                            **outputs.steps(state, steps))

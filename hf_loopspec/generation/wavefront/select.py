@@ -2,8 +2,10 @@
 
 The wavefront engine covers: Ouro-like models (no KV in the entry or exit stage), greedy decoding and sampling
 with the logits processors it runs on the device (`processing.on_device`: `repetition_penalty`, `min_new_tokens`,
-`min_length`, temperature, top-k, top-p, min-p), EOS and length stops (`max_new_tokens` / `max_length`), padded
-batches, streamers, `compile_core` (the step is compiled whole with that backend), a cache filled by earlier calls
+`min_length`, temperature, top-k, top-p, min-p), EOS and length stops (`max_new_tokens` / `max_length`), every
+other stopping criterion (stop strings, `max_time`, user criteria: judged on the host at each read-back,
+`stopping`), `output_scores` / `output_logits` (`outputs`), `speculative_trace` (`tracing`), padded batches,
+streamers, `compile_core` (the step is compiled whole with that backend), a cache filled by earlier calls
 (a continued conversation: `resume`), exit options (`exits`), and second proposals with
 second_draft_loops >= U - draft_loops (`limits.second_proposals_problem`). Everything else of a call is named
 by `unsupported` or `second_proposals_problem`:
@@ -20,15 +22,16 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import EosTokenCriteria, MaxLengthCriteria
+from transformers import EosTokenCriteria
 
 from ...cache.paged import PagedLoopCache
 from ..config import SpeculativeConfig
 from ..decoder import DecodeResult
-from .engine import WavefrontEngine
+from .engine import DEFAULT_READ_EVERY, WavefrontEngine
 from .limits import cache_problem, model_problem, second_proposals_problem
 from .processing import device_processors, on_device
 from .span import reserved_positions
+from .stopping import HOST_READ_EVERY, host_criteria
 
 
 def unsupported(model, cache: PagedLoopCache, options: dict, compiled: bool = False) -> list[str]:
@@ -45,12 +48,7 @@ def unsupported(model, cache: PagedLoopCache, options: dict, compiled: bool = Fa
     width = options["input_ids"].shape[1]
     problems += [f"logits processor {type(p).__name__}" for p in options.get("logits_processor") or ()
                  if not on_device(p, width)]
-    problems += [f"stopping criterion {type(c).__name__}" for c in options.get("stopping_criteria") or ()
-                 if not (type(c) is EosTokenCriteria or type(c) is MaxLengthCriteria
-                         and c.max_length == options["max_length"])]
-    for name, label in (("draft_hook", "draft_hook"), ("second_draft_hook", "second_draft_hook"),
-                        ("trace", "speculative_trace"),
-                        ("output_scores", "output_scores"), ("output_logits", "output_logits")):
+    for name, label in (("draft_hook", "draft_hook"), ("second_draft_hook", "second_draft_hook")):
         if options.get(name):
             problems.append(label)
     return problems
@@ -88,6 +86,15 @@ def choose_engine(model, spec: SpeculativeConfig, cache: PagedLoopCache, options
     return "lanes"
 
 
+def read_every(options: dict) -> int:
+    """R for a call (the lane decoder's `options`): 1 when traced (`tracing` reads every cycle),
+    `stopping.HOST_READ_EVERY` with criteria the host judges, else `engine.DEFAULT_READ_EVERY`."""
+    if options.get("trace"):
+        return 1
+    return HOST_READ_EVERY if host_criteria(options.get("stopping_criteria"), options["max_length"]) \
+        else DEFAULT_READ_EVERY
+
+
 def run_engine(model, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCache, **options) -> DecodeResult:
     """One speculative run of `generate` on the engine `choose_engine` picks (`options`: the lane decoder's)."""
     if choose_engine(model, spec, cache, {**options, "input_ids": input_ids}) == "lanes":
@@ -105,5 +112,8 @@ def run_engine(model, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCac
         processors=processors, do_sample=bool(options.get("do_sample")), **tensors,
         complete_cache=bool(options.get("complete_cache")), second_draft_loops=spec.second_draft_loops,
         exit_rule=options.get("exit_rule"),
+        stopping_criteria=options.get("stopping_criteria"), output_scores=bool(options.get("output_scores")),
+        output_logits=bool(options.get("output_logits")), trace=options.get("trace") or False,
+        read_every=read_every(options),
     )
     return engine.run()

@@ -66,6 +66,9 @@ class Plan:
     compact: bool = False  # the core runs the active rows only (eager on a CPU: `step`, step 2)
     second_loops: int | None = None  # d2: second proposals (pipeline, U - d2 <= d); None: off
     exit_rule: Callable | None = None  # the call's exit options (`decoder.ExitRule`, compared by value: `exits`)
+    output_scores: bool = False  # record each committed column's processed scores (`outputs`)
+    output_logits: bool = False  # record each committed column's raw logits (`outputs`)
+    trace_hidden: bool = False  # keep the core call's outputs (`WavefrontState.core_out`, for `tracing`)
 
     @property
     def table_width(self) -> int:
@@ -140,6 +143,10 @@ class WavefrontState:
     # exit options (`exits`): each slot's output after every loop it ran (U = 0 without an exit rule)
     loop_states: torch.Tensor  # [B, L, U, H]: entry k after loop k + 1
     sib_states: torch.Tensor  # [B, U, H]: the sibling's
+    # requested outputs (`outputs`), written in place: per committed column the committing slot's values
+    scores_out: torch.Tensor  # [B, T + 1, V] float32 processed scores with output_scores, else [B, 0, 0]
+    logits_out: torch.Tensor  # [B, T + 1, V] float32 raw logits with output_logits, else [B, 0, 0]
+    core_out: torch.Tensor  # [N, H] the latest core call's outputs with `Plan.trace_hidden`, else [0, H]
 
 
 def counts(s: WavefrontState, **columns: torch.Tensor) -> torch.Tensor:

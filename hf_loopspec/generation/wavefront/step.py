@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ...ops.attention.slots import SlotAttention, SlotLayout
-from . import exits, sibling
+from . import exits, outputs, sibling
 from .processing import choose, draw, score_ops
 from .state import Plan, WavefrontState, counts
 
@@ -65,14 +65,16 @@ def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
     def step(state: WavefrontState) -> WavefrontState:
         ran, prompt_ran = _run_core(model, plan, state)
         slots = head_slots(plan, state, ran)  # [B, R]
-        scores = _head(model, ops, state, slots, plan)  # [B, R, V]
-        token, accept, probs = (None if x is None else _to_slots(x, slots, lanes=state.token.shape[1])
+        logits, scores = _head(model, ops, state, slots, plan, raw=True)  # [B, R, V] each
+        place = lambda x: _to_slots(x, slots, lanes=state.token.shape[1])  # noqa: E731  [B, R, ...] -> [B, L, ...]
+        token, accept, probs = (None if x is None else place(x)
                                 for x in choose(plan, state, scores, slots))  # [B, L], [B, L], [B, L, V] or None
+        kept = outputs.slot_values(plan, logits, scores, place)  # output_scores / output_logits: [B, L, V] each
         if probs is not None:
             _flag_invalid(state, probs)
         drafter = _drafters(plan, state, ran)  # [B, L], chosen before verification
         rereader = ran & (state.depth == plan.second_loops) if second else None  # [B, L]
-        spawn_tok, spawn_pos, restart, taken = _verify(plan, state, ran, token, accept)
+        spawn_tok, spawn_pos, restart, taken = _verify(plan, state, ran, token, accept, kept)
         drafter = drafter & ~taken  # a chosen sibling took a killed lane's slot, which may have been the drafter's
         if plan.exit_rule is not None and second:
             exits.promote(state, taken)
@@ -103,15 +105,16 @@ def make_cycles(model, plan: Plan, cycles: int) -> Callable[[WavefrontState, tor
     return run
 
 
-def _head(model, ops, s: WavefrontState, slots: torch.Tensor, plan: Plan | None = None) -> torch.Tensor:
-    """The processed head scores `[B, R, V]` of the lane slots `slots` `[B, R]`; with `plan`'s exit rule, those of
-    the targets come from it (`exits.target_scores`)."""
-    scores = model.head(s.hidden.gather(1, slots[..., None].expand(-1, -1, s.hidden.shape[-1])))
+def _head(model, ops, s: WavefrontState, slots: torch.Tensor, plan: Plan | None = None, raw: bool = False):
+    """The processed head scores `[B, R, V]` of the lane slots `slots` `[B, R]` (with `raw`: the raw logits and
+    them); with `plan`'s exit rule, those of the targets come from it (`exits.target_scores`)."""
+    logits = model.head(s.hidden.gather(1, slots[..., None].expand(-1, -1, s.hidden.shape[-1])))
     if plan is not None and plan.exit_rule is not None:
-        scores = exits.target_scores(plan, s, slots, scores)
+        logits = exits.target_scores(plan, s, slots, logits)
+    scores = logits
     for op in ops:
         scores = op(s, scores, slots)
-    return scores
+    return (logits, scores) if raw else scores
 
 
 def _promoted_draft(model, ops, plan: Plan, s: WavefrontState, taken: torch.Tensor, drafter: torch.Tensor,
@@ -166,21 +169,27 @@ def _to_slots(x: torch.Tensor, slots: torch.Tensor, lanes: int) -> torch.Tensor:
     return x.new_zeros(x.shape[0], lanes, *x.shape[2:]).scatter(1, index, x)
 
 
+def select_rows(plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1: the lane slots `[B, L]` and the sequences whose prompt rows `[B]` run in this cycle (the sibling of
+    an unfinished sequence runs whenever it is alive)."""
+    live = ~s.finished  # [B]
+    alive = s.alive & live[:, None]  # [B, L]
+    prompt_live = live & (s.prompt_depth < plan.num_loops) & s.prompt_real.any(1)  # [B]
+    if plan.mode != "block":
+        return alive, prompt_live
+    lane_below = alive & (s.depth < plan.draft_loops)  # [B, L]
+    prompt_below = prompt_live & (s.prompt_depth < plan.draft_loops)  # [B]
+    drafting = lane_below.any(1) | prompt_below  # [B]
+    return alive & (lane_below | ~drafting[:, None]), prompt_live & (prompt_below | ~drafting)
+
+
 def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 1 and 2: one core call (with the sibling rows, second proposals); returns which lane slots `[B, L]` and
     prompt rows `[B]` ran."""
     batch, lanes = s.token.shape
     prompts = s.prompt_real.shape[1]
     live = ~s.finished  # [B]
-    alive = s.alive & live[:, None]  # [B, L]
-    prompt_live = live & (s.prompt_depth < plan.num_loops) & s.prompt_real.any(1)  # [B]
-    ran, prompt_ran = alive, prompt_live
-    if plan.mode == "block":
-        lane_below = alive & (s.depth < plan.draft_loops)  # [B, L]
-        prompt_below = prompt_live & (s.prompt_depth < plan.draft_loops)  # [B]
-        drafting = lane_below.any(1) | prompt_below  # [B]
-        ran = alive & (lane_below | ~drafting[:, None])
-        prompt_ran = prompt_live & (prompt_below | ~drafting)
+    ran, prompt_ran = select_rows(plan, s)
     prompt_rows = prompt_ran[:, None] & s.prompt_real  # [B, P]
     device = s.token.device
     second = plan.second_loops is not None
@@ -202,6 +211,8 @@ def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch
     else:
         out = model.core(hidden, position, attention)  # [N, H]
     s.core_calls = s.core_calls + live.any().long()
+    if plan.trace_hidden:
+        s.core_out = out
     n = batch * lanes
     s.hidden = torch.where(ran[..., None], out[:n].view_as(s.hidden), s.hidden)
     m = n + batch * prompts
@@ -242,10 +253,12 @@ def _shift_left(x: torch.Tensor, fill) -> torch.Tensor:
     return torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], 1)
 
 
-def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor, accept: torch.Tensor):
+def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor, accept: torch.Tensor,
+            kept: tuple = ()):
     """Step 4, with each slot's chosen token `top` `[B, L]` and whether the lane after it is accepted `accept`
-    `[B, L]` (`processing.choose`). Returns each sequence's restart lane: token `[B]`, position `[B]`, and whether
-    there is one `[B]`; and the lane slots `[B, L]` that chosen siblings took (`sibling.promote`)."""
+    `[B, L]` (`processing.choose`); a committed target's `kept` values (`outputs.slot_values`) are recorded.
+    Returns each sequence's restart lane: token `[B]`, position `[B]`, and whether there is one `[B]`; and the lane
+    slots `[B, L]` that chosen siblings took (`sibling.promote`)."""
     lanes = s.token.shape[1]
     rank = torch.arange(lanes, device=s.token.device)  # [L]
     oldest = torch.where(s.alive, s.position, s.position.new_tensor(2**62)).amin(1)  # [B]
@@ -286,6 +299,7 @@ def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor,
 
     columns = torch.where(commit, s.n_out[:, None] + rank, s.out.shape[1] - 1)  # [B, L]
     s.out = s.out.scatter(1, columns, top_r)
+    outputs.record(plan, s, columns, order, kept)
     if plan.penalised:
         s.seen = s.seen.long().scatter_reduce(1, top_r, commit.long(), "amax").bool()  # the committed tokens
     s.n_out = s.n_out + n_commit
