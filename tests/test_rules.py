@@ -5,7 +5,7 @@ Rules. Each rule takes explicit uniforms, so its outcome distribution is measure
 on a grid of midpoints (i + 1/2) / n, whose error is known exactly: the fraction of midpoints below a threshold r
 differs from r by at most 1/(2n), and the number of midpoints in an interval of length w from n·w by at most 1 (a
 draw's share of a token differs from its weight by at most 1/n). Independent uniforms take the product grid; a
-composed rule's error is the sum of its parts' (stated at each test). Where the brief of a rule is a probability
+composed rule's error is the sum of its parts' (stated at each test). Where a rule promises a probability
 (the acceptance min(1, p/q)), random uniforms estimate it within a 5-sigma binomial bound (false alarm < 1e-6).
 """
 
@@ -282,3 +282,12 @@ def test_same_seed_same_tokens_in_ar_mode(seed):
     torch.testing.assert_close(lanes.sequences, wavefront.sequences, atol=0, rtol=0)
     greedy = speculative(model, ids, mask, new, "pipeline")
     assert not torch.equal(lanes.sequences, greedy.sequences)  # it did sample
+
+
+@pytest.mark.parametrize("engine", ["lanes", "wavefront"])
+def test_non_finite_probabilities_raise_on_both_engines(engine):
+    """A draw from weights that are not finite has no meaning (`rules.draw` would return some index): both engines
+    raise plain sampling's error instead."""
+    model, _, ids, mask = spec_case(3, [5, 2], 96)
+    with pytest.raises(RuntimeError, match="probability tensor contains either `inf` or `nan`"):
+        speculative(model, ids, mask, 8, "pipeline", do_sample=True, temperature=1e-50, speculative_engine=engine)

@@ -7,7 +7,17 @@ from __future__ import annotations
 import torch
 
 from .lanes import Lane
-from .rules import DRAW, cycle_uniforms, draw, greedy, run_generator, second_candidate, speculative, uniform_columns
+from .rules import (
+    DRAW,
+    cycle_uniforms,
+    draw,
+    greedy,
+    non_finite_error,
+    run_generator,
+    second_candidate,
+    speculative,
+    uniform_columns,
+)
 
 
 class LaneRules:
@@ -39,8 +49,16 @@ class LaneRules:
         the lane's `DRAW` uniform. Also returns that softmax `[V]` (None when greedy)."""
         if not self.do_sample:
             return int(scores.argmax()), None
-        probs = torch.softmax(scores, -1)
+        probs = self._probabilities(lane, scores)
         return int(draw(probs, self.uniforms(lane)[DRAW])), probs
+
+    @staticmethod
+    def _probabilities(lane: Lane, scores: torch.Tensor) -> torch.Tensor:
+        """The softmax of `lane`'s `scores` `[V]`; plain sampling's error when it is not finite."""
+        probs = torch.softmax(scores, -1)
+        if not bool(probs.isfinite().all()):
+            raise non_finite_error([lane.seq])
+        return probs
 
     def judge(self, lane: Lane, nxt: Lane, sibling: Lane | None, scores: torch.Tensor,
               top: int | None) -> tuple[int, int]:
@@ -52,7 +70,7 @@ class LaneRules:
             top = int(greedy(scores[None], x)[0]) if top is None else top
             return (1 if nxt.token == top else 2 if sibling is not None and sibling.token == top else 0), top
         u = self.uniforms(lane)[None]  # [1, 2 or 3]
-        token, accepted, left = speculative(torch.softmax(scores, -1)[None], nxt.draft_q[None], x,
+        token, accepted, left = speculative(self._probabilities(lane, scores)[None], nxt.draft_q[None], x,
                                             torch.ones_like(x, dtype=torch.bool), u)
         if bool(accepted):
             return 1, nxt.token

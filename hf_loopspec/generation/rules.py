@@ -1,8 +1,8 @@
 """The decoding rules both engines apply: acceptance, draws, row ends and the uniforms of a sampled run.
 
 Written once, as tensor functions over rows `[..., V]` (any leading dimensions, N rows in all) with explicit
-uniforms, and called by the wavefront engine (`wavefront.processing.choose`, `wavefront.step`, `wavefront.sibling`)
-on all its slots at once and by the lane decoder (`decoder`) on one lane at a time, so that a seed gives the same
+uniforms, and called by the wavefront engine (`wavefront.processing.choose`, `wavefront.step`)
+on all its slots at once and by the lane decoder (`lane_rules`) on one lane at a time, so that a seed gives the same
 tokens on both. Words: `scores` are processed logits (after the logits processors and warpers: a masked token is
 -inf); `q` the probabilities a draft was drawn from; `p` the target's (the softmax of its scores).
 
@@ -95,6 +95,14 @@ def second_candidate(left: torch.Tensor, q2: torch.Tensor, c: torch.Tensor, u: t
     keep = u[..., SECOND] * q2.gather(-1, c[..., None])[..., 0] < r1.gather(-1, c[..., None])[..., 0]
     rest = (r1 - q2).clamp(min=0)
     return torch.where(keep, c, draw(torch.where((rest.sum(-1) > 0)[..., None], rest, r1), u[..., DRAW]))
+
+
+def non_finite_error(sequences: list[int]) -> RuntimeError:
+    """The error of a sampled run whose probabilities are not finite (for `sequences`): plain sampling's
+    (`torch.multinomial`'s) message, with the likely causes and the fix."""
+    return RuntimeError(f"probability tensor contains either `inf` or `nan` (sampling, sequences {sequences[:8]}): "
+                        "the sampling settings overflow in float32 (e.g. a temperature too close to 0) or the "
+                        "model's logits are not finite; use a larger temperature, or greedy decoding.")
 
 
 def ends_row(token: torch.Tensor, generated: torch.Tensor, max_new: torch.Tensor | int,

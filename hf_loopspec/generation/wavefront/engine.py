@@ -33,7 +33,7 @@ from ...cache.paged import FlatPools, PagedLoopCache
 from ..compiled import compiled_store
 from ..decoder import DecodeResult
 from ..history import check_cache_layout, run_planes
-from ..rules import cycle_uniforms, lanes_for, run_generator, uniform_columns
+from ..rules import cycle_uniforms, lanes_for, non_finite_error, run_generator, uniform_columns
 from ..stats import SequenceStats, SpeculationStats
 from .device import GraphStep, ReadBack, uses_cuda_graphs
 from .limits import model_problem, second_proposals_problem
@@ -311,9 +311,7 @@ class WavefrontEngine:
         """The `RuntimeError` plain sampling raises (`torch.multinomial`) when probabilities are not finite."""
         rows = self.state.invalid.nonzero().flatten().tolist()
         if rows:
-            raise RuntimeError(f"probability tensor contains either `inf` or `nan` (sampling, sequences {rows[:8]}): "
-                               "the sampling settings overflow in float32 (e.g. a temperature too close to 0) or the "
-                               "model's logits are not finite; use a larger temperature, or greedy decoding.")
+            raise non_finite_error(rows)
 
     def _advance(self, cycles: int) -> None:
         """`cycles` cycles in one call of the step function: drop the prompt rows once they have passed all loops (at
