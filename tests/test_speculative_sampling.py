@@ -1,8 +1,9 @@
-"""Lossless speculative sampling: the acceptance rule by exhaustive enumeration, and the joint distribution of
-sampled tokens under pipeline and block modes against the exact distribution of plain sampling.
+"""Lossless speculative sampling: the joint distribution of sampled tokens under pipeline and block modes against
+the exact distribution of plain sampling (the rules themselves are checked against hand computations in
+test_rules.py).
 
-Each distribution test runs under both engines (`speculative_engine`): the lane decoder (`acceptance.judge`) and
-the wavefront engine (the same rule as tensor ops, `generation.wavefront.processing.choose`).
+Each distribution test runs under both engines (`speculative_engine`): the lane decoder and the wavefront engine
+(both apply `generation.rules`).
 
 Statistics: Pearson's chi-square goodness of fit against the exact probabilities, computed here with an
 independent full forward of the model and transformers' own processors. The p-value comes from the
@@ -15,71 +16,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sampling_utils import (
-    ALPHA,
-    PROCESSOR_SETTINGS,
-    PROMPT,
-    chi_square_p_value,
-    exact_joint,
-    random_distribution,
-    sample_pairs,
-)
+from sampling_utils import ALPHA, PROCESSOR_SETTINGS, PROMPT, chi_square_p_value, exact_joint, sample_pairs
 from speculative_utils import MODES, mode_id, mode_kwargs, mode_params
 
 from hf_loopspec import PagedLoopCache
-from hf_loopspec.generation import acceptance, decoder
-
-
-def exact_committed_distribution(p: torch.Tensor, q: torch.Tensor, rule=None) -> torch.Tensor:
-    """Distribution of the committed token when a draft x ~ q is judged against p, by enumerating every draft,
-    the accept/reject outcome and every replacement token."""
-    rule = rule or (lambda x: (acceptance.acceptance_probability(x, q, p), acceptance.residual(p, q)))
-    out = torch.zeros_like(p, dtype=torch.float64)
-    for x in range(len(p)):
-        if q[x] == 0:
-            continue
-        accept, replacement = rule(x)
-        out[x] += q[x] * accept
-        if accept < 1:  # a certain acceptance never draws a replacement (the residual may be empty then)
-            out += q[x] * (1 - accept) * replacement.double()
-    return out
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_rule_commits_exactly_the_target_distribution(seed):
-    gen = torch.Generator().manual_seed(seed)
-    p = random_distribution(6, gen, zeros=seed % 3)
-    q = random_distribution(6, gen, zeros=(seed + 1) % 3)
-    if seed % 5 == 0:
-        q = p.clone()
-    if seed % 5 == 1:
-        q = torch.nn.functional.one_hot(torch.tensor(seed % 6), 6).double()
-    torch.testing.assert_close(exact_committed_distribution(p, q), p, atol=1e-12, rtol=0)
-
-
-def test_enumeration_detects_the_approximate_rule():
-    gen = torch.Generator().manual_seed(0)
-    p, q = random_distribution(6, gen), random_distribution(6, gen)
-
-    def greedy_match(x):  # keep the draft only when it is the target's argmax, else sample the target
-        return float(x == int(p.argmax())), p
-
-    assert (exact_committed_distribution(p, q, greedy_match) - p).abs().max() > 1e-3
-
-
-def test_judge_draws_follow_the_rule():
-    """The random draws of `judge` match the enumerated acceptance probability and residual (1e-3 test)."""
-    torch.manual_seed(0)
-    p = torch.tensor([0.5, 0.2, 0.2, 0.1])
-    q = torch.tensor([0.1, 0.6, 0.2, 0.1])
-    scores = p.log()
-    draws = torch.zeros(4)
-    for _ in range(4000):
-        x = int(torch.multinomial(q, 1))
-        _, token = acceptance.judge(x, q, scores, do_sample=True)
-        draws[token] += 1
-    assert chi_square_p_value(draws, p.double()) > ALPHA
-
+from hf_loopspec.generation import lane_rules, rules
 
 ENGINES = ["lanes", "wavefront"]
 # every setting of the matrix once, with the processor settings in turn
@@ -104,12 +45,11 @@ def test_plain_sampling_passes_the_same_test(sampling_model):
 
 
 def test_statistical_test_has_power_against_the_approximate_rule(sampling_model, monkeypatch):
-    def greedy_match(draft, q, scores, do_sample):
-        if draft == int(scores.argmax()):
-            return True, draft
-        return False, int(torch.multinomial(torch.softmax(scores, -1), 1))
+    def greedy_match(p, q, x, judged, u):  # keep the draft only when it is p's argmax, else draw from p
+        accept = x == p.argmax(-1)
+        return torch.where(judged & accept, x, rules.draw(p, u[..., rules.DRAW])), accept, p
 
-    monkeypatch.setattr(decoder, "judge", greedy_match)
+    monkeypatch.setattr(lane_rules, "speculative", greedy_match)
     counts = sample_pairs(sampling_model, {}, seed=3, speculative_mode="pipeline", draft_loops=1,
                           speculative_engine="lanes")  # the patched rule is the lane decoder's
     assert chi_square_p_value(counts, exact_joint(sampling_model, {})) < ALPHA

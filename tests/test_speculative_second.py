@@ -30,7 +30,6 @@ from sampling_utils import (
     chi_square_p_value,
     exact_joint,
     pair_counts,
-    random_distribution,
 )
 from sampling_utils import PROMPT as SAMPLING_PROMPT
 from speculative_utils import (
@@ -53,7 +52,6 @@ from tolerances import ouro_depth
 from transformers import GenerationConfig, StoppingCriteriaList
 
 from hf_loopspec.cache.paged import LineageError, PagedLoopCache
-from hf_loopspec.generation import acceptance
 from hf_loopspec.trace_plot import schedule_grid
 
 VOCAB = 80
@@ -299,62 +297,14 @@ def test_generation_config_key():
 # --- sampling: recursive rejection over the two candidates --------------------------------------------------------
 
 
-def two_candidate_distribution(p, q1, q2, second_residual=True):
-    """The committed token's distribution under `judge_two`'s rule, by enumerating the draft x ~ q1, the second
-    candidate c ~ q2 (independent), both accept/reject outcomes and the replacement. `second_residual=False` is a
-    deliberately wrong rule (the replacement from the first residual)."""
-    out = torch.zeros_like(p, dtype=torch.float64)
-    left = acceptance.residual(p, q1)
-    for x in range(len(p)):
-        for c in range(len(p)):
-            weight = q1[x] * q2[c]
-            if weight == 0:
-                continue
-            first = acceptance.acceptance_probability(x, q1, p)
-            out[x] += weight * first
-            if first == 1:
-                continue
-            second = acceptance.acceptance_probability(c, q2, left)
-            out[c] += weight * (1 - first) * second
-            if second < 1:
-                replacement = acceptance.residual(left, q2) if second_residual else left
-                out += weight * (1 - first) * (1 - second) * replacement
-    return out
-
-
-@pytest.mark.parametrize("seed", range(12))
-def test_two_candidate_rule_commits_exactly_the_target_distribution(seed):
-    gen = torch.Generator().manual_seed(seed)
-    p, q1, q2 = (random_distribution(6, gen, zeros=(seed + i) % 3) for i in range(3))
-    if seed % 4 == 1:
-        q2 = torch.nn.functional.one_hot(torch.tensor(seed % 6), 6).double()  # a forced second proposal
-    if seed % 4 == 2:
-        q2 = q1.clone()  # the second candidate often equals the draft
-    torch.testing.assert_close(two_candidate_distribution(p, q1, q2), p, atol=1e-12, rtol=0)
-    assert (two_candidate_distribution(p, q1, q2, second_residual=False) - p).abs().max() > 1e-6 or seed % 4 == 1
-
-
-def test_judge_two_draws_follow_the_rule():
-    """The random draws of `judge_two` match the enumerated rule (1e-3 chi-square test)."""
-    torch.manual_seed(0)
-    p = torch.tensor([0.5, 0.2, 0.2, 0.1])
-    q1, q2 = torch.tensor([0.1, 0.6, 0.2, 0.1]), torch.tensor([0.25, 0.25, 0.1, 0.4])
-    draws = torch.zeros(4)
-    for _ in range(4000):
-        x, c = int(torch.multinomial(q1, 1)), int(torch.multinomial(q2, 1))
-        _, token = acceptance.judge_two(x, q1, c, q2, p.log(), do_sample=True)
-        draws[token] += 1
-    assert chi_square_p_value(draws, p.double()) > ALPHA
-
-
 @pytest.mark.parametrize("engine", ["lanes", "wavefront"])
 @pytest.mark.parametrize(("d", "d2", "settings"), [(1, 3, "warped")])
 def test_sampled_joint_distribution_with_second_proposals(sampling_model, d, d2, settings, engine):
     """Two sampled tokens per row, 3000 rows: their joint distribution equals plain sampling's (exact, from full
     forwards, after temperature, top-k and repetition penalty), with siblings spawned and chosen along the way, on
-    both engines (the wavefront engine's two-candidate rule: `wavefront.processing`).
+    both engines (both apply `rules.second_candidate`).
     Power: with the replacement drawn from the first residual instead of the second, this test's p-value was 4e-31
-    (and 3e-11 with d2 = 2 and no processors), measured once by patching `decoder.judge_two`."""
+    (and 3e-11 with d2 = 2 and no processors), measured once by patching the lane decoder's `rules.second_candidate`."""
     torch.manual_seed(3)
     ids = torch.tensor([SAMPLING_PROMPT] * SAMPLES)
     out = sampling_model.generate(ids, max_new_tokens=2, do_sample=True, top_p=1.0, speculative_mode="pipeline",

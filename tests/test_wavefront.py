@@ -43,7 +43,7 @@ from hf_loopspec.generation.wavefront import WavefrontEngine, select, span
 from hf_loopspec.generation.wavefront import device as device_module
 from hf_loopspec.generation.wavefront import engine as engine_module
 from hf_loopspec.generation.wavefront.device import GraphStep, uses_cuda_graphs
-from hf_loopspec.generation.wavefront.processing import device_processors, draw, score_ops
+from hf_loopspec.generation.wavefront.processing import device_processors, score_ops
 from hf_loopspec.generation.wavefront.state import Plan
 
 VOCAB = 80
@@ -591,15 +591,3 @@ def test_sampling_warpers_are_transformers(settings):
     expected = torch.stack([torch.stack([processors(ids, row[None].clone())[0] for row in rows]) for rows in scores])
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
-
-def test_draw_follows_the_weights():
-    """Inverse-CDF draws at evenly spread uniforms give every index its share of the weight to within one draw,
-    never an index of zero weight (also for the largest uniform below 1)."""
-    weights = torch.tensor([[0.0, 3.0, 0.0, 1.0, 4.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # [2, 6]
-    n = 800
-    u = (torch.arange(n) + 0.5) / n  # [n]
-    for row in weights:
-        counts = torch.bincount(draw(row.expand(n, -1), u), minlength=6).double()
-        assert ((counts - n * row / row.sum()).abs() <= 1).all(), counts
-    top = torch.tensor([1 - 2**-24])
-    assert int(draw(torch.tensor([[0.3, 0.7, 0.0, 0.0]]), top)) == 1

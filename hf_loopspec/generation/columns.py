@@ -27,7 +27,8 @@ class OutputColumns:
         # decoding until every row has stopped, and all rows end at the step where the last one stopped.
         eos = [c.eos_token_id for c in stopping_criteria or () if hasattr(c, "eos_token_id")]
         self.pad_stopped = bool(eos)
-        self.eos_ids = {int(t) for ids in eos for t in torch.as_tensor(ids).reshape(-1).tolist()}
+        # [E] the ids that end a row (`rules.ends_row`); None without an EOS criterion
+        self.eos = torch.cat([torch.as_tensor(ids).reshape(-1).cpu() for ids in eos]) if eos else None
         batch, width = input_ids.shape
         self.prompt_width = width
         self.pad = pad_token_id if pad_token_id is not None else 0
@@ -51,10 +52,6 @@ class OutputColumns:
         """Put `tokens` `[n]` in the first n generated columns of row `seq`."""
         self._reserve(self.prompt_width + len(tokens))
         self.ids[seq, self.prompt_width: self.prompt_width + len(tokens)] = tokens.to(self.ids)
-
-    def ends_row(self, token: int) -> bool:
-        """An EOS token stops its row at its column whatever the other criteria say (with an EOS criterion)."""
-        return self.pad_stopped and token in self.eos_ids
 
     def cut_back(self, seq: int, steps: int) -> None:
         """Pad row `seq` after its first `steps` generated tokens."""

@@ -5,8 +5,8 @@ mixed sequence, position and depth). After the call, in this order, per sequence
 
 1. Verification. A lane that reaches depth U yields the target for the next position (its logits, or those of
    the exit a call's exit options select (`ExitRule`), pass the logits processors with the committed prefix).
-   If the next lane's draft passes the acceptance rule (`acceptance.judge`: equal to the argmax when greedy,
-   lossless speculative sampling otherwise) it is accepted and keeps running; otherwise it and its descendants
+   If the next lane's draft passes the acceptance rule (`rules`: equal to the argmax when greedy, lossless
+   speculative sampling otherwise) it is accepted and keeps running; otherwise it and its descendants
    are killed, every KV plane of the sequence is truncated to the verified prefix (I4), and a new lane starts at
    depth 0 with the target token. The target is committed: stopping criteria run, the streamer is fed, and a
    finished sequence drops all its lanes.
@@ -24,6 +24,9 @@ proposals, and U) runs the head, so the exit plane of that depth holds every pos
 written by `embed`. Rollbacks truncate every plane.
 
 Every lane has a lineage id linked to its parent; a `PagedLoopCache(debug=True)` checks every read against it.
+
+Sampling draws its uniforms as the wavefront engine does (`rules`: one `[B, L, 2 or 3]` draw per cycle, the lane at
+position p using row p % L), so with the same seed both engines sample the same tokens.
 """
 
 from __future__ import annotations
@@ -34,13 +37,14 @@ from itertools import count
 import torch
 
 from ..cache.paged import PagedLoopCache
-from .acceptance import draft_distribution, judge, judge_two, propose, target_token
 from .columns import OutputColumns, stack_step
 from .history import run_planes, start_rows
+from .lane_rules import LaneRules
 from .lanes import Lane, SequenceState
 from .policies import ARPolicy
 from .processors import row_processors
 from .records import CycleTrace, DecodeResult, RowTrace
+from .rules import ends_row, lanes_for
 from .siblings import SecondHook, SecondProposals, close_branches, path_of, promote
 from .stages import EagerStages
 from .stats import SpeculationStats
@@ -119,6 +123,8 @@ class LaneDecoder:
                 state.finished = True
             self.seqs.append(state)
         self._embed_new_lanes()
+        lanes = lanes_for(mode, self.num_loops, policy.draft_loops or 0, getattr(policy, "k", 0))
+        self.rules = LaneRules(do_sample, len(input_ids), lanes, self.seconds is not None, input_ids.device)
 
     def _known_lanes(self, seq: int, stored: int, tokens: list[int], last_known: bool) -> list[Lane]:
         """Lanes for given `tokens` at positions `stored, stored + 1, ...` of `seq`, after its stored history (the
@@ -149,6 +155,8 @@ class LaneDecoder:
 
     def cycle(self) -> None:
         lanes = [lane for seq in self.seqs if not seq.finished for lane in self.policy.select(seq)]
+        if not self.filling:
+            self.rules.new_cycle()
         hidden = torch.stack([lane.hidden for lane in lanes])  # [N, H]
         positions = [lane.position for lane in lanes]
         rows = self._rows(lanes, [lane.depth for lane in lanes])
@@ -256,11 +264,11 @@ class LaneDecoder:
         index = seq.lanes.index(lane)
         nxt = seq.lanes[index + 1] if index + 1 < len(seq.lanes) else None
         if nxt is None:
-            target = target_token(scores, self.do_sample) if top is None else top
+            target = self.rules.choose(lane, scores)[0] if top is None else top
         else:
             seq.stats.verified += 1
             sibling = seq.branches.get(nxt.position)
-            kept, target = self._judge(nxt, None if sibling is None else sibling.lanes[0], scores, top)
+            kept, target = self.rules.judge(lane, nxt, None if sibling is None else sibling.lanes[0], scores, top)
             nxt.is_draft = False  # verified: not counted as discarded
             self._event("accept" if kept == 1 else "reject", nxt.seq, nxt.position, nxt.token)
             if kept == 1:
@@ -283,18 +291,6 @@ class LaneDecoder:
             seq.lanes.append(self._spawn(seq, lane, target, is_draft=False))
             self.policy.restarted(seq)
 
-    def _judge(self, nxt: Lane, sibling: Lane | None, scores: torch.Tensor, top: int | None) -> tuple[int, int]:
-        """Judge the draft `nxt` (and its sibling, or a second candidate equal to it) against the target `scores`
-        `[V]`; returns (kept: 1 the draft, 2 the sibling, 0 neither; committed token). `top`: the argmax of
-        `scores`, when read back with the cycle's others (greedy without processors)."""
-        if top is not None:
-            return (1 if nxt.token == top else 2 if sibling is not None and sibling.token == top else 0), top
-        if sibling is None and nxt.second_q is None:
-            accepted, target = judge(nxt.token, nxt.draft_q, scores, self.do_sample)
-            return int(accepted), target
-        second, q_second = (nxt.token, nxt.second_q) if sibling is None else (sibling.token, sibling.draft_q)
-        return judge_two(nxt.token, nxt.draft_q, second, q_second, scores, self.do_sample)
-
     def _commit(self, seq: SequenceState, token: int, scores: torch.Tensor, raw: torch.Tensor) -> None:
         self.columns.write(seq.index, len(seq.generated), token)
         seq.generated.append(token)
@@ -305,7 +301,7 @@ class LaneDecoder:
             seq.raw_logits.append(raw)
         self._event("commit", seq.index, seq.prompt_len + len(seq.generated) - 1, token)
         # An EOS token stops its row at this column whatever the other criteria say: no need to decode on.
-        if len(seq.generated) >= seq.max_new or self.columns.ends_row(token):
+        if ends_row(torch.tensor(token), len(seq.generated), seq.max_new, self.columns.eos):
             self._finish(seq)
 
     def _end_at(self, seq: SequenceState, steps: int) -> None:
@@ -367,8 +363,7 @@ class LaneDecoder:
         seq = self.seqs[lane.seq]
         if self.processors is not None:
             raw = self._process(seq.index, self._prefix(seq, lane), raw)
-        q = draft_distribution(raw, self.do_sample)
-        token = propose(raw, q) if top is None else top
+        token, q = self.rules.choose(lane, raw) if top is None else (top, None)
         if self.draft_hook is not None:
             hooked = int(self.draft_hook(seq.index, lane.position + 1, token))
             if q is not None and hooked != token:  # a forced proposal is a point mass: still lossless
@@ -386,8 +381,7 @@ class LaneDecoder:
         q = None
         if top is None:
             scores = self._process(seq.index, self._prefix(seq, lane), raw)
-            q = draft_distribution(scores, self.do_sample)
-            top = propose(scores, q)
+            top, q = self.rules.choose(lane, scores)
         sibling = self.seconds.propose(seq, lane, top, q, self._spawn)
         if sibling is not None:
             self._event("second", seq.index, sibling.position, sibling.token)

@@ -6,7 +6,7 @@ one single-lane sibling per sequence, is `wavefront.sibling`.
 A main-path lane X at position p drafted B for p + 1 when it reached depth d. When X reaches depth d2 it re-reads
 its proposal: if the depth-d2 proposal C (the argmax of the processed depth-d2 logits, or a sample from them when
 sampling) differs from B, a *sibling* lane for C starts at position p + 1 (depth 0) in a new branch, at most one per
-position. When X reaches depth U the target judges both (`acceptance.judge_two`: greedy, the target token T picks
+position. When X reaches depth U the target judges both (`rules.second_candidate`: greedy, the target token T picks
 B, C or neither; sampling, recursive rejection, lossless) and commits T:
 
 * B kept: as without siblings; C's branch is closed (its lanes dropped, its pages released).
@@ -29,7 +29,7 @@ parent, so `PagedLoopCache(debug=True)` checks every read of both branches again
 
 Sampling: every draft whose parent reaches d2 gets a second candidate C drawn from the depth-d2 distribution q2,
 independently of B; when C == B no sibling is spawned but B records q2, since a rejection's replacement must then
-come from the second residual (`acceptance.judge_two`).
+come from the second residual (`rules.second_candidate`).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class SecondProposals:
         """Re-read `lane`'s draft: `token` is the depth-d2 proposal (argmax, or a sample from `q` `[V]` when
         sampling); returns the sibling it spawns (via `spawn(seq, parent, token, is_draft)`, which links its
         lineage), or None when the proposal equals the draft (when sampling, the draft then records `q`: its
-        verification draws a rejection's replacement from the second residual, `acceptance.judge_two`)."""
+        verification draws a rejection's replacement from the second residual, `rules.second_candidate`)."""
         first = next_on_path(seq, lane)
         if self.hook is not None:
             hooked = int(self.hook(seq.index, first.position, first.token, token))

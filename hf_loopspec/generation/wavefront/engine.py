@@ -36,6 +36,7 @@ from ...cache.paged import FlatPools, PagedLoopCache
 from ..compiled import compiled_store
 from ..decoder import DecodeResult
 from ..history import check_cache_layout, run_planes
+from ..rules import cycle_uniforms, lanes_for, non_finite_error, run_generator, uniform_columns
 from ..stats import SequenceStats, SpeculationStats
 from . import exits, outputs, resume
 from .device import GraphStep, ReadBack, uses_cuda_graphs
@@ -129,11 +130,6 @@ def one_at_a_time(cycle, cycles: int):
     return run
 
 
-def lanes_for(mode: str, num_loops: int, draft_loops: int, num_speculative_tokens: int) -> int:
-    """L: the most lanes a sequence holds at once (pipeline: one per d depths; block: the round's K + 1)."""
-    return {"ar": 1, "pipeline": num_loops // max(draft_loops, 1), "block": num_speculative_tokens + 1}[mode]
-
-
 class WavefrontEngine:
     """One batch decoded to completion by the wavefront step.
 
@@ -190,12 +186,9 @@ class WavefrontEngine:
                 self.state.eos_hold = eos_hold.to(device=input_ids.device, dtype=torch.long)
             if settings is not None:
                 self.state.settings = settings.to(device=input_ids.device, dtype=torch.float32)
-        # sampling: the uniforms of every step come from this device generator, seeded from torch's global one (so
-        # torch.manual_seed repeats a run); greedy runs draw nothing
-        self.generator = None
-        if do_sample:
-            seed = int(torch.randint(2**62, ()))
-            self.generator = torch.Generator(input_ids.device).manual_seed(seed)
+        # sampling: the uniforms of every step come from this device generator (`rules`: the lane decoder draws the
+        # same); greedy runs draw nothing
+        self.generator = run_generator(input_ids.device) if do_sample else None
         # cycles per call of the step function: compiled, up to CYCLES_PER_CALL of the R cycles between two
         # read-backs run as one call (its fixed cost, dynamo's guards and the call's wrapper, is paid once for them);
         # eager, one (nothing to save)
@@ -233,7 +226,8 @@ class WavefrontEngine:
             depth=torch.zeros(batch, lanes, **long), alive=torch.zeros(batch, lanes, dtype=torch.bool, device=device),
             draft=torch.zeros(batch, lanes, dtype=torch.bool, device=device),
             draft_q=torch.zeros(batch, lanes, self.vocab if plan.do_sample else 0, device=device),
-            noise=torch.zeros(batch, lanes, (2 + (plan.second_loops is not None)) * plan.do_sample, device=device),
+            noise=torch.zeros(batch, lanes, uniform_columns(plan.second_loops is not None) * plan.do_sample,
+                              device=device),
             hidden=torch.zeros(batch, lanes, hidden_size, dtype=like.dtype, device=device),
             prompt_hidden=torch.zeros(batch, prompts, hidden_size, dtype=like.dtype, device=device),
             prompt_real=torch.arange(prompts, device=device) < (start.new - 1)[:, None],
@@ -327,9 +321,7 @@ class WavefrontEngine:
         """The `RuntimeError` plain sampling raises (`torch.multinomial`) when probabilities are not finite."""
         rows = self.state.invalid.nonzero().flatten().tolist()
         if rows:
-            raise RuntimeError(f"probability tensor contains either `inf` or `nan` (sampling, sequences {rows[:8]}): "
-                               "the sampling settings overflow in float32 (e.g. a temperature too close to 0) or the "
-                               "model's logits are not finite; use a larger temperature, or greedy decoding.")
+            raise non_finite_error(rows)
 
     def _advance(self, cycles: int) -> None:
         """`cycles` cycles in one call of the step function: drop the prompt rows once they have passed all loops (at
@@ -341,8 +333,8 @@ class WavefrontEngine:
                                  prompt_real=self.state.prompt_real.new_empty(batch, 0))
         noise = None
         if self.generator is not None:  # [cycles, B, L, 2 or 3], one draw per cycle
-            noise = torch.stack([torch.rand(self.state.noise.shape, generator=self.generator,
-                                            device=self.state.noise.device) for _ in range(cycles)])
+            noise = torch.stack([cycle_uniforms(self.generator, self.state.noise.shape, self.state.noise.device)
+                                 for _ in range(cycles)])
         span = self.spans.span(self.cycles + cycles - 1)
         self.state = self._step_function(span, cycles, prefill=self.state.prompt_real.shape[1] > 0)(self.state, noise)
         for _ in range(cycles):

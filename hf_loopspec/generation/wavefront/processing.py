@@ -12,15 +12,13 @@ tensor, so a compiled step serves every value of a setting without compiling aga
 
 Choice (`choose`), per slot, from its processed scores:
 
-* greedy: the slot's token is the argmax; the lane after it is accepted when its token equals that argmax;
-* sampling: `acceptance`'s lossless rule, on those slots at once: the lane x after the slot, drafted from q, is
-  accepted with probability min(1, p(x) / q(x)); the slot's token is then x, else a draw from
-  normalise(max(p - q, 0)) (a slot with no draft after it draws from p). With second proposals the position may
-  also hold a second candidate, judged by recursive rejection (`_second_candidate`). Random numbers come from
-  `state.noise` `[B, L, 2]` (`[B, L, 3]` with second proposals): each slot's uniforms for the cycle, drawn by the
-  host from the run's device generator, one draw per cycle (column 0 judges the draft, column 1 draws, column 2
-  judges a second candidate). A draw from weights w is the inverse of w's cumulative sum at u * sum(w), so a zero
-  weight is never drawn.
+* greedy (`rules.greedy`): the slot's token is the argmax; the lane after it is accepted when its token equals
+  that argmax;
+* sampling: `rules.speculative` on those slots at once: the lane x after the slot, drafted from q, is accepted
+  with probability min(1, p(x) / q(x)); the slot's token is then x, else a draw from normalise(max(p - q, 0)) (a
+  slot with no draft after it draws from p). With second proposals the position may also hold a second candidate,
+  judged by recursive rejection (`rules.second_candidate`). The uniforms are `state.noise` `[B, L, 2 or 3]`: each
+  slot's for the cycle, laid out as `rules` says (drawn by the host from the run's generator before the cycle).
 """
 
 from __future__ import annotations
@@ -38,6 +36,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from .. import rules
 from .state import HOLD, MIN_P, PENALTY, TEMPERATURE, TOP_K, TOP_P, Plan, WavefrontState
 
 WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
@@ -159,15 +158,6 @@ _SLOT_OPS = {PENALTY: _penalise, HOLD: _hold}  # (state, scores [B, R, V], slots
 _WARPS = {TEMPERATURE: _temperature, TOP_K: _top_k, TOP_P: _top_p, MIN_P: _min_p}
 
 
-def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One index per row of `weights` `[..., V]` (non-negative, not all zero) with probability proportional to
-    the weight, from uniforms `u` `[...]` in [0, 1): the first index whose cumulative weight exceeds u * total."""
-    cumulative = weights.cumsum(-1)  # [..., V] non-decreasing: its last entry is the largest
-    total = cumulative[..., -1:]
-    point = torch.minimum(u[..., None] * total, torch.nextafter(total, torch.zeros_like(total)))  # below the total
-    return (cumulative <= point).sum(-1).clamp(max=weights.shape[-1] - 1)
-
-
 def choose(plan: Plan, s: WavefrontState, scores: torch.Tensor, slots: torch.Tensor):
     """Per slot of `slots` `[B, R]`, from its scores `[B, R, V]`: its token `[B, R]`, whether the lane at its
     position + 1 is accepted `[B, R]` (meaningful where that lane is a live draft), and its probabilities
@@ -177,35 +167,15 @@ def choose(plan: Plan, s: WavefrontState, scores: torch.Tensor, slots: torch.Ten
     after = (position + 1) % lanes  # [B, R] the slot of the lane at position + 1, if it lives
     x = s.token.gather(1, after)  # [B, R]
     if not plan.do_sample:
-        top = scores.argmax(-1)
-        return top, x == top, None
+        top, accept = rules.greedy(scores, x)
+        return top, accept, None
     p = torch.softmax(scores.float(), -1)  # [B, R, V]
     q = s.draft_q.gather(1, after[..., None].expand_as(p))  # [B, R, V] the draft distribution of the next lane
     judged = (s.alive & s.draft).gather(1, after) & (s.position.gather(1, after) == position + 1)  # [B, R]
     noise = s.noise.gather(1, slots[..., None].expand(-1, -1, s.noise.shape[-1]))  # [B, R, 2 or 3]
-    p_x, q_x = p.gather(2, x[..., None])[..., 0], q.gather(2, x[..., None])[..., 0]
-    accept = noise[..., 0] * q_x < p_x  # u < p(x) / q(x), with q(x) > 0 for a drafted x
-    residual = (p - q).clamp(min=0)
-    residual_left = judged & (residual.sum(-1) > 0)  # p == q to rounding leaves no residual mass: draw from p
-    left = torch.where(residual_left[..., None], residual, p)  # [B, R, V] (unnormalised) a replacement's weights
-    token = draw(left, noise[..., 1])
-    if plan.second_loops is not None:
-        token = _second_candidate(s, judged & (s.sib_position[:, None] == position + 1), left, noise, token)
-    return torch.where(judged & accept, x, token), accept, p
-
-
-def _second_candidate(s: WavefrontState, judged: torch.Tensor, left: torch.Tensor, noise: torch.Tensor,
-                      token: torch.Tensor) -> torch.Tensor:
-    """Sampling with second proposals (`acceptance.judge_two`): where a judged slot's next position also has a second
-    candidate c ~ q2 (`state.sib_read`: a sibling, or c equal to the draft), a rejected draft's replacement is c with
-    probability min(1, r1(c) / q2(c)) (uniform column 2), r1 = normalise(`left`), else a draw from
-    normalise(max(r1 - q2, 0)) (column 1; r1 when that has no mass). `judged` `[B, R]`, `left` `[B, R, V]`, `noise`
-    `[B, R, 3]`, `token` `[B, R]` the one-candidate replacement; returns the replacement `[B, R]`."""
-    two = judged & s.sib_read[:, None]  # [B, R]
-    r1 = left / left.sum(-1, keepdim=True)
-    q2 = s.sib_q[:, None].expand_as(r1)  # [B, R, V]
-    c = s.sib_token[:, None].expand_as(two)  # [B, R]
-    keep_c = noise[..., 2] * q2.gather(2, c[..., None])[..., 0] < r1.gather(2, c[..., None])[..., 0]
-    rest = (r1 - q2).clamp(min=0)
-    replacement = draw(torch.where((rest.sum(-1) > 0)[..., None], rest, r1), noise[..., 1])
-    return torch.where(two, torch.where(keep_c, c, replacement), token)
+    token, accept, left = rules.speculative(p, q, x, judged, noise)
+    if plan.second_loops is not None:  # a second candidate (`state.sib_read`) replaces a rejected draft's draw
+        two = judged & ~accept & (s.sib_position[:, None] == position + 1) & s.sib_read[:, None]  # [B, R]
+        c = s.sib_token[:, None].expand_as(two)  # [B, R]
+        token = torch.where(two, rules.second_candidate(left, s.sib_q[:, None].expand_as(p), c, noise), token)
+    return token, accept, p

@@ -7,7 +7,7 @@ See `state` for the slot and its KV invariant. Per cycle (`step`):
   positions below its own (the common history) plus that private row;
 * verification (`step._verify`) judges a target whose next position has a sibling against both candidates
   (`chosen`: the committed token is the sibling's and the main draft was not kept; greedy, the target's argmax;
-  sampling, `processing`'s two-candidate rule, as `acceptance.judge_two`); the sibling leaves its slot when its
+  sampling, `rules.second_candidate`, as the lane decoder); the sibling leaves its slot when its
   parent's target is committed or its sequence finishes, and when chosen it is `promote`d;
 * after verification a main-path lane that has just reached d2 re-reads its draft (`reread`): its depth-d2 argmax,
   or a draw from its depth-d2 distribution (or `state.second_override`), is the position's second candidate, and

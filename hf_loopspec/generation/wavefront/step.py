@@ -49,8 +49,9 @@ import torch
 import torch.nn.functional as F
 
 from ...ops.attention.slots import SlotAttention, SlotLayout
+from .. import rules
 from . import exits, outputs, sibling
-from .processing import choose, draw, score_ops
+from .processing import choose, score_ops
 from .state import Plan, WavefrontState, counts
 
 
@@ -82,7 +83,8 @@ def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
             drafter, token, probs = _promoted_draft(model, ops, plan, state, taken, drafter, token, probs)
         _draft(plan, state, drafter, token, probs, spawn_tok, spawn_pos, restart, embed_tokens)
         if second:
-            proposal = token if probs is None else draw(probs, state.noise[..., 1])  # [B, L] a fresh draw when sampling
+            # [B, L] a fresh draw when sampling
+            proposal = token if probs is None else rules.draw(probs, state.noise[..., rules.DRAW])
             sibling.reread(plan, state, rereader & ~taken, proposal, probs, embed_tokens)
         return state
 
@@ -129,7 +131,7 @@ def _promoted_draft(model, ops, plan: Plan, s: WavefrontState, taken: torch.Tens
         top = scores.argmax(-1)  # [B, 1]
     else:
         own = torch.softmax(scores.float(), -1)  # [B, 1, V]
-        top = draw(own, s.noise.gather(1, slot[..., None].expand(-1, -1, s.noise.shape[-1]))[..., 1])
+        top = rules.draw(own, s.noise.gather(1, slot[..., None].expand(-1, -1, s.noise.shape[-1]))[..., rules.DRAW])
         probs = torch.where(ready[..., None], own, probs)
     return drafter | ready, torch.where(ready, top, token), probs
 
@@ -269,9 +271,8 @@ def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor,
     has_next = _shift_left(alive, False)
     match = by_rank(accept)
     chosen = has_next & (sibling.chosen(s, order, top_r) if plan.second_loops is not None else torch.zeros_like(match))
-    stop = (s.n_out[:, None] + rank + 1) >= s.max_new  # [B, L] committing rank r reaches max_new_tokens
-    if plan.has_eos:
-        stop = stop | torch.isin(top_r, s.eos)
+    # [B, L] committing rank r ends the row: an EOS token, or max_new_tokens reached
+    stop = rules.ends_row(top_r, s.n_out[:, None] + rank + 1, s.max_new, s.eos if plan.has_eos else None)
     go_on = has_next & match & ~stop
     first_stop = torch.where(go_on.all(1), lanes, (~go_on).long().argmax(1))  # [B] rank of the first lane not going on
     reached = rank <= first_stop[:, None]  # [B, L] every lane below the rank goes on (no cumprod: a fused compare)
