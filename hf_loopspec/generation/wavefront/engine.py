@@ -36,6 +36,7 @@ from ..history import check_cache_layout, run_planes
 from ..stats import SequenceStats, SpeculationStats
 from .device import GraphStep, ReadBack, uses_cuda_graphs
 from .limits import model_problem, second_proposals_problem
+from .options import engine_options
 from .span import SpanBound, reserved_positions
 from .state import COUNTERS, Plan, WavefrontState
 from .step import head_rows, make_cycles, make_step
@@ -134,8 +135,14 @@ class WavefrontEngine:
     `draft_override` `[B, C]` (test-only): a draft for position p of sequence b becomes `draft_override[b, p]`
     where that is >= 0; `second_override` likewise for second proposals (`second_draft_loops`: d2, see
     `second_proposals_problem`). `compile_backend`: a `torch.compile` backend for the step (fullgraph), or None
-    (eager).
+    (eager). `generate` builds it with `from_request`.
     """
+
+    @classmethod
+    def from_request(cls, model, request, **extras) -> WavefrontEngine:
+        """The engine of a `dispatch.SpeculativeRequest` (`options.engine_options`); `extras`: test-only keywords
+        (`draft_override`, `second_override`, `read_every`)."""
+        return cls(model, request.cache, **engine_options(model, request), **extras)
 
     def __init__(self, model, cache: PagedLoopCache, *, mode: str, draft_loops: int, num_speculative_tokens: int,
                  input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id: int | None,
@@ -155,8 +162,8 @@ class WavefrontEngine:
         problem = model_problem(model) or second_proposals_problem(mode, model.num_loops, draft_loops,
                                                                     second_draft_loops)
         if problem:
-            raise ValueError(f"the wavefront engine does not support {problem}; run the lane decoder "
-                             "(speculative_engine='lanes', or --engines lanes in the bench).")
+            raise ValueError(f"the wavefront engine does not support {problem}; run the reference "
+                             "(model.decode_with_lanes, or --engines reference in the bench).")
         self.model, self.cache, self.read_every, self.complete_cache = model, cache, read_every, complete_cache
         self.vocab = model.get_output_embeddings().weight.shape[0]  # V: the width of the head's logits
         self.streamer, self.streamed = streamer, 0  # columns fed to the streamer so far
