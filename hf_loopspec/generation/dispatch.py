@@ -65,7 +65,7 @@ def run_speculative(model, request: SpeculativeRequest) -> DecodeResult:
         return LaneDecoder.from_request(model, request).run()
     problems = unsupported(model, request)
     if problems:
-        raise ValueError(f"speculative decoding does not support {'; '.join(problems)} yet. Drop "
+        raise ValueError(f"speculative decoding (the wavefront engine) does not support {'; '.join(problems)}. Drop "
                          f"{'it' if len(problems) == 1 else 'them'}, or decode plainly (speculative_mode=None).")
     return WavefrontEngine.from_request(model, request).run()
 
