@@ -120,12 +120,19 @@ def plain(model, ids, mask, max_new: int, **kwargs):
 def speculative(model, ids, mask, max_new: int, mode: str, d: int = 1, k: int | None = None, *, debug: bool = False,
                 **kwargs):
     """Speculative decoding (greedy unless `kwargs` say otherwise) on a fresh `paged_cache` (for the call's
-    `num_steps`, if given); returns the dict output. The engine is generate's default ("auto": in the tests the
-    wavefront engine when it supports the call, see `conftest.py`); `debug=True` (lineage checks) makes it the lane
-    decoder."""
+    `num_steps`, if given); returns the dict output. The engine is generate's (the wavefront engine); `debug=True`
+    (lineage checks) makes it the reference (`generation.dispatch`), as `reference` does."""
     if "cache" not in kwargs:
         kwargs["cache"] = paged_cache(model, debug, kwargs.get("num_steps"))
     return generate_dict(model, ids, mask, max_new, **mode_kwargs(mode, d, k), **kwargs)
+
+
+def reference(model, ids, mask, max_new: int, mode: str, d: int = 1, k: int | None = None, **kwargs):
+    """The same call as `speculative`, run by the reference (the lane decoder, with its lineage checks: a debug
+    cache sends `generate` there), the oracle of the engine's counters; returns the dict output."""
+    out = speculative(model, ids, mask, max_new, mode, d, k, debug=True, **kwargs)
+    assert out.speculation.engine == "lanes"
+    return out
 
 
 # --- facts read off plain outputs -----------------------------------------------------------------------------------
