@@ -105,34 +105,35 @@ def test_synthetic_full_acceptance_reproduces_the_pipeline_cost_model(draft_loop
     assert "SYNTHETIC ACCEPTANCE 1.0" in report.format_table(result)
 
 
-def test_bench_engines_runs_each_lane_mode_under_both_engines(tmp_path):
-    """`--engines lanes,wavefront`: every lane mode once per engine in one process, rows named by engine and
-    carrying it; full synthetic acceptance gives both engines the pipeline cost model and plain's tokens; with
-    `--second-draft-loops` pipeline runs once more per engine with second proposals, with the same counters."""
-    args = bench_args.parse_args([*FAST, "--modes", "plain,ar,pipeline", "--engines", "lanes,wavefront",
+def test_bench_engines_runs_each_lane_mode_on_the_engine_and_the_reference(tmp_path):
+    """`--engines wavefront,reference`: every lane mode on the engine and on the reference (a measured baseline) in
+    one process, rows named by engine and carrying it; full synthetic acceptance gives both the pipeline cost model
+    and plain's tokens; with `--second-draft-loops` pipeline runs once more on each with second proposals, with the
+    same counters."""
+    args = bench_args.parse_args([*FAST, "--modes", "plain,ar,pipeline", "--engines", "wavefront,reference",
                                   "--synthetic-acceptance", "1.0", "--batch-size", "2", "--second-draft-loops", "3",
                                   "--json", str(tmp_path / "b.json")])
     result = run_bench(args)
     rows = {r["mode"]: r for r in result["rows"]}
-    assert list(rows) == ["plain", "ar", "ar/wavefront", "pipeline", "pipeline/wavefront", "pipeline+second",
-                          "pipeline+second/wavefront"]
-    assert [r["engine"] for r in result["rows"]] == [None, "lanes", "wavefront", "lanes", "wavefront", "lanes",
-                                                      "wavefront"]
+    assert list(rows) == ["plain", "ar", "ar/reference", "pipeline", "pipeline/reference", "pipeline+second",
+                          "pipeline+second/reference"]
+    assert [r["engine"] for r in result["rows"]] == [None, "wavefront", "reference", "wavefront", "reference",
+                                                      "wavefront", "reference"]
     assert result["all_checks_passed"]
-    lanes, wavefront = rows["pipeline+second"], rows["pipeline+second/wavefront"]
-    assert [lanes[k] for k in ("second_drafts", "second_accepted", "core_calls_per_token")] == \
+    oracle, wavefront = rows["pipeline+second/reference"], rows["pipeline+second"]
+    assert [oracle[k] for k in ("second_drafts", "second_accepted", "core_calls_per_token")] == \
         [wavefront[k] for k in ("second_drafts", "second_accepted", "core_calls_per_token")]
     for name in ("ar", "pipeline"):
-        lanes, wavefront = rows[name], rows[f"{name}/wavefront"]
+        oracle, wavefront = rows[f"{name}/reference"], rows[name]
         assert wavefront["check_passed"] is True
-        assert wavefront["core_calls_per_token"] == lanes["core_calls_per_token"]
+        assert wavefront["core_calls_per_token"] == oracle["core_calls_per_token"]
         assert wavefront["ideal_speedup_vs_ar"] is not None  # its call rows feed the cost model
-    assert rows["pipeline/wavefront"]["core_calls_per_token"] == pytest.approx((N - 1 + 4) / N)
-    assert "pipeline/wavefront" in report.format_table(result)
+    assert rows["pipeline"]["core_calls_per_token"] == pytest.approx((N - 1 + 4) / N)
+    assert "pipeline/reference" in report.format_table(result)
     sampled = run_bench(bench_args.parse_args([*FAST, "--modes", "pipeline", "--engines", "wavefront",
                                                *SAMPLING]))  # the wavefront engine samples too
     assert [(r["mode"], r["engine"], r["check"]["exact"]) for r in sampled["rows"]] == \
-        [("pipeline/wavefront", "wavefront", None)]
+        [("pipeline", "wavefront", None)]
     assert sampled["rows"][0]["drafted"] > 0
 
 
@@ -372,6 +373,9 @@ def test_invalid_speculative_settings_are_clear_errors(checkpoint, capsys):
     assert "outside [1, 3]" in _run_error([*base, "--mode", "block", "--draft-loops", "4"], capsys)
     assert "outside [1, 3]" in _run_error(["bench", *FAST, "--draft-loops", "5"], capsys)
     assert "torch.compile backend name" in _run_error(["bench", *FAST, "--compile", "no-such-backend"], capsys)
+    assert "'lanes' is now 'reference'" in _run_error(["bench", *FAST, "--engines", "lanes"], capsys)
+    assert "the reference runs eagerly" in _run_error(["bench", *FAST, "--engines", "reference", "--compile", "eager"],
+                                                      capsys)
 
 
 @pytest.mark.parametrize("mode", ["plain", "block", "pipeline"])
