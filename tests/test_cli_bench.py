@@ -163,12 +163,13 @@ def test_bench_runs_a_huginn_shape_with_calls_per_token_of_its_recurrence(tmp_pa
 
 @pytest.mark.parametrize("shape", ["ouro-tiny", "huginn-tiny"])
 def test_ar_call_rows_are_the_rows_an_ar_run_records(shape):
-    """The cost model's `ar` call shapes (used when `ar` is not among the modes) are what the decoder counts."""
+    """The cost model's `ar` call shapes (used when `ar` is not among the modes) are what the reference counts (the
+    engine counts the fixed shapes it runs, masked rows included)."""
     model = shapes.random_model(shape)
     ids = prompts.make_prompts(None, model.config.vocab_size, 2, 8, seed=0)
     recurrence = model.recurrence(init_scale=0.0) if shape.startswith("huginn") else contextlib.nullcontext()
     with torch.inference_mode(), recurrence, run.bench_generation_config(model, None):
-        recorded = run.run_mode(model, "ar", ids, 5, draft_loops=1, k=4)["call_rows"]
+        recorded = run.run_mode(model, "ar", ids, 5, draft_loops=1, k=4, engine="reference")["call_rows"]
     head_has_kv = model.kv_layout.first_exit_plane is not None
     assert recorded == costs.ar_call_rows(model.num_loops, 2, 8, 5, head_has_kv)
 
