@@ -4,9 +4,9 @@ the other in one process: what a user who compiles once and then sends other pro
 
 For each `PROMPT:NEW` or `PROMPT:NEW:BATCH` item of `--lengths` (batch `--batch-size` unless the item gives one,
 fp32, greedy, random prompts as the bench makes them) it runs plain greedy decoding (untimed: the reference), then
-the speculative call (`--mode`, `--draft-loops`, `--engine`, `compile_core=--compile`), timed from the call to its
-return: the first call of a shape pays its compiles, later calls only what they compile anew. Each output is checked
-against the reference.
+the speculative call (`--mode`, `--draft-loops`, `compile_core=--compile`), timed from the call to its return: the
+first call of a shape pays its compiles, later calls only what they compile anew. Each output is checked against the
+reference.
 
     python scripts/bench_compile_lengths.py --model ouro-tiny --lengths 32:64,40:50,32:64
     python scripts/bench_compile_lengths.py --lengths 32:64:3,32:64:2,32:64:1,32:64:5     # batch sizes
@@ -48,7 +48,6 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--mode", default="pipeline", choices=["pipeline", "block"])
     parser.add_argument("--draft-loops", type=int, default=1)
-    parser.add_argument("--engine", default="wavefront", choices=["wavefront", "lanes"])
     parser.add_argument("--compile", default="inductor", help="the torch.compile backend (compile_core)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fresh-cache", action="store_true", help="compile into an empty inductor cache directory")
@@ -65,7 +64,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tokenizer, name = load_model(args.model, torch.float32, torch.device("cpu"), seed=0)
     vocab = model.get_output_embeddings().weight.shape[0]
-    print(f"{name} | {args.mode} d={args.draft_loops} | engine {args.engine} | compile_core={args.compile!r} | "
+    print(f"{name} | {args.mode} d={args.draft_loops} | compile_core={args.compile!r} | "
           f"threads {args.threads} | inductor cache "
           f"{'fresh' if args.fresh_cache else os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')}")
     print(f"{'prompt':>6} {'new':>5} {'batch':>5} {'seconds':>8}  equal to plain")
@@ -77,8 +76,7 @@ def main() -> None:
             reference = model.generate(ids, attention_mask=mask, max_new_tokens=new, speculative_mode=None)
             start = time.perf_counter()
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new, speculative_mode=args.mode,
-                                 draft_loops=args.draft_loops, speculative_engine=args.engine,
-                                 compile_core=args.compile)
+                                 draft_loops=args.draft_loops, compile_core=args.compile)
             seconds = time.perf_counter() - start
             print(f"{prompt:>6} {new:>5} {batch:>5} {seconds:>8.2f}  {torch.equal(out, reference)}", flush=True)
 

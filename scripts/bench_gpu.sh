@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU benchmark sized for one short run on an H200 (BENCH_LIMIT_S per batch size): the Ouro-1.4B shape with random
 # weights in bf16, batch 1 and 8, synthetic acceptance 0.9, plain vs static (transformers' compiled static-cache
-# path) vs ar vs block vs pipeline (d=1, K=4), each lane mode under both engines (lane decoder and wavefront engine,
-# rows MODE/wavefront), 3 interleaved repeats.
+# path) vs ar vs block vs pipeline (d=1, K=4) on the wavefront engine, each lane mode also on the reference (the lane
+# decoder, a measured baseline: rows MODE/reference), 3 interleaved repeats.
 #
 #   scripts/bench_gpu.sh                                    # on the GPU machine; JSON + table into $OUT (or .)
 #   scripts/bench_gpu.sh --model ouro-tiny --device cpu     # CPU dry run: extra arguments override the defaults
@@ -29,7 +29,7 @@ for B in $BATCHES; do
     timeout --kill-after=10 "$LIMIT" "$PY" -m hf_loopspec.cli bench \
         --model ouro-1.4b --dtype bfloat16 --device cuda \
         --batch-size "$B" --prompt-len 128 --new-tokens 128 \
-        --modes plain,static,ar,block,pipeline --engines lanes,wavefront --draft-loops 1 --num-speculative-tokens 4 \
+        --modes plain,static,ar,block,pipeline --engines wavefront,reference --draft-loops 1 --num-speculative-tokens 4 \
         --synthetic-acceptance 0.9 --repeats 3 --calibration-seconds 5 \
         --json "$OUT_DIR/bench_gpu_b${B}.json" "$@" 2>"$OUT_DIR/bench_gpu_b${B}.log" | tee "$OUT_DIR/bench_gpu_b${B}.txt"
     rc=${PIPESTATUS[0]}

@@ -4,9 +4,7 @@ suite's `tests/test_differential.py`, for developers.
     PYTHONPATH=$PWD python3 scripts/differential_soak.py --cases 2000 [--start 0] [--show-ties]
 
 Prints one line per mismatch (a crash, or a divergent token with plain's top-1 / top-2 margin there), a summary, and
-exits 1 when a case is a bug (a crash, or a divergence above the near-tie bound), else 0. As in the suite,
-`speculative_engine="auto"` prefers the wavefront engine wherever it supports the call (on a CPU it would pick the
-lane decoder every time).
+exits 1 when a case is a bug (a crash, or a divergence above the near-tie bound), else 0.
 """
 
 from __future__ import annotations
@@ -24,8 +22,6 @@ import torch  # noqa: E402
 from differential import draw_case, run_case  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from hf_loopspec.generation.wavefront import select  # noqa: E402
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -34,7 +30,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show-ties", action="store_true", help="also print divergences within fp32 rounding")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    select.wavefront_preferred = lambda device, compile_backend: True
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)  # the plain-fallback notice of every case with a user processor
     bugs = ties = 0

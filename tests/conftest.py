@@ -38,20 +38,8 @@ import pytest
 import sampling_utils
 import torch
 
-from hf_loopspec.generation.wavefront import select
-
 # The test models are tiny: intra-op threads only add overhead (and thrash on a shared machine).
 torch.set_num_threads(1)
-
-
-@pytest.fixture(autouse=True)
-def auto_prefers_wavefront(request, monkeypatch):
-    """`speculative_engine="auto"` picks the engine by device (`wavefront.select.wavefront_preferred`): on a CPU,
-    eager, the lane decoder. The suite runs on a CPU, and its identity, processor and cache tests exercise the
-    wavefront engine through "auto" (the lane decoder through their fallback settings, `"lanes"` or a debug cache),
-    so "auto" prefers the wavefront engine here as it does on CUDA. Tests marked `device_rule` see the real rule."""
-    if request.node.get_closest_marker("device_rule") is None:
-        monkeypatch.setattr(select, "wavefront_preferred", lambda device, compile_backend: True)
 
 
 @pytest.fixture(scope="module")

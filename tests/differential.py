@@ -37,7 +37,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 
 VOCAB = 64  # the Ouro models' vocabulary (Huginn's tiny config has its own, `huginn_utils.VOCAB`)
-REFUSED = "speculative_engine='wavefront' does not support"  # the engine's documented refusal: a legal outcome
+REFUSED = "speculative decoding (the wavefront engine) does not support"  # its documented refusal: a legal outcome
 
 
 class NoFollower(LogitsProcessor):
@@ -103,12 +103,13 @@ PROCESSORS = {
 
 
 def _mode(rng: random.Random, loops: int) -> dict:
-    """A random speculative mode for a `loops`-loop model: pipeline (d | U, sometimes with d2) or block."""
+    """A random speculative mode for a `loops`-loop model: pipeline (d | U, sometimes with d2 >= U - d: smaller ones
+    are refused at resolution) or block."""
     if rng.random() < 0.55:
         d = rng.choice([d for d in range(1, loops) if loops % d == 0])
         mode = {"speculative_mode": "pipeline", "draft_loops": d}
         if d + 1 < loops and rng.random() < 0.35:
-            mode["second_draft_loops"] = rng.randint(d + 1, loops - 1)
+            mode["second_draft_loops"] = rng.randint(max(d + 1, loops - d), loops - 1)
         return mode
     return {"speculative_mode": "block", "draft_loops": rng.randint(1, loops - 1),
             "num_speculative_tokens": rng.randint(1, 5)}
@@ -133,7 +134,7 @@ def draw_case(seed: int) -> Case:
             shared[name] = draw(rng, vocab)
     if family == "huginn":
         shared |= {"num_steps": loops, "init_scale": rng.choice([0.0, 1.0]), "init_seed": 1000 + seed}
-    speculative = _mode(rng, loops) | {"speculative_engine": rng.choice(["auto", "auto", "lanes", "wavefront"])}
+    speculative = _mode(rng, loops) | {"speculative_engine": rng.choice(["auto", "wavefront"])}
     if rng.random() < 0.15:
         speculative["use_cache"] = False
     if rng.random() < 0.1:

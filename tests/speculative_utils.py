@@ -8,6 +8,7 @@ counts taken from the plain outputs. CPU, fp32, tiny random Ouro models.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from helpers import tiny_config
 from inputs import left_pad, random_prompts
 from paged_utils import paged_plane
 from tolerances import assert_fp32_close, fp32_tolerance, ouro_depth, rms
+from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache
 
 from hf_loopspec import OuroForCausalLM
@@ -120,12 +122,46 @@ def plain(model, ids, mask, max_new: int, **kwargs):
 def speculative(model, ids, mask, max_new: int, mode: str, d: int = 1, k: int | None = None, *, debug: bool = False,
                 **kwargs):
     """Speculative decoding (greedy unless `kwargs` say otherwise) on a fresh `paged_cache` (for the call's
-    `num_steps`, if given); returns the dict output. The engine is generate's default ("auto": in the tests the
-    wavefront engine when it supports the call, see `conftest.py`); `debug=True` (lineage checks) makes it the lane
-    decoder."""
+    `num_steps`, if given); returns the dict output. The engine is generate's (the wavefront engine); `debug=True`
+    (lineage checks) makes it the reference (`generation.dispatch`), as `reference` does."""
     if "cache" not in kwargs:
         kwargs["cache"] = paged_cache(model, debug, kwargs.get("num_steps"))
     return generate_dict(model, ids, mask, max_new, **mode_kwargs(mode, d, k), **kwargs)
+
+
+def engine_settings(model, engine: str, num_steps: int | None = None) -> dict:
+    """`generate` kwargs that run `engine` on a fresh `paged_cache`: "wavefront" (asked for by name, so that nothing
+    else can run) or "lanes", the reference (a debug cache sends `generate` there: `generation.dispatch`)."""
+    if engine == "lanes":
+        return {"cache": paged_cache(model, True, num_steps)}
+    return {"cache": paged_cache(model, False, num_steps), "speculative_engine": "wavefront"}
+
+
+def reference(model, ids, mask, max_new: int, mode: str, d: int = 1, k: int | None = None, **kwargs):
+    """The same call as `speculative`, run by the reference (the lane decoder, with its lineage checks: a debug
+    cache sends `generate` there), the oracle of the engine's counters; returns the dict output."""
+    out = speculative(model, ids, mask, max_new, mode, d, k, debug=True, **kwargs)
+    assert out.speculation.engine == "lanes"
+    return out
+
+
+def decode_reference(model, ids, mask, max_new: int, mode: str, d: int = 1, *, second_draft_loops: int | None = None,
+                     eos_token_id=None, stopping_criteria=(), speculative_trace: bool | str = False, cache=None,
+                     **options):
+    """Greedy decoding by the reference directly (`model.decode_with_lanes`, on a fresh debug `paged_cache`), for
+    settings `generate` refuses (second proposals with d2 < U - d): stops after `max_new` tokens, at `eos_token_id`
+    and at `stopping_criteria`, as `generate` would; `options`: other fields of the request (`draft_hook`, ...).
+    `cache`: the `PagedLoopCache` to fill (default: a fresh debug one). Returns what `speculative` returns that the
+    checks read: sequences, speculation, trace, cache."""
+    cache, max_length = paged_cache(model) if cache is None else cache, ids.shape[1] + max_new
+    stop = StoppingCriteriaList([MaxLengthCriteria(max_length), *stopping_criteria])
+    if eos_token_id is not None:
+        stop.append(EosTokenCriteria(eos_token_id))
+    with torch.no_grad():
+        result = model.decode_with_lanes(ids, mode, draft_loops=d, second_draft_loops=second_draft_loops, cache=cache,
+                                         attention_mask=mask, stopping_criteria=stop, pad_token_id=PAD,
+                                         max_length=max_length, trace=speculative_trace, complete_cache=True, **options)
+    return SimpleNamespace(sequences=result.sequences, speculation=result.stats, trace=result.trace, cache=cache)
 
 
 # --- facts read off plain outputs -----------------------------------------------------------------------------------

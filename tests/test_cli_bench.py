@@ -6,6 +6,7 @@ bad input ends with a one-line message and exit status 2. No timing assertions."
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import subprocess
@@ -105,34 +106,35 @@ def test_synthetic_full_acceptance_reproduces_the_pipeline_cost_model(draft_loop
     assert "SYNTHETIC ACCEPTANCE 1.0" in report.format_table(result)
 
 
-def test_bench_engines_runs_each_lane_mode_under_both_engines(tmp_path):
-    """`--engines lanes,wavefront`: every lane mode once per engine in one process, rows named by engine and
-    carrying it; full synthetic acceptance gives both engines the pipeline cost model and plain's tokens; with
-    `--second-draft-loops` pipeline runs once more per engine with second proposals, with the same counters."""
-    args = bench_args.parse_args([*FAST, "--modes", "plain,ar,pipeline", "--engines", "lanes,wavefront",
+def test_bench_engines_runs_each_lane_mode_on_the_engine_and_the_reference(tmp_path):
+    """`--engines wavefront,reference`: every lane mode on the engine and on the reference (a measured baseline) in
+    one process, rows named by engine and carrying it; full synthetic acceptance gives both the pipeline cost model
+    and plain's tokens; with `--second-draft-loops` pipeline runs once more on each with second proposals, with the
+    same counters."""
+    args = bench_args.parse_args([*FAST, "--modes", "plain,ar,pipeline", "--engines", "wavefront,reference",
                                   "--synthetic-acceptance", "1.0", "--batch-size", "2", "--second-draft-loops", "3",
                                   "--json", str(tmp_path / "b.json")])
     result = run_bench(args)
     rows = {r["mode"]: r for r in result["rows"]}
-    assert list(rows) == ["plain", "ar", "ar/wavefront", "pipeline", "pipeline/wavefront", "pipeline+second",
-                          "pipeline+second/wavefront"]
-    assert [r["engine"] for r in result["rows"]] == [None, "lanes", "wavefront", "lanes", "wavefront", "lanes",
-                                                      "wavefront"]
+    assert list(rows) == ["plain", "ar", "ar/reference", "pipeline", "pipeline/reference", "pipeline+second",
+                          "pipeline+second/reference"]
+    assert [r["engine"] for r in result["rows"]] == [None, "wavefront", "reference", "wavefront", "reference",
+                                                      "wavefront", "reference"]
     assert result["all_checks_passed"]
-    lanes, wavefront = rows["pipeline+second"], rows["pipeline+second/wavefront"]
-    assert [lanes[k] for k in ("second_drafts", "second_accepted", "core_calls_per_token")] == \
+    oracle, wavefront = rows["pipeline+second/reference"], rows["pipeline+second"]
+    assert [oracle[k] for k in ("second_drafts", "second_accepted", "core_calls_per_token")] == \
         [wavefront[k] for k in ("second_drafts", "second_accepted", "core_calls_per_token")]
     for name in ("ar", "pipeline"):
-        lanes, wavefront = rows[name], rows[f"{name}/wavefront"]
+        oracle, wavefront = rows[f"{name}/reference"], rows[name]
         assert wavefront["check_passed"] is True
-        assert wavefront["core_calls_per_token"] == lanes["core_calls_per_token"]
+        assert wavefront["core_calls_per_token"] == oracle["core_calls_per_token"]
         assert wavefront["ideal_speedup_vs_ar"] is not None  # its call rows feed the cost model
-    assert rows["pipeline/wavefront"]["core_calls_per_token"] == pytest.approx((N - 1 + 4) / N)
-    assert "pipeline/wavefront" in report.format_table(result)
+    assert rows["pipeline"]["core_calls_per_token"] == pytest.approx((N - 1 + 4) / N)
+    assert "pipeline/reference" in report.format_table(result)
     sampled = run_bench(bench_args.parse_args([*FAST, "--modes", "pipeline", "--engines", "wavefront",
                                                *SAMPLING]))  # the wavefront engine samples too
     assert [(r["mode"], r["engine"], r["check"]["exact"]) for r in sampled["rows"]] == \
-        [("pipeline/wavefront", "wavefront", None)]
+        [("pipeline", "wavefront", None)]
     assert sampled["rows"][0]["drafted"] > 0
 
 
@@ -161,12 +163,13 @@ def test_bench_runs_a_huginn_shape_with_calls_per_token_of_its_recurrence(tmp_pa
 
 @pytest.mark.parametrize("shape", ["ouro-tiny", "huginn-tiny"])
 def test_ar_call_rows_are_the_rows_an_ar_run_records(shape):
-    """The cost model's `ar` call shapes (used when `ar` is not among the modes) are what the decoder counts."""
+    """The cost model's `ar` call shapes (used when `ar` is not among the modes) are what the reference counts (the
+    engine counts the fixed shapes it runs, masked rows included)."""
     model = shapes.random_model(shape)
     ids = prompts.make_prompts(None, model.config.vocab_size, 2, 8, seed=0)
     recurrence = model.recurrence(init_scale=0.0) if shape.startswith("huginn") else contextlib.nullcontext()
     with torch.inference_mode(), recurrence, run.bench_generation_config(model, None):
-        recorded = run.run_mode(model, "ar", ids, 5, draft_loops=1, k=4)["call_rows"]
+        recorded = run.run_mode(model, "ar", ids, 5, draft_loops=1, k=4, engine="reference")["call_rows"]
     head_has_kv = model.kv_layout.first_exit_plane is not None
     assert recorded == costs.ar_call_rows(model.num_loops, 2, 8, 5, head_has_kv)
 
@@ -250,9 +253,9 @@ def test_bench_do_sample_runs_every_mode_and_reports_not_comparable(tmp_path, ca
 
 
 def test_bench_sampled_runs_are_seeded_and_use_generates_warpers():
-    """Same seed, same tokens and counters; and `ar` at batch 1 draws exactly plain generate's tokens (one
-    multinomial per token from the same processed scores), which holds only if the bench's warpers are the ones
-    generate builds, in its order."""
+    """Same seed, same tokens and counters; and `ar` on the reference at batch 1 draws exactly plain generate's tokens
+    (one multinomial per token from the same processed scores, as plain draws them), which holds only if the bench's
+    warpers are the ones generate builds, in its order."""
     model = shapes.random_model("ouro-tiny", seed=0)
     ids = prompts.make_prompts(None, model.config.vocab_size, 1, 8, seed=0)
     sampling = run.sampling_settings(bench_args.parse_args(SAMPLING))
@@ -262,7 +265,8 @@ def test_bench_sampled_runs_are_seeded_and_use_generates_warpers():
         assert [type(p).__name__ for p in processors] == ["TemperatureLogitsWarper", "TopKLogitsWarper",
                                                            "TopPLogitsWarper"]
         for mode in ("plain", "ar", "pipeline", "pipeline"):
-            result = run.run_mode(model, mode, ids, 12, draft_loops=1, k=4, processors=processors, seed=5)
+            result = run.run_mode(model, mode, ids, 12, draft_loops=1, k=4, processors=processors, seed=5,
+                                  engine="reference" if mode == "ar" else "wavefront")
             if mode in runs:
                 assert torch.equal(result["generated"], runs[mode]["generated"])
                 assert result["stats"].to_dict() == runs[mode]["stats"].to_dict()
@@ -372,6 +376,10 @@ def test_invalid_speculative_settings_are_clear_errors(checkpoint, capsys):
     assert "outside [1, 3]" in _run_error([*base, "--mode", "block", "--draft-loops", "4"], capsys)
     assert "outside [1, 3]" in _run_error(["bench", *FAST, "--draft-loops", "5"], capsys)
     assert "torch.compile backend name" in _run_error(["bench", *FAST, "--compile", "no-such-backend"], capsys)
+    with pytest.raises(argparse.ArgumentTypeError, match="'lanes' is now 'reference'"):
+        bench_args.parse_engines("lanes")
+    assert "the reference runs eagerly" in _run_error(["bench", *FAST, "--engines", "reference", "--compile", "eager"],
+                                                      capsys)
 
 
 @pytest.mark.parametrize("mode", ["plain", "block", "pipeline"])

@@ -34,10 +34,9 @@ FAMILIES = {"ouro": (dict(family="ouro", seed=1, loops=4, damp=0.3), {}, 64),
 
 
 @pytest.mark.parametrize("processor", [False, True], ids=["no-processor", "user-processor"])
-@pytest.mark.parametrize("engine", ["auto", "lanes"])
 @pytest.mark.parametrize("mode,d,k", [pytest.param(*m, id=mode_id(*m)) for m in MODES])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_use_cache_false_gives_plain_tokens(family, mode, d, k, engine, processor):
+def test_use_cache_false_gives_plain_tokens(family, mode, d, k, processor):
     """use_cache=False, without a cache passed: plain's tokens in every mode, also with a user logits processor
     (speculative `generate` then decodes plainly, and did so on the PagedLoopCache it had made for speculation:
     a mask / cache length `ValueError`, or other tokens)."""
@@ -46,17 +45,15 @@ def test_use_cache_false_gives_plain_tokens(family, mode, d, k, engine, processo
     ids, mask = left_pad(random_prompts(3, [5, 2, 4], vocab))
     extra = {"logits_processor": LogitsProcessorList([NoFollower(vocab)])} if processor else {}
     ref = plain(model, ids, mask, 12, **settings, **extra)
-    out = generate_dict(model, ids, mask, 12, use_cache=False, speculative_engine=engine, **mode_kwargs(mode, d, k),
-                        **settings, **extra)
+    out = generate_dict(model, ids, mask, 12, use_cache=False, **mode_kwargs(mode, d, k), **settings, **extra)
     assert out.sequences.tolist() == ref.sequences.tolist()
     assert out.cache is None
 
 
-@pytest.mark.parametrize("engine", ["auto", "lanes", "wavefront"])
 @pytest.mark.parametrize("mode,d,k", [pytest.param(*m, id=mode_id(*m)) for m in MODES])
-def test_huginn_continues_a_filled_cache_in_every_engine(mode, d, k, engine):
+def test_huginn_continues_a_filled_cache(mode, d, k):
     """Huginn continuing a cache that a pipeline call filled (reported to crash in the wavefront engine's set-up):
-    plain's tokens over the whole sequence, or, for `speculative_engine="wavefront"`, its documented refusal."""
+    plain's tokens over the whole sequence, or the engine's documented refusal."""
     spec, settings, vocab = FAMILIES["huginn"]
     model = model_for(**spec)
     ids, mask = left_pad(random_prompts(4, [5, 2, 4], vocab))
@@ -65,10 +62,9 @@ def test_huginn_continues_a_filled_cache_in_every_engine(mode, d, k, engine):
     full, full_mask = extend(first.sequences, mask, random_prompts(5, [2, 1, 3], vocab))
     ref = plain(model, full, full_mask, 8, **settings)
     try:
-        out = generate_dict(model, full, full_mask, 8, cache=cache, speculative_engine=engine,
-                            **mode_kwargs(mode, d, k), **settings)
+        out = generate_dict(model, full, full_mask, 8, cache=cache, **mode_kwargs(mode, d, k), **settings)
     except ValueError as error:
-        assert engine == "wavefront" and str(error).startswith(REFUSED), error
+        assert str(error).startswith(REFUSED), error
         return
     assert out.sequences.tolist() == ref.sequences.tolist()
 

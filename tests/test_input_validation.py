@@ -18,10 +18,8 @@ from hf_loopspec import OuroForCausalLM
 from hf_loopspec.prompting import generate_kwargs
 
 VOCAB = 96
-# every mode: plain decoding, and one setting of each speculative mode on each engine
-MODES = {"plain": {"speculative_mode": None}} | {
-    f"{mode_id(*m)}-{engine}": mode_kwargs(*m) | {"speculative_engine": engine}
-    for m in MODE_PAIR for engine in ("lanes", "wavefront")}
+# every mode: plain decoding, and one setting of each speculative mode (on the engine generate runs)
+MODES = {"plain": {"speculative_mode": None}} | {mode_id(*m): mode_kwargs(*m) for m in MODE_PAIR}
 SPECULATIVE = {name: kwargs for name, kwargs in MODES.items() if name != "plain"}
 
 

@@ -20,6 +20,7 @@ from speculative_utils import (
     MODE_PAIR,
     MODES,
     PAD,
+    engine_settings,
     generate_dict,
     mode_id,
     mode_kwargs,
@@ -227,8 +228,7 @@ def _both_engines(model, ids, mask, seed, **kwargs):
     outs = []
     for engine in ("lanes", "wavefront"):
         torch.manual_seed(seed)
-        outs.append(generate_dict(model, ids, mask, 20, cache=paged_cache(model, debug=False), do_sample=True,
-                                  speculative_engine=engine, **kwargs))
+        outs.append(generate_dict(model, ids, mask, 20, do_sample=True, **engine_settings(model, engine), **kwargs))
     assert [o.speculation.engine for o in outs] == ["lanes", "wavefront"]
     return outs
 
@@ -290,4 +290,5 @@ def test_non_finite_probabilities_raise_on_both_engines(engine):
     raise plain sampling's error instead."""
     model, _, ids, mask = spec_case(3, [5, 2], 96)
     with pytest.raises(RuntimeError, match="probability tensor contains either `inf` or `nan`"):
-        speculative(model, ids, mask, 8, "pipeline", do_sample=True, temperature=1e-50, speculative_engine=engine)
+        speculative(model, ids, mask, 8, "pipeline", do_sample=True, temperature=1e-50,
+                    **engine_settings(model, engine))

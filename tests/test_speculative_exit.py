@@ -18,6 +18,7 @@ from speculative_utils import (
     PAD,
     assert_cache_matches_ar,
     assert_counter_invariants,
+    engine_settings,
     mode_params,
     paged_cache,
     plain,
@@ -59,8 +60,8 @@ def test_exit_options_with_second_proposals_count_as_the_lane_decoder(setup, nam
     lane decoder's counters, on the engine."""
     model, ids, mask, _ = setup
     ref = plain(model, ids, mask, NEW, **OPTIONS[name])
-    runs = {engine: speculative(model, ids, mask, NEW, "pipeline", 1, second_draft_loops=3, speculative_engine=engine,
-                                **OPTIONS[name]) for engine in ("wavefront", "lanes")}
+    runs = {engine: speculative(model, ids, mask, NEW, "pipeline", 1, second_draft_loops=3,
+                                **engine_settings(model, engine), **OPTIONS[name]) for engine in ("wavefront", "lanes")}
     assert runs["wavefront"].speculation.engine == "wavefront"
     assert runs["wavefront"].sequences.tolist() == ref.sequences.tolist()
     counts = {engine: {k: v for k, v in out.speculation.to_dict().items() if k != "engine"}

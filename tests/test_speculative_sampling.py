@@ -2,8 +2,8 @@
 the exact distribution of plain sampling (the rules themselves are checked against hand computations in
 test_rules.py).
 
-Each distribution test runs under both engines (`speculative_engine`): the lane decoder and the wavefront engine
-(both apply `generation.rules`).
+The distribution tests run the wavefront engine, the engine `generate` runs; the power test patches the reference's
+rule (`lane_rules.speculative`, which a debug cache's reference run uses).
 
 Statistics: Pearson's chi-square goodness of fit against the exact probabilities, computed here with an
 independent full forward of the model and transformers' own processors. The p-value comes from the
@@ -22,17 +22,15 @@ from speculative_utils import MODES, mode_id, mode_kwargs, mode_params
 from hf_loopspec import PagedLoopCache
 from hf_loopspec.generation import lane_rules, rules
 
-ENGINES = ["lanes", "wavefront"]
 # every setting of the matrix once, with the processor settings in turn
 JOINT = [pytest.param(m, processors, id=f"{mode_id(*m)}-{processors}")
          for m, processors in zip(MODES, ["none", "warped", "warped", "none"])]
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize(("mode", "settings"), JOINT)
-def test_joint_distribution_of_two_tokens_equals_plain_sampling(sampling_model, mode, settings, engine):
+def test_joint_distribution_of_two_tokens_equals_plain_sampling(sampling_model, mode, settings):
     joint = exact_joint(sampling_model, PROCESSOR_SETTINGS[settings])
-    counts = sample_pairs(sampling_model, PROCESSOR_SETTINGS[settings], seed=1, speculative_engine=engine,
+    counts = sample_pairs(sampling_model, PROCESSOR_SETTINGS[settings], seed=1, speculative_engine="wavefront",
                           **mode_kwargs(*mode))
     assert chi_square_p_value(counts, joint) > ALPHA
 
@@ -51,13 +49,13 @@ def test_statistical_test_has_power_against_the_approximate_rule(sampling_model,
 
     monkeypatch.setattr(lane_rules, "speculative", greedy_match)
     counts = sample_pairs(sampling_model, {}, seed=3, speculative_mode="pipeline", draft_loops=1,
-                          speculative_engine="lanes")  # the patched rule is the lane decoder's
+                          cache=PagedLoopCache(sampling_model.kv_layout, debug=True))  # the reference's rule
     assert chi_square_p_value(counts, exact_joint(sampling_model, {})) < ALPHA
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("mode,d,k", mode_params(keep=lambda mode, d, k: d == 1))
-def test_same_seed_same_output_and_top_k_1_is_greedy(sampling_model, mode, d, k, engine):
+def test_same_seed_same_output_and_top_k_1_is_greedy(sampling_model, mode, d, k):
+    engine = "wavefront"
     ids = torch.tensor([PROMPT, [2, 2, 7]])
     spec = mode_kwargs(mode, d, k)
     runs = []
@@ -69,17 +67,14 @@ def test_same_seed_same_output_and_top_k_1_is_greedy(sampling_model, mode, d, k,
     assert not torch.equal(runs[0], sampling_model.generate(ids, max_new_tokens=12, do_sample=True,
                                                             speculative_engine=engine, **spec))
     greedy = sampling_model.generate(ids, max_new_tokens=12, do_sample=False)
-    top1 = sampling_model.generate(ids, max_new_tokens=12, do_sample=True, top_k=1, speculative_engine=engine, **spec,
-                                   cache=PagedLoopCache(sampling_model.kv_layout, debug=engine == "lanes"))
+    top1 = sampling_model.generate(ids, max_new_tokens=12, do_sample=True, top_k=1, speculative_engine=engine, **spec)
     assert torch.equal(top1, greedy)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_greedy_path_does_not_consume_random_numbers(sampling_model, engine):
+def test_greedy_path_does_not_consume_random_numbers(sampling_model):
     ids = torch.tensor([PROMPT])
     torch.manual_seed(5)
-    sampling_model.generate(ids, max_new_tokens=8, do_sample=False, speculative_mode="pipeline",
-                            speculative_engine=engine)
+    sampling_model.generate(ids, max_new_tokens=8, do_sample=False, speculative_mode="pipeline")
     after = torch.rand(1)
     torch.manual_seed(5)
     assert torch.equal(torch.rand(1), after)

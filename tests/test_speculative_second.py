@@ -38,6 +38,7 @@ from speculative_utils import (
     assert_cache_matches_ar,
     assert_counter_invariants,
     check_forced_run,
+    decode_reference,
     events,
     first_new_occurrence,
     paged_cache,
@@ -45,7 +46,6 @@ from speculative_utils import (
     plain,
     real_tokens,
     spec_case,
-    speculative,
     tiny_spec_model,
 )
 from tolerances import ouro_depth
@@ -100,8 +100,8 @@ def _hooks(free, mask, prompts, outcome):
 
 
 def _run(model, ids, mask, max_new, d, d2, hooks, **kwargs):
-    return speculative(model, ids, mask, max_new, "pipeline", d, second_draft_loops=d2, speculative_trace="hidden",
-                       debug=True, **hooks, **kwargs)
+    return decode_reference(model, ids, mask, max_new, "pipeline", d, second_draft_loops=d2,
+                            speculative_trace="hidden", **hooks, **kwargs)
 
 
 def check_second_run(model, prompts, ids, mask, out, ref, committed, outcome=None):
@@ -244,8 +244,8 @@ def test_identity_with_real_second_proposals(damp, loops, d, d2):
     prompts = [p for seed in range(2) for p in random_prompts(seed, BATCHES["ragged3"](seed, 0), VOCAB)]
     ids, mask = left_pad(prompts)
     ref = plain(model, ids, mask, 40)
-    out = speculative(model, ids, mask, 40, "pipeline", d, second_draft_loops=d2, debug=False,
-                      speculative_engine="lanes")  # the wavefront engine's identity: test_wavefront_second.py
+    out = decode_reference(model, ids, mask, 40, "pipeline", d, second_draft_loops=d2)  # the engine's identity:
+    # test_wavefront_second.py
     assert out.sequences.tolist() == ref.sequences.tolist()
     assert_counter_invariants(out.speculation, [40] * len(prompts))
     assert_cache_matches_ar(out.cache, ref.cache, mask, [40] * len(prompts), model.config.num_hidden_layers,
@@ -276,8 +276,8 @@ def test_siblings_sharing_one_slot_is_caught(monkeypatch):
 def test_schedule_shows_siblings():
     model, prompts, ids, mask = spec_case(31, [5], VOCAB)
     ref = plain(model, ids, mask, NEW)
-    out = speculative(model, ids, mask, NEW, "pipeline", 1, second_draft_loops=2, speculative_trace=True,
-                      **_hooks(ref, mask, prompts, lambda s, p, i: PATTERNS["rotating"](p, i)))
+    out = decode_reference(model, ids, mask, NEW, "pipeline", 1, second_draft_loops=2, speculative_trace=True,
+                           **_hooks(ref, mask, prompts, lambda s, p, i: PATTERNS["rotating"](p, i)))
     grid = schedule_grid(out.trace, num_loops=4)
     chosen = [c for c in grid.cells if c.kind == "second_accepted"]
     assert len([c for c in chosen if c.depth == 0]) == out.speculation.second_accepted > 0
@@ -297,19 +297,18 @@ def test_generation_config_key():
 # --- sampling: recursive rejection over the two candidates --------------------------------------------------------
 
 
-@pytest.mark.parametrize("engine", ["lanes", "wavefront"])
 @pytest.mark.parametrize(("d", "d2", "settings"), [(1, 3, "warped")])
-def test_sampled_joint_distribution_with_second_proposals(sampling_model, d, d2, settings, engine):
+def test_sampled_joint_distribution_with_second_proposals(sampling_model, d, d2, settings):
     """Two sampled tokens per row, 3000 rows: their joint distribution equals plain sampling's (exact, from full
     forwards, after temperature, top-k and repetition penalty), with siblings spawned and chosen along the way, on
-    both engines (both apply `rules.second_candidate`).
+    the engine (`rules.second_candidate`).
     Power: with the replacement drawn from the first residual instead of the second, this test's p-value was 4e-31
     (and 3e-11 with d2 = 2 and no processors), measured once by patching the lane decoder's `rules.second_candidate`."""
     torch.manual_seed(3)
     ids = torch.tensor([SAMPLING_PROMPT] * SAMPLES)
     out = sampling_model.generate(ids, max_new_tokens=2, do_sample=True, top_p=1.0, speculative_mode="pipeline",
                                   draft_loops=d, second_draft_loops=d2, return_dict_in_generate=True,
-                                  speculative_engine=engine, **PROCESSOR_SETTINGS[settings])
+                                  speculative_engine="wavefront", **PROCESSOR_SETTINGS[settings])
     counts = pair_counts(out.sequences)
     assert chi_square_p_value(counts, exact_joint(sampling_model, PROCESSOR_SETTINGS[settings])) > ALPHA
     stats = out.speculation

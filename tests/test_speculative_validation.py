@@ -11,7 +11,7 @@ import pytest
 import torch
 from inputs import left_pad, random_prompts
 from speculative_utils import PAD, named_modes, paged_cache, plain, tiny_spec_model
-from transformers import GenerationConfig
+from transformers import EosTokenCriteria, GenerationConfig, MaxLengthCriteria, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache
 
 from hf_loopspec import OuroForCausalLM
@@ -70,9 +70,17 @@ BAD = [
     ({"speculative_mode": "pipeline", "second_draft_loops": True}, r"second_draft_loops=True"),
     ({"speculative_mode": "block", "second_draft_loops": 2}, r"(?s)(?=.*second_draft_loops=2)(?=.*'pipeline')"),
     ({"second_draft_loops": 2}, r"second_draft_loops=2"),
+    # the engine keeps one sibling per sequence: d2 >= U - d, named with the smallest allowed value, on every call
+    ({"speculative_mode": "pipeline", "second_draft_loops": 2}, r"(?s)(?=.*second_draft_loops=2)(?=.*>= 3)(?=.*\[3\])"),
     ({"speculative_mode": "pipeline", "second_draft_loops": 2, "compile_core": True}, r"second_draft_loops=2"),
     ({"speculative_mode": "pipeline", "second_draft_loops": 2, "speculative_engine": "wavefront"},
      r"second_draft_loops=2"),
+    # the lane decoder is no longer an engine: a saved "lanes" gets a message naming what runs it now
+    ({"speculative_mode": "pipeline", "speculative_engine": "lanes"},
+     r"(?s)(?=.*speculative_engine='lanes')(?=.*decode_with_lanes)(?=.*'auto')"),
+    ({"speculative_mode": "pipeline", "speculative_engine": "fast"}, r"speculative_engine='fast'"),
+    ({"compile_core": True}, r"compile_core=True compiles the speculative modes' engine"),
+    ({"speculative_mode": "pipeline", "compile_core": "no-such-backend"}, r"torch.compile backend name"),
     ({"speculative_mode": "pipeline", "output_hidden_states": True, "return_dict_in_generate": True},
      r"output_hidden_states=True"),
     ({"speculative_mode": "block", "output_attentions": True, "return_dict_in_generate": True},
@@ -221,6 +229,19 @@ def test_keys_from_saved_generation_config_json(model, inputs, tmp_path):
             loaded.generate(ids, attention_mask=mask, max_new_tokens=8)
 
 
+def test_saved_lanes_engine_names_the_reference_and_the_fix(model, inputs, tmp_path):
+    """A `generation_config.json` saved with the retired `speculative_engine="lanes"` loads, and `generate` then
+    raises a `ValueError` naming the value, where the lane decoder went and what to pass instead."""
+    ids, mask = inputs
+    model.save_pretrained(tmp_path)
+    saved = {"pad_token_id": PAD, "speculative_mode": "pipeline", "speculative_engine": "lanes"}
+    (tmp_path / "generation_config.json").write_text(json.dumps(saved))
+    loaded = OuroForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.generation_config.speculative_engine == "lanes"
+    with pytest.raises(ValueError, match=r"(?s)speculative_engine='lanes'.*decode_with_lanes.*generation_config"):
+        loaded.generate(ids, attention_mask=mask, max_new_tokens=4)
+
+
 def test_keys_set_on_the_default_generation_config_survive_save_and_reload(inputs, tmp_path):
     model = tiny_spec_model(54, 4, vocab=VOCAB)
     model.generation_config.speculative_mode = "pipeline"
@@ -303,8 +324,8 @@ def test_use_cache_false_returns_no_cache(model, inputs, mode):
 
 
 def test_id_buffer_grows_with_the_output(model, inputs, monkeypatch):
-    """A huge max_new_tokens allocates nothing up front (the buffer starts at IDS_CHUNK columns past the prompt), and
-    a buffer that must grow many times (IDS_CHUNK = 1) still gives plain's tokens."""
+    """The reference's output buffer: a huge max_new_tokens allocates nothing up front (the buffer starts at IDS_CHUNK
+    columns past the prompt), and a buffer that must grow many times (IDS_CHUNK = 1) still gives plain's tokens."""
     ids, mask = inputs
     widths = []
     run = decoder.LaneDecoder.run
@@ -316,11 +337,13 @@ def test_id_buffer_grows_with_the_output(model, inputs, monkeypatch):
 
     monkeypatch.setattr(decoder.LaneDecoder, "run", recording_run)
     eos = int(plain(model, ids, mask, 1).sequences[0, -1])  # row 0 stops after one token
-    out = model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=50_000_000, do_sample=False,
-                         pad_token_id=PAD, eos_token_id=eos, speculative_mode="pipeline")
-    assert out.shape[1] == ids.shape[1] + 1 and widths == [ids.shape[1] + columns.IDS_CHUNK]
+    huge = ids.shape[1] + 50_000_000
+    out = model.decode_with_lanes(ids[:1], "pipeline", cache=paged_cache(model), attention_mask=mask[:1],
+                                  max_length=huge, pad_token_id=PAD, stopping_criteria=StoppingCriteriaList(
+                                      [MaxLengthCriteria(huge), EosTokenCriteria(eos)]))
+    assert out.sequences.shape[1] == ids.shape[1] + 1 and widths == [ids.shape[1] + columns.IDS_CHUNK]
     monkeypatch.setattr(columns, "IDS_CHUNK", 1)
     for mode in ("pipeline", "block"):
-        got = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=PAD,
-                             eos_token_id=None, speculative_mode=mode)
-        assert got.tolist() == plain(model, ids, mask, 12, eos_token_id=None).sequences.tolist()
+        got = model.decode_with_lanes(ids, mode, cache=paged_cache(model), attention_mask=mask, pad_token_id=PAD,
+                                      max_length=ids.shape[1] + 12)
+        assert got.sequences.tolist() == plain(model, ids, mask, 12, eos_token_id=None).sequences.tolist()

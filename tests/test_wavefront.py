@@ -32,6 +32,7 @@ from speculative_utils import (
     paged_cache,
     plain,
     real_tokens,
+    reference,
     speculative,
     tiny_spec_model,
 )
@@ -39,7 +40,8 @@ from tolerances import ouro_depth
 from transformers import EosTokenCriteria, GenerationConfig, MaxLengthCriteria, StoppingCriteriaList
 
 from hf_loopspec.bench.shapes import random_model
-from hf_loopspec.generation.wavefront import WavefrontEngine, select, span
+from hf_loopspec.generation import dispatch
+from hf_loopspec.generation.wavefront import WavefrontEngine, span
 from hf_loopspec.generation.wavefront import device as device_module
 from hf_loopspec.generation.wavefront import engine as engine_module
 from hf_loopspec.generation.wavefront.device import GraphStep, uses_cuda_graphs
@@ -341,33 +343,22 @@ def test_compiled_step_across_batch_sizes(monkeypatch):
 
 
 def test_generate_speculative_engine():
-    """`speculative_engine` picks the engine; "auto" (the default) runs the wavefront engine when it supports the
-    call, else the lane decoder: here for a debug cache (its lineage checks follow lanes)."""
+    """"auto" (the default, here on a CPU, eager) and "wavefront" run the wavefront engine, with plain's tokens and
+    the reference's counters; a debug cache runs the reference (its lineage checks follow lanes); the retired
+    "lanes" is refused."""
     model, ids, mask = _batch(6)
     eos = 9
     ref = plain(model, ids, mask, NEW, eos_token_id=eos)
+    oracle = reference(model, ids, mask, NEW, "pipeline", 1, 1, eos_token_id=eos)
     runs = {engine: speculative(model, ids, mask, NEW, "pipeline", 1, 1, eos_token_id=eos, speculative_engine=engine)
-            for engine in ("wavefront", "lanes", None)}
-    runs["debug"] = speculative(model, ids, mask, NEW, "pipeline", 1, 1, debug=True, eos_token_id=eos)
-    for engine, out in runs.items():
+            for engine in ("wavefront", "auto", None)}
+    for out in (oracle, *runs.values()):
         torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
-        assert out.speculation.engine == {None: "wavefront", "debug": "lanes"}.get(engine, engine)
-    assert _counts(runs["wavefront"].speculation) == _counts(runs["lanes"].speculation)
-    assert _counts(runs[None].speculation) == _counts(runs["lanes"].speculation)
-
-
-@pytest.mark.device_rule
-def test_auto_picks_the_lane_decoder_on_a_cpu_eager():
-    """With the real device rule, "auto" on a CPU runs the lane decoder when the call is eager (measured faster there)
-    and the wavefront engine when it compiles or runs on CUDA; plain's tokens either way."""
-    model, ids, mask = _batch(6, (3, 5))
-    ref = plain(model, ids, mask, 6)
-    out = speculative(model, ids, mask, 6, "pipeline", 1, 1)
-    assert out.speculation.engine == "lanes"
-    torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
-    assert not select.wavefront_preferred(torch.device("cpu"), None)
-    assert select.wavefront_preferred(torch.device("cpu"), "inductor")
-    assert select.wavefront_preferred(torch.device("cuda"), None)
+    for out in runs.values():
+        assert out.speculation.engine == "wavefront"
+        assert _counts(out.speculation) == _counts(oracle.speculation)
+    with pytest.raises(ValueError, match="decode_with_lanes"):
+        speculative(model, ids, mask, NEW, "pipeline", 1, 1, speculative_engine="lanes")
 
 
 @pytest.mark.parametrize(("mode", "d", "k"), mode_params(MODE_PAIR))
@@ -382,11 +373,10 @@ def test_generate_processors_on_device(mode, d, k):
     settings.update(eos_token_id=eos, min_new_tokens=4)
     ref = plain(model, ids, mask, NEW, **settings)
     assert not torch.equal(ref.sequences, plain(model, ids, mask, NEW, eos_token_id=eos).sequences)
-    runs = {engine: speculative(model, ids, mask, NEW, mode, d, k, speculative_engine=engine, **settings)
-            for engine in ("wavefront", "lanes")}
-    torch.testing.assert_close(runs["wavefront"].sequences, ref.sequences, atol=0, rtol=0)
-    assert _counts(runs["wavefront"].speculation) == _counts(runs["lanes"].speculation)
-    assert runs["wavefront"].speculation.engine == "wavefront"
+    out = speculative(model, ids, mask, NEW, mode, d, k, speculative_engine="wavefront", **settings)
+    torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
+    assert _counts(out.speculation) == _counts(reference(model, ids, mask, NEW, mode, d, k, **settings).speculation)
+    assert out.speculation.engine == "wavefront"
 
 
 def test_generate_streams_what_plain_streams():
@@ -395,20 +385,21 @@ def test_generate_streams_what_plain_streams():
     model, ids, mask = _batch(9)
     eos = int(plain(model, ids, mask, NEW).sequences[0, ids.shape[1] + 3])
     streams = {}
-    for engine in ("wavefront", "lanes", "plain"):
+    for engine in ("wavefront", "plain"):
         streamer = RecordingStreamer()
         if engine == "plain":
             plain(model, ids, mask, NEW, eos_token_id=eos, streamer=streamer)
         else:
             speculative(model, ids, mask, NEW, "pipeline", 1, 1, eos_token_id=eos, streamer=streamer,
-                      speculative_engine=engine)
+                        speculative_engine=engine)
         assert streamer.ends == 1
         streams[engine] = streamer.puts
-    assert streams["wavefront"] == streams["plain"] == streams["lanes"]
+    assert streams["wavefront"] == streams["plain"]
 
 
 @pytest.mark.parametrize(("kwargs", "named"), [
     ({"speculative_engine": "fast"}, "speculative_engine='fast'"),
+    ({"speculative_engine": "lanes"}, "speculative_engine='lanes'"),
     ({"speculative_engine": "wavefront", "do_sample": True, "typical_p": 0.5}, "TypicalLogitsWarper"),
     ({"speculative_engine": "wavefront", "no_repeat_ngram_size": 2}, "NoRepeatNGramLogitsProcessor"),
     ({"speculative_engine": "wavefront", "draft_hook": lambda s, p, t: t}, "draft_hook"),
@@ -421,53 +412,46 @@ def test_generate_engine_errors_name_the_setting(kwargs, named):
         model.generate(ids, attention_mask=mask, **options)
 
 
-FALLBACKS = {  # settings the wavefront engine does not support: "auto" runs the lane decoder for them
-    "draft_hook": {"draft_hook": lambda s, p, t: t},
-    "processor": {"no_repeat_ngram_size": 2},
-    "debug cache": {"cache": "debug"},
-    "huginn": {"init_scale": 0.0},  # a zero initial state: plain and speculative start alike
+UNSUPPORTED = {  # settings the wavefront engine does not run yet, and the words that name each in the error
+    "draft_hook": ({"draft_hook": lambda s, p, t: t}, "draft_hook"),
+    "processor": ({"no_repeat_ngram_size": 2}, "NoRepeatNGramLogitsProcessor"),
+    "huginn": ({"init_scale": 0.0}, "HuginnForCausalLM"),
 }
 
 
-@pytest.mark.parametrize("case", sorted(FALLBACKS))
-def test_auto_falls_back_to_lanes(case):
-    """"auto" runs the lane decoder for a setting the wavefront engine does not support (plain's tokens either
-    way), and says so in `out.speculation.engine`."""
-    settings = dict(FALLBACKS[case])
+@pytest.mark.parametrize("case", sorted(UNSUPPORTED))
+def test_unsupported_settings_raise_naming_them(case):
+    """"auto" (the default) switches no engine: a setting the wavefront engine does not run raises a `ValueError`
+    that names it, before any decoding."""
+    settings, named = UNSUPPORTED[case]
+    settings = dict(settings)
     if case == "huginn":
         model = tiny_huginn(seed=5)[0]
         ids, mask = left_pad(random_prompts(7, (3, 5), model.config.vocab_size))
     else:
         model, ids, mask = _batch(7, (3, 5))
-    if settings.get("cache") == "debug":
-        settings["cache"] = paged_cache(model, debug=True)
-    ref = plain(model, ids, mask, 6, **{k: v for k, v in settings.items()
-                                         if k not in ("draft_hook", "speculative_trace", "cache")})
-    out = speculative(model, ids, mask, 6, "pipeline", 1, 1, **settings)
-    assert out.speculation.engine == "lanes"
-    torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        speculative(model, ids, mask, 6, "pipeline", 1, 1, **settings)
 
 
 def test_memory_check_counts_the_reserved_positions(monkeypatch):
     """The KV pages reserved up front must fit in half the free memory, counted over the positions the engine
     reserves: compiled, the bucket of C (`span.reserved_positions`), more than the call's max_length. Past it,
-    "wavefront" raises a ValueError naming max_length and "auto" runs the lane decoder (plain's tokens)."""
+    generate raises a ValueError naming max_length, whatever `speculative_engine` says."""
     model, ids, mask = _batch(7, (3, 5))
     cache = paged_cache(model, debug=False)
     new = 4
     max_length = ids.shape[1] + new
     per_position = len(ids) * cache.num_planes * cache.bytes_per_token_per_depth(model.lane_dtype)
     assert span.reserved_positions(max_length, compiled=True) > max_length
-    monkeypatch.setattr(select, "free_memory", lambda device: 2 * per_position * max_length)  # eager just fits
+    monkeypatch.setattr(dispatch, "free_memory", lambda device: 2 * per_position * max_length)  # eager just fits
     ref = plain(model, ids, mask, new)
     eager = speculative(model, ids, mask, new, "pipeline", 1, 1, speculative_engine="wavefront")
     assert eager.speculation.engine == "wavefront"
-    with pytest.raises(ValueError, match=re.escape(f"max_length={max_length} (KV pages for 64 positions")):
-        speculative(model, ids, mask, new, "pipeline", 1, 1, speculative_engine="wavefront", compile_core="eager")
-    auto = speculative(model, ids, mask, new, "pipeline", 1, 1, compile_core="eager")
-    assert auto.speculation.engine == "lanes"
-    for out in (eager, auto):
-        torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
+    for engine in ("wavefront", "auto"):
+        with pytest.raises(ValueError, match=re.escape(f"max_length={max_length} (KV pages for 64 positions")):
+            speculative(model, ids, mask, new, "pipeline", 1, 1, speculative_engine=engine, compile_core="eager")
+    torch.testing.assert_close(eager.sequences, ref.sequences, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(("read_every", "per_call"), [(1, 1), (3, 1), (3, 3)])

@@ -17,6 +17,8 @@ from inputs import extend, left_pad, random_prompts
 from paged_utils import paged_plane
 from speculative_utils import (
     MODE_PAIR,
+    decode_reference,
+    engine_settings,
     generate_dict,
     mode_kwargs,
     mode_params,
@@ -66,22 +68,22 @@ def assert_same_cache(cache, reference, model) -> None:
 @pytest.mark.parametrize("mode,d,k", mode_params(MODE_PAIR))
 def test_three_turns_equal_plain_and_leave_the_lane_decoders_cache(chat, mode, d, k):
     model, ids, mask, eos, turns = chat
-    caches = {engine: paged_cache(model, debug=False) for engine in ("wavefront", "lanes")}
+    caches = {engine: engine_settings(model, engine) for engine in ("wavefront", "lanes")}
     outs = {}
     for turn in range(3):
         if turn:
             ids, mask = extend(outs["wavefront"].sequences, mask, turns[turn - 1])
         expected = plain(model, ids, mask, NEW, eos_token_id=eos).sequences
-        outs = {engine: speculative(model, ids, mask, NEW, mode, d, k, eos_token_id=eos, cache=cache,
-                                    speculative_engine=engine) for engine, cache in caches.items()}
+        outs = {engine: speculative(model, ids, mask, NEW, mode, d, k, eos_token_id=eos, **settings)
+                for engine, settings in caches.items()}
         assert outs["wavefront"].speculation.engine == "wavefront"
         assert outs["wavefront"].sequences.tolist() == expected.tolist(), f"turn {turn}"
         assert counters(outs["wavefront"].speculation) == counters(outs["lanes"].speculation), f"turn {turn}"
-        assert_same_cache(caches["wavefront"], caches["lanes"], model)
+        assert_same_cache(caches["wavefront"]["cache"], caches["lanes"]["cache"], model)
     assert outs["wavefront"].speculation.verified > 0  # the last turn ran speculation on the continued cache
 
 
-FIRST = {"plain": {"speculative_mode": None}, "lanes": mode_kwargs("pipeline", 2) | {"speculative_engine": "lanes"},
+FIRST = {"plain": {"speculative_mode": None}, "lanes": None,  # the reference, directly (`decode_reference`)
          "wavefront": mode_kwargs("block", 1, 4) | {"speculative_engine": "wavefront"}}
 
 
@@ -92,7 +94,10 @@ def test_continue_a_cache_any_decoder_filled(chat, first, mode, d, k):
     decoder or the engine; the second turn, on the engine, equals plain decoding of the whole conversation."""
     model, ids, mask, eos, turns = chat
     cache = paged_cache(model, debug=False)
-    out = generate_dict(model, ids, mask, NEW, eos_token_id=eos, cache=cache, **FIRST[first])
+    if first == "lanes":
+        out = decode_reference(model, ids, mask, NEW, "pipeline", 2, eos_token_id=eos, cache=cache)
+    else:
+        out = generate_dict(model, ids, mask, NEW, eos_token_id=eos, cache=cache, **FIRST[first])
     full, full_mask = extend(out.sequences, mask, turns[0])
     expected = plain(model, full, full_mask, NEW, eos_token_id=eos).sequences
     got = speculative(model, full, full_mask, NEW, mode, d, k, eos_token_id=eos, cache=cache,
@@ -142,11 +147,11 @@ def test_inputs_that_do_not_continue_the_cache_raise_the_lane_decoders_error(cha
     model, ids, mask, _, _ = chat
     errors = {}
     for engine in ("wavefront", "lanes"):
-        cache = paged_cache(model, debug=False)
-        out = speculative(model, ids, mask, 3, "pipeline", 1, cache=cache, speculative_engine=engine)
+        settings = engine_settings(model, engine)
+        out = speculative(model, ids, mask, 3, "pipeline", 1, **settings)
         full, full_mask = REFUSED[case][0](ids, mask, out)
         with pytest.raises(ValueError, match=REFUSED[case][1]) as error:
-            speculative(model, full, full_mask, 3, "pipeline", 1, cache=cache, speculative_engine=engine)
+            speculative(model, full, full_mask, 3, "pipeline", 1, **settings)
         errors[engine] = str(error.value)
     assert errors["wavefront"] == errors["lanes"]
 

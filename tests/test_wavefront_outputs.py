@@ -28,7 +28,7 @@ from tolerances import assert_fp32_close, ouro_depth
 from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 import hf_loopspec
-from hf_loopspec.generation.wavefront import select, stopping
+from hf_loopspec.generation.wavefront import options, stopping
 from hf_loopspec.trace_plot import schedule_grid
 
 VOCAB, NEW = 64, 14
@@ -95,7 +95,7 @@ def test_stop_between_read_backs_is_cut_back(setup, monkeypatch, mode, d, k):
     has committed more (a commit completes at least every (K + 1) d + U cycles, 8 here, after a prefill of at most
     U + K d = 8): the rows are cut back to one token, with plain's output, counters and cache planes."""
     model, ids, mask, _ = setup
-    monkeypatch.setattr(select, "HOST_READ_EVERY", 30)
+    monkeypatch.setattr(options, "HOST_READ_EVERY", 30)
     cuts = []
     end_row = stopping.end_row
     monkeypatch.setattr(stopping, "end_row", lambda s, b, steps, pad: (cuts.append(int(s.n_out[b]) - steps),
@@ -208,7 +208,7 @@ def test_trace_matches_the_lane_decoder(setup, mode, d, k, hidden):
     model, ids, mask, free = setup
     trace = "hidden" if hidden else True
     got = speculative(model, ids, mask, NEW, mode, d, k, speculative_trace=trace, **WAVEFRONT)
-    want = speculative(model, ids, mask, NEW, mode, d, k, speculative_trace=trace, speculative_engine="lanes")
+    want = speculative(model, ids, mask, NEW, mode, d, k, speculative_trace=trace, debug=True)
     assert got.speculation.engine == "wavefront"
     assert got.sequences.tolist() == want.sequences.tolist()
     assert len(got.trace) == len(want.trace)
@@ -247,7 +247,7 @@ def test_trace_with_second_proposals(setup, d, second):
     model, ids, mask, _ = setup
     options = dict(speculative_trace=True, second_draft_loops=second)
     got = speculative(model, ids, mask, NEW, "pipeline", d, **options, **WAVEFRONT)
-    want = speculative(model, ids, mask, NEW, "pipeline", d, **options, speculative_engine="lanes")
+    want = speculative(model, ids, mask, NEW, "pipeline", d, **options, debug=True)
     assert got.sequences.tolist() == want.sequences.tolist()
     assert [c.events for c in got.trace] == [c.events for c in want.trace]
     assert [sorted(c.rows, key=repr) for c in got.trace] == [sorted(c.rows, key=repr) for c in want.trace]

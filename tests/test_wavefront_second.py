@@ -18,6 +18,7 @@ from speculative_utils import (
     PAD,
     assert_cache_matches_ar,
     assert_counter_invariants,
+    decode_reference,
     generated_counts,
     paged_cache,
     plain,
@@ -167,24 +168,17 @@ def test_step_compiles_whole(sampled, monkeypatch):
 
 
 def test_unsupported_depth():
-    """With U - d2 > d (two siblings could be open at once), "wavefront" raises a ValueError naming the setting and
-    its fix, and "auto" runs the lane decoder (same tokens as plain); with U - d2 <= d "auto" runs the wavefront
-    engine."""
+    """With U - d2 > d (two siblings could be open at once) `generate` raises a ValueError naming the setting and the
+    smallest value it allows, whatever `speculative_engine` says; the reference (`decode_with_lanes`) still runs it,
+    with plain's tokens; with U - d2 <= d the wavefront engine runs."""
     model, ids, mask = _case(8, 4, (4, 6))
-    with pytest.raises(ValueError, match=r"second_draft_loops=2 .*second_draft_loops >= 3"):
-        speculative(model, ids, mask, 6, "pipeline", 1, speculative_engine="wavefront", second_draft_loops=2)
-    out = speculative(model, ids, mask, 6, "pipeline", 1, second_draft_loops=2)
-    assert out.speculation.engine == "lanes"
+    for engine in ("wavefront", "auto"):
+        with pytest.raises(ValueError, match=r"second_draft_loops=2 .*second_draft_loops >= 3"):
+            speculative(model, ids, mask, 6, "pipeline", 1, speculative_engine=engine, second_draft_loops=2)
+    out = decode_reference(model, ids, mask, 6, "pipeline", 1, second_draft_loops=2)
     assert out.sequences.tolist() == plain(model, ids, mask, 6).sequences.tolist()
     supported = speculative(model, ids, mask, 6, "pipeline", 1, second_draft_loops=3)
     assert supported.speculation.engine == "wavefront"
-
-
-def test_lane_decoder_refuses_compiled_second_proposals():
-    model, ids, mask = _case(8, 4, (4,))
-    with pytest.raises(ValueError, match="second_draft_loops=3 cannot be combined with compile_core='eager'"):
-        speculative(model, ids, mask, 4, "pipeline", 1, second_draft_loops=3, compile_core="eager",
-                    speculative_engine="lanes")
 
 
 @pytest.mark.parametrize(("loops", "d", "d2"), [CONFIGS[0], CONFIGS[2]], ids=[CONFIG_IDS[0], CONFIG_IDS[2]])

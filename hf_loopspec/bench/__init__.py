@@ -16,12 +16,12 @@ for the embedded model, which was trained on Python; `PROMPT_TEXT`, English, for
 * `static` (only when asked for in `--modes`): the same with `cache_implementation="static"`, which transformers
   compiles on CUDA (its own fast path, the honest plain baseline on a GPU); its `compile_seconds` is its warm-up
   minus its median timed run.
-* `ar`: `model.decode_with_lanes(ids, "ar")` on a `PagedLoopCache`: the lane engine without drafting, U core calls
-  per token. The baseline of the speculative modes (same engine, same cache, same entry point).
-* `block`, `pipeline`: `model.decode_with_lanes(ids, mode, draft_loops=d, num_speculative_tokens=K)`.
+* `ar`: the wavefront engine in mode "ar" on a `PagedLoopCache`: no drafting, U core calls per token. The baseline
+  of the speculative modes (same engine, same cache).
+* `block`, `pipeline`: the wavefront engine (`WavefrontEngine.from_request`, what `generate` runs) in that mode.
 * `pipeline+second` (with `--second-draft-loops D2`): pipeline with second proposals from loop D2
-  (`second_draft_loops`), once per `--engines` engine (`pipeline+second/wavefront`: the wavefront engine, which
-  needs D2 >= U - d); its rows add `second_drafts` and `second_accepted`.
+  (`second_draft_loops`, D2 >= U - d), once per `--engines` engine; its rows add `second_drafts` and
+  `second_accepted`.
 
 `plain` is also run once, untimed, first: its greedy output is the reference. Every mode is then warmed up
 once, and the timed runs are interleaved (`plain ar block pipeline plain ar ...`, `--repeats` rounds); a
@@ -35,15 +35,15 @@ shape, for a GPU). Huginn-family models run every mode from zero initial states 
 `mean_recurrence` steps; `draft_loops` then counts recurrence steps. Their prelude (`embed`) and coda (`head`)
 have KV of their own: the call-cost model below times them on their own planes.
 
-`--compile [BACKEND]` runs the lane modes with `compile_core` (static-shape compiled core and head calls,
-`generation/stages.py`); each row reports `compile_seconds`, its warm-up run minus its median timed run.
+`--compile [BACKEND]` runs the wavefront engine's step compiled (`compile_core`, fullgraph); each row reports
+`compile_seconds`, its warm-up run minus its median timed run.
 
-`--engines lanes,wavefront` runs every lane mode (ar, block, pipeline) under each engine in the same process: the
-lane decoder's rows keep the mode's name, the wavefront engine's (`generation.wavefront`, greedy or sampled) are named
-`MODE/wavefront`; every JSON row carries `engine` (None for plain modes). The wavefront engine's call rows are the
-fixed shapes it runs (every lane slot and prompt row in each core call, masked or not); with `--compile` its whole
-step is compiled (fullgraph); with `--synthetic-acceptance` its draft override is filled from the same seeded hook
-position by position, so at A < 1 its pattern differs from the lane decoder's at the same acceptance rate.
+`--engines wavefront,reference` also runs every lane mode (ar, block, pipeline) on the reference, the lane decoder
+(`model.decode_with_lanes`, eager only), as a measured baseline: it is the tests' oracle, not an engine `generate`
+runs. Its rows are named `MODE/reference`; every JSON row carries `engine` ("wavefront", "reference", or None for
+plain modes). The wavefront engine's call rows are the fixed shapes it runs (every lane slot and prompt row in each
+core call, masked or not); with `--synthetic-acceptance` its draft override is filled from the same seeded hook
+position by position, so at A < 1 its pattern differs from the reference's at the same acceptance rate.
 
 `--synthetic-acceptance A` (for random weights, whose drafts are almost never right): every draft proposal is
 replaced through `draft_hook` by the known greedy token with probability A (seeded), otherwise by a wrong token.
@@ -97,7 +97,7 @@ Sampling (`--do-sample`)
 ------------------------
 With `--do-sample` (and `--temperature`, default 1.0, `--top-p`, default 1.0, `--top-k`, default 0 = off) every
 mode samples: `plain` through `model.generate(do_sample=True, temperature=..., top_p=..., top_k=...)`, the lane
-modes through `decode_with_lanes(do_sample=True, logits_processor=...)` with the processors that generate builds
+modes with `do_sample=True` and the processors that generate builds
 from the same settings, built by transformers' own code (`run.generation_processors`). The bench runs on a
 generation config of its own (no EOS, none of a checkpoint's generation defaults) and leaves the caller's
 `model.generation_config` as it was. Drafts are judged by lossless

@@ -13,7 +13,7 @@ from .shape_table import SHAPES
 MODES = ("plain", "ar", "block", "pipeline")  # the default set
 PLAIN_MODES = ("plain", "static")  # transformers' own loop: DynamicCache, or cache_implementation="static"
 LANE_MODES = ("ar", "block", "pipeline")
-ENGINES = ("lanes", "wavefront")  # the engines that can run a lane mode (`generation.wavefront`)
+ENGINES = ("wavefront", "reference")  # what runs a lane mode: the engine, or the lane decoder as a measured baseline
 DESCRIPTION = "plain vs AR vs block vs pipeline decoding in one process, with the limit it is judged by."
 
 
@@ -28,6 +28,9 @@ def parse_modes(text: str) -> list[str]:
 
 def parse_engines(text: str) -> list[str]:
     engines = [e.strip() for e in text.split(",") if e.strip()]
+    if "lanes" in engines:
+        raise argparse.ArgumentTypeError("'lanes' is now 'reference' (the lane decoder, the readable reference: "
+                                         "model.decode_with_lanes); pass --engines wavefront,reference")
     bad = [e for e in engines if e not in ENGINES]
     if bad or not engines:
         raise argparse.ArgumentTypeError(f"unknown engine(s) {bad or text!r}; choose a comma-separated subset of "
@@ -104,15 +107,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"comma-separated subset of {','.join(MODES)},static (default: {','.join(MODES)}); "
                              "static: plain generate with cache_implementation='static' (compiled by transformers "
                              "on CUDA)")
-    parser.add_argument("--engines", type=parse_engines, default=["lanes"],
-                        help=f"comma-separated subset of {','.join(ENGINES)}: the engines that run each lane mode "
-                             "(ar, block, pipeline); the wavefront engine's rows are named MODE/wavefront "
-                             "(default: lanes)")
+    parser.add_argument("--engines", type=parse_engines, default=["wavefront"],
+                        help=f"comma-separated subset of {','.join(ENGINES)}: what runs each lane mode (ar, block, "
+                             "pipeline): the wavefront engine (generate's), and the reference (the lane decoder, "
+                             "eager only) as a measured baseline, in rows named MODE/reference (default: wavefront)")
     parser.add_argument("--draft-loops", type=positive, default=DEFAULT_DRAFT_LOOPS,
                         help="d: draft from the output of loop d (default: %(default)s)")
     parser.add_argument("--second-draft-loops", type=positive, default=None, metavar="D2",
                         help="also run pipeline with second proposals from loop D2 (second_draft_loops) on each "
-                             "engine, as the rows 'pipeline+second' and 'pipeline+second/wavefront' (default: off)")
+                             "engine, as the rows 'pipeline+second' and 'pipeline+second/reference' (default: off)")
     parser.add_argument("--num-speculative-tokens", type=positive, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
                         help="K: drafts per block round (default: %(default)s)")
     parser.add_argument("--repeats", type=positive, default=3,
@@ -135,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(default: %(default)s)")
     parser.add_argument("--threads", type=positive, default=None, help="torch.set_num_threads")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-                        help="run the lane modes' core and head calls compiled (generate's compile_core) with this "
+                        help="run the wavefront engine's step compiled (generate's compile_core) with this "
                              "torch.compile backend (default when given: inductor); plain is transformers' loop")
     parser.add_argument("--calibration-seconds", type=positive_float, default=3.0,
                         help="time budget of the embed/core/head call-cost measurements (default: %(default)s)")

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from ..generation.config import compile_backend, resolve_speculative
-from ..generation.wavefront.limits import second_proposals_problem
 from ..input_checks import check_positions
 from ..loading import DTYPES, load_model, resolve_device
 from .args import LANE_MODES, check_sampling_args, with_defaults
@@ -41,16 +40,16 @@ class _Bench:
 
     def runs(self) -> dict[str, tuple[str, str | None, int | None]]:
         """Run name -> (mode, engine, second_draft_loops): each lane mode once per `--engines` engine (named
-        MODE/wavefront for the wavefront engine), plain modes once (engine None), and with `--second-draft-loops`
-        pipeline once more per engine with second proposals (named pipeline+second, pipeline+second/wavefront)."""
+        MODE/reference for the reference), plain modes once (engine None), and with `--second-draft-loops`
+        pipeline once more per engine with second proposals (named pipeline+second, pipeline+second/reference)."""
         named = {}
         for mode in self.args.modes:
             engines = self.args.engines if mode in LANE_MODES else [None]
             for engine in engines:
-                named[mode if engine in (None, "lanes") else f"{mode}/{engine}"] = (mode, engine, None)
+                named[mode if engine in (None, "wavefront") else f"{mode}/{engine}"] = (mode, engine, None)
             if mode == "pipeline" and self.args.second_draft_loops is not None:
                 for engine in engines:
-                    name = "pipeline+second" if engine == "lanes" else f"pipeline+second/{engine}"
+                    name = "pipeline+second" if engine == "wavefront" else f"pipeline+second/{engine}"
                     named[name] = (mode, engine, self.args.second_draft_loops)
         return named
 
@@ -95,18 +94,17 @@ def _fixed_recurrence(model):
 
 
 def _validate(args, loops: int) -> None:
+    if args.compile and "reference" in args.engines:
+        raise ValueError(f"--compile {args.compile} compiles the wavefront engine; the reference runs eagerly: drop "
+                         "reference from --engines, or --compile.")
     for mode in ("block", "pipeline"):
         if mode in args.modes:  # raises ValueError with the same message generate() would
             resolve_speculative(mode, args.draft_loops, args.num_speculative_tokens, num_loops=loops,
-                                second_draft_loops=args.second_draft_loops if mode == "pipeline" else None)
+                                second_draft_loops=args.second_draft_loops if mode == "pipeline" else None,
+                                reference="wavefront" not in args.engines)
     if args.second_draft_loops is not None and "pipeline" not in args.modes:
         raise ValueError(f"--second-draft-loops {args.second_draft_loops} adds a pipeline run: include pipeline "
                          "in --modes.")
-    problem = second_proposals_problem("pipeline", loops, args.draft_loops, args.second_draft_loops) \
-        if "wavefront" in args.engines else None
-    if problem:
-        raise ValueError(f"--engines wavefront does not support {problem}; drop wavefront from --engines or change "
-                         "--second-draft-loops.")
 
 
 def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:

@@ -174,7 +174,7 @@ def mode_row(mode: str, runs: list[dict], seconds: dict[str, float], *, batch: i
 
     `runs`: the mode's timed runs (`run.run_mode` results); `check`: "reference" or a `compare` dict;
     `exact`: whether every run equals the reference (None when not checked for identity); `engine`: the engine
-    of a lane mode's run ("lanes" or "wavefront"; None for plain modes).
+    of a lane mode's run ("wavefront" or "reference"; None for plain modes).
     """
     first, tokens = runs[0], batch * new_tokens
     row = {

@@ -12,8 +12,9 @@ from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteri
 from transformers.cache_utils import DynamicCache
 
 from ..cache.paged import PagedLoopCache
+from ..generation.config import LANE_MODES, resolve_speculative
+from ..generation.dispatch import SpeculativeRequest
 from ..generation.wavefront import WavefrontEngine
-from ..generation.wavefront.processing import device_processors
 from .args import PLAIN_MODES
 
 
@@ -87,14 +88,14 @@ def generation_processors(model, prompt_len: int, device: torch.device) -> Logit
 
 def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook=None,
              output_logits: bool = False, processors: LogitsProcessorList | None = None, seed: int | None = None,
-             compile_core: str | None = None, engine: str = "lanes", second_draft_loops: int | None = None) -> dict:
+             compile_core: str | None = None, engine: str = "wavefront", second_draft_loops: int | None = None) -> dict:
     """Run one mode once, inside `bench_generation_config` (greedy or sampled as `model.generation_config` says);
     returns seconds, generated ids `[B, N]`, and for the lane modes the stats and the row counts of every call.
 
     `processors`: the lane modes' logits processors (`generation_processors`); `seed`: call `torch.manual_seed(seed)`
-    first (untimed); `compile_core`: a torch.compile backend for the lane modes; `engine`: the engine of a lane
-    mode, "lanes" or "wavefront" (`draft_hook` then becomes its device-side `draft_override`); `second_draft_loops`:
-    pipeline with second proposals.
+    first (untimed); `compile_core`: a torch.compile backend for the wavefront engine; `engine`: what runs a lane
+    mode, "wavefront" (`draft_hook` then becomes its device-side `draft_override`) or "reference" (the lane decoder,
+    eager); `second_draft_loops`: pipeline with second proposals.
     """
     device = ids.device
     if seed is not None:
@@ -109,8 +110,8 @@ def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loop
                                          draft_hook=draft_hook, processors=processors, compile_core=compile_core,
                                          second=second_draft_loops)
         else:
-            result, out = _run_lanes(model, mode, ids, new_tokens, draft_loops=draft_loops, k=k, draft_hook=draft_hook,
-                                     processors=processors, compile_core=compile_core, second=second_draft_loops)
+            result, out = _run_reference(model, mode, ids, new_tokens, draft_loops=draft_loops, k=k,
+                                         draft_hook=draft_hook, processors=processors, second=second_draft_loops)
     result["generated"] = out.sequences[:, ids.shape[1]:].cpu()
     if device.type == "cuda":
         result["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -131,8 +132,8 @@ def _run_plain(model, mode: str, ids: torch.Tensor, new_tokens: int, output_logi
             "logits": out.logits if output_logits else None}, out
 
 
-def _run_lanes(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook,
-               processors, compile_core, second: int | None = None):
+def _run_reference(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook,
+                   processors, second: int | None = None):
     cache = PagedLoopCache(model.kv_layout)
     max_length = ids.shape[1] + new_tokens
     synchronize(ids.device)
@@ -141,7 +142,7 @@ def _run_lanes(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_lo
         ids, mode, draft_loops=draft_loops, num_speculative_tokens=k, cache=cache, attention_mask=None,
         logits_processor=processors, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(max_length)]),
         pad_token_id=0, max_length=max_length, draft_hook=draft_hook,
-        do_sample=model.generation_config.do_sample, compile_core=compile_core or False, second_draft_loops=second)
+        do_sample=model.generation_config.do_sample, second_draft_loops=second)
     synchronize(ids.device)
     seconds = time.perf_counter() - start
     # The row counts of every stage call come with the stats (counted on the host: no device sync in the run).
@@ -151,7 +152,6 @@ def _run_lanes(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_lo
 
 def _run_wavefront(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook,
                    processors, compile_core, second: int | None = None):
-    on_device, tensors = device_processors(processors, ids, model.get_output_embeddings().weight.shape[0])
     cache = PagedLoopCache(model.kv_layout)
     max_length = ids.shape[1] + new_tokens
     override = None
@@ -161,12 +161,13 @@ def _run_wavefront(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draf
             for position in range(ids.shape[1], max_length):
                 override[seq, position] = draft_hook(seq, position, -1)
         override = override.to(ids.device)
+    spec = resolve_speculative(mode, draft_loops, k, compile_core, num_loops=model.num_loops, modes=LANE_MODES,
+                               second_draft_loops=second)
+    request = SpeculativeRequest(spec, cache, ids, max_length, logits_processor=processors, pad_token_id=0,
+                                 do_sample=model.generation_config.do_sample)
     synchronize(ids.device)
-    start = time.perf_counter()  # set-up (page reservation, prompt embedding) is timed, as in the lane decoder's run
-    out = WavefrontEngine(model, cache, mode=mode, draft_loops=draft_loops, num_speculative_tokens=k, input_ids=ids,
-                          attention_mask=None, pad_token_id=0, max_length=max_length, draft_override=override,
-                          compile_backend=compile_core or None, processors=on_device,
-                          do_sample=model.generation_config.do_sample, second_draft_loops=second, **tensors).run()
+    start = time.perf_counter()  # set-up (page reservation, prompt embedding) is timed, as in the reference's run
+    out = WavefrontEngine.from_request(model, request, draft_override=override).run()
     synchronize(ids.device)
     seconds = time.perf_counter() - start
     return {"mode": mode, "seconds": seconds, "stats": out.stats, "call_rows": out.stats.call_rows,

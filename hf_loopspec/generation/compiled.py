@@ -26,7 +26,7 @@ class CompiledStore(dict):
 
 
 def compiled_store(model, kind: str) -> dict:
-    """The dict of `model`'s compiled functions of one `kind` ("stages", "wavefront"), created on first use."""
+    """The dict of `model`'s compiled functions of one `kind` (the engine's: "wavefront"), created on first use."""
     store = model.__dict__.get(STORE_ATTRIBUTE)
     if store is None:
         store = CompiledStore()

@@ -7,11 +7,12 @@ The keys live on `GenerationConfig` (so they also load from `generation_config.j
 * `draft_loops` (d): draft from the hidden state after d loops; 1 <= d < U; pipeline needs U % d == 0.
 * `num_speculative_tokens` (K): drafts per round in block mode; >= 1.
 * `compile_core`: `False` (default), `True` (`torch.compile` with inductor) or a `torch.compile` backend name:
-  the core and head calls run as static-shape compiled calls over row buckets (`generation.stages`).
-* `speculative_engine`: `"auto"` (default), `"lanes"` or `"wavefront"`: which engine runs the mode (see
-  `generation.wavefront.select`); asking for `"wavefront"` with a setting it does not support is a `ValueError`.
-* `second_draft_loops` (d2): pipeline only, d < d2 < U: a lane re-reads its draft at depth d2 and a different
-  proposal starts a sibling lane (`generation.siblings`); `None` (default): off.
+  the wavefront engine's whole step is compiled (fullgraph).
+* `speculative_engine`: `"auto"` (default) or `"wavefront"`, the same engine (`generation.dispatch`). The old value
+  `"lanes"` is refused with a message: the lane decoder is the readable reference, `model.decode_with_lanes(...)`.
+* `second_draft_loops` (d2): pipeline only, max(d + 1, U - d) <= d2 < U: a lane re-reads its draft at depth d2 and a
+  different proposal starts a sibling (the engine keeps one per sequence: `wavefront.limits`); `None` (default): off.
+  The reference (`decode_with_lanes`) also runs d < d2 < U - d (`generation.siblings`).
 
 `resolve_speculative` is the one validation of these settings: `generate` resolves them once per call (from the
 generation config, `speculative_config`) and passes the `SpeculativeConfig` down; `decode_with_lanes`, the bench
@@ -30,13 +31,14 @@ from .inputs import as_integer
 SPECULATIVE_KEYS = ("speculative_mode", "draft_loops", "num_speculative_tokens", "compile_core", "speculative_engine",
                     "second_draft_loops")
 MODES = ("pipeline", "block")
-LANE_MODES = ("ar", *MODES)  # `decode_with_lanes` also runs "ar": the lane engine without drafting
-ENGINES = ("auto", "lanes", "wavefront")
+LANE_MODES = ("ar", *MODES)  # `decode_with_lanes` also runs "ar": the reference without drafting
+ENGINES = ("auto", "wavefront")
+RETIRED_ENGINES = ("lanes",)  # values of earlier versions (a saved generation_config.json may hold one)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Validated settings of one lane-decoder run (build it with `resolve_speculative`)."""
+    """Validated settings of one speculative run (build it with `resolve_speculative`)."""
 
     mode: str  # one of LANE_MODES
     draft_loops: int = DEFAULT_DRAFT_LOOPS
@@ -47,9 +49,11 @@ class SpeculativeConfig:
 
 
 def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, compile_core=None, engine=None, *,
-                        num_loops: int, modes: tuple[str, ...] = MODES, second_draft_loops=None) -> SpeculativeConfig:
+                        num_loops: int, modes: tuple[str, ...] = MODES, second_draft_loops=None,
+                        reference: bool = False) -> SpeculativeConfig:
     """Validate one run's settings for a model of `num_loops` loops; `None` takes the default. Raises `ValueError`
-    naming the argument, its value and the fix."""
+    naming the argument, its value and the fix. `reference`: settings of the reference (`decode_with_lanes`),
+    which also runs second proposals the engine cannot."""
     if mode not in modes:
         raise ValueError(f"speculative_mode={mode!r} is not supported; use one of {modes} or None for plain "
                          "decoding.")
@@ -61,11 +65,23 @@ def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, com
     if k < 1:
         raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1 (drafts per block round).")
     engine = "auto" if engine is None else engine
+    if engine in RETIRED_ENGINES:
+        raise ValueError(f"speculative_engine={engine!r} is no longer an engine: the lane decoder is now the readable "
+                         "test reference, reachable as model.decode_with_lanes(...). Pass speculative_engine='auto' "
+                         "(the wavefront engine), or remove speculative_engine from the generation config (e.g. the "
+                         "checkpoint's generation_config.json).")
     if engine not in ENGINES:
-        raise ValueError(f"speculative_engine={engine!r} is not an engine; use one of {ENGINES} (auto: the fastest "
-                         "engine that supports every setting of the call).")
+        raise ValueError(f"speculative_engine={engine!r} is not an engine; use one of {ENGINES} (both run the "
+                         "wavefront engine).")
     backend = compile_backend(compile_core)
     second = _check_second_draft_loops(mode, draft_loops, second_draft_loops, num_loops)
+    from .wavefront.limits import second_proposals_problem  # here: the engine's package imports this module
+
+    problem = None if reference else second_proposals_problem(mode, num_loops, draft_loops, second)
+    if problem:
+        allowed = list(range(max(draft_loops + 1, num_loops - draft_loops), num_loops))
+        raise ValueError(f"{problem}; pass second_draft_loops in {allowed} or None (model.decode_with_lanes runs "
+                         "the others on the reference).")
     return SpeculativeConfig(mode, draft_loops, k, backend, engine, second)
 
 
@@ -101,16 +117,6 @@ def _check_second_draft_loops(mode: str, draft_loops: int, second, num_loops: in
     return second
 
 
-def check_lane_second_proposals(spec: SpeculativeConfig) -> None:
-    """The lane decoder's compiled calls size their block tables for one branch per sequence: no second proposals
-    with `compile_core` there (the wavefront engine compiles them: `wavefront.limits.second_proposals_problem`)."""
-    if spec.second_draft_loops is not None and spec.compile_backend is not None:
-        raise ValueError(f"second_draft_loops={spec.second_draft_loops} cannot be combined with "
-                         f"compile_core={spec.compile_backend!r} in the lane decoder (its compiled calls size their "
-                         "block tables for one branch per sequence); drop one of the two, or run the wavefront engine "
-                         "(second_draft_loops >= num_loops - draft_loops).")
-
-
 def speculative_config(generation_config: GenerationConfig, num_loops: int) -> SpeculativeConfig | None:
     """The speculative keys of a generation config, resolved; `None` when `speculative_mode` is unset (plain)."""
     mode = getattr(generation_config, "speculative_mode", None)
@@ -125,7 +131,7 @@ def speculative_config(generation_config: GenerationConfig, num_loops: int) -> S
             raise ValueError(f"speculative_engine={engine!r} chooses the engine of a speculative mode; set "
                              "speculative_mode too, or drop speculative_engine for plain decoding.")
         if compile_backend(compile_core) is not None:
-            raise ValueError(f"compile_core={compile_core!r} applies to the speculative modes' lane decoder; set "
+            raise ValueError(f"compile_core={compile_core!r} compiles the speculative modes' engine; set "
                              "speculative_mode, or for plain decoding use transformers' own compilation "
                              "(cache_implementation='static').")
         return None
@@ -162,8 +168,9 @@ def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_c
                          f"(num_beams={generation_config.num_beams}); pass num_beams=1 or speculative_mode=None.")
     for option in ("output_hidden_states", "output_attentions"):
         if getattr(generation_config, option, False):
-            raise ValueError(f"{option}=True is not supported with speculative_mode={spec.mode!r}: the lane decoder "
-                             "never runs padding columns, so it cannot return plain decoding's per-step tensors. "
+            raise ValueError(f"{option}=True is not supported with speculative_mode={spec.mode!r}: speculative "
+                             "decoding never runs padding columns, so it cannot return plain decoding's per-step "
+                             "tensors. "
                              f"Use speculative_mode=None for {option}, or a forward call on the output sequences.")
     if generation_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(f"speculative_mode={spec.mode!r} supports greedy decoding and sampling, not "

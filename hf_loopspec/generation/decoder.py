@@ -1,4 +1,11 @@
-"""The lane decoder: AR, block and pipeline decoding over one per-depth paged cache.
+"""The lane decoder: the readable reference of AR, block and pipeline decoding over one per-depth paged cache.
+
+It plays the role a naive implementation plays beside a fused kernel: written to be read, one Python `Lane` per
+(sequence, position) in flight, every rule stated on host objects. The tests use it as the oracle of the wavefront
+engine (`generation.wavefront`, the engine `generate` runs) for tokens, counters and KV planes, and it runs the
+lineage checks of a `PagedLoopCache(debug=True)`. Reach it with `model.decode_with_lanes(...)` (or through
+`dispatch.SpeculativeRequest`: `LaneDecoder.from_request`); it is not an engine to choose for speed (several ms of
+host work per cycle).
 
 One cycle = one core call over the lanes the policy selects, across every sequence of the batch (rows of
 mixed sequence, position and depth). After the call, in this order, per sequence:
@@ -41,12 +48,11 @@ from .columns import OutputColumns, stack_step
 from .history import run_planes, start_rows
 from .lane_rules import LaneRules
 from .lanes import Lane, SequenceState
-from .policies import ARPolicy
+from .policies import ARPolicy, policy_for
 from .processors import row_processors
 from .records import CycleTrace, DecodeResult, RowTrace
 from .rules import ends_row, lanes_for
 from .siblings import SecondHook, SecondProposals, close_branches, path_of, promote
-from .stages import EagerStages
 from .stats import SpeculationStats
 
 DraftHook = Callable[[int, int, int], int]
@@ -59,6 +65,13 @@ ExitRule = Callable[[list[torch.Tensor]], torch.Tensor]
 
 class LaneDecoder:
     """Runs one batch to completion. See the module docstring for the cycle."""
+
+    @classmethod
+    def from_request(cls, model, request) -> LaneDecoder:
+        """The reference run of a `dispatch.SpeculativeRequest`: its settings and every option it holds."""
+        spec = request.spec
+        return cls(model, request.cache, policy_for(spec, model.num_loops), mode=spec.mode,
+                   second_draft_loops=spec.second_draft_loops, **request.options())
 
     def __init__(
         self,
@@ -79,14 +92,12 @@ class LaneDecoder:
         output_scores: bool = False,
         output_logits: bool = False,
         trace: bool | str = False,
-        stages=None,
         exit_rule: ExitRule | None = None,
         complete_cache: bool = False,
         second_draft_loops: int | None = None,
         second_draft_hook: SecondHook | None = None,
     ):
         self.model, self.cache, self.policy = model, cache, policy
-        self.stages = stages if stages is not None else EagerStages(model, cache)
         self.exit_rule = exit_rule  # targets are still judged at depth U, from the exit the rule selects
         if exit_rule is not None and model.kv_layout.first_exit_plane is not None:
             raise ValueError("exit options need a head without KV of its own (the lane decoder keeps no exit plane "
@@ -160,7 +171,7 @@ class LaneDecoder:
         hidden = torch.stack([lane.hidden for lane in lanes])  # [N, H]
         positions = [lane.position for lane in lanes]
         rows = self._rows(lanes, [lane.depth for lane in lanes])
-        out = self.stages.core(hidden, torch.tensor(positions, device=hidden.device), rows)  # [N, H]
+        out = self.model.core(hidden, torch.tensor(positions, device=hidden.device), self.cache.attention(rows))
         if self.filling:
             self.stats.cache_fill_calls += 1
         else:
@@ -191,7 +202,8 @@ class LaneDecoder:
             exit_rows = None if self.layout.first_exit_plane is None else \
                 self._rows(heads, [self.layout.exit_plane(lane.depth) for lane in heads])
             positions = torch.tensor([lane.position for lane in heads], device=self.like.device)
-            logits = self.stages.head(torch.stack([lane.hidden for lane in heads]), positions, exit_rows)  # fp32
+            logits = self.model.head(torch.stack([lane.hidden for lane in heads]), positions,
+                                     None if exit_rows is None else self.cache.attention(exit_rows))  # fp32 [M, V]
             self.stats.call_rows["head"].append(len(heads))
             if not self.do_sample and self.processors is None:  # greedy: one compact readback per cycle
                 tops = logits.argmax(-1).tolist()  # [M]

@@ -2,13 +2,13 @@
 
 It adds `speculative_mode`, `draft_loops`, `num_speculative_tokens`, `compile_core`, `speculative_engine` and
 `second_draft_loops` to `generate` (as kwargs or on the `GenerationConfig`), resolves and validates them once per
-call before any work (`generation.call`), and routes greedy decoding and sampling to the lane decoder when a
-speculative mode is set, unless a logits processor is not known to be row-pure (`generation.processors`: the call
-then decodes plainly, and says so). Plain decoding (`speculative_mode=None`) is transformers' own loop, on a growing
-`DynamicCache` by default or, with `cache_implementation="static"`, on a `StaticCache` sized for one layer per
-(plane, layer) (`looped_static_cache`). `speculative_mode=None` passed to a call means plain decoding whatever the
-model's generation config holds: its other speculative keys are then ignored (the call's own still conflict). The
-speculative modes refuse right-padded rows (`inputs.check_left_padded`).
+call before any work (`generation.call`), and routes greedy decoding and sampling to the wavefront engine
+(`generation.dispatch`) when a speculative mode is set, unless a logits processor is not known to be row-pure
+(`generation.processors`: the call then decodes plainly, and says so). Plain decoding (`speculative_mode=None`) is
+transformers' own loop, on a growing `DynamicCache` by default or, with `cache_implementation="static"`, on a
+`StaticCache` sized for one layer per (plane, layer) (`looped_static_cache`). `speculative_mode=None` passed to a
+call means plain decoding whatever the model's generation config holds: its other speculative keys are then ignored
+(the call's own still conflict). The speculative modes refuse right-padded rows (`inputs.check_left_padded`).
 """
 
 from __future__ import annotations
@@ -28,17 +28,14 @@ from .config import (
     SPECULATIVE_KEYS,
     SpeculativeConfig,
     check_generation_mode,
-    check_lane_second_proposals,
     resolve_speculative,
     speculative_config,
 )
 from .decoder import ExitRule, LaneDecoder
+from .dispatch import SpeculativeRequest, run_speculative
 from .inputs import check_generation_values, check_inputs, check_left_padded
-from .policies import policy_for
 from .processors import plain_fallback
-from .stages import StaticStages, capacity_for
 from .stats import SpeculationStats
-from .wavefront.select import run_engine
 
 logger = get_logger(__name__)
 
@@ -173,8 +170,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
             stats = SpeculationStats(spec.mode, spec.draft_loops, fallback=fallback)
             return SpeculativeDecoderOnlyOutput(**result, speculation=stats)
         call = current_call()
-        result = run_engine(
-            self, input_ids, spec, cache=model_kwargs["cache"], attention_mask=model_kwargs.get("attention_mask"),
+        result = run_speculative(self, SpeculativeRequest(
+            spec, model_kwargs["cache"], input_ids, attention_mask=model_kwargs.get("attention_mask"),
             logits_processor=logits_processor, stopping_criteria=stopping_criteria,
             pad_token_id=_as_int(generation_config._pad_token_tensor), max_length=int(generation_config.max_length),
             streamer=streamer, draft_hook=call.draft_hook if call else None,
@@ -183,7 +180,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
             output_logits=generation_config.return_dict_in_generate and generation_config.output_logits,
             trace=call.trace if call else False, exit_rule=self.exit_rule(**model_kwargs),
             complete_cache=generation_config.use_cache is not False,
-        )
+        ))
         if streamer is not None:
             streamer.end()
         if not generation_config.return_dict_in_generate:
@@ -203,29 +200,18 @@ class LoopSpecGenerationMixin(GenerationMixin):
         return None
 
     def decode_with_lanes(self, input_ids, mode: str, *, draft_loops: int | None = None,
-                          num_speculative_tokens: int | None = None, compile_core: bool | str = False,
-                          second_draft_loops: int | None = None, cache: PagedLoopCache, **options):
-        """Run the lane decoder directly (`mode` "ar", "block" or "pipeline"); the settings are validated by
-        `generation.config.resolve_speculative`, as `generate`'s are (None: the default).
+                          num_speculative_tokens: int | None = None, second_draft_loops: int | None = None,
+                          cache: PagedLoopCache, **options):
+        """Run the reference, the lane decoder (`generation.decoder`), directly: `mode` "ar", "block" or
+        "pipeline"; the settings are validated by `generation.config.resolve_speculative`, as `generate`'s are (None:
+        the default), except that every `second_draft_loops` between `draft_loops` and the loop count runs.
 
-        `options` are `LaneDecoder`'s keyword arguments. The benchmark uses mode "ar" as its baseline: the same
-        engine and cache, without drafting. `compile_core` (see `generation.config`) runs the core and head as
-        static-shape compiled calls (`generation.stages.StaticStages`).
+        `options` are the fields of `dispatch.SpeculativeRequest` (`max_length`, `attention_mask`, ...). The tests
+        compare the engine with it; it runs eagerly (no `compile_core`).
         """
-        spec = resolve_speculative(mode, draft_loops, num_speculative_tokens, compile_core, num_loops=self.num_loops,
-                                   modes=LANE_MODES, second_draft_loops=second_draft_loops)
-        return self._run_lanes(input_ids, spec, cache=cache, **options)
-
-    def _run_lanes(self, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCache, **options):
-        """One lane-decoder run with resolved settings (`generate` and `decode_with_lanes` end here)."""
-        check_lane_second_proposals(spec)
-        if spec.compile_backend is not None:
-            capacity = capacity_for(len(input_ids), self.num_loops, spec.num_speculative_tokens)
-            options["stages"] = StaticStages.for_run(self, cache, spec.compile_backend, len(input_ids), capacity,
-                                                     options["max_length"], input_ids.device, self.lane_dtype)
-        decoder = LaneDecoder(self, cache, policy_for(spec, self.num_loops), mode=spec.mode, input_ids=input_ids,
-                              second_draft_loops=spec.second_draft_loops, **options)
-        return decoder.run()
+        spec = resolve_speculative(mode, draft_loops, num_speculative_tokens, num_loops=self.num_loops,
+                                   modes=LANE_MODES, second_draft_loops=second_draft_loops, reference=True)
+        return LaneDecoder.from_request(self, SpeculativeRequest(spec, cache, input_ids, **options)).run()
 
 
 def looped_static_cache(config, layout, max_cache_len: int) -> StaticCache:

@@ -41,6 +41,7 @@ from ..stats import SequenceStats, SpeculationStats
 from . import exits, outputs, resume
 from .device import GraphStep, ReadBack, uses_cuda_graphs
 from .limits import cache_problem, model_problem, second_proposals_problem
+from .options import DEFAULT_READ_EVERY, engine_options
 from .span import SpanBound, reserved_positions
 from .state import COUNTERS, Plan, WavefrontState
 from .step import head_rows, make_cycles, make_step
@@ -48,7 +49,6 @@ from .stopping import host_stops
 from .tracing import Tracer, traced
 
 WAVEFRONT_MODES = ("ar", "block", "pipeline")
-DEFAULT_READ_EVERY = 4
 CYCLES_PER_CALL = 4  # compiled: cycles per call of the step function (unrolled: compile time grows with it)
 # Inductor's options for the step function on a CPU in fp32: a C++ wrapper, no Python between the kernels. Not in
 # bf16: there the C++ wrapper's step of block mode put non-finite values into alive lanes' hidden states
@@ -136,8 +136,14 @@ class WavefrontEngine:
     `draft_override` `[B, C]` (test-only): a draft for position p of sequence b becomes `draft_override[b, p]`
     where that is >= 0; `second_override` likewise for second proposals (`second_draft_loops`: d2, see
     `second_proposals_problem`). `compile_backend`: a `torch.compile` backend for the step (fullgraph), or None
-    (eager).
+    (eager). `generate` builds it with `from_request`.
     """
+
+    @classmethod
+    def from_request(cls, model, request, **extras) -> WavefrontEngine:
+        """The engine of a `dispatch.SpeculativeRequest` (`options.engine_options`); `extras`: test-only keywords
+        (`draft_override`, `second_override`, `read_every`)."""
+        return cls(model, request.cache, **{**engine_options(model, request), **extras})
 
     def __init__(self, model, cache: PagedLoopCache, *, mode: str, draft_loops: int, num_speculative_tokens: int,
                  input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id: int | None,
@@ -155,8 +161,8 @@ class WavefrontEngine:
         problem = model_problem(model) or cache_problem(cache) or second_proposals_problem(
             mode, model.num_loops, draft_loops, second_draft_loops)
         if problem:
-            raise ValueError(f"the wavefront engine does not support {problem}; run the lane decoder "
-                             "(speculative_engine='lanes', or --engines lanes in the bench).")
+            raise ValueError(f"the wavefront engine does not support {problem}; run the reference "
+                             "(model.decode_with_lanes, or --engines reference in the bench).")
         self.model, self.cache, self.read_every, self.complete_cache = model, cache, read_every, complete_cache
         self.vocab = model.get_output_embeddings().weight.shape[0]  # V: the width of the head's logits
         self.input_ids = input_ids

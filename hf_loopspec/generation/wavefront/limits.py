@@ -1,5 +1,6 @@
 """What the wavefront engine cannot run: each function names the setting and why, or returns None. The engine's
-constructor and `select` (the engine choice) ask the same functions, so the rule is stated once."""
+constructor, `generation.dispatch` and the argument resolution (`generation.config`) ask the same functions, so
+the rule is stated once."""
 
 from __future__ import annotations
 

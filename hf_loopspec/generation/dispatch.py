@@ -1,0 +1,95 @@
+"""Where a speculative `generate` run goes: one request object (`SpeculativeRequest`) and one engine.
+
+`generate` (`LoopSpecGenerationMixin._sample`) builds a `SpeculativeRequest` and calls `run_speculative`, which runs
+the wavefront engine (`generation.wavefront`) on every device, eager or compiled (`speculative_engine` "auto" and
+"wavefront" are the same engine). A setting the engine does not support (`unsupported`) raises a `ValueError` that
+names it; nothing switches engine or decodes another way without saying so. One explicit exception: a
+`PagedLoopCache(debug=True)` asks for the lineage checks of invariant I1, which follow the lane decoder's lanes, so
+such a call runs the reference under "auto" (`decoder.LaneDecoder`; `out.speculation.engine == "lanes"`), and
+`speculative_engine="wavefront"` refuses it.
+
+The reference takes the same request (`LaneDecoder.from_request`), and `model.decode_with_lanes(...)` runs it
+directly: it is the tests' oracle for tokens, counters and KV planes, not an engine users choose for speed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..cache.paged import PagedLoopCache
+from .config import SpeculativeConfig
+from .decoder import DraftHook, ExitRule, LaneDecoder
+from .records import DecodeResult
+from .siblings import SecondHook
+from .wavefront.engine import WavefrontEngine
+from .wavefront.limits import cache_problem, model_problem
+from .wavefront.processing import on_device
+from .wavefront.span import reserved_positions
+
+
+@dataclass(frozen=True)
+class SpeculativeRequest:
+    """What one speculative run needs: the resolved settings, the cache, the prompt and every option of the call,
+    under the lane decoder's names (the reference takes them as keyword arguments: `options`)."""
+
+    spec: SpeculativeConfig
+    cache: PagedLoopCache  # empty, or holding the stored history of a continued call
+    input_ids: torch.Tensor  # [B, S] left-padded ids (the columns after a continued cache's stored ones)
+    max_length: int  # S + max_new_tokens (columns of the output, the cache's stored ones included)
+    attention_mask: torch.Tensor | None = None  # [B, S'] padding mask (S' >= S: a continued call's full mask); None
+    logits_processor: object = None  # transformers' LogitsProcessorList, or None
+    stopping_criteria: object = None  # transformers' StoppingCriteriaList, or None
+    pad_token_id: int | None = None
+    streamer: object = None  # a transformers streamer: put(ids [B] or [B, S]), end()
+    draft_hook: DraftHook | None = None  # test-only override of draft proposals
+    second_draft_hook: SecondHook | None = None  # test-only override of second proposals
+    do_sample: bool = False
+    output_scores: bool = False
+    output_logits: bool = False
+    trace: bool | str = False  # True or "hidden": record every cycle
+    exit_rule: ExitRule | None = None  # the target logits of exit options (Ouro's exit_at_step, ...); None: head
+    complete_cache: bool = False  # leave the cache as plain decoding would (every output column but the last)
+
+    def options(self) -> dict:
+        """Every field but `spec` and `cache`, by name (the lane decoder's keyword arguments)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("spec", "cache")}
+
+
+def run_speculative(model, request: SpeculativeRequest) -> DecodeResult:
+    """One speculative run of `generate` (see the module docstring); raises `ValueError` naming every setting of
+    the request the engine does not support."""
+    if request.cache.debug and request.spec.engine == "auto":
+        return LaneDecoder.from_request(model, request).run()
+    problems = unsupported(model, request)
+    if problems:
+        raise ValueError(f"speculative decoding (the wavefront engine) does not support {'; '.join(problems)}. Drop "
+                         f"{'it' if len(problems) == 1 else 'them'}, or decode plainly (speculative_mode=None).")
+    return WavefrontEngine.from_request(model, request).run()
+
+
+def unsupported(model, request: SpeculativeRequest) -> list[str]:
+    """The settings of `request` that the wavefront engine does not support, each named (empty: it runs)."""
+    cache, ids, max_length = request.cache, request.input_ids, request.max_length
+    problems = [problem for problem in (model_problem(model), cache_problem(cache)) if problem]
+    positions = reserved_positions(max_length, request.spec.compile_backend is not None)
+    reserved = len(ids) * cache.num_planes * positions * cache.bytes_per_token_per_depth(model.lane_dtype)
+    if reserved > free_memory(ids.device) / 2:
+        problems.append(f"max_length={max_length} (KV pages for {positions} positions of {len(ids)} sequences in "
+                        f"{cache.num_planes} planes, reserved up front, need {reserved / 2**30:.1f} GiB: more than "
+                        "half the free memory)")
+    problems += [f"logits processor {type(p).__name__}" for p in request.logits_processor or ()
+                 if not on_device(p, ids.shape[1])]
+    for name in ("draft_hook", "second_draft_hook"):
+        if getattr(request, name):
+            problems.append(name)
+    return problems
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes of memory free on `device` (CUDA: the driver's count; otherwise the host's available memory)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
