@@ -278,3 +278,34 @@ def test_cache_sized_from_config_raises_with_loop_count():
     with pytest.raises(ValueError, match=r"loop") as info:
         model(random_ids((1, 4), VOCAB), cache=cache)
     assert "3" in str(info.value) and "6" in str(info.value)
+
+
+# --- the head's few-rows product ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9])
+def test_head_equals_lm_head_for_any_row_count(rows):
+    """`head` (which takes `few_rows_linear` for 2..8 rows) against `F.linear` with the same weight: one reduction
+    of width hidden_size apart (its order differs)."""
+    model, _ = tiny_model(seed=3)
+    hidden = torch.randn(1, rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        expected = F.linear(hidden, model.lm_head.weight)
+        actual = model.head(hidden)
+    assert actual.shape == (1, rows, model.config.vocab_size)
+    assert_fp32_close(actual, expected, layers=1, width=model.config.hidden_size)
+
+
+def test_head_calls_a_replaced_lm_head_module():
+    """A head module that is not a plain `nn.Linear` (an adapter's wrapper) is called, not bypassed by its weight."""
+    model, _ = tiny_model(seed=3)
+    linear = model.lm_head
+
+    class Shifted(torch.nn.Module):
+        def forward(self, x):
+            return linear(x) + 1.0
+
+    model.lm_head = Shifted()
+    hidden = torch.randn(1, 2, model.config.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(model.head(hidden), linear(hidden) + 1.0)

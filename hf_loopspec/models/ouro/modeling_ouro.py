@@ -22,7 +22,7 @@ from transformers.modeling_utils import PreTrainedModel
 from ...generation.mixin import LoopSpecGenerationMixin
 from ...looped import KVAttention, KVLayout
 from ..base import LoopedCausalLMMixin, StrictLoadingMixin, one_cache
-from ..layers import RMSNorm, apply_rotary, check_token_ids, rotary_cos_sin
+from ..layers import RMSNorm, apply_rotary, check_token_ids, few_rows_linear, rotary_cos_sin
 from ..loops import forward_rows
 from .configuration_ouro import OuroConfig
 
@@ -201,7 +201,11 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
 
     # --- LoopedModel protocol (num_loops, kv_layout, embed, core: LoopedCausalLMMixin) ------------------------
     def head(self, hidden: torch.Tensor, positions=None, attention=None) -> torch.Tensor:
-        """fp32 logits of any depth's output; Ouro's head is stateless (positions and attention are not used)."""
+        """fp32 logits of any depth's output; Ouro's head is stateless (positions and attention are not used). A
+        few rows (the engines' per-cycle head calls) go through `few_rows_linear` when the head is a plain
+        `nn.Linear` without bias (a wrapped or replaced head, e.g. an adapter's, is called as it is)."""
+        if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
+            return few_rows_linear(hidden, self.lm_head.weight).float()
         return self.lm_head(hidden).float()
 
     # --- HF API ---------------------------------------------------------------------------------------------
