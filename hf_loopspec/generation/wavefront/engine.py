@@ -35,7 +35,8 @@ from ..decoder import DecodeResult
 from ..history import check_cache_layout, run_planes
 from ..stats import SequenceStats, SpeculationStats
 from .device import GraphStep, ReadBack, uses_cuda_graphs
-from .limits import model_problem, second_proposals_problem
+from . import stages
+from .limits import second_proposals_problem, stages_problem
 from .span import SpanBound, reserved_positions
 from .state import COUNTERS, Plan, WavefrontState
 from .step import head_rows, make_cycles, make_step
@@ -152,8 +153,8 @@ class WavefrontEngine:
                              f"{cache.num_sequences} sequences); pass a fresh cache or none.")
         if not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every={read_every!r} must be an integer >= 1 (cycles between read-backs).")
-        problem = model_problem(model) or second_proposals_problem(mode, model.num_loops, draft_loops,
-                                                                    second_draft_loops)
+        problem = stages_problem(model, second_draft_loops) or second_proposals_problem(
+            mode, model.num_loops, draft_loops, second_draft_loops)
         if problem:
             raise ValueError(f"the wavefront engine does not support {problem}; run the lane decoder "
                              "(speculative_engine='lanes', or --engines lanes in the bench).")
@@ -248,12 +249,13 @@ class WavefrontEngine:
             sib_hidden=torch.zeros(batch, hidden_size, dtype=like.dtype, device=device),
             sib_k=self._private_rows(batch, pools), sib_v=self._private_rows(batch, pools),
         )
+        staged = self._embed_staged(state, input_ids, mask) if stages.has_stage_kv(self.model) else None
         for b in range(batch):  # set-up runs once per batch on the host
             prompt = input_ids[b][mask[b]]
             n = len(prompt)
             if n == 0:
                 continue
-            vectors = embed(prompt)  # [n, H]
+            vectors = embed(prompt) if staged is None else staged[b, :n]  # [n, H]
             self.stats.call_rows["embed"].append(n)
             state.prompt_hidden[b, : n - 1] = vectors[:-1]
             slot = (n - 1) % lanes
@@ -261,6 +263,12 @@ class WavefrontEngine:
             state.alive[b, slot] = not bool(state.finished[b])
             state.hidden[b, slot] = vectors[-1]
         return state
+
+    def _embed_staged(self, state: WavefrontState, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`[B, S, H]` every real prompt token's loop-0 input, left-aligned, through the entry stage's KV plane."""
+        order = torch.sort((~mask).long(), dim=1, stable=True).indices  # the real tokens first, in order
+        real = torch.arange(mask.shape[1], device=mask.device) < state.prompt_len[:, None]
+        return stages.embed_rows(self.model, self.plan, state, input_ids.gather(1, order), 0 * state.prompt_len, real)
 
     def _out_columns(self, max_new: int) -> int:
         """T, the committed-token buffer's columns before its trash column: max_new_tokens eager; compiled, C (not
@@ -374,10 +382,11 @@ class WavefrontEngine:
             last = state.out.gather(1, (state.n_out - 1).clamp(min=0)[:, None])[:, 0]  # [B]
             tokens[:, 0] = torch.where(state.n_out > 0, last, self.input_ids[:, -1].to(device))
             fill_t = torch.tensor(fill, device=device)
+            real, start = torch.arange(max(fill), device=device) < fill_t[:, None], state.prompt_len + state.n_out - 1
             filling = replace(
-                state, prompt_hidden=self.model.get_input_embeddings()(tokens),
-                prompt_real=torch.arange(max(fill), device=device) < fill_t[:, None],
-                prompt_start=state.prompt_len + state.n_out - 1, prompt_depth=torch.zeros_like(state.prompt_depth),
+                state, prompt_hidden=stages.embed_rows(self.model, self.plan, state, tokens, start, real)
+                if stages.has_stage_kv(self.model) else self.model.get_input_embeddings()(tokens),
+                prompt_real=real, prompt_start=start, prompt_depth=torch.zeros_like(state.prompt_depth),
                 alive=torch.zeros_like(state.alive), finished=fill_t == 0, core_calls=state.core_calls.clone(),
                 counters=state.counters.clone())
             step = make_step(self.model, self.plan)

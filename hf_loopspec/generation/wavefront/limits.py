@@ -4,12 +4,13 @@ constructor and `select` (the engine choice) ask the same functions, so the rule
 from __future__ import annotations
 
 
-def model_problem(model) -> str | None:
-    """Why the wavefront engine cannot run `model`, or None: its lanes carry the core's state alone, so neither the
-    entry stage nor the head may write KV of their own (Huginn's prelude and coda do)."""
+def stages_problem(model, second_draft_loops: int | None) -> str | None:
+    """Why the wavefront engine cannot run second proposals on `model`, or None: a sibling's entry and exit stages
+    would need private rows of the entry and exit planes (Huginn's prelude and coda write KV of their own)."""
     layout = model.kv_layout
-    if layout.entry_plane is not None or layout.first_exit_plane is not None:
-        return f"{type(model).__name__} (its entry or exit stage has KV, e.g. Huginn)"
+    if second_draft_loops is not None and (layout.entry_plane is not None or layout.first_exit_plane is not None):
+        return (f"second_draft_loops={second_draft_loops} on {type(model).__name__} (its entry or exit stage has KV, "
+                "e.g. Huginn: drop second_draft_loops)")
     return None
 
 

@@ -1,6 +1,7 @@
 """Which engine runs a speculative `generate` call (`speculative_engine`), and the wavefront engine's entry point.
 
-The wavefront engine covers: Ouro-like models (no KV in the entry or exit stage), greedy decoding and sampling
+The wavefront engine covers: Ouro and Huginn models (Huginn's entry and exit stages with KV planes of their own:
+`stages`; no second proposals there, `limits.stages_problem`), greedy decoding and sampling
 with the logits processors it runs on the device (`processing.on_device`: `repetition_penalty`, `min_new_tokens`,
 `min_length`, temperature, top-k, top-p, min-p), EOS and length stops (`max_new_tokens` / `max_length`), padded
 batches, streamers, `compile_core` (the step is compiled whole with that backend), and second proposals with
@@ -25,7 +26,7 @@ from ...cache.paged import PagedLoopCache
 from ..config import SpeculativeConfig
 from ..decoder import DecodeResult
 from .engine import WavefrontEngine
-from .limits import model_problem, second_proposals_problem
+from .limits import second_proposals_problem, stages_problem
 from .processing import device_processors, on_device
 from .span import reserved_positions
 
@@ -33,7 +34,7 @@ from .span import reserved_positions
 def unsupported(model, cache: PagedLoopCache, options: dict, compiled: bool = False) -> list[str]:
     """The settings of a call (its cache and the lane decoder's `options`; `compiled`: with `compile_core`) that
     the wavefront engine does not support."""
-    problems = [problem] if (problem := model_problem(model)) else []
+    problems = []
     if cache.num_sequences:
         problems.append(f"a cache that already holds {cache.num_sequences} sequences (continuing from it)")
     if cache.debug:
@@ -82,7 +83,8 @@ def choose_engine(model, spec: SpeculativeConfig, cache: PagedLoopCache, options
                                                                                    spec.compile_backend):
         return "lanes"
     problems = unsupported(model, cache, options, compiled=spec.compile_backend is not None)
-    second = second_proposals_problem(spec.mode, model.num_loops, spec.draft_loops, spec.second_draft_loops)
+    second = stages_problem(model, spec.second_draft_loops) or second_proposals_problem(
+        spec.mode, model.num_loops, spec.draft_loops, spec.second_draft_loops)
     problems += [second] if second else []
     if not problems:
         return "wavefront"
