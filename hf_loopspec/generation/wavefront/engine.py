@@ -17,7 +17,7 @@ reserved positions C and the span only, and later calls whose prompt width and m
 bucket of C compile nothing. Tear-down truncates the cache to the device's KV lengths and builds the lane decoder's
 `DecodeResult`.
 
-The engine covers Ouro-like models (entry and head stages without KV), greedy decoding and sampling with the
+The engine covers Ouro and Huginn (entry and exit stages with KV: `stages`), greedy decoding and sampling with the
 logits processors `processing` runs on the device, EOS and length stops.
 """
 
@@ -34,8 +34,8 @@ from ..compiled import compiled_store
 from ..decoder import DecodeResult
 from ..history import check_cache_layout, run_planes
 from ..stats import SequenceStats, SpeculationStats
-from .device import GraphStep, ReadBack, uses_cuda_graphs
 from . import stages
+from .device import GraphStep, ReadBack, uses_cuda_graphs
 from .limits import second_proposals_problem, stages_problem
 from .span import SpanBound, reserved_positions
 from .state import COUNTERS, Plan, WavefrontState
@@ -153,8 +153,8 @@ class WavefrontEngine:
                              f"{cache.num_sequences} sequences); pass a fresh cache or none.")
         if not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every={read_every!r} must be an integer >= 1 (cycles between read-backs).")
-        problem = stages_problem(model, second_draft_loops) or second_proposals_problem(
-            mode, model.num_loops, draft_loops, second_draft_loops)
+        problem = (stages_problem(model, second_draft_loops, compile_backend is not None)
+                   or second_proposals_problem(mode, model.num_loops, draft_loops, second_draft_loops))
         if problem:
             raise ValueError(f"the wavefront engine does not support {problem}; run the lane decoder "
                              "(speculative_engine='lanes', or --engines lanes in the bench).")

@@ -1,7 +1,7 @@
 """Which engine runs a speculative `generate` call (`speculative_engine`), and the wavefront engine's entry point.
 
 The wavefront engine covers: Ouro and Huginn models (Huginn's entry and exit stages with KV planes of their own:
-`stages`; no second proposals there, `limits.stages_problem`), greedy decoding and sampling
+`stages`; eager and without second proposals there, `limits.stages_problem`), greedy decoding and sampling
 with the logits processors it runs on the device (`processing.on_device`: `repetition_penalty`, `min_new_tokens`,
 `min_length`, temperature, top-k, top-p, min-p), EOS and length stops (`max_new_tokens` / `max_length`), padded
 batches, streamers, `compile_core` (the step is compiled whole with that backend), and second proposals with
@@ -83,8 +83,8 @@ def choose_engine(model, spec: SpeculativeConfig, cache: PagedLoopCache, options
                                                                                    spec.compile_backend):
         return "lanes"
     problems = unsupported(model, cache, options, compiled=spec.compile_backend is not None)
-    second = stages_problem(model, spec.second_draft_loops) or second_proposals_problem(
-        spec.mode, model.num_loops, spec.draft_loops, spec.second_draft_loops)
+    second = (stages_problem(model, spec.second_draft_loops, spec.compile_backend is not None)
+              or second_proposals_problem(spec.mode, model.num_loops, spec.draft_loops, spec.second_draft_loops))
     problems += [second] if second else []
     if not problems:
         return "wavefront"
