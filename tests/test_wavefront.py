@@ -18,7 +18,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
 from recorders import RecordingStreamer
 from speculative_utils import (
@@ -429,7 +428,6 @@ FALLBACKS = {  # settings the wavefront engine does not support: "auto" runs the
     "scores": {"output_scores": True},
     "debug cache": {"cache": "debug"},
     "continued cache": {"cache": "filled"},
-    "huginn": {"init_scale": 0.0},  # a zero initial state: plain and speculative start alike
 }
 
 
@@ -438,11 +436,7 @@ def test_auto_falls_back_to_lanes(case):
     """"auto" runs the lane decoder for a setting the wavefront engine does not support (plain's tokens either
     way), and says so in `out.speculation.engine`."""
     settings = dict(FALLBACKS[case])
-    if case == "huginn":
-        model = tiny_huginn(seed=5)[0]
-        ids, mask = left_pad(random_prompts(7, (3, 5), model.config.vocab_size))
-    else:
-        model, ids, mask = _batch(7, (3, 5))
+    model, ids, mask = _batch(7, (3, 5))
     if settings.get("cache") == "debug":
         settings["cache"] = paged_cache(model, debug=True)
     elif settings.get("cache") == "filled":  # the first tokens decoded by the wavefront engine, then continued
