@@ -10,6 +10,7 @@ top-1 / top-2 margin below the bound `differential` derives). `scripts/different
 from __future__ import annotations
 
 import pytest
+import torch
 from differential import REFUSED, NoFollower, draw_case, model_for, run_case
 from huginn_utils import VOCAB as HUGINN_VOCAB
 from inputs import extend, left_pad, random_prompts
@@ -69,12 +70,16 @@ def test_huginn_continues_a_filled_cache(mode, d, k):
     assert out.sequences.tolist() == ref.sequences.tolist()
 
 
-def test_wavefront_engine_refuses_a_model_with_entry_or_exit_kv():
-    """The engine's own set-up (as the bench calls it, without `generate`'s engine choice) refuses Huginn with a
-    `ValueError` naming it; it crashed in the state's set-up (its lanes are twice the embedding width)."""
-    spec, _, vocab = FAMILIES["huginn"]
+def test_wavefront_engine_sets_up_a_model_with_entry_or_exit_kv():
+    """The engine's own set-up (as the bench calls it, without `generate`'s engine choice) runs Huginn, whose lanes
+    are twice the embedding width (it crashed in the state's set-up), to plain's tokens, seeded initial states
+    included."""
+    spec, settings, vocab = FAMILIES["huginn"]
     model = model_for(**spec)
     ids, mask = left_pad(random_prompts(6, [5, 2], vocab))
-    with pytest.raises(ValueError, match="does not support HuginnForCausalLM"):
-        WavefrontEngine(model, PagedLoopCache(model.kv_layout), mode="pipeline", draft_loops=1,
-                        num_speculative_tokens=4, input_ids=ids, attention_mask=mask, pad_token_id=0, max_length=12)
+    ref = plain(model, ids, mask, 6, eos_token_id=None, **settings)
+    with torch.no_grad(), model.recurrence(**settings):
+        result = WavefrontEngine(model, PagedLoopCache(model.kv_layout), mode="pipeline", draft_loops=1,
+                                 num_speculative_tokens=4, input_ids=ids, attention_mask=mask, pad_token_id=0,
+                                 max_length=ids.shape[1] + 6).run()
+    assert result.sequences.tolist() == ref.sequences.tolist()

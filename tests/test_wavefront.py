@@ -18,7 +18,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
 from recorders import RecordingStreamer
 from speculative_utils import (

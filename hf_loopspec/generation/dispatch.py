@@ -25,7 +25,7 @@ from .decoder import DraftHook, ExitRule, LaneDecoder
 from .records import DecodeResult
 from .siblings import SecondHook
 from .wavefront.engine import WavefrontEngine
-from .wavefront.limits import cache_problem, model_problem
+from .wavefront.limits import cache_problem, stages_problem
 from .wavefront.processing import on_device
 from .wavefront.span import reserved_positions
 
@@ -73,8 +73,10 @@ def run_speculative(model, request: SpeculativeRequest) -> DecodeResult:
 def unsupported(model, request: SpeculativeRequest) -> list[str]:
     """The settings of `request` that the wavefront engine does not support, each named (empty: it runs)."""
     cache, ids, max_length = request.cache, request.input_ids, request.max_length
-    problems = [problem for problem in (model_problem(model), cache_problem(cache)) if problem]
-    positions = reserved_positions(max_length, request.spec.compile_backend is not None)
+    compiled = request.spec.compile_backend is not None
+    problems = [problem for problem in (stages_problem(model, request.spec.second_draft_loops, compiled),
+                                        cache_problem(cache)) if problem]
+    positions = reserved_positions(max_length, compiled)
     reserved = len(ids) * cache.num_planes * positions * cache.bytes_per_token_per_depth(model.lane_dtype)
     if reserved > free_memory(ids.device) / 2:
         problems.append(f"max_length={max_length} (KV pages for {positions} positions of {len(ids)} sequences in "

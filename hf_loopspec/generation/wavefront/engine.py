@@ -17,7 +17,7 @@ reserved positions C and the span only, and later calls whose prompt width and m
 bucket of C compile nothing. Tear-down truncates the cache to the device's KV lengths and builds the lane decoder's
 `DecodeResult`.
 
-The engine covers Ouro-like models (entry and head stages without KV), greedy decoding and sampling with the
+The engine covers Ouro and Huginn (entry and exit stages with KV: `stages`), greedy decoding and sampling with the
 logits processors `processing` runs on the device, EOS and length stops on the device and every other stopping
 criterion on the host at read-backs (`stopping`), `output_scores` / `output_logits` (`outputs`), traces
 (`tracing`: the state read around every cycle), caches filled by earlier calls (`resume`: set-up moves their
@@ -38,9 +38,9 @@ from ..decoder import DecodeResult
 from ..history import check_cache_layout, run_planes
 from ..rules import cycle_uniforms, lanes_for, non_finite_error, run_generator, uniform_columns
 from ..stats import SequenceStats, SpeculationStats
-from . import exits, outputs, resume
+from . import exits, outputs, resume, stages
 from .device import GraphStep, ReadBack, uses_cuda_graphs
-from .limits import cache_problem, model_problem, second_proposals_problem
+from .limits import cache_problem, second_proposals_problem, stages_problem
 from .options import DEFAULT_READ_EVERY, engine_options
 from .span import SpanBound, reserved_positions
 from .state import COUNTERS, Plan, WavefrontState
@@ -158,8 +158,8 @@ class WavefrontEngine:
         check_cache_layout(cache, model.kv_layout)
         if not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every={read_every!r} must be an integer >= 1 (cycles between read-backs).")
-        problem = model_problem(model) or cache_problem(cache) or second_proposals_problem(
-            mode, model.num_loops, draft_loops, second_draft_loops)
+        problem = (stages_problem(model, second_draft_loops, compile_backend is not None) or cache_problem(cache)
+                   or second_proposals_problem(mode, model.num_loops, draft_loops, second_draft_loops))
         if problem:
             raise ValueError(f"the wavefront engine does not support {problem}; run the reference "
                              "(model.decode_with_lanes, or --engines reference in the bench).")
@@ -259,11 +259,12 @@ class WavefrontEngine:
             loop_states=records[0], sib_states=records[1],
             **outputs.buffers(plan, batch, self._out_columns(max_new) + 1, self.vocab, hidden_size, like),
         )
+        staged = self._embed_staged(state, start) if stages.has_stage_kv(self.model) else None
         for b, prompt in enumerate(start.tokens):  # set-up runs once per batch on the host
             n = len(prompt)
             if n == 0:
                 continue
-            vectors = embed(prompt)  # [n, H]
+            vectors = embed(prompt) if staged is None else staged[b, :n]  # [n, H]
             self.stats.call_rows["embed"].append(n)
             state.prompt_hidden[b, : n - 1] = vectors[:-1]
             slot = int(prompt_len[b] - 1) % lanes
@@ -271,6 +272,16 @@ class WavefrontEngine:
             state.alive[b, slot] = not bool(state.finished[b])
             state.hidden[b, slot] = vectors[-1]
         return state
+
+    def _embed_staged(self, state: WavefrontState, start) -> torch.Tensor:
+        """`[B, F, H]` the loop-0 input of every token a sequence runs (`resume.Start`: its new tokens, from
+        position `stored`), left-aligned, through the entry stage's KV plane."""
+        width = max((len(t) for t in start.tokens), default=0)
+        tokens = torch.zeros(len(start.tokens), width, dtype=torch.long, device=state.token.device)  # [B, F]
+        for b, row in enumerate(start.tokens):
+            tokens[b, : len(row)] = row
+        real = torch.arange(width, device=tokens.device) < start.new[:, None]
+        return stages.embed_rows(self.model, self.plan, state, tokens, start.stored, real)
 
     def _out_columns(self, max_new: int) -> int:
         """T, the committed-token buffer's columns before its trash column: max_new_tokens eager; compiled, C (not
@@ -383,10 +394,11 @@ class WavefrontEngine:
             last = state.out.gather(1, (state.n_out - 1).clamp(min=0)[:, None])[:, 0]  # [B]
             tokens[:, 0] = torch.where(state.n_out > 0, last, self.input_ids[:, -1].to(device))
             fill_t = torch.tensor(fill, device=device)
+            real, start = torch.arange(max(fill), device=device) < fill_t[:, None], state.prompt_len + state.n_out - 1
             filling = replace(
-                state, prompt_hidden=self.model.get_input_embeddings()(tokens),
-                prompt_real=torch.arange(max(fill), device=device) < fill_t[:, None],
-                prompt_start=state.prompt_len + state.n_out - 1, prompt_depth=torch.zeros_like(state.prompt_depth),
+                state, prompt_hidden=stages.embed_rows(self.model, self.plan, state, tokens, start, real)
+                if stages.has_stage_kv(self.model) else self.model.get_input_embeddings()(tokens),
+                prompt_real=real, prompt_start=start, prompt_depth=torch.zeros_like(state.prompt_depth),
                 alive=torch.zeros_like(state.alive), finished=fill_t == 0, core_calls=state.core_calls.clone(),
                 counters=state.counters.clone())
             step = make_step(self.model, self.plan)

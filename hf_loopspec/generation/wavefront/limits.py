@@ -5,12 +5,20 @@ the rule is stated once."""
 from __future__ import annotations
 
 
-def model_problem(model) -> str | None:
-    """Why the wavefront engine cannot run `model`, or None: its lanes carry the core's state alone, so neither the
-    entry stage nor the head may write KV of their own (Huginn's prelude and coda do)."""
+def stages_problem(model, second_draft_loops: int | None, compiled: bool) -> str | None:
+    """Why the wavefront engine cannot run `model` with second proposals `second_draft_loops` or compiled
+    (`compiled`: with a `compile_backend`), or None. Both hold for a model whose entry or exit stage has KV
+    (Huginn's prelude and coda, `stages`): a sibling would need private rows of the entry and exit planes, and
+    Huginn's stages read the call's recurrence settings (`model.recurrence`) and draw seeded initial states on the
+    host, which `torch.compile(fullgraph=True)` cannot trace."""
     layout = model.kv_layout
-    if layout.entry_plane is not None or layout.first_exit_plane is not None:
-        return f"{type(model).__name__} (its entry or exit stage has KV, e.g. Huginn)"
+    if layout.entry_plane is None and layout.first_exit_plane is None:
+        return None
+    name = type(model).__name__
+    if second_draft_loops is not None:
+        return f"second_draft_loops={second_draft_loops} on {name} (its entry or exit stage has KV: drop it)"
+    if compiled:
+        return f"compile_core on {name} (its entry or exit stage has KV: run the engine eager)"
     return None
 
 

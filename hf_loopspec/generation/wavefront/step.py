@@ -23,6 +23,10 @@ synchronisation (no `.item()`, `.tolist()`, host-built tensors or Python branche
    `state.draft_override`) as a new lane at depth 0, while that position can still matter.
 6. Lanes at depth U retire; spawned lanes are embedded into their slot (position % L).
 
+A model whose entry or exit stage has KV (Huginn's prelude and coda, `stages`) embeds spawned lanes through its entry
+plane, and in step 3 runs the head on every lane and prompt row that has just reached an exit depth, each with that
+depth's exit plane.
+
 Second proposals (`Plan.second_loops` = d2, `sibling`): the sequence's sibling runs in step 2 as one more row on
 its private KV; in step 3 the lane at depth d2 is a head slot too; in step 4 a target whose next position has a
 sibling keeps the main draft, chooses the sibling (which then takes the main draft's slot: `sibling.promote`;
@@ -50,14 +54,16 @@ import torch.nn.functional as F
 
 from ...ops.attention.slots import SlotAttention, SlotLayout
 from .. import rules
-from . import exits, outputs, sibling
+from . import exits, outputs, sibling, stages
 from .processing import choose, score_ops
 from .state import Plan, WavefrontState, counts
 
 
 def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
-    """The cycle of `plan` for `model` (a looped model whose entry and head stages have no KV, e.g. Ouro)."""
+    """The cycle of `plan` for `model` (entry and exit stages with KV of their own, e.g. Huginn's: `stages`)."""
     embed_tokens = model.get_input_embeddings()
+    embed_spawned = stages.spawn_embedder(model, plan)
+    staged_exit = model.kv_layout.first_exit_plane is not None
     ops = score_ops(plan)
 
     second = plan.second_loops is not None
@@ -66,7 +72,9 @@ def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
     def step(state: WavefrontState) -> WavefrontState:
         ran, prompt_ran = _run_core(model, plan, state)
         slots = head_slots(plan, state, ran)  # [B, R]
-        logits, scores = _head(model, ops, state, slots, plan, raw=True)  # [B, R, V] each
+        staged = stages.exit_logits(model, plan, state, ran, prompt_ran[:, None] & state.prompt_real) \
+            if staged_exit else None  # [B, L, V]: every exiting row runs the head, which writes its exit plane
+        logits, scores = _head(model, ops, state, slots, plan, raw=True, logits=staged)  # [B, R, V] each
         place = lambda x: _to_slots(x, slots, lanes=state.token.shape[1])  # noqa: E731  [B, R, ...] -> [B, L, ...]
         token, accept, probs = (None if x is None else place(x)
                                 for x in choose(plan, state, scores, slots))  # [B, L], [B, L], [B, L, V] or None
@@ -81,7 +89,7 @@ def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
             exits.promote(state, taken)
         if promoted_drafts:  # a sibling chosen at depth d is the frontier: it drafts now, from its own head row
             drafter, token, probs = _promoted_draft(model, ops, plan, state, taken, drafter, token, probs)
-        _draft(plan, state, drafter, token, probs, spawn_tok, spawn_pos, restart, embed_tokens)
+        _draft(plan, state, drafter, token, probs, spawn_tok, spawn_pos, restart, embed_spawned)
         if second:
             # [B, L] a fresh draw when sampling
             proposal = token if probs is None else rules.draw(probs, state.noise[..., rules.DRAW])
@@ -107,10 +115,16 @@ def make_cycles(model, plan: Plan, cycles: int) -> Callable[[WavefrontState, tor
     return run
 
 
-def _head(model, ops, s: WavefrontState, slots: torch.Tensor, plan: Plan | None = None, raw: bool = False):
+def _head(model, ops, s: WavefrontState, slots: torch.Tensor, plan: Plan | None = None, raw: bool = False,
+          logits: torch.Tensor | None = None):
     """The processed head scores `[B, R, V]` of the lane slots `slots` `[B, R]` (with `raw`: the raw logits and
-    them); with `plan`'s exit rule, those of the targets come from it (`exits.target_scores`)."""
-    logits = model.head(s.hidden.gather(1, slots[..., None].expand(-1, -1, s.hidden.shape[-1])))
+    them), from the head's logits of every slot `logits` `[B, L, V]` when given (`stages.exit_logits`), else from
+    a head call on those slots; with `plan`'s exit rule, those of the targets come from it
+    (`exits.target_scores`)."""
+    if logits is not None:
+        logits = logits.gather(1, slots[..., None].expand(-1, -1, logits.shape[-1]))
+    else:
+        logits = model.head(s.hidden.gather(1, slots[..., None].expand(-1, -1, s.hidden.shape[-1])))
     if plan is not None and plan.exit_rule is not None:
         logits = exits.target_scores(plan, s, slots, logits)
     scores = logits
@@ -226,8 +240,7 @@ def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch
         s.sib_depth = s.sib_depth + sib_ran.long()
     ends = torch.cat([torch.where(ran, s.position + 1, 0), torch.where(prompt_rows, prompt_position + 1, 0)], 1)
     planes = torch.cat([s.depth, s.prompt_depth[:, None].expand(-1, prompts)], 1)  # [B, L + P] each row's plane
-    hit = planes.clamp(max=plan.planes - 1)[..., None] == torch.arange(plan.planes, device=device)  # [B, L + P, planes]
-    s.kv_len = torch.maximum(s.kv_len, torch.where(hit, ends[..., None], 0).amax(1))  # ends: [B, L + P]
+    stages.raise_lengths(s, plan, planes, ends)
     s.depth = s.depth + ran.long()
     s.prompt_depth = s.prompt_depth + prompt_ran.long()
     return ran, prompt_ran
@@ -319,9 +332,9 @@ def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor,
 
 
 def _draft(plan: Plan, s: WavefrontState, drafter, top, probs, restart_tok, restart_pos, restart,
-           embed_tokens) -> None:
+           embed_spawned) -> None:
     """Steps 5 and 6: propose drafts (`top` `[B, L]`, drawn from `probs` `[B, L, V]` when sampling), and embed each
-    sequence's spawned lane (a draft or a restart) into its slot."""
+    sequence's spawned lane (a draft or a restart) into its slot (`stages.spawn_embedder`)."""
     drafter = drafter & s.alive & ~s.finished[:, None]  # still the frontier after verification
     has_draft = drafter.any(1)  # [B]
     draft_pos = torch.where(drafter, s.position, 0).amax(1) + 1  # [B]
@@ -345,4 +358,4 @@ def _draft(plan: Plan, s: WavefrontState, drafter, top, probs, restart_tok, rest
         q = torch.where(drafter[..., None], probs, 0.0).sum(1)  # [B, V] (at most one drafter per sequence)
         q = torch.where((forced >= 0)[:, None], F.one_hot(draft_tok, q.shape[-1]).to(q.dtype), q)
         s.draft_q = torch.where(slot[..., None], q[:, None], s.draft_q)
-    s.hidden = torch.where(slot[..., None], embed_tokens(token)[:, None], s.hidden)
+    s.hidden = torch.where(slot[..., None], embed_spawned(s, token, position, spawn)[:, None], s.hidden)

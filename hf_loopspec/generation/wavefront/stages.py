@@ -1,0 +1,133 @@
+"""Entry and exit stages with KV of their own in the wavefront step: a model whose entry stage attends (Huginn's
+prelude: `KVLayout.entry_plane`) or whose head attends (Huginn's coda: `KVLayout.exit_plane(depth)`), run as the
+lane decoder runs them (`decoder._embed_new_lanes`, its head calls with exit rows).
+
+* Entry: every token is embedded once, through the entry plane (it writes its KV at its position there and reads
+  positions 0..position): the prompt at set-up and the tokens completing the cache as rows (`embed_rows`), each
+  cycle's spawned lanes as one row per sequence (`spawn_embedder`).
+* Exit: every lane slot and prompt row that has just reached an exit depth in use (`exit_depths`: U, and d when
+  drafting) runs the head with that depth's exit plane, its logits needed or not, so every exit plane holds every
+  position, the prompt's too (`exit_logits`). The step reads its head scores from these logits.
+
+Both are calls of `SlotAttention` over the state's pools (another plane than the core's), so rollbacks truncate the
+stage planes with the others (`kv_len`, I4), and nothing here reads the device state on the host.
+
+Ouro-like models (no stage KV) keep the step's plain embedding lookup and head (`has_stage_kv`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ...ops.attention.slots import SlotAttention, SlotLayout
+from .state import Plan, WavefrontState
+
+
+def has_stage_kv(model) -> bool:
+    """Whether `model`'s entry or exit stage writes KV of its own."""
+    layout = model.kv_layout
+    return layout.entry_plane is not None or layout.first_exit_plane is not None
+
+
+def exit_depths(plan: Plan) -> tuple[int, ...]:
+    """The depths at which lanes and prompt rows run the head: U, and d when drafting (the lane decoder's
+    `policies.exit_depths`; second proposals are not run with stage KV: `limits.stages_problem`)."""
+    return (plan.num_loops,) if plan.mode == "ar" else (plan.num_loops, plan.draft_loops)
+
+
+def raise_lengths(s: WavefrontState, plan: Plan, planes: torch.Tensor, ends: torch.Tensor) -> None:
+    """Raise `s.kv_len` `[B, planes]` to the rows' ends: row (b, i) wrote plane `planes[b, i]` up to position
+    `ends[b, i]` - 1 (`ends` 0: it wrote nothing). `planes`, `ends`: `[B, M]`."""
+    hit = planes.clamp(max=plan.planes - 1)[..., None] == torch.arange(plan.planes, device=planes.device)
+    s.kv_len = torch.maximum(s.kv_len, torch.where(hit, ends[..., None], 0).amax(1))  # hit: [B, M, planes]
+
+
+def _attention(model, s: WavefrontState, plan: Plan, lanes: tuple, prompts: tuple, span: int) -> SlotAttention:
+    """A `SlotAttention` over the state's pools for one stage call of `model` (`lanes`, `prompts` as it takes them,
+    reading `span` positions)."""
+    layout = SlotLayout(model.kv_layout.num_layers, plan.planes, plan.table_width, plan.positions, span,
+                        cells=plan.lanes if plan.mode == "block" and lanes[1].shape[1] == plan.lanes else 1)
+    return SlotAttention(s.k_pool, s.v_pool, s.trash_slot, layout, lanes, prompts)
+
+
+def _no_lanes(batch: int, device: torch.device) -> tuple:
+    """One inactive lane row per sequence (the stage calls of prompt-like rows have no lane rows)."""
+    zero = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    return zero, zero, zero.bool()
+
+
+def embed_rows(model, plan: Plan, s: WavefrontState, tokens: torch.Tensor, start: torch.Tensor,
+               real: torch.Tensor) -> torch.Tensor:
+    """The loop-0 inputs `[B, F, H]` of `tokens` `[B, F]` at positions `start[b] + i` (`start` `[B]`); the `real`
+    `[B, F]` rows (a prefix of each sequence's) write their entry-plane KV, and raise its `kv_len`. Set-up and
+    cache completion: not part of the compiled step."""
+    batch, width = tokens.shape
+    device = tokens.device
+    positions = start[:, None] + torch.arange(width, device=device)  # [B, F]
+    entry = model.kv_layout.entry_plane
+    attention = None
+    if entry is not None:
+        plane = torch.full((batch,), entry, dtype=torch.long, device=device)
+        attention = _attention(model, s, plan, _no_lanes(batch, device), (plane, positions, real), plan.positions)
+        raise_lengths(s, plan, plane[:, None], torch.where(real, positions + 1, 0).amax(1, keepdim=True))
+    sequences = torch.arange(batch, device=device)
+    rows = model.embed(torch.cat([tokens[:, :1].flatten() * 0, tokens.flatten()]),
+                       torch.cat([start, positions.flatten()]),
+                       torch.cat([sequences, sequences.repeat_interleave(width)]), attention)  # [B + B*F, H]
+    return rows[batch:].view(batch, width, -1)
+
+
+def spawn_embedder(model, plan: Plan) -> Callable:
+    """`embed(s, token, position, spawn) -> [B, H]`: the loop-0 inputs of the lanes spawned in a cycle (`token`,
+    `position`, `spawn`: `[B]`, one candidate row per sequence). With stage KV, `model.embed` through the entry
+    plane (only the `spawn` rows write it), else the embedding lookup."""
+    if not has_stage_kv(model):
+        lookup = model.get_input_embeddings()
+        return lambda s, token, position, spawn: lookup(token)
+    entry = model.kv_layout.entry_plane
+
+    def embed(s: WavefrontState, token: torch.Tensor, position: torch.Tensor, spawn: torch.Tensor) -> torch.Tensor:
+        batch, device = len(token), token.device
+        attention = None
+        if entry is not None:  # a spawned lane sits one past the newest lane: the span of the cycle plus one
+            plane = torch.full((batch, 1), entry, dtype=torch.long, device=device)
+            none = torch.zeros(batch, 0, dtype=torch.long, device=device)
+            attention = _attention(model, s, plan, (plane, position[:, None], spawn[:, None]), (plane[:, 0], none,
+                                   none.bool()), min(plan.read_span + 1, plan.positions))
+            raise_lengths(s, plan, plane, torch.where(spawn, position + 1, 0)[:, None])
+        return model.embed(token, position, torch.arange(batch, device=device), attention)
+
+    return embed
+
+
+def exit_logits(model, plan: Plan, s: WavefrontState, ran: torch.Tensor, prompt_rows: torch.Tensor) -> torch.Tensor:
+    """The head's fp32 logits `[B, L, V]` of every lane slot, after a core call in which the lanes `ran` `[B, L]`
+    and the prompt rows `prompt_rows` `[B, P]` ran (`s.depth`, `s.prompt_depth`: already advanced). The lanes and
+    prompt rows that have just reached an exit depth write and read its exit plane; the other rows are masked (their
+    logits are unused)."""
+    layout = model.kv_layout
+    batch, lanes = s.token.shape
+    device = s.token.device
+    depths = torch.tensor(exit_depths(plan), device=device)
+    lane_exit = ran & torch.isin(s.depth, depths)  # [B, L]
+    prompt_exit = prompt_rows & torch.isin(s.prompt_depth, depths)[:, None]  # [B, P]
+    plane = layout.first_exit_plane - 1 + s.depth.clamp(min=1)  # [B, L]
+    prompt_plane = layout.first_exit_plane - 1 + s.prompt_depth.clamp(min=1)  # [B]
+    prompt_position = s.prompt_start[:, None] + torch.arange(prompt_rows.shape[1], device=device)  # [B, P]
+    attention = _attention(model, s, plan, (plane, s.position, lane_exit), (prompt_plane, prompt_position, prompt_exit),
+                           plan.read_span)
+    raise_lengths(s, plan, torch.cat([plane, prompt_plane[:, None].expand_as(prompt_position)], 1),
+                  torch.cat([torch.where(lane_exit, s.position + 1, 0), torch.where(prompt_exit, prompt_position + 1,
+                                                                                      0)], 1))
+    hidden = torch.cat([s.hidden.flatten(0, 1), s.prompt_hidden.flatten(0, 1)])  # [B*L + B*P, H]
+    position = torch.cat([s.position.flatten(), prompt_position.flatten()])
+    if plan.compact:  # the exiting rows only (CPU eager, as the core call: `step`)
+        attention.rows = attention.active.nonzero()[:, 0]  # [n]
+        rows = attention.rows
+        exiting = model.head(hidden[rows], position[rows], attention)  # [n, V]
+        logits = exiting.new_zeros(len(hidden), exiting.shape[-1]).index_copy(0, rows, exiting)
+    else:
+        logits = model.head(hidden, position, attention)  # [B*L + B*P, V]
+    return logits[: batch * lanes].view(batch, lanes, -1)
