@@ -165,7 +165,7 @@ def _run_wavefront(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draf
     start = time.perf_counter()  # set-up (page reservation, prompt embedding) is timed, as in the lane decoder's run
     out = WavefrontEngine(model, cache, mode=mode, draft_loops=draft_loops, num_speculative_tokens=k, input_ids=ids,
                           attention_mask=None, pad_token_id=0, max_length=max_length, draft_override=override,
-                          compile_backend=compile_core or None, processors=on_device,
+                          compile_backend=compile_core or None, processors=on_device, logits_processor=processors,
                           do_sample=model.generation_config.do_sample, second_draft_loops=second, **tensors).run()
     synchronize(ids.device)
     seconds = time.perf_counter() - start

@@ -35,9 +35,10 @@ from ..decoder import DecodeResult
 from ..history import check_cache_layout, run_planes
 from ..stats import SequenceStats, SpeculationStats
 from .device import GraphStep, ReadBack, uses_cuda_graphs
+from .host import HostHooks, compile_problem
 from .limits import model_problem, second_proposals_problem
 from .span import SpanBound, reserved_positions
-from .state import COUNTERS, Plan, WavefrontState
+from .state import COUNTERS, HOST, Plan, WavefrontState
 from .step import head_rows, make_cycles, make_step
 
 WAVEFRONT_MODES = ("ar", "block", "pipeline")
@@ -133,7 +134,8 @@ class WavefrontEngine:
 
     `draft_override` `[B, C]` (test-only): a draft for position p of sequence b becomes `draft_override[b, p]`
     where that is >= 0; `second_override` likewise for second proposals (`second_draft_loops`: d2, see
-    `second_proposals_problem`). `compile_backend`: a `torch.compile` backend for the step (fullgraph), or None
+    `second_proposals_problem`). `logits_processor`, `draft_hook`, `second_draft_hook`: the lane decoder's, run on the
+    host in the eager step (`host`). `compile_backend`: a `torch.compile` backend for the step (fullgraph), or None
     (eager).
     """
 
@@ -145,7 +147,8 @@ class WavefrontEngine:
                  eos_hold: torch.Tensor | None = None, settings: torch.Tensor | None = None,
                  do_sample: bool = False, streamer=None,
                  complete_cache: bool = False, second_draft_loops: int | None = None,
-                 second_override: torch.Tensor | None = None):
+                 second_override: torch.Tensor | None = None, logits_processor=None, draft_hook=None,
+                 second_draft_hook=None):
         check_cache_layout(cache, model.kv_layout)
         if cache.num_sequences:
             raise ValueError("the wavefront engine needs an empty PagedLoopCache (this one already holds "
@@ -157,6 +160,9 @@ class WavefrontEngine:
         if problem:
             raise ValueError(f"the wavefront engine does not support {problem}; run the lane decoder "
                              "(speculative_engine='lanes', or --engines lanes in the bench).")
+        if compile_backend is not None and (host := compile_problem(logits_processor, input_ids.shape[1], draft_hook,
+                                                                    second_draft_hook)):
+            raise ValueError(f"the wavefront engine does not support {host}.")
         self.model, self.cache, self.read_every, self.complete_cache = model, cache, read_every, complete_cache
         self.vocab = model.get_output_embeddings().weight.shape[0]  # V: the width of the head's logits
         self.streamer, self.streamed = streamer, 0  # columns fed to the streamer so far
@@ -172,7 +178,10 @@ class WavefrontEngine:
                          cache.page_size, reserved_positions(width + max_new, compile_backend is not None),
                          bool(eos), processors, do_sample,
                          compact=compile_backend is None and input_ids.device.type == "cpu",
-                         second_loops=second_draft_loops)
+                         second_loops=second_draft_loops,
+                         host=HostHooks(logits_processor, input_ids, (model.num_loops, draft_loops, second_draft_loops),
+                                        draft_hook, second_draft_hook)
+                         if any(item[0] == HOST for item in processors) or draft_hook or second_draft_hook else None)
         self.prefill_cycles = model.num_loops + (num_speculative_tokens * draft_loops if mode == "block" else 0)
         self.stats = SpeculationStats(mode=mode, draft_loops=draft_loops, engine="wavefront")
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()

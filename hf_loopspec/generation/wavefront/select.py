@@ -2,7 +2,8 @@
 
 The wavefront engine covers: Ouro-like models (no KV in the entry or exit stage), greedy decoding and sampling
 with the logits processors it runs on the device (`processing.on_device`: `repetition_penalty`, `min_new_tokens`,
-`min_length`, temperature, top-k, top-p, min-p), EOS and length stops (`max_new_tokens` / `max_length`), padded
+`min_length`, temperature, top-k, top-p, min-p) and, eager, the other (row-pure) processors and the draft hooks
+as host work in each cycle (`host`), EOS and length stops (`max_new_tokens` / `max_length`), padded
 batches, streamers, `compile_core` (the step is compiled whole with that backend), and second proposals with
 second_draft_loops >= U - draft_loops (`limits.second_proposals_problem`). Everything else of a call is named
 by `unsupported` or `second_proposals_problem`:
@@ -25,8 +26,9 @@ from ...cache.paged import PagedLoopCache
 from ..config import SpeculativeConfig
 from ..decoder import DecodeResult
 from .engine import WavefrontEngine
+from .host import compile_problem
 from .limits import model_problem, second_proposals_problem
-from .processing import device_processors, on_device
+from .processing import device_processors
 from .span import reserved_positions
 
 
@@ -46,13 +48,13 @@ def unsupported(model, cache: PagedLoopCache, options: dict, compiled: bool = Fa
                         f"sequences in {cache.num_planes} planes, reserved up front, need {reserved / 2**30:.1f} GiB: "
                         "more than half the free memory)")
     width = options["input_ids"].shape[1]
-    problems += [f"logits processor {type(p).__name__}" for p in options.get("logits_processor") or ()
-                 if not on_device(p, width)]
+    if compiled and (host := compile_problem(options.get("logits_processor"), width, options.get("draft_hook"),
+                                             options.get("second_draft_hook"))):
+        problems.append(host)
     problems += [f"stopping criterion {type(c).__name__}" for c in options.get("stopping_criteria") or ()
                  if not (type(c) is EosTokenCriteria or type(c) is MaxLengthCriteria
                          and c.max_length == options["max_length"])]
-    for name, label in (("draft_hook", "draft_hook"), ("second_draft_hook", "second_draft_hook"),
-                        ("trace", "speculative_trace"),
+    for name, label in (("trace", "speculative_trace"),
                         ("output_scores", "output_scores"), ("output_logits", "output_logits"),
                         ("exit_rule", "exit options (exit_at_step, exit_threshold, use_weighted_exit)")):
         if options.get(name):
@@ -108,5 +110,7 @@ def run_engine(model, input_ids, spec: SpeculativeConfig, *, cache: PagedLoopCac
         streamer=options.get("streamer"),
         processors=processors, do_sample=bool(options.get("do_sample")), **tensors,
         complete_cache=bool(options.get("complete_cache")), second_draft_loops=spec.second_draft_loops,
+        logits_processor=options.get("logits_processor"), draft_hook=options.get("draft_hook"),
+        second_draft_hook=options.get("second_draft_hook"),
     )
     return engine.run()

@@ -40,9 +40,11 @@ import torch
 
 COUNTERS = ("committed", "drafted", "verified", "accepted", "rejected", "discarded", "second_drafts", "second_accepted")
 # the kinds of `Plan.processors` items (`processing.device_processors`): (PENALTY,), (HOLD,), (TEMPERATURE,),
-# (TOP_K, filter_value), (TOP_P, filter_value, min_tokens_to_keep), (MIN_P, filter_value, min_tokens_to_keep)
+# (TOP_K, filter_value), (TOP_P, filter_value, min_tokens_to_keep), (MIN_P, filter_value, min_tokens_to_keep),
+# (HOST, start, stop): processors start..stop-1 of the call's list, run on the host (`host`)
 PENALTY, HOLD, TEMPERATURE, TOP_K, TOP_P, MIN_P = "repetition_penalty", "eos_hold", "temperature", "top_k", "top_p", \
     "min_p"
+HOST = "host"
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class Plan:
     span: int | None = None  # S: rows read positions 0..S-1 only (no live row sits at S or beyond); None: all C
     compact: bool = False  # the core runs the active rows only (eager on a CPU: `step`, step 2)
     second_loops: int | None = None  # d2: second proposals (pipeline, U - d2 <= d); None: off
+    host: object = None  # `host.HostHooks`: host processors and draft hooks (eager step only); None: none
 
     @property
     def table_width(self) -> int:
