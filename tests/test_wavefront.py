@@ -408,8 +408,6 @@ def test_generate_streams_what_plain_streams():
 @pytest.mark.parametrize(("kwargs", "named"), [
     ({"speculative_engine": "fast"}, "speculative_engine='fast'"),
     ({"speculative_engine": "wavefront", "do_sample": True, "typical_p": 0.5}, "TypicalLogitsWarper"),
-    ({"speculative_engine": "wavefront", "no_repeat_ngram_size": 2}, "NoRepeatNGramLogitsProcessor"),
-    ({"speculative_engine": "wavefront", "draft_hook": lambda s, p, t: t}, "draft_hook"),
     ({"speculative_engine": "wavefront", "exit_at_step": 1}, "exit options"),
     ({"speculative_engine": "wavefront", "max_time": 100.0}, "MaxTimeCriteria"),
     ({"speculative_engine": "wavefront", "speculative_mode": None}, "set speculative_mode"),
@@ -422,9 +420,7 @@ def test_generate_engine_errors_name_the_setting(kwargs, named):
 
 
 FALLBACKS = {  # settings the wavefront engine does not support: "auto" runs the lane decoder for them
-    "draft_hook": {"draft_hook": lambda s, p, t: t},
     "trace": {"speculative_trace": True},
-    "processor": {"no_repeat_ngram_size": 2},
     "criterion": {"max_time": 100.0},
     "scores": {"output_scores": True},
     "debug cache": {"cache": "debug"},
