@@ -407,7 +407,8 @@ def test_generate_streams_what_plain_streams():
 
 @pytest.mark.parametrize(("kwargs", "named"), [
     ({"speculative_engine": "fast"}, "speculative_engine='fast'"),
-    ({"speculative_engine": "wavefront", "do_sample": True, "typical_p": 0.5}, "TypicalLogitsWarper"),
+    ({"speculative_engine": "wavefront", "do_sample": True, "typical_p": 0.5, "compile_core": "eager"},
+     "TypicalLogitsWarper with compile_core"),
     ({"speculative_engine": "wavefront", "exit_at_step": 1}, "exit options"),
     ({"speculative_engine": "wavefront", "max_time": 100.0}, "MaxTimeCriteria"),
     ({"speculative_engine": "wavefront", "speculative_mode": None}, "set speculative_mode"),
