@@ -71,9 +71,10 @@ def processors_for(settings):
     return out
 
 
-def exact_joint(model, settings) -> torch.Tensor:
-    """p(t1, t2 | prompt) under plain sampling with `settings`: [V, V], from full forwards."""
-    procs = processors_for(settings)
+def exact_joint(model, settings, procs: LogitsProcessorList | None = None) -> torch.Tensor:
+    """p(t1, t2 | prompt) under plain sampling with `settings` (or the processors `procs`): [V, V], from full
+    forwards."""
+    procs = processors_for(settings) if procs is None else procs
     joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     with torch.no_grad():
         prompt = torch.tensor([PROMPT])

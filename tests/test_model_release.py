@@ -17,10 +17,10 @@ from inputs import left_pad, random_prompts
 from speculative_utils import plain, speculative, tiny_spec_model
 
 from hf_loopspec.generation import compiled
-from hf_loopspec.generation.wavefront import engine as wavefront_engine
+from hf_loopspec.generation.wavefront import compiling
 
 VOCAB = 96
-STORE = wavefront_engine.STORE  # where the engine keeps its compiled functions
+STORE = compiling.STORE  # where the engine keeps its compiled functions
 
 
 def compiled_run(backend: str, seed: int = 3):

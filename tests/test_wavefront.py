@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
 from recorders import RecordingStreamer
 from speculative_utils import (
@@ -286,7 +287,7 @@ def test_compiled_step_serves_other_lengths(backend, monkeypatch):
     """Compiled, a call whose prompt width and max_new_tokens fall in the bucket of reserved positions C of an earlier
     call (`span.reserved_positions`) compiles nothing: the compiled step's shapes depend on C, not on the call's own
     lengths, and the one-cycle step of the calls that carry the prompt rows has their number dynamic
-    (`engine.compiled_prefill`; widths 5 and 9 here: 4 and 8 prompt rows). Each run equals plain greedy decoding.
+    (`compiling.compiled_prefill`; widths 5 and 9 here: 4 and 8 prompt rows). Each run equals plain greedy decoding.
     `compile_core=True` is the step as users compile it (inductor, with its C++ wrapper on a CPU); the "eager" backend
     traces the same graph. Two cycles per compiled call (the default unrolls more: slower to compile, the same code; the
     bench runs the default)."""
@@ -399,9 +400,8 @@ def test_generate_streams_what_plain_streams():
 @pytest.mark.parametrize(("kwargs", "named"), [
     ({"speculative_engine": "fast"}, "speculative_engine='fast'"),
     ({"speculative_engine": "lanes"}, "speculative_engine='lanes'"),
-    ({"speculative_engine": "wavefront", "do_sample": True, "typical_p": 0.5}, "TypicalLogitsWarper"),
-    ({"speculative_engine": "wavefront", "no_repeat_ngram_size": 2}, "NoRepeatNGramLogitsProcessor"),
-    ({"speculative_engine": "wavefront", "draft_hook": lambda s, p, t: t}, "draft_hook"),
+    ({"speculative_engine": "wavefront", "do_sample": True, "typical_p": 0.5, "compile_core": "eager"},
+     "TypicalLogitsWarper with compile_core"),
     ({"speculative_engine": "wavefront", "speculative_mode": None}, "set speculative_mode"),
 ])
 def test_generate_engine_errors_name_the_setting(kwargs, named):
@@ -411,10 +411,13 @@ def test_generate_engine_errors_name_the_setting(kwargs, named):
         model.generate(ids, attention_mask=mask, **options)
 
 
-UNSUPPORTED = {  # settings the wavefront engine does not run yet, and the words that name each in the error
-    "draft_hook": ({"draft_hook": lambda s, p, t: t}, "draft_hook"),
-    "processor": ({"no_repeat_ngram_size": 2}, "NoRepeatNGramLogitsProcessor"),
-    "huginn": ({"init_scale": 0.0}, "HuginnForCausalLM"),
+UNSUPPORTED = {  # settings the wavefront engine cannot run, and the words that name each in the error
+    "host processor compiled": ({"no_repeat_ngram_size": 2, "compile_core": "eager"},
+                                "NoRepeatNGramLogitsProcessor with compile_core"),
+    "draft hook compiled": ({"draft_hook": lambda s, p, t: t, "compile_core": "eager"}, "draft_hook"),
+    "huginn compiled": ({"init_scale": 0.0, "compile_core": "eager"}, "compile_core on HuginnForCausalLM"),
+    "huginn second proposals": ({"init_scale": 0.0, "second_draft_loops": 3},
+                                "second_draft_loops=3 on HuginnForCausalLM"),
 }
 
 
@@ -424,7 +427,7 @@ def test_unsupported_settings_raise_naming_them(case):
     that names it, before any decoding."""
     settings, named = UNSUPPORTED[case]
     settings = dict(settings)
-    if case == "huginn":
+    if case.startswith("huginn"):
         model = tiny_huginn(seed=5)[0]
         ids, mask = left_pad(random_prompts(7, (3, 5), model.config.vocab_size))
     else:

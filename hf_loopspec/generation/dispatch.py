@@ -25,8 +25,8 @@ from .decoder import DraftHook, ExitRule, LaneDecoder
 from .records import DecodeResult
 from .siblings import SecondHook
 from .wavefront.engine import WavefrontEngine
+from .wavefront.host import compile_problem
 from .wavefront.limits import cache_problem, stages_problem
-from .wavefront.processing import on_device
 from .wavefront.span import reserved_positions
 
 
@@ -82,11 +82,9 @@ def unsupported(model, request: SpeculativeRequest) -> list[str]:
         problems.append(f"max_length={max_length} (KV pages for {positions} positions of {len(ids)} sequences in "
                         f"{cache.num_planes} planes, reserved up front, need {reserved / 2**30:.1f} GiB: more than "
                         "half the free memory)")
-    problems += [f"logits processor {type(p).__name__}" for p in request.logits_processor or ()
-                 if not on_device(p, ids.shape[1])]
-    for name in ("draft_hook", "second_draft_hook"):
-        if getattr(request, name):
-            problems.append(name)
+    if compiled and (host := compile_problem(request.logits_processor, ids.shape[1], request.draft_hook,
+                                             request.second_draft_hook)):
+        problems.append(host)
     return problems
 
 

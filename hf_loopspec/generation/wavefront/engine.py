@@ -27,88 +27,29 @@ history into the reserved layout) and exit options (`exits`).
 from __future__ import annotations
 
 import math
-import types
 from dataclasses import replace
 
 import torch
 
 from ...cache.paged import FlatPools, PagedLoopCache
-from ..compiled import compiled_store
 from ..decoder import DecodeResult
 from ..history import check_cache_layout, run_planes
 from ..rules import cycle_uniforms, lanes_for, non_finite_error, run_generator, uniform_columns
 from ..stats import SequenceStats, SpeculationStats
 from . import exits, outputs, resume, stages
-from .device import GraphStep, ReadBack, uses_cuda_graphs
+from .compiling import compiled_cycles, compiled_prefill, one_at_a_time
+from .device import ReadBack
+from .host import HostHooks, compile_problem
 from .limits import cache_problem, second_proposals_problem, stages_problem
 from .options import DEFAULT_READ_EVERY, engine_options
 from .span import SpanBound, reserved_positions
-from .state import COUNTERS, Plan, WavefrontState
+from .state import COUNTERS, HOST, Plan, WavefrontState
 from .step import head_rows, make_cycles, make_step
 from .stopping import host_stops
 from .tracing import Tracer, traced
 
 WAVEFRONT_MODES = ("ar", "block", "pipeline")
 CYCLES_PER_CALL = 4  # compiled: cycles per call of the step function (unrolled: compile time grows with it)
-# Inductor's options for the step function on a CPU in fp32: a C++ wrapper, no Python between the kernels. Not in
-# bf16: there the C++ wrapper's step of block mode put non-finite values into alive lanes' hidden states
-# and KV (ouro-tiny, prompt 128: EOS from the second token on), which neither the Python wrapper nor the eager step
-# do (`test_compiled_bf16_block_stays_finite`).
-CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
-
-
-# The model's store of compiled step functions (`compiled.compiled_store`): {(plan, cycles, backend, lane dtype, CUDA
-# graphs) or (plan, "prefill", backend, lane dtype): compiled function} (`compiled_cycles`, `compiled_prefill`)
-STORE = "wavefront"
-
-
-def _private_copy(function):
-    """`function` with a code object of its own: dynamo counts a function's compiles (against its recompile limit)
-    and keeps its automatic-dynamic record per code object."""
-    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                              function.__defaults__, function.__closure__)
-
-
-def compiled_cycles(model, plan: Plan, cycles: int, backend: str, device: torch.device):
-    """`torch.compile(fullgraph=True)` of `cycles` cycles of `plan`'s step for `model` (`step.make_cycles`), built
-    on first use and kept beside the model, so that later runs of the same plan (and shapes) compile nothing. Each is
-    compiled from a private copy of the function's code (`_private_copy`). Inductor on CUDA
-    compiles with `mode="reduce-overhead"` (CUDA graphs, with an eager fallback: `device.GraphStep`; untested on a
-    GPU)."""
-    store = compiled_store(model, STORE)
-    key = (plan, cycles, backend, model.lane_dtype, uses_cuda_graphs(device, backend))
-    if key not in store:
-        run = make_cycles(model, plan, cycles)
-        private = _private_copy(run)
-        if key[-1]:
-            store[key] = GraphStep(torch.compile(private, mode="reduce-overhead", fullgraph=True), run)
-        elif backend == "inductor" and device.type == "cpu" and model.lane_dtype == torch.float32:
-            store[key] = torch.compile(private, backend=backend, fullgraph=True, options=CPU_INDUCTOR_OPTIONS)
-        else:
-            store[key] = torch.compile(private, backend=backend, fullgraph=True)
-    return store[key]
-
-
-def compiled_prefill(model, plan: Plan, backend: str):
-    """One cycle of `plan`'s step for `model`, compiled (fullgraph) for states that carry prompt rows, with their
-    number P dynamic: one graph serves every prompt width of the bucket of C (P = 1, a prompt of two tokens, gets a
-    graph of its own: dynamo specializes sizes 0 and 1). Inductor's default mode everywhere: no CUDA graphs (they are
-    captured per shape, and P varies) and no C++ wrapper (with it, a second prompt width compiled again on
-    `ouro-tiny`). Kept beside the model like `compiled_cycles`."""
-    store = compiled_store(model, STORE)
-    key = (plan, "prefill", backend, model.lane_dtype)
-    if key not in store:
-        private = _private_copy(make_cycles(model, plan, 1))
-        compiled = torch.compile(private, backend=backend, fullgraph=True)
-
-        def cycle(state: WavefrontState, noise: torch.Tensor | None) -> WavefrontState:
-            if state.prompt_real.shape[1] > 1:
-                torch._dynamo.mark_dynamic(state.prompt_hidden, 1)
-                torch._dynamo.mark_dynamic(state.prompt_real, 1)
-            return compiled(state, noise)
-
-        store[key] = cycle
-    return store[key]
 
 
 def read_back(state: WavefrontState, tokens: bool = False) -> ReadBack:
@@ -118,24 +59,13 @@ def read_back(state: WavefrontState, tokens: bool = False) -> ReadBack:
     return ReadBack(state, tokens)
 
 
-def one_at_a_time(cycle, cycles: int):
-    """`cycles` calls of the one-cycle function `cycle`, as a function `(state, noise) -> state` of `cycles` cycles
-    (`noise`: `[cycles, ...]` or None, as `make_cycles` takes it)."""
-
-    def run(state: WavefrontState, noise: torch.Tensor | None) -> WavefrontState:
-        for i in range(cycles):
-            state = cycle(state, None if noise is None else noise[i: i + 1])
-        return state
-
-    return run
-
-
 class WavefrontEngine:
     """One batch decoded to completion by the wavefront step.
 
     `draft_override` `[B, C]` (test-only): a draft for position p of sequence b becomes `draft_override[b, p]`
     where that is >= 0; `second_override` likewise for second proposals (`second_draft_loops`: d2, see
-    `second_proposals_problem`). `compile_backend`: a `torch.compile` backend for the step (fullgraph), or None
+    `second_proposals_problem`). `logits_processor`, `draft_hook`, `second_draft_hook`: the lane decoder's, run on the
+    host in the eager step (`host`). `compile_backend`: a `torch.compile` backend for the step (fullgraph), or None
     (eager). `generate` builds it with `from_request`.
     """
 
@@ -154,7 +84,8 @@ class WavefrontEngine:
                  do_sample: bool = False, streamer=None,
                  complete_cache: bool = False, second_draft_loops: int | None = None,
                  second_override: torch.Tensor | None = None, exit_rule=None, stopping_criteria=None,
-                 output_scores: bool = False, output_logits: bool = False, trace: bool | str = False):
+                 output_scores: bool = False, output_logits: bool = False, trace: bool | str = False,
+                 logits_processor=None, draft_hook=None, second_draft_hook=None):
         check_cache_layout(cache, model.kv_layout)
         if not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every={read_every!r} must be an integer >= 1 (cycles between read-backs).")
@@ -163,6 +94,9 @@ class WavefrontEngine:
         if problem:
             raise ValueError(f"the wavefront engine does not support {problem}; run the reference "
                              "(model.decode_with_lanes, or --engines reference in the bench).")
+        if compile_backend is not None and (host := compile_problem(logits_processor, input_ids.shape[1], draft_hook,
+                                                                    second_draft_hook)):
+            raise ValueError(f"the wavefront engine does not support {host}.")
         self.model, self.cache, self.read_every, self.complete_cache = model, cache, read_every, complete_cache
         self.vocab = model.get_output_embeddings().weight.shape[0]  # V: the width of the head's logits
         self.input_ids = input_ids
@@ -180,7 +114,10 @@ class WavefrontEngine:
                          bool(eos), processors, do_sample,
                          compact=compile_backend is None and input_ids.device.type == "cpu",
                          second_loops=second_draft_loops, exit_rule=exit_rule, output_scores=output_scores,
-                         output_logits=output_logits, trace_hidden=trace == "hidden")
+                         output_logits=output_logits, trace_hidden=trace == "hidden",
+                         host=HostHooks(logits_processor, input_ids, (model.num_loops, draft_loops, second_draft_loops),
+                                        draft_hook, second_draft_hook)
+                         if any(item[0] == HOST for item in processors) or draft_hook or second_draft_hook else None)
         self.prefill_cycles = model.num_loops + (num_speculative_tokens * draft_loops if mode == "block" else 0)
         self.stats = SpeculationStats(mode=mode, draft_loops=draft_loops, engine="wavefront")
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()

@@ -25,7 +25,9 @@ def engine_options(model, request) -> dict:
                 complete_cache=bool(request.complete_cache), second_draft_loops=spec.second_draft_loops,
                 exit_rule=request.exit_rule, stopping_criteria=request.stopping_criteria,
                 output_scores=bool(request.output_scores), output_logits=bool(request.output_logits),
-                trace=request.trace or False, read_every=read_every(request), **tensors)
+                trace=request.trace or False, read_every=read_every(request),
+                logits_processor=request.logits_processor, draft_hook=request.draft_hook,
+                second_draft_hook=request.second_draft_hook, **tensors)
 
 
 def read_every(request) -> int:

@@ -37,7 +37,7 @@ from transformers import (
 )
 
 from .. import rules
-from .state import HOLD, MIN_P, PENALTY, TEMPERATURE, TOP_K, TOP_P, Plan, WavefrontState
+from .state import HOLD, HOST, MIN_P, PENALTY, TEMPERATURE, TOP_K, TOP_P, Plan, WavefrontState
 
 WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
@@ -55,14 +55,21 @@ def on_device(processor, width: int) -> bool:
 
 
 def device_processors(processors, input_ids: torch.Tensor, vocab: int) -> tuple[tuple, dict]:
-    """`Plan.processors` for `processors` (every one `on_device`), and the engine's tensors they need: `settings`
+    """`Plan.processors` for `processors` (runs of those not `on_device`: `(HOST, start, stop)` items), and the
+    engine's tensors they need: `settings`
     `[n]` float32 (item i's value, see the module docstring; 0 for the EOS hold), `penalty_ignore` `[B]` (prompt
     columns the penalty skips) and `eos_hold` `[V]` (id v is held back while fewer than `eos_hold[v]` tokens are
     generated)."""
     items, values, tensors, width = [], [], {}, input_ids.shape[1]
     hold = torch.zeros(vocab, dtype=torch.long)
-    for p in processors or ():
-        if isinstance(p, RepetitionPenaltyLogitsProcessor):
+    for i, p in enumerate(processors or ()):
+        if not on_device(p, width):  # a run of host processors is one item (`host.HostHooks.process`)
+            if items and items[-1][0] == HOST and items[-1][2] == i:
+                items[-1] = (HOST, items[-1][1], i + 1)
+            else:
+                items.append((HOST, i, i + 1))
+                values.append(0.0)
+        elif isinstance(p, RepetitionPenaltyLogitsProcessor):
             items.append((PENALTY,))
             values.append(p.penalty)
             if p.prompt_ignore_length is not None:
@@ -100,7 +107,9 @@ def score_ops(plan: Plan) -> list[ScoreOp]:
     `state.settings[i]`."""
     ops = []
     for i, (kind, *static) in enumerate(plan.processors):
-        if kind in _SLOT_OPS:
+        if kind == HOST:
+            ops.append(lambda s, scores, slots, span=tuple(static): plan.host.process(*span, s, scores, slots))
+        elif kind in _SLOT_OPS:
             ops.append(lambda s, scores, slots, op=_SLOT_OPS[kind], i=i: op(s, scores, slots, s.settings[i]))
         else:
             ops.append(lambda s, scores, slots, op=_WARPS[kind], i=i, static=tuple(static):

@@ -101,7 +101,10 @@ def reread(plan: Plan, s: WavefrontState, rereader: torch.Tensor, top: torch.Ten
     position = torch.where(rereader, s.position, 0).amax(1) + 1  # [B]
     first = s.token.gather(1, (position % lanes)[:, None])[:, 0]  # [B] the draft's token
     forced = s.second_override.gather(1, position.clamp(max=plan.positions - 1)[:, None])[:, 0]
-    token = torch.where(forced >= 0, forced, torch.where(rereader, top, 0).amax(1))
+    proposed = torch.where(rereader, top, 0).amax(1)  # [B]
+    if plan.host is not None:  # `second_draft_hook`, on the host (eager)
+        forced = plan.host.second(has, position, first, torch.where(forced >= 0, forced, proposed), forced)
+    token = torch.where(forced >= 0, forced, proposed)
     spawn = has & (token != first)  # [B]
     s.sib_token = torch.where(has, token, s.sib_token)
     s.sib_position = torch.where(has, position, s.sib_position)

@@ -41,9 +41,11 @@ import torch
 
 COUNTERS = ("committed", "drafted", "verified", "accepted", "rejected", "discarded", "second_drafts", "second_accepted")
 # the kinds of `Plan.processors` items (`processing.device_processors`): (PENALTY,), (HOLD,), (TEMPERATURE,),
-# (TOP_K, filter_value), (TOP_P, filter_value, min_tokens_to_keep), (MIN_P, filter_value, min_tokens_to_keep)
+# (TOP_K, filter_value), (TOP_P, filter_value, min_tokens_to_keep), (MIN_P, filter_value, min_tokens_to_keep),
+# (HOST, start, stop): processors start..stop-1 of the call's list, run on the host (`host`)
 PENALTY, HOLD, TEMPERATURE, TOP_K, TOP_P, MIN_P = "repetition_penalty", "eos_hold", "temperature", "top_k", "top_p", \
     "min_p"
+HOST = "host"
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class Plan:
     output_scores: bool = False  # record each committed column's processed scores (`outputs`)
     output_logits: bool = False  # record each committed column's raw logits (`outputs`)
     trace_hidden: bool = False  # keep the core call's outputs (`WavefrontState.core_out`, for `tracing`)
+    host: object = None  # `host.HostHooks`: host processors and draft hooks (eager step only); None: none
 
     @property
     def table_width(self) -> int:

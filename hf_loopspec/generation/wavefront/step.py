@@ -340,6 +340,8 @@ def _draft(plan: Plan, s: WavefrontState, drafter, top, probs, restart_tok, rest
     draft_pos = torch.where(drafter, s.position, 0).amax(1) + 1  # [B]
     proposed = torch.where(drafter, top, 0).amax(1)  # [B]
     forced = s.draft_override.gather(1, draft_pos.clamp(max=plan.positions - 1)[:, None])[:, 0]
+    if plan.host is not None:  # `draft_hook`, on the host (eager)
+        forced = plan.host.draft(has_draft, draft_pos, torch.where(forced >= 0, forced, proposed), forced)
     draft_tok = torch.where(forced >= 0, forced, proposed)
     s.counters = s.counters + counts(s, drafted=has_draft)
     s.round_drafts = s.round_drafts + has_draft.long()
