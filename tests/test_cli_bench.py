@@ -253,9 +253,9 @@ def test_bench_do_sample_runs_every_mode_and_reports_not_comparable(tmp_path, ca
 
 
 def test_bench_sampled_runs_are_seeded_and_use_generates_warpers():
-    """Same seed, same tokens and counters; and `ar` on the reference at batch 1 draws exactly plain generate's tokens
-    (one multinomial per token from the same processed scores, as plain draws them), which holds only if the bench's
-    warpers are the ones generate builds, in its order."""
+    """Same seed, same tokens and counters; and the bench's sampled pipeline run draws exactly the tokens of
+    `model.generate` with the same settings and seed (the engine and the reference draw one seed's uniforms alike,
+    `generation.rules`), which holds only if the bench's warpers are the ones generate builds, in its order."""
     model = shapes.random_model("ouro-tiny", seed=0)
     ids = prompts.make_prompts(None, model.config.vocab_size, 1, 8, seed=0)
     sampling = run.sampling_settings(bench_args.parse_args(SAMPLING))
@@ -271,7 +271,11 @@ def test_bench_sampled_runs_are_seeded_and_use_generates_warpers():
                 assert torch.equal(result["generated"], runs[mode]["generated"])
                 assert result["stats"].to_dict() == runs[mode]["stats"].to_dict()
             runs[mode] = result
-    assert torch.equal(runs["ar"]["generated"], runs["plain"]["generated"])
+    torch.manual_seed(5)
+    with torch.inference_mode():
+        own = model.generate(ids, max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.9, top_k=20,
+                             speculative_mode="pipeline", draft_loops=1, pad_token_id=0)
+    assert torch.equal(runs["pipeline"]["generated"], own[:, ids.shape[1]:])
     with run.bench_generation_config(model, {"temperature": 1.0, "top_p": 1.0, "top_k": 0}):
         assert not run.generation_processors(model, 8, ids.device)  # all off: no warpers
 

@@ -18,8 +18,10 @@ from speculative_utils import (
     assert_cache_matches_ar,
     assert_counter_invariants,
     block_calls,
+    decode_reference,
     forcing_hook,
     mode_params,
+    paged_cache,
     pipeline_calls,
     plain,
     real_tokens,
@@ -161,7 +163,9 @@ def test_second_proposals():
     model, _ = tiny_huginn(seed=5, damp=1.0)
     ids, mask = left_pad(prompts_for("ragged", seed=100), PAD)
     ref = plain(model, ids, mask, 24, **INITS["seeded"])
-    out = speculative(model, ids, mask, 24, "pipeline", 1, debug=True, second_draft_loops=2, **INITS["seeded"])
+    with model.recurrence(num_steps=STEPS, init_scale=1.0, init_seed=1234):  # INITS["seeded"]  # the reference: the engine refuses second proposals here
+        out = decode_reference(model, ids, mask, 24, "pipeline", 1, second_draft_loops=2,
+                               cache=paged_cache(model, True, STEPS))
     assert out.sequences.tolist() == ref.sequences.tolist()
     assert out.speculation.second_drafts > 0 and out.speculation.second_accepted > 0
     assert_counter_invariants(out.speculation, [24] * 3)

@@ -14,7 +14,16 @@ import pytest
 import torch
 from inputs import left_pad, random_prompts
 from sampling_utils import ALPHA, chi_square_p_value, exact_joint, sample_pairs
-from speculative_utils import MODES, forcing_hook, mode_params, plain, real_tokens, speculative, tiny_spec_model
+from speculative_utils import (
+    MODES,
+    engine_settings,
+    forcing_hook,
+    mode_params,
+    plain,
+    real_tokens,
+    speculative,
+    tiny_spec_model,
+)
 from transformers import LogitsProcessorList, SequenceBiasLogitsProcessor, TemperatureLogitsWarper
 from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
 
@@ -50,7 +59,7 @@ def test_host_processors_greedy(setup, name, mode, d, k):
     ref = plain(model, ids, mask, NEW, **kwargs)
     assert not torch.equal(ref.sequences, free.sequences)  # the processor matters
     out = speculative(model, ids, mask, NEW, mode, d, k, speculative_engine="wavefront", **kwargs)
-    lanes = speculative(model, ids, mask, NEW, mode, d, k, speculative_engine="lanes", **kwargs)
+    lanes = speculative(model, ids, mask, NEW, mode, d, k, debug=True, **kwargs)  # the reference
     assert out.speculation.engine == "wavefront"
     torch.testing.assert_close(out.sequences, ref.sequences, atol=0, rtol=0)
     assert _counts(out.speculation) == _counts(lanes.speculation)
@@ -69,7 +78,7 @@ def test_draft_hook_forces_rejections(setup, pattern, mode, d, k):
     for engine in ("wavefront", "lanes"):
         calls = []
         hook = forcing_hook(reference, prompt_lens, PATTERNS[pattern], VOCAB, calls)
-        runs[engine] = speculative(model, ids, mask, NEW, mode, d, k, speculative_engine=engine, draft_hook=hook)
+        runs[engine] = speculative(model, ids, mask, NEW, mode, d, k, **engine_settings(model, engine), draft_hook=hook)
         assert len(calls) == runs[engine].speculation.drafted  # the hook saw every draft
     out = runs["wavefront"]
     assert out.speculation.engine == "wavefront" and out.speculation.rejected > 0
@@ -90,7 +99,7 @@ def test_second_draft_hook_runs_on_the_engine(setup):
         first = forcing_hook(reference, prompt_lens, PATTERNS["alternating"], VOCAB)
         second = lambda s, p, f, t, calls=calls: calls.append(s) or reference[s][p]  # noqa: E731
         runs[engine] = speculative(model, ids, mask, NEW, "pipeline", 1, second_draft_loops=3,
-                                   speculative_engine=engine, draft_hook=first, second_draft_hook=second)
+                                   **engine_settings(model, engine), draft_hook=first, second_draft_hook=second)
         assert calls
     out = runs["wavefront"]
     assert out.speculation.engine == "wavefront" and out.speculation.second_accepted > 0

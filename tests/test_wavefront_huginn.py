@@ -49,9 +49,11 @@ def _case(seed: int = 5, damp: float = 0.3):
 
 
 def _speculative(model, ids, mask, new, mode, d, k, engine, **settings):
-    cache = paged_cache(model, debug=False, num_steps=STEPS)
-    return generate_dict(model, ids, mask, new, cache=cache, speculative_engine=engine, num_steps=STEPS,
-                         **mode_kwargs(mode, d, k), **settings)
+    """`generate` on `engine`: "wavefront" or "auto" by name, "lanes" the reference (a debug cache)."""
+    cache = paged_cache(model, debug=engine == "lanes", num_steps=STEPS)
+    chosen = {} if engine == "lanes" else {"speculative_engine": engine}
+    return generate_dict(model, ids, mask, new, cache=cache, num_steps=STEPS, **chosen, **mode_kwargs(mode, d, k),
+                         **settings)
 
 
 def _ar_planes(model) -> list[int]:
@@ -137,17 +139,17 @@ def test_forced_rejections_roll_back_every_plane(compact):
 
 def test_compiled_engine_and_second_proposals_are_refused_by_name():
     """Compiling the step and second proposals are not run with stage KV (`limits.stages_problem`): the engine's own
-    set-up and `generate` with speculative_engine="wavefront" raise a `ValueError` naming the setting, and "auto"
-    runs the lane decoder."""
+    set-up and `generate` raise a `ValueError` naming the setting (the reference, a debug cache, still runs them)."""
     model, ids, mask = _case()
     with torch.no_grad(), model.recurrence(num_steps=STEPS, init_scale=0.0), \
             pytest.raises(ValueError, match="compile_core on HuginnForCausalLM"):
         WavefrontEngine(model, paged_cache(model, debug=False, num_steps=STEPS), mode="pipeline", draft_loops=1,
                         num_speculative_tokens=1, input_ids=ids, attention_mask=mask, pad_token_id=PAD,
                         max_length=ids.shape[1] + 4, compile_backend="eager")
-    with pytest.raises(ValueError, match="second_draft_loops=2 on HuginnForCausalLM"):
-        _speculative(model, ids, mask, 4, "pipeline", 1, None, "wavefront", second_draft_loops=2, init_scale=0.0)
-    out = _speculative(model, ids, mask, 4, "pipeline", 1, None, "auto", second_draft_loops=2, init_scale=0.0)
+    for engine in ("wavefront", "auto"):
+        with pytest.raises(ValueError, match=f"second_draft_loops={STEPS - 1} on HuginnForCausalLM"):
+            _speculative(model, ids, mask, 4, "pipeline", 1, None, engine, second_draft_loops=STEPS - 1, init_scale=0.0)
+    out = _speculative(model, ids, mask, 4, "pipeline", 1, None, "lanes", second_draft_loops=STEPS - 1, init_scale=0.0)
     assert out.speculation.engine == "lanes"
 
 

@@ -154,7 +154,7 @@ class WavefrontEngine:
                        second_override) -> WavefrontState:
         plan, device = self.plan, input_ids.device
         batch, lanes = len(input_ids), plan.lanes
-        start = resume.start_of(self.cache, self.model, input_ids, mask)  # validates a filled cache
+        start = resume.start_of(self.cache, self.model, input_ids, mask, self.plan.draft_loops)  # checks a filled one
         prompts = start.rows
         like = torch.empty(0, dtype=self.model.lane_dtype, device=device)  # the KV and lane dtype
         trash = self._reserve(batch, like)
@@ -186,7 +186,7 @@ class WavefrontEngine:
             seen=torch.zeros(batch, 0, dtype=torch.bool, device=device), eos_hold=torch.zeros(0, **long),
             settings=torch.zeros(0, device=device),
             k_pool=pools.k, v_pool=pools.v, trash_slot=trash,
-            kv_len=start.stored[:, None].repeat(1, plan.planes),
+            kv_len=start.held.clone(),
             sib_token=torch.zeros(batch, **long), sib_position=torch.zeros(batch, **long),
             sib_depth=torch.zeros(batch, **long), sib_alive=torch.zeros(batch, dtype=torch.bool, device=device),
             sib_read=torch.zeros(batch, dtype=torch.bool, device=device),
