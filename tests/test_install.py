@@ -46,9 +46,7 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     assert card == (ROOT / "model_cards" / "hf-loopspec-default" / "README.md").read_text(encoding="utf-8")
 
     venv = tmp_path / "venv"
-    # without a pip of its own (ensurepip costs seconds): the system's pip, found on its site-packages, installs into
-    # the environment it runs in
-    run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], tmp_path, env)
+    run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], tmp_path, env)
     python, cli = venv / "bin" / "python", venv / "bin" / "hf-loopspec"
     run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], tmp_path, env)
     work = tmp_path / "work"  # outside the checkout: the installed package is what runs
