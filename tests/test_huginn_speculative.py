@@ -157,13 +157,14 @@ def test_sampling_paths_with_coda_kv(mode, d, k):
 
 
 def test_second_proposals():
-    """Second proposals (pipeline d=1, d2=2): the coda writes a third exit plane (depth d2) and sibling branches own
+    """Second proposals on the reference (pipeline d=1, d2=2): the coda writes a third exit plane (depth d2) and sibling branches own
     private prelude, core and coda tables; tokens equal plain greedy with I1 on, and every plane AR writes equals
     AR's (I4)."""
     model, _ = tiny_huginn(seed=5, damp=1.0)
     ids, mask = left_pad(prompts_for("ragged", seed=100), PAD)
     ref = plain(model, ids, mask, 24, **INITS["seeded"])
-    with model.recurrence(num_steps=STEPS, init_scale=1.0, init_seed=1234):  # INITS["seeded"]  # the reference: the engine refuses second proposals here
+    # INITS["seeded"], on the reference: the engine refuses second proposals on Huginn (and d2 < U - d anywhere)
+    with model.recurrence(num_steps=STEPS, init_scale=1.0, init_seed=1234):
         out = decode_reference(model, ids, mask, 24, "pipeline", 1, second_draft_loops=2,
                                cache=paged_cache(model, True, STEPS))
     assert out.sequences.tolist() == ref.sequences.tolist()

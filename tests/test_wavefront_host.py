@@ -65,6 +65,11 @@ def test_host_processors_greedy(setup, name, mode, d, k):
     assert _counts(out.speculation) == _counts(lanes.speculation)
 
 
+def _plain_rows(free, mask) -> tuple[list[list[int]], list[int]]:
+    """Plain decoding's rows without their padding, and the prompt lengths: what `forcing_hook` forces against."""
+    return [real_tokens(free.sequences, mask, s) for s in range(len(mask))], [int(n) for n in mask.sum(1)]
+
+
 PATTERNS = {"all_rejected": lambda s, i: False, "alternating": lambda s, i: i % 2 == 1}
 
 
@@ -72,8 +77,7 @@ PATTERNS = {"all_rejected": lambda s, i: False, "alternating": lambda s, i: i % 
 @pytest.mark.parametrize("pattern", sorted(PATTERNS))
 def test_draft_hook_forces_rejections(setup, pattern, mode, d, k):
     model, ids, mask, free, _ = setup
-    reference = [real_tokens(free.sequences, mask, s) for s in range(3)]
-    prompt_lens = [int(n) for n in mask.sum(1)]
+    reference, prompt_lens = _plain_rows(free, mask)
     runs = {}
     for engine in ("wavefront", "lanes"):
         calls = []
@@ -91,8 +95,7 @@ def test_second_draft_hook_runs_on_the_engine(setup):
     """A second hook that proposes the plain token where the first proposal is forced wrong: every forced rejection
     is rescued by the sibling, as in the lane decoder."""
     model, ids, mask, free, _ = setup
-    reference = [real_tokens(free.sequences, mask, s) for s in range(3)]
-    prompt_lens = [int(n) for n in mask.sum(1)]
+    reference, prompt_lens = _plain_rows(free, mask)
     runs = {}
     for engine in ("wavefront", "lanes"):
         calls = []
