@@ -157,9 +157,9 @@ def test_sampling_paths_with_coda_kv(mode, d, k):
 
 
 def test_second_proposals():
-    """Second proposals on the reference (pipeline d=1, d2=2): the coda writes a third exit plane (depth d2) and sibling branches own
-    private prelude, core and coda tables; tokens equal plain greedy with I1 on, and every plane AR writes equals
-    AR's (I4)."""
+    """Second proposals on the reference (pipeline d=1, d2=2): the coda writes a third exit plane (depth d2) and
+    sibling branches own private prelude, core and coda tables; tokens equal plain greedy with I1 on, and every plane
+    AR writes equals AR's (I4)."""
     model, _ = tiny_huginn(seed=5, damp=1.0)
     ids, mask = left_pad(prompts_for("ragged", seed=100), PAD)
     ref = plain(model, ids, mask, 24, **INITS["seeded"])
