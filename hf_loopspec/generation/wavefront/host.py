@@ -77,7 +77,7 @@ class HostHooks:
         `[B]` of the sequences that draft (`has` `[B]`)."""
         if self.draft_hook is None:
             return forced
-        return self._hooked(has, forced, lambda b, p, t: self.draft_hook(b, p, t), position, token)
+        return self._hooked(has, forced, self.draft_hook, position, token)
 
     def second(self, has: torch.Tensor, position: torch.Tensor, first: torch.Tensor, token: torch.Tensor,
                forced: torch.Tensor) -> torch.Tensor:
@@ -85,7 +85,7 @@ class HostHooks:
         `first` `[B]`)."""
         if self.second_draft_hook is None:
             return forced
-        return self._hooked(has, forced, lambda b, p, f, t: self.second_draft_hook(b, p, f, t), position, first, token)
+        return self._hooked(has, forced, self.second_draft_hook, position, first, token)
 
     @staticmethod
     def _hooked(has, forced, hook, *columns) -> torch.Tensor:
