@@ -1,6 +1,7 @@
 """The `hf-loopspec` command line: `generate` (stream a completion), `bench` (see `hf_loopspec.bench`),
 `export` (a Hub-ready folder, see `hf_loopspec.hub.export`), `batch` (a JSONL file of prompts, data-parallel under
-`accelerate launch`, see `hf_loopspec.batch`) and `lm-eval` (lm-evaluation-harness with the models registered).
+`accelerate launch`, see `hf_loopspec.batch`), `serve` (transformers' OpenAI-compatible server with the models
+registered, see `hf_loopspec.serving`) and `lm-eval` (lm-evaluation-harness with the models registered).
 
     hf-loopspec generate "The capital of France is" --mode pipeline --draft-loops 1 --max-new-tokens 64
     hf-loopspec generate "def fibonacci(n):" --repetition-penalty 1.4 --compare     # timed against plain decoding
@@ -11,6 +12,7 @@
     hf-loopspec export ByteDance/Ouro-1.4B ./Ouro-1.4B-loopspec
     hf-loopspec batch prompts.jsonl --output completions.jsonl --batch-size 16 --max-new-tokens 256
     accelerate launch --num_processes 8 -m hf_loopspec.cli batch prompts.jsonl --output completions.jsonl
+    hf-loopspec serve --port 8000 --continuous-batching        # the embedded model; MODEL is a folder or Hub id
     hf-loopspec lm-eval run --model hf --model_args pretrained=ByteDance/Ouro-1.4B --tasks gsm8k \\
         --gen_kwargs speculative_mode=pipeline,draft_loops=1
 
@@ -57,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hf-loopspec",
         description="Looped LMs (Ouro) with lossless pipelined self-speculative decoding.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,batch,bench,export,lm-eval}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,batch,bench,export,serve,lm-eval}")
 
     gen = commands.add_parser("generate", help="stream a completion of PROMPT",
                               description="Stream a completion of PROMPT as tokens are committed, then print the "
@@ -97,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     lm_eval = commands.add_parser("lm-eval", add_help=False, prefix_chars="\0",
                                   help="run lm-evaluation-harness's CLI with the hf_loopspec models registered")
     lm_eval.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the lm-eval command")
+    serve = commands.add_parser("serve", add_help=False, prefix_chars="\0",
+                                help="serve MODEL (default: the embedded model) with transformers' OpenAI-compatible "
+                                     "server; `hf-loopspec serve --help` lists its options")
+    serve.add_argument("args", nargs=argparse.REMAINDER, help="[MODEL] and the options of transformers serve")
     return parser
 
 
@@ -250,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
             from .batch import run_batch
 
             return run_batch(args)
+        if args.command == "serve":
+            from .serving import main as serve_main
+
+            args.debug = "--debug" in args.args
+            return serve_main(args.args)
         if args.command == "lm-eval":
             from .evaluation import run_lm_eval
 

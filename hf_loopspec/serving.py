@@ -1,0 +1,135 @@
+"""`hf-loopspec serve [MODEL] [OPTIONS]`: transformers' own OpenAI-compatible server (`transformers serve`) with the
+package's looped models registered.
+
+Every option is `transformers serve`'s own (`--port`, `--host`, `--continuous-batching`, `--device`, `--dtype`,
+`--cb-*`, ...; `hf-loopspec serve --help` lists them), parsed by transformers' own command; this module adds:
+
+* MODEL defaults to the embedded default model (also when given as `default`); a checkpoint folder is checked as
+  `hf-loopspec generate` checks it, and a model that is not one of the package's looped families is refused;
+* `--threads N`: torch's CPU threads (default 1, as `generate`), and `--debug`;
+* the model class is made resolvable where transformers' model manager looks it up: it loads a checkpoint with
+  `getattr(transformers, config.architectures[0])`, and the package's classes are not attributes of the
+  `transformers` module. `expose_architecture` sets that one public name (the class `AutoModelForCausalLM` maps
+  the checkpoint's config to) on the module, so the manager loads the package's class; nothing private is replaced.
+
+Requests decode as `model.generate` does with the checkpoint's generation config, so a checkpoint whose
+`generation_config.json` names a `speculative_mode` is served speculatively (the embedded model: pipeline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
+
+
+def parse(argv: list[str]) -> tuple[dict, argparse.Namespace]:
+    """`(keyword arguments of transformers' Serve, own options)` for the arguments after `serve`; MODEL resolved to a
+    folder or Hub id. `ValueError` (one line) for an argument transformers' command refuses; `SystemExit(0)` after
+    printing the help."""
+    import typer
+    from typer.exceptions import TyperException
+    from transformers.cli.serve import Serve
+
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--threads", type=int, default=DEFAULT_THREADS)
+    own.add_argument("--debug", action="store_true")
+    options, rest = own.parse_known_args(argv)
+    if options.threads < 1:
+        raise ValueError(f"--threads {options.threads}: pass a positive number of CPU threads.")
+    app = typer.Typer(add_completion=False)
+    app.command(name="serve", help=Serve.__doc__)(Serve)
+    command = typer.main.get_command(app)
+    try:
+        context = command.make_context("hf-loopspec serve", list(rest))
+    except typer.Exit as done:  # --help was printed
+        raise SystemExit(done.exit_code) from None
+    except TyperException as err:  # a usage error of transformers' command: unknown option, bad value
+        raise ValueError(f"{err.format_message()} (see hf-loopspec serve --help)") from None
+    params = dict(context.params)
+    params["force_model"] = resolve_model(params["force_model"])
+    return params, options
+
+
+def resolve_model(spec: str | None) -> str:
+    """The folder or Hub id to serve for MODEL (None or 'default': the embedded model); `ValueError` /
+    `FileNotFoundError` (one line) for a path that cannot load or a benchmark shape (no weights, no tokenizer)."""
+    from .bench.shapes import SHAPES
+    from .input_checks import check_source
+    from .loading import default_model_path
+
+    if spec is None or spec == "default":
+        return str(default_model_path())
+    if spec in SHAPES:
+        raise ValueError(f"MODEL {spec} is a random-weight benchmark shape with no tokenizer; pass a checkpoint "
+                         "folder or Hub id, or omit MODEL for the embedded default model.")
+    check_source(spec)
+    return spec
+
+
+def expose_architecture(spec: str, trust_remote_code: bool = False) -> type:
+    """Make `getattr(transformers, config.architectures[0])` return the package's class for the checkpoint `spec`
+    (the lookup of transformers' serving model manager) and return that class. `ValueError` when `spec`'s config is
+    not one of the package's looped families."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from . import register
+    from .input_checks import hub_errors_explained
+    from .models.huginn import HuginnConfig
+    from .models.ouro import OuroConfig
+
+    register()
+    with hub_errors_explained(spec):
+        config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
+    if not isinstance(config, (OuroConfig, HuginnConfig)):
+        raise ValueError(f"MODEL {spec} is a {config.model_type} model, not a looped model of hf_loopspec (ouro, "
+                         "huginn_raven); serve it with `transformers serve`.")
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    for name in config.architectures or [model_class.__name__]:
+        setattr(transformers, name, model_class)
+    return model_class
+
+
+def chat_template_note(spec: str) -> str | None:
+    """A note for the operator when `spec`'s tokenizer has no chat template (/v1/chat/completions then fails for
+    every request), else None."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec)
+    if getattr(tokenizer, "chat_template", None):
+        return None
+    return (f"hf-loopspec serve: note: the tokenizer of {spec} has no chat template, so /v1/chat/completions cannot "
+            "format messages and fails; /v1/completions serves raw prompts.")
+
+
+def start(argv: list[str]):
+    """Parse `argv`, prepare the model and construct transformers' `Serve`, which serves until stopped (with
+    transformers' `--non-blocking`, it returns at once, the server running in a thread; stop it with
+    `kill_server()`). Returns the `Serve`."""
+    import torch
+    from transformers.utils.import_utils import is_serve_available
+
+    params, options = parse(argv)
+    if not is_serve_available():
+        raise ValueError("serving needs fastapi, uvicorn and openai, which are not installed; install them with "
+                         "pip install 'hf-loopspec[serve]'.")
+    from transformers.cli.serve import Serve
+
+    torch.set_num_threads(options.threads)
+    expose_architecture(params["force_model"], params["trust_remote_code"])
+    note = chat_template_note(params["force_model"])
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    return Serve(**params)
+
+
+def main(argv: list[str]) -> int:
+    """`hf-loopspec serve ...` (the CLI's error handling around it): serve until interrupted; 0."""
+    try:
+        start(argv)
+    except SystemExit as done:
+        return int(done.code or 0)
+    return 0
