@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hf-loopspec",
         description="Looped LMs (Ouro) with lossless pipelined self-speculative decoding.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,batch,bench,export,serve,lm-eval}")
+    commands = parser.add_subparsers(dest="command", required=True,
+                                     metavar="{generate,batch,bench,export,serve,lm-eval}")
 
     gen = commands.add_parser("generate", help="stream a completion of PROMPT",
                               description="Stream a completion of PROMPT as tokens are committed, then print the "

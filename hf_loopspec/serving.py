@@ -29,8 +29,8 @@ def parse(argv: list[str]) -> tuple[dict, argparse.Namespace]:
     folder or Hub id. `ValueError` (one line) for an argument transformers' command refuses; `SystemExit(0)` after
     printing the help."""
     import typer
-    from typer.exceptions import TyperException
     from transformers.cli.serve import Serve
+    from typer.exceptions import TyperException
 
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--threads", type=int, default=DEFAULT_THREADS)

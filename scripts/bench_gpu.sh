@@ -9,6 +9,11 @@
 #
 # Each batch size runs in its own process under a time limit (BENCH_LIMIT_S, default 220 s), so one slow
 # configuration cannot eat the whole budget; the table of every finished run is printed and kept in $OUT.
+#
+# Then the ragged serving workload (scripts/bench_workload.py: 64 requests, prompts and outputs of 16-256 tokens,
+# all at once and Poisson arrivals at 8/s; static batches of 8 through generate against continuous batching with 8
+# slots, plain against pipeline, synthetic acceptance 0.9), in its own process under BENCH_WORKLOAD_LIMIT_S
+# (default 300 s); BENCH_WORKLOAD=0 skips it, BENCH_WORKLOAD_ARGS adds or overrides its options.
 set -uo pipefail
 
 OUT_DIR="$(mkdir -p "${OUT:-.}" && cd "${OUT:-.}" && pwd)"
@@ -39,4 +44,20 @@ for B in $BATCHES; do
         status=1
     fi
 done
+
+if [ "${BENCH_WORKLOAD:-1}" != "0" ]; then
+    echo "=== ragged workload ==="
+    # shellcheck disable=SC2086  # BENCH_WORKLOAD_ARGS is a list of options
+    timeout --kill-after=10 "${BENCH_WORKLOAD_LIMIT_S:-300}" "$PY" scripts/bench_workload.py \
+        --model ouro-1.4b --dtype bfloat16 --device cuda --requests 64 --prompt-lens 16-256 --new-tokens 16-256 \
+        --slots 8 --arrival-rate 8 --synthetic-acceptance 0.9 --rounds 2 \
+        --json "$OUT_DIR/bench_workload.json" ${BENCH_WORKLOAD_ARGS:-} 2>"$OUT_DIR/bench_workload.log" \
+        | tee "$OUT_DIR/bench_workload.txt"
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" -ne 0 ]; then
+        echo "ragged workload: exit status $rc (124 = over the limit); last log lines:"
+        tail -n 5 "$OUT_DIR/bench_workload.log"
+        status=1
+    fi
+fi
 exit $status

@@ -12,6 +12,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 import torch
 import transformers
@@ -21,8 +22,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_loopspec
 from hf_loopspec import cli, serving
 from hf_loopspec.generation import mixin
-
-openai = pytest.importorskip("openai")  # the `serve` extra; `.[test]` installs it
 
 NEW_TOKENS = 6
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range(", "    return", "# Read the file",
@@ -132,6 +131,7 @@ def check_concurrent_requests(checkpoint, reference, *options: str) -> list:
     finally:
         server.kill_server()
         patch.undo()
+    assert sum(bool(text) for text, _ in answers) > len(answers) // 2, answers  # the comparison is not vacuous
     for (endpoint, prompt, stream), (text, count) in zip(cases, answers):
         want_text, want_count = expected(reference, endpoint, prompt)
         assert text == want_text, (endpoint, prompt, stream)

@@ -41,13 +41,16 @@ def _dynamic_cache_bytes(cache) -> int:
     return total
 
 
-def synthetic_hook(reference: torch.Tensor, prompt_len: int, acceptance: float, vocab: int, seed: int):
-    """`draft_hook` that proposes `reference[seq, position - prompt_len]` with probability `acceptance`, else a
-    different (wrong) token; seeded, so every run of a mode sees the same pattern."""
+def synthetic_hook(reference, prompt_len: int, acceptance: float, vocab: int, seed: int):
+    """`draft_hook` that proposes `reference[seq][position - prompt_len]` with probability `acceptance`, else a
+    different (wrong) token; seeded, so every run of a mode sees the same pattern. `reference`: a `[B, N]` tensor or
+    one list of tokens per sequence (ragged: past the end of its row, a sequence keeps its own draft)."""
     rng = random.Random(seed)
-    ref = reference.tolist()
+    ref = reference.tolist() if torch.is_tensor(reference) else reference
 
     def hook(seq: int, position: int, proposed: int) -> int:
+        if position - prompt_len >= len(ref[seq]):
+            return proposed
         right = ref[seq][position - prompt_len]
         if rng.random() < acceptance:
             return right
@@ -88,14 +91,16 @@ def generation_processors(model, prompt_len: int, device: torch.device) -> Logit
 
 def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook=None,
              output_logits: bool = False, processors: LogitsProcessorList | None = None, seed: int | None = None,
-             compile_core: str | None = None, engine: str = "wavefront", second_draft_loops: int | None = None) -> dict:
+             compile_core: str | None = None, engine: str = "wavefront", second_draft_loops: int | None = None,
+             attention_mask: torch.Tensor | None = None) -> dict:
     """Run one mode once, inside `bench_generation_config` (greedy or sampled as `model.generation_config` says);
     returns seconds, generated ids `[B, N]`, and for the lane modes the stats and the row counts of every call.
 
     `processors`: the lane modes' logits processors (`generation_processors`); `seed`: call `torch.manual_seed(seed)`
     first (untimed); `compile_core`: a torch.compile backend for the wavefront engine; `engine`: what runs a lane
     mode, "wavefront" (`draft_hook` then becomes its device-side `draft_override`) or "reference" (the lane decoder,
-    eager); `second_draft_loops`: pipeline with second proposals.
+    eager); `second_draft_loops`: pipeline with second proposals; `attention_mask`: the left padding of `ids`
+    (plain and wavefront runs; None: no padding).
     """
     device = ids.device
     if seed is not None:
@@ -103,12 +108,12 @@ def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loop
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if mode in PLAIN_MODES:
-        result, out = _run_plain(model, mode, ids, new_tokens, output_logits)
+        result, out = _run_plain(model, mode, ids, new_tokens, output_logits, attention_mask)
     else:
         if engine == "wavefront":
             result, out = _run_wavefront(model, mode, ids, new_tokens, draft_loops=draft_loops, k=k,
                                          draft_hook=draft_hook, processors=processors, compile_core=compile_core,
-                                         second=second_draft_loops)
+                                         second=second_draft_loops, attention_mask=attention_mask)
         else:
             result, out = _run_reference(model, mode, ids, new_tokens, draft_loops=draft_loops, k=k,
                                          draft_hook=draft_hook, processors=processors, second=second_draft_loops)
@@ -120,11 +125,12 @@ def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loop
     return result
 
 
-def _run_plain(model, mode: str, ids: torch.Tensor, new_tokens: int, output_logits: bool):
+def _run_plain(model, mode: str, ids: torch.Tensor, new_tokens: int, output_logits: bool, attention_mask=None):
     cache_kwargs = {"plain": {"cache": DynamicCache()}, "static": {"cache_implementation": "static"}}[mode]
     synchronize(ids.device)
     start = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, speculative_mode=None,
+    mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, speculative_mode=None,
                          **cache_kwargs, return_dict_in_generate=True, output_logits=output_logits)
     synchronize(ids.device)
     seconds = time.perf_counter() - start
@@ -151,7 +157,7 @@ def _run_reference(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draf
 
 
 def _run_wavefront(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook,
-                   processors, compile_core, second: int | None = None):
+                   processors, compile_core, second: int | None = None, attention_mask=None):
     cache = PagedLoopCache(model.kv_layout)
     max_length = ids.shape[1] + new_tokens
     override = None
@@ -163,8 +169,8 @@ def _run_wavefront(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draf
         override = override.to(ids.device)
     spec = resolve_speculative(mode, draft_loops, k, compile_core, num_loops=model.num_loops, modes=LANE_MODES,
                                second_draft_loops=second)
-    request = SpeculativeRequest(spec, cache, ids, max_length, logits_processor=processors, pad_token_id=0,
-                                 do_sample=model.generation_config.do_sample)
+    request = SpeculativeRequest(spec, cache, ids, max_length, attention_mask, logits_processor=processors,
+                                 pad_token_id=0, do_sample=model.generation_config.do_sample)
     synchronize(ids.device)
     start = time.perf_counter()  # set-up (page reservation, prompt embedding) is timed, as in the reference's run
     out = WavefrontEngine.from_request(model, request, draft_override=override).run()

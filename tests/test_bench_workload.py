@@ -1,0 +1,113 @@
+"""The ragged-workload benchmark (`scripts/bench_workload.py`, `hf_loopspec.bench.workload*`): its workload, its
+static and continuous serving against plain `generate` of each request alone, its statistics against numpy, its
+one-line argument errors, and a tiny run of the whole bench (what the script runs)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy
+import pytest
+import torch
+
+from hf_loopspec.bench import workload_main
+from hf_loopspec.bench.run import bench_generation_config
+from hf_loopspec.bench.shapes import random_model
+from hf_loopspec.bench.workload import Served, make_workload, run_continuous, run_static
+
+VOCAB = 256  # ouro-tiny's
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = random_model("ouro-tiny", seed=3)
+    with bench_generation_config(model, None):  # no EOS: every request runs exactly its own length
+        yield model
+
+
+def alone(model, request) -> list[int]:
+    """Plain greedy `generate` of one request, unpadded (the reference)."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([request.prompt]), max_new_tokens=request.new_tokens,
+                             speculative_mode=None)
+    return out[0, len(request.prompt):].tolist()
+
+
+def test_workload_is_seeded_ragged_and_the_same_requests_under_either_arrivals():
+    burst = make_workload(40, (3, 9), (2, 7), VOCAB, seed=5)
+    poisson = make_workload(40, (3, 9), (2, 7), VOCAB, seed=5, rate=100.0)
+    assert burst == make_workload(40, (3, 9), (2, 7), VOCAB, seed=5)
+    assert [(r.prompt, r.new_tokens) for r in burst] == [(r.prompt, r.new_tokens) for r in poisson]
+    assert {len(r.prompt) for r in burst} == set(range(3, 10)) and {r.new_tokens for r in burst} == set(range(2, 8))
+    assert all(3 <= t < VOCAB for r in burst for t in r.prompt)
+    assert all(r.arrival == 0 for r in burst)
+    arrivals = [r.arrival for r in poisson]
+    assert arrivals[0] == 0 and all(b > a for a, b in zip(arrivals, arrivals[1:]))
+
+
+@pytest.mark.parametrize("mode", ["plain", "pipeline"])
+def test_static_batches_serve_each_request_as_plain_generate_alone(model, mode):
+    requests = make_workload(5, (2, 7), (2, 6), VOCAB, seed=1, rate=200.0)
+    reference = {r.index: alone(model, r) for r in requests}
+    served = run_static(model, requests, 2, mode, 1, reference=reference, acceptance=0.7)
+    assert served.outputs == reference
+    assert all(served.finished[r.index] >= r.arrival for r in requests)
+    assert served.seconds == max(served.finished.values())
+
+
+@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason="continuous batching on the engine is not merged")
+@pytest.mark.parametrize("mode", [None, "pipeline"])
+def test_continuous_batching_serves_each_request_as_plain_generate_alone(model, mode):
+    requests = make_workload(5, (2, 7), (2, 6), VOCAB, seed=2, rate=200.0)
+    reference = {r.index: alone(model, r) for r in requests}
+    config = copy.deepcopy(model.generation_config)
+    config.update(speculative_mode=mode, draft_loops=1)
+    served = run_continuous(model, requests, 2, config, reference=reference, acceptance=0.7, timeout=120)
+    assert served.outputs == reference
+
+
+def test_throughput_and_latency_percentiles_match_numpy():
+    requests = make_workload(7, (2, 3), (2, 9), VOCAB, seed=4, rate=10.0)
+    finished = {r.index: r.arrival + 0.1 * (r.index % 3 + 1) for r in requests}
+    served = Served({}, finished, max(finished.values()))
+    measured = workload_main.measure(served, requests)
+    latency = [finished[r.index] - r.arrival for r in requests]
+    assert measured["p50_latency_s"] == pytest.approx(numpy.percentile(latency, 50))
+    assert measured["p95_latency_s"] == pytest.approx(numpy.percentile(latency, 95))
+    assert measured["tokens_per_s"] == pytest.approx(sum(r.new_tokens for r in requests) / served.seconds)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--prompt-lens", "0-5"], "--prompt-lens: '0-5' is not a range LO-HI"),
+    (["--new-tokens", "9-3"], "--new-tokens: '9-3' is not a range LO-HI"),
+    (["--new-tokens", "many"], "--new-tokens: 'many' is not a range LO-HI"),
+    (["--engines", "plain,fast"], "--engines: 'plain,fast': choose a comma-separated subset of plain,pipeline"),
+    (["--synthetic-acceptance", "1.5"], "--synthetic-acceptance: 1.5 is outside [0, 1]"),
+    (["--model", "ouro-tiny", "--device", "cpu", "--engines", "plain", "--synthetic-acceptance", "0.9"],
+     "--synthetic-acceptance 0.9 replaces pipeline drafts"),
+    (["--model", "/no/such/folder", "--device", "cpu"], "no such folder: /no/such/folder"),
+])
+def test_bad_arguments_are_one_line_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as done:
+        workload_main.main(argv)
+    out, err = capsys.readouterr()
+    assert done.value.code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("bench_workload.py: error: ") and message in err, err
+
+
+def test_the_bench_runs_every_static_row_and_checks_it(tmp_path, capsys):
+    path = tmp_path / "ragged.json"
+    argv = ["--model", "ouro-tiny", "--device", "cpu", "--requests", "4", "--prompt-lens", "2-6", "--new-tokens", "2-5",
+            "--slots", "2", "--batching", "static", "--arrival-rate", "100", "--rounds", "2", "--synthetic-acceptance",
+            "0.9", "--json", str(path), "--quiet"]
+    assert workload_main.main(argv) == 0
+    result = json.loads(path.read_text())
+    rows = {(row["engine"], row["batching"], row["arrivals"]): row for row in result["rows"]}
+    assert set(rows) == {(e, "static", a) for e in ("plain", "pipeline") for a in ("burst", "poisson")}
+    assert result["all_checks_passed"] is True and all(len(row["rounds"]) == 2 for row in rows.values())
+    for row in rows.values():
+        assert row["tokens_per_s"] == pytest.approx(numpy.median([m["tokens_per_s"] for m in row["rounds"]]))
+        assert 0 < row["p50_latency_s"] <= row["p95_latency_s"]
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 1 + len(rows) and err == ""
