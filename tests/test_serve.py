@@ -6,6 +6,7 @@ and exit status 2."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import time
@@ -30,6 +31,10 @@ PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range("
 TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}### assistant:\n{% endif %}")
 READY_SECONDS = 60
+# A request's own generation config (it replaces the checkpoint's): block speculation, greedy, the checkpoint's EOS.
+BLOCK = {"speculative_mode": "block", "num_speculative_tokens": 3, "do_sample": False, "eos_token_id": 0,
+         "pad_token_id": 0}
+CASES = [(endpoint, prompt, i % 2 == 0) for i, prompt in enumerate(PROMPTS) for endpoint in ("completions", "chat")]
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +99,12 @@ def start_server(checkpoint: str, *options: str):
 
 
 def ask(client, model: str, endpoint: str, prompt: str, stream: bool) -> tuple[str, int | None]:
-    """`(text, completion tokens or None when the stream does not report them)` of one request."""
-    if endpoint == "completions":
-        response = client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, stream=stream)
+    """`(text, completion tokens or None when the stream does not report them)` of one request; endpoint "block" is
+    /v1/completions with a `generation_config` of the request's own that asks for block speculation."""
+    if endpoint in ("completions", "block"):
+        extra = {"generation_config": json.dumps(BLOCK)} if endpoint == "block" else None
+        response = client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, stream=stream,
+                                             extra_body=extra)
         if not stream:
             return response.choices[0].text, response.usage.completion_tokens
         chunks = list(response)
@@ -110,7 +118,7 @@ def ask(client, model: str, endpoint: str, prompt: str, stream: bool) -> tuple[s
 
 def expected(reference, endpoint: str, prompt: str) -> tuple[str, int]:
     tokenizer, plain = reference
-    if endpoint == "completions":
+    if endpoint in ("completions", "block"):
         ids = tokenizer(prompt)["input_ids"]
     else:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -119,11 +127,9 @@ def expected(reference, endpoint: str, prompt: str) -> tuple[str, int]:
     return tokenizer.decode(new, skip_special_tokens=True), len(new)
 
 
-def check_concurrent_requests(checkpoint, reference, *options: str) -> list:
-    """Every prompt to both endpoints, streaming and not, all in flight at once; each answer equals plain
-    `generate`. Returns the speculative requests that `generate` ran on the server."""
-    cases = [(endpoint, prompt, i % 2 == 0) for i, prompt in enumerate(PROMPTS)
-             for endpoint in ("completions", "chat")]
+def check_concurrent_requests(checkpoint, reference, cases, *options: str) -> list:
+    """The `(endpoint, prompt, stream)` cases all in flight at once; each answer equals plain `generate`. Returns the
+    speculative requests that `generate` ran on the server."""
     server, client, calls, patch = start_server(checkpoint, *options)
     try:
         with ThreadPoolExecutor(len(cases)) as pool:
@@ -140,9 +146,11 @@ def check_concurrent_requests(checkpoint, reference, *options: str) -> list:
 
 
 def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, reference):
-    calls = check_concurrent_requests(checkpoint, reference)
-    # one speculative `generate` per request, in the checkpoint's mode
-    assert [request.spec.mode for request in calls] == ["pipeline"] * 2 * len(PROMPTS)
+    block = [("block", PROMPTS[0], False), ("block", PROMPTS[1], True)]
+    calls = check_concurrent_requests(checkpoint, reference, CASES + block)
+    # one speculative `generate` per request: the checkpoint's mode, or the one of the request's generation config
+    modes = sorted(request.spec.mode for request in calls)
+    assert modes == ["block"] * len(block) + ["pipeline"] * len(CASES)
 
 
 @pytest.mark.xfail(strict=True, raises=NotImplementedError,
@@ -152,11 +160,16 @@ def test_serve_with_continuous_batching_answers_as_plain_generate(checkpoint, re
     # the server starts transformers' manager this way on its first request (an HTTP 500 if the model refuses)
     reference_model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
     reference_model.init_continuous_batching(generation_config=config).stop(block=True)
-    check_concurrent_requests(checkpoint, reference, "--continuous-batching")
+    check_concurrent_requests(checkpoint, reference, CASES, "--continuous-batching")
 
 
 def test_model_defaults_to_the_embedded_model():
     assert serving.resolve_model(None) == serving.resolve_model("default") == hf_loopspec.default_model_path()
+
+
+def test_a_model_without_chat_template_is_announced(checkpoint):
+    assert "has no chat template" in serving.chat_template_note(hf_loopspec.default_model_path())
+    assert serving.chat_template_note(checkpoint) is None
 
 
 def test_the_architecture_resolves_where_transformers_serve_looks_it_up(checkpoint):
