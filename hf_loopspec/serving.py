@@ -13,7 +13,16 @@ Every option is `transformers serve`'s own (`--port`, `--host`, `--continuous-ba
   the checkpoint's config to) on the module, so the manager loads the package's class; nothing private is replaced.
 
 Requests decode as `model.generate` does with the checkpoint's generation config, so a checkpoint whose
-`generation_config.json` names a `speculative_mode` is served speculatively (the embedded model: pipeline).
+`generation_config.json` names a `speculative_mode` is served speculatively (the embedded model: pipeline). What a
+request can set is what transformers' handlers forward: `max_tokens` (chat: also `max_completion_tokens`; unset:
+the checkpoint's `max_new_tokens`, raised to 1024), `temperature` (0: greedy; otherwise `do_sample` stays the
+checkpoint's), `top_p`, `seed` (torch's global seed), `frequency_penalty` (repetition_penalty = 1 + it), `stop` (stop
+strings), chat's `logit_bias`, and `generation_config`: a JSON string of generation settings (`speculative_mode`
+"pipeline" or "block", `draft_loops`, `num_speculative_tokens`, `do_sample`, `top_k`, ...); `generate` fills the keys
+it leaves unset from the checkpoint's config, so a request cannot turn a checkpoint's speculative default off (null
+counts as unset). With `--continuous-batching`, transformers builds one manager from the first request's settings and
+forwards only `max_tokens` and the EOS of later ones. Requests name the model as the server was given it (`GET
+/v1/models` lists it: the embedded model's folder by default) or leave it out.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import argparse
 import sys
 
 DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
+OWN_HELP = ("\n\nhf-loopspec serve: FORCE_MODEL (MODEL) defaults to the embedded default model; --threads N sets "
+            f"torch's CPU threads (default {DEFAULT_THREADS}); --debug shows tracebacks.")
 
 
 def parse(argv: list[str]) -> tuple[dict, argparse.Namespace]:
@@ -39,7 +50,7 @@ def parse(argv: list[str]) -> tuple[dict, argparse.Namespace]:
     if options.threads < 1:
         raise ValueError(f"--threads {options.threads}: pass a positive number of CPU threads.")
     app = typer.Typer(add_completion=False)
-    app.command(name="serve", help=Serve.__doc__)(Serve)
+    app.command(name="serve", help=(Serve.__doc__ or "") + OWN_HELP)(Serve)
     command = typer.main.get_command(app)
     try:
         context = command.make_context("hf-loopspec serve", list(rest))

@@ -31,7 +31,7 @@ PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range("
 TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}### assistant:\n{% endif %}")
 READY_SECONDS = 60
-# A request's own generation config (it replaces the checkpoint's): block speculation, greedy, the checkpoint's EOS.
+# A request's own generation settings: block speculation (the keys left out keep the checkpoint's values).
 BLOCK = {"speculative_mode": "block", "num_speculative_tokens": 3, "do_sample": False, "eos_token_id": 0,
          "pad_token_id": 0}
 CASES = [(endpoint, prompt, i % 2 == 0) for i, prompt in enumerate(PROMPTS) for endpoint in ("completions", "chat")]
