@@ -60,7 +60,8 @@ class LoopBatchingManager:
         self._wake_up_loop = threading.Event()
         self._generation_thread: threading.Thread | None = None
         self._seeds = torch.Generator().manual_seed(self.settings.seed) if self.settings.seed is not None else None
-        self.batch_processor: SlotBatch | None = None  # transformers' name for the device side
+        # transformers' name for the device side; built now, so that a manager that cannot run raises here
+        self.batch_processor: SlotBatch | None = SlotBatch(model, self.settings)
         self.warmed_up = False
 
     # --- control -----------------------------------------------------------------------------------------------
@@ -69,9 +70,7 @@ class LoopBatchingManager:
         """Build the slots (pages, state) and, compiled, both shapes of the step, so that no request waits for them."""
         slots = self._slots()
         if self.settings.compile_backend is not None:
-            for prefill in (True, False):
-                slots._prompt_rows(prefill)
-                slots.run(slots.cycles_per_call)  # every slot is free: the state does not change
+            slots.warmup()
         self.warmed_up = True
 
     def _slots(self) -> SlotBatch:
@@ -219,6 +218,8 @@ class LoopBatchingManager:
         try:
             slots = self._slots()
             owners = [None] * slots.settings.slots
+            for b in range(len(owners)):  # a slot left busy by a hard stop of an earlier session serves no one
+                slots.cancel(b)
             while self._loop_body(slots, owners, waiting):
                 pass
             if self.background_thread_status.local_status == BackgroundThreadStatus.HARD_STOP:

@@ -46,6 +46,11 @@ class ManagerSettings:
 
 def manager_settings(model, generation_config, cb_config, hints=None) -> ManagerSettings:
     """The `ManagerSettings` of a manager for `model` (`ValueError` naming a setting it cannot run)."""
+    if hasattr(model, "recurrence"):
+        raise ValueError(f"{type(model).__name__} in continuous batching: its recurrence settings (num_steps, "
+                         "init_scale, init_seed) hold for one generate call, and its initial states are drawn per "
+                         "(sequence, position) of that call, which a slot that changes owner cannot reproduce; decode "
+                         "with model.generate (a left-padded batch), or `hf-loopspec batch`.")
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     spec = speculative_config(config, model.num_loops)
     if (getattr(config, "num_return_sequences", None) or 1) != 1 or (getattr(config, "num_beams", None) or 1) != 1:

@@ -27,6 +27,7 @@ from dataclasses import replace
 import torch
 
 from ...cache.paged import PagedLoopCache
+from ..dispatch import free_memory
 from ..rules import cycle_uniforms
 from ..wavefront import stages
 from ..wavefront.device import ReadBack
@@ -44,9 +45,16 @@ class SlotBatch:
         batch, width = settings.slots, settings.positions - 1
         placeholder = torch.zeros(batch, width, dtype=torch.long, device=device)
         processors, tensors = device_processors(settings.processors, placeholder, settings.vocab)
+        cache = PagedLoopCache(model.kv_layout)
+        reserved = batch * cache.num_planes * settings.positions * cache.bytes_per_token_per_depth(model.lane_dtype)
+        if reserved > free_memory(device) / 2:
+            raise ValueError(f"continuous batching with {batch} slots of {settings.positions} positions reserves "
+                             f"{reserved / 2**30:.1f} GiB of KV pages up front (every plane of every slot): more "
+                             "than half the free memory; lower max_requests_per_batch or max_blocks_per_request in "
+                             "the ContinuousBatchingConfig.")
         with torch.no_grad():
             self.engine = WavefrontEngine(
-                model, PagedLoopCache(model.kv_layout), mode=settings.mode, draft_loops=settings.draft_loops or 1,
+                model, cache, mode=settings.mode, draft_loops=settings.draft_loops or 1,
                 num_speculative_tokens=settings.num_speculative_tokens, input_ids=placeholder, attention_mask=None,
                 pad_token_id=settings.pad_token_id, max_length=settings.positions, eos_token_id=[-1],
                 read_every=read_every, compile_backend=settings.compile_backend, processors=processors,
@@ -130,12 +138,24 @@ class SlotBatch:
         prefills."""
         if self.cycles >= self.prefill_until:
             self._prompt_rows(False)
+        for _ in range(cycles // self.cycles_per_call):
+            self._call()
+
+    def _call(self) -> None:
+        """One call of the step function of the state's shape (`cycles_per_call` cycles, reading all C positions)."""
         engine = self.engine
         step = engine._step_function(engine.plan.positions, self.cycles_per_call,
                                      prefill=engine.state.prompt_real.shape[1] > 0)
-        for _ in range(cycles // self.cycles_per_call):
-            engine.state = step(engine.state, self._noise(self.cycles_per_call))
-            self.cycles += self.cycles_per_call
+        engine.state = step(engine.state, self._noise(self.cycles_per_call))
+        self.cycles += self.cycles_per_call
+
+    @torch.no_grad()
+    def warmup(self) -> None:
+        """Build (compiled: compile) the step of both shapes, with prompt rows and without, on the free slots (a
+        finished slot does not change)."""
+        for rows in (True, False):
+            self._prompt_rows(rows)
+            self._call()
 
     def _noise(self, cycles: int) -> torch.Tensor | None:
         """`[cycles, B, L, 2 or 3]` uniforms, each slot's from its own generator (zeros for a free slot); None when
