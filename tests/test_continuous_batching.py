@@ -197,3 +197,14 @@ def test_the_default_model_through_generate_batch():
     out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(2, 32))
     expected = [alone(model, ids, 10, tokenizer.eos_token_id) for ids in inputs]
     assert [r.generated_tokens for r in out.values()] == expected
+
+
+def test_pause_holds_the_loop_and_keeps_requests(model, started):
+    """Inside `pause` the loop is parked (a request added then gets no result); on leaving it, the request decodes
+    to plain decoding's tokens."""
+    manager = started(SETTINGS["pipeline-d1"])
+    prompt = prompts(9, [5])[0]
+    with manager.pause():
+        request_id = manager.add_request(prompt, max_new_tokens=6)
+        assert manager.get_result(timeout=0.5) is None
+    assert collect(manager, [request_id])[request_id].generated_tokens == alone(model, prompt, 6)

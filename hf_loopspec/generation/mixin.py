@@ -9,6 +9,8 @@ transformers' own loop, on a growing `DynamicCache` by default or, with `cache_i
 `StaticCache` sized for one layer per (plane, layer) (`looped_static_cache`). `speculative_mode=None` passed to a
 call means plain decoding whatever the model's generation config holds: its other speculative keys are then ignored
 (the call's own still conflict). The speculative modes refuse right-padded rows (`inputs.check_left_padded`).
+transformers' continuous batching entry points (`init_continuous_batching`, `continuous_batching_context_manager`,
+`generate_batch`) run the package's manager on the same engine (`generation.continuous`).
 """
 
 from __future__ import annotations

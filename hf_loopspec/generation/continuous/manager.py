@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 
 import torch
 from transformers.generation.continuous_batching.continuous_api import BackgroundThreadStatus, OutputRouter
@@ -124,6 +125,18 @@ class LoopBatchingManager:
         if self.is_running():
             self.stop(block=True)
         self.batch_processor = None
+
+    @contextmanager
+    def pause(self):
+        """Hold the loop between two turns while the caller uses the model (the requests in flight keep their
+        slots); several threads may hold it at once."""
+        if not self.is_running():
+            raise RuntimeError("pause: the manager is not running (call start first).")
+        self.background_thread_status.acquire_pause(self._wake_up_loop)
+        try:
+            yield
+        finally:
+            self.background_thread_status.release_pause()
 
     # --- requests ----------------------------------------------------------------------------------------------
 
@@ -237,6 +250,8 @@ class LoopBatchingManager:
         status = self.background_thread_status.local_status
         if status >= BackgroundThreadStatus.HARD_STOP:
             return False
+        if self.background_thread_status.is_pause_requested():
+            self.background_thread_status.pause_and_wait()
         self._take_new(waiting)
         self._take_cancellations(slots, owners, waiting)
         for b, owner in enumerate(owners):

@@ -56,6 +56,9 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
     if (getattr(config, "num_return_sequences", None) or 1) != 1 or (getattr(config, "num_beams", None) or 1) != 1:
         raise ValueError(f"num_return_sequences={config.num_return_sequences!r}, num_beams={config.num_beams!r}: "
                          "continuous batching on a looped model decodes one sequence per request; set both to 1.")
+    if getattr(cb_config, "return_logprobs", False):
+        raise ValueError("return_logprobs=True in the ContinuousBatchingConfig: the package's manager does not "
+                         "record log-probabilities (GenerationOutput.logprobs stays empty); drop it.")
     processors = tuple(model._get_logits_processor(config))
     for processor in processors:
         if type(processor) not in WARPERS and not (type(processor) is RepetitionPenaltyLogitsProcessor

@@ -16,6 +16,11 @@ running lanes going while a request prefills. The rows cost B * P masked rows pe
 compact, so the state carries them only while some slot prefills (`prefill_until`): the step then has two shapes,
 with and without prompt rows, each built once (compiled: two graphs for the manager's life).
 
+Eager, each call reads the positions its rows can reach (`reach`, bounded on the host as `span.SpanBound` bounds
+them: a slot's newest lane is at most L - 1 past its last committed token after a read-back, and moves one position
+per cycle at most), rounded up to a bucket (`span.bucket`); compiled, every call reads all C positions, so the
+step keeps its two graphs whatever the requests' lengths.
+
 The sampling uniforms are drawn per slot, from a generator seeded when the request is admitted, so a request's
 draws (and so its tokens, for a given seed) do not depend on what else is in flight.
 """
@@ -34,6 +39,7 @@ from ..wavefront.device import ReadBack
 from ..wavefront.engine import WavefrontEngine
 from ..wavefront.options import DEFAULT_READ_EVERY
 from ..wavefront.processing import device_processors
+from ..wavefront.span import bucket
 from .settings import MAX_EOS_IDS, ManagerSettings
 
 
@@ -73,6 +79,7 @@ class SlotBatch:
         self.cycles = 0  # cycles run
         self.prefill_until = 0  # prompt rows ride along until this cycle (the latest admission's prefill)
         self.generators: list[torch.Generator | None] = [None] * batch
+        self.reach = [-1] * batch  # per slot, the newest position a live row may hold before the next cycle (-1: free)
         self.cycles_per_call = self.engine.cycles_per_call
 
     @property
@@ -124,13 +131,14 @@ class SlotBatch:
             s.seen[b] = False
             s.seen[b, ids] = True
         self.prefill_until = self.cycles + self.engine.prefill_cycles
+        self.reach[b] = n - 1
         if self.settings.do_sample:
             self.generators[b] = torch.Generator(device).manual_seed(int(seed))
 
     def cancel(self, b: int) -> None:
         """Slot `b` stops now (its lanes die at the next cycle; the slot is free for the next admission)."""
         self.engine.state.finished[b] = True
-        self.generators[b] = None
+        self.generators[b], self.reach[b] = None, -1
 
     @torch.no_grad()
     def run(self, cycles: int) -> None:
@@ -143,11 +151,13 @@ class SlotBatch:
 
     def _call(self) -> None:
         """One call of the step function of the state's shape (`cycles_per_call` cycles, reading all C positions)."""
-        engine = self.engine
-        step = engine._step_function(engine.plan.positions, self.cycles_per_call,
-                                     prefill=engine.state.prompt_real.shape[1] > 0)
-        engine.state = step(engine.state, self._noise(self.cycles_per_call))
-        self.cycles += self.cycles_per_call
+        engine, cycles = self.engine, self.cycles_per_call
+        span = engine.plan.positions if engine.compile_backend else bucket(max(self.reach) + cycles + 1, False,
+                                                                           engine.plan.positions)
+        step = engine._step_function(span, cycles, prefill=engine.state.prompt_real.shape[1] > 0)
+        engine.state = step(engine.state, self._noise(cycles))
+        self.cycles += cycles
+        self.reach = [r + cycles if r >= 0 else r for r in self.reach]
 
     @torch.no_grad()
     def warmup(self) -> None:
@@ -173,5 +183,9 @@ class SlotBatch:
     def read_back(self) -> tuple[list[int], list[bool], list[bool], torch.Tensor]:
         """Committed counts, finished flags, invalid flags (sampling met non-finite probabilities) `[B]` each, and
         the committed tokens `[B, T + 1]`, on the host."""
-        counts, finished, tokens = ReadBack(self.engine.state, tokens=True).values()
-        return counts, finished, self.engine.state.invalid.tolist(), tokens
+        s = self.engine.state
+        counts, finished, tokens = ReadBack(s, tokens=True).values()
+        lanes = s.token.shape[1]
+        for b, (length, n, done) in enumerate(zip(s.prompt_len.tolist(), counts, finished)):
+            self.reach[b] = -1 if done else min(self.reach[b], length + n + lanes - 2)
+        return counts, finished, s.invalid.tolist(), tokens
