@@ -27,9 +27,10 @@ def batching(slots: int = 2, positions: int = 64) -> ContinuousBatchingConfig:
                                     page_size=PAGE)
 
 
-def alone(model, prompt: list[int], max_new: int, eos=None) -> list[int]:
-    """Plain greedy decoding of one request by itself: its new tokens (up to and with its EOS)."""
-    out = plain(model, torch.tensor([prompt]), None, max_new, eos_token_id=eos, speculative_mode=None)
+def alone(model, prompt: list[int], max_new: int, eos=None, **kwargs) -> list[int]:
+    """Plain greedy decoding of one request by itself (with `generate`'s `kwargs`): its new tokens (up to and with its
+    EOS)."""
+    out = plain(model, torch.tensor([prompt]), None, max_new, eos_token_id=eos, speculative_mode=None, **kwargs)
     return out.sequences[0, len(prompt):].tolist()
 
 

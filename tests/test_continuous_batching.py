@@ -23,6 +23,7 @@ from hf_loopspec.generation.continuous import slots as slots_module
 from hf_loopspec.generation.continuous.manager import CANCELLED, LoopBatchingManager
 
 SETTINGS = named_modes()  # plain, then one pipeline and one block setting
+SECOND = {**SETTINGS["pipeline-d1"], "second_draft_loops": 3}  # pipeline with second proposals (U = 4, d = 1)
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +49,13 @@ def started(model):
         manager.stop(block=True, timeout=WAIT_S)
 
 
-@pytest.mark.parametrize("name", SETTINGS)
+@pytest.mark.parametrize("name", [*SETTINGS, "pipeline-d1-second"])
 def test_generate_batch_equals_each_request_alone(model, name):
     """More requests than slots, ragged prompts, one stopped early by its EOS: every request's tokens are plain
     decoding's of it alone, returned in the order of the inputs with transformers' `GenerationOutput`."""
     inputs = prompts(1, [5, 1, 9, 3, 12])
     eos = alone(model, inputs[0], 8)[2]  # request 0 stops at its third token
-    config = generation_config(SETTINGS[name], eos_token_id=eos)
+    config = generation_config(SETTINGS.get(name, SECOND), eos_token_id=eos)
     out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching())
     expected = [alone(model, p, 8, eos) for p in inputs]
     assert len(expected[0]) == 3 and any(len(e) == 8 for e in expected)
@@ -208,3 +209,22 @@ def test_pause_holds_the_loop_and_keeps_requests(model, started):
         request_id = manager.add_request(prompt, max_new_tokens=6)
         assert manager.get_result(timeout=0.5) is None
     assert collect(manager, [request_id])[request_id].generated_tokens == alone(model, prompt, 6)
+
+
+def test_a_repetition_penalty_counts_each_requests_own_prompt(model):
+    """The generation config's repetition penalty runs in every slot on that request's prompt and tokens (the slot's
+    `seen` row is reset at admission): each request equals plain decoding of it alone with the same penalty."""
+    inputs = prompts(10, [6, 2, 8])
+    config = generation_config(SETTINGS["pipeline-d1"], repetition_penalty=1.5, max_new_tokens=10)
+    out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(slots=2))
+    expected = [alone(model, p, 10, repetition_penalty=1.5) for p in inputs]
+    assert expected != [alone(model, p, 10) for p in inputs]  # the penalty changes the tokens
+    assert [r.generated_tokens for r in out.values()] == expected
+
+
+def test_settings_a_manager_cannot_run_are_refused_at_init(model):
+    """Generation settings the manager does not run raise at `init_continuous_batching`, naming them."""
+    with pytest.raises(ValueError, match="MinNewTokensLengthLogitsProcessor .* drop that setting"):
+        model.init_continuous_batching(generation_config(SETTINGS["plain"], min_new_tokens=3, eos_token_id=5))
+    with pytest.raises(ValueError, match="num_return_sequences=2"):
+        model.init_continuous_batching(generation_config(SETTINGS["plain"], num_return_sequences=2, do_sample=True))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from ..config import speculative_config
@@ -59,7 +60,9 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
     if getattr(cb_config, "return_logprobs", False):
         raise ValueError("return_logprobs=True in the ContinuousBatchingConfig: the package's manager does not "
                          "record log-probabilities (GenerationOutput.logprobs stays empty); drop it.")
-    processors = tuple(model._get_logits_processor(config))
+    model._prepare_special_tokens(config, device=model.device)  # the EOS tensor the EOS-holding processors read
+    prompt = torch.zeros(1, 1, dtype=torch.long, device=model.device)  # any prompt: the processors are row-pure
+    processors = tuple(model._get_logits_processor(config, input_ids_seq_length=1, encoder_input_ids=prompt))
     for processor in processors:
         if type(processor) not in WARPERS and not (type(processor) is RepetitionPenaltyLogitsProcessor
                                                    and processor.prompt_ignore_length is None):
