@@ -56,8 +56,10 @@ def test_generate_batch_equals_each_request_alone(model, name):
     inputs = prompts(1, [5, 1, 9, 3, 12])
     eos = alone(model, inputs[0], 8)[2]  # request 0 stops at its third token
     config = generation_config(SETTINGS.get(name, SECOND), eos_token_id=eos)
-    out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching())
+    out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(),
+                               record_timestamps=True)
     expected = [alone(model, p, 8, eos) for p in inputs]
+    assert [len(r.timestamps) for r in out.values()] == [len(e) for e in expected]
     assert len(expected[0]) == 3 and any(len(e) == 8 for e in expected)
     assert list(out) == [f"req_{i}" for i in range(len(inputs))]
     assert [r.status for r in out.values()] == [RequestStatus.FINISHED] * len(inputs)
@@ -228,3 +230,22 @@ def test_settings_a_manager_cannot_run_are_refused_at_init(model):
         model.init_continuous_batching(generation_config(SETTINGS["plain"], min_new_tokens=3, eos_token_id=5))
     with pytest.raises(ValueError, match="num_return_sequences=2"):
         model.init_continuous_batching(generation_config(SETTINGS["plain"], num_return_sequences=2, do_sample=True))
+
+
+def test_a_request_that_fails_at_admission_fails_alone(model, started, monkeypatch):
+    """An error while one request takes its slot fails that request (its error text delivered); the slot serves the
+    next request, which equals plain decoding."""
+    admit = slots_module.SlotBatch.admit
+
+    def failing(self, b, prompt, *args):
+        if prompt == [7, 7, 7]:
+            raise RuntimeError("embedding failed")
+        return admit(self, b, prompt, *args)
+
+    monkeypatch.setattr(slots_module.SlotBatch, "admit", failing)
+    manager = started(SETTINGS["pipeline-d1"], slots=1)
+    good = prompts(11, [4])[0]
+    ids = [manager.add_request([7, 7, 7]), manager.add_request(good, max_new_tokens=6)]
+    results = collect(manager, ids)
+    assert results[ids[0]].status == RequestStatus.FAILED and results[ids[0]].error == "embedding failed"
+    assert results[ids[1]].generated_tokens == alone(model, good, 6)

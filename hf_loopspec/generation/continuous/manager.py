@@ -293,7 +293,12 @@ class LoopBatchingManager:
         seed = state.logit_processor_kwargs.get("seed")
         if seed is None and self.settings.do_sample:  # from the manager's seed, or torch's global generator
             seed = int(torch.randint(2**62, (), generator=self._seeds))
-        slots.admit(b, state.initial_tokens, state.max_new_tokens, sorted(state._eos_token_ids), seed)
+        try:
+            slots.admit(b, state.initial_tokens, state.max_new_tokens, sorted(state._eos_token_ids), seed)
+        except Exception as error:  # this request's own failure (its slot stays free): the others go on
+            slots.cancel(b)
+            self.output_router.fail_and_deliver(state, error)
+            return
         state.status = RequestStatus.PREFILLING
         owners[b] = state
 
