@@ -21,6 +21,8 @@ once:
 * `differential`: the randomized differential comparison of speculative with plain greedy decoding (seeded cases
   over the settings space, the near-tie bound of a divergence), run by `test_differential.py` and, with many more
   seeds, by `scripts/differential_soak.py`;
+* `continuous_utils`: continuous batching's request settings, manager sizes, the reference of one request (plain
+  decoding of it alone) and the collection of a manager's results;
 * `checkpoint_utils`: tiny checkpoint folders with a word-level tokenizer, folder snapshots;
 * `cli_utils`: a runnable command line per subcommand and the one error line a failed command prints;
 * `processes`: the checkout's root (`ROOT`) and the environment of the Python processes tests start.

@@ -1,26 +1,251 @@
-"""transformers' continuous batching on the package's models: refused at once, in each of its three entry points and
-for both families, instead of a manager that marks every request FAILED and returns empty outputs."""
+"""Continuous batching on the package's models (`generation.continuous`): transformers' entry points
+(`generate_batch`, `init_continuous_batching`, the manager's API and result objects) on the wavefront engine.
+
+The reference of every request is plain greedy `generate` of that request alone (fp32): the manager's tokens must
+equal it whatever else is in flight and whenever the request arrived, in plain and speculative modes. Requests that
+cannot run fail alone, with the reason in their `error`; a failure of the loop raises in `generate_batch`.
+"""
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
+from continuous_utils import VOCAB, WAIT_S, alone, batching, collect, generation_config, prompts
 from huginn_utils import tiny_huginn
-from speculative_utils import tiny_spec_model
-from transformers import GenerationConfig
+from speculative_utils import named_modes, tiny_spec_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.generation.continuous_batching import RequestStatus
 
-MODELS = {"ouro": lambda: tiny_spec_model(0), "huginn": lambda: tiny_huginn()[0]}
+from hf_loopspec.assets import default_model_path
+from hf_loopspec.generation.continuous import slots as slots_module
+from hf_loopspec.generation.continuous.manager import CANCELLED, LoopBatchingManager
+
+SETTINGS = named_modes()  # plain, then one pipeline and one block setting
+SECOND = {**SETTINGS["pipeline-d1"], "second_draft_loops": 3}  # pipeline with second proposals (U = 4, d = 1)
 
 
-@pytest.mark.parametrize("family", MODELS)
-@pytest.mark.parametrize("entry", ["generate_batch", "init_continuous_batching", "continuous_batching_context_manager"])
-def test_continuous_batching_is_refused_loudly(family, entry):
-    model = MODELS[family]()
-    config = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
-    with pytest.raises(NotImplementedError, match=r"continuous batching .* model\.generate"):
-        if entry == "generate_batch":
-            model.generate_batch(inputs=[[3, 4, 5], [6, 7]], generation_config=config)
-        elif entry == "init_continuous_batching":
-            model.init_continuous_batching(generation_config=config)
-        else:
-            with model.continuous_batching_context_manager(generation_config=config):
-                pass
+@pytest.fixture(scope="module")
+def model():
+    """A tiny fp32 Ouro whose loops agree often enough that drafts are both accepted and rejected (asserted by
+    `test_speculation_runs_inside_the_slots`)."""
+    return tiny_spec_model(0, vocab=VOCAB, damp=0.5)
+
+
+@pytest.fixture
+def started(model):
+    """A function that starts a manager (stopped at the end of the test)."""
+    managers = []
+
+    def start(settings: dict, slots: int = 2, positions: int = 64, **extra) -> LoopBatchingManager:
+        manager = model.init_continuous_batching(generation_config(settings, **extra), batching(slots, positions))
+        manager.start()
+        managers.append(manager)
+        return manager
+
+    yield start
+    for manager in managers:
+        manager.stop(block=True, timeout=WAIT_S)
+
+
+@pytest.mark.parametrize("name", [*SETTINGS, "pipeline-d1-second"])
+def test_generate_batch_equals_each_request_alone(model, name):
+    """More requests than slots, ragged prompts, one stopped early by its EOS: every request's tokens are plain
+    decoding's of it alone, returned in the order of the inputs with transformers' `GenerationOutput`."""
+    inputs = prompts(1, [5, 1, 9, 3, 12])
+    eos = alone(model, inputs[0], 8)[2]  # request 0 stops at its third token
+    config = generation_config(SETTINGS.get(name, SECOND), eos_token_id=eos)
+    out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(),
+                               record_timestamps=True)
+    expected = [alone(model, p, 8, eos) for p in inputs]
+    assert [len(r.timestamps) for r in out.values()] == [len(e) for e in expected]
+    assert len(expected[0]) == 3 and any(len(e) == 8 for e in expected)
+    assert list(out) == [f"req_{i}" for i in range(len(inputs))]
+    assert [r.status for r in out.values()] == [RequestStatus.FINISHED] * len(inputs)
+    assert [r.generated_tokens for r in out.values()] == expected
+    assert [r.prompt_ids for r in out.values()] == inputs
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_arrivals_while_a_longer_request_streams(model, started, name):
+    """A long streaming request decodes; others arrive once it has produced tokens and share the slots (more of them
+    than free slots). The stream yields growing prefixes, DECODING then FINISHED; every request equals its plain
+    decoding alone."""
+    manager = started(SETTINGS[name])
+    first, *later = prompts(2, [4, 7, 2, 10])
+    long_id = manager.add_request(first, max_new_tokens=30, streaming=True)
+    stream = manager.request_id_iter(long_id)
+    outputs = [next(stream)]
+    assert outputs[0].status == RequestStatus.DECODING and outputs[0].generated_tokens
+    ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(later, (6, 9, 3))]
+    outputs += list(stream)
+    results = collect(manager, ids)
+    final = alone(model, first, 30)
+    assert [o.status for o in outputs] == [RequestStatus.DECODING] * (len(outputs) - 1) + [RequestStatus.FINISHED]
+    lengths = [len(o.generated_tokens) for o in outputs]
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 30
+    assert all(o.generated_tokens == final[: len(o.generated_tokens)] for o in outputs)
+    assert [results[i].generated_tokens for i in ids] == [alone(model, p, n) for p, n in zip(later, (6, 9, 3))]
+
+
+@pytest.mark.parametrize("name", ["pipeline-d1"])
+def test_cancellation_frees_the_slot(model, started, name):
+    """A request cancelled while decoding and one cancelled while waiting are delivered FAILED ("cancelled"), the
+    first with a prefix of its tokens; the others, one admitted into the freed slot, equal plain decoding."""
+    manager = started(SETTINGS[name])
+    a, b, c, d = prompts(3, [3, 5, 4, 6])
+    cancelled = manager.add_request(a, max_new_tokens=40, streaming=True)
+    kept = manager.add_request(b, max_new_tokens=40)
+    waiting = manager.add_request(c, max_new_tokens=5)
+    first = next(manager.request_id_iter(cancelled))
+    manager.cancel_request(cancelled)
+    manager.cancel_request(waiting)
+    late = manager.add_request(d, max_new_tokens=7)
+    results = collect(manager, [cancelled, kept, waiting, late])
+    for request_id in (cancelled, waiting):
+        assert results[request_id].status == RequestStatus.FAILED and results[request_id].error == CANCELLED
+    partial = results[cancelled].generated_tokens
+    assert len(first.generated_tokens) <= len(partial) < 40
+    assert partial == alone(model, a, 40)[: len(partial)]
+    assert results[kept].generated_tokens == alone(model, b, 40)
+    assert results[late].generated_tokens == alone(model, d, 7)
+
+
+def test_requests_that_cannot_run_fail_alone(model, started):
+    """Each request that cannot run is delivered FAILED with a message naming the value; the manager keeps
+    serving."""
+    manager = started(SETTINGS["pipeline-d1"], positions=32)
+    good = prompts(4, [6])[0]
+    bad = {
+        "positions": manager.add_request(list(range(3, 30)), max_new_tokens=8),
+        "ids": manager.add_request([3, VOCAB + 5]),
+        "empty": manager.add_request([]),
+        "max_new_tokens": manager.add_request(good, max_new_tokens=0),
+        "settings": manager.add_request(good, temperature=0.5),
+        "seed": manager.add_request(good, seed=3),
+    }
+    ok = manager.add_request(good, max_new_tokens=8)
+    results = collect(manager, [*bad.values(), ok])
+    messages = {
+        "positions": r"needs 35 positions, and a slot of this manager holds 32",
+        "ids": rf"token ids must be integers in \[0, {VOCAB}\)",
+        "empty": r"input_ids=\[\]",
+        "max_new_tokens": r"max_new_tokens=0",
+        "settings": r"per-request settings \['temperature'\] are not supported",
+        "seed": r"seed=3 on a greedy manager",
+    }
+    for key, request_id in bad.items():
+        assert results[request_id].status == RequestStatus.FAILED
+        assert re.search(messages[key], results[request_id].error or ""), key
+    assert results[ok].status == RequestStatus.FINISHED
+    assert results[ok].generated_tokens == alone(model, good, 8)
+
+
+def test_generate_batch_raises_when_the_loop_fails(model, monkeypatch):
+    """An error of the loop reaches the caller of `generate_batch` (not empty outputs)."""
+
+    def broken(self, cycles):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(slots_module.SlotBatch, "run", broken)
+    with pytest.raises(RuntimeError, match="continuous batching loop failed: device lost"):
+        model.generate_batch(prompts(5, [3, 4]), generation_config=generation_config(SETTINGS["plain"]))
+
+
+def test_speculation_runs_inside_the_slots(model, started):
+    """The speculative manager drafts, accepts and rejects inside its slots (the counters of the slot that served
+    the request), so the equality tests above exercise speculation, not only its fallback."""
+    manager = started(SETTINGS["pipeline-d1"], slots=1)
+    request_id = manager.add_request(prompts(6, [5])[0], max_new_tokens=24)
+    collect(manager, [request_id])
+    counters = dict(zip(("committed", "drafted", "verified", "accepted", "rejected"),
+                        manager.batch_processor.state.counters[0, :5].tolist()))
+    assert counters["committed"] == 24 and counters["accepted"] > 0 and counters["rejected"] > 0, counters
+
+
+@pytest.mark.parametrize("name", ["plain", "pipeline-d1"])
+def test_a_seeded_sampled_request_is_the_same_alone_and_in_a_busy_batch(model, started, name):
+    """Sampling draws each slot's uniforms from the request's own seed: the same seed gives the same tokens alone and
+    among other requests (arriving before and after it); another seed gives other tokens."""
+    sampled = {**SETTINGS[name], "do_sample": True, "temperature": 2.0, "top_k": 0}
+    prompt, *others = prompts(7, [4, 6, 3, 8])
+    quiet = started(sampled, slots=3)
+    ids = [quiet.add_request(prompt, max_new_tokens=16, seed=s) for s in (11, 12)]
+    quiet_results = collect(quiet, ids)
+    by_seed = [quiet_results[i].generated_tokens for i in ids]
+    busy = started(sampled, slots=3)
+    before = [busy.add_request(p, max_new_tokens=12, seed=1) for p in others[:2]]
+    seeded = busy.add_request(prompt, max_new_tokens=16, seed=11)
+    after = [busy.add_request(others[2], max_new_tokens=12, seed=2)]
+    results = collect(busy, [*before, seeded, *after])
+    assert results[seeded].generated_tokens == by_seed[0]
+    assert by_seed[0] != by_seed[1]
+
+
+def test_huginn_is_refused_with_the_reason():
+    model = tiny_huginn()[0]
+    with pytest.raises(ValueError, match=r"HuginnForCausalLM in continuous batching: .* model\.generate"):
+        model.init_continuous_batching(generation_config(SETTINGS["plain"]))
+
+
+def test_the_default_model_through_generate_batch():
+    """The embedded model in pipeline mode: `generate_batch` on tokenized prompts equals plain `generate` of each."""
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    inputs = [tokenizer(text)["input_ids"] for text in ("def add(a, b):", "import os\n", "class Path:")]
+    config = GenerationConfig(max_new_tokens=10, do_sample=False, speculative_mode="pipeline", draft_loops=1,
+                              pad_token_id=tokenizer.pad_token_id or 0, eos_token_id=tokenizer.eos_token_id)
+    out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(2, 32))
+    expected = [alone(model, ids, 10, tokenizer.eos_token_id) for ids in inputs]
+    assert [r.generated_tokens for r in out.values()] == expected
+
+
+def test_pause_holds_the_loop_and_keeps_requests(model, started):
+    """Inside `pause` the loop is parked (a request added then gets no result); on leaving it, the request decodes
+    to plain decoding's tokens."""
+    manager = started(SETTINGS["pipeline-d1"])
+    prompt = prompts(9, [5])[0]
+    with manager.pause():
+        request_id = manager.add_request(prompt, max_new_tokens=6)
+        assert manager.get_result(timeout=0.5) is None
+    assert collect(manager, [request_id])[request_id].generated_tokens == alone(model, prompt, 6)
+
+
+def test_a_repetition_penalty_counts_each_requests_own_prompt(model):
+    """The generation config's repetition penalty runs in every slot on that request's prompt and tokens (the slot's
+    `seen` row is reset at admission): each request equals plain decoding of it alone with the same penalty."""
+    inputs = prompts(10, [6, 2, 8])
+    config = generation_config(SETTINGS["pipeline-d1"], repetition_penalty=1.5, max_new_tokens=10)
+    out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(slots=2))
+    expected = [alone(model, p, 10, repetition_penalty=1.5) for p in inputs]
+    assert expected != [alone(model, p, 10) for p in inputs]  # the penalty changes the tokens
+    assert [r.generated_tokens for r in out.values()] == expected
+
+
+def test_settings_a_manager_cannot_run_are_refused_at_init(model):
+    """Generation settings the manager does not run raise at `init_continuous_batching`, naming them."""
+    with pytest.raises(ValueError, match="MinNewTokensLengthLogitsProcessor .* drop that setting"):
+        model.init_continuous_batching(generation_config(SETTINGS["plain"], min_new_tokens=3, eos_token_id=5))
+    with pytest.raises(ValueError, match="num_return_sequences=2"):
+        model.init_continuous_batching(generation_config(SETTINGS["plain"], num_return_sequences=2, do_sample=True))
+
+
+def test_a_request_that_fails_at_admission_fails_alone(model, started, monkeypatch):
+    """An error while one request takes its slot fails that request (its error text delivered); the slot serves the
+    next request, which equals plain decoding."""
+    admit = slots_module.SlotBatch.admit
+
+    def failing(self, b, prompt, *args):
+        if prompt == [7, 7, 7]:
+            raise RuntimeError("embedding failed")
+        return admit(self, b, prompt, *args)
+
+    monkeypatch.setattr(slots_module.SlotBatch, "admit", failing)
+    manager = started(SETTINGS["pipeline-d1"], slots=1)
+    good = prompts(11, [4])[0]
+    ids = [manager.add_request([7, 7, 7]), manager.add_request(good, max_new_tokens=6)]
+    results = collect(manager, ids)
+    assert results[ids[0]].status == RequestStatus.FAILED and results[ids[0]].error == "embedding failed"
+    assert results[ids[1]].generated_tokens == alone(model, good, 6)

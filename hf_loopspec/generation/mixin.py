@@ -9,6 +9,8 @@ transformers' own loop, on a growing `DynamicCache` by default or, with `cache_i
 `StaticCache` sized for one layer per (plane, layer) (`looped_static_cache`). `speculative_mode=None` passed to a
 call means plain decoding whatever the model's generation config holds: its other speculative keys are then ignored
 (the call's own still conflict). The speculative modes refuse right-padded rows (`inputs.check_left_padded`).
+transformers' continuous batching entry points (`init_continuous_batching`, `continuous_batching_context_manager`,
+`generate_batch`) run the package's manager on the same engine (`generation.continuous`).
 """
 
 from __future__ import annotations
@@ -71,16 +73,33 @@ class LoopSpecGenerationMixin(GenerationMixin):
         with scoped(runtime_options(kwargs)):
             return super().generate(*args, **kwargs)
 
-    def init_continuous_batching(self, *args, **kwargs):
-        """Refused, and so are `continuous_batching_context_manager` and `generate_batch`, which start here:
-        transformers' continuous batching keeps one KV layer per transformer layer in its `PagedAttentionCache`, and
-        a looped model needs one per (loop, layer), so its manager would fail every request (status FAILED, empty
-        outputs) without raising. Raises `NotImplementedError` naming what runs instead."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not support transformers' continuous batching (generate_batch, "
-            "init_continuous_batching, continuous_batching_context_manager): a looped model keeps KV per (loop, "
-            "layer), which transformers' PagedAttentionCache does not hold, so every request would fail. Decode a "
-            "left-padded batch with model.generate(...) instead, or a file of prompts with `hf-loopspec batch`.")
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
+                                 workload_hints=None):
+        """transformers' entry point of continuous batching (and of `continuous_batching_context_manager` and
+        `generate_batch`), on the wavefront engine: a `continuous.LoopBatchingManager` with transformers' manager API,
+        decoding every request as the generation config says (plain, or a speculative mode). A manager kept with
+        `stop(keep_for_next_session=True)` is returned again."""
+        from .continuous.manager import LoopBatchingManager
+
+        cached = getattr(self, "_cached_continuous_batching_manager", None)
+        if isinstance(cached, LoopBatchingManager):
+            return cached
+        return LoopBatchingManager(self, generation_config, continuous_batching_config, workload_hints)
+
+    def destroy_cached_continuous_batching_manager(self) -> None:
+        """Destroy the manager kept by `stop(keep_for_next_session=True)`, if any."""
+        cached = self.__dict__.pop("_cached_continuous_batching_manager", None)
+        if cached is not None:
+            cached.destroy()
+
+    def generate_batch(self, inputs, generation_config=None, continuous_batching_config=None, record_timestamps=False,
+                       progress_bar=False, persistent_manager=False, warmup=True, **kwargs):
+        """transformers' `generate_batch` on the package's manager; raises when the manager's loop fails instead of
+        returning empty outputs (`continuous.batch`)."""
+        from .continuous.batch import generate_batch
+
+        return generate_batch(self, inputs, generation_config, continuous_batching_config, record_timestamps,
+                              progress_bar, persistent_manager, warmup, **kwargs)
 
     def _speculative(self, generation_config) -> SpeculativeConfig | None:
         """This call's speculative settings: resolved once per `generate` call (`_prepare_generation_config`);

@@ -108,6 +108,11 @@ def non_finite_error(sequences: list[int]) -> RuntimeError:
 def ends_row(token: torch.Tensor, generated: torch.Tensor, max_new: torch.Tensor | int,
              eos: torch.Tensor | None) -> torch.Tensor:
     """Whether committing `token` `[...]` as a row's `generated`-th new token (`[...]`, counted from 1) ends the row:
-    the row has reached `max_new` tokens, or `token` is in the EOS list `eos` `[E]` (None: no EOS stop)."""
+    the row has reached `max_new` tokens, or `token` is in the EOS list `eos` `[E]`, or with one list per row
+    (`eos` `[B, E]`, -1 padded; `token` `[B, ...]`) in its row's (None: no EOS stop)."""
     full = generated >= max_new
-    return full if eos is None else full | torch.isin(token, eos)
+    if eos is None:
+        return full
+    if eos.dim() == 1:
+        return full | torch.isin(token, eos)
+    return full | (token[..., None] == eos.view(len(eos), *[1] * (token.dim() - 1), -1)).any(-1)

@@ -113,8 +113,8 @@ class WavefrontState:
     finished: torch.Tensor  # [B] bool
     invalid: torch.Tensor  # [B] bool  sampling met non-finite probabilities (the sequence is finished, the run raises)
     prompt_len: torch.Tensor  # [B] int64  real prompt tokens
-    max_new: torch.Tensor  # [] int64
-    eos: torch.Tensor  # [E] int64 (E >= 1; unused when the plan has no EOS)
+    max_new: torch.Tensor  # [] int64, or [B] (continuous batching: each slot's own)
+    eos: torch.Tensor  # [E] int64 (E >= 1; unused when the plan has no EOS), or [B, E] -1 padded (each slot's own)
     round_drafts: torch.Tensor  # [B] int64  block: drafts since the sequence's round began
     counters: torch.Tensor  # [B, len(COUNTERS)] int64
     core_calls: torch.Tensor  # [] int64

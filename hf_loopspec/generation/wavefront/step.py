@@ -285,7 +285,7 @@ def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor,
     match = by_rank(accept)
     chosen = has_next & (sibling.chosen(s, order, top_r) if plan.second_loops is not None else torch.zeros_like(match))
     # [B, L] committing rank r ends the row: an EOS token, or max_new_tokens reached
-    stop = rules.ends_row(top_r, s.n_out[:, None] + rank + 1, s.max_new, s.eos if plan.has_eos else None)
+    stop = rules.ends_row(top_r, s.n_out[:, None] + rank + 1, s.max_new.reshape(-1, 1), s.eos if plan.has_eos else None)
     go_on = has_next & match & ~stop
     first_stop = torch.where(go_on.all(1), lanes, (~go_on).long().argmax(1))  # [B] rank of the first lane not going on
     reached = rank <= first_stop[:, None]  # [B, L] every lane below the rank goes on (no cumprod: a fused compare)

@@ -1,0 +1,56 @@
+"""`generate_batch` on a looped model: transformers' signature and result (`dict[request id, GenerationOutput]`, in
+the order of the inputs), through `continuous_batching_context_manager` and the package's manager.
+
+Unlike transformers' own, it never returns short or empty without saying so: an error of the manager's loop is
+raised (a `RuntimeError` from it), and a request the manager refused is returned FAILED with the reason in its
+`error`, and logged.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from tqdm.auto import tqdm
+
+from ...logs import get_logger
+
+logger = get_logger(__name__)
+
+RESULT_WAIT_S = 1.0  # how long one wait for a result lasts before the loop's health is checked again
+
+
+def generate_batch(model, inputs, generation_config=None, continuous_batching_config=None,
+                   record_timestamps: bool = False, progress_bar: bool = False, persistent_manager: bool = False,
+                   warmup: bool = True, **kwargs) -> dict:
+    """Decode every prompt of `inputs` (lists of token ids) with continuous batching (see the module docstring).
+    `kwargs`: `max_new_tokens` (for every request) and per-request keys of `add_request` (`seed`)."""
+    if not inputs:
+        return {}
+    config = generation_config if generation_config is not None else model.generation_config
+    max_new_tokens = kwargs.pop("max_new_tokens", None) or config.max_new_tokens
+    hints = SimpleNamespace(max_prompt_length=max(len(ids) for ids in inputs), max_generated_length=max_new_tokens,
+                            num_requests=len(inputs))
+    context = model.continuous_batching_context_manager(
+        generation_config=generation_config, continuous_batching_config=continuous_batching_config, block=True,
+        persistent_manager=persistent_manager, warmup=warmup, workload_hints=hints)
+    results = {}
+    with context as manager, tqdm(total=len(inputs), disable=not progress_bar, unit="request") as bar:
+        ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps,
+                                   **kwargs)
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=RESULT_WAIT_S)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+                bar.update(1)
+            elif result is None and not manager.is_running():
+                break
+        fatal = manager.background_thread_status.fatal_error
+    if fatal is not None:
+        raise RuntimeError(f"generate_batch: the continuous batching loop failed: {fatal}") from fatal
+    missing = [request_id for request_id in ids if request_id not in results]
+    if missing:
+        raise RuntimeError(f"generate_batch: the manager stopped before requests {missing[:8]} finished.")
+    failed = [request_id for request_id in ids if results[request_id].error is not None]
+    if failed:
+        logger.error("generate_batch: requests %s failed: %s", failed[:8], results[failed[0]].error)
+    return {request_id: results[request_id] for request_id in ids}

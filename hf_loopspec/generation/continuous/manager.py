@@ -1,0 +1,336 @@
+"""Continuous batching for looped models: a manager with transformers' `ContinuousBatchingManager` API on the
+wavefront engine.
+
+`LoopBatchingManager` is what `model.init_continuous_batching(...)` returns (and so what
+`continuous_batching_context_manager` and `generate_batch` use). It keeps transformers' request objects and result
+routing (`RequestState`, `GenerationOutput`, `RequestStatus`, `OutputRouter`, `BackgroundThreadStatus`), so code
+written for transformers' manager, `transformers serve --continuous-batching` included, drives it unchanged.
+
+The loop (a background thread, `start`) repeats: take cancellations and new requests; admit waiting requests into
+free slots (first come, first served: `slots.SlotBatch.admit`); run R cycles of the engine (`SlotBatch.run`); read
+back every slot's committed count and tokens; deliver the new tokens of streaming requests (status DECODING, the
+tokens so far) and the result of each finished request (FINISHED), whose slot is then free. Every request decodes
+with the manager's settings (`settings.ManagerSettings`: plain decoding is the engine's "ar" mode, one token per U
+core calls; a speculative mode from the generation config drafts and verifies inside the same cycles) and its own
+prompt, `max_new_tokens`, EOS ids and sampling seed, so its tokens are those of decoding it alone.
+
+Failures are loud and local: a request that cannot run (`settings.request_problem`) is delivered FAILED with the
+reason in `GenerationOutput.error` at once, and one whose sampling met non-finite probabilities when it finishes;
+the others go on. An error of the loop itself fails every request in flight or waiting with its text and is kept as
+`background_thread_status.fatal_error` (`generate_batch` raises it). A cancelled request is delivered FAILED with
+the error "cancelled", so iterators and handlers waiting on it end.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+
+import torch
+from transformers.generation.continuous_batching.continuous_api import BackgroundThreadStatus, OutputRouter
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState, RequestStatus
+
+from ...logs import get_logger
+from ..rules import non_finite_error
+from .settings import eos_ids, manager_settings, request_problem
+from .slots import SlotBatch
+
+logger = get_logger(__name__)
+
+CANCELLED = "cancelled"  # the error text of a request cancelled by `cancel_request`
+IDLE_WAIT_S = 0.1  # the loop's wait for work when no slot is busy
+
+
+class LoopBatchingManager:
+    """Continuous batching of one looped model (see the module docstring). Build it with
+    `model.init_continuous_batching(generation_config, continuous_batching_config, workload_hints)`."""
+
+    def __init__(self, model, generation_config=None, continuous_batching_config=None, workload_hints=None):
+        self.model = model.eval()
+        self.generation_config = generation_config if generation_config is not None else model.generation_config
+        self.continuous_batching_config = continuous_batching_config
+        self.settings = manager_settings(model, self.generation_config, continuous_batching_config, workload_hints)
+        self.input_queue: queue.Queue[RequestState] = queue.Queue()
+        self.cancel_queue: queue.Queue[str] = queue.Queue()
+        self.output_router = OutputRouter()
+        self.background_thread_status = BackgroundThreadStatus()
+        self._request_counter, self._request_lock = 0, threading.Lock()
+        self._wake_up_loop = threading.Event()
+        self._generation_thread: threading.Thread | None = None
+        self._seeds = torch.Generator().manual_seed(self.settings.seed) if self.settings.seed is not None else None
+        # transformers' name for the device side; built now, so that a manager that cannot run raises here
+        self.batch_processor: SlotBatch | None = SlotBatch(model, self.settings)
+        self.warmed_up = False
+
+    # --- control -----------------------------------------------------------------------------------------------
+
+    def warmup(self) -> None:
+        """Build the slots (pages, state) and, compiled, both shapes of the step, so that no request waits for them."""
+        slots = self._slots()
+        if self.settings.compile_backend is not None:
+            slots.warmup()
+        self.warmed_up = True
+
+    def _slots(self) -> SlotBatch:
+        if self.batch_processor is None:
+            self.batch_processor = SlotBatch(self.model, self.settings)
+        return self.batch_processor
+
+    def is_running(self) -> bool:
+        """Whether the background thread has been started and is alive."""
+        return self._generation_thread is not None and self._generation_thread.is_alive()
+
+    def start(self) -> None:
+        """Start the background generation thread."""
+        if self.is_running():
+            logger.warning("The continuous batching manager is already running.")
+            return
+        self.background_thread_status.clear()
+        self._generation_thread = threading.Thread(target=self._run_generation_loop, daemon=True)
+        self._generation_thread.start()
+
+    def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
+             hard_stop: bool = False) -> None:
+        """Stop the thread once every request is done (`hard_stop`: now, failing those in flight); `block`: wait up
+        to `timeout` seconds. `keep_for_next_session`: the model keeps this manager for its next
+        `init_continuous_batching`."""
+        if self._generation_thread is None:
+            logger.warning("The continuous batching manager was not started.")
+            return
+        status = BackgroundThreadStatus.HARD_STOP if hard_stop else BackgroundThreadStatus.FLUSH_AND_STOP
+        self.background_thread_status.request_stop(status, 0)
+        self._wake_up_loop.set()
+        if block:
+            self.join(time.perf_counter(), timeout)
+        if keep_for_next_session:
+            self.model._cached_continuous_batching_manager = self
+        else:
+            self.batch_processor = None
+
+    def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> None:
+        """Wait (at most `timeout` seconds) for the thread to end."""
+        if self._generation_thread is None:
+            return
+        self._generation_thread.join(timeout=timeout)
+        if self._generation_thread.is_alive():
+            logger.warning("The generation thread did not stop within %s s.", timeout)
+        else:
+            self._generation_thread = None
+
+    def destroy(self) -> None:
+        """Stop the thread if it runs; the manager cannot be restarted after this."""
+        if self.is_running():
+            self.stop(block=True)
+        self.batch_processor = None
+
+    @contextmanager
+    def pause(self):
+        """Hold the loop between two turns while the caller uses the model (the requests in flight keep their
+        slots); several threads may hold it at once."""
+        if not self.is_running():
+            raise RuntimeError("pause: the manager is not running (call start first).")
+        self.background_thread_status.acquire_pause(self._wake_up_loop)
+        try:
+            yield
+        finally:
+            self.background_thread_status.release_pause()
+
+    # --- requests ----------------------------------------------------------------------------------------------
+
+    def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
+                    streaming: bool = False, record_timestamps: bool = False, eos_token_id=None,
+                    **logit_processor_kwargs) -> str | None:
+        """Queue one request (see transformers' manager); returns its id. A request that cannot run is delivered
+        FAILED at once, with the reason as its error. `logit_processor_kwargs`: `seed` (sampling), nothing else."""
+        denial = self.background_thread_status.can_accept_new_requests()
+        if denial is not None:
+            logger.warning("%s: the request is dropped.", denial)
+            return None
+        if request_id is None:
+            with self._request_lock:
+                request_id, self._request_counter = f"req_{self._request_counter}", self._request_counter + 1
+        ids = list(input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids)
+        max_new = self.settings.max_new_tokens if max_new_tokens is None else max_new_tokens
+        eos = list(self.settings.eos_token_id) if eos_token_id is None else eos_ids(eos_token_id)
+        state = RequestState(request_id=request_id, initial_tokens=ids, record_timestamps=record_timestamps,
+                             max_new_tokens=max_new, eos_token_id=eos, streaming=streaming,
+                             logit_processor_kwargs=dict(logit_processor_kwargs))
+        problem = request_problem(self.settings, ids, max_new, eos, logit_processor_kwargs)
+        if problem:
+            self.output_router.fail_and_deliver(state, ValueError(f"request {request_id}: {problem}"))
+            return request_id
+        self.input_queue.put(state)
+        self._wake_up_loop.set()
+        return request_id
+
+    def add_requests(self, inputs, max_new_tokens: int | None = None, streaming: bool = False,
+                     record_timestamps: bool = False, **logit_processor_kwargs) -> list[str]:
+        """`add_request` for each prompt of `inputs`, in order; returns their ids."""
+        return [self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming,
+                                 record_timestamps=record_timestamps, **logit_processor_kwargs) for ids in inputs]
+
+    def cancel_request(self, request_id: str) -> None:
+        """Cancel a request, waiting or in flight: it is delivered FAILED with the error "cancelled"."""
+        self.cancel_queue.put(request_id)
+        self._wake_up_loop.set()
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """One delivered result (of `request_id` when given; another one is put back), or None after `timeout`
+        seconds or when the thread is gone with nothing left to deliver."""
+        outputs = self.output_router.output_queue
+        if outputs.empty() and (self._generation_thread is None or self.background_thread_status.fatal_error):
+            return None
+        try:
+            result = outputs.get(block=True, timeout=timeout)
+        except queue.Empty:
+            return None
+        if request_id is not None and result.request_id != request_id:
+            outputs.put(result)
+            return None
+        return result
+
+    def __iter__(self):
+        while self.is_running() or not self.output_router.output_queue.empty():
+            result = self.get_result(timeout=IDLE_WAIT_S)
+            if result is not None:
+                yield result
+
+    def request_id_iter(self, request_id: str):
+        """The results of `request_id` as they come (streaming: one per read-back with new tokens), up to the final
+        one."""
+        while self.is_running() or not self.output_router.output_queue.empty():
+            result = self.get_result(request_id=request_id, timeout=IDLE_WAIT_S)
+            if result is not None:
+                yield result
+                if result.is_finished():
+                    return
+
+    def register_result_handler(self, request_id: str, callback) -> None:
+        """Deliver `request_id`'s results to `callback` on the running asyncio loop (removed after the final one)."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+
+        def handle(result):
+            callback(result)
+            if result.is_finished():
+                with self.output_router._lock:
+                    self.output_router.result_handlers.pop(request_id, None)
+
+        with self.output_router._lock:
+            self.output_router.result_handlers[request_id] = (handle, loop)
+
+    # --- the loop ----------------------------------------------------------------------------------------------
+
+    def _run_generation_loop(self) -> None:
+        owners: list[RequestState | None] = []
+        waiting: deque[RequestState] = deque()
+        try:
+            slots = self._slots()
+            owners = [None] * slots.settings.slots
+            for b in range(len(owners)):  # a slot left busy by a hard stop of an earlier session serves no one
+                slots.cancel(b)
+            while self._loop_body(slots, owners, waiting):
+                pass
+            if self.background_thread_status.local_status == BackgroundThreadStatus.HARD_STOP:
+                self._fail_all(RuntimeError("the manager was stopped (hard_stop) before this request finished"),
+                               owners, waiting)
+        except Exception as error:  # the loop's own failure: every request still open fails with it
+            logger.error("hf_loopspec continuous batching loop failed: %s", error, exc_info=True)
+            self._fail_all(error, owners, waiting)
+            self.background_thread_status.record_fatal_error(error)
+        finally:
+            self.background_thread_status.mark_as_stopped()
+
+    def _loop_body(self, slots: SlotBatch, owners: list, waiting: deque) -> bool:
+        """One turn of the loop; False once it should end."""
+        status = self.background_thread_status.local_status
+        if status >= BackgroundThreadStatus.HARD_STOP:
+            return False
+        if self.background_thread_status.is_pause_requested():
+            self.background_thread_status.pause_and_wait()
+        self._take_new(waiting)
+        self._take_cancellations(slots, owners, waiting)
+        for b, owner in enumerate(owners):
+            if owner is None and waiting:
+                self._admit(slots, owners, b, waiting.popleft())
+        if not any(owners):
+            if status == BackgroundThreadStatus.FLUSH_AND_STOP and self.input_queue.empty():
+                return False
+            self._wake_up_loop.wait(IDLE_WAIT_S)
+            self._wake_up_loop.clear()
+            return True
+        slots.run(slots.engine.read_every)
+        self._harvest(slots, owners)
+        return True
+
+    def _take_new(self, waiting: deque) -> None:
+        while True:
+            try:
+                waiting.append(self.input_queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def _take_cancellations(self, slots: SlotBatch, owners: list, waiting: deque) -> None:
+        while True:
+            try:
+                request_id = self.cancel_queue.get_nowait()
+            except queue.Empty:
+                return
+            for b, owner in enumerate(owners):
+                if owner is not None and owner.request_id == request_id:
+                    slots.cancel(b)
+                    owners[b] = None
+                    self.output_router.fail_and_deliver(owner, RuntimeError(CANCELLED))
+            for state in [s for s in waiting if s.request_id == request_id]:
+                waiting.remove(state)
+                self.output_router.fail_and_deliver(state, RuntimeError(CANCELLED))
+
+    def _admit(self, slots: SlotBatch, owners: list, b: int, state: RequestState) -> None:
+        seed = state.logit_processor_kwargs.get("seed")
+        if seed is None and self.settings.do_sample:  # from the manager's seed, or torch's global generator
+            seed = int(torch.randint(2**62, (), generator=self._seeds))
+        try:
+            slots.admit(b, state.initial_tokens, state.max_new_tokens, sorted(state._eos_token_ids), seed)
+        except Exception as error:  # this request's own failure (its slot stays free): the others go on
+            slots.cancel(b)
+            self.output_router.fail_and_deliver(state, error)
+            return
+        state.status = RequestStatus.PREFILLING
+        owners[b] = state
+
+    def _harvest(self, slots: SlotBatch, owners: list) -> None:
+        """Deliver what the read-back shows: streaming requests' new tokens, finished requests' results."""
+        counts, finished, invalid, tokens = slots.read_back()
+        delivered = []
+        for b, owner in enumerate(owners):
+            if owner is None:
+                continue
+            new = tokens[b, len(owner.generated_tokens): counts[b]].tolist()
+            if new and owner.status == RequestStatus.PREFILLING:
+                owner.status = RequestStatus.DECODING
+            if owner.record_timestamps:
+                owner._timestamps.extend([time.perf_counter()] * len(new))
+            owner.generated_tokens.extend(new)
+            if finished[b]:
+                owners[b] = None
+                slots.generators[b] = None
+                if invalid[b]:
+                    self.output_router.fail_and_deliver(owner, non_finite_error([owner.request_id]))
+                    continue
+                owner.status = RequestStatus.FINISHED
+                delivered.append(owner.to_generation_output())
+            elif new and owner.streaming:
+                delivered.append(owner.to_generation_output())
+        if delivered:
+            self.output_router.deliver_batch(delivered)
+
+    def _fail_all(self, error: Exception, owners: list, waiting: deque) -> None:
+        self._take_new(waiting)
+        for state in [owner for owner in owners if owner is not None] + list(waiting):
+            self.output_router.fail_and_deliver(state, error)
+        owners[:] = [None] * len(owners)
+        waiting.clear()

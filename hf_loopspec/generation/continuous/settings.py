@@ -1,0 +1,145 @@
+"""The settings of one continuous-batching manager, and the checks every request passes before it may take a slot.
+
+A manager's settings are fixed when it starts (they are the shapes and the constants of its step): the decoding mode
+and its keys (`speculative_mode`, `draft_loops`, `num_speculative_tokens`, `second_draft_loops`, `compile_core`) and
+the sampling processors come from the generation config, the same for every request; the slot count B and each
+slot's positions C from the continuous batching config or the workload hints (`manager_settings`). A request brings
+its own prompt, `max_new_tokens`, EOS ids and, when sampling, `seed` (`request_problem` says why one cannot run).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import RepetitionPenaltyLogitsProcessor
+
+from ..config import speculative_config
+from ..wavefront.processing import WARPERS
+
+DEFAULT_SLOTS = 8  # B when neither the continuous batching config nor the workload hints give it
+DEFAULT_POSITIONS = 1024  # C when nothing gives it (capped by the model's max_position_embeddings)
+MAX_EOS_IDS = 16  # E: EOS ids one request may carry
+DEFAULT_MAX_NEW_TOKENS = 20  # transformers' default when neither the request nor the generation config sets it
+REQUEST_KEYS = ("seed",)  # the per-request keyword a request may add (`add_request(**logit_processor_kwargs)`)
+
+
+@dataclass(frozen=True)
+class ManagerSettings:
+    """What a manager runs with (see the module docstring)."""
+
+    mode: str  # the engine's mode: "ar" (plain decoding) or a speculative mode
+    draft_loops: int
+    num_speculative_tokens: int
+    second_draft_loops: int | None
+    compile_backend: str | None
+    do_sample: bool
+    processors: tuple  # transformers' processors the generation config implies (all run on the device)
+    slots: int  # B
+    positions: int  # C: prompt + max_new_tokens of one request
+    pad_token_id: int
+    eos_token_id: tuple[int, ...]  # the default EOS ids of a request
+    max_new_tokens: int  # the default max_new_tokens of a request
+    vocab: int
+    seed: int | None  # the continuous batching config's seed: a sampled request without its own draws from it
+
+
+def manager_settings(model, generation_config, cb_config, hints=None) -> ManagerSettings:
+    """The `ManagerSettings` of a manager for `model` (`ValueError` naming a setting it cannot run)."""
+    if hasattr(model, "recurrence"):
+        raise ValueError(f"{type(model).__name__} in continuous batching: its recurrence settings (num_steps, "
+                         "init_scale, init_seed) hold for one generate call, and its initial states are drawn per "
+                         "(sequence, position) of that call, which a slot that changes owner cannot reproduce; decode "
+                         "with model.generate (a left-padded batch), or `hf-loopspec batch`.")
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    spec = speculative_config(config, model.num_loops)
+    if (getattr(config, "num_return_sequences", None) or 1) != 1 or (getattr(config, "num_beams", None) or 1) != 1:
+        raise ValueError(f"num_return_sequences={config.num_return_sequences!r}, num_beams={config.num_beams!r}: "
+                         "continuous batching on a looped model decodes one sequence per request; set both to 1.")
+    if getattr(cb_config, "return_logprobs", False):
+        raise ValueError("return_logprobs=True in the ContinuousBatchingConfig: the package's manager does not "
+                         "record log-probabilities (GenerationOutput.logprobs stays empty); drop it.")
+    model._prepare_special_tokens(config, device=model.device)  # the EOS tensor the EOS-holding processors read
+    prompt = torch.zeros(1, 1, dtype=torch.long, device=model.device)  # any prompt: the processors are row-pure
+    processors = tuple(model._get_logits_processor(config, input_ids_seq_length=1, encoder_input_ids=prompt))
+    for processor in processors:
+        if type(processor) not in WARPERS and not (type(processor) is RepetitionPenaltyLogitsProcessor
+                                                   and processor.prompt_ignore_length is None):
+            raise ValueError(f"{type(processor).__name__} (from the generation config) in continuous batching: a "
+                             "manager runs temperature, top_k, top_p, min_p and repetition_penalty (on the device) "
+                             "only; "
+                             "drop that setting from the generation config, or decode with model.generate.")
+    slots = _positive(getattr(cb_config, "max_requests_per_batch", None), "max_requests_per_batch") \
+        or min(DEFAULT_SLOTS, getattr(hints, "num_requests", None) or DEFAULT_SLOTS)
+    return ManagerSettings(
+        mode="ar" if spec is None else spec.mode, draft_loops=0 if spec is None else spec.draft_loops,
+        num_speculative_tokens=1 if spec is None else spec.num_speculative_tokens,
+        second_draft_loops=None if spec is None else spec.second_draft_loops,
+        compile_backend=None if spec is None else spec.compile_backend, do_sample=bool(config.do_sample),
+        processors=processors, slots=slots, positions=_positions(model, config, cb_config, hints),
+        pad_token_id=int(config.pad_token_id if config.pad_token_id is not None else 0),
+        eos_token_id=tuple(eos_ids(config.eos_token_id if config.eos_token_id is not None
+                                   else model.config.eos_token_id)),
+        max_new_tokens=int(config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS),
+        vocab=model.get_output_embeddings().weight.shape[0], seed=getattr(cb_config, "seed", None))
+
+
+def _positive(value, name: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} in the ContinuousBatchingConfig must be an integer >= 1.")
+    return value
+
+
+def _positions(model, config, cb_config, hints) -> int:
+    """C: `max_blocks_per_request * block_size` (or `page_size`) of the continuous batching config; else the workload
+    hints' longest prompt plus output; else `DEFAULT_POSITIONS` or the model's `max_position_embeddings`."""
+    blocks = _positive(getattr(cb_config, "max_blocks_per_request", None), "max_blocks_per_request")
+    if blocks:
+        size = getattr(cb_config, "block_size", None) or getattr(cb_config, "page_size", None) or 1
+        return max(2, blocks * size)
+    if hints is not None and getattr(hints, "max_prompt_length", None):
+        wanted = hints.max_prompt_length + (hints.max_generated_length or config.max_new_tokens
+                                            or DEFAULT_MAX_NEW_TOKENS)
+        return max(2, wanted)
+    limit = getattr(model.config, "max_position_embeddings", None) or DEFAULT_POSITIONS
+    return max(2, min(DEFAULT_POSITIONS, limit))
+
+
+def eos_ids(value) -> list[int]:
+    """The non-negative EOS ids of `value` (an id, a list of ids, None; -1: none), as transformers reads them."""
+    if value is None:
+        return []
+    values = [value] if isinstance(value, int) else list(value)
+    return [int(v) for v in values if int(v) >= 0]
+
+
+def request_problem(settings: ManagerSettings, input_ids, max_new_tokens, eos, extra: dict) -> str | None:
+    """Why a request cannot run on a manager with `settings`, or None (each message names the value and the fix)."""
+    if not isinstance(input_ids, (list, tuple)) or not input_ids:
+        return f"input_ids={input_ids!r}: give a non-empty list of token ids."
+    bad = [t for t in input_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < settings.vocab]
+    if bad:
+        return f"input_ids hold {bad[:4]}: token ids must be integers in [0, {settings.vocab})."
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        return f"max_new_tokens={max_new_tokens!r}: give an integer >= 1."
+    if len(input_ids) + max_new_tokens > settings.positions:
+        return (f"a prompt of {len(input_ids)} tokens with max_new_tokens={max_new_tokens} needs "
+                f"{len(input_ids) + max_new_tokens} positions, and a slot of this manager holds {settings.positions}: "
+                "shorten the request, or start the manager with a larger ContinuousBatchingConfig("
+                "max_blocks_per_request=..., block_size=...).")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos) or len(eos) > MAX_EOS_IDS:
+        return f"eos_token_id={list(eos)!r}: give at most {MAX_EOS_IDS} integer ids."
+    unknown = sorted(set(extra) - set(REQUEST_KEYS))
+    if unknown:
+        return (f"per-request settings {unknown} are not supported: a manager decodes every request with its "
+                "generation config's settings (sampling included); a request may add only "
+                f"{', '.join(REQUEST_KEYS)}. Start a manager with the settings you need.")
+    seed = extra.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        return f"seed={seed!r}: give a non-negative integer."
+    if seed is not None and not settings.do_sample:
+        return f"seed={seed!r} on a greedy manager: a seed takes effect with do_sample=True in the generation config."
+    return None

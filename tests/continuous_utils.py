@@ -1,0 +1,51 @@
+"""The continuous batching tests' helpers: a tiny model's request settings, a manager's sizes, the reference of one
+request (plain greedy `generate` of it alone) and the collection of a manager's results."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from inputs import random_prompts
+from speculative_utils import PAD, plain
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+VOCAB = 96  # the tiny models' vocabulary
+PAGE = 16  # the managers' page size
+WAIT_S = 30  # the longest wait for one result (a hung loop fails the test instead of hanging it)
+
+
+def generation_config(settings: dict, **extra) -> GenerationConfig:
+    """A manager's generation config: greedy, 8 new tokens, no EOS, pad `PAD`, with `settings` and `extra`."""
+    return GenerationConfig(**{"max_new_tokens": 8, "do_sample": False, "eos_token_id": None, "pad_token_id": PAD,
+                               **settings, **extra})
+
+
+def batching(slots: int = 2, positions: int = 64) -> ContinuousBatchingConfig:
+    """B slots of `positions` positions each (`positions` a multiple of `PAGE`)."""
+    return ContinuousBatchingConfig(max_requests_per_batch=slots, max_blocks_per_request=positions // PAGE,
+                                    page_size=PAGE)
+
+
+def alone(model, prompt: list[int], max_new: int, eos=None, **kwargs) -> list[int]:
+    """Plain greedy decoding of one request by itself (with `generate`'s `kwargs`): its new tokens (up to and with its
+    EOS)."""
+    out = plain(model, torch.tensor([prompt]), None, max_new, eos_token_id=eos, speculative_mode=None, **kwargs)
+    return out.sequences[0, len(prompt):].tolist()
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    """Seeded random prompts of `lengths` tokens, as lists of ids."""
+    return [p.tolist() for p in random_prompts(seed, lengths, VOCAB)]
+
+
+def collect(manager, ids) -> dict:
+    """The final result of each of `ids` by id (waiting at most `WAIT_S` per request)."""
+    results = {}
+    deadline = time.monotonic() + WAIT_S * len(ids)
+    while set(ids) - set(results) and time.monotonic() < deadline:
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            results[result.request_id] = result
+    assert not set(ids) - set(results), f"no result for {sorted(set(ids) - set(results))}"
+    return results
