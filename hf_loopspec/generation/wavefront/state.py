@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...looped import KVLayout
+
 COUNTERS = ("committed", "drafted", "verified", "accepted", "rejected", "discarded", "second_drafts", "second_accepted")
 # the kinds of `Plan.processors` items (`processing.device_processors`): (PENALTY,), (HOLD,), (TEMPERATURE,),
 # (TOP_K, filter_value), (TOP_P, filter_value, min_tokens_to_keep), (MIN_P, filter_value, min_tokens_to_keep),
@@ -72,6 +74,10 @@ class Plan:
     output_logits: bool = False  # record each committed column's raw logits (`outputs`)
     trace_hidden: bool = False  # keep the core call's outputs (`WavefrontState.core_out`, for `tracing`)
     host: object = None  # `host.HostHooks`: host processors and draft hooks (eager step only); None: none
+    layout: KVLayout | None = None  # the model's KV layout under the call's settings (Huginn's depends on num_steps):
+    # the step reads it here, never from the model (a compiled step cannot read per-call settings)
+    step_settings: object = None  # the model's `step_settings()` (`looped`; Huginn: num_steps, init_scale) or None:
+    # part of the compile key, so calls with other settings never share a compiled step
 
     @property
     def table_width(self) -> int:
@@ -150,6 +156,8 @@ class WavefrontState:
     scores_out: torch.Tensor  # [B, T + 1, V] float32 processed scores with output_scores, else [B, 0, 0]
     logits_out: torch.Tensor  # [B, T + 1, V] float32 raw logits with output_logits, else [B, 0, 0]
     core_out: torch.Tensor  # [N, H] the latest core call's outputs with `Plan.trace_hidden`, else [0, H]
+    # random loop-0 inputs (`looped`: Huginn's initial states), drawn at set-up so that the step draws nothing
+    init_states: torch.Tensor  # [B, C, W] lane dtype: those of position p of sequence b; [B, 0, 0] without them
 
 
 def counts(s: WavefrontState, **columns: torch.Tensor) -> torch.Tensor:
