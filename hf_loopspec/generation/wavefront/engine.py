@@ -155,7 +155,8 @@ class WavefrontEngine:
                        second_override) -> WavefrontState:
         plan, device = self.plan, input_ids.device
         batch, lanes = len(input_ids), plan.lanes
-        start = resume.start_of(self.cache, self.model, input_ids, mask, self.plan.draft_loops, plan.second_loops)  # checks a filled one
+        # checks a filled one
+        start = resume.start_of(self.cache, self.model, input_ids, mask, plan.draft_loops, plan.second_loops)
         prompts = start.rows
         like = torch.empty(0, dtype=self.model.lane_dtype, device=device)  # the KV and lane dtype
         trash = self._reserve(batch, like)

@@ -23,9 +23,11 @@ synchronisation (no `.item()`, `.tolist()`, host-built tensors or Python branche
    `state.draft_override`) as a new lane at depth 0, while that position can still matter.
 6. Lanes at depth U retire; spawned lanes are embedded into their slot (position % L).
 
-A model whose entry or exit stage has KV (Huginn's prelude and coda, `stages`) embeds spawned lanes through its entry
-plane, and in step 3 runs the head on every lane and prompt row that has just reached an exit depth, each with that
-depth's exit plane.
+A model whose entry or exit stage has KV (Huginn's prelude and coda, `stages`) embeds spawned lanes (and siblings, on
+their private rows) through its entry plane, and in step 3 runs the head on every lane and prompt row that has just
+reached an exit depth, each with that depth's exit plane (a sibling chosen at depth d runs it when it drafts). The
+step reads the model's layout from `Plan.layout` and random loop-0 inputs from `WavefrontState.init_states`: nothing
+of the call's settings is read from the model inside the step.
 
 Second proposals (`Plan.second_loops` = d2, `sibling`): the sequence's sibling runs in step 2 as one more row on
 its private KV; in step 3 the lane at depth d2 is a head slot too; in step 4 a target whose next position has a
