@@ -17,9 +17,10 @@ reserved positions C and the span only, and later calls whose prompt width and m
 bucket of C compile nothing. Tear-down truncates the cache to the device's KV lengths and builds the lane decoder's
 `DecodeResult`.
 
-The engine covers Ouro and Huginn (entry and exit stages with KV: `stages`), greedy decoding and sampling with the
-logits processors `processing` runs on the device, EOS and length stops on the device and every other stopping
-criterion on the host at read-backs (`stopping`), `output_scores` / `output_logits` (`outputs`), traces
+The engine covers Ouro and Huginn (entry and exit stages with KV, seeded initial states drawn at set-up: `stages`;
+compiled and with second proposals too), greedy decoding and sampling with the logits processors `processing` runs on
+the device, EOS and length stops on the device and every other stopping criterion on the host at read-backs
+(`stopping`), `output_scores` / `output_logits` (`outputs`), traces
 (`tracing`: the state read around every cycle), caches filled by earlier calls (`resume`: set-up moves their
 history into the reserved layout) and exit options (`exits`).
 """

@@ -11,7 +11,8 @@ See `state` for the slot and its KV invariant. Per cycle (`step`):
   parent's target is committed or its sequence finishes, and when chosen it is `promote`d;
 * after verification a main-path lane that has just reached d2 re-reads its draft (`reread`): its depth-d2 argmax,
   or a draw from its depth-d2 distribution (or `state.second_override`), is the position's second candidate, and
-  starts a sibling when it differs from the draft after it.
+  starts a sibling when it differs from the draft after it (embedded through an entry stage with KV, Huginn's
+  prelude, on the private row of the entry plane: `stages.sibling_embedder`).
 
 As in the lane decoder (`generation.siblings`), a sibling counts in `second_drafts`, a verification that chooses it
 in `accepted` and `second_accepted`, and a chosen sibling becomes a main-path lane that is not a draft.
