@@ -28,6 +28,12 @@ are not needed, so the exit plane of that depth holds every position). `sequence
 of each token) is for models whose loop-0 input is random per token: Huginn keys it by (seed, sequence,
 position), so every decoding mode draws the same state for the same token.
 
+Per-call settings and random loop-0 inputs (optional members, read only by the wavefront engine: its compiled step
+may read no per-call settings and draw nothing). A family whose stages depend on per-call settings gives the ones
+that shape a step as `step_settings()` (hashable: a compiled step is never shared across them); one whose loop-0
+input has a random part gives it as `initial_states(sequences, positions) -> [*rows, width]` and takes it back as
+`embed(..., initial=...)`. Huginn has both (its recurrence settings; its keyed initial states).
+
 `KVLayout` tells a cache how much KV storage one token needs, so the cache needs no model.
 """
 

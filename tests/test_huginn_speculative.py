@@ -163,7 +163,7 @@ def test_second_proposals():
     model, _ = tiny_huginn(seed=5, damp=1.0)
     ids, mask = left_pad(prompts_for("ragged", seed=100), PAD)
     ref = plain(model, ids, mask, 24, **INITS["seeded"])
-    # INITS["seeded"], on the reference: the engine refuses second proposals on Huginn (and d2 < U - d anywhere)
+    # INITS["seeded"], on the reference: the engine runs d2 >= U - d only (test_wavefront_huginn.py runs those)
     with model.recurrence(num_steps=STEPS, init_scale=1.0, init_seed=1234):
         out = decode_reference(model, ids, mask, 24, "pipeline", 1, second_draft_loops=2,
                                cache=paged_cache(model, True, STEPS))

@@ -18,7 +18,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
 from recorders import RecordingStreamer
 from speculative_utils import (
@@ -415,9 +414,6 @@ UNSUPPORTED = {  # settings the wavefront engine cannot run, and the words that 
     "host processor compiled": ({"no_repeat_ngram_size": 2, "compile_core": "eager"},
                                 "NoRepeatNGramLogitsProcessor with compile_core"),
     "draft hook compiled": ({"draft_hook": lambda s, p, t: t, "compile_core": "eager"}, "draft_hook"),
-    "huginn compiled": ({"init_scale": 0.0, "compile_core": "eager"}, "compile_core on HuginnForCausalLM"),
-    "huginn second proposals": ({"init_scale": 0.0, "second_draft_loops": 3},
-                                "second_draft_loops=3 on HuginnForCausalLM"),
 }
 
 
@@ -426,12 +422,7 @@ def test_unsupported_settings_raise_naming_them(case):
     """"auto" (the default) switches no engine: a setting the wavefront engine does not run raises a `ValueError`
     that names it, before any decoding."""
     settings, named = UNSUPPORTED[case]
-    settings = dict(settings)
-    if case.startswith("huginn"):
-        model = tiny_huginn(seed=5)[0]
-        ids, mask = left_pad(random_prompts(7, (3, 5), model.config.vocab_size))
-    else:
-        model, ids, mask = _batch(7, (3, 5))
+    model, ids, mask = _batch(7, (3, 5))
     with pytest.raises(ValueError, match=re.escape(named)):
         speculative(model, ids, mask, 6, "pipeline", 1, 1, **settings)
 

@@ -30,11 +30,13 @@ from tolerances import assert_fp32_close, huginn_depth
 
 from hf_loopspec.generation.history import run_planes
 from hf_loopspec.generation.wavefront import WavefrontEngine
+from hf_loopspec.generation.wavefront import engine as engine_module
 
 STEPS = 6
 NEW = 16
 LENGTHS = [6, 1, 3]  # left padding: rows of different prompt lengths
 INITS = {"zero": {"init_scale": 0.0}, "seeded": {"init_scale": 1.0, "init_seed": 1234}}
+ONE_LAYER = {"n_layers_in_prelude": 1, "n_layers_in_recurrent_block": 1, "n_layers_in_coda": 1}
 MODE_PARAMS = [pytest.param(*m, id=mode_id(*m)) for m in MODES]
 # the matrix once with zero initial states, and seeded states (drawn on the host per token: slower) for drafts from
 # two steps
@@ -63,12 +65,13 @@ def _ar_planes(model) -> list[int]:
     return [*range(STEPS), layout.entry_plane, layout.exit_plane(STEPS)]
 
 
-def _assert_same_planes(model, engine_cache, lanes_cache, d: int) -> None:
-    """Every plane the run writes (core, prelude, the coda at d and at num_steps) holds the same positions in both
-    caches, with the same KV up to the fp32 rounding of a forward (other row batches round differently)."""
+def _assert_same_planes(model, engine_cache, lanes_cache, *draft_depths: int) -> None:
+    """Every plane the run writes (core, prelude, the coda at num_steps and at the `draft_depths`: d, and d2 with second
+    proposals) holds the same positions in both caches, with the same KV up to the fp32 rounding of a forward (other
+    row batches round differently)."""
     assert engine_cache.get_seq_length() == lanes_cache.get_seq_length()
     depth = huginn_depth(model.config, STEPS)
-    for plane in run_planes(engine_cache.kv_layout, STEPS, d):
+    for plane in run_planes(engine_cache.kv_layout, STEPS, *draft_depths):
         assert engine_cache.lengths(plane) == lanes_cache.lengths(plane), plane
         for s, n in enumerate(lanes_cache.lengths(plane)):
             for layer in range(engine_cache.kv_layout.num_layers):
@@ -137,29 +140,89 @@ def test_forced_rejections_roll_back_every_plane(compact):
                             model_depth=huginn_depth(model.config, STEPS), planes=_ar_planes(model))
 
 
-def test_compiled_engine_and_second_proposals_are_refused_by_name():
-    """Compiling the step and second proposals are not run with stage KV (`limits.stages_problem`): the engine's own
-    set-up and `generate` raise a `ValueError` naming the setting (the reference, a debug cache, still runs them)."""
+def test_step_compiles_whole_and_seeds_are_data(monkeypatch):
+    """`torch.compile(step, fullgraph=True)` (a graph break raises) traces the Huginn step with second proposals (the
+    sibling's prelude row, a chosen sibling's coda row): it reads no recurrence settings (the layout is
+    `Plan.layout`) and draws nothing (the seeded initial states are drawn at set-up: `WavefrontState.init_states`).
+    Two graphs (the decode step, and one cycle of the calls that carry the prompt rows); plain's tokens for the seed
+    and the eager engine's counters; a call with another seed compiles nothing (the states are data) and gives plain's
+    tokens for its seed. One layer per stage and one cycle per compiled call: the same code, faster to trace."""
+    monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 1)
+    model, _ = tiny_huginn(seed=5, damp=0.3, **ONE_LAYER)
+    _, ids, mask = _case()
+    new, second = 8, {"second_draft_loops": 4}
+    for seed, graphs in ((1234, 2), (99, 0)):
+        settings = {"eos_token_id": None, "init_scale": 1.0, "init_seed": seed}
+        ref = plain(model, ids, mask, new, num_steps=STEPS, **settings)
+        eager = _speculative(model, ids, mask, new, "pipeline", 2, None, "wavefront", **settings, **second)
+        torch._dynamo.utils.counters.clear()
+        compiled = _speculative(model, ids, mask, new, "pipeline", 2, None, "wavefront", compile_core="eager",
+                                **settings, **second)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+        assert compiled.speculation.engine == "wavefront"
+        assert compiled.sequences.tolist() == ref.sequences.tolist() == eager.sequences.tolist()
+        assert compiled.speculation.to_dict() == eager.speculation.to_dict()
+        assert compiled.speculation.second_drafts > 0
+
+
+def test_compiled_steps_are_never_shared_across_recurrence_settings():
+    """The compiled step functions kept beside the model are keyed by the plan, which holds the call's recurrence
+    settings (`Plan.step_settings`; num_steps also through the loop count and the layout): calls with another
+    init_scale or num_steps get functions of their own, calls with another seed share one (it is data of the state)."""
     model, ids, mask = _case()
-    with torch.no_grad(), model.recurrence(num_steps=STEPS, init_scale=0.0), \
-            pytest.raises(ValueError, match="compile_core on HuginnForCausalLM"):
-        WavefrontEngine(model, paged_cache(model, debug=False, num_steps=STEPS), mode="pipeline", draft_loops=1,
-                        num_speculative_tokens=1, input_ids=ids, attention_mask=mask, pad_token_id=PAD,
-                        max_length=ids.shape[1] + 4, compile_backend="eager")
-    for engine in ("wavefront", "auto"):
-        with pytest.raises(ValueError, match=f"second_draft_loops={STEPS - 1} on HuginnForCausalLM"):
-            _speculative(model, ids, mask, 4, "pipeline", 1, None, engine, second_draft_loops=STEPS - 1, init_scale=0.0)
-    out = _speculative(model, ids, mask, 4, "pipeline", 1, None, "lanes", second_draft_loops=STEPS - 1, init_scale=0.0)
-    assert out.speculation.engine == "lanes"
+
+    def step_function(num_steps=STEPS, **settings):
+        with torch.no_grad(), model.recurrence(num_steps=num_steps, **settings):
+            engine = WavefrontEngine(model, paged_cache(model, debug=False, num_steps=num_steps), mode="pipeline",
+                                     draft_loops=2, num_speculative_tokens=1, input_ids=ids, attention_mask=mask,
+                                     pad_token_id=PAD, max_length=ids.shape[1] + 4, compile_backend="eager")
+            return engine.build_step(engine.plan, 1, prefill=False)
+
+    first = step_function(init_scale=1.0, init_seed=1)
+    assert step_function(init_scale=1.0, init_seed=2) is first
+    others = [step_function(init_scale=0.5, init_seed=1), step_function(init_scale=0.0),
+              step_function(num_steps=STEPS - 1, init_scale=1.0, init_seed=1)]
+    assert all(other is not first for other in others) and len({id(other) for other in others}) == len(others)
 
 
-@pytest.mark.parametrize("mode,d,k", [MODE_PARAMS[1], MODE_PARAMS[3]])
-def test_sampling_on_the_engine(mode, d, k):
-    """Lossless sampling through the exit planes on the engine: top_k=1 sampling equals greedy, and a seeded
-    sampled run repeats."""
+SECOND = [(2, 4), (3, 5)]  # (d, d2) on STEPS = 6 steps, U - d2 <= d; (2, 4): a chosen sibling drafts at once
+
+
+@pytest.mark.parametrize("d,d2", SECOND, ids=[f"d{d}-d2{d2}" for d, d2 in SECOND])
+def test_second_proposals_equal_plain_and_the_reference(d, d2):
+    """Second proposals on the engine: a sibling embeds through the prelude on its private entry row, runs its steps
+    on its private core rows, and when chosen has them copied into the main tables (`sibling.promote`). Seeded
+    states; the tokens equal plain greedy's, the counters the reference's (the same cycles), every plane AR writes
+    equals AR's (I4), and every plane of the run (the coda at d and d2 too) equals the reference's."""
+    model, ids, mask = _case(seed=5, damp=1.0)
+    settings = {"eos_token_id": None, **INITS["seeded"]}
+    ref = plain(model, ids, mask, NEW, num_steps=STEPS, **settings)
+    runs = [_speculative(model, ids, mask, NEW, "pipeline", d, None, engine, second_draft_loops=d2, **settings)
+            for engine in ("wavefront", "lanes")]
+    out, lanes = runs
+    assert out.speculation.engine == "wavefront"
+    assert out.sequences.tolist() == ref.sequences.tolist() == lanes.sequences.tolist()
+    counters = [{k: v for k, v in run.speculation.to_dict().items() if k not in ("engine", "cache_fill_calls")}
+                for run in runs]
+    assert counters[0] == counters[1]
+    stats = out.speculation
+    assert stats.second_accepted > 0 and stats.second_drafts > stats.second_accepted and stats.rejected > 0
+    assert_counter_invariants(stats, [NEW] * len(LENGTHS))
+    assert_cache_matches_ar(out.cache, ref.cache, mask, [NEW] * len(LENGTHS), num_layers=2,
+                            model_depth=huginn_depth(model.config, STEPS), planes=_ar_planes(model))
+    _assert_same_planes(model, out.cache, lanes.cache, d, d2)
+
+
+@pytest.mark.parametrize("mode,d,k,second", [(*MODES[1], {}), (*MODES[3], {}), (*MODES[1], {"second_draft_loops": 4})],
+                         ids=[mode_id(*MODES[1]), mode_id(*MODES[3]), f"{mode_id(*MODES[1])}-d2-4"])
+def test_sampling_on_the_engine(mode, d, k, second):
+    """Lossless sampling through the exit planes on the engine (with second proposals too: two candidates, the
+    second drawn at depth d2 through its coda plane): top_k=1 sampling equals greedy, and a seeded sampled run
+    repeats."""
     model, ids, mask = _case(seed=4, damp=0.1)
     settings = {"eos_token_id": None, **INITS["seeded"]}
     ref = plain(model, ids, mask, 12, num_steps=STEPS, **settings)
+    settings |= second
     greedy_like = _speculative(model, ids, mask, 12, mode, d, k, "wavefront", do_sample=True, top_k=1, **settings)
     assert greedy_like.speculation.engine == "wavefront"
     assert greedy_like.sequences.tolist() == ref.sequences.tolist()
@@ -167,8 +230,9 @@ def test_sampling_on_the_engine(mode, d, k):
     for _ in range(2):
         torch.manual_seed(7)
         runs.append(_speculative(model, ids, mask, 12, mode, d, k, "wavefront", do_sample=True, temperature=1.5,
-                                 **settings).sequences.tolist())
-    assert runs[0] == runs[1]
+                                 **settings))
+    assert runs[0].sequences.tolist() == runs[1].sequences.tolist()
+    assert runs[0].speculation.second_drafts > 0 or not second
 
 
 @pytest.mark.parametrize("mode,d,k,settings", [("pipeline", 2, None, "warped")])

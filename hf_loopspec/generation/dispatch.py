@@ -26,7 +26,7 @@ from .records import DecodeResult
 from .siblings import SecondHook
 from .wavefront.engine import WavefrontEngine
 from .wavefront.host import compile_problem
-from .wavefront.limits import cache_problem, stages_problem
+from .wavefront.limits import cache_problem
 from .wavefront.span import reserved_positions
 
 
@@ -74,8 +74,7 @@ def unsupported(model, request: SpeculativeRequest) -> list[str]:
     """The settings of `request` that the wavefront engine does not support, each named (empty: it runs)."""
     cache, ids, max_length = request.cache, request.input_ids, request.max_length
     compiled = request.spec.compile_backend is not None
-    problems = [problem for problem in (stages_problem(model, request.spec.second_draft_loops, compiled),
-                                        cache_problem(cache)) if problem]
+    problems = [problem] if (problem := cache_problem(cache)) else []
     positions = reserved_positions(max_length, compiled)
     reserved = len(ids) * cache.num_planes * positions * cache.bytes_per_token_per_depth(model.lane_dtype)
     if reserved > free_memory(ids.device) / 2:

@@ -17,9 +17,10 @@ reserved positions C and the span only, and later calls whose prompt width and m
 bucket of C compile nothing. Tear-down truncates the cache to the device's KV lengths and builds the lane decoder's
 `DecodeResult`.
 
-The engine covers Ouro and Huginn (entry and exit stages with KV: `stages`), greedy decoding and sampling with the
-logits processors `processing` runs on the device, EOS and length stops on the device and every other stopping
-criterion on the host at read-backs (`stopping`), `output_scores` / `output_logits` (`outputs`), traces
+The engine covers Ouro and Huginn (entry and exit stages with KV, seeded initial states drawn at set-up: `stages`;
+compiled and with second proposals too), greedy decoding and sampling with the logits processors `processing` runs on
+the device, EOS and length stops on the device and every other stopping criterion on the host at read-backs
+(`stopping`), `output_scores` / `output_logits` (`outputs`), traces
 (`tracing`: the state read around every cycle), caches filled by earlier calls (`resume`: set-up moves their
 history into the reserved layout) and exit options (`exits`).
 """
@@ -40,7 +41,7 @@ from . import exits, outputs, resume, stages
 from .compiling import compiled_cycles, compiled_prefill, one_at_a_time
 from .device import ReadBack
 from .host import HostHooks, compile_problem
-from .limits import cache_problem, second_proposals_problem, stages_problem
+from .limits import cache_problem, second_proposals_problem
 from .options import DEFAULT_READ_EVERY, engine_options
 from .span import SpanBound, reserved_positions
 from .state import COUNTERS, HOST, Plan, WavefrontState
@@ -89,8 +90,8 @@ class WavefrontEngine:
         check_cache_layout(cache, model.kv_layout)
         if not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every={read_every!r} must be an integer >= 1 (cycles between read-backs).")
-        problem = (stages_problem(model, second_draft_loops, compile_backend is not None) or cache_problem(cache)
-                   or second_proposals_problem(mode, model.num_loops, draft_loops, second_draft_loops))
+        problem = cache_problem(cache) or second_proposals_problem(mode, model.num_loops, draft_loops,
+                                                                   second_draft_loops)
         if problem:
             raise ValueError(f"the wavefront engine does not support {problem}; run the reference "
                              "(model.decode_with_lanes, or --engines reference in the bench).")
@@ -117,7 +118,8 @@ class WavefrontEngine:
                          output_logits=output_logits, trace_hidden=trace == "hidden",
                          host=HostHooks(logits_processor, input_ids, (model.num_loops, draft_loops, second_draft_loops),
                                         draft_hook, second_draft_hook)
-                         if any(item[0] == HOST for item in processors) or draft_hook or second_draft_hook else None)
+                         if any(item[0] == HOST for item in processors) or draft_hook or second_draft_hook else None,
+                         layout=model.kv_layout, step_settings=stages.step_settings(model))
         self.prefill_cycles = model.num_loops + (num_speculative_tokens * draft_loops if mode == "block" else 0)
         self.stats = SpeculationStats(mode=mode, draft_loops=draft_loops, engine="wavefront")
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
@@ -154,7 +156,8 @@ class WavefrontEngine:
                        second_override) -> WavefrontState:
         plan, device = self.plan, input_ids.device
         batch, lanes = len(input_ids), plan.lanes
-        start = resume.start_of(self.cache, self.model, input_ids, mask, self.plan.draft_loops)  # checks a filled one
+        # checks a filled one
+        start = resume.start_of(self.cache, self.model, input_ids, mask, plan.draft_loops, plan.second_loops)
         prompts = start.rows
         like = torch.empty(0, dtype=self.model.lane_dtype, device=device)  # the KV and lane dtype
         trash = self._reserve(batch, like)
@@ -195,6 +198,7 @@ class WavefrontEngine:
             sib_k=self._private_rows(batch, pools), sib_v=self._private_rows(batch, pools),
             loop_states=records[0], sib_states=records[1],
             **outputs.buffers(plan, batch, self._out_columns(max_new) + 1, self.vocab, hidden_size, like),
+            init_states=stages.initial_states(self.model, batch, plan.positions, like),
         )
         staged = self._embed_staged(state, start) if stages.has_stage_kv(self.model) else None
         for b, prompt in enumerate(start.tokens):  # set-up runs once per batch on the host
@@ -343,8 +347,8 @@ class WavefrontEngine:
                 filling = step(filling)
             self.stats.cache_fill_calls = self.model.num_loops
             state.kv_len = filling.kv_len
-        self.cache.set_columns(width + steps - 1, run_planes(self.model.kv_layout, self.model.num_loops,
-                                                             self.plan.draft_loops or None))
+        self.cache.set_columns(width + steps - 1, run_planes(self.plan.layout, self.model.num_loops,
+                                                             self.plan.draft_loops or None, self.plan.second_loops))
 
     def _count_rows(self) -> None:
         """`stats.call_rows` of one step (counted on the host from the shapes): every lane slot, prompt row and

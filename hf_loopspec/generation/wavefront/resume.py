@@ -39,9 +39,11 @@ class Start:
         return max([len(t) - 1 for t in self.tokens], default=0)
 
 
-def start_of(cache: PagedLoopCache, model, input_ids: torch.Tensor, mask: torch.Tensor, draft_loops: int) -> Start:
+def start_of(cache: PagedLoopCache, model, input_ids: torch.Tensor, mask: torch.Tensor, draft_loops: int,
+             second_loops: int | None = None) -> Start:
     """The `Start` of a run of `model` over `input_ids` `[B, S]` with padding `mask` `[B, S]` bool on `cache`,
-    drafting from depth `draft_loops` (0: no drafts): on an empty cache every real token runs; on a filled one
+    drafting from depth `draft_loops` (0: no drafts) and `second_loops` (second proposals; None: none): on an empty
+    cache every real token runs; on a filled one
     `start_rows` validates that the cache holds the start of the ids (the `ValueError`s of the lane decoder), fills
     a draft exit plane that a history decoded without drafts lacks (a head with KV, Huginn's), and says which tokens
     are new."""
@@ -50,7 +52,7 @@ def start_of(cache: PagedLoopCache, model, input_ids: torch.Tensor, mask: torch.
         return Start(torch.zeros(len(input_ids), dtype=torch.long, device=device),
                      torch.zeros(len(input_ids), cache.num_planes, dtype=torch.long, device=device),
                      [row[keep] for row, keep in zip(input_ids, mask)])
-    depths = (draft_loops,) if draft_loops else ()
+    depths = tuple(depth for depth in (draft_loops or None, second_loops) if depth is not None)
     rows = start_rows(cache, model.kv_layout, model.num_loops, depths, input_ids, mask)
     planes = run_planes(model.kv_layout, model.num_loops, *depths)
     for s, row in enumerate(rows):  # the run reads every plane it writes up to `stored`

@@ -11,7 +11,8 @@ See `state` for the slot and its KV invariant. Per cycle (`step`):
   parent's target is committed or its sequence finishes, and when chosen it is `promote`d;
 * after verification a main-path lane that has just reached d2 re-reads its draft (`reread`): its depth-d2 argmax,
   or a draw from its depth-d2 distribution (or `state.second_override`), is the position's second candidate, and
-  starts a sibling when it differs from the draft after it.
+  starts a sibling when it differs from the draft after it (embedded through an entry stage with KV, Huginn's
+  prelude, on the private row of the entry plane: `stages.sibling_embedder`).
 
 As in the lane decoder (`generation.siblings`), a sibling counts in `second_drafts`, a verification that chooses it
 in `accepted` and `second_accepted`, and a chosen sibling becomes a main-path lane that is not a draft.
@@ -74,7 +75,10 @@ def promote(plan: Plan, s: WavefrontState, promoted: torch.Tensor) -> torch.Tens
     s.draft = s.draft & ~slot
     s.hidden = torch.where(slot[..., None], s.sib_hidden[:, None], s.hidden)
     planes = torch.arange(plan.planes, device=device)  # [planes]
-    written = promoted[:, None] & (planes < s.sib_depth[:, None])  # [B, planes]
+    written = planes < s.sib_depth[:, None]  # [B, planes]: its core planes, and its entry plane (`stages`)
+    if plan.layout.entry_plane is not None:
+        written = written | (planes == plan.layout.entry_plane)
+    written = promoted[:, None] & written
     table = torch.arange(batch, device=device)[:, None] * plan.planes + planes  # [B, planes]
     position = s.sib_position.clamp(0, plan.positions - 1)[:, None]
     dest = torch.where(written, table * plan.table_width + position, s.trash_slot).flatten()  # [B * planes]
@@ -87,12 +91,12 @@ def promote(plan: Plan, s: WavefrontState, promoted: torch.Tensor) -> torch.Tens
 
 
 def reread(plan: Plan, s: WavefrontState, rereader: torch.Tensor, top: torch.Tensor, probs: torch.Tensor | None,
-           embed_tokens) -> None:
+           embed) -> None:
     """Second proposals: each `rereader` `[B, L]` (a lane that reached d2 in this cycle) still alive on the main path
     with a live unverified draft after it re-reads that draft: its depth-d2 proposal `top` `[B, L]` (the argmax, or a
     draw from `probs` `[B, L, V]` when sampling; or `state.second_override`, then a point mass) is the second
     candidate of the draft's position (`sib_read`, `sib_q`), and starts a sibling there when it differs from the
-    draft's token."""
+    draft's token, embedded by `embed(s, token, position, spawn)` (`stages.sibling_embedder`)."""
     lanes = s.token.shape[1]
     after = (s.position + 1) % lanes  # [B, L] the slot of the lane after each
     draft_after = (s.alive & s.draft).gather(1, after) & (s.position.gather(1, after) == s.position + 1)
@@ -115,5 +119,5 @@ def reread(plan: Plan, s: WavefrontState, rereader: torch.Tensor, top: torch.Ten
         s.sib_q = torch.where(has[:, None], q, s.sib_q)
     s.sib_depth = torch.where(spawn, 0, s.sib_depth)
     s.sib_alive = s.sib_alive | spawn
-    s.sib_hidden = torch.where(spawn[:, None], embed_tokens(token), s.sib_hidden)
+    s.sib_hidden = torch.where(spawn[:, None], embed(s, token, position, spawn), s.sib_hidden)
     s.counters = s.counters + counts(s, second_drafts=spawn)

@@ -18,16 +18,18 @@ extra lane slot, `sib_*`, for a sibling: when a main-path lane X at position p r
 proposal C (argmax, or a draw when sampling) differs from its draft B at p + 1, C starts there at depth 0.
 
 Invariant (branch-private KV): while it is a sibling, C writes its KV only into its sequence's private rows
-`sib_k` / `sib_v` (position p + 1, one row per plane) and reads the main tables at positions 0..p (the common
+`sib_k` / `sib_v` (position p + 1, one row per plane: its core planes and, with an entry stage that has KV, the
+entry plane its embedding writes: `stages.sibling_embedder`) and reads the main tables at positions 0..p (the common
 history, complete in every plane C reaches: X and the lanes before it are deeper) plus its own private rows;
 main-path rows never read the private rows, and C never writes a main table. X's target decides C's fate U - d2
 cycles after C starts, when C is U - d2 <= d loops deep: C never drafts as a sibling (chosen at depth d, it drafts
 at once, as its sequence's frontier), and no second sibling opens before the first is decided (the next main lane
 reaches d2 d cycles after X): one slot per sequence suffices. If the target chooses C, C takes B's lane slot (B and
 its descendants die), the main tables roll back to p + 1 positions, and C's private rows are copied into position
-p + 1 of the planes C wrote (a device copy of at most U - d2 rows per sequence and layer: `sibling.promote`), so the
-main tables hold exactly C's history, as if C had been the main lane all along (I4). Otherwise the private rows are
-simply left behind (the next sibling overwrites them).
+p + 1 of the planes C wrote (a device copy of at most U - d2 + 1 rows per sequence and layer: `sibling.promote`), so
+the main tables hold exactly C's history, as if C had been the main lane all along (I4). Otherwise the private rows
+are simply left behind (the next sibling overwrites them). An exit stage with KV needs no private rows: C reaches no
+exit depth as a sibling (U - d2 <= d < d2 < U; chosen at depth d, it runs the head as a main lane).
 
 Counters are per sequence, in the column order of `COUNTERS` (the fields of `SequenceStats`).
 """
@@ -38,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from ...looped import KVLayout
 
 COUNTERS = ("committed", "drafted", "verified", "accepted", "rejected", "discarded", "second_drafts", "second_accepted")
 # the kinds of `Plan.processors` items (`processing.device_processors`): (PENALTY,), (HOLD,), (TEMPERATURE,),
@@ -72,6 +76,10 @@ class Plan:
     output_logits: bool = False  # record each committed column's raw logits (`outputs`)
     trace_hidden: bool = False  # keep the core call's outputs (`WavefrontState.core_out`, for `tracing`)
     host: object = None  # `host.HostHooks`: host processors and draft hooks (eager step only); None: none
+    layout: KVLayout | None = None  # the model's KV layout under the call's settings (Huginn's depends on num_steps):
+    # the step reads it here, never from the model (a compiled step cannot read per-call settings)
+    step_settings: object = None  # the model's `step_settings()` (`looped`; Huginn: num_steps, init_scale) or None:
+    # part of the compile key, so calls with other settings never share a compiled step
 
     @property
     def table_width(self) -> int:
@@ -150,6 +158,8 @@ class WavefrontState:
     scores_out: torch.Tensor  # [B, T + 1, V] float32 processed scores with output_scores, else [B, 0, 0]
     logits_out: torch.Tensor  # [B, T + 1, V] float32 raw logits with output_logits, else [B, 0, 0]
     core_out: torch.Tensor  # [N, H] the latest core call's outputs with `Plan.trace_hidden`, else [0, H]
+    # random loop-0 inputs (`looped`: Huginn's initial states), drawn at set-up so that the step draws nothing
+    init_states: torch.Tensor  # [B, C, W] lane dtype: those of position p of sequence b; [B, 0, 0] without them
 
 
 def counts(s: WavefrontState, **columns: torch.Tensor) -> torch.Tensor:

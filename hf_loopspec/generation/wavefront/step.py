@@ -23,9 +23,11 @@ synchronisation (no `.item()`, `.tolist()`, host-built tensors or Python branche
    `state.draft_override`) as a new lane at depth 0, while that position can still matter.
 6. Lanes at depth U retire; spawned lanes are embedded into their slot (position % L).
 
-A model whose entry or exit stage has KV (Huginn's prelude and coda, `stages`) embeds spawned lanes through its entry
-plane, and in step 3 runs the head on every lane and prompt row that has just reached an exit depth, each with that
-depth's exit plane.
+A model whose entry or exit stage has KV (Huginn's prelude and coda, `stages`) embeds spawned lanes (and siblings, on
+their private rows) through its entry plane, and in step 3 runs the head on every lane and prompt row that has just
+reached an exit depth, each with that depth's exit plane (a sibling chosen at depth d runs it when it drafts). The
+step reads the model's layout from `Plan.layout` and random loop-0 inputs from `WavefrontState.init_states`: nothing
+of the call's settings is read from the model inside the step.
 
 Second proposals (`Plan.second_loops` = d2, `sibling`): the sequence's sibling runs in step 2 as one more row on
 its private KV; in step 3 the lane at depth d2 is a head slot too; in step 4 a target whose next position has a
@@ -61,9 +63,8 @@ from .state import Plan, WavefrontState, counts
 
 def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
     """The cycle of `plan` for `model` (entry and exit stages with KV of their own, e.g. Huginn's: `stages`)."""
-    embed_tokens = model.get_input_embeddings()
-    embed_spawned = stages.spawn_embedder(model, plan)
-    staged_exit = model.kv_layout.first_exit_plane is not None
+    embed_spawned, embed_sibling = stages.spawn_embedder(model, plan), stages.sibling_embedder(model, plan)
+    staged_exit = plan.layout.first_exit_plane is not None
     ops = score_ops(plan)
 
     second = plan.second_loops is not None
@@ -93,7 +94,7 @@ def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
         if second:
             # [B, L] a fresh draw when sampling
             proposal = token if probs is None else rules.draw(probs, state.noise[..., rules.DRAW])
-            sibling.reread(plan, state, rereader & ~taken, proposal, probs, embed_tokens)
+            sibling.reread(plan, state, rereader & ~taken, proposal, probs, embed_sibling)
         return state
 
     return step
@@ -136,11 +137,14 @@ def _head(model, ops, s: WavefrontState, slots: torch.Tensor, plan: Plan | None 
 def _promoted_draft(model, ops, plan: Plan, s: WavefrontState, taken: torch.Tensor, drafter: torch.Tensor,
                     token: torch.Tensor, probs: torch.Tensor | None):
     """A sibling chosen at depth d (`taken` `[B, L]`: the slot it took) is its sequence's frontier and drafts in this
-    cycle, from a head call on its slot (its draw uses its slot's uniforms, unused by the killed lane it replaced).
+    cycle, from a head call on its slot (its draw uses its slot's uniforms, unused by the killed lane it replaced;
+    with an exit stage that has KV, the call writes the depth-d exit plane at its position: `stages.exit_logits`).
     Returns `drafter`, `token` `[B, L]` and `probs` `[B, L, V]` (None when greedy) with its draft added."""
     ready = taken & (s.depth == plan.draft_loops) & (s.position < _last_draft(s))  # [B, L]
     slot = taken.long().argmax(1, keepdim=True)  # [B, 1]
-    scores = _head(model, ops, s, slot)  # [B, 1, V]
+    staged = stages.exit_logits(model, plan, s, taken, torch.zeros_like(s.prompt_real)) \
+        if plan.layout.first_exit_plane is not None else None  # [B, L, V]
+    scores = _head(model, ops, s, slot, logits=staged)  # [B, 1, V]
     if probs is None:
         top = scores.argmax(-1)  # [B, 1]
     else:
@@ -214,7 +218,7 @@ def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch
                         *([s.sib_hidden] if second else ())])  # [N, H]: N = B*L + B*P (+ B)
     prompt_position = torch.arange(prompts, device=device) + s.prompt_start[:, None]  # [B, P]
     position = torch.cat([s.position.flatten(), prompt_position.flatten(), *([s.sib_position] if second else ())])
-    layout = SlotLayout(model.kv_layout.num_layers, plan.planes, plan.table_width, plan.positions, plan.read_span,
+    layout = SlotLayout(plan.layout.num_layers, plan.planes, plan.table_width, plan.positions, plan.read_span,
                         cells=plan.lanes if plan.mode == "block" else 1)  # block: a lane's grid cell is its slot
     attention = SlotAttention(s.k_pool, s.v_pool, s.trash_slot, layout, (s.depth, s.position, ran),
                               (s.prompt_depth, prompt_position, prompt_rows),

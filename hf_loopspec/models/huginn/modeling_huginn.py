@@ -220,14 +220,17 @@ class HuginnModel(HuginnPreTrainedModel):
         return lambda x: apply_rotary(x, cos, sin)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, sequences: torch.Tensor,
-              attention: KVAttention | None) -> torch.Tensor:
-        """Token ids `[*rows]` -> lane state `[*rows, 2 * n_embd]` = [initial state | prelude output]."""
+              attention: KVAttention | None, initial: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids `[*rows]` -> lane state `[*rows, 2 * n_embd]` = [initial state | prelude output]. `initial`
+        `[*rows, n_embd]`: the initial states, drawn before by `initial_state` (a compiled step reads no settings and
+        draws nothing); None: drawn now."""
         check_token_ids(input_ids, self.config.vocab_size)
         e = self.wte(input_ids) * self.config.embed_scale
         rope = self.rope(positions, e.dtype)
         for block in self.prelude:
             e = block(e, rope, attention)
-        return torch.cat([self.initial_state(sequences, positions, e), e], dim=-1)
+        initial = self.initial_state(sequences, positions, e) if initial is None else initial.to(e)
+        return torch.cat([initial, e], dim=-1)
 
     def initial_state(self, sequences: torch.Tensor, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """`[*rows, n_embd]`: zeros for init_scale 0, else per token a normal(0, std * init_scale) cut at 3 std,
@@ -347,6 +350,21 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
                    init_seed: int | None = None):
         """See `HuginnModel.recurrence`."""
         return self.transformer.recurrence(num_steps, init_scale, init_seed)
+
+    def step_settings(self) -> Recurrence:
+        """The settings of this call that shape a decoding step (`looped`): its recurrence steps and init scale; the
+        seed is left out (it keys the states `initial_states` draws, data of the step)."""
+        return replace(self.transformer.settings, init_seed=None)
+
+    def initial_states(self, sequences: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The initial states `[*rows, n_embd]` (lane dtype) of the tokens at `positions` of batch rows `sequences`
+        under this call's settings, as `embed` would draw them (`HuginnModel.initial_state`)."""
+        like = self.transformer.wte.weight.new_empty(*positions.shape, self.config.n_embd)
+        return self.transformer.initial_state(sequences, positions, like)
+
+    def embed(self, input_ids, positions=None, sequences=None, attention=None, initial=None):
+        """`HuginnModel.embed`."""
+        return self.transformer.embed(input_ids, positions, sequences, attention, initial)
 
     def head(self, hidden, positions, attention):
         """Logits (fp32) of lane states at any step; the coda writes and reads the exit plane in `attention`."""
