@@ -13,7 +13,6 @@ import re
 import pytest
 import torch
 from continuous_utils import VOCAB, WAIT_S, alone, batching, collect, generation_config, prompts
-from huginn_utils import tiny_huginn
 from speculative_utils import named_modes, tiny_spec_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.generation.continuous_batching import RequestStatus
@@ -124,6 +123,7 @@ def test_requests_that_cannot_run_fail_alone(model, started):
         "max_new_tokens": manager.add_request(good, max_new_tokens=0),
         "settings": manager.add_request(good, temperature=0.5),
         "seed": manager.add_request(good, seed=3),
+        "init_seed": manager.add_request(good, init_seed=3),
     }
     ok = manager.add_request(good, max_new_tokens=8)
     results = collect(manager, [*bad.values(), ok])
@@ -134,6 +134,7 @@ def test_requests_that_cannot_run_fail_alone(model, started):
         "max_new_tokens": r"max_new_tokens=0",
         "settings": r"per-request settings \['temperature'\] are not supported",
         "seed": r"seed=3 on a greedy manager",
+        "init_seed": r"per-request settings \['init_seed'\] are not supported: .* only seed\.",
     }
     for key, request_id in bad.items():
         assert results[request_id].status == RequestStatus.FAILED
@@ -181,12 +182,6 @@ def test_a_seeded_sampled_request_is_the_same_alone_and_in_a_busy_batch(model, s
     results = collect(busy, [*before, seeded, *after])
     assert results[seeded].generated_tokens == by_seed[0]
     assert by_seed[0] != by_seed[1]
-
-
-def test_huginn_is_refused_with_the_reason():
-    model = tiny_huginn()[0]
-    with pytest.raises(ValueError, match=r"HuginnForCausalLM in continuous batching: .* model\.generate"):
-        model.init_continuous_batching(generation_config(SETTINGS["plain"]))
 
 
 def test_the_default_model_through_generate_batch():

@@ -12,7 +12,8 @@ back every slot's committed count and tokens; deliver the new tokens of streamin
 tokens so far) and the result of each finished request (FINISHED), whose slot is then free. Every request decodes
 with the manager's settings (`settings.ManagerSettings`: plain decoding is the engine's "ar" mode, one token per U
 core calls; a speculative mode from the generation config drafts and verifies inside the same cycles) and its own
-prompt, `max_new_tokens`, EOS ids and sampling seed, so its tokens are those of decoding it alone.
+prompt, `max_new_tokens`, EOS ids and sampling seed (and, for a Huginn-family model, initial states: `huginn`), so its
+tokens are those of decoding it alone.
 
 Failures are loud and local: a request that cannot run (`settings.request_problem`) is delivered FAILED with the
 reason in `GenerationOutput.error` at once, and one whose sampling met non-finite probabilities when it finishes;
@@ -35,6 +36,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from ...logs import get_logger
 from ..rules import non_finite_error
+from . import huginn
 from .settings import eos_ids, manager_settings, request_problem
 from .slots import SlotBatch
 
@@ -294,6 +296,7 @@ class LoopBatchingManager:
         if seed is None and self.settings.do_sample:  # from the manager's seed, or torch's global generator
             seed = int(torch.randint(2**62, (), generator=self._seeds))
         try:
+            huginn.fill_initial_states(self.model, self.settings.recurrence, slots.state, b, state, self._seeds)
             slots.admit(b, state.initial_tokens, state.max_new_tokens, sorted(state._eos_token_ids), seed)
         except Exception as error:  # this request's own failure (its slot stays free): the others go on
             slots.cancel(b)

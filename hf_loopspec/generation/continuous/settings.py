@@ -3,8 +3,10 @@
 A manager's settings are fixed when it starts (they are the shapes and the constants of its step): the decoding mode
 and its keys (`speculative_mode`, `draft_loops`, `num_speculative_tokens`, `second_draft_loops`, `compile_core`) and
 the sampling processors come from the generation config, the same for every request; the slot count B and each
-slot's positions C from the continuous batching config or the workload hints (`manager_settings`). A request brings
-its own prompt, `max_new_tokens`, EOS ids and, when sampling, `seed` (`request_problem` says why one cannot run).
+slot's positions C from the continuous batching config or the workload hints (`manager_settings`); a Huginn-family
+model's recurrence settings as `huginn.manager_recurrence` reads them. A request brings its own prompt,
+`max_new_tokens`, EOS ids, when sampling, `seed` and, for a Huginn-family model, `init_seed` (`request_problem` says
+why one cannot run).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from ..config import speculative_config
 from ..wavefront.processing import WARPERS
+from . import huginn
 
 DEFAULT_SLOTS = 8  # B when neither the continuous batching config nor the workload hints give it
 DEFAULT_POSITIONS = 1024  # C when nothing gives it (capped by the model's max_position_embeddings)
@@ -43,17 +46,15 @@ class ManagerSettings:
     max_new_tokens: int  # the default max_new_tokens of a request
     vocab: int
     seed: int | None  # the continuous batching config's seed: a sampled request without its own draws from it
+    recurrence: object = None  # the model's recurrence settings for every request (`huginn`), None without them
 
 
 def manager_settings(model, generation_config, cb_config, hints=None) -> ManagerSettings:
     """The `ManagerSettings` of a manager for `model` (`ValueError` naming a setting it cannot run)."""
-    if hasattr(model, "recurrence"):
-        raise ValueError(f"{type(model).__name__} in continuous batching: its recurrence settings (num_steps, "
-                         "init_scale, init_seed) hold for one generate call, and its initial states are drawn per "
-                         "(sequence, position) of that call, which a slot that changes owner cannot reproduce; decode "
-                         "with model.generate (a left-padded batch), or `hf-loopspec batch`.")
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
-    spec = speculative_config(config, model.num_loops)
+    recurrence = huginn.manager_recurrence(model, config)
+    with huginn.manager_block(model, recurrence):  # num_loops: the manager's recurrence steps
+        spec = speculative_config(config, model.num_loops)
     if (getattr(config, "num_return_sequences", None) or 1) != 1 or (getattr(config, "num_beams", None) or 1) != 1:
         raise ValueError(f"num_return_sequences={config.num_return_sequences!r}, num_beams={config.num_beams!r}: "
                          "continuous batching on a looped model decodes one sequence per request; set both to 1.")
@@ -82,7 +83,8 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
         eos_token_id=tuple(eos_ids(config.eos_token_id if config.eos_token_id is not None
                                    else model.config.eos_token_id)),
         max_new_tokens=int(config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS),
-        vocab=model.get_output_embeddings().weight.shape[0], seed=getattr(cb_config, "seed", None))
+        vocab=model.get_output_embeddings().weight.shape[0], seed=getattr(cb_config, "seed", None),
+        recurrence=recurrence)
 
 
 def _positive(value, name: str) -> int | None:
@@ -132,11 +134,15 @@ def request_problem(settings: ManagerSettings, input_ids, max_new_tokens, eos, e
                 "max_blocks_per_request=..., block_size=...).")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos) or len(eos) > MAX_EOS_IDS:
         return f"eos_token_id={list(eos)!r}: give at most {MAX_EOS_IDS} integer ids."
-    unknown = sorted(set(extra) - set(REQUEST_KEYS))
+    allowed = (*REQUEST_KEYS, huginn.REQUEST_KEY) if settings.recurrence is not None else REQUEST_KEYS
+    unknown = sorted(set(extra) - set(allowed))
     if unknown:
         return (f"per-request settings {unknown} are not supported: a manager decodes every request with its "
                 "generation config's settings (sampling included); a request may add only "
-                f"{', '.join(REQUEST_KEYS)}. Start a manager with the settings you need.")
+                f"{', '.join(allowed)}. Start a manager with the settings you need.")
+    problem = huginn.request_problem(extra)
+    if problem:
+        return problem
     seed = extra.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
         return f"seed={seed!r}: give a non-negative integer."

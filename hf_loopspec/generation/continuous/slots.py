@@ -40,6 +40,7 @@ from ..wavefront.engine import WavefrontEngine
 from ..wavefront.options import DEFAULT_READ_EVERY
 from ..wavefront.processing import device_processors
 from ..wavefront.span import bucket
+from . import huginn
 from .settings import MAX_EOS_IDS, ManagerSettings
 
 
@@ -51,14 +52,15 @@ class SlotBatch:
         batch, width = settings.slots, settings.positions - 1
         placeholder = torch.zeros(batch, width, dtype=torch.long, device=device)
         processors, tensors = device_processors(settings.processors, placeholder, settings.vocab)
-        cache = PagedLoopCache(model.kv_layout)
+        with huginn.manager_block(model, settings.recurrence):  # the planes of the manager's recurrence steps
+            cache = PagedLoopCache(model.kv_layout)
         reserved = batch * cache.num_planes * settings.positions * cache.bytes_per_token_per_depth(model.lane_dtype)
         if reserved > free_memory(device) / 2:
             raise ValueError(f"continuous batching with {batch} slots of {settings.positions} positions reserves "
                              f"{reserved / 2**30:.1f} GiB of KV pages up front (every plane of every slot): more "
                              "than half the free memory; lower max_requests_per_batch or max_blocks_per_request in "
                              "the ContinuousBatchingConfig.")
-        with torch.no_grad():
+        with torch.no_grad(), huginn.manager_block(model, settings.recurrence):
             self.engine = WavefrontEngine(
                 model, cache, mode=settings.mode, draft_loops=settings.draft_loops or 1,
                 num_speculative_tokens=settings.num_speculative_tokens, input_ids=placeholder, attention_mask=None,

@@ -351,6 +351,11 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
         """See `HuginnModel.recurrence`."""
         return self.transformer.recurrence(num_steps, init_scale, init_seed)
 
+    def recurrence_settings(self) -> Recurrence:
+        """The settings in force in this thread: the innermost open `recurrence` block's, else the defaults
+        (`mean_recurrence` steps, init_scale 1.0, no seed: each call then draws its own)."""
+        return self.transformer.settings
+
     def step_settings(self) -> Recurrence:
         """The settings of this call that shape a decoding step (`looped`): its recurrence steps and init scale; the
         seed is left out (it keys the states `initial_states` draws, data of the step)."""

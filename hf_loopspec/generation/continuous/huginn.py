@@ -1,0 +1,74 @@
+"""Models with recurrence settings and keyed initial states (Huginn: `recurrence`, `initial_states`) in continuous
+batching.
+
+Recurrence settings are the manager's, fixed at its start as `generate` takes them: those in force where the manager
+is built (an open `model.recurrence(...)` block, else the model's defaults: `mean_recurrence` steps, init_scale 1.0,
+no seed), with the generation config's `num_steps`, `init_scale` and `init_seed` over them when it sets them
+(`manager_recurrence`). `num_steps` and `init_scale` shape the step (they are `Plan` constants), so they hold for
+every request.
+
+Initial states are per request: at admission, slot b's row of `WavefrontState.init_states` is refilled with the
+states plain `generate` of that request alone draws (a batch of one: sequence 0, positions 0, 1, ...) under the
+request's seed (`fill_initial_states`), so its tokens do not depend on its slot or on what else is in flight. The
+seed is the request's own `init_seed` (`add_request(..., init_seed=S)`, as `generate(..., init_seed=S)`), else the
+manager's `init_seed` (as every `generate` call inside one `recurrence` block shares that block's seed), else one
+drawn for that request at admission, as each `generate` call outside a block draws its own: from the manager's
+generator when the continuous batching config has a `seed`, else from torch's global generator. With init_scale 0
+the states are zeros and no seed is used.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import replace
+
+import torch
+
+RECURRENCE_KEYS = ("num_steps", "init_scale", "init_seed")  # the generation config's keys a manager reads
+REQUEST_KEY = "init_seed"  # the per-request key of a model with recurrence settings
+SET_UP_SEED = 0  # keys the placeholder states drawn at set-up (every admission replaces its slot's)
+
+
+def manager_recurrence(model, generation_config):
+    """The manager's recurrence settings (see the module docstring), or None for a model without them."""
+    if not hasattr(model, "recurrence_settings"):
+        return None
+    given = {key: getattr(generation_config, key, None) for key in RECURRENCE_KEYS}
+    return replace(model.recurrence_settings(), **{key: value for key, value in given.items() if value is not None})
+
+
+def manager_block(model, recurrence):
+    """The `model.recurrence` block the manager's set-up runs in (`ValueError` from it for a bad setting); no block
+    for a model without recurrence settings."""
+    if recurrence is None:
+        return nullcontext()
+    seed = SET_UP_SEED if recurrence.init_seed is None else recurrence.init_seed
+    return model.recurrence(recurrence.num_steps, recurrence.init_scale, seed)
+
+
+def request_problem(extra: dict) -> str | None:
+    """Why a request's `init_seed` (if any) cannot run, or None."""
+    if REQUEST_KEY not in extra:
+        return None
+    seed = extra[REQUEST_KEY]
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        return f"{REQUEST_KEY}={seed!r}: give a non-negative integer."
+    return None
+
+
+@torch.no_grad()
+def fill_initial_states(model, recurrence, state, b: int, request, seeds: torch.Generator | None) -> None:
+    """Refill slot `b`'s row of `state.init_states` for `request` (a `RequestState`) before its prompt is embedded:
+    positions 0 .. prompt + max_new_tokens - 1, those its committed tokens depend on (a later position holds the
+    previous owner's states, read only by lanes past the request's limit, whose tokens are never committed). `seeds`:
+    the manager's generator for requests without a seed (None: torch's global one). Nothing for a model without
+    recurrence settings."""
+    if recurrence is None:
+        return
+    seed = request.logit_processor_kwargs.get(REQUEST_KEY, recurrence.init_seed)
+    if seed is None and recurrence.init_scale > 0:
+        seed = int(torch.randint(2**62, (), generator=seeds))
+    reach = min(state.init_states.shape[1], len(request.initial_tokens) + request.max_new_tokens)
+    positions = torch.arange(reach, device=state.init_states.device)
+    with model.recurrence(recurrence.num_steps, recurrence.init_scale, seed):
+        state.init_states[b, :reach] = model.initial_states(torch.zeros_like(positions), positions)
