@@ -226,8 +226,8 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
     return model.generate(ids, **kwargs)
 
 
-def _account(stats: AutoStats, segment: SpeculationStats | None, candidate: Candidate, new: torch.Tensor, stopped: torch.Tensor,
-             eos: list[int], loops: int, chooser: Chooser) -> None:
+def _account(stats: AutoStats, segment: SpeculationStats | None, candidate: Candidate, new: torch.Tensor,
+             stopped: torch.Tensor, eos: list[int], loops: int, chooser: Chooser) -> None:
     """Add one segment's counters to `stats` and its acceptance to `chooser` (plain: committed tokens per row up
     to its stop, U core calls per column)."""
     if candidate.mode is not None and segment is not None and segment.fallback is None:
