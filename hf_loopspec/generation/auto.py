@@ -47,12 +47,12 @@ def _setting(kwargs: dict, config, key: str):
 
 
 def candidates(loops: int, draft_loops: int | None, k: int | None) -> list[Candidate]:
-    """Plain, pipeline at every d dividing U (d < U, at most 2 unless `draft_loops` names one) and block at d with
-    K (defaults 1 and `DEFAULT_NUM_SPECULATIVE_TOKENS`); given `draft_loops` / `k` restrict them."""
+    """Plain, pipeline at d = 1 and 2 where U % d == 0 (only `draft_loops` when given) and block at the first of
+    those depths (`draft_loops` when given) with K = `k` (default `DEFAULT_NUM_SPECULATIVE_TOKENS`)."""
     if loops < 2:
         return [PLAIN]
     depths = [draft_loops] if draft_loops is not None else [d for d in (1, 2) if d < loops]
-    pipelines = [Candidate("pipeline", d) for d in depths if loops % d == 0] if k is None else []
+    pipelines = [Candidate("pipeline", d) for d in depths if loops % d == 0]
     block = Candidate("block", depths[0], k or DEFAULT_NUM_SPECULATIVE_TOKENS)
     return [PLAIN, *pipelines, block]
 
@@ -245,5 +245,8 @@ def _account(stats: AutoStats, segment: SpeculationStats | None, candidate: Cand
         if not bool(stopped[b]):
             hits = [i for i, t in enumerate(row) if t in eos]
             stats.per_sequence[b].committed += hits[0] + 1 if hits else len(row)
-    stats.core_calls += loops * new.shape[1]
-    stats.plain_tokens += new.shape[1]
+    columns, batch = new.shape[1], len(new)
+    stats.core_calls += loops * columns
+    stats.plain_tokens += columns
+    for stage, count in (("embed", columns), ("core", loops * columns), ("head", columns)):
+        stats.call_rows[stage] += [batch] * count

@@ -141,13 +141,14 @@ def _per_step(model, ids: torch.Tensor, candidate: Candidate) -> float:
 
 def _timed(model, ids: torch.Tensor, candidate: Candidate, new_tokens: int) -> tuple[float, int]:
     """(wall seconds, steps) of one greedy run without EOS: steps are core calls (engine) or new tokens (plain)."""
-    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
+                              return_dict_in_generate=True)
     extra = {} if candidate.mode is None else {"cache": PagedLoopCache(model.kv_layout)}
     _synchronize(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                             return_dict_in_generate=True, **candidate.kwargs(), **extra)
+                             **candidate.kwargs(), **extra)
     _synchronize(model.device)
     seconds = time.perf_counter() - start
     return seconds, new_tokens if candidate.mode is None else out.speculation.core_calls
