@@ -239,7 +239,7 @@ def _account(stats: AutoStats, segment: SpeculationStats | None, candidate: Cand
         stats.cache_fill_calls += spec.cache_fill_calls
         for stage, rows in spec.call_rows.items():
             stats.call_rows[stage] += rows
-        chooser.acceptance.add(candidate.draft_loops, spec.accepted, spec.verified)
+        chooser.acceptance.add(candidate.draft_loops, spec.accepted, spec.verified, chooser.policy.keep)
         return
     for b, row in enumerate(new.tolist()):
         if not bool(stopped[b]):

@@ -2,7 +2,8 @@
 
 `choose` ranks the candidates (`auto_costs.Candidate`) by their estimated speed-up over plain decoding
 (`auto_costs.speedup`) at the acceptance observed so far for their draft depth (`Acceptance`: counts of this call's
-segments, started from what earlier calls of the process observed on the same model). A depth never observed takes
+segments, each earlier segment's weighed by `AutoPolicy.keep` so that a drift shows within a segment or two, started
+from what earlier calls of the process observed on the same model). A depth never observed takes
 the acceptance of the shallowest observed one (a deeper draft is assumed to agree with the target at least as often).
 
 * Nothing observed yet: if no candidate beats plain decoding by `AutoPolicy.margin` even at acceptance 1, the call
@@ -34,18 +35,19 @@ class AutoPolicy:
     margin: float = 1.05  # a speculative candidate must beat plain decoding by this factor
     reprobe_after: int = 4  # plain segments chosen for low acceptance before the next probe
     min_verified: int = 8  # verifications before a depth's acceptance counts as observed
+    keep: float = 0.5  # weight of the earlier counts when a segment's are added (recent segments weigh more)
 
 
 @dataclass
 class Acceptance:
-    """Accepted and verified drafts per draft depth."""
+    """Accepted and verified drafts per draft depth, the earlier segments' down-weighted (`AutoPolicy.keep`)."""
 
-    accepted: dict[int, int] = field(default_factory=dict)
-    verified: dict[int, int] = field(default_factory=dict)
+    accepted: dict[int, float] = field(default_factory=dict)
+    verified: dict[int, float] = field(default_factory=dict)
 
-    def add(self, depth: int, accepted: int, verified: int) -> None:
-        self.accepted[depth] = self.accepted.get(depth, 0) + accepted
-        self.verified[depth] = self.verified.get(depth, 0) + verified
+    def add(self, depth: int, accepted: int, verified: int, keep: float = 1.0) -> None:
+        self.accepted[depth] = self.accepted.get(depth, 0) * keep + accepted
+        self.verified[depth] = self.verified.get(depth, 0) * keep + verified
 
     def rate(self, depth: int, min_verified: int) -> float | None:
         """Observed acceptance at `depth` (or at the shallowest observed depth); None when nothing is observed."""
