@@ -156,7 +156,6 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     mask = kwargs.get("attention_mask")
     mask = torch.ones_like(ids) if mask is None else mask
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    cache = PagedLoopCache(model.kv_layout) if cache is None else cache
     batch, prompt_width = ids.shape
     policy = policy_for(model)
     chooser = Chooser(costs_for(model, batch, options), options, model.num_loops, policy, remembered(model))
@@ -166,14 +165,16 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     stopped = torch.zeros(batch, dtype=torch.bool, device=ids.device)
     scores, logits, traces, done = [], [], [], 0
     while done < call.max_new and not bool(stopped.all()):
-        candidate, tokens, reason, rate, estimates = chooser.next()
+        candidate, tokens, reason, rate, estimates = chooser.next(first=done == 0)
         if bool(stopped.any()):
             candidate, tokens, reason = PLAIN, None, "stopped-rows"
         if call.single or tokens is None:
             tokens = call.max_new - done
+        if cache is None and not (candidate.mode is None and tokens >= call.max_new):
+            cache = PagedLoopCache(model.kv_layout)  # a plain call to the end keeps transformers' DynamicCache
         out = _segment(model, call, candidate, ids, mask, cache, stopped, min(tokens, call.max_new - done), done,
                        streamer)
-        new = out.sequences[:, ids.shape[1]:]
+        new, cache = out.sequences[:, ids.shape[1]:], out.cache
         _account(stats, getattr(out, "speculation", None), candidate, new, stopped, call.eos, model.num_loops, chooser)
         choice = AutoChoice(done, candidate.mode or "plain", candidate.draft_loops, candidate.num_speculative_tokens,
                             new.shape[1], reason, rate, estimates)
@@ -194,7 +195,8 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     if not call.return_dict:
         return ids
     return output_cls(sequences=ids, scores=tuple(scores) or None, logits=tuple(logits) or None,
-                      cache=cache if call.use_cache else None, speculation=stats, trace=traces or None)
+                      cache=cache if call.use_cache else None,
+                      speculation=stats, trace=traces or None)
 
 
 def _setting_of(choice: AutoChoice) -> tuple:
@@ -210,8 +212,8 @@ def _stops(new: torch.Tensor, eos: list[int]) -> torch.Tensor:
 
 def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped, tokens: int, done: int, streamer):
     """One segment: `generate` with `candidate`'s setting for `tokens` columns, continuing `cache`."""
-    kwargs = {**call.base, **candidate.kwargs(), "max_new_tokens": tokens, "attention_mask": mask, "cache": cache,
-              "return_dict_in_generate": True, "use_cache": True}
+    kwargs = {**call.base, **candidate.kwargs(), "max_new_tokens": tokens, "attention_mask": mask,
+              "return_dict_in_generate": True, "use_cache": True} | ({} if cache is None else {"cache": cache})
     kwargs.update(call.engine_settings if candidate.mode else {"compile_core": False, "speculative_engine": None})
     if call.min_new is not None:
         kwargs["min_new_tokens"] = max(int(call.min_new) - done, 0)

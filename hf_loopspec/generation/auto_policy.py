@@ -11,7 +11,9 @@ the acceptance of the shallowest observed one (a deeper draft is assumed to agre
   `AutoPolicy.probe_tokens` runs the candidate that is best at `AutoPolicy.prior` acceptance.
 * Observed: the best candidate runs if it beats plain by `margin`, else plain ("acceptance"); after
   `AutoPolicy.reprobe_after` such plain segments the best candidate is probed again, so that a rise in acceptance
-  is noticed.
+  is noticed. Plain chosen for a call's first segment decodes the whole call (on transformers' `DynamicCache`,
+  faster than plain decoding on a `PagedLoopCache`); after `AutoPolicy.reprobe_calls` such calls the next one
+  probes again.
 A segment is `AutoPolicy.interval` tokens, doubled (up to `max_interval`) while the choice stays the same.
 """
 
@@ -33,7 +35,8 @@ class AutoPolicy:
     probe_tokens: int = 16  # tokens of a probe segment (acceptance unknown)
     prior: float = 0.75  # acceptance assumed to pick the probe's candidate
     margin: float = 1.05  # a speculative candidate must beat plain decoding by this factor
-    reprobe_after: int = 4  # plain segments chosen for low acceptance before the next probe
+    reprobe_after: int = 4  # plain segments of a call chosen for low acceptance before the next probe
+    reprobe_calls: int = 8  # calls decoded plainly for low acceptance before a call probes again
     min_verified: int = 8  # verifications before a depth's acceptance counts as observed
     keep: float = 0.5  # weight of the earlier counts when a segment's are added (recent segments weigh more)
 
@@ -44,6 +47,7 @@ class Acceptance:
 
     accepted: dict[int, float] = field(default_factory=dict)
     verified: dict[int, float] = field(default_factory=dict)
+    plain_calls: int = 0  # calls decoded plainly throughout, for low acceptance, since the last probe
 
     def add(self, depth: int, accepted: int, verified: int, keep: float = 1.0) -> None:
         self.accepted[depth] = self.accepted.get(depth, 0) * keep + accepted
@@ -58,7 +62,7 @@ class Acceptance:
         return self.accepted[use] / self.verified[use]
 
     def copy(self) -> Acceptance:
-        return Acceptance(dict(self.accepted), dict(self.verified))
+        return Acceptance(dict(self.accepted), dict(self.verified), self.plain_calls)
 
 
 @dataclass
@@ -136,8 +140,10 @@ class Chooser:
     def estimates(self, rate_of) -> dict[Candidate, float]:
         return {c: speedup(self.costs, c, self.loops, rate_of(c)) for c in self.candidates}
 
-    def next(self) -> tuple[Candidate, int | None, str, float | None, dict[str, float]]:
-        """(candidate, tokens or None for the rest of the call, reason, acceptance used, speed-ups by name)."""
+    def next(self, first: bool = False) -> tuple[Candidate, int | None, str, float | None, dict[str, float]]:
+        """(candidate, tokens or None for the rest of the call, reason, acceptance used, speed-ups by name). For the
+        `first` segment of a call, plain decoding chosen for low acceptance is for the whole call (it then needs no
+        cache that later segments can continue), unless `reprobe_calls` such calls came since the last probe."""
         policy = self.policy
         speculative = [c for c in self.candidates if c.mode is not None]
         observed = self.acceptance.rate(1, policy.min_verified) is not None
@@ -154,9 +160,14 @@ class Chooser:
         if estimates[best] >= policy.margin:
             self.plain_streak = 0
             return self._run(best, None, "acceptance", rates[best], estimates)
-        if self.plain_streak >= policy.reprobe_after:
-            self.plain_streak = 0
+        streak, limit = (self.acceptance.plain_calls, policy.reprobe_calls) if first else (self.plain_streak,
+                                                                                          policy.reprobe_after)
+        if streak >= limit:
+            self.plain_streak = self.acceptance.plain_calls = 0
             return self._run(best, policy.probe_tokens, "reprobe", rates[best], estimates)
+        if first:
+            self.acceptance.plain_calls += 1
+            return PLAIN, None, "acceptance", rates[best], _named(estimates)
         self.plain_streak += 1
         return self._run(PLAIN, None, "acceptance", rates[best], estimates)
 
