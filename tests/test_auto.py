@@ -10,6 +10,7 @@ cost model evaluated by hand, and for sampling the same chain of fixed-mode `gen
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import pytest
 import torch
@@ -111,6 +112,23 @@ def test_plain_when_no_setting_can_win(case):
     assert (choice.mode, choice.reason, choice.tokens, choice.acceptance) == ("plain", "costs", NEW, None)
     assert calls == [] and out.speculation.drafted == 0
     assert out.speculation.core_calls == model.num_loops * NEW
+
+
+def test_later_calls_start_from_observed_acceptance(case):
+    """Every draft wrong: the first call probes and turns plain; the next call, knowing the acceptance, decodes
+    plainly throughout on transformers' `DynamicCache` with no probe; after `reprobe_calls` such calls one probes
+    again. Every call's tokens equal plain decoding's."""
+    model, prompts, ids, mask, ref, reference = case
+    set_costs(model, SPECULATIVE_WINS)
+    set_policy(model, replace(POLICY, reprobe_calls=1))
+    hook = forcing_hook(reference, [len(p) for p in prompts], accept_outside(0, NEW), VOCAB)
+    runs = [generate_dict(model, ids, mask, NEW, speculative_mode="auto", draft_hook=hook) for _ in range(3)]
+    assert all(torch.equal(out.sequences, ref.sequences) for out in runs)
+    first, second, third = (out.speculation.choices for out in runs)
+    assert [c.reason for c in first[:2]] == ["probe", "acceptance"] and first[1].mode == "plain"
+    assert [(c.mode, c.reason, c.tokens) for c in second] == [("plain", "acceptance", NEW)]
+    assert isinstance(runs[1].cache, DynamicCache) and runs[1].speculation.drafted == 0
+    assert third[0].reason == "reprobe" and third[0].mode == "pipeline"
 
 
 def test_rows_that_stop_stay_stopped(case):

@@ -159,7 +159,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     batch, prompt_width = ids.shape
     policy = policy_for(model)
     chooser = Chooser(costs_for(model, batch, options), options, model.num_loops, policy, remembered(model))
-    stats = AutoStats(mode=AUTO_MODE, draft_loops=0, engine="wavefront",
+    stats = AutoStats(mode=AUTO_MODE, draft_loops=0, engine="plain",
                       per_sequence=[SequenceStats() for _ in range(batch)])
     streamer = SegmentStreamer(kwargs["streamer"]) if kwargs.get("streamer") is not None else None
     stopped = torch.zeros(batch, dtype=torch.bool, device=ids.device)
@@ -238,6 +238,7 @@ def _account(stats: AutoStats, segment: SpeculationStats | None, candidate: Cand
             for name, value in vars(part).items():
                 setattr(total, name, getattr(total, name) + value)
         stats.core_calls += spec.core_calls
+        stats.engine = spec.engine
         stats.cache_fill_calls += spec.cache_fill_calls
         for stage, rows in spec.call_rows.items():
             stats.call_rows[stage] += rows

@@ -1,6 +1,6 @@
 """How `speculative_mode="auto"` chooses a setting for its next segment, and what it reports (`AutoStats`).
 
-`choose` ranks the candidates (`auto_costs.Candidate`) by their estimated speed-up over plain decoding
+`Chooser` ranks the candidates (`auto_costs.Candidate`) by their estimated speed-up over plain decoding
 (`auto_costs.speedup`) at the acceptance observed so far for their draft depth (`Acceptance`: counts of this call's
 segments, each earlier segment's weighed by `AutoPolicy.keep` so that a drift shows within a segment or two, started
 from what earlier calls of the process observed on the same model). A depth never observed takes
@@ -83,7 +83,7 @@ class AutoChoice:
 class AutoStats(SpeculationStats):
     """`out.speculation` of an auto call: the counters of every segment summed (plain segments count their
     committed tokens and U core calls per column), and the segments (`choices`); `switches` lists the committed
-    token at which each change of setting took effect."""
+    token at which each change of setting took effect; `engine` is "plain" when no speculative segment ran."""
 
     choices: list[AutoChoice] = field(default_factory=list)
     plain_tokens: int = 0  # columns decoded by plain segments
