@@ -31,7 +31,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from hf_loopspec import PagedLoopCache
 from hf_loopspec.bench.args import parse_modes
-from hf_loopspec.generation.auto_costs import Candidate, CostTable, costs_for, set_costs
+from hf_loopspec.generation.auto_costs import Candidate, CostTable, costs_for, observe, set_costs
 from hf_loopspec.generation.auto_policy import AutoPolicy, forget, set_policy
 from hf_loopspec.prompting import generate_kwargs
 
@@ -211,6 +211,18 @@ def test_costs_are_measured_once(case):
     table = costs_for(model, 1, [Candidate(None), PIPE1])
     assert table.plain_step > 0 and table.cycle[PIPE1] > 0
     assert costs_for(model, 1, [Candidate(None), PIPE1]) is table
+
+
+def test_measured_tables_follow_the_segments(case):
+    """A measured table (adapt) moves halfway to what a segment took; an injected one stays as it is."""
+    model = case[0]
+    set_costs(model, CostTable(4.0, {PIPE1: 2.0}, adapt=True), batch=2)
+    observe(model, 2, PIPE1, seconds=30.0, steps=10)
+    observe(model, 2, Candidate(None), seconds=12.0, steps=2)
+    assert costs_for(model, 2, [PIPE1]) == CostTable(5.0, {PIPE1: 2.5}, adapt=True)
+    set_costs(model, SPECULATIVE_WINS, batch=2)
+    observe(model, 2, PIPE1, seconds=30.0, steps=10)
+    assert costs_for(model, 2, [PIPE1]) is SPECULATIVE_WINS
 
 
 def test_command_line_auto():

@@ -18,6 +18,7 @@ attentions are refused, as with the fixed modes.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 from ..cache.paged import PagedLoopCache
 from ..defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
-from .auto_costs import PLAIN, Candidate, costs_for
+from .auto_costs import PLAIN, Candidate, costs_for, observe
 from .auto_policy import AutoChoice, AutoStats, Chooser, policy_for, remember, remembered
 from .config import AUTO_MODE, SPECULATIVE_KEYS, resolve_speculative
 from .stats import SequenceStats, SpeculationStats
@@ -172,9 +173,12 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
             tokens = call.max_new - done
         if cache is None and not (candidate.mode is None and tokens >= call.max_new):
             cache = PagedLoopCache(model.kv_layout)  # a plain call to the end keeps transformers' DynamicCache
+        dynamic = cache is None  # plain to the end on transformers' DynamicCache: the plain decoding auto weighs
+        start = time.perf_counter()
         out = _segment(model, call, candidate, ids, mask, cache, stopped, min(tokens, call.max_new - done), done,
                        streamer)
         new, cache = out.sequences[:, ids.shape[1]:], out.cache
+        _observe(model, candidate, out, new, start, dynamic)
         _account(stats, getattr(out, "speculation", None), candidate, new, stopped, call.eos, model.num_loops, chooser)
         choice = AutoChoice(done, candidate.mode or "plain", candidate.draft_loops, candidate.num_speculative_tokens,
                             new.shape[1], reason, rate, estimates)
@@ -197,6 +201,19 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     return output_cls(sequences=ids, scores=tuple(scores) or None, logits=tuple(logits) or None,
                       cache=cache if call.use_cache else None,
                       speculation=stats, trace=traces or None)
+
+
+def _observe(model, candidate: Candidate, out, new: torch.Tensor, start: float, dynamic: bool) -> None:
+    """Refine the cost table from a segment that ran since `start` (`time.perf_counter`; engine: per core call;
+    plain: per step, only on the `DynamicCache` plain `generate` uses)."""
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    seconds = time.perf_counter() - start
+    spec = getattr(out, "speculation", None)
+    if candidate.mode is not None and spec is not None and spec.fallback is None:
+        observe(model, len(new), candidate, seconds, spec.core_calls)
+    elif candidate.mode is None and dynamic:
+        observe(model, len(new), candidate, seconds, new.shape[1])
 
 
 def _setting_of(choice: AutoChoice) -> tuple:

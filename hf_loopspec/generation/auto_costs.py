@@ -64,6 +64,7 @@ class CostTable:
 
     plain_step: float
     cycle: dict[Candidate, float]
+    adapt: bool = False  # follow the costs that auto's own segments take (`observe`); measured tables do
 
 
 def calls_per_token(candidate: Candidate, loops: int, acceptance: float) -> float:
@@ -96,9 +97,12 @@ def _key(model, batch: int | None) -> tuple:
 
 def set_costs(model, table: CostTable | None, batch: int | None = None) -> None:
     """Use `table` for `model` on its current device and dtype, for batch size `batch` (None: every batch size
-    without a table of its own); `table=None` forgets it (the next auto call measures)."""
+    without a table of its own); `table=None` forgets that table, or with `batch` None every table of `model`
+    (the next auto call measures)."""
     tables = _TABLES.setdefault(model, {})
-    if table is None:
+    if table is None and batch is None:
+        tables.clear()
+    elif table is None:
         tables.pop(_key(model, batch), None)
     else:
         tables[_key(model, batch)] = table
@@ -112,7 +116,8 @@ def costs_for(model, batch: int, candidates: list[Candidate]) -> CostTable:
     missing = [c for c in candidates if c.mode is not None and (table is None or c not in table.cycle)]
     if table is None or missing:
         measured = measure_costs(model, batch, missing if table is not None else candidates)
-        table = measured if table is None else CostTable(table.plain_step, {**table.cycle, **measured.cycle})
+        table = measured if table is None else CostTable(table.plain_step, {**table.cycle, **measured.cycle},
+                                                         adapt=table.adapt)
         tables[_key(model, batch)] = table
     return table
 
@@ -123,7 +128,24 @@ def measure_costs(model, batch: int, candidates: list[Candidate]) -> CostTable:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(min(3, vocab - 1), vocab, (batch, PROBE_PROMPT), generator=generator).to(model.device)
     plain = _per_step(model, ids, PLAIN)
-    return CostTable(plain, {c: _per_step(model, ids, c) for c in candidates if c.mode is not None})
+    return CostTable(plain, {c: _per_step(model, ids, c) for c in candidates if c.mode is not None}, adapt=True)
+
+
+def observe(model, batch: int, candidate: Candidate, seconds: float, steps: int) -> None:
+    """Fold what one of auto's segments took (`seconds` for `steps` plain steps or engine core calls, set-up and
+    processors included, under the machine's current load) into a measured table, half old, half new; injected
+    tables (`adapt` False) stay fixed."""
+    tables = _TABLES.get(model, {})
+    key = _key(model, batch)
+    table = tables.get(key)
+    if table is None or not table.adapt or steps <= 0:
+        return
+    per_step = seconds / steps
+    if candidate.mode is None:
+        tables[key] = CostTable((table.plain_step + per_step) / 2, table.cycle, adapt=True)
+    elif candidate in table.cycle:
+        tables[key] = CostTable(table.plain_step, {**table.cycle, candidate: (table.cycle[candidate] + per_step) / 2},
+                                adapt=True)
 
 
 def _per_step(model, ids: torch.Tensor, candidate: Candidate) -> float:
