@@ -8,11 +8,13 @@ embedding work) per speculative candidate. With the acceptance a of drafts from 
     block (d, K):      calls per round = (K + 1) d + (U - d), tokens per round = 1 + a + ... + a^K
 
 and seconds per token = calls per token * seconds per cycle; a candidate's speed-up is plain's seconds per token
-over its own. `measure_costs` times short greedy runs of each candidate on random prompts (the engine's and
-transformers' own overheads included, which dominate small models on a CPU): per setting one warm-up, then the
-difference between a short and a longer run, divided by the difference in steps (plain) or core calls (engine), so
-set-up and prefill cancel out. `costs_for` measures once per (model, device, dtype, batch size) and keeps the table
-for the process; `set_costs` injects a table (tests: a fixed table makes every choice deterministic).
+over its own. `measure_costs` times short greedy runs of each candidate on random prompts, the engine's and
+transformers' own overheads included (they dominate small models on a CPU), the engine with every draft right (its
+cycles then carry the most rows they can): per setting one warm-up, then the difference between a short and a
+longer run, divided by the difference in steps (plain) or core calls (engine), so set-up and prefill cancel out.
+`costs_for` measures once per (model, device, dtype, batch size) and keeps the table for the process; auto's own
+segments then replace and refine it (`observe`: the processors, prompts and load of real calls); `set_costs` injects a fixed
+table (tests: every choice is then deterministic).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..cache.paged import PagedLoopCache
+from .config import resolve_speculative
 
 PROBE_PROMPT = 8  # prompt tokens of a calibration run
 PROBE_TOKENS = (4, 16)  # new tokens of the short and the long calibration run
@@ -65,6 +68,7 @@ class CostTable:
     plain_step: float
     cycle: dict[Candidate, float]
     adapt: bool = False  # follow the costs that auto's own segments take (`observe`); measured tables do
+    observed: frozenset = frozenset()  # candidates whose cost comes from auto's segments (`observe`)
 
 
 def calls_per_token(candidate: Candidate, loops: int, acceptance: float) -> float:
@@ -117,63 +121,89 @@ def costs_for(model, batch: int, candidates: list[Candidate]) -> CostTable:
     if table is None or missing:
         measured = measure_costs(model, batch, missing if table is not None else candidates)
         table = measured if table is None else CostTable(table.plain_step, {**table.cycle, **measured.cycle},
-                                                         adapt=table.adapt)
+                                                         adapt=table.adapt, observed=table.observed)
         tables[_key(model, batch)] = table
     return table
 
 
 def measure_costs(model, batch: int, candidates: list[Candidate]) -> CostTable:
-    """Time plain decoding and every speculative candidate on random prompts of `batch` rows (module docstring)."""
+    """Time plain decoding and every speculative candidate on random prompts of `batch` rows (module docstring).
+    The engine runs with every draft right (a device-side override with plain decoding's tokens): its cycles then
+    carry the most rows they can, so the cost is not underestimated by runs whose rejections empty the lanes."""
     vocab = model.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(min(3, vocab - 1), vocab, (batch, PROBE_PROMPT), generator=generator).to(model.device)
-    plain = _per_step(model, ids, PLAIN)
-    return CostTable(plain, {c: _per_step(model, ids, c) for c in candidates if c.mode is not None}, adapt=True)
+    with torch.inference_mode():
+        reference = _plain(model, ids, PROBE_TOKENS[1])  # [B, S + N]
+    plain = _per_step(lambda n: _plain_seconds(model, ids, n))
+    return CostTable(plain, {c: _per_step(lambda n, c=c: _engine_seconds(model, ids, c, n, reference))
+                             for c in candidates if c.mode is not None}, adapt=True)
 
 
 def observe(model, batch: int, candidate: Candidate, seconds: float, steps: int) -> None:
-    """Fold what one of auto's segments took (`seconds` for `steps` plain steps or engine core calls, set-up and
-    processors included, under the machine's current load) into a measured table, half old, half new; injected
-    tables (`adapt` False) stay fixed."""
+    """Fold what one of auto's segments took (`seconds` for `steps` plain steps or engine core calls, set-up,
+    processors and the prompt's prefill included, under the machine's current load) into a measured table: the
+    first observation of a candidate replaces its calibrated cost, later ones move it halfway. Injected tables
+    (`adapt` False) stay fixed."""
     tables = _TABLES.get(model, {})
     key = _key(model, batch)
     table = tables.get(key)
-    if table is None or not table.adapt or steps <= 0:
+    if table is None or not table.adapt or steps <= 0 or (candidate.mode and candidate not in table.cycle):
         return
-    per_step = seconds / steps
-    if candidate.mode is None:
-        tables[key] = CostTable((table.plain_step + per_step) / 2, table.cycle, adapt=True)
-    elif candidate in table.cycle:
-        tables[key] = CostTable(table.plain_step, {**table.cycle, candidate: (table.cycle[candidate] + per_step) / 2},
-                                adapt=True)
+    old = table.plain_step if candidate.mode is None else table.cycle[candidate]
+    cost = seconds / steps if candidate not in table.observed else (old + seconds / steps) / 2
+    plain, cycle = (cost, table.cycle) if candidate.mode is None else (table.plain_step, {**table.cycle,
+                                                                                         candidate: cost})
+    tables[key] = CostTable(plain, cycle, adapt=True, observed=table.observed | {candidate})
 
 
-def _per_step(model, ids: torch.Tensor, candidate: Candidate) -> float:
-    """Seconds per plain step (plain) or per engine core call (speculative), from runs of `PROBE_TOKENS`."""
+def _per_step(run) -> float:
+    """Seconds per step from `run(new_tokens) -> (seconds, steps)` at the two lengths of `PROBE_TOKENS`."""
     short, long = PROBE_TOKENS
-    _timed(model, ids, candidate, short)
+    run(short)  # warm-up
     best = float("inf")
     for _ in range(PROBE_REPEATS):
-        t_short, steps_short = _timed(model, ids, candidate, short)
-        t_long, steps_long = _timed(model, ids, candidate, long)
+        t_short, steps_short = run(short)
+        t_long, steps_long = run(long)
         if steps_long > steps_short:
             best = min(best, max(t_long - t_short, 1e-9) / (steps_long - steps_short))
     return best
 
 
-def _timed(model, ids: torch.Tensor, candidate: Candidate, new_tokens: int) -> tuple[float, int]:
-    """(wall seconds, steps) of one greedy run without EOS: steps are core calls (engine) or new tokens (plain)."""
-    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
-                              return_dict_in_generate=True)
-    extra = {} if candidate.mode is None else {"cache": PagedLoopCache(model.kv_layout)}
-    _synchronize(model.device)
-    start = time.perf_counter()
+def _plain(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Plain greedy decoding without EOS: the sequences `[B, S + new_tokens]`."""
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, speculative_mode=None)
+
+
+def _plain_seconds(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, int]:
+    start = _now(model.device)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                             **candidate.kwargs(), **extra)
-    _synchronize(model.device)
-    seconds = time.perf_counter() - start
-    return seconds, new_tokens if candidate.mode is None else out.speculation.core_calls
+        _plain(model, ids, new_tokens)
+    return _now(model.device) - start, new_tokens
+
+
+def _engine_seconds(model, ids: torch.Tensor, candidate: Candidate, new_tokens: int, reference: torch.Tensor):
+    """(seconds, core calls) of one engine run of `candidate` whose drafts are all right (`reference`'s tokens)."""
+    from .dispatch import SpeculativeRequest  # here: dispatch imports the engine, which imports this package
+    from .wavefront.engine import WavefrontEngine
+
+    width = ids.shape[1] + new_tokens
+    override = torch.full((len(ids), width), -1, dtype=torch.long, device=ids.device)
+    override[:, ids.shape[1]:] = reference[:, ids.shape[1]:width]
+    spec = resolve_speculative(candidate.mode, candidate.draft_loops, candidate.num_speculative_tokens,
+                               num_loops=model.num_loops)
+    request = SpeculativeRequest(spec, PagedLoopCache(model.kv_layout), ids, width, pad_token_id=0)
+    start = _now(model.device)
+    with torch.inference_mode():
+        out = WavefrontEngine.from_request(model, request, draft_override=override).run()
+    return _now(model.device) - start, out.stats.core_calls
+
+
+def _now(device: torch.device) -> float:
+    """`time.perf_counter()` once `device` has finished its work."""
+    _synchronize(device)
+    return time.perf_counter()
 
 
 def _synchronize(device: torch.device) -> None:
