@@ -13,8 +13,8 @@ transformers' own overheads included (they dominate small models on a CPU), the 
 cycles then carry the most rows they can): per setting one warm-up, then the difference between a short and a
 longer run, divided by the difference in steps (plain) or core calls (engine), so set-up and prefill cancel out.
 `costs_for` measures once per (model, device, dtype, batch size) and keeps the table for the process; auto's own
-segments then replace and refine it (`observe`: the processors, prompts and load of real calls); `set_costs` injects a fixed
-table (tests: every choice is then deterministic).
+segments then replace and refine it (`observe`: the processors, prompts and load of real calls); `set_costs`
+injects a fixed table (tests: every choice is then deterministic).
 """
 
 from __future__ import annotations
