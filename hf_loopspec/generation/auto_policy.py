@@ -30,8 +30,8 @@ from .stats import SpeculationStats
 class AutoPolicy:
     """The knobs of the choice (module docstring); `set_policy` replaces them for one model (tests)."""
 
-    interval: int = 32  # committed tokens per segment before the choice is revisited
-    max_interval: int = 256  # the longest segment while the choice stays the same
+    interval: int = 64  # committed tokens per segment before the choice is revisited
+    max_interval: int = 512  # the longest segment while the choice stays the same
     probe_tokens: int = 16  # tokens of a probe segment (acceptance unknown)
     prior: float = 0.75  # acceptance assumed to pick the probe's candidate
     margin: float = 1.05  # a speculative candidate must beat plain decoding by this factor
