@@ -30,7 +30,9 @@ from tolerances import ouro_depth
 from transformers import DynamicCache, GenerationConfig
 
 from hf_loopspec import PagedLoopCache
+from hf_loopspec.bench import args as bench_args
 from hf_loopspec.bench.args import parse_modes
+from hf_loopspec.bench.main import run_bench
 from hf_loopspec.generation.auto_costs import Candidate, CostTable, costs_for, observe, set_costs
 from hf_loopspec.generation.auto_policy import AutoPolicy, forget, set_policy
 from hf_loopspec.prompting import generate_kwargs
@@ -239,3 +241,15 @@ def test_command_line_auto():
     args.draft_loops = 2
     assert generate_kwargs(args, model, None)["draft_loops"] == 2
     assert parse_modes("plain,pipeline,auto") == ["plain", "pipeline", "auto"]
+
+
+def test_bench_runs_auto_beside_the_fixed_modes():
+    """`hf-loopspec bench --modes plain,pipeline,auto`: auto's row is checked against plain greedy decoding like the
+    fixed modes' and lists what its segments ran."""
+    args = bench_args.parse_args(["--model", "ouro-tiny", "--device", "cpu", "--prompt-len", "8", "--new-tokens", "8",
+                                  "--repeats", "1", "--calibration-seconds", "0.05", "--quiet",
+                                  "--modes", "plain,pipeline,auto"])
+    rows = {row["mode"]: row for row in run_bench(args)["rows"]}
+    assert rows["auto"]["check_passed"] is True and rows["pipeline"]["check_passed"] is True
+    choices = rows["auto"]["auto_choices"]
+    assert choices and sum(c["tokens"] for c in choices) == 8
