@@ -143,8 +143,9 @@ def measure_costs(model, batch: int, candidates: list[Candidate]) -> CostTable:
 def observe(model, batch: int, candidate: Candidate, seconds: float, steps: int) -> None:
     """Fold what one of auto's segments took (`seconds` for `steps` plain steps or engine core calls, set-up,
     processors and the prompt's prefill included, under the machine's current load) into a measured table: the
-    first observation of a candidate replaces its calibrated cost, later ones move it halfway. Injected tables
-    (`adapt` False) stay fixed."""
+    first observation of a candidate replaces its cost, later ones move it halfway. A plain observation scales the
+    speculative costs by the same factor (a change of load slows every setting alike, so the ratios, which decide,
+    stay those measured). Injected tables (`adapt` False) stay fixed."""
     tables = _TABLES.get(model, {})
     key = _key(model, batch)
     table = tables.get(key)
@@ -152,8 +153,10 @@ def observe(model, batch: int, candidate: Candidate, seconds: float, steps: int)
         return
     old = table.plain_step if candidate.mode is None else table.cycle[candidate]
     cost = seconds / steps if candidate not in table.observed else (old + seconds / steps) / 2
-    plain, cycle = (cost, table.cycle) if candidate.mode is None else (table.plain_step, {**table.cycle,
-                                                                                         candidate: cost})
+    if candidate.mode is None:
+        plain, cycle = cost, {c: v * cost / old for c, v in table.cycle.items()}
+    else:
+        plain, cycle = table.plain_step, {**table.cycle, candidate: cost}
     tables[key] = CostTable(plain, cycle, adapt=True, observed=table.observed | {candidate})
 
 
