@@ -216,15 +216,14 @@ def test_costs_are_measured_once(case):
 
 
 def test_measured_tables_follow_the_segments(case):
-    """A measured table (adapt) takes a candidate's first observed cost, then moves halfway to each later one; plain
-    observations scale the speculative costs alike; an injected table stays as it is."""
+    """A measured table (adapt) moves halfway to each observed cost; plain observations scale the speculative
+    costs alike; an injected table stays as it is."""
     model = case[0]
     set_costs(model, CostTable(4.0, {PIPE1: 2.0}, adapt=True), batch=2)
-    observe(model, 2, PIPE1, seconds=30.0, steps=10)  # 3 s per call replaces 2
-    observe(model, 2, PIPE1, seconds=10.0, steps=10)  # then halfway to 1
-    observe(model, 2, Candidate(None), seconds=12.0, steps=2)  # plain 6 s per step: 1.5x, and so pipeline
-    assert costs_for(model, 2, [PIPE1]) == CostTable(6.0, {PIPE1: 3.0}, adapt=True,
-                                                     observed=frozenset({PIPE1, Candidate(None)}))
+    observe(model, 2, PIPE1, seconds=30.0, steps=10)  # 3 s per call: 2 -> 2.5
+    observe(model, 2, PIPE1, seconds=10.0, steps=10)  # 1 s per call: 2.5 -> 1.75
+    observe(model, 2, Candidate(None), seconds=12.0, steps=2)  # plain 6 s per step: 4 -> 5, so pipeline x 1.25
+    assert costs_for(model, 2, [PIPE1]) == CostTable(5.0, {PIPE1: 1.75 * 1.25}, adapt=True)
     set_costs(model, SPECULATIVE_WINS, batch=2)
     observe(model, 2, PIPE1, seconds=30.0, steps=10)
     assert costs_for(model, 2, [PIPE1]) is SPECULATIVE_WINS

@@ -13,7 +13,7 @@ transformers' own overheads included (they dominate small models on a CPU), the 
 cycles then carry the most rows they can): per setting one warm-up, then the difference between a short and a
 longer run, divided by the difference in steps (plain) or core calls (engine), so set-up and prefill cancel out.
 `costs_for` measures once per (model, device, dtype, batch size) and keeps the table for the process; auto's own
-segments then replace and refine it (`observe`: the processors, prompts and load of real calls); `set_costs`
+segments then refine it (`observe`: the processors, prompts and load of real calls); `set_costs`
 injects a fixed table (tests: every choice is then deterministic).
 """
 
@@ -68,7 +68,6 @@ class CostTable:
     plain_step: float
     cycle: dict[Candidate, float]
     adapt: bool = False  # follow the costs that auto's own segments take (`observe`); measured tables do
-    observed: frozenset = frozenset()  # candidates whose cost comes from auto's segments (`observe`)
 
 
 def calls_per_token(candidate: Candidate, loops: int, acceptance: float) -> float:
@@ -121,7 +120,7 @@ def costs_for(model, batch: int, candidates: list[Candidate]) -> CostTable:
     if table is None or missing:
         measured = measure_costs(model, batch, missing if table is not None else candidates)
         table = measured if table is None else CostTable(table.plain_step, {**table.cycle, **measured.cycle},
-                                                         adapt=table.adapt, observed=table.observed)
+                                                         adapt=table.adapt)
         tables[_key(model, batch)] = table
     return table
 
@@ -142,8 +141,8 @@ def measure_costs(model, batch: int, candidates: list[Candidate]) -> CostTable:
 
 def observe(model, batch: int, candidate: Candidate, seconds: float, steps: int) -> None:
     """Fold what one of auto's segments took (`seconds` for `steps` plain steps or engine core calls, set-up,
-    processors and the prompt's prefill included, under the machine's current load) into a measured table: the
-    first observation of a candidate replaces its cost, later ones move it halfway. A plain observation scales the
+    processors and the prompt's prefill included, under the machine's current load) into a measured table, half
+    old, half new (a short segment's set-up would weigh too much alone). A plain observation scales the
     speculative costs by the same factor (a change of load slows every setting alike, so the ratios, which decide,
     stay those measured). Injected tables (`adapt` False) stay fixed."""
     tables = _TABLES.get(model, {})
@@ -152,12 +151,12 @@ def observe(model, batch: int, candidate: Candidate, seconds: float, steps: int)
     if table is None or not table.adapt or steps <= 0 or (candidate.mode and candidate not in table.cycle):
         return
     old = table.plain_step if candidate.mode is None else table.cycle[candidate]
-    cost = seconds / steps if candidate not in table.observed else (old + seconds / steps) / 2
+    cost = (old + seconds / steps) / 2
     if candidate.mode is None:
         plain, cycle = cost, {c: v * cost / old for c, v in table.cycle.items()}
     else:
         plain, cycle = table.plain_step, {**table.cycle, candidate: cost}
-    tables[key] = CostTable(plain, cycle, adapt=True, observed=table.observed | {candidate})
+    tables[key] = CostTable(plain, cycle, adapt=True)
 
 
 def _per_step(run) -> float:
