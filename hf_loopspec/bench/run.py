@@ -137,17 +137,19 @@ def _run_plain(model, mode: str, ids: torch.Tensor, new_tokens: int, output_logi
 def _run_auto(model, ids: torch.Tensor, new_tokens: int, *, draft_hook, compile_core):
     """`generate(speculative_mode="auto")` (its own choice of mode, d and K; the synthetic-acceptance hook, if any,
     as a host-side `draft_hook`, which costs it host time per cycle that the fixed modes' device override does
-    not). Its first run in the process also measures the call costs (`generation.auto_costs`)."""
-    cache = PagedLoopCache(model.kv_layout)
+    not). Its first run in the process also measures the call costs (`generation.auto_costs`). It makes its own
+    cache, as a user's call does: a plain call keeps transformers' `DynamicCache`."""
     synchronize(ids.device)
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, speculative_mode=AUTO,
-                         cache=cache, return_dict_in_generate=True, draft_hook=draft_hook,
+                         return_dict_in_generate=True, draft_hook=draft_hook,
                          **({"compile_core": compile_core} if compile_core else {}))
     synchronize(ids.device)
     seconds = time.perf_counter() - start
+    kv_bytes = _paged_cache_bytes(out.cache) if isinstance(out.cache, PagedLoopCache) else _dynamic_cache_bytes(
+        out.cache)
     return {"mode": AUTO, "seconds": seconds, "stats": out.speculation, "call_rows": out.speculation.call_rows,
-            "kv_bytes": _paged_cache_bytes(cache)}, out
+            "kv_bytes": kv_bytes}, out
 
 
 def _run_reference(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook,

@@ -178,7 +178,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
         out = _segment(model, call, candidate, ids, mask, cache, stopped, min(tokens, call.max_new - done), done,
                        streamer)
         new, cache = out.sequences[:, ids.shape[1]:], out.cache
-        _observe(model, candidate, out, new, start, dynamic)
+        _observe(model, candidate, out, new, start, dynamic, continued=done > 0)
         _account(stats, getattr(out, "speculation", None), candidate, new, stopped, call.eos, model.num_loops, chooser)
         choice = AutoChoice(done, candidate.mode or "plain", candidate.draft_loops, candidate.num_speculative_tokens,
                             new.shape[1], reason, rate, estimates)
@@ -203,14 +203,16 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
                       speculation=stats, trace=traces or None)
 
 
-def _observe(model, candidate: Candidate, out, new: torch.Tensor, start: float, dynamic: bool) -> None:
-    """Refine the cost table from a segment that ran since `start` (`time.perf_counter`; engine: per core call;
-    plain: per step, only on the `DynamicCache` plain `generate` uses)."""
+def _observe(model, candidate: Candidate, out, new: torch.Tensor, start: float, dynamic: bool,
+             continued: bool) -> None:
+    """Refine the cost table from a segment that ran since `start` (`time.perf_counter`): plain per step, only on
+    the `DynamicCache` plain `generate` uses (its prompt's prefill then scales every cost alike); the engine per core
+    call, only for a segment that `continued` the call (a first one's prompt prefill would inflate its cost)."""
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     seconds = time.perf_counter() - start
     spec = getattr(out, "speculation", None)
-    if candidate.mode is not None and spec is not None and spec.fallback is None:
+    if candidate.mode is not None and spec is not None and spec.fallback is None and continued:
         observe(model, len(new), candidate, seconds, spec.core_calls)
     elif candidate.mode is None and dynamic:
         observe(model, len(new), candidate, seconds, new.shape[1])
