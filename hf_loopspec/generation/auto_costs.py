@@ -9,9 +9,10 @@ embedding work) per speculative candidate. With the acceptance a of drafts from 
 
 and seconds per token = calls per token * seconds per cycle; a candidate's speed-up is plain's seconds per token
 over its own. `measure_costs` times short greedy runs of each candidate on random prompts, the engine's and
-transformers' own overheads included (they dominate small models on a CPU), the engine with every draft right (its
-cycles then carry the most rows they can): per setting one warm-up, then the difference between a short and a
-longer run, divided by the difference in steps (plain) or core calls (engine), so set-up and prefill cancel out.
+transformers' own overheads included (they dominate small models on a CPU), the engine with forced drafts, three in
+four right (its cycles then carry the rows of a typical acceptance): per setting one warm-up, then the difference
+between a short and a longer run, divided by the difference in steps (plain) or core calls (engine), so set-up and
+prefill cancel out.
 `costs_for` measures once per (model, device, dtype, batch size) and keeps the table for the process; auto's own
 segments then refine it (`observe`: the processors, prompts and load of real calls); `set_costs`
 injects a fixed table (tests: every choice is then deterministic).
@@ -32,6 +33,7 @@ from .config import resolve_speculative
 PROBE_PROMPT = 8  # prompt tokens of a calibration run
 PROBE_TOKENS = (4, 16)  # new tokens of the short and the long calibration run
 PROBE_REPEATS = 2  # timed pairs per candidate (the cheapest pair is kept: other load only adds time)
+CALIBRATION_PERIOD = 4  # the calibration's drafts: right but one in this many (acceptance 3/4: typical lane counts)
 
 
 @dataclass(frozen=True)
@@ -127,9 +129,10 @@ def costs_for(model, batch: int, candidates: list[Candidate]) -> CostTable:
 
 def measure_costs(model, batch: int, candidates: list[Candidate]) -> CostTable:
     """Time plain decoding and every speculative candidate on random prompts of `batch` rows (module docstring).
-    The engine runs with every draft right (a device-side override with plain decoding's tokens): its cycles then
-    carry the most rows they can, so the cost is not underestimated by runs whose rejections empty the lanes."""
-    vocab = model.get_output_embeddings().weight.shape[0]
+    The engine's drafts are forced (a device-side override with plain decoding's tokens, one in
+    `CALIBRATION_PERIOD` wrong), so its cycles carry the rows of a typical acceptance, not the near-empty lanes
+    that random prompts' rejections leave."""
+    vocab = vocab_of(model)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(min(3, vocab - 1), vocab, (batch, PROBE_PROMPT), generator=generator).to(model.device)
     with torch.inference_mode():
@@ -159,6 +162,10 @@ def observe(model, batch: int, candidate: Candidate, seconds: float, steps: int)
     tables[key] = CostTable(plain, cycle, adapt=True)
 
 
+def vocab_of(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
 def _per_step(run) -> float:
     """Seconds per step from `run(new_tokens) -> (seconds, steps)` at the two lengths of `PROBE_TOKENS`."""
     short, long = PROBE_TOKENS
@@ -186,13 +193,16 @@ def _plain_seconds(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, in
 
 
 def _engine_seconds(model, ids: torch.Tensor, candidate: Candidate, new_tokens: int, reference: torch.Tensor):
-    """(seconds, core calls) of one engine run of `candidate` whose drafts are all right (`reference`'s tokens)."""
+    """(seconds, core calls) of one engine run of `candidate` whose drafts are right (`reference`'s tokens) but
+    for every `CALIBRATION_PERIOD`-th, which is wrong."""
     from .dispatch import SpeculativeRequest  # here: dispatch imports the engine, which imports this package
     from .wavefront.engine import WavefrontEngine
 
     width = ids.shape[1] + new_tokens
     override = torch.full((len(ids), width), -1, dtype=torch.long, device=ids.device)
-    override[:, ids.shape[1]:] = reference[:, ids.shape[1]:width]
+    right = reference[:, ids.shape[1]:width]
+    wrong = (torch.arange(new_tokens, device=ids.device) % CALIBRATION_PERIOD) == CALIBRATION_PERIOD - 1
+    override[:, ids.shape[1]:] = torch.where(wrong, (right + 1) % vocab_of(model), right)
     spec = resolve_speculative(candidate.mode, candidate.draft_loops, candidate.num_speculative_tokens,
                                num_loops=model.num_loops)
     request = SpeculativeRequest(spec, PagedLoopCache(model.kv_layout), ids, width, pad_token_id=0)
