@@ -104,7 +104,7 @@ def _add_generation_options(parser: argparse.ArgumentParser, chat_help: str) -> 
     """The model and decoding options that `generate` and `batch` share."""
     parser.add_argument("--model", default="default", help="checkpoint folder or Hub id; 'default' (the default) "
                                                              "is the model embedded in the package")
-    parser.add_argument("--mode", choices=("plain", "block", "pipeline", "auto"), default="auto",
+    parser.add_argument("--mode", choices=("plain", "block", "pipeline", "auto"), default="pipeline",
                         help="plain: transformers' loop; block / pipeline: self-speculative decoding; auto: the "
                              "fastest of these, chosen from measured costs and acceptance (default: %(default)s)")
     parser.add_argument("--draft-loops", type=bench_args.positive, default=DEFAULT_DRAFT_LOOPS,
