@@ -111,9 +111,9 @@ def _add_generation_options(parser: argparse.ArgumentParser, chat_help: str) -> 
     """The model and decoding options that `generate` and `batch` share."""
     parser.add_argument("--model", default="default", help="checkpoint folder or Hub id; 'default' (the default) "
                                                              "is the model embedded in the package")
-    parser.add_argument("--mode", choices=("plain", "block", "pipeline"), default="pipeline",
-                        help="plain: transformers' loop; block / pipeline: self-speculative decoding "
-                             "(default: %(default)s)")
+    parser.add_argument("--mode", choices=("plain", "block", "pipeline", "auto"), default="pipeline",
+                        help="plain: transformers' loop; block / pipeline: self-speculative decoding; auto: the "
+                             "fastest of these, chosen from measured costs and acceptance (default: %(default)s)")
     parser.add_argument("--draft-loops", type=bench_args.positive, default=DEFAULT_DRAFT_LOOPS,
                         action=SpeculativeOnly, help="d: draft from the output of loop d (default: %(default)s)")
     parser.add_argument("--num-speculative-tokens", type=bench_args.positive, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
@@ -208,6 +208,10 @@ def _speculation_summary(args: argparse.Namespace, model, out) -> str:
             f"{stats.verified} verified ({stats.acceptance_rate:.1%})")
     if args.mode == "block":
         line += f", K={args.num_speculative_tokens}"
+    if args.mode == "auto":
+        ran = ", ".join(f"{c.mode}{f'(d={c.draft_loops})' if c.draft_loops else ''}x{c.tokens}" for c in stats.choices)
+        line = (f"; auto ran {ran or 'nothing'}; {stats.core_calls} core calls; drafts accepted {stats.accepted}/"
+                f"{stats.verified} verified")
     if args.do_sample:
         line += ("; sampling: each draft kept with probability min(1, p/q), so the output is distributed as "
                  "plain sampling's")

@@ -62,6 +62,7 @@ def check_mode_options(args: argparse.Namespace) -> None:
 def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     """`model.generate` keyword arguments for the options of `hf-loopspec generate` / `batch`.
 
+    `--mode auto` passes `--draft-loops` / `--num-speculative-tokens` only when given (they restrict its choice).
     `--mode plain` passes `speculative_mode=None` explicitly, so a checkpoint whose `generation_config.json` makes a
     speculative mode its default (the embedded model does) still decodes plain. A model without a pad id gets the
     tokenizer's pad (or EOS) id, else 0.
@@ -72,6 +73,10 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
             kwargs[key] = getattr(args, key)
     if args.mode == "plain":
         kwargs["speculative_mode"] = None
+    elif args.mode == "auto":  # only the settings the user gave restrict auto's candidates
+        given = getattr(args, "speculative_given", {})
+        kwargs.update(speculative_mode="auto", **{key: getattr(args, key) for key in ("draft_loops",
+                      "num_speculative_tokens") if f"--{key.replace('_', '-')}" in given})
     else:
         kwargs.update(speculative_mode=args.mode, draft_loops=args.draft_loops,
                       num_speculative_tokens=args.num_speculative_tokens)

@@ -1,9 +1,10 @@
 """The README's main job as a benchmark: the embedded default model, "def fibonacci(n):", repetition penalty 1.4,
 64 new greedy tokens, one torch thread; plain `generate` against pipeline decoding (eager, and compiled with
-`--compile BACKEND`), in one process, interleaved rounds, medians. Every speculative output is checked equal to
-plain decoding's.
+`--compile BACKEND`) and, with `--modes`, the other fixed settings and `speculative_mode="auto"`, in one process,
+interleaved rounds, medians. Every speculative output is checked equal to plain decoding's. Auto's first call (the
+warm-up) measures its call costs; the rounds reuse them, as any later call of a process does.
 
-    python3 scripts/bench_main_job.py --rounds 7 [--compile inductor]
+    python3 scripts/bench_main_job.py --rounds 7 [--compile inductor] [--modes plain,pipeline,pipeline-d2,block,auto]
 """
 
 from __future__ import annotations
@@ -20,21 +21,30 @@ import hf_loopspec
 
 PROMPT = "def fibonacci(n):"
 SETTINGS = dict(max_new_tokens=64, do_sample=False, repetition_penalty=1.4)
+RUNS = {"plain": {"speculative_mode": None}, "pipeline": {"speculative_mode": "pipeline", "draft_loops": 1},
+        "pipeline-d2": {"speculative_mode": "pipeline", "draft_loops": 2},
+        "block": {"speculative_mode": "block", "draft_loops": 1, "num_speculative_tokens": 4},
+        "auto": {"speculative_mode": "auto"}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds (default: 7)")
     parser.add_argument("--compile", metavar="BACKEND", help="also time pipeline with compile_core=BACKEND")
+    parser.add_argument("--modes", default="plain,pipeline", help=f"comma-separated runs among {','.join(RUNS)} "
+                                                                  "(default: plain,pipeline)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give at least 1")
+    names = [m for m in args.modes.split(",") if m]
+    if "plain" not in names or any(m not in RUNS for m in names):
+        parser.error(f"--modes {args.modes}: name plain and any of {','.join(RUNS)}")
     torch.set_num_threads(1)
     path = hf_loopspec.default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     inputs = tokenizer(PROMPT, return_tensors="pt")
-    runs = {"plain": {"speculative_mode": None}, "pipeline": {"speculative_mode": "pipeline", "draft_loops": 1}}
+    runs = {"plain": RUNS["plain"], **{name: RUNS[name] for name in names if name != "plain"}}
     if args.compile:
         runs["pipeline compiled"] = runs["pipeline"] | {"compile_core": args.compile}
     times = {name: [] for name in runs}
@@ -63,6 +73,9 @@ def main() -> None:
         if name in stats:
             s = stats[name]
             line += f"  engine {s.engine}, core calls/token {s.core_calls / new:.2f}, accepted {s.accepted}/{s.drafted}"
+            if hasattr(s, "choices"):
+                line += "  ran " + ", ".join(f"{c.mode}(d={c.draft_loops})x{c.tokens}" if c.draft_loops
+                                             else f"{c.mode}x{c.tokens}" for c in s.choices)
         print(line)
 
 

@@ -11,6 +11,7 @@ from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, DTYP
 from .shape_table import SHAPES
 
 MODES = ("plain", "ar", "block", "pipeline")  # the default set
+AUTO = "auto"  # speculative_mode="auto" through generate (not in the default set)
 PLAIN_MODES = ("plain", "static")  # transformers' own loop: DynamicCache, or cache_implementation="static"
 LANE_MODES = ("ar", "block", "pipeline")
 ENGINES = ("wavefront", "reference")  # what runs a lane mode: the engine, or the lane decoder as a measured baseline
@@ -19,10 +20,10 @@ DESCRIPTION = "plain vs AR vs block vs pipeline decoding in one process, with th
 
 def parse_modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in modes if m not in (*MODES, "static")]
+    bad = [m for m in modes if m not in (*MODES, "static", AUTO)]
     if bad or not modes:
         raise argparse.ArgumentTypeError(f"unknown mode(s) {bad or text!r}; choose a comma-separated subset of "
-                                         f"{','.join(MODES)},static")
+                                         f"{','.join(MODES)},static,{AUTO}")
     return list(dict.fromkeys(modes))
 
 
@@ -104,9 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="(default: %(default)s)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--modes", type=parse_modes, default=list(MODES),
-                        help=f"comma-separated subset of {','.join(MODES)},static (default: {','.join(MODES)}); "
-                             "static: plain generate with cache_implementation='static' (compiled by transformers "
-                             "on CUDA)")
+                        help=f"comma-separated subset of {','.join(MODES)},static,{AUTO} (default: "
+                             f"{','.join(MODES)}); static: plain generate with cache_implementation='static' "
+                             "(compiled by transformers on CUDA); auto: generate(speculative_mode='auto'), which "
+                             "chooses its own mode, d and K")
     parser.add_argument("--engines", type=parse_engines, default=["wavefront"],
                         help=f"comma-separated subset of {','.join(ENGINES)}: what runs each lane mode (ar, block, "
                              "pipeline): the wavefront engine (generate's), and the reference (the lane decoder, "

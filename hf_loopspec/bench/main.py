@@ -15,7 +15,7 @@ import torch
 from ..generation.config import compile_backend, resolve_speculative
 from ..input_checks import check_positions
 from ..loading import DTYPES, load_model, resolve_device
-from .args import LANE_MODES, check_sampling_args, with_defaults
+from .args import AUTO, LANE_MODES, check_sampling_args, with_defaults
 from .costs import ar_call_rows, call_grids, measure_call_costs, median_costs, predicted_seconds
 from .plot import plot, pyplot
 from .prompts import PROMPT_CODE, PROMPT_TEXT, make_prompts
@@ -55,7 +55,7 @@ class _Bench:
 
     def hook(self, mode: str, reference: torch.Tensor | None):
         """The `--synthetic-acceptance` draft hook of a speculative mode (None otherwise)."""
-        if self.args.synthetic_acceptance is None or mode not in ("block", "pipeline") or reference is None:
+        if self.args.synthetic_acceptance is None or mode not in ("block", "pipeline", AUTO) or reference is None:
             return None
         return synthetic_hook(reference, self.args.prompt_len, self.args.synthetic_acceptance, self.vocab,
                               self.args.seed)

@@ -206,6 +206,8 @@ def mode_row(mode: str, runs: list[dict], seconds: dict[str, float], *, batch: i
         acceptance_rate_all=[x["stats"].acceptance_rate if x["stats"].drafted else None for x in runs],
         core_calls_per_token_all=[x["stats"].core_calls_per_token for x in runs],
     )
+    if hasattr(stats, "choices"):  # auto: what each segment ran, and why
+        row["auto_choices"] = stats.to_dict()["choices"]
     predicted = predicted_seconds(costs, first["call_rows"])
     row.update(ideal_speedup_vs_ar=ar_predicted / predicted, predicted_seconds=predicted,
                overhead_fraction=1.0 - predicted / seconds[mode])

@@ -15,7 +15,7 @@ from ..cache.paged import PagedLoopCache
 from ..generation.config import LANE_MODES, resolve_speculative
 from ..generation.dispatch import SpeculativeRequest
 from ..generation.wavefront import WavefrontEngine
-from .args import PLAIN_MODES
+from .args import AUTO, PLAIN_MODES
 
 
 def synchronize(device: torch.device) -> None:
@@ -100,7 +100,7 @@ def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loop
     first (untimed); `compile_core`: a torch.compile backend for the wavefront engine; `engine`: what runs a lane
     mode, "wavefront" (`draft_hook` then becomes its device-side `draft_override`) or "reference" (the lane decoder,
     eager); `second_draft_loops`: pipeline with second proposals; `attention_mask`: the left padding of `ids`
-    (plain and wavefront runs; None: no padding).
+    (plain, auto and wavefront runs; None: no padding).
     """
     device = ids.device
     if seed is not None:
@@ -109,6 +109,9 @@ def run_mode(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loop
         torch.cuda.reset_peak_memory_stats(device)
     if mode in PLAIN_MODES:
         result, out = _run_plain(model, mode, ids, new_tokens, output_logits, attention_mask)
+    elif mode == AUTO:
+        result, out = _run_auto(model, ids, new_tokens, draft_hook=draft_hook, compile_core=compile_core,
+                                attention_mask=attention_mask)
     else:
         if engine == "wavefront":
             result, out = _run_wavefront(model, mode, ids, new_tokens, draft_loops=draft_loops, k=k,
@@ -136,6 +139,25 @@ def _run_plain(model, mode: str, ids: torch.Tensor, new_tokens: int, output_logi
     seconds = time.perf_counter() - start
     return {"mode": mode, "seconds": seconds, "stats": None, "kv_bytes": _dynamic_cache_bytes(out.cache),
             "logits": out.logits if output_logits else None}, out
+
+
+def _run_auto(model, ids: torch.Tensor, new_tokens: int, *, draft_hook, compile_core, attention_mask=None):
+    """`generate(speculative_mode="auto")` (its own choice of mode, d and K; the synthetic-acceptance hook, if any,
+    as a host-side `draft_hook`, which costs it host time per cycle that the fixed modes' device override does
+    not). Its first run in the process also measures the call costs (`generation.auto_costs`). It makes its own
+    cache, as a user's call does: a plain call keeps transformers' `DynamicCache`."""
+    synchronize(ids.device)
+    start = time.perf_counter()
+    mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, speculative_mode=AUTO,
+                         return_dict_in_generate=True, draft_hook=draft_hook,
+                         **({"compile_core": compile_core} if compile_core else {}))
+    synchronize(ids.device)
+    seconds = time.perf_counter() - start
+    kv_bytes = _paged_cache_bytes(out.cache) if isinstance(out.cache, PagedLoopCache) else _dynamic_cache_bytes(
+        out.cache)
+    return {"mode": AUTO, "seconds": seconds, "stats": out.speculation, "call_rows": out.speculation.call_rows,
+            "kv_bytes": kv_bytes}, out
 
 
 def _run_reference(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draft_loops: int, k: int, draft_hook,

@@ -3,7 +3,9 @@
 The keys live on `GenerationConfig` (so they also load from `generation_config.json`) and are accepted as
 `generate` kwargs:
 
-* `speculative_mode`: `"pipeline"`, `"block"` or `None` (plain decoding).
+* `speculative_mode`: `"pipeline"`, `"block"`, `"auto"` (`generation.auto`: plain, block or pipeline chosen per
+  segment from measured call costs and the observed acceptance; `draft_loops` / `num_speculative_tokens`, when
+  given, restrict its candidates) or `None` (plain decoding).
 * `draft_loops` (d): draft from the hidden state after d loops; 1 <= d < U; pipeline needs U % d == 0.
 * `num_speculative_tokens` (K): drafts per round in block mode; >= 1.
 * `compile_core`: `False` (default), `True` (`torch.compile` with inductor) or a `torch.compile` backend name:
@@ -31,6 +33,8 @@ from .inputs import as_integer
 SPECULATIVE_KEYS = ("speculative_mode", "draft_loops", "num_speculative_tokens", "compile_core", "speculative_engine",
                     "second_draft_loops")
 MODES = ("pipeline", "block")
+AUTO_MODE = "auto"  # chosen per segment by `generation.auto`; never reaches an engine
+SETTABLE_MODES = (*MODES, AUTO_MODE)  # what `speculative_mode` accepts besides None
 LANE_MODES = ("ar", *MODES)  # `decode_with_lanes` also runs "ar": the reference without drafting
 ENGINES = ("auto", "wavefront")
 RETIRED_ENGINES = ("lanes",)  # values of earlier versions (a saved generation_config.json may hold one)
@@ -49,7 +53,7 @@ class SpeculativeConfig:
 
 
 def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, compile_core=None, engine=None, *,
-                        num_loops: int, modes: tuple[str, ...] = MODES, second_draft_loops=None,
+                        num_loops: int, modes: tuple[str, ...] = SETTABLE_MODES, second_draft_loops=None,
                         reference: bool = False) -> SpeculativeConfig:
     """Validate one run's settings for a model of `num_loops` loops; `None` takes the default. Raises `ValueError`
     naming the argument, its value and the fix. `reference`: settings of the reference (`decode_with_lanes`),
@@ -60,8 +64,8 @@ def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, com
     draft_loops = DEFAULT_DRAFT_LOOPS if draft_loops is None else as_integer(draft_loops, "draft_loops")
     k = (DEFAULT_NUM_SPECULATIVE_TOKENS if num_speculative_tokens is None
          else as_integer(num_speculative_tokens, "num_speculative_tokens"))
-    if mode != "ar":
-        _check_draft_loops(mode, draft_loops, num_loops)
+    if mode != "ar":  # auto: the depth must suit block mode (pipeline candidates are filtered by `generation.auto`)
+        _check_draft_loops("block" if mode == AUTO_MODE else mode, draft_loops, num_loops)
     if k < 1:
         raise ValueError(f"num_speculative_tokens={k!r} must be an integer >= 1 (drafts per block round).")
     engine = "auto" if engine is None else engine
@@ -106,6 +110,10 @@ def _check_second_draft_loops(mode: str, draft_loops: int, second, num_loops: in
     if second is None:
         return None
     second = as_integer(second, "second_draft_loops")
+    if mode == AUTO_MODE:
+        raise ValueError(f"second_draft_loops={second} cannot be combined with speculative_mode='auto' (it chooses "
+                         "among plain, block and pipeline without second proposals); drop second_draft_loops, or "
+                         "pass speculative_mode='pipeline'.")
     if mode != "pipeline":
         raise ValueError(f"second_draft_loops={second} needs speculative_mode='pipeline' (got {mode!r}): second "
                          "proposals re-read a pipeline lane's draft; drop second_draft_loops for other modes.")

@@ -6,7 +6,8 @@ call before any work (`generation.call`), and routes greedy decoding and samplin
 (`generation.dispatch`) when a speculative mode is set, unless a logits processor is not known to be row-pure
 (`generation.processors`: the call then decodes plainly, and says so). Plain decoding (`speculative_mode=None`) is
 transformers' own loop, on a growing `DynamicCache` by default or, with `cache_implementation="static"`, on a
-`StaticCache` sized for one layer per (plane, layer) (`looped_static_cache`). `speculative_mode=None` passed to a
+`StaticCache` sized for one layer per (plane, layer) (`looped_static_cache`). `speculative_mode="auto"` runs the
+call as a chain of such calls (`generation.auto`). `speculative_mode=None` passed to a
 call means plain decoding whatever the model's generation config holds: its other speculative keys are then ignored
 (the call's own still conflict). The speculative modes refuse right-padded rows (`inputs.check_left_padded`).
 transformers' continuous batching entry points (`init_continuous_batching`, `continuous_batching_context_manager`,
@@ -24,6 +25,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.paged import PagedLoopCache
 from ..logs import get_logger
+from . import auto
 from .call import current_call, runtime_options, scoped
 from .config import (
     LANE_MODES,
@@ -70,6 +72,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
         ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
         check_inputs(ids, kwargs.get("attention_mask"), kwargs.get("cache", kwargs.get("past_key_values")),
                      vocab_size=self.config.vocab_size)
+        if auto.requested(self, kwargs):  # segments of plain / block / pipeline calls (`generation.auto`)
+            return auto.generate_auto(self, SpeculativeDecoderOnlyOutput, args, kwargs)
         with scoped(runtime_options(kwargs)):
             return super().generate(*args, **kwargs)
 

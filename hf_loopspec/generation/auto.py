@@ -1,0 +1,274 @@
+"""`speculative_mode="auto"`: one `generate` call decoded as segments, each with the setting judged fastest.
+
+`generate_auto` runs the call as a chain of ordinary `generate` calls on one `PagedLoopCache`, each continuing
+from the cache and the sequences the previous one returned (the continuation every mode supports, so the chain's
+greedy tokens equal one plain call's, token for token). Each segment is plain decoding, block or pipeline with the
+depth and length `auto_policy.Chooser` picks from the call costs (`auto_costs.costs_for`, measured once per model,
+device, dtype and batch size in the process) and the acceptance the earlier segments observed. Sampling draws
+every segment as the fixed modes do (each speculative segment seeds its run generator from torch's global one,
+plain segments draw from it), so a segment is distribution-preserving given its prefix and so is the chain; a
+seeded auto call equals the same chain of fixed-mode calls.
+
+Rows that stopped (EOS) in an earlier segment stay stopped: the remaining segments decode plainly with those rows
+forced to the pad token (as plain decoding feeds them), so their tokens and cached KV are plain decoding's.
+A call with its own stopping criteria or stop strings chooses once (no probe) and decodes in one segment, since
+which rows stopped is then only known to those criteria. Beam search, assistants and per-step hidden states or
+attentions are refused, as with the fixed modes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from ..cache.paged import PagedLoopCache
+from ..defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
+from .auto_costs import PLAIN, Candidate, costs_for, observe
+from .auto_policy import AutoChoice, AutoStats, Chooser, policy_for, remember, remembered
+from .config import AUTO_MODE, SPECULATIVE_KEYS, resolve_speculative
+from .stats import SequenceStats, SpeculationStats
+
+SEGMENT_REFUSED = ("num_beams", "assistant_model", "output_hidden_states", "output_attentions")
+
+
+def requested(model, kwargs: dict) -> bool:
+    """Whether a `generate` call with `kwargs` asks for auto (its own `speculative_mode`, else its or the model's
+    generation config's)."""
+    if "speculative_mode" in kwargs:
+        return kwargs["speculative_mode"] == AUTO_MODE
+    config = kwargs.get("generation_config") or model.generation_config
+    return getattr(config, "speculative_mode", None) == AUTO_MODE
+
+
+def _setting(kwargs: dict, config, key: str):
+    return kwargs[key] if key in kwargs else getattr(config, key, None)
+
+
+def candidates(loops: int, draft_loops: int | None, k: int | None) -> list[Candidate]:
+    """Plain, pipeline at d = 1 and 2 where U % d == 0 (only `draft_loops` when given) and block at the first of
+    those depths (`draft_loops` when given) with K = `k` (default `DEFAULT_NUM_SPECULATIVE_TOKENS`)."""
+    if loops < 2:
+        return [PLAIN]
+    depths = [draft_loops] if draft_loops is not None else [d for d in (1, 2) if d < loops]
+    pipelines = [Candidate("pipeline", d) for d in depths if loops % d == 0]
+    block = Candidate("block", depths[0], k or DEFAULT_NUM_SPECULATIVE_TOKENS)
+    return [PLAIN, *pipelines, block]
+
+
+class ForcePad(LogitsProcessor):
+    """Rows already stopped choose the pad token (plain decoding's input for them)."""
+
+    def __init__(self, stopped: torch.Tensor, pad: int):
+        self.stopped, self.pad = stopped, pad
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores, -float("inf"))
+        forced[:, self.pad] = 0.0
+        return torch.where(self.stopped.to(scores.device)[:, None], forced, scores)
+
+
+class Stopped(StoppingCriteria):
+    """Rows already stopped count as done, so a segment ends once the other rows stop."""
+
+    def __init__(self, stopped: torch.Tensor):
+        self.stopped = stopped
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return self.stopped.to(input_ids.device)
+
+
+class SegmentStreamer:
+    """A streamer seen by each segment: the prompt once, every segment's tokens, `end()` once at the call's end."""
+
+    def __init__(self, inner):
+        self.inner, self.skip_prompt = inner, False
+
+    def put(self, value):
+        if self.skip_prompt:  # each segment's generate first puts its input ids
+            self.skip_prompt = False
+            return
+        self.inner.put(value)
+
+    def end(self):
+        pass
+
+
+@dataclass
+class _Call:
+    """What the segments share: the call's kwargs without the per-segment keys, and its limits."""
+
+    base: dict
+    max_new: int
+    min_new: int | None
+    eos: list[int]
+    pad: int
+    single: bool  # own stopping criteria or stop strings: one segment
+    return_dict: bool
+    use_cache: bool
+    engine_settings: dict  # compile_core / speculative_engine, for the speculative segments
+
+
+def _prepare(model, ids: torch.Tensor, kwargs: dict) -> tuple[_Call, list[Candidate]]:
+    """Validate the call and split its kwargs (module docstring); `ValueError` names what auto refuses."""
+    config = kwargs.get("generation_config") or model.generation_config
+    for key in SEGMENT_REFUSED:
+        value = _setting(kwargs, config, key)
+        if value not in (None, False, 1):
+            raise ValueError(f"{key}={value!r} cannot be combined with speculative_mode='auto' (it decodes greedily "
+                             "or by sampling, in segments); drop it, or pass speculative_mode=None.")
+    d, k = _setting(kwargs, config, "draft_loops"), _setting(kwargs, config, "num_speculative_tokens")
+    resolve_speculative(AUTO_MODE, d, k, _setting(kwargs, config, "compile_core"),
+                        _setting(kwargs, config, "speculative_engine"), num_loops=model.num_loops,
+                        second_draft_loops=_setting(kwargs, config, "second_draft_loops"))
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is not None and not isinstance(cache, PagedLoopCache):
+        raise ValueError(f"speculative_mode='auto' continues its segments on a PagedLoopCache, got cache of type "
+                         f"{type(cache).__name__}; pass cache=hf_loopspec.PagedLoopCache(model.kv_layout) or none.")
+    max_new = _setting(kwargs, config, "max_new_tokens")
+    if max_new is None:
+        max_new = _setting(kwargs, config, "max_length") - ids.shape[1]
+    eos = _setting(kwargs, config, "eos_token_id")
+    eos = [] if eos is None else [int(e) for e in (torch.as_tensor(eos).reshape(-1).tolist())]
+    pad = _setting(kwargs, config, "pad_token_id")
+    pad = int(pad) if pad is not None else (eos[0] if eos else 0)
+    drop = {*SPECULATIVE_KEYS, "max_new_tokens", "max_length", "min_new_tokens", "cache", "past_key_values",
+            "return_dict_in_generate", "use_cache", "attention_mask", "inputs", "input_ids", "streamer"}
+    base = {key: value for key, value in kwargs.items() if key not in drop}
+    call = _Call(base, max(int(max_new), 0), _setting(kwargs, config, "min_new_tokens"), eos, pad,
+                 single=bool(kwargs.get("stopping_criteria") or _setting(kwargs, config, "stop_strings")),
+                 return_dict=bool(_setting(kwargs, config, "return_dict_in_generate")),
+                 use_cache=_setting(kwargs, config, "use_cache") is not False,
+                 engine_settings={key: value for key in ("compile_core", "speculative_engine")
+                                  if (value := _setting(kwargs, config, key)) is not None})
+    return call, candidates(model.num_loops, d, k)
+
+
+def generate_auto(model, output_cls, args: tuple, kwargs: dict):
+    """One auto `generate` call (module docstring): `args` / `kwargs` as `generate` got them; returns the
+    sequences, or an `output_cls` with the summed counters as `speculation` (`AutoStats`)."""
+    if len(args) > 1:
+        raise ValueError("speculative_mode='auto': pass generate's options by name (generation_config=..., "
+                         "logits_processor=...), not by position.")
+    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    call, options = _prepare(model, ids, kwargs)
+    mask = kwargs.get("attention_mask")
+    mask = torch.ones_like(ids) if mask is None else mask
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    batch, prompt_width = ids.shape
+    policy = policy_for(model)
+    chooser = Chooser(costs_for(model, batch, options), options, model.num_loops, policy, remembered(model))
+    stats = AutoStats(mode=AUTO_MODE, draft_loops=0, engine="plain",
+                      per_sequence=[SequenceStats() for _ in range(batch)])
+    streamer = SegmentStreamer(kwargs["streamer"]) if kwargs.get("streamer") is not None else None
+    stopped = torch.zeros(batch, dtype=torch.bool, device=ids.device)
+    scores, logits, traces, done = [], [], [], 0
+    while done < call.max_new and not bool(stopped.all()):
+        candidate, tokens, reason, rate, estimates = chooser.next(first=done == 0)
+        if bool(stopped.any()):
+            candidate, tokens, reason = PLAIN, None, "stopped-rows"
+        if call.single or tokens is None:
+            tokens = call.max_new - done
+        if cache is None and not (candidate.mode is None and tokens >= call.max_new):
+            cache = PagedLoopCache(model.kv_layout)  # a plain call to the end keeps transformers' DynamicCache
+        dynamic = cache is None  # plain to the end on transformers' DynamicCache: the plain decoding auto weighs
+        start = time.perf_counter()
+        out = _segment(model, call, candidate, ids, mask, cache, stopped, min(tokens, call.max_new - done), done,
+                       streamer)
+        new, cache = out.sequences[:, ids.shape[1]:], out.cache
+        _observe(model, candidate, out, new, start, dynamic, continued=done > 0)
+        _account(stats, getattr(out, "speculation", None), candidate, new, stopped, call.eos, model.num_loops, chooser)
+        choice = AutoChoice(done, candidate.mode or "plain", candidate.draft_loops, candidate.num_speculative_tokens,
+                            new.shape[1], reason, rate, estimates)
+        if stats.choices and _setting_of(stats.choices[-1]) != _setting_of(choice):
+            stats.switches.append(done)
+        stats.choices.append(choice)
+        stopped = stopped | _stops(new, call.eos)
+        ids, done = out.sequences, done + new.shape[1]
+        mask = torch.cat([mask, torch.ones_like(new, dtype=mask.dtype)], 1)
+        scores += list(out.scores or ())
+        logits += list(out.logits or ())
+        traces += list(getattr(out, "trace", None) or ())
+        if new.shape[1] == 0:
+            break
+    remember(model, chooser.acceptance)
+    if streamer is not None:
+        streamer.inner.end()
+    if not call.return_dict:
+        return ids
+    return output_cls(sequences=ids, scores=tuple(scores) or None, logits=tuple(logits) or None,
+                      cache=cache if call.use_cache else None,
+                      speculation=stats, trace=traces or None)
+
+
+def _observe(model, candidate: Candidate, out, new: torch.Tensor, start: float, dynamic: bool,
+             continued: bool) -> None:
+    """Refine the cost table from a segment that ran since `start` (`time.perf_counter`): plain per step, only on
+    the `DynamicCache` plain `generate` uses (its prompt's prefill then scales every cost alike); the engine per core
+    call, only for a segment that `continued` the call (a first one's prompt prefill would inflate its cost)."""
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    seconds = time.perf_counter() - start
+    spec = getattr(out, "speculation", None)
+    if candidate.mode is not None and spec is not None and spec.fallback is None and continued:
+        observe(model, len(new), candidate, seconds, spec.core_calls)
+    elif candidate.mode is None and dynamic:
+        observe(model, len(new), candidate, seconds, new.shape[1])
+
+
+def _setting_of(choice: AutoChoice) -> tuple:
+    return choice.mode, choice.draft_loops, choice.num_speculative_tokens
+
+
+def _stops(new: torch.Tensor, eos: list[int]) -> torch.Tensor:
+    """`[B]` bool: rows whose new tokens `[B, n]` hold an EOS id."""
+    if not eos:
+        return torch.zeros(len(new), dtype=torch.bool, device=new.device)
+    return torch.isin(new, torch.tensor(eos, device=new.device)).any(1)
+
+
+def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped, tokens: int, done: int, streamer):
+    """One segment: `generate` with `candidate`'s setting for `tokens` columns, continuing `cache`."""
+    kwargs = {**call.base, **candidate.kwargs(), "max_new_tokens": tokens, "attention_mask": mask,
+              "return_dict_in_generate": True, "use_cache": True} | ({} if cache is None else {"cache": cache})
+    kwargs.update(call.engine_settings if candidate.mode else {"compile_core": False, "speculative_engine": None})
+    if call.min_new is not None:
+        kwargs["min_new_tokens"] = max(int(call.min_new) - done, 0)
+    if bool(stopped.any()):
+        kwargs["logits_processor"] = LogitsProcessorList([*(call.base.get("logits_processor") or ()),
+                                                          ForcePad(stopped.clone(), call.pad)])
+        kwargs["stopping_criteria"] = StoppingCriteriaList([*(call.base.get("stopping_criteria") or ()),
+                                                            Stopped(stopped.clone())])
+    if streamer is not None:
+        streamer.skip_prompt = done > 0
+        kwargs["streamer"] = streamer
+    return model.generate(ids, **kwargs)
+
+
+def _account(stats: AutoStats, segment: SpeculationStats | None, candidate: Candidate, new: torch.Tensor,
+             stopped: torch.Tensor, eos: list[int], loops: int, chooser: Chooser) -> None:
+    """Add one segment's counters to `stats` and its acceptance to `chooser` (plain: committed tokens per row up
+    to its stop, U core calls per column)."""
+    if candidate.mode is not None and segment is not None and segment.fallback is None:
+        spec = segment
+        for total, part in zip(stats.per_sequence, spec.per_sequence):
+            for name, value in vars(part).items():
+                setattr(total, name, getattr(total, name) + value)
+        stats.core_calls += spec.core_calls
+        stats.engine = spec.engine
+        stats.cache_fill_calls += spec.cache_fill_calls
+        for stage, rows in spec.call_rows.items():
+            stats.call_rows[stage] += rows
+        chooser.acceptance.add(candidate.draft_loops, spec.accepted, spec.verified, chooser.policy.keep)
+        return
+    for b, row in enumerate(new.tolist()):
+        if not bool(stopped[b]):
+            hits = [i for i, t in enumerate(row) if t in eos]
+            stats.per_sequence[b].committed += hits[0] + 1 if hits else len(row)
+    columns, batch = new.shape[1], len(new)
+    stats.core_calls += loops * columns
+    stats.plain_tokens += columns
+    for stage, count in (("embed", columns), ("core", loops * columns), ("head", columns)):
+        stats.call_rows[stage] += [batch] * count

@@ -1,0 +1,185 @@
+"""How `speculative_mode="auto"` chooses a setting for its next segment, and what it reports (`AutoStats`).
+
+`Chooser` ranks the candidates (`auto_costs.Candidate`) by their estimated speed-up over plain decoding
+(`auto_costs.speedup`) at the acceptance observed so far for their draft depth (`Acceptance`: counts of this call's
+segments, each earlier segment's weighed by `AutoPolicy.keep` so that a drift shows within a segment or two, started
+from what earlier calls of the process observed on the same model). A depth never observed takes
+the acceptance of the shallowest observed one (a deeper draft is assumed to agree with the target at least as often).
+
+* Nothing observed yet: if no candidate beats plain decoding by `AutoPolicy.margin` even at acceptance 1, the call
+  decodes plainly to the end at once (`reason` "costs": no probe is paid); otherwise a probe segment of
+  `AutoPolicy.probe_tokens` runs the candidate that is best at `AutoPolicy.prior` acceptance.
+* Observed: the best candidate runs if it beats plain by `margin`, else plain ("acceptance"); after
+  `AutoPolicy.reprobe_after` such plain segments the best candidate is probed again, so that a rise in acceptance
+  is noticed. Plain chosen for a call's first segment decodes the whole call (on transformers' `DynamicCache`,
+  faster than plain decoding on a `PagedLoopCache`); after `AutoPolicy.reprobe_calls` such calls the next one
+  probes again.
+A segment is `AutoPolicy.interval` tokens, doubled (up to `max_interval`) while the choice stays the same.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import asdict, dataclass, field
+
+from .auto_costs import PLAIN, Candidate, CostTable, speedup
+from .stats import SpeculationStats
+
+
+@dataclass(frozen=True)
+class AutoPolicy:
+    """The knobs of the choice (module docstring); `set_policy` replaces them for one model (tests)."""
+
+    interval: int = 64  # committed tokens per segment before the choice is revisited
+    max_interval: int = 512  # the longest segment while the choice stays the same
+    probe_tokens: int = 16  # tokens of a probe segment (acceptance unknown)
+    prior: float = 0.75  # acceptance assumed to pick the probe's candidate
+    margin: float = 1.05  # a speculative candidate must beat plain decoding by this factor
+    reprobe_after: int = 4  # plain segments of a call chosen for low acceptance before the next probe
+    reprobe_calls: int = 8  # calls decoded plainly for low acceptance before a call probes again
+    min_verified: int = 8  # verifications before a depth's acceptance counts as observed
+    keep: float = 0.5  # weight of the earlier counts when a segment's are added (recent segments weigh more)
+
+
+@dataclass
+class Acceptance:
+    """Accepted and verified drafts per draft depth, the earlier segments' down-weighted (`AutoPolicy.keep`)."""
+
+    accepted: dict[int, float] = field(default_factory=dict)
+    verified: dict[int, float] = field(default_factory=dict)
+    plain_calls: int = 0  # calls decoded plainly throughout, for low acceptance, since the last probe
+
+    def add(self, depth: int, accepted: int, verified: int, keep: float = 1.0) -> None:
+        self.accepted[depth] = self.accepted.get(depth, 0) * keep + accepted
+        self.verified[depth] = self.verified.get(depth, 0) * keep + verified
+
+    def rate(self, depth: int, min_verified: int) -> float | None:
+        """Observed acceptance at `depth` (or at the shallowest observed depth); None when nothing is observed."""
+        seen = sorted(d for d, n in self.verified.items() if n >= min_verified)
+        if not seen:
+            return None
+        use = depth if depth in seen else seen[0]
+        return self.accepted[use] / self.verified[use]
+
+    def copy(self) -> Acceptance:
+        return Acceptance(dict(self.accepted), dict(self.verified), self.plain_calls)
+
+
+@dataclass
+class AutoChoice:
+    """One segment of an auto call: what ran, from which committed token, for how many, and why."""
+
+    at_token: int  # columns generated before the segment (per sequence)
+    mode: str  # "plain", "pipeline" or "block"
+    draft_loops: int | None
+    num_speculative_tokens: int | None
+    tokens: int  # columns the segment generated
+    reason: str  # "costs" (plain to the end: no setting can win), "probe", "acceptance", "reprobe", "stopped-rows"
+    acceptance: float | None  # the observed acceptance the choice used (None: not known yet)
+    speedups: dict[str, float]  # estimated speed-up over plain of every candidate (`Candidate.name`)
+
+
+@dataclass
+class AutoStats(SpeculationStats):
+    """`out.speculation` of an auto call: the counters of every segment summed (plain segments count their
+    committed tokens and U core calls per column), and the segments (`choices`); `switches` lists the committed
+    token at which each change of setting took effect; `engine` is "plain" when no speculative segment ran."""
+
+    choices: list[AutoChoice] = field(default_factory=list)
+    plain_tokens: int = 0  # columns decoded by plain segments
+    switches: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "plain_tokens": self.plain_tokens, "switches": list(self.switches),
+                "choices": [asdict(c) for c in self.choices]}
+
+
+_MEMORY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Acceptance of earlier calls
+_POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> AutoPolicy
+
+
+def remembered(model) -> Acceptance:
+    """The acceptance earlier auto calls of this process observed on `model` (a copy)."""
+    return _MEMORY.get(model, Acceptance()).copy()
+
+
+def remember(model, acceptance: Acceptance) -> None:
+    _MEMORY[model] = acceptance.copy()
+
+
+def forget(model) -> None:
+    """Drop what earlier calls observed on `model` (the next call starts without an acceptance)."""
+    _MEMORY.pop(model, None)
+
+
+def set_policy(model, policy: AutoPolicy | None) -> None:
+    """Use `policy` for `model`'s auto calls (None: the default)."""
+    if policy is None:
+        _POLICIES.pop(model, None)
+    else:
+        _POLICIES[model] = policy
+
+
+def policy_for(model) -> AutoPolicy:
+    return _POLICIES.get(model, AutoPolicy())
+
+
+@dataclass
+class Chooser:
+    """The choice of one call's segments (module docstring)."""
+
+    costs: CostTable
+    candidates: list[Candidate]
+    loops: int
+    policy: AutoPolicy
+    acceptance: Acceptance
+    plain_streak: int = 0  # consecutive plain segments chosen for low acceptance
+    last: Candidate | None = None
+    length: int = 0  # tokens of the last segment
+
+    def estimates(self, rate_of) -> dict[Candidate, float]:
+        return {c: speedup(self.costs, c, self.loops, rate_of(c)) for c in self.candidates}
+
+    def next(self, first: bool = False) -> tuple[Candidate, int | None, str, float | None, dict[str, float]]:
+        """(candidate, tokens or None for the rest of the call, reason, acceptance used, speed-ups by name). For the
+        `first` segment of a call, plain decoding chosen for low acceptance is for the whole call (it then needs no
+        cache that later segments can continue), unless `reprobe_calls` such calls came since the last probe."""
+        policy = self.policy
+        speculative = [c for c in self.candidates if c.mode is not None]
+        observed = self.acceptance.rate(1, policy.min_verified) is not None
+        if not observed:
+            optimistic = self.estimates(lambda c: 1.0)
+            if not speculative or max(optimistic[c] for c in speculative) < policy.margin:
+                return PLAIN, None, "costs", None, _named(optimistic)
+            prior = self.estimates(lambda c: policy.prior)
+            best = max(speculative, key=prior.get)
+            return self._run(best, policy.probe_tokens, "probe", None, prior)
+        rates = {c: self.acceptance.rate(c.draft_loops or 1, policy.min_verified) for c in self.candidates}
+        estimates = self.estimates(rates.get)
+        best = max(speculative, key=estimates.get)
+        if estimates[best] >= policy.margin:
+            self.plain_streak = 0
+            return self._run(best, None, "acceptance", rates[best], estimates)
+        streak, limit = (self.acceptance.plain_calls, policy.reprobe_calls) if first else (self.plain_streak,
+                                                                                          policy.reprobe_after)
+        if streak >= limit:
+            self.plain_streak = self.acceptance.plain_calls = 0
+            return self._run(best, policy.probe_tokens, "reprobe", rates[best], estimates)
+        if first:
+            self.acceptance.plain_calls += 1
+            return PLAIN, None, "acceptance", rates[best], _named(estimates)
+        self.plain_streak += 1
+        return self._run(PLAIN, None, "acceptance", rates[best], estimates)
+
+    def _run(self, candidate: Candidate, tokens: int | None, reason: str, rate: float | None,
+             estimates: dict[Candidate, float]):
+        """Record the choice; the segment length: `tokens`, or the interval (doubled while unchanged)."""
+        if tokens is None:
+            unchanged = candidate == self.last
+            tokens = min(self.length * 2, self.policy.max_interval) if unchanged else self.policy.interval
+        self.last, self.length = candidate, tokens
+        return candidate, tokens, reason, rate, _named(estimates)
+
+
+def _named(estimates: dict[Candidate, float]) -> dict[str, float]:
+    return {c.name: round(v, 4) for c, v in estimates.items()}

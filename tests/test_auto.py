@@ -1,0 +1,254 @@
+"""`speculative_mode="auto"`: segments of plain / block / pipeline decoding chosen from a cost table and the observed
+acceptance (`hf_loopspec.generation.auto`).
+
+Every test injects a fixed cost table (`auto_costs.set_costs`) and a short policy (`auto_policy.set_policy`), so the
+choice is deterministic and nothing is timed; forced draft patterns (`draft_hook`) make the acceptance, and so the
+choice, change. References are independent of auto: plain greedy decoding (tokens, counts and the KV cache), the
+cost model evaluated by hand, and for sampling the same chain of fixed-mode `generate` calls, seeded alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import pytest
+import torch
+from inputs import left_pad, random_prompts
+from speculative_utils import (
+    PAD,
+    assert_cache_matches_ar,
+    assert_counter_invariants,
+    first_new_occurrence,
+    forcing_hook,
+    generate_dict,
+    generated_counts,
+    plain,
+    tiny_spec_model,
+)
+from tolerances import ouro_depth
+from transformers import DynamicCache, GenerationConfig
+
+from hf_loopspec import PagedLoopCache
+from hf_loopspec.bench import args as bench_args
+from hf_loopspec.bench.args import parse_modes
+from hf_loopspec.bench.main import run_bench
+from hf_loopspec.generation.auto_costs import Candidate, CostTable, costs_for, observe, set_costs
+from hf_loopspec.generation.auto_policy import AutoPolicy, forget, set_policy
+from hf_loopspec.prompting import generate_kwargs
+
+VOCAB, NEW = 64, 48
+PIPE1, PIPE2, BLOCK = Candidate("pipeline", 1), Candidate("pipeline", 2), Candidate("block", 1, 4)
+# one plain step costs 4 units and an engine cycle 2: pipeline(d=1) wins 2x at acceptance 1, breaks even at 2/3
+# (speed-up 2 / (4 - 3a)); pipeline(d=2) never beats plain (1 / (2 - a)); block(d=1, K=4) at most 1.25x
+SPECULATIVE_WINS = CostTable(4.0, {PIPE1: 2.0, PIPE2: 2.0, BLOCK: 2.0})
+PLAIN_WINS = CostTable(1.0, {PIPE1: 5.0, PIPE2: 5.0, BLOCK: 5.0})  # no setting beats plain even at acceptance 1
+POLICY = AutoPolicy(interval=6, max_interval=12, probe_tokens=4, reprobe_after=1, min_verified=2)
+
+
+@pytest.fixture(scope="module")
+def case():
+    model = tiny_spec_model(5, vocab=VOCAB, damp=0.3)
+    prompts = random_prompts(5, [5, 3], VOCAB)
+    ids, mask = left_pad(prompts)
+    ref = plain(model, ids, mask, NEW)
+    reference = [row[m.bool()].tolist() for row, m in zip(ref.sequences, torch.cat(
+        [mask, torch.ones(len(ids), NEW, dtype=mask.dtype)], 1))]
+    return model, prompts, ids, mask, ref, reference
+
+
+@pytest.fixture(autouse=True)
+def fixed_costs(case):
+    model = case[0]
+    set_policy(model, POLICY)
+    yield
+    forget(model)
+    set_costs(model, None)
+    set_policy(model, None)
+
+
+def accept_outside(low: int, high: int):
+    """Drafts of generated tokens i with low <= i < high are wrong, the others right."""
+    return lambda seq, i: not low <= i < high
+
+
+def test_choice_follows_forced_acceptance(case):
+    """Right drafts, then wrong ones from token 12 to 30, then right ones: auto probes pipeline(d=1), keeps it,
+    falls back to plain once the rejections show, probes again and returns to pipeline when drafts are right again;
+    the tokens equal plain decoding's, and the reported speed-ups are the cost model's at the reported acceptance."""
+    model, prompts, ids, mask, ref, reference = case
+    set_costs(model, SPECULATIVE_WINS)
+    hook = forcing_hook(reference, [len(p) for p in prompts], accept_outside(12, 30), VOCAB)
+    out = generate_dict(model, ids, mask, NEW, speculative_mode="auto", draft_hook=hook)
+    assert torch.equal(out.sequences, ref.sequences)
+    stats, choices = out.speculation, out.speculation.choices
+    assert (choices[0].mode, choices[0].draft_loops, choices[0].reason) == ("pipeline", 1, "probe")
+    starts = [c.at_token for c in choices]
+    assert starts == [0] + [sum(c.tokens for c in choices[:i]) for i in range(1, len(choices))]
+    assert sum(c.tokens for c in choices) == NEW
+    modes = [(c.mode, c.at_token) for c in choices]
+    first_plain = next(at for mode, at in modes if mode == "plain")
+    assert 12 <= first_plain <= 30, modes  # the rejections were noticed within the wrong stretch
+    assert any(mode == "pipeline" and at >= 30 for mode, at in modes), modes  # and their end too
+    assert stats.switches == [b.at_token for a, b in zip(choices, choices[1:]) if (a.mode, a.draft_loops,
+                              a.num_speculative_tokens) != (b.mode, b.draft_loops, b.num_speculative_tokens)]
+    for choice in choices[1:]:
+        a = choice.acceptance
+        assert choice.speedups["pipeline(d=1)"] == pytest.approx(2 / (4 - 3 * a), abs=1e-3)
+        tokens_per_round = sum(a ** i for i in range(5))
+        assert choice.speedups["block(d=1,K=4)"] == pytest.approx(tokens_per_round / 4, abs=1e-3)
+    assert stats.plain_tokens == sum(c.tokens for c in choices if c.mode == "plain")
+    assert_counter_invariants(stats, [NEW] * len(ids))
+
+
+def test_plain_when_no_setting_can_win(case):
+    """A cost table under which no speculative setting beats plain even at acceptance 1: one plain segment for
+    the whole call, and no draft is ever made (the hook is never called)."""
+    model, prompts, ids, mask, ref, reference = case
+    set_costs(model, PLAIN_WINS)
+    calls = []
+    hook = forcing_hook(reference, [len(p) for p in prompts], accept_outside(0, 0), VOCAB, calls)
+    out = generate_dict(model, ids, mask, NEW, speculative_mode="auto", draft_hook=hook)
+    assert torch.equal(out.sequences, ref.sequences)
+    [choice] = out.speculation.choices
+    assert (choice.mode, choice.reason, choice.tokens, choice.acceptance) == ("plain", "costs", NEW, None)
+    assert calls == [] and out.speculation.drafted == 0
+    assert out.speculation.core_calls == model.num_loops * NEW
+
+
+def test_later_calls_start_from_observed_acceptance(case):
+    """Every draft wrong: the first call probes and turns plain; the next call, knowing the acceptance, decodes
+    plainly throughout on transformers' `DynamicCache` with no probe; after `reprobe_calls` such calls one probes
+    again. Every call's tokens equal plain decoding's."""
+    model, prompts, ids, mask, ref, reference = case
+    set_costs(model, SPECULATIVE_WINS)
+    set_policy(model, replace(POLICY, reprobe_calls=1))
+    hook = forcing_hook(reference, [len(p) for p in prompts], accept_outside(0, NEW), VOCAB)
+    runs = [generate_dict(model, ids, mask, NEW, speculative_mode="auto", draft_hook=hook) for _ in range(3)]
+    assert all(torch.equal(out.sequences, ref.sequences) for out in runs)
+    first, second, third = (out.speculation.choices for out in runs)
+    assert [c.reason for c in first[:2]] == ["probe", "acceptance"] and first[1].mode == "plain"
+    assert [(c.mode, c.reason, c.tokens) for c in second] == [("plain", "acceptance", NEW)]
+    assert isinstance(runs[1].cache, DynamicCache) and runs[1].speculation.drafted == 0
+    assert third[0].reason == "reprobe" and third[0].mode == "pipeline"
+
+
+def test_rows_that_stop_stay_stopped(case):
+    """Row 0 stops at EOS early; the later segments keep it stopped: tokens and every KV plane of the returned cache
+    equal plain decoding's (which feeds the stopped row pad tokens)."""
+    model, prompts, ids, mask, _, reference = case
+    set_costs(model, SPECULATIVE_WINS)
+    first = [first_new_occurrence(r[len(p):]) for r, p in zip(reference, prompts)]
+    eos = next(t for t, i in first[0].items() if 8 <= i <= 16 and t not in first[1])  # stops row 0 only
+    ref = plain(model, ids, mask, 30, eos_token_id=eos)
+    hook = forcing_hook(reference, [len(p) for p in prompts], accept_outside(20, 24), VOCAB)
+    out = generate_dict(model, ids, mask, 30, speculative_mode="auto", draft_hook=hook, eos_token_id=eos)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(out.speculation.choices) > 2 and out.speculation.choices[-1].reason == "stopped-rows"
+    counts = generated_counts(out.sequences, ids.shape[1], 30, eos)
+    assert_counter_invariants(out.speculation, counts)
+    assert_cache_matches_ar(out.cache, ref.cache, mask, [out.sequences.shape[1] - ids.shape[1]] * len(ids),
+                            model.config.num_hidden_layers, model_depth=ouro_depth(model.config))
+
+
+def test_sampling_equals_the_chain_of_its_choices(case):
+    """Sampled: an auto call (switching as the forced pattern makes it) equals, seed for seed, the chain of
+    fixed-mode `generate` calls its choices name, each continuing the previous one's cache."""
+    model, prompts, ids, mask, _, _ = case
+    set_costs(model, SPECULATIVE_WINS)
+
+    def hook(seq, position, proposed):  # drafts for positions 14..25 of row 0 are wrong (a fixed token)
+        return (proposed + 1) % VOCAB if seq == 0 and 14 <= position < 26 else proposed
+
+    sampling = dict(do_sample=True, temperature=1.3, draft_hook=hook)
+    torch.manual_seed(11)
+    out = generate_dict(model, ids, mask, 30, speculative_mode="auto", **sampling)
+    assert len({c.mode for c in out.speculation.choices}) == 2  # plain and pipeline segments both ran
+    torch.manual_seed(11)
+    sequences, seg_mask, cache = ids, mask, PagedLoopCache(model.kv_layout)
+    for choice in out.speculation.choices:
+        setting = Candidate(None if choice.mode == "plain" else choice.mode, choice.draft_loops,
+                            choice.num_speculative_tokens)
+        sequences = generate_dict(model, sequences, seg_mask, choice.tokens, cache=cache, **setting.kwargs(),
+                                  **sampling).sequences
+        seg_mask = torch.cat([seg_mask, torch.ones(len(ids), choice.tokens, dtype=mask.dtype)], 1)
+    assert torch.equal(out.sequences, sequences)
+
+
+def test_from_generation_config_and_saved(case, tmp_path):
+    """`speculative_mode="auto"` on a `GenerationConfig` and through save_pretrained / from_pretrained."""
+    model, _, ids, mask, ref, _ = case
+    set_costs(model, SPECULATIVE_WINS)
+    config = GenerationConfig(speculative_mode="auto", max_new_tokens=NEW, pad_token_id=PAD, do_sample=False,
+                              return_dict_in_generate=True)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, generation_config=config)
+    assert torch.equal(out.sequences, ref.sequences) and out.speculation.mode == "auto"
+    model.generation_config.speculative_mode = "auto"
+    try:
+        model.save_pretrained(tmp_path)
+    finally:
+        model.generation_config.speculative_mode = None
+    loaded = type(model).from_pretrained(tmp_path)
+    assert loaded.generation_config.speculative_mode == "auto"
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"second_draft_loops": 2}, "second_draft_loops=2"),
+    ({"draft_loops": 4}, "draft_loops=4"),
+    ({"num_beams": 2}, "num_beams=2"),
+    ({"cache": DynamicCache()}, "DynamicCache"),
+])
+def test_refusals_name_the_argument(case, kwargs, named):
+    model, _, ids, mask, _, _ = case
+    set_costs(model, SPECULATIVE_WINS)
+    with pytest.raises(ValueError, match=named):
+        generate_dict(model, ids, mask, 4, speculative_mode="auto", **kwargs)
+
+
+def test_costs_are_measured_once(case):
+    """Without an injected table the first call measures one (a positive cost per candidate), later calls reuse it."""
+    model = case[0]
+    set_costs(model, None)
+    table = costs_for(model, 1, [Candidate(None), PIPE1])
+    assert table.plain_step > 0 and table.cycle[PIPE1] > 0
+    assert costs_for(model, 1, [Candidate(None), PIPE1]) is table
+
+
+def test_measured_tables_follow_the_segments(case):
+    """A measured table (adapt) moves halfway to each observed cost; plain observations scale the speculative
+    costs alike; an injected table stays as it is."""
+    model = case[0]
+    set_costs(model, CostTable(4.0, {PIPE1: 2.0}, adapt=True), batch=2)
+    observe(model, 2, PIPE1, seconds=30.0, steps=10)  # 3 s per call: 2 -> 2.5
+    observe(model, 2, PIPE1, seconds=10.0, steps=10)  # 1 s per call: 2.5 -> 1.75
+    observe(model, 2, Candidate(None), seconds=12.0, steps=2)  # plain 6 s per step: 4 -> 5, so pipeline x 1.25
+    assert costs_for(model, 2, [PIPE1]) == CostTable(5.0, {PIPE1: 1.75 * 1.25}, adapt=True)
+    set_costs(model, SPECULATIVE_WINS, batch=2)
+    observe(model, 2, PIPE1, seconds=30.0, steps=10)
+    assert costs_for(model, 2, [PIPE1]) is SPECULATIVE_WINS
+
+
+def test_command_line_auto():
+    """`--mode auto` passes only the speculative settings the user gave; the bench takes auto in --modes."""
+    args = argparse.Namespace(max_new_tokens=8, do_sample=False, temperature=None, top_k=None, top_p=None,
+                              repetition_penalty=None, mode="auto", draft_loops=1, num_speculative_tokens=4)
+    model = argparse.Namespace(generation_config=GenerationConfig(pad_token_id=0))
+    assert generate_kwargs(args, model, None)["speculative_mode"] == "auto"
+    assert "draft_loops" not in generate_kwargs(args, model, None)
+    args.speculative_given = {"--draft-loops": 2}
+    args.draft_loops = 2
+    assert generate_kwargs(args, model, None)["draft_loops"] == 2
+    assert parse_modes("plain,pipeline,auto") == ["plain", "pipeline", "auto"]
+
+
+def test_bench_runs_auto_beside_the_fixed_modes():
+    """`hf-loopspec bench --modes plain,pipeline,auto`: auto's row is checked against plain greedy decoding like the
+    fixed modes' and lists what its segments ran."""
+    args = bench_args.parse_args(["--model", "ouro-tiny", "--device", "cpu", "--prompt-len", "8", "--new-tokens", "8",
+                                  "--repeats", "1", "--calibration-seconds", "0.05", "--quiet",
+                                  "--modes", "plain,pipeline,auto"])
+    rows = {row["mode"]: row for row in run_bench(args)["rows"]}
+    assert rows["auto"]["check_passed"] is True and rows["pipeline"]["check_passed"] is True
+    choices = rows["auto"]["auto_choices"]
+    assert choices and sum(c["tokens"] for c in choices) == 8
