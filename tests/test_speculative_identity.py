@@ -114,17 +114,22 @@ def test_token_identity_matrix(loops, batch):
 
 @pytest.mark.parametrize("loops", [2, 3, 4])
 def test_batch_of_one(loops):
-    """Literal batch-size-1 calls: one seed per damping x every valid (mode, d, K)."""
+    """Literal batch-size-1 calls: every valid (mode, d, K) once on the engine, on one seed per damping in turn (the
+    i-th setting on seed i % 3), so every damping and every setting is seen at batch size 1; on seed 0 (undamped: long
+    rejection chains) the reference runs its settings too, with its lineage checks."""
+    settings = combos(loops)
     for seed in range(len(DAMPS)):
         model = tiny_spec_model(500 * loops + seed, loops, vocab=VOCAB, damp=DAMPS[seed])
         ids, mask = left_pad(random_prompts(seed, [2 + seed % 7], VOCAB))
         ref = plain(model, ids, mask, NEW)
-        for mode, d, k in combos(loops):
-            out = speculative(model, ids, mask, NEW, mode, d, k, debug=seed == 0)
-            label = f"(U={loops}, batch 1, seed={seed}, mode={mode}, d={d}, K={k})"
+        runs = [(*setting, debug) for setting in settings[seed:: len(DAMPS)] for debug in {False, seed == 0}]
+        for mode, d, k, debug in runs:
+            out = speculative(model, ids, mask, NEW, mode, d, k, debug=debug)
+            label = f"(U={loops}, batch 1, seed={seed}, mode={mode}, d={d}, K={k}, engine={out.speculation.engine})"
             if not torch.equal(out.sequences, ref.sequences):
                 traced = speculative(model, ids, mask, NEW, mode, d, k, speculative_trace="hidden")
                 pytest.fail(divergence_report(model, ids, mask, ref.sequences, traced, label))
+            assert out.speculation.engine == ("lanes" if debug else "wavefront")
             assert_counter_invariants(out.speculation, [NEW])
 
 
