@@ -37,15 +37,25 @@ metric_list:
 
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory):
-    """The task folder (YAML + JSONL); offline: no Hub, datasets' cache in a temporary folder."""
+    """The task folder (YAML + JSONL); offline: no Hub, datasets' cache in a temporary folder. lm-eval's task
+    manager indexes only this folder (`include_defaults=False`), not the thousands of task files lm-eval ships (which
+    every run would parse again, most of a run's time); the run, its `hf` backend and its stop sequences are lm-eval's
+    own."""
     folder = tmp_path_factory.mktemp("lm_eval_task")
     data = folder / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "target": "pass"}) + "\n" for p in PROMPTS), encoding="utf-8")
     (folder / f"{TASK}.yaml").write_text(YAML.format(task=TASK, data=data), encoding="utf-8")
+    from lm_eval import tasks  # the test extra installs lm-eval
+
+    class OwnTasksOnly(tasks.TaskManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{"include_defaults": False} | kwargs)
+
     with pytest.MonkeyPatch.context() as env:
         for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
             env.setenv(key, "1")
         env.setenv("HF_DATASETS_CACHE", str(folder / "datasets_cache"))
+        env.setattr(tasks, "TaskManager", OwnTasksOnly)
         yield folder
 
 

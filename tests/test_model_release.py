@@ -4,7 +4,8 @@ compiled functions (the wavefront engine's steps) live on the model itself, so c
 
 Checked with the `eager` backend (as the engine's compile tests): dynamo's tracing and caches, without inductor's
 code generation, which takes minutes on a small CPU; the references the package creates are the same for every
-backend."""
+backend. One cycle per compiled call (`one_cycle_per_call`): the references do not depend on how many cycles a
+compiled function unrolls, the tracing time does."""
 
 from __future__ import annotations
 
@@ -12,15 +13,23 @@ import copy
 import gc
 import weakref
 
+import pytest
 import torch
 from inputs import left_pad, random_prompts
 from speculative_utils import plain, speculative, tiny_spec_model
 
 from hf_loopspec.generation import compiled
 from hf_loopspec.generation.wavefront import compiling
+from hf_loopspec.generation.wavefront import engine as engine_module
 
 VOCAB = 96
 STORE = compiling.STORE  # where the engine keeps its compiled functions
+
+
+@pytest.fixture(autouse=True)
+def one_cycle_per_call(monkeypatch):
+    """Compiled runs of this module unroll one cycle per call of the step function."""
+    monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 1)
 
 
 def compiled_run(backend: str, seed: int = 3):

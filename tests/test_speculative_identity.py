@@ -2,9 +2,11 @@
 
 What is compared and why: docs/design.md, "Testing principles".
 
-The matrix: 30 seeds x 40 new tokens x every valid (mode, draft_loops d, num_speculative_tokens K) for
+The matrix: 15 seeds x 40 new tokens x every valid (mode, draft_loops d, num_speculative_tokens K) for
 U in {2, 3, 4} loops (pipeline: U % d == 0; block: K in {1, 2, 4, 8}; always 1 <= d < U) x {one unpadded prompt
-per seed, three ragged left-padded prompts per seed}. The seeds of one damping are decoded together as one batch
+per seed, three ragged left-padded prompts per seed}. Each damping gets 5 seeds, whose ragged prompt lengths
+(`BATCHES`) take every combination the shape has for that damping once. The seeds of one damping are decoded
+together as one batch
 (the decoder keeps sequences apart, so each seed's rows are an independent check); plain greedy (transformers'
 loop on a DynamicCache) runs once per batch and every combination is compared with it. Each run also checks the
 counter identities and that every KV plane equals the serial AR cache (I4). Literal batch-size-1 calls are
@@ -45,7 +47,9 @@ from speculative_utils import (
 )
 from tolerances import ouro_depth
 
-SEEDS = 30  # prompt seeds per (U, batch shape); every seed is checked against every valid (mode, d, K)
+# prompt seeds per (U, batch shape); every seed is checked against every valid (mode, d, K). Seed s goes to damping
+# s % 3, so each damping's 5 seeds have the ragged shape's first length 3 + s % 5 once for each residue mod 5.
+SEEDS = 15
 NEW = 40
 VOCAB = 96
 DAMPS = (1.0, 0.2, 0.04)  # one model per damping: acceptance from ~0.05 (undamped, U=4) to ~0.8
@@ -62,13 +66,16 @@ def test_combos_cover_the_matrix():
     assert combos(2) == [("pipeline", 1, None)] + [("block", 1, k) for k in (1, 2, 4, 8)]
     assert ("pipeline", 2, None) not in combos(3) and len(combos(3)) == 9
     assert len(combos(4)) == 10
+    for group in range(len(DAMPS)):  # each damping's seeds take every ragged prompt shape of that damping once
+        shapes = [tuple(BATCHES["ragged3"](seed, group)) for seed in range(group, SEEDS, len(DAMPS))]
+        assert len(set(shapes)) == len(shapes) == 5
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("loops", [2, 3, 4])
 def test_token_identity_matrix(loops, batch):
-    """30 seeds x 40 new tokens x every valid (mode, d, K), for one U and one batch shape.
+    """15 seeds x 40 new tokens x every valid (mode, d, K), for one U and one batch shape.
 
     The lane decoder keeps every sequence of a batch apart (own lanes, own block tables; rows share only the core
     call), so the seeds of one damping are decoded as the sequences of one batch: each seed's rows are an
@@ -107,17 +114,22 @@ def test_token_identity_matrix(loops, batch):
 
 @pytest.mark.parametrize("loops", [2, 3, 4])
 def test_batch_of_one(loops):
-    """Literal batch-size-1 calls: one seed per damping x every valid (mode, d, K)."""
+    """Literal batch-size-1 calls: every valid (mode, d, K) once on the engine, on one seed per damping in turn (the
+    i-th setting on seed i % 3), so every damping and every setting is seen at batch size 1; on seed 0 (undamped: long
+    rejection chains) the reference runs its settings too, with its lineage checks."""
+    settings = combos(loops)
     for seed in range(len(DAMPS)):
         model = tiny_spec_model(500 * loops + seed, loops, vocab=VOCAB, damp=DAMPS[seed])
         ids, mask = left_pad(random_prompts(seed, [2 + seed % 7], VOCAB))
         ref = plain(model, ids, mask, NEW)
-        for mode, d, k in combos(loops):
-            out = speculative(model, ids, mask, NEW, mode, d, k, debug=seed == 0)
-            label = f"(U={loops}, batch 1, seed={seed}, mode={mode}, d={d}, K={k})"
+        runs = [(*setting, debug) for setting in settings[seed:: len(DAMPS)] for debug in {False, seed == 0}]
+        for mode, d, k, debug in runs:
+            out = speculative(model, ids, mask, NEW, mode, d, k, debug=debug)
+            label = f"(U={loops}, batch 1, seed={seed}, mode={mode}, d={d}, K={k}, engine={out.speculation.engine})"
             if not torch.equal(out.sequences, ref.sequences):
                 traced = speculative(model, ids, mask, NEW, mode, d, k, speculative_trace="hidden")
                 pytest.fail(divergence_report(model, ids, mask, ref.sequences, traced, label))
+            assert out.speculation.engine == ("lanes" if debug else "wavefront")
             assert_counter_invariants(out.speculation, [NEW])
 
 
