@@ -56,7 +56,6 @@ def test_static_batches_serve_each_request_as_plain_generate_alone(model, mode):
     assert served.seconds == max(served.finished.values())
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason="continuous batching on the engine is not merged")
 @pytest.mark.parametrize("mode", [None, "pipeline"])
 def test_continuous_batching_serves_each_request_as_plain_generate_alone(model, mode):
     requests = make_workload(5, (2, 7), (2, 6), VOCAB, seed=2, rate=200.0)

@@ -153,8 +153,6 @@ def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, referenc
     assert modes == ["block"] * len(block) + ["pipeline"] * len(CASES)
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError,
-                   reason="continuous batching on the engine is not merged yet")
 def test_serve_with_continuous_batching_answers_as_plain_generate(checkpoint, reference):
     config = transformers.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False)
     # the server starts transformers' manager this way on its first request (an HTTP 500 if the model refuses)

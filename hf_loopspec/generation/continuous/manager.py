@@ -35,7 +35,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from ...logs import get_logger
 from ..rules import non_finite_error
-from .settings import eos_ids, manager_settings, request_problem
+from .settings import OVERRIDE, eos_ids, manager_settings, override_tokens, request_problem
 from .slots import SlotBatch
 
 logger = get_logger(__name__)
@@ -142,9 +142,14 @@ class LoopBatchingManager:
 
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, record_timestamps: bool = False, eos_token_id=None,
-                    **logit_processor_kwargs) -> str | None:
+                    draft_override=None, **logit_processor_kwargs) -> str | None:
         """Queue one request (see transformers' manager); returns its id. A request that cannot run is delivered
-        FAILED at once, with the reason as its error. `logit_processor_kwargs`: `seed` (sampling), nothing else."""
+        FAILED at once, with the reason as its error. `logit_processor_kwargs`: `seed` (sampling), nothing else.
+
+        `draft_override` (tests and benchmarks only, a speculative manager): a list or 1-D integer tensor over the
+        request's own positions (prompt first, position 0), at most prompt + `max_new_tokens` long; a draft for
+        position p becomes `draft_override[p]` where that is >= 0 (-1: the model's own draft). Verification stays
+        real, so the tokens do not change; only which drafts are accepted. `ValueError` here when it is malformed."""
         denial = self.background_thread_status.can_accept_new_requests()
         if denial is not None:
             logger.warning("%s: the request is dropped.", denial)
@@ -162,6 +167,8 @@ class LoopBatchingManager:
         if problem:
             self.output_router.fail_and_deliver(state, ValueError(f"request {request_id}: {problem}"))
             return request_id
+        if draft_override is not None:
+            state.logit_processor_kwargs[OVERRIDE] = override_tokens(self.settings, draft_override, len(ids) + max_new)
         self.input_queue.put(state)
         self._wake_up_loop.set()
         return request_id
@@ -294,7 +301,8 @@ class LoopBatchingManager:
         if seed is None and self.settings.do_sample:  # from the manager's seed, or torch's global generator
             seed = int(torch.randint(2**62, (), generator=self._seeds))
         try:
-            slots.admit(b, state.initial_tokens, state.max_new_tokens, sorted(state._eos_token_ids), seed)
+            slots.admit(b, state.initial_tokens, state.max_new_tokens, sorted(state._eos_token_ids), seed,
+                        state.logit_processor_kwargs.get(OVERRIDE))
         except Exception as error:  # this request's own failure (its slot stays free): the others go on
             slots.cancel(b)
             self.output_router.fail_and_deliver(state, error)
