@@ -44,6 +44,24 @@ CANCELLED = "cancelled"  # the error text of a request cancelled by `cancel_requ
 IDLE_WAIT_S = 0.1  # the loop's wait for work when no slot is busy
 
 
+class Router(OutputRouter):
+    """transformers' `OutputRouter`, whose deliveries without a handler are queued under its lock (so a handler
+    registered meanwhile finds them: `take_queued`)."""
+
+    def deliver(self, output: GenerationOutput) -> None:
+        self.deliver_batch([output])
+
+    def take_queued(self, request_id: str) -> list[GenerationOutput]:
+        """Take `request_id`'s results out of the output queue, in order, leaving the others' (call under the lock)."""
+        queued = []
+        while not self.output_queue.empty():
+            queued.append(self.output_queue.get_nowait())
+        for result in queued:
+            if result.request_id != request_id:
+                self.output_queue.put(result)
+        return [result for result in queued if result.request_id == request_id]
+
+
 class LoopBatchingManager:
     """Continuous batching of one looped model (see the module docstring). Build it with
     `model.init_continuous_batching(generation_config, continuous_batching_config, workload_hints)`."""
@@ -55,12 +73,13 @@ class LoopBatchingManager:
         self.settings = manager_settings(model, self.generation_config, continuous_batching_config, workload_hints)
         self.input_queue: queue.Queue[RequestState] = queue.Queue()
         self.cancel_queue: queue.Queue[str] = queue.Queue()
-        self.output_router = OutputRouter()
+        self.output_router = Router()
         self.background_thread_status = BackgroundThreadStatus()
         self._request_counter, self._request_lock = 0, threading.Lock()
         self._wake_up_loop = threading.Event()
         self._generation_thread: threading.Thread | None = None
         self._seeds = torch.Generator().manual_seed(self.settings.seed) if self.settings.seed is not None else None
+        self._inference_mode = torch.is_inference_mode_enabled()  # the loop thread runs in the creator's mode
         # transformers' name for the device side; built now, so that a manager that cannot run raises here
         self.batch_processor: SlotBatch | None = SlotBatch(model, self.settings)
         self.warmed_up = False
@@ -223,16 +242,23 @@ class LoopBatchingManager:
 
         def handle(result):
             callback(result)
-            if result.is_finished():
+            if result.is_finished() or result.status == RequestStatus.FAILED:
                 with self.output_router._lock:
                     self.output_router.result_handlers.pop(request_id, None)
 
-        with self.output_router._lock:
+        with self.output_router._lock:  # what was delivered before (a request refused by add_request) comes too
             self.output_router.result_handlers[request_id] = (handle, loop)
+            early = self.output_router.take_queued(request_id)
+        for result in early:
+            loop.call_soon(handle, result)
 
     # --- the loop ----------------------------------------------------------------------------------------------
 
     def _run_generation_loop(self) -> None:
+        with torch.inference_mode(self._inference_mode):  # the mode the state's tensors were made in (per thread)
+            self._serve()
+
+    def _serve(self) -> None:
         owners: list[RequestState | None] = []
         waiting: deque[RequestState] = deque()
         try:
