@@ -228,6 +228,8 @@ def test_settings_a_manager_cannot_run_are_refused_at_init(model):
     """Generation settings the manager does not run raise at `init_continuous_batching`, naming them."""
     with pytest.raises(ValueError, match="MinNewTokensLengthLogitsProcessor .* drop that setting"):
         model.init_continuous_batching(generation_config(SETTINGS["plain"], min_new_tokens=3, eos_token_id=5))
+    with pytest.raises(ValueError, match=r"stop_strings=\['\\n'\] in continuous batching"):
+        model.init_continuous_batching(generation_config(SETTINGS["plain"], stop_strings=["\n"]))
     with pytest.raises(ValueError, match="num_return_sequences=2"):
         model.init_continuous_batching(generation_config(SETTINGS["plain"], num_return_sequences=2, do_sample=True))
 

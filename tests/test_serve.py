@@ -22,7 +22,7 @@ from cli_utils import one_error_line
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_loopspec
-from hf_loopspec import cli, serving
+from hf_loopspec import cli, serving, serving_batching
 from hf_loopspec.generation import mixin
 from hf_loopspec.generation.continuous.manager import LoopBatchingManager
 from hf_loopspec.generation.dispatch import SpeculativeRequest
@@ -186,9 +186,10 @@ def test_serve_with_continuous_batching_answers_as_plain_generate(checkpoint, re
         assert re.search(r"speculative_mode='block' \(the manager's: 'pipeline'\)",
                          refusal(lambda: ask(fast, checkpoint, "block", PROMPTS[0], False)))
         for stream in (False, True):  # too long for a slot (C = 1024 positions)
-            call = lambda: list(fast.completions.create(model=checkpoint, prompt="x = [", max_tokens=1100,  # noqa: E731
-                                                        stream=True)) if stream else \
-                fast.completions.create(model=checkpoint, prompt="x = [", max_tokens=1100)
+            def call(stream=stream):
+                response = fast.completions.create(model=checkpoint, prompt="x = [", max_tokens=1100, stream=stream)
+                return list(response) if stream else response
+
             assert re.search(r"needs \d+ positions, and a slot of this manager holds 1024", refusal(call)), stream
         assert ask(fast, checkpoint, "completions", PROMPTS[2], True)[0] == expected(reference, "completions",
                                                                                       PROMPTS[2])[0]
@@ -227,3 +228,28 @@ def test_a_file_as_model_is_one_line_exit_2(capsys, tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     assert cli.main(["serve", str(tmp_path / "weights.bin")]) == 2
     assert "is a file; pass the checkpoint folder" in one_error_line(capsys, "serve")
+
+
+def test_a_request_joins_a_running_manager_only_with_its_settings(checkpoint):
+    """`serving_batching`: a request's settings are the checkpoint's overlaid with what it sets (as `generate` merges
+    them); only max_new_tokens and EOS may differ from the manager's, sampling keys only matter when sampling; the
+    first request's settings that no manager runs are an HTTP 400 naming them."""
+    from fastapi import HTTPException
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    checkpoints = model.generation_config  # greedy, pipeline
+    first = transformers.GenerationConfig(**{**checkpoints.to_dict(), "max_new_tokens": 6, "temperature": 0.0})
+    same = [transformers.GenerationConfig(**{**checkpoints.to_dict(), "max_new_tokens": 9, "eos_token_id": 3}),
+            transformers.GenerationConfig(do_sample=False)]  # a request's own JSON leaving the rest unset
+    assert [serving_batching.settings_problem(checkpoints, first, c) for c in same] == [None, None]
+    sampled = transformers.GenerationConfig(do_sample=True, temperature=0.5)
+    assert "do_sample=True (the manager's: False), temperature=0.5 (the manager's: 0.0)" in \
+        serving_batching.settings_problem(checkpoints, first, sampled)
+    manager = serving_batching.install()()
+    try:
+        with pytest.raises(HTTPException, match="stop_strings=.* in continuous batching") as refused:
+            manager.init_cb(model, transformers.GenerationConfig(**{**checkpoints.to_dict(), "stop_strings": ["\n"]}))
+        assert refused.value.status_code == 400 and manager._cb is None
+    finally:
+        from transformers.cli.serving import utils
+        utils.CBGenerateManager = manager.wrapped

@@ -58,6 +58,9 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
     if (getattr(config, "num_return_sequences", None) or 1) != 1 or (getattr(config, "num_beams", None) or 1) != 1:
         raise ValueError(f"num_return_sequences={config.num_return_sequences!r}, num_beams={config.num_beams!r}: "
                          "continuous batching on a looped model decodes one sequence per request; set both to 1.")
+    if getattr(config, "stop_strings", None):
+        raise ValueError(f"stop_strings={config.stop_strings!r} in continuous batching: a manager stops a request at "
+                         "its EOS ids and max_new_tokens only; drop stop_strings, or decode with model.generate.")
     if getattr(cb_config, "return_logprobs", False):
         raise ValueError("return_logprobs=True in the ContinuousBatchingConfig: the package's manager does not "
                          "record log-probabilities (GenerationOutput.logprobs stays empty); drop it.")
@@ -159,7 +162,8 @@ def override_tokens(settings: ManagerSettings, override, positions: int) -> list
                              "1-D integer tensor (or a list) over the request's positions.")
         override = override.tolist()
     if not isinstance(override, (list, tuple)):
-        raise ValueError(f"draft_override={override!r}: give a list or 1-D integer tensor over the request's positions.")
+        raise ValueError(f"draft_override={override!r}: give a list or 1-D integer tensor over the request's "
+                         "positions.")
     if len(override) > positions:
         raise ValueError(f"draft_override has {len(override)} entries, and the request reaches {positions} positions "
                          "(prompt + max_new_tokens): give at most that many.")
