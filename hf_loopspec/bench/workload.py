@@ -33,6 +33,8 @@ import torch
 from ..defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
 from .run import run_mode, synthetic_hook
 
+PAGE = 16  # the continuous batching manager's page size
+
 
 @dataclass(frozen=True)
 class Request:
@@ -145,9 +147,12 @@ def run_continuous(model, requests: list[Request], slots: int, generation_config
     when one fails or the run exceeds `timeout` seconds."""
     from transformers import ContinuousBatchingConfig
 
+    # each slot holds the longest request's positions, as a static batch holds its own longest (not the model's C)
+    longest = max(len(r.prompt) + r.new_tokens for r in requests)
     manager = model.init_continuous_batching(
         generation_config=generation_config,
-        continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=slots))
+        continuous_batching_config=ContinuousBatchingConfig(
+            max_requests_per_batch=slots, page_size=PAGE, max_blocks_per_request=-(-longest // PAGE)))
     speculative = manager.settings.mode != "ar"  # a plain manager makes no drafts to override
     names = {f"req-{r.index}": r for r in requests}
     outputs, finished, failures = {}, {}, []
