@@ -21,8 +21,9 @@ strings), chat's `logit_bias`, and `generation_config`: a JSON string of generat
 "pipeline" or "block", `draft_loops`, `num_speculative_tokens`, `do_sample`, `top_k`, ...); `generate` fills the keys
 it leaves unset from the checkpoint's config, so a request cannot turn a checkpoint's speculative default off (null
 counts as unset). With `--continuous-batching`, transformers builds one manager from the first request's settings and
-forwards only `max_tokens` and the EOS of later ones. Requests name the model as the server was given it (`GET
-/v1/models` lists it: the embedded model's folder by default) or leave it out.
+forwards only `max_tokens` and the EOS of later ones; a later request whose other settings differ, and a request the
+manager cannot serve, get HTTP 400 with the reason (`serving_batching`). Requests name the model as the server was
+given it (`GET /v1/models` lists it: the embedded model's folder by default) or leave it out.
 """
 
 from __future__ import annotations
@@ -131,6 +132,10 @@ def start(argv: list[str]):
 
     torch.set_num_threads(options.threads)
     expose_architecture(params["force_model"], params["trust_remote_code"])
+    if params.get("continuous_batching"):
+        from .serving_batching import install
+
+        install()
     note = chat_template_note(params["force_model"])
     if note:
         print(note, file=sys.stderr, flush=True)

@@ -56,7 +56,6 @@ def test_static_batches_serve_each_request_as_plain_generate_alone(model, mode):
     assert served.seconds == max(served.finished.values())
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason="continuous batching on the engine is not merged")
 @pytest.mark.parametrize("mode", [None, "pipeline"])
 def test_continuous_batching_serves_each_request_as_plain_generate_alone(model, mode):
     requests = make_workload(5, (2, 7), (2, 6), VOCAB, seed=2, rate=200.0)
@@ -96,15 +95,17 @@ def test_bad_arguments_are_one_line_exit_2(capsys, argv, message):
     assert err.startswith("bench_workload.py: error: ") and message in err, err
 
 
-def test_the_bench_runs_every_static_row_and_checks_it(tmp_path, capsys):
+def test_the_bench_runs_every_row_and_checks_it(tmp_path, capsys):
+    """The whole bench (both batchings, inside its inference mode), tiny."""
     path = tmp_path / "ragged.json"
     argv = ["--model", "ouro-tiny", "--device", "cpu", "--requests", "4", "--prompt-lens", "2-6", "--new-tokens", "2-5",
-            "--slots", "2", "--batching", "static", "--arrival-rate", "100", "--rounds", "2", "--synthetic-acceptance",
-            "0.9", "--json", str(path), "--quiet"]
+            "--slots", "2", "--arrival-rate", "100", "--rounds", "2", "--synthetic-acceptance", "0.9", "--json",
+            str(path), "--quiet"]
     assert workload_main.main(argv) == 0
     result = json.loads(path.read_text())
     rows = {(row["engine"], row["batching"], row["arrivals"]): row for row in result["rows"]}
-    assert set(rows) == {(e, "static", a) for e in ("plain", "pipeline") for a in ("burst", "poisson")}
+    assert set(rows) == {(e, b, a) for e in ("plain", "pipeline") for b in ("static", "continuous")
+                         for a in ("burst", "poisson")}
     assert result["all_checks_passed"] is True and all(len(row["rounds"]) == 2 for row in rows.values())
     for row in rows.values():
         assert row["tokens_per_s"] == pytest.approx(numpy.median([m["tokens_per_s"] for m in row["rounds"]]))

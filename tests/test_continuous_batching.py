@@ -223,6 +223,8 @@ def test_settings_a_manager_cannot_run_are_refused_at_init(model):
     """Generation settings the manager does not run raise at `init_continuous_batching`, naming them."""
     with pytest.raises(ValueError, match="MinNewTokensLengthLogitsProcessor .* drop that setting"):
         model.init_continuous_batching(generation_config(SETTINGS["plain"], min_new_tokens=3, eos_token_id=5))
+    with pytest.raises(ValueError, match=r"stop_strings=\['\\n'\] in continuous batching"):
+        model.init_continuous_batching(generation_config(SETTINGS["plain"], stop_strings=["\n"]))
     with pytest.raises(ValueError, match="num_return_sequences=2"):
         model.init_continuous_batching(generation_config(SETTINGS["plain"], num_return_sequences=2, do_sample=True))
 
@@ -244,3 +246,29 @@ def test_a_request_that_fails_at_admission_fails_alone(model, started, monkeypat
     results = collect(manager, ids)
     assert results[ids[0]].status == RequestStatus.FAILED and results[ids[0]].error == "embedding failed"
     assert results[ids[1]].generated_tokens == alone(model, good, 6)
+
+
+def test_a_draft_override_steers_acceptance_not_tokens(model, started):
+    """`add_request(draft_override=...)` (test/bench-only) replaces a slot's drafts by position of the request alone:
+    all right, every verified draft is accepted; all wrong, none is; either way the tokens are plain decoding's, and
+    the next owner of the slot drafts on its own again. A malformed override raises, naming what is wrong."""
+    manager = started(SETTINGS["pipeline-d1"], slots=1)
+    prompt = prompts(6, [5])[0]
+    want = alone(model, prompt, 24)
+    wrong = [(t + 1) % VOCAB for t in want]
+    seen = []
+    for drafts in ([-1] * 5 + want, torch.tensor([-1] * 5 + wrong), None):
+        request_id = manager.add_request(prompt, max_new_tokens=24, draft_override=drafts)
+        assert collect(manager, [request_id])[request_id].generated_tokens == want
+        seen.append(dict(zip(("accepted", "rejected"), manager.batch_processor.state.counters[0, 3:5].tolist())))
+    assert seen[0]["rejected"] == 0 < seen[0]["accepted"], seen
+    assert seen[1]["accepted"] == 0 < seen[1]["rejected"], seen
+    assert seen[2]["accepted"] > 0 and seen[2] != seen[0], seen
+    for bad, message in [([-1] * 30, "has 30 entries, and the request reaches 29 positions"),
+                         ([3, VOCAB], rf"holds \[{VOCAB}\]: give token ids in \[0, {VOCAB}\)"),
+                         (torch.zeros(2, 3, dtype=torch.long), r"shape \(2, 3\); give a 1-D integer tensor")]:
+        with pytest.raises(ValueError, match=message):
+            manager.add_request(prompt, max_new_tokens=24, draft_override=bad)
+    plain_manager = started(SETTINGS["plain"])
+    with pytest.raises(ValueError, match="draft_override on a manager that decodes plain"):
+        plain_manager.add_request(prompt, draft_override=[-1])

@@ -7,6 +7,7 @@ and exit status 2."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import time
@@ -21,8 +22,11 @@ from cli_utils import one_error_line
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_loopspec
-from hf_loopspec import cli, serving
+from hf_loopspec import cli, serving, serving_batching
 from hf_loopspec.generation import mixin
+from hf_loopspec.generation.continuous.manager import LoopBatchingManager
+from hf_loopspec.generation.dispatch import SpeculativeRequest
+from hf_loopspec.generation.wavefront.state import COUNTERS
 
 NEW_TOKENS = 6
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range(", "    return", "# Read the file",
@@ -71,17 +75,23 @@ def free_port() -> int:
 
 def start_server(checkpoint: str, *options: str):
     """`(Serve, client, calls, patch)`: the server running in a thread, an `openai` client for it, the list that
-    records every speculative `generate` the server runs, and the patch that records them (undo it after stopping)."""
+    records every speculative `generate` the server runs and every continuous-batching manager it starts, and the
+    patch that records them (undo it after stopping)."""
     calls = []
-    original = mixin.run_speculative
+    original, original_start = mixin.run_speculative, LoopBatchingManager.start
 
     def recording(model, request):
         calls.append(request)
         return original(model, request)
 
+    def recording_start(manager):
+        calls.append(manager)
+        return original_start(manager)
+
     port = free_port()
     patch = pytest.MonkeyPatch()
     patch.setattr(mixin, "run_speculative", recording)
+    patch.setattr(LoopBatchingManager, "start", recording_start)
     server = serving.start([checkpoint, "--port", str(port), "--host", "127.0.0.1", "--device", "cpu",
                             "--non-blocking", *options])
     deadline = time.monotonic() + READY_SECONDS
@@ -127,13 +137,15 @@ def expected(reference, endpoint: str, prompt: str) -> tuple[str, int]:
     return tokenizer.decode(new, skip_special_tokens=True), len(new)
 
 
-def check_concurrent_requests(checkpoint, reference, cases, *options: str) -> list:
-    """The `(endpoint, prompt, stream)` cases all in flight at once; each answer equals plain `generate`. Returns the
-    speculative requests that `generate` ran on the server."""
+def check_concurrent_requests(checkpoint, reference, cases, *options: str, then=None) -> list:
+    """The `(endpoint, prompt, stream)` cases all in flight at once; each answer equals plain `generate`. Returns what
+    the server ran (`start_server`'s calls); `then(client, calls)` runs on the server after the cases."""
     server, client, calls, patch = start_server(checkpoint, *options)
     try:
         with ThreadPoolExecutor(len(cases)) as pool:
             answers = list(pool.map(lambda case: ask(client, checkpoint, *case), cases))
+        if then is not None:
+            then(client, calls)
     finally:
         server.kill_server()
         patch.undo()
@@ -153,14 +165,36 @@ def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, referenc
     assert modes == ["block"] * len(block) + ["pipeline"] * len(CASES)
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError,
-                   reason="continuous batching on the engine is not merged yet")
+def refusal(call) -> str:
+    """The reason the server gave for refusing `call()` (an HTTP error's detail, or a stream's error event)."""
+    with pytest.raises(openai.APIError) as refused:
+        call()
+    error = refused.value
+    return error.response.json()["detail"] if isinstance(error, openai.APIStatusError) else str(error.body)
+
+
 def test_serve_with_continuous_batching_answers_as_plain_generate(checkpoint, reference):
-    config = transformers.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False)
-    # the server starts transformers' manager this way on its first request (an HTTP 500 if the model refuses)
-    reference_model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    reference_model.init_continuous_batching(generation_config=config).stop(block=True)
-    check_concurrent_requests(checkpoint, reference, CASES, "--continuous-batching")
+    """16 clients at once (8 prompts, both endpoints, streaming and not) through one manager that speculates as the
+    checkpoint says (pipeline: its slots accepted drafts); then requests it cannot serve get their reason at once,
+    streaming or not, and the manager keeps serving."""
+
+    def refusals(client, calls):
+        (manager,) = [call for call in calls if isinstance(call, LoopBatchingManager)]
+        assert manager.settings.mode == "pipeline" and not any(isinstance(c, SpeculativeRequest) for c in calls)
+        assert manager.batch_processor.state.counters[:, COUNTERS.index("accepted")].sum() > 0
+        fast = client.with_options(timeout=30)
+        assert re.search(r"speculative_mode='block' \(the manager's: 'pipeline'\)",
+                         refusal(lambda: ask(fast, checkpoint, "block", PROMPTS[0], False)))
+        for stream in (False, True):  # too long for a slot (C = 1024 positions)
+            def call(stream=stream):
+                response = fast.completions.create(model=checkpoint, prompt="x = [", max_tokens=1100, stream=stream)
+                return list(response) if stream else response
+
+            assert re.search(r"needs \d+ positions, and a slot of this manager holds 1024", refusal(call)), stream
+        assert ask(fast, checkpoint, "completions", PROMPTS[2], True)[0] == expected(reference, "completions",
+                                                                                      PROMPTS[2])[0]
+
+    check_concurrent_requests(checkpoint, reference, CASES, "--continuous-batching", then=refusals)
 
 
 def test_model_defaults_to_the_embedded_model():
@@ -194,3 +228,28 @@ def test_a_file_as_model_is_one_line_exit_2(capsys, tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     assert cli.main(["serve", str(tmp_path / "weights.bin")]) == 2
     assert "is a file; pass the checkpoint folder" in one_error_line(capsys, "serve")
+
+
+def test_a_request_joins_a_running_manager_only_with_its_settings(checkpoint):
+    """`serving_batching`: a request's settings are the checkpoint's overlaid with what it sets (as `generate` merges
+    them); only max_new_tokens and EOS may differ from the manager's, sampling keys only matter when sampling; the
+    first request's settings that no manager runs are an HTTP 400 naming them."""
+    from fastapi import HTTPException
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    checkpoints = model.generation_config  # greedy, pipeline
+    first = transformers.GenerationConfig(**{**checkpoints.to_dict(), "max_new_tokens": 6, "temperature": 0.0})
+    same = [transformers.GenerationConfig(**{**checkpoints.to_dict(), "max_new_tokens": 9, "eos_token_id": 3}),
+            transformers.GenerationConfig(do_sample=False)]  # a request's own JSON leaving the rest unset
+    assert [serving_batching.settings_problem(checkpoints, first, c) for c in same] == [None, None]
+    sampled = transformers.GenerationConfig(do_sample=True, temperature=0.5)
+    assert "do_sample=True (the manager's: False), temperature=0.5 (the manager's: 0.0)" in \
+        serving_batching.settings_problem(checkpoints, first, sampled)
+    manager = serving_batching.install()()
+    try:
+        with pytest.raises(HTTPException, match="stop_strings=.* in continuous batching") as refused:
+            manager.init_cb(model, transformers.GenerationConfig(**{**checkpoints.to_dict(), "stop_strings": ["\n"]}))
+        assert refused.value.status_code == 400 and manager._cb is None
+    finally:
+        from transformers.cli.serving import utils
+        utils.CBGenerateManager = manager.wrapped

@@ -15,9 +15,10 @@ tokens, and a request's output is its first `new_tokens` tokens.
   (`add_request`) at its arrival time; a request finishes when its `GenerationOutput` arrives.
 
 With `acceptance` set, every draft of a speculative request is replaced by the request's known greedy token with
-that probability, else by a wrong one (`run.synthetic_hook`; verification stays real): in a static batch as a
-device-side draft override (as `hf-loopspec bench` does), in the manager as a `draft_hook` per request
-(`add_request(..., draft_hook=hook)`, positions counted in the request alone).
+that probability, else by a wrong one (verification stays real). Each request has one such pattern over its own
+positions (`request_override`, seeded by the request), the same in both ways of serving it: in a static batch it
+is the request's row of the batch's device-side draft override (shifted by its left padding), in the manager the
+request's `add_request(..., draft_override=...)`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import torch
 
 from ..defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
 from .run import run_mode, synthetic_hook
+
+PAGE = 16  # the continuous batching manager's page size
 
 
 @dataclass(frozen=True)
@@ -73,19 +76,30 @@ def vocab_size(model) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
-def request_hook(request: Request, reference: dict[int, list[int]] | None, acceptance: float | None, vocab: int,
-                 seed: int):
-    """The synthetic draft hook of `request` decoded alone (sequence 0, its own positions), or None."""
+def request_override(request: Request, reference: dict[int, list[int]] | None, acceptance: float | None,
+                     vocab: int, seed: int) -> list[int] | None:
+    """The synthetic drafts of `request` over its own positions (-1 over the prompt: no override; then, for its
+    i-th new token, its greedy token `reference[index][i]` with probability `acceptance`, else a wrong one; seeded
+    by `seed` and the request's index: `run.synthetic_hook`), or None without `acceptance`."""
     if acceptance is None or reference is None:
         return None
-    return synthetic_hook([reference[request.index]], len(request.prompt), acceptance, vocab, seed + request.index)
+    start, hook = len(request.prompt), synthetic_hook([reference[request.index]], len(request.prompt), acceptance,
+                                                      vocab, seed + request.index)
+    return [-1] * start + [hook(0, position, -1) for position in range(start, start + request.new_tokens)]
 
 
 def _batch_hook(batch: list[Request], width: int, reference, acceptance, vocab: int, seed: int):
-    """The synthetic draft hook of a left-padded static batch (row b's new tokens start at column `width`)."""
+    """The draft hook of a left-padded static batch: row b's `request_override`, shifted by its padding (row b's
+    new tokens start at column `width`)."""
     if acceptance is None or reference is None:
         return None
-    return synthetic_hook([reference[r.index] for r in batch], width, acceptance, vocab, seed + batch[0].index)
+    rows = [[-1] * (width - len(r.prompt)) + request_override(r, reference, acceptance, vocab, seed) for r in batch]
+
+    def hook(seq: int, position: int, proposed: int) -> int:
+        forced = rows[seq][position] if position < len(rows[seq]) else -1
+        return proposed if forced < 0 else forced
+
+    return hook
 
 
 def _wait_until(start: float, moment: float) -> None:
@@ -133,9 +147,13 @@ def run_continuous(model, requests: list[Request], slots: int, generation_config
     when one fails or the run exceeds `timeout` seconds."""
     from transformers import ContinuousBatchingConfig
 
+    # each slot holds the longest request's positions, as a static batch holds its own longest (not the model's C)
+    longest = max(len(r.prompt) + r.new_tokens for r in requests)
     manager = model.init_continuous_batching(
         generation_config=generation_config,
-        continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=slots))
+        continuous_batching_config=ContinuousBatchingConfig(
+            max_requests_per_batch=slots, page_size=PAGE, max_blocks_per_request=-(-longest // PAGE)))
+    speculative = manager.settings.mode != "ar"  # a plain manager makes no drafts to override
     names = {f"req-{r.index}": r for r in requests}
     outputs, finished, failures = {}, {}, []
 
@@ -158,9 +176,9 @@ def run_continuous(model, requests: list[Request], slots: int, generation_config
         collector.start()
         for request in sorted(requests, key=lambda r: r.arrival):
             _wait_until(start, request.arrival)
-            hook = request_hook(request, reference, acceptance, vocab_size(model), seed)
+            drafts = request_override(request, reference, acceptance, vocab_size(model), seed) if speculative else None
             manager.add_request(request.prompt, request_id=f"req-{request.index}", max_new_tokens=request.new_tokens,
-                                **({} if hook is None else {"draft_hook": hook}))
+                                draft_override=drafts)
         collector.join()
     finally:
         manager.stop(block=True)

@@ -37,13 +37,31 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from ...logs import get_logger
 from ..rules import non_finite_error
 from . import huginn
-from .settings import eos_ids, manager_settings, request_problem
+from .settings import OVERRIDE, eos_ids, manager_settings, override_tokens, request_problem
 from .slots import SlotBatch
 
 logger = get_logger(__name__)
 
 CANCELLED = "cancelled"  # the error text of a request cancelled by `cancel_request`
 IDLE_WAIT_S = 0.1  # the loop's wait for work when no slot is busy
+
+
+class Router(OutputRouter):
+    """transformers' `OutputRouter`, whose deliveries without a handler are queued under its lock (so a handler
+    registered meanwhile finds them: `take_queued`)."""
+
+    def deliver(self, output: GenerationOutput) -> None:
+        self.deliver_batch([output])
+
+    def take_queued(self, request_id: str) -> list[GenerationOutput]:
+        """Take `request_id`'s results out of the output queue, in order, leaving the others' (call under the lock)."""
+        queued = []
+        while not self.output_queue.empty():
+            queued.append(self.output_queue.get_nowait())
+        for result in queued:
+            if result.request_id != request_id:
+                self.output_queue.put(result)
+        return [result for result in queued if result.request_id == request_id]
 
 
 class LoopBatchingManager:
@@ -57,12 +75,13 @@ class LoopBatchingManager:
         self.settings = manager_settings(model, self.generation_config, continuous_batching_config, workload_hints)
         self.input_queue: queue.Queue[RequestState] = queue.Queue()
         self.cancel_queue: queue.Queue[str] = queue.Queue()
-        self.output_router = OutputRouter()
+        self.output_router = Router()
         self.background_thread_status = BackgroundThreadStatus()
         self._request_counter, self._request_lock = 0, threading.Lock()
         self._wake_up_loop = threading.Event()
         self._generation_thread: threading.Thread | None = None
         self._seeds = torch.Generator().manual_seed(self.settings.seed) if self.settings.seed is not None else None
+        self._inference_mode = torch.is_inference_mode_enabled()  # the loop thread runs in the creator's mode
         # transformers' name for the device side; built now, so that a manager that cannot run raises here
         self.batch_processor: SlotBatch | None = SlotBatch(model, self.settings)
         self.warmed_up = False
@@ -144,9 +163,14 @@ class LoopBatchingManager:
 
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, record_timestamps: bool = False, eos_token_id=None,
-                    **logit_processor_kwargs) -> str | None:
+                    draft_override=None, **logit_processor_kwargs) -> str | None:
         """Queue one request (see transformers' manager); returns its id. A request that cannot run is delivered
-        FAILED at once, with the reason as its error. `logit_processor_kwargs`: `seed` (sampling), nothing else."""
+        FAILED at once, with the reason as its error. `logit_processor_kwargs`: `seed` (sampling), nothing else.
+
+        `draft_override` (tests and benchmarks only, a speculative manager): a list or 1-D integer tensor over the
+        request's own positions (prompt first, position 0), at most prompt + `max_new_tokens` long; a draft for
+        position p becomes `draft_override[p]` where that is >= 0 (-1: the model's own draft). Verification stays
+        real, so the tokens do not change; only which drafts are accepted. `ValueError` here when it is malformed."""
         denial = self.background_thread_status.can_accept_new_requests()
         if denial is not None:
             logger.warning("%s: the request is dropped.", denial)
@@ -164,6 +188,8 @@ class LoopBatchingManager:
         if problem:
             self.output_router.fail_and_deliver(state, ValueError(f"request {request_id}: {problem}"))
             return request_id
+        if draft_override is not None:
+            state.logit_processor_kwargs[OVERRIDE] = override_tokens(self.settings, draft_override, len(ids) + max_new)
         self.input_queue.put(state)
         self._wake_up_loop.set()
         return request_id
@@ -218,16 +244,23 @@ class LoopBatchingManager:
 
         def handle(result):
             callback(result)
-            if result.is_finished():
+            if result.is_finished() or result.status == RequestStatus.FAILED:
                 with self.output_router._lock:
                     self.output_router.result_handlers.pop(request_id, None)
 
-        with self.output_router._lock:
+        with self.output_router._lock:  # what was delivered before (a request refused by add_request) comes too
             self.output_router.result_handlers[request_id] = (handle, loop)
+            early = self.output_router.take_queued(request_id)
+        for result in early:
+            loop.call_soon(handle, result)
 
     # --- the loop ----------------------------------------------------------------------------------------------
 
     def _run_generation_loop(self) -> None:
+        with torch.inference_mode(self._inference_mode):  # the mode the state's tensors were made in (per thread)
+            self._serve()
+
+    def _serve(self) -> None:
         owners: list[RequestState | None] = []
         waiting: deque[RequestState] = deque()
         try:
@@ -297,7 +330,8 @@ class LoopBatchingManager:
             seed = int(torch.randint(2**62, (), generator=self._seeds))
         try:
             huginn.fill_initial_states(self.model, self.settings.recurrence, slots.state, b, state, self._seeds)
-            slots.admit(b, state.initial_tokens, state.max_new_tokens, sorted(state._eos_token_ids), seed)
+            slots.admit(b, state.initial_tokens, state.max_new_tokens, sorted(state._eos_token_ids), seed,
+                        state.logit_processor_kwargs.get(OVERRIDE))
         except Exception as error:  # this request's own failure (its slot stays free): the others go on
             slots.cancel(b)
             self.output_router.fail_and_deliver(state, error)

@@ -26,6 +26,7 @@ DEFAULT_POSITIONS = 1024  # C when nothing gives it (capped by the model's max_p
 MAX_EOS_IDS = 16  # E: EOS ids one request may carry
 DEFAULT_MAX_NEW_TOKENS = 20  # transformers' default when neither the request nor the generation config sets it
 REQUEST_KEYS = ("seed",)  # the per-request keyword a request may add (`add_request(**logit_processor_kwargs)`)
+OVERRIDE = "draft_override"  # where a request's (test-only) draft override waits for its admission
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
     if (getattr(config, "num_return_sequences", None) or 1) != 1 or (getattr(config, "num_beams", None) or 1) != 1:
         raise ValueError(f"num_return_sequences={config.num_return_sequences!r}, num_beams={config.num_beams!r}: "
                          "continuous batching on a looped model decodes one sequence per request; set both to 1.")
+    if getattr(config, "stop_strings", None):
+        raise ValueError(f"stop_strings={config.stop_strings!r} in continuous batching: a manager stops a request at "
+                         "its EOS ids and max_new_tokens only; drop stop_strings, or decode with model.generate.")
     if getattr(cb_config, "return_logprobs", False):
         raise ValueError("return_logprobs=True in the ContinuousBatchingConfig: the package's manager does not "
                          "record log-probabilities (GenerationOutput.logprobs stays empty); drop it.")
@@ -149,3 +153,28 @@ def request_problem(settings: ManagerSettings, input_ids, max_new_tokens, eos, e
     if seed is not None and not settings.do_sample:
         return f"seed={seed!r} on a greedy manager: a seed takes effect with do_sample=True in the generation config."
     return None
+
+
+def override_tokens(settings: ManagerSettings, override, positions: int) -> list[int]:
+    """A request's test-only `draft_override` (a list or 1-D integer tensor over its own positions) as a list of ids,
+    checked: a speculative manager, at most `positions` (prompt + max_new_tokens) entries, each -1 (no override) or
+    a token id. `ValueError` naming what is wrong."""
+    if settings.mode == "ar":
+        raise ValueError("draft_override on a manager that decodes plain (no speculative_mode in its generation "
+                         "config) has no drafts to replace: drop it, or start a speculative manager.")
+    if torch.is_tensor(override):
+        if override.dim() != 1 or override.dtype.is_floating_point or override.dtype == torch.bool:
+            raise ValueError(f"draft_override: a {override.dtype} tensor of shape {tuple(override.shape)}; give a "
+                             "1-D integer tensor (or a list) over the request's positions.")
+        override = override.tolist()
+    if not isinstance(override, (list, tuple)):
+        raise ValueError(f"draft_override={override!r}: give a list or 1-D integer tensor over the request's "
+                         "positions.")
+    if len(override) > positions:
+        raise ValueError(f"draft_override has {len(override)} entries, and the request reaches {positions} positions "
+                         "(prompt + max_new_tokens): give at most that many.")
+    bad = [t for t in override if not isinstance(t, int) or isinstance(t, bool) or not -1 <= t < settings.vocab]
+    if bad:
+        raise ValueError(f"draft_override holds {bad[:4]}: give token ids in [0, {settings.vocab}), or -1 for the "
+                         "model's own draft.")
+    return list(override)

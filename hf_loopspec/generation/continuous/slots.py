@@ -99,9 +99,12 @@ class SlotBatch:
                                     prompt_real=s.prompt_real.new_zeros(batch, rows))
 
     @torch.no_grad()
-    def admit(self, b: int, prompt: list[int], max_new_tokens: int, eos: list[int], seed: int | None) -> None:
+    def admit(self, b: int, prompt: list[int], max_new_tokens: int, eos: list[int], seed: int | None,
+              draft_override: list[int] | None = None) -> None:
         """Slot `b` starts decoding `prompt` (validated: `settings.request_problem`) for at most `max_new_tokens`
-        tokens, stopping at `eos`; sampling draws from a generator seeded with `seed`."""
+        tokens, stopping at `eos`; sampling draws from a generator seeded with `seed`; `draft_override` (test-only,
+        `settings.override_tokens`) becomes the slot's row of the state's `draft_override` (the slot's positions are
+        the request's own)."""
         self._prompt_rows(True)
         s, model, plan = self.engine.state, self.model, self.engine.plan
         device = s.token.device
@@ -129,6 +132,9 @@ class SlotBatch:
         s.finished[b], s.invalid[b], s.prompt_len[b], s.max_new[b] = False, False, n, max_new_tokens
         s.eos[b] = -1
         s.eos[b, : len(eos)] = torch.tensor(eos, dtype=torch.long, device=device)
+        s.draft_override[b] = -1
+        if draft_override:
+            s.draft_override[b, : len(draft_override)] = torch.tensor(draft_override, dtype=torch.long, device=device)
         if plan.penalised:  # the prompt's tokens count for the repetition penalty
             s.seen[b] = False
             s.seen[b, ids] = True

@@ -1,0 +1,78 @@
+"""`hf-loopspec serve --continuous-batching`: transformers' continuous-batching request manager of the server,
+with clear answers where transformers' own would drop a request's settings or leave a client waiting.
+
+transformers' server builds one manager (`model.init_continuous_batching`) from the first request's generation
+config and forwards only `max_new_tokens` and the EOS ids of each later request (`add_request`). `LoopServingManager`
+(installed by `install`, in place of `CBGenerateManager`, the class the server's `GenerationState` builds) keeps that,
+and answers HTTP 400 with the reason:
+
+* when the manager cannot start with the first request's settings (`init_continuous_batching`'s `ValueError`; the
+  next request tries again with its own);
+* when a later request's settings differ from the manager's in anything but `max_new_tokens` and EOS
+  (`settings_problem`): a request's settings are the checkpoint's generation config overlaid with what the request
+  sets, as `generate` merges them (sampling settings compare only when either side samples);
+* when the manager refuses the request itself (a prompt too long for a slot, ...), non-streaming (streaming: the
+  error is the stream's last event, as transformers sends it).
+"""
+
+from __future__ import annotations
+
+# what a request may change on a running manager, and bookkeeping keys with no effect on decoding
+PER_REQUEST = frozenset({"max_new_tokens", "max_length", "eos_token_id", "use_cache", "transformers_version",
+                         "_from_model_config"})
+SAMPLING = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"})
+
+
+def effective(model_config, config) -> dict:
+    """The settings `generate` decodes with for `config`: the checkpoint's `model_config`, overlaid with the keys
+    `config` sets to something other than `GenerationConfig`'s defaults."""
+    return {**model_config.to_diff_dict(), **config.to_diff_dict()}
+
+
+def settings_problem(model_config, manager_config, request_config) -> str | None:
+    """Why a request with `request_config` cannot join a manager started with `manager_config`, or None."""
+    manager, request = effective(model_config, manager_config), effective(model_config, request_config)
+    defaults = type(model_config)().to_dict()
+    sampled = manager.get("do_sample", False) or request.get("do_sample", False)
+    keys = sorted((set(manager) | set(request)) - PER_REQUEST - (set() if sampled else SAMPLING))
+    differ = {k: (request.get(k, defaults.get(k)), manager.get(k, defaults.get(k))) for k in keys
+              if request.get(k, defaults.get(k)) != manager.get(k, defaults.get(k))}
+    if not differ:
+        return None
+    listed = ", ".join(f"{k}={mine!r} (the manager's: {theirs!r})" for k, (mine, theirs) in list(differ.items())[:6])
+    return (f"this request asks for {listed}: with --continuous-batching, every request decodes with the settings of "
+            "the first one, which started the manager; a request may change only max_tokens. Send the same settings, "
+            "or serve without --continuous-batching for per-request settings.")
+
+
+def install() -> type:
+    """Make the server's `GenerationState` build `LoopServingManager` for continuous batching; returns the class."""
+    from fastapi import HTTPException
+    from transformers.cli.serving import utils
+
+    original = getattr(utils.CBGenerateManager, "wrapped", utils.CBGenerateManager)
+
+    class LoopServingManager(original):
+        """transformers' `CBGenerateManager`, with HTTP 400 for what the manager cannot serve (module docstring)."""
+
+        wrapped = original
+
+        def init_cb(self, model, gen_config) -> None:
+            try:
+                super().init_cb(model, gen_config)
+            except ValueError as error:
+                raise HTTPException(status_code=400, detail=str(error)) from None
+            problem = settings_problem(model.generation_config, self._cb.generation_config, gen_config)
+            if problem:
+                raise HTTPException(status_code=400, detail=problem)
+
+        async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+            try:
+                return await super().generate_non_streaming(model, processor, inputs, gen_config, request_id)
+            except utils.CBWorkerDeadError:
+                raise
+            except RuntimeError as error:
+                raise HTTPException(status_code=400, detail=str(error)) from None
+
+    utils.CBGenerateManager = LoopServingManager
+    return LoopServingManager
