@@ -49,3 +49,20 @@ def collect(manager, ids) -> dict:
             results[result.request_id] = result
     assert not set(ids) - set(results), f"no result for {sorted(set(ids) - set(results))}"
     return results
+
+
+def starting(model, configure):
+    """For a fixture: yields `start(*args, **kwargs)`, which builds a manager of `model` from
+    `configure(*args, **kwargs) -> (GenerationConfig, ContinuousBatchingConfig)`, starts it and keeps it; every
+    manager started is stopped when the fixture ends."""
+    managers = []
+
+    def start(*args, **kwargs):
+        manager = model.init_continuous_batching(*configure(*args, **kwargs))
+        manager.start()
+        managers.append(manager)
+        return manager
+
+    yield start
+    for manager in managers:
+        manager.stop(block=True, timeout=WAIT_S)

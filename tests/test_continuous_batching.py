@@ -12,14 +12,14 @@ import re
 
 import pytest
 import torch
-from continuous_utils import VOCAB, WAIT_S, alone, batching, collect, generation_config, prompts
+from continuous_utils import VOCAB, alone, batching, collect, generation_config, prompts, starting
 from speculative_utils import named_modes, tiny_spec_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.generation.continuous_batching import RequestStatus
 
 from hf_loopspec.assets import default_model_path
 from hf_loopspec.generation.continuous import slots as slots_module
-from hf_loopspec.generation.continuous.manager import CANCELLED, LoopBatchingManager
+from hf_loopspec.generation.continuous.manager import CANCELLED
 
 SETTINGS = named_modes()  # plain, then one pipeline and one block setting
 SECOND = {**SETTINGS["pipeline-d1"], "second_draft_loops": 3}  # pipeline with second proposals (U = 4, d = 1)
@@ -35,17 +35,10 @@ def model():
 @pytest.fixture
 def started(model):
     """A function that starts a manager (stopped at the end of the test)."""
-    managers = []
+    def configure(settings: dict, slots: int = 2, positions: int = 64, **extra):
+        return generation_config(settings, **extra), batching(slots, positions)
 
-    def start(settings: dict, slots: int = 2, positions: int = 64, **extra) -> LoopBatchingManager:
-        manager = model.init_continuous_batching(generation_config(settings, **extra), batching(slots, positions))
-        manager.start()
-        managers.append(manager)
-        return manager
-
-    yield start
-    for manager in managers:
-        manager.stop(block=True, timeout=WAIT_S)
+    yield from starting(model, configure)
 
 
 @pytest.mark.parametrize("name", [*SETTINGS, "pipeline-d1-second"])

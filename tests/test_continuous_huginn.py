@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from continuous_utils import WAIT_S, alone, batching, collect, generation_config, prompts
+from continuous_utils import alone, batching, collect, generation_config, prompts, starting
 from huginn_utils import tiny_huginn
 from speculative_utils import named_modes
 from transformers import ContinuousBatchingConfig
@@ -36,17 +36,7 @@ def model():
 @pytest.fixture
 def started(model):
     """A function that starts a manager (stopped at the end of the test)."""
-    managers = []
-
-    def start(config, cb_config=None) -> object:
-        manager = model.init_continuous_batching(config, cb_config or batching())
-        manager.start()
-        managers.append(manager)
-        return manager
-
-    yield start
-    for manager in managers:
-        manager.stop(block=True, timeout=WAIT_S)
+    yield from starting(model, lambda config, cb_config=None: (config, cb_config or batching()))
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -115,13 +115,22 @@ def embed_rows(model, plan: Plan, s: WavefrontState, tokens: torch.Tensor, start
     return rows[batch:].view(batch, width, -1)
 
 
+def _lookup(model) -> Callable | None:
+    """`embed(s, token, position, spawn) -> [B, H]` as the embedding lookup, for a model without stage KV (its
+    loop-0 inputs read no KV); None for a model with stage KV."""
+    if has_stage_kv(model):
+        return None
+    table = model.get_input_embeddings()
+    return lambda s, token, position, spawn: table(token)
+
+
 def spawn_embedder(model, plan: Plan) -> Callable:
     """`embed(s, token, position, spawn) -> [B, H]`: the loop-0 inputs of the lanes spawned in a cycle (`token`,
     `position`, `spawn`: `[B]`, one candidate row per sequence). With stage KV, `model.embed` through the entry
     plane (only the `spawn` rows write it), else the embedding lookup."""
-    if not has_stage_kv(model):
-        lookup = model.get_input_embeddings()
-        return lambda s, token, position, spawn: lookup(token)
+    lookup = _lookup(model)
+    if lookup is not None:
+        return lookup
     entry = plan.layout.entry_plane
 
     def embed(s: WavefrontState, token: torch.Tensor, position: torch.Tensor, spawn: torch.Tensor) -> torch.Tensor:
@@ -143,9 +152,9 @@ def sibling_embedder(model, plan: Plan) -> Callable:
     `position`, `spawn`: `[B]`, one row per sequence). With stage KV, `model.embed` through the entry plane on the
     sibling's private rows (`sibling.SiblingRows`: only the `spawn` rows write them; the main entry table is read
     below `position`), else the embedding lookup."""
-    if not has_stage_kv(model):
-        lookup = model.get_input_embeddings()
-        return lambda s, token, position, spawn: lookup(token)
+    lookup = _lookup(model)
+    if lookup is not None:
+        return lookup
     entry = plan.layout.entry_plane
 
     def embed(s: WavefrontState, token: torch.Tensor, position: torch.Tensor, spawn: torch.Tensor) -> torch.Tensor:
