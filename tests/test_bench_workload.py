@@ -4,14 +4,14 @@ one-line argument errors, and a tiny run of the whole bench (what the script run
 
 from __future__ import annotations
 
-import copy
 import json
+from dataclasses import replace
 
 import numpy
 import pytest
 import torch
 
-from hf_loopspec.bench import workload_main
+from hf_loopspec.bench import workload, workload_main
 from hf_loopspec.bench.run import bench_generation_config
 from hf_loopspec.bench.shapes import random_model
 from hf_loopspec.bench.workload import Served, make_workload, run_continuous, run_static
@@ -51,19 +51,31 @@ def test_static_batches_serve_each_request_as_plain_generate_alone(model, mode):
     requests = make_workload(5, (2, 7), (2, 6), VOCAB, seed=1, rate=200.0)
     reference = {r.index: alone(model, r) for r in requests}
     served = run_static(model, requests, 2, mode, 1, reference=reference, acceptance=0.7)
-    assert served.outputs == reference
+    assert served.outputs == reference and served.mode == mode
     assert all(served.finished[r.index] >= r.arrival for r in requests)
     assert served.seconds == max(served.finished.values())
 
 
-@pytest.mark.parametrize("mode", [None, "pipeline"])
+@pytest.mark.parametrize("mode", ["plain", "pipeline"])
 def test_continuous_batching_serves_each_request_as_plain_generate_alone(model, mode):
     requests = make_workload(5, (2, 7), (2, 6), VOCAB, seed=2, rate=200.0)
     reference = {r.index: alone(model, r) for r in requests}
-    config = copy.deepcopy(model.generation_config)
-    config.update(speculative_mode=mode, draft_loops=1)
+    config = workload_main.manager_config(model, mode, 1)
     served = run_continuous(model, requests, 2, config, reference=reference, acceptance=0.7, timeout=120)
     assert served.outputs == reference
+    assert served.mode == ("ar" if mode == "plain" else "pipeline")  # the manager decodes what the row names
+
+
+def test_a_static_batch_drafts_its_shorter_requests_on_to_its_longest():
+    # generate runs every row of a batch to its longest; a real model keeps drafting there, so the synthetic drafts
+    # of a shorter request go on (at acceptance 1: its known greedy tokens) as far as the reference goes
+    short, long = (make_workload(2, (3, 3), (n, n), VOCAB, seed=n)[0] for n in (2, 5))
+    short, long = replace(short, index=0), replace(long, index=1)
+    known = {0: [11, 12, 13, 14, 15], 1: [21, 22, 23, 24, 25]}
+    hook = workload._batch_hook([short, long], 3, known, 1.0, VOCAB, seed=0)
+    assert [hook(0, p, -1) for p in range(3, 8)] == known[0] and [hook(1, p, -1) for p in range(3, 8)] == known[1]
+    assert hook(0, 2, 7) == 7 and hook(0, 8, 7) == 7  # the prompt and past the reference: the model's own draft
+    assert workload.request_override(short, known, 1.0, VOCAB, 0) == [-1] * 3 + known[0][:2]  # alone: its own
 
 
 def test_throughput_and_latency_percentiles_match_numpy():
