@@ -98,7 +98,9 @@ class SlotBatch:
         """Slot `b` starts decoding `prompt` (validated: `settings.request_problem`) for at most `max_new_tokens`
         tokens, stopping at `eos`; sampling draws from a generator seeded with `seed`; `draft_override` (test-only,
         `settings.override_tokens`) becomes the slot's row of the state's `draft_override` (the slot's positions are
-        the request's own)."""
+        the request's own). The request takes its KV pages from the pool (`pool.KVPool.take`: the caller checked
+        `fits`)."""
+        self.pool.give_back(b)  # a previous owner's pages, if the caller did not release it
         self.pool.take(b, request_positions(len(prompt), max_new_tokens))
         self._prompt_rows(True)
         s, model, plan = self.engine.state, self.model, self.engine.plan
