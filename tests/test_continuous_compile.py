@@ -1,6 +1,7 @@
 """Continuous batching with a compiled step (`compile_core`): requests of every length coming and going compile
 nothing after the manager's warm-up (the slots' shapes are fixed: one graph with prompt rows, one without; a request's
-KV pages are data, written into the state's page map), and the tokens stay plain decoding's. The `eager` backend: dynamo's graphs without inductor's code generation; two
+KV pages are data, written into the state's page map), and the tokens stay plain decoding's.
+The `eager` backend: dynamo's graphs without inductor's code generation; two
 cycles per compiled call (the default unrolls more: slower to compile, the same code)."""
 
 from __future__ import annotations

@@ -60,13 +60,14 @@ def pool_size(layout, dtype: torch.dtype, device: torch.device, cb_config, slots
     """The `PoolSize` of a manager of `slots` slots of `positions` positions on `device`, for a model of KV
     `layout` in `dtype`, from the ContinuousBatchingConfig `cb_config` (module docstring; `ValueError` naming the
     setting when it is too large or not a valid value)."""
-    per_page = PAGE_SIZE * 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * dtype.itemsize
+    per_page = PAGE_SIZE * PagedLoopCache(layout).bytes_per_token_per_depth(dtype)  # bytes (one plane)
     fraction = getattr(cb_config, "max_memory_percent", None)
-    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
-                                 or not 0 < fraction <= 1):
+    if fraction is None:
+        fraction = DEFAULT_MEMORY_FRACTION
+    elif isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise ValueError(f"max_memory_percent={fraction!r} in the ContinuousBatchingConfig must be a fraction in "
                          "(0, 1] of the free memory.")
-    budget = int((DEFAULT_MEMORY_FRACTION if fraction is None else fraction) * free_memory(device)) // per_page
+    budget = int(fraction * free_memory(device)) // per_page  # pages
     blocks = getattr(cb_config, "num_blocks", None)
     if blocks is None:
         wanted = slots * -(-positions // PAGE_SIZE)  # every slot at full length
@@ -79,11 +80,11 @@ def pool_size(layout, dtype: torch.dtype, device: torch.device, cb_config, slots
         if layout.num_planes * per_plane + 1 > budget:
             raise ValueError(f"num_blocks={blocks} of {size} tokens in the ContinuousBatchingConfig need "
                              f"{(layout.num_planes * per_plane + 1) * per_page / 2**30:.2f} GiB of KV pages (every "
-                             f"depth plane), more than max_memory_percent={fraction or DEFAULT_MEMORY_FRACTION} of "
+                             f"depth plane), more than max_memory_percent={fraction} of "
                              "the free memory: lower num_blocks, or raise max_memory_percent.")
     if per_plane < 1:
         raise ValueError(f"the free memory holds no KV page of this model under max_memory_percent="
-                         f"{fraction or DEFAULT_MEMORY_FRACTION}: raise max_memory_percent or free memory.")
+                         f"{fraction}: raise max_memory_percent or free memory.")
     return PoolSize(pages=layout.num_planes * per_plane, page_size=PAGE_SIZE, planes=layout.num_planes)
 
 

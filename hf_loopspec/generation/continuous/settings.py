@@ -148,7 +148,8 @@ def request_problem(settings: ManagerSettings, input_ids, max_new_tokens, eos, e
                 f"({request_positions(len(input_ids), max_new_tokens)} positions in each of {settings.pool.planes} "
                 f"depth planes), and this manager's pool holds {settings.pool.pages} "
                 f"({settings.pool.positions} positions per plane): shorten the request, or start the manager with a "
-                "larger ContinuousBatchingConfig(num_blocks=...).")
+                "larger ContinuousBatchingConfig(num_blocks=...) (with max_memory_percent=... when memory caps the "
+                "pool).")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos) or len(eos) > MAX_EOS_IDS:
         return f"eos_token_id={list(eos)!r}: give at most {MAX_EOS_IDS} integer ids."
     allowed = (*REQUEST_KEYS, huginn.REQUEST_KEY) if settings.recurrence is not None else REQUEST_KEYS
