@@ -20,6 +20,7 @@ from hf_loopspec.generation.continuous import slots as slots_module
 from hf_loopspec.generation.continuous.manager import CANCELLED
 
 SETTINGS = named_modes()
+SETTINGS["pipeline-d1-second"] = {**SETTINGS["pipeline-d1"], "second_draft_loops": 3}  # a sibling's KV is promoted
 SMALL_PAGE = 4
 
 

@@ -21,7 +21,8 @@ with and without prompt rows, each built once (compiled: two graphs for the mana
 Eager, each call reads the positions its rows can reach (`reach`, bounded on the host as `span.SpanBound` bounds
 them: a slot's newest lane is at most L - 1 past its last committed token after a read-back, and moves one position
 per cycle at most), rounded up to a bucket (`span.bucket`); compiled, every call reads all C positions, so the
-step keeps its two graphs whatever the requests' lengths.
+step keeps its two graphs whatever the requests' lengths. Either way a table's positions are gathered through the
+page map (`ops.attention.slots.table_slot`), so where a request's pages lie changes no shape.
 
 The sampling uniforms are drawn per slot, from a generator seeded when the request is admitted, so a request's
 draws (and so its tokens, for a given seed) do not depend on what else is in flight.
