@@ -191,10 +191,10 @@ def _run_wavefront(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draf
     cache = PagedLoopCache(model.kv_layout)
     max_length = ids.shape[1] + new_tokens
     override = None
-    if draft_hook is not None:  # drafts can be made for positions prompt .. prompt + new - 1
-        override = torch.full((len(ids), max_length), -1, dtype=torch.long)
+    if draft_hook is not None:  # a sequence's positions count from its first real token: a shorter (left-padded)
+        override = torch.full((len(ids), max_length), -1, dtype=torch.long)  # prompt drafts from an earlier one
         for seq in range(len(ids)):
-            for position in range(ids.shape[1], max_length):
+            for position in range(max_length):
                 override[seq, position] = draft_hook(seq, position, -1)
         override = override.to(ids.device)
     spec = resolve_speculative(mode, draft_loops, k, compile_core, num_loops=model.num_loops, modes=LANE_MODES,

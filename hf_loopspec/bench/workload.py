@@ -17,7 +17,7 @@ tokens, and a request's output is its first `new_tokens` tokens.
 With `acceptance` set, every draft of a speculative request is replaced by the request's known greedy token with
 that probability, else by a wrong one (verification stays real). Each request has one such pattern over its own
 positions (`request_override`, seeded by the request), the same in both ways of serving it: in a static batch it
-is the request's row of the batch's device-side draft override (shifted by its left padding), in the manager the
+is the request's row of the batch's device-side draft override, in the manager the
 request's `add_request(..., draft_override=...)`.
 """
 
@@ -91,16 +91,15 @@ def request_override(request: Request, reference: dict[int, list[int]] | None, a
     return [-1] * start + [hook(0, position, -1) for position in range(start, start + len(known))]
 
 
-def _batch_hook(batch: list[Request], width: int, reference, acceptance, vocab: int, seed: int):
+def _batch_hook(batch: list[Request], reference, acceptance, vocab: int, seed: int):
     """The draft hook of a left-padded static batch: row b's `request_override` over the batch's longest output
     (a shorter request decodes on to it, as `generate` runs every row, and drafts there as a real model would, at
-    the same acceptance when `reference` holds that many tokens), shifted by its padding (row b's new tokens start
-    at column `width`)."""
+    the same acceptance when `reference` holds that many tokens). Its positions are the request's own: the engines
+    count a sequence's positions from its first real token, left padding not included."""
     if acceptance is None or reference is None:
         return None
     longest = max(r.new_tokens for r in batch)
-    rows = [[-1] * (width - len(r.prompt)) + request_override(r, reference, acceptance, vocab, seed, longest)
-            for r in batch]
+    rows = [request_override(r, reference, acceptance, vocab, seed, longest) for r in batch]
 
     def hook(seq: int, position: int, proposed: int) -> int:
         forced = rows[seq][position] if position < len(rows[seq]) else -1
@@ -138,7 +137,7 @@ def run_static(model, requests: list[Request], slots: int, mode: str, draft_loop
         for row, r in enumerate(batch):
             ids[row, width - len(r.prompt):] = torch.tensor(r.prompt)
             mask[row, width - len(r.prompt):] = 1
-        hook = _batch_hook(batch, width, reference, acceptance, vocab, seed)
+        hook = _batch_hook(batch, reference, acceptance, vocab, seed)
         out = run_mode(model, mode, ids.to(model.device), max(r.new_tokens for r in batch), draft_loops=draft_loops,
                        k=DEFAULT_NUM_SPECULATIVE_TOKENS, draft_hook=hook, attention_mask=mask.to(model.device))
         done = time.perf_counter() - start
