@@ -38,10 +38,11 @@ def accelerate_launch(num_processes: int) -> list[str]:
             str(port), "-m", "hf_loopspec.cli"]
 
 
-# The driver of `cli_runs_in_one_process`: reads [[cwd, argv], ...] as JSON on stdin, runs each through `cli.main`
-# with fds 1 and 2 redirected to files of its own, and prints the results as one JSON line on the real stdout.
+# The driver of `cli_runs_in_one_process`: reads [[cwd, argv], ...] as JSON on stdin, runs each as `python -m
+# hf_loopspec.cli` does (the module as __main__, which exits with main's status) with fds 1 and 2 redirected to files
+# of its own, and prints the results as one JSON line on the real stdout.
 _CLI_RUNS = r"""
-import json, os, sys, tempfile, traceback
+import json, os, runpy, sys, tempfile, traceback
 
 def run(cwd, argv):
     os.chdir(cwd)
@@ -49,10 +50,10 @@ def run(cwd, argv):
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         sys.stdout.flush(), sys.stderr.flush()
         os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        sys.argv = ["-m", *argv]
         try:
-            from hf_loopspec import cli  # the first run's capture sees what the imports print
-
-            code = cli.main(argv)
+            runpy.run_module("hf_loopspec.cli", run_name="__main__")  # python -m hf_loopspec.cli ARGV
+            code = 0
         except SystemExit as exit:
             code = exit.code
         except BaseException:
@@ -71,10 +72,12 @@ print(json.dumps(results))
 """
 
 
-def cli_runs_in_one_process(runs: list[tuple[Path, list[str]]], **settings: str) -> list[subprocess.CompletedProcess]:
-    """Each `(folder, argv)` of `runs` as `hf-loopspec ARGV` in `folder`, all in ONE fresh Python process (environment:
-    `subprocess_env(drop=("HF_LOOPSPEC_DEBUG",), **settings)`), one result per run with its exit status and what it
-    wrote on stdout and stderr (file-descriptor level, the imports included for the first run).
+def cli_runs_in_one_process(runs: list[tuple[Path, list[str]]], *, drop: tuple[str, ...] = (),
+                            **settings: str) -> list[subprocess.CompletedProcess]:
+    """Each `(folder, argv)` of `runs` as `python -m hf_loopspec.cli ARGV` in `folder`, all in ONE fresh Python
+    process (environment: `subprocess_env(drop=("HF_LOOPSPEC_DEBUG", *drop), **settings)`), one result per run with
+    its exit status and what it wrote on stdout and stderr (file-descriptor level, the imports included for the first
+    run).
 
     What a user's process prints, not what pytest lets through: no capture, warning filters or log handlers of the
     test process; third-party log handlers and progress bars write to the run's own stderr. Output that a process
@@ -82,6 +85,6 @@ def cli_runs_in_one_process(runs: list[tuple[Path, list[str]]], **settings: str)
     together exactly when each would pass alone, at the cost of one interpreter start instead of one per run."""
     payload = json.dumps([[str(folder), argv] for folder, argv in runs])
     proc = subprocess.run([sys.executable, "-c", _CLI_RUNS], input=payload, capture_output=True, text=True,
-                          env=subprocess_env(drop=("HF_LOOPSPEC_DEBUG",), **settings), timeout=600, check=False)
+                          env=subprocess_env(drop=("HF_LOOPSPEC_DEBUG", *drop), **settings), timeout=600, check=False)
     assert proc.returncode == 0 and proc.stderr == "" and proc.stdout.count("\n") == 1, proc.stderr[-4000:]
     return [subprocess.CompletedProcess(argv, *result) for (_, argv), result in zip(runs, json.loads(proc.stdout))]
