@@ -1,8 +1,9 @@
 """What an export says about its source and how it finds it: `hf-loopspec export default` exports the embedded model
 with the embedded model's own card (no maker claim, no paper to cite), the card's title comes from `--repo-id` or the
 source's name (never OUT's folder name), a local source's card gives the lead and the license, `--benchmarks` fills
-`model-index`, a Hub id fails at once when the Hub cannot be used (offline, no network) unless it is cached, and the
-staged folder a killed export left beside OUT is removed by the next export. CPU, tiny models, no network."""
+`model-index`, a Hub id fails at once when the Hub cannot be reached (no network) unless it is cached (offline, in a
+real process: `test_cli_errors.test_a_real_process_prints_one_line`), and the staged folder a killed export left
+beside OUT is removed by the next export. CPU, tiny models, no network."""
 
 from __future__ import annotations
 
