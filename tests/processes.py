@@ -81,8 +81,8 @@ def cli_runs_in_one_process(runs: list[tuple[Path, list[str]]], *, drop: tuple[s
 
     What a user's process prints, not what pytest lets through: no capture, warning filters or log handlers of the
     test process; third-party log handlers and progress bars write to the run's own stderr. Output that a process
-    prints only once (a warning shown once per location) is seen by the first run that causes it, so the runs pass
-    together exactly when each would pass alone, at the cost of one interpreter start instead of one per run."""
+    prints only once (a warning shown once per location) is seen by the first run that causes it, so what any run
+    would print alone makes some run's check fail; at the cost of one interpreter start instead of one per run."""
     payload = json.dumps([[str(folder), argv] for folder, argv in runs])
     proc = subprocess.run([sys.executable, "-c", _CLI_RUNS], input=payload, capture_output=True, text=True,
                           env=subprocess_env(drop=("HF_LOOPSPEC_DEBUG", *drop), **settings), timeout=600, check=False)
