@@ -25,7 +25,8 @@ once:
   decoding of it alone) and the collection of a manager's results;
 * `checkpoint_utils`: tiny checkpoint folders with a word-level tokenizer, folder snapshots;
 * `cli_utils`: a runnable command line per subcommand and the one error line a failed command prints;
-* `processes`: the checkout's root (`ROOT`) and the environment of the Python processes tests start.
+* `processes`: the checkout's root (`ROOT`), the environment of the Python processes tests start, and several CLI
+  runs in one fresh process (`cli_runs_in_one_process`: what each run prints is its own).
 
 A file that tests a subset of the matrix derives it from `MODES` (`mode_params(keep=...)`) rather than restating
 settings.

@@ -1,7 +1,7 @@
 """The files of `hf-loopspec batch`: a second run on the same OUT is refused while the first holds the lock (and goes
 ahead once the holder died); nothing is written through a pre-placed link; links in OUT's paths, a corrupt settings
 file and a resume against other weights at the same `--model` are one-line refusals naming the file and the fix;
-corrupt or non-UTF-8 inputs are one line naming the file and line, with nothing else on stderr (real processes, so
+corrupt or non-UTF-8 inputs are one line naming the file and line, with nothing else on stderr (a real process, so
 that third-party log handlers and progress bars are seen); the progress bar counts every process's rows."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from checkpoint_utils import save_checkpoint, snapshot
-from processes import accelerate_launch, subprocess_env
+from processes import accelerate_launch, cli_runs_in_one_process, subprocess_env
 
 import hf_loopspec
 from hf_loopspec import cli, loading
@@ -306,7 +306,7 @@ def test_the_fingerprint_samples_the_data_of_large_files_and_ignores_timestamps(
     assert fingerprint.file_digest(copy) != digest
 
 
-# --- reader errors, in real processes -------------------------------------------------------------------------------
+# --- reader errors, in a real process ---------------------------------------------------------------------------------
 
 BAD_FILES = {  # name: (bytes, what the line names after the file)
     "bad.csv": (b'id,prompt\n1,"import os\n', "cannot be read as CSV (ParserError: Error tokenizing data. C error: "
@@ -321,30 +321,39 @@ BAD_FILES = {  # name: (bytes, what the line names after the file)
 }
 
 
-def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hf_loopspec.cli", *args], capture_output=True, text=True,
-                          env=subprocess_env(drop=("HF_LOOPSPEC_DEBUG",)), cwd=tmp_path, timeout=300, check=False)
+@pytest.fixture(scope="module")
+def reader_runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """(folder, result) by case: each of `BAD_FILES` (key: its name) and a too-long prompt ("too-long") run in a
+    folder of its own, all in one fresh process (`processes.cli_runs_in_one_process`: what each prints is its own)."""
+    runs = {}
+    for name, (content, _) in BAD_FILES.items():
+        folder = tmp_path_factory.mktemp("reader")
+        (folder / name).write_bytes(content)
+        runs[name] = folder, ["batch", name, "--output", "out.jsonl"]
+    folder = tmp_path_factory.mktemp("too-long")
+    write_jsonl(folder / "p.jsonl", [{"id": 1, "prompt": "x = 1\n" * 1500}])  # past the 2048 positions
+    runs["too-long"] = folder, ["batch", "p.jsonl", "--output", "out.jsonl", "--device", "cpu"]
+    results = cli_runs_in_one_process(list(runs.values()))
+    return {case: (folder, result) for (case, (folder, _)), result in zip(runs.items(), results)}
 
 
 @pytest.mark.parametrize("name", BAD_FILES)
-def test_unreadable_inputs_are_the_only_line_on_stderr(name, tmp_path):
-    content, message = BAD_FILES[name]
-    (tmp_path / name).write_bytes(content)
-    proc = run_cli(tmp_path, "batch", name, "--output", "out.jsonl")
+def test_unreadable_inputs_are_the_only_line_on_stderr(name, reader_runs):
+    _, message = BAD_FILES[name]
+    folder, proc = reader_runs[name]
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("hf-loopspec batch: error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert name in proc.stderr and message in proc.stderr, proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+    assert sorted(p.name for p in folder.iterdir()) == [name]
 
 
-def test_a_too_long_prompt_prints_no_tokenizer_warning(tmp_path):
-    write_jsonl(tmp_path / "p.jsonl", [{"id": 1, "prompt": "x = 1\n" * 1500}])  # past the 2048 positions
-    proc = run_cli(tmp_path, "batch", "p.jsonl", "--output", "out.jsonl", "--device", "cpu")
+def test_a_too_long_prompt_prints_no_tokenizer_warning(reader_runs):
+    folder, proc = reader_runs["too-long"]
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert all("Loading weights" in line for line in lines[:-1]), proc.stderr  # the weights' bar, nothing else
     assert "p.jsonl, line 1" in lines[-1] and "positions" in lines[-1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl"]
+    assert sorted(p.name for p in folder.iterdir()) == ["p.jsonl"]
 
 
 # --- progress -------------------------------------------------------------------------------------------------------

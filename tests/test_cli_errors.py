@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoint_utils import save_checkpoint, snapshot
 from cli_utils import command, one_error_line
-from processes import subprocess_env
+from processes import cli_runs_in_one_process
 
 from hf_loopspec import cli
 from hf_loopspec.bench import main as bench_main
@@ -212,17 +210,19 @@ def test_an_interrupt_is_one_line_and_status_130(monkeypatch, capsys):
     assert capsys.readouterr().err == "hf-loopspec bench: interrupted\n"
 
 
-def run_cli(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hf_loopspec.cli", *argv], capture_output=True, text=True,
-                          env=subprocess_env(drop=("HF_LOOPSPEC_DEBUG",)), cwd=tmp_path, timeout=300, check=False)
-
-
-def test_a_real_process_prints_one_line(good, tmp_path):
-    """`python -m hf_loopspec.cli` (one subprocess: its imports cost seconds; --debug is tested in-process)."""
+def test_a_real_process_prints_one_line(good, tmp_path, tmp_path_factory):
+    """`python -m hf_loopspec.cli` in a real process (`processes.cli_runs_in_one_process`: its imports cost seconds;
+    --debug is tested in-process), with an empty Hub cache, offline: a truncated checkpoint, and a Hub id that is not
+    in the cache (it fails at once, naming the id and HF_HUB_OFFLINE), are each one line and write nothing."""
     folder = broken(good, tmp_path, "truncated")
     before = snapshot(tmp_path)
-    proc = run_cli(tmp_path, *command("export", str(folder), tmp_path))
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("hf-loopspec export: error: "), proc.stderr
-    assert "is truncated or corrupt" in proc.stderr
+    uncached = ["export", "someone/no-such-model", str(tmp_path / "out")]
+    runs = [(tmp_path, command("export", str(folder), tmp_path)), (tmp_path, uncached)]
+    hub = tmp_path_factory.mktemp("hf_home")
+    truncated, uncached = cli_runs_in_one_process(runs, drop=("HF_HUB_CACHE",), HF_HUB_OFFLINE="1", HF_HOME=str(hub))
+    for proc in (truncated, uncached):
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("hf-loopspec export: error: "), proc.stderr
+    assert "is truncated or corrupt" in truncated.stderr
+    assert "someone/no-such-model" in uncached.stderr and "HF_HUB_OFFLINE" in uncached.stderr
     assert snapshot(tmp_path) == before

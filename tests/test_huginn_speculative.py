@@ -72,18 +72,25 @@ def test_token_identity_with_plain_greedy(damp, batch, init):
                                 model_depth=huginn_depth(model.config, STEPS), planes=ar_planes(model))
 
 
+@pytest.fixture(scope="module")
+def forced_case():
+    """(model, prompts, ids, mask, plain output) of the forced-pattern tests: ragged prompts, seeded states; plain
+    greedy decoding runs once for all of them (each only reads it)."""
+    model, _ = tiny_huginn(seed=5, damp=0.1)
+    prompts = prompts_for("ragged", seed=7)
+    ids, mask = left_pad(prompts, PAD)
+    return model, prompts, ids, mask, plain(model, ids, mask, NEW, **INITS["seeded"])
+
+
 @pytest.mark.parametrize("mode,d,k", TWO_STEP_DRAFTS)
 @pytest.mark.parametrize("pattern", ["all_rejected", "alternating", "two_rejections_in_a_row"])
-def test_forced_rejections_keep_tokens_and_kv(mode, d, k, pattern):
+def test_forced_rejections_keep_tokens_and_kv(mode, d, k, pattern, forced_case):
     """Forced rejection patterns roll back every plane (core, prelude, both coda depths) with I1 checked on every
     read; tokens and the planes AR writes equal serial AR."""
     accept = {"all_rejected": lambda s, i: False, "alternating": lambda s, i: i % 2 == 0,
               "two_rejections_in_a_row": lambda s, i: i % 4 < 2}[pattern]
-    model, _ = tiny_huginn(seed=5, damp=0.1)
-    prompts = prompts_for("ragged", seed=7)
-    ids, mask = left_pad(prompts, PAD)
+    model, prompts, ids, mask, ref = forced_case
     settings = INITS["seeded"]
-    ref = plain(model, ids, mask, NEW, **settings)
     reference = [real_tokens(ref.sequences, mask, s) for s in range(len(prompts))]
     hook = forcing_hook(reference, [len(p) for p in prompts], accept, model.config.vocab_size)
     out = speculative(model, ids, mask, NEW, mode, d, k, debug=True, draft_hook=hook, **settings)
@@ -96,17 +103,27 @@ def test_forced_rejections_keep_tokens_and_kv(mode, d, k, pattern):
         assert out.cache.length(s, draft_plane) == len(prompt) + NEW - 1
 
 
-@pytest.mark.parametrize("accept", [True, False], ids=["all_accepted", "all_rejected"])
-@pytest.mark.parametrize("mode,d,k", mode_params([(mode, 4 * d, k) for mode, d, k in MODES]))  # depths x 4
-def test_core_calls_at_32_steps(mode, d, k, accept):
-    """draft_loops counts recurrence steps: at 32 steps the core-call counts follow the closed forms of
-    docs/design.md, "Cost model", with U = 32 (AR: 32 calls per token)."""
+CALLS_NEW = 6
+CALLS_SETTINGS = {"num_steps": 32, "eos_token_id": None, "init_scale": 0.0}
+
+
+@pytest.fixture(scope="module")
+def calls_case():
+    """(model, prompts, ids, mask, plain output) of the call-count tests: one prompt at 32 steps; plain greedy
+    decoding runs once for all of them (each only reads it)."""
     model, _ = tiny_huginn(seed=2, damp=0.1)
-    n = 6
     prompts = prompts_for("unpadded", seed=1)[:1]
     ids, mask = left_pad(prompts, PAD)
-    settings = {"num_steps": 32, "eos_token_id": None, "init_scale": 0.0}
-    ref = plain(model, ids, mask, n, **settings)
+    return model, prompts, ids, mask, plain(model, ids, mask, CALLS_NEW, **CALLS_SETTINGS)
+
+
+@pytest.mark.parametrize("accept", [True, False], ids=["all_accepted", "all_rejected"])
+@pytest.mark.parametrize("mode,d,k", mode_params([(mode, 4 * d, k) for mode, d, k in MODES]))  # depths x 4
+def test_core_calls_at_32_steps(mode, d, k, accept, calls_case):
+    """draft_loops counts recurrence steps: at 32 steps the core-call counts follow the closed forms of
+    docs/design.md, "Cost model", with U = 32 (AR: 32 calls per token)."""
+    model, prompts, ids, mask, ref = calls_case
+    n, settings = CALLS_NEW, CALLS_SETTINGS
     reference = [real_tokens(ref.sequences, mask, 0)]
     hook = forcing_hook(reference, [len(prompts[0])], lambda s, i: accept, model.config.vocab_size)
     out = speculative(model, ids, mask, n, mode, d, k, draft_hook=hook, **settings)

@@ -45,20 +45,21 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
         card = archive.read("hf_loopspec/assets/default_model/README.md").decode()
     assert card == (ROOT / "model_cards" / "hf-loopspec-default" / "README.md").read_text(encoding="utf-8")
 
-    venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], tmp_path, env)
+    venv = tmp_path / "venv"  # without a pip of its own: this interpreter's pip installs into it (`--python`)
+    run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], tmp_path, env)
     python, cli = venv / "bin" / "python", venv / "bin" / "hf-loopspec"
-    run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], tmp_path, env)
+    run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--force-reinstall",
+         str(wheel)], tmp_path, env)
     work = tmp_path / "work"  # outside the checkout: the installed package is what runs
     work.mkdir()
-    probe = run([str(python), "-c", "import json, hf_loopspec, hf_loopspec.hub.install as i; "
-                 "print(json.dumps([hf_loopspec.__file__, i.project_url()]))"], work, env)
-    location, url = json.loads(probe.stdout.strip().splitlines()[-1])
-    assert Path(location).is_relative_to(venv), location  # not the checkout, not an editable install
-    assert url == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
-
     generated = run([str(cli), "generate", "def fibonacci(n):", "--max-new-tokens", "8"], work, env)
     assert generated.stdout.strip() and "[pipeline] 8 new tokens" in generated.stderr, generated.stderr
-    run([str(cli), "export", "default", "exported"], work, env)
+    # where the package was imported from, and the export, in one process (the console script ran above)
+    probe = run([str(python), "-c", "import json, sys, hf_loopspec, hf_loopspec.hub.install as i; "
+                 "print(json.dumps([hf_loopspec.__file__, i.project_url()])); from hf_loopspec.cli import main; "
+                 "sys.exit(main(['export', 'default', 'exported']))"], work, env)
+    location, url = json.loads(probe.stdout.strip().splitlines()[0])
+    assert Path(location).is_relative_to(venv), location  # not the checkout, not an editable install
+    assert url == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
     requirements = (work / "exported" / "custom_generate" / "requirements.txt").read_text()
     assert f"git+{url}" in requirements and (work / "exported" / "modeling_ouro.py").is_file()

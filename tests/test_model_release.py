@@ -32,30 +32,27 @@ def one_cycle_per_call(monkeypatch):
     monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 1)
 
 
-def compiled_run(backend: str, seed: int = 3):
-    """(model, its output, the expected tokens): a tiny model decoded with `compile_core=backend`."""
-    model = tiny_spec_model(seed, vocab=VOCAB)
-    ids, mask = left_pad(random_prompts(seed, [5, 3], VOCAB))
-    out = speculative(model, ids, mask, 6, "pipeline", compile_core=backend, speculative_engine="wavefront")
-    return model, out, plain(model, ids, mask, 6).sequences
-
-
-def test_a_compiled_model_is_freed_with_its_last_reference():
-    model, out, expected = compiled_run("eager")
+def test_a_compiled_model_is_freed_with_its_last_reference_and_a_copy_compiles_its_own_functions():
+    """A copy made after the compiled run has none of the model's compiled functions and compiles its own (the same
+    keys, plain's tokens); then the model is freed when its last reference goes, while the copy and its compiled
+    functions (for the same code) live on, and the copy is freed with its own last reference."""
+    model = tiny_spec_model(3, vocab=VOCAB)
+    ids, mask = left_pad(random_prompts(3, [5, 3], VOCAB))
+    expected = plain(model, ids, mask, 6).sequences
+    out = speculative(model, ids, mask, 6, "pipeline", compile_core="eager", speculative_engine="wavefront")
     assert out.speculation.engine == "wavefront" and out.sequences.tolist() == expected.tolist()
     assert compiled.compiled_store(model, STORE), "the run compiled nothing: the test would prove nothing"
-    alive = weakref.ref(model)
-    del model, out
-    gc.collect()
-    assert alive() is None
-
-
-def test_a_copy_of_a_compiled_model_compiles_its_own_functions():
-    model, _, expected = compiled_run("eager", seed=4)
     twin = copy.deepcopy(model)
     assert not compiled.compiled_store(twin, STORE)
-    ids, mask = left_pad(random_prompts(4, [5, 3], VOCAB))
     again = speculative(twin, ids, mask, 6, "pipeline", compile_core="eager", speculative_engine="wavefront")
     assert again.sequences.tolist() == expected.tolist()
     assert compiled.compiled_store(twin, STORE).keys() == compiled.compiled_store(model, STORE).keys()
     assert torch.equal(twin.lm_head.weight, model.lm_head.weight)
+    alive = weakref.ref(model)
+    del model, out
+    gc.collect()
+    assert alive() is None, "the model outlived its last reference (its copy's compiled functions hold it?)"
+    alive = weakref.ref(twin)
+    del twin, again
+    gc.collect()
+    assert alive() is None
