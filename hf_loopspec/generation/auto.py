@@ -27,7 +27,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from ..cache.paged import PagedLoopCache
 from ..defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
 from .auto_calibration import costs_for
-from .auto_costs import PLAIN, Candidate, observe
+from .auto_costs import PLAIN, Candidate, CostTable, observe
 from .auto_policy import AutoChoice, AutoStats, Chooser, policy_for, remember, remembered
 from .config import AUTO_MODE, SPECULATIVE_KEYS, resolve_speculative
 from .stats import SequenceStats, SpeculationStats
@@ -57,6 +57,16 @@ def candidates(loops: int, draft_loops: int | None, k: int | None) -> list[Candi
     pipelines = [Candidate("pipeline", d) for d in depths if loops % d == 0]
     block = Candidate("block", depths[0], k or DEFAULT_NUM_SPECULATIVE_TOKENS)
     return [PLAIN, *pipelines, block]
+
+
+def calibrate(model, batch: int, kwargs: dict) -> CostTable:
+    """The cost table an auto `generate` call of `batch` rows with `kwargs` uses, measured now unless this or an
+    earlier process has it (`auto_calibration.costs_for`): calling it first keeps the measuring out of the call's
+    own time."""
+    config = kwargs.get("generation_config") or model.generation_config
+    options = candidates(model.num_loops, _setting(kwargs, config, "draft_loops"),
+                         _setting(kwargs, config, "num_speculative_tokens"))
+    return costs_for(model, batch, options)
 
 
 class ForcePad(LogitsProcessor):
