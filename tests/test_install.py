@@ -58,7 +58,7 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     assert url == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
 
     generated = run([str(cli), "generate", "def fibonacci(n):", "--max-new-tokens", "8"], work, env)
-    assert generated.stdout.strip() and "[pipeline] 8 new tokens" in generated.stderr, generated.stderr
+    assert generated.stdout.strip() and "[auto] 8 new tokens" in generated.stderr, generated.stderr  # the default
     run([str(cli), "export", "default", "exported"], work, env)
     requirements = (work / "exported" / "custom_generate" / "requirements.txt").read_text()
     assert f"git+{url}" in requirements and (work / "exported" / "modeling_ouro.py").is_file()
