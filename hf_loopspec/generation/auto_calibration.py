@@ -22,9 +22,11 @@ Only the shallowest pipeline depth is timed; the other candidates take its cycle
   most U/d lanes a sequence), so the timed cost is an upper bound for it, exact where a call's cost does not depend
   on its rows (weight reads or per-call overhead dominate: small batches);
 * block at a depth at least as deep: its calls per token, ((K + 1) d + U - d) / (1 + a + ... + a^K), are never
-  fewer than pipeline's at that depth, d + (U - d)(1 - a), and would have to be cheaper per cycle by over 8% (a
-  factor 0.92, the worst case over a, K and U <= 8; 0.82 at U = 4, d = 1) for block to win. Its cycles verify K + 1
-  rows where pipeline runs at most U/d, so they do not cost less, and the choice is what timing them would give.
+  fewer than pipeline's at that depth, d + (U - d)(1 - a), so block wins only if its cycle is cheaper than the
+  pipeline's by more than 7% (a factor 0.92, the worst case over a, K and U <= 8; 18%, 0.82, at U = 4, d = 1).
+  Its cycles carry about as many rows on average (one a sequence while drafting, K + 1 while verifying: 2.5 at
+  U = 4, d = 1, K = 4, against up to 4 for pipeline), and per-call overhead and weight reads make their cost
+  nearly independent of the rows at small batches, so the choice is the one timing block would give there.
 Without such a pipeline (only block given, or U % d != 0), the shallowest block is timed and the others of its K
 take its cost likewise. A stored or kept table's costs are reused the same way, without timing again.
 """
