@@ -129,3 +129,16 @@ def test_a_kept_table_is_completed_from_disk(model, counted):
     table = costs_for(model, 1, [PIPE1, PIPE2])
     assert counted["plain"] == [1] and counted["cycle"] == [PIPE1]
     assert table == CostTable(3.0, {PIPE1: decode(stored).cycle[PIPE1], PIPE2: 1.0})
+
+
+def test_the_cache_folder_and_a_folder_that_cannot_be_written(model, counted, tmp_path, monkeypatch):
+    """`HF_LOOPSPEC_CACHE` names the folder; without it, a per-user cache folder named for the package. A folder
+    that cannot be created (a file is in the way) costs only the cache: the call measures and keeps its table."""
+    assert auto_cache.cache_dir() == tmp_path
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv(auto_cache.CACHE_ENV, str(blocked / "cache"))
+    table = costs_for(model, 1, [Candidate(None), PIPE1])
+    assert counted["measure"] == [1] and costs_for(model, 1, [PIPE1]) is table
+    monkeypatch.delenv(auto_cache.CACHE_ENV)
+    assert "hf_loopspec" in auto_cache.cache_dir().parts
