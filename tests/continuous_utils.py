@@ -21,10 +21,11 @@ def generation_config(settings: dict, **extra) -> GenerationConfig:
                                **settings, **extra})
 
 
-def batching(slots: int = 2, positions: int = 64) -> ContinuousBatchingConfig:
-    """B slots of `positions` positions each (`positions` a multiple of `PAGE`)."""
+def batching(slots: int = 2, positions: int = 64, blocks: int | None = None, **extra) -> ContinuousBatchingConfig:
+    """B slots of `positions` positions each (`positions` a multiple of `PAGE`), sharing a KV pool of `blocks` pages
+    of `PAGE` positions per plane (None: the manager's default), with the config's `extra` settings."""
     return ContinuousBatchingConfig(max_requests_per_batch=slots, max_blocks_per_request=positions // PAGE,
-                                    page_size=PAGE)
+                                    page_size=PAGE, num_blocks=blocks, **extra)
 
 
 def alone(model, prompt: list[int], max_new: int, eos=None, **kwargs) -> list[int]:

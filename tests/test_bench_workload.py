@@ -4,15 +4,15 @@ one-line argument errors, and a tiny run of the whole bench (what the script run
 
 from __future__ import annotations
 
-import copy
 import json
+from dataclasses import replace
 
 import numpy
 import pytest
 import torch
 
-from hf_loopspec.bench import workload_main
-from hf_loopspec.bench.run import bench_generation_config
+from hf_loopspec.bench import workload, workload_main
+from hf_loopspec.bench.run import bench_generation_config, run_mode
 from hf_loopspec.bench.shapes import random_model
 from hf_loopspec.bench.workload import Served, make_workload, run_continuous, run_static
 
@@ -51,19 +51,47 @@ def test_static_batches_serve_each_request_as_plain_generate_alone(model, mode):
     requests = make_workload(5, (2, 7), (2, 6), VOCAB, seed=1, rate=200.0)
     reference = {r.index: alone(model, r) for r in requests}
     served = run_static(model, requests, 2, mode, 1, reference=reference, acceptance=0.7)
-    assert served.outputs == reference
+    assert served.outputs == reference and served.mode == mode
     assert all(served.finished[r.index] >= r.arrival for r in requests)
     assert served.seconds == max(served.finished.values())
 
 
-@pytest.mark.parametrize("mode", [None, "pipeline"])
+@pytest.mark.parametrize("mode", ["plain", "pipeline"])
 def test_continuous_batching_serves_each_request_as_plain_generate_alone(model, mode):
     requests = make_workload(5, (2, 7), (2, 6), VOCAB, seed=2, rate=200.0)
     reference = {r.index: alone(model, r) for r in requests}
-    config = copy.deepcopy(model.generation_config)
-    config.update(speculative_mode=mode, draft_loops=1)
+    config = workload_main.manager_config(model, mode, 1)
     served = run_continuous(model, requests, 2, config, reference=reference, acceptance=0.7, timeout=120)
     assert served.outputs == reference
+    assert served.mode == ("ar" if mode == "plain" else "pipeline")  # the manager decodes what the row names
+
+
+def test_a_static_batch_drafts_its_shorter_requests_on_to_its_longest():
+    # generate runs every row of a batch to its longest; a real model keeps drafting there, so the synthetic drafts
+    # of a shorter request go on (at acceptance 1: its known greedy tokens) as far as the reference goes. Positions
+    # are each request's own (the engines count them from the first real token; left padding is not one)
+    short = replace(make_workload(1, (2, 2), (2, 2), VOCAB, seed=1)[0], index=0)
+    long = replace(make_workload(1, (4, 4), (5, 5), VOCAB, seed=2)[0], index=1)
+    known = {0: [11, 12, 13, 14, 15], 1: [21, 22, 23, 24, 25]}
+    hook = workload._batch_hook([short, long], known, 1.0, VOCAB, seed=0)
+    assert [hook(0, p, -1) for p in range(2, 7)] == known[0] and [hook(1, p, -1) for p in range(4, 9)] == known[1]
+    assert hook(0, 1, 7) == 7 and hook(0, 7, 7) == 7  # the prompt and past the reference: the model's own draft
+    assert workload.request_override(short, known, 1.0, VOCAB, 0) == [-1] * 2 + known[0][:2]  # alone: its own
+
+
+def test_every_synthetic_draft_of_a_padded_static_batch_is_right_at_acceptance_one(model):
+    # the drafts land on the positions the engine drafts (a misaligned pattern would be rejected, silently slow)
+    requests = make_workload(3, (2, 7), (3, 6), VOCAB, seed=6)
+    longest = max(r.new_tokens for r in requests)
+    known = {r.index: alone(model, replace(r, new_tokens=longest)) for r in requests}
+    width = max(len(r.prompt) for r in requests)
+    ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in requests])
+    mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in requests])
+    with torch.inference_mode():
+        result = run_mode(model, "pipeline", ids, longest, draft_loops=1, k=4, attention_mask=mask,
+                          draft_hook=workload._batch_hook(requests, known, 1.0, VOCAB, seed=0))
+    assert result["generated"].tolist() == [known[r.index] for r in requests]
+    assert result["stats"].rejected == 0 and result["stats"].accepted > 0
 
 
 def test_throughput_and_latency_percentiles_match_numpy():

@@ -202,6 +202,18 @@ def test_synthetic_hook_is_seeded_and_wrong_tokens_differ():
     assert 0 < a.count(7) < 50 and all(0 <= x < 20 for x in a)
 
 
+def test_synthetic_drafts_do_not_depend_on_the_order_they_are_asked_in():
+    # The reference decoder asks position by position as it drafts (again after a rejection); the engine fills its
+    # device-side override for every position up front: both must see the same draft at each (sequence, position).
+    ref = torch.arange(60).reshape(2, 30) % 17
+    forward, backward = (run.synthetic_hook(ref, 5, 0.6, 17, seed=3) for _ in range(2))
+    cells = [(seq, 5 + i) for seq in range(2) for i in range(30)]
+    first = {cell: forward(*cell, -1) for cell in cells}
+    assert first == {cell: backward(*cell, -1) for cell in reversed(cells)}
+    assert all(forward(*cell, -1) == first[cell] for cell in cells)  # a redraft proposes the same token
+    assert forward(0, 4, 9) == 9 and forward(1, 35, 9) == 9  # outside the new tokens: the model's own draft
+
+
 def test_ideal_model_interpolates_call_costs():
     table = {1: 1.0, 2: 1.5, 4: 2.5}
     assert costs.interpolate(table, 3) == pytest.approx(2.0)

@@ -112,6 +112,34 @@ class TestAllocator:
         with pytest.raises(CacheCapacityError, match="capacity is 2 pages"):
             PagedLoopCache(LAYOUT, page_size=4, max_pages=2).reserve_in_order(1, 4, like=LIKE)
 
+    def test_reserve_takes_free_pages_per_sequence_and_free_returns_them(self):
+        """`allocate_pool`, `scratch_page`, `reserve`, `pages_of`, `free` (a continuous manager's pool): a fixed pool
+        allocated at once; a sequence reserved in any order gets ceil(positions / page_size) distinct pages per plane,
+        none shared with another sequence or the scratch page, with valid lengths as if written; too few free pages
+        raise `CacheCapacityError` and take nothing; `free` returns them, and a later reservation reuses them."""
+        cache = PagedLoopCache(LAYOUT, page_size=4, max_pages=1 + 2 * 3 * 3)
+        cache.allocate_pool(LIKE)
+        scratch = cache.scratch_page(LIKE)
+        assert cache.num_pages == 19 and cache.free_pages == 18
+        cache.reserve(1, 10, LIKE)  # 3 pages per plane
+        cache.reserve(0, 5, LIKE)  # 2 pages per plane
+        held = {s: [cache.pages_of(s, d) for d in range(3)] for s in (0, 1)}
+        assert [len(p) for p in held[0] + held[1]] == [2] * 3 + [3] * 3
+        lent = [page for pages in held[0] + held[1] for page in pages]
+        assert len(set(lent)) == len(lent) and scratch not in lent
+        assert [cache.length(1, d) for d in range(3)] == [10] * 3 and cache.free_pages == 3
+        with pytest.raises(CacheCapacityError, match="capacity is 19 pages"):
+            cache.reserve(2, 8, LIKE)  # 2 pages per plane: 6 > 3 free
+        assert cache.free_pages == 3 and cache.pages_of(2, 0) == []
+        with pytest.raises(ValueError, match="sequence 0 holds pages; free it first"):
+            cache.reserve(0, 4, LIKE)
+        cache.free(1)
+        assert cache.free_pages == 12
+        cache.reserve(2, 8, LIKE)
+        assert {p for d in range(3) for p in cache.pages_of(2, d)} <= set(lent) - set(p for ps in held[0] for p in ps)
+        with pytest.raises(ValueError, match="allocate_pool needs an empty cache with a fixed capacity"):
+            PagedLoopCache(LAYOUT, page_size=4).allocate_pool(LIKE)
+
     def test_flat_pools_address_the_reserved_tables_in_order(self):
         """`flat_pools` after `reserve_in_order`: slot `layer * num_pages * page_size + t * W + j` of the flat views is
         position j of table t (= sequence * planes + plane) in that layer, as read back through the block tables;

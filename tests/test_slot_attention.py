@@ -10,14 +10,14 @@ table 0) lies beyond it. Pools start with random values (KV written before), nev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 from tolerances import assert_fp32_close
 
 from hf_loopspec.ops.attention import naive_slot_attention
-from hf_loopspec.ops.attention.slots import SlotAttention, SlotLayout
+from hf_loopspec.ops.attention.slots import SlotAttention, SlotLayout, table_slot
 
 
 @dataclass
@@ -136,3 +136,33 @@ def test_reference_reads_what_it_wrote_and_nothing_past_a_row():
     weights = torch.softmax(torch.tensor([0.0, 2.0 * 1.0], dtype=torch.float64), 0)  # scores q*k at positions 0, 1
     assert torch.allclose(out[0, 0, 0], weights[0] * 3.0 + weights[1] * 5.0)
     assert k_pool[1, 0, 0] == 1.0 and v_pool[1, 0, 0] == 5.0
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_page_map_reads_and_writes_what_tables_in_order_do(shape):
+    """Through a page map (`pages`, continuous batching) the op equals the op on tables laid out in order, on a pool
+    whose pages are those pages shuffled: the same output, and every page written as its in-order page (the trash
+    slot included, mapped like any position)."""
+    scene = make_scene(5, *SHAPES[shape])
+    page, width = 4, 16  # W = 16 >= every shape's C: four pages per table
+    layout = replace(scene.layout, table_width=width)
+    batch, planes = scene.lanes[0].shape[0], layout.planes
+    count = batch * planes * width // page + 1  # pages per layer: the tables' and one more
+    g = torch.Generator().manual_seed(6)
+    shuffled = torch.randperm(count, generator=g)  # in-order page i is page shuffled[i] of the paged pool
+    pages = shuffled[: count - 1].view(batch * planes, width // page)
+    rand = torch.randn(2, layout.layers * count * page, *scene.k_pool.shape[1:], generator=g)
+    in_order = [rand[0].clone(), rand[1].clone()]
+    paged = [torch.empty_like(pool) for pool in in_order]
+    as_pages = lambda pool: pool.view(layout.layers, count, page, *pool.shape[1:])  # noqa: E731
+    for source, target in zip(in_order, paged):
+        as_pages(target)[:, shuffled] = as_pages(source)
+    trash = scene.trash
+    paged_trash = table_slot(pages, width, torch.tensor(0), trash)
+    expected = SlotAttention(*in_order, trash, layout, scene.lanes, scene.prompts)(1, scene.q, scene.k, scene.v)
+    out = SlotAttention(*paged, paged_trash, layout, scene.lanes, scene.prompts, pages=pages)(1, scene.q, scene.k,
+                                                                                              scene.v)
+    # the same values read in the same order, gathered instead of viewed: equal up to the kernels' reduction order
+    assert_fp32_close(out.double(), expected.double(), layers=1, width=max(scene.q.shape[-1], layout.read_span))
+    for source, target in zip(in_order, paged):
+        assert torch.equal(as_pages(target)[:, shuffled], as_pages(source))

@@ -43,7 +43,7 @@ have KV of their own: the call-cost model below times them on their own planes.
 runs. Its rows are named `MODE/reference`; every JSON row carries `engine` ("wavefront", "reference", or None for
 plain modes). The wavefront engine's call rows are the fixed shapes it runs (every lane slot and prompt row in each
 core call, masked or not); with `--synthetic-acceptance` its draft override is filled from the same seeded hook
-position by position, so at A < 1 its pattern differs from the reference's at the same acceptance rate.
+position by position: each (sequence, position) has one synthetic draft, so both engines see the same pattern.
 
 `--synthetic-acceptance A` (for random weights, whose drafts are almost never right): every draft proposal is
 replaced through `draft_hook` by the known greedy token with probability A (seeded), otherwise by a wrong token.

@@ -43,19 +43,27 @@ def _dynamic_cache_bytes(cache) -> int:
 
 def synthetic_hook(reference, prompt_len: int, acceptance: float, vocab: int, seed: int):
     """`draft_hook` that proposes `reference[seq][position - prompt_len]` with probability `acceptance`, else a
-    different (wrong) token; seeded, so every run of a mode sees the same pattern. `reference`: a `[B, N]` tensor or
-    one list of tokens per sequence (ragged: past the end of its row, a sequence keeps its own draft)."""
+    different (wrong) token. `reference`: a `[B, N]` tensor or one list of tokens per sequence (ragged: past the end
+    of its row, a sequence keeps its own draft). Each (sequence, position) gets one token, drawn up front from a
+    generator seeded with `seed`, sequence by sequence: a position drafted again proposes the same token, and the
+    pattern does not depend on the order an engine asks in, so every engine and every run of a mode sees the same
+    drafts."""
     rng = random.Random(seed)
     ref = reference.tolist() if torch.is_tensor(reference) else reference
+    drafts = []
+    for row in ref:
+        picks = []
+        for right in row:
+            if rng.random() < acceptance:
+                picks.append(right)
+            else:
+                wrong = rng.randrange(vocab - 1)
+                picks.append(wrong + (wrong >= right))
+        drafts.append(picks)
 
     def hook(seq: int, position: int, proposed: int) -> int:
-        if position - prompt_len >= len(ref[seq]):
-            return proposed
-        right = ref[seq][position - prompt_len]
-        if rng.random() < acceptance:
-            return right
-        wrong = rng.randrange(vocab - 1)
-        return wrong + (wrong >= right)
+        offset = position - prompt_len
+        return drafts[seq][offset] if 0 <= offset < len(drafts[seq]) else proposed
 
     return hook
 
@@ -184,10 +192,10 @@ def _run_wavefront(model, mode: str, ids: torch.Tensor, new_tokens: int, *, draf
     cache = PagedLoopCache(model.kv_layout)
     max_length = ids.shape[1] + new_tokens
     override = None
-    if draft_hook is not None:  # drafts can be made for positions prompt .. prompt + new - 1
-        override = torch.full((len(ids), max_length), -1, dtype=torch.long)
+    if draft_hook is not None:  # a sequence's positions count from its first real token: a shorter (left-padded)
+        override = torch.full((len(ids), max_length), -1, dtype=torch.long)  # prompt drafts from an earlier one
         for seq in range(len(ids)):
-            for position in range(ids.shape[1], max_length):
+            for position in range(max_length):
                 override[seq, position] = draft_hook(seq, position, -1)
         override = override.to(ids.device)
     spec = resolve_speculative(mode, draft_loops, k, compile_core, num_loops=model.num_loops, modes=LANE_MODES,

@@ -17,7 +17,7 @@ tokens, and a request's output is its first `new_tokens` tokens.
 With `acceptance` set, every draft of a speculative request is replaced by the request's known greedy token with
 that probability, else by a wrong one (verification stays real). Each request has one such pattern over its own
 positions (`request_override`, seeded by the request), the same in both ways of serving it: in a static batch it
-is the request's row of the batch's device-side draft override (shifted by its left padding), in the manager the
+is the request's row of the batch's device-side draft override, in the manager the
 request's `add_request(..., draft_override=...)`.
 """
 
@@ -54,6 +54,7 @@ class Served:
     outputs: dict[int, list[int]]
     finished: dict[int, float]
     seconds: float
+    mode: str | None = None  # what the engine ran: the manager's mode ("ar": plain), or the static mode
 
 
 def make_workload(count: int, prompt_lens: tuple[int, int], new_tokens: tuple[int, int], vocab: int, seed: int,
@@ -77,23 +78,28 @@ def vocab_size(model) -> int:
 
 
 def request_override(request: Request, reference: dict[int, list[int]] | None, acceptance: float | None,
-                     vocab: int, seed: int) -> list[int] | None:
+                     vocab: int, seed: int, new_tokens: int | None = None) -> list[int] | None:
     """The synthetic drafts of `request` over its own positions (-1 over the prompt: no override; then, for its
-    i-th new token, its greedy token `reference[index][i]` with probability `acceptance`, else a wrong one; seeded
-    by `seed` and the request's index: `run.synthetic_hook`), or None without `acceptance`."""
+    i-th new token, i < `new_tokens` (default: the request's own), its greedy token `reference[index][i]` with
+    probability `acceptance`, else a wrong one; seeded by `seed` and the request's index: `run.synthetic_hook`;
+    past the end of `reference[index]`, the model's own draft), or None without `acceptance`."""
     if acceptance is None or reference is None:
         return None
-    start, hook = len(request.prompt), synthetic_hook([reference[request.index]], len(request.prompt), acceptance,
-                                                      vocab, seed + request.index)
-    return [-1] * start + [hook(0, position, -1) for position in range(start, start + request.new_tokens)]
+    known = reference[request.index][: request.new_tokens if new_tokens is None else new_tokens]
+    start, hook = len(request.prompt), synthetic_hook([known], len(request.prompt), acceptance, vocab,
+                                                      seed + request.index)
+    return [-1] * start + [hook(0, position, -1) for position in range(start, start + len(known))]
 
 
-def _batch_hook(batch: list[Request], width: int, reference, acceptance, vocab: int, seed: int):
-    """The draft hook of a left-padded static batch: row b's `request_override`, shifted by its padding (row b's
-    new tokens start at column `width`)."""
+def _batch_hook(batch: list[Request], reference, acceptance, vocab: int, seed: int):
+    """The draft hook of a left-padded static batch: row b's `request_override` over the batch's longest output
+    (a shorter request decodes on to it, as `generate` runs every row, and drafts there as a real model would, at
+    the same acceptance when `reference` holds that many tokens). Its positions are the request's own: the engines
+    count a sequence's positions from its first real token, left padding not included."""
     if acceptance is None or reference is None:
         return None
-    rows = [[-1] * (width - len(r.prompt)) + request_override(r, reference, acceptance, vocab, seed) for r in batch]
+    longest = max(r.new_tokens for r in batch)
+    rows = [request_override(r, reference, acceptance, vocab, seed, longest) for r in batch]
 
     def hook(seq: int, position: int, proposed: int) -> int:
         forced = rows[seq][position] if position < len(rows[seq]) else -1
@@ -112,7 +118,8 @@ def run_static(model, requests: list[Request], slots: int, mode: str, draft_loop
                acceptance: float | None = None, seed: int = 0) -> Served:
     """Serve `requests` in static batches of at most `slots` (see the module docstring), each decoded as the main
     bench decodes (`run.run_mode`: "plain" is `generate`, "pipeline" the wavefront engine `generate` runs, its
-    synthetic drafts a device-side override); `reference` (request index -> greedy tokens) feeds the drafts."""
+    synthetic drafts a device-side override); `reference` (request index -> greedy tokens, as many as the longest
+    request of the workload makes: a batch's shorter requests draft on to its longest) feeds the drafts."""
     vocab = vocab_size(model)
     pending = sorted(requests, key=lambda r: r.arrival)
     outputs, finished = {}, {}
@@ -130,14 +137,14 @@ def run_static(model, requests: list[Request], slots: int, mode: str, draft_loop
         for row, r in enumerate(batch):
             ids[row, width - len(r.prompt):] = torch.tensor(r.prompt)
             mask[row, width - len(r.prompt):] = 1
-        hook = _batch_hook(batch, width, reference, acceptance, vocab, seed)
+        hook = _batch_hook(batch, reference, acceptance, vocab, seed)
         out = run_mode(model, mode, ids.to(model.device), max(r.new_tokens for r in batch), draft_loops=draft_loops,
                        k=DEFAULT_NUM_SPECULATIVE_TOKENS, draft_hook=hook, attention_mask=mask.to(model.device))
         done = time.perf_counter() - start
         for row, r in enumerate(batch):
             outputs[r.index] = out["generated"][row, :r.new_tokens].tolist()
             finished[r.index] = done
-    return Served(outputs, finished, max(finished.values()))
+    return Served(outputs, finished, max(finished.values()), mode)
 
 
 def run_continuous(model, requests: list[Request], slots: int, generation_config, *, reference=None,
@@ -185,4 +192,4 @@ def run_continuous(model, requests: list[Request], slots: int, generation_config
     if failures or len(outputs) < len(requests):
         raise RuntimeError(f"continuous batching: {len(failures)} request(s) failed, {len(requests) - len(outputs)} "
                            f"unfinished after {timeout:.0f} s; first failure: {failures[:1]}")
-    return Served(outputs, finished, max(finished.values()))
+    return Served(outputs, finished, max(finished.values()), manager.settings.mode)

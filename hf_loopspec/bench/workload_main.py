@@ -19,6 +19,7 @@ import copy
 import json
 import statistics
 import sys
+from dataclasses import replace
 
 from .args import fraction, positive, positive_float
 from .shape_table import SHAPES
@@ -130,10 +131,17 @@ def run_one(model, args, workloads, run, reference):
              "seed": args.seed}
     if batching == "static":
         return run_static(model, workloads[arrivals], args.slots, engine, args.draft_loops, **hooks)
+    return run_continuous(model, workloads[arrivals], args.slots, manager_config(model, engine, args.draft_loops),
+                          **hooks)
+
+
+def manager_config(model, engine: str, draft_loops: int):
+    """The generation config of a continuous row: the model's, decoding plain or pipeline at `draft_loops`. The
+    keys are set as attributes: `GenerationConfig.update` skips keys the class does not define, as ours."""
     config = copy.deepcopy(model.generation_config)
-    config.update(**({"speculative_mode": None} if engine == "plain" else {"speculative_mode": "pipeline",
-                                                                           "draft_loops": args.draft_loops}))
-    return run_continuous(model, workloads[arrivals], args.slots, config, **hooks)
+    config.speculative_mode = None if engine == "plain" else "pipeline"
+    config.draft_loops = None if engine == "plain" else draft_loops
+    return config
 
 
 def run_workload(args) -> dict:
@@ -159,14 +167,19 @@ def run_workload(args) -> dict:
         _log(args, f"[workload] {model_name}: reference (static plain burst)")
         burst = make_workload(args.requests, args.prompt_lens, args.new_tokens, vocab, args.seed)
         reference_run = ("plain", "static", "burst")
-        reference = run_one(model, args, {"burst": burst}, reference_run, None).outputs
+        # greedy tokens as far as the longest request goes, for every request: the drafts of a static batch's
+        # shorter requests run on to its longest (`workload._batch_hook`); each request's reference is its own part
+        longest = max(r.new_tokens for r in burst)
+        known = run_one(model, args, {"burst": [replace(r, new_tokens=longest) for r in burst]}, reference_run,
+                        None).outputs
+        reference = {r.index: known[r.index][:r.new_tokens] for r in burst}
         for round_index in range(-1, args.rounds):  # -1: the warm-up round (the reference run warmed up its row)
             for run in order:
                 if round_index < 0 and run == reference_run:
                     continue
                 _log(args, f"[workload] {'warm-up' if round_index < 0 else f'round {round_index + 1}'}: "
                            f"{' '.join(run)}")
-                served = run_one(model, args, workloads, run, reference)
+                served = run_one(model, args, workloads, run, known)
                 checks[run] &= served.outputs == reference
                 if round_index >= 0:
                     timed[run].append(measure(served, workloads[run[2]]))

@@ -171,6 +171,44 @@ class PageTables:
             for pool, rows in zip(pools(), kept):  # views of the (possibly grown) pools: the writes land in them
                 pool[:, index.to(pool.device)] = rows.to(pool.dtype)
 
+    def allocate_pool(self, like: torch.Tensor) -> None:
+        """Allocate the whole fixed pool (`max_pages` pages) of an empty cache now, so that it never grows (and views
+        of it, `PagedLoopCache.flat_pools`, stay valid). `like`: a tensor in the KV dtype on the pool's device."""
+        if self.max_pages is None or self.k_pool is not None:
+            raise ValueError("allocate_pool needs an empty cache with a fixed capacity (max_pages).")
+        self._grow(self.max_pages, like)
+
+    def scratch_page(self, like: torch.Tensor) -> int:
+        """A page outside every table, in use for the cache's life: a caller's scratch space (the continuous
+        manager's trash page, which masked rows write)."""
+        return self._alloc(like)
+
+    def reserve(self, seq: int, positions: int, like: torch.Tensor) -> None:
+        """Give every plane of `seq` (created if new; it must hold no page) pages for `positions` positions, taken
+        from the free pages, and make them its valid positions (as `reserve_in_order`: the caller writes them and
+        tracks what it wrote; `free` returns them). With a fixed capacity and too few free pages,
+        `CacheCapacityError`, and nothing is taken."""
+        self.ensure_sequences(seq + 1)
+        tables = range(seq * self.num_planes, (seq + 1) * self.num_planes)
+        if any(self._pages[t] for t in tables):
+            raise ValueError(f"reserve: sequence {seq} holds pages; free it first.")
+        per_table = -(-positions // self.page_size)
+        if per_table * len(tables) > len(self._free):
+            self._grow(per_table * len(tables) - len(self._free), like)
+        for t in tables:
+            self._pages[t] = [self._alloc(like) for _ in range(per_table)]
+            self._lengths[t] = positions
+        self._block_tables = None
+
+    def pages_of(self, seq: int, depth: int) -> list[int]:
+        """The page ids of (seq, depth)'s table, in position order (a copy)."""
+        return list(self._pages[self._table(seq, depth)])
+
+    @property
+    def free_pages(self) -> int:
+        """Pages free without growing the pool."""
+        return len(self._free)
+
     def _alloc(self, like: torch.Tensor) -> int:
         if not self._free:
             self._grow(1, like)

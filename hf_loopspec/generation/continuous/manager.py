@@ -7,11 +7,12 @@ routing (`RequestState`, `GenerationOutput`, `RequestStatus`, `OutputRouter`, `B
 written for transformers' manager, `transformers serve --continuous-batching` included, drives it unchanged.
 
 The loop (a background thread, `start`) repeats: take cancellations and new requests; admit waiting requests into
-free slots (first come, first served: `slots.SlotBatch.admit`); run R cycles of the engine (`SlotBatch.run`); read
+free slots (first come, first served, each taking KV pages from the manager's pool for what it can use, or waiting
+for them: `pool`, `slots.SlotBatch.admit`); run R cycles of the engine (`SlotBatch.run`); read
 back every slot's committed count and tokens; deliver the new tokens of streaming requests (status DECODING, the
-tokens so far) and the result of each finished request (FINISHED), whose slot is then free. Every request decodes
-with the manager's settings (`settings.ManagerSettings`: plain decoding is the engine's "ar" mode, one token per U
-core calls; a speculative mode from the generation config drafts and verifies inside the same cycles) and its own
+tokens so far) and the result of each finished request (FINISHED), whose slot and pages are then free. Every request
+decodes with the manager's settings (`settings.ManagerSettings`: plain decoding is the engine's "ar" mode, one token
+per U core calls; a speculative mode from the generation config drafts and verifies inside the same cycles) and its own
 prompt, `max_new_tokens`, EOS ids and sampling seed (and, for a Huginn-family model, initial states: `huginn`), so its
 tokens are those of decoding it alone.
 
@@ -289,8 +290,10 @@ class LoopBatchingManager:
             self.background_thread_status.pause_and_wait()
         self._take_new(waiting)
         self._take_cancellations(slots, owners, waiting)
-        for b, owner in enumerate(owners):
+        for b, owner in enumerate(owners):  # first come, first served: the first waiting request waits for pages
             if owner is None and waiting:
+                if not slots.fits(len(waiting[0].initial_tokens), waiting[0].max_new_tokens):
+                    break
                 self._admit(slots, owners, b, waiting.popleft())
         if not any(owners):
             if status == BackgroundThreadStatus.FLUSH_AND_STOP and self.input_queue.empty():
@@ -354,7 +357,7 @@ class LoopBatchingManager:
             owner.generated_tokens.extend(new)
             if finished[b]:
                 owners[b] = None
-                slots.generators[b] = None
+                slots.release(b)
                 if invalid[b]:
                     self.output_router.fail_and_deliver(owner, non_finite_error([owner.request_id]))
                     continue

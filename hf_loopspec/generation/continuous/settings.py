@@ -4,10 +4,10 @@ A manager's settings are fixed when it starts (they are the shapes and the const
 and its keys (`speculative_mode`, `draft_loops`, `num_speculative_tokens`, `second_draft_loops`, `compile_core`;
 "auto" runs the mode `fixed_mode` names) and the sampling processors come from the generation config, the same for
 every request; the slot count B and each slot's positions C from the continuous batching config or the workload
-hints (`manager_settings`); a Huginn-family model's recurrence settings as `huginn.manager_recurrence` reads them.
-A request brings its own prompt,
-`max_new_tokens`, EOS ids, when sampling, `seed` and, for a Huginn-family model, `init_seed` (`request_problem` says
-why one cannot run).
+hints (`manager_settings`), and the KV page pool the slots share (`pool.pool_size`: `num_blocks`,
+`max_memory_percent`); a Huginn-family model's recurrence settings as `huginn.manager_recurrence` reads them.
+A request brings its own prompt, `max_new_tokens`, EOS ids, when sampling, `seed` and, for a Huginn-family model,
+`init_seed` (`request_problem` says why one cannot run).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ...defaults import DEFAULT_DRAFT_LOOPS
 from ..config import AUTO_MODE, speculative_config
 from ..wavefront.processing import WARPERS
 from . import huginn
+from .pool import PoolSize, pool_size, request_positions
 
 DEFAULT_SLOTS = 8  # B when neither the continuous batching config nor the workload hints give it
 DEFAULT_POSITIONS = 1024  # C when nothing gives it (capped by the model's max_position_embeddings)
@@ -44,6 +45,7 @@ class ManagerSettings:
     processors: tuple  # transformers' processors the generation config implies (all run on the device)
     slots: int  # B
     positions: int  # C: prompt + max_new_tokens of one request
+    pool: PoolSize  # the KV pages the slots share
     pad_token_id: int
     eos_token_id: tuple[int, ...]  # the default EOS ids of a request
     max_new_tokens: int  # the default max_new_tokens of a request
@@ -82,12 +84,15 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
                              "drop that setting from the generation config, or decode with model.generate.")
     slots = _positive(getattr(cb_config, "max_requests_per_batch", None), "max_requests_per_batch") \
         or min(DEFAULT_SLOTS, getattr(hints, "num_requests", None) or DEFAULT_SLOTS)
+    positions = _positions(model, config, cb_config, hints)
+    with huginn.manager_block(model, recurrence):  # the planes of the manager's recurrence steps
+        pool = pool_size(model.kv_layout, model.lane_dtype, model.device, cb_config, slots, positions)
     return ManagerSettings(
         mode="ar" if spec is None else spec.mode, draft_loops=0 if spec is None else spec.draft_loops,
         num_speculative_tokens=1 if spec is None else spec.num_speculative_tokens,
         second_draft_loops=None if spec is None else spec.second_draft_loops,
         compile_backend=None if spec is None else spec.compile_backend, do_sample=bool(config.do_sample),
-        processors=processors, slots=slots, positions=_positions(model, config, cb_config, hints),
+        processors=processors, slots=slots, positions=positions, pool=pool,
         pad_token_id=int(config.pad_token_id if config.pad_token_id is not None else 0),
         eos_token_id=tuple(eos_ids(config.eos_token_id if config.eos_token_id is not None
                                    else model.config.eos_token_id)),
@@ -153,6 +158,14 @@ def request_problem(settings: ManagerSettings, input_ids, max_new_tokens, eos, e
                 f"{len(input_ids) + max_new_tokens} positions, and a slot of this manager holds {settings.positions}: "
                 "shorten the request, or start the manager with a larger ContinuousBatchingConfig("
                 "max_blocks_per_request=..., block_size=...).")
+    needed = settings.pool.pages_for(request_positions(len(input_ids), max_new_tokens))
+    if needed > settings.pool.pages:
+        return (f"a prompt of {len(input_ids)} tokens with max_new_tokens={max_new_tokens} needs {needed} KV pages "
+                f"({request_positions(len(input_ids), max_new_tokens)} positions in each of {settings.pool.planes} "
+                f"depth planes), and this manager's pool holds {settings.pool.pages} "
+                f"({settings.pool.positions} positions per plane): shorten the request, or start the manager with a "
+                "larger ContinuousBatchingConfig(num_blocks=...) (with max_memory_percent=... when memory caps the "
+                "pool).")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos) or len(eos) > MAX_EOS_IDS:
         return f"eos_token_id={list(eos)!r}: give at most {MAX_EOS_IDS} integer ids."
     allowed = (*REQUEST_KEYS, huginn.REQUEST_KEY) if settings.recurrence is not None else REQUEST_KEYS

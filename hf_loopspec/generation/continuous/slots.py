@@ -2,9 +2,11 @@
 
 The manager builds one `WavefrontEngine` for its whole life, on B placeholder prompts of C - 1 tokens with room for
 C positions per slot, so the state has P = C - 2 prompt rows per slot, the widest prompt a slot takes, and then
-vacates every slot (finished, no lane, no prompt row). A slot's pages are reserved once, in table order
-(`WavefrontEngine._reserve`): its block tables are the same for every request it serves, and a new owner resets its
-KV lengths to 0 (stale KV past them is never read: I1 holds by wavefront order, as on a fresh cache).
+vacates every slot (finished, no lane, no prompt row). The KV lives in the manager's page pool (`pool`): a request
+takes pages for the positions it can write when it is admitted, written into its slot's rows of the state's page
+map, and gives them back when it leaves (finished, cancelled or failed: `release`). A new owner resets its slot's KV
+lengths to 0 (stale KV on its pages, another request's, is never read: I1 holds by wavefront order, as on a fresh
+cache).
 
 Admission (`admit`) writes a request into its slot in place, as the engine's set-up writes a sequence: its prompt
 embedded into the slot's prompt rows at depth 0, its last token a lane at depth 0, its counts, limits (`max_new`
@@ -19,7 +21,8 @@ with and without prompt rows, each built once (compiled: two graphs for the mana
 Eager, each call reads the positions its rows can reach (`reach`, bounded on the host as `span.SpanBound` bounds
 them: a slot's newest lane is at most L - 1 past its last committed token after a read-back, and moves one position
 per cycle at most), rounded up to a bucket (`span.bucket`); compiled, every call reads all C positions, so the
-step keeps its two graphs whatever the requests' lengths.
+step keeps its two graphs whatever the requests' lengths. Either way a table's positions are gathered through the
+page map (`ops.attention.slots.table_slot`), so where a request's pages lie changes no shape.
 
 The sampling uniforms are drawn per slot, from a generator seeded when the request is admitted, so a request's
 draws (and so its tokens, for a given seed) do not depend on what else is in flight.
@@ -31,16 +34,14 @@ from dataclasses import replace
 
 import torch
 
-from ...cache.paged import PagedLoopCache
-from ..dispatch import free_memory
 from ..rules import cycle_uniforms
 from ..wavefront import stages
 from ..wavefront.device import ReadBack
-from ..wavefront.engine import WavefrontEngine
 from ..wavefront.options import DEFAULT_READ_EVERY
 from ..wavefront.processing import device_processors
 from ..wavefront.span import bucket
 from . import huginn
+from .pool import KVPool, PooledEngine, pool_cache, request_positions
 from .settings import MAX_EOS_IDS, ManagerSettings
 
 
@@ -52,22 +53,16 @@ class SlotBatch:
         batch, width = settings.slots, settings.positions - 1
         placeholder = torch.zeros(batch, width, dtype=torch.long, device=device)
         processors, tensors = device_processors(settings.processors, placeholder, settings.vocab)
-        with huginn.manager_block(model, settings.recurrence):  # the planes of the manager's recurrence steps
-            cache = PagedLoopCache(model.kv_layout)
-        reserved = batch * cache.num_planes * settings.positions * cache.bytes_per_token_per_depth(model.lane_dtype)
-        if reserved > free_memory(device) / 2:
-            raise ValueError(f"continuous batching with {batch} slots of {settings.positions} positions reserves "
-                             f"{reserved / 2**30:.1f} GiB of KV pages up front (every plane of every slot): more "
-                             "than half the free memory; lower max_requests_per_batch or max_blocks_per_request in "
-                             "the ContinuousBatchingConfig.")
-        with torch.no_grad(), huginn.manager_block(model, settings.recurrence):
-            self.engine = WavefrontEngine(
-                model, cache, mode=settings.mode, draft_loops=settings.draft_loops or 1,
+        with torch.no_grad(), huginn.manager_block(model, settings.recurrence):  # the manager's planes
+            self.engine = PooledEngine(
+                model, pool_cache(model.kv_layout, settings.pool),
+                mode=settings.mode, draft_loops=settings.draft_loops or 1,
                 num_speculative_tokens=settings.num_speculative_tokens, input_ids=placeholder, attention_mask=None,
                 pad_token_id=settings.pad_token_id, max_length=settings.positions, eos_token_id=[-1],
                 read_every=read_every, compile_backend=settings.compile_backend, processors=processors,
                 do_sample=settings.do_sample, second_draft_loops=settings.second_draft_loops, **tensors)
         self.model, self.settings = model, settings
+        self.pool = KVPool(self.engine, settings.pool)
         s = self.engine.state
         self.prompt_rows = s.prompt_real.shape[1]  # P
         long = dict(dtype=torch.long, device=device)
@@ -104,7 +99,10 @@ class SlotBatch:
         """Slot `b` starts decoding `prompt` (validated: `settings.request_problem`) for at most `max_new_tokens`
         tokens, stopping at `eos`; sampling draws from a generator seeded with `seed`; `draft_override` (test-only,
         `settings.override_tokens`) becomes the slot's row of the state's `draft_override` (the slot's positions are
-        the request's own)."""
+        the request's own). The request takes its KV pages from the pool (`pool.KVPool.take`: the caller checked
+        `fits`)."""
+        self.pool.give_back(b)  # a previous owner's pages, if the caller did not release it
+        self.pool.take(b, request_positions(len(prompt), max_new_tokens))
         self._prompt_rows(True)
         s, model, plan = self.engine.state, self.model, self.engine.plan
         device = s.token.device
@@ -143,10 +141,20 @@ class SlotBatch:
         if self.settings.do_sample:
             self.generators[b] = torch.Generator(device).manual_seed(int(seed))
 
+    def fits(self, prompt_length: int, max_new_tokens: int) -> bool:
+        """Whether the pool's free pages hold a request of `prompt_length` + `max_new_tokens` now."""
+        return self.pool.fits(request_positions(prompt_length, max_new_tokens))
+
+    def release(self, b: int) -> None:
+        """Slot `b`'s request has left (its slot finished): its pages and generator go."""
+        self.generators[b] = None
+        self.pool.give_back(b)
+
     def cancel(self, b: int) -> None:
         """Slot `b` stops now (its lanes die at the next cycle; the slot is free for the next admission)."""
         self.engine.state.finished[b] = True
-        self.generators[b], self.reach[b] = None, -1
+        self.reach[b] = -1
+        self.release(b)
 
     @torch.no_grad()
     def run(self, cycles: int) -> None:

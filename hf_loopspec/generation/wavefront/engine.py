@@ -152,6 +152,10 @@ class WavefrontEngine:
         self.cache.repack_in_order(batch, self.plan.positions, like)
         return torch.tensor(self.plan.positions - 1, device=like.device)
 
+    def _page_map(self, batch: int, device: torch.device) -> torch.Tensor:
+        """`WavefrontState.pages`: `[0, 0]`, the tables lie in order (`_reserve`)."""
+        return torch.zeros(0, 0, dtype=torch.long, device=device)
+
     def _initial_state(self, input_ids, mask, max_new: int, eos: list[int], draft_override,
                        second_override) -> WavefrontState:
         plan, device = self.plan, input_ids.device
@@ -188,7 +192,7 @@ class WavefrontEngine:
             second_override=self._override(second_override, batch, device),
             seen=torch.zeros(batch, 0, dtype=torch.bool, device=device), eos_hold=torch.zeros(0, **long),
             settings=torch.zeros(0, device=device),
-            k_pool=pools.k, v_pool=pools.v, trash_slot=trash,
+            k_pool=pools.k, v_pool=pools.v, trash_slot=trash, pages=self._page_map(batch, device),
             kv_len=start.held.clone(),
             sib_token=torch.zeros(batch, **long), sib_position=torch.zeros(batch, **long),
             sib_depth=torch.zeros(batch, **long), sib_alive=torch.zeros(batch, dtype=torch.bool, device=device),

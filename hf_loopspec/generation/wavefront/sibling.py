@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...ops.attention.slots import table_slot
 from .state import Plan, WavefrontState, counts
 
 
@@ -81,7 +82,8 @@ def promote(plan: Plan, s: WavefrontState, promoted: torch.Tensor) -> torch.Tens
     written = promoted[:, None] & written
     table = torch.arange(batch, device=device)[:, None] * plan.planes + planes  # [B, planes]
     position = s.sib_position.clamp(0, plan.positions - 1)[:, None]
-    dest = torch.where(written, table * plan.table_width + position, s.trash_slot).flatten()  # [B * planes]
+    pages = s.pages if s.pages.numel() else None
+    dest = torch.where(written, table_slot(pages, plan.table_width, table, position), s.trash_slot).flatten()
     layers = s.sib_k.shape[0]
     dest = (torch.arange(layers, device=device)[:, None] * (s.k_pool.shape[0] // layers) + dest).flatten()  # per layer
     for pool, rows in ((s.k_pool, s.sib_k), (s.v_pool, s.sib_v)):

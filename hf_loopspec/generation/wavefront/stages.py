@@ -85,7 +85,7 @@ def _attention(model, s: WavefrontState, plan: Plan, lanes: tuple, prompts: tupl
     them, reading `span` positions)."""
     layout = SlotLayout(plan.layout.num_layers, plan.planes, plan.table_width, plan.positions, span,
                         cells=plan.lanes if plan.mode == "block" and lanes[1].shape[1] == plan.lanes else 1)
-    return SlotAttention(s.k_pool, s.v_pool, s.trash_slot, layout, lanes, prompts, extra)
+    return SlotAttention(s.k_pool, s.v_pool, s.trash_slot, layout, lanes, prompts, extra, pages=s.pages)
 
 
 def _no_lanes(batch: int, device: torch.device) -> tuple:

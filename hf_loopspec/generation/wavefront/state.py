@@ -139,6 +139,8 @@ class WavefrontState:
     k_pool: torch.Tensor  # [layers * pages * page_size, Hkv, D]
     v_pool: torch.Tensor  # [layers * pages * page_size, Hkv, D]
     trash_slot: torch.Tensor  # [] int64: a reserved slot no real row uses; masked rows write there
+    pages: torch.Tensor  # [B * planes, W / page_size] int64 page map (continuous batching: `ops.attention.slots`
+    # `table_slot`), or [0, 0]: the tables lie in order
     kv_len: torch.Tensor  # [B, planes] int64
     # sibling slot (second proposals; see the module docstring): one per sequence
     sib_token: torch.Tensor  # [B] int64

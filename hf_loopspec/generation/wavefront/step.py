@@ -222,7 +222,8 @@ def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch
                         cells=plan.lanes if plan.mode == "block" else 1)  # block: a lane's grid cell is its slot
     attention = SlotAttention(s.k_pool, s.v_pool, s.trash_slot, layout, (s.depth, s.position, ran),
                               (s.prompt_depth, prompt_position, prompt_rows),
-                              sibling.SiblingRows(s, plan, s.sib_depth, s.sib_position, sib_ran) if second else None)
+                              sibling.SiblingRows(s, plan, s.sib_depth, s.sib_position, sib_ran) if second else None,
+                              pages=s.pages)
     if plan.compact:  # the active rows only (a data-dependent shape: CPU eager, see the module docstring)
         attention.rows = attention.active.nonzero()[:, 0]  # [n]
         rows = attention.rows

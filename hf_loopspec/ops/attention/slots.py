@@ -4,7 +4,11 @@ pools of a `PagedLoopCache` laid out in table order (`PagedLoopCache.reserve_in_
 Rows are fixed-shape: B*L lane rows, then B*P prompt rows, then optionally extra rows with KV of their own (the
 engine's sibling rows). Table t = sequence * planes + plane of layer l sits at flat slots
 `l * layer_slots + t * W .. + C - 1` (`SlotLayout`), so the keys of every table are one strided view of the pool,
-read in place. Every active lane or prompt row writes its KV at its position of its table, then attends to positions
+read in place. With a page map (`pages` `[tables, W / page_size]`, continuous batching: each table's pages are
+wherever its request's allocation put them) position j of table t is slot `pages[t, j // page_size] * page_size +
+j % page_size` instead (`table_slot`), and a call gathers each table's S positions through the map (one index per
+call, shared by the layers): the map is data, so the shapes, and a compiled step, do not depend on it.
+Every active lane or prompt row writes its KV at its position of its table, then attends to positions
 `0 .. position` of that table (never at or beyond `read_span`); an inactive row writes into the trash slot and its
 output is zero. `naive.naive_slot_attention` is the readable reference that this op is tested against.
 
@@ -26,7 +30,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SlotAttention", "SlotLayout", "attend", "attend_cells"]
+__all__ = ["SlotAttention", "SlotLayout", "attend", "attend_cells", "table_slot"]
+
+
+def table_slot(pages: torch.Tensor | None, table_width: int, table: torch.Tensor, position: torch.Tensor) \
+        -> torch.Tensor:
+    """The pool slot (within a layer) of `position` in `table` (broadcast together): `table * table_width + position`
+    for tables laid out in order (`pages` None), else through the page map `pages` `[tables, W / page_size]`."""
+    if pages is None:
+        return table * table_width + position
+    page_size = table_width // pages.shape[1]
+    return pages[table, position // page_size] * page_size + position % page_size
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,8 @@ class SlotAttention:
         k_pool, v_pool: the flat pools `[layers * layer_slots, Hkv, D]`, written in place.
         trash_slot: `[]` int64, a slot of each layer that no active row writes or reads; inactive rows write there.
         layout: the `SlotLayout`.
+        pages: the page map `[B * planes, W / page_size]` int64 (module docstring), or None or an empty tensor: the
+            tables lie in order.
         lanes: plane, position, active, each `[B, L]`; with `layout.cells == 1` at most one active lane per
             (sequence, plane).
         prompts: plane `[B]`, position `[B, P]`, active `[B, P]`.
@@ -61,8 +77,9 @@ class SlotAttention:
     rows = None  # [n] the rows the core call runs when it runs only the active ones, else None
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, trash_slot: torch.Tensor, layout: SlotLayout,
-                 lanes: tuple, prompts: tuple, extra=None):
+                 lanes: tuple, prompts: tuple, extra=None, pages: torch.Tensor | None = None):
         self.k_pool, self.v_pool, self.layout, self.extra = k_pool, v_pool, layout, extra
+        pages = pages if pages is not None and pages.numel() else None
         self.layer_slots = k_pool.shape[0] // layout.layers  # pool slots per layer
         plane, position, active = lanes
         prompt_plane, prompt_position, prompt_active = prompts
@@ -73,7 +90,8 @@ class SlotAttention:
         plane, prompt_plane = plane.clamp(max=planes - 1), prompt_plane.clamp(max=planes - 1)
         self.prompt_table = seq * planes + prompt_plane  # [B]
         self.active = torch.cat([active.flatten(), prompt_active.flatten(), *([extra.active] if extra else [])])  # [N]
-        slot = lambda table, pos: table * layout.table_width + pos.clamp(0, layout.positions - 1)  # noqa: E731
+        slot = lambda table, pos: table_slot(pages, layout.table_width, table,  # noqa: E731
+                                             pos.clamp(0, layout.positions - 1))
         written = torch.cat([slot(seq[:, None] * planes + plane, position).flatten(),
                              slot(self.prompt_table[:, None], prompt_position).flatten()])  # [N]
         self.write_slot = torch.where(self.active[: len(written)], written, trash_slot)  # [B*L + B*P]
@@ -82,6 +100,9 @@ class SlotAttention:
             .float()  # [B, L, planes * R] one-hot: the grid cell of each running lane
         cell_position = torch.where(self.place.bool(), position[..., None], 0).amax(1)  # [B, planes * R]; 0: empty
         span = torch.arange(layout.read_span, device=device)  # [S]
+        # [B * planes * S] the slots of every table's positions 0 .. S - 1 through the page map; None: views
+        self.read_slot = None if pages is None else \
+            slot(torch.arange(batch * planes, device=device)[:, None], span).flatten()
         self.lane_visible = (span <= cell_position[..., None]).view(batch * planes, 1, cells, -1)  # [., 1, R, S]
         self.prompt_visible = (span <= prompt_position[..., None])[:, None]  # [B, 1, P, S]
 
@@ -97,9 +118,13 @@ class SlotAttention:
         batch, lanes, grid = self.place.shape
         tables = batch * layout.planes
         shape = (tables, layout.table_width, *self.k_pool.shape[1:])
-        tables_of = lambda pool: pool[first: first + tables * layout.table_width].view(shape)  # noqa: E731
-        keys = tables_of(self.k_pool)[:, : layout.read_span]  # [B * planes, S, Hkv, D]
-        values = tables_of(self.v_pool)[:, : layout.read_span]
+        if self.read_slot is None:
+            tables_of = lambda pool: pool[first: first + tables * layout.table_width].view(shape)  # noqa: E731
+            keys = tables_of(self.k_pool)[:, : layout.read_span]  # [B * planes, S, Hkv, D]
+            values = tables_of(self.v_pool)[:, : layout.read_span]
+        else:
+            keys, values = (pool.index_select(0, self.read_slot + first).view(tables, layout.read_span, *shape[2:])
+                            for pool in (self.k_pool, self.v_pool))
         n = batch * lanes
         lane_q = q[:n].float().view(batch, lanes, -1)  # [B, L, Hq * D]
         grid_q = (self.place.transpose(1, 2) @ lane_q).view(tables, layout.cells, *q.shape[1:])  # [., R, Hq, D]

@@ -1,0 +1,50 @@
+"""The auto-mode table's cell bench (`scripts/bench_auto_table.py`, `hf_loopspec.bench.auto_table`): its
+interleaving, a tiny cell end to end (outputs checked against plain decoding inside), its one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_loopspec.bench import auto_table
+
+
+def test_rounds_interleave_after_one_untimed_warm_up():
+    calls, seen = [], []
+
+    def generate(**options):
+        calls.append(options["tag"])
+        return len(calls)
+
+    times, last = auto_table.interleaved(generate, {"a": {"tag": "a"}, "b": {"tag": "b"}}, 3,
+                                         lambda name, out: seen.append((name, out)))
+    assert calls == ["a", "b"] * 4  # warm-up, then three rounds, each run once per round in the same order
+    assert [len(t) for t in times.values()] == [3, 3] and last == {"a": 7, "b": 8}
+    assert seen == [(n, i + 1) for i, n in enumerate(calls)]  # every output is checked, the warm-up's too
+
+
+def test_a_tiny_cell_runs_every_setting_and_reports_auto_against_the_best(tmp_path, capsys):
+    path = tmp_path / "cell.json"
+    assert auto_table.main(["--model", "ouro-tiny", "--synthetic-acceptance", "0.8", "--new-tokens", "6",
+                            "--rounds", "1", "--modes", "plain,pipeline,auto", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert list(result["rows"]) == ["plain", "pipeline", "auto"] and result["rows"]["plain"]["x_plain"] == 1.0
+    assert sum(int(c.rsplit("x", 1)[1]) for c in result["rows"]["auto"]["choices"]) == 6  # every token chosen for
+    best = max(("plain", "pipeline"), key=lambda r: result["rows"][r]["x_plain"])
+    assert result["best_fixed"] == best
+    assert result["auto_x_best"] == pytest.approx(result["rows"]["auto"]["x_plain"] / result["rows"][best]["x_plain"])
+    assert "auto:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--modes", "plain,fast"], "--modes: fast: choose among"),
+    (["--model", "ouro-tiny"], "--model ouro-tiny: give --synthetic-acceptance with a random-weight shape"),
+    (["--model", "default", "--synthetic-acceptance", "0.5"], "--model default: give --synthetic-acceptance"),
+])
+def test_bad_arguments_are_one_line_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as done:
+        auto_table.main(argv)
+    out, err = capsys.readouterr()
+    assert done.value.code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert message in err, err
