@@ -111,7 +111,7 @@ def _add_generation_options(parser: argparse.ArgumentParser, chat_help: str) -> 
     """The model and decoding options that `generate` and `batch` share."""
     parser.add_argument("--model", default="default", help="checkpoint folder or Hub id; 'default' (the default) "
                                                              "is the model embedded in the package")
-    parser.add_argument("--mode", choices=("plain", "block", "pipeline", "auto"), default="pipeline",
+    parser.add_argument("--mode", choices=("plain", "block", "pipeline", "auto"), default="auto",
                         help="plain: transformers' loop; block / pipeline: self-speculative decoding; auto: the "
                              "fastest of these, chosen from measured costs and acceptance (default: %(default)s)")
     parser.add_argument("--draft-loops", type=bench_args.positive, default=DEFAULT_DRAFT_LOOPS,
@@ -156,6 +156,7 @@ def generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     from . import loading
+    from .generation import auto
     from .input_checks import check_positions
 
     device = loading.resolve_device(args.device)
@@ -165,6 +166,8 @@ def generate(args: argparse.Namespace) -> int:
     enc = {"input_ids": torch.tensor([ids], device=device)}
     check_positions(model.config, len(ids), args.max_new_tokens, prompt_flag="PROMPT", new_flag="--max-new-tokens")
     kwargs = {**generate_kwargs(args, model, tokenizer), "return_dict_in_generate": True}
+    if auto.requested(model, kwargs):
+        _calibrate(model, kwargs)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     out, seconds = _timed_generate(model, enc, {**kwargs, "streamer": streamer}, args.seed)
     print(flush=True)
@@ -178,6 +181,17 @@ def generate(args: argparse.Namespace) -> int:
     ratio = (new / seconds) / (plain_new / plain_seconds)
     print(f"speed {args.mode} / plain: {ratio:.2f}x", file=sys.stderr)
     return _print_identity(args, model, out.sequences[0, len(ids):], plain.sequences[0, len(ids):])
+
+
+def _calibrate(model, kwargs: dict) -> None:
+    """Measure (or read) auto's cost table before the timed runs, so that their times are decoding's alone; print
+    how long that took on its own line."""
+    from .generation import auto, auto_cache
+
+    start = time.perf_counter()
+    auto.calibrate(model, 1, kwargs)
+    print(f"[auto] cost table ready in {time.perf_counter() - start:.2f} s (measured once per model, device and "
+          f"batch size, then read from {auto_cache.cache_dir()})", file=sys.stderr, flush=True)
 
 
 def _timed_generate(model, enc: dict, kwargs: dict, seed: int | None):

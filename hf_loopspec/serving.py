@@ -13,7 +13,7 @@ Every option is `transformers serve`'s own (`--port`, `--host`, `--continuous-ba
   the checkpoint's config to) on the module, so the manager loads the package's class; nothing private is replaced.
 
 Requests decode as `model.generate` does with the checkpoint's generation config, so a checkpoint whose
-`generation_config.json` names a `speculative_mode` is served speculatively (the embedded model: pipeline). What a
+`generation_config.json` names a `speculative_mode` is served speculatively (the embedded model: auto). What a
 request can set is what transformers' handlers forward: `max_tokens` (chat: also `max_completion_tokens`; unset:
 the checkpoint's `max_new_tokens`, raised to 1024), `temperature` (0: greedy; otherwise `do_sample` stays the
 checkpoint's), `top_p`, `seed` (torch's global seed), `frequency_penalty` (repetition_penalty = 1 + it), `stop` (stop

@@ -144,15 +144,16 @@ path = default_model_path()
 model = AutoModelForCausalLM.from_pretrained(path)   # hf_loopspec.OuroForCausalLM, fp32
 tok = AutoTokenizer.from_pretrained(path)
 inputs = tok("def fibonacci(n):", return_tensors="pt")
-out = model.generate(**inputs, max_new_tokens=64, return_dict_in_generate=True)  # pipeline speculation (default)
+out = model.generate(**inputs, max_new_tokens=64, return_dict_in_generate=True)  # auto speculation (default)
 print(tok.decode(out.sequences[0]), out.speculation.acceptance_rate)
 ```
 
-`generation_config.json` makes greedy pipelined self-speculation from depth 1 the default
-(`speculative_mode: "pipeline"`, `draft_loops: 1`, `num_speculative_tokens: 4`); pass `speculative_mode=None`
-for plain decoding. It sets no length limit, so the `max_new_tokens` or `max_length` a caller passes always
-wins (without either, transformers' default `max_length` of 20 applies). `eos_token_id` = `pad_token_id` =
-`bos_token_id` = 0 (`<|endoftext|>`).
+`generation_config.json` makes greedy auto self-speculation from depth 1 the default
+(`speculative_mode: "auto"`, `draft_loops: 1`, `num_speculative_tokens: 4`: each call decodes plainly, in block or
+in pipeline mode, whichever the device's measured costs and the observed draft acceptance make fastest); pass
+`speculative_mode=None` for plain decoding. It sets no length limit, so the `max_new_tokens` or `max_length` a
+caller passes always wins (without either, transformers' default `max_length` of 20 applies). `eos_token_id` =
+`pad_token_id` = `bos_token_id` = 0 (`<|endoftext|>`).
 
 ## Architecture
 

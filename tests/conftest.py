@@ -41,8 +41,19 @@ import pytest
 import sampling_utils
 import torch
 
+from hf_loopspec.generation.auto_cache import CACHE_ENV
+
 # The test models are tiny: intra-op threads only add overhead (and thrash on a shared machine).
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stored_costs(tmp_path_factory):
+    """Auto's stored cost tables (`generation.auto_cache`) go to a folder of the session, for this process and the
+    processes tests start, never to the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("loopspec-cache")))
+        yield
 
 
 @pytest.fixture(scope="module")

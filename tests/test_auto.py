@@ -33,7 +33,8 @@ from hf_loopspec import PagedLoopCache
 from hf_loopspec.bench import args as bench_args
 from hf_loopspec.bench.args import parse_modes
 from hf_loopspec.bench.main import run_bench
-from hf_loopspec.generation.auto_costs import Candidate, CostTable, costs_for, observe, set_costs
+from hf_loopspec.generation.auto_calibration import costs_for
+from hf_loopspec.generation.auto_costs import Candidate, CostTable, observe, set_costs
 from hf_loopspec.generation.auto_policy import AutoPolicy, forget, set_policy
 from hf_loopspec.prompting import generate_kwargs
 

@@ -7,6 +7,7 @@ missing local folder, and no tokenizer warning ahead of an error line."""
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from processes import ROOT, subprocess_env
 from transformers import GPT2Config
 
 from hf_loopspec import cli
+from hf_loopspec.generation.auto_costs import kept_table
 
 POSITIONS = 16
 
@@ -63,7 +65,7 @@ def test_threads_must_be_a_positive_integer(name, value, tmp_path, capsys):
 # --- generate --compare ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["pipeline", "block"])
+@pytest.mark.parametrize("mode", ["pipeline", "block", "auto"])
 def test_compare_prints_both_timings_the_ratio_and_that_the_tokens_are_identical(mode, good, tmp_path, capsys):
     argv = ["generate", "w5 w6 w7", "--model", str(good), "--device", "cpu", "--max-new-tokens", "8", "--mode", mode]
     assert cli.main([*argv, "--compare"]) == 0
@@ -71,6 +73,25 @@ def test_compare_prints_both_timings_the_ratio_and_that_the_tokens_are_identical
     assert f"\n[{mode}] 8 new tokens in " in err and "\n[plain] 8 new tokens in " in err
     assert f"\nspeed {mode} / plain: " in err
     assert "\ntokens identical to plain decoding: yes (8 new tokens)\n" in err
+
+
+def test_compare_with_auto_calibrates_before_the_timed_runs(good, capsys, monkeypatch):
+    """With auto, the cost table exists before either timed run starts (so the ratio compares decoding with
+    decoding), and the time it took is printed on its own line before the runs' lines."""
+    timed, tables = cli._timed_generate, []
+
+    def checking(model, enc, kwargs, seed):
+        tables.append(kept_table(model, 1))
+        return timed(model, enc, kwargs, seed)
+
+    monkeypatch.setattr(cli, "_timed_generate", checking)
+    argv = ["generate", "w5 w6 w7", "--model", str(good), "--device", "cpu", "--max-new-tokens", "8", "--compare",
+            "--mode", "auto"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert len(tables) == 2 and tables[0] is not None
+    ready = re.search(r"(^|\n)\[auto\] cost table ready in \d+\.\d\d s \(measured once per model", err)
+    assert ready and ready.start() < err.index("\n[auto] 8 new tokens in ") < err.index("\n[plain] 8 new tokens in ")
 
 
 def test_compare_reports_differing_tokens_and_fails(good, tmp_path, capsys, monkeypatch):

@@ -8,13 +8,14 @@ cannot run fail alone, with the reason in their `error`; a failure of the loop r
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
 import torch
 from continuous_utils import VOCAB, alone, batching, collect, generation_config, prompts, starting
 from speculative_utils import named_modes, tiny_spec_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.continuous_batching import RequestStatus
 
 from hf_loopspec.assets import default_model_path
@@ -178,16 +179,32 @@ def test_a_seeded_sampled_request_is_the_same_alone_and_in_a_busy_batch(model, s
 
 
 def test_the_default_model_through_generate_batch():
-    """The embedded model in pipeline mode: `generate_batch` on tokenized prompts equals plain `generate` of each."""
+    """The embedded model with its own generation config (auto, which a manager runs as pipeline): `generate_batch`
+    on tokenized prompts equals plain `generate` of each."""
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     inputs = [tokenizer(text)["input_ids"] for text in ("def add(a, b):", "import os\n", "class Path:")]
-    config = GenerationConfig(max_new_tokens=10, do_sample=False, speculative_mode="pipeline", draft_loops=1,
-                              pad_token_id=tokenizer.pad_token_id or 0, eos_token_id=tokenizer.eos_token_id)
+    config = copy.deepcopy(model.generation_config)
+    config.max_new_tokens = 10
+    assert config.speculative_mode == "auto"
     out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(2, 32))
     expected = [alone(model, ids, 10, tokenizer.eos_token_id) for ids in inputs]
     assert [r.generated_tokens for r in out.values()] == expected
+
+
+@pytest.mark.parametrize("settings, fixed", [({"speculative_mode": "auto"}, ("pipeline", 1)),
+                                             ({"speculative_mode": "auto", "draft_loops": 3}, ("block", 3))])
+def test_an_auto_generation_config_runs_a_fixed_mode(model, started, settings, fixed):
+    """A manager's mode is fixed for its life: auto runs pipeline at the config's depth (block where the loop count
+    is no multiple of it); its slots speculate and every request's tokens are plain decoding's of it alone."""
+    manager = started(settings, slots=2)
+    assert (manager.settings.mode, manager.settings.draft_loops) == fixed
+    inputs = prompts(9, [5, 2, 7])
+    ids = [manager.add_request(p, max_new_tokens=12) for p in inputs]
+    results = collect(manager, ids)
+    assert [results[i].generated_tokens for i in ids] == [alone(model, p, 12) for p in inputs]
+    assert manager.batch_processor.state.counters[:, 2].sum() > 0  # drafts were verified in the slots
 
 
 def test_pause_holds_the_loop_and_keeps_requests(model, started):

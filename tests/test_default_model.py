@@ -82,7 +82,7 @@ def test_loads_as_four_loop_ouro(model, tokenizer):
     assert tokenizer.eos_token_id == tokenizer.pad_token_id == model.config.eos_token_id == 0
     assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
     gen = model.generation_config
-    assert (gen.speculative_mode, gen.draft_loops, gen.num_speculative_tokens) == ("pipeline", 1, 4)
+    assert (gen.speculative_mode, gen.draft_loops, gen.num_speculative_tokens) == ("auto", 1, 4)
     assert gen.eos_token_id == 0 and gen.pad_token_id == 0
 
 

@@ -113,7 +113,7 @@ def test_export_writes_a_hub_ready_folder(exported, source):
     assert config["auto_map"] == export.AUTO_MAP and config["architectures"] == ["OuroForCausalLM"]
     assert config["model_type"] == "ouro"
     gen = json.loads((exported / "generation_config.json").read_text())
-    assert (gen["speculative_mode"], gen["draft_loops"], gen["num_speculative_tokens"]) == ("pipeline", 1, 4)
+    assert (gen["speculative_mode"], gen["draft_loops"], gen["num_speculative_tokens"]) == ("auto", 1, 4)
     assert gen["pad_token_id"] == PAD
     requirements = (exported / "custom_generate" / "requirements.txt").read_text().splitlines()
     assert f"hf-loopspec>={hf_loopspec.__version__}" in requirements  # the form transformers checks
@@ -148,7 +148,8 @@ def test_export_refuses_a_non_empty_folder_and_bad_settings(source, tmp_path):
     with pytest.raises(FileExistsError, match="overwrite"):
         export.export_checkpoint(source[1], tmp_path, benchmarks=None)
     with pytest.raises(ValueError, match="draft_loops"):
-        export.export_checkpoint(source[1], tmp_path / "new", draft_loops=3, benchmarks=None)
+        export.export_checkpoint(source[1], tmp_path / "new", speculative_mode="pipeline", draft_loops=3,
+                                 benchmarks=None)
     assert (tmp_path / "x.txt").read_text() == "keep"
 
 
@@ -183,7 +184,7 @@ kw = dict(attention_mask=mask, max_new_tokens=data["new"], do_sample=False, pad_
 report["plain"] = model.generate(ids, speculative_mode=None, **kw).tolist()
 for mode in ("pipeline", "block"):
     report[mode] = model.generate(ids, speculative_mode=mode, draft_loops=1, **kw).tolist()
-report["default"] = model.generate(ids, **kw).tolist()  # generation_config.json: pipeline
+report["default"] = model.generate(ids, **kw).tolist()  # generation_config.json: auto
 single = ids[1:]
 recorder = Recorder()
 out = model.generate(single, max_new_tokens=data["new"], do_sample=False, pad_token_id=0, streamer=recorder,
@@ -219,7 +220,7 @@ def test_remote_code_loads_in_a_fresh_process(exported, batch, expected, tmp_pat
         assert report["config_module"].startswith("transformers_modules.")
         assert report["resaved"] == ["configuration_ouro.py", "modeling_ouro.py"]
     assert report["is_loopspec"] and report["again_is_loopspec"]
-    assert report["defaults"] == "pipeline"
+    assert report["defaults"] == "auto"
     want = expected.tolist()
     for key in ("plain", "pipeline", "block", "default", "again_pipeline"):
         assert report[key] == want, key
@@ -422,6 +423,7 @@ def test_card_parses_and_has_the_metadata(exported):
     for heading in ("## What it is", "## Usage", "## Speed", "## Limitations", "## Citation"):
         assert heading in text
     for snippet in ('speculative_mode=None', 'speculative_mode="block"', 'speculative_mode="pipeline"',
+                    'self-speculative decoding is on by default (`speculative_mode="auto"`, `draft_loops=1`: each call',
                     'custom_generate="someone/Ouro-tiny-loopspec"', "2510.25741", "bf16", "context"):
         assert snippet in text, snippet
     assert "No measured speed numbers" in text  # benchmarks=None: no numbers, said plainly

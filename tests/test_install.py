@@ -53,7 +53,7 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     work = tmp_path / "work"  # outside the checkout: the installed package is what runs
     work.mkdir()
     generated = run([str(cli), "generate", "def fibonacci(n):", "--max-new-tokens", "8"], work, env)
-    assert generated.stdout.strip() and "[pipeline] 8 new tokens" in generated.stderr, generated.stderr
+    assert generated.stdout.strip() and "[auto] 8 new tokens" in generated.stderr, generated.stderr  # the default
     # where the package was imported from, and the export, in one process (the console script ran above)
     probe = run([str(python), "-c", "import json, sys, hf_loopspec, hf_loopspec.hub.install as i; "
                  "print(json.dumps([hf_loopspec.__file__, i.project_url()])); from hf_loopspec.cli import main; "

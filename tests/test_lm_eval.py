@@ -84,14 +84,16 @@ def logged(task_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("batch_size", [1, 4])  # 4: lm-eval's stop-sequence criterion sees the whole batch
 def test_speculative_gen_kwargs_log_plain_outputs(logged, batch_size):
-    # the embedded model's generation_config.json defaults to pipeline, so plain is asked for explicitly
+    # the embedded model's generation_config.json defaults to auto, so plain is asked for explicitly
     plain = logged(batch_size, "speculative_mode=None")
     # on the wavefront engine (it would raise rather than fall back): lm-eval's `until` strings are stop strings
     spec = logged(batch_size, "speculative_mode=pipeline,draft_loops=1,speculative_engine=wavefront")
+    default = logged(batch_size, "do_sample=False")  # the generation config's mode: auto
     for doc_id, row in spec.items():
         assert row["arguments"]["gen_args_0"]["arg_1"]["speculative_mode"] == "pipeline"
         assert plain[doc_id]["arguments"]["gen_args_0"]["arg_1"]["speculative_mode"] is None
-        assert row["resps"] == plain[doc_id]["resps"], (doc_id, row["doc"])
+        assert "speculative_mode" not in default[doc_id]["arguments"]["gen_args_0"]["arg_1"]
+        assert row["resps"] == plain[doc_id]["resps"] == default[doc_id]["resps"], (doc_id, row["doc"])
     assert any(row["resps"][0][0].strip() for row in plain.values())  # something was generated
 
 

@@ -43,7 +43,7 @@ CASES = [(endpoint, prompt, i % 2 == 0) for i, prompt in enumerate(PROMPTS) for 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """The embedded model (its generation config: pipeline speculation) with a chat template."""
+    """The embedded model (its generation config: auto speculation) with a chat template."""
     folder = tmp_path_factory.mktemp("served") / "model"
     shutil.copytree(hf_loopspec.default_model_path(), folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -160,9 +160,11 @@ def check_concurrent_requests(checkpoint, reference, cases, *options: str, then=
 def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, reference):
     block = [("block", PROMPTS[0], False), ("block", PROMPTS[1], True)]
     calls = check_concurrent_requests(checkpoint, reference, CASES + block)
-    # one speculative `generate` per request: the checkpoint's mode, or the one of the request's generation config
-    modes = sorted(request.spec.mode for request in calls)
-    assert modes == ["block"] * len(block) + ["pipeline"] * len(CASES)
+    # the requests with their own generation config: one block `generate` each (K = 3); the others decode as the
+    # checkpoint says (auto: its speculative segments run the settings it chooses among, at the config's d = 1, K = 4)
+    settings = [(request.spec.mode, request.spec.draft_loops, request.spec.num_speculative_tokens) for request in calls]
+    assert settings.count(("block", 1, BLOCK["num_speculative_tokens"])) == len(block)
+    assert set(settings) <= {("block", 1, BLOCK["num_speculative_tokens"]), ("pipeline", 1, 4), ("block", 1, 4)}
 
 
 def refusal(call) -> str:
@@ -175,15 +177,15 @@ def refusal(call) -> str:
 
 def test_serve_with_continuous_batching_answers_as_plain_generate(checkpoint, reference):
     """16 clients at once (8 prompts, both endpoints, streaming and not) through one manager that speculates as the
-    checkpoint says (pipeline: its slots accepted drafts); then requests it cannot serve get their reason at once,
-    streaming or not, and the manager keeps serving."""
+    checkpoint says (auto, which a manager runs as pipeline, `settings.fixed_mode`: its slots accepted drafts); then
+    requests it cannot serve get their reason at once, streaming or not, and the manager keeps serving."""
 
     def refusals(client, calls):
         (manager,) = [call for call in calls if isinstance(call, LoopBatchingManager)]
         assert manager.settings.mode == "pipeline" and not any(isinstance(c, SpeculativeRequest) for c in calls)
         assert manager.batch_processor.state.counters[:, COUNTERS.index("accepted")].sum() > 0
         fast = client.with_options(timeout=30)
-        assert re.search(r"speculative_mode='block' \(the manager's: 'pipeline'\)",
+        assert re.search(r"speculative_mode='block' \(the manager's: 'auto'\)",
                          refusal(lambda: ask(fast, checkpoint, "block", PROMPTS[0], False)))
         for stream in (False, True):  # too long for a slot (C = 1024 positions)
             def call(stream=stream):

@@ -3,7 +3,7 @@ chooses among, on one model, batch, acceptance and thread count, in one process,
 
 Runs, each a `generate` call of the whole batch: `plain` (transformers' loop), `block` (d = 1, K = 4),
 `pipeline` (d = 1), `pipeline-d2` (d = 2) and `auto`. The first round is a warm-up: it is where auto measures
-its call costs when no table is cached (`generation.auto_costs`), as the first auto call of a process does.
+its call costs when no table is cached (`generation.auto_calibration`), as the first auto call of a process does.
 Every speculative output is checked against plain greedy decoding (fp32: equal, or the cell fails with exit 1).
 
 * The embedded model (`--model default`): real drafts, the README main job's settings (repetition penalty 1.4,

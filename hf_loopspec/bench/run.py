@@ -152,8 +152,9 @@ def _run_plain(model, mode: str, ids: torch.Tensor, new_tokens: int, output_logi
 def _run_auto(model, ids: torch.Tensor, new_tokens: int, *, draft_hook, compile_core, attention_mask=None):
     """`generate(speculative_mode="auto")` (its own choice of mode, d and K; the synthetic-acceptance hook, if any,
     as a host-side `draft_hook`, which costs it host time per cycle that the fixed modes' device override does
-    not). Its first run in the process also measures the call costs (`generation.auto_costs`). It makes its own
-    cache, as a user's call does: a plain call keeps transformers' `DynamicCache`."""
+    not). Its first run in the process also measures the call costs, or reads them from the disk cache
+    (`generation.auto_calibration`). It makes its own cache, as a user's call does: a plain call keeps transformers'
+    `DynamicCache`."""
     synchronize(ids.device)
     start = time.perf_counter()
     mask = torch.ones_like(ids) if attention_mask is None else attention_mask

@@ -3,11 +3,11 @@
 `generate_auto` runs the call as a chain of ordinary `generate` calls on one `PagedLoopCache`, each continuing
 from the cache and the sequences the previous one returned (the continuation every mode supports, so the chain's
 greedy tokens equal one plain call's, token for token). Each segment is plain decoding, block or pipeline with the
-depth and length `auto_policy.Chooser` picks from the call costs (`auto_costs.costs_for`, measured once per model,
-device, dtype and batch size in the process) and the acceptance the earlier segments observed. Sampling draws
-every segment as the fixed modes do (each speculative segment seeds its run generator from torch's global one,
-plain segments draw from it), so a segment is distribution-preserving given its prefix and so is the chain; a
-seeded auto call equals the same chain of fixed-mode calls.
+depth and length `auto_policy.Chooser` picks from the call costs (`auto_calibration.costs_for`, measured once per
+model, device, dtype and batch size, kept for the process and stored on disk for later ones) and the acceptance the
+earlier segments observed. Sampling draws every segment as the fixed modes do (each speculative segment seeds its run
+generator from torch's global one, plain segments draw from it), so a segment is distribution-preserving given its
+prefix and so is the chain; a seeded auto call equals the same chain of fixed-mode calls.
 
 Rows that stopped (EOS) in an earlier segment stay stopped: the remaining segments decode plainly with those rows
 forced to the pad token (as plain decoding feeds them), so their tokens and cached KV are plain decoding's.
@@ -26,7 +26,8 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 from ..cache.paged import PagedLoopCache
 from ..defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
-from .auto_costs import PLAIN, Candidate, costs_for, observe
+from .auto_calibration import costs_for
+from .auto_costs import PLAIN, Candidate, CostTable, observe
 from .auto_policy import AutoChoice, AutoStats, Chooser, policy_for, remember, remembered
 from .config import AUTO_MODE, SPECULATIVE_KEYS, resolve_speculative
 from .stats import SequenceStats, SpeculationStats
@@ -56,6 +57,16 @@ def candidates(loops: int, draft_loops: int | None, k: int | None) -> list[Candi
     pipelines = [Candidate("pipeline", d) for d in depths if loops % d == 0]
     block = Candidate("block", depths[0], k or DEFAULT_NUM_SPECULATIVE_TOKENS)
     return [PLAIN, *pipelines, block]
+
+
+def calibrate(model, batch: int, kwargs: dict) -> CostTable:
+    """The cost table an auto `generate` call of `batch` rows with `kwargs` uses, measured now unless this or an
+    earlier process has it (`auto_calibration.costs_for`): calling it first keeps the measuring out of the call's
+    own time."""
+    config = kwargs.get("generation_config") or model.generation_config
+    options = candidates(model.num_loops, _setting(kwargs, config, "draft_loops"),
+                         _setting(kwargs, config, "num_speculative_tokens"))
+    return costs_for(model, batch, options)
 
 
 class ForcePad(LogitsProcessor):

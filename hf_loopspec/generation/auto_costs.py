@@ -8,32 +8,16 @@ embedding work) per speculative candidate. With the acceptance a of drafts from 
     block (d, K):      calls per round = (K + 1) d + (U - d), tokens per round = 1 + a + ... + a^K
 
 and seconds per token = calls per token * seconds per cycle; a candidate's speed-up is plain's seconds per token
-over its own. `measure_costs` times short greedy runs of each candidate on random prompts, the engine's and
-transformers' own overheads included (they dominate small models on a CPU), the engine with forced drafts, three in
-four right (its cycles then carry the rows of a typical acceptance): per setting one warm-up, then the difference
-between a short and a longer run, divided by the difference in steps (plain) or core calls (engine), so set-up and
-prefill cancel out.
-`costs_for` measures once per (model, device, dtype, batch size) and keeps the table for the process; auto's own
-segments then refine it (`observe`: the processors, prompts and load of real calls); `set_costs`
-injects a fixed table (tests: every choice is then deterministic).
+over its own. `auto_calibration.costs_for` measures a table once per (model, device, dtype, batch size) or reads the
+one an earlier process stored, and keeps it here for the process; auto's own segments then refine it (`observe`:
+the processors, prompts and load of real calls, in this process only); `set_costs` injects a fixed table (tests:
+every choice is then deterministic).
 """
 
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import dataclass
-
-import torch
-from transformers import GenerationConfig
-
-from ..cache.paged import PagedLoopCache
-from .config import resolve_speculative
-
-PROBE_PROMPT = 8  # prompt tokens of a calibration run
-PROBE_TOKENS = (4, 16)  # new tokens of the short and the long calibration run
-PROBE_REPEATS = 2  # timed pairs per candidate (the cheapest pair is kept: other load only adds time)
-CALIBRATION_PERIOD = 4  # the calibration's drafts: right but one in this many (acceptance 3/4: typical lane counts)
 
 
 @dataclass(frozen=True)
@@ -113,33 +97,10 @@ def set_costs(model, table: CostTable | None, batch: int | None = None) -> None:
         tables[_key(model, batch)] = table
 
 
-def costs_for(model, batch: int, candidates: list[Candidate]) -> CostTable:
-    """The cost table of `model` at batch size `batch`: injected or measured earlier in this process, else measured
-    now (`measure_costs`) and kept. A kept table lacking a candidate is completed by measuring that one."""
-    tables = _TABLES.setdefault(model, {})
-    table = tables.get(_key(model, batch)) or tables.get(_key(model, None))
-    missing = [c for c in candidates if c.mode is not None and (table is None or c not in table.cycle)]
-    if table is None or missing:
-        measured = measure_costs(model, batch, missing if table is not None else candidates)
-        table = measured if table is None else CostTable(table.plain_step, {**table.cycle, **measured.cycle},
-                                                         adapt=table.adapt)
-        tables[_key(model, batch)] = table
-    return table
-
-
-def measure_costs(model, batch: int, candidates: list[Candidate]) -> CostTable:
-    """Time plain decoding and every speculative candidate on random prompts of `batch` rows (module docstring).
-    The engine's drafts are forced (a device-side override with plain decoding's tokens, one in
-    `CALIBRATION_PERIOD` wrong), so its cycles carry the rows of a typical acceptance, not the near-empty lanes
-    that random prompts' rejections leave."""
-    vocab = vocab_of(model)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(min(3, vocab - 1), vocab, (batch, PROBE_PROMPT), generator=generator).to(model.device)
-    with torch.inference_mode():
-        reference = _plain(model, ids, PROBE_TOKENS[1])  # [B, S + N]
-    plain = _per_step(lambda n: _plain_seconds(model, ids, n))
-    return CostTable(plain, {c: _per_step(lambda n, c=c: _engine_seconds(model, ids, c, n, reference))
-                             for c in candidates if c.mode is not None}, adapt=True)
+def kept_table(model, batch: int) -> CostTable | None:
+    """The table this process holds for `model` at batch size `batch` (its own, else one for every batch size)."""
+    tables = _TABLES.get(model, {})
+    return tables.get(_key(model, batch)) or tables.get(_key(model, None))
 
 
 def observe(model, batch: int, candidate: Candidate, seconds: float, steps: int) -> None:
@@ -164,60 +125,3 @@ def observe(model, batch: int, candidate: Candidate, seconds: float, steps: int)
 
 def vocab_of(model) -> int:
     return model.get_output_embeddings().weight.shape[0]
-
-
-def _per_step(run) -> float:
-    """Seconds per step from `run(new_tokens) -> (seconds, steps)` at the two lengths of `PROBE_TOKENS`."""
-    short, long = PROBE_TOKENS
-    run(short)  # warm-up
-    best = float("inf")
-    for _ in range(PROBE_REPEATS):
-        t_short, steps_short = run(short)
-        t_long, steps_long = run(long)
-        if steps_long > steps_short:
-            best = min(best, max(t_long - t_short, 1e-9) / (steps_long - steps_short))
-    return best
-
-
-def _plain(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Plain greedy decoding without EOS: the sequences `[B, S + new_tokens]`."""
-    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, speculative_mode=None)
-
-
-def _plain_seconds(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, int]:
-    start = _now(model.device)
-    with torch.inference_mode():
-        _plain(model, ids, new_tokens)
-    return _now(model.device) - start, new_tokens
-
-
-def _engine_seconds(model, ids: torch.Tensor, candidate: Candidate, new_tokens: int, reference: torch.Tensor):
-    """(seconds, core calls) of one engine run of `candidate` whose drafts are right (`reference`'s tokens) but
-    for every `CALIBRATION_PERIOD`-th, which is wrong."""
-    from .dispatch import SpeculativeRequest  # here: dispatch imports the engine, which imports this package
-    from .wavefront.engine import WavefrontEngine
-
-    width = ids.shape[1] + new_tokens
-    override = torch.full((len(ids), width), -1, dtype=torch.long, device=ids.device)
-    right = reference[:, ids.shape[1]:width]
-    wrong = (torch.arange(new_tokens, device=ids.device) % CALIBRATION_PERIOD) == CALIBRATION_PERIOD - 1
-    override[:, ids.shape[1]:] = torch.where(wrong, (right + 1) % vocab_of(model), right)
-    spec = resolve_speculative(candidate.mode, candidate.draft_loops, candidate.num_speculative_tokens,
-                               num_loops=model.num_loops)
-    request = SpeculativeRequest(spec, PagedLoopCache(model.kv_layout), ids, width, pad_token_id=0)
-    start = _now(model.device)
-    with torch.inference_mode():
-        out = WavefrontEngine.from_request(model, request, draft_override=override).run()
-    return _now(model.device) - start, out.stats.core_calls
-
-
-def _now(device: torch.device) -> float:
-    """`time.perf_counter()` once `device` has finished its work."""
-    _synchronize(device)
-    return time.perf_counter()
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -87,7 +87,7 @@ def build_model_card(
     chat: bool = False,
     eos_token_ids: list[int] | int | None = None,
     sampling: dict | None = None,
-    speculative_mode: str | None = "pipeline",
+    speculative_mode: str | None = "auto",
     draft_loops: int = DEFAULT_DRAFT_LOOPS,
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
     benchmarks: Sequence[dict | str | Path] | None = None,
@@ -209,6 +209,11 @@ def _generation_defaults(mode: str | None, draft_loops: int, k: int, eos: list[i
         return (f"plain decoding by default ({stops}); pass `speculative_mode=\"pipeline\"` or `\"block\"` to "
                 "speculate")
     settings = f'`speculative_mode="{mode}"`, `draft_loops={draft_loops}`'
+    if mode == "auto":
+        return (f"self-speculative decoding is on by default ({settings}: each call decodes plainly, in block or in "
+                f"pipeline mode from loop {draft_loops}, whichever the costs measured on the device and the draft "
+                f"acceptance it observes make fastest; {stops}); pass `speculative_mode=None` for transformers' "
+                "plain loop")
     if mode == "block":
         settings += f", `num_speculative_tokens={k}`"
     return (f"self-speculative decoding is on by default ({settings}; {stops}); pass `speculative_mode=None` for "

@@ -69,7 +69,7 @@ def export_checkpoint(
     max_shard_size: str | int = "2GB",
     dtype: str | None = None,
     overwrite: bool = False,
-    speculative_mode: str | None = "pipeline",
+    speculative_mode: str | None = "auto",
     draft_loops: int = DEFAULT_DRAFT_LOOPS,
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
     repo_id: str | None = None,
@@ -284,7 +284,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-shard-size", default="2GB",
                         help="safetensors shard size: 500MB, 2GB, ... or bytes (default: %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype (default: the checkpoint's)")
-    parser.add_argument("--speculative-mode", choices=("pipeline", "block", "none"), default="pipeline",
+    parser.add_argument("--speculative-mode", choices=("auto", "pipeline", "block", "none"), default="auto",
                         help="default decoding written to generation_config.json (default: %(default)s)")
     parser.add_argument("--draft-loops", type=int, default=DEFAULT_DRAFT_LOOPS,
                         help="default d (default: %(default)s)")

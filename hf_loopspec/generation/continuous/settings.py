@@ -1,13 +1,13 @@
 """The settings of one continuous-batching manager, and the checks every request passes before it may take a slot.
 
 A manager's settings are fixed when it starts (they are the shapes and the constants of its step): the decoding mode
-and its keys (`speculative_mode`, `draft_loops`, `num_speculative_tokens`, `second_draft_loops`, `compile_core`) and
-the sampling processors come from the generation config, the same for every request; the slot count B and each
-slot's positions C from the continuous batching config or the workload hints (`manager_settings`), and the KV page
-pool the slots share (`pool.pool_size`: `num_blocks`, `max_memory_percent`); a Huginn-family
-model's recurrence settings as `huginn.manager_recurrence` reads them. A request brings its own prompt,
-`max_new_tokens`, EOS ids, when sampling, `seed` and, for a Huginn-family model, `init_seed` (`request_problem` says
-why one cannot run).
+and its keys (`speculative_mode`, `draft_loops`, `num_speculative_tokens`, `second_draft_loops`, `compile_core`;
+"auto" runs the mode `fixed_mode` names) and the sampling processors come from the generation config, the same for
+every request; the slot count B and each slot's positions C from the continuous batching config or the workload
+hints (`manager_settings`), and the KV page pool the slots share (`pool.pool_size`: `num_blocks`,
+`max_memory_percent`); a Huginn-family model's recurrence settings as `huginn.manager_recurrence` reads them.
+A request brings its own prompt, `max_new_tokens`, EOS ids, when sampling, `seed` and, for a Huginn-family model,
+`init_seed` (`request_problem` says why one cannot run).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from ..config import speculative_config
+from ...defaults import DEFAULT_DRAFT_LOOPS
+from ..config import AUTO_MODE, speculative_config
 from ..wavefront.processing import WARPERS
 from . import huginn
 from .pool import PoolSize, pool_size, request_positions
@@ -58,6 +59,9 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     recurrence = huginn.manager_recurrence(model, config)
     with huginn.manager_block(model, recurrence):  # num_loops: the manager's recurrence steps
+        if getattr(config, "speculative_mode", None) == AUTO_MODE:
+            speculative_config(config, model.num_loops)  # auto's own checks, with auto named in its errors
+            config.speculative_mode = fixed_mode(config, model.num_loops)
         spec = speculative_config(config, model.num_loops)
     if (getattr(config, "num_return_sequences", None) or 1) != 1 or (getattr(config, "num_beams", None) or 1) != 1:
         raise ValueError(f"num_return_sequences={config.num_return_sequences!r}, num_beams={config.num_beams!r}: "
@@ -95,6 +99,18 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
         max_new_tokens=int(config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS),
         vocab=model.get_output_embeddings().weight.shape[0], seed=getattr(cb_config, "seed", None),
         recurrence=recurrence)
+
+
+def fixed_mode(config, num_loops: int) -> str | None:
+    """The mode a manager runs for a generation config saying `speculative_mode="auto"`: pipeline at the config's
+    `draft_loops` (default 1) when the loop count is a multiple of it, else block at that depth; plain decoding
+    (None) for a 1-loop model. A manager's mode is the shape of its step, fixed for its life, so it cannot follow
+    the acceptance as auto's segments do; of the speculative settings at one depth, pipeline needs the fewest core
+    calls per token at every acceptance (`auto_costs.calls_per_token`)."""
+    if num_loops < 2:
+        return None
+    draft_loops = getattr(config, "draft_loops", None) or DEFAULT_DRAFT_LOOPS
+    return "pipeline" if num_loops % draft_loops == 0 else "block"
 
 
 def _positive(value, name: str) -> int | None:

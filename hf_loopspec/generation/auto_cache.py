@@ -1,0 +1,92 @@
+"""The on-disk copy of auto's cost tables, so that a process need not time what an earlier one timed.
+
+One JSON file per key: `cost_key` holds everything that changes what a call costs (the model's config, parameter
+count and dtype, the device's type and name, torch's version and thread count, the batch size and this package's
+version), the file is named by its hash and also stores the key itself, so that a file from another key (a hash
+collision, a hand-copied file) is ignored like an unreadable one. The folder is `$HF_LOOPSPEC_CACHE` when set, else
+the user cache folder of `platformdirs` when it is installed, else `~/.cache/hf_loopspec`; files are written
+atomically (a temporary file in the folder, then `os.replace`), so concurrent processes never read half a file.
+A folder that cannot be written costs only the cache: the table stays in the process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import torch
+
+CACHE_ENV = "HF_LOOPSPEC_CACHE"
+FORMAT = 1  # bump when the stored table's meaning changes
+
+
+def cache_dir() -> Path:
+    """The folder of the stored tables (module docstring)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    try:
+        import platformdirs
+    except ImportError:
+        return Path("~/.cache/hf_loopspec").expanduser()
+    return Path(platformdirs.user_cache_dir("hf_loopspec"))
+
+
+def device_name(device: torch.device) -> str:
+    """The device's type and model: the CUDA device's name, else the CPU's model name (`/proc/cpuinfo`, else
+    `platform.processor()`)."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    try:
+        with open("/proc/cpuinfo") as info:
+            name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
+    except OSError:
+        name = ""
+    return f"{device.type}:{name or platform.processor() or platform.machine()}"
+
+
+def cost_key(model, batch: int) -> dict:
+    """Everything that changes the costs of `model`'s calls at batch size `batch` (module docstring)."""
+    from .. import __version__  # here: the package's __init__ imports generation
+
+    config = {name: value for name, value in model.config.to_dict().items() if name != "_name_or_path"}
+    return {"format": FORMAT, "config": json.dumps(config, sort_keys=True, default=str),
+            "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(model.lane_dtype),
+            "device": device_name(model.device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "batch": batch, "hf_loopspec": __version__}
+
+
+def _path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return cache_dir() / "costs" / f"{digest}.json"
+
+
+def load(key: dict) -> dict | None:
+    """The table stored under `key` (`store`'s `table`), or None when there is none, it cannot be read or parsed,
+    or it was stored under another key."""
+    try:
+        stored = json.loads(_path(key).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get("table"), dict):
+        return None
+    return stored["table"]
+
+
+def store(key: dict, table: dict) -> None:
+    """Write `table` (JSON-serialisable) under `key`, atomically; a folder that cannot be written is skipped."""
+    path = _path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    except OSError:
+        return
+    try:
+        with os.fdopen(handle, "w") as file:
+            json.dump({"key": key, "table": table}, file)
+        os.replace(temporary, path)
+    except OSError:
+        Path(temporary).unlink(missing_ok=True)

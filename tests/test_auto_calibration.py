@@ -1,0 +1,144 @@
+"""Auto's cost table: measured cheaply (`auto_calibration.measure_costs`), kept in the process and stored on disk
+across processes (`auto_cache`), keyed by what changes costs.
+
+A fresh process is imitated by dropping the in-process table (`set_costs(model, None)`); what is timed is counted by
+wrapping the measuring functions. Every test stores its tables under its own `tmp_path` (`HF_LOOPSPEC_CACHE`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from speculative_utils import tiny_spec_model
+
+from hf_loopspec.generation import auto_cache, auto_calibration
+from hf_loopspec.generation.auto import candidates
+from hf_loopspec.generation.auto_calibration import costs_for, decode, encode
+from hf_loopspec.generation.auto_costs import Candidate, CostTable, set_costs
+
+PIPE1, PIPE2, BLOCK1, BLOCK3 = (Candidate("pipeline", 1), Candidate("pipeline", 2), Candidate("block", 1, 4),
+                                Candidate("block", 3, 4))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_spec_model(2)
+
+
+@pytest.fixture
+def counted(model, tmp_path, monkeypatch):
+    """The cache under `tmp_path`, no table in the process; returns the lists of the measuring calls made: whole
+    measurements (`measure_costs`, by batch size), timed plain runs (`_plain_run`) and timed engine runs
+    (`_cycle_seconds`, by candidate)."""
+    monkeypatch.setenv(auto_cache.CACHE_ENV, str(tmp_path))
+    set_costs(model, None)
+    calls = {"measure": [], "plain": [], "cycle": []}
+    measure, plain, cycle = (auto_calibration.measure_costs, auto_calibration._plain_run,
+                             auto_calibration._cycle_seconds)
+
+    def counted_measure(*args):
+        calls["measure"].append(args[1])
+        return measure(*args)
+
+    def counted_plain(model, ids):
+        calls["plain"].append(len(ids))
+        return plain(model, ids)
+
+    def counted_cycle(model, ids, candidate, reference):
+        calls["cycle"].append(candidate)
+        return cycle(model, ids, candidate, reference)
+
+    monkeypatch.setattr(auto_calibration, "measure_costs", counted_measure)
+    monkeypatch.setattr(auto_calibration, "_plain_run", counted_plain)
+    monkeypatch.setattr(auto_calibration, "_cycle_seconds", counted_cycle)
+    yield calls
+    set_costs(model, None)
+
+
+def stored_files(tmp_path):
+    return sorted((tmp_path / "costs").glob("*.json"))
+
+
+def test_a_fresh_process_reads_the_stored_table(model, counted, tmp_path):
+    """The first call measures and stores one file; with the process's table dropped, the next reads it and times
+    nothing; the table survives the round trip exactly."""
+    options = candidates(model.num_loops, None, None)
+    first = costs_for(model, 1, options)
+    assert counted["measure"] == [1] and len(stored_files(tmp_path)) == 1
+    set_costs(model, None)
+    second = costs_for(model, 1, options)
+    assert counted["measure"] == [1] and counted["plain"] == [1] and len(counted["cycle"]) == 1
+    assert second == first and second.adapt
+    assert decode(encode(first)) == first
+
+
+def test_one_engine_run_times_every_candidate(model, counted):
+    """Only the shallowest pipeline is timed: the deeper pipeline and block take its cycle cost; block alone (a depth
+    no pipeline fits, U % d != 0) is timed itself."""
+    table = costs_for(model, 1, [Candidate(None), PIPE1, PIPE2, BLOCK1])
+    assert counted["cycle"] == [PIPE1]
+    assert table.plain_step > 0 and table.cycle[PIPE1] > 0
+    assert table.cycle[PIPE2] == table.cycle[BLOCK1] == table.cycle[PIPE1]
+    assert costs_for(model, 1, [Candidate(None), BLOCK3]).cycle[BLOCK3] == table.cycle[PIPE1]  # covered by d=1
+    set_costs(model, None)
+    costs_for(model, 2, [Candidate(None), BLOCK3])
+    assert counted["cycle"] == [PIPE1, BLOCK3]
+
+
+def test_another_key_measures_again(model, counted, tmp_path, monkeypatch):
+    """Another batch size or thread count is another key (another file); a file at the right path that was stored
+    under another key is ignored."""
+    options = [Candidate(None), PIPE1]
+    costs_for(model, 1, options)
+    set_costs(model, None)
+    costs_for(model, 2, options)
+    assert counted["measure"] == [1, 2] and len(stored_files(tmp_path)) == 2
+    set_costs(model, None)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    costs_for(model, 1, options)
+    assert counted["measure"] == [1, 2, 1] and len(stored_files(tmp_path)) == 3
+    key = auto_cache.cost_key(model, 1)
+    path = auto_cache._path(key)
+    stored = json.loads(path.read_text())
+    path.write_text(json.dumps({**stored, "key": {**key, "batch": 5}}))
+    assert auto_cache.load(key) is None
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"key": "x", "table": []}), ""])
+def test_a_corrupt_file_is_measured_over(model, counted, tmp_path, content):
+    """An unreadable or malformed stored table is ignored: the call measures and stores a readable one."""
+    options = [Candidate(None), PIPE1]
+    path = auto_cache._path(auto_cache.cost_key(model, 1))
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    table = costs_for(model, 1, options)
+    assert counted["measure"] == [1]
+    assert decode(auto_cache.load(auto_cache.cost_key(model, 1))) == table
+    assert decode({"plain_step": 1.0, "cycle": [["pipeline", "x", None, 1.0]]}) is None
+
+
+def test_a_kept_table_is_completed_from_disk(model, counted):
+    """An injected table lacking a candidate takes that candidate's cost from the stored table, timing nothing, and
+    keeps its own costs."""
+    costs_for(model, 1, [Candidate(None), PIPE1])
+    stored = auto_cache.load(auto_cache.cost_key(model, 1))
+    injected = CostTable(3.0, {PIPE2: 1.0})
+    set_costs(model, injected, batch=1)
+    table = costs_for(model, 1, [PIPE1, PIPE2])
+    assert counted["plain"] == [1] and counted["cycle"] == [PIPE1]
+    assert table == CostTable(3.0, {PIPE1: decode(stored).cycle[PIPE1], PIPE2: 1.0})
+
+
+def test_the_cache_folder_and_a_folder_that_cannot_be_written(model, counted, tmp_path, monkeypatch):
+    """`HF_LOOPSPEC_CACHE` names the folder; without it, a per-user cache folder named for the package. A folder
+    that cannot be created (a file is in the way) costs only the cache: the call measures and keeps its table."""
+    assert auto_cache.cache_dir() == tmp_path
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv(auto_cache.CACHE_ENV, str(blocked / "cache"))
+    table = costs_for(model, 1, [Candidate(None), PIPE1])
+    assert counted["measure"] == [1] and costs_for(model, 1, [PIPE1]) is table
+    monkeypatch.delenv(auto_cache.CACHE_ENV)
+    assert "hf_loopspec" in auto_cache.cache_dir().parts
