@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_loopspec
+from hf_loopspec.bench.auto_table import interleaved
 
 PROMPT = "def fibonacci(n):"
 SETTINGS = dict(max_new_tokens=64, do_sample=False, repetition_penalty=1.4)
@@ -47,22 +47,20 @@ def main() -> None:
     runs = {"plain": RUNS["plain"], **{name: RUNS[name] for name in names if name != "plain"}}
     if args.compile:
         runs["pipeline compiled"] = runs["pipeline"] | {"compile_core": args.compile}
-    times = {name: [] for name in runs}
-    stats = {}
-    with torch.inference_mode():
-        for options in runs.values():  # warm-up (and compile)
-            model.generate(**inputs, **SETTINGS, **options)
-        for _ in range(args.rounds):
-            for name, options in runs.items():
-                start = time.perf_counter()
-                out = model.generate(**inputs, **SETTINGS, **options, return_dict_in_generate=True)
-                times[name].append(time.perf_counter() - start)
-                if name == "plain":
-                    reference = out.sequences
-                else:
-                    if not torch.equal(out.sequences, reference):
-                        raise SystemExit(f"{name}: tokens differ from plain decoding")
-                    stats[name] = out.speculation
+    plain = {}
+
+    def check(name: str, out) -> None:
+        if name == "plain":
+            plain["sequences"] = out.sequences
+        elif not torch.equal(out.sequences, plain["sequences"]):
+            raise SystemExit(f"{name}: tokens differ from plain decoding")
+
+    with torch.inference_mode():  # one warm-up round (and compile), then the timed rounds
+        times, outputs = interleaved(lambda **options: model.generate(**inputs, **SETTINGS, **options,
+                                                                      return_dict_in_generate=True),
+                                     runs, args.rounds, check)
+    reference = plain["sequences"]
+    stats = {name: out.speculation for name, out in outputs.items() if name != "plain"}
     new = reference.shape[1] - inputs["input_ids"].shape[1]
     base = statistics.median(times["plain"])
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; {new} new tokens, "
