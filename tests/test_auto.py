@@ -10,6 +10,7 @@ cost model evaluated by hand, and for sampling the same chain of fixed-mode `gen
 from __future__ import annotations
 
 import argparse
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -33,6 +34,7 @@ from hf_loopspec import PagedLoopCache
 from hf_loopspec.bench import args as bench_args
 from hf_loopspec.bench.args import parse_modes
 from hf_loopspec.bench.main import run_bench
+from hf_loopspec.generation import auto_cache, auto_policy
 from hf_loopspec.generation.auto_calibration import costs_for
 from hf_loopspec.generation.auto_costs import Candidate, CostTable, observe, set_costs
 from hf_loopspec.generation.auto_policy import AutoPolicy, forget, set_policy
@@ -62,6 +64,7 @@ def case():
 def fixed_costs(case):
     model = case[0]
     set_policy(model, POLICY)
+    forget(model)  # what another test's calls stored for the same weights (the session's cache folder)
     yield
     forget(model)
     set_costs(model, None)
@@ -134,6 +137,43 @@ def test_later_calls_start_from_observed_acceptance(case):
     assert third[0].reason == "reprobe" and third[0].mode == "pipeline"
 
 
+def test_a_later_process_starts_from_the_stored_acceptance(case, monkeypatch):
+    """Every draft wrong: the acceptance the first call observed is stored on disk, so a later process (here: the
+    process's memory cleared) decodes its first call plainly with no probe; a model of the same shape with other
+    weights, or a damaged file, starts without an acceptance and probes."""
+    model, prompts, ids, mask, ref, reference = case
+    set_costs(model, SPECULATIVE_WINS)
+    hook = forcing_hook(reference, [len(p) for p in prompts], accept_outside(0, NEW), VOCAB)
+    first = generate_dict(model, ids, mask, NEW, speculative_mode="auto", draft_hook=hook)
+    assert first.speculation.choices[0].reason == "probe"
+    monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())  # a new process
+    later = generate_dict(model, ids, mask, NEW, speculative_mode="auto", draft_hook=hook)
+    assert [(c.mode, c.reason) for c in later.speculation.choices] == [("plain", "acceptance")]
+    assert torch.equal(later.sequences, ref.sequences)
+    other = tiny_spec_model(6, vocab=VOCAB, damp=0.3)  # same config, other weights
+    assert other.config.to_dict() == model.config.to_dict()
+    assert auto_policy.remembered(other) == auto_policy.Acceptance()
+    path = auto_cache._path(auto_cache.acceptance_key(model), "acceptance")
+    path.write_text('{"key": "damaged')
+    monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())
+    assert auto_policy.remembered(model) == auto_policy.Acceptance()
+
+
+def test_a_dynamic_cache_continues_plainly(case):
+    """A call that decodes plainly throughout returns transformers' `DynamicCache`; an auto call continuing it decodes
+    plainly in one segment ("dynamic-cache"), and the two calls' tokens equal one plain call's."""
+    model, _, ids, mask, ref, _ = case
+    set_costs(model, PLAIN_WINS)
+    half = NEW // 2
+    first = generate_dict(model, ids, mask, half, speculative_mode="auto")
+    assert isinstance(first.cache, DynamicCache)
+    mask = torch.cat([mask, torch.ones(len(ids), half, dtype=mask.dtype)], 1)
+    set_costs(model, SPECULATIVE_WINS)  # speculation would win, but the cache cannot back it
+    second = generate_dict(model, first.sequences, mask, NEW - half, speculative_mode="auto", cache=first.cache)
+    assert [(c.mode, c.reason) for c in second.speculation.choices] == [("plain", "dynamic-cache")]
+    assert torch.equal(second.sequences, ref.sequences)
+
+
 def test_rows_that_stop_stay_stopped(case):
     """Row 0 stops at EOS early; the later segments keep it stopped: tokens and every KV plane of the returned cache
     equal plain decoding's (which feeds the stopped row pad tokens)."""
@@ -198,7 +238,7 @@ def test_from_generation_config_and_saved(case, tmp_path):
     ({"second_draft_loops": 2}, "second_draft_loops=2"),
     ({"draft_loops": 4}, "draft_loops=4"),
     ({"num_beams": 2}, "num_beams=2"),
-    ({"cache": DynamicCache()}, "DynamicCache"),
+    ({"cache": ({}, {})}, "cache of type tuple"),
 ])
 def test_refusals_name_the_argument(case, kwargs, named):
     model, _, ids, mask, _, _ = case

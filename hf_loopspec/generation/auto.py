@@ -12,8 +12,10 @@ prefix and so is the chain; a seeded auto call equals the same chain of fixed-mo
 Rows that stopped (EOS) in an earlier segment stay stopped: the remaining segments decode plainly with those rows
 forced to the pad token (as plain decoding feeds them), so their tokens and cached KV are plain decoding's.
 A call with its own stopping criteria or stop strings chooses once (no probe) and decodes in one segment, since
-which rows stopped is then only known to those criteria. Beam search, assistants and per-step hidden states or
-attentions are refused, as with the fixed modes.
+which rows stopped is then only known to those criteria. A call continuing a cache other than a `PagedLoopCache`
+(the `DynamicCache` an auto call that decoded plainly throughout returns) decodes plainly in one segment (reason
+"dynamic-cache"): only a `PagedLoopCache` backs speculative segments. Beam search, assistants and per-step hidden
+states or attentions are refused, as with the fixed modes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import Cache, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from ..cache.paged import PagedLoopCache
 from ..defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
@@ -135,9 +137,9 @@ def _prepare(model, ids: torch.Tensor, kwargs: dict) -> tuple[_Call, list[Candid
                         _setting(kwargs, config, "speculative_engine"), num_loops=model.num_loops,
                         second_draft_loops=_setting(kwargs, config, "second_draft_loops"))
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if cache is not None and not isinstance(cache, PagedLoopCache):
-        raise ValueError(f"speculative_mode='auto' continues its segments on a PagedLoopCache, got cache of type "
-                         f"{type(cache).__name__}; pass cache=hf_loopspec.PagedLoopCache(model.kv_layout) or none.")
+    if cache is not None and not isinstance(cache, Cache):
+        raise ValueError(f"speculative_mode='auto' continues a transformers Cache, got cache of type "
+                         f"{type(cache).__name__}; pass the cache an earlier call returned, or none.")
     max_new = _setting(kwargs, config, "max_new_tokens")
     if max_new is None:
         max_new = _setting(kwargs, config, "max_length") - ids.shape[1]
@@ -177,7 +179,10 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     stopped = torch.zeros(batch, dtype=torch.bool, device=ids.device)
     scores, logits, traces, done = [], [], [], 0
     while done < call.max_new and not bool(stopped.all()):
-        candidate, tokens, reason, rate, estimates = chooser.next(first=done == 0)
+        if cache is not None and not isinstance(cache, PagedLoopCache):  # e.g. the DynamicCache of a plain call
+            candidate, tokens, reason, rate, estimates = PLAIN, None, "dynamic-cache", None, {}
+        else:
+            candidate, tokens, reason, rate, estimates = chooser.next(first=done == 0)
         if bool(stopped.any()):
             candidate, tokens, reason = PLAIN, None, "stopped-rows"
         if call.single or tokens is None:

@@ -1,12 +1,18 @@
-"""The on-disk copy of auto's cost tables, so that a process need not time what an earlier one timed.
+"""The on-disk copy of auto's cost tables and observed acceptance, so that a process need not time or probe what
+an earlier one timed or probed.
 
-One JSON file per key: `cost_key` holds everything that changes what a call costs (the model's config, parameter
-count and dtype, the device's type and name, torch's version and thread count, the batch size and this package's
-version), the file is named by its hash and also stores the key itself, so that a file from another key (a hash
-collision, a hand-copied file) is ignored like an unreadable one. The folder is `$HF_LOOPSPEC_CACHE` when set, else
-the user cache folder of `platformdirs` when it is installed, else `~/.cache/hf_loopspec`; files are written
-atomically (a temporary file in the folder, then `os.replace`), so concurrent processes never read half a file.
-A folder that cannot be written costs only the cache: the table stays in the process.
+Cost tables (`kind="costs"`): one JSON file per key: `cost_key` holds everything that changes what a call costs (the
+model's config, parameter count and dtype, the device's type and name, torch's version and thread count, the batch
+size and this package's version), the file is named by its hash and also stores the key itself, so that a file from
+another key (a hash collision, a hand-copied file) is ignored like an unreadable one. The folder is
+`$HF_LOOPSPEC_CACHE` when set, else the user cache folder of `platformdirs` when it is installed, else
+`~/.cache/hf_loopspec`; files are written atomically (a temporary file in the folder, then `os.replace`), so
+concurrent processes never read half a file. A folder that cannot be written costs only the cache: the table stays
+in the process.
+
+Acceptance (`kind="acceptance"`, `acceptance_key`): what auto calls observed on a model, keyed by its config, dtype,
+a fingerprint of its weights (`weights_fingerprint`: another checkpoint of the same architecture drafts differently)
+and this package's version; the device does not enter (acceptance is a property of the model and its inputs).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import os
 import platform
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -48,27 +55,63 @@ def device_name(device: torch.device) -> str:
     return f"{device.type}:{name or platform.processor() or platform.machine()}"
 
 
+def _config(model) -> str:
+    config = {name: value for name, value in model.config.to_dict().items() if name != "_name_or_path"}
+    return json.dumps(config, sort_keys=True, default=str)
+
+
 def cost_key(model, batch: int) -> dict:
     """Everything that changes the costs of `model`'s calls at batch size `batch` (module docstring)."""
     from .. import __version__  # here: the package's __init__ imports generation
 
-    config = {name: value for name, value in model.config.to_dict().items() if name != "_name_or_path"}
-    return {"format": FORMAT, "config": json.dumps(config, sort_keys=True, default=str),
+    return {"format": FORMAT, "config": _config(model),
             "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(model.lane_dtype),
             "device": device_name(model.device), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "batch": batch, "hf_loopspec": __version__}
 
 
-def _path(key: dict) -> Path:
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> weights_fingerprint
+
+
+def weights_fingerprint(model) -> str:
+    """A hash of the first values of every parameter of `model`, computed once per model object: it tells two
+    checkpoints of one architecture apart without reading all their weights."""
+    if model not in _FINGERPRINTS:
+        digest = hashlib.sha256()
+        for name, parameter in model.named_parameters():
+            digest.update(name.encode())
+            if parameter.device.type != "meta":
+                digest.update(parameter.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
+        _FINGERPRINTS[model] = digest.hexdigest()[:32]
+    return _FINGERPRINTS[model]
+
+
+def acceptance_key(model) -> dict:
+    """What the acceptance observed on `model` depends on (module docstring)."""
+    from .. import __version__
+
+    return {"format": FORMAT, "config": _config(model),
+            "weights": weights_fingerprint(model), "dtype": str(model.lane_dtype), "hf_loopspec": __version__}
+
+
+def _path(key: dict, kind: str = "costs") -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return cache_dir() / "costs" / f"{digest}.json"
+    return cache_dir() / kind / f"{digest}.json"
 
 
-def load(key: dict) -> dict | None:
+def forget(key: dict, kind: str = "costs") -> None:
+    """Remove what is stored under `key` (nothing when there is none or it cannot be removed)."""
+    try:
+        _path(key, kind).unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def load(key: dict, kind: str = "costs") -> dict | None:
     """The table stored under `key` (`store`'s `table`), or None when there is none, it cannot be read or parsed,
     or it was stored under another key."""
     try:
-        stored = json.loads(_path(key).read_text())
+        stored = json.loads(_path(key, kind).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get("table"), dict):
@@ -76,9 +119,9 @@ def load(key: dict) -> dict | None:
     return stored["table"]
 
 
-def store(key: dict, table: dict) -> None:
+def store(key: dict, table: dict, kind: str = "costs") -> None:
     """Write `table` (JSON-serialisable) under `key`, atomically; a folder that cannot be written is skipped."""
-    path = _path(key)
+    path = _path(key, kind)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")

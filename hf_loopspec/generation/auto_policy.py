@@ -3,7 +3,8 @@
 `Chooser` ranks the candidates (`auto_costs.Candidate`) by their estimated speed-up over plain decoding
 (`auto_costs.speedup`) at the acceptance observed so far for their draft depth (`Acceptance`: counts of this call's
 segments, each earlier segment's weighed by `AutoPolicy.keep` so that a drift shows within a segment or two, started
-from what earlier calls of the process observed on the same model). A depth never observed takes
+from what earlier calls observed on the same model: this process's, or an earlier process's stored on disk by
+`auto_cache`, so that a command-line call need not probe again). A depth never observed takes
 the acceptance of the shallowest observed one (a deeper draft is assumed to agree with the target at least as often).
 
 * Nothing observed yet: if no candidate beats plain decoding by `AutoPolicy.margin` even at acceptance 1, the call
@@ -22,6 +23,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import asdict, dataclass, field
 
+from . import auto_cache
 from .auto_costs import PLAIN, Candidate, CostTable, speedup
 from .stats import SpeculationStats
 
@@ -64,6 +66,22 @@ class Acceptance:
     def copy(self) -> Acceptance:
         return Acceptance(dict(self.accepted), dict(self.verified), self.plain_calls)
 
+    def encode(self) -> dict:
+        """A JSON form (depths as strings), read back by `decode`."""
+        return {"accepted": {str(d): n for d, n in self.accepted.items()},
+                "verified": {str(d): n for d, n in self.verified.items()}, "plain_calls": self.plain_calls}
+
+    @classmethod
+    def decode(cls, data) -> Acceptance:
+        """`encode`'s form back; anything else (None, a damaged file) is an empty `Acceptance`."""
+        try:
+            counts = [{int(d): float(n) for d, n in data[name].items()} for name in ("accepted", "verified")]
+            if set(counts[0]) != set(counts[1]) or any(n < 0 for c in counts for n in c.values()):
+                return cls()
+            return cls(counts[0], counts[1], int(data["plain_calls"]))
+        except (TypeError, KeyError, ValueError, AttributeError):
+            return cls()
+
 
 @dataclass
 class AutoChoice:
@@ -74,7 +92,8 @@ class AutoChoice:
     draft_loops: int | None
     num_speculative_tokens: int | None
     tokens: int  # columns the segment generated
-    reason: str  # "costs" (plain to the end: no setting can win), "probe", "acceptance", "reprobe", "stopped-rows"
+    reason: str  # "costs" (plain to the end: no setting can win), "probe", "acceptance", "reprobe", "stopped-rows",
+    # "dynamic-cache" (continuing a cache that cannot back speculation)
     acceptance: float | None  # the observed acceptance the choice used (None: not known yet)
     speedups: dict[str, float]  # estimated speed-up over plain of every candidate (`Candidate.name`)
 
@@ -99,17 +118,23 @@ _POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> A
 
 
 def remembered(model) -> Acceptance:
-    """The acceptance earlier auto calls of this process observed on `model` (a copy)."""
-    return _MEMORY.get(model, Acceptance()).copy()
+    """The acceptance earlier auto calls observed on `model` (a copy): this process's, else the one an earlier
+    process stored (`auto_cache.acceptance_key`), else none."""
+    if model not in _MEMORY:
+        _MEMORY[model] = Acceptance.decode(auto_cache.load(auto_cache.acceptance_key(model), "acceptance"))
+    return _MEMORY[model].copy()
 
 
 def remember(model, acceptance: Acceptance) -> None:
+    """Keep `acceptance` for `model`'s next auto calls, in this process and on disk for later ones."""
     _MEMORY[model] = acceptance.copy()
+    auto_cache.store(auto_cache.acceptance_key(model), acceptance.encode(), "acceptance")
 
 
 def forget(model) -> None:
-    """Drop what earlier calls observed on `model` (the next call starts without an acceptance)."""
+    """Drop what earlier calls observed on `model`, here and on disk (the next call starts without an acceptance)."""
     _MEMORY.pop(model, None)
+    auto_cache.forget(auto_cache.acceptance_key(model), "acceptance")
 
 
 def set_policy(model, policy: AutoPolicy | None) -> None:
