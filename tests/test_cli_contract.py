@@ -77,19 +77,25 @@ def test_compare_prints_both_timings_the_ratio_and_that_the_tokens_are_identical
 
 def test_compare_with_auto_calibrates_before_the_timed_runs(good, capsys, monkeypatch):
     """With auto, the cost table exists before either timed run starts (so the ratio compares decoding with
-    decoding), and the time it took is printed on its own line before the runs' lines."""
-    timed, tables = cli._timed_generate, []
+    decoding), an untimed plain warm-up call runs before both, and the table's time is printed on its own line
+    before the runs' lines."""
+    timed, warm, tables = cli._timed_generate, cli._warm_up, []
 
     def checking(model, enc, kwargs, seed):
         tables.append(kept_table(model, 1))
         return timed(model, enc, kwargs, seed)
 
+    def warming(model, enc, kwargs):
+        tables.append("warm-up")
+        return warm(model, enc, kwargs)
+
     monkeypatch.setattr(cli, "_timed_generate", checking)
+    monkeypatch.setattr(cli, "_warm_up", warming)
     argv = ["generate", "w5 w6 w7", "--model", str(good), "--device", "cpu", "--max-new-tokens", "8", "--compare",
             "--mode", "auto"]
     assert cli.main(argv) == 0
     err = capsys.readouterr().err
-    assert len(tables) == 2 and tables[0] is not None
+    assert len(tables) == 3 and tables[0] == "warm-up" and tables[1] is not None
     ready = re.search(r"(^|\n)\[auto\] cost table ready in \d+\.\d\d s \(measured once per model", err)
     assert ready and ready.start() < err.index("\n[auto] 8 new tokens in ") < err.index("\n[plain] 8 new tokens in ")
 
