@@ -10,11 +10,13 @@ cost model evaluated by hand, and for sampling the same chain of fixed-mode `gen
 from __future__ import annotations
 
 import argparse
+import copy
 import weakref
 from dataclasses import replace
 
 import pytest
 import torch
+from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
 from speculative_utils import (
     PAD,
@@ -34,7 +36,9 @@ from hf_loopspec import PagedLoopCache
 from hf_loopspec.bench import args as bench_args
 from hf_loopspec.bench.args import parse_modes
 from hf_loopspec.bench.main import run_bench
+from hf_loopspec.cache.convert import to_paged
 from hf_loopspec.generation import auto_cache, auto_policy
+from hf_loopspec.generation.auto import candidates
 from hf_loopspec.generation.auto_calibration import costs_for
 from hf_loopspec.generation.auto_costs import Candidate, CostTable, observe, set_costs
 from hf_loopspec.generation.auto_policy import AutoPolicy, forget, set_policy
@@ -159,19 +163,45 @@ def test_a_later_process_starts_from_the_stored_acceptance(case, monkeypatch):
     assert auto_policy.remembered(model) == auto_policy.Acceptance()
 
 
-def test_a_dynamic_cache_continues_plainly(case):
-    """A call that decodes plainly throughout returns transformers' `DynamicCache`; an auto call continuing it decodes
-    plainly in one segment ("dynamic-cache"), and the two calls' tokens equal one plain call's."""
+def test_a_dynamic_cache_is_continued_and_refilled(case):
+    """A call that decodes plainly throughout returns transformers' `DynamicCache`; an auto call continuing it may
+    speculate (the KV moves to a `PagedLoopCache` and back, `cache.convert`): its tokens equal one plain call's, and
+    the caller's `DynamicCache` object ends holding plain decoding's KV of the whole output."""
     model, _, ids, mask, ref, _ = case
     set_costs(model, PLAIN_WINS)
     half = NEW // 2
     first = generate_dict(model, ids, mask, half, speculative_mode="auto")
     assert isinstance(first.cache, DynamicCache)
-    mask = torch.cat([mask, torch.ones(len(ids), half, dtype=mask.dtype)], 1)
-    set_costs(model, SPECULATIVE_WINS)  # speculation would win, but the cache cannot back it
-    second = generate_dict(model, first.sequences, mask, NEW - half, speculative_mode="auto", cache=first.cache)
-    assert [(c.mode, c.reason) for c in second.speculation.choices] == [("plain", "dynamic-cache")]
+    grown = torch.cat([mask, torch.ones(len(ids), half, dtype=mask.dtype)], 1)
+    set_costs(model, SPECULATIVE_WINS)
+    second = generate_dict(model, first.sequences, grown, NEW - half, speculative_mode="auto", cache=first.cache)
+    assert second.speculation.choices[0].mode == "pipeline"
     assert torch.equal(second.sequences, ref.sequences)
+    assert second.cache is first.cache
+    full = torch.cat([mask, torch.ones(len(ids), NEW, dtype=mask.dtype)], 1)
+    assert_cache_matches_ar(to_paged(second.cache, model.kv_layout, full), ref.cache, mask, [NEW] * len(ids),
+                            model.config.num_hidden_layers, model_depth=ouro_depth(model.config))
+
+
+def test_a_huginn_dynamic_cache_continues_plainly():
+    """Huginn's caches do not convert (its entry and exit stages have KV planes that plain decoding leaves partly
+    unwritten): an auto call continuing its `DynamicCache` decodes plainly ("dynamic-cache"), equal to a plain call
+    continuing a copy of that cache from the same seed (Huginn draws its initial recurrent state)."""
+    model, _ = tiny_huginn(damp=0.3)
+    ids, mask = left_pad(random_prompts(3, [4, 6], model.config.vocab_size))
+    first = plain(model, ids, mask, 4)
+    grown = torch.cat([mask, torch.ones_like(mask[:, :4])], 1)
+    copied = copy.deepcopy(first.cache)
+    set_costs(model, CostTable(4.0, dict.fromkeys(candidates(model.num_loops, None, None)[1:], 2.0)))
+    try:
+        torch.manual_seed(5)
+        second = generate_dict(model, first.sequences, grown, 4, speculative_mode="auto", cache=first.cache)
+    finally:
+        set_costs(model, None)
+    torch.manual_seed(5)
+    expected = plain(model, first.sequences, grown, 4, cache=copied)
+    assert [(c.mode, c.reason) for c in second.speculation.choices] == [("plain", "dynamic-cache")]
+    assert torch.equal(second.sequences, expected.sequences)
 
 
 def test_rows_that_stop_stay_stopped(case):
@@ -188,8 +218,11 @@ def test_rows_that_stop_stay_stopped(case):
     assert len(out.speculation.choices) > 2 and out.speculation.choices[-1].reason == "stopped-rows"
     counts = generated_counts(out.sequences, ids.shape[1], 30, eos)
     assert_counter_invariants(out.speculation, counts)
-    assert_cache_matches_ar(out.cache, ref.cache, mask, [out.sequences.shape[1] - ids.shape[1]] * len(ids),
-                            model.config.num_hidden_layers, model_depth=ouro_depth(model.config))
+    steps = out.sequences.shape[1] - ids.shape[1]
+    assert isinstance(out.cache, DynamicCache)  # the last segments decoded plainly, on transformers' cache
+    paged = to_paged(out.cache, model.kv_layout, torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1]:])], 1))
+    assert_cache_matches_ar(paged, ref.cache, mask, [steps] * len(ids), model.config.num_hidden_layers,
+                            model_depth=ouro_depth(model.config))
 
 
 def test_sampling_equals_the_chain_of_its_choices(case):

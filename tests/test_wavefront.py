@@ -291,7 +291,7 @@ def test_compiled_step_serves_other_lengths(backend, monkeypatch):
     traces the same graph. Two cycles per compiled call (the default unrolls more: slower to compile, the same code; the
     bench runs the default)."""
     monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
-    model = tiny_spec_model(11, vocab=VOCAB, damp=0.5)
+    model = tiny_spec_model(11, 2, vocab=VOCAB, damp=0.5)
     graphs = []
     for lengths, new in (((3, 5), 8), ((9, 2), 13)):  # widths 5 and 9: C = 64 for both
         ids, mask = left_pad(random_prompts(11, lengths, VOCAB))
@@ -309,10 +309,10 @@ def test_compiled_bf16_block_stays_finite(monkeypatch):
     finite and no sequence stops before max_new_tokens, as in the eager run. With inductor's C++ wrapper this
     run put non-finite values into alive lanes from its first compiled call and emitted EOS (id 0 here) from the
     second token on; found by `scripts/bench_gpu.sh`'s CPU dry run (the engine compiles bf16 steps without that
-    wrapper since). The bench's `ouro-tiny` shape and prompt width 128, where that showed; two cycles per compiled call
-    (the default unrolls more: slower to compile, the same cycle). Finite values are the check, not token identity
-    with plain decoding: bf16 is not lossless."""
-    monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
+    wrapper since). The bench's `ouro-tiny` shape and prompt width 128, where that showed; one cycle per compiled
+    call (the default unrolls more: slower to compile, the same cycle). Finite values are the check, not token
+    identity with plain decoding: bf16 is not lossless."""
+    monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 1)
     model = random_model("ouro-tiny", torch.bfloat16)
     ids = torch.randint(3, 256, (1, 128), generator=torch.Generator().manual_seed(0))
     new = 12
@@ -333,7 +333,7 @@ def test_compiled_step_across_batch_sizes(monkeypatch):
     nothing. Whether the second size compiles depends on the process: dynamo's
     automatic-dynamic record of this code outlives a compiled function (other tests may have set it)."""
     monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
-    model = tiny_spec_model(11, vocab=VOCAB, damp=0.5)
+    model = tiny_spec_model(11, 2, vocab=VOCAB, damp=0.5)
     graphs = []
     for lengths in ((3, 5, 4), (6, 2), (4,), (3, 5, 4, 2, 7)):
         ids, mask = left_pad(random_prompts(11, lengths, VOCAB))

@@ -1,21 +1,24 @@
 """`speculative_mode="auto"`: one `generate` call decoded as segments, each with the setting judged fastest.
 
-`generate_auto` runs the call as a chain of ordinary `generate` calls on one `PagedLoopCache`, each continuing
-from the cache and the sequences the previous one returned (the continuation every mode supports, so the chain's
-greedy tokens equal one plain call's, token for token). Each segment is plain decoding, block or pipeline with the
-depth and length `auto_policy.Chooser` picks from the call costs (`auto_calibration.costs_for`, measured once per
-model, device, dtype and batch size, kept for the process and stored on disk for later ones) and the acceptance the
-earlier segments observed. Sampling draws every segment as the fixed modes do (each speculative segment seeds its run
+`generate_auto` runs the call as a chain of ordinary `generate` calls, each continuing from the cache and the
+sequences the previous one returned (the continuation every mode supports, so the chain's greedy tokens equal one
+plain call's, token for token). Each segment is plain decoding, block or pipeline with the depth and length
+`auto_policy.Chooser` picks from the call costs (`auto_calibration.costs_for`, measured once per model, device,
+dtype and batch size, kept for the process and stored on disk for later ones) and the acceptance the earlier
+segments observed. Sampling draws every segment as the fixed modes do (each speculative segment seeds its run
 generator from torch's global one, plain segments draw from it), so a segment is distribution-preserving given its
 prefix and so is the chain; a seeded auto call equals the same chain of fixed-mode calls.
 
 Rows that stopped (EOS) in an earlier segment stay stopped: the remaining segments decode plainly with those rows
-forced to the pad token (as plain decoding feeds them), so their tokens and cached KV are plain decoding's.
-A call with its own stopping criteria or stop strings chooses once (no probe) and decodes in one segment, since
-which rows stopped is then only known to those criteria. A call continuing a cache other than a `PagedLoopCache`
-(the `DynamicCache` an auto call that decoded plainly throughout returns) decodes plainly in one segment (reason
-"dynamic-cache"): only a `PagedLoopCache` backs speculative segments. Beam search, assistants and per-step hidden
-states or attentions are refused, as with the fixed modes.
+forced to the pad token (as plain decoding feeds them), so their tokens and cached KV are plain decoding's. A call
+with its own stopping criteria or stop strings chooses once (no probe) and decodes in one segment, since which rows
+stopped is then only known to those criteria. Speculative segments run on a `PagedLoopCache` and plain ones on
+transformers' `DynamicCache` (faster for plain decoding); for a model whose caches convert (`cache.convert`: Ouro's)
+the KV moves between the two when the choice changes, copied, not recomputed. A cache the caller passed stays the
+call's cache: a `PagedLoopCache` backs every segment, and a `DynamicCache` is refilled with the call's KV at its
+end. A call continuing another kind of cache (e.g. a `StaticCache`), or a `DynamicCache` of a model whose caches do
+not convert (Huginn's), decodes plainly in one segment (reason "dynamic-cache"). Beam search, assistants and
+per-step hidden states or attentions are refused, as with the fixed modes.
 """
 
 from __future__ import annotations
@@ -24,8 +27,16 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import Cache, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    Cache,
+    DynamicCache,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
+from ..cache.convert import convertible, to_dynamic, to_paged
 from ..cache.paged import PagedLoopCache
 from ..defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
 from .auto_calibration import costs_for
@@ -178,8 +189,9 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     streamer = SegmentStreamer(kwargs["streamer"]) if kwargs.get("streamer") is not None else None
     stopped = torch.zeros(batch, dtype=torch.bool, device=ids.device)
     scores, logits, traces, done = [], [], [], 0
+    caller = cache  # a cache the caller holds: kept as the call's cache (see `_cache_for`)
     while done < call.max_new and not bool(stopped.all()):
-        if cache is not None and not isinstance(cache, PagedLoopCache):  # e.g. the DynamicCache of a plain call
+        if not _can_speculate(model, cache):
             candidate, tokens, reason, rate, estimates = PLAIN, None, "dynamic-cache", None, {}
         else:
             candidate, tokens, reason, rate, estimates = chooser.next(first=done == 0)
@@ -187,9 +199,8 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
             candidate, tokens, reason = PLAIN, None, "stopped-rows"
         if call.single or tokens is None:
             tokens = call.max_new - done
-        if cache is None and not (candidate.mode is None and tokens >= call.max_new):
-            cache = PagedLoopCache(model.kv_layout)  # a plain call to the end keeps transformers' DynamicCache
-        dynamic = cache is None  # plain to the end on transformers' DynamicCache: the plain decoding auto weighs
+        dynamic = cache is None and candidate.mode is None and tokens >= call.max_new  # plain, to the end, as plain
+        cache = None if dynamic else _cache_for(model, candidate, cache, caller, mask)
         start = time.perf_counter()
         out = _segment(model, call, candidate, ids, mask, cache, stopped, min(tokens, call.max_new - done), done,
                        streamer)
@@ -210,6 +221,8 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
         if new.shape[1] == 0:
             break
     remember(model, chooser.acceptance)
+    if isinstance(caller, DynamicCache) and cache is not caller:  # the caller's cache holds the call's KV
+        cache = to_dynamic(cache, mask, into=caller)
     if streamer is not None:
         streamer.inner.end()
     if not call.return_dict:
@@ -217,6 +230,29 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     return output_cls(sequences=ids, scores=tuple(scores) or None, logits=tuple(logits) or None,
                       cache=cache if call.use_cache else None,
                       speculation=stats, trace=traces or None)
+
+
+def _can_speculate(model, cache: Cache | None) -> bool:
+    """Whether a segment continuing `cache` may speculate: on a `PagedLoopCache`, or on a `DynamicCache` whose KV
+    moves to one (`cache.convert`); not on another kind of cache (e.g. a `StaticCache`)."""
+    return cache is None or isinstance(cache, PagedLoopCache) or (
+        isinstance(cache, DynamicCache) and convertible(model.kv_layout))
+
+
+def _cache_for(model, candidate: Candidate, cache: Cache | None, caller: Cache | None, mask: torch.Tensor):
+    """The cache a segment of `candidate` continues: speculation needs a `PagedLoopCache`, and plain decoding is
+    faster on transformers' `DynamicCache`, so for models whose caches convert (`cache.convert`) the KV moves to the
+    cache the segment wants. A caller's `PagedLoopCache` stays as it is; a caller's `DynamicCache` is the one plain
+    segments refill (`mask` `[B, columns + 1]`: the segment's attention mask)."""
+    if not convertible(model.kv_layout):
+        return cache if cache is not None else PagedLoopCache(model.kv_layout)
+    if candidate.mode is not None:
+        if isinstance(cache, PagedLoopCache):
+            return cache
+        return PagedLoopCache(model.kv_layout) if cache is None else to_paged(cache, model.kv_layout, mask)
+    if isinstance(cache, PagedLoopCache) and cache is not caller:
+        return to_dynamic(cache, mask, into=caller if isinstance(caller, DynamicCache) else None)
+    return DynamicCache() if cache is None else cache
 
 
 def _observe(model, candidate: Candidate, out, new: torch.Tensor, start: float, dynamic: bool,

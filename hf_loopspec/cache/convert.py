@@ -1,0 +1,97 @@
+"""Moving a looped model's KV between a `PagedLoopCache` and transformers' `DynamicCache`, without recomputing it.
+
+Both caches hold the same entries in two layouts. A `DynamicCache` after `C` input columns holds, for cache layer
+`plane * num_layers + layer`, keys and values `[B, Hkv, C, D]` with one entry per column, padding included (masked
+by the attention mask). A `PagedLoopCache` stores only the real tokens: sequence `b`'s position `j` is its `j`-th
+real column, the rotary position plain decoding gives that column (`positions_from_mask`). So a column `c` of row
+`b` with `attention_mask[b, c] == 1` is paged position `mask[b, :c].sum()`, and a padding column is not stored
+(its dense entry is written as zeros: the mask hides it from every query that plain decoding uses).
+
+Only layouts whose planes are all loop depths convert (`convertible`: Ouro's; a model whose entry stage or head
+has KV of its own keeps planes that plain decoding leaves partly unwritten).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from ..looped import KVLayout
+from ..ops.attention import write_kv
+from .paged import PagedLoopCache
+
+
+def convertible(layout: KVLayout) -> bool:
+    """Whether caches of `layout` convert (module docstring)."""
+    return layout.depth_planes == layout.num_planes
+
+
+def _real_columns(attention_mask: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, cols, positions) `[N]` of the real tokens among the first `columns` columns of `attention_mask`."""
+    real = attention_mask[:, :columns].bool()  # [B, C]
+    rows, cols = real.nonzero(as_tuple=True)  # row-major: each row's real columns in order
+    positions = real.long().cumsum(-1)[rows, cols] - 1
+    return rows, cols, positions
+
+
+def to_dynamic(cache: PagedLoopCache, attention_mask: torch.Tensor, into: DynamicCache | None = None) -> DynamicCache:
+    """A `DynamicCache` holding what `cache` holds for the inputs `attention_mask` `[B, >= C]` marks
+    (C = `cache.columns()`); `into` is refilled in place (its old entries dropped) when given."""
+    layout, columns = cache.kv_layout, cache.columns()
+    if not convertible(layout):
+        raise ValueError("to_dynamic: this cache has entry or exit planes (KV of an attending entry stage or head); "
+                         "only caches whose planes are all loop depths convert.")
+    cache.check_stored(attention_mask)
+    if any(cache.columns(plane) != columns or cache.lengths(plane) != cache.lengths(0)
+           for plane in range(layout.num_planes)):
+        raise ValueError("to_dynamic: the cache's planes hold different columns; convert a cache that a whole "
+                         "generate call (plain or speculative) left complete.")
+    rows, cols, _ = _real_columns(attention_mask, columns)
+    out = DynamicCache() if into is None else into
+    out.layers.clear()
+    batch, size = attention_mask.shape[0], cache.page_size
+    for plane in range(layout.num_planes):
+        slots = torch.tensor([page * size + j % size for b in range(batch)
+                              for j, page in enumerate(_positions_pages(cache, b, plane, size))],
+                             dtype=torch.long)  # [N]: row-major, as `rows`, `cols`
+        for layer in range(layout.num_layers):
+            dense = []
+            for pool in (cache.k_pool, cache.v_pool):
+                flat = pool[layer].view(-1, *pool.shape[-2:])  # [pages * page_size, Hkv, D]
+                grid = flat.new_zeros(batch, columns, *flat.shape[1:])  # [B, C, Hkv, D]
+                grid[rows, cols] = flat[slots.to(flat.device)]
+                dense.append(grid.transpose(1, 2))  # [B, Hkv, C, D]
+            out.update(*dense, plane * layout.num_layers + layer)
+    return out
+
+
+def _positions_pages(cache: PagedLoopCache, seq: int, plane: int, size: int) -> list[int]:
+    """The page of each stored position of (`seq`, `plane`), in position order."""
+    pages = cache.pages_of(seq, plane)
+    return [pages[j // size] for j in range(cache.length(seq, plane))]
+
+
+def to_paged(cache: DynamicCache, layout: KVLayout, attention_mask: torch.Tensor) -> PagedLoopCache:
+    """A `PagedLoopCache` holding what the `DynamicCache` `cache` of a model with `layout` holds for the inputs
+    `attention_mask` `[B, >= C]` marks (C = `cache.get_seq_length()`)."""
+    if not convertible(layout):
+        raise ValueError("to_paged: the model has entry or exit planes (KV of an attending entry stage or head); "
+                         "only models whose planes are all loop depths convert.")
+    columns, paged = cache.get_seq_length(), PagedLoopCache(layout)
+    if columns == 0:
+        return paged
+    needed = layout.num_planes * layout.num_layers
+    if len(cache.layers) < needed or any(layer.get_seq_length() != columns for layer in cache.layers[:needed]):
+        raise ValueError(f"to_paged: the DynamicCache must hold {needed} layers of {columns} columns "
+                         f"({layout.num_planes} planes x {layout.num_layers} layers), the KV of plain decoding.")
+    rows, cols, positions = _real_columns(attention_mask, columns)
+    paged.ensure_sequences(attention_mask.shape[0])
+    like = cache.layers[0].keys
+    for plane in range(layout.num_planes):
+        planned = paged.plan_rows(rows, [plane] * len(rows), positions, like=like)
+        for layer in range(layout.num_layers):
+            entry = cache.layers[plane * layout.num_layers + layer]
+            k, v = (t.transpose(1, 2)[rows, cols] for t in (entry.keys, entry.values))  # [N, Hkv, D]
+            write_kv(k, v, paged.k_pool[layer], paged.v_pool[layer], planned.slot)
+    paged.set_columns(columns, range(layout.num_planes))
+    return paged
