@@ -296,6 +296,7 @@ def test_write_kv_torch_matches_the_reference():
 
 
 @needs_triton
+@pytest.mark.slow
 @pytest.mark.skipif(INTERPRETED, reason="already running under the interpreter")
 def test_triton_kernels_under_interpreter():
     """Reruns this module's kernel and dispatch tests in a subprocess with `TRITON_INTERPRET=1`."""

@@ -174,6 +174,7 @@ def test_ar_call_rows_are_the_rows_an_ar_run_records(shape):
     assert recorded == costs.ar_call_rows(model.num_loops, 2, 8, 5, head_has_kv)
 
 
+@pytest.mark.slow
 def test_bench_compile_reports_compile_time_and_keeps_outputs(tmp_path):
     """`--compile BACKEND` compiles the speculative modes (not plain), reports their compile time and backend, and
     keeps their outputs plain's; the `eager` backend: dynamo's tracing, whatever the backend (the engine's inductor

@@ -32,6 +32,7 @@ def one_cycle_per_call(monkeypatch):
     monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 1)
 
 
+@pytest.mark.slow
 def test_a_compiled_model_is_freed_with_its_last_reference_and_a_copy_compiles_its_own_functions():
     """A copy made after the compiled run has none of the model's compiled functions and compiles its own (the same
     keys, plain's tokens); then the model is freed when its last reference goes, while the copy and its compiled

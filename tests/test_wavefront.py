@@ -225,6 +225,7 @@ SAMPLED = {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "mi
 OTHER_SAMPLED = {"temperature": 1.3, "top_k": 7, "top_p": 0.6, "min_p": 0.2, "repetition_penalty": 1.1}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ar", "pipeline", "sampled"])
 def test_step_compiles_whole(mode, monkeypatch):
     """`torch.compile(step, fullgraph=True)` (a graph break raises) compiles two graphs: the decode step, and one cycle
@@ -327,6 +328,7 @@ def test_compiled_bf16_block_stays_finite(monkeypatch):
     assert result.sequences.shape[1] == 128 + new and (result.sequences[:, 128:] != 0).all()
 
 
+@pytest.mark.slow
 def test_compiled_step_across_batch_sizes(monkeypatch):
     """Compiled, each batch size gives plain's tokens (the first compiles the decode step and the prompt rows'
     one-cycle step), and after two other sizes (dynamo then marks the batch dimension dynamic) a third compiles

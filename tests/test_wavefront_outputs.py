@@ -226,6 +226,7 @@ def test_trace_matches_the_lane_decoder(setup, mode, d, k, hidden):
         assert schedule_grid(got.trace, seq, model.num_loops) == schedule_grid(want.trace, seq, model.num_loops)
 
 
+@pytest.mark.slow
 def test_compiled_step_with_host_outputs(text_setup):
     """Compiled (`compile_core`, fullgraph: the recording of scores and logits adds no graph break), a run with stop
     strings and both outputs gives plain's tokens and scores."""

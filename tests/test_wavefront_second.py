@@ -144,6 +144,7 @@ def test_forced_patterns(loops, d, d2, pattern):
         assert stats.second_accepted > 0 and stats.rejected > 0 and stats.accepted > stats.second_accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_step_compiles_whole(sampled, monkeypatch):
     """`generate(compile_core=...)` runs second proposals on the wavefront engine, whose step (sibling rows, private KV,
