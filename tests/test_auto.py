@@ -38,7 +38,7 @@ from hf_loopspec.bench.args import parse_modes
 from hf_loopspec.bench.main import run_bench
 from hf_loopspec.cache.convert import to_paged
 from hf_loopspec.generation import auto_cache, auto_policy
-from hf_loopspec.generation.auto import candidates
+from hf_loopspec.generation.auto import acceptance_settings, candidates
 from hf_loopspec.generation.auto_calibration import costs_for
 from hf_loopspec.generation.auto_costs import Candidate, CostTable, observe, set_costs
 from hf_loopspec.generation.auto_policy import AutoPolicy, forget, set_policy
@@ -154,13 +154,32 @@ def test_a_later_process_starts_from_the_stored_acceptance(case, monkeypatch):
     later = generate_dict(model, ids, mask, NEW, speculative_mode="auto", draft_hook=hook)
     assert [(c.mode, c.reason) for c in later.speculation.choices] == [("plain", "acceptance")]
     assert torch.equal(later.sequences, ref.sequences)
+    settings = acceptance_settings({"do_sample": False, "draft_hook": hook}, model.generation_config)
+    assert auto_policy.remembered(model, settings).rate(1, POLICY.min_verified) == 0.0  # the calls' key
     other = tiny_spec_model(6, vocab=VOCAB, damp=0.3)  # same config, other weights
     assert other.config.to_dict() == model.config.to_dict()
-    assert auto_policy.remembered(other) == auto_policy.Acceptance()
+    assert auto_policy.remembered(other, settings) == auto_policy.Acceptance()
     path = auto_cache._path(auto_cache.acceptance_key(model), "acceptance")
     path.write_text('{"key": "damaged')
     monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())
-    assert auto_policy.remembered(model) == auto_policy.Acceptance()
+    assert auto_policy.remembered(model, settings) == auto_policy.Acceptance()
+
+
+def test_the_stored_acceptance_is_kept_per_decoding_settings(case, monkeypatch):
+    """The acceptance a call observed serves later calls with the same decoding settings only: a call with a
+    repetition penalty (which changes how often drafts agree) starts without it and probes; both are stored side by
+    side, so a later process still finds the first one."""
+    model, prompts, ids, mask, ref, reference = case
+    set_costs(model, SPECULATIVE_WINS)
+    hook = forcing_hook(reference, [len(p) for p in prompts], accept_outside(0, NEW), VOCAB)
+    assert generate_dict(model, ids, mask, NEW, speculative_mode="auto", draft_hook=hook).speculation.choices[
+        0].reason == "probe"
+    penalised = generate_dict(model, ids, mask, NEW, speculative_mode="auto", draft_hook=hook, repetition_penalty=1.3)
+    assert penalised.speculation.choices[0].reason == "probe"
+    assert torch.equal(penalised.sequences, plain(model, ids, mask, NEW, repetition_penalty=1.3).sequences)
+    monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())  # a new process
+    later = generate_dict(model, ids, mask, NEW, speculative_mode="auto", draft_hook=hook)
+    assert [(c.mode, c.reason) for c in later.speculation.choices] == [("plain", "acceptance")]
 
 
 def test_a_dynamic_cache_is_continued_and_refilled(case):

@@ -23,6 +23,7 @@ per-step hidden states or attentions are refused, as with the fixed modes.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -59,6 +60,20 @@ def requested(model, kwargs: dict) -> bool:
 
 def _setting(kwargs: dict, config, key: str):
     return kwargs[key] if key in kwargs else getattr(config, key, None)
+
+
+ACCEPTANCE_SETTINGS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+                       "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "sequence_bias")
+
+
+def acceptance_settings(kwargs: dict, config) -> str:
+    """The settings of a call that change how often drafts are accepted, as the key of the acceptance earlier calls
+    observed (`auto_policy.remembered`): `ACCEPTANCE_SETTINGS`, the class names of the call's own logits
+    processors, and whether a draft hook (tests, the bench's synthetic drafts) replaces the model's drafts."""
+    values = {key: _setting(kwargs, config, key) for key in ACCEPTANCE_SETTINGS}
+    values["logits_processor"] = [type(p).__qualname__ for p in kwargs.get("logits_processor") or ()]
+    values["draft_hook"] = kwargs.get("draft_hook") is not None
+    return json.dumps(values, sort_keys=True, default=repr)
 
 
 def candidates(loops: int, draft_loops: int | None, k: int | None) -> list[Candidate]:
@@ -183,7 +198,9 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     batch, prompt_width = ids.shape
     policy = policy_for(model)
-    chooser = Chooser(costs_for(model, batch, options), options, model.num_loops, policy, remembered(model))
+    settings = acceptance_settings(kwargs, kwargs.get("generation_config") or model.generation_config)
+    chooser = Chooser(costs_for(model, batch, options), options, model.num_loops, policy,
+                      remembered(model, settings))
     stats = AutoStats(mode=AUTO_MODE, draft_loops=0, engine="plain",
                       per_sequence=[SequenceStats() for _ in range(batch)])
     streamer = SegmentStreamer(kwargs["streamer"]) if kwargs.get("streamer") is not None else None
@@ -220,7 +237,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
         traces += list(getattr(out, "trace", None) or ())
         if new.shape[1] == 0:
             break
-    remember(model, chooser.acceptance)
+    remember(model, chooser.acceptance, settings)
     if isinstance(caller, DynamicCache) and cache is not caller:  # the caller's cache holds the call's KV
         cache = to_dynamic(cache, mask, into=caller)
     if streamer is not None:

@@ -12,7 +12,8 @@ in the process.
 
 Acceptance (`kind="acceptance"`, `acceptance_key`): what auto calls observed on a model, keyed by its config, dtype,
 a fingerprint of its weights (`weights_fingerprint`: another checkpoint of the same architecture drafts differently)
-and this package's version; the device does not enter (acceptance is a property of the model and its inputs).
+and this package's version; the device does not enter (acceptance is a property of the model and its inputs). The
+file holds one entry per decoding settings (`auto_policy.remember`).
 """
 
 from __future__ import annotations

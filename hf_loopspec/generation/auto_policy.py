@@ -3,9 +3,11 @@
 `Chooser` ranks the candidates (`auto_costs.Candidate`) by their estimated speed-up over plain decoding
 (`auto_costs.speedup`) at the acceptance observed so far for their draft depth (`Acceptance`: counts of this call's
 segments, each earlier segment's weighed by `AutoPolicy.keep` so that a drift shows within a segment or two, started
-from what earlier calls observed on the same model: this process's, or an earlier process's stored on disk by
-`auto_cache`, so that a command-line call need not probe again). A depth never observed takes
-the acceptance of the shallowest observed one (a deeper draft is assumed to agree with the target at least as often).
+from what earlier calls with the same decoding settings (sampling, penalties, logits processors, which change how
+often a draft agrees: `auto.acceptance_settings`) observed on the same model: this process's, or an earlier
+process's stored on disk by `auto_cache`, so that a command-line call need not probe again). A depth never observed
+takes the acceptance of the shallowest observed one (a deeper draft is assumed to agree with the target at least as
+often).
 
 * Nothing observed yet: if no candidate beats plain decoding by `AutoPolicy.margin` even at acceptance 1, the call
   decodes plainly to the end at once (`reason` "costs": no probe is paid); otherwise a probe segment of
@@ -113,26 +115,38 @@ class AutoStats(SpeculationStats):
                 "choices": [asdict(c) for c in self.choices]}
 
 
-_MEMORY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Acceptance of earlier calls
+_MEMORY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {settings: Acceptance} of earlier calls
 _POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> AutoPolicy
 
 
-def remembered(model) -> Acceptance:
-    """The acceptance earlier auto calls observed on `model` (a copy): this process's, else the one an earlier
-    process stored (`auto_cache.acceptance_key`), else none."""
+def _observed(model) -> dict[str, Acceptance]:
+    """What earlier calls observed on `model`, by their settings: this process's, else an earlier process's stored
+    on disk (`auto_cache.acceptance_key`: one file per model, one entry per settings), else nothing."""
     if model not in _MEMORY:
-        _MEMORY[model] = Acceptance.decode(auto_cache.load(auto_cache.acceptance_key(model), "acceptance"))
-    return _MEMORY[model].copy()
+        stored = auto_cache.load(auto_cache.acceptance_key(model), "acceptance")
+        entries = stored.get("by_settings") if isinstance(stored, dict) else None
+        _MEMORY[model] = {str(k): Acceptance.decode(v) for k, v in entries.items()} if isinstance(entries, dict) \
+            else {}
+    return _MEMORY[model]
 
 
-def remember(model, acceptance: Acceptance) -> None:
-    """Keep `acceptance` for `model`'s next auto calls, in this process and on disk for later ones."""
-    _MEMORY[model] = acceptance.copy()
-    auto_cache.store(auto_cache.acceptance_key(model), acceptance.encode(), "acceptance")
+def remembered(model, settings: str) -> Acceptance:
+    """The acceptance earlier auto calls with the same `settings` (the decoding settings that change how often drafts
+    are accepted: `auto.acceptance_settings`) observed on `model` (a copy), or an empty one."""
+    return _observed(model).get(settings, Acceptance()).copy()
+
+
+def remember(model, acceptance: Acceptance, settings: str) -> None:
+    """Keep `acceptance` for `model`'s next auto calls with `settings`, in this process and on disk for later ones."""
+    observed = _observed(model)
+    observed[settings] = acceptance.copy()
+    auto_cache.store(auto_cache.acceptance_key(model),
+                     {"by_settings": {k: v.encode() for k, v in observed.items()}}, "acceptance")
 
 
 def forget(model) -> None:
-    """Drop what earlier calls observed on `model`, here and on disk (the next call starts without an acceptance)."""
+    """Drop what earlier calls observed on `model`, for every setting, here and on disk (the next call starts without
+    an acceptance)."""
     _MEMORY.pop(model, None)
     auto_cache.forget(auto_cache.acceptance_key(model), "acceptance")
 
