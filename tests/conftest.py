@@ -47,13 +47,6 @@ from hf_loopspec.generation.auto_cache import CACHE_ENV
 torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(items):
-    """Tests marked `slow` run first (a stable sort: the order is otherwise the files'), so that with two xdist
-    workers the long ones overlap each other and the short ones fill in after them, instead of one long test
-    starting near the end of the run and holding it up."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def stored_costs(tmp_path_factory):
     """Auto's stored cost tables (`generation.auto_cache`) go to a folder of the session, for this process and the
