@@ -8,7 +8,8 @@
 # `prepare` downloads that one wheel (pure Python) and the run installs it into /tmp/site first. Then:
 #   1. gpu_check.log: the machine (nvidia-smi, torch, CUDA, triton), then `pytest -m gpu`: the Triton paged
 #      kernels against the naive reference in fp32/fp16/bf16 (tests/test_attention_ops.py) and the wavefront
-#      engine on CUDA (tests/test_gpu_engine.py: the CUDA-graph step against eager and plain, pinned read-backs);
+#      engine on CUDA (tests/test_gpu_engine.py: the CUDA-graph step against eager and plain, pinned read-backs),
+#      and the KV moved between DynamicCache and PagedLoopCache on CUDA (tests/test_cache_convert.py);
 #   2. scripts/bench_gpu.sh: the ouro-1.4b shape in bf16, batch 1 and 8, every mode beside plain and
 #      transformers' static-cache decoding, with the bf16 agreement report (agreement rate, first divergent token,
 #      top-1/top-2 margin there) in each row: bench_gpu_b{1,8}.{json,txt,log}.
@@ -50,7 +51,7 @@ except ImportError:
 PY
     echo "=== pytest -m gpu ==="
     timeout --kill-after=10 "${PYTEST_LIMIT_S:-200}" "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs \
-        tests/test_attention_ops.py tests/test_gpu_engine.py
+        tests/test_attention_ops.py tests/test_gpu_engine.py tests/test_cache_convert.py
     echo "pytest exit status: $? (124 = over its time limit)"
 } 2>&1 | tee "$LOG"
 

@@ -20,15 +20,20 @@ from hf_loopspec.cache.convert import convertible, to_dynamic, to_paged
 VOCAB, NEW = 64, 12
 
 
-@pytest.fixture(scope="module")
-def case():
-    model = tiny_spec_model(7, vocab=VOCAB)
-    ids, mask = left_pad(random_prompts(7, [6, 2, 4], VOCAB))
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="needs a CUDA device")])
+
+
+@pytest.fixture(scope="module", params=["cpu", CUDA])
+def case(request):
+    """On the CPU and, with the `gpu` marker, on CUDA (where the paged writes take the Triton kernel)."""
+    model = tiny_spec_model(7, vocab=VOCAB).to(request.param)
+    ids, mask = (t.to(request.param) for t in left_pad(random_prompts(7, [6, 2, 4], VOCAB)))
     return model, ids, mask, plain(model, ids, mask, 2 * NEW)
 
 
 def _grown(mask: torch.Tensor, columns: int) -> torch.Tensor:
-    return torch.cat([mask, torch.ones(len(mask), columns, dtype=mask.dtype)], 1)
+    return torch.cat([mask, mask.new_ones(len(mask), columns)], 1)
 
 
 def test_round_trip_keeps_plain_decodings_entries(case):
