@@ -182,6 +182,18 @@ def test_the_stored_acceptance_is_kept_per_decoding_settings(case, monkeypatch):
     assert [(c.mode, c.reason) for c in later.speculation.choices] == [("plain", "acceptance")]
 
 
+def test_only_the_most_recent_settings_are_kept(case, monkeypatch):
+    """A model keeps the acceptance of its `KEPT_SETTINGS` most recently used settings: a sweep over more drops the
+    oldest (on disk too), and using a setting again makes it the most recent."""
+    model = case[0]
+    monkeypatch.setattr(auto_policy, "KEPT_SETTINGS", 2)
+    seen = auto_policy.Acceptance({1: 3.0}, {1: 8.0})
+    for settings in ("a", "b", "a", "c"):  # "a" used again after "b": "b" is the oldest when "c" comes
+        auto_policy.remember(model, seen, settings)
+    monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())  # a new process reads the file
+    assert [auto_policy.remembered(model, k) == seen for k in ("a", "b", "c")] == [True, False, True]
+
+
 def test_a_dynamic_cache_is_continued_and_refilled(case):
     """A call that decodes plainly throughout returns transformers' `DynamicCache`; an auto call continuing it may
     speculate (the KV moves to a `PagedLoopCache` and back, `cache.convert`): its tokens equal one plain call's, and

@@ -216,7 +216,8 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
             candidate, tokens, reason = PLAIN, None, "stopped-rows"
         if call.single or tokens is None:
             tokens = call.max_new - done
-        dynamic = cache is None and candidate.mode is None and tokens >= call.max_new  # plain, to the end, as plain
+        # plain to the end, and no cache yet: plain `generate` exactly as it runs alone (its own DynamicCache)
+        dynamic = cache is None and candidate.mode is None and tokens >= call.max_new
         cache = None if dynamic else _cache_for(model, candidate, cache, caller, mask)
         start = time.perf_counter()
         out = _segment(model, call, candidate, ids, mask, cache, stopped, min(tokens, call.max_new - done), done,

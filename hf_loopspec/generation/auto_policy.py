@@ -117,6 +117,7 @@ class AutoStats(SpeculationStats):
 
 _MEMORY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {settings: Acceptance} of earlier calls
 _POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> AutoPolicy
+KEPT_SETTINGS = 32  # decoding settings whose acceptance is kept per model (a sweep of settings keeps the file small)
 
 
 def _observed(model) -> dict[str, Acceptance]:
@@ -137,9 +138,13 @@ def remembered(model, settings: str) -> Acceptance:
 
 
 def remember(model, acceptance: Acceptance, settings: str) -> None:
-    """Keep `acceptance` for `model`'s next auto calls with `settings`, in this process and on disk for later ones."""
+    """Keep `acceptance` for `model`'s next auto calls with `settings`, in this process and on disk for later ones
+    (the `KEPT_SETTINGS` most recently used settings)."""
     observed = _observed(model)
-    observed[settings] = acceptance.copy()
+    observed.pop(settings, None)
+    observed[settings] = acceptance.copy()  # dicts keep insertion order: the oldest settings come first
+    while len(observed) > KEPT_SETTINGS:
+        del observed[next(iter(observed))]
     auto_cache.store(auto_cache.acceptance_key(model),
                      {"by_settings": {k: v.encode() for k, v in observed.items()}}, "acceptance")
 
