@@ -2,10 +2,13 @@
 
 References: plain decoding's own `DynamicCache` (the moved entries must be its entries, bit for bit, since
 they are copied), and plain greedy decoding of the whole output (a continuation from a moved cache must give its
-tokens, as any continuation does).
+tokens, as any continuation does). Ouro (every plane a loop depth) and Huginn (entry and exit planes, some of which
+plain decoding leaves unwritten), on the CPU and, with the `gpu` marker, on CUDA.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -15,21 +18,34 @@ from speculative_utils import generate_dict, plain, tiny_spec_model
 from transformers import DynamicCache
 
 from hf_loopspec import PagedLoopCache
-from hf_loopspec.cache.convert import convertible, to_dynamic, to_paged
+from hf_loopspec.cache.convert import to_dynamic, to_paged
 
-VOCAB, NEW = 64, 12
-
-
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                       reason="needs a CUDA device")])
+NEW = 12
+CUDA = pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(scope="module", params=["cpu", CUDA])
+def _ouro():
+    return tiny_spec_model(7, vocab=64), {}
+
+
+def _huginn():  # seeded initial states: plain and speculative decoding draw the same state per token
+    return tiny_huginn(seed=3, damp=0.3)[0], {"num_steps": 4, "init_scale": 1.0, "init_seed": 77}
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(("ouro", "cpu"), id="ouro"), pytest.param(("huginn", "cpu"), id="huginn"),
+    pytest.param(("ouro", "cuda"), id="ouro-cuda", marks=CUDA),
+    pytest.param(("huginn", "cuda"), id="huginn-cuda", marks=CUDA)])
 def case(request):
-    """On the CPU and, with the `gpu` marker, on CUDA (where the paged writes take the Triton kernel)."""
-    model = tiny_spec_model(7, vocab=VOCAB).to(request.param)
-    ids, mask = (t.to(request.param) for t in left_pad(random_prompts(7, [6, 2, 4], VOCAB)))
-    return model, ids, mask, plain(model, ids, mask, 2 * NEW)
+    """(model, ids, mask, settings, layout, plain output of 2 * NEW tokens); on CUDA the paged writes take the
+    Triton kernel."""
+    family, device = request.param
+    model, settings = {"ouro": _ouro, "huginn": _huginn}[family]()
+    model = model.to(device)
+    ids, mask = (t.to(device) for t in left_pad(random_prompts(7, [6, 2, 4], model.config.vocab_size)))
+    with model.recurrence(num_steps=settings["num_steps"]) if settings else contextlib.nullcontext():
+        layout = model.kv_layout  # Huginn's planes depend on num_steps
+    return model, ids, mask, settings, layout, plain(model, ids, mask, 2 * NEW, **settings)
 
 
 def _grown(mask: torch.Tensor, columns: int) -> torch.Tensor:
@@ -37,17 +53,18 @@ def _grown(mask: torch.Tensor, columns: int) -> torch.Tensor:
 
 
 def test_round_trip_keeps_plain_decodings_entries(case):
-    """Dynamic -> paged -> dynamic gives back plain decoding's cache exactly at real columns, and zeros (masked)
-    at padding columns; the paged cache reports the same columns."""
-    model, ids, mask, ref = case
+    """Dynamic -> paged -> dynamic gives back plain decoding's cache exactly at real columns, zeros (masked) at
+    padding columns, and the layers plain decoding never wrote (Huginn's draft-depth exit planes) still unwritten."""
+    model, ids, mask, settings, layout, ref = case
     full = _grown(mask, 2 * NEW)
-    paged = to_paged(ref.cache, model.kv_layout, full)
+    paged = to_paged(ref.cache, layout, full)
     assert paged.get_seq_length() == ref.cache.get_seq_length()
     back = to_dynamic(paged, full)
     assert len(back.layers) == len(ref.cache.layers)
     real = full[:, : ref.cache.get_seq_length()].bool()[:, None, :, None]  # [B, 1, C, 1]
     for mine, theirs in zip(back.layers, ref.cache.layers):
-        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+        assert mine.is_initialized == theirs.is_initialized
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)) if theirs.is_initialized else ():
             assert torch.equal(a, torch.where(real, b, torch.zeros_like(b)))
 
 
@@ -55,35 +72,38 @@ def test_round_trip_keeps_plain_decodings_entries(case):
 def test_continuing_a_moved_cache_gives_plain_tokens(case, direction):
     """Half the output plainly (then moved to a `PagedLoopCache` and continued by pipeline decoding), or by
     pipeline decoding (then moved to a `DynamicCache` and continued plainly): the tokens equal plain decoding's."""
-    model, ids, mask, ref = case
+    model, ids, mask, settings, layout, ref = case
     if direction == "to_paged":
-        first = plain(model, ids, mask, NEW)
-        cache = to_paged(first.cache, model.kv_layout, _grown(mask, NEW))
+        first = plain(model, ids, mask, NEW, **settings)
+        cache = to_paged(first.cache, layout, _grown(mask, NEW))
         kwargs = {"speculative_mode": "pipeline", "draft_loops": 1}
     else:
         first = generate_dict(model, ids, mask, NEW, speculative_mode="pipeline", draft_loops=1,
-                              cache=PagedLoopCache(model.kv_layout))
+                              cache=PagedLoopCache(layout), **settings)
         cache = to_dynamic(first.cache, _grown(mask, NEW))
         kwargs = {"speculative_mode": None}
-    second = generate_dict(model, first.sequences, _grown(mask, NEW), NEW, cache=cache, **kwargs)
+    second = generate_dict(model, first.sequences, _grown(mask, NEW), NEW, cache=cache, **kwargs, **settings)
     assert torch.equal(second.sequences, ref.sequences)
 
 
 def test_refill_in_place_and_refusals(case):
-    """`into` refills the given `DynamicCache` object; a cache that does not belong to the mask, a model with entry
-    and exit planes, and a `DynamicCache` with too few layers are refused with a `ValueError`."""
-    model, ids, mask, ref = case
+    """`into` refills the given `DynamicCache` object; a cache that does not belong to the mask, one of another
+    model (more layers than the layout has) and one whose first loop depth is incomplete are refused with a
+    `ValueError`."""
+    model, ids, mask, settings, layout, ref = case
     full = _grown(mask, 2 * NEW)
-    paged = to_paged(ref.cache, model.kv_layout, full)
+    paged = to_paged(ref.cache, layout, full)
     target = DynamicCache()
     assert to_dynamic(paged, full, into=target) is target and target.get_seq_length() == ref.cache.get_seq_length()
     with pytest.raises(ValueError, match="attention_mask marks"):
         to_dynamic(paged, _grown(torch.ones_like(mask), 2 * NEW))
-    short = DynamicCache()
-    short.update(ref.cache.layers[0].keys, ref.cache.layers[0].values, 0)
-    with pytest.raises(ValueError, match="must hold"):
-        to_paged(short, model.kv_layout, full)
-    huginn, _ = tiny_huginn()
-    assert convertible(model.kv_layout) and not convertible(huginn.kv_layout)
-    with pytest.raises(ValueError, match="entry or exit planes"):
-        to_paged(ref.cache, huginn.kv_layout, full)
+    larger = DynamicCache()
+    for i in range(layout.num_planes * layout.num_layers + 1):
+        larger.update(ref.cache.layers[0].keys, ref.cache.layers[0].values, i)
+    with pytest.raises(ValueError, match="belongs to another model"):
+        to_paged(larger, layout, full)
+    partial = DynamicCache()
+    partial.update(ref.cache.layers[0].keys, ref.cache.layers[0].values, 0)
+    partial.update(ref.cache.layers[0].keys[:, :, :-1], ref.cache.layers[0].values[:, :, :-1], 1)
+    with pytest.raises(ValueError, match="loop depth 0"):
+        to_paged(partial, layout, full)

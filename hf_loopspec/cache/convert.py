@@ -7,8 +7,10 @@ real column, the rotary position plain decoding gives that column (`positions_fr
 `b` with `attention_mask[b, c] == 1` is paged position `mask[b, :c].sum()`, and a padding column is not stored
 (its dense entry is written as zeros: the mask hides it from every query that plain decoding uses).
 
-Only layouts whose planes are all loop depths convert (`convertible`: Ouro's; a model whose entry stage or head
-has KV of its own keeps planes that plain decoding leaves partly unwritten).
+Only complete planes move: those that hold all `C` columns. A plane a run did not write (with a head that has KV,
+the exit plane of a draft depth under plain decoding; the layers a shorter entry or exit stage leaves unused) is
+left out, as a layer that was never written; a speculative run continuing such a history fills a missing draft
+plane from the target's (`history.start_rows`), as after any plain run.
 """
 
 from __future__ import annotations
@@ -21,11 +23,6 @@ from ..ops.attention import write_kv
 from .paged import PagedLoopCache
 
 
-def convertible(layout: KVLayout) -> bool:
-    """Whether caches of `layout` convert (module docstring)."""
-    return layout.depth_planes == layout.num_planes
-
-
 def _real_columns(attention_mask: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows, cols, positions) `[N]` of the real tokens among the first `columns` columns of `attention_mask`."""
     real = attention_mask[:, :columns].bool()  # [B, C]
@@ -36,21 +33,17 @@ def _real_columns(attention_mask: torch.Tensor, columns: int) -> tuple[torch.Ten
 
 def to_dynamic(cache: PagedLoopCache, attention_mask: torch.Tensor, into: DynamicCache | None = None) -> DynamicCache:
     """A `DynamicCache` holding what `cache` holds for the inputs `attention_mask` `[B, >= C]` marks
-    (C = `cache.columns()`); `into` is refilled in place (its old entries dropped) when given."""
+    (C = `cache.columns()`), its complete planes only (module docstring); `into` is refilled in place (its old
+    entries dropped) when given."""
     layout, columns = cache.kv_layout, cache.columns()
-    if not convertible(layout):
-        raise ValueError("to_dynamic: this cache has entry or exit planes (KV of an attending entry stage or head); "
-                         "only caches whose planes are all loop depths convert.")
     cache.check_stored(attention_mask)
-    if any(cache.columns(plane) != columns or cache.lengths(plane) != cache.lengths(0)
-           for plane in range(layout.num_planes)):
-        raise ValueError("to_dynamic: the cache's planes hold different columns; convert a cache that a whole "
-                         "generate call (plain or speculative) left complete.")
     rows, cols, _ = _real_columns(attention_mask, columns)
     out = DynamicCache() if into is None else into
     out.layers.clear()
     batch, size = attention_mask.shape[0], cache.page_size
     for plane in range(layout.num_planes):
+        if cache.columns(plane) != columns or cache.lengths(plane) != cache.lengths(0):
+            continue  # not written by the runs that filled the cache
         slots = torch.tensor([page * size + j % size for b in range(batch)
                               for j, page in enumerate(_positions_pages(cache, b, plane, size))],
                              dtype=torch.long)  # [N]: row-major, as `rows`, `cols`
@@ -61,7 +54,7 @@ def to_dynamic(cache: PagedLoopCache, attention_mask: torch.Tensor, into: Dynami
                 grid = flat.new_zeros(batch, columns, *flat.shape[1:])  # [B, C, Hkv, D]
                 grid[rows, cols] = flat[slots.to(flat.device)]
                 dense.append(grid.transpose(1, 2))  # [B, Hkv, C, D]
-            out.update(*dense, plane * layout.num_layers + layer)
+            out.update(*dense, plane * layout.num_layers + layer)  # creates the skipped planes' layers, unwritten
     return out
 
 
@@ -72,26 +65,30 @@ def _positions_pages(cache: PagedLoopCache, seq: int, plane: int, size: int) -> 
 
 
 def to_paged(cache: DynamicCache, layout: KVLayout, attention_mask: torch.Tensor) -> PagedLoopCache:
-    """A `PagedLoopCache` holding what the `DynamicCache` `cache` of a model with `layout` holds for the inputs
-    `attention_mask` `[B, >= C]` marks (C = `cache.get_seq_length()`)."""
-    if not convertible(layout):
-        raise ValueError("to_paged: the model has entry or exit planes (KV of an attending entry stage or head); "
-                         "only models whose planes are all loop depths convert.")
+    """A `PagedLoopCache` for a model with `layout` holding what the `DynamicCache` `cache` holds for the inputs
+    `attention_mask` `[B, >= C]` marks (C = `cache.get_seq_length()`): every layer that holds all C columns."""
     columns, paged = cache.get_seq_length(), PagedLoopCache(layout)
     if columns == 0:
         return paged
-    needed = layout.num_planes * layout.num_layers
-    if len(cache.layers) < needed or any(layer.get_seq_length() != columns for layer in cache.layers[:needed]):
-        raise ValueError(f"to_paged: the DynamicCache must hold {needed} layers of {columns} columns "
-                         f"({layout.num_planes} planes x {layout.num_layers} layers), the KV of plain decoding.")
+    if len(cache.layers) > layout.num_planes * layout.num_layers:
+        raise ValueError(f"to_paged: the DynamicCache has {len(cache.layers)} layers, more than the model's "
+                         f"{layout.num_planes} planes x {layout.num_layers} layers: it belongs to another model.")
     rows, cols, positions = _real_columns(attention_mask, columns)
     paged.ensure_sequences(attention_mask.shape[0])
     like = cache.layers[0].keys
-    for plane in range(layout.num_planes):
+    complete = [[i < len(cache.layers) and cache.layers[i].get_seq_length() == columns
+                 for i in range(plane * layout.num_layers, (plane + 1) * layout.num_layers)]
+                for plane in range(layout.num_planes)]
+    if not all(complete[0]):
+        raise ValueError(f"to_paged: loop depth 0 of the DynamicCache does not hold {columns} columns in every layer: "
+                         "pass the cache of a plain `generate` call of this model.")
+    planes = [plane for plane in range(layout.num_planes) if any(complete[plane])]
+    for plane in planes:
         planned = paged.plan_rows(rows, [plane] * len(rows), positions, like=like)
         for layer in range(layout.num_layers):
             entry = cache.layers[plane * layout.num_layers + layer]
-            k, v = (t.transpose(1, 2)[rows, cols] for t in (entry.keys, entry.values))  # [N, Hkv, D]
-            write_kv(k, v, paged.k_pool[layer], paged.v_pool[layer], planned.slot)
-    paged.set_columns(columns, range(layout.num_planes))
+            if complete[plane][layer]:
+                k, v = (t.transpose(1, 2)[rows, cols] for t in (entry.keys, entry.values))  # [N, Hkv, D]
+                write_kv(k, v, paged.k_pool[layer], paged.v_pool[layer], planned.slot)
+    paged.set_columns(columns, planes)
     return paged

@@ -13,11 +13,10 @@ Rows that stopped (EOS) in an earlier segment stay stopped: the remaining segmen
 forced to the pad token (as plain decoding feeds them), so their tokens and cached KV are plain decoding's. A call
 with its own stopping criteria or stop strings chooses once (no probe) and decodes in one segment, since which rows
 stopped is then only known to those criteria. Speculative segments run on a `PagedLoopCache` and plain ones on
-transformers' `DynamicCache` (faster for plain decoding); for a model whose caches convert (`cache.convert`: Ouro's)
-the KV moves between the two when the choice changes, copied, not recomputed. A cache the caller passed stays the
-call's cache: a `PagedLoopCache` backs every segment, and a `DynamicCache` is refilled with the call's KV at its
-end. A call continuing another kind of cache (e.g. a `StaticCache`), or a `DynamicCache` of a model whose caches do
-not convert (Huginn's), decodes plainly in one segment (reason "dynamic-cache"). Beam search, assistants and
+transformers' `DynamicCache` (faster for plain decoding): the KV moves between the two when the choice changes
+(`cache.convert`), copied, not recomputed. A cache the caller passed stays the call's cache: a `PagedLoopCache`
+backs every segment, and a `DynamicCache` is refilled with the call's KV at its end. A call continuing another kind
+of cache (e.g. a `StaticCache`) decodes plainly in one segment (reason "dynamic-cache"). Beam search, assistants and
 per-step hidden states or attentions are refused, as with the fixed modes.
 """
 
@@ -37,7 +36,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from ..cache.convert import convertible, to_dynamic, to_paged
+from ..cache.convert import to_dynamic, to_paged
 from ..cache.paged import PagedLoopCache
 from ..defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
 from .auto_calibration import costs_for
@@ -208,7 +207,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     scores, logits, traces, done = [], [], [], 0
     caller = cache  # a cache the caller holds: kept as the call's cache (see `_cache_for`)
     while done < call.max_new and not bool(stopped.all()):
-        if not _can_speculate(model, cache):
+        if not _can_speculate(cache):
             candidate, tokens, reason, rate, estimates = PLAIN, None, "dynamic-cache", None, {}
         else:
             candidate, tokens, reason, rate, estimates = chooser.next(first=done == 0)
@@ -250,20 +249,17 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
                       speculation=stats, trace=traces or None)
 
 
-def _can_speculate(model, cache: Cache | None) -> bool:
+def _can_speculate(cache: Cache | None) -> bool:
     """Whether a segment continuing `cache` may speculate: on a `PagedLoopCache`, or on a `DynamicCache` whose KV
     moves to one (`cache.convert`); not on another kind of cache (e.g. a `StaticCache`)."""
-    return cache is None or isinstance(cache, PagedLoopCache) or (
-        isinstance(cache, DynamicCache) and convertible(model.kv_layout))
+    return cache is None or isinstance(cache, (PagedLoopCache, DynamicCache))
 
 
 def _cache_for(model, candidate: Candidate, cache: Cache | None, caller: Cache | None, mask: torch.Tensor):
     """The cache a segment of `candidate` continues: speculation needs a `PagedLoopCache`, and plain decoding is
-    faster on transformers' `DynamicCache`, so for models whose caches convert (`cache.convert`) the KV moves to the
-    cache the segment wants. A caller's `PagedLoopCache` stays as it is; a caller's `DynamicCache` is the one plain
-    segments refill (`mask` `[B, columns + 1]`: the segment's attention mask)."""
-    if not convertible(model.kv_layout):
-        return cache if cache is not None else PagedLoopCache(model.kv_layout)
+    faster on transformers' `DynamicCache`, so the KV moves to the cache the segment wants (`cache.convert`). A
+    caller's `PagedLoopCache` stays as it is; a caller's `DynamicCache` is the one plain segments refill (`mask`
+    `[B, columns + 1]`: the segment's attention mask)."""
     if candidate.mode is not None:
         if isinstance(cache, PagedLoopCache):
             return cache
