@@ -41,18 +41,18 @@ def to_dynamic(cache: PagedLoopCache, attention_mask: torch.Tensor, into: Dynami
     out = DynamicCache() if into is None else into
     out.layers.clear()
     batch, size = attention_mask.shape[0], cache.page_size
-    for plane in range(layout.num_planes):
+    for plane in range(layout.num_planes if columns else 0):
         if cache.columns(plane) != columns or cache.lengths(plane) != cache.lengths(0):
             continue  # not written by the runs that filled the cache
         slots = torch.tensor([page * size + j % size for b in range(batch)
                               for j, page in enumerate(_positions_pages(cache, b, plane, size))],
-                             dtype=torch.long)  # [N]: row-major, as `rows`, `cols`
+                             dtype=torch.long).to(cache.k_pool.device)  # [N]: row-major, as `rows`, `cols`
         for layer in range(layout.num_layers):
             dense = []
             for pool in (cache.k_pool, cache.v_pool):
                 flat = pool[layer].view(-1, *pool.shape[-2:])  # [pages * page_size, Hkv, D]
                 grid = flat.new_zeros(batch, columns, *flat.shape[1:])  # [B, C, Hkv, D]
-                grid[rows, cols] = flat[slots.to(flat.device)]
+                grid[rows, cols] = flat[slots]
                 dense.append(grid.transpose(1, 2))  # [B, Hkv, C, D]
             out.update(*dense, plane * layout.num_layers + layer)  # creates the skipped planes' layers, unwritten
     return out
