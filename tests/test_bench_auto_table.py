@@ -17,10 +17,11 @@ def test_rounds_interleave_after_one_untimed_warm_up():
         calls.append(options["tag"])
         return len(calls)
 
-    times, last = auto_table.interleaved(generate, {"a": {"tag": "a"}, "b": {"tag": "b"}}, 3,
-                                         lambda name, out: seen.append((name, out)))
-    assert calls == ["a", "b"] * 4  # warm-up, then three rounds, each run once per round in the same order
-    assert [len(t) for t in times.values()] == [3, 3] and last == {"a": 7, "b": 8}
+    runs = {tag: {"tag": tag} for tag in "abc"}
+    times, last = auto_table.interleaved(generate, runs, 3, lambda name, out: seen.append((name, out)))
+    # the warm-up in the given order, then three rounds, each run once per round, the order rotated by the round
+    assert calls == list("abc" "bca" "cab" "abc")
+    assert [len(t) for t in times.values()] == [3, 3, 3] and last == {"a": 10, "b": 11, "c": 12}
     assert seen == [(n, i + 1) for i, n in enumerate(calls)]  # every output is checked, the warm-up's too
 
 

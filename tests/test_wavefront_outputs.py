@@ -28,6 +28,7 @@ from tolerances import assert_fp32_close, ouro_depth
 from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 import hf_loopspec
+from hf_loopspec.generation.wavefront import engine as engine_module
 from hf_loopspec.generation.wavefront import options, stopping
 from hf_loopspec.trace_plot import schedule_grid
 
@@ -227,9 +228,11 @@ def test_trace_matches_the_lane_decoder(setup, mode, d, k, hidden):
 
 
 @pytest.mark.slow
-def test_compiled_step_with_host_outputs(text_setup):
+def test_compiled_step_with_host_outputs(text_setup, monkeypatch):
     """Compiled (`compile_core`, fullgraph: the recording of scores and logits adds no graph break), a run with stop
-    strings and both outputs gives plain's tokens and scores."""
+    strings and both outputs gives plain's tokens and scores. Two cycles per compiled call (the default unrolls more:
+    slower to trace, the same code)."""
+    monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
     model, tokenizer, ids, mask, free = text_setup
     stops = [tokenizer.decode(free[row, i: i + 1]).strip() for row, i in enumerate([3, 6, 2, 8])]
     options = dict(stop_strings=stops, tokenizer=tokenizer, output_scores=True, output_logits=True,

@@ -41,14 +41,18 @@ EMBEDDED_SETTINGS = {"do_sample": False, "repetition_penalty": 1.4}  # the READM
 
 
 def interleaved(generate, runs: dict[str, dict], rounds: int, check) -> tuple[dict, dict]:
-    """Time `generate(**options)` for every run in `runs`, round after round (one warm-up round first, untimed).
-    `check(name, out)` sees every output. Returns (name -> list of seconds, name -> the last output)."""
-    times, outputs = {name: [] for name in runs}, {}
-    for timed in [False] + [True] * rounds:
-        for name, options in runs.items():
+    """Time `generate(**options)` for every run in `runs`, round after round (one warm-up round first, untimed, in
+    `runs`' order). Timed round r runs them in that order rotated by r, so that no run always follows the same one
+    (on a machine whose threads share its cores, what ran just before moves a run's time). `check(name, out)` sees
+    every output. Returns (name -> list of seconds, name -> the last output)."""
+    names = list(runs)
+    times, outputs = {name: [] for name in names}, {}
+    for r in range(rounds + 1):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
             start = time.perf_counter()
-            out = generate(**options)
-            if timed:
+            out = generate(**runs[name])
+            if r:
                 times[name].append(time.perf_counter() - start)
             check(name, out)
             outputs[name] = out
