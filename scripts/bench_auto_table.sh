@@ -7,7 +7,12 @@ set -euo pipefail
 out=${1:-bench_results/auto_table}
 mkdir -p "$out"
 here=$(dirname "$0")
-cell() { HF_LOOPSPEC_CACHE=$(mktemp -d) python3 "$here/bench_auto_table.py" "$@"; }
+cell() {
+  local cache
+  cache=$(mktemp -d)
+  HF_LOOPSPEC_CACHE=$cache python3 "$here/bench_auto_table.py" "$@"
+  rm -rf "$cache"
+}
 for threads in 1 2; do
   for batch in 1 8; do
     cell --model default --batch-size "$batch" --threads "$threads" --rounds 5 \
