@@ -60,3 +60,11 @@ def stored_costs(tmp_path_factory):
 def sampling_model():
     """The tiny model of the speculative sampling tests (`sampling_utils.tiny_sampling_model`)."""
     return sampling_utils.tiny_sampling_model()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """The tests marked `slow` run first (a stable sort: collection order otherwise): with two xdist workers, a long
+    test handed out near the end would leave one worker alone for its whole run. Every worker sorts the same
+    collection alike, as xdist requires."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

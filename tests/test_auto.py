@@ -10,6 +10,7 @@ cost model evaluated by hand, and for sampling the same chain of fixed-mode `gen
 from __future__ import annotations
 
 import argparse
+import time
 import weakref
 from dataclasses import replace
 
@@ -86,9 +87,13 @@ def test_choice_follows_forced_acceptance(case):
     model, prompts, ids, mask, ref, reference = case
     set_costs(model, SPECULATIVE_WINS)
     hook = forcing_hook(reference, [len(p) for p in prompts], accept_outside(12, 30), VOCAB)
+    start = time.perf_counter()
     out = generate_dict(model, ids, mask, NEW, speculative_mode="auto", draft_hook=hook)
+    wall = time.perf_counter() - start
     assert torch.equal(out.sequences, ref.sequences)
     stats, choices = out.speculation, out.speculation.choices
+    # each stretch's seconds are its own generate call's, timed inside this one
+    assert all(c.seconds > 0 for c in choices) and sum(c.seconds for c in choices) <= wall
     assert (choices[0].mode, choices[0].draft_loops, choices[0].reason) == ("pipeline", 1, "probe")
     starts = [c.at_token for c in choices]
     assert starts == [0] + [sum(c.tokens for c in choices[:i]) for i in range(1, len(choices))]

@@ -35,6 +35,9 @@ def test_a_tiny_cell_runs_every_setting_and_reports_auto_against_the_best(tmp_pa
     best = max(("plain", "pipeline"), key=lambda r: result["rows"][r]["x_plain"])
     assert result["best_fixed"] == best
     assert result["auto_x_best"] == pytest.approx(result["rows"]["auto"]["x_plain"] / result["rows"][best]["x_plain"])
+    auto = result["rows"]["auto"]
+    (inside,), (total,) = auto["segments_s"], auto["rounds_s"]  # one timed round: its segments lie inside the call
+    assert 0 < inside <= total and auto["own_median_s"] == pytest.approx(total - inside)
     assert "auto:" in capsys.readouterr().out
 
 

@@ -222,10 +222,10 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
         out = _segment(model, call, candidate, ids, mask, cache, stopped, min(tokens, call.max_new - done), done,
                        streamer)
         new, cache = out.sequences[:, ids.shape[1]:], out.cache
-        _observe(model, candidate, out, new, start, dynamic, continued=done > 0)
+        seconds = _observe(model, candidate, out, new, start, dynamic, continued=done > 0)
         _account(stats, getattr(out, "speculation", None), candidate, new, stopped, call.eos, model.num_loops, chooser)
         choice = AutoChoice(done, candidate.mode or "plain", candidate.draft_loops, candidate.num_speculative_tokens,
-                            new.shape[1], reason, rate, estimates)
+                            new.shape[1], reason, rate, estimates, seconds)
         if stats.choices and _setting_of(stats.choices[-1]) != _setting_of(choice):
             stats.switches.append(done)
         stats.choices.append(choice)
@@ -270,10 +270,11 @@ def _cache_for(model, candidate: Candidate, cache: Cache | None, caller: Cache |
 
 
 def _observe(model, candidate: Candidate, out, new: torch.Tensor, start: float, dynamic: bool,
-             continued: bool) -> None:
+             continued: bool) -> float:
     """Refine the cost table from a segment that ran since `start` (`time.perf_counter`): plain per step, only on
     the `DynamicCache` plain `generate` uses (its prompt's prefill then scales every cost alike); the engine per core
-    call, only for a segment that `continued` the call (a first one's prompt prefill would inflate its cost)."""
+    call, only for a segment that `continued` the call (a first one's prompt prefill would inflate its cost).
+    Returns the segment's seconds."""
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     seconds = time.perf_counter() - start
@@ -282,6 +283,7 @@ def _observe(model, candidate: Candidate, out, new: torch.Tensor, start: float, 
         observe(model, len(new), candidate, seconds, spec.core_calls)
     elif candidate.mode is None and dynamic:
         observe(model, len(new), candidate, seconds, new.shape[1])
+    return seconds
 
 
 def _setting_of(choice: AutoChoice) -> tuple:

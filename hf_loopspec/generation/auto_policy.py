@@ -98,6 +98,7 @@ class AutoChoice:
     # "dynamic-cache" (continuing a cache that cannot back speculation)
     acceptance: float | None  # the observed acceptance the choice used (None: not known yet)
     speedups: dict[str, float]  # estimated speed-up over plain of every candidate (`Candidate.name`)
+    seconds: float  # wall time of the segment's `generate` call (on CUDA: synchronized at its end)
 
 
 @dataclass
