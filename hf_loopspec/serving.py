@@ -23,12 +23,14 @@ it leaves unset from the checkpoint's config, so a request cannot turn a checkpo
 counts as unset). With `--continuous-batching`, transformers builds one manager from the first request's settings and
 forwards only `max_tokens` and the EOS of later ones; a later request whose other settings differ, and a request the
 manager cannot serve, get HTTP 400 with the reason (`serving_batching`). Requests name the model as the server was
-given it (`GET /v1/models` lists it: the embedded model's folder by default) or leave it out.
+given it (`GET /v1/models` lists it: the embedded model's folder by default) or leave it out. HTTP errors come in
+OpenAI's error shape (`openai_errors`), so an `openai` client's exception says why.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
@@ -117,6 +119,35 @@ def chat_template_note(spec: str) -> str | None:
             "format messages and fails; /v1/completions serves raw prompts.")
 
 
+def openai_errors() -> None:
+    """Make the server answer its HTTP errors in OpenAI's error shape, `{"error": {"message", "type", "code"}}` (the
+    `openai` client puts `message` into its exception's text; with FastAPI's own `{"detail": ...}` it shows only the
+    status), with FastAPI's `detail` kept beside it. Wraps `build_server`, which transformers' `Serve` imports when it
+    is constructed; idempotent."""
+    from transformers.cli.serving import server
+
+    if hasattr(server.build_server, "wrapped"):
+        return
+    original = server.build_server
+
+    def build_server(*args, **kwargs):
+        from fastapi.responses import JSONResponse
+        from starlette.exceptions import HTTPException
+
+        async def answer(request, error: HTTPException) -> JSONResponse:
+            message = error.detail if isinstance(error.detail, str) else json.dumps(error.detail)
+            kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+            body = {"error": {"message": message, "type": kind, "code": error.status_code}, "detail": error.detail}
+            return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+
+        app = original(*args, **kwargs)
+        app.add_exception_handler(HTTPException, answer)
+        return app
+
+    build_server.wrapped = original
+    server.build_server = build_server
+
+
 def start(argv: list[str]):
     """Parse `argv`, prepare the model and construct transformers' `Serve`, which serves until stopped (with
     transformers' `--non-blocking`, it returns at once, the server running in a thread; stop it with
@@ -132,6 +163,7 @@ def start(argv: list[str]):
 
     torch.set_num_threads(options.threads)
     expose_architecture(params["force_model"], params["trust_remote_code"])
+    openai_errors()
     if params.get("continuous_batching"):
         from .serving_batching import install
 

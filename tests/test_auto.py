@@ -42,6 +42,7 @@ from hf_loopspec.generation.auto import acceptance_settings, candidates
 from hf_loopspec.generation.auto_calibration import costs_for
 from hf_loopspec.generation.auto_costs import Candidate, CostTable, observe, set_costs
 from hf_loopspec.generation.auto_policy import AutoPolicy, forget, set_policy
+from hf_loopspec.generation.mixin import looped_static_cache
 from hf_loopspec.prompting import generate_kwargs
 
 VOCAB, NEW = 64, 48
@@ -239,6 +240,18 @@ def test_a_huginn_dynamic_cache_is_continued_speculatively():
         forget(model)
     assert second.speculation.choices[0].mode == "pipeline" and second.cache is first.cache
     assert torch.equal(second.sequences, ref.sequences)
+
+
+def test_another_kind_of_cache_decodes_plainly(case):
+    """A `StaticCache` cannot back speculation: even where speculation would win, the call runs one plain segment
+    with reason "cache-type", and its tokens equal plain decoding's."""
+    model, _, ids, mask, ref, _ = case
+    set_costs(model, SPECULATIVE_WINS)
+    static = looped_static_cache(model.config, model.kv_layout, ids.shape[1] + NEW)
+    out = generate_dict(model, ids, mask, NEW, speculative_mode="auto", cache=static)
+    [choice] = out.speculation.choices
+    assert (choice.mode, choice.reason, choice.tokens) == ("plain", "cache-type", NEW)
+    assert out.speculation.drafted == 0 and torch.equal(out.sequences, ref.sequences)
 
 
 def test_rows_that_stop_stay_stopped(case):

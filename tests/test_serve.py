@@ -168,11 +168,16 @@ def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, referenc
 
 
 def refusal(call) -> str:
-    """The reason the server gave for refusing `call()` (an HTTP error's detail, or a stream's error event)."""
+    """The reason the server gave for refusing `call()`, as the `openai` client shows it: an HTTP error's exception
+    text (the server answers in OpenAI's error shape, FastAPI's `detail` kept beside it), or a stream's error event."""
     with pytest.raises(openai.APIError) as refused:
         call()
     error = refused.value
-    return error.response.json()["detail"] if isinstance(error, openai.APIStatusError) else str(error.body)
+    if isinstance(error, openai.APIStatusError):
+        body = error.response.json()
+        assert body["error"]["message"] == body["detail"] and body["error"]["code"] == error.status_code
+        return str(error)
+    return str(error.body)
 
 
 def test_serve_with_continuous_batching_answers_as_plain_generate(checkpoint, reference):

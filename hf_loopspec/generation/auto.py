@@ -16,7 +16,7 @@ stopped is then only known to those criteria. Speculative segments run on a `Pag
 transformers' `DynamicCache` (faster for plain decoding): the KV moves between the two when the choice changes
 (`cache.convert`), copied, not recomputed. A cache the caller passed stays the call's cache: a `PagedLoopCache`
 backs every segment, and a `DynamicCache` is refilled with the call's KV at its end. A call continuing another kind
-of cache (e.g. a `StaticCache`) decodes plainly in one segment (reason "dynamic-cache"). Beam search, assistants and
+of cache (e.g. a `StaticCache`) decodes plainly in one segment (reason "cache-type"). Beam search, assistants and
 per-step hidden states or attentions are refused, as with the fixed modes.
 """
 
@@ -208,7 +208,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     caller = cache  # a cache the caller holds: kept as the call's cache (see `_cache_for`)
     while done < call.max_new and not bool(stopped.all()):
         if not _can_speculate(cache):
-            candidate, tokens, reason, rate, estimates = PLAIN, None, "dynamic-cache", None, {}
+            candidate, tokens, reason, rate, estimates = PLAIN, None, "cache-type", None, {}
         else:
             candidate, tokens, reason, rate, estimates = chooser.next(first=done == 0)
         if bool(stopped.any()):

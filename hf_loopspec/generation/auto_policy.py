@@ -95,7 +95,7 @@ class AutoChoice:
     num_speculative_tokens: int | None
     tokens: int  # columns the segment generated
     reason: str  # "costs" (plain to the end: no setting can win), "probe", "acceptance", "reprobe", "stopped-rows",
-    # "dynamic-cache" (continuing a cache that cannot back speculation)
+    # "cache-type" (continuing a kind of cache that cannot back speculation, e.g. a StaticCache)
     acceptance: float | None  # the observed acceptance the choice used (None: not known yet)
     speedups: dict[str, float]  # estimated speed-up over plain of every candidate (`Candidate.name`)
     seconds: float  # wall time of the segment's `generate` call (on CUDA: synchronized at its end)
