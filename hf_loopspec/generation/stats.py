@@ -41,6 +41,12 @@ class SequenceStats:
     second_accepted: int = 0
 
 
+def _summed(name: str) -> property:
+    """A read-only property: the `SequenceStats` field `name` summed over `per_sequence`."""
+    return property(lambda self: sum(getattr(row, name) for row in self.per_sequence),
+                    doc=f"`SequenceStats.{name}` summed over the batch.")
+
+
 @dataclass
 class SpeculationStats:
     mode: str
@@ -52,40 +58,14 @@ class SpeculationStats:
     call_rows: dict[str, list[int]] = field(default_factory=lambda: {"embed": [], "core": [], "head": []})
     fallback: str | None = None  # why the call decoded with plain decoding instead (every counter is then 0)
 
-    def _total(self, name: str) -> int:
-        return sum(getattr(s, name) for s in self.per_sequence)
-
-    @property
-    def committed_tokens(self) -> int:
-        return self._total("committed")
-
-    @property
-    def drafted(self) -> int:
-        return self._total("drafted")
-
-    @property
-    def verified(self) -> int:
-        return self._total("verified")
-
-    @property
-    def accepted(self) -> int:
-        return self._total("accepted")
-
-    @property
-    def rejected(self) -> int:
-        return self._total("rejected")
-
-    @property
-    def discarded(self) -> int:
-        return self._total("discarded")
-
-    @property
-    def second_drafts(self) -> int:
-        return self._total("second_drafts")
-
-    @property
-    def second_accepted(self) -> int:
-        return self._total("second_accepted")
+    committed_tokens = _summed("committed")
+    drafted = _summed("drafted")
+    verified = _summed("verified")
+    accepted = _summed("accepted")
+    rejected = _summed("rejected")
+    discarded = _summed("discarded")
+    second_drafts = _summed("second_drafts")
+    second_accepted = _summed("second_accepted")
 
     @property
     def acceptance_rate(self) -> float:
