@@ -5,8 +5,11 @@ A case (`draw_case`) is one seeded draw from the space of settings speculative `
 num_speculative_tokens K, second_draft_loops d2, speculative_engine, batch size and prompt lengths (left padding),
 max_new_tokens, EOS lists (random ids, and tokens plain decoding emits, so that stops and EOS holds happen), logits
 processors (`PROCESSORS`: no_repeat_ngram_size, min_new_tokens, min_length, repetition_penalty, bad_words_ids,
-suppress_tokens, begin_suppress_tokens, and a user's processor, with which `generate` decodes plainly),
-use_cache=False, output_scores, and continuing a cache that a first call (in any mode, plain included) filled. The
+suppress_tokens, begin_suppress_tokens, forced_eos_token_id, exponential_decay_length_penalty, and a user's
+processor, with which `generate` decodes plainly), use_cache=False, output_scores, `speculative_mode="auto"` (with a
+cost table under which it speculates, or one under which it decodes plainly, and short segments, so that it switches
+within a call), and continuing a cache that a first call (in any mode, plain included; a plain call's own
+`DynamicCache` too) filled. The
 wavefront engine's documented refusal (`REFUSED`) of a setting it does not run is a legal outcome. `run_case` decodes it
 speculatively and plainly (transformers' loop on a `DynamicCache`, the same settings) and returns None when the
 tokens are identical, else a `Mismatch` with plain's logit margin at the first divergent token.
@@ -35,6 +38,9 @@ from speculative_utils import generate_dict, paged_cache, plain, tiny_spec_model
 from tolerances import fp32_tolerance, huginn_depth, ouro_depth, rms
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
+
+from hf_loopspec.generation.auto_costs import Candidate, CostTable, set_costs
+from hf_loopspec.generation.auto_policy import AutoPolicy, forget, set_policy
 
 VOCAB = 64  # the Ouro models' vocabulary (Huginn's tiny config has its own, `huginn_utils.VOCAB`)
 REFUSED = "speculative decoding (the wavefront engine) does not support"  # its documented refusal: a legal outcome
@@ -82,11 +88,14 @@ class Case:
     # generated indices whose tokens in plain decoding without EOS (row index % batch) join the EOS list: stops,
     # and EOS holds (min_new_tokens, min_length), that actually happen
     eos_at: tuple[int, ...] = ()
+    auto_costs: str | None = None  # with speculative_mode="auto": the `AUTO_COSTS` table it decides by
+    dynamic_first: bool = False  # the first call is plain decoding on its own DynamicCache (else a PagedLoopCache)
 
     def describe(self) -> str:
         return (f"Case(seed={self.seed}, {self.family}, U={self.loops}, damp={self.damp}, lengths={self.lengths}, "
                 f"max_new={self.max_new}, speculative={self.speculative}, shared={self.shared}, first={self.first}, "
-                f"suffixes={self.suffixes}, eos_at={self.eos_at})")
+                f"suffixes={self.suffixes}, eos_at={self.eos_at}, auto_costs={self.auto_costs}, "
+                f"dynamic_first={self.dynamic_first})")
 
 
 # generate's logits-processor settings a case may draw, each with one value drawn from (rng, vocab)
@@ -99,7 +108,15 @@ PROCESSORS = {
     "suppress_tokens": lambda rng, vocab: rng.sample(range(1, vocab), 3),
     "begin_suppress_tokens": lambda rng, vocab: rng.sample(range(1, vocab), 2),
     "logits_processor": lambda rng, vocab: LogitsProcessorList([NoFollower(vocab)]),
+    "forced_eos_token_id": lambda rng, vocab: rng.randint(1, vocab - 1),
+    "exponential_decay_length_penalty": lambda rng, vocab: (rng.randint(0, 8), rng.choice([1.2, 2.0])),
 }
+# auto's cost tables (`auto_costs.CostTable`: seconds of a plain step, of an engine cycle per candidate) and a policy
+# of short segments: "speculative", every candidate wins at high acceptance; "plain", none ever does
+_CANDIDATES = [Candidate("pipeline", d) for d in range(1, 8)] + [Candidate("block", d, 4) for d in range(1, 8)]
+AUTO_COSTS = {"speculative": CostTable(4.0, dict.fromkeys(_CANDIDATES, 2.0)),
+              "plain": CostTable(1.0, dict.fromkeys(_CANDIDATES, 5.0))}
+AUTO_POLICY = AutoPolicy(interval=4, max_interval=8, probe_tokens=3, reprobe_after=1, min_verified=2)
 
 
 def _mode(rng: random.Random, loops: int) -> dict:
@@ -132,6 +149,8 @@ def draw_case(seed: int) -> Case:
     for name, draw in PROCESSORS.items():
         if rng.random() < 0.2:
             shared[name] = draw(rng, vocab)
+    if "exponential_decay_length_penalty" in shared and not shared["eos_token_id"]:  # it raises the EOS score
+        shared["eos_token_id"] = [rng.randint(1, vocab - 1)]
     if family == "huginn":
         shared |= {"num_steps": loops, "init_scale": rng.choice([0.0, 1.0]), "init_seed": 1000 + seed}
     speculative = _mode(rng, loops) | {"speculative_engine": rng.choice(["auto", "wavefront"])}
@@ -143,7 +162,14 @@ def draw_case(seed: int) -> Case:
     if rng.random() < 0.25:
         first = rng.choice([{"speculative_mode": None}, _mode(rng, loops)])
         suffixes = tuple(rng.randint(1, 3) for _ in range(batch))
-    return Case(seed, family, loops, damp, lengths, max_new, speculative, shared, first, suffixes, eos_at)
+    auto_costs = None
+    if rng.random() < 0.2:  # auto instead of the fixed mode
+        auto_costs = rng.choice(list(AUTO_COSTS))
+        speculative = {key: value for key, value in speculative.items() if key in ("use_cache", "output_scores")}
+        speculative["speculative_mode"] = "auto"
+    dynamic_first = first is not None and first["speculative_mode"] is None and rng.random() < 0.5
+    return Case(seed, family, loops, damp, lengths, max_new, speculative, shared, first, suffixes, eos_at,
+                auto_costs, dynamic_first)
 
 
 @dataclass
@@ -182,7 +208,7 @@ def _shared(model, case: Case, ids, mask) -> dict:
     """`case.shared` with the tokens of `case.eos_at` added to the EOS list (see `Case`)."""
     if not case.eos_at:
         return case.shared
-    holds = ("eos_token_id", "min_new_tokens", "min_length")
+    holds = ("eos_token_id", "min_new_tokens", "min_length", "exponential_decay_length_penalty")  # need, or hold, EOS
     free = plain(model, ids, mask, case.max_new, speculative_mode=None,
                  **{k: v for k, v in case.shared.items() if k not in holds})
     width = ids.shape[1]
@@ -197,7 +223,7 @@ def _inputs(model, case: Case, vocab: int):
     shared = _shared(model, case, ids, mask)
     if case.first is None:
         return ids, mask, None, shared
-    cache = paged_cache(model, debug=False, num_steps=shared.get("num_steps"))
+    cache = DynamicCache() if case.dynamic_first else paged_cache(model, debug=False, num_steps=shared.get("num_steps"))
     out = generate_dict(model, ids, mask, case.max_new, cache=cache, **case.first, **shared)
     full, full_mask = extend(out.sequences, mask, random_prompts(case.seed + 1, case.suffixes, vocab))
     return full, full_mask, cache, shared
@@ -210,8 +236,14 @@ def run_case(case: Case) -> Mismatch | None:
     vocab = model.config.vocab_size
     try:
         ids, mask, cache, shared = _inputs(model, case, vocab)
-        cache = cache if cache is not None else paged_cache(model, debug=False, num_steps=shared.get("num_steps"))
-        got = generate_dict(model, ids, mask, case.max_new, cache=cache, **case.speculative, **shared)
+        if case.auto_costs is not None:  # auto decides by the case's table alone: nothing timed, nothing remembered
+            set_costs(model, AUTO_COSTS[case.auto_costs])
+            set_policy(model, AUTO_POLICY)
+            forget(model)
+        elif cache is None:
+            cache = paged_cache(model, debug=False, num_steps=shared.get("num_steps"))
+        given = {} if cache is None else {"cache": cache}
+        got = generate_dict(model, ids, mask, case.max_new, **given, **case.speculative, **shared)
     except ValueError as error:
         if str(error).startswith(REFUSED):
             return None

@@ -30,7 +30,7 @@ from speculative_utils import (
     tiny_spec_model,
 )
 from tolerances import ouro_depth
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from hf_loopspec import PagedLoopCache
 from hf_loopspec.bench import args as bench_args
@@ -38,7 +38,7 @@ from hf_loopspec.bench.args import parse_modes
 from hf_loopspec.bench.main import run_bench
 from hf_loopspec.cache.convert import to_paged
 from hf_loopspec.generation import auto_cache, auto_policy
-from hf_loopspec.generation.auto import acceptance_settings, candidates
+from hf_loopspec.generation.auto import acceptance_settings, candidates, merged_config
 from hf_loopspec.generation.auto_calibration import costs_for
 from hf_loopspec.generation.auto_costs import Candidate, CostTable, observe, set_costs
 from hf_loopspec.generation.auto_policy import AutoPolicy, forget, set_policy
@@ -159,7 +159,8 @@ def test_a_later_process_starts_from_the_stored_acceptance(case, monkeypatch):
     later = generate_dict(model, ids, mask, NEW, speculative_mode="auto", draft_hook=hook)
     assert [(c.mode, c.reason) for c in later.speculation.choices] == [("plain", "acceptance")]
     assert torch.equal(later.sequences, ref.sequences)
-    settings = acceptance_settings({"do_sample": False, "draft_hook": hook}, model.generation_config)
+    call = {"do_sample": False, "draft_hook": hook}
+    settings = acceptance_settings(call, merged_config(model, call))
     assert auto_policy.remembered(model, settings).rate(1, POLICY.min_verified) == 0.0  # the calls' key
     other = tiny_spec_model(6, vocab=VOCAB, damp=0.3)  # same config, other weights
     assert other.config.to_dict() == model.config.to_dict()
@@ -317,17 +318,106 @@ def test_from_generation_config_and_saved(case, tmp_path):
     assert loaded.generation_config.speculative_mode == "auto"
 
 
+class StopAtLength(StoppingCriteria):
+    """Stops every row once the sequences have `length` columns; records the lengths it was asked about."""
+
+    def __init__(self, length: int):
+        self.length, self.seen = length, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.append(input_ids.shape[1])
+        return torch.full((len(input_ids),), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("setting", ["stopping_criteria", "forced_eos_token_id", "begin_suppress_tokens",
+                                     "exponential_decay_length_penalty"])
+def test_settings_of_the_whole_call_decode_in_one_segment(case, setting):
+    """A stopping criterion, or a processor transformers measures from a call's input length or `max_length`, would
+    act anew in each segment: such a call runs one segment, and its tokens (and the criterion's calls) are plain
+    decoding's. The segments the same call runs without the setting show it would otherwise switch."""
+    model, prompts, ids, mask, _, reference = case
+    set_costs(model, SPECULATIVE_WINS)
+    first = reference[0][5]  # row 0's first generated token
+    values = {"stopping_criteria": lambda: StoppingCriteriaList([StopAtLength(ids.shape[1] + 20)]),
+              "forced_eos_token_id": lambda: 3, "begin_suppress_tokens": lambda: [first],
+              "exponential_decay_length_penalty": lambda: (4, 1.5)}
+    ours, theirs = values[setting](), values[setting]()
+    want = plain(model, ids, mask, NEW, eos_token_id=3, **{setting: theirs})
+    out = generate_dict(model, ids, mask, NEW, speculative_mode="auto", eos_token_id=3, **{setting: ours})
+    assert torch.equal(out.sequences, want.sequences)
+    assert len(out.speculation.choices) == 1
+    if setting == "stopping_criteria":
+        assert ours[0].seen == theirs[0].seen and out.sequences.shape[1] == ids.shape[1] + 20
+    forget(model)
+    hook = forcing_hook(reference, [len(p) for p in prompts], accept_outside(12, NEW), VOCAB)
+    assert len(generate_dict(model, ids, mask, NEW, speculative_mode="auto", draft_hook=hook).speculation.choices) > 1
+
+
+def test_inputs_as_plain_decoding_takes_them(case):
+    """No attention mask: the one transformers infers from the pad token; `sequence_bias` as a dict of tuples; a
+    generation config without speculative keys on a model whose own config says auto: each equals plain decoding."""
+    model, _, ids, mask, ref, _ = case
+    set_costs(model, SPECULATIVE_WINS)
+    assert (ids == PAD).any()  # left padding that the mask must hide
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=NEW, pad_token_id=PAD, do_sample=False, speculative_mode="auto")
+    assert torch.equal(out, ref.sequences)
+    bias = {(int(ref.sequences[0, ids.shape[1] + 1]),): -50.0}
+    out = generate_dict(model, ids, mask, NEW, speculative_mode="auto", sequence_bias=bias)
+    assert torch.equal(out.sequences, plain(model, ids, mask, NEW, sequence_bias=bias).sequences)
+    model.generation_config.speculative_mode = "auto"
+    try:
+        config = GenerationConfig(max_new_tokens=NEW, pad_token_id=PAD, do_sample=False, return_dict_in_generate=True)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, generation_config=config)
+    finally:
+        model.generation_config.speculative_mode = None
+    assert out.speculation.mode == "auto" and torch.equal(out.sequences, ref.sequences)
+
+
+@pytest.mark.parametrize("costs", ["plain", "speculative"])
+def test_sampled_rows_are_repeated_for_num_return_sequences(case, costs):
+    """`num_return_sequences=2` with sampling: each row twice, as plain decoding returns them; decoded plainly
+    (one segment), seed for seed plain decoding's samples."""
+    model, _, ids, mask, _, _ = case
+    set_costs(model, PLAIN_WINS if costs == "plain" else SPECULATIVE_WINS)
+    sampling = dict(do_sample=True, num_return_sequences=2)
+    torch.manual_seed(5)
+    out = generate_dict(model, ids, mask, 20, speculative_mode="auto", **sampling)
+    assert out.sequences.shape == (2 * len(ids), ids.shape[1] + 20)
+    assert torch.equal(out.sequences[:, : ids.shape[1]], ids.repeat_interleave(2, 0))
+    if costs == "plain":
+        torch.manual_seed(5)
+        assert torch.equal(out.sequences, plain(model, ids, mask, 20, **sampling).sequences)
+
+
 @pytest.mark.parametrize("kwargs, named", [
     ({"second_draft_loops": 2}, "second_draft_loops=2"),
     ({"draft_loops": 4}, "draft_loops=4"),
     ({"num_beams": 2}, "num_beams=2"),
     ({"cache": ({}, {})}, "cache of type tuple"),
+    ({"output_attentions": True}, "output_attentions=True"),
+    ({"output_hidden_states": True}, "output_hidden_states=True"),
+    ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens=3"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": None, "max_length": 5}, "max_length=5"),
 ])
 def test_refusals_name_the_argument(case, kwargs, named):
+    """Refused up front whatever auto would choose (with costs under which plain wins, too)."""
     model, _, ids, mask, _, _ = case
-    set_costs(model, SPECULATIVE_WINS)
-    with pytest.raises(ValueError, match=named):
-        generate_dict(model, ids, mask, 4, speculative_mode="auto", **kwargs)
+    kwargs = dict(kwargs)
+    new = kwargs.pop("max_new_tokens", 4)
+    for costs in (SPECULATIVE_WINS, PLAIN_WINS):
+        set_costs(model, costs)
+        with pytest.raises(ValueError, match=named):
+            generate_dict(model, ids, mask, new, speculative_mode="auto", **kwargs)
+
+
+def test_inputs_embeds_are_refused_naming_input_ids(case):
+    model, _, ids, _, _, _ = case
+    with pytest.raises(ValueError, match="(?s)(?=.*auto)(?=.*input_ids)"):
+        model.generate(inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=4, pad_token_id=PAD,
+                       speculative_mode="auto")
 
 
 def test_costs_are_measured_once(case):

@@ -12,10 +12,10 @@ import torch
 from inputs import left_pad, random_prompts
 from speculative_utils import PAD, named_modes, paged_cache, plain, tiny_spec_model
 from transformers import EosTokenCriteria, GenerationConfig, MaxLengthCriteria, StoppingCriteriaList
-from transformers.cache_utils import DynamicCache
 
 from hf_loopspec import OuroForCausalLM
 from hf_loopspec.generation import columns, decoder
+from hf_loopspec.generation.mixin import looped_static_cache
 
 VOCAB = 64
 
@@ -59,7 +59,7 @@ BAD = [
     ({"speculative_mode": "pipeline", "num_beams": 2}, r"num_beams=2"),
     ({"speculative_mode": "block", "num_beams": 2}, r"num_beams=2"),
     ({"speculative_mode": "pipeline", "prompt_lookup_num_tokens": 3}, r"prompt_lookup_num_tokens=3"),
-    ({"speculative_mode": "pipeline", "cache": "dynamic"}, r"DynamicCache"),
+    ({"speculative_mode": "pipeline", "cache": "static"}, r"(?s)(?=.*StaticCache)(?=.*DynamicCache, or no cache)"),
     ({"speculative_mode": "pipeline", "draft_loops": True}, r"draft_loops=True"),
     ({"speculative_mode": "block", "num_speculative_tokens": False}, r"num_speculative_tokens=False"),
     ({"speculative_mode": "block", "num_speculative_tokens": torch.tensor([2])}, r"num_speculative_tokens=tensor"),
@@ -92,8 +92,8 @@ BAD = [
 def test_invalid_arguments_raise_before_any_work(model, inputs, monkeypatch, kwargs, message):
     ids, mask = inputs
     kwargs = dict(kwargs)
-    if kwargs.get("cache") == "dynamic":
-        kwargs["cache"] = DynamicCache()
+    if kwargs.get("cache") == "static":
+        kwargs["cache"] = looped_static_cache(model.config, model.kv_layout, 32)
     counter = CountingCore(model, monkeypatch)
     with pytest.raises(ValueError, match=message):
         model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=PAD, **kwargs)

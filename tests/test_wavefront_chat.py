@@ -106,6 +106,26 @@ def test_continue_a_cache_any_decoder_filled(chat, first, mode, d, k):
     assert got.sequences.tolist() == expected.tolist()
 
 
+@pytest.mark.parametrize("mode,d,k", mode_params(MODE_PAIR))
+def test_continue_a_plain_calls_dynamic_cache(chat, mode, d, k):
+    """A chat's first turn decoded plainly returns transformers' `DynamicCache`; the next turn, speculative, continues
+    it (its KV copied into a `PagedLoopCache` and back): plain decoding's tokens, and the same cache object back,
+    holding what a plain second turn leaves in its own (fp32 rounding of a forward)."""
+    model, ids, mask, eos, turns = chat
+    first = plain(model, ids, mask, NEW, eos_token_id=eos)
+    full, full_mask = extend(first.sequences, mask, turns[0])
+    again = plain(model, ids, mask, NEW, eos_token_id=eos).cache  # a second copy of the first turn's cache
+    expected = plain(model, full, full_mask, NEW, eos_token_id=eos, cache=again)
+    got = speculative(model, full, full_mask, NEW, mode, d, k, eos_token_id=eos, cache=first.cache)
+    assert got.speculation.engine == "wavefront" and got.speculation.verified > 0
+    assert got.sequences.tolist() == expected.sequences.tolist()
+    assert got.cache is first.cache and got.cache.get_seq_length() == expected.cache.get_seq_length()
+    real = torch.cat([full_mask, torch.ones_like(got.sequences[:, full.shape[1]:])], 1)[:, :-1].bool()  # [B, C]
+    for ours, theirs in zip(got.cache.layers, expected.cache.layers):
+        for x, y in ((ours.keys, theirs.keys), (ours.values, theirs.values)):  # [B, Hkv, C, D]
+            assert_fp32_close(x.transpose(1, 2)[real], y.transpose(1, 2)[real], **ouro_depth(model.config))
+
+
 def test_a_filled_cache_of_another_layout_names_past_key_values(chat):
     """A cache filled by another model (head_dim 16 instead of 8) gets plain decoding's `ValueError`, naming
     `past_key_values`, before any work."""

@@ -10,9 +10,14 @@ generator from torch's global one, plain segments draw from it), so a segment is
 prefix and so is the chain; a seeded auto call equals the same chain of fixed-mode calls.
 
 Rows that stopped (EOS) in an earlier segment stay stopped: the remaining segments decode plainly with those rows
-forced to the pad token (as plain decoding feeds them), so their tokens and cached KV are plain decoding's. A call
-with its own stopping criteria or stop strings chooses once (no probe) and decodes in one segment, since which rows
-stopped is then only known to those criteria. Speculative segments run on a `PagedLoopCache` and plain ones on
+forced to the pad token (as plain decoding feeds them), so their tokens and cached KV are plain decoding's. A
+segment that ends early ends the call (every row has stopped). A call with a `ONE_STRETCH` setting chooses once and
+decodes in one segment: its own stopping criteria, stop strings or `max_time` (which rows stopped, or how long the
+call has run, only they know), or a logits processor that transformers builds from a call's input length or
+`max_length` (`forced_eos_token_id`, `begin_suppress_tokens`, ...), which a later segment would measure anew. The
+call's settings are transformers' merge of its config over the model's (`merged_config`), its attention mask the
+one transformers infers when none is passed, and a sampled call's rows are repeated `num_return_sequences` times up
+front. Speculative segments run on a `PagedLoopCache` and plain ones on
 transformers' `DynamicCache` (faster for plain decoding): the KV moves between the two when the choice changes
 (`cache.convert`), copied, not recomputed. A cache the caller passed stays the call's cache: a `PagedLoopCache`
 backs every segment, and a `DynamicCache` is refilled with the call's KV at its end. A call continuing another kind
@@ -30,6 +35,8 @@ import torch
 from transformers import (
     Cache,
     DynamicCache,
+    GenerationConfig,
+    GenerationMixin,
     LogitsProcessor,
     LogitsProcessorList,
     StoppingCriteria,
@@ -42,19 +49,32 @@ from ..defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
 from .auto_calibration import costs_for
 from .auto_costs import PLAIN, Candidate, CostTable, observe
 from .auto_policy import AutoChoice, AutoStats, Chooser, policy_for, remember, remembered
-from .config import AUTO_MODE, SPECULATIVE_KEYS, resolve_speculative
+from .config import AUTO_MODE, SPECULATIVE_KEYS, check_generation_mode, resolve_speculative
 from .stats import SequenceStats, SpeculationStats
 
-SEGMENT_REFUSED = ("num_beams", "assistant_model", "output_hidden_states", "output_attentions")
+# Settings measured from the call's start or its end (transformers builds them from the input length or max_length
+# of each `generate` call), and criteria that may stop the call: a call with any of them decodes as one segment.
+ONE_STRETCH = ("stopping_criteria", "stop_strings", "max_time", "forced_eos_token_id", "begin_suppress_tokens",
+               "exponential_decay_length_penalty", "encoder_repetition_penalty", "encoder_no_repeat_ngram_size",
+               "guidance_scale", "watermarking_config")
+NEUTRAL = {"encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "guidance_scale": 1.0}
 
 
 def requested(model, kwargs: dict) -> bool:
-    """Whether a `generate` call with `kwargs` asks for auto (its own `speculative_mode`, else its or the model's
-    generation config's)."""
+    """Whether a `generate` call with `kwargs` asks for auto: its own `speculative_mode`, else its generation
+    config's, else (that one unset, as transformers merges a passed config over the model's) the model's."""
     if "speculative_mode" in kwargs:
         return kwargs["speculative_mode"] == AUTO_MODE
-    config = kwargs.get("generation_config") or model.generation_config
-    return getattr(config, "speculative_mode", None) == AUTO_MODE
+    mode = getattr(kwargs.get("generation_config"), "speculative_mode", None)
+    return (mode if mode is not None else getattr(model.generation_config, "speculative_mode", None)) == AUTO_MODE
+
+
+def merged_config(model, kwargs: dict) -> GenerationConfig:
+    """The call's generation config as transformers resolves it for plain decoding: the passed config over the
+    model's over the global defaults, then the call's generation kwargs (the speculative keys are auto's own)."""
+    given = {key: value for key, value in kwargs.items() if key not in SPECULATIVE_KEYS and key != "generation_config"}
+    config, _ = GenerationMixin._prepare_generation_config(model, kwargs.get("generation_config"), **given)
+    return config
 
 
 def _setting(kwargs: dict, config, key: str):
@@ -70,6 +90,8 @@ def acceptance_settings(kwargs: dict, config) -> str:
     observed (`auto_policy.remembered`): `ACCEPTANCE_SETTINGS`, the class names of the call's own logits
     processors, and whether a draft hook (tests, the bench's synthetic drafts) replaces the model's drafts."""
     values = {key: _setting(kwargs, config, key) for key in ACCEPTANCE_SETTINGS}
+    if isinstance(values["sequence_bias"], dict):  # {(ids...): bias}: tuple keys, which JSON cannot hold
+        values["sequence_bias"] = sorted([list(ids), bias] for ids, bias in values["sequence_bias"].items())
     values["logits_processor"] = [type(p).__qualname__ for p in kwargs.get("logits_processor") or ()]
     values["draft_hook"] = kwargs.get("draft_hook") is not None
     return json.dumps(values, sort_keys=True, default=repr)
@@ -90,7 +112,7 @@ def calibrate(model, batch: int, kwargs: dict) -> CostTable:
     """The cost table an auto `generate` call of `batch` rows with `kwargs` uses, measured now unless this or an
     earlier process has it (`auto_calibration.costs_for`): calling it first keeps the measuring out of the call's
     own time."""
-    config = kwargs.get("generation_config") or model.generation_config
+    config = merged_config(model, kwargs)
     options = candidates(model.num_loops, _setting(kwargs, config, "draft_loops"),
                          _setting(kwargs, config, "num_speculative_tokens"))
     return costs_for(model, batch, options)
@@ -143,45 +165,67 @@ class _Call:
     min_new: int | None
     eos: list[int]
     pad: int
-    single: bool  # own stopping criteria or stop strings: one segment
+    single: bool  # a `ONE_STRETCH` setting: one segment
     return_dict: bool
     use_cache: bool
     engine_settings: dict  # compile_core / speculative_engine, for the speculative segments
 
 
-def _prepare(model, ids: torch.Tensor, kwargs: dict) -> tuple[_Call, list[Candidate]]:
-    """Validate the call and split its kwargs (module docstring); `ValueError` names what auto refuses."""
-    config = kwargs.get("generation_config") or model.generation_config
-    for key in SEGMENT_REFUSED:
-        value = _setting(kwargs, config, key)
-        if value not in (None, False, 1):
-            raise ValueError(f"{key}={value!r} cannot be combined with speculative_mode='auto' (it decodes greedily "
-                             "or by sampling, in segments); drop it, or pass speculative_mode=None.")
+def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationConfig) -> tuple[_Call, list[Candidate]]:
+    """Validate the call (`config`: `merged_config`) and split its kwargs (module docstring); `ValueError` names
+    what auto refuses."""
+    if ids is None:
+        raise ValueError("speculative_mode='auto' decodes from input_ids (got none: inputs_embeds or no inputs); pass "
+                         "input_ids, or speculative_mode=None.")
     d, k = _setting(kwargs, config, "draft_loops"), _setting(kwargs, config, "num_speculative_tokens")
-    resolve_speculative(AUTO_MODE, d, k, _setting(kwargs, config, "compile_core"),
-                        _setting(kwargs, config, "speculative_engine"), num_loops=model.num_loops,
-                        second_draft_loops=_setting(kwargs, config, "second_draft_loops"))
+    spec = resolve_speculative(AUTO_MODE, d, k, _setting(kwargs, config, "compile_core"),
+                               _setting(kwargs, config, "speculative_engine"), num_loops=model.num_loops,
+                               second_draft_loops=_setting(kwargs, config, "second_draft_loops"))
+    assistant = kwargs.get("assistant_model")
+    check_generation_mode(spec, config.get_generation_mode(assistant), config, assistant)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is not None and not isinstance(cache, Cache):
         raise ValueError(f"speculative_mode='auto' continues a transformers Cache, got cache of type "
                          f"{type(cache).__name__}; pass the cache an earlier call returned, or none.")
-    max_new = _setting(kwargs, config, "max_new_tokens")
+    max_new = config.max_new_tokens
+    if max_new is not None and max_new < 1:
+        raise ValueError(f"max_new_tokens={max_new} must be >= 1 (the tokens to generate).")
     if max_new is None:
-        max_new = _setting(kwargs, config, "max_length") - ids.shape[1]
-    eos = _setting(kwargs, config, "eos_token_id")
+        max_new = config.max_length - ids.shape[1]
+        if max_new < 1:
+            raise ValueError(f"max_length={config.max_length} leaves no new token after the {ids.shape[1]} input "
+                             "columns; pass max_new_tokens >= 1, or a larger max_length.")
+    eos = config.eos_token_id
     eos = [] if eos is None else [int(e) for e in (torch.as_tensor(eos).reshape(-1).tolist())]
-    pad = _setting(kwargs, config, "pad_token_id")
-    pad = int(pad) if pad is not None else (eos[0] if eos else 0)
+    pad = int(config.pad_token_id) if config.pad_token_id is not None else (eos[0] if eos else 0)
     drop = {*SPECULATIVE_KEYS, "max_new_tokens", "max_length", "min_new_tokens", "cache", "past_key_values",
             "return_dict_in_generate", "use_cache", "attention_mask", "inputs", "input_ids", "streamer"}
     base = {key: value for key, value in kwargs.items() if key not in drop}
-    call = _Call(base, max(int(max_new), 0), _setting(kwargs, config, "min_new_tokens"), eos, pad,
-                 single=bool(kwargs.get("stopping_criteria") or _setting(kwargs, config, "stop_strings")),
-                 return_dict=bool(_setting(kwargs, config, "return_dict_in_generate")),
-                 use_cache=_setting(kwargs, config, "use_cache") is not False,
+    if config.do_sample and config.num_return_sequences > 1:  # expanded once, up front (`expand_rows`)
+        base["num_return_sequences"] = 1
+    call = _Call(base, int(max_new), config.min_new_tokens, eos, pad,
+                 single=any(_in_effect(key, _setting(kwargs, config, key)) for key in ONE_STRETCH),
+                 return_dict=bool(config.return_dict_in_generate), use_cache=config.use_cache is not False,
                  engine_settings={key: value for key in ("compile_core", "speculative_engine")
                                   if (value := _setting(kwargs, config, key)) is not None})
     return call, candidates(model.num_loops, d, k)
+
+
+def _in_effect(key: str, value) -> bool:
+    """Whether a `ONE_STRETCH` setting does anything: set, not its neutral value, not an empty list."""
+    return not (value is None or value == NEUTRAL.get(key) or isinstance(value, (list, tuple)) and not value)
+
+
+def _rows_and_mask(model, ids: torch.Tensor, mask: torch.Tensor | None, config: GenerationConfig):
+    """The call's rows and attention mask `[B', S]` as plain decoding decodes them: the mask transformers infers from
+    the pad token when none is passed, and with sampling each row repeated `num_return_sequences` times."""
+    if mask is None:
+        inferred = GenerationConfig.from_dict(config.to_dict())
+        model._prepare_special_tokens(inferred, False, device=ids.device)
+        mask = model._prepare_attention_mask_for_generation(ids, inferred, {})
+    if config.do_sample and config.num_return_sequences > 1:
+        ids, mask = (t.repeat_interleave(config.num_return_sequences, 0) for t in (ids, mask))
+    return ids, mask
 
 
 def generate_auto(model, output_cls, args: tuple, kwargs: dict):
@@ -191,13 +235,13 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
         raise ValueError("speculative_mode='auto': pass generate's options by name (generation_config=..., "
                          "logits_processor=...), not by position.")
     ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-    call, options = _prepare(model, ids, kwargs)
-    mask = kwargs.get("attention_mask")
-    mask = torch.ones_like(ids) if mask is None else mask
+    config = merged_config(model, kwargs)
+    call, options = _prepare(model, ids, kwargs, config)
+    ids, mask = _rows_and_mask(model, ids, kwargs.get("attention_mask"), config)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     batch, prompt_width = ids.shape
     policy = policy_for(model)
-    settings = acceptance_settings(kwargs, kwargs.get("generation_config") or model.generation_config)
+    settings = acceptance_settings(kwargs, config)
     chooser = Chooser(costs_for(model, batch, options), options, model.num_loops, policy,
                       remembered(model, settings))
     stats = AutoStats(mode=AUTO_MODE, draft_loops=0, engine="plain",
@@ -218,9 +262,8 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
         # plain to the end, and no cache yet: plain `generate` exactly as it runs alone (its own DynamicCache)
         dynamic = cache is None and candidate.mode is None and tokens >= call.max_new
         cache = None if dynamic else _cache_for(model, candidate, cache, caller, mask)
-        start = time.perf_counter()
-        out = _segment(model, call, candidate, ids, mask, cache, stopped, min(tokens, call.max_new - done), done,
-                       streamer)
+        start, asked = time.perf_counter(), min(tokens, call.max_new - done)
+        out = _segment(model, call, candidate, ids, mask, cache, stopped, asked, done, streamer)
         new, cache = out.sequences[:, ids.shape[1]:], out.cache
         seconds = _observe(model, candidate, out, new, start, dynamic, continued=done > 0)
         _account(stats, getattr(out, "speculation", None), candidate, new, stopped, call.eos, model.num_loops, chooser)
@@ -235,7 +278,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
         scores += list(out.scores or ())
         logits += list(out.logits or ())
         traces += list(getattr(out, "trace", None) or ())
-        if new.shape[1] == 0:
+        if new.shape[1] < asked:  # the segment ended early: every row has stopped (EOS or the call's criteria)
             break
     remember(model, chooser.acceptance, settings)
     if isinstance(caller, DynamicCache) and cache is not caller:  # the caller's cache holds the call's KV

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 from .config import SpeculativeConfig
 
@@ -31,6 +32,7 @@ class GenerateCall:
     trace: bool | str = False
     speculative: SpeculativeConfig | None = None  # resolved once, when transformers prepares the generation config
     resolved: bool = False  # whether `speculative` has been resolved (None then means plain decoding)
+    dynamic_cache: Any = None  # the caller's DynamicCache a speculative run continues: its KV copied in and back
 
 
 _CURRENT: ContextVar[GenerateCall | None] = ContextVar("hf_loopspec_generate_call", default=None)

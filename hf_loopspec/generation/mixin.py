@@ -19,15 +19,18 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import torch
 from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..cache.convert import to_dynamic, to_paged
 from ..cache.paged import PagedLoopCache
 from ..logs import get_logger
 from . import auto
 from .call import current_call, runtime_options, scoped
 from .config import (
+    AUTO_MODE,
     LANE_MODES,
     SPECULATIVE_KEYS,
     SpeculativeConfig,
@@ -142,14 +145,19 @@ class LoopSpecGenerationMixin(GenerationMixin):
                                       max_cache_length):
         """Looped models write one KV per (loop, layer): the default cache is a growing `DynamicCache()` for
         plain decoding and a `PagedLoopCache` for speculative decoding, which needs per-depth planes."""
-        user_cache = model_kwargs.get("cache")
+        user_cache, call = model_kwargs.get("cache"), current_call()
         if self._speculative(generation_config) is not None:
             if user_cache is None:
                 model_kwargs["cache"] = PagedLoopCache(self.kv_layout)
+            elif isinstance(user_cache, DynamicCache) and call is not None:  # a plain call's, e.g. a chat's last turn
+                mask = model_kwargs.get("attention_mask")  # None: no padding, every cached column is real
+                mask = torch.ones(batch_size, user_cache.get_seq_length(), dtype=torch.long) if mask is None else mask
+                model_kwargs["cache"] = to_paged(user_cache, self.kv_layout, mask)
+                call.dynamic_cache = user_cache  # refilled with the run's KV at its end (`_continued_cache`)
             elif not isinstance(user_cache, PagedLoopCache):
                 raise ValueError(
                     f"speculative_mode needs a cache with per-depth planes, got {type(user_cache).__name__}; pass "
-                    "cache=hf_loopspec.PagedLoopCache(model.kv_layout) or no cache."
+                    "cache=hf_loopspec.PagedLoopCache(model.kv_layout), a DynamicCache, or no cache."
                 )
             return
         default = user_cache is None and generation_config.use_cache is not False \
@@ -180,6 +188,9 @@ class LoopSpecGenerationMixin(GenerationMixin):
         if spec is None:
             return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                                    synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+        if spec.mode == AUTO_MODE:  # `generate` runs auto itself (`generation.auto`); a hook reached another way
+            raise ValueError("speculative_mode='auto' is decoded by model.generate(...) itself; call generate, or "
+                             "pass speculative_mode='pipeline' or 'block'.")
         check_left_padded(model_kwargs.get("attention_mask"), spec.mode)
         fallback = plain_fallback(logits_processor)
         if fallback is not None:
@@ -189,9 +200,11 @@ class LoopSpecGenerationMixin(GenerationMixin):
             result = super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                                      synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
             if not generation_config.return_dict_in_generate:
+                self._continued_cache(model_kwargs, result, generation_config)
                 return result
             stats = SpeculationStats(spec.mode, spec.draft_loops, fallback=fallback)
-            return SpeculativeDecoderOnlyOutput(**result, speculation=stats)
+            return SpeculativeDecoderOnlyOutput(**{**result, "cache": self._continued_cache(
+                model_kwargs, result.sequences, generation_config)}, speculation=stats)
         call = current_call()
         result = run_speculative(self, SpeculativeRequest(
             spec, model_kwargs["cache"], input_ids, attention_mask=model_kwargs.get("attention_mask"),
@@ -206,13 +219,27 @@ class LoopSpecGenerationMixin(GenerationMixin):
         ))
         if streamer is not None:
             streamer.end()
+        cache = self._continued_cache(model_kwargs, result.sequences, generation_config)
         if not generation_config.return_dict_in_generate:
             return result.sequences
         return SpeculativeDecoderOnlyOutput(
-            sequences=result.sequences, scores=result.scores, logits=result.logits,
-            cache=model_kwargs["cache"] if generation_config.use_cache is not False else None,
+            sequences=result.sequences, scores=result.scores, logits=result.logits, cache=cache,
             speculation=result.stats, trace=result.trace,
         )
+
+    def _continued_cache(self, model_kwargs: dict, sequences: torch.Tensor, generation_config):
+        """The cache a speculative call returns: its `PagedLoopCache`, or the caller's `DynamicCache` it continued,
+        refilled with the call's KV (`cache.convert.to_dynamic`: copied, every complete plane); None without a
+        cache (`use_cache=False`)."""
+        cache, call = model_kwargs.get("cache"), current_call()
+        if generation_config.use_cache is False:
+            return None
+        if call is None or call.dynamic_cache is None:
+            return cache
+        mask = model_kwargs.get("attention_mask")
+        mask = torch.ones_like(sequences) if mask is None else torch.cat(
+            [mask, mask.new_ones(len(mask), sequences.shape[1] - mask.shape[1])], 1)  # [B, sequences' columns]
+        return to_dynamic(cache, mask, into=call.dynamic_cache)
 
     def exit_rule(self, **model_kwargs) -> ExitRule | None:
         """How the lane decoder computes a target's logits for a call's model kwargs (`decoder.ExitRule`); None: the
