@@ -62,6 +62,10 @@ def parse(argv: list[str]) -> tuple[dict, argparse.Namespace]:
     except TyperException as err:  # a usage error of transformers' command: unknown option, bad value
         raise ValueError(f"{err.format_message()} (see hf-loopspec serve --help)") from None
     params = dict(context.params)
+    if params.get("device") not in (None, "auto"):
+        from .loading import resolve_device
+
+        resolve_device(params["device"])  # `ValueError` for meta, a missing CUDA, ...: refused before serving
     params["force_model"] = resolve_model(params["force_model"])
     return params, options
 
@@ -122,8 +126,9 @@ def chat_template_note(spec: str) -> str | None:
 def openai_errors() -> None:
     """Make the server answer its HTTP errors in OpenAI's error shape, `{"error": {"message", "type", "code"}}` (the
     `openai` client puts `message` into its exception's text; with FastAPI's own `{"detail": ...}` it shows only the
-    status), with FastAPI's `detail` kept beside it. Wraps `build_server`, which transformers' `Serve` imports when it
-    is constructed; idempotent."""
+    status), with FastAPI's `detail` kept beside it, and a `ValueError` a request raises (settings `generate`
+    refuses) as a 400 in that shape instead of a bare 500. Wraps `build_server`, which transformers' `Serve` imports
+    when it is constructed; idempotent."""
     from transformers.cli.serving import server
 
     if hasattr(server.build_server, "wrapped"):
@@ -140,8 +145,12 @@ def openai_errors() -> None:
             body = {"error": {"message": message, "type": kind, "code": error.status_code}, "detail": error.detail}
             return JSONResponse(body, status_code=error.status_code, headers=error.headers)
 
+        async def refuse(request, error: ValueError) -> JSONResponse:  # a request's settings `generate` refused
+            return await answer(request, HTTPException(status_code=400, detail=str(error)))
+
         app = original(*args, **kwargs)
         app.add_exception_handler(HTTPException, answer)
+        app.add_exception_handler(ValueError, refuse)
         return app
 
     build_server.wrapped = original

@@ -229,9 +229,20 @@ def _inputs(model, case: Case, vocab: int):
     return full, full_mask, cache, shared
 
 
+def _plain_error(model, case: Case, vocab: int) -> str | None:
+    """The `ValueError` message plain decoding of `case` raises (its prompts, the shared settings), or None."""
+    try:
+        ids, mask, _, shared = _inputs(model, case, vocab)
+        plain(model, ids, mask, case.max_new, speculative_mode=None, **shared)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def run_case(case: Case) -> Mismatch | None:
-    """Decode `case` speculatively and plainly; None when the tokens are identical (or the wavefront engine refused
-    the call with its documented `ValueError`), else the `Mismatch`."""
+    """Decode `case` speculatively and plainly; None when the tokens are identical (or the speculative call raised
+    the wavefront engine's documented refusal, or the `ValueError` plain decoding raises too), else the
+    `Mismatch`."""
     model = model_for(case.family, case.seed % 4, case.loops, case.damp)
     vocab = model.config.vocab_size
     try:
@@ -245,8 +256,8 @@ def run_case(case: Case) -> Mismatch | None:
         given = {} if cache is None else {"cache": cache}
         got = generate_dict(model, ids, mask, case.max_new, **given, **case.speculative, **shared)
     except ValueError as error:
-        if str(error).startswith(REFUSED):
-            return None
+        if str(error).startswith(REFUSED) or _plain_error(model, case, vocab) == str(error):
+            return None  # the documented refusal, or the error plain decoding raises for these settings too
         return Mismatch(case, error=error)
     except Exception as error:  # noqa: BLE001 - every crash is a finding, reported with its case
         return Mismatch(case, error=error)

@@ -150,6 +150,24 @@ def test_bad_numbers_and_choices_are_one_line_errors(argv, tmp_path, capsys, mon
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--model", "ouro-tiny", "--json", "/proc/no/results.json"], "--json /proc/no/results.json"),
+    (["bench", "--model", "ouro-tiny", "--plot", "/proc/no/plot.png"], "--plot /proc/no/plot.png"),
+    (["bench", "--model", "ouro-tiny", "--prompt-file", "{tmp}/none.txt"], "--prompt-file {tmp}/none.txt: no such"),
+    (["bench", "--model", "ouro-tiny", "--prompt-file", "{tmp}/prompts.txt"], "has no tokenizer"),
+    (["export", "default", "{tmp}/out", "--benchmarks", "{tmp}/none.json"], "{tmp}/none.json: cannot be read"),
+])
+def test_paths_are_checked_before_the_run(argv, message, tmp_path, capsys, monkeypatch):
+    """An output path that cannot be written, a missing input file, or a prompt file for a model without a
+    tokenizer: one line naming the flag or the file, before any timed run (a bench of minutes is not lost at its
+    end), and nothing written."""
+    (tmp_path / "prompts.txt").write_text("def f(x):\n    return x\n")
+    monkeypatch.setattr("hf_loopspec.bench.main._measure", None)  # a run would fail on this, not on the check
+    assert cli.main([arg.format(tmp=tmp_path) for arg in argv]) == 2
+    assert message.format(tmp=tmp_path) in one_error_line(capsys, argv[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.txt"]
+
+
 def _last_line(err: str) -> str:
     """stderr's last line, after checking that every other line is the weights-loading progress bar."""
     lines = err.strip().splitlines()

@@ -24,7 +24,8 @@ from hf_loopspec.hub import export, source
 
 OURO = hub_card.FAMILIES["ouro"]
 DEFAULT_CARD = ROOT / "model_cards" / "hf-loopspec-default" / "README.md"
-BENCH_JSON = ROOT / "bench_results" / "cpu_ouro100m_b1.json"  # a recorded `hf-loopspec bench --json` result
+BENCH_JSON = ROOT / "bench_results" / "cpu_default_b1.json"  # a recorded `hf-loopspec bench --json` result
+SHAPE_JSON = ROOT / "bench_results" / "cpu_ouro100m_b1.json"  # the same, of a random-weight shape (synthetic drafts)
 
 
 def lead_of(text: str) -> str:
@@ -74,6 +75,11 @@ def test_title_lead_and_license_come_from_a_local_source_and_benchmarks_fill_mod
             assert metrics[(row["mode"], "speedup_vs_plain")] == pytest.approx(row["ratio_vs_plain"], abs=1e-4)
     assert {e.dataset_type for e in card.data.eval_results} == {"hf-loopspec-bench"}
     assert all(result["machine"]["device_name"] in e.dataset_name for e in card.data.eval_results)
+
+    # a random-weight shape's result measures the engine, not this model: in the speed section, not in model-index
+    shape = export.export_checkpoint(src, tmp_path / "shape", benchmarks=[SHAPE_JSON])
+    card = ModelCard.load(shape / "README.md")
+    assert card.data.eval_results is None and "ouro-100m" in card.text
 
 
 def test_the_makers_weights_keep_the_family_citation():

@@ -158,8 +158,20 @@ def check_concurrent_requests(checkpoint, reference, cases, *options: str, then=
 
 
 def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, reference):
+    """Concurrent clients, each answered as plain `generate`; then a request whose settings `generate` refuses gets
+    a 400 with the reason (a `ValueError`, not a bare 500), and the server keeps serving."""
+
+    def refused(client, calls):
+        bad = {**BLOCK, "speculative_mode": "pipeline", "draft_loops": 3}  # U = 4 is not a multiple of 3
+        kept = list(calls)
+        reason = refusal(lambda: client.completions.create(
+            model=checkpoint, prompt=PROMPTS[0], max_tokens=4, extra_body={"generation_config": json.dumps(bad)}))
+        assert re.search(r"Error code: 400 .*draft_loops=3", reason), reason
+        calls[:] = kept  # what the refused request ran, if anything, is not part of the checks below
+        assert ask(client, checkpoint, "completions", PROMPTS[2], False)[0]
+
     block = [("block", PROMPTS[0], False), ("block", PROMPTS[1], True)]
-    calls = check_concurrent_requests(checkpoint, reference, CASES + block)
+    calls = check_concurrent_requests(checkpoint, reference, CASES + block, then=refused)
     # the requests with their own generation config: one block `generate` each (K = 3); the others decode as the
     # checkpoint says (auto: its speculative segments run the settings it chooses among, at the config's d = 1, K = 4)
     settings = [(request.spec.mode, request.spec.draft_loops, request.spec.num_speculative_tokens) for request in calls]
@@ -224,6 +236,7 @@ def test_the_architecture_resolves_where_transformers_serve_looks_it_up(checkpoi
     (["--bogus"], "No such option: --bogus"),
     (["--port", "eighty"], "Invalid value for '--port'"),
     (["--threads", "0"], "--threads 0"),
+    (["--device", "meta"], "--device meta"),
     (["a", "b"], "unexpected extra argument"),
 ])
 def test_bad_model_or_option_is_one_line_exit_2(capsys, argv, message):

@@ -124,8 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="timed rounds; the median is reported (default: %(default)s)")
     parser.add_argument("--synthetic-acceptance", type=fraction, default=None, metavar="A",
                         action=_SyntheticAcceptance,
-                        help="replace each draft by the known greedy token with probability A (random weights; "
-                             "greedy decoding only)")
+                        help="replace each draft by the known greedy token with probability A (for random weights, "
+                             "whose own drafts are noise; any model; greedy decoding only)")
     parser.add_argument("--do-sample", action=_DoSample,
                         help="every mode samples (lossless speculative sampling; seeded with --seed + round); "
                              "outputs are then not compared with plain")
@@ -138,7 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the random weights, prompts, synthetic drafts and sampled runs "
                              "(default: %(default)s)")
-    parser.add_argument("--threads", type=positive, default=None, help="torch.set_num_threads")
+    parser.add_argument("--threads", type=positive, default=1,
+                        help="CPU threads of torch's operators (torch.set_num_threads; default: %(default)s, as "
+                             "hf-loopspec generate: threads beyond the free cores make small calls much slower)")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                         help="run the wavefront engine's step compiled (generate's compile_core) with this "
                              "torch.compile backend (default when given: inductor); plain is transformers' loop")

@@ -19,7 +19,15 @@ from .args import AUTO, LANE_MODES, check_sampling_args, with_defaults
 from .costs import ar_call_rows, call_grids, measure_call_costs, median_costs, predicted_seconds
 from .plot import plot, pyplot
 from .prompts import PROMPT_CODE, PROMPT_TEXT, make_prompts
-from .report import SAMPLING_CHECK_NOTE, build_result, format_table, machine_info, mode_row, write_result
+from .report import (
+    SAMPLING_CHECK_NOTE,
+    build_result,
+    check_writable,
+    format_table,
+    machine_info,
+    mode_row,
+    write_result,
+)
 from .run import bench_generation_config, compare, generation_processors, run_mode, sampling_settings, synthetic_hook
 
 
@@ -72,6 +80,11 @@ def run_bench(args) -> dict:
     compile_backend(args.compile)  # a ValueError for an unknown backend, before the model loads
     if args.plot:
         pyplot()  # fail before the runs, not after them
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_writable(path, flag)
+    if args.prompt_file and not Path(args.prompt_file).is_file():
+        raise ValueError(f"--prompt-file {args.prompt_file}: no such file; pass a text file to cut prompts from.")
     if args.new_tokens < 2 and any(m in args.modes for m in ("block", "pipeline")):
         raise ValueError("--new-tokens must be >= 2 for the speculative modes (nothing to draft otherwise).")
     device = resolve_device(args.device)
@@ -115,6 +128,9 @@ def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:
     check_positions(model.config, args.prompt_len, args.new_tokens, prompt_flag="--prompt-len",
                     new_flag="--new-tokens")
     vocab = model.get_output_embeddings().weight.shape[0]
+    if args.prompt_file and tokenizer is None:
+        raise ValueError(f"--prompt-file {args.prompt_file}: {model_name} has no tokenizer, so its prompts are random "
+                         "ids; drop --prompt-file, or pass a checkpoint with a tokenizer as --model.")
     text = Path(args.prompt_file).read_text() if args.prompt_file else (
         PROMPT_CODE if args.model == "default" else PROMPT_TEXT)
     ids = make_prompts(tokenizer, vocab, args.batch_size, args.prompt_len, args.seed, text).to(device)

@@ -248,6 +248,21 @@ def build_result(rows: list[dict], *, args, machine: dict, model, model_name: st
     }
 
 
+def check_writable(path: str | Path, flag: str) -> None:
+    """`ValueError` naming `flag` when a file cannot be written at `path` (its folders are made): checked before a
+    run, so that a long run is not lost at its end."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with path.open("a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot write there ({err.strerror}); pass a writable path.") from None
+
+
 def write_result(result: dict, path: str | Path) -> None:
     """Write `result` as JSON (row-count keys of the call costs become strings, as JSON needs)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -258,6 +273,9 @@ def load_result(path: str | Path) -> dict:
     """A results file written by `write_result` (or `--json`); `ValueError` when it is not one."""
     try:
         result = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ValueError(f"{path}: cannot be read ({err.strerror}); pass a file written by `hf-loopspec bench "
+                         "--json`.") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not JSON ({err}); pass a file written by `hf-loopspec bench --json`.") from None
     if not isinstance(result, dict) or not {"rows", "machine", "args", "model"} <= set(result):

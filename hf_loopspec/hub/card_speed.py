@@ -11,6 +11,7 @@ from pathlib import Path
 from huggingface_hub import EvalResult
 
 from ..bench.report import check_text, command_line, load_result
+from ..bench.shape_table import SHAPES
 
 NO_NUMBERS = (
     "No measured speed numbers: no `hf-loopspec bench` results were given when this card was written, so it shows "
@@ -34,10 +35,14 @@ def bench_results(benchmarks: Sequence[dict | str | Path] | None) -> list[dict]:
 def eval_results(results: Sequence[dict], source_url: str) -> list[EvalResult]:
     """`model-index` entries for bench result documents: per result (the workload, named by its machine and shape,
     is the "dataset") and per mode, tokens/s, and for speculative modes the ratio to plain decoding and the draft
-    acceptance when measured. `source_url` is where the bench comes from."""
+    acceptance when measured. `source_url` is where the bench comes from. A result of a random-weight shape or with
+    synthetic acceptance measures the engine, not the card's model: it stays in the card's speed section (which says
+    so) and gets no `model-index` entry."""
     entries = []
     for result in results:
         a, m = result["args"], result["machine"]
+        if a.get("model") in SHAPES or result.get("synthetic_acceptance") is not None:
+            continue
         workload = (f"hf-loopspec bench: {m['device_name']}, {a['dtype']}, batch {a['batch_size']}, prompt "
                     f"{a['prompt_len']}, {a['new_tokens']} new tokens")
         if result.get("synthetic_acceptance") is not None:

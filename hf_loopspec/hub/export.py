@@ -111,7 +111,10 @@ def export_checkpoint(
 
     import hf_loopspec
 
+    from .card_speed import bench_results
+
     shard_bytes = shard_size(max_shard_size)  # the settings first: a bad one is refused before any Hub request
+    benchmarks = bench_results(benchmarks)  # the result files too, before the model loads
     if dtype not in (None, *DTYPES):
         raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}.")
     out = check_destination(out, overwrite=overwrite)
