@@ -120,7 +120,8 @@ def _add_generation_options(parser: argparse.ArgumentParser, chat_help: str) -> 
                         action=SpeculativeOnly, help="K: drafts per block round (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=bench_args.positive, default=128, help="(default: %(default)s)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=bench_args.non_negative_float, default=None, help="with --do-sample")
+    parser.add_argument("--temperature", type=bench_args.positive_float, default=None,
+                        help="with --do-sample (> 0: for greedy decoding drop --do-sample)")
     parser.add_argument("--top-k", type=bench_args.positive, default=None, help="with --do-sample")
     parser.add_argument("--top-p", type=bench_args.fraction, default=None, help="with --do-sample")
     parser.add_argument("--seed", type=int, default=None, help="torch seed (for sampling)")

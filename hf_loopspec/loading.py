@@ -3,6 +3,7 @@ embedded default model, a checkpoint folder or Hub id, or a random-weight shape 
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 import torch
@@ -54,6 +55,21 @@ def default_model_path() -> Path:
         raise ModelNotAvailable(f"{err} Alternatively, {hint}") from None
 
 
+def _hub_local_only(spec: str) -> bool:
+    """For a Hub id: whether to load from the local Hub cache only (the Hub is off or out of reach and the repo is
+    cached); `OSError` at once (no retries) when it is neither reachable nor cached, or no such repo exists, with a
+    close benchmark shape's name for a mistyped one. False for a local folder."""
+    if Path(spec).expanduser().exists():
+        return False
+    close = difflib.get_close_matches(spec, SHAPES, n=1, cutoff=0.75)
+    if close and "/" not in spec:
+        raise ModelNotAvailable(f"--model {spec} is neither a folder nor a benchmark shape; did you mean {close[0]}? "
+                                f"(shapes: {', '.join(SHAPES)})")
+    from .hub.source import resolve_source
+
+    return resolve_source(spec).local_only
+
+
 def load_model(spec: str, dtype: torch.dtype | str, device: torch.device, *, need_tokenizer: bool = False,
                seed: int = 0):
     """`(model, tokenizer or None, description)` for a shape name, 'default', or a checkpoint path / Hub id.
@@ -73,18 +89,25 @@ def load_model(spec: str, dtype: torch.dtype | str, device: torch.device, *, nee
 
     import hf_loopspec  # noqa: F401  (registers the Auto classes)
 
+    local_only = _hub_local_only(str(path))
     check_source(str(path))  # one line for a missing folder, a model type that is not looped, damaged or pickle weights
     if dtype == "auto":
         dtype = torch.float32 if device.type == "cpu" else "auto"
     with hub_errors_explained(str(path)):
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_safetensors=True).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_safetensors=True,
+                                                     local_files_only=local_only).to(device).eval()
     if not hasattr(model, "decode_with_lanes"):
         raise ModelNotAvailable(f"{path} loads as {type(model).__name__}, which is not an hf_loopspec looped model.")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=local_only)
     except (OSError, ValueError) as err:
         if need_tokenizer:
-            raise ModelNotAvailable(f"no tokenizer could be loaded from {path} ({err}).") from None
+            folder = Path(str(path))
+            if folder.is_dir() and not any(folder.glob("tokenizer*")):
+                raise ModelNotAvailable(f"{path} has no tokenizer files (tokenizer.json, tokenizer_config.json); "
+                                        "add them to the folder, or pass a checkpoint that has them.") from None
+            raise ModelNotAvailable(f"no tokenizer could be loaded from {path} ({err}); pass a checkpoint whose "
+                                    "tokenizer loads with AutoTokenizer.") from None
         tokenizer = None
     name = "embedded default model" if spec == "default" else str(path)
     return model, tokenizer, name

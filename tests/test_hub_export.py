@@ -108,6 +108,8 @@ def test_export_writes_a_hub_ready_folder(exported, source):
     assert set(weights) == set(source[0].state_dict())
     for key, value in source[0].state_dict().items():
         assert torch.equal(weights[key], value), key
+    modes = {f: (exported / f).stat().st_mode & 0o777 for f in files}
+    assert set(modes.values()) == {modes["README.md"]}, modes  # the weights as readable as the card
 
     config = json.loads((exported / "config.json").read_text())
     assert config["auto_map"] == export.AUTO_MAP and config["architectures"] == ["OuroForCausalLM"]

@@ -61,7 +61,6 @@ fraction = checked(float, lambda v: 0.0 <= v <= 1.0, "is outside [0, 1]")
 positive = checked(int, lambda v: v >= 1, "must be >= 1")
 positive_float = checked(float, lambda v: v > 0, "must be > 0")
 non_negative = checked(int, lambda v: v >= 0, "must be >= 0")
-non_negative_float = checked(float, lambda v: v >= 0, "must be >= 0")
 
 
 SYNTHETIC_WITH_SAMPLING = ("--synthetic-acceptance cannot be combined with --do-sample: it replaces each draft by the "

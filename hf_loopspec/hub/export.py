@@ -139,7 +139,18 @@ def export_checkpoint(
     with staged_folder(out) as stage:
         _write_folder(stage, model, tokenizer, shard_bytes)
         card.save(stage / "README.md")
+        _readable_as_umask(stage)
     return out
+
+
+def _readable_as_umask(folder: Path) -> None:
+    """Give every file under `folder` the mode of its `README.md`, which the process's umask set (transformers writes
+    the weights owner-only, 0600, while the other files follow the umask: others could read the card but not the
+    weights)."""
+    mode = (folder / "README.md").stat().st_mode & 0o777
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.chmod(mode)
 
 
 def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens):
