@@ -201,7 +201,7 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
     drop = {*SPECULATIVE_KEYS, "max_new_tokens", "max_length", "min_new_tokens", "cache", "past_key_values",
             "return_dict_in_generate", "use_cache", "attention_mask", "inputs", "input_ids", "streamer"}
     base = {key: value for key, value in kwargs.items() if key not in drop}
-    if config.do_sample and config.num_return_sequences > 1:  # expanded once, up front (`expand_rows`)
+    if config.do_sample and config.num_return_sequences > 1:  # the rows are repeated once, up front (`_rows_and_mask`)
         base["num_return_sequences"] = 1
     call = _Call(base, int(max_new), config.min_new_tokens, eos, pad,
                  single=any(_in_effect(key, _setting(kwargs, config, key)) for key in ONE_STRETCH),
