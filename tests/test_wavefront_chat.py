@@ -126,6 +126,19 @@ def test_continue_a_plain_calls_dynamic_cache(chat, mode, d, k):
             assert_fp32_close(x.transpose(1, 2)[real], y.transpose(1, 2)[real], **ouro_depth(model.config))
 
 
+def test_continue_a_dynamic_cache_without_masks(chat):
+    """One unpadded row, no attention mask in either turn: the plain turn's `DynamicCache` continued by pipeline."""
+    model, ids, mask, _, turns = chat
+    row = ids[:1, -PROMPTS[0]:]  # row 0 is the longest prompt: no padding
+    with torch.no_grad():
+        first = model.generate(row, max_new_tokens=NEW, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+        full = torch.cat([first.sequences, torch.as_tensor(turns[0][0])[None]], 1)
+        want = model.generate(full, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        got = model.generate(full, max_new_tokens=NEW, do_sample=False, pad_token_id=0, cache=first.cache,
+                             speculative_mode="pipeline")
+    assert got.tolist() == want.tolist()
+
+
 def test_a_filled_cache_of_another_layout_names_past_key_values(chat):
     """A cache filled by another model (head_dim 16 instead of 8) gets plain decoding's `ValueError`, naming
     `past_key_values`, before any work."""

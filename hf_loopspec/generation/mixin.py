@@ -151,7 +151,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
                 model_kwargs["cache"] = PagedLoopCache(self.kv_layout)
             elif isinstance(user_cache, DynamicCache) and call is not None:  # a plain call's, e.g. a chat's last turn
                 mask = model_kwargs.get("attention_mask")  # None: no padding, every cached column is real
-                mask = torch.ones(batch_size, user_cache.get_seq_length(), dtype=torch.long) if mask is None else mask
+                mask = torch.ones(batch_size, user_cache.get_seq_length(), dtype=torch.long,
+                                  device=self.device) if mask is None else mask
                 model_kwargs["cache"] = to_paged(user_cache, self.kv_layout, mask)
                 call.dynamic_cache = user_cache  # refilled with the run's KV at its end (`_continued_cache`)
             elif not isinstance(user_cache, PagedLoopCache):
