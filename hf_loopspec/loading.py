@@ -65,9 +65,9 @@ def _hub_local_only(spec: str) -> bool:
     if close and "/" not in spec:
         raise ModelNotAvailable(f"--model {spec} is neither a folder nor a benchmark shape; did you mean {close[0]}? "
                                 f"(shapes: {', '.join(SHAPES)})")
-    from .hub.source import resolve_source
+    from .hub.source import hub_state
 
-    return resolve_source(spec).local_only
+    return hub_state(spec)[0]
 
 
 def load_model(spec: str, dtype: torch.dtype | str, device: torch.device, *, need_tokenizer: bool = False,
@@ -89,8 +89,8 @@ def load_model(spec: str, dtype: torch.dtype | str, device: torch.device, *, nee
 
     import hf_loopspec  # noqa: F401  (registers the Auto classes)
 
-    local_only = _hub_local_only(str(path))
     check_source(str(path))  # one line for a missing folder, a model type that is not looped, damaged or pickle weights
+    local_only = _hub_local_only(str(path))
     if dtype == "auto":
         dtype = torch.float32 if device.type == "cpu" else "auto"
     with hub_errors_explained(str(path)):

@@ -102,10 +102,10 @@ def test_an_unreachable_hub_fails_at_once_or_uses_the_cache(monkeypatch, cached)
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache",
                         lambda repo_id, filename, **kw: f"/cache/{filename}" if cached else None)
     if cached:
-        assert source._hub_state("someone/cached-model") == (True, {})
+        assert source.hub_state("someone/cached-model") == (True, {})
     else:
         with pytest.raises(OSError, match=r"someone/uncached-model .*cannot be reached.*ConnectionError"):
-            source._hub_state("someone/uncached-model")
+            source.hub_state("someone/uncached-model")
 
 
 def test_the_next_export_removes_the_staged_folder_of_a_killed_one(tmp_path):

@@ -219,10 +219,9 @@ def _in_effect(key: str, value) -> bool:
 def _rows_and_mask(model, ids: torch.Tensor, mask: torch.Tensor | None, config: GenerationConfig):
     """The call's rows and attention mask `[B', S]` as plain decoding decodes them: the mask transformers infers from
     the pad token when none is passed, and with sampling each row repeated `num_return_sequences` times."""
-    if mask is None:
-        inferred = GenerationConfig.from_dict(config.to_dict())
-        model._prepare_special_tokens(inferred, False, device=ids.device)
-        mask = model._prepare_attention_mask_for_generation(ids, inferred, {})
+    if mask is None:  # `config` is the call's own copy (`merged_config`): transformers' preparation may write it
+        model._prepare_special_tokens(config, False, device=ids.device)
+        mask = model._prepare_attention_mask_for_generation(ids, config, {})
     if config.do_sample and config.num_return_sequences > 1:
         ids, mask = (t.repeat_interleave(config.num_return_sequences, 0) for t in (ids, mask))
     return ids, mask

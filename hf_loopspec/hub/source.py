@@ -46,7 +46,7 @@ def resolve_source(spec: str) -> Source:
     from ..input_checks import check_source
 
     check_source(spec)  # a path-like name that is no folder: "no such folder", before any Hub request
-    local_only, data = _hub_state(spec)
+    local_only, data = hub_state(spec)
     lead = None
     try:
         from huggingface_hub import hf_hub_download
@@ -59,7 +59,7 @@ def resolve_source(spec: str) -> Source:
     return Source(spec, spec, spec.rsplit("/", 1)[-1], None, True, local_only, data, lead)
 
 
-def _hub_state(repo_id: str) -> tuple[bool, dict]:
+def hub_state(repo_id: str) -> tuple[bool, dict]:
     """(load from local files only, the repo's card metadata) for a Hub id; `OSError` when it cannot be loaded."""
     from huggingface_hub import HfApi, is_offline_mode, try_to_load_from_cache
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
