@@ -113,3 +113,19 @@ def test_three_turn_chat_reuses_the_cache_in_mixed_modes():
         assert cache.get_seq_length() == out.sequences.shape[1] - 1
         ids = out.sequences
         history.append({"role": "assistant", "content": tokenizer.decode(ids[0, -12:])})
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_cache_filled_for_fewer_rows_is_refused(mode):
+    """A cache filled at batch 1 continued with a batch of 2 (the conversation duplicated): the second row's history
+    is not in the cache, so every mode raises (the speculative ones decoded it from its new tokens alone, silently)
+    and leaves what the cache holds as it was."""
+    model, vocab, _ = ouro_case()
+    ids, mask = left_pad(random_prompts(1, [6], vocab))
+    cache = PagedLoopCache(model.kv_layout)
+    first = generate(model, ids, mask, 4, mode, None, cache=cache).sequences
+    held = cache.get_seq_length()
+    two = torch.cat([torch.cat([first, first]), torch.randint(1, vocab, (2, 2))], 1)
+    with pytest.raises(ValueError, match=r"stores \[9, 0\] tokens per sequence"):
+        generate(model, two, torch.ones_like(two), 5, mode, None, cache=cache)
+    assert cache.get_seq_length() == held and cache.length(0, 0) == first.shape[1] - 1

@@ -176,8 +176,8 @@ class PagedLoopCache(PageTables, Cache):
         """Raise unless every sequence stores exactly the real tokens that `attention_mask` `[B, >= columns]`
         marks in the columns the cache has consumed (the cache belongs to these inputs)."""
         past = self.columns()
-        stored = [self.length(s, 0) for s in range(self.num_sequences)]
-        marked = attention_mask[:, :past].bool().sum(-1).tolist()[: len(stored)]
+        stored = [self.length(s, 0) if s < self.num_sequences else 0 for s in range(len(attention_mask))]
+        marked = attention_mask[:, :past].bool().sum(-1).tolist()
         if stored != marked:
             raise ValueError(
                 f"the PagedLoopCache stores {stored} tokens per sequence, but attention_mask marks {marked} real "

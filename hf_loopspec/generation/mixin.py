@@ -85,11 +85,21 @@ class LoopSpecGenerationMixin(GenerationMixin):
         """transformers' entry point of continuous batching (and of `continuous_batching_context_manager` and
         `generate_batch`), on the wavefront engine: a `continuous.LoopBatchingManager` with transformers' manager API,
         decoding every request as the generation config says (plain, or a speculative mode). A manager kept with
-        `stop(keep_for_next_session=True)` is returned again."""
+        `stop(keep_for_next_session=True)` is returned again, unless the call gives other settings than it runs
+        (`ValueError`: a manager's settings are fixed for its life)."""
         from .continuous.manager import LoopBatchingManager
 
         cached = getattr(self, "_cached_continuous_batching_manager", None)
         if isinstance(cached, LoopBatchingManager):
+            for name, given, kept in (("generation_config", generation_config, cached.generation_config),
+                                      ("continuous_batching_config", continuous_batching_config,
+                                       cached.continuous_batching_config)):
+                if given is not None and given != kept:
+                    raise ValueError(f"{name}: this model keeps a continuous batching manager (persistent_manager="
+                                     f"True, or stop(keep_for_next_session=True)) built with another {name}, and a "
+                                     "manager's settings are fixed for its life; call "
+                                     "model.destroy_cached_continuous_batching_manager() first, or pass the same "
+                                     f"{name} (or none).")
             return cached
         return LoopBatchingManager(self, generation_config, continuous_batching_config, workload_hints)
 

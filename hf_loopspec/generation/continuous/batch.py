@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
 from tqdm.auto import tqdm
+from transformers import GenerationConfig
 
 from ...logs import get_logger
 
@@ -24,12 +26,14 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
                    warmup: bool = True, **kwargs) -> dict:
     """Decode every prompt of `inputs` (lists of token ids) with continuous batching (see the module docstring).
     `kwargs`: `max_new_tokens` (for every request) and per-request keys of `add_request` (`seed`)."""
+    _check_arguments(inputs, generation_config, kwargs)
     if not inputs:
         return {}
     config = generation_config if generation_config is not None else model.generation_config
-    max_new_tokens = kwargs.pop("max_new_tokens", None) or config.max_new_tokens
-    hints = SimpleNamespace(max_prompt_length=max(len(ids) for ids in inputs), max_generated_length=max_new_tokens,
-                            num_requests=len(inputs))
+    max_new_tokens = kwargs.pop("max_new_tokens", None)  # None: each request's from the generation config
+    hints = SimpleNamespace(max_prompt_length=max(len(ids) for ids in inputs),
+                            max_generated_length=max_new_tokens if max_new_tokens is not None
+                            else config.max_new_tokens, num_requests=len(inputs))
     context = model.continuous_batching_context_manager(
         generation_config=generation_config, continuous_batching_config=continuous_batching_config, block=True,
         persistent_manager=persistent_manager, warmup=warmup, workload_hints=hints)
@@ -54,3 +58,22 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
     if failed:
         logger.error("generate_batch: requests %s failed: %s", failed[:8], results[failed[0]].error)
     return {request_id: results[request_id] for request_id in ids}
+
+
+def _check_arguments(inputs, generation_config, kwargs: dict) -> None:
+    """`ValueError` naming a `generate_batch` argument it cannot take: `inputs` must be a list (or tuple) of prompts,
+    each a list or 1-D tensor of token ids; `generation_config` a `GenerationConfig` or None; `request_id` is the
+    manager's to give (one per request)."""
+    if "request_id" in kwargs:
+        raise ValueError(f"request_id={kwargs['request_id']!r} in generate_batch would give every request the same "
+                         "id: drop it (the manager numbers the requests; the result is keyed by those ids), or add "
+                         "requests one by one with manager.add_request(ids, request_id=...).")
+    if not isinstance(inputs, (list, tuple)) or not all(isinstance(ids, (list, tuple)) or
+                                                       (torch.is_tensor(ids) and ids.dim() == 1) for ids in inputs):
+        shape = f"a tensor of shape {tuple(inputs.shape)}" if torch.is_tensor(inputs) else type(inputs).__name__
+        raise ValueError(f"inputs: {shape}; give a list of prompts, each a list of token ids (e.g. "
+                         "tokenizer(texts)['input_ids'], or tensor.tolist() of a [batch, length] tensor without "
+                         "padding).")
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise ValueError(f"generation_config: a {type(generation_config).__name__}; give a "
+                         "transformers.GenerationConfig (GenerationConfig(**settings)) or None.")

@@ -38,7 +38,16 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from ...logs import get_logger
 from ..rules import non_finite_error
 from . import huginn
-from .settings import OVERRIDE, eos_ids, manager_settings, override_tokens, request_problem
+from .settings import (
+    OVERRIDE,
+    eos_ids,
+    is_integer,
+    manager_settings,
+    override_tokens,
+    request_max_new,
+    request_problem,
+    token_ids,
+)
 from .slots import SlotBatch
 
 logger = get_logger(__name__)
@@ -51,8 +60,27 @@ class Router(OutputRouter):
     """transformers' `OutputRouter`, whose deliveries without a handler are queued under its lock (so a handler
     registered meanwhile finds them: `take_queued`)."""
 
+    def __init__(self):
+        super().__init__()
+        self.open_ids = set()  # the requests added and not yet delivered finished or failed
+
+    def open(self, request_id: str) -> None:
+        """Note `request_id` as added; `ValueError` when a request of that id is still open."""
+        with self._lock:
+            if request_id in self.open_ids:
+                raise ValueError(f"request_id={request_id!r} is already waiting or in flight on this manager: give "
+                                 "each request its own id (or none: the manager numbers them).")
+            self.open_ids.add(request_id)
+
     def deliver(self, output: GenerationOutput) -> None:
         self.deliver_batch([output])
+
+    def deliver_batch(self, outputs: list[GenerationOutput]) -> None:
+        with self._lock:
+            for output in outputs:
+                if output.is_finished() or output.status == RequestStatus.FAILED:
+                    self.open_ids.discard(output.request_id)
+        super().deliver_batch(outputs)
 
     def take_queued(self, request_id: str) -> list[GenerationOutput]:
         """Take `request_id`'s results out of the output queue, in order, leaving the others' (call under the lock)."""
@@ -176,21 +204,31 @@ class LoopBatchingManager:
         if denial is not None:
             logger.warning("%s: the request is dropped.", denial)
             return None
+        extra = {key: int(value) if is_integer(value) else value for key, value in logit_processor_kwargs.items()}
+        ids = token_ids(input_ids)
+        max_new = request_max_new(self.settings, ids, int(max_new_tokens) if is_integer(max_new_tokens)
+                                  else max_new_tokens)
+        problem = None
+        try:
+            eos = list(self.settings.eos_token_id) if eos_token_id is None else eos_ids(eos_token_id)
+        except ValueError as error:
+            eos, problem = [], str(error)
+        if problem is None and max_new_tokens is None and is_integer(max_new) and max_new < 1:
+            problem = (f"max_length={self.settings.max_length} in the generation config leaves no new token after a "
+                       f"prompt of {len(ids)} tokens: pass max_new_tokens=..., or raise max_length.")
+        problem = problem or request_problem(self.settings, ids, max_new, eos, extra)
+        if not problem and draft_override is not None:
+            extra[OVERRIDE] = override_tokens(self.settings, draft_override, len(ids) + max_new)
         if request_id is None:
             with self._request_lock:
                 request_id, self._request_counter = f"req_{self._request_counter}", self._request_counter + 1
-        ids = list(input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids)
-        max_new = self.settings.max_new_tokens if max_new_tokens is None else max_new_tokens
-        eos = list(self.settings.eos_token_id) if eos_token_id is None else eos_ids(eos_token_id)
-        state = RequestState(request_id=request_id, initial_tokens=ids, record_timestamps=record_timestamps,
-                             max_new_tokens=max_new, eos_token_id=eos, streaming=streaming,
-                             logit_processor_kwargs=dict(logit_processor_kwargs))
-        problem = request_problem(self.settings, ids, max_new, eos, logit_processor_kwargs)
+        self.output_router.open(request_id)
+        state = RequestState(request_id=request_id, initial_tokens=ids if isinstance(ids, list) else [],
+                             record_timestamps=record_timestamps, max_new_tokens=max_new, eos_token_id=eos,
+                             streaming=streaming, logit_processor_kwargs=extra)
         if problem:
             self.output_router.fail_and_deliver(state, ValueError(f"request {request_id}: {problem}"))
             return request_id
-        if draft_override is not None:
-            state.logit_processor_kwargs[OVERRIDE] = override_tokens(self.settings, draft_override, len(ids) + max_new)
         self.input_queue.put(state)
         self._wake_up_loop.set()
         return request_id

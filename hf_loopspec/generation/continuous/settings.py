@@ -13,6 +13,7 @@ A request brings its own prompt, `max_new_tokens`, EOS ids, when sampling, `seed
 from __future__ import annotations
 
 import copy
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,11 @@ DEFAULT_POSITIONS = 1024  # C when nothing gives it (capped by the model's max_p
 MAX_EOS_IDS = 16  # E: EOS ids one request may carry
 DEFAULT_MAX_NEW_TOKENS = 20  # transformers' default when neither the request nor the generation config sets it
 REQUEST_KEYS = ("seed",)  # the per-request keyword a request may add (`add_request(**logit_processor_kwargs)`)
+MAX_SEED = 2**63  # seeds are torch generator seeds: int64
+UNSUPPORTED = {  # generation config settings a manager cannot honour (stop_strings has its own message)
+    "max_time": "a manager stops a request at its EOS ids and max_new_tokens only",
+    "penalty_alpha": "contrastive search is not a decoding a manager runs (transformers 5 removed it from generate)",
+}
 OVERRIDE = "draft_override"  # where a request's (test-only) draft override waits for its admission
 
 
@@ -49,6 +55,7 @@ class ManagerSettings:
     pad_token_id: int
     eos_token_id: tuple[int, ...]  # the default EOS ids of a request
     max_new_tokens: int  # the default max_new_tokens of a request
+    max_length: int | None  # the generation config's max_length (prompt included) when it sets no max_new_tokens
     vocab: int
     seed: int | None  # the continuous batching config's seed: a sampled request without its own draws from it
     recurrence: object = None  # the model's recurrence settings for every request (`huginn`), None without them
@@ -69,6 +76,10 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
     if getattr(config, "stop_strings", None):
         raise ValueError(f"stop_strings={config.stop_strings!r} in continuous batching: a manager stops a request at "
                          "its EOS ids and max_new_tokens only; drop stop_strings, or decode with model.generate.")
+    for key, why in UNSUPPORTED.items():
+        if getattr(config, key, None) is not None:
+            raise ValueError(f"{key}={getattr(config, key)!r} in continuous batching: {why}; drop {key}, or decode "
+                             "with model.generate.")
     if getattr(cb_config, "return_logprobs", False):
         raise ValueError("return_logprobs=True in the ContinuousBatchingConfig: the package's manager does not "
                          "record log-probabilities (GenerationOutput.logprobs stays empty); drop it.")
@@ -82,6 +93,8 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
                              "manager runs temperature, top_k, top_p, min_p and repetition_penalty (on the device) "
                              "only; "
                              "drop that setting from the generation config, or decode with model.generate.")
+    for key in ("block_size", "page_size"):
+        _positive(getattr(cb_config, key, None), key)
     slots = _positive(getattr(cb_config, "max_requests_per_batch", None), "max_requests_per_batch") \
         or min(DEFAULT_SLOTS, getattr(hints, "num_requests", None) or DEFAULT_SLOTS)
     positions = _positions(model, config, cb_config, hints)
@@ -97,28 +110,39 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
         eos_token_id=tuple(eos_ids(config.eos_token_id if config.eos_token_id is not None
                                    else model.config.eos_token_id)),
         max_new_tokens=int(config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS),
-        vocab=model.get_output_embeddings().weight.shape[0], seed=getattr(cb_config, "seed", None),
+        max_length=int(config.max_length) if config.max_new_tokens is None and config.max_length else None,
+        vocab=model.get_output_embeddings().weight.shape[0], seed=_seed(getattr(cb_config, "seed", None)),
         recurrence=recurrence)
 
 
-def fixed_mode(config, num_loops: int) -> str | None:
-    """The mode a manager runs for a generation config saying `speculative_mode="auto"`: pipeline at the config's
-    `draft_loops` (default 1) when the loop count is a multiple of it, else block at that depth; plain decoding
-    (None) for a 1-loop model. A manager's mode is the shape of its step, fixed for its life, so it cannot follow
-    the acceptance as auto's segments do; of the speculative settings at one depth, pipeline needs the fewest core
-    calls per token at every acceptance (`auto_costs.calls_per_token`)."""
-    if num_loops < 2:
-        return None
+def fixed_mode(config, num_loops: int) -> str:
+    """The mode a manager runs for a generation config saying `speculative_mode="auto"` (checked by
+    `speculative_config` first, which refuses it on a 1-loop model, as `generate` does): pipeline at the config's
+    `draft_loops` (default 1) when the loop count is a multiple of it, else block at that depth. A manager's mode is
+    the shape of its step, fixed for its life, so it cannot follow the acceptance as auto's segments do; of the
+    speculative settings at one depth, pipeline needs the fewest core calls per token at every acceptance
+    (`auto_costs.calls_per_token`)."""
     draft_loops = getattr(config, "draft_loops", None) or DEFAULT_DRAFT_LOOPS
     return "pipeline" if num_loops % draft_loops == 0 else "block"
+
+
+def is_integer(value) -> bool:
+    """Whether `value` is an integer (Python's or numpy's; not a bool)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _positive(value, name: str) -> int | None:
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_integer(value) or value < 1:
         raise ValueError(f"{name}={value!r} in the ContinuousBatchingConfig must be an integer >= 1.")
-    return value
+    return int(value)
+
+
+def _seed(value) -> int | None:
+    if value is not None and (not is_integer(value) or not 0 <= value < MAX_SEED):
+        raise ValueError(f"seed={value!r} in the ContinuousBatchingConfig must be an integer in [0, 2**63) or None.")
+    return None if value is None else int(value)
 
 
 def _positions(model, config, cb_config, hints) -> int:
@@ -126,10 +150,11 @@ def _positions(model, config, cb_config, hints) -> int:
     hints' longest prompt plus output; else `DEFAULT_POSITIONS` or the model's `max_position_embeddings`."""
     blocks = _positive(getattr(cb_config, "max_blocks_per_request", None), "max_blocks_per_request")
     if blocks:
-        size = getattr(cb_config, "block_size", None) or getattr(cb_config, "page_size", None) or 1
+        size = _positive(getattr(cb_config, "block_size", None), "block_size") \
+            or _positive(getattr(cb_config, "page_size", None), "page_size") or 1
         return max(2, blocks * size)
     if hints is not None and getattr(hints, "max_prompt_length", None):
-        wanted = hints.max_prompt_length + (hints.max_generated_length or config.max_new_tokens
+        wanted = hints.max_prompt_length + (hints.max_generated_length or config.max_new_tokens or config.max_length
                                             or DEFAULT_MAX_NEW_TOKENS)
         return max(2, wanted)
     limit = getattr(model.config, "max_position_embeddings", None) or DEFAULT_POSITIONS
@@ -137,21 +162,45 @@ def _positions(model, config, cb_config, hints) -> int:
 
 
 def eos_ids(value) -> list[int]:
-    """The non-negative EOS ids of `value` (an id, a list of ids, None; -1: none), as transformers reads them."""
+    """The non-negative EOS ids of `value` (an id, a list or 1-D tensor of ids, None; -1: none), as transformers
+    reads them; `ValueError` naming `eos_token_id` for anything else."""
     if value is None:
         return []
-    values = [value] if isinstance(value, int) else list(value)
-    return [int(v) for v in values if int(v) >= 0]
+    values = value.tolist() if hasattr(value, "tolist") else value
+    values = [values] if not isinstance(values, (list, tuple)) else list(values)
+    if not all(is_integer(v) for v in values):
+        raise ValueError(f"eos_token_id={value!r}: give a token id or a list of token ids (integers), or None.")
+    return [int(v) for v in values if v >= 0]
+
+
+def token_ids(value):
+    """A request's prompt as a list (a tensor's or array's values, a list's items, ints where they are integers); any
+    other value as it is, for `request_problem` to name."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        return value
+    return [int(t) if is_integer(t) else t for t in value]
+
+
+def request_max_new(settings: ManagerSettings, input_ids, max_new_tokens):
+    """A request's max_new_tokens: its own, else what the generation config's max_length leaves after its prompt (as
+    `generate` reads max_length: prompt included), else the config's max_new_tokens (or transformers' default)."""
+    if max_new_tokens is not None:
+        return max_new_tokens
+    if settings.max_length is not None and isinstance(input_ids, list):
+        return settings.max_length - len(input_ids)
+    return settings.max_new_tokens
 
 
 def request_problem(settings: ManagerSettings, input_ids, max_new_tokens, eos, extra: dict) -> str | None:
     """Why a request cannot run on a manager with `settings`, or None (each message names the value and the fix)."""
     if not isinstance(input_ids, (list, tuple)) or not input_ids:
         return f"input_ids={input_ids!r}: give a non-empty list of token ids."
-    bad = [t for t in input_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < settings.vocab]
+    bad = [t for t in input_ids if not is_integer(t) or not 0 <= t < settings.vocab]
     if bad:
         return f"input_ids hold {bad[:4]}: token ids must be integers in [0, {settings.vocab})."
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
         return f"max_new_tokens={max_new_tokens!r}: give an integer >= 1."
     if len(input_ids) + max_new_tokens > settings.positions:
         return (f"a prompt of {len(input_ids)} tokens with max_new_tokens={max_new_tokens} needs "
@@ -166,7 +215,7 @@ def request_problem(settings: ManagerSettings, input_ids, max_new_tokens, eos, e
                 f"({settings.pool.positions} positions per plane): shorten the request, or start the manager with a "
                 "larger ContinuousBatchingConfig(num_blocks=...) (with max_memory_percent=... when memory caps the "
                 "pool).")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos) or len(eos) > MAX_EOS_IDS:
+    if not all(is_integer(t) for t in eos) or len(eos) > MAX_EOS_IDS:
         return f"eos_token_id={list(eos)!r}: give at most {MAX_EOS_IDS} integer ids."
     allowed = (*REQUEST_KEYS, huginn.REQUEST_KEY) if settings.recurrence is not None else REQUEST_KEYS
     unknown = sorted(set(extra) - set(allowed))
@@ -178,8 +227,8 @@ def request_problem(settings: ManagerSettings, input_ids, max_new_tokens, eos, e
     if problem:
         return problem
     seed = extra.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-        return f"seed={seed!r}: give a non-negative integer."
+    if seed is not None and (not is_integer(seed) or not 0 <= seed < MAX_SEED):
+        return f"seed={seed!r}: give an integer in [0, 2**63)."
     if seed is not None and not settings.do_sample:
         return f"seed={seed!r} on a greedy manager: a seed takes effect with do_sample=True in the generation config."
     return None

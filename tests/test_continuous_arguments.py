@@ -1,0 +1,129 @@
+"""Arguments of continuous batching that transformers' signatures accept but a looped model's manager must check:
+request ids, `max_new_tokens` and the generation config's `max_length`, settings a manager cannot honour, a kept
+manager asked for with other settings, integer types. The reference of every tokens check is plain greedy
+`generate` of the request alone (fp32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from continuous_utils import VOCAB, alone, batching, generation_config, prompts
+from speculative_utils import named_modes, tiny_spec_model
+from transformers import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import RequestStatus
+
+PIPELINE = named_modes()["pipeline-d1"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_spec_model(0, vocab=VOCAB, damp=0.5)
+
+
+def test_request_ids_must_be_new(model):
+    """`generate_batch(request_id=...)` would give every request one id (it waited forever); an id still open on a
+    manager is refused; once that request has finished, its id is free again."""
+    inputs = prompts(2, [4, 6])
+    with pytest.raises(ValueError, match="request_id='x' in generate_batch"):
+        model.generate_batch(inputs, generation_config=generation_config({}), continuous_batching_config=batching(),
+                             request_id="x")
+    manager = model.init_continuous_batching(generation_config(PIPELINE), batching())
+    manager.start()
+    try:
+        manager.add_request(inputs[0], request_id="dup", max_new_tokens=5)
+        with pytest.raises(ValueError, match="request_id='dup' is already waiting or in flight"):
+            manager.add_request(inputs[1], request_id="dup", max_new_tokens=5)
+        first = next(r for r in manager.request_id_iter("dup") if r.is_finished())
+        assert first.generated_tokens == alone(model, inputs[0], 5)
+        manager.add_request(inputs[1], request_id="dup", max_new_tokens=5)
+        second = next(r for r in manager.request_id_iter("dup") if r.is_finished())
+        assert second.generated_tokens == alone(model, inputs[1], 5)
+    finally:
+        manager.stop(block=True, timeout=30)
+
+
+@pytest.mark.parametrize("settings", [{}, PIPELINE], ids=["plain", "pipeline"])
+def test_max_length_of_the_config_counts_the_prompt(model, settings):
+    """A generation config with `max_length` and no `max_new_tokens` stops each request where `generate` does
+    (prompt included); a prompt that already fills it fails alone, naming max_length."""
+    inputs = prompts(3, [4, 6, 9])
+    config = generation_config(settings, max_new_tokens=None, max_length=9)
+    out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching())
+    expected = [model.generate(torch.tensor([p]), generation_config=config, speculative_mode=None)[0, len(p):].tolist()
+                for p in inputs[:2]]
+    assert [r.generated_tokens for r in list(out.values())[:2]] == expected
+    assert [len(e) for e in expected] == [5, 3]
+    last = list(out.values())[2]
+    assert last.status == RequestStatus.FAILED and "max_length=9" in last.error
+
+
+def test_zero_new_tokens_fails_instead_of_taking_the_default(model):
+    out = model.generate_batch(prompts(2, [4]), generation_config=generation_config({}),
+                               continuous_batching_config=batching(), max_new_tokens=0)
+    (result,) = out.values()
+    assert result.status == RequestStatus.FAILED and "max_new_tokens=0" in result.error
+
+
+@pytest.mark.parametrize("extra", [{"max_time": 1e-4}, {"penalty_alpha": 0.6, "top_k": 4}], ids=["max_time",
+                                                                                                 "penalty_alpha"])
+def test_settings_a_manager_would_drop_are_refused(model, extra):
+    key = next(iter(extra))
+    with pytest.raises(ValueError, match=f"{key}=.* in continuous batching"):
+        model.init_continuous_batching(generation_config({}, **extra), batching())
+
+
+def test_a_kept_manager_refuses_other_settings(model):
+    """A manager kept for the next session runs its own settings for life: asking for it with another generation
+    config raises instead of decoding with the old one; the same config (or none) gets it back."""
+    inputs = prompts(2, [4, 6])
+    config = generation_config({})
+    model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(),
+                         persistent_manager=True)
+    try:
+        with pytest.raises(ValueError, match="generation_config: this model keeps a continuous batching manager"):
+            model.generate_batch(inputs, generation_config=generation_config({}, repetition_penalty=1.5),
+                                 continuous_batching_config=batching(), persistent_manager=True)
+        out = model.generate_batch(inputs, generation_config=generation_config({}),
+                                   continuous_batching_config=batching(), persistent_manager=True)
+        assert [r.generated_tokens for r in out.values()] == [alone(model, p, 8) for p in inputs]
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+
+
+@pytest.mark.parametrize(("config", "match"), [
+    (ContinuousBatchingConfig(page_size=0), "page_size=0"),
+    (ContinuousBatchingConfig(max_blocks_per_request=4, block_size=-16), "block_size=-16"),
+    (ContinuousBatchingConfig(seed="x"), "seed='x'"),
+    (ContinuousBatchingConfig(seed=-1), "seed=-1"),
+])
+def test_bad_continuous_batching_config_values_are_named(model, config, match):
+    with pytest.raises(ValueError, match=match):
+        model.init_continuous_batching(generation_config({}), config)
+
+
+def test_bad_generate_batch_arguments_are_named(model):
+    with pytest.raises(ValueError, match=r"inputs: a tensor of shape \(2, 4\)"):
+        model.generate_batch(torch.ones(2, 4, dtype=torch.long), generation_config=generation_config({}))
+    with pytest.raises(ValueError, match="inputs: generator"):
+        model.generate_batch((p for p in prompts(2, [4])), generation_config=generation_config({}))
+    with pytest.raises(ValueError, match="generation_config: a dict"):
+        model.generate_batch(prompts(2, [4]), generation_config={"max_new_tokens": 3})
+
+
+def test_numpy_integers_and_bad_eos_ids(model):
+    """numpy integers are integers (ids, max_new_tokens, seed); EOS ids that are not integers fail the request alone
+    with a message naming eos_token_id, and `True` is not an id."""
+    prompt = prompts(2, [5])[0]
+    out = model.generate_batch([[np.int64(t) for t in prompt]], generation_config=generation_config({}),
+                               continuous_batching_config=batching(), max_new_tokens=np.int64(4))
+    assert [r.generated_tokens for r in out.values()] == [alone(model, prompt, 4)]
+    manager = model.init_continuous_batching(generation_config({}), batching())
+    manager.start()
+    try:
+        for eos in ("a", 46.7, [[1]], True):
+            request = manager.add_request(prompt, max_new_tokens=3, eos_token_id=eos)
+            result = next(manager.request_id_iter(request))
+            assert result.status == RequestStatus.FAILED and "eos_token_id=" in result.error, eos
+    finally:
+        manager.stop(block=True, timeout=30)
