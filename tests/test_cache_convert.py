@@ -100,10 +100,27 @@ def test_refill_in_place_and_refusals(case):
     larger = DynamicCache()
     for i in range(layout.num_planes * layout.num_layers + 1):
         larger.update(ref.cache.layers[0].keys, ref.cache.layers[0].values, i)
-    with pytest.raises(ValueError, match="belongs to another model"):
+    with pytest.raises(ValueError, match="past_key_values holds KV in .* layers, but this call writes"):
         to_paged(larger, layout, full)
     partial = DynamicCache()
     partial.update(ref.cache.layers[0].keys, ref.cache.layers[0].values, 0)
     partial.update(ref.cache.layers[0].keys[:, :, :-1], ref.cache.layers[0].values[:, :, :-1], 1)
     with pytest.raises(ValueError, match="loop depth 0"):
         to_paged(partial, layout, full)
+
+
+@pytest.mark.parametrize("mode", [{"speculative_mode": None}, {"speculative_mode": "pipeline", "draft_loops": 1}],
+                         ids=["plain", "pipeline"])
+def test_a_dynamic_cache_that_does_not_fit_is_refused(mode):
+    """A `DynamicCache` filled for another batch size, or by a model with other heads, raises a `ValueError` naming
+    past_key_values in plain and speculative decoding (they raised torch's shape errors)."""
+    model, other = tiny_spec_model(61, 4, vocab=64), tiny_spec_model(5, 4, vocab=64, hidden=64)
+    ids = torch.randint(1, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+    for filler, batch in ((model, 3), (other, 1)):
+        cache = DynamicCache()
+        first = filler.generate(ids, cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                                speculative_mode=None)
+        again = torch.cat([first] * batch)
+        with pytest.raises(ValueError, match=r"past_key_values holds keys of shape \(1, 2, 8, (8|16)\)"):
+            model.generate(again, attention_mask=torch.ones_like(again), cache=cache, max_new_tokens=3,
+                           do_sample=False, pad_token_id=0, **mode)

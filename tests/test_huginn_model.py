@@ -295,3 +295,17 @@ def test_bad_inputs_raise():
         model(torch.tensor([[3, 500]]))
     with pytest.raises(ValueError, match="inputs_embeds"):
         model(inputs_embeds=torch.zeros(1, 2, 32))
+
+
+@pytest.mark.parametrize(("filled", "continued"), [(4, 2), (6, 3)])
+def test_a_dynamic_cache_of_more_steps_is_refused(filled, continued):
+    """A `DynamicCache` that `generate` filled at more recurrence steps holds planes this call would misread (its
+    core planes as entry and exit planes): refused, where it decoded meaningless tokens."""
+    model, _ = tiny_huginn()
+    ids = random_ids((2, 5), VOCAB)
+    settings = {"init_scale": 0.0, "do_sample": False, "pad_token_id": PAD, "eos_token_id": None}
+    cache = DynamicCache()
+    with torch.no_grad():
+        first = model.generate(ids, cache=cache, max_new_tokens=3, num_steps=filled, **settings)
+        with pytest.raises(ValueError, match=f"this call writes {2 * continued + 1} planes .* settings that filled it"):
+            model.generate(first, cache=cache, max_new_tokens=2, num_steps=continued, **settings)

@@ -64,15 +64,33 @@ def _positions_pages(cache: PagedLoopCache, seq: int, plane: int, size: int) -> 
     return [pages[j // size] for j in range(cache.length(seq, plane))]
 
 
+def check_dynamic_cache(cache, layout: KVLayout, batch: int) -> None:
+    """`ValueError` unless a filled growing cache (a `DynamicCache`) fits a call of `batch` rows writing `layout`: KV
+    in no layer past the layout's planes (for Huginn: filled at more recurrence steps), and entries `[batch, Hkv, C,
+    D]` of the layout's heads. An empty cache fits any call."""
+    needed = layout.num_planes * layout.num_layers
+    if any(cache.get_seq_length(layer) for layer in range(needed, len(cache.layers))):
+        raise ValueError(
+            f"past_key_values holds KV in {len(cache.layers)} layers, but this call writes {layout.num_planes} planes "
+            f"x {layout.num_layers} layers = {needed} (for Huginn: the planes depend on num_steps): continue a cache "
+            "with the settings that filled it (the same number of loops or recurrence steps), or pass a fresh one.")
+    if not cache.get_seq_length(0):
+        return
+    keys = cache.layers[0].keys  # [B, Hkv, C, D]
+    if keys.shape[0] != batch or (keys.shape[1], keys.shape[-1]) != (layout.num_kv_heads, layout.head_dim):
+        raise ValueError(
+            f"past_key_values holds keys of shape {tuple(keys.shape)} ([batch, kv heads, columns, head dim]), but "
+            f"this call has batch size {batch} and the model {layout.num_kv_heads} KV heads of size "
+            f"{layout.head_dim}: pass the cache that this model filled for these rows, or a fresh one.")
+
+
 def to_paged(cache: DynamicCache, layout: KVLayout, attention_mask: torch.Tensor) -> PagedLoopCache:
     """A `PagedLoopCache` for a model with `layout` holding what the `DynamicCache` `cache` holds for the inputs
     `attention_mask` `[B, >= C]` marks (C = `cache.get_seq_length()`): every layer that holds all C columns."""
     columns, paged = cache.get_seq_length(), PagedLoopCache(layout)
     if columns == 0:
         return paged
-    if len(cache.layers) > layout.num_planes * layout.num_layers:
-        raise ValueError(f"to_paged: the DynamicCache has {len(cache.layers)} layers, more than the model's "
-                         f"{layout.num_planes} planes x {layout.num_layers} layers: it belongs to another model.")
+    check_dynamic_cache(cache, layout, attention_mask.shape[0])
     rows, cols, positions = _real_columns(attention_mask, columns)
     paged.ensure_sequences(attention_mask.shape[0])
     like = cache.layers[0].keys

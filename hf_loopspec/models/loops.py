@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from ..cache.convert import check_dynamic_cache
 from ..cache.paged import PagedLoopCache
 from ..looped import KVAttention, KVLayout
 from ..ops.attention.dense import DenseKVAttention, padded_causal_mask
@@ -65,6 +66,8 @@ class _DenseRows(ForwardRows):
     def __init__(self, layout, attention_mask, position_ids, cache, batch, length, device):
         if cache is not None:
             _check_layer_count(cache, layout)
+            if getattr(cache, "layer_class_to_replicate", None) is not None:  # a DynamicCache: it grows
+                check_dynamic_cache(cache, layout, batch)
         past = cache.get_seq_length() if cache is not None else 0
         if torch.is_tensor(past):  # a static cache counts in a tensor that its own writes advance in place
             past = past.clone()
