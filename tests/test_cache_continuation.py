@@ -17,7 +17,7 @@ import torch
 from huginn_utils import tiny_huginn
 from inputs import extend, left_pad, random_prompts
 from speculative_utils import generate_dict, named_modes, paged_cache, tiny_spec_model
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache
 
 import hf_loopspec
@@ -129,3 +129,30 @@ def test_a_cache_filled_for_fewer_rows_is_refused(mode):
     with pytest.raises(ValueError, match=r"stores \[9, 0\] tokens per sequence"):
         generate(model, two, torch.ones_like(two), 5, mode, None, cache=cache)
     assert cache.get_seq_length() == held and cache.length(0, 0) == first.shape[1] - 1
+
+
+@pytest.mark.parametrize("mode", [PIPELINE, BLOCK])
+def test_an_interrupted_call_leaves_the_cache_as_it_was(mode):
+    """A stopping criterion that raises in the middle of a speculative second turn: the cache keeps its first turn
+    (its tables held the run's reserved positions, so no later call could continue it), and the retried turn gives
+    plain decoding's tokens."""
+    model, vocab, _ = ouro_case()
+    ids, mask = left_pad(random_prompts(2, [6, 3, 5], vocab))
+    cache = PagedLoopCache(model.kv_layout)
+    first = generate(model, ids, mask, FIRST, mode, None, cache=cache).sequences
+    held = [cache.lengths(plane) for plane in range(cache.num_planes)]
+    second, second_mask = extend(first, mask, random_prompts(3, [2, 2, 2], vocab))
+
+    class Interrupt(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            if input_ids.shape[1] > second.shape[1] + 1:
+                raise KeyboardInterrupt
+            return torch.zeros(len(input_ids), dtype=torch.bool)
+
+    with pytest.raises(KeyboardInterrupt):
+        generate(model, second, second_mask, SECOND, mode, None, cache=cache,
+                 stopping_criteria=StoppingCriteriaList([Interrupt()]))
+    assert [cache.lengths(plane) for plane in range(cache.num_planes)] == held
+    out = generate(model, second, second_mask, SECOND, mode, None, cache=cache).sequences
+    expected = generate(model, second, second_mask, SECOND, "plain", None).sequences
+    assert torch.equal(out, expected)

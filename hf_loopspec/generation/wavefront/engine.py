@@ -162,6 +162,7 @@ class WavefrontEngine:
         batch, lanes = len(input_ids), plan.lanes
         # checks a filled one
         start = resume.start_of(self.cache, self.model, input_ids, mask, plan.draft_loops, plan.second_loops)
+        self.held = start.held.clone()  # [B, planes] each table's history before the call (`run` rolls back to it)
         prompts = start.rows
         like = torch.empty(0, dtype=self.model.lane_dtype, device=device)  # the KV and lane dtype
         trash = self._reserve(batch, like)
@@ -259,7 +260,21 @@ class WavefrontEngine:
 
     def run(self) -> DecodeResult:
         """Cycles until every sequence has finished. On CUDA the host looks at a read-back only after launching the
-        next R cycles (they overlap its copy; a finished state stays unchanged by them); elsewhere at once."""
+        next R cycles (they overlap its copy; a finished state stays unchanged by them); elsewhere at once. A run
+        that raises (a stopping criterion, streamer or hook that raises; Ctrl-C) leaves the cache holding what it
+        held before the call, so the conversation can go on from there."""
+        try:
+            return self._run()
+        except BaseException:  # an interrupted call (a raising criterion, streamer or hook; Ctrl-C): the cache goes
+            self._roll_back()  # back to the history it held before the call, which its columns still describe
+            raise
+
+    def _roll_back(self) -> None:
+        for b, lengths in enumerate(self.held.tolist()):
+            for plane, length in enumerate(lengths):
+                self.cache.truncate(b, plane, length)
+
+    def _run(self) -> DecodeResult:
         lag = 1 if self.state.n_out.is_cuda else 0
         with torch.no_grad():
             in_flight = []  # (cycles run when it was taken, read-back)
