@@ -75,8 +75,8 @@ def run_both(scene: Scene, layer: int, compact: bool = False):
     op = SlotAttention(k_pool, v_pool, scene.trash, scene.layout, scene.lanes, scene.prompts)
     q, k, v = scene.q, scene.k, scene.v
     if compact:
-        op.rows = op.active.nonzero()[:, 0]
-        q, k, v = q[op.rows], k[op.rows], v[op.rows]
+        rows = op.compact()
+        q, k, v = q[rows], k[rows], v[rows]
     out = op(layer, q, k, v)
     if compact:  # back on the fixed rows (dead rows: zeros, as the op returns them uncompacted)
         out = torch.zeros_like(scene.q).index_copy(0, op.rows, out)

@@ -175,8 +175,10 @@ def test_span_covers_every_live_lane(mode, d, k, read_every, per_call):
 
 @pytest.mark.parametrize(("mode", "d", "k"), CASES, ids=CASE_IDS)
 def test_compact_rows_equal_fixed_rows(mode, d, k):
-    """Eager on a CPU the core runs the active rows only (`Plan.compact`): the same tokens, counters and KV lengths
-    as the fixed rows that a compiled or CUDA step runs, with fewer core rows (an EOS stops one sequence early)."""
+    """Eager on a CPU the core runs the active rows only and the head each slot it needs once (`Plan.compact`): the
+    same tokens, counters and KV lengths as the fixed rows that a compiled or CUDA step runs, with fewer core rows
+    (an EOS stops one sequence early) and, in pipeline mode with d = 1, fewer head rows (after a restart no lane is
+    at depth U, so the target's column repeats the drafter's slot; with d = 2 the two lanes are the two columns)."""
     model, ids, mask = _batch(1)
     eos = int(plain(model, ids, mask, NEW).sequences[0, ids.shape[1] + 5])
     runs = {}
@@ -191,6 +193,8 @@ def test_compact_rows_equal_fixed_rows(mode, d, k):
     torch.testing.assert_close(fast.sequences, fixed.sequences, atol=0, rtol=0)
     assert _counts(fast.stats) == _counts(fixed.stats)
     assert sum(fast.stats.call_rows["core"]) < sum(fixed.stats.call_rows["core"])
+    head = [sum(run.stats.call_rows["head"]) for run in (fast, fixed)]
+    assert head[0] < head[1] if (mode, d) == ("pipeline", 1) else head[0] <= head[1]
     for plane in range(fast_cache.num_planes):  # KV values: I4 against serial AR in the other tests (matmuls over
         assert fast_cache.lengths(plane) == fixed_cache.lengths(plane)  # other row counts round differently)
 

@@ -11,6 +11,8 @@ right: it is chosen) or "none" (both wrong).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from inputs import left_pad, random_prompts
@@ -216,3 +218,32 @@ def test_sibling_writing_the_main_table_is_caught(monkeypatch):
     result, cache, lanes = _runs(model, ids, mask, 1, 3, hooks=hooks, overrides=overrides)
     with pytest.raises(AssertionError):
         _check(model, mask, result, cache, lanes, free)
+
+
+@pytest.mark.parametrize(("loops", "d", "d2"), [CONFIGS[0], CONFIGS[1]], ids=[CONFIG_IDS[0], CONFIG_IDS[1]])
+def test_compact_rows_equal_fixed_rows(loops, d, d2):
+    """Eager on a CPU (`Plan.compact`) the step skips the sibling's attention in a cycle with no live sibling and the
+    chosen sibling's head call in a cycle where none was chosen: the same tokens, counters and KV lengths as the fixed
+    rows a compiled or CUDA step runs, over a pattern in which siblings are kept, chosen and rejected, with fewer core
+    and head rows."""
+    model, ids, mask = _case(6, loops, (4, 6))
+    free = plain(model, ids, mask, NEW)
+    _, overrides = _forcing(free, mask, PATTERNS["rotating"])
+    runs = {}
+    for compact in (True, False):
+        cache = paged_cache(model, debug=False)
+        engine = WavefrontEngine(model, cache, mode="pipeline", draft_loops=d, num_speculative_tokens=1,
+                                 input_ids=ids, attention_mask=mask, pad_token_id=PAD,
+                                 max_length=ids.shape[1] + NEW, second_draft_loops=d2, **overrides)
+        assert engine.plan.compact
+        engine.plan = replace(engine.plan, compact=compact)
+        runs[compact] = (engine.run(), cache)
+    (fast, fast_cache), (fixed, fixed_cache) = runs[True], runs[False]
+    torch.testing.assert_close(fast.sequences, free.sequences, atol=0, rtol=0)
+    torch.testing.assert_close(fixed.sequences, free.sequences, atol=0, rtol=0)
+    assert fast.stats.to_dict() == fixed.stats.to_dict()
+    assert fast.stats.second_accepted > 0 and fast.stats.second_drafts > fast.stats.second_accepted
+    for kind in ("core", "head"):
+        assert sum(fast.stats.call_rows[kind]) < sum(fixed.stats.call_rows[kind])
+    for plane in range(fast_cache.num_planes):
+        assert fast_cache.lengths(plane) == fixed_cache.lengths(plane)

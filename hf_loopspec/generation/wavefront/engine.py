@@ -45,7 +45,7 @@ from .limits import cache_problem, second_proposals_problem
 from .options import DEFAULT_READ_EVERY, engine_options
 from .span import SpanBound, reserved_positions
 from .state import COUNTERS, HOST, Plan, WavefrontState
-from .step import head_rows, make_cycles, make_step
+from .step import head_columns, make_cycles, make_step
 from .stopping import host_stops
 from .tracing import Tracer, traced
 
@@ -189,6 +189,7 @@ class WavefrontEngine:
             max_new=torch.tensor(max_new, **long), eos=torch.tensor(eos or [-1], **long),
             round_drafts=torch.zeros(batch, **long), counters=torch.zeros(batch, len(COUNTERS), **long),
             core_calls=torch.zeros((), **long), core_rows=torch.zeros((), **long),
+            head_rows=torch.zeros((), **long),
             draft_override=self._override(draft_override, batch, device),
             second_override=self._override(second_override, batch, device),
             seen=torch.zeros(batch, 0, dtype=torch.bool, device=device), eos_hold=torch.zeros(0, **long),
@@ -371,16 +372,17 @@ class WavefrontEngine:
 
     def _count_rows(self) -> None:
         """`stats.call_rows` of one step (counted on the host from the shapes): every lane slot, prompt row and
-        sibling slot runs the core (masked or not; with `Plan.compact` the active ones, as the step counted them on
-        the CPU), `step.head_rows` slots per sequence the head (plus one for a chosen sibling that drafts at once),
-        and one spawned lane (plus one sibling) per sequence is embedded."""
+        sibling slot runs the core (masked or not), `step.head_columns` slots per sequence the head (plus one for a
+        chosen sibling that drafts at once), and one spawned lane (plus one sibling) per sequence is embedded; with
+        `Plan.compact` the core and head rows the step ran, as it counted them on the CPU."""
         batch, lanes = self.state.token.shape
         plan, rows = self.plan, self.stats.call_rows
         second = plan.second_loops is not None
         rows["core"].append(int(self.state.core_rows) if plan.compact
                             else batch * (lanes + self.state.prompt_real.shape[1] + second))
         promoted_drafts = second and plan.num_loops - plan.second_loops == plan.draft_loops
-        rows["head"].append(batch * (head_rows(plan) + promoted_drafts))
+        rows["head"].append(int(self.state.head_rows) if plan.compact
+                            else batch * (head_columns(plan) + promoted_drafts))
         rows["embed"].append(batch * (1 + second))
 
     def _stream(self, counts: list[int], finished: list[bool], tokens: torch.Tensor | None) -> None:

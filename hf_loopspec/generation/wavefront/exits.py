@@ -45,7 +45,7 @@ def target_scores(plan: Plan, s: WavefrontState, slots: torch.Tensor, scores: to
     """The head's logits `scores` `[B, R, V]` of the lane slots `slots` `[B, R]` (`step.head_slots`), with the exit
     rule's logits in place of those of every slot at depth U (a target). In block mode every slot is a column; in
     the other modes at most one running slot per sequence is at depth U, column 0 (the others at depth d or d2, or
-    column 0's slot again), so the rule runs on column 0 only and its logits serve every column at depth U."""
+    another column's slot again), so the rule runs on column 0 only and its logits serve every column at depth U."""
     targets = slots if plan.mode == "block" else slots[:, :1]  # [B, T]
     batch, count = targets.shape
     records = s.loop_states.gather(1, targets[..., None, None].expand(-1, -1, *s.loop_states.shape[2:]))  # [B, T, U, H]

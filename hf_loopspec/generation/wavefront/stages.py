@@ -195,9 +195,9 @@ def exit_logits(model, plan: Plan, s: WavefrontState, ran: torch.Tensor, prompt_
     hidden = torch.cat([s.hidden.flatten(0, 1), s.prompt_hidden.flatten(0, 1)])  # [B*L + B*P, H]
     position = torch.cat([s.position.flatten(), prompt_position.flatten()])
     if plan.compact:  # the exiting rows only (CPU eager, as the core call: `step`)
-        attention.rows = attention.active.nonzero()[:, 0]  # [n]
-        rows = attention.rows
+        rows = attention.compact()  # [n]
         exiting = model.head(hidden[rows], position[rows], attention)  # [n, V]
+        s.head_rows = s.head_rows + len(rows)
         logits = exiting.new_zeros(len(hidden), exiting.shape[-1]).index_copy(0, rows, exiting)
     else:
         logits = model.head(hidden, position, attention)  # [B*L + B*P, V]

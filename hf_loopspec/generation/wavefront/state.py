@@ -127,6 +127,7 @@ class WavefrontState:
     counters: torch.Tensor  # [B, len(COUNTERS)] int64
     core_calls: torch.Tensor  # [] int64
     core_rows: torch.Tensor  # [] int64: rows the latest core call ran (set with `Plan.compact` only)
+    head_rows: torch.Tensor  # [] int64: rows the latest cycle's head calls ran (set with `Plan.compact` only)
     draft_override: torch.Tensor  # [B, C] int64: a draft for position p becomes draft_override[b, p] when >= 0
     second_override: torch.Tensor  # [B, C] int64: a second proposal for position p becomes this when >= 0
     seen: torch.Tensor  # [B, V] bool: the prompt row's tokens the penalty counts, and the committed tokens

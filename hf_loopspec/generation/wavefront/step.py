@@ -10,7 +10,9 @@ synchronisation (no `.item()`, `.tolist()`, host-built tensors or Python branche
    into a reserved trash slot, read nothing that reaches an output, and keep their hidden state. With
    `Plan.compact` (eager on a CPU, where nothing waits on a device) the core's layers run the active rows only,
    selected by a boolean index: the one data-dependent shape of the step, and the reason it is off wherever the
-   step is compiled or runs on CUDA; attention puts them back on the fixed rows.
+   step is compiled or runs on CUDA; attention puts them back on the fixed rows (and skips the sibling rows'
+   attention when none runs). The head then runs each slot it needs once, and a chosen sibling's head call only
+   in a cycle that chose one.
 3. The head on the lane slots whose output the cycle uses (`head_slots`: the targets at depth U and, in pipeline
    mode, the lane at depth d), the call's logits processors, and each such slot's choice (`processing.choose`):
    its token (the target at depth U, the draft proposal at depth d) and whether the lane after it is accepted
@@ -116,17 +118,24 @@ def make_cycles(model, plan: Plan, cycles: int) -> Callable[[WavefrontState, tor
     return run
 
 
-def _head(model, ops, s: WavefrontState, slots: torch.Tensor, plan: Plan | None = None, raw: bool = False,
-          logits: torch.Tensor | None = None):
+def _head(model, ops, s: WavefrontState, slots: torch.Tensor, plan: Plan, raw: bool = False,
+          logits: torch.Tensor | None = None, exit_rule: bool = True):
     """The processed head scores `[B, R, V]` of the lane slots `slots` `[B, R]` (with `raw`: the raw logits and
     them), from the head's logits of every slot `logits` `[B, L, V]` when given (`stages.exit_logits`), else from
-    a head call on those slots; with `plan`'s exit rule, those of the targets come from it
+    a head call on those slots (with `Plan.compact`, on each distinct slot once: `head_slots` repeats a slot for an
+    absent column); with `plan`'s exit rule (and `exit_rule`), those of the targets come from it
     (`exits.target_scores`)."""
     if logits is not None:
         logits = logits.gather(1, slots[..., None].expand(-1, -1, logits.shape[-1]))
+    elif plan.compact:  # a data-dependent shape, as the compacted core call (module docstring)
+        lanes = s.hidden.shape[1]
+        flat = (torch.arange(len(slots), device=slots.device)[:, None] * lanes + slots).flatten()  # [B * R]
+        rows, column = flat.unique(return_inverse=True)  # [n], [B * R]
+        s.head_rows = s.head_rows + len(rows)
+        logits = model.head(s.hidden.flatten(0, 1)[rows])[column].view(*slots.shape, -1)
     else:
         logits = model.head(s.hidden.gather(1, slots[..., None].expand(-1, -1, s.hidden.shape[-1])))
-    if plan is not None and plan.exit_rule is not None:
+    if exit_rule and plan.exit_rule is not None:
         logits = exits.target_scores(plan, s, slots, logits)
     scores = logits
     for op in ops:
@@ -140,11 +149,13 @@ def _promoted_draft(model, ops, plan: Plan, s: WavefrontState, taken: torch.Tens
     cycle, from a head call on its slot (its draw uses its slot's uniforms, unused by the killed lane it replaced;
     with an exit stage that has KV, the call writes the depth-d exit plane at its position: `stages.exit_logits`).
     Returns `drafter`, `token` `[B, L]` and `probs` `[B, L, V]` (None when greedy) with its draft added."""
+    if plan.compact and not taken.any():  # eager on a CPU: no sibling was chosen, no head call
+        return drafter, token, probs
     ready = taken & (s.depth == plan.draft_loops) & (s.position < _last_draft(s))  # [B, L]
     slot = taken.long().argmax(1, keepdim=True)  # [B, 1]
     staged = stages.exit_logits(model, plan, s, taken, torch.zeros_like(s.prompt_real)) \
         if plan.layout.first_exit_plane is not None else None  # [B, L, V]
-    scores = _head(model, ops, s, slot, logits=staged)  # [B, 1, V]
+    scores = _head(model, ops, s, slot, plan, logits=staged, exit_rule=False)  # [B, 1, V]
     if probs is None:
         top = scores.argmax(-1)  # [B, 1]
     else:
@@ -154,24 +165,28 @@ def _promoted_draft(model, ops, plan: Plan, s: WavefrontState, taken: torch.Tens
     return drafter | ready, torch.where(ready, top, token), probs
 
 
-def head_rows(plan: Plan) -> int:
+def head_columns(plan: Plan) -> int:
     """R: the lane slots per sequence whose head output a cycle uses (`head_slots`)."""
     pipeline = min(2, plan.lanes) if plan.second_loops is None else 3
     return {"ar": 1, "pipeline": pipeline, "block": plan.lanes}[plan.mode]
 
 
 def head_slots(plan: Plan, s: WavefrontState, ran: torch.Tensor) -> torch.Tensor:
-    """The lane slots whose head output the cycle uses, `[B, R]` (`head_rows`): in block mode every slot (a round's
-    K + 1 targets); else the slot that has reached depth U (the target) and, in pipeline mode, the one at depth d
-    (the drafter) and, with second proposals, the one at depth d2 (it re-reads its draft). A sequence's running
-    lanes have distinct depths there, so there is at most one of each; an
-    absent one is slot 0 again (its result is the same as slot 0's, and unused unless slot 0 is needed)."""
+    """The lane slots whose head output the cycle uses, `[B, R]` (`head_columns`): in block mode every slot (a
+    round's K + 1 targets); else the slot that has reached depth U (the target) and, in pipeline mode, the one at
+    depth d (the drafter) and, with second proposals, the one at depth d2 (it re-reads its draft). A sequence's
+    running lanes have distinct depths there, so there is at most one of each; an absent one repeats the first
+    present one of its sequence (slot 0 when none is): its result is that slot's again, and unused unless that slot
+    is needed."""
     batch, lanes = s.token.shape
-    if head_rows(plan) == lanes:
+    if head_columns(plan) == lanes:
         return torch.arange(lanes, device=s.token.device).expand(batch, lanes)
     depths = (plan.num_loops,) if plan.mode == "ar" else (plan.num_loops, plan.draft_loops)
     depths += () if plan.second_loops is None else (plan.second_loops,)
-    return torch.stack([(ran & (s.depth == depth)).long().argmax(1) for depth in depths], 1)
+    at = torch.stack([ran & (s.depth == depth) for depth in depths], 1)  # [B, R, L]
+    slots, present = at.long().argmax(2), at.any(2)  # [B, R] each
+    first = slots.gather(1, present.long().argmax(1, keepdim=True))  # [B, 1]
+    return torch.where(present, slots, first)
 
 
 def _flag_invalid(s: WavefrontState, probs: torch.Tensor) -> None:
@@ -225,10 +240,9 @@ def _run_core(model, plan: Plan, s: WavefrontState) -> tuple[torch.Tensor, torch
                               sibling.SiblingRows(s, plan, s.sib_depth, s.sib_position, sib_ran) if second else None,
                               pages=s.pages)
     if plan.compact:  # the active rows only (a data-dependent shape: CPU eager, see the module docstring)
-        attention.rows = attention.active.nonzero()[:, 0]  # [n]
-        rows = attention.rows
+        rows = attention.compact()  # [n]
         out = hidden.index_copy(0, rows, model.core(hidden[rows], position[rows], attention))  # [N, H]
-        s.core_rows = torch.tensor(len(rows))
+        s.core_rows, s.head_rows = torch.tensor(len(rows)), torch.tensor(0)
     else:
         out = model.core(hidden, position, attention)  # [N, H]
     s.core_calls = s.core_calls + live.any().long()

@@ -71,10 +71,11 @@ class SlotAttention:
             `attend(layer_idx, q, k, v, keys, values, attend) -> [E, Hq, D]` (keys, values: every table's
             `[B * planes, S, Hkv, D]`; `attend`: this module's `attend`).
 
-    Set `rows` (`[n]` int64, the active rows) to call it with the active rows only (the compacted core call).
+    After `compact()` it takes the active rows only (the compacted core call; the one data-dependent shape).
     """
 
     rows = None  # [n] the rows the core call runs when it runs only the active ones, else None
+    extra_idle = False  # compacted with no active extra row: the extra rows' attention is skipped (their output is 0)
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, trash_slot: torch.Tensor, layout: SlotLayout,
                  lanes: tuple, prompts: tuple, extra=None, pages: torch.Tensor | None = None):
@@ -106,6 +107,12 @@ class SlotAttention:
         self.lane_visible = (span <= cell_position[..., None]).view(batch * planes, 1, cells, -1)  # [., 1, R, S]
         self.prompt_visible = (span <= prompt_position[..., None])[:, None]  # [B, 1, P, S]
 
+    def compact(self) -> torch.Tensor:
+        """Take the active rows only from now on (reads `active` on the host); returns them, `[n]` int64."""
+        self.rows = self.active.nonzero()[:, 0]
+        self.extra_idle = not len(self.rows) or int(self.rows[-1]) < len(self.write_slot)
+        return self.rows
+
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [N, Hq, D]   k, v: [N, Hkv, D]   ([n, ...] for the rows `rows` when compacted)
         layout = self.layout
@@ -136,7 +143,9 @@ class SlotAttention:
             prompt_q = q[n:pooled].float().view(batch, prompts, *q.shape[1:]).transpose(1, 2)  # [B, Hq, P, D]
             prompt_out = attend(prompt_q, keys[self.prompt_table], values[self.prompt_table], self.prompt_visible)
             out.append(prompt_out.transpose(1, 2).flatten(0, 1))  # [B*P, Hq, D]
-        if self.extra is not None:
+        if self.extra is not None and self.extra_idle:
+            out.append(q.new_zeros(len(q) - pooled, *q.shape[1:]).float())
+        elif self.extra is not None:
             out.append(self.extra.attend(layer_idx, q[pooled:], k[pooled:], v[pooled:], keys, values, attend))
         out = torch.where(self.active[:, None, None], torch.cat(out), 0.0).to(q.dtype)  # [N, Hq, D]
         return out if self.rows is None else out[self.rows]
