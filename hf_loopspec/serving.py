@@ -23,8 +23,11 @@ it leaves unset from the checkpoint's config, so a request cannot turn a checkpo
 counts as unset). With `--continuous-batching`, transformers builds one manager from the first request's settings and
 forwards only `max_tokens` and the EOS of later ones; a later request whose other settings differ, and a request the
 manager cannot serve, get HTTP 400 with the reason (`serving_batching`). Requests name the model as the server was
-given it (`GET /v1/models` lists it: the embedded model's folder by default) or leave it out. HTTP errors come in
-OpenAI's error shape (`openai_errors`), so an `openai` client's exception says why.
+given it (`GET /v1/models` lists it: the embedded model's folder by default) or leave it out. A request that sets
+`n`, `best_of`, `logprobs`, `top_logprobs`, `echo` or `presence_penalty` to anything but its default, or a token
+limit that is not a whole number >= 1, gets HTTP 400 with the reason (`request_problem`; transformers would ignore
+them, or round 1.5 down, with a line in the server's log only). HTTP errors come in OpenAI's error shape
+(`openai_errors`), so an `openai` client's exception says why.
 """
 
 from __future__ import annotations
@@ -123,12 +126,43 @@ def chat_template_note(spec: str) -> str | None:
             "format messages and fails; /v1/completions serves raw prompts.")
 
 
+TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+ONE_ANSWER = {  # request fields the server cannot honour (transformers logs them as ignored), and the fix
+    "n": (1, "this server returns one choice per request; send that many requests"),
+    "best_of": (1, "this server returns one choice per request; send that many requests"),
+    "logprobs": (False, "this server returns no log-probabilities; leave it out (or call model.generate with "
+                        "output_scores=True)"),
+    "top_logprobs": (0, "this server returns no log-probabilities; leave it out"),
+    "echo": (False, "this server does not echo the prompt; prepend it yourself"),
+    "presence_penalty": (0, "this server has no presence penalty; use frequency_penalty (a repetition penalty)"),
+}
+
+
+def request_problem(body) -> str | None:
+    """Why the server refuses a completion request's JSON `body` before transformers reads it, or None: a token limit
+    that is not a whole number >= 1 (transformers would take 1.5 as 1 and "5" as 5), or a field it would ignore with
+    a warning in the server's log only (`ONE_ANSWER`: `n=2` would return one choice). Null counts as unset."""
+    if not isinstance(body, dict):
+        return None
+    for name in TOKEN_LIMITS:
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            return f"{name}={value!r} must be a whole number >= 1 (the most tokens to generate), or left out."
+    for name, (default, fix) in ONE_ANSWER.items():
+        value = body.get(name)
+        kept = value is default if isinstance(default, bool) else not isinstance(value, bool) and value == default
+        if value is not None and not kept:
+            return f"{name}={value!r} is not supported: {fix}."
+    return None
+
+
 def openai_errors() -> None:
     """Make the server answer its HTTP errors in OpenAI's error shape, `{"error": {"message", "type", "code"}}` (the
     `openai` client puts `message` into its exception's text; with FastAPI's own `{"detail": ...}` it shows only the
-    status), with FastAPI's `detail` kept beside it, and a `ValueError` a request raises (settings `generate`
-    refuses) as a 400 in that shape instead of a bare 500. Wraps `build_server`, which transformers' `Serve` imports
-    when it is constructed; idempotent."""
+    status), with FastAPI's `detail` kept beside it, a `ValueError` a request raises (settings `generate` refuses)
+    as a 400 in that shape instead of a bare 500, and a POST whose JSON body `request_problem` refuses as a 400
+    before transformers reads it. Wraps `build_server`, which transformers' `Serve` imports when it is constructed;
+    idempotent."""
     from transformers.cli.serving import server
 
     if hasattr(server.build_server, "wrapped"):
@@ -148,9 +182,20 @@ def openai_errors() -> None:
         async def refuse(request, error: ValueError) -> JSONResponse:  # a request's settings `generate` refused
             return await answer(request, HTTPException(status_code=400, detail=str(error)))
 
+        async def check(request, call_next):
+            if request.method == "POST" and request.headers.get("content-type", "").startswith("application/json"):
+                try:
+                    problem = request_problem(await request.json())
+                except ValueError:  # not JSON: transformers answers it
+                    problem = None
+                if problem:
+                    return await answer(request, HTTPException(status_code=400, detail=problem))
+            return await call_next(request)
+
         app = original(*args, **kwargs)
         app.add_exception_handler(HTTPException, answer)
         app.add_exception_handler(ValueError, refuse)
+        app.middleware("http")(check)
         return app
 
     build_server.wrapped = original

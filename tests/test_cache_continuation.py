@@ -131,11 +131,11 @@ def test_a_cache_filled_for_fewer_rows_is_refused(mode):
     assert cache.get_seq_length() == held and cache.length(0, 0) == first.shape[1] - 1
 
 
-@pytest.mark.parametrize("mode", [PIPELINE, BLOCK])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_an_interrupted_call_leaves_the_cache_as_it_was(mode):
-    """A stopping criterion that raises in the middle of a speculative second turn: the cache keeps its first turn
-    (its tables held the run's reserved positions, so no later call could continue it), and the retried turn gives
-    plain decoding's tokens."""
+    """A stopping criterion that raises in the middle of a second turn: the cache keeps its first turn (a speculative
+    run's tables held its reserved positions, plain decoding's the positions it had fed, so no later call could
+    continue it), and the retried turn gives plain decoding's tokens."""
     model, vocab, _ = ouro_case()
     ids, mask = left_pad(random_prompts(2, [6, 3, 5], vocab))
     cache = PagedLoopCache(model.kv_layout)
@@ -153,6 +153,30 @@ def test_an_interrupted_call_leaves_the_cache_as_it_was(mode):
         generate(model, second, second_mask, SECOND, mode, None, cache=cache,
                  stopping_criteria=StoppingCriteriaList([Interrupt()]))
     assert [cache.lengths(plane) for plane in range(cache.num_planes)] == held
+    assert cache.get_seq_length() == first.shape[1] - 1  # the columns the first turn fed
     out = generate(model, second, second_mask, SECOND, mode, None, cache=cache).sequences
     expected = generate(model, second, second_mask, SECOND, "plain", None).sequences
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_full_cache_keeps_its_first_turn(mode):
+    """A second turn that needs more pages than a fixed-capacity cache has raises `CacheCapacityError` and leaves the
+    first turn in the cache (lengths, columns and pages in use as before); with the capacity raised (the error's own
+    advice) the turn continues to plain decoding's tokens."""
+    model, vocab, _ = ouro_case()
+    ids, mask = left_pad(random_prompts(4, [6, 3], vocab))
+    first = generate(model, ids, mask, FIRST, mode, None, cache=PagedLoopCache(model.kv_layout, page_size=4)).sequences
+    sizing = PagedLoopCache(model.kv_layout, page_size=4)
+    generate(model, ids, mask, FIRST, "plain", None, cache=sizing)
+    cache = PagedLoopCache(model.kv_layout, page_size=4, max_pages=sizing.num_pages)  # the first turn fits
+    assert torch.equal(generate(model, ids, mask, FIRST, mode, None, cache=cache).sequences, first)
+    held, used = [cache.lengths(plane) for plane in range(cache.num_planes)], cache.pages_in_use
+    second, second_mask = extend(first, mask, random_prompts(5, [2, 2], vocab))
+    with pytest.raises(hf_loopspec.CacheCapacityError):
+        generate(model, second, second_mask, 4 * sizing.num_pages, mode, None, cache=cache)
+    assert [cache.lengths(plane) for plane in range(cache.num_planes)] == held
+    assert cache.pages_in_use == used and cache.get_seq_length() == first.shape[1] - 1
+    cache.max_pages = None
+    out = generate(model, second, second_mask, SECOND, mode, None, cache=cache).sequences
+    assert torch.equal(out, generate(model, second, second_mask, SECOND, "plain", None).sequences)

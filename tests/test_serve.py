@@ -159,7 +159,8 @@ def check_concurrent_requests(checkpoint, reference, cases, *options: str, then=
 
 def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, reference):
     """Concurrent clients, each answered as plain `generate`; then a request whose settings `generate` refuses gets
-    a 400 with the reason (a `ValueError`, not a bare 500), and the server keeps serving."""
+    a 400 with the reason (a `ValueError`, not a bare 500), as do a fractional `max_tokens` and `n=2` (checked before
+    transformers reads them: `serving.request_problem`), and the server keeps serving."""
 
     def refused(client, calls):
         bad = {**BLOCK, "speculative_mode": "pipeline", "draft_loops": 3}  # U = 4 is not a multiple of 3
@@ -167,7 +168,12 @@ def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, referenc
         reason = refusal(lambda: client.completions.create(
             model=checkpoint, prompt=PROMPTS[0], max_tokens=4, extra_body={"generation_config": json.dumps(bad)}))
         assert re.search(r"Error code: 400 .*draft_loops=3", reason), reason
-        calls[:] = kept  # what the refused request ran, if anything, is not part of the checks below
+        reason = refusal(lambda: client.completions.create(model=checkpoint, prompt=PROMPTS[0], max_tokens=1.5))
+        assert re.search(r"Error code: 400 .*max_tokens=1.5 must be a whole number", reason), reason
+        reason = refusal(lambda: client.chat.completions.create(
+            model=checkpoint, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=4, n=2))
+        assert re.search(r"Error code: 400 .*n=2 is not supported: this server returns one choice", reason), reason
+        calls[:] = kept  # what the refused requests ran, if anything, is not part of the checks below
         assert ask(client, checkpoint, "completions", PROMPTS[2], False)[0]
 
     block = [("block", PROMPTS[0], False), ("block", PROMPTS[1], True)]
@@ -273,3 +279,29 @@ def test_a_request_joins_a_running_manager_only_with_its_settings(checkpoint):
     finally:
         from transformers.cli.serving import utils
         utils.CBGenerateManager = manager.wrapped
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"max_tokens": 1.5}, r"max_tokens=1.5 must be a whole number >= 1"),
+    ({"max_tokens": "5"}, r"max_tokens='5' must be"),
+    ({"max_completion_tokens": 0}, r"max_completion_tokens=0 must be"),
+    ({"max_output_tokens": True}, r"max_output_tokens=True must be"),
+    ({"n": 3}, r"n=3 is not supported: this server returns one choice per request"),
+    ({"best_of": 2}, r"best_of=2 is not supported"),
+    ({"logprobs": True}, r"logprobs=True is not supported: this server returns no log-probabilities"),
+    ({"logprobs": 0}, r"logprobs=0 is not supported"),  # the legacy API's 0 still asks for the sampled token's
+    ({"top_logprobs": 2}, r"top_logprobs=2 is not supported"),
+    ({"echo": True}, r"echo=True is not supported: this server does not echo the prompt"),
+    ({"presence_penalty": 0.5}, r"presence_penalty=0.5 is not supported: .*frequency_penalty"),
+])
+def test_a_request_field_the_server_cannot_honour_is_refused(body, message):
+    assert re.search(message, serving.request_problem({"prompt": "x", **body}))
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "x"}, {"prompt": "x", "max_tokens": 8, "n": 1, "logprobs": False, "echo": False},
+    {"max_tokens": None, "n": None, "logprobs": None, "presence_penalty": 0, "top_logprobs": 0, "best_of": 1},
+    ["not", "an", "object"],
+])
+def test_defaults_and_unset_fields_pass(body):
+    assert serving.request_problem(body) is None

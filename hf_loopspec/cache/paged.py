@@ -41,6 +41,7 @@ copying; closing it releases its pages.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -210,6 +211,25 @@ class PagedLoopCache(PageTables, Cache):
         tokens of a new call that descend from `lineage[-1]` read them as their own history (I1)."""
         if self.debug:
             lineage_checks.adopt(self, seq, lineage)
+
+    @contextmanager
+    def kept_on_error(self):
+        """A context in which a call may add to the cache: if it raises (a full fixed-capacity pool, a stopping
+        criterion or streamer that raises, Ctrl-C), every table is cut back to its length on entry, sequences added
+        since are freed and dropped, and the consumed columns are restored, so the conversation goes on from what
+        the cache held before; the exception propagates. Only additions are undone: a table that got shorter (a
+        `crop`) stays as it is."""
+        lengths, columns = list(self._lengths), list(self._columns)
+        try:
+            yield self
+        except BaseException:
+            for t in range(len(self._lengths)):
+                seq, plane = divmod(t, self.num_planes)
+                self.truncate(seq, plane, min(self._lengths[t], lengths[t] if t < len(lengths) else 0))
+            del self._pages[len(lengths):], self._lengths[len(lengths):]
+            self._columns = columns
+            self._block_tables = None
+            raise
 
     # --- transformers Cache API ---------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -146,10 +146,19 @@ class PageTables:
         and new empty ones; it may hold no other, and no table more than `positions` positions) keep their stored
         positions, each table's moved by one device copy per pool (debug tags included) to where `reserve_in_order`
         puts them. Their valid lengths become `positions`, as there; the caller truncates each table to what it
-        holds after its run."""
+        holds after its run. A fixed capacity too small for the layout raises `CacheCapacityError` before anything
+        moves."""
         if self.num_sequences > sequences or max(self._lengths, default=0) > positions:
             raise ValueError(f"repack_in_order({sequences}, {positions}): the cache holds {self.num_sequences} "
                              f"sequences of up to {max(self._lengths, default=0)} positions.")
+        reserved = sequences * self.num_planes * -(-positions // self.page_size)
+        if self.max_pages is not None and reserved > self.max_pages:  # before a page moves: the history stays
+            raise CacheCapacityError(
+                f"PagedLoopCache capacity is {self.max_pages} pages of {self.page_size} positions; this run reserves "
+                f"{reserved} up front ({positions} positions in each of {self.num_planes} planes of {sequences} "
+                "sequences). Raise max_pages, lower the batch size or the number of new tokens, or pass "
+                "max_pages=None to grow on demand."
+            )
         self.ensure_sequences(sequences)
         stored = list(self._lengths)  # per table
         pools = lambda: [pool.flatten(1, 2)  # noqa: E731  [layers, pages * page_size, ...] views

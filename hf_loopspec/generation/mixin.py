@@ -17,6 +17,7 @@ transformers' continuous batching entry points (`init_continuous_batching`, `con
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -195,6 +196,15 @@ class LoopSpecGenerationMixin(GenerationMixin):
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
+        """transformers' decoding loop (plain decoding), or a speculative run (`dispatch`). A call that raises on a
+        `PagedLoopCache` leaves it holding what it held before the call (`PagedLoopCache.kept_on_error`)."""
+        cache = model_kwargs.get("cache")
+        with cache.kept_on_error() if isinstance(cache, PagedLoopCache) else nullcontext():
+            return self._decode(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                                streamer, **model_kwargs)
+
+    def _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+                **model_kwargs):
         spec = self._speculative(generation_config)
         if spec is None:
             return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
