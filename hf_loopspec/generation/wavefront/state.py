@@ -166,9 +166,10 @@ class WavefrontState:
 
 
 def counts(s: WavefrontState, **columns: torch.Tensor) -> torch.Tensor:
-    """`[B, len(COUNTERS)]` int64 to add to `s.counters`: the named columns (each `[B]`), zeros elsewhere."""
+    """`[B, len(COUNTERS)]` int64 to add to `s.counters`: the named columns (each `[B]`, int64 or bool), zeros
+    elsewhere."""
+    if not columns.keys() <= set(COUNTERS):
+        raise KeyError(f"not counters: {sorted(columns.keys() - set(COUNTERS))}")
     zero = torch.zeros_like(s.n_out)
-    stacked = torch.stack([columns.pop(name, zero).long() for name in COUNTERS], 1)
-    if columns:
-        raise KeyError(f"not counters: {sorted(columns)}")
-    return stacked
+    return torch.stack([zero if (x := columns.get(name)) is None else x if x.dtype == torch.long else x.long()
+                        for name in COUNTERS], 1)  # no-op casts skipped: each is a dispatched op, eager
