@@ -32,7 +32,7 @@ from speculative_utils import (
 from tolerances import ouro_depth
 from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from hf_loopspec import PagedLoopCache
+from hf_loopspec import CacheCapacityError, PagedLoopCache
 from hf_loopspec.bench import args as bench_args
 from hf_loopspec.bench.args import parse_modes
 from hf_loopspec.bench.main import run_bench
@@ -253,6 +253,54 @@ def test_another_kind_of_cache_decodes_plainly(case):
     [choice] = out.speculation.choices
     assert (choice.mode, choice.reason, choice.tokens) == ("plain", "cache-type", NEW)
     assert out.speculation.drafted == 0 and torch.equal(out.sequences, ref.sequences)
+
+
+def test_a_fixed_capacity_cache_too_small_for_a_speculative_segment_decodes_plainly(case):
+    """A `PagedLoopCache` with just the pages plain decoding takes: the segments whose up-front reservation fits
+    speculate, the first that would not fit and the rest of the call decode plainly (reason "capacity"), where a
+    fixed pipeline call refuses, and the tokens equal plain decoding's."""
+    model, prompts, ids, mask, ref, reference = case
+    set_costs(model, SPECULATIVE_WINS)  # and every draft right: speculation wins wherever it fits
+    hook = forcing_hook(reference, [len(p) for p in prompts], accept_outside(0, 0), VOCAB)
+    sizing = PagedLoopCache(model.kv_layout, page_size=4)
+    plain(model, ids, mask, NEW, cache=sizing)
+    cache = PagedLoopCache(model.kv_layout, page_size=4, max_pages=sizing.pages_in_use)
+    with pytest.raises(CacheCapacityError):
+        generate_dict(model, ids, mask, NEW, speculative_mode="pipeline", draft_loops=1,
+                      cache=PagedLoopCache(model.kv_layout, page_size=4, max_pages=sizing.pages_in_use))
+    out = generate_dict(model, ids, mask, NEW, speculative_mode="auto", cache=cache, draft_hook=hook)
+    reasons = [choice.reason for choice in out.speculation.choices]
+    assert out.speculation.choices[0].mode == "pipeline" and reasons[-1] == "capacity", out.speculation.choices
+    assert reasons.count("capacity") == 1 and torch.equal(out.sequences, ref.sequences)
+
+
+def test_an_interrupted_call_leaves_the_callers_cache_as_it_was(case):
+    """A streamer that raises in the third segment of an auto call continuing a `PagedLoopCache`: the cache holds
+    the first turn only (not the tokens of the segments that had finished, which the caller never got), and the
+    retried turn equals plain decoding."""
+    model, _, ids, mask, _, _ = case
+    set_costs(model, SPECULATIVE_WINS)
+    cache = PagedLoopCache(model.kv_layout)
+    first = generate_dict(model, ids, mask, 6, speculative_mode=None, cache=cache).sequences
+    held = [cache.lengths(plane) for plane in range(cache.num_planes)], cache.get_seq_length()
+    whole = torch.cat([mask, torch.ones(len(ids), 6, dtype=mask.dtype)], 1)
+
+    class Interrupting:
+        puts = 0
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts == 2 + POLICY.probe_tokens + POLICY.interval:  # the prompt, two segments, then one token
+                raise KeyboardInterrupt
+
+        def end(self):
+            pass
+
+    with pytest.raises(KeyboardInterrupt):
+        generate_dict(model, first, whole, NEW, speculative_mode="auto", cache=cache, streamer=Interrupting())
+    assert ([cache.lengths(plane) for plane in range(cache.num_planes)], cache.get_seq_length()) == held
+    out = generate_dict(model, first, whole, NEW, speculative_mode="auto", cache=cache)
+    assert torch.equal(out.sequences, plain(model, first, whole, NEW).sequences)
 
 
 def test_rows_that_stop_stay_stopped(case):

@@ -180,3 +180,75 @@ def test_a_full_cache_keeps_its_first_turn(mode):
     cache.max_pages = None
     out = generate(model, second, second_mask, SECOND, mode, None, cache=cache).sequences
     assert torch.equal(out, generate(model, second, second_mask, SECOND, "plain", None).sequences)
+
+
+def test_a_refused_beam_search_leaves_the_cache_as_it_was():
+    """Beam search asked to continue a one-row `PagedLoopCache` raises a `ValueError` that names the expanded batch
+    (as transformers refuses it on a `DynamicCache`); the cache still holds its one sequence, and a greedy turn
+    continues it to plain decoding's tokens."""
+    model, vocab, _ = ouro_case()
+    ids, mask = left_pad(random_prompts(6, [5], vocab))
+    cache = PagedLoopCache(model.kv_layout)
+    first = generate(model, ids, mask, FIRST, "plain", None, cache=cache).sequences
+    second, second_mask = extend(first, mask, random_prompts(7, [2], vocab))
+    with pytest.raises(ValueError, match=r"holds 1 sequences, the input has batch size 3: beam search"):
+        generate(model, second, second_mask, SECOND, "plain", None, cache=cache, num_beams=3)
+    assert cache.num_sequences == 1 and cache.get_seq_length() == first.shape[1] - 1
+    with torch.no_grad(), pytest.raises(ValueError, match="the input has batch size 2"):  # a forward of its own
+        model(second[:, cache.get_seq_length():].repeat(2, 1), attention_mask=second_mask.repeat(2, 1),
+              past_key_values=cache)
+    assert cache.num_sequences == 1
+    out = generate(model, second, second_mask, SECOND, "plain", None, cache=cache).sequences
+    assert torch.equal(out, generate(model, second, second_mask, SECOND, "plain", None).sequences)
+
+
+class InterruptAt(StoppingCriteria):
+    """Raises `KeyboardInterrupt` (Ctrl-C) at its `at`-th call."""
+
+    def __init__(self, at: int):
+        self.at, self.calls = at, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return torch.zeros(len(input_ids), dtype=torch.bool)
+
+
+@pytest.mark.parametrize("fault", ["capacity", "interrupt"])
+@pytest.mark.parametrize("assisted", ["lookup", "assistant"])
+def test_an_assisted_call_that_raises_keeps_the_first_turn(assisted, fault):
+    """Prompt lookup and an assistant model (transformers' assisted decoding, plain mode) continuing a
+    `PagedLoopCache`, in a second turn that fills it up (a fixed capacity) or is interrupted after a few steps: the
+    error propagates, and the cache holds its first turn."""
+    model, vocab, _ = ouro_case()
+    extra = dict(prompt_lookup_num_tokens=3) if assisted == "lookup" else \
+        dict(assistant_model=tiny_spec_model(62, 4, vocab=64, damp=0.3))
+    ids, mask = left_pad(random_prompts(8, [6], vocab))
+    sizing = PagedLoopCache(model.kv_layout, page_size=4)
+    first = generate(model, ids, mask, FIRST, "plain", None, cache=sizing).sequences
+    capacity = sizing.pages_in_use + 2 * model.kv_layout.num_planes if fault == "capacity" else None
+    cache = PagedLoopCache(model.kv_layout, page_size=4, max_pages=capacity)
+    generate(model, ids, mask, FIRST, "plain", None, cache=cache)
+    held = [cache.lengths(plane) for plane in range(cache.num_planes)], cache.get_seq_length()
+    second, second_mask = extend(first, mask, random_prompts(9, [2], vocab))
+    if fault == "interrupt":
+        extra["stopping_criteria"] = StoppingCriteriaList([InterruptAt(3)])
+    with pytest.raises(hf_loopspec.CacheCapacityError if fault == "capacity" else KeyboardInterrupt):
+        generate(model, second, second_mask, 40, "plain", None, cache=cache, **extra)
+    assert ([cache.lengths(plane) for plane in range(cache.num_planes)], cache.get_seq_length()) == held
+
+
+def test_the_cache_api_answers_as_a_dynamic_cache():
+    """transformers' questions to a cache (`len`, `get_seq_length`, `get_mask_sizes`, `get_max_length`) get the
+    answers of a `DynamicCache` filled by the same plain call, layer by layer."""
+    model, vocab, _ = ouro_case()
+    ids, mask = left_pad(random_prompts(10, [6, 4], vocab))
+    paged, dynamic = PagedLoopCache(model.kv_layout), DynamicCache()
+    for cache in (paged, dynamic):
+        generate(model, ids, mask, FIRST, "plain", None, cache=cache)
+    assert len(paged) == len(dynamic) == model.kv_layout.num_planes * model.kv_layout.num_layers
+    assert paged.get_max_length() == dynamic.get_max_length() == -1
+    for layer in range(len(dynamic)):
+        assert paged.get_seq_length(layer) == dynamic.get_seq_length(layer)
+        assert paged.get_mask_sizes(3, layer) == dynamic.get_mask_sizes(3, layer)

@@ -183,7 +183,10 @@ class PagedLoopCache(PageTables, Cache):
             raise ValueError(
                 f"the PagedLoopCache stores {stored} tokens per sequence, but attention_mask marks {marked} real "
                 f"tokens in the {past} columns the cache has consumed: pass the ids and mask that filled the cache "
-                "with the new tokens appended, or a fresh cache.")
+                "with the new tokens appended, or a fresh cache"
+                + (f" (it holds {self.num_sequences} sequences, the input has batch size {len(attention_mask)}: "
+                   "beam search and num_return_sequences > 1 expand the batch)." if past and self.num_sequences
+                   < len(attention_mask) else "."))
 
     def extend_plane_from(self, seq: int, plane: int, source: int) -> None:
         """Extend `plane` of `seq` to the length of plane `source` with copies of `source`'s KV (and debug tags).
@@ -235,6 +238,23 @@ class PagedLoopCache(PageTables, Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         plane = layer_idx // self.kv_layout.num_layers
         return self._columns[plane] if plane < self.num_planes else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """`(kv_length, kv_offset)` of a call adding `query_length` columns at `layer_idx`, as a `DynamicCache`
+        answers: the columns consumed so far plus the new ones, from offset 0."""
+        return self.get_seq_length(layer_idx) + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """-1: no fixed length per layer (the tables take pages from one pool, shared by every table)."""
+        return -1
+
+    def __len__(self) -> int:
+        """The cache layers transformers indexes: one per (plane, layer), `plane * num_layers + layer`."""
+        return self.num_planes * self.kv_layout.num_layers
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(sequences={self.num_sequences}, columns={self._columns}, "
+                f"pages_in_use={self.pages_in_use}, page_size={self.page_size}, max_pages={self.max_pages})")
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         raise NotImplementedError(

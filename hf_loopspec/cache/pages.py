@@ -141,6 +141,11 @@ class PageTables:
             self._pages[t] = [self._alloc(like) for _ in range(per_table)]
             self._lengths[t] = positions
 
+    def fits_in_order(self, sequences: int, positions: int) -> bool:
+        """Whether `reserve_in_order` / `repack_in_order` of `sequences` sequences of `positions` positions fits the
+        capacity (always, without `max_pages`)."""
+        return self.max_pages is None or sequences * self.num_planes * -(-positions // self.page_size) <= self.max_pages
+
     def repack_in_order(self, sequences: int, positions: int, like: torch.Tensor) -> None:
         """`reserve_in_order` for a cache that may hold histories: sequences 0 .. `sequences` - 1 (those it holds
         and new empty ones; it may hold no other, and no table more than `positions` positions) keep their stored
@@ -151,13 +156,12 @@ class PageTables:
         if self.num_sequences > sequences or max(self._lengths, default=0) > positions:
             raise ValueError(f"repack_in_order({sequences}, {positions}): the cache holds {self.num_sequences} "
                              f"sequences of up to {max(self._lengths, default=0)} positions.")
-        reserved = sequences * self.num_planes * -(-positions // self.page_size)
-        if self.max_pages is not None and reserved > self.max_pages:  # before a page moves: the history stays
+        if not self.fits_in_order(sequences, positions):  # checked before a page moves: the history stays
             raise CacheCapacityError(
                 f"PagedLoopCache capacity is {self.max_pages} pages of {self.page_size} positions; this run reserves "
-                f"{reserved} up front ({positions} positions in each of {self.num_planes} planes of {sequences} "
-                "sequences). Raise max_pages, lower the batch size or the number of new tokens, or pass "
-                "max_pages=None to grow on demand."
+                f"{positions} positions in each of {self.num_planes} planes of {sequences} sequences up front. Raise "
+                "max_pages, lower the batch size or the number of new tokens, or pass max_pages=None to grow on "
+                "demand."
             )
         self.ensure_sequences(sequences)
         stored = list(self._lengths)  # per table

@@ -21,8 +21,9 @@ front. Speculative segments run on a `PagedLoopCache` and plain ones on
 transformers' `DynamicCache` (faster for plain decoding): the KV moves between the two when the choice changes
 (`cache.convert`), copied, not recomputed. A cache the caller passed stays the call's cache: a `PagedLoopCache`
 backs every segment, and a `DynamicCache` is refilled with the call's KV at its end. A call continuing another kind
-of cache (e.g. a `StaticCache`) decodes plainly in one segment (reason "cache-type"). Beam search, assistants and
-per-step hidden states or attentions are refused, as with the fixed modes.
+of cache (e.g. a `StaticCache`) decodes plainly in one segment (reason "cache-type"), and so does the rest of a call
+on a fixed-capacity `PagedLoopCache` too small for a speculative segment's up-front reservation (reason
+"capacity"). Beam search, assistants and per-step hidden states or attentions are refused, as with the fixed modes.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from .auto_costs import PLAIN, Candidate, CostTable, observe
 from .auto_policy import AutoChoice, AutoStats, Chooser, policy_for, remember, remembered
 from .config import AUTO_MODE, SPECULATIVE_KEYS, check_generation_mode, resolve_speculative
 from .stats import SequenceStats, SpeculationStats
+from .wavefront.span import reserved_positions
 
 # Settings measured from the call's start or its end (transformers builds them from the input length or max_length
 # of each `generate` call), and criteria that may stop the call: a call with any of them decodes as one segment.
@@ -258,6 +260,8 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
             candidate, tokens, reason = PLAIN, None, "stopped-rows"
         if call.single or tokens is None:
             tokens = call.max_new - done
+        if candidate.mode is not None and not _fits(cache, ids.shape, min(tokens, call.max_new - done), call):
+            candidate, tokens, reason = PLAIN, call.max_new - done, "capacity"
         # plain to the end, and no cache yet: plain `generate` exactly as it runs alone (its own DynamicCache)
         dynamic = cache is None and candidate.mode is None and tokens >= call.max_new
         cache = None if dynamic else _cache_for(model, candidate, cache, caller, mask)
@@ -295,6 +299,16 @@ def _can_speculate(cache: Cache | None) -> bool:
     """Whether a segment continuing `cache` may speculate: on a `PagedLoopCache`, or on a `DynamicCache` whose KV
     moves to one (`cache.convert`); not on another kind of cache (e.g. a `StaticCache`)."""
     return cache is None or isinstance(cache, (PagedLoopCache, DynamicCache))
+
+
+def _fits(cache: Cache | None, shape: torch.Size, tokens: int, call: _Call) -> bool:
+    """Whether a speculative segment of `tokens` new tokens after the `[B, S]` `shape` sequences fits `cache`: the
+    engine reserves every position a segment may need up front (`span.reserved_positions`), so a fixed-capacity
+    `PagedLoopCache` can be too small for it where plain decoding, which takes pages as it goes, still fits."""
+    if not isinstance(cache, PagedLoopCache):  # a cache the segment gets anew grows on demand
+        return True
+    compiled = call.engine_settings.get("compile_core") not in (None, False)
+    return cache.fits_in_order(shape[0], reserved_positions(shape[1] + tokens, compiled))
 
 
 def _cache_for(model, candidate: Candidate, cache: Cache | None, caller: Cache | None, mask: torch.Tensor):

@@ -72,14 +72,17 @@ class LoopSpecGenerationMixin(GenerationMixin):
 
     def generate(self, *args, **kwargs):
         """`GenerationMixin.generate` inside a `GenerateCall` (`generation.call`) that holds this call's
-        `draft_hook` and `speculative_trace` and, once resolved, its speculative settings."""
+        `draft_hook` and `speculative_trace` and, once resolved, its speculative settings. A call that raises on a
+        caller's `PagedLoopCache` (any mode or decoding strategy: a full pool, a criterion or streamer that raises,
+        Ctrl-C) leaves it holding what it held before the call (`PagedLoopCache.kept_on_error`)."""
         ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-        check_inputs(ids, kwargs.get("attention_mask"), kwargs.get("cache", kwargs.get("past_key_values")),
-                     vocab_size=self.config.vocab_size)
-        if auto.requested(self, kwargs):  # segments of plain / block / pipeline calls (`generation.auto`)
-            return auto.generate_auto(self, SpeculativeDecoderOnlyOutput, args, kwargs)
-        with scoped(runtime_options(kwargs)):
-            return super().generate(*args, **kwargs)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        check_inputs(ids, kwargs.get("attention_mask"), cache, vocab_size=self.config.vocab_size)
+        with cache.kept_on_error() if isinstance(cache, PagedLoopCache) else nullcontext():
+            if auto.requested(self, kwargs):  # segments of plain / block / pipeline calls (`generation.auto`)
+                return auto.generate_auto(self, SpeculativeDecoderOnlyOutput, args, kwargs)
+            with scoped(runtime_options(kwargs)):
+                return super().generate(*args, **kwargs)
 
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
                                  workload_hints=None):
@@ -196,15 +199,6 @@ class LoopSpecGenerationMixin(GenerationMixin):
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
-        """transformers' decoding loop (plain decoding), or a speculative run (`dispatch`). A call that raises on a
-        `PagedLoopCache` leaves it holding what it held before the call (`PagedLoopCache.kept_on_error`)."""
-        cache = model_kwargs.get("cache")
-        with cache.kept_on_error() if isinstance(cache, PagedLoopCache) else nullcontext():
-            return self._decode(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-                                streamer, **model_kwargs)
-
-    def _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
-                **model_kwargs):
         spec = self._speculative(generation_config)
         if spec is None:
             return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,

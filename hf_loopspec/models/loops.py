@@ -106,7 +106,6 @@ class _PagedRows(ForwardRows):
         if cache.num_sequences > batch:
             raise ValueError(f"the PagedLoopCache holds {cache.num_sequences} sequences but the input has batch "
                              f"size {batch}; pass a cache made for this batch.")
-        cache.ensure_sequences(batch)
         self.past = cache.columns()
         if attention_mask is None:  # every column real (transformers also drops an all-ones mask)
             attention_mask = torch.ones(batch, self.past + length, dtype=torch.bool, device=device)
@@ -114,6 +113,7 @@ class _PagedRows(ForwardRows):
             raise ValueError(f"attention_mask has {attention_mask.shape[-1]} columns, but the PagedLoopCache holds "
                              f"{self.past} and this call adds {length}: pass the whole sequence's mask.")
         cache.check_stored(attention_mask)
+        cache.ensure_sequences(batch)  # after the checks: a refused call adds no sequence
         real = attention_mask[:, -length:].to(device=device, dtype=torch.bool)
         self.seq, self.col = real.nonzero(as_tuple=True)  # [N] each, sequence-major
         start = torch.tensor(cache.lengths(0), device=device)  # [B] real tokens already stored
