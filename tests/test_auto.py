@@ -303,6 +303,45 @@ def test_an_interrupted_call_leaves_the_callers_cache_as_it_was(case):
     assert torch.equal(out.sequences, plain(model, first, whole, NEW).sequences)
 
 
+def test_the_default_length_is_new_tokens_as_in_plain_decoding(case):
+    """No max_new_tokens and no max_length anywhere: transformers decodes its default length (20) as new tokens after
+    the prompt, and so does auto, whatever the prompt's length (it took 20 as the output's length: fewer tokens,
+    or a ValueError for a prompt of 20 columns or more)."""
+    model, _, ids, mask, _, _ = case
+    assert model.generation_config.max_length is None
+    for width in (ids.shape[1], 24):
+        prompt = torch.randint(1, VOCAB, (1, width), generator=torch.Generator().manual_seed(width))
+        expected = model.generate(prompt, do_sample=False, pad_token_id=PAD, speculative_mode=None)
+        assert expected.shape[1] == width + 20
+        assert torch.equal(model.generate(prompt, do_sample=False, pad_token_id=PAD, speculative_mode="auto"),
+                           expected)
+
+
+def test_integer_tensors_are_taken_as_in_the_fixed_modes(case, tmp_path, monkeypatch):
+    """0-d tensor `draft_loops` / `num_speculative_tokens` (taken by the fixed modes) decode as plain decoding (they
+    raised a TypeError storing the costs, and left a stray temporary file in the cache folder)."""
+    model, _, ids, mask, ref, _ = case
+    monkeypatch.setenv(auto_cache.CACHE_ENV, str(tmp_path))
+    set_costs(model, None)  # measured and stored, with the settings in the key
+    out = generate_dict(model, ids, mask, NEW, speculative_mode="auto", draft_loops=torch.tensor(1),
+                        num_speculative_tokens=torch.tensor(4))
+    assert torch.equal(out.sequences, ref.sequences)
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_right_padding_is_refused_whatever_was_stored(case):
+    """A right-padded row is refused as in the fixed speculative modes, naming 'auto', before and after a call
+    stored an acceptance under which auto would decode plainly (it then ran, silently, where it had raised)."""
+    model, _, ids, mask, _, _ = case
+    set_costs(model, PLAIN_WINS)
+    right = torch.ones_like(mask)
+    right[1, -2:] = 0
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"right padding\), which speculative_mode='auto' does not decode"):
+            generate_dict(model, ids, right, 8, speculative_mode="auto")
+        generate_dict(model, ids, mask, 8, speculative_mode="auto")
+
+
 def test_rows_that_stop_stay_stopped(case):
     """Row 0 stops at EOS early; the later segments keep it stopped: tokens and every KV plane of the returned cache
     equal plain decoding's (which feeds the stopped row pad tokens)."""

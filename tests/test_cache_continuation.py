@@ -217,26 +217,40 @@ class InterruptAt(StoppingCriteria):
 
 @pytest.mark.parametrize("fault", ["capacity", "interrupt"])
 @pytest.mark.parametrize("assisted", ["lookup", "assistant"])
-def test_an_assisted_call_that_raises_keeps_the_first_turn(assisted, fault):
-    """Prompt lookup and an assistant model (transformers' assisted decoding, plain mode) continuing a
-    `PagedLoopCache`, in a second turn that fills it up (a fixed capacity) or is interrupted after a few steps: the
-    error propagates, and the cache holds its first turn."""
+def test_an_assisted_call_that_raises_leaves_the_cache_empty(assisted, fault):
+    """Prompt lookup and an assistant model (transformers' assisted decoding, plain mode) on a fresh `PagedLoopCache`
+    that fills up (a fixed capacity) or is interrupted after a few steps: the error propagates, and the cache holds
+    nothing (no columns, no pages in use), ready for a retry."""
     model, vocab, _ = ouro_case()
     extra = dict(prompt_lookup_num_tokens=3) if assisted == "lookup" else \
         dict(assistant_model=tiny_spec_model(62, 4, vocab=64, damp=0.3))
     ids, mask = left_pad(random_prompts(8, [6], vocab))
-    sizing = PagedLoopCache(model.kv_layout, page_size=4)
-    first = generate(model, ids, mask, FIRST, "plain", None, cache=sizing).sequences
-    capacity = sizing.pages_in_use + 2 * model.kv_layout.num_planes if fault == "capacity" else None
-    cache = PagedLoopCache(model.kv_layout, page_size=4, max_pages=capacity)
-    generate(model, ids, mask, FIRST, "plain", None, cache=cache)
-    held = [cache.lengths(plane) for plane in range(cache.num_planes)], cache.get_seq_length()
-    second, second_mask = extend(first, mask, random_prompts(9, [2], vocab))
+    cache = PagedLoopCache(model.kv_layout, page_size=4, max_pages=3 * model.kv_layout.num_planes
+                           if fault == "capacity" else None)
     if fault == "interrupt":
         extra["stopping_criteria"] = StoppingCriteriaList([InterruptAt(3)])
     with pytest.raises(hf_loopspec.CacheCapacityError if fault == "capacity" else KeyboardInterrupt):
-        generate(model, second, second_mask, 40, "plain", None, cache=cache, **extra)
-    assert ([cache.lengths(plane) for plane in range(cache.num_planes)], cache.get_seq_length()) == held
+        generate(model, ids, mask, 40, "plain", None, cache=cache, **extra)
+    assert cache.get_seq_length() == 0 and cache.num_sequences == 0 and cache.pages_in_use == 0
+
+
+@pytest.mark.parametrize("kind", ["paged", "dynamic"])
+@pytest.mark.parametrize("assisted", ["lookup", "assistant"])
+def test_assisted_decoding_does_not_continue_a_filled_cache(assisted, kind):
+    """transformers' assisted decoding feeds the whole input again when it continues a filled cache (the history
+    would be stored twice, the tokens wrong): refused with a `ValueError` naming the setting, the cache unchanged."""
+    model, vocab, _ = ouro_case()
+    extra = dict(prompt_lookup_num_tokens=3) if assisted == "lookup" else \
+        dict(assistant_model=tiny_spec_model(62, 4, vocab=64, damp=0.3))
+    ids, mask = left_pad(random_prompts(8, [6], vocab))
+    cache = PagedLoopCache(model.kv_layout) if kind == "paged" else DynamicCache()
+    first = generate(model, ids, mask, FIRST, "plain", None, cache=cache).sequences
+    held = cache.get_seq_length()
+    second, second_mask = extend(first, mask, random_prompts(9, [2], vocab))
+    name = "prompt_lookup_num_tokens=3" if assisted == "lookup" else "assistant_model"
+    with pytest.raises(ValueError, match=rf"{name} cannot continue a cache that already holds {held} columns"):
+        generate(model, second, second_mask, 4, "plain", None, cache=cache, **extra)
+    assert cache.get_seq_length() == held
 
 
 def test_the_cache_api_answers_as_a_dynamic_cache():

@@ -61,7 +61,8 @@ def test_malformed_ids_raise_the_same_error_in_every_mode(model, inputs, mode, c
 def test_int32_ids_and_numpy_max_new_tokens_decode_as_plain(model, inputs, mode):
     ids, mask = inputs
     expected = plain(model, ids, mask, 6).sequences
-    assert generate(model, ids.to(torch.int32), mask, **mode).tolist() == expected.tolist()
+    out = generate(model, ids.to(torch.int32), mask, **mode)
+    assert out.tolist() == expected.tolist() and out.dtype == torch.int64  # as plain decoding's, whatever the ids'
     assert generate(model, ids, mask, max_new=np.int64(6), **mode).tolist() == expected.tolist()
 
 
@@ -102,6 +103,42 @@ def test_eos_ids_outside_the_vocabulary_hold_nothing_as_in_plain(model, inputs, 
 
 
 @pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))
+def test_a_pad_id_outside_the_vocabulary_raises_once_it_is_fed(model, inputs, mode):
+    """A pad id outside [0, V) is fed, as in plain decoding, once a row stops at EOS before the others: every mode
+    raises plain decoding's `ValueError` then (the engine's cache completion raised an IndexError), and decodes as
+    plain decoding while no row is padded."""
+    ids, mask = inputs
+    tokens = plain(model, ids, mask, 6).sequences[:, ids.shape[1]:]
+    eos = tokens[0, 1].item()  # row 0 stops at its second new token
+    assert eos not in tokens[1, :-1].tolist()  # the other row goes on: the pad is fed
+    call = lambda eos: model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,  # noqa: E731
+                                      pad_token_id=500, eos_token_id=eos, **mode)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"ids outside the vocabulary \[0, 96\): \[500\]"):
+        call(eos)
+    with torch.no_grad():
+        assert torch.equal(call(None), plain(model, ids, mask, 6).sequences)
+
+
+@pytest.mark.parametrize("mode", [*SPECULATIVE.values(), {"speculative_mode": "auto"}, "paged"],
+                         ids=[*SPECULATIVE, "auto", "plain-paged"])
+def test_positions_of_the_callers_own_are_refused_where_they_cannot_be_followed(model, inputs, mode):
+    """`position_ids` other than the mask's own: plain decoding on a `DynamicCache` feeds them (its tokens change),
+    the speculative modes and a `PagedLoopCache` count positions from the mask: a `ValueError` naming position_ids
+    (they were ignored, silently), while the mask's own positions on a `PagedLoopCache` decode as plain."""
+    ids, mask = inputs
+    custom = torch.arange(ids.shape[1]).expand_as(ids) * 3
+    assert not torch.equal(plain(model, ids, mask, 6, position_ids=custom).sequences, plain(model, ids, mask, 6)
+                           .sequences)  # plain decoding follows them: ignoring them would change the output
+    paged = dict(speculative_mode=None, cache=paged_cache(model))
+    with pytest.raises(ValueError, match=r"position_ids: .* cannot follow positions of your own"):
+        generate(model, ids, mask, position_ids=custom, **(paged if mode == "paged" else mode))
+    if mode == "paged":
+        own = (mask.cumsum(-1) - 1).clamp(min=0)  # what generate derives from the mask (real tokens)
+        out = generate(model, ids, mask, position_ids=own, **{**paged, "cache": paged_cache(model)})
+        assert torch.equal(out, plain(model, ids, mask, 6).sequences)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))
 def test_non_finite_sampling_probabilities_raise_as_in_plain(model, inputs, mode):
     """A temperature that underflows in float32 (scores / 0) and a head whose logits are NaN give non-finite
     probabilities: plain sampling raises torch.multinomial's RuntimeError; so does every mode, instead of emitting
@@ -115,14 +152,27 @@ def test_non_finite_sampling_probabilities_raise_as_in_plain(model, inputs, mode
         generate(broken, *inputs, do_sample=True, **mode)
 
 
-@pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))
-@pytest.mark.parametrize("setting", [{"top_k": True, "do_sample": True}, {"max_new_tokens": True},
-                                     {"min_new_tokens": True}], ids=["top_k", "max_new_tokens", "min_new_tokens"])
-def test_a_bool_count_is_rejected_naming_it(model, inputs, mode, setting):
-    """`top_k=True` would be taken as 1 (or fail in torch.topk): a ValueError naming the setting, in every mode."""
-    name = next(key for key in setting if key != "do_sample")
+AUTO = {"speculative_mode": "auto"}
+COUNTS = {  # a setting that counts tokens, given as something other than an integer -> the message
+    "top_k=True": ({"top_k": True, "do_sample": True}, r"top_k=True is a bool"),
+    "max_new_tokens=True": ({"max_new_tokens": True}, r"max_new_tokens=True is a bool"),
+    "min_new_tokens=True": ({"min_new_tokens": True}, r"min_new_tokens=True is a bool"),
+    "max_new_tokens=2.5": ({"max_new_tokens": 2.5}, r"max_new_tokens=2.5 is a float.*max_new_tokens=3"),
+    "max_length=9.5": ({"max_new_tokens": None, "max_length": 9.5}, r"max_length=9.5 is a float"),
+    "min_new_tokens=1.5": ({"min_new_tokens": 1.5}, r"min_new_tokens=1.5 is a float"),
+    "min_new_tokens=tensor": ({"min_new_tokens": torch.tensor(2)}, r"min_new_tokens=tensor\(2\) counts tokens"),
+}
+
+
+@pytest.mark.parametrize("mode", [*MODES.values(), AUTO], ids=[*MODES, "auto"])
+@pytest.mark.parametrize("case", COUNTS.values(), ids=list(COUNTS))
+def test_a_count_that_is_no_integer_is_rejected_naming_it(model, inputs, mode, case):
+    """`top_k=True` would be taken as 1 (or fail in torch.topk), `max_new_tokens=2.5` stop plain decoding after 3
+    tokens and the speculative modes after 2, a tensor fail in some settings only: a ValueError naming the
+    setting, in every mode, auto included."""
+    setting, message = case
     ids, mask = inputs
-    with pytest.raises(ValueError, match=rf"{name}=True is a bool"), torch.no_grad():
+    with pytest.raises(ValueError, match=message), torch.no_grad():
         model.generate(ids, attention_mask=mask, pad_token_id=PAD, **{"max_new_tokens": 4} | setting | mode)
 
 

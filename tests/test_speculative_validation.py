@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
 from speculative_utils import PAD, named_modes, paged_cache, plain, tiny_spec_model
 from transformers import EosTokenCriteria, GenerationConfig, MaxLengthCriteria, StoppingCriteriaList
@@ -151,12 +152,20 @@ def test_non_callable_draft_hook_rejected(model, inputs, monkeypatch):
     assert counter.calls == 0
 
 
-def test_one_loop_model_cannot_self_speculate(inputs):
+@pytest.mark.parametrize("mode", ["block", "pipeline", "auto"])
+def test_one_loop_model_cannot_self_speculate(inputs, mode):
+    """A model that runs one loop (an Ouro of one loop, Huginn at num_steps=1) has no shallower loop to draft from:
+    the message says so and names num_steps (it said "draft_loops=1 is outside [1, 0]")."""
     ids, mask = inputs
     model = tiny_spec_model(53, 1, vocab=VOCAB)
-    with pytest.raises(ValueError, match=r"draft_loops=1.*1-loop|1-loop.*draft_loops=1"):
+    message = r"this call runs 1 loop \(a Huginn model with num_steps=1, or a 1-loop model\): pass num_steps >= 2"
+    with pytest.raises(ValueError, match=message):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=PAD,
-                       speculative_mode="block")
+                       speculative_mode=mode)
+    huginn = tiny_huginn()[0]
+    with pytest.raises(ValueError, match=message):
+        huginn.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False, pad_token_id=0, init_seed=0,
+                        num_steps=1, speculative_mode=mode)
 
 
 def test_keys_as_generate_kwargs_are_consumed(model, inputs):

@@ -51,6 +51,7 @@ from .auto_calibration import costs_for
 from .auto_costs import PLAIN, Candidate, CostTable, observe
 from .auto_policy import AutoChoice, AutoStats, Chooser, policy_for, remember, remembered
 from .config import AUTO_MODE, SPECULATIVE_KEYS, check_generation_mode, resolve_speculative
+from .inputs import as_integer, check_generation_values, check_left_padded, check_model_kwargs
 from .stats import SequenceStats, SpeculationStats
 from .wavefront.span import reserved_positions
 
@@ -183,8 +184,12 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
     spec = resolve_speculative(AUTO_MODE, d, k, _setting(kwargs, config, "compile_core"),
                                _setting(kwargs, config, "speculative_engine"), num_loops=model.num_loops,
                                second_draft_loops=_setting(kwargs, config, "second_draft_loops"))
+    d, k = (None if x is None else as_integer(x, name) for x, name in ((d, "draft_loops"),
+                                                                      (k, "num_speculative_tokens")))
     assistant = kwargs.get("assistant_model")
     check_generation_mode(spec, config.get_generation_mode(assistant), config, assistant)
+    check_generation_values(config)
+    check_model_kwargs(AUTO_MODE, kwargs)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is not None and not isinstance(cache, Cache):
         raise ValueError(f"speculative_mode='auto' continues a transformers Cache, got cache of type "
@@ -192,6 +197,9 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
     max_new = config.max_new_tokens
     if max_new is not None and max_new < 1:
         raise ValueError(f"max_new_tokens={max_new} must be >= 1 (the tokens to generate).")
+    if max_new is None and _default_max_length(model, kwargs):  # as transformers: that many new tokens
+        limit = getattr(model.config, "max_position_embeddings", None)
+        max_new = config.max_length if limit is None else min(config.max_length, limit - ids.shape[1])
     if max_new is None:
         max_new = config.max_length - ids.shape[1]
         if max_new < 1:
@@ -211,6 +219,13 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
                  engine_settings={key: value for key in ("compile_core", "speculative_engine")
                                   if (value := _setting(kwargs, config, key)) is not None})
     return call, candidates(model.num_loops, d, k)
+
+
+def _default_max_length(model, kwargs: dict) -> bool:
+    """Whether neither the call, its generation config nor the model's sets `max_length`: transformers then decodes
+    the default `max_length` as new tokens after the prompt, not as the output's length."""
+    return (kwargs.get("max_length") is None and getattr(kwargs.get("generation_config"), "max_length", None) is None
+            and model.generation_config.max_length is None)
 
 
 def _in_effect(key: str, value) -> bool:
@@ -239,6 +254,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     config = merged_config(model, kwargs)
     call, options = _prepare(model, ids, kwargs, config)
     ids, mask = _rows_and_mask(model, ids, kwargs.get("attention_mask"), config)
+    check_left_padded(mask, AUTO_MODE)  # whatever the segments would be: a call's fate is not a stored acceptance's
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     batch, prompt_width = ids.shape
     policy = policy_for(model)

@@ -132,5 +132,7 @@ def store(key: dict, table: dict, kind: str = "costs") -> None:
         with os.fdopen(handle, "w") as file:
             json.dump({"key": key, "table": table}, file)
         os.replace(temporary, path)
-    except OSError:
+    except BaseException as error:  # no stray temporary file, whatever failed
         Path(temporary).unlink(missing_ok=True)
+        if not isinstance(error, OSError):
+            raise

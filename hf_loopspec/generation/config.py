@@ -90,12 +90,14 @@ def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, com
 
 
 def _check_draft_loops(mode: str, draft_loops, num_loops: int) -> None:
+    if num_loops < 2:
+        raise ValueError("speculative decoding drafts from a shallower loop than the last, but this call runs "
+                         f"{num_loops} loop (a Huginn model with num_steps={num_loops}, or a 1-loop model): pass "
+                         "num_steps >= 2 (Huginn), or speculative_mode=None.")
     if not 1 <= draft_loops <= num_loops - 1:
         raise ValueError(
             f"draft_loops={draft_loops!r} is outside [1, {num_loops - 1}] for a model with {num_loops} loops: "
-            "drafts come from a shallower loop than the last one. "
-            + ("A 1-loop model cannot self-speculate; use speculative_mode=None." if num_loops < 2
-               else f"Pass an integer between 1 and {num_loops - 1}.")
+            f"drafts come from a shallower loop than the last one. Pass an integer between 1 and {num_loops - 1}."
         )
     if mode == "pipeline" and num_loops % draft_loops:
         valid = [d for d in range(1, num_loops) if num_loops % d == 0]
@@ -105,6 +107,9 @@ def _check_draft_loops(mode: str, draft_loops, num_loops: int) -> None:
         )
 
 
+UNSET_SAVED = "second_draft_loops=None in the call, where it comes from the model's generation_config.json"
+
+
 def _check_second_draft_loops(mode: str, draft_loops: int, second, num_loops: int) -> int | None:
     """`second_draft_loops` validated (None: off)."""
     if second is None:
@@ -112,11 +117,12 @@ def _check_second_draft_loops(mode: str, draft_loops: int, second, num_loops: in
     second = as_integer(second, "second_draft_loops")
     if mode == AUTO_MODE:
         raise ValueError(f"second_draft_loops={second} cannot be combined with speculative_mode='auto' (it chooses "
-                         "among plain, block and pipeline without second proposals); drop second_draft_loops, or "
-                         "pass speculative_mode='pipeline'.")
+                         "among plain, block and pipeline without second proposals); drop second_draft_loops "
+                         f"({UNSET_SAVED}), or pass speculative_mode='pipeline'.")
     if mode != "pipeline":
         raise ValueError(f"second_draft_loops={second} needs speculative_mode='pipeline' (got {mode!r}): second "
-                         "proposals re-read a pipeline lane's draft; drop second_draft_loops for other modes.")
+                         "proposals re-read a pipeline lane's draft; drop second_draft_loops for other modes "
+                         f"({UNSET_SAVED}).")
     if not draft_loops < second < num_loops:
         raise ValueError(f"second_draft_loops={second} must lie strictly between draft_loops={draft_loops} and the "
                          f"loop count {num_loops} (a deeper draft than the first, shallower than the target); pass "

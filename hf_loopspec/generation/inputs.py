@@ -5,11 +5,13 @@ transformers lets some malformed inputs through to the model, where they fail la
 whose first token would come from no context at all). Each check here raises a `ValueError` that names the
 argument, its value and the fix: ids that are no int64 / int32 tensor of values (a list, floats, int8, the meta
 device), no rows, ids outside the vocabulary, a bool where generate counts tokens (`top_k=True`), and, in the
-speculative modes, right padding (`check_left_padded`).
+speculative modes, right padding (`check_left_padded`) and positions of the caller's own (`check_model_kwargs`);
+and assisted decoding continuing a filled cache (`check_assisted_continuation`).
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -89,13 +91,44 @@ def _check_ids_tensor(input_ids) -> None:
 
 
 def check_generation_values(generation_config) -> None:
-    """`ValueError` for a bool among the settings that count tokens (`COUNT_SETTINGS`), in every mode: transformers
-    would take `True` as 1 (or fail deep in torch)."""
+    """`ValueError` for anything but a Python or numpy integer (or None) among the settings that count tokens
+    (`COUNT_SETTINGS`), in every mode: transformers would take `True` as 1 (or fail deep in torch), stop a
+    `max_new_tokens=2.5` call after 3 tokens (it compares lengths with the float) where the speculative modes'
+    integer counts would stop after 2, and refuse a tensor in some settings only."""
     for key in COUNT_SETTINGS:
         value = getattr(generation_config, key, None)
         if isinstance(value, bool):
             raise ValueError(f"{key}={value!r} is a bool, but {key} counts tokens; pass an integer (or None to leave "
                              "it unset).")
+        if isinstance(value, float):
+            raise ValueError(f"{key}={value!r} is a float, but {key} counts tokens; pass an integer (e.g. "
+                             f"{key}={math.ceil(value)}), or None to leave it unset.")
+        if value is not None and not isinstance(value, numbers.Integral):
+            raise ValueError(f"{key}={value!r} counts tokens: pass a Python or numpy integer (e.g. int(...) of a "
+                             "0-d tensor), or None to leave it unset.")
+
+
+def check_model_kwargs(mode: str, model_kwargs: dict) -> None:
+    """`ValueError` for a model input of the call that speculative mode `mode` would not honour: `position_ids`
+    (plain decoding feeds a caller's positions; the speculative modes count each token's position from the
+    attention mask, as plain decoding does when none are given)."""
+    if model_kwargs.get("position_ids") is not None:
+        raise ValueError(f"position_ids: speculative_mode={mode!r} counts each token's position from the attention "
+                         "mask and cannot follow positions of your own; drop position_ids (plain decoding without "
+                         "them derives the same positions from the mask), or pass speculative_mode=None.")
+
+
+def check_assisted_continuation(generation_config, assistant_model, past: int) -> None:
+    """`ValueError` for assisted decoding (an assistant model, prompt lookup) continuing a cache that holds `past`
+    columns: transformers' assisted loop feeds the whole input again on its first step, so the cache would hold the
+    history twice and the tokens would be wrong (on any cache, transformers' own models too)."""
+    lookup = getattr(generation_config, "prompt_lookup_num_tokens", None)
+    if assistant_model is None and not lookup:
+        return
+    what = "assistant_model" if assistant_model is not None else f"prompt_lookup_num_tokens={lookup}"
+    raise ValueError(f"{what} cannot continue a cache that already holds {past} columns: transformers' assisted "
+                     "decoding feeds the whole input again, which would store the history twice. Pass the whole "
+                     f"sequence with a fresh cache (or none), or drop {what} for this turn.")
 
 
 def check_left_padded(attention_mask, mode: str) -> None:

@@ -21,7 +21,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicCache, StaticCache
+from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -41,7 +41,13 @@ from .config import (
 )
 from .decoder import ExitRule, LaneDecoder
 from .dispatch import SpeculativeRequest, run_speculative
-from .inputs import check_generation_values, check_inputs, check_left_padded
+from .inputs import (
+    check_assisted_continuation,
+    check_generation_values,
+    check_inputs,
+    check_left_padded,
+    check_model_kwargs,
+)
 from .processors import plain_fallback
 from .stats import SpeculationStats
 
@@ -78,6 +84,9 @@ class LoopSpecGenerationMixin(GenerationMixin):
         ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         check_inputs(ids, kwargs.get("attention_mask"), cache, vocab_size=self.config.vocab_size)
+        if isinstance(cache, Cache) and cache.get_seq_length():
+            check_assisted_continuation(auto.merged_config(self, kwargs), kwargs.get("assistant_model"),
+                                        cache.get_seq_length())
         with cache.kept_on_error() if isinstance(cache, PagedLoopCache) else nullcontext():
             if auto.requested(self, kwargs):  # segments of plain / block / pipeline calls (`generation.auto`)
                 return auto.generate_auto(self, SpeculativeDecoderOnlyOutput, args, kwargs)
@@ -146,6 +155,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
         call = current_call()
         if call is not None:
             call.speculative, call.resolved = speculative_config(generation_config, self.num_loops), True
+            if call.speculative is not None:
+                check_model_kwargs(call.speculative.mode, model_kwargs)
         return generation_config, model_kwargs
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):

@@ -7,7 +7,7 @@ of the right KV plane, and scatters the results back:
   plane `k`, layer `l` is cache layer `k * num_layers + l`; padding is masked (`padded_causal_mask`);
 * with a `PagedLoopCache`, padding tokens are not stored at all: rows are the real tokens `[N]`
   (sequence-major), at position = the number of real tokens before them in their sequence, which equals the
-  `position_ids` that `generate` derives from the attention mask. `position_ids` are ignored on this path.
+  `position_ids` that `generate` derives from the attention mask; other `position_ids` raise a `ValueError`.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def forward_rows(layout: KVLayout, attention_mask: torch.Tensor | None, position
     in the KV dtype. See the module docstring."""
     batch, length = shape
     if isinstance(cache, PagedLoopCache):
-        return _PagedRows(layout, attention_mask, cache, like, batch, length)
+        return _PagedRows(layout, attention_mask, position_ids, cache, like, batch, length)
     return _DenseRows(layout, attention_mask, position_ids, cache, batch, length, like.device)
 
 
@@ -98,7 +98,7 @@ class _DenseRows(ForwardRows):
 
 
 class _PagedRows(ForwardRows):
-    def __init__(self, layout, attention_mask, cache: PagedLoopCache, like, batch, length):
+    def __init__(self, layout, attention_mask, position_ids, cache: PagedLoopCache, like, batch, length):
         device = like.device
         if cache.kv_layout != layout:
             raise ValueError(f"past_key_values: the PagedLoopCache was made for {cache.kv_layout}, but the model "
@@ -118,6 +118,11 @@ class _PagedRows(ForwardRows):
         self.seq, self.col = real.nonzero(as_tuple=True)  # [N] each, sequence-major
         start = torch.tensor(cache.lengths(0), device=device)  # [B] real tokens already stored
         self.positions = start[self.seq] + real.long().cumsum(-1)[self.seq, self.col] - 1  # [N]
+        if position_ids is not None and not torch.equal(
+                position_ids.to(device).expand(batch, length)[self.seq, self.col], self.positions):
+            raise ValueError("position_ids: a PagedLoopCache stores each token at its count of real tokens in its "
+                             "row (the positions generate derives from the attention mask) and cannot follow "
+                             "positions of your own; drop position_ids, or decode on a DynamicCache.")
         self.sequences = self.seq
         self.cache, self.shape, self.like, self.planes = cache, (batch, length), like, []
 

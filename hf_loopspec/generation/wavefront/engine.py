@@ -33,6 +33,7 @@ from dataclasses import replace
 import torch
 
 from ...cache.paged import FlatPools, PagedLoopCache
+from ...models.layers import check_token_ids
 from ..decoder import DecodeResult
 from ..history import check_cache_layout, run_planes
 from ..rules import cycle_uniforms, lanes_for, non_finite_error, run_generator, uniform_columns
@@ -356,6 +357,7 @@ class WavefrontEngine:
             tokens[:, 0] = torch.where(state.n_out > 0, last, self.input_ids[:, -1].to(device))
             fill_t = torch.tensor(fill, device=device)
             real, start = torch.arange(max(fill), device=device) < fill_t[:, None], state.prompt_len + state.n_out - 1
+            check_token_ids(tokens[real], self.vocab)  # a pad id outside the vocabulary: plain decoding's error
             filling = replace(
                 state, prompt_hidden=stages.embed_rows(self.model, self.plan, state, tokens, start, real)
                 if stages.has_stage_kv(self.model) else self.model.get_input_embeddings()(tokens),
@@ -408,6 +410,6 @@ class WavefrontEngine:
             self.stats.per_sequence.append(SequenceStats(**dict(zip(COUNTERS, row))))
         self.stats.core_calls = int(state.core_calls)
         steps = int(state.n_out.max()) if len(state.n_out) else 0
-        sequences = torch.cat([self.input_ids, state.out[:, :steps].to(self.input_ids.dtype)], 1)
+        sequences = torch.cat([self.input_ids.long(), state.out[:, :steps]], 1)  # int64, as plain decoding's
         return DecodeResult(sequences=sequences, stats=self.stats, trace=self.tracer and self.tracer.cycles,
                             **outputs.steps(state, steps))
