@@ -23,7 +23,7 @@ from hf_loopspec import cli, loading
 from hf_loopspec.assets import default_model_path
 from hf_loopspec.batch import run as batch_run
 from hf_loopspec.batch.parts import PartStore
-from hf_loopspec.batch.prompts import plan_batches
+from hf_loopspec.batch.prompts import plan_batches, read_prompts
 
 NEW = 10  # new tokens per row
 BATCH = 4
@@ -182,6 +182,17 @@ BAD_INPUTS = {
 }
 
 
+def test_an_existing_output_is_never_overwritten(prompts_file, tmp_path, monkeypatch, capsys):
+    """An OUT that exists without an unfinished run's parts (a finished run's output, or any other file) is refused
+    in one line before a model loads, and kept byte for byte (it was replaced silently)."""
+    output = tmp_path / "out.jsonl"
+    output.write_text("precious\n")
+    monkeypatch.setattr(loading, "load_model", lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    assert cli.main(batch_args(prompts_file, output, "--device", "cpu")) == 2
+    assert f"--output {output} exists" in capsys.readouterr().err and output.read_text() == "precious\n"
+    assert not output.with_name("out.jsonl.parts").exists()
+
+
 @pytest.mark.parametrize("case", BAD_INPUTS)
 def test_bad_input_names_the_line_before_loading_a_model(case, tmp_path, monkeypatch, capsys):
     lines, extra, line, message = BAD_INPUTS[case]
@@ -252,4 +263,6 @@ def test_csv_read_with_datasets_gives_the_jsonl_output(prompts_file, tmp_path, c
     assert read_jsonl(tmp_path / "from-csv.jsonl") == from_jsonl  # a CSV column of mixed ids is read as text
     csv.write_text('id,text\n1,"import os"\n2,\n')  # an empty cell
     assert cli.main(["batch", str(csv), "--output", str(tmp_path / "bad.jsonl"), "--field", "text"]) == 2
-    assert f"{csv}, row 2: 'text' is a NoneType, not a string" in capsys.readouterr().err
+    assert f"{csv}, row 2: the prompt ('text') is empty" in capsys.readouterr().err
+    csv.write_text("id,text\n007,0042\n7,1.50\n")  # cells are text as written: no guessed numbers
+    assert [(row.id, row.prompt) for row in read_prompts(csv, "text")] == [("007", "0042"), ("7", "1.50")]

@@ -156,6 +156,8 @@ def test_bad_numbers_and_choices_are_one_line_errors(argv, tmp_path, capsys, mon
     (["bench", "--model", "ouro-tiny", "--prompt-file", "{tmp}/none.txt"], "--prompt-file {tmp}/none.txt: no such"),
     (["bench", "--model", "ouro-tiny", "--prompt-file", "{tmp}/prompts.txt"], "has no tokenizer"),
     (["export", "default", "{tmp}/out", "--benchmarks", "{tmp}/none.json"], "{tmp}/none.json: cannot be read"),
+    (["export", "default", "{tmp}/out", "--benchmarks", "none", "--benchmarks", "{tmp}/none.json"],
+     "'none' says the card has no measured numbers; pass it alone"),
 ])
 def test_paths_are_checked_before_the_run(argv, message, tmp_path, capsys, monkeypatch):
     """An output path that cannot be written, a missing input file, or a prompt file for a model without a

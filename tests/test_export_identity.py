@@ -16,9 +16,11 @@ from checkpoint_utils import save_checkpoint
 from huggingface_hub import ModelCard
 from processes import ROOT
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from hf_loopspec import cli
 from hf_loopspec.assets import default_model_path
+from hf_loopspec.bench import report
 from hf_loopspec.hub import card as hub_card
 from hf_loopspec.hub import export, source
 
@@ -64,10 +66,15 @@ def test_title_lead_and_license_come_from_a_local_source_and_benchmarks_fill_mod
     assert_no_maker_claim(card.text)
     assert card.data.eval_results is None  # no benchmarks: no model-index
 
-    named = export.export_checkpoint(src, tmp_path / "named", repo_id="org/My-Model", benchmarks=[BENCH_JSON])
+    # recorded results, relabelled as measured on this checkpoint's architecture (a card quotes its own model only)
+    this_model = report.model_record(AutoModelForCausalLM.from_pretrained(src), "tiny-looped")
+    result = {**json.loads(BENCH_JSON.read_text()), "model": this_model}
+    with pytest.raises(ValueError, match=r"--benchmarks: a result measured on 'embedded default model'"):
+        export.export_checkpoint(src, tmp_path / "other", benchmarks=[BENCH_JSON])  # another model's numbers
+    assert not (tmp_path / "other").exists()
+    named = export.export_checkpoint(src, tmp_path / "named", repo_id="org/My-Model", benchmarks=[result])
     card = ModelCard.load(named / "README.md")
     assert card.text.lstrip().startswith("# My-Model\n") and 'custom_generate="org/My-Model"' in card.text
-    result = json.loads(BENCH_JSON.read_text())
     metrics = {(e.metric_config, e.metric_type): e.metric_value for e in card.data.eval_results}
     for row in result["rows"]:
         assert metrics[(row["mode"], "tokens_per_second")] == pytest.approx(row["tokens_per_s"], abs=1e-4)
@@ -77,7 +84,8 @@ def test_title_lead_and_license_come_from_a_local_source_and_benchmarks_fill_mod
     assert all(result["machine"]["device_name"] in e.dataset_name for e in card.data.eval_results)
 
     # a random-weight shape's result measures the engine, not this model: in the speed section, not in model-index
-    shape = export.export_checkpoint(src, tmp_path / "shape", benchmarks=[SHAPE_JSON])
+    shape_result = {**json.loads(SHAPE_JSON.read_text()), "model": {**this_model, "name": "ouro-100m"}}
+    shape = export.export_checkpoint(src, tmp_path / "shape", benchmarks=[shape_result])
     card = ModelCard.load(shape / "README.md")
     assert card.data.eval_results is None and "ouro-100m" in card.text
 

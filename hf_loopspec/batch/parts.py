@@ -109,8 +109,13 @@ class PartStore:
         return RunLock(self.dir, self.output)
 
     def check_paths(self) -> None:
-        """`ValueError` when OUT, `OUT.parts/` or anything in it is a symbolic link, or `OUT.parts` is a file."""
+        """`ValueError` when OUT, `OUT.parts/` or anything in it is a symbolic link, `OUT.parts` is a file, or OUT
+        exists without an unfinished run's `OUT.parts/` (a finished run's output, or any other file: never
+        overwritten)."""
         refuse_link(self.output, "--output", "pass the path the link points to, or remove the link")
+        if self.output.exists() and not self.dir.exists():
+            raise ValueError(f"--output {self.output} exists (a finished run's output, or another file), and "
+                             "hf-loopspec batch does not overwrite it: delete it, or pass another --output.")
         refuse_link(self.dir, "the parts folder", f"remove the link (the parts of a run must be a real folder beside "
                                                   f"{self.output.name}), or pass another --output")
         if self.dir.exists() and not self.dir.is_dir():

@@ -3,16 +3,18 @@ file that `datasets` reads), read and checked in full before anything is generat
 the rows are decoded in.
 
 Contract of `read_prompts`: every non-blank line is a JSON object with an `id` (a string or an integer, unique in
-the file) and a non-empty string in the text field (`prompt` unless `field` says otherwise); anything else is a
-`ValueError` that names the file, the line (or row) number and the fix. Blank lines are skipped. A text file (JSONL,
-CSV, JSON) that is not UTF-8 is refused naming the line of the first bad byte; a file `datasets` cannot read is
-refused naming the file and the reader's reason (its row or line when the reader gives one), with `datasets`'
-progress bars and log lines silenced while it reads, so that the error is the only line.
+the file; a CSV's cells are all text, ids included, kept as written) and a non-empty string in the text field
+(`prompt` unless `field` says otherwise); anything else is a `ValueError` that names the file, the line (or row)
+number and the fix. Blank lines are skipped. A text file (JSONL, CSV, JSON) that is not UTF-8 is refused naming the
+line of the first bad byte; a file `datasets` cannot read is refused naming the file and the reader's reason (its
+row or line when the reader gives one), with `datasets`' progress bars and log lines silenced while it reads, so
+that the error is the only line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import logging
 import random
@@ -123,14 +125,25 @@ def _dataset_rows(path: Path, builder: str):
         raise ValueError(f"PROMPTS {path} is empty (0 bytes).")
     if builder != "parquet":
         _utf8_text(path)  # names the line of a bad byte; the readers would not
+    options = _csv_as_text(path, datasets) if builder == "csv" else {}
     with tempfile.TemporaryDirectory() as cache, _quiet_datasets(datasets):  # the Arrow copy is not kept
         try:
-            rows = list(datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache))
+            rows = list(datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache,
+                                              **options))
         except Exception as err:  # whatever the reader raises, it is about this file
             raise ValueError(f"PROMPTS {path} cannot be read as {builder.upper()} ({_reader_reason(err)}); fix the "
                              "file, or write the prompts as JSONL, one object a line.") from None
     for number, row in enumerate(rows, start=1):
         yield f"{path}, row {number}", row
+
+
+def _csv_as_text(path: Path, datasets) -> dict:
+    """`load_dataset` options that read every CSV cell as the text it holds: a CSV has no types, and guessed ones
+    would turn the id "007" into 7 (then equal to a "7") and a prompt "0042" into a number; an empty cell is ""."""
+    with path.open(newline="", encoding="utf-8") as handle:
+        header = next(csv.reader(handle), [])
+    return {"features": datasets.Features({name: datasets.Value("string") for name in header}),
+            "keep_default_na": False, "na_filter": False}
 
 
 def read_prompts(path: str | Path, field: str = "prompt") -> list[PromptRow]:

@@ -226,10 +226,7 @@ def build_result(rows: list[dict], *, args, machine: dict, model, model_name: st
         "rows": rows,
         "machine": machine,
         "args": dict(vars(args)),
-        "model": {"name": model_name, "parameters": sum(p.numel() for p in model.parameters()),
-                  "num_loops": model.num_loops,
-                  "config": {key: getattr(model.config, key, None) for key in CONFIG_KEYS},
-                  "initial_states": "zeros (init_scale 0)" if hasattr(model, "recurrence") else None},
+        "model": model_record(model, model_name),
         "synthetic_acceptance": args.synthetic_acceptance,
         "sampling": None if sampling is None else {
             **sampling, "warpers": warpers, "seed": args.seed,
@@ -267,6 +264,18 @@ def write_result(result: dict, path: str | Path) -> None:
     """Write `result` as JSON (row-count keys of the call costs become strings, as JSON needs)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2, default=str))
+
+
+def model_record(model, name: str) -> dict:
+    """What a results document says of the model it measured: its name, size, loops and architecture."""
+    return {"name": name, "parameters": sum(p.numel() for p in model.parameters()), "num_loops": model.num_loops,
+            "config": {key: getattr(model.config, key, None) for key in CONFIG_KEYS},
+            "initial_states": "zeros (init_scale 0)" if hasattr(model, "recurrence") else None}
+
+
+def same_architecture(record: dict, other: dict) -> bool:
+    """Whether two `model_record`s describe one architecture (size and config; the names may differ)."""
+    return (record.get("parameters"), record.get("config")) == (other.get("parameters"), other.get("config"))
 
 
 def load_result(path: str | Path) -> dict:

@@ -180,11 +180,26 @@ def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loo
     return gen
 
 
+def _check_measured_on(result: dict, model) -> None:
+    """`ValueError` naming `--benchmarks` when a bench result was measured on another architecture than `model`'s
+    (config and parameter count: the bench's own random-weight shape of this architecture passes, and its card
+    section says so); a card must not quote another model's speed."""
+    from ..bench.report import model_record, same_architecture
+
+    measured, ours = result["model"], model_record(model, "SRC")
+    if not same_architecture(measured, ours):
+        raise ValueError(f"--benchmarks: a result measured on {measured.get('name')!r} ({measured.get('parameters')} "
+                         f"parameters) is not this model's ({ours['parameters']} parameters, or another config); "
+                         "pass results of `hf-loopspec bench --model SRC --json FILE`, or 'none'.")
+
+
 def _model_card(source, model, tokenizer, *, repo_id, base_model, license, benchmarks, **model_card_kwargs):
     """The card of the export (built before anything is written, so that a bad benchmarks file fails first); its
     identity comes from `source` (a `hf_loopspec.hub.source.Source`)."""
     from .card import build_model_card, makers_weights
 
+    for result in benchmarks:
+        _check_measured_on(result, model)
     gen = model.generation_config
     data = source.card_data
     if base_model is None:
@@ -317,6 +332,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _benchmark_files(given: list[str] | None) -> list[str]:
+    """The `--benchmarks` files; 'none' (the card has no measured numbers) only on its own."""
+    given = list(given or ())
+    if "none" in given and len(given) > 1:
+        raise ValueError(f"--benchmarks {' '.join(given)}: 'none' says the card has no measured numbers; pass it "
+                         "alone, or drop it to quote the files.")
+    return [path for path in given if path != "none"]
+
+
 def main_from_args(args: argparse.Namespace) -> int:
     """Run an export from parsed arguments; prints the files written. Raises ValueError / OSError on bad input."""
     out = export_checkpoint(
@@ -325,7 +349,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         speculative_mode=None if args.speculative_mode == "none" else args.speculative_mode,
         draft_loops=args.draft_loops, num_speculative_tokens=args.num_speculative_tokens, repo_id=args.repo_id,
         base_model=args.base_model, license=args.license,
-        benchmarks=[path for path in args.benchmarks or () if path != "none"],
+        benchmarks=_benchmark_files(args.benchmarks),
         trust_remote_code=args.trust_remote_code,
     )
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
