@@ -124,7 +124,7 @@ def _add_generation_options(parser: argparse.ArgumentParser, chat_help: str) -> 
                         help="with --do-sample (> 0: for greedy decoding drop --do-sample)")
     parser.add_argument("--top-k", type=bench_args.positive, default=None, help="with --do-sample")
     parser.add_argument("--top-p", type=bench_args.fraction, default=None, help="with --do-sample")
-    parser.add_argument("--seed", type=int, default=None, help="torch seed (for sampling)")
+    parser.add_argument("--seed", type=bench_args.seed, default=None, help="torch seed (for sampling)")
     parser.add_argument("--repetition-penalty", type=bench_args.positive_float, default=None,
                         help="divide the scores of tokens already in the text by P (> 1 discourages repeats; "
                              "greedy or sampled, lossless under speculation)")

@@ -137,6 +137,8 @@ def test_unsupported_devices_are_one_line_errors(device, message, name, good, tm
     ["export", "src", "out", "--max-shard-size", "5XB"],
     ["export", "src", "out", "--max-shard-size", "0"],
     ["generate", "x", "--mode", "fast"],
+    ["generate", "x", "--seed", str(2**70)],  # torch would refuse it after the model loads, naming no argument
+    ["bench", "--seed", "-1"],
 ])
 def test_bad_numbers_and_choices_are_one_line_errors(argv, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -158,16 +160,19 @@ def test_bad_numbers_and_choices_are_one_line_errors(argv, tmp_path, capsys, mon
     (["export", "default", "{tmp}/out", "--benchmarks", "{tmp}/none.json"], "{tmp}/none.json: cannot be read"),
     (["export", "default", "{tmp}/out", "--benchmarks", "none", "--benchmarks", "{tmp}/none.json"],
      "'none' says the card has no measured numbers; pass it alone"),
+    (["bench", "--model", "ouro-tiny", "--prompt-file", "{tmp}/latin.txt"],
+     "--prompt-file {tmp}/latin.txt is not UTF-8 text (byte 0xe9 at byte 3)"),
 ])
 def test_paths_are_checked_before_the_run(argv, message, tmp_path, capsys, monkeypatch):
     """An output path that cannot be written, a missing input file, or a prompt file for a model without a
     tokenizer: one line naming the flag or the file, before any timed run (a bench of minutes is not lost at its
     end), and nothing written."""
     (tmp_path / "prompts.txt").write_text("def f(x):\n    return x\n")
+    (tmp_path / "latin.txt").write_bytes(b"caf\xe9\n")
     monkeypatch.setattr("hf_loopspec.bench.main._measure", None)  # a run would fail on this, not on the check
     assert cli.main([arg.format(tmp=tmp_path) for arg in argv]) == 2
     assert message.format(tmp=tmp_path) in one_error_line(capsys, argv[0])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latin.txt", "prompts.txt"]
 
 
 def _last_line(err: str) -> str:

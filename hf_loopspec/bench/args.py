@@ -61,6 +61,7 @@ fraction = checked(float, lambda v: 0.0 <= v <= 1.0, "is outside [0, 1]")
 positive = checked(int, lambda v: v >= 1, "must be >= 1")
 positive_float = checked(float, lambda v: v > 0, "must be > 0")
 non_negative = checked(int, lambda v: v >= 0, "must be >= 0")
+seed = checked(int, lambda v: 0 <= v < 2**63, "is outside [0, 2**63) (torch's seeds are 64-bit integers)")
 
 
 SYNTHETIC_WITH_SAMPLING = ("--synthetic-acceptance cannot be combined with --do-sample: it replaces each draft by the "
@@ -134,7 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="nucleus sampling mass, with --do-sample; 1 = off (default: %(default)s)")
     parser.add_argument("--top-k", type=non_negative, default=0,
                         help="keep the K most likely tokens, with --do-sample; 0 = off (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=seed, default=0,
                         help="seed of the random weights, prompts, synthetic drafts and sampled runs "
                              "(default: %(default)s)")
     parser.add_argument("--threads", type=positive, default=1,

@@ -69,6 +69,17 @@ class _Bench:
                               self.args.seed)
 
 
+def read_prompt_file(path: str) -> str:
+    """The text of `--prompt-file`; `ValueError` naming the flag for a missing file or one that is not UTF-8."""
+    if not Path(path).is_file():
+        raise ValueError(f"--prompt-file {path}: no such file; pass a text file to cut prompts from.")
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--prompt-file {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at byte "
+                         f"{err.start}); save it as UTF-8.") from None
+
+
 def run_bench(args) -> dict:
     """Run the benchmark (see `hf_loopspec.bench`); returns the result document (also written by `--json`).
 
@@ -83,8 +94,8 @@ def run_bench(args) -> dict:
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             check_writable(path, flag)
-    if args.prompt_file and not Path(args.prompt_file).is_file():
-        raise ValueError(f"--prompt-file {args.prompt_file}: no such file; pass a text file to cut prompts from.")
+    if args.prompt_file:
+        read_prompt_file(args.prompt_file)  # a missing or undecodable file fails before the model loads
     if args.new_tokens < 2 and any(m in args.modes for m in ("block", "pipeline")):
         raise ValueError("--new-tokens must be >= 2 for the speculative modes (nothing to draft otherwise).")
     device = resolve_device(args.device)
@@ -131,7 +142,7 @@ def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:
     if args.prompt_file and tokenizer is None:
         raise ValueError(f"--prompt-file {args.prompt_file}: {model_name} has no tokenizer, so its prompts are random "
                          "ids; drop --prompt-file, or pass a checkpoint with a tokenizer as --model.")
-    text = Path(args.prompt_file).read_text() if args.prompt_file else (
+    text = read_prompt_file(args.prompt_file) if args.prompt_file else (
         PROMPT_CODE if args.model == "default" else PROMPT_TEXT)
     ids = make_prompts(tokenizer, vocab, args.batch_size, args.prompt_len, args.seed, text).to(device)
     processors = generation_processors(model, args.prompt_len, device)
