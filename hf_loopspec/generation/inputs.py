@@ -118,11 +118,15 @@ def check_model_kwargs(mode: str, model_kwargs: dict) -> None:
                          "them derives the same positions from the mask), or pass speculative_mode=None.")
 
 
-def check_assisted_continuation(generation_config, assistant_model, past: int) -> None:
-    """`ValueError` for assisted decoding (an assistant model, prompt lookup) continuing a cache that holds `past`
-    columns: transformers' assisted loop feeds the whole input again on its first step, so the cache would hold the
-    history twice and the tokens would be wrong (on any cache, transformers' own models too)."""
-    lookup = getattr(generation_config, "prompt_lookup_num_tokens", None)
+def check_assisted_continuation(kwargs: dict, model_config, past: int) -> None:
+    """`ValueError` for a `generate` call (`kwargs`) that decodes assisted (an assistant model, or prompt lookup: the
+    call's, its generation config's or `model_config`'s `prompt_lookup_num_tokens`) continuing a cache that holds
+    `past` columns: transformers' assisted loop feeds the whole input again on its first step, so the cache would
+    hold the history twice and the tokens would be wrong (on any cache, transformers' own models too)."""
+    given = (kwargs.get("prompt_lookup_num_tokens"),
+             getattr(kwargs.get("generation_config"), "prompt_lookup_num_tokens", None),
+             getattr(model_config, "prompt_lookup_num_tokens", None))
+    lookup, assistant_model = next((n for n in given if n is not None), None), kwargs.get("assistant_model")
     if assistant_model is None and not lookup:
         return
     what = "assistant_model" if assistant_model is not None else f"prompt_lookup_num_tokens={lookup}"

@@ -85,8 +85,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         check_inputs(ids, kwargs.get("attention_mask"), cache, vocab_size=self.config.vocab_size)
         if isinstance(cache, Cache) and cache.get_seq_length():
-            check_assisted_continuation(auto.merged_config(self, kwargs), kwargs.get("assistant_model"),
-                                        cache.get_seq_length())
+            check_assisted_continuation(kwargs, self.generation_config, cache.get_seq_length())
         with cache.kept_on_error() if isinstance(cache, PagedLoopCache) else nullcontext():
             if auto.requested(self, kwargs):  # segments of plain / block / pipeline calls (`generation.auto`)
                 return auto.generate_auto(self, SpeculativeDecoderOnlyOutput, args, kwargs)

@@ -113,16 +113,17 @@ class _PagedRows(ForwardRows):
             raise ValueError(f"attention_mask has {attention_mask.shape[-1]} columns, but the PagedLoopCache holds "
                              f"{self.past} and this call adds {length}: pass the whole sequence's mask.")
         cache.check_stored(attention_mask)
-        cache.ensure_sequences(batch)  # after the checks: a refused call adds no sequence
         real = attention_mask[:, -length:].to(device=device, dtype=torch.bool)
         self.seq, self.col = real.nonzero(as_tuple=True)  # [N] each, sequence-major
-        start = torch.tensor(cache.lengths(0), device=device)  # [B] real tokens already stored
+        stored = [cache.length(s, 0) if s < cache.num_sequences else 0 for s in range(batch)]
+        start = torch.tensor(stored, device=device)  # [B] real tokens already stored
         self.positions = start[self.seq] + real.long().cumsum(-1)[self.seq, self.col] - 1  # [N]
         if position_ids is not None and not torch.equal(
                 position_ids.to(device).expand(batch, length)[self.seq, self.col], self.positions):
             raise ValueError("position_ids: a PagedLoopCache stores each token at its count of real tokens in its "
                              "row (the positions generate derives from the attention mask) and cannot follow "
                              "positions of your own; drop position_ids, or decode on a DynamicCache.")
+        cache.ensure_sequences(batch)  # after the checks: a refused call adds no sequence
         self.sequences = self.seq
         self.cache, self.shape, self.like, self.planes = cache, (batch, length), like, []
 
