@@ -1,7 +1,7 @@
 """Tensor ops dispatched per core call by the wavefront engine and by the reference (the lane decoder), eager, on the
 embedded model: pipeline decoding (d = 1, optionally with second proposals), batch 1, a 64-token prompt, 64 new
-tokens. Eager on a CPU every op costs its dispatch (a few microseconds) whatever its size, so on a small model the
-op count, not the layers, separates the two; `--top N` lists the source lines that dispatch the most.
+tokens. Eager on a CPU every op costs its dispatch whatever its size, so on a small model the op count, not the
+layers, separates the two (BENCHMARKS.md, "One engine"); `--top N` lists the source lines that dispatch the most.
 
     python3 scripts/engine_ops.py [--second-draft-loops 3] [--top 15]
 """
