@@ -148,3 +148,8 @@ def check_positions(config, prompt_len: int, new_tokens: int, *, prompt_flag: st
 
 __all__ = ["check_folder", "check_model_type", "check_positions", "check_safetensors", "check_source",
            "hub_errors_explained", "max_positions", "weight_files"]
+
+
+def file_in_the_way(path: str | Path) -> Path | None:
+    """The first of `path`'s parent folders that is a file (nothing can be made below it), or None."""
+    return next((parent for parent in Path(path).parents if parent.is_file()), None)

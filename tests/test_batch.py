@@ -191,6 +191,8 @@ def test_an_existing_output_is_never_overwritten(prompts_file, tmp_path, monkeyp
     assert cli.main(batch_args(prompts_file, output, "--device", "cpu")) == 2
     assert f"--output {output} exists" in capsys.readouterr().err and output.read_text() == "precious\n"
     assert not output.with_name("out.jsonl.parts").exists()
+    assert cli.main(batch_args(prompts_file, output / "out.jsonl", "--device", "cpu")) == 2  # below a file
+    assert f"{output} is a file, not a folder" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)

@@ -155,6 +155,8 @@ def test_bad_numbers_and_choices_are_one_line_errors(argv, tmp_path, capsys, mon
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--model", "ouro-tiny", "--json", "/proc/no/results.json"], "--json /proc/no/results.json"),
     (["bench", "--model", "ouro-tiny", "--plot", "/proc/no/plot.png"], "--plot /proc/no/plot.png"),
+    (["bench", "--model", "ouro-tiny", "--json", "{tmp}/prompts.txt/x.json"], "({tmp}/prompts.txt is a file, not a"),
+    (["export", "default", "{tmp}/prompts.txt/out"], "{tmp}/prompts.txt is a file, not a folder"),
     (["bench", "--model", "ouro-tiny", "--prompt-file", "{tmp}/none.txt"], "--prompt-file {tmp}/none.txt: no such"),
     (["bench", "--model", "ouro-tiny", "--prompt-file", "{tmp}/prompts.txt"], "has no tokenizer"),
     (["export", "default", "{tmp}/out", "--benchmarks", "{tmp}/none.json"], "{tmp}/none.json: cannot be read"),

@@ -32,6 +32,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..input_checks import file_in_the_way
 from .lock import NOFOLLOW, RunLock
 from .prompts import PromptRow, id_key
 
@@ -113,6 +114,8 @@ class PartStore:
         exists without an unfinished run's `OUT.parts/` (a finished run's output, or any other file: never
         overwritten)."""
         refuse_link(self.output, "--output", "pass the path the link points to, or remove the link")
+        if (blocking := file_in_the_way(self.output)) is not None:
+            raise ValueError(f"--output {self.output}: {blocking} is a file, not a folder; pass a path in a folder.")
         if self.output.exists() and not self.dir.exists():
             raise ValueError(f"--output {self.output} exists (a finished run's output, or another file), and "
                              "hf-loopspec batch does not overwrite it: delete it, or pass another --output.")

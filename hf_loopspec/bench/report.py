@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..input_checks import file_in_the_way
 from .args import PLAIN_MODES, parse_args
 from .costs import STAGES, predicted_seconds
 
@@ -257,7 +258,9 @@ def check_writable(path: str | Path, flag: str) -> None:
         if not existed:
             path.unlink()
     except OSError as err:
-        raise ValueError(f"{flag} {path}: cannot write there ({err.strerror}); pass a writable path.") from None
+        blocking = file_in_the_way(path)  # mkdir would say "File exists"
+        reason = f"{blocking} is a file, not a folder" if blocking is not None else err.strerror
+        raise ValueError(f"{flag} {path}: cannot write there ({reason}); pass a writable path.") from None
 
 
 def write_result(result: dict, path: str | Path) -> None:

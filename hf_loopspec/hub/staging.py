@@ -24,6 +24,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..input_checks import file_in_the_way
+
 try:
     import fcntl
 except ImportError:  # no flock (Windows): stale staged folders are not detected
@@ -86,10 +88,12 @@ def _locked(folder: Path) -> Iterator[None]:
 
 
 def check_destination(out: str | Path, *, overwrite: bool) -> Path:
-    """`out` as an absolute path, or an error when it cannot be replaced safely: `ValueError` for a symlink (its
-    target lies outside the path given), `FileExistsError` for a file, or for a non-empty folder unless
-    `overwrite`."""
+    """`out` as an absolute path, or an error when it cannot be replaced safely: `ValueError` for a path below a file
+    or a symlink (its target lies outside the path given), `FileExistsError` for a file, or for a non-empty folder
+    unless `overwrite`."""
     out = Path(os.path.abspath(out))
+    if (blocking := file_in_the_way(out)) is not None:
+        raise ValueError(f"{out}: {blocking} is a file, not a folder; pass a path in a folder.")
     if out.is_symlink():
         raise ValueError(f"{out} is a symlink; pass the folder it points to ({os.path.realpath(out)}) or a new path.")
     if out.exists() and not out.is_dir():
