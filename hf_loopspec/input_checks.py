@@ -146,10 +146,10 @@ def check_positions(config, prompt_len: int, new_tokens: int, *, prompt_flag: st
                      f"positions; lower {new_flag} to {limit - prompt_len} or shorten {prompt_flag}.")
 
 
-__all__ = ["check_folder", "check_model_type", "check_positions", "check_safetensors", "check_source",
-           "hub_errors_explained", "max_positions", "weight_files"]
-
-
 def file_in_the_way(path: str | Path) -> Path | None:
     """The first of `path`'s parent folders that is a file (nothing can be made below it), or None."""
     return next((parent for parent in Path(path).parents if parent.is_file()), None)
+
+
+__all__ = ["check_folder", "check_model_type", "check_positions", "check_safetensors", "check_source",
+           "file_in_the_way", "hub_errors_explained", "max_positions", "weight_files"]
