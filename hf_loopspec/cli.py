@@ -45,6 +45,7 @@ from .prompting import SpeculativeOnly, check_mode_options, check_text, encode_p
 DEBUG_ENV = "HF_LOOPSPEC_DEBUG"
 DEFAULT_THREADS = 1  # see --threads' help
 USER_ERRORS = (ValueError, OSError)  # what the commands raise for input a user can fix
+BROKEN_PIPE = 141  # the status of a command that SIGPIPE ended (128 + 13), what a shell reports for `cat` there
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -165,6 +166,7 @@ def generate(args: argparse.Namespace) -> int:
     model, tokenizer, _ = loading.load_model(args.model, dtype, device, need_tokenizer=True)
     ids = encode_prompt(tokenizer, args.prompt, args.chat, where="PROMPT")
     enc = {"input_ids": torch.tensor([ids], device=device)}
+    enc["attention_mask"] = torch.ones_like(enc["input_ids"])  # one unpadded row (else transformers warns)
     check_positions(model.config, len(ids), args.max_new_tokens, prompt_flag="PROMPT", new_flag="--max-new-tokens")
     kwargs = {**generate_kwargs(args, model, tokenizer), "return_dict_in_generate": True}
     if auto.requested(model, kwargs):
@@ -268,7 +270,8 @@ def _print_identity(args: argparse.Namespace, model, tokens, plain_tokens) -> in
 
 def main(argv: list[str] | None = None) -> int:
     """`hf-loopspec COMMAND ...`; returns the exit status: 0, 1 for a failed bench check, 2 for input a user can fix
-    (one line on stderr unless --debug / HF_LOOPSPEC_DEBUG), 130 when interrupted."""
+    (one line on stderr unless --debug / HF_LOOPSPEC_DEBUG), 130 when interrupted, 141 (nothing printed) when the
+    reader of stdout closed it."""
     args = build_parser().parse_args(argv)
     try:
         from . import register
@@ -299,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench_main
 
         return bench_main.main_from_args(args)
+    except BrokenPipeError:  # the reader of stdout left (`generate ... | head`): stop quietly, as `cat` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush has nowhere to fail
+        return BROKEN_PIPE
     except USER_ERRORS as err:
         if debug_requested(args):
             raise
@@ -312,7 +318,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def one_line(message) -> str:
-    """`message` (text or an exception) on a single line: whitespace runs, newlines included, become one space."""
+    """`message` (text or an exception) on a single line: whitespace runs, newlines included, become one space. An
+    `OSError` about a path reads "PATH: reason" (not "[Errno N] reason: 'PATH'")."""
+    if isinstance(message, OSError) and message.strerror and message.filename is not None:
+        message = f"{os.fsdecode(message.filename)}: {message.strerror}" + (
+            f" (with {os.fsdecode(message.filename2)})" if message.filename2 is not None else "")
     text = " ".join(str(message).split())
     return text or type(message).__name__
 

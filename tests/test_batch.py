@@ -172,12 +172,15 @@ def test_killed_run_resumes_to_the_same_output(reference, prompts_file, tmp_path
 
 BAD_INPUTS = {
     "not-json": (['{"id": 1, "prompt": "a"}', "{'id': 2}"], [], 2, "is not valid JSON"),
-    "not-an-object": (['{"id": 1, "prompt": "a"}', "[1, 2]"], [], 2, "is a JSON list, not an object"),
+    "not-an-object": (['{"id": 1, "prompt": "a"}', "[1, 2]"], [], 2, "is an array, not an object"),
     "missing-id": (['{"id": 1, "prompt": "a"}', '{"prompt": "b"}'], [], 2, "has no 'id'"),
-    "bool-id": (['{"id": true, "prompt": "a"}'], [], 1, "id True is a bool"),
+    "bool-id": (['{"id": true, "prompt": "a"}'], [], 1, "the id is a boolean (true)"),
+    "number-prompt": (['{"id": 1, "prompt": 42}'], [], 1, "'prompt' is a number (42), not a string"),
+    "repeated-key": (['{"id": 1, "prompt": "a"}', '{"id": 2, "prompt": "b", "prompt": "c"}'], [], 2,
+                     "has the key 'prompt' twice"),
     "duplicate-id": (['{"id": "a", "prompt": "x"}', "", '{"id": "b", "prompt": "y"}', '{"id": "a", "prompt": "z"}'],
                      [], 4, "id 'a' was already used on " + "{prompts}, line 1"),
-    "empty-prompt": (['{"id": 1, "prompt": "a"}', '{"id": 2, "prompt": "  "}'], [], 2, "is empty"),
+    "empty-prompt": (['{"id": 1, "prompt": "a"}', '{"id": 2, "prompt": "  "}'], [], 2, "is empty or only whitespace"),
     "missing-field": (['{"id": 1, "prompt": "a"}'], ["--field", "text"], 1, "has no 'text' field"),
 }
 

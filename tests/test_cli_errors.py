@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoint_utils import save_checkpoint, snapshot
 from cli_utils import command, one_error_line
-from processes import cli_runs_in_one_process
+from processes import cli_runs_in_one_process, subprocess_env
 
 from hf_loopspec import cli
 from hf_loopspec.bench import main as bench_main
@@ -253,3 +255,33 @@ def test_a_real_process_prints_one_line(good, tmp_path, tmp_path_factory):
     assert "is truncated or corrupt" in truncated.stderr
     assert "someone/no-such-model" in uncached.stderr and "HF_HUB_OFFLINE" in uncached.stderr
     assert snapshot(tmp_path) == before
+
+
+def test_an_os_error_about_a_path_names_the_path_first(tmp_path, capsys):
+    """An `OSError` with a path reads "PATH: reason" (it read "[Errno 2] No such file or directory: 'PATH'"): a
+    made-up error, then a batch OUT below /proc, where nothing can be created (Linux)."""
+    assert cli.one_line(FileNotFoundError(2, "No such file or directory", "/x/y")) == "/x/y: No such file or directory"
+    assert cli.one_line(OSError(18, "Invalid cross-device link", "a", None, "b")) == \
+        "a: Invalid cross-device link (with b)"
+    assert cli.one_line(OSError("no errno")) == "no errno"
+    if not Path("/proc/self").is_dir():
+        return
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "def f():"}\n')
+    out = "/proc/no-such-folder/out.jsonl"
+    assert cli.main(["batch", str(prompts), "--output", out, "--device", "cpu", "--max-new-tokens", "2"]) == 2
+    assert one_error_line(capsys, "batch").endswith("error: /proc/no-such-folder: No such file or directory")
+
+
+def test_a_reader_that_leaves_early_ends_generate_quietly():
+    """`hf-loopspec generate ... | head -c 1`, here as `python -m hf_loopspec`: once the reader has closed the pipe
+    the command stops with status 141 (what a shell reports for a command that SIGPIPE ended) and prints no error:
+    it printed "error: [Errno 32] Broken pipe" and exited with 2. Nor does it print transformers' warning about a
+    missing attention mask (the one-row prompt now passes its mask)."""
+    argv = [sys.executable, "-m", "hf_loopspec", "generate", "def f(x):", "--mode", "plain", "--max-new-tokens", "200"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env())
+    first = proc.stdout.read(1)  # the first streamed byte: the run is decoding
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141 and first, err
+    assert "error" not in err and "Traceback" not in err and "attention mask" not in err, err

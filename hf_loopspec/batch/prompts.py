@@ -3,12 +3,12 @@ file that `datasets` reads), read and checked in full before anything is generat
 the rows are decoded in.
 
 Contract of `read_prompts`: every non-blank line is a JSON object with an `id` (a string or an integer, unique in
-the file; a CSV's cells are all text, ids included, kept as written) and a non-empty string in the text field
-(`prompt` unless `field` says otherwise); anything else is a `ValueError` that names the file, the line (or row)
-number and the fix. Blank lines are skipped. A text file (JSONL, CSV, JSON) that is not UTF-8 is refused naming the
-line of the first bad byte; a file `datasets` cannot read is refused naming the file and the reader's reason (its
-row or line when the reader gives one), with `datasets`' progress bars and log lines silenced while it reads, so
-that the error is the only line.
+the file; a CSV's cells are all text, ids included, kept as written) and a string that is not only whitespace in the
+text field (`prompt` unless `field` says otherwise), and no key twice in one object; anything else is a `ValueError`
+that names the file, the line (or row) number and the fix. Blank lines are skipped. A text file (JSONL, CSV, JSON)
+that is not UTF-8 is refused naming the line of the first bad byte; a file `datasets` cannot read is refused naming
+the file and the reader's reason (its row or line when the reader gives one), with `datasets`' progress bars and log
+lines silenced while it reads, so that the error is the only line.
 """
 
 from __future__ import annotations
@@ -34,29 +34,48 @@ class PromptRow:
 
 
 def _parse_line(where: str, text: str):
+    def unique_keys(pairs: list[tuple[str, object]]) -> dict:
+        keys = [key for key, _ in pairs]
+        if repeated := next((key for i, key in enumerate(keys) if key in keys[:i]), None):
+            raise ValueError(f"{where} has the key {repeated!r} twice (JSON readers keep one of them silently); keep "
+                             "one.")
+        return dict(pairs)
+
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as err:
         raise ValueError(f"{where} is not valid JSON ({err.msg} at column {err.colno}); each line must be one JSON "
                          'object such as {"id": 1, "prompt": "..."}.') from None
 
 
+def _kind(value) -> str:
+    """What `value` is, in JSON's words: "an array", "a number (3.5)", "null", ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({json.dumps(value)})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r})"
+    return {list: "an array", dict: "an object", str: "a string"}.get(type(value), f"a {type(value).__name__}")
+
+
 def _check_row(where: str, row, field: str) -> PromptRow:
     if not isinstance(row, dict):
-        raise ValueError(f"{where} is a JSON {type(row).__name__}, not an object with an id and a {field!r} field.")
+        raise ValueError(f"{where} is {_kind(row)}, not an object with an id and a {field!r} field.")
     if "id" not in row:
         raise ValueError(f"{where} has no 'id'; give every row a unique string or integer id.")
     row_id = row["id"]
     if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
-        raise ValueError(f"{where}: id {row_id!r} is a {type(row_id).__name__}; use a string or an integer.")
+        raise ValueError(f"{where}: the id is {_kind(row_id)}; use a string or an integer.")
     if field not in row:
         raise ValueError(f"{where} has no {field!r} field (it has {', '.join(map(repr, row))}); pass --field NAME to "
                          "read the text from another field.")
     prompt = row[field]
     if not isinstance(prompt, str):
-        raise ValueError(f"{where}: {field!r} is a {type(prompt).__name__}, not a string.")
+        raise ValueError(f"{where}: {field!r} is {_kind(prompt)}, not a string.")
     if not prompt.strip():
-        raise ValueError(f"{where}: the prompt ({field!r}) is empty; remove the row or give it some text.")
+        raise ValueError(f"{where}: the prompt ({field!r}) is empty or only whitespace; remove the row or give it "
+                         "some text.")
     return PromptRow(where, row_id, prompt)
 
 
