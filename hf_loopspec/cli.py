@@ -123,7 +123,9 @@ def _add_generation_options(parser: argparse.ArgumentParser, chat_help: str) -> 
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=bench_args.positive_float, default=None,
                         help="with --do-sample (> 0: for greedy decoding drop --do-sample)")
-    parser.add_argument("--top-k", type=bench_args.positive, default=None, help="with --do-sample")
+    parser.add_argument("--top-k", type=bench_args.non_negative, default=None,
+                        help="with --do-sample; 0 keeps every token (unset: the checkpoint's generation config, else "
+                             "transformers' default top-k)")
     parser.add_argument("--top-p", type=bench_args.fraction, default=None, help="with --do-sample")
     parser.add_argument("--seed", type=bench_args.seed, default=None, help="torch seed (for sampling)")
     parser.add_argument("--repetition-penalty", type=bench_args.positive_float, default=None,

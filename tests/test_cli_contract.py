@@ -17,10 +17,11 @@ import torch
 from checkpoint_utils import save_checkpoint, word_tokenizer
 from cli_utils import command, one_error_line
 from processes import ROOT, subprocess_env
-from transformers import GPT2Config
+from transformers import AutoModelForCausalLM, GPT2Config, TopKLogitsWarper
 
 from hf_loopspec import cli
 from hf_loopspec.generation.auto_costs import kept_table
+from hf_loopspec.prompting import generate_kwargs
 
 POSITIONS = 16
 
@@ -160,6 +161,24 @@ def test_sampling_and_speculative_options_are_accepted_where_they_apply(name, go
                "--num-speculative-tokens", "2", "--seed", "0"]
     assert cli.main([*command(name, str(good), tmp_path), *options]) == 0
     capsys.readouterr()
+
+
+def test_top_k_0_turns_the_top_k_filter_off(good):
+    """`--top-k 0` is accepted (it was refused as "must be >= 1") and passed as top_k=0, which builds no top-k warper,
+    where an unset --top-k leaves transformers' default top-k filter in place, as `bench --top-k 0` does."""
+    model = AutoModelForCausalLM.from_pretrained(good)
+
+    def warpers(*options):
+        args = cli.build_parser().parse_args(["generate", "x", "--do-sample", *options])
+        kwargs = generate_kwargs(args, model, tokenizer=None)
+        config, _ = model._prepare_generation_config(None, **kwargs)
+        processors = model._get_logits_processor(config, input_ids_seq_length=1, encoder_input_ids=None,
+                                                 prefix_allowed_tokens_fn=None, logits_processor=None)
+        return kwargs.get("top_k"), [type(p) for p in processors]
+
+    assert warpers("--top-k", "0") == (0, [])
+    top_k, default = warpers()
+    assert top_k is None and TopKLogitsWarper in default
 
 
 # --- models that are not looped, text that is not UTF-8, lm-eval's folders --------------------------------------
