@@ -230,9 +230,11 @@ def test_lm_eval_with_a_missing_local_folder_says_so(spec, form, tmp_path, capsy
 def test_the_tokenizers_length_warning_does_not_precede_the_error(tmp_path, capsys, monkeypatch):
     """A tokenizer whose model_max_length is the model's positions warns, when asked to encode a longer text, that
     indexing errors will follow; the CLI turns that case into its own error line, so the warning is not printed.
-    transformers' log handler keeps the stream it was made with; it is pointed at the captured stderr here."""
+    transformers' log handler (a plain StreamHandler) keeps the stream it was made with; it is pointed at the
+    captured stderr here. pytest may add its own handlers to that logger (subclasses, left alone)."""
     for handler in logging.getLogger("transformers").handlers:
-        monkeypatch.setattr(handler, "stream", sys.stderr)
+        if type(handler) is logging.StreamHandler:
+            monkeypatch.setattr(handler, "stream", sys.stderr)
     folder = save_checkpoint(tmp_path / "ckpt", seed=1, tokenizer=False, max_position_embeddings=POSITIONS)
     tokenizer = word_tokenizer(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
     tokenizer.model_max_length = POSITIONS
