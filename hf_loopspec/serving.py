@@ -20,9 +20,10 @@ checkpoint's), `top_p`, `seed` (torch's global seed), `frequency_penalty` (repet
 strings), chat's `logit_bias`, and `generation_config`: a JSON string of generation settings (`speculative_mode`
 "pipeline" or "block", `draft_loops`, `num_speculative_tokens`, `do_sample`, `top_k`, ...); `generate` fills the keys
 it leaves unset from the checkpoint's config, so a request cannot turn a checkpoint's speculative default off (null
-counts as unset). With `--continuous-batching`, transformers builds one manager from the first request's settings and
-forwards only `max_tokens` and the EOS of later ones; a later request whose other settings differ, and a request the
-manager cannot serve, get HTTP 400 with the reason (`serving_batching`). Requests name the model as the server was
+counts as unset). With `--continuous-batching`, transformers builds one manager from the first request's settings
+(5.25: from the checkpoint's generation config, as the model loads) and forwards only `max_tokens` and the EOS of
+later ones; a later request whose other settings differ, and a request the manager cannot serve, get HTTP 400 with
+the reason (`serving_batching`; 5.25: `serving_engine`). Requests name the model as the server was
 given it (`GET /v1/models` lists it: the embedded model's folder by default) or leave it out. A request that sets
 `n`, `best_of`, `logprobs`, `top_logprobs`, `echo` or `presence_penalty` to anything but its default, or a token
 limit that is not a whole number >= 1, gets HTTP 400 with the reason (`request_problem`; transformers would ignore
@@ -65,6 +66,9 @@ def parse(argv: list[str]) -> tuple[dict, argparse.Namespace]:
     except TyperException as err:  # a usage error of transformers' command: unknown option, bad value
         raise ValueError(f"{err.format_message()} (see hf-loopspec serve --help)") from None
     params = dict(context.params)
+    if params.get("api_server_count", 1) > 1:  # transformers >= 5.25: API servers in processes spawned afresh
+        raise ValueError(f"--api-server-count {params['api_server_count']}: hf-loopspec serve runs one API server "
+                         "(its request checks and error answers live in this process); leave the option out.")
     if params.get("device") not in (None, "auto"):
         from .loading import resolve_device
 
@@ -204,8 +208,8 @@ def openai_errors() -> None:
 
 def start(argv: list[str]):
     """Parse `argv`, prepare the model and construct transformers' `Serve`, which serves until stopped (with
-    transformers' `--non-blocking`, it returns at once, the server running in a thread; stop it with
-    `kill_server()`). Returns the `Serve`."""
+    transformers 5.24's `--non-blocking`, it returns at once, the server running in a thread; stop it with
+    `kill_server()`; 5.25 runs the model in a process of its own, `serving_engine`). Returns the `Serve`."""
     import torch
     from transformers.utils.import_utils import is_serve_available
 
@@ -218,7 +222,13 @@ def start(argv: list[str]):
     torch.set_num_threads(options.threads)
     expose_architecture(params["force_model"], params["trust_remote_code"])
     openai_errors()
-    if params.get("continuous_batching"):
+    from transformers.cli.serving import model_manager
+
+    if hasattr(model_manager, "ModelLoader"):  # transformers >= 5.25: each model runs in a process of its own
+        from .serving_engine import install
+
+        install(options.threads)
+    elif params.get("continuous_batching"):
         from .serving_batching import install
 
         install()

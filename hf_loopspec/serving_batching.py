@@ -29,8 +29,10 @@ def effective(model_config, config) -> dict:
     return {**model_config.to_diff_dict(), **config.to_diff_dict()}
 
 
-def settings_problem(model_config, manager_config, request_config) -> str | None:
-    """Why a request with `request_config` cannot join a manager started with `manager_config`, or None."""
+def settings_problem(model_config, manager_config, request_config,
+                     started_by: str = "the first one, which started the manager") -> str | None:
+    """Why a request with `request_config` cannot join a manager started with `manager_config` (the settings of
+    `started_by`), or None."""
     manager, request = effective(model_config, manager_config), effective(model_config, request_config)
     defaults = type(model_config)().to_dict()
     sampled = manager.get("do_sample", False) or request.get("do_sample", False)
@@ -41,7 +43,7 @@ def settings_problem(model_config, manager_config, request_config) -> str | None
         return None
     listed = ", ".join(f"{k}={mine!r} (the manager's: {theirs!r})" for k, (mine, theirs) in list(differ.items())[:6])
     return (f"this request asks for {listed}: with --continuous-batching, every request decodes with the settings of "
-            "the first one, which started the manager; a request may change only max_tokens. Send the same settings, "
+            f"{started_by}; a request may change only max_tokens. Send the same settings, "
             "or serve without --continuous-batching for per-request settings.")
 
 

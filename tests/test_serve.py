@@ -10,9 +10,11 @@ import json
 import re
 import shutil
 import socket
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -20,6 +22,7 @@ import torch
 import transformers
 from cli_utils import one_error_line
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.cli.serve import Serve
 
 import hf_loopspec
 from hf_loopspec import cli, serving, serving_batching
@@ -38,6 +41,8 @@ READY_SECONDS = 60
 # A request's own generation settings: block speculation (the keys left out keep the checkpoint's values).
 BLOCK = {"speculative_mode": "block", "num_speculative_tokens": 3, "do_sample": False, "eos_token_id": 0,
          "pad_token_id": 0}
+# transformers >= 5.25 runs the served model in a process of its own (`serving_engine`), and has no `--non-blocking`
+OWN_PROCESS = not hasattr(Serve, "kill_server")
 CASES = [(endpoint, prompt, i % 2 == 0) for i, prompt in enumerate(PROMPTS) for endpoint in ("completions", "chat")]
 
 
@@ -73,27 +78,66 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class ThreadServer:
+    """transformers >= 5.25: `serving.start` (which serves until stopped) in a thread; `kill_server` stops it."""
+
+    def __init__(self, argv: list[str], patch):
+        import uvicorn
+
+        self.servers, original = [], uvicorn.Server
+
+        def recording(*args, **kwargs):
+            server = original(*args, **kwargs)
+            self.servers.append(server)
+            return server
+
+        patch.setattr(uvicorn, "Server", recording)
+        self.thread = threading.Thread(target=serving.start, args=(argv,), daemon=True)
+        self.thread.start()
+
+    def kill_server(self):
+        for server in self.servers:
+            server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+def ran(calls) -> tuple[list, tuple | None]:
+    """`([(mode, draft_loops, K) of each speculative generate], (mode, accepted drafts) of the manager or None)`."""
+    if OWN_PROCESS:
+        records = [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
+        managers = [(r["manager"], r["accepted"]) for r in records if "manager" in r]
+        return [tuple(r["spec"]) for r in records if "spec" in r], managers[-1] if managers else None
+    managers = [c for c in calls if isinstance(c, LoopBatchingManager)]
+    assert len(managers) <= 1
+    settings = [(r.spec.mode, r.spec.draft_loops, r.spec.num_speculative_tokens) for r in calls
+                if isinstance(r, SpeculativeRequest)]
+    manager = None
+    if managers:
+        counters = managers[0].batch_processor.state.counters
+        manager = (managers[0].settings.mode, int(counters[:, COUNTERS.index("accepted")].sum()))
+    return settings, manager
+
+
 def start_server(checkpoint: str, *options: str):
-    """`(Serve, client, calls, patch)`: the server running in a thread, an `openai` client for it, the list that
-    records every speculative `generate` the server runs and every continuous-batching manager it starts, and the
-    patch that records them (undo it after stopping)."""
-    calls = []
-    original, original_start = mixin.run_speculative, LoopBatchingManager.start
-
-    def recording(model, request):
-        calls.append(request)
-        return original(model, request)
-
-    def recording_start(manager):
-        calls.append(manager)
-        return original_start(manager)
-
+    """`(Serve, client, calls, patch)`: the server running in a thread, an `openai` client for it, what records every
+    speculative `generate` the server runs and every continuous-batching manager it starts (read it with `ran`), and
+    the patch that records them (undo it after stopping)."""
     port = free_port()
     patch = pytest.MonkeyPatch()
-    patch.setattr(mixin, "run_speculative", recording)
-    patch.setattr(LoopBatchingManager, "start", recording_start)
-    server = serving.start([checkpoint, "--port", str(port), "--host", "127.0.0.1", "--device", "cpu",
-                            "--non-blocking", *options])
+    argv = [checkpoint, "--port", str(port), "--host", "127.0.0.1", "--device", "cpu"]
+    if OWN_PROCESS:
+        from serve_recording import RecordingLoader
+        from transformers.cli.serving import model_manager
+
+        from hf_loopspec import serving_engine
+
+        calls = Path(checkpoint).parent / f"records-{port}.jsonl"
+        patch.setattr(RecordingLoader, "path", str(calls))
+        patch.setattr(serving_engine, "LoopModelLoader", RecordingLoader)
+        patch.setattr(model_manager, "ModelLoader", model_manager.ModelLoader)  # restored by `patch.undo()`
+        server = ThreadServer([*argv, *options], patch)
+    else:
+        calls, server = start_in_process(argv, options, patch)
     deadline = time.monotonic() + READY_SECONDS
     while True:
         try:
@@ -108,17 +152,36 @@ def start_server(checkpoint: str, *options: str):
     return server, client, calls, patch
 
 
+def start_in_process(argv, options, patch):
+    """transformers 5.24: the server with `--non-blocking`, recording in this process."""
+    calls = []
+    original, original_start = mixin.run_speculative, LoopBatchingManager.start
+
+    def recording(model, request):
+        calls.append(request)
+        return original(model, request)
+
+    def recording_start(manager):
+        calls.append(manager)
+        return original_start(manager)
+
+    patch.setattr(mixin, "run_speculative", recording)
+    patch.setattr(LoopBatchingManager, "start", recording_start)
+    return calls, serving.start([*argv, "--non-blocking", *options])
+
+
 def ask(client, model: str, endpoint: str, prompt: str, stream: bool) -> tuple[str, int | None]:
     """`(text, completion tokens or None when the stream does not report them)` of one request; endpoint "block" is
     /v1/completions with a `generation_config` of the request's own that asks for block speculation."""
     if endpoint in ("completions", "block"):
         extra = {"generation_config": json.dumps(BLOCK)} if endpoint == "block" else None
+        usage = {"stream_options": {"include_usage": True}} if stream else {}  # 5.25: the usage only when asked
         response = client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, stream=stream,
-                                             extra_body=extra)
+                                             extra_body=extra, **usage)
         if not stream:
             return response.choices[0].text, response.usage.completion_tokens
         chunks = list(response)
-        return "".join(c.choices[0].text for c in chunks), chunks[-1].usage.completion_tokens
+        return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.completion_tokens
     messages = [{"role": "user", "content": prompt}]
     response = client.chat.completions.create(model=model, messages=messages, max_tokens=NEW_TOKENS, stream=stream)
     if not stream:
@@ -164,7 +227,7 @@ def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, referenc
 
     def refused(client, calls):
         bad = {**BLOCK, "speculative_mode": "pipeline", "draft_loops": 3}  # U = 4 is not a multiple of 3
-        kept = list(calls)
+        kept, _ = ran(calls)
         reason = refusal(lambda: client.completions.create(
             model=checkpoint, prompt=PROMPTS[0], max_tokens=4, extra_body={"generation_config": json.dumps(bad)}))
         assert re.search(r"Error code: 400 .*draft_loops=3", reason), reason
@@ -173,14 +236,14 @@ def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, referenc
         reason = refusal(lambda: client.chat.completions.create(
             model=checkpoint, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=4, n=2))
         assert re.search(r"Error code: 400 .*n=2 is not supported: this server returns one choice", reason), reason
-        calls[:] = kept  # what the refused requests ran, if anything, is not part of the checks below
+        refused.kept = kept  # what the refused requests ran, if anything, is not part of the checks below
         assert ask(client, checkpoint, "completions", PROMPTS[2], False)[0]
 
     block = [("block", PROMPTS[0], False), ("block", PROMPTS[1], True)]
-    calls = check_concurrent_requests(checkpoint, reference, CASES + block, then=refused)
+    check_concurrent_requests(checkpoint, reference, CASES + block, then=refused)
     # the requests with their own generation config: one block `generate` each (K = 3); the others decode as the
     # checkpoint says (auto: its speculative segments run the settings it chooses among, at the config's d = 1, K = 4)
-    settings = [(request.spec.mode, request.spec.draft_loops, request.spec.num_speculative_tokens) for request in calls]
+    settings = refused.kept
     assert settings.count(("block", 1, BLOCK["num_speculative_tokens"])) == len(block)
     assert set(settings) <= {("block", 1, BLOCK["num_speculative_tokens"]), ("pipeline", 1, 4), ("block", 1, 4)}
 
@@ -204,18 +267,17 @@ def test_serve_with_continuous_batching_answers_as_plain_generate(checkpoint, re
     requests it cannot serve get their reason at once, streaming or not, and the manager keeps serving."""
 
     def refusals(client, calls):
-        (manager,) = [call for call in calls if isinstance(call, LoopBatchingManager)]
-        assert manager.settings.mode == "pipeline" and not any(isinstance(c, SpeculativeRequest) for c in calls)
-        assert manager.batch_processor.state.counters[:, COUNTERS.index("accepted")].sum() > 0
+        speculative, (mode, accepted) = ran(calls)
+        assert mode == "pipeline" and not speculative and accepted > 0
         fast = client.with_options(timeout=30)
         assert re.search(r"speculative_mode='block' \(the manager's: 'auto'\)",
                          refusal(lambda: ask(fast, checkpoint, "block", PROMPTS[0], False)))
-        for stream in (False, True):  # too long for a slot (C = 1024 positions)
+        for stream in (False, True):  # too long for a slot (C = 1024 positions; 5.25: the context, 2048, and more)
             def call(stream=stream):
-                response = fast.completions.create(model=checkpoint, prompt="x = [", max_tokens=1100, stream=stream)
+                response = fast.completions.create(model=checkpoint, prompt="x = [", max_tokens=5000, stream=stream)
                 return list(response) if stream else response
 
-            assert re.search(r"needs \d+ positions, and a slot of this manager holds 1024", refusal(call)), stream
+            assert re.search(r"needs \d+ positions, and a slot of this manager holds \d+", refusal(call)), stream
         assert ask(fast, checkpoint, "completions", PROMPTS[2], True)[0] == expected(reference, "completions",
                                                                                       PROMPTS[2])[0]
 
@@ -250,6 +312,13 @@ def test_bad_model_or_option_is_one_line_exit_2(capsys, argv, message):
     assert message in one_error_line(capsys, "serve")
 
 
+def test_several_api_servers_are_refused(capsys):
+    """transformers >= 5.25 can run API servers in processes spawned afresh, without the package's request checks."""
+    assert cli.main(["serve", "--api-server-count", "2"]) == 2
+    expected = "--api-server-count 2: hf-loopspec serve runs one API server" if OWN_PROCESS else "No such option"
+    assert expected in one_error_line(capsys, "serve")
+
+
 def test_a_file_as_model_is_one_line_exit_2(capsys, tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     assert cli.main(["serve", str(tmp_path / "weights.bin")]) == 2
@@ -271,6 +340,10 @@ def test_a_request_joins_a_running_manager_only_with_its_settings(checkpoint):
     sampled = transformers.GenerationConfig(do_sample=True, temperature=0.5)
     assert "do_sample=True (the manager's: False), temperature=0.5 (the manager's: 0.0)" in \
         serving_batching.settings_problem(checkpoints, first, sampled)
+    if OWN_PROCESS:  # no manager per first request: `serving_engine.LoopBatchingRunner` refuses by the same check
+        stops = transformers.GenerationConfig(**{**checkpoints.to_dict(), "stop_strings": ["\n"]})
+        assert "stop_strings=" in serving_batching.settings_problem(checkpoints, checkpoints, stops)
+        return
     manager = serving_batching.install()()
     try:
         with pytest.raises(HTTPException, match="stop_strings=.* in continuous batching") as refused:

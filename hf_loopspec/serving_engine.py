@@ -1,0 +1,77 @@
+"""`hf-loopspec serve` on transformers >= 5.25, whose server runs each model in a process of its own (spawned: it
+imports transformers afresh, so nothing patched in the server's process reaches it).
+
+transformers' `Serve` builds its `ModelLoader` (`transformers.cli.serving.model_manager`), which the model's process
+receives pickled and loads the model with; `install` makes that loader `LoopModelLoader`, a subclass defined here, so
+the model's process imports this module, and the loader makes the package's class resolvable there
+(`serving.expose_architecture`) before loading. With `--continuous-batching`, the model's process starts one manager
+(`model.init_continuous_batching`) with the checkpoint's generation config as it loads, and its `CBGenerateRunner`
+forwards each request's `max_new_tokens`, EOS ids and sampling settings; `LoopBatchingRunner` forwards
+`max_new_tokens` and EOS, and refuses (HTTP 400, with the reason) a request whose other settings differ from the
+manager's (`serving_batching.settings_problem`).
+"""
+
+from __future__ import annotations
+
+from transformers.cli.serving import model_manager, utils
+
+from .serving_batching import settings_problem
+
+
+class LoopBatchingRunner(utils.CBGenerateRunner):
+    """transformers' continuous-batching runner, forwarding what the package's manager takes per request."""
+
+    def generate(self, request_id: int, inputs: dict, generation_kwargs: dict, stream: bool) -> None:
+        from .generation.continuous.settings import eos_ids, request_problem, token_ids
+
+        settings = self.manager.settings  # a request the manager cannot run: an HTTP 400, not a failed request's 500
+        eos = generation_kwargs.get("eos_token_id")
+        problem = request_problem(settings, token_ids(inputs["input_ids"]), generation_kwargs["max_new_tokens"],
+                                  list(settings.eos_token_id) if eos is None else eos_ids(eos), {})
+        if problem:
+            raise ValueError(problem)
+        super().generate(request_id, inputs, generation_kwargs, stream)
+
+    def _build_continuous_batching_kwargs(self, generation_kwargs: dict) -> dict:
+        from transformers import GenerationConfig
+
+        model_config = self.model.generation_config
+        request = GenerationConfig(**{k: v for k, v in generation_kwargs.items() if v is not None})
+        problem = settings_problem(model_config, self.manager.generation_config, request,
+                                   started_by="the checkpoint's generation config, which started the manager")
+        if problem:
+            raise ValueError(problem)  # the request's fault: an HTTP 400 with the reason
+        return {key: generation_kwargs[key] for key in ("max_new_tokens", "eos_token_id")}
+
+    def state(self) -> tuple[int, int, str]:
+        with self.lock:
+            return len(self.active_requests), 0, ""
+
+
+THREADS = [1]  # torch's CPU threads in the model's process (`--threads`), set by `install`
+
+
+class LoopModelLoader(model_manager.ModelLoader):
+    """transformers' `ModelLoader`, which makes the package's class resolvable in the process that loads, and gives
+    it `--threads` torch threads."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.threads = THREADS[0]  # an attribute: it travels, pickled, to the model's process
+
+    def load_model_and_processor(self, model_id: str, on_progress=None):
+        import torch
+
+        from .serving import expose_architecture
+
+        torch.set_num_threads(self.threads)
+        repo, _, _ = utils.parse_model_id(model_id)
+        expose_architecture(repo, self.trust_remote_code)
+        model_manager.CBGenerateRunner = LoopBatchingRunner  # this process's (the model's) runner
+        return super().load_model_and_processor(model_id, on_progress)
+
+
+def install(threads: int = 1) -> None:
+    """Make transformers' `Serve` load models with `LoopModelLoader`, with `threads` torch threads."""
+    THREADS[0] = threads
+    model_manager.ModelLoader = LoopModelLoader
