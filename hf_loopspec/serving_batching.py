@@ -1,5 +1,6 @@
-"""`hf-loopspec serve --continuous-batching`: transformers' continuous-batching request manager of the server,
-with clear answers where transformers' own would drop a request's settings or leave a client waiting.
+"""`hf-loopspec serve --continuous-batching` on transformers 5.24 (5.25: `serving_engine`, which shares
+`settings_problem`): transformers' continuous-batching request manager of the server, with clear answers where
+transformers' own would drop a request's settings or leave a client waiting.
 
 transformers' server builds one manager (`model.init_continuous_batching`) from the first request's generation
 config and forwards only `max_new_tokens` and the EOS ids of each later request (`add_request`). `LoopServingManager`
