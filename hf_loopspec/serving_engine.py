@@ -18,6 +18,11 @@ from transformers.cli.serving import model_manager, utils
 from .serving_batching import settings_problem
 
 
+# what the server, not the request, adds to every request's settings: `--compile` asks for a static cache, which
+# continuous batching, with a cache of its own, leaves unused (as transformers' own runner does)
+SERVER_SET = frozenset({"cache_implementation"})
+
+
 class LoopBatchingRunner(utils.CBGenerateRunner):
     """transformers' continuous-batching runner, forwarding what the package's manager takes per request."""
 
@@ -36,7 +41,8 @@ class LoopBatchingRunner(utils.CBGenerateRunner):
         from transformers import GenerationConfig
 
         model_config = self.model.generation_config
-        request = GenerationConfig(**{k: v for k, v in generation_kwargs.items() if v is not None})
+        request = GenerationConfig(**{key: value for key, value in generation_kwargs.items()
+                                      if value is not None and key not in SERVER_SET})
         problem = settings_problem(model_config, self.manager.generation_config, request,
                                    started_by="the checkpoint's generation config, which started the manager")
         if problem:

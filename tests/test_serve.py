@@ -12,6 +12,7 @@ import shutil
 import socket
 import threading
 import time
+import types
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -353,6 +354,26 @@ def test_a_request_joins_a_running_manager_only_with_its_settings(checkpoint):
         from transformers.cli.serving import utils
         utils.CBGenerateManager = manager.wrapped
 
+
+
+@pytest.mark.skipif(not OWN_PROCESS, reason="transformers >= 5.25's continuous-batching runner")
+def test_the_runner_forwards_a_request_with_the_managers_settings_and_refuses_others():
+    """`serving_engine.LoopBatchingRunner`: a request with the manager's settings passes max_new_tokens and EOS on;
+    `--compile`'s static cache, which the server adds to every request, is not the request's; another setting is a
+    `ValueError` (the server's HTTP 400) naming it."""
+    from hf_loopspec.serving_engine import LoopBatchingRunner
+
+    checkpoints = transformers.GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=0)
+    runner = object.__new__(LoopBatchingRunner)  # only the two configs the check reads
+    runner.model = types.SimpleNamespace(generation_config=checkpoints)
+    runner.manager = types.SimpleNamespace(generation_config=checkpoints)
+    request = {"max_new_tokens": 1024, "eos_token_id": 3, "do_sample": False, "temperature": None, "top_k": None,
+               "top_p": None}
+    assert runner._build_continuous_batching_kwargs(request) == {"max_new_tokens": 1024, "eos_token_id": 3}
+    compiled = {**request, "cache_implementation": "static"}
+    assert runner._build_continuous_batching_kwargs(compiled) == {"max_new_tokens": 1024, "eos_token_id": 3}
+    with pytest.raises(ValueError, match=r"repetition_penalty=1\.3 \(the manager's: "):
+        runner._build_continuous_batching_kwargs({**request, "repetition_penalty": 1.3})
 
 @pytest.mark.parametrize(("body", "message"), [
     ({"max_tokens": 1.5}, r"max_tokens=1.5 must be a whole number >= 1"),
