@@ -17,7 +17,6 @@ from transformers.cli.serving import model_manager, utils
 
 from .serving_batching import settings_problem
 
-
 # what the server, not the request, adds to every request's settings: `--compile` asks for a static cache, which
 # continuous batching, with a cache of its own, leaves unused (as transformers' own runner does)
 SERVER_SET = frozenset({"cache_implementation"})
