@@ -227,7 +227,7 @@ def start(argv: list[str]):
     if hasattr(model_manager, "ModelLoader"):  # transformers >= 5.25: each model runs in a process of its own
         from .serving_engine import install
 
-        install(options.threads)
+        install()
     elif params.get("continuous_batching"):
         from .serving_batching import install
 

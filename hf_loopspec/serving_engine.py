@@ -53,16 +53,16 @@ class LoopBatchingRunner(utils.CBGenerateRunner):
             return len(self.active_requests), 0, ""
 
 
-THREADS = [1]  # torch's CPU threads in the model's process (`--threads`), set by `install`
-
-
 class LoopModelLoader(model_manager.ModelLoader):
     """transformers' `ModelLoader`, which makes the package's class resolvable in the process that loads, and gives
-    it `--threads` torch threads."""
+    it the torch threads of the server's process (`--threads`, which `serving.start` sets before `Serve` builds the
+    loader)."""
 
     def __init__(self, *args, **kwargs):
+        import torch
+
         super().__init__(*args, **kwargs)
-        self.threads = THREADS[0]  # an attribute: it travels, pickled, to the model's process
+        self.threads = torch.get_num_threads()  # an attribute: it travels, pickled, to the model's process
 
     def load_model_and_processor(self, model_id: str, on_progress=None):
         import torch
@@ -76,7 +76,6 @@ class LoopModelLoader(model_manager.ModelLoader):
         return super().load_model_and_processor(model_id, on_progress)
 
 
-def install(threads: int = 1) -> None:
-    """Make transformers' `Serve` load models with `LoopModelLoader`, with `threads` torch threads."""
-    THREADS[0] = threads
+def install() -> None:
+    """Make transformers' `Serve` load models with `LoopModelLoader`."""
     model_manager.ModelLoader = LoopModelLoader

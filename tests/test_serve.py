@@ -7,6 +7,7 @@ and exit status 2."""
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import shutil
 import socket
@@ -374,6 +375,21 @@ def test_the_runner_forwards_a_request_with_the_managers_settings_and_refuses_ot
     assert runner._build_continuous_batching_kwargs(compiled) == {"max_new_tokens": 1024, "eos_token_id": 3}
     with pytest.raises(ValueError, match=r"repetition_penalty=1\.3 \(the manager's: "):
         runner._build_continuous_batching_kwargs({**request, "repetition_penalty": 1.3})
+
+
+@pytest.mark.skipif(not OWN_PROCESS, reason="transformers >= 5.25's model process")
+def test_the_model_process_gets_the_servers_threads():
+    """`serving_engine.LoopModelLoader` records the torch threads `serving.start` set (`--threads`) when `Serve`
+    builds it, and carries them, pickled, to the model's process."""
+    from hf_loopspec.serving_engine import LoopModelLoader
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        loader = LoopModelLoader(device="cpu")
+    finally:
+        torch.set_num_threads(before)
+    assert pickle.loads(pickle.dumps(loader)).threads == 3
 
 @pytest.mark.parametrize(("body", "message"), [
     ({"max_tokens": 1.5}, r"max_tokens=1.5 must be a whole number >= 1"),
