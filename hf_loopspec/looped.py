@@ -74,11 +74,6 @@ class KVLayout:
     entry_plane: int | None = None
     first_exit_plane: int | None = None  # the plane of exit depth 1; exit depth k uses first_exit_plane + k - 1
 
-    @property
-    def depth_planes(self) -> int:
-        """How many planes are loop depths (the planes below the first entry or exit plane)."""
-        return min((p for p in (self.entry_plane, self.first_exit_plane) if p is not None), default=self.num_planes)
-
     def exit_plane(self, depth: int) -> int | None:
         """The plane the head writes for rows of exit depth `depth` (1-based), or None for a stateless head."""
         return None if self.first_exit_plane is None else self.first_exit_plane + depth - 1

@@ -5,7 +5,9 @@
 #   scripts/gpu_check.sh            # THERE (device tool: carry .whl, timeout_s 600): results into $OUT
 #
 # The GPU image has torch, triton and the Hub client but an older transformers than the package needs, so
-# `prepare` downloads that one wheel (pure Python) and the run installs it into /tmp/site first. Then:
+# `prepare` downloads that one wheel (pure Python) and the run installs it into /tmp/site first: 5.24, the oldest
+# release the package supports, because 5.25 needs huggingface_hub >= 2.4 and `kernels`, which the image lacks
+# (it has huggingface_hub 1.33; device/KINDS.md). Then:
 #   1. gpu_check.log: the machine (nvidia-smi, torch, CUDA, triton), then `pytest -m gpu`: the Triton paged
 #      kernels against the naive reference in fp32/fp16/bf16 (tests/test_attention_ops.py) and the wavefront
 #      engine on CUDA (tests/test_gpu_engine.py: the CUDA-graph step against eager and plain, pinned read-backs),

@@ -397,10 +397,6 @@ class WavefrontEngine:
             self.streamer.put(tokens[:, self.streamed].to(self.input_ids.dtype))
             self.streamed += 1
 
-    def read_backs_bound(self) -> int:
-        """The most read-backs a run of `self.cycles` cycles may have made: ceil(cycles / R)."""
-        return math.ceil(self.cycles / self.read_every)
-
     def _result(self) -> DecodeResult:
         state = self.state
         for b, lengths in enumerate(state.kv_len.tolist()):
