@@ -127,7 +127,8 @@ def _add_generation_options(parser: argparse.ArgumentParser, chat_help: str) -> 
                         help="with --do-sample; 0 keeps every token (unset: the checkpoint's generation config, else "
                              "transformers' default top-k)")
     parser.add_argument("--top-p", type=bench_args.fraction, default=None, help="with --do-sample")
-    parser.add_argument("--seed", type=bench_args.seed, default=None, help="torch seed (for sampling)")
+    parser.add_argument("--seed", type=bench_args.seed, default=None,
+                        help="torch seed for sampling (reproducible with a fixed --mode, not with auto)")
     parser.add_argument("--repetition-penalty", type=bench_args.positive_float, default=None,
                         help="divide the scores of tokens already in the text by P (> 1 discourages repeats; "
                              "greedy or sampled, lossless under speculation)")
@@ -151,6 +152,16 @@ def check_generation_args(args: argparse.Namespace) -> None:
     if getattr(args, "compare", False) and args.mode == "plain":
         raise ValueError("--compare decodes PROMPT plainly next to a speculative mode, and --mode plain is that "
                          "plain run already; pass --mode pipeline or --mode block, or drop --compare.")
+
+
+def warn_seeded_auto(args: argparse.Namespace) -> None:
+    """One line on stderr when `--seed` cannot make samples reproducible: with `--do-sample` in auto mode, which
+    decodes each stretch plainly or speculatively as measured costs and stored acceptance (earlier runs') suggest,
+    and each draws its own random numbers."""
+    if args.do_sample and args.seed is not None and args.mode == "auto":
+        print("warning: --seed does not make --mode auto's samples reproducible: auto picks plain or speculative "
+              "decoding from timings and the acceptance earlier runs stored, and they draw different random "
+              "numbers; pass --mode plain, pipeline or block for reproducible samples.", file=sys.stderr, flush=True)
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -283,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             check_generation_args(args)
+            warn_seeded_auto(args)
             torch.set_num_threads(args.threads)
         if args.command == "generate":
             return generate(args)

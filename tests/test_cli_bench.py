@@ -408,10 +408,24 @@ def test_generate_samples_in_every_mode_and_prints_the_acceptance(mode, checkpoi
             mode, "--do-sample", "--temperature", "0.7", "--top-k", "20", "--top-p", "0.9", "--seed", "0"]
     assert cli.main(argv) == 0
     out, err = capsys.readouterr()
-    assert out.strip() and f"[{mode}] 6 new tokens" in err
+    assert out.strip() and f"[{mode}] 6 new tokens" in err and "warning: --seed" not in err
     if mode != "plain":
         assert "drafts accepted" in err and "verified (" in err and "min(1, p/q)" in err
     assert cli.main(argv) == 0 and capsys.readouterr().out == out  # --seed: the same text again
+
+
+@pytest.mark.parametrize("command", ["generate", "batch"])
+def test_seed_with_sampling_in_auto_mode_warns_that_it_is_not_reproducible(command, tmp_path, capsys):
+    """Auto decodes plainly or speculatively as timings and stored acceptance suggest, and the two draw different
+    random numbers: `--seed` cannot make its samples repeat, and the command says so before anything loads (here
+    the missing model then ends the run)."""
+    inputs = ["w5 w6"] if command == "generate" else [str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl")]
+    argv = [command, *inputs, "--model", str(tmp_path / "nowhere"), "--device", "cpu", "--do-sample", "--seed", "0"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("warning: --seed does not make --mode auto's samples reproducible") and "--mode plain" in err
+    assert cli.main([*argv, "--mode", "pipeline"]) == 2
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_missing_models_are_clear_errors(tmp_path, capsys):

@@ -7,10 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import VOCAB, reference, tiny_config, tiny_model
+from huginn_utils import tiny_huginn
 from inputs import left_pad, random_ids
 from ouro_reference import exit_distribution
 from tolerances import assert_fp32_close, ouro_depth
 from transformers.cache_utils import DynamicCache
+
+from hf_loopspec.models.layers import Linear
 
 # MHA and GQA (incl. a single KV head), U in {1, 3, 4}, explicit head_dim != hidden / heads (= 16).
 ARCHS = {
@@ -280,24 +283,55 @@ def test_cache_sized_from_config_raises_with_loop_count():
     assert "3" in str(info.value) and "6" in str(info.value)
 
 
-# --- the head's few-rows product ----------------------------------------------------------------------------
+# --- the projections' few-rows product (`layers.Linear`) --------------------------------------------------------
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9])
-def test_head_equals_lm_head_for_any_row_count(rows):
-    """`head` (which takes `few_rows_linear` for 2..8 rows) against `F.linear` with the same weight: one reduction
-    of width hidden_size apart (its order differs)."""
+def test_linear_equals_f_linear_for_any_row_count(rows, bias):
+    """`layers.Linear` (`weight @ x.T` for 2..8 rows eager on a CPU) against `F.linear` with the same parameters, on
+    `[2, rows // 2 or 1, ...]`-shaped and flat inputs: one reduction of width in_features apart (its order differs)."""
+    torch.manual_seed(rows)
+    linear = Linear(48, 40, bias=bias)
+    for x in (torch.randn(rows, 48), torch.randn(1, rows, 48)):
+        with torch.no_grad():
+            expected = F.linear(x, linear.weight, linear.bias)
+            actual = linear(x)
+        assert actual.shape == expected.shape
+        assert_fp32_close(actual, expected, layers=1, width=48)
+
+
+def test_every_projection_and_the_head_are_few_row_linears():
+    """Both families build their projections and heads as `layers.Linear` (so the engines' few-row core and head
+    calls take its product), and a state dict loads into them as into `nn.Linear`."""
+    model, sd = tiny_model(seed=3)
+    linears = {name: type(m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert {name for name, kind in linears.items() if kind is not Linear} == {"model.early_exit_gate"}
+    huginn, _ = tiny_huginn(seed=0)
+    assert all(type(m) is Linear for m in huginn.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_forward_hooks_on_a_projection_run_in_the_engine_core_calls():
+    """A forward hook on a projection (what interpretability code registers) runs for every core call of a
+    speculative run, the few-row ones included: the product lives in the module's `forward`, not in a bypass of it.
+    Eager on a CPU the engine stops at the cycle where the last sequence finishes (no empty calls up to the next
+    read-back), so the layer runs once per counted core call."""
     model, _ = tiny_model(seed=3)
-    hidden = torch.randn(1, rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows))
-    with torch.no_grad():
-        expected = F.linear(hidden, model.lm_head.weight)
-        actual = model.head(hidden)
-    assert actual.shape == (1, rows, model.config.vocab_size)
-    assert_fp32_close(actual, expected, layers=1, width=model.config.hidden_size)
+    ids = random_ids((1, 5), VOCAB, seed=4)
+    seen = []
+    handle = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, args, out: seen.append(len(out)))
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=6, do_sample=False, speculative_mode="pipeline",
+                                 draft_loops=1, return_dict_in_generate=True)
+    finally:
+        handle.remove()
+    assert len(seen) == out.speculation.core_calls  # one call of the layer per core call (prefill included)
+    assert any(1 < rows <= 8 for rows in seen)  # the few-row product ran under the hook
 
 
 def test_head_calls_a_replaced_lm_head_module():
-    """A head module that is not a plain `nn.Linear` (an adapter's wrapper) is called, not bypassed by its weight."""
+    """A head module that is not the package's `Linear` (an adapter's wrapper) is called as it is."""
     model, _ = tiny_model(seed=3)
     linear = model.lm_head
 

@@ -5,6 +5,7 @@ token-id check of every entry stage. Rotary angles are computed in fp32; positio
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -51,19 +52,23 @@ def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -
     return rotated.flatten(-2).to(x.dtype)
 
 
-FEW_ROWS = 8  # `few_rows_linear` computes weight @ x.T for at most this many rows
+FEW_ROWS = 8  # `Linear` computes weight @ x.T for 2 to this many rows
 
 
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, weight)` (`x` `[*rows, in]`, `weight` `[out, in]`, no bias), equal up to fp32 rounding (the
-    reduction order differs). Eager on a CPU, with at most `FEW_ROWS` rows, it is computed as `weight @ x.T`: MKL's
-    product in that orientation streams a large weight (an LM head that does not stay in cache) once for all rows,
-    where `x @ weight.T` with 2 to 8 rows took up to twice as long; a single row, more rows, other devices and
-    compiled code take `F.linear`."""
-    rows = x.shape[:-1].numel()
-    if x.device.type != "cpu" or torch.compiler.is_compiling() or not 1 < rows <= FEW_ROWS:
-        return torch.nn.functional.linear(x, weight)
-    return (weight @ x.reshape(rows, x.shape[-1]).t()).t().reshape(*x.shape[:-1], weight.shape[0])
+class Linear(nn.Linear):
+    """`nn.Linear` (the same parameters, names and checkpoint layout) whose product with a few rows is computed as
+    `weight @ x.T` when eager on a CPU: with 2 to `FEW_ROWS` rows MKL's product in that orientation streams the
+    weight once for all rows, where `x @ weight.T` took up to twice as long (the engines' core and head calls have
+    a few rows each; BENCHMARKS.md, "One engine"). The result equals `nn.Linear`'s up to fp32 rounding (the
+    reduction order differs). One row, more rows, other devices and compiled code take `F.linear`. Hooks,
+    adapters and quantizers that work on an `nn.Linear` work on it (it is one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[:-1].numel()
+        if x.device.type != "cpu" or torch.compiler.is_compiling() or not 1 < rows <= FEW_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        out = (self.weight @ x.reshape(rows, x.shape[-1]).t()).t().reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:

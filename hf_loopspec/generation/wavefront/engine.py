@@ -262,7 +262,8 @@ class WavefrontEngine:
 
     def run(self) -> DecodeResult:
         """Cycles until every sequence has finished. On CUDA the host looks at a read-back only after launching the
-        next R cycles (they overlap its copy; a finished state stays unchanged by them); elsewhere at once. A run
+        next R cycles (they overlap its copy; a finished state stays unchanged by them); elsewhere at once, and eager
+        on a CPU (`Plan.compact`) the cycles stop at the one where the last sequence finished. A run
         that raises (a stopping criterion, streamer or hook that raises; Ctrl-C) leaves the cache holding what it
         held before the call, so the conversation can go on from there."""
         try:
@@ -284,6 +285,8 @@ class WavefrontEngine:
             while not done:
                 for _ in range(self.read_every // self.cycles_per_call):
                     self._advance(self.cycles_per_call)
+                    if self.plan.compact and bool(self.state.finished.all()):
+                        break  # compacted, the host reads every cycle's rows anyway: no idle cycles to the read-back
                 in_flight.append((self.cycles, read_back(self.state, tokens=bool(self.streamer or self.stops))))
                 if len(in_flight) > lag:
                     cycle, taken = in_flight.pop(0)

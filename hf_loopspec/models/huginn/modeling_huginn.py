@@ -31,7 +31,7 @@ from transformers.modeling_utils import PreTrainedModel
 from ...generation.mixin import LoopSpecGenerationMixin, reject_exit_options
 from ...looped import KVAttention, KVLayout
 from ..base import LoopedCausalLMMixin, StrictLoadingMixin, one_cache
-from ..layers import RMSNorm, apply_rotary, check_token_ids, rotary_cos_sin, rotate_interleaved
+from ..layers import Linear, RMSNorm, apply_rotary, check_token_ids, rotary_cos_sin, rotate_interleaved
 from ..loops import forward_rows
 from .configuration_huginn import HuginnConfig
 
@@ -44,9 +44,9 @@ class HuginnAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = config.n_heads, config.num_key_value_heads, config.head_dim
         self.sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2  # q | k | v
-        self.Wqkv = nn.Linear(config.n_embd, sum(self.sizes), bias=False)
+        self.Wqkv = Linear(config.n_embd, sum(self.sizes), bias=False)
         self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.num_heads, self.head_dim)) if config.qk_bias else None
-        self.proj = nn.Linear(self.num_heads * self.head_dim, config.n_embd, bias=False)
+        self.proj = Linear(self.num_heads * self.head_dim, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, rope: Rope, attention: KVAttention) -> torch.Tensor:
         rows = x.shape[:-1]
@@ -63,8 +63,8 @@ class HuginnAttention(nn.Module):
 class HuginnMLP(nn.Module):
     def __init__(self, config: HuginnConfig):
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 2 * config.intermediate_size, bias=False)  # rows: gate | up
-        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+        self.fc = Linear(config.n_embd, 2 * config.intermediate_size, bias=False)  # rows: gate | up
+        self.proj = Linear(config.intermediate_size, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fc(x).chunk(2, dim=-1)
@@ -149,7 +149,7 @@ class HuginnModel(HuginnPreTrainedModel):
         super().__init__(config)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.prelude = nn.ModuleList(HuginnBlock(config, i) for i in range(config.n_layers_in_prelude))
-        self.adapter = nn.Linear(2 * config.n_embd, config.n_embd, bias=False)
+        self.adapter = Linear(2 * config.n_embd, config.n_embd, bias=False)
         self.core_block = nn.ModuleList(HuginnBlock(config, i) for i in range(config.n_layers_in_recurrent_block))
         self.coda = nn.ModuleList(HuginnBlock(config, i) for i in range(config.n_layers_in_coda))
         self.ln_f = RMSNorm(config.n_embd, config.norm_eps)
@@ -342,7 +342,7 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
     def __init__(self, config: HuginnConfig):
         super().__init__(config)
         self.transformer = HuginnModel(config)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.post_init()
 
     # --- LoopedModel protocol (num_loops, kv_layout, embed, core: LoopedCausalLMMixin) ------------------------

@@ -22,7 +22,7 @@ from transformers.modeling_utils import PreTrainedModel
 from ...generation.mixin import LoopSpecGenerationMixin
 from ...looped import KVAttention, KVLayout
 from ..base import LoopedCausalLMMixin, StrictLoadingMixin, one_cache
-from ..layers import RMSNorm, apply_rotary, check_token_ids, few_rows_linear, rotary_cos_sin
+from ..layers import Linear, RMSNorm, apply_rotary, check_token_ids, rotary_cos_sin
 from ..loops import forward_rows
 from .configuration_ouro import OuroConfig
 
@@ -34,10 +34,10 @@ class OuroAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: KVAttention):
         rows = x.shape[:-1]
@@ -52,9 +52,9 @@ class OuroAttention(nn.Module):
 class OuroMLP(nn.Module):
     def __init__(self, config: OuroConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -196,16 +196,12 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
     def __init__(self, config: OuroConfig):
         super().__init__(config)
         self.model = OuroModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     # --- LoopedModel protocol (num_loops, kv_layout, embed, core: LoopedCausalLMMixin) ------------------------
     def head(self, hidden: torch.Tensor, positions=None, attention=None) -> torch.Tensor:
-        """fp32 logits of any depth's output; Ouro's head is stateless (positions and attention are not used). A
-        few rows (the engines' per-cycle head calls) go through `few_rows_linear` when the head is a plain
-        `nn.Linear` without bias (a wrapped or replaced head, e.g. an adapter's, is called as it is)."""
-        if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
-            return few_rows_linear(hidden, self.lm_head.weight).float()
+        """fp32 logits of any depth's output; Ouro's head is stateless (positions and attention are not used)."""
         return self.lm_head(hidden).float()
 
     # --- HF API ---------------------------------------------------------------------------------------------
