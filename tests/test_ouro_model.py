@@ -7,13 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import VOCAB, reference, tiny_config, tiny_model
-from huginn_utils import tiny_huginn
 from inputs import left_pad, random_ids
 from ouro_reference import exit_distribution
 from tolerances import assert_fp32_close, ouro_depth
 from transformers.cache_utils import DynamicCache
 
-from hf_loopspec.models.layers import Linear
+from hf_loopspec.models.layers import project
 
 # MHA and GQA (incl. a single KV head), U in {1, 3, 4}, explicit head_dim != hidden / heads (= 16).
 ARCHS = {
@@ -283,39 +282,68 @@ def test_cache_sized_from_config_raises_with_loop_count():
     assert "3" in str(info.value) and "6" in str(info.value)
 
 
-# --- the projections' few-rows product (`layers.Linear`) --------------------------------------------------------
+# --- the projections' few-rows product (`layers.project`) ------------------------------------------------------
 
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9])
-def test_linear_equals_f_linear_for_any_row_count(rows, bias):
-    """`layers.Linear` (`weight @ x.T` for 2..8 rows eager on a CPU) against `F.linear` with the same parameters, on
-    `[2, rows // 2 or 1, ...]`-shaped and flat inputs: one reduction of width in_features apart (its order differs)."""
+def test_project_equals_f_linear_for_any_row_count(rows, bias):
+    """`layers.project` (`weight @ x.T` for 2..8 rows eager on a CPU) against `F.linear` with the same parameters, on
+    flat and batched inputs: one reduction of width in_features apart (its order differs)."""
     torch.manual_seed(rows)
-    linear = Linear(48, 40, bias=bias)
+    linear = torch.nn.Linear(48, 40, bias=bias)
     for x in (torch.randn(rows, 48), torch.randn(1, rows, 48)):
         with torch.no_grad():
             expected = F.linear(x, linear.weight, linear.bias)
-            actual = linear(x)
+            actual = project(linear, x)
         assert actual.shape == expected.shape
         assert_fp32_close(actual, expected, layers=1, width=48)
 
 
-def test_every_projection_and_the_head_are_few_row_linears():
-    """Both families build their projections and heads as `layers.Linear` (so the engines' few-row core and head
-    calls take its product), and a state dict loads into them as into `nn.Linear`."""
-    model, sd = tiny_model(seed=3)
-    linears = {name: type(m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    assert {name for name, kind in linears.items() if kind is not Linear} == {"model.early_exit_gate"}
-    huginn, _ = tiny_huginn(seed=0)
-    assert all(type(m) is Linear for m in huginn.modules() if isinstance(m, torch.nn.Linear))
+def test_project_calls_hooked_replaced_and_subclassed_linears():
+    """What would change a module call is honoured, on the few-row path too: hooks on the module or global ones, a
+    replaced `forward` (accelerate's hooks), an `nn.Linear` subclass, a weight of a tensor subclass."""
+    linear, x = torch.nn.Linear(6, 5, bias=False), torch.randn(3, 6)
+    calls = []
+    handle = linear.register_forward_hook(lambda m, args, out: calls.append("own"))
+    project(linear, x)
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, args, out: calls.append("global"))
+    project(linear, x)
+    handle.remove()
+    assert calls == ["own", "global"]
+    linear.forward = lambda x: torch.zeros(len(x), 5)
+    assert torch.equal(project(linear, x), torch.zeros(3, 5))
+    del linear.forward
+
+    class Shifted(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 1.0
+
+    shifted = Shifted(6, 5, bias=False)
+    with torch.no_grad():
+        assert torch.equal(project(shifted, x), F.linear(x, shifted.weight) + 1.0)
+
+    class Tagged(torch.Tensor):  # a tensor subclass keeps F.linear, which its own dispatch may implement
+        functions = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.functions.append(getattr(func, "__name__", str(func)))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    linear.weight = torch.nn.Parameter(linear.weight.detach().as_subclass(Tagged))
+    assert type(linear.weight) is not torch.nn.Parameter
+    Tagged.functions.clear()
+    with torch.no_grad():
+        project(linear, x)
+    assert "linear" in Tagged.functions and "matmul" not in Tagged.functions
 
 
 def test_forward_hooks_on_a_projection_run_in_the_engine_core_calls():
     """A forward hook on a projection (what interpretability code registers) runs for every core call of a
-    speculative run, the few-row ones included: the product lives in the module's `forward`, not in a bypass of it.
-    Eager on a CPU the engine stops at the cycle where the last sequence finishes (no empty calls up to the next
-    read-back), so the layer runs once per counted core call."""
+    speculative run, the few-row ones included. Eager on a CPU the engine stops at the cycle where the last sequence
+    finishes (no empty calls up to the next read-back), so the layer runs once per counted core call."""
     model, _ = tiny_model(seed=3)
     ids = random_ids((1, 5), VOCAB, seed=4)
     seen = []
@@ -327,11 +355,11 @@ def test_forward_hooks_on_a_projection_run_in_the_engine_core_calls():
     finally:
         handle.remove()
     assert len(seen) == out.speculation.core_calls  # one call of the layer per core call (prefill included)
-    assert any(1 < rows <= 8 for rows in seen)  # the few-row product ran under the hook
+    assert any(1 < rows <= 8 for rows in seen)  # the few-row calls ran under the hook
 
 
 def test_head_calls_a_replaced_lm_head_module():
-    """A head module that is not the package's `Linear` (an adapter's wrapper) is called as it is."""
+    """A head module that is not an `nn.Linear` (an adapter's wrapper) is called as it is."""
     model, _ = tiny_model(seed=3)
     linear = model.lm_head
 

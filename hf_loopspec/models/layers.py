@@ -5,7 +5,6 @@ token-id check of every entry stage. Rotary angles are computed in fp32; positio
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -52,23 +51,37 @@ def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -
     return rotated.flatten(-2).to(x.dtype)
 
 
-FEW_ROWS = 8  # `Linear` computes weight @ x.T for 2 to this many rows
+FEW_ROWS = 8  # `project` computes weight @ x.T for 2 to this many rows
 
 
-class Linear(nn.Linear):
-    """`nn.Linear` (the same parameters, names and checkpoint layout) whose product with a few rows is computed as
-    `weight @ x.T` when eager on a CPU: with 2 to `FEW_ROWS` rows MKL's product in that orientation streams the
-    weight once for all rows, where `x @ weight.T` took up to twice as long (the engines' core and head calls have
-    a few rows each; BENCHMARKS.md, "One engine"). The result equals `nn.Linear`'s up to fp32 rounding (the
-    reduction order differs). One row, more rows, other devices and compiled code take `F.linear`. Hooks,
-    adapters and quantizers that work on an `nn.Linear` work on it (it is one)."""
+def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)`, the way every projection and head of both families is applied. Eager on a CPU, with 2 to
+    `FEW_ROWS` rows, a plain `nn.Linear` (exactly that class, its `forward` not replaced, no module hooks on it or
+    global ones) is computed as `weight @ x.T`: MKL's product in that orientation streams the weight once for all
+    rows, where `x @ weight.T` took up to twice as long (the engines' core and head calls have a few rows each;
+    BENCHMARKS.md, "One engine"). That result equals `nn.Linear`'s up to fp32 rounding (the reduction order
+    differs). Anything else is called as it is: one row, more rows, other devices, compiled code, weights of a
+    tensor subclass, and modules that adapters, quantizers, accelerate or hooks replaced or wrap."""
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or type(linear) is not nn.Linear:
+        return linear(x)  # (compiled first: no guard on the row count, which may be dynamic)
+    rows = x.shape[:-1].numel()
+    if not 1 < rows <= FEW_ROWS or type(linear.weight) is not nn.Parameter or "forward" in vars(linear) \
+            or _hooked(linear):
+        return linear(x)  # (a weight of a tensor subclass, e.g. torchao's quantized ones, keeps its own linear)
+    out = (linear.weight @ x.reshape(rows, x.shape[-1]).t()).t().reshape(*x.shape[:-1], linear.out_features)
+    return out if linear.bias is None else out + linear.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[:-1].numel()
-        if x.device.type != "cpu" or torch.compiler.is_compiling() or not 1 < rows <= FEW_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        out = (self.weight @ x.reshape(rows, x.shape[-1]).t()).t().reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling `module` would run hooks: its own, or global ones (`torch.nn.modules.module`'s
+    `register_module_forward_hook` and relatives)."""
+    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    every = (getattr(torch.nn.modules.module, name, None) for name in GLOBAL_HOOKS)
+    return any(own) or any(hooks for hooks in every)
+
+
+GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                "_global_backward_pre_hooks")
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:

@@ -31,7 +31,7 @@ from transformers.modeling_utils import PreTrainedModel
 from ...generation.mixin import LoopSpecGenerationMixin, reject_exit_options
 from ...looped import KVAttention, KVLayout
 from ..base import LoopedCausalLMMixin, StrictLoadingMixin, one_cache
-from ..layers import Linear, RMSNorm, apply_rotary, check_token_ids, rotary_cos_sin, rotate_interleaved
+from ..layers import RMSNorm, apply_rotary, check_token_ids, project, rotary_cos_sin, rotate_interleaved
 from ..loops import forward_rows
 from .configuration_huginn import HuginnConfig
 
@@ -44,31 +44,31 @@ class HuginnAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = config.n_heads, config.num_key_value_heads, config.head_dim
         self.sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2  # q | k | v
-        self.Wqkv = Linear(config.n_embd, sum(self.sizes), bias=False)
+        self.Wqkv = nn.Linear(config.n_embd, sum(self.sizes), bias=False)
         self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.num_heads, self.head_dim)) if config.qk_bias else None
-        self.proj = Linear(self.num_heads * self.head_dim, config.n_embd, bias=False)
+        self.proj = nn.Linear(self.num_heads * self.head_dim, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, rope: Rope, attention: KVAttention) -> torch.Tensor:
         rows = x.shape[:-1]
-        q, k, v = self.Wqkv(x).split(self.sizes, dim=-1)
+        q, k, v = project(self.Wqkv, x).split(self.sizes, dim=-1)
         q = q.view(*rows, self.num_heads, self.head_dim)
         k = k.view(*rows, self.num_kv_heads, self.head_dim)
         v = v.view(*rows, self.num_kv_heads, self.head_dim)
         if self.qk_bias is not None:  # before RoPE
             q, k = q + self.qk_bias[0], k + self.qk_bias[1]
         out = attention(self.layer_idx, rope(q), rope(k), v)  # [*rows, heads, D]
-        return self.proj(out.reshape(*rows, self.num_heads * self.head_dim))
+        return project(self.proj, out.reshape(*rows, self.num_heads * self.head_dim))
 
 
 class HuginnMLP(nn.Module):
     def __init__(self, config: HuginnConfig):
         super().__init__()
-        self.fc = Linear(config.n_embd, 2 * config.intermediate_size, bias=False)  # rows: gate | up
-        self.proj = Linear(config.intermediate_size, config.n_embd, bias=False)
+        self.fc = nn.Linear(config.n_embd, 2 * config.intermediate_size, bias=False)  # rows: gate | up
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc(x).chunk(2, dim=-1)
-        return self.proj(F.silu(gate) * up)
+        gate, up = project(self.fc, x).chunk(2, dim=-1)
+        return project(self.proj, F.silu(gate) * up)
 
 
 class HuginnBlock(nn.Module):
@@ -149,7 +149,7 @@ class HuginnModel(HuginnPreTrainedModel):
         super().__init__(config)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.prelude = nn.ModuleList(HuginnBlock(config, i) for i in range(config.n_layers_in_prelude))
-        self.adapter = Linear(2 * config.n_embd, config.n_embd, bias=False)
+        self.adapter = nn.Linear(2 * config.n_embd, config.n_embd, bias=False)
         self.core_block = nn.ModuleList(HuginnBlock(config, i) for i in range(config.n_layers_in_recurrent_block))
         self.coda = nn.ModuleList(HuginnBlock(config, i) for i in range(config.n_layers_in_coda))
         self.ln_f = RMSNorm(config.n_embd, config.norm_eps)
@@ -252,7 +252,7 @@ class HuginnModel(HuginnPreTrainedModel):
     def core(self, hidden: torch.Tensor, positions: torch.Tensor, attention: KVAttention) -> torch.Tensor:
         """One recurrence step over lane states `[*rows, 2 * n_embd]`: state <- block(adapter([state | e]))."""
         width = self.config.n_embd
-        state = self.adapter(hidden)
+        state = project(self.adapter, hidden)
         rope = self.rope(positions, state.dtype)
         for block in self.core_block:
             state = block(state, rope, attention)
@@ -342,7 +342,7 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
     def __init__(self, config: HuginnConfig):
         super().__init__(config)
         self.transformer = HuginnModel(config)
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.post_init()
 
     # --- LoopedModel protocol (num_loops, kv_layout, embed, core: LoopedCausalLMMixin) ------------------------
@@ -373,7 +373,7 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
 
     def head(self, hidden, positions, attention):
         """Logits (fp32) of lane states at any step; the coda writes and reads the exit plane in `attention`."""
-        return self.lm_head(self.transformer.decode(hidden, positions, attention)).float()
+        return project(self.lm_head, self.transformer.decode(hidden, positions, attention)).float()
 
     # --- HF API ---------------------------------------------------------------------------------------------
     def generate(self, *args, num_steps: int | None = None, init_scale: float | None = None,
@@ -416,7 +416,7 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
             past_key_values=past_key_values,
         )
         keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
-        logits = self.lm_head(out.last_hidden_state[:, keep]).float()
+        logits = project(self.lm_head, out.last_hidden_state[:, keep]).float()
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
@@ -425,7 +425,7 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
             logits=logits,
             cache=out.cache,
             hidden_states=out.hidden_states,
-            step_logits=tuple(self.lm_head(x[:, keep]).float() for x in out.step_states)
+            step_logits=tuple(project(self.lm_head, x[:, keep]).float() for x in out.step_states)
             if output_step_logits else None,
         )
 

@@ -22,7 +22,7 @@ from transformers.modeling_utils import PreTrainedModel
 from ...generation.mixin import LoopSpecGenerationMixin
 from ...looped import KVAttention, KVLayout
 from ..base import LoopedCausalLMMixin, StrictLoadingMixin, one_cache
-from ..layers import Linear, RMSNorm, apply_rotary, check_token_ids, rotary_cos_sin
+from ..layers import RMSNorm, apply_rotary, check_token_ids, project, rotary_cos_sin
 from ..loops import forward_rows
 from .configuration_ouro import OuroConfig
 
@@ -34,30 +34,30 @@ class OuroAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: KVAttention):
         rows = x.shape[:-1]
-        q = self.q_proj(x).view(*rows, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(*rows, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*rows, self.num_kv_heads, self.head_dim)
+        q = project(self.q_proj, x).view(*rows, self.num_heads, self.head_dim)
+        k = project(self.k_proj, x).view(*rows, self.num_kv_heads, self.head_dim)
+        v = project(self.v_proj, x).view(*rows, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attention(self.layer_idx, q, k, v)  # [*rows, heads, D]
-        return self.o_proj(out.reshape(*rows, self.num_heads * self.head_dim))
+        return project(self.o_proj, out.reshape(*rows, self.num_heads * self.head_dim))
 
 
 class OuroMLP(nn.Module):
     def __init__(self, config: OuroConfig):
         super().__init__()
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return project(self.down_proj, F.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
 
 
 class OuroDecoderLayer(nn.Module):
@@ -196,13 +196,13 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
     def __init__(self, config: OuroConfig):
         super().__init__(config)
         self.model = OuroModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     # --- LoopedModel protocol (num_loops, kv_layout, embed, core: LoopedCausalLMMixin) ------------------------
     def head(self, hidden: torch.Tensor, positions=None, attention=None) -> torch.Tensor:
         """fp32 logits of any depth's output; Ouro's head is stateless (positions and attention are not used)."""
-        return self.lm_head(hidden).float()
+        return project(self.lm_head, hidden).float()
 
     # --- HF API ---------------------------------------------------------------------------------------------
     def forward(
@@ -247,12 +247,12 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
         )
         keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
         if not needs_loops:
-            logits = self.lm_head(out.last_hidden_state[:, keep])
+            logits = project(self.lm_head, out.last_hidden_state[:, keep])
             gate_logits = loop_logits = None
         else:
             loop_states = [h[:, keep] for h in out.hidden_states[1:]]
             gate_logits = torch.cat([self.model.early_exit_gate(h) for h in loop_states], dim=-1)  # [B, T, U]
-            loop_logits = tuple(self.lm_head(h) for h in loop_states)
+            loop_logits = tuple(project(self.lm_head, h) for h in loop_states)
             logits = self._select_exit(loop_logits, gate_logits, exit_at_step, exit_threshold, use_weighted_exit)
         loss = None
         if labels is not None:
