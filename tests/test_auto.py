@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 import weakref
 from dataclasses import replace
 
@@ -361,6 +362,26 @@ def test_rows_that_stop_stay_stopped(case):
     paged = to_paged(out.cache, model.kv_layout, torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1]:])], 1))
     assert_cache_matches_ar(paged, ref.cache, mask, [steps] * len(ids), model.config.num_hidden_layers,
                             model_depth=ouro_depth(model.config))
+
+
+@pytest.mark.parametrize("setting", ["min_new_tokens", "min_length", "cache_implementation"])
+def test_settings_of_the_whole_call_hold_across_stretches(case, setting):
+    """A minimum length beyond the first stretch (the probe), given as min_new_tokens or min_length, and a
+    cache_implementation: plain decoding's tokens, with no warning about the stretches' own lengths (transformers
+    warns of a minimum beyond a call's maximum) and no refusal of the cache later stretches continue."""
+    model, prompts, ids, mask, _, reference = case
+    set_costs(model, SPECULATIVE_WINS)
+    first = [first_new_occurrence(r[len(p):]) for r, p in zip(reference, prompts)]
+    eos = next(t for t, i in first[0].items() if i <= 6)  # would stop row 0 within the probe
+    kwargs = {"min_new_tokens": {"min_new_tokens": 20}, "min_length": {"min_length": ids.shape[1] + 20},
+              "cache_implementation": {"cache_implementation": "static"}}[setting] | {"eos_token_id": eos}
+    ref = generate_dict(model, ids, mask, 30, speculative_mode=None, **kwargs)  # plain, on the cache it sets up
+    hook = forcing_hook(reference, [len(p) for p in prompts], accept_outside(12, 30), VOCAB)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(Unfeasible|larger than the maximum possible length)")
+        out = generate_dict(model, ids, mask, 30, speculative_mode="auto", draft_hook=hook, **kwargs)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(out.speculation.choices) > 1 and out.speculation.choices[0].tokens < 20  # the probe, then more
 
 
 def test_sampling_equals_the_chain_of_its_choices(case):

@@ -165,7 +165,7 @@ class _Call:
 
     base: dict
     max_new: int
-    min_new: int | None
+    min_new: int | None  # the call's min_new_tokens and min_length, as new columns
     eos: list[int]
     pad: int
     single: bool  # a `ONE_STRETCH` setting: one segment
@@ -208,12 +208,14 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
     eos = config.eos_token_id
     eos = [] if eos is None else [int(e) for e in (torch.as_tensor(eos).reshape(-1).tolist())]
     pad = int(config.pad_token_id) if config.pad_token_id is not None else (eos[0] if eos else 0)
-    drop = {*SPECULATIVE_KEYS, "max_new_tokens", "max_length", "min_new_tokens", "cache", "past_key_values",
-            "return_dict_in_generate", "use_cache", "attention_mask", "inputs", "input_ids", "streamer"}
+    drop = {*SPECULATIVE_KEYS, "max_new_tokens", "max_length", "min_new_tokens", "min_length", "cache",
+            "past_key_values", "return_dict_in_generate", "use_cache", "attention_mask", "inputs", "input_ids",
+            "streamer"}
     base = {key: value for key, value in kwargs.items() if key not in drop}
     if config.do_sample and config.num_return_sequences > 1:  # the rows are repeated once, up front (`_rows_and_mask`)
         base["num_return_sequences"] = 1
-    call = _Call(base, int(max_new), config.min_new_tokens, eos, pad,
+    min_new = max(config.min_new_tokens or 0, (config.min_length or 0) - ids.shape[1])  # both minimums, as columns
+    call = _Call(base, int(max_new), min_new or None, eos, pad,
                  single=any(_in_effect(key, _setting(kwargs, config, key)) for key in ONE_STRETCH),
                  return_dict=bool(config.return_dict_in_generate), use_cache=config.use_cache is not False,
                  engine_settings={key: value for key in ("compile_core", "speculative_engine")
@@ -374,8 +376,10 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
     kwargs = {**call.base, **candidate.kwargs(), "max_new_tokens": tokens, "attention_mask": mask,
               "return_dict_in_generate": True, "use_cache": True} | ({} if cache is None else {"cache": cache})
     kwargs.update(call.engine_settings if candidate.mode else {"compile_core": False, "speculative_engine": None})
-    if call.min_new is not None:
-        kwargs["min_new_tokens"] = max(int(call.min_new) - done, 0)
+    if call.min_new is not None:  # what is left of it, at most the stretch (transformers warns of a larger one)
+        kwargs["min_new_tokens"] = min(max(call.min_new - done, 0), tokens)
+    if cache is not None:  # a later stretch continues the cache the first one made: no other to set up
+        kwargs["cache_implementation"] = None
     if bool(stopped.any()):
         kwargs["logits_processor"] = LogitsProcessorList([*(call.base.get("logits_processor") or ()),
                                                           ForcePad(stopped.clone(), call.pad)])
