@@ -142,16 +142,21 @@ ONE_ANSWER = {  # request fields the server cannot honour (transformers logs the
 }
 
 
-def request_problem(body) -> str | None:
+def request_problem(body, positions: int | None = None) -> str | None:
     """Why the server refuses a completion request's JSON `body` before transformers reads it, or None: a token limit
-    that is not a whole number >= 1 (transformers would take 1.5 as 1 and "5" as 5), or a field it would ignore with
-    a warning in the server's log only (`ONE_ANSWER`: `n=2` would return one choice). Null counts as unset."""
+    that is not a whole number >= 1 (transformers would take 1.5 as 1 and "5" as 5) or that alone reaches the model's
+    `positions` (transformers would warn in the server's log and decode on past them, for as long as the client
+    waits), or a field it would ignore with a warning in the server's log only (`ONE_ANSWER`: `n=2` would return one
+    choice). Null counts as unset."""
     if not isinstance(body, dict):
         return None
     for name in TOKEN_LIMITS:
         value = body.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             return f"{name}={value!r} must be a whole number >= 1 (the most tokens to generate), or left out."
+        if value is not None and positions is not None and value >= positions:
+            return (f"{name}={value} reaches the model's {positions} positions, which the prompt's tokens share; "
+                    f"ask for fewer than {positions} minus the prompt's length.")
     for name, (default, fix) in ONE_ANSWER.items():
         value = body.get(name)
         kept = value is default if isinstance(default, bool) else not isinstance(value, bool) and value == default
@@ -160,16 +165,17 @@ def request_problem(body) -> str | None:
     return None
 
 
-def openai_errors() -> None:
+def openai_errors(positions: int | None = None) -> None:
     """Make the server answer its HTTP errors in OpenAI's error shape, `{"error": {"message", "type", "code"}}` (the
     `openai` client puts `message` into its exception's text; with FastAPI's own `{"detail": ...}` it shows only the
     status), with FastAPI's `detail` kept beside it, a `ValueError` a request raises (settings `generate` refuses)
-    as a 400 in that shape instead of a bare 500, and a POST whose JSON body `request_problem` refuses as a 400
-    before transformers reads it. Wraps `build_server`, which transformers' `Serve` imports when it is constructed;
-    idempotent."""
+    as a 400 in that shape instead of a bare 500, and a POST whose JSON body `request_problem` refuses (for a model
+    of `positions` positions) as a 400 before transformers reads it. Wraps `build_server`, which transformers' `Serve`
+    imports when it is constructed; idempotent, and a later call sets the positions the next server checks."""
     from transformers.cli.serving import server
 
     if hasattr(server.build_server, "wrapped"):
+        server.build_server.positions = positions
         return
     original = server.build_server
 
@@ -189,7 +195,7 @@ def openai_errors() -> None:
         async def check(request, call_next):
             if request.method == "POST" and request.headers.get("content-type", "").startswith("application/json"):
                 try:
-                    problem = request_problem(await request.json())
+                    problem = request_problem(await request.json(), build_server.positions)
                 except ValueError:  # not JSON: transformers answers it
                     problem = None
                 if problem:
@@ -202,7 +208,7 @@ def openai_errors() -> None:
         app.middleware("http")(check)
         return app
 
-    build_server.wrapped = original
+    build_server.wrapped, build_server.positions = original, positions
     server.build_server = build_server
 
 
@@ -211,7 +217,10 @@ def start(argv: list[str]):
     transformers 5.24's `--non-blocking`, it returns at once, the server running in a thread; stop it with
     `kill_server()`; 5.25 runs the model in a process of its own, `serving_engine`). Returns the `Serve`."""
     import torch
+    from transformers import AutoConfig
     from transformers.utils.import_utils import is_serve_available
+
+    from .input_checks import max_positions
 
     params, options = parse(argv)
     if not is_serve_available():
@@ -221,7 +230,8 @@ def start(argv: list[str]):
 
     torch.set_num_threads(options.threads)
     expose_architecture(params["force_model"], params["trust_remote_code"])
-    openai_errors()
+    config = AutoConfig.from_pretrained(params["force_model"], trust_remote_code=params["trust_remote_code"])
+    openai_errors(max_positions(config))
     from transformers.cli.serving import model_manager
 
     if hasattr(model_manager, "ModelLoader"):  # transformers >= 5.25: each model runs in a process of its own

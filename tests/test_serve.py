@@ -235,6 +235,8 @@ def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, referenc
         assert re.search(r"Error code: 400 .*draft_loops=3", reason), reason
         reason = refusal(lambda: client.completions.create(model=checkpoint, prompt=PROMPTS[0], max_tokens=1.5))
         assert re.search(r"Error code: 400 .*max_tokens=1.5 must be a whole number", reason), reason
+        reason = refusal(lambda: client.completions.create(model=checkpoint, prompt=PROMPTS[0], max_tokens=10**6))
+        assert re.search(r"Error code: 400 .*max_tokens=1000000 reaches the model's \d+ positions", reason), reason
         reason = refusal(lambda: client.chat.completions.create(
             model=checkpoint, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=4, n=2))
         assert re.search(r"Error code: 400 .*n=2 is not supported: this server returns one choice", reason), reason
@@ -274,12 +276,12 @@ def test_serve_with_continuous_batching_answers_as_plain_generate(checkpoint, re
         fast = client.with_options(timeout=30)
         assert re.search(r"speculative_mode='block' \(the manager's: 'auto'\)",
                          refusal(lambda: ask(fast, checkpoint, "block", PROMPTS[0], False)))
-        for stream in (False, True):  # too long for a slot (C = 1024 positions; 5.25: the context, 2048, and more)
-            def call(stream=stream):
+        for stream in (False, True):  # past the model's positions: the server refuses it before any slot does
+            def call(stream=stream):  # (a slot's own check: test_continuous_batching)
                 response = fast.completions.create(model=checkpoint, prompt="x = [", max_tokens=5000, stream=stream)
                 return list(response) if stream else response
 
-            assert re.search(r"needs \d+ positions, and a slot of this manager holds \d+", refusal(call)), stream
+            assert re.search(r"max_tokens=5000 reaches the model's \d+ positions", refusal(call)), stream
         assert ask(fast, checkpoint, "completions", PROMPTS[2], True)[0] == expected(reference, "completions",
                                                                                       PROMPTS[2])[0]
 
@@ -406,6 +408,15 @@ def test_the_model_process_gets_the_servers_threads():
 ])
 def test_a_request_field_the_server_cannot_honour_is_refused(body, message):
     assert re.search(message, serving.request_problem({"prompt": "x", **body}))
+
+
+def test_a_token_limit_that_reaches_the_models_positions_is_refused():
+    """Transformers' loop would warn in the server's log and decode past the positions for as long as the client
+    waits; a limit below them passes (whether the prompt leaves room is `generate`'s to say)."""
+    assert re.search(r"max_completion_tokens=2048 reaches the model's 2048 positions, .*fewer than 2048 minus",
+                     serving.request_problem({"prompt": "x", "max_completion_tokens": 2048}, positions=2048))
+    assert serving.request_problem({"prompt": "x", "max_tokens": 2047}, positions=2048) is None
+    assert serving.request_problem({"prompt": "x", "max_tokens": 10**6}) is None  # positions unknown
 
 
 @pytest.mark.parametrize("body", [
