@@ -103,3 +103,61 @@ def test_row_pure_processors_still_run_speculatively(setup):
     out = run(model, ids, mask, speculative_mode="pipeline", **settings)
     assert out.speculation.fallback is None and out.speculation.committed_tokens > 0
     assert out.sequences.tolist() == run(model, ids, mask, **settings).sequences.tolist()
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "block", "auto"])
+def test_a_dynamically_quantized_model_decodes_plainly(setup, mode):
+    """torch.ao's dynamic quantization takes one activation scale per call, so a row's output depends on the rows
+    beside it (shown first: the reason is real); every speculative mode decodes such a model plainly and says so,
+    with plain decoding's tokens (auto included: it reads the head's width from the quantized head). One unpadded
+    row: plain decoding of a padded batch itself depends on how the rows are laid out in each call (the package's
+    cache leaves padding out of them, transformers' does not)."""
+    model, ids, mask = setup
+    ids, mask = ids[:1], mask[:1]
+    assert bool(mask.all())
+    quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    layer = quantized.model.layers[0].mlp.up_proj
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
+    x[1] *= 9.0  # a row of larger values sets the call's scale
+    assert not torch.equal(layer(x[:1]), layer(x)[:1])
+    ref = run(quantized, ids, mask, speculative_mode=None)
+    out = run(quantized, ids, mask, speculative_mode=mode)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    if mode != "auto":  # (auto's stretches are generate calls of these modes)
+        assert "dynamically quantized layers (Linear)" in out.speculation.fallback
+        assert out.speculation.engine == "plain" and out.speculation.committed_tokens == 0
+
+
+@pytest.mark.parametrize("where", ["model", "base model"])
+def test_a_forward_hook_on_the_model_or_its_base_model_decodes_plainly(setup, where, caplog):
+    """The engine calls the model's stages, not the causal LM's or its base model's `forward`, so a hook there would
+    not run: such a call decodes plainly, the hook runs as in plain decoding (here it steers the output, so equality
+    is not vacuous), and the warning names the hooked module; without the hook the call speculates again."""
+    model, ids, mask = setup
+    module, calls = (model if where == "model" else model.model), []
+
+    def steer(module, args, output):
+        calls.append(1)
+        if where == "model":
+            output.logits[..., 7] += 100.0
+        else:
+            output.last_hidden_state.mul_(-1.0)
+        return output
+
+    before = run(model, ids, mask).sequences.tolist()
+    handle = module.register_forward_hook(steer)
+    try:
+        ref = run(model, ids, mask)
+        assert ref.sequences.tolist() != before and calls
+        calls.clear()
+        transformers_logging.warning_once.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+            out = run(model, ids, mask, speculative_mode="pipeline")
+    finally:
+        handle.remove()
+    assert out.sequences.tolist() == ref.sequences.tolist() and len(calls) == NEW
+    named = "the model" if where == "model" else "its base model"
+    assert f"forward hooks on {named} run only" in out.speculation.fallback
+    assert len(fallback_warnings(caplog)) == 1
+    again = run(model, ids, mask, speculative_mode="pipeline")
+    assert again.speculation.fallback is None and again.sequences.tolist() == before

@@ -94,7 +94,7 @@ def run_cell(args) -> dict:
             plain["sequences"] = out.sequences
             if args.synthetic_acceptance is not None and hook is None:
                 hook = synthetic_hook(out.sequences[:, width:], width, args.synthetic_acceptance,
-                                      model.get_output_embeddings().weight.shape[0], args.seed)
+                                      model.head_width, args.seed)
         elif not torch.equal(out.sequences, plain["sequences"]):
             raise SystemExit(f"{run}: tokens differ from plain decoding")
 

@@ -67,7 +67,7 @@ class _Calibration:
         self.cache = PagedLoopCache(self.layout)
         self.cache.ensure_sequences(batch)
         self.like = torch.empty(1, dtype=model.lane_dtype, device=device)
-        self.vocab = model.get_output_embeddings().weight.shape[0]
+        self.vocab = model.head_width
 
     def plane(self, stage: str, j: int) -> int | None:
         """The KV plane of a stage's j-th row of a sequence (None: the stage is stateless)."""

@@ -138,7 +138,7 @@ def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:
     _validate(args, loops)
     check_positions(model.config, args.prompt_len, args.new_tokens, prompt_flag="--prompt-len",
                     new_flag="--new-tokens")
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.head_width
     if args.prompt_file and tokenizer is None:
         raise ValueError(f"--prompt-file {args.prompt_file}: {model_name} has no tokenizer, so its prompts are random "
                          "ids; drop --prompt-file, or pass a checkpoint with a tokenizer as --model.")

@@ -74,7 +74,7 @@ def make_workload(count: int, prompt_lens: tuple[int, int], new_tokens: tuple[in
 
 def vocab_size(model) -> int:
     """The number of token ids the model's head scores."""
-    return model.get_output_embeddings().weight.shape[0]
+    return model.head_width
 
 
 def request_override(request: Request, reference: dict[int, list[int]] | None, acceptance: float | None,

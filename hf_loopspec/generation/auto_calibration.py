@@ -41,7 +41,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 from ..cache.paged import PagedLoopCache
 from . import auto_cache
-from .auto_costs import Candidate, CostTable, kept_table, set_costs, vocab_of
+from .auto_costs import Candidate, CostTable, kept_table, set_costs
 from .config import resolve_speculative
 
 PROBE_PROMPT = 8  # prompt tokens of a calibration run
@@ -97,7 +97,7 @@ def measure_costs(model, batch: int, candidates: list[Candidate], known: CostTab
 
     def timed_plain():  # the random prompt, plain decoding's tokens and seconds per step, made once if needed
         if not runs:
-            vocab = vocab_of(model)
+            vocab = model.head_width
             generator = torch.Generator().manual_seed(0)
             ids = torch.randint(min(3, vocab - 1), vocab, (batch, PROBE_PROMPT), generator=generator)
             runs["ids"] = ids.to(model.device)
@@ -168,7 +168,7 @@ def _cycle_seconds(model, ids: torch.Tensor, candidate: Candidate, reference: to
     override = torch.full((len(ids), width), -1, dtype=torch.long, device=ids.device)
     right = reference[:, ids.shape[1]:]
     wrong = (torch.arange(new_tokens, device=ids.device) % CALIBRATION_PERIOD) == CALIBRATION_PERIOD - 1
-    override[:, ids.shape[1]:] = torch.where(wrong, (right + 1) % vocab_of(model), right)
+    override[:, ids.shape[1]:] = torch.where(wrong, (right + 1) % model.head_width, right)
     spec = resolve_speculative(candidate.mode, candidate.draft_loops, candidate.num_speculative_tokens,
                                num_loops=model.num_loops)
     request = SpeculativeRequest(spec, PagedLoopCache(model.kv_layout), ids, width, pad_token_id=0)

@@ -121,7 +121,3 @@ def observe(model, batch: int, candidate: Candidate, seconds: float, steps: int)
     else:
         plain, cycle = table.plain_step, {**table.cycle, candidate: cost}
     tables[key] = CostTable(plain, cycle, adapt=True)
-
-
-def vocab_of(model) -> int:
-    return model.get_output_embeddings().weight.shape[0]

@@ -48,6 +48,7 @@ from .inputs import (
     check_left_padded,
     check_model_kwargs,
 )
+from .model_checks import model_fallback
 from .processors import plain_fallback
 from .stats import SpeculationStats
 
@@ -217,7 +218,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
             raise ValueError("speculative_mode='auto' is decoded by model.generate(...) itself; call generate, or "
                              "pass speculative_mode='pipeline' or 'block'.")
         check_left_padded(model_kwargs.get("attention_mask"), spec.mode)
-        fallback = plain_fallback(logits_processor)
+        fallback = model_fallback(self) or plain_fallback(logits_processor)
         if fallback is not None:
             logger.warning_once("hf_loopspec: %s.", fallback)
             if generation_config.use_cache is False:  # plain decoding without a cache, as transformers' own
@@ -227,7 +228,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
             if not generation_config.return_dict_in_generate:
                 self._continued_cache(model_kwargs, result, generation_config)
                 return result
-            stats = SpeculationStats(spec.mode, spec.draft_loops, fallback=fallback)
+            stats = SpeculationStats(spec.mode, spec.draft_loops, engine="plain", fallback=fallback)
             return SpeculativeDecoderOnlyOutput(**{**result, "cache": self._continued_cache(
                 model_kwargs, result.sequences, generation_config)}, speculation=stats)
         call = current_call()

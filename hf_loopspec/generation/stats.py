@@ -52,7 +52,7 @@ class SpeculationStats:
     mode: str
     draft_loops: int
     core_calls: int = 0
-    engine: str = "lanes"  # the engine that ran: "lanes" or "wavefront"
+    engine: str = "lanes"  # what ran: "wavefront", "lanes" (the reference) or "plain" (a `fallback`)
     cache_fill_calls: int = 0  # calls after decoding that complete the returned cache (rows that stopped early)
     per_sequence: list[SequenceStats] = field(default_factory=list)
     call_rows: dict[str, list[int]] = field(default_factory=lambda: {"embed": [], "core": [], "head": []})

@@ -89,6 +89,13 @@ class LoopedCausalLMMixin:
     def set_input_embeddings(self, value):
         self.base_model.set_input_embeddings(value)
 
+    @property
+    def head_width(self) -> int:
+        """V: the width of the head's logits. Read from the head module's `out_features` (an `nn.Linear`, or a
+        quantized one whose `weight` is a method), else the config's `vocab_size` (a head wrapped by an adapter)."""
+        width = getattr(self.lm_head, "out_features", None)
+        return width if isinstance(width, int) else self.config.vocab_size
+
     def get_output_embeddings(self):
         return self.lm_head
 

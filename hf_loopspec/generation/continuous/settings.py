@@ -111,7 +111,7 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
                                    else model.config.eos_token_id)),
         max_new_tokens=int(config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS),
         max_length=int(config.max_length) if config.max_new_tokens is None and config.max_length else None,
-        vocab=model.get_output_embeddings().weight.shape[0], seed=_seed(getattr(cb_config, "seed", None)),
+        vocab=model.head_width, seed=_seed(getattr(cb_config, "seed", None)),
         recurrence=recurrence)
 
 

@@ -100,7 +100,7 @@ class WavefrontEngine:
                                                                     second_draft_hook)):
             raise ValueError(f"the wavefront engine does not support {host}.")
         self.model, self.cache, self.read_every, self.complete_cache = model, cache, read_every, complete_cache
-        self.vocab = model.get_output_embeddings().weight.shape[0]  # V: the width of the head's logits
+        self.vocab = model.head_width  # V: the width of the head's logits
         self.input_ids = input_ids
         self.pad = 0 if pad_token_id is None else pad_token_id
         batch, width = input_ids.shape

@@ -14,8 +14,7 @@ DEFAULT_READ_EVERY = 4  # R: cycles between read-backs, without host criteria or
 def engine_options(model, request) -> dict:
     """`WavefrontEngine`'s keyword arguments (all but the model and the cache) for `request`."""
     spec, ids = request.spec, request.input_ids
-    processors, tensors = device_processors(request.logits_processor, ids,
-                                            model.get_output_embeddings().weight.shape[0])
+    processors, tensors = device_processors(request.logits_processor, ids, model.head_width)
     eos = [int(t) for c in request.stopping_criteria or () if isinstance(c, EosTokenCriteria)
            for t in c.eos_token_id.reshape(-1).tolist()]
     return dict(mode=spec.mode, draft_loops=spec.draft_loops, num_speculative_tokens=spec.num_speculative_tokens,

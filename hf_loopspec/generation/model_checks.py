@@ -1,0 +1,33 @@
+"""What about a model itself keeps speculative decoding from returning plain decoding's tokens, in which case
+`generate` decodes plainly instead, logs the reason once and reports it in `out.speculation.fallback` (as for a
+logits processor it cannot run, `processors.plain_fallback`).
+
+Speculative decoding is exact because a row's output does not depend on the other rows of its call, and because
+the stages the engine calls (`embed`, `core`, `head`) do all that a forward call does. Two things a user can do to
+a model break that:
+
+* torch.ao's dynamic quantization (`quantize_dynamic`) takes one activation scale per call over all its rows, so a
+  token's output depends on which rows share the call, and the engine's calls hold other rows than plain decoding's;
+* forward hooks (or pre-hooks) on the causal LM or its base model run only when that module is called, and the
+  engine calls its stages instead. Hooks on the layers, the norms and the head run in both.
+"""
+
+from __future__ import annotations
+
+DYNAMIC_QUANTIZED = "torch.ao.nn.quantized.dynamic"  # the modules `quantize_dynamic` puts in place
+
+
+def model_fallback(model) -> str | None:
+    """Why `model` cannot decode speculatively with plain decoding's tokens (module docstring), or None."""
+    dynamic = sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith(DYNAMIC_QUANTIZED)})
+    if dynamic:
+        return (f"the model holds dynamically quantized layers ({', '.join(dynamic)}), whose output for a token "
+                "depends on the other rows of its call (one activation scale per call), so speculative decoding "
+                "could change the tokens; decoded with plain decoding instead")
+    hooked = [name for name, module in (("the model", model), ("its base model", model.base_model))
+              if module._forward_hooks or module._forward_pre_hooks]
+    if hooked:
+        return (f"forward hooks on {' and '.join(hooked)} run only when that module is called, and speculative "
+                "decoding calls its stages (embed, core, head) instead; decoded with plain decoding instead (hooks "
+                "on the layers and the head run in both)")
+    return None
