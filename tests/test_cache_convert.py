@@ -87,9 +87,9 @@ def test_continuing_a_moved_cache_gives_plain_tokens(case, direction):
 
 
 def test_refill_in_place_and_refusals(case):
-    """`into` refills the given `DynamicCache` object; a cache that does not belong to the mask, one of another
-    model (more layers than the layout has) and one whose first loop depth is incomplete are refused with a
-    `ValueError`."""
+    """`into` refills the given `DynamicCache` object; a cache that does not belong to the mask (or to fewer rows
+    than it holds), one of another model (more layers than the layout has) and one whose first loop depth is
+    incomplete are refused with a `ValueError`."""
     model, ids, mask, settings, layout, ref = case
     full = _grown(mask, 2 * NEW)
     paged = to_paged(ref.cache, layout, full)
@@ -97,6 +97,9 @@ def test_refill_in_place_and_refusals(case):
     assert to_dynamic(paged, full, into=target) is target and target.get_seq_length() == ref.cache.get_seq_length()
     with pytest.raises(ValueError, match="attention_mask marks"):
         to_dynamic(paged, _grown(torch.ones_like(mask), 2 * NEW))
+    assert len(mask) > 1
+    with pytest.raises(ValueError, match=rf"holds {len(mask)} sequences, but attention_mask has 1 rows"):
+        to_dynamic(paged, full[:1])  # (the first rows alone used to give a smaller cache, the others dropped)
     larger = DynamicCache()
     for i in range(layout.num_planes * layout.num_layers + 1):
         larger.update(ref.cache.layers[0].keys, ref.cache.layers[0].values, i)

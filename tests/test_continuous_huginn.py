@@ -103,17 +103,19 @@ def test_unseeded_requests_draw_their_own_seed(model, started):
 
 
 def test_bad_recurrence_settings_fail_loudly(model, started):
-    """A bad recurrence setting of the generation config raises at init; a bad `init_seed` fails its request
-    alone."""
+    """A bad recurrence setting of the generation config raises at init; a bad `init_seed` (negative, or past a
+    generator's 64 bits) fails its request alone, and `init_seed=None` is the manager's seed, as no key."""
     with pytest.raises(ValueError, match=r"num_steps=0 must be an integer >= 1"):
         model.init_continuous_batching(generation_config(SETTINGS["plain"], num_steps=0), batching())
     manager = started(generation_config(SETTINGS["plain"], **ZERO))
     good = prompts(5, [4])[0]
-    ids = [manager.add_request(good, init_seed=-1), manager.add_request(good, max_new_tokens=5)]
+    ids = [manager.add_request(good, init_seed=-1), manager.add_request(good, init_seed=2**64),
+           manager.add_request(good, max_new_tokens=5), manager.add_request(good, max_new_tokens=5, init_seed=None)]
     results = collect(manager, ids)
-    assert results[ids[0]].status == RequestStatus.FAILED
-    assert "init_seed=-1: give a non-negative integer" in results[ids[0]].error
-    assert results[ids[1]].generated_tokens == alone(model, good, 5, **ZERO)
+    assert [results[i].status for i in ids[:2]] == [RequestStatus.FAILED] * 2
+    assert "init_seed=-1: give an integer in [0, 2**64), or None" in results[ids[0]].error
+    assert "init_seed=18446744073709551616: give an integer" in results[ids[1]].error
+    assert results[ids[2]].generated_tokens == results[ids[3]].generated_tokens == alone(model, good, 5, **ZERO)
 
 
 def test_a_new_owner_starts_from_empty_planes(model):

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 
+import numpy as np
 import pytest
 import torch
 from huginn_utils import (
@@ -279,6 +280,9 @@ def test_aliases_and_tie_names():
     ({"num_steps": 2.5}, "num_steps"),
     ({"init_scale": -1.0}, "init_scale"),
     ({"init_seed": -3}, "init_seed"),
+    ({"init_scale": math.inf}, r"init_scale=inf must be a finite number"),  # trunc_normal_'s bare RuntimeError
+    ({"init_seed": 2**64 + 5}, r"in \[0, 2\*\*64\)"),  # would have acted as seed 5
+    ({"num_steps": True}, "num_steps"),
 ])
 def test_bad_recurrence_arguments_raise(kwargs, match):
     model, _ = tiny_huginn()
@@ -287,6 +291,17 @@ def test_bad_recurrence_arguments_raise(kwargs, match):
         model(ids, **kwargs)
     with pytest.raises(ValueError, match=match):
         model.generate(ids, max_new_tokens=2, **kwargs)
+
+
+def test_numpy_recurrence_settings_are_their_values():
+    """numpy scalars (a config read with numpy, a swept grid) are taken as the Python numbers they hold."""
+    model, _ = tiny_huginn()
+    ids = random_ids((1, 3), VOCAB)
+    settings = {"num_steps": 3, "init_scale": 0.5, "init_seed": 9}
+    with torch.no_grad():
+        expected = model(ids, **settings).logits
+        actual = model(ids, num_steps=np.int64(3), init_scale=np.float32(0.5), init_seed=np.uint32(9)).logits
+    torch.testing.assert_close(actual, expected, atol=0, rtol=0)
 
 
 def test_bad_inputs_raise():

@@ -177,6 +177,10 @@ class PagedLoopCache(PageTables, Cache):
         """Raise unless every sequence stores exactly the real tokens that `attention_mask` `[B, >= columns]`
         marks in the columns the cache has consumed (the cache belongs to these inputs)."""
         past = self.columns()
+        if past and self.num_sequences > len(attention_mask):
+            raise ValueError(f"the PagedLoopCache holds {self.num_sequences} sequences, but attention_mask has "
+                             f"{len(attention_mask)} rows: pass the mask of every sequence it holds (to keep some, "
+                             "select them first: cache.batch_select_indices(indices)).")
         stored = [self.length(s, 0) if s < self.num_sequences else 0 for s in range(len(attention_mask))]
         marked = attention_mask[:, :past].bool().sum(-1).tolist()
         if stored != marked:

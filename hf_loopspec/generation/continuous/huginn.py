@@ -19,6 +19,7 @@ the states are zeros and no seed is used.
 
 from __future__ import annotations
 
+import numbers
 from contextlib import nullcontext
 from dataclasses import replace
 
@@ -48,11 +49,10 @@ def manager_block(model, recurrence):
 
 def request_problem(extra: dict) -> str | None:
     """Why a request's `init_seed` (if any) cannot run, or None."""
-    if REQUEST_KEY not in extra:
-        return None
-    seed = extra[REQUEST_KEY]
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        return f"{REQUEST_KEY}={seed!r}: give a non-negative integer."
+    seed = extra.get(REQUEST_KEY)  # None: the manager's seed, as no key
+    if seed is not None and not (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)
+                                 and 0 <= seed < 2**64):
+        return f"{REQUEST_KEY}={seed!r}: give an integer in [0, 2**64), or None for the manager's seed."
     return None
 
 
@@ -65,7 +65,8 @@ def fill_initial_states(model, recurrence, state, b: int, request, seeds: torch.
     recurrence settings."""
     if recurrence is None:
         return
-    seed = request.logit_processor_kwargs.get(REQUEST_KEY, recurrence.init_seed)
+    seed = request.logit_processor_kwargs.get(REQUEST_KEY)
+    seed = recurrence.init_seed if seed is None else int(seed)
     if seed is None and recurrence.init_scale > 0:
         seed = int(torch.randint(2**62, (), generator=seeds))
     reach = min(state.init_states.shape[1], len(request.initial_tokens) + request.max_new_tokens)

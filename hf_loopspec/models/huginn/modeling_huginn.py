@@ -17,6 +17,8 @@ L = the largest of the three stages, so a cache must be continued with the `num_
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
@@ -36,6 +38,11 @@ from ..loops import forward_rows
 from .configuration_huginn import HuginnConfig
 
 Rope = Callable[[torch.Tensor], torch.Tensor]  # rotates q or k `[*rows, heads, D]` at the call's positions
+
+
+def _integer(value) -> bool:
+    """Whether `value` is an integer (Python's or numpy's; not a bool)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class HuginnAttention(nn.Module):
@@ -169,16 +176,19 @@ class HuginnModel(HuginnPreTrainedModel):
         so `torch.manual_seed` makes a run reproducible, and every token's state within the block is keyed by
         (seed, sequence, position): forward calls, cached steps and every decoding mode draw the same states.
         The settings hold for this thread (or asyncio task) only; the model itself is not changed."""
-        if num_steps is not None and (not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1):
+        if num_steps is not None and not (_integer(num_steps) and num_steps >= 1):
             raise ValueError(f"num_steps={num_steps!r} must be an integer >= 1 (default: mean_recurrence="
                              f"{self.config.mean_recurrence}).")
-        if init_scale is not None and not (isinstance(init_scale, int | float) and init_scale >= 0):
-            raise ValueError(f"init_scale={init_scale!r} must be a number >= 0 (0 gives zero initial states).")
-        if init_seed is not None and (not isinstance(init_seed, int) or isinstance(init_seed, bool) or init_seed < 0):
-            raise ValueError(f"init_seed={init_seed!r} must be a non-negative integer or None.")
+        if init_scale is not None and not (isinstance(init_scale, numbers.Real) and not isinstance(init_scale, bool)
+                                           and math.isfinite(init_scale) and init_scale >= 0):
+            raise ValueError(f"init_scale={init_scale!r} must be a finite number >= 0 (0 gives zero initial states).")
+        if init_seed is not None and not (_integer(init_seed) and 0 <= init_seed < 2**64):
+            raise ValueError(f"init_seed={init_seed!r} must be an integer in [0, 2**64) or None (a generator's seed "
+                             "is 64 bits: a larger one would act as another).")
         current = self.settings
         updates = {k: v for k, v in (("num_steps", num_steps), ("init_scale", init_scale), ("init_seed", init_seed))
                    if v is not None}
+        updates = {k: float(v) if k == "init_scale" else int(v) for k, v in updates.items()}  # numpy scalars too
         settings = replace(current, **updates)
         if settings.init_scale > 0 and settings.init_seed is None:
             settings = replace(settings, init_seed=int(torch.randint(2**62, ())))
