@@ -16,7 +16,8 @@ WAIT_S = 30  # the longest wait for one result (a hung loop fails the test inste
 
 
 def generation_config(settings: dict, **extra) -> GenerationConfig:
-    """A manager's generation config: greedy, 8 new tokens, no EOS, pad `PAD`, with `settings` and `extra`."""
+    """A manager's generation config: greedy, 8 new tokens, pad `PAD`, with `settings` and `extra`. Its EOS is unset,
+    so requests stop at the model's EOS, as plain `generate` with this config does."""
     return GenerationConfig(**{"max_new_tokens": 8, "do_sample": False, "eos_token_id": None, "pad_token_id": PAD,
                                **settings, **extra})
 
@@ -30,7 +31,8 @@ def batching(slots: int = 2, positions: int = 64, blocks: int | None = None, **e
 
 def alone(model, prompt: list[int], max_new: int, eos=None, **kwargs) -> list[int]:
     """Plain greedy decoding of one request by itself (with `generate`'s `kwargs`): its new tokens (up to and with its
-    EOS)."""
+    EOS, `eos` or else the model's, as for a request of a `generation_config` manager)."""
+    eos = model.generation_config.eos_token_id if eos is None else eos
     out = plain(model, torch.tensor([prompt]), None, max_new, eos_token_id=eos, speculative_mode=None, **kwargs)
     return out.sequences[0, len(prompt):].tolist()
 

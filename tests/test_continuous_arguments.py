@@ -109,6 +109,34 @@ def test_bad_generate_batch_arguments_are_named(model):
         model.generate_batch((p for p in prompts(2, [4])), generation_config=generation_config({}))
     with pytest.raises(ValueError, match="generation_config: a dict"):
         model.generate_batch(prompts(2, [4]), generation_config={"max_new_tokens": 3})
+    for bad, match in [("abc", r"inputs\[1\]: a str;"), (torch.ones(1, 3, dtype=torch.long),
+                                                      r"inputs\[1\]: a Tensor of shape \(1, 3\);")]:
+        with pytest.raises(ValueError, match=match):
+            model.generate_batch([[5, 6], bad], generation_config=generation_config({}))
+
+
+def test_prompts_as_numpy_arrays_decode_like_lists(model):
+    """1-D arrays are prompts in generate_batch as in add_request (they were refused with a message naming the list)."""
+    inputs = prompts(2, [4, 6])
+    out = model.generate_batch([np.array(p) for p in inputs], generation_config=generation_config({}),
+                               continuous_batching_config=batching(), max_new_tokens=4)
+    assert [r.generated_tokens for r in out.values()] == [alone(model, p, 4) for p in inputs]
+
+
+def test_a_request_longer_than_a_kept_managers_slots_says_how_to_replace_it(model):
+    """A kept manager is sized by its first call; a later longer request fails with a reason that names the config's
+    current keys (page_size, not the deprecated block_size) and how to drop the kept manager first."""
+    config = generation_config({})
+    model.generate_batch(prompts(2, [3]), generation_config=config, persistent_manager=True, max_new_tokens=4)
+    try:
+        out = model.generate_batch(prompts(3, [30]), generation_config=config, persistent_manager=True,
+                                   max_new_tokens=4)
+        (result,) = out.values()
+        assert result.status == RequestStatus.FAILED
+        assert "page_size=" in result.error and "block_size" not in result.error
+        assert "model.destroy_cached_continuous_batching_manager()" in result.error
+    finally:
+        model.destroy_cached_continuous_batching_manager()
 
 
 def test_numpy_integers_and_bad_eos_ids(model):

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import copy
 import re
+import threading
+import time
 
 import pytest
 import torch
-from continuous_utils import VOCAB, alone, batching, collect, generation_config, prompts, starting
+from continuous_utils import VOCAB, WAIT_S, alone, batching, collect, generation_config, prompts, starting
 from speculative_utils import named_modes, tiny_spec_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.continuous_batching import RequestStatus
+from transformers.generation.continuous_batching.requests import GenerationOutput
 
 from hf_loopspec.assets import default_model_path
 from hf_loopspec.generation.continuous import slots as slots_module
-from hf_loopspec.generation.continuous.manager import CANCELLED
+from hf_loopspec.generation.continuous.manager import CANCELLED, Router
 
 SETTINGS = named_modes()  # plain, then one pipeline and one block setting
 SECOND = {**SETTINGS["pipeline-d1"], "second_draft_loops": 3}  # pipeline with second proposals (U = 4, d = 1)
@@ -282,3 +285,53 @@ def test_a_draft_override_steers_acceptance_not_tokens(model, started):
     plain_manager = started(SETTINGS["plain"])
     with pytest.raises(ValueError, match="draft_override on a manager that decodes plain"):
         plain_manager.add_request(prompt, draft_override=[-1])
+
+
+def test_results_taken_by_id_leave_the_others_queued_in_order():
+    """A reader waiting for one request takes only its results: another request's stay queued in delivery order
+    (before, a reader put them back at the end, reordering a stream, and spun without waiting)."""
+    router = Router()
+    delivered = [GenerationOutput(request_id=rid, generated_tokens=list(range(n)), status=status)
+                 for rid, n, status in [("a", 1, RequestStatus.DECODING), ("a", 2, RequestStatus.DECODING),
+                                        ("b", 3, RequestStatus.FINISHED), ("a", 3, RequestStatus.FINISHED)]]
+    router.deliver_batch(delivered)
+    assert router.take("b", timeout=0) is delivered[2]
+    assert router.take("c", timeout=0) is None  # nothing of c's: the others stay
+    assert [router.take("a", timeout=0) for _ in range(3)] == [delivered[0], delivered[1], delivered[3]]
+    assert router.output_queue.empty()
+
+
+def test_a_reader_waits_for_its_result_and_wakes_when_it_is_delivered():
+    """`take` with a timeout blocks (no result of another request wakes it for good) until its request's result is
+    delivered from another thread, and returns None once the timeout passes without one."""
+    router = Router()
+    mine = GenerationOutput(request_id="mine", status=RequestStatus.FINISHED)
+    other = GenerationOutput(request_id="other", status=RequestStatus.FINISHED)
+
+    def deliver_later():
+        time.sleep(0.05)
+        router.deliver(other)
+        time.sleep(0.05)
+        router.deliver(mine)
+
+    thread = threading.Thread(target=deliver_later)
+    thread.start()
+    assert router.take("mine", timeout=WAIT_S) is mine
+    thread.join()
+    assert router.take("mine", timeout=0.01) is None
+    assert router.take(None, timeout=0) is other
+
+
+def test_a_finished_requests_iterator_ends_on_a_stopped_manager_with_other_results_queued(model, started):
+    """`request_id_iter` of a request already read, after `stop`, ends although another request's result is still
+    queued (it looped forever on the non-empty queue); that result stays for `get_result`."""
+    manager = started(SETTINGS["plain"])
+    first, second = (manager.add_request(p, max_new_tokens=3) for p in prompts(5, [4, 6]))
+    assert list(manager.request_id_iter(first))[-1].is_finished()
+    manager.stop(block=True, timeout=WAIT_S)
+    again = []
+    reader = threading.Thread(target=lambda: again.extend(manager.request_id_iter(first)), daemon=True)
+    reader.start()
+    reader.join(WAIT_S)
+    assert not reader.is_alive() and again == []
+    assert manager.get_result(second, timeout=0).request_id == second

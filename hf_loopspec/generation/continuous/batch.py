@@ -62,18 +62,22 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
 
 def _check_arguments(inputs, generation_config, kwargs: dict) -> None:
     """`ValueError` naming a `generate_batch` argument it cannot take: `inputs` must be a list (or tuple) of prompts,
-    each a list or 1-D tensor of token ids; `generation_config` a `GenerationConfig` or None; `request_id` is the
+    each a list, 1-D tensor or 1-D array of token ids; `generation_config` a `GenerationConfig` or None; `request_id` is the
     manager's to give (one per request)."""
     if "request_id" in kwargs:
         raise ValueError(f"request_id={kwargs['request_id']!r} in generate_batch would give every request the same "
                          "id: drop it (the manager numbers the requests; the result is keyed by those ids), or add "
                          "requests one by one with manager.add_request(ids, request_id=...).")
-    if not isinstance(inputs, (list, tuple)) or not all(isinstance(ids, (list, tuple)) or
-                                                       (torch.is_tensor(ids) and ids.dim() == 1) for ids in inputs):
+    if not isinstance(inputs, (list, tuple)):
         shape = f"a tensor of shape {tuple(inputs.shape)}" if torch.is_tensor(inputs) else type(inputs).__name__
         raise ValueError(f"inputs: {shape}; give a list of prompts, each a list of token ids (e.g. "
                          "tokenizer(texts)['input_ids'], or tensor.tolist() of a [batch, length] tensor without "
                          "padding).")
+    for i, ids in enumerate(inputs):
+        if not isinstance(ids, (list, tuple)) and getattr(ids, "ndim", None) != 1:
+            shape = f" of shape {tuple(ids.shape)}" if hasattr(ids, "shape") else ""
+            raise ValueError(f"inputs[{i}]: a {type(ids).__name__}{shape}; each prompt must be a list (or 1-D tensor "
+                             "or array) of token ids: tokenize texts first (tokenizer(texts)['input_ids']).")
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         raise ValueError(f"generation_config: a {type(generation_config).__name__}; give a "
                          "transformers.GenerationConfig (GenerationConfig(**settings)) or None.")

@@ -58,11 +58,14 @@ IDLE_WAIT_S = 0.1  # the loop's wait for work when no slot is busy
 
 class Router(OutputRouter):
     """transformers' `OutputRouter`, whose deliveries without a handler are queued under its lock (so a handler
-    registered meanwhile finds them: `take_queued`)."""
+    registered meanwhile finds them: `take_queued`), and taken from the queue by request id without disturbing the
+    others (`take`): a reader waiting for one request never requeues another's results, so each request's results
+    stay in delivery order and no reader spins."""
 
     def __init__(self):
         super().__init__()
         self.open_ids = set()  # the requests added and not yet delivered finished or failed
+        self._arrived = threading.Condition()  # notified after every delivery to the queue
 
     def open(self, request_id: str) -> None:
         """Note `request_id` as added; `ValueError` when a request of that id is still open."""
@@ -81,16 +84,42 @@ class Router(OutputRouter):
                 if output.is_finished() or output.status == RequestStatus.FAILED:
                     self.open_ids.discard(output.request_id)
         super().deliver_batch(outputs)
+        with self._arrived:  # after the puts: a reader that found nothing is waiting by now, or finds them
+            self._arrived.notify_all()
+
+    def take(self, request_id: str | None, timeout: float | None) -> GenerationOutput | None:
+        """The oldest queued result (of `request_id` when given), waiting up to `timeout` seconds (None: without
+        limit) for one to be delivered; None when none came."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._arrived:
+            while (result := self._pop(request_id)) is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._arrived.wait(left)
+        return result
 
     def take_queued(self, request_id: str) -> list[GenerationOutput]:
-        """Take `request_id`'s results out of the output queue, in order, leaving the others' (call under the lock)."""
-        queued = []
-        while not self.output_queue.empty():
-            queued.append(self.output_queue.get_nowait())
-        for result in queued:
-            if result.request_id != request_id:
-                self.output_queue.put(result)
-        return [result for result in queued if result.request_id == request_id]
+        """Take `request_id`'s queued results out of the output queue, in order, leaving the others'."""
+        taken = []
+        while (result := self._pop(request_id)) is not None:
+            taken.append(result)
+        return taken
+
+    def holds(self, request_id: str) -> bool:
+        """Whether a result of `request_id` is queued."""
+        with self.output_queue.mutex:
+            return any(result.request_id == request_id for result in self.output_queue.queue)
+
+    def _pop(self, request_id: str | None) -> GenerationOutput | None:
+        """Remove and return the oldest queued result (of `request_id` when given), or None."""
+        waiting = self.output_queue
+        with waiting.mutex:
+            for i, result in enumerate(waiting.queue):
+                if request_id is None or result.request_id == request_id:
+                    del waiting.queue[i]
+                    return result
+        return None
 
 
 class LoopBatchingManager:
@@ -245,19 +274,12 @@ class LoopBatchingManager:
         self._wake_up_loop.set()
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
-        """One delivered result (of `request_id` when given; another one is put back), or None after `timeout`
-        seconds or when the thread is gone with nothing left to deliver."""
-        outputs = self.output_router.output_queue
-        if outputs.empty() and (self._generation_thread is None or self.background_thread_status.fatal_error):
+        """The oldest delivered result (of `request_id` when given; the others stay queued, in order), waiting up to
+        `timeout` seconds; None after that, or at once when the thread is gone with nothing left to deliver."""
+        if self.output_router.output_queue.empty() and (self._generation_thread is None
+                                                        or self.background_thread_status.fatal_error):
             return None
-        try:
-            result = outputs.get(block=True, timeout=timeout)
-        except queue.Empty:
-            return None
-        if request_id is not None and result.request_id != request_id:
-            outputs.put(result)
-            return None
-        return result
+        return self.output_router.take(request_id, timeout)
 
     def __iter__(self):
         while self.is_running() or not self.output_router.output_queue.empty():
@@ -268,7 +290,7 @@ class LoopBatchingManager:
     def request_id_iter(self, request_id: str):
         """The results of `request_id` as they come (streaming: one per read-back with new tokens), up to the final
         one."""
-        while self.is_running() or not self.output_router.output_queue.empty():
+        while self.is_running() or self.output_router.holds(request_id):
             result = self.get_result(request_id=request_id, timeout=IDLE_WAIT_S)
             if result is not None:
                 yield result

@@ -193,6 +193,11 @@ def request_max_new(settings: ManagerSettings, input_ids, max_new_tokens):
     return settings.max_new_tokens
 
 
+# how to replace a manager the model keeps (generate_batch(..., persistent_manager=True)) by a larger one
+REPLACING = ("; a manager kept by persistent_manager=True is sized by its first call: "
+             "call model.destroy_cached_continuous_batching_manager() before starting the larger one")
+
+
 def request_problem(settings: ManagerSettings, input_ids, max_new_tokens, eos, extra: dict) -> str | None:
     """Why a request cannot run on a manager with `settings`, or None (each message names the value and the fix)."""
     if not isinstance(input_ids, (list, tuple)) or not input_ids:
@@ -205,16 +210,16 @@ def request_problem(settings: ManagerSettings, input_ids, max_new_tokens, eos, e
     if len(input_ids) + max_new_tokens > settings.positions:
         return (f"a prompt of {len(input_ids)} tokens with max_new_tokens={max_new_tokens} needs "
                 f"{len(input_ids) + max_new_tokens} positions, and a slot of this manager holds {settings.positions}: "
-                "shorten the request, or start the manager with a larger ContinuousBatchingConfig("
-                "max_blocks_per_request=..., block_size=...).")
+                "shorten the request, or start a manager with a larger ContinuousBatchingConfig("
+                f"max_blocks_per_request=..., page_size=...){REPLACING}.")
     needed = settings.pool.pages_for(request_positions(len(input_ids), max_new_tokens))
     if needed > settings.pool.pages:
         return (f"a prompt of {len(input_ids)} tokens with max_new_tokens={max_new_tokens} needs {needed} KV pages "
                 f"({request_positions(len(input_ids), max_new_tokens)} positions in each of {settings.pool.planes} "
                 f"depth planes), and this manager's pool holds {settings.pool.pages} "
-                f"({settings.pool.positions} positions per plane): shorten the request, or start the manager with a "
+                f"({settings.pool.positions} positions per plane): shorten the request, or start a manager with a "
                 "larger ContinuousBatchingConfig(num_blocks=...) (with max_memory_percent=... when memory caps the "
-                "pool).")
+                f"pool){REPLACING}.")
     if not all(is_integer(t) for t in eos) or len(eos) > MAX_EOS_IDS:
         return f"eos_token_id={list(eos)!r}: give at most {MAX_EOS_IDS} integer ids."
     allowed = (*REQUEST_KEYS, huginn.REQUEST_KEY) if settings.recurrence is not None else REQUEST_KEYS
