@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..cache.paged import PagedLoopCache
-from ..models.layers import check_token_ids
+from ..models.layers import check_token_ids, is_integer
 
 
 def as_integer(value, name: str) -> int:
@@ -27,7 +27,7 @@ def as_integer(value, name: str) -> int:
     if torch.is_tensor(value) and value.ndim == 0 and not (value.dtype == torch.bool or value.is_floating_point()
                                                             or value.is_complex()):
         return int(value)
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    if is_integer(value):
         return int(value)  # Python and numpy integers
     raise ValueError(f"{name}={value!r} must be an integer (a Python or numpy integer, or a 0-d integer tensor).")
 

@@ -4,6 +4,8 @@ token-id check of every entry stage. Rotary angles are computed in fp32; positio
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import nn
 
@@ -82,6 +84,11 @@ def _hooked(module: nn.Module) -> bool:
 
 GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                 "_global_backward_pre_hooks")
+
+
+def is_integer(value) -> bool:
+    """Whether `value` is an integer (Python's or numpy's; not a bool: `True` as a count or id is a mistake)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:

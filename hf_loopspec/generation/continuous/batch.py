@@ -62,8 +62,8 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
 
 def _check_arguments(inputs, generation_config, kwargs: dict) -> None:
     """`ValueError` naming a `generate_batch` argument it cannot take: `inputs` must be a list (or tuple) of prompts,
-    each a list, 1-D tensor or 1-D array of token ids; `generation_config` a `GenerationConfig` or None; `request_id` is the
-    manager's to give (one per request)."""
+    each a list, 1-D tensor or 1-D array of token ids; `generation_config` a `GenerationConfig` or None; `request_id`
+    is the manager's to give (one per request)."""
     if "request_id" in kwargs:
         raise ValueError(f"request_id={kwargs['request_id']!r} in generate_batch would give every request the same "
                          "id: drop it (the manager numbers the requests; the result is keyed by those ids), or add "

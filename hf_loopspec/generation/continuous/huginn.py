@@ -19,11 +19,12 @@ the states are zeros and no seed is used.
 
 from __future__ import annotations
 
-import numbers
 from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
+
+from ...models.huginn.modeling_huginn import valid_init_seed
 
 RECURRENCE_KEYS = ("num_steps", "init_scale", "init_seed")  # the generation config's keys a manager reads
 REQUEST_KEY = "init_seed"  # the per-request key of a model with recurrence settings
@@ -50,8 +51,7 @@ def manager_block(model, recurrence):
 def request_problem(extra: dict) -> str | None:
     """Why a request's `init_seed` (if any) cannot run, or None."""
     seed = extra.get(REQUEST_KEY)  # None: the manager's seed, as no key
-    if seed is not None and not (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)
-                                 and 0 <= seed < 2**64):
+    if seed is not None and not valid_init_seed(seed):
         return f"{REQUEST_KEY}={seed!r}: give an integer in [0, 2**64), or None for the manager's seed."
     return None
 

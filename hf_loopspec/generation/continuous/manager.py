@@ -36,12 +36,12 @@ from transformers.generation.continuous_batching.continuous_api import Backgroun
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState, RequestStatus
 
 from ...logs import get_logger
+from ...models.layers import is_integer
 from ..rules import non_finite_error
 from . import huginn
 from .settings import (
     OVERRIDE,
     eos_ids,
-    is_integer,
     manager_settings,
     override_tokens,
     request_max_new,

@@ -13,13 +13,13 @@ A request brings its own prompt, `max_new_tokens`, EOS ids, when sampling, `seed
 from __future__ import annotations
 
 import copy
-import numbers
 from dataclasses import dataclass
 
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from ...defaults import DEFAULT_DRAFT_LOOPS
+from ...models.layers import is_integer
 from ..config import AUTO_MODE, speculative_config
 from ..wavefront.processing import WARPERS
 from . import huginn
@@ -124,11 +124,6 @@ def fixed_mode(config, num_loops: int) -> str:
     (`auto_costs.calls_per_token`)."""
     draft_loops = getattr(config, "draft_loops", None) or DEFAULT_DRAFT_LOOPS
     return "pipeline" if num_loops % draft_loops == 0 else "block"
-
-
-def is_integer(value) -> bool:
-    """Whether `value` is an integer (Python's or numpy's; not a bool)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _positive(value, name: str) -> int | None:

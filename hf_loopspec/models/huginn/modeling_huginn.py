@@ -33,16 +33,19 @@ from transformers.modeling_utils import PreTrainedModel
 from ...generation.mixin import LoopSpecGenerationMixin, reject_exit_options
 from ...looped import KVAttention, KVLayout
 from ..base import LoopedCausalLMMixin, StrictLoadingMixin, one_cache
-from ..layers import RMSNorm, apply_rotary, check_token_ids, project, rotary_cos_sin, rotate_interleaved
+from ..layers import RMSNorm, apply_rotary, check_token_ids, is_integer, project, rotary_cos_sin, rotate_interleaved
 from ..loops import forward_rows
 from .configuration_huginn import HuginnConfig
 
 Rope = Callable[[torch.Tensor], torch.Tensor]  # rotates q or k `[*rows, heads, D]` at the call's positions
 
 
-def _integer(value) -> bool:
-    """Whether `value` is an integer (Python's or numpy's; not a bool)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+MAX_INIT_SEED = 2**64  # a generator's seed is 64 bits: a larger one would act as another
+
+
+def valid_init_seed(value) -> bool:
+    """Whether `value` can key initial states (`init_seed`): an integer in [0, MAX_INIT_SEED)."""
+    return is_integer(value) and 0 <= value < MAX_INIT_SEED
 
 
 class HuginnAttention(nn.Module):
@@ -176,13 +179,13 @@ class HuginnModel(HuginnPreTrainedModel):
         so `torch.manual_seed` makes a run reproducible, and every token's state within the block is keyed by
         (seed, sequence, position): forward calls, cached steps and every decoding mode draw the same states.
         The settings hold for this thread (or asyncio task) only; the model itself is not changed."""
-        if num_steps is not None and not (_integer(num_steps) and num_steps >= 1):
+        if num_steps is not None and not (is_integer(num_steps) and num_steps >= 1):
             raise ValueError(f"num_steps={num_steps!r} must be an integer >= 1 (default: mean_recurrence="
                              f"{self.config.mean_recurrence}).")
         if init_scale is not None and not (isinstance(init_scale, numbers.Real) and not isinstance(init_scale, bool)
                                            and math.isfinite(init_scale) and init_scale >= 0):
             raise ValueError(f"init_scale={init_scale!r} must be a finite number >= 0 (0 gives zero initial states).")
-        if init_seed is not None and not (_integer(init_seed) and 0 <= init_seed < 2**64):
+        if init_seed is not None and not valid_init_seed(init_seed):
             raise ValueError(f"init_seed={init_seed!r} must be an integer in [0, 2**64) or None (a generator's seed "
                              "is 64 bits: a larger one would act as another).")
         current = self.settings
