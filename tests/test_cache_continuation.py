@@ -266,3 +266,70 @@ def test_the_cache_api_answers_as_a_dynamic_cache():
     for layer in range(len(dynamic)):
         assert paged.get_seq_length(layer) == dynamic.get_seq_length(layer)
         assert paged.get_mask_sizes(3, layer) == dynamic.get_mask_sizes(3, layer)
+
+
+def test_sequence_selection_takes_masks_and_indices_as_a_dynamic_cache_does():
+    """`batch_select_indices` with a boolean mask keeps the masked rows (it read True/False as indices 1/0 and
+    swapped rows); with negative indices it counts from the end. Continuing either cache with the kept rows'
+    sequences gives a `DynamicCache` continuation's tokens."""
+    model, vocab, _ = ouro_case()
+    ids, mask = left_pad(random_prompts(11, [6, 3, 5], vocab))
+    for keep in (torch.tensor([True, False, True]), torch.tensor([-1, 0]), [2, 0]):
+        paged, dynamic = PagedLoopCache(model.kv_layout), DynamicCache()
+        first = [generate(model, ids, mask, FIRST, "plain", None, cache=c).sequences for c in (paged, dynamic)]
+        assert torch.equal(*first)
+        for cache in (paged, dynamic):
+            cache.batch_select_indices(keep if torch.is_tensor(keep) else torch.tensor(keep))
+        rows = torch.arange(3)[keep if torch.is_tensor(keep) else torch.tensor(keep)]
+        whole, whole_mask = first[0][rows], torch.cat([mask, torch.ones(3, FIRST, dtype=mask.dtype)], 1)[rows]
+        out = [generate(model, whole, whole_mask, SECOND, mode, None, cache=c).sequences
+               for mode, c in (("plain", dynamic), ("plain", paged))]
+        assert torch.equal(out[0], out[1]), keep
+
+
+def test_bad_cache_arguments_raise_value_errors_naming_them():
+    """Every cache argument a user can get wrong gets a `ValueError` naming it (they were bare IndexError /
+    AttributeError / TypeError, or float indices were truncated and a negative repeat emptied the cache)."""
+    model, vocab, _ = ouro_case()
+    cache = PagedLoopCache(model.kv_layout)
+    ids, mask = left_pad(random_prompts(12, [4, 6], vocab))
+    generate(model, ids, mask, 3, "plain", None, cache=cache)
+    before = repr(cache)
+    for call, match in [
+        (lambda: cache.batch_select_indices(torch.tensor([0.7, 1.2])), "indices: torch.float32 values"),
+        (lambda: cache.batch_select_indices([0.5]), r"indices holds \[0\.5\]"),
+        (lambda: cache.batch_select_indices(torch.tensor([0, 5])), r"indices holds? \[5\].*\[-2, 2\)"),
+        (lambda: cache.batch_select_indices(torch.tensor([True])), "boolean mask of 1 values for a cache of 2"),
+        (lambda: cache.reorder_cache(torch.tensor([2, 0])), r"beam_idx holds? \[2\]"),
+        (lambda: cache.reorder_cache(torch.tensor([True, False])), "beam_idx: a boolean mask"),
+        (lambda: cache.batch_repeat_interleave(-1), "repeats=-1"),
+        (lambda: cache.crop(2.5), r"crop\(2\.5\)"),
+        (lambda: cache.has_previous_state(), "linear-attention"),
+        (lambda: PagedLoopCache(model), "layout: a OuroForCausalLM.*model.kv_layout"),
+        (lambda: PagedLoopCache(model.kv_layout, page_size=2.5), "page_size=2.5"),
+        (lambda: PagedLoopCache(model.kv_layout, page_size="16"), "page_size='16'"),
+        (lambda: PagedLoopCache(model.kv_layout, page_size=True), "page_size=True"),
+        (lambda: PagedLoopCache(model.kv_layout, max_pages=0), "max_pages=0"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert repr(cache) == before  # nothing refused changed it
+    columns = cache.get_seq_length()
+    cache.crop(torch.tensor(-2))
+    assert cache.get_seq_length() == columns - 2 and type(cache.get_seq_length()) is int
+
+
+@pytest.mark.parametrize("mode", ["plain", PIPELINE])
+def test_a_cache_of_another_dtype_is_refused_and_kept(mode):
+    """A cache filled in fp32 continued by the same model in bf16: a `ValueError` naming past_key_values in every
+    mode (plain raised torch's index_put dtype error, pipeline silently mixed dtypes), the cache unchanged."""
+    model, vocab, _ = ouro_case()
+    ids, mask = left_pad(random_prompts(13, [4, 6], vocab))
+    cache = PagedLoopCache(model.kv_layout)
+    out = generate(model, ids, mask, 3, "plain", None, cache=cache).sequences
+    before = repr(cache)
+    half = tiny_spec_model(61, 4, vocab=64, damp=0.3).to(torch.bfloat16)
+    whole = torch.cat([out, torch.tensor([[5], [6]])], 1)
+    with pytest.raises(ValueError, match=r"past_key_values: the PagedLoopCache holds torch.float32 KV"):
+        generate(half, whole, torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype)], 1), 2, mode, None, cache=cache)
+    assert repr(cache) == before

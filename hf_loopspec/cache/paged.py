@@ -48,6 +48,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..looped import KVLayout
+from ..models.layers import is_integer
 from ..ops import attention as attention_ops
 from . import lineage as lineage_checks
 from .branches import BranchSlots
@@ -80,10 +81,16 @@ class PagedLoopCache(PageTables, Cache):
     is_compileable = False
 
     def __init__(self, layout: KVLayout, page_size: int = 16, max_pages: int | None = None, debug: bool = False):
-        if page_size < 1:
-            raise ValueError(f"page_size={page_size} must be >= 1.")
-        if max_pages is not None and max_pages < 1:
-            raise ValueError(f"max_pages={max_pages} must be >= 1 or None (grow on demand).")
+        if not isinstance(layout, KVLayout):
+            raise ValueError(f"layout: a {type(layout).__name__}; pass the model's KV layout: "
+                             "PagedLoopCache(model.kv_layout).")
+        if not is_integer(page_size) or page_size < 1:
+            raise ValueError(f"page_size={page_size!r} must be an integer >= 1.")
+        if max_pages is not None and (not is_integer(max_pages) or max_pages < 1):
+            raise ValueError(f"max_pages={max_pages!r} must be an integer >= 1, or None (grow on demand).")
+        if not isinstance(debug, bool):
+            raise ValueError(f"debug={debug!r} must be True or False.")
+        page_size, max_pages = int(page_size), None if max_pages is None else int(max_pages)
         Cache.__init__(self, layers=[])
         PageTables.__init__(self, layout, page_size, max_pages, debug)
         self._parents: dict[int, int] = {}  # debug: lineage id -> parent id (-1 for a first token)
@@ -172,6 +179,18 @@ class PagedLoopCache(PageTables, Cache):
         """HF view: `planes` now hold every real token of the first `count` input columns."""
         for plane in planes:
             self._columns[plane] = count
+
+    def check_pool(self, dtype: torch.dtype, device) -> None:
+        """`ValueError` naming `past_key_values` when the pool holds another dtype or device than the model's
+        activations (`dtype`, `device`): a cache continues on the model, dtype and device that filled it."""
+        if self.k_pool is None:
+            return
+        device = torch.device(device)
+        pool = self.k_pool.device
+        if self.k_pool.dtype != dtype or pool.type != device.type or device.index not in (None, pool.index):
+            raise ValueError(f"past_key_values: the PagedLoopCache holds {self.k_pool.dtype} KV on {pool}, but the "
+                             f"model computes in {dtype} on {device}: continue it with the model (dtype and device) "
+                             "that filled it, or pass a fresh cache.")
 
     def check_stored(self, attention_mask: torch.Tensor) -> None:
         """Raise unless every sequence stores exactly the real tokens that `attention_mask` `[B, >= columns]`
@@ -267,21 +286,50 @@ class PagedLoopCache(PageTables, Cache):
         )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select([int(i) for i in beam_idx.tolist()])
+        """Sequence i becomes a copy of old sequence `beam_idx[i]` (integer indices, negative ones from the end)."""
+        self._select(self._sequence_indices(beam_idx, "beam_idx", masks=False))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each sequence, `repeats` times in a row (0 empties the cache)."""
+        if not is_integer(repeats) or repeats < 0:
+            raise ValueError(f"repeats={repeats!r} must be an integer >= 0.")
         self._select([s for s in range(self.num_sequences) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select([int(i) for i in indices.tolist()])
+        """Keep the sequences `indices` names, in its order: integer indices (negative ones from the end), or a
+        boolean mask over the sequences, as transformers' caches take them."""
+        self._select(self._sequence_indices(indices, "indices", masks=True))
+
+    def _sequence_indices(self, indices, name: str, masks: bool) -> list[int]:
+        """`indices` (a 1-D tensor, array, list or tuple) as a list of sequence numbers in `[0, num_sequences)`;
+        `ValueError` naming `name` for anything else."""
+        dtype = getattr(indices, "dtype", None)
+        if dtype is not None and getattr(dtype, "is_floating_point", getattr(dtype, "kind", "") == "f"):
+            raise ValueError(f"{name}: {dtype} values; give integer sequence indices (or a boolean mask).")
+        values = indices.tolist() if hasattr(indices, "tolist") else indices
+        if not isinstance(values, (list, tuple)):
+            raise ValueError(f"{name}={indices!r}: give a 1-D tensor (or list) of sequence indices.")
+        n = self.num_sequences
+        if values and all(isinstance(v, bool) for v in values):
+            if not masks:
+                raise ValueError(f"{name}: a boolean mask; give integer sequence indices (torch.nonzero(mask)).")
+            if len(values) != n:
+                raise ValueError(f"{name}: a boolean mask of {len(values)} values for a cache of {n} sequences.")
+            return [s for s, keep in enumerate(values) if keep]
+        bad = [v for v in values if not is_integer(v) or not -n <= v < n]
+        if bad:
+            raise ValueError(f"{name} holds {bad[:4]}: a cache of {n} sequences takes integer indices in [{-n}, {n}).")
+        return [int(v) % n for v in values]
 
     def crop(self, tokens_to_remove: int) -> None:
         """HF view (transformers 5 convention): a negative `tokens_to_remove` forgets that many of the last input
         columns of every plane; the removed columns are taken to be real tokens of every sequence."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of columns to remove, as for "
-                             "transformers' caches.")
-        keep = max(self.columns() + tokens_to_remove, 0)
+        if torch.is_tensor(tokens_to_remove) and tokens_to_remove.ndim == 0:
+            tokens_to_remove = tokens_to_remove.item()
+        if not is_integer(tokens_to_remove) or tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove!r}): pass a negative number of columns to remove (an "
+                             "integer), as for transformers' caches.")
+        keep = max(self.columns() + int(tokens_to_remove), 0)
         for d in range(self.num_planes):
             removed = self._columns[d] - keep
             if removed <= 0:
@@ -289,6 +337,10 @@ class PagedLoopCache(PageTables, Cache):
             for s in range(self.num_sequences):
                 self.truncate(s, d, max(0, self.length(s, d) - removed))
             self._columns[d] = keep
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        raise ValueError("has_previous_state applies to linear-attention cache layers; every layer of a "
+                         "PagedLoopCache is attention (is_linear is all False).")
 
     def truncate(self, seq: int, depth: int, length: int) -> None:
         """`PageTables.truncate`, refused when it would roll back an open branch's common history (invariant B)."""

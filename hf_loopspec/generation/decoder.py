@@ -121,6 +121,7 @@ class LaneDecoder:
         self.columns = OutputColumns(input_ids, pad_token_id, max_length, stopping_criteria, streamer, output_scores)
         self.max_new = self.columns.max_new
         self.layout = model.kv_layout
+        cache.check_pool(model.lane_dtype, input_ids.device)
         starts = start_rows(cache, self.layout, self.num_loops, policy.draft_depths,
                             input_ids, attention_mask)
         self.like = torch.empty(0, dtype=model.lane_dtype, device=input_ids.device)  # the KV dtype and device

@@ -103,6 +103,7 @@ class _PagedRows(ForwardRows):
         if cache.kv_layout != layout:
             raise ValueError(f"past_key_values: the PagedLoopCache was made for {cache.kv_layout}, but the model "
                              f"writes {layout}; create it with PagedLoopCache(model.kv_layout).")
+        cache.check_pool(like.dtype, device)
         if cache.num_sequences > batch:
             raise ValueError(f"the PagedLoopCache holds {cache.num_sequences} sequences but the input has batch "
                              f"size {batch}; pass a cache made for this batch.")

@@ -89,6 +89,7 @@ class WavefrontEngine:
                  output_scores: bool = False, output_logits: bool = False, trace: bool | str = False,
                  logits_processor=None, draft_hook=None, second_draft_hook=None):
         check_cache_layout(cache, model.kv_layout)
+        cache.check_pool(model.lane_dtype, input_ids.device)
         if not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every={read_every!r} must be an integer >= 1 (cycles between read-backs).")
         problem = cache_problem(cache) or second_proposals_problem(mode, model.num_loops, draft_loops,
