@@ -28,6 +28,7 @@ from speculative_utils import (
     speculative,
 )
 from tolerances import huginn_depth
+from transformers import GenerationConfig
 
 from hf_loopspec import PagedLoopCache
 
@@ -190,3 +191,25 @@ def test_second_proposals():
     assert_cache_matches_ar(out.cache, ref.cache, mask, [24] * 3, num_layers=2,
                             model_depth=huginn_depth(model.config, STEPS), planes=ar_planes(model))
     assert out.cache.num_sequences == 3
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculative_mode": "pipeline", "draft_loops": 1}], ids=["plain", "pipeline"])
+def test_recurrence_settings_in_a_generation_config_hold(spec):
+    """num_steps, init_scale and init_seed in a GenerationConfig (passed, or the model's own, as a checkpoint's
+    generation_config.json sets them) decode as the same keyword arguments, and a keyword argument wins over the
+    config (they were ignored: the default steps and a fresh random seed decoded)."""
+    model, _ = tiny_huginn(seed=5, damp=0.3)
+    ids = random_ids(5, VOCAB, seed=9)[None]
+    call = {"max_new_tokens": 8, "do_sample": False, "eos_token_id": [model.config.eos_token_id], "pad_token_id": PAD}
+    settings = {"num_steps": 3, "init_scale": 1.0, "init_seed": 11}
+    expected = model.generate(ids, **call, **settings)
+    assert not torch.equal(expected, model.generate(ids, **call, **{**settings, "init_seed": 12}))  # seeds matter
+    assert not torch.equal(expected, model.generate(ids, **call, **{**settings, "num_steps": 2}))  # and steps
+    config = GenerationConfig(**call, **settings, **spec)
+    assert torch.equal(model.generate(ids, generation_config=config), expected)
+    assert torch.equal(model.generate(ids, config), expected)  # given positionally
+    assert torch.equal(model.generate(ids, generation_config=config, num_steps=2),
+                       model.generate(ids, **call, **{**settings, "num_steps": 2}))
+    for key, value in {**settings, **spec}.items():  # as from_pretrained reads a generation_config.json with them
+        setattr(model.generation_config, key, value)
+    assert torch.equal(model.generate(ids, **call), expected)
