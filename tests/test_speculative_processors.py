@@ -150,6 +150,25 @@ def test_prefix_allowed_tokens_fn_sees_the_batch_index(setup, mode, d, k):
     check(model, ids, mask, mode, d, k, prefix_allowed_tokens_fn=allowed)
 
 
+@pytest.mark.parametrize("mode", ["plain", "pipeline", "block", "auto"])
+def test_prefix_allowed_tokens_fn_sees_the_prompt_index_with_several_samples_per_prompt(setup, mode):
+    """Sampling `num_return_sequences=2` per prompt: the function gets the prompt's index (row // 2), as plain
+    decoding gives it, and each row keeps its prompt's constraint (the speculative modes raised from inside the
+    processor, auto passed the repeated row's index and constrained rows by another prompt's rule)."""
+    model, ids, mask, _ = setup
+    seen = set()
+
+    def allowed(batch_id, sent):
+        seen.add(batch_id)
+        return [t for t in range(1, VOCAB) if t % 3 == batch_id]
+
+    settings = {} if mode == "plain" else {"speculative_mode": mode} | ({} if mode == "auto" else {"draft_loops": 1})
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, num_return_sequences=2,
+                         prefix_allowed_tokens_fn=allowed, pad_token_id=PAD, eos_token_id=None, **settings)
+    assert seen == {0, 1, 2}
+    assert [sorted({t % 3 for t in row}) for row in out[:, ids.shape[1]:].tolist()] == [[b] for b in (0, 0, 1, 1, 2, 2)]
+
+
 PROCESSORS = {
     "no_repeat_ngram_size": lambda conts: {"no_repeat_ngram_size": 2},
     "sequence_bias": lambda conts: {"sequence_bias": {(conts[0][2],): -5.0, (conts[1][3], conts[1][4]): -10.0}},

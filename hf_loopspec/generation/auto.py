@@ -214,6 +214,9 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
     base = {key: value for key, value in kwargs.items() if key not in drop}
     if config.do_sample and config.num_return_sequences > 1:  # the rows are repeated once, up front (`_rows_and_mask`)
         base["num_return_sequences"] = 1
+        if (allowed := base.get("prefix_allowed_tokens_fn")) is not None:  # its batch id stays the prompt's
+            copies = config.num_return_sequences
+            base["prefix_allowed_tokens_fn"] = lambda batch_id, tokens: allowed(batch_id // copies, tokens)
     min_new = max(config.min_new_tokens or 0, (config.min_length or 0) - ids.shape[1])  # both minimums, as columns
     call = _Call(base, int(max_new), min_new or None, eos, pad,
                  single=any(_in_effect(key, _setting(kwargs, config, key)) for key in ONE_STRETCH),

@@ -44,7 +44,8 @@ def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessor
     """The processors as they apply to batch row `row` alone (the decoder calls them one row at a time).
 
     Processors that hold per-row state are narrowed to that row: a repetition penalty's per-row
-    `prompt_ignore_length`, and the batch index that `prefix_allowed_tokens_fn` receives.
+    `prompt_ignore_length`, and the batch index that `prefix_allowed_tokens_fn` receives (the row's prompt, as in
+    plain decoding, where rows are grouped `num_return_sequences` to a prompt).
     """
     narrowed = LogitsProcessorList()
     for processor in processors:
@@ -53,8 +54,10 @@ def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessor
             processor = copy.copy(processor)
             processor.prompt_ignore_length = processor.prompt_ignore_length[row : row + 1]
         elif isinstance(processor, lp.PrefixConstrainedLogitsProcessor):
-            allowed = processor._prefix_allowed_tokens_fn
+            # its batch id is the prompt's: rows are grouped by num_beams (= num_return_sequences when sampling)
+            allowed, prompt = processor._prefix_allowed_tokens_fn, row // processor._num_beams
             processor = copy.copy(processor)
-            processor._prefix_allowed_tokens_fn = lambda _, tokens, fn=allowed: fn(row, tokens)
+            processor._num_beams = 1
+            processor._prefix_allowed_tokens_fn = lambda _, tokens, fn=allowed: fn(prompt, tokens)
         narrowed.append(processor)
     return narrowed
