@@ -58,6 +58,6 @@ def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessor
             allowed, prompt = processor._prefix_allowed_tokens_fn, row // processor._num_beams
             processor = copy.copy(processor)
             processor._num_beams = 1
-            processor._prefix_allowed_tokens_fn = lambda _, tokens, fn=allowed: fn(prompt, tokens)
+            processor._prefix_allowed_tokens_fn = lambda _, tokens, fn=allowed, b=prompt: fn(b, tokens)
         narrowed.append(processor)
     return narrowed
