@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import transformers.generation.utils as generation_utils
 from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
 from speculative_utils import (
@@ -31,7 +32,14 @@ from speculative_utils import (
     tiny_spec_model,
 )
 from tolerances import ouro_depth
-from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from hf_loopspec import CacheCapacityError, PagedLoopCache
 from hf_loopspec.bench import args as bench_args
@@ -574,3 +582,65 @@ def test_bench_runs_auto_beside_the_fixed_modes():
     assert rows["auto"]["check_passed"] is True and rows["pipeline"]["check_passed"] is True
     choices = rows["auto"]["auto_choices"]
     assert choices and sum(c["tokens"] for c in choices) == 8
+
+
+class Unvetted(LogitsProcessor):
+    """A user's processor, not known to be row-pure: the speculative modes decode plainly with it, saying why."""
+
+    def __call__(self, input_ids, scores):
+        return scores
+
+
+def test_a_segment_that_decodes_plainly_reports_its_fallback(case):
+    """Where speculation would win, a processor the speculative modes decode plainly with makes auto report the
+    same fallback and plain segments (it reported a pipeline probe and kept nothing), with plain decoding's tokens."""
+    model, _, ids, mask, ref, _ = case
+    set_costs(model, SPECULATIVE_WINS)
+    processors = LogitsProcessorList([Unvetted()])
+    out = generate_dict(model, ids, mask, NEW, speculative_mode="auto", logits_processor=processors)
+    fixed = generate_dict(model, ids, mask, NEW, speculative_mode="pipeline", draft_loops=1,
+                          logits_processor=processors)
+    assert out.speculation.fallback is not None and out.speculation.fallback == fixed.speculation.fallback
+    assert [(c.mode, c.reason) for c in out.speculation.choices] == [("plain", "fallback")] * 2
+    assert out.speculation.drafted == 0 and torch.equal(out.sequences, ref.sequences)
+
+
+def test_positions_of_the_callers_own_decode_plainly(case):
+    """`position_ids` (which only plain decoding follows; transformers' assisted loop passes them to an assistant
+    model whose generation config says auto): one plain segment, reason "position-ids", tokens of plain decoding with
+    the same positions (it raised, so plain assisted decoding failed with such an assistant)."""
+    model, _, ids, mask, _, _ = case
+    set_costs(model, SPECULATIVE_WINS)
+    positions = 2 * (mask.long().cumsum(-1) - 1).clamp(min=0)  # spread (RoPE is relative: a shift is no change)
+    expected = generate_dict(model, ids, mask, NEW, position_ids=positions)
+    assert not torch.equal(expected.sequences, plain(model, ids, mask, NEW).sequences)
+    out = generate_dict(model, ids, mask, NEW, speculative_mode="auto", position_ids=positions)
+    assert [(c.mode, c.reason, c.tokens) for c in out.speculation.choices] == [("plain", "position-ids", NEW)]
+    assert torch.equal(out.sequences, expected.sequences)
+
+
+def test_plain_assisted_decoding_with_an_auto_assistant(case):
+    """An assistant model whose generation config says auto assists plain decoding (transformers calls its generate
+    with positions of its own): the tokens are plain decoding's."""
+    model, _, ids, mask, ref, _ = case
+    assistant = tiny_spec_model(5, vocab=VOCAB, damp=0.3)
+    assistant.generation_config.speculative_mode = "auto"
+    out = model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                         eos_token_id=None, assistant_model=assistant, speculative_mode=None)
+    assert torch.equal(out, plain(model, ids[:1], mask[:1], NEW).sequences)
+
+
+def test_a_generation_config_passed_to_auto_brings_no_deprecation_warning(case, monkeypatch):
+    """Each segment's settings go into a copy of the call's generation config: transformers warns when a config and
+    generation arguments come together, which the user's call did not do."""
+    model, _, ids, mask, ref, _ = case
+    set_costs(model, SPECULATIVE_WINS)
+    warned = []
+    monkeypatch.setattr(generation_utils.logger, "warning_once", lambda message, *args: warned.append(message))
+    config = GenerationConfig(max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, eos_token_id=None,
+                              speculative_mode="auto")
+    out = model.generate(ids, attention_mask=mask, generation_config=config)
+    assert torch.equal(out, ref.sequences)
+    assert not [message for message in warned if "generation_config` together with" in message]
+    model.generate(ids, attention_mask=mask, generation_config=config, use_cache=True)  # the user's own call does
+    assert [message for message in warned if "generation_config` together with" in message]

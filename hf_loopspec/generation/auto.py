@@ -23,11 +23,16 @@ transformers' `DynamicCache` (faster for plain decoding): the KV moves between t
 backs every segment, and a `DynamicCache` is refilled with the call's KV at its end. A call continuing another kind
 of cache (e.g. a `StaticCache`) decodes plainly in one segment (reason "cache-type"), and so does the rest of a call
 on a fixed-capacity `PagedLoopCache` too small for a speculative segment's up-front reservation (reason
-"capacity"). Beam search, assistants and per-step hidden states or attentions are refused, as with the fixed modes.
+"capacity"). A call with `position_ids` of its own decodes plainly in one segment (reason "position-ids": only plain
+decoding follows them), and a speculative segment that decoded plainly for a reason of its own (a logits processor
+with no form the engine runs, say: its `fallback`) makes the call report that fallback and decode the rest plainly
+(reason "fallback"). Beam search, assistants and per-step hidden states or attentions are refused, as with the fixed
+modes.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import dataclass
@@ -51,7 +56,7 @@ from .auto_calibration import costs_for
 from .auto_costs import PLAIN, Candidate, CostTable, observe
 from .auto_policy import AutoChoice, AutoStats, Chooser, policy_for, remember, remembered
 from .config import AUTO_MODE, SPECULATIVE_KEYS, check_generation_mode, resolve_speculative
-from .inputs import as_integer, check_generation_values, check_left_padded, check_model_kwargs
+from .inputs import as_integer, check_generation_values, check_left_padded
 from .stats import SequenceStats, SpeculationStats
 from .wavefront.span import reserved_positions
 
@@ -159,6 +164,9 @@ class SegmentStreamer:
         pass
 
 
+GENERATION_KEYS = frozenset(vars(GenerationConfig()))  # transformers' own settings of a generation config
+
+
 @dataclass
 class _Call:
     """What the segments share: the call's kwargs without the per-segment keys, and its limits."""
@@ -172,6 +180,7 @@ class _Call:
     return_dict: bool
     use_cache: bool
     engine_settings: dict  # compile_core / speculative_engine, for the speculative segments
+    plain_reason: str | None  # why the whole call decodes plainly in one segment ("position-ids"), or None
 
 
 def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationConfig) -> tuple[_Call, list[Candidate]]:
@@ -189,7 +198,6 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
     assistant = kwargs.get("assistant_model")
     check_generation_mode(spec, config.get_generation_mode(assistant), config, assistant)
     check_generation_values(config)
-    check_model_kwargs(AUTO_MODE, kwargs)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is not None and not isinstance(cache, Cache):
         raise ValueError(f"speculative_mode='auto' continues a transformers Cache, got cache of type "
@@ -222,7 +230,8 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
                  single=any(_in_effect(key, _setting(kwargs, config, key)) for key in ONE_STRETCH),
                  return_dict=bool(config.return_dict_in_generate), use_cache=config.use_cache is not False,
                  engine_settings={key: value for key in ("compile_core", "speculative_engine")
-                                  if (value := _setting(kwargs, config, key)) is not None})
+                                  if (value := _setting(kwargs, config, key)) is not None},
+                 plain_reason="position-ids" if kwargs.get("position_ids") is not None else None)
     return call, candidates(model.num_loops, d, k)
 
 
@@ -259,7 +268,8 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     config = merged_config(model, kwargs)
     call, options = _prepare(model, ids, kwargs, config)
     ids, mask = _rows_and_mask(model, ids, kwargs.get("attention_mask"), config)
-    check_left_padded(mask, AUTO_MODE)  # whatever the segments would be: a call's fate is not a stored acceptance's
+    if call.plain_reason is None:  # whatever the segments would be: a call's fate is not a stored acceptance's
+        check_left_padded(mask, AUTO_MODE)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     batch, prompt_width = ids.shape
     policy = policy_for(model)
@@ -271,9 +281,12 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     streamer = SegmentStreamer(kwargs["streamer"]) if kwargs.get("streamer") is not None else None
     stopped = torch.zeros(batch, dtype=torch.bool, device=ids.device)
     scores, logits, traces, done = [], [], [], 0
+    fell_back = False  # a speculative segment decoded plainly (its `fallback` says why): so does the rest
     caller = cache  # a cache the caller holds: kept as the call's cache (see `_cache_for`)
     while done < call.max_new and not bool(stopped.all()):
-        if not _can_speculate(cache):
+        if call.plain_reason or fell_back:  # the whole call, or what a fallen-back segment left, decodes plainly
+            candidate, tokens, reason, rate, estimates = PLAIN, None, call.plain_reason or "fallback", None, {}
+        elif not _can_speculate(cache):
             candidate, tokens, reason, rate, estimates = PLAIN, None, "cache-type", None, {}
         else:
             candidate, tokens, reason, rate, estimates = chooser.next(first=done == 0)
@@ -290,6 +303,9 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
         out = _segment(model, call, candidate, ids, mask, cache, stopped, asked, done, streamer)
         new, cache = out.sequences[:, ids.shape[1]:], out.cache
         seconds = _observe(model, candidate, out, new, start, dynamic, continued=done > 0)
+        if candidate.mode is not None and getattr(getattr(out, "speculation", None), "fallback", None):
+            fell_back, stats.fallback = True, out.speculation.fallback
+            candidate, reason = PLAIN, "fallback"
         _account(stats, getattr(out, "speculation", None), candidate, new, stopped, call.eos, model.num_loops, chooser)
         choice = AutoChoice(done, candidate.mode or "plain", candidate.draft_loops, candidate.num_speculative_tokens,
                             new.shape[1], reason, rate, estimates, seconds)
@@ -391,6 +407,10 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
     if streamer is not None:
         streamer.skip_prompt = done > 0
         kwargs["streamer"] = streamer
+    if kwargs.get("generation_config") is not None:  # the segment's settings go into a copy of the call's config:
+        config = kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])  # transformers warns of both
+        for key in [key for key in kwargs if key in GENERATION_KEYS]:
+            setattr(config, key, kwargs.pop(key))
     return model.generate(ids, **kwargs)
 
 

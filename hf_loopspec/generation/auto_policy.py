@@ -96,7 +96,8 @@ class AutoChoice:
     tokens: int  # columns the segment generated
     reason: str  # "costs" (plain to the end: no setting can win), "probe", "acceptance", "reprobe", "stopped-rows",
     # "cache-type" (continuing a kind of cache that cannot back speculation, e.g. a StaticCache), "capacity" (a
-    # fixed-capacity PagedLoopCache too small for a speculative segment's up-front reservation)
+    # fixed-capacity PagedLoopCache too small for a speculative segment's up-front reservation), "position-ids" (the
+    # call passes positions of its own), "fallback" (a speculative segment decoded plainly: `AutoStats.fallback`)
     acceptance: float | None  # the observed acceptance the choice used (None: not known yet)
     speedups: dict[str, float]  # estimated speed-up over plain of every candidate (`Candidate.name`)
     seconds: float  # wall time of the segment's `generate` call (on CUDA: synchronized at its end)
