@@ -53,6 +53,7 @@ def render(out_dir: Path, namespace: str, benchmarks: list[Path]) -> list[Path]:
             what_it_is=what_it_is(name, params, layers, chat), num_loops=4, chat=chat, eos_token_ids=eos,
             sampling=sampling, benchmarks=benchmarks, max_new_tokens=512 if chat else 128,
             tags=["ouro", "reasoning"] if chat else ["ouro"],
+            kv_bytes_per_token=2 * layers * 16 * 128 * 2 * 4,  # keys and values, 16 kv heads of 128, bf16, 4 loops
         )
         path = out_dir / f"{name}-loopspec" / "README.md"
         path.parent.mkdir(parents=True, exist_ok=True)

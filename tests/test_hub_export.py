@@ -153,6 +153,28 @@ def test_export_refuses_a_non_empty_folder_and_bad_settings(source, tmp_path):
         export.export_checkpoint(source[1], tmp_path / "new", speculative_mode="pipeline", draft_loops=3,
                                  benchmarks=None)
     assert (tmp_path / "x.txt").read_text() == "keep"
+    for bad, match in [({"repo_id": "a/b/c"}, "--repo-id 'a/b/c'"), ({"repo_id": "../evil"}, "--repo-id '../evil'"),
+                       ({"repo_id": "name-only"}, "namespace/name"), ({"base_model": "x y"}, "--base-model 'x y'"),
+                       ({"license": "not a license!"}, "--license 'not a license!'")]:
+        with pytest.raises(ValueError, match=re.escape(match)):  # refused before anything loads or is written
+            export.export_checkpoint(source[1], tmp_path / "new", benchmarks=None, **bad)
+    assert not (tmp_path / "new").exists()
+
+
+def test_the_card_sizes_the_kv_of_this_model():
+    """The Limitations quote the exported model's own KV bytes per context token (bf16, every loop), and the
+    pipeline prose its own loop count: an export of a 3-loop model said "loop 1 of 4" and quoted Ouro-1.4B's KV."""
+    model = tiny_spec_model(0, 3, vocab=64)
+    layout = model.kv_layout
+    per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * 2 * 3
+    assert export.kv_bytes_per_token(model) == per_token
+    text = hub_card.build_model_card(repo_id="x/y", num_loops=3, kv_bytes_per_token=per_token).text
+    assert per_token < 1000 and f"about {per_token} bytes per context token for this model in bf16 across its 3 " \
+        "loops" in text
+    for count, written in ((786_432, "786 KB"), (1_572_864, "1.6 MB")):  # Ouro-1.4B's and 2.6B's (24, 48 layers)
+        assert f"about {written} per context token" in hub_card.build_model_card(
+            repo_id="x/y", kv_bytes_per_token=count).text
+    assert "loop 1 of 3" in text and "one per\n3 calls" in text and "of 4" not in text
 
 
 # --- remote code in a fresh process -----------------------------------------------------------------------------------

@@ -96,6 +96,7 @@ def build_model_card(
     prompt: str = "def fibonacci(n):",
     max_new_tokens: int = 128,
     tags: tuple[str, ...] | list[str] = (),
+    kv_bytes_per_token: int | None = None,
 ) -> ModelCard:
     """A `ModelCard` for an exported hf-loopspec repo (see the module docstring).
 
@@ -105,7 +106,8 @@ def build_model_card(
     (models with a chat template, such as the Thinking variants) shows chat-template usage; `sampling` (e.g.
     `{"temperature": 1.0, "top_p": 0.7}`) is used in every example, with `do_sample=True`. `source`: how the prose
     names weights that are not the family maker's (e.g. "the embedded model hf-loopspec-default"); the title
-    defaults to the repo's name.
+    defaults to the repo's name. `kv_bytes_per_token`: this model's KV bytes per context token in bf16, every loop
+    together (None: the Limitations quote the family's example checkpoint).
     """
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} has no card text; choose one of {', '.join(FAMILIES)}.")
@@ -136,7 +138,8 @@ def build_model_card(
         "generate_kwargs": _generate_kwargs(max_new_tokens, sampling, eos if chat else []),
         "variant_section": _variant_section(fam, chat, eos, sampling),
         "speed_section": speed_section(results),
-        "kv_example": fam.kv_example,
+        "kv_example": fam.kv_example if kv_bytes_per_token is None else
+        f"about {_size(kv_bytes_per_token)} per context token for this model in bf16 across its {num_loops} loops",
         "family_limitations": fam.limitations,
         "citation_section": _citation_section(fam, base_link) if makers else "",
     }
@@ -147,6 +150,11 @@ def build_model_card(
         eval_results=eval_results(results, project_url()) or None,
     )
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{MODEL_CARD_TEMPLATE.substitute(fields)}")
+
+
+def _size(count: int) -> str:
+    """A byte count as the card writes it (decimal units)."""
+    return f"{count / 1e6:.1f} MB" if count >= 1e6 else f"{count / 1e3:.0f} KB" if count >= 1e3 else f"{count} bytes"
 
 
 def makers_weights(base_model: str | None, family: str = "ouro") -> bool:

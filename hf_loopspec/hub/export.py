@@ -114,6 +114,7 @@ def export_checkpoint(
     from .card_speed import bench_results
 
     shard_bytes = shard_size(max_shard_size)  # the settings first: a bad one is refused before any Hub request
+    check_card_metadata(repo_id, base_model, license)
     benchmarks = bench_results(benchmarks)  # the result files too, before the model loads
     if dtype not in (None, *DTYPES):
         raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}.")
@@ -180,6 +181,37 @@ def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loo
     return gen
 
 
+LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.\-]*")  # the form of the Hub's license ids (apache-2.0, cc-by-4.0, other)
+
+
+def check_card_metadata(repo_id: str | None, base_model: str | None, license: str | None) -> None:
+    """`ValueError` naming `--repo-id`, `--base-model` or `--license` when it is not what the Hub accepts there: repo
+    ids as `huggingface_hub.utils.validate_repo_id` checks them (no `..`, at most one slash; the repo to create with
+    its namespace), and a license id of lowercase letters, digits, dots and dashes."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    for flag, value in (("--repo-id", repo_id), ("--base-model", base_model)):
+        if value is None:
+            continue
+        try:
+            validate_repo_id(value)
+        except HFValidationError as error:
+            raise ValueError(f"{flag} {value!r} is not a Hub repo id ({error}); give namespace/name, e.g. "
+                             "my-org/Ouro-1.4B-loopspec.") from None
+        if flag == "--repo-id" and value.count("/") != 1:  # a repo to create needs its namespace
+            raise ValueError(f"{flag} {value!r} is not a Hub repo id: give namespace/name, e.g. "
+                             "my-org/Ouro-1.4B-loopspec.")
+    if license is not None and not LICENSE_ID.fullmatch(license):
+        raise ValueError(f"--license {license!r} is not a Hub license id: give one such as apache-2.0, mit or "
+                         "cc-by-4.0 (or 'other').")
+
+
+def kv_bytes_per_token(model) -> int:
+    """KV bytes one context token takes in bf16 in every loop of `model` (keys and values of each layer)."""
+    layout = model.kv_layout
+    return 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * 2 * model.num_loops
+
+
 def _check_measured_on(result: dict, model) -> None:
     """`ValueError` naming `--benchmarks` when a bench result was measured on another architecture than `model`'s
     (config and parameter count: the bench's own random-weight shape of this architecture passes, and its card
@@ -213,6 +245,7 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
         "license": license or data.get("license") or "apache-2.0",
         "tags": [tag for tag in data.get("tags") or () if isinstance(tag, str)],
         "num_loops": model.num_loops,
+        "kv_bytes_per_token": kv_bytes_per_token(model),
         "tokenizer": tokenizer is not None,
         "chat": bool(getattr(tokenizer, "chat_template", None)),
         "eos_token_ids": gen.eos_token_id,

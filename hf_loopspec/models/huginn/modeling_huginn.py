@@ -393,14 +393,12 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
                  init_seed: int | None = None, **kwargs):
         """`GenerationMixin.generate` (with hf_loopspec's speculative modes) at `num_steps` recurrence steps, with
         initial states keyed by one seed for the whole call, so plain and speculative decoding see the same
-        state for the same token (use `init_scale=0` or a fixed `init_seed` for reproducible outputs). A setting
-        not passed here comes from the generation config (`generation_config=`, else the model's) when it sets it,
-        else from an open `model.recurrence(...)` block, else the defaults."""
-        positional = args[1] if len(args) > 1 else None  # generate(inputs, generation_config, ...)
-        config = kwargs.get("generation_config") or positional or self.generation_config
+        state for the same token (use `init_scale=0` or a fixed `init_seed` for reproducible outputs). A setting not
+        passed here comes from the generation config (passed, else the model's), else an open `recurrence` block."""
+        config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or self.generation_config
         given = {"num_steps": num_steps, "init_scale": init_scale, "init_seed": init_seed}
-        given = {key: getattr(config, key, None) if value is None else value for key, value in given.items()}
-        with self.recurrence(**given):
+        with self.recurrence(**{key: getattr(config, key, None) if value is None else value
+                                for key, value in given.items()}):
             return super().generate(*args, **kwargs)
 
     def forward(
