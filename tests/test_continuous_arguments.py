@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from continuous_utils import VOCAB, alone, batching, generation_config, prompts
+from continuous_utils import VOCAB, WAIT_S, alone, batching, generation_config, prompts
 from speculative_utils import named_modes, tiny_spec_model
 from transformers import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import RequestStatus
@@ -59,9 +59,17 @@ def test_max_length_of_the_config_counts_the_prompt(model, settings):
 
 
 def test_zero_new_tokens_fails_instead_of_taking_the_default(model):
-    out = model.generate_batch(prompts(2, [4]), generation_config=generation_config({}),
-                               continuous_batching_config=batching(), max_new_tokens=0)
-    (result,) = out.values()
+    """generate_batch raises (every request would fail); one request added with it fails alone."""
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        model.generate_batch(prompts(2, [4]), generation_config=generation_config({}),
+                             continuous_batching_config=batching(), max_new_tokens=0)
+    manager = model.init_continuous_batching(generation_config({}), batching())
+    manager.start()
+    try:
+        request = manager.add_request(prompts(2, [4])[0], max_new_tokens=0)
+        result = manager.get_result(request, timeout=WAIT_S)
+    finally:
+        manager.stop(block=True, timeout=WAIT_S)
     assert result.status == RequestStatus.FAILED and "max_new_tokens=0" in result.error
 
 
@@ -113,6 +121,19 @@ def test_bad_generate_batch_arguments_are_named(model):
                                                       r"inputs\[1\]: a Tensor of shape \(1, 3\);")]:
         with pytest.raises(ValueError, match=match):
             model.generate_batch([[5, 6], bad], generation_config=generation_config({}))
+
+
+def test_a_setting_every_request_would_fail_on_raises_in_generate_batch(model):
+    """A keyword argument generate_batch passes to every request that none can run with raises, naming it (every
+    request came back FAILED for the same reason); the manager is stopped and a next call runs."""
+    for kwargs, match in [({"temperature": 0.3}, r"\['temperature'\]"), ({"max_new_tokens": "5"}, "max_new_tokens='5'"),
+                          ({"seed": 3}, "seed=3 on a greedy manager")]:
+        with pytest.raises(ValueError, match=f"generate_batch: .*{match}"):
+            model.generate_batch(prompts(2, [4]), generation_config=generation_config({}),
+                                 continuous_batching_config=batching(), **kwargs)
+    out = model.generate_batch(prompts(2, [4]), generation_config=generation_config({}),
+                               continuous_batching_config=batching(), max_new_tokens=3)
+    assert [r.generated_tokens for r in out.values()] == [alone(model, prompts(2, [4])[0], 3)]
 
 
 def test_prompts_as_numpy_arrays_decode_like_lists(model):

@@ -15,6 +15,8 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from ...logs import get_logger
+from ...models.layers import is_integer
+from .settings import extra_problem
 
 logger = get_logger(__name__)
 
@@ -39,6 +41,7 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
         persistent_manager=persistent_manager, warmup=warmup, workload_hints=hints)
     results = {}
     with context as manager, tqdm(total=len(inputs), disable=not progress_bar, unit="request") as bar:
+        _check_request_settings(manager, max_new_tokens, kwargs)
         ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps,
                                    **kwargs)
         while len(results) < len(ids):
@@ -58,6 +61,17 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
     if failed:
         logger.error("generate_batch: requests %s failed: %s", failed[:8], results[failed[0]].error)
     return {request_id: results[request_id] for request_id in ids}
+
+
+def _check_request_settings(manager, max_new_tokens, kwargs: dict) -> None:
+    """`ValueError` for a setting that `generate_batch` gives every request and none can run with (each request
+    would fail alone, all for the same reason)."""
+    if max_new_tokens is not None and (not is_integer(max_new_tokens) or max_new_tokens < 1):
+        raise ValueError(f"generate_batch: max_new_tokens={max_new_tokens!r}: give an integer >= 1, or None for the "
+                         "generation config's.")
+    problem = extra_problem(manager.settings, {key: int(v) if is_integer(v) else v for key, v in kwargs.items()})
+    if problem:
+        raise ValueError(f"generate_batch: {problem}")
 
 
 def _check_arguments(inputs, generation_config, kwargs: dict) -> None:

@@ -217,6 +217,12 @@ def request_problem(settings: ManagerSettings, input_ids, max_new_tokens, eos, e
                 f"pool){REPLACING}.")
     if not all(is_integer(t) for t in eos) or len(eos) > MAX_EOS_IDS:
         return f"eos_token_id={list(eos)!r}: give at most {MAX_EOS_IDS} integer ids."
+    return extra_problem(settings, extra)
+
+
+def extra_problem(settings: ManagerSettings, extra: dict) -> str | None:
+    """Why a request's own settings `extra` (`add_request(**logit_processor_kwargs)`) cannot run on a manager with
+    `settings`, or None."""
     allowed = (*REQUEST_KEYS, huginn.REQUEST_KEY) if settings.recurrence is not None else REQUEST_KEYS
     unknown = sorted(set(extra) - set(allowed))
     if unknown:
