@@ -22,6 +22,7 @@ from transformers.cache_utils import DynamicCache
 
 import hf_loopspec
 from hf_loopspec import PagedLoopCache
+from hf_loopspec.generation import mixin
 from hf_loopspec.generation.history import run_planes
 
 # plain decoding and one setting of each speculative mode from the shared matrix, by name
@@ -333,3 +334,17 @@ def test_a_cache_of_another_dtype_is_refused_and_kept(mode):
     with pytest.raises(ValueError, match=r"past_key_values: the PagedLoopCache holds torch.float32 KV"):
         generate(half, whole, torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype)], 1), 2, mode, None, cache=cache)
     assert repr(cache) == before
+
+
+@pytest.mark.parametrize("mode", [PIPELINE, BLOCK])
+def test_a_static_cache_implementation_is_said_not_to_apply(mode, monkeypatch):
+    """`cache_implementation="static"` with a speculative mode: the KV goes to a PagedLoopCache (tokens of plain
+    decoding) and a warning says the setting does not apply (it was dropped without a word)."""
+    model, vocab, _ = ouro_case()
+    ids, mask = left_pad(random_prompts(14, [4, 6], vocab))
+    warned = []
+    monkeypatch.setattr(mixin.logger, "warning_once", lambda message, *args: warned.append(message % args))
+    out = generate(model, ids, mask, FIRST, mode, None, cache_implementation="static")
+    assert isinstance(out.cache, PagedLoopCache)
+    assert torch.equal(out.sequences, generate(model, ids, mask, FIRST, "plain", None).sequences)
+    assert any("cache_implementation='static' does not apply" in message for message in warned)

@@ -172,6 +172,10 @@ class LoopSpecGenerationMixin(GenerationMixin):
         plain decoding and a `PagedLoopCache` for speculative decoding, which needs per-depth planes."""
         user_cache, call = model_kwargs.get("cache"), current_call()
         if self._speculative(generation_config) is not None:
+            if user_cache is None and generation_config.cache_implementation is not None:
+                logger.warning_once("hf_loopspec: cache_implementation=%r does not apply to speculative decoding, "
+                                    "which keeps its KV in a PagedLoopCache (pass speculative_mode=None for that "
+                                    "cache).", generation_config.cache_implementation)
             if user_cache is None:
                 model_kwargs["cache"] = PagedLoopCache(self.kv_layout)
             elif isinstance(user_cache, DynamicCache) and call is not None:  # a plain call's, e.g. a chat's last turn
