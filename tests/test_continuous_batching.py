@@ -335,3 +335,18 @@ def test_a_finished_requests_iterator_ends_on_a_stopped_manager_with_other_resul
     reader.join(WAIT_S)
     assert not reader.is_alive() and again == []
     assert manager.get_result(second, timeout=0).request_id == second
+
+
+def test_waiting_without_limit_for_a_result_that_cannot_come_returns_on_a_stopped_manager(model, started):
+    """`get_result(request_id, timeout=None)` on a stopped manager, with only another request's result queued,
+    returns None at once (nothing more will be delivered) instead of waiting forever."""
+    manager = started(SETTINGS["plain"])
+    manager.add_request(prompts(6, [4])[0], max_new_tokens=2)
+    manager.stop(block=True, timeout=WAIT_S)
+    answers = []
+    reader = threading.Thread(target=lambda: answers.append(manager.get_result("never-added", timeout=None)),
+                              daemon=True)
+    reader.start()
+    reader.join(WAIT_S)
+    assert not reader.is_alive() and answers == [None]
+    assert manager.get_result(timeout=None).is_finished()  # the other result is still there

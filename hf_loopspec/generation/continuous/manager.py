@@ -275,11 +275,10 @@ class LoopBatchingManager:
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """The oldest delivered result (of `request_id` when given; the others stay queued, in order), waiting up to
-        `timeout` seconds; None after that, or at once when the thread is gone with nothing left to deliver."""
-        if self.output_router.output_queue.empty() and (self._generation_thread is None
-                                                        or self.background_thread_status.fatal_error):
-            return None
-        return self.output_router.take(request_id, timeout)
+        `timeout` seconds (None: without limit) while the thread runs; None when none came, at once when the thread
+        is not running (it delivers nothing more)."""
+        ended = not self.is_running() or self.background_thread_status.fatal_error is not None
+        return self.output_router.take(request_id, 0 if ended else timeout)
 
     def __iter__(self):
         while self.is_running() or not self.output_router.output_queue.empty():
