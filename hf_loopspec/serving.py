@@ -27,8 +27,11 @@ the reason (`serving_batching`; 5.25: `serving_engine`). Requests name the model
 given it (`GET /v1/models` lists it: the embedded model's folder by default) or leave it out. A request that sets
 `n`, `best_of`, `logprobs`, `top_logprobs`, `echo` or `presence_penalty` to anything but its default, or a token
 limit that is not a whole number >= 1, gets HTTP 400 with the reason (`request_problem`; transformers would ignore
-them, or round 1.5 down, with a line in the server's log only). HTTP errors come in OpenAI's error shape
-(`openai_errors`), so an `openai` client's exception says why.
+them, or round 1.5 down, with a line in the server's log only). HTTP errors, a body that is not JSON or nests too deeply
+included, and a stream's error event come in OpenAI's error shape (`openai_errors`), so an `openai` client's exception
+says why; `suffix`, `tools` and a `response_format`, which transformers' handlers would drop, get HTTP 400 too, and so
+do values they would fail on with a bare 500 (`value_problem`: a lone surrogate, a numeric `stop`, `messages` as a
+string, a `generation_config` that is not a JSON object's text) and a `temperature` or `top_p` out of range.
 """
 
 from __future__ import annotations
@@ -142,14 +145,25 @@ ONE_ANSWER = {  # request fields the server cannot honour (transformers logs the
 }
 
 
+UNSUPPORTED = {  # request fields transformers' handlers would drop without a word, when set to anything but these
+    "suffix": ((None, ""), "this server does not insert a suffix; append it yourself"),
+    "tools": ((None, []), "this server does not call tools; leave them out"),
+    "response_format": ((None, {"type": "text"}), "this server does not constrain the output's format; leave it out"),
+}
+
+
 def request_problem(body, positions: int | None = None) -> str | None:
     """Why the server refuses a completion request's JSON `body` before transformers reads it, or None: a token limit
     that is not a whole number >= 1 (transformers would take 1.5 as 1 and "5" as 5) or that alone reaches the model's
     `positions` (transformers would warn in the server's log and decode on past them, for as long as the client
-    waits), or a field it would ignore with a warning in the server's log only (`ONE_ANSWER`: `n=2` would return one
-    choice). Null counts as unset."""
+    waits), a field it would ignore with a warning in the server's log only (`ONE_ANSWER`: `n=2` would return one
+    choice) or without one (`UNSUPPORTED`), or a value its handlers would fail on with a bare 500 (`value_problem`).
+    Null counts as unset."""
     if not isinstance(body, dict):
         return None
+    problem = value_problem(body)
+    if problem:
+        return problem
     for name in TOKEN_LIMITS:
         value = body.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -162,6 +176,42 @@ def request_problem(body, positions: int | None = None) -> str | None:
         kept = value is default if isinstance(default, bool) else not isinstance(value, bool) and value == default
         if value is not None and not kept:
             return f"{name}={value!r} is not supported: {fix}."
+    for name, (defaults, fix) in UNSUPPORTED.items():
+        if name in body and body[name] not in defaults:
+            return f"{name}={body[name]!r} is not supported: {fix}."
+    return None
+
+
+def value_problem(body: dict) -> str | None:
+    """Why a field of `body` has a value the server cannot take (text that is not Unicode, a `stop` that is not text,
+    `messages` that are not a list of messages, a `generation_config` that is not a JSON object's text, a sampling
+    setting out of its range), or None."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = error.object[error.start:error.end]
+        return f"the request holds text that is not valid Unicode ({error.reason}: {bad!r})."
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) and stop or isinstance(stop, list)
+                                 and all(isinstance(s, str) and s for s in stop)):
+        return f"stop={stop!r} must be a non-empty string or a list of them."
+    messages = body.get("messages")
+    if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
+        return f"messages={messages!r} must be a list of messages ({{\"role\": ..., \"content\": ...}})."
+    config = body.get("generation_config")
+    if config is not None:
+        try:
+            settings = json.loads(config) if isinstance(config, str) else None
+        except ValueError:
+            settings = None
+        if not isinstance(settings, dict):
+            return (f"generation_config={config!r} must be a JSON object written as a string, e.g. "
+                    '"{\\"speculative_mode\\": \\"pipeline\\"}".')
+    for name, high in (("temperature", 2.0), ("top_p", 1.0)):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 <= value <= high):
+            return f"{name}={value!r} must be a number in [0, {high:g}]."
     return None
 
 
@@ -180,6 +230,7 @@ def openai_errors(positions: int | None = None) -> None:
     original = server.build_server
 
     def build_server(*args, **kwargs):
+        from fastapi.exceptions import RequestValidationError
         from fastapi.responses import JSONResponse
         from starlette.exceptions import HTTPException
 
@@ -192,24 +243,48 @@ def openai_errors(positions: int | None = None) -> None:
         async def refuse(request, error: ValueError) -> JSONResponse:  # a request's settings `generate` refused
             return await answer(request, HTTPException(status_code=400, detail=str(error)))
 
+        async def malformed(request, error) -> JSONResponse:  # FastAPI's 422 for a body it cannot read
+            reasons = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in error.errors())
+            return await answer(request, HTTPException(status_code=422, detail=f"the request body: {reasons}."))
+
         async def check(request, call_next):
-            if request.method == "POST" and request.headers.get("content-type", "").startswith("application/json"):
+            if request.method == "POST" and "json" in request.headers.get("content-type", "").lower():
                 try:
-                    problem = request_problem(await request.json(), build_server.positions)
-                except ValueError:  # not JSON: transformers answers it
-                    problem = None
+                    problem = request_problem(json.loads(await request.body()), build_server.positions)
+                except RecursionError:
+                    problem = "the request body nests too deeply."
+                except ValueError as error:
+                    problem = f"the request body is not valid JSON ({error})."
                 if problem:
                     return await answer(request, HTTPException(status_code=400, detail=problem))
-            return await call_next(request)
+            response = await call_next(request)
+            if response.headers.get("content-type", "").startswith("text/event-stream"):
+                response.body_iterator = openai_error_events(response.body_iterator)
+            return response
 
         app = original(*args, **kwargs)
         app.add_exception_handler(HTTPException, answer)
+        app.add_exception_handler(RequestValidationError, malformed)
         app.add_exception_handler(ValueError, refuse)
         app.middleware("http")(check)
         return app
 
     build_server.wrapped, build_server.positions = original, positions
     server.build_server = build_server
+
+
+async def openai_error_events(chunks):
+    """A stream's server-sent events, an error event `data: {"error": "text"}` (transformers' handlers send one when a
+    request fails after its stream began) rewritten in OpenAI's shape, `{"error": {"message": "text", ...}}`, whose
+    message the `openai` client puts in its exception."""
+    async for chunk in chunks:
+        text = chunk.decode("utf-8") if isinstance(chunk, bytes) else chunk
+        if text.startswith('data: {"error": "'):
+            payload = json.loads(text[len("data: "):])
+            if isinstance(payload.get("error"), str):
+                error = {"message": payload["error"], "type": "invalid_request_error", "code": None}
+                chunk = f"data: {json.dumps({'error': error})}\n\n".encode()
+        yield chunk
 
 
 def start(argv: list[str]):

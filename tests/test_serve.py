@@ -6,6 +6,7 @@ and exit status 2."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pickle
 import re
@@ -14,6 +15,7 @@ import socket
 import threading
 import time
 import types
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -240,6 +242,9 @@ def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, referenc
         reason = refusal(lambda: client.chat.completions.create(
             model=checkpoint, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=4, n=2))
         assert re.search(r"Error code: 400 .*n=2 is not supported: this server returns one choice", reason), reason
+        for body, content_type, status, message in MALFORMED:
+            answer = post(client, "completions", body, content_type)
+            assert answer[0] == status and message in answer[1]["error"]["message"], (body[:40], answer)
         refused.kept = kept  # what the refused requests ran, if anything, is not part of the checks below
         assert ask(client, checkpoint, "completions", PROMPTS[2], False)[0]
 
@@ -252,6 +257,46 @@ def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, referenc
     assert set(settings) <= {("block", 1, BLOCK["num_speculative_tokens"]), ("pipeline", 1, 4), ("block", 1, 4)}
 
 
+# (body, content type, status, part of the message): bodies FastAPI or transformers' handlers answered with a bare
+# 500 or in FastAPI's own shape, or whose checks a content type spelled otherwise skipped
+MALFORMED = [
+    (b'{"prompt": "x", "max_tokens": 3, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json", 400,
+     "nests too deeply"),
+    (b'{"prompt": "x", ', "application/json", 400, "not valid JSON"),
+    (b'{"prompt": "x", "max_tokens": 3, "n": 3}', "Application/JSON", 400, "n=3 is not supported"),
+    (b'{"prompt": "Hi\\ud800", "max_tokens": 3}', "application/json", 400, "not valid Unicode"),
+    (b"prompt=x", "text/plain", 422, "the request body: body: "),
+]
+
+
+def post(client, endpoint: str, body: bytes, content_type: str) -> tuple[int, dict]:
+    """`(status, JSON answer)` of a raw POST of `body` to the server of `client`."""
+    request = urllib.request.Request(f"{client.base_url}{endpoint}", data=body, method="POST",
+                                     headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_a_streams_error_event_comes_in_openais_shape():
+    """transformers' handlers end a failing stream with `data: {"error": "text"}`, whose text the `openai` client
+    drops; the server rewrites it as `{"error": {"message": ...}}` and leaves every other event as it was."""
+    events = [b'data: {"choices": []}\n\n', b'data: {"error": "stop_strings: not served"}\n\n']
+
+    async def stream():
+        for event in events:
+            yield event
+
+    async def collect():
+        return [chunk async for chunk in serving.openai_error_events(stream())]
+
+    first, last = asyncio.run(collect())
+    assert first == events[0]
+    assert json.loads(last.decode()[len("data: "):])["error"]["message"] == "stop_strings: not served"
+
+
 def refusal(call) -> str:
     """The reason the server gave for refusing `call()`, as the `openai` client shows it: an HTTP error's exception
     text (the server answers in OpenAI's error shape, FastAPI's `detail` kept beside it), or a stream's error event."""
@@ -261,8 +306,7 @@ def refusal(call) -> str:
     if isinstance(error, openai.APIStatusError):
         body = error.response.json()
         assert body["error"]["message"] == body["detail"] and body["error"]["code"] == error.status_code
-        return str(error)
-    return str(error.body)
+    return str(error)  # a stream's error event: its message (the server sends it in OpenAI's shape)
 
 
 def test_serve_with_continuous_batching_answers_as_plain_generate(checkpoint, reference):
@@ -274,8 +318,9 @@ def test_serve_with_continuous_batching_answers_as_plain_generate(checkpoint, re
         speculative, (mode, accepted) = ran(calls)
         assert mode == "pipeline" and not speculative and accepted > 0
         fast = client.with_options(timeout=30)
-        assert re.search(r"speculative_mode='block' \(the manager's: 'auto'\)",
-                         refusal(lambda: ask(fast, checkpoint, "block", PROMPTS[0], False)))
+        for stream in (False, True):  # streaming: the error event's message is the exception's text
+            assert re.search(r"speculative_mode='block' \(the manager's: 'auto'\)",
+                             refusal(lambda stream=stream: ask(fast, checkpoint, "block", PROMPTS[0], stream)))
         for stream in (False, True):  # past the model's positions: the server refuses it before any slot does
             def call(stream=stream):  # (a slot's own check: test_continuous_batching)
                 response = fast.completions.create(model=checkpoint, prompt="x = [", max_tokens=5000, stream=stream)
@@ -405,6 +450,19 @@ def test_the_model_process_gets_the_servers_threads():
     ({"top_logprobs": 2}, r"top_logprobs=2 is not supported"),
     ({"echo": True}, r"echo=True is not supported: this server does not echo the prompt"),
     ({"presence_penalty": 0.5}, r"presence_penalty=0.5 is not supported: .*frequency_penalty"),
+    ({"suffix": "!"}, r"suffix='!' is not supported"),
+    ({"tools": [{"type": "function"}]}, r"tools=.* is not supported"),
+    ({"response_format": {"type": "json_object"}}, r"response_format=.* is not supported"),
+    # values transformers' handlers failed on with a bare 500, or took out of range
+    ({"prompt": "Hi\ud800"}, r"not valid Unicode \(surrogates not allowed: '\\ud800'\)"),
+    ({"stop": 5}, r"stop=5 must be a non-empty string or a list of them"),
+    ({"stop": ""}, r"stop='' must be"),
+    ({"messages": "hello"}, r"messages='hello' must be a list of messages"),
+    ({"generation_config": {"do_sample": False}}, r"generation_config=\{'do_sample': False\} must be a JSON object "
+                                                   "written as a string"),
+    ({"generation_config": "[1, 2]"}, r"generation_config='\[1, 2\]' must be"),
+    ({"temperature": -1}, r"temperature=-1 must be a number in \[0, 2\]"),
+    ({"top_p": 2.0}, r"top_p=2.0 must be a number in \[0, 1\]"),
 ])
 def test_a_request_field_the_server_cannot_honour_is_refused(body, message):
     assert re.search(message, serving.request_problem({"prompt": "x", **body}))
@@ -422,6 +480,8 @@ def test_a_token_limit_that_reaches_the_models_positions_is_refused():
 @pytest.mark.parametrize("body", [
     {"prompt": "x"}, {"prompt": "x", "max_tokens": 8, "n": 1, "logprobs": False, "echo": False},
     {"max_tokens": None, "n": None, "logprobs": None, "presence_penalty": 0, "top_logprobs": 0, "best_of": 1},
+    {"stop": ["\n", "#"], "tools": [], "response_format": {"type": "text"}, "suffix": None, "temperature": 0,
+     "top_p": 1, "generation_config": '{"speculative_mode": "pipeline"}', "messages": [{"role": "user"}]},
     ["not", "an", "object"],
 ])
 def test_defaults_and_unset_fields_pass(body):
