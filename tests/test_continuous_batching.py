@@ -350,3 +350,16 @@ def test_waiting_without_limit_for_a_result_that_cannot_come_returns_on_a_stoppe
     reader.join(WAIT_S)
     assert not reader.is_alive() and answers == [None]
     assert manager.get_result(timeout=None).is_finished()  # the other result is still there
+
+
+def test_a_reader_waiting_without_limit_returns_when_the_manager_stops(model, started):
+    """A wait without limit that began while the manager ran ends when it stops (nothing more will come)."""
+    manager = started(SETTINGS["plain"])
+    answers = []
+    reader = threading.Thread(target=lambda: answers.append(manager.get_result("never-added", timeout=None)),
+                              daemon=True)
+    reader.start()
+    time.sleep(0.3)
+    manager.stop(block=True, timeout=WAIT_S)
+    reader.join(WAIT_S)
+    assert not reader.is_alive() and answers == [None]

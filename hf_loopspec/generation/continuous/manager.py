@@ -277,8 +277,13 @@ class LoopBatchingManager:
         """The oldest delivered result (of `request_id` when given; the others stay queued, in order), waiting up to
         `timeout` seconds (None: without limit) while the thread runs; None when none came, at once when the thread
         is not running (it delivers nothing more)."""
-        ended = not self.is_running() or self.background_thread_status.fatal_error is not None
-        return self.output_router.take(request_id, 0 if ended else timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:  # in waits of at most IDLE_WAIT_S, so that a thread that ends meanwhile ends the wait
+            ended = not self.is_running() or self.background_thread_status.fatal_error is not None
+            left = IDLE_WAIT_S if deadline is None else min(IDLE_WAIT_S, deadline - time.monotonic())
+            result = self.output_router.take(request_id, 0 if ended else max(left, 0))
+            if result is not None or ended or (deadline is not None and time.monotonic() >= deadline):
+                return result
 
     def __iter__(self):
         while self.is_running() or not self.output_router.output_queue.empty():
