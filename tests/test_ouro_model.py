@@ -3,6 +3,7 @@ the exit options, cached decoding, left padding, and input / config validation. 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -371,3 +372,80 @@ def test_head_calls_a_replaced_lm_head_module():
     hidden = torch.randn(1, 2, model.config.hidden_size)
     with torch.no_grad():
         assert torch.equal(model.head(hidden), linear(hidden) + 1.0)
+
+
+# --- forward's argument contract ---------------------------------------------------------------------------------
+
+
+def test_return_dict_false_returns_a_tuple_as_transformers_models_do():
+    """`return_dict=False` (or `config.return_dict = False`) gives a tuple: unpacking the output object gave its key
+    names ("loss", "logits")."""
+    model, _ = tiny_model(seed=9)
+    ids = random_ids((2, 7), VOCAB, seed=11)
+    with torch.no_grad():
+        full = model(ids, labels=ids, use_cache=False)
+        loss, logits = model(ids, labels=ids, use_cache=False, return_dict=False)
+        model.config.return_dict = False
+        try:
+            as_config = model(ids, use_cache=False)
+        finally:
+            model.config.return_dict = True
+    assert torch.equal(loss, full.loss) and torch.equal(logits, full.logits)
+    assert isinstance(as_config, tuple) and torch.equal(as_config[0], full.logits)
+
+
+def test_logits_to_keep_takes_a_count_or_the_positions_to_keep():
+    """transformers' `int | Tensor` convention: a 1-D tensor lists the positions (it raised torch's 'Boolean value
+    of Tensor ... is ambiguous'); a negative or fractional count is refused."""
+    model, _ = tiny_model(seed=9)
+    ids = random_ids((2, 7), VOCAB, seed=12)
+    with torch.no_grad():
+        every = model(ids, use_cache=False).logits  # (the head's product over fewer rows may round otherwise)
+        assert_close(model(ids, use_cache=False, logits_to_keep=torch.tensor([1, 4])).logits, every[:, [1, 4]],
+                     model.config)
+        assert_close(model(ids, use_cache=False, logits_to_keep=2).logits, every[:, -2:], model.config)
+    for bad in (-1, 1.5, torch.tensor([0.5])):
+        with pytest.raises(ValueError, match="logits_to_keep="):
+            model(ids, logits_to_keep=bad)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"exit_at_step": True}, "exit_at_step=True must be an integer in"),
+    ({"exit_at_step": 4}, r"exit_at_step=4 must be an integer in \[0, 3\]"),
+    ({"exit_threshold": "0.5"}, "exit_threshold='0.5' must be a number in"),
+    ({"use_weighted_exit": "no"}, "use_weighted_exit='no' must be True or False"),
+    ({"attention_mask": torch.full((2, 7), 2)}, "values other than 0 and 1"),
+    ({"attention_mask": torch.ones(2, 6, dtype=torch.long)}, r"shape \(2, 6\), expected a 2-D \[batch, 7\]"),
+    ({"attention_mask": torch.ones(2, 1, 7, 7, dtype=torch.long)}, r"shape \(2, 1, 7, 7\)"),
+])
+def test_bad_forward_arguments_raise_value_errors_naming_them(kwargs, message):
+    """They were taken as another value (True as loop 1, "no" as True), or raised deep torch errors, or changed the
+    logits silently (a mask of 2s shifted every position)."""
+    model, _ = tiny_model(seed=9)
+    ids = random_ids((2, 7), VOCAB, seed=13)
+    with pytest.raises(ValueError, match=message):
+        model(ids, use_cache=False, **kwargs)
+
+
+def test_numpy_exit_steps_and_one_dimensional_ids():
+    """A numpy integer is an exit step (it was refused as out of range); 1-D ids name the shape to pass."""
+    model, _ = tiny_model(seed=9)
+    ids = random_ids((2, 7), VOCAB, seed=14)
+    with torch.no_grad():
+        assert torch.equal(model(ids, exit_at_step=np.int64(1)).logits, model(ids, exit_at_step=1).logits)
+    with pytest.raises(ValueError, match=r"input_ids has shape \(7,\); pass a 2-D \[batch, length\] tensor"):
+        model(ids[0])
+
+
+def test_plain_generate_takes_inputs_embeds_and_the_dynamic_cache_implementation():
+    """Plain `generate` from `inputs_embeds` gives the new tokens of the same ids (it raised transformers' 'forwarding
+    not implemented'), and `cache_implementation="dynamic"` (transformers' own name for the default) decodes as the
+    default does (it raised about the cache's layer count)."""
+    model, _ = tiny_model(seed=9)
+    ids, mask = left_pad([random_ids(6, VOCAB, seed=15), random_ids(3, VOCAB, seed=16)])
+    settings = {"attention_mask": mask, "max_new_tokens": 5, "do_sample": False, "pad_token_id": 0,
+                "eos_token_id": None, "speculative_mode": None}
+    expected = model.generate(ids, **settings)
+    embedded = model.generate(inputs_embeds=model.get_input_embeddings()(ids), **settings)
+    assert torch.equal(embedded, expected[:, ids.shape[1]:])
+    assert torch.equal(model.generate(ids, cache_implementation="dynamic", **settings), expected)

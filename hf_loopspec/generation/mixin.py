@@ -191,7 +191,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
                 )
             return
         default = user_cache is None and generation_config.use_cache is not False \
-            and generation_config.cache_implementation is None
+            and generation_config.cache_implementation in (None, "dynamic")
         if default:
             model_kwargs["cache"] = DynamicCache()
             return
@@ -202,12 +202,13 @@ class LoopSpecGenerationMixin(GenerationMixin):
         super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                               max_cache_length)
 
-    def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, inputs_embeds=None, **kwargs):
         """transformers' inputs, except that the attention mask stays the 2-D padding mask: with a static cache
         transformers would replace it by 4-D masks built for one KV per layer, and looped models build their own
         (`ops.attention.dense.padded_causal_mask`). `cache` and `attention_mask` stay named parameters: transformers
         reads this signature to decide which generate kwargs the model accepts."""
-        inputs = super().prepare_inputs_for_generation(input_ids, cache=cache, attention_mask=attention_mask, **kwargs)
+        inputs = super().prepare_inputs_for_generation(input_ids, cache=cache, attention_mask=attention_mask,
+                                                       inputs_embeds=inputs_embeds, **kwargs)
         if isinstance(inputs.get("attention_mask"), dict) or getattr(inputs.get("attention_mask"), "ndim", 2) != 2:
             inputs["attention_mask"] = attention_mask
         return inputs

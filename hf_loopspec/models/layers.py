@@ -91,6 +91,29 @@ def is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def check_forward_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> None:
+    """`ValueError` unless exactly one of `input_ids` `[batch, length]` and `inputs_embeds` `[batch, length, hidden]`
+    is given, with that shape."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
+    given, name, dims = (input_ids, "input_ids", 2) if inputs_embeds is None else (inputs_embeds, "inputs_embeds", 3)
+    if given.dim() != dims:
+        raise ValueError(f"{name} has shape {tuple(given.shape)}; pass a {dims}-D "
+                         f"[batch, length{', hidden' if dims == 3 else ''}] tensor (one row: {name}[None]).")
+
+
+def kept_positions(logits_to_keep) -> slice | torch.Tensor:
+    """Which positions' logits a forward call returns: the last `logits_to_keep` (0: all), or the positions a 1-D
+    integer tensor lists (transformers' `int | Tensor` convention); `ValueError` for anything else."""
+    if torch.is_tensor(logits_to_keep) and logits_to_keep.dim() == 1 and not logits_to_keep.is_floating_point() \
+            and logits_to_keep.dtype != torch.bool:
+        return logits_to_keep
+    if not is_integer(logits_to_keep) or logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep={logits_to_keep!r} must be an integer >= 0 (0: every position) or a 1-D "
+                         "tensor of positions.")
+    return slice(-int(logits_to_keep), None) if logits_to_keep else slice(None)
+
+
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     """Raise `ValueError` naming the offending ids when `input_ids` has ids outside `[0, vocab_size)`. Skipped while
     `torch.compile` traces (the check reads the ids on the host; a compiled decoding step embeds only ids it chose

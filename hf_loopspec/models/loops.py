@@ -54,6 +54,19 @@ def forward_rows(layout: KVLayout, attention_mask: torch.Tensor | None, position
     return _DenseRows(layout, attention_mask, position_ids, cache, batch, length, like.device)
 
 
+def check_mask(attention_mask: torch.Tensor | None, batch: int, past: int, length: int) -> None:
+    """`ValueError` naming `attention_mask` unless it is None or a `[batch, past + length]` padding mask; its values
+    (0 and 1) are checked on a call without history only, as a generate call's prefill (a later step's would cost a
+    device sync each)."""
+    if attention_mask is None:
+        return
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, past + length):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected a 2-D [batch, "
+                         f"{past + length}] padding mask (the cache holds {past} columns, this call adds {length}).")
+    if past == 0 and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError("attention_mask holds values other than 0 and 1; pass a padding mask (1: a real token).")
+
+
 def positions_from_mask(attention_mask, past: int, length: int, device) -> torch.Tensor:
     """Rotary positions `[B or 1, T]` of the new tokens: with a padding mask each row counts its real tokens."""
     if attention_mask is None:
@@ -71,6 +84,8 @@ class _DenseRows(ForwardRows):
         past = cache.get_seq_length() if cache is not None else 0
         if torch.is_tensor(past):  # a static cache counts in a tensor that its own writes advance in place
             past = past.clone()
+        else:
+            check_mask(attention_mask, batch, past, length)
         if position_ids is None:
             position_ids = positions_from_mask(attention_mask, past, length, device)
         self.positions = position_ids.to(device).expand(batch, length)  # [B, T]

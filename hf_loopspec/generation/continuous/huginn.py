@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import torch
 
-from ...models.huginn.modeling_huginn import valid_init_seed
+from ...models.huginn.recurrence import valid_init_seed
 
 RECURRENCE_KEYS = ("num_steps", "init_scale", "init_seed")  # the generation config's keys a manager reads
 REQUEST_KEY = "init_seed"  # the per-request key of a model with recurrence settings

@@ -20,7 +20,6 @@ import contextlib
 import math
 import numbers
 from collections.abc import Callable, Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,23 +28,27 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
+from transformers.utils import can_return_tuple
 
 from ...generation.mixin import LoopSpecGenerationMixin, reject_exit_options
 from ...looped import KVAttention, KVLayout
 from ..base import LoopedCausalLMMixin, StrictLoadingMixin, one_cache
-from ..layers import RMSNorm, apply_rotary, check_token_ids, is_integer, project, rotary_cos_sin, rotate_interleaved
+from ..layers import (
+    RMSNorm,
+    apply_rotary,
+    check_forward_inputs,
+    check_token_ids,
+    is_integer,
+    kept_positions,
+    project,
+    rotary_cos_sin,
+    rotate_interleaved,
+)
 from ..loops import forward_rows
 from .configuration_huginn import HuginnConfig
+from .recurrence import OPEN_BLOCKS, Recurrence, state_seed, valid_init_seed
 
 Rope = Callable[[torch.Tensor], torch.Tensor]  # rotates q or k `[*rows, heads, D]` at the call's positions
-
-
-MAX_INIT_SEED = 2**64  # a generator's seed is 64 bits: a larger one would act as another
-
-
-def valid_init_seed(value) -> bool:
-    """Whether `value` can key initial states (`init_seed`): an integer in [0, MAX_INIT_SEED)."""
-    return is_integer(value) and 0 <= value < MAX_INIT_SEED
 
 
 class HuginnAttention(nn.Module):
@@ -104,28 +107,6 @@ class HuginnBlock(nn.Module):
         return self.norm_4(x + self.mlp(self.norm_3(x)))
 
 
-@dataclass(frozen=True)
-class Recurrence:
-    """Per-call settings: `num_steps` recurrence steps; initial states drawn with `init_scale` (0: zeros) keyed
-    by `init_seed`."""
-
-    num_steps: int
-    init_scale: float
-    init_seed: int | None
-
-
-_RECURRENCE: ContextVar[dict[int, Recurrence] | None] = ContextVar("huginn_recurrence", default=None)
-"""The settings of the `recurrence` blocks open in this thread (or asyncio task), keyed by `id(HuginnModel)`: a
-call's settings never live on the shared model, so threads decoding one model with different settings do not
-interfere. Never mutated: a block sets a new dict and restores the previous one on exit."""
-
-
-def state_seed(seed: int, sequence: int, position: int) -> int:
-    """A generator seed for one token's initial state, mixed from (seed, sequence, position)."""
-    mixed = (seed * 0x9E3779B97F4A7C15 + sequence * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) % 2**64
-    return (mixed ^ (mixed >> 31)) % 2**63
-
-
 class HuginnPreTrainedModel(StrictLoadingMixin, PreTrainedModel):
     """Loading rules of the family: strict keys, the checkpoints' `freqs_cis` buffer ignored."""
 
@@ -169,7 +150,7 @@ class HuginnModel(HuginnPreTrainedModel):
     @property
     def settings(self) -> Recurrence:
         """The settings of the innermost `recurrence` block open in this thread, else the defaults."""
-        return (_RECURRENCE.get() or {}).get(id(self)) or Recurrence(self.config.mean_recurrence, 1.0, None)
+        return (OPEN_BLOCKS.get() or {}).get(id(self)) or Recurrence(self.config.mean_recurrence, 1.0, None)
 
     @contextlib.contextmanager
     def recurrence(self, num_steps: int | None = None, init_scale: float | None = None,
@@ -195,11 +176,11 @@ class HuginnModel(HuginnPreTrainedModel):
         settings = replace(current, **updates)
         if settings.init_scale > 0 and settings.init_seed is None:
             settings = replace(settings, init_seed=int(torch.randint(2**62, ())))
-        token = _RECURRENCE.set({**(_RECURRENCE.get() or {}), id(self): settings})
+        token = OPEN_BLOCKS.set({**(OPEN_BLOCKS.get() or {}), id(self): settings})
         try:
             yield settings
         finally:
-            _RECURRENCE.reset(token)
+            OPEN_BLOCKS.reset(token)
 
     # --- LoopedModel protocol -------------------------------------------------------------------------------
     @property
@@ -286,6 +267,7 @@ class HuginnModel(HuginnPreTrainedModel):
     def set_input_embeddings(self, value):
         self.wte = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -306,6 +288,7 @@ class HuginnModel(HuginnPreTrainedModel):
         if inputs_embeds is not None or input_ids is None:
             raise ValueError("Huginn models take `input_ids` (the prelude and the embedding scale apply to token "
                              "embeddings); `inputs_embeds` is not supported.")
+        check_forward_inputs(input_ids, None)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache()
@@ -401,6 +384,7 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
                                 for key, value in given.items()}):
             return super().generate(*args, **kwargs)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -430,9 +414,9 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
             num_steps=num_steps, init_scale=init_scale, init_seed=init_seed, output_step_states=output_step_logits,
-            past_key_values=past_key_values,
+            past_key_values=past_key_values, return_dict=True,
         )
-        keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
+        keep = kept_positions(logits_to_keep)
         logits = project(self.lm_head, out.last_hidden_state[:, keep]).float()
         loss = None
         if labels is not None:

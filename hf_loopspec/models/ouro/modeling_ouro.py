@@ -10,6 +10,7 @@ KV; on a standard `transformers` Cache that is cache layer `u * num_hidden_layer
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -18,11 +19,21 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
+from transformers.utils import can_return_tuple
 
 from ...generation.mixin import LoopSpecGenerationMixin
 from ...looped import KVAttention, KVLayout
 from ..base import LoopedCausalLMMixin, StrictLoadingMixin, one_cache
-from ..layers import RMSNorm, apply_rotary, check_token_ids, project, rotary_cos_sin
+from ..layers import (
+    RMSNorm,
+    apply_rotary,
+    check_forward_inputs,
+    check_token_ids,
+    is_integer,
+    kept_positions,
+    project,
+    rotary_cos_sin,
+)
 from ..loops import forward_rows
 from .configuration_ouro import OuroConfig
 
@@ -154,6 +165,7 @@ class OuroModel(OuroPreTrainedModel):
             hidden = layer(hidden, cos, sin, attention)
         return self.norm(hidden)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -167,8 +179,7 @@ class OuroModel(OuroPreTrainedModel):
         **kwargs,
     ) -> OuroModelOutput:
         cache = one_cache(cache, past_key_values)
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
+        check_forward_inputs(input_ids, inputs_embeds)
         embeddings = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, H]
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
@@ -205,6 +216,7 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
         return project(self.lm_head, hidden).float()
 
     # --- HF API ---------------------------------------------------------------------------------------------
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -243,9 +255,9 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=needs_loops,
-            past_key_values=past_key_values,
+            past_key_values=past_key_values, return_dict=True,
         )
-        keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
+        keep = kept_positions(logits_to_keep)
         if not needs_loops:
             logits = project(self.lm_head, out.last_hidden_state[:, keep])
             gate_logits = loop_logits = None
@@ -313,10 +325,14 @@ class ExitSelection:
 
 def check_exit_options(loops: int, exit_at_step, exit_threshold, use_weighted_exit) -> None:
     """`ValueError` for exit options that select no loop of a `loops`-loop model, or more than one rule."""
-    if exit_at_step is not None and (not isinstance(exit_at_step, int) or not 0 <= exit_at_step < loops):
-        raise ValueError(f"exit_at_step={exit_at_step!r} is outside [0, {loops - 1}] for a {loops}-loop model.")
-    if exit_threshold is not None and not 0.0 <= exit_threshold <= 1.0:
-        raise ValueError(f"exit_threshold={exit_threshold} must lie in [0, 1].")
+    if exit_at_step is not None and (not is_integer(exit_at_step) or not 0 <= exit_at_step < loops):
+        raise ValueError(f"exit_at_step={exit_at_step!r} must be an integer in [0, {loops - 1}] for a {loops}-loop "
+                         "model.")
+    if exit_threshold is not None and (isinstance(exit_threshold, bool) or not isinstance(exit_threshold, numbers.Real)
+                                       or not 0.0 <= exit_threshold <= 1.0):
+        raise ValueError(f"exit_threshold={exit_threshold!r} must be a number in [0, 1].")
+    if use_weighted_exit is not None and not isinstance(use_weighted_exit, bool):
+        raise ValueError(f"use_weighted_exit={use_weighted_exit!r} must be True or False.")
     if sum(x is not None and x is not False for x in (exit_at_step, exit_threshold, use_weighted_exit)) > 1:
         raise ValueError("Pass at most one of exit_at_step, exit_threshold and use_weighted_exit.")
 
