@@ -119,12 +119,12 @@ def test_a_pad_id_outside_the_vocabulary_raises_once_it_is_fed(model, inputs, mo
         assert torch.equal(call(None), plain(model, ids, mask, 6).sequences)
 
 
-@pytest.mark.parametrize("mode", [*SPECULATIVE.values(), {"speculative_mode": "auto"}, "paged"],
-                         ids=[*SPECULATIVE, "auto", "plain-paged"])
+@pytest.mark.parametrize("mode", [*SPECULATIVE.values(), "paged"], ids=[*SPECULATIVE, "plain-paged"])
 def test_positions_of_the_callers_own_are_refused_where_they_cannot_be_followed(model, inputs, mode):
     """`position_ids` other than the mask's own: plain decoding on a `DynamicCache` feeds them (its tokens change),
     the speculative modes and a `PagedLoopCache` count positions from the mask: a `ValueError` naming position_ids
-    (they were ignored, silently), while the mask's own positions on a `PagedLoopCache` decode as plain."""
+    (they were ignored, silently), while the mask's own positions on a `PagedLoopCache` decode as plain. (Auto
+    decodes such a call plainly: `test_auto.test_positions_of_the_callers_own_decode_plainly`.)"""
     ids, mask = inputs
     custom = torch.arange(ids.shape[1]).expand_as(ids) * 3
     assert not torch.equal(plain(model, ids, mask, 6, position_ids=custom).sequences, plain(model, ids, mask, 6)
