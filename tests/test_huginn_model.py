@@ -29,6 +29,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from hf_loopspec import HuginnConfig, HuginnForCausalLM, HuginnModel, PagedLoopCache
+from hf_loopspec.generation.mixin import looped_static_cache
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -149,6 +150,35 @@ def test_continuing_a_cache_with_other_settings_raises():
             model(ids[:, :1], cache=out.cache, num_steps=2, init_scale=0.0)
         with pytest.raises(ValueError, match="per-step outputs"):
             model(ids[:, :1], cache=out.cache, num_steps=3, init_scale=0.0, output_step_logits=True)
+
+
+def test_a_refused_continuation_leaves_the_cache_as_it_was():
+    """More steps than filled the cache: refused at the first plane the cache lacks, after the planes before it were
+    written; those writes are rolled back, so the retry with the right settings equals one forward over the whole
+    sequence (the token landed one position late, silently)."""
+    model, _ = tiny_huginn()
+    ids = random_ids((1, 7), VOCAB, seed=21)
+    settings = {"num_steps": 2, "init_scale": 0.0}
+    with torch.no_grad():
+        cache = model(ids[:, :6], **settings).cache
+        lengths = [cache.get_seq_length(layer) for layer in range(len(cache.layers))]
+        with pytest.raises(ValueError, match="continue a cache with the settings that filled it"):
+            model(ids[:, 6:], cache=cache, num_steps=4, init_scale=0.0)
+        assert [cache.get_seq_length(layer) for layer in range(len(cache.layers))] == lengths
+        continued = model(ids[:, 6:], cache=cache, **settings).logits[:, -1]
+        whole = model(ids, **settings).logits[:, -1]
+    assert_fp32_close(continued, whole, **huginn_depth(model.config, 2))
+
+
+def test_a_static_cache_sized_for_other_steps_is_refused():
+    """A static cache holds the planes of the steps it was made for: another number of steps is refused (fewer
+    decoded on it silently, with other planes' KV)."""
+    model, _ = tiny_huginn()
+    ids = random_ids((1, 6), VOCAB, seed=22)
+    with model.recurrence(num_steps=4):
+        cache = looped_static_cache(model.config, model.kv_layout, 16)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"cache has \d+ layers.*number of loops or recurrence steps"):
+        model(ids, cache=cache, num_steps=3, init_scale=0.0)
 
 
 def test_padded_batch_equals_rows_alone():

@@ -91,6 +91,7 @@ class _DenseRows(ForwardRows):
         self.positions = position_ids.to(device).expand(batch, length)  # [B, T]
         self.sequences = torch.arange(batch, device=device)[:, None].expand(batch, length)  # [B, T]
         self.cache, self.layout, self.past = cache, layout, past
+        self.written = []  # the planes this call has written, in order
         capacity = cache.layers[0].max_cache_len if cache is not None and cache.is_compileable else None
         self.mask = padded_causal_mask(attention_mask, past, length, device, key_length=capacity)
 
@@ -104,12 +105,22 @@ class _DenseRows(ForwardRows):
         first_layer = plane * self.layout.num_layers
         grows = self.cache is not None and not torch.is_tensor(self.past)  # (checked on growing caches only)
         if grows and self.cache.get_seq_length(first_layer) != self.past:
+            self._roll_back()  # the planes this call wrote before: a refused call leaves the cache as it was
             raise ValueError(
                 f"KV plane {plane} of the cache holds {self.cache.get_seq_length(first_layer)} positions, but this "
                 f"call continues from {self.past}: continue a cache with the settings that filled it (the same "
                 "number of loops or recurrence steps, and per-step outputs requested on every call or on none)."
             )
+        self.written.append(plane)
         return DenseKVAttention(self.cache, self.mask, plane, self.layout.num_layers, self.layout.head_dim**-0.5)
+
+    def _roll_back(self) -> None:
+        """Crop every layer of the planes this call has written back to the `past` columns it started from."""
+        for plane in self.written:
+            for layer in range(plane * self.layout.num_layers, (plane + 1) * self.layout.num_layers):
+                extra = self.cache.get_seq_length(layer) - self.past
+                if extra > 0:
+                    self.cache.layers[layer].crop(-extra)
 
 
 class _PagedRows(ForwardRows):
@@ -168,10 +179,11 @@ class _PagedRows(ForwardRows):
 def _check_layer_count(cache: Cache, layout: KVLayout) -> None:
     needed = layout.num_planes * layout.num_layers
     grows = getattr(cache, "layer_class_to_replicate", None) is not None
-    if not grows and len(cache.layers) < needed:
+    if not grows and len(cache.layers) != needed:  # a fixed cache is sized for one layout: its settings
         raise ValueError(
             f"cache has {len(cache.layers)} layers, but a looped model writes one KV per (plane, layer): "
             f"{layout.num_planes} planes x {layout.num_layers} layers = {needed}. Pass `DynamicCache()` (it grows) "
             "or `hf_loopspec.PagedLoopCache`, not a cache sized from the config's num_hidden_layers (for a static "
-            "cache use generate(cache_implementation='static'), which sizes it for the looped model)."
+            "cache use generate(cache_implementation='static'), which sizes it for the looped model and its number "
+            "of loops or recurrence steps)."
         )
