@@ -17,8 +17,6 @@ L = the largest of the three stages, so a cache must be continued with the `num_
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -38,7 +36,6 @@ from ..layers import (
     apply_rotary,
     check_forward_inputs,
     check_token_ids,
-    is_integer,
     kept_positions,
     project,
     rotary_cos_sin,
@@ -46,7 +43,7 @@ from ..layers import (
 )
 from ..loops import forward_rows
 from .configuration_huginn import HuginnConfig
-from .recurrence import OPEN_BLOCKS, Recurrence, state_seed, valid_init_seed
+from .recurrence import OPEN_BLOCKS, Recurrence, state_seed, updated
 
 Rope = Callable[[torch.Tensor], torch.Tensor]  # rotates q or k `[*rows, heads, D]` at the call's positions
 
@@ -160,20 +157,7 @@ class HuginnModel(HuginnPreTrainedModel):
         so `torch.manual_seed` makes a run reproducible, and every token's state within the block is keyed by
         (seed, sequence, position): forward calls, cached steps and every decoding mode draw the same states.
         The settings hold for this thread (or asyncio task) only; the model itself is not changed."""
-        if num_steps is not None and not (is_integer(num_steps) and num_steps >= 1):
-            raise ValueError(f"num_steps={num_steps!r} must be an integer >= 1 (default: mean_recurrence="
-                             f"{self.config.mean_recurrence}).")
-        if init_scale is not None and not (isinstance(init_scale, numbers.Real) and not isinstance(init_scale, bool)
-                                           and math.isfinite(init_scale) and init_scale >= 0):
-            raise ValueError(f"init_scale={init_scale!r} must be a finite number >= 0 (0 gives zero initial states).")
-        if init_seed is not None and not valid_init_seed(init_seed):
-            raise ValueError(f"init_seed={init_seed!r} must be an integer in [0, 2**64) or None (a generator's seed "
-                             "is 64 bits: a larger one would act as another).")
-        current = self.settings
-        updates = {k: v for k, v in (("num_steps", num_steps), ("init_scale", init_scale), ("init_seed", init_seed))
-                   if v is not None}
-        updates = {k: float(v) if k == "init_scale" else int(v) for k, v in updates.items()}  # numpy scalars too
-        settings = replace(current, **updates)
+        settings = updated(self.settings, num_steps, init_scale, init_seed, self.config.mean_recurrence)
         if settings.init_scale > 0 and settings.init_seed is None:
             settings = replace(settings, init_seed=int(torch.randint(2**62, ())))
         token = OPEN_BLOCKS.set({**(OPEN_BLOCKS.get() or {}), id(self): settings})

@@ -3,8 +3,10 @@ keep them, the rule for a seed and the seed of one token's initial state."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..layers import is_integer
 
@@ -36,3 +38,20 @@ def state_seed(seed: int, sequence: int, position: int) -> int:
     """A generator seed for one token's initial state, mixed from (seed, sequence, position)."""
     mixed = (seed * 0x9E3779B97F4A7C15 + sequence * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) % 2**64
     return (mixed ^ (mixed >> 31)) % 2**63
+
+
+def updated(current: Recurrence, num_steps, init_scale, init_seed, mean_recurrence: int) -> Recurrence:
+    """`current` with the settings that are not None (Python or numpy numbers), each checked: `ValueError` naming a
+    bad one."""
+    if num_steps is not None and not (is_integer(num_steps) and num_steps >= 1):
+        raise ValueError(f"num_steps={num_steps!r} must be an integer >= 1 (default: mean_recurrence="
+                         f"{mean_recurrence}).")
+    if init_scale is not None and not (isinstance(init_scale, numbers.Real) and not isinstance(init_scale, bool)
+                                       and math.isfinite(init_scale) and init_scale >= 0):
+        raise ValueError(f"init_scale={init_scale!r} must be a finite number >= 0 (0 gives zero initial states).")
+    if init_seed is not None and not valid_init_seed(init_seed):
+        raise ValueError(f"init_seed={init_seed!r} must be an integer in [0, 2**64) or None (a generator's seed "
+                         "is 64 bits: a larger one would act as another).")
+    given = {"num_steps": num_steps, "init_scale": init_scale, "init_seed": init_seed}
+    updates = {k: float(v) if k == "init_scale" else int(v) for k, v in given.items() if v is not None}
+    return replace(current, **updates)
