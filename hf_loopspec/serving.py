@@ -278,9 +278,12 @@ async def openai_error_events(chunks):
     request fails after its stream began) rewritten in OpenAI's shape, `{"error": {"message": "text", ...}}`, whose
     message the `openai` client puts in its exception."""
     async for chunk in chunks:
-        text = chunk.decode("utf-8") if isinstance(chunk, bytes) else chunk
-        if text.startswith('data: {"error": "'):
-            payload = json.loads(text[len("data: "):])
+        raw = chunk if isinstance(chunk, bytes) else chunk.encode("utf-8")  # (bytes: never split a character)
+        if raw.startswith(b'data: {"error": "'):
+            try:
+                payload = json.loads(raw[len(b"data: "):])
+            except ValueError:  # not one whole event: passed on as it came
+                payload = {}
             if isinstance(payload.get("error"), str):
                 error = {"message": payload["error"], "type": "invalid_request_error", "code": None}
                 chunk = f"data: {json.dumps({'error': error})}\n\n".encode()
