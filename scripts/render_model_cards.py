@@ -21,6 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
+from hf_loopspec import KVLayout, PagedLoopCache  # noqa: E402
 from hf_loopspec.hub.card import MODEL_CARD_TEMPLATE, build_model_card  # noqa: E402
 
 THINKING_SAMPLING = {"temperature": 1.0, "top_p": 0.7}  # the upstream Thinking cards' recommendation
@@ -53,7 +56,8 @@ def render(out_dir: Path, namespace: str, benchmarks: list[Path]) -> list[Path]:
             what_it_is=what_it_is(name, params, layers, chat), num_loops=4, chat=chat, eos_token_ids=eos,
             sampling=sampling, benchmarks=benchmarks, max_new_tokens=512 if chat else 128,
             tags=["ouro", "reasoning"] if chat else ["ouro"],
-            kv_bytes_per_token=2 * layers * 16 * 128 * 2 * 4,  # keys and values, 16 kv heads of 128, bf16, 4 loops
+            kv_bytes_per_token=PagedLoopCache(KVLayout(4, layers, 16, 128)).bytes_per_token_per_depth(torch.bfloat16)
+            * 4,  # every loop's KV plane: 16 kv heads of 128, bf16
         )
         path = out_dir / f"{name}-loopspec" / "README.md"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -414,7 +414,7 @@ def test_logits_to_keep_takes_a_count_or_the_positions_to_keep():
     ({"exit_at_step": 4}, r"exit_at_step=4 must be an integer in \[0, 3\]"),
     ({"exit_threshold": "0.5"}, "exit_threshold='0.5' must be a number in"),
     ({"use_weighted_exit": "no"}, "use_weighted_exit='no' must be True or False"),
-    ({"attention_mask": torch.full((2, 7), 2)}, "values other than 0 and 1"),
+    ({"attention_mask": torch.full((2, 7), 2)}, r"must hold only 0 \(padding\) and 1 \(real token\), got values \[2\]"),
     ({"attention_mask": torch.ones(2, 6, dtype=torch.long)}, r"shape \(2, 6\), expected a 2-D \[batch, 7\]"),
     ({"attention_mask": torch.ones(2, 1, 7, 7, dtype=torch.long)}, r"shape \(2, 1, 7, 7\)"),
 ])

@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..cache.paged import PagedLoopCache
-from ..models.layers import check_token_ids, is_integer
+from ..models.layers import check_mask_values, check_token_ids, is_integer
 
 
 def as_integer(value, name: str) -> int:
@@ -56,11 +56,7 @@ def check_inputs(input_ids, attention_mask, cache, vocab_size: int | None = None
         shape = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
         raise ValueError(f"attention_mask has shape {shape}, but input_ids has shape {tuple(input_ids.shape)}: "
                          "pass one 0/1 entry per token (1 = real token, 0 = padding).")
-    binary = (attention_mask == 0) | (attention_mask == 1)
-    if not bool(binary.all()):
-        bad = attention_mask[~binary].unique()[:5].tolist()
-        raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (real token), got values {bad}: "
-                         "looped models take a padding mask, not weights or an additive mask.")
+    check_mask_values(attention_mask)
     empty = (attention_mask[:, past:] == 0).all(-1).nonzero().flatten().tolist()
     if empty:
         where = "" if not past else f" after the {past} columns the cache has consumed"

@@ -208,8 +208,11 @@ def check_card_metadata(repo_id: str | None, base_model: str | None, license: st
 
 def kv_bytes_per_token(model) -> int:
     """KV bytes one context token takes in bf16 in every loop of `model` (keys and values of each layer)."""
-    layout = model.kv_layout
-    return 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * 2 * model.num_loops
+    import torch
+
+    from ..cache.paged import PagedLoopCache
+
+    return PagedLoopCache(model.kv_layout).bytes_per_token_per_depth(torch.bfloat16) * model.num_loops
 
 
 def _check_measured_on(result: dict, model) -> None:

@@ -114,6 +114,15 @@ def kept_positions(logits_to_keep) -> slice | torch.Tensor:
     return slice(-int(logits_to_keep), None) if logits_to_keep else slice(None)
 
 
+def check_mask_values(attention_mask: torch.Tensor) -> None:
+    """`ValueError` unless `attention_mask` holds only 0 (padding) and 1 (a real token)."""
+    binary = (attention_mask == 0) | (attention_mask == 1)
+    if not bool(binary.all()):
+        bad = attention_mask[~binary].unique()[:5].tolist()
+        raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (real token), got values {bad}: "
+                         "looped models take a padding mask, not weights or an additive mask.")
+
+
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     """Raise `ValueError` naming the offending ids when `input_ids` has ids outside `[0, vocab_size)`. Skipped while
     `torch.compile` traces (the check reads the ids on the host; a compiled decoding step embeds only ids it chose

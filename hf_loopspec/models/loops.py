@@ -19,6 +19,7 @@ from ..cache.convert import check_dynamic_cache
 from ..cache.paged import PagedLoopCache
 from ..looped import KVAttention, KVLayout
 from ..ops.attention.dense import DenseKVAttention, padded_causal_mask
+from .layers import check_mask_values
 
 
 class ForwardRows:
@@ -63,8 +64,8 @@ def check_mask(attention_mask: torch.Tensor | None, batch: int, past: int, lengt
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, past + length):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected a 2-D [batch, "
                          f"{past + length}] padding mask (the cache holds {past} columns, this call adds {length}).")
-    if past == 0 and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-        raise ValueError("attention_mask holds values other than 0 and 1; pass a padding mask (1: a real token).")
+    if past == 0:
+        check_mask_values(attention_mask)
 
 
 def positions_from_mask(attention_mask, past: int, length: int, device) -> torch.Tensor:

@@ -69,7 +69,7 @@ def _check_request_settings(manager, max_new_tokens, kwargs: dict) -> None:
     if max_new_tokens is not None and (not is_integer(max_new_tokens) or max_new_tokens < 1):
         raise ValueError(f"generate_batch: max_new_tokens={max_new_tokens!r}: give an integer >= 1, or None for the "
                          "generation config's.")
-    problem = extra_problem(manager.settings, {key: int(v) if is_integer(v) else v for key, v in kwargs.items()})
+    problem = extra_problem(manager.settings, kwargs)
     if problem:
         raise ValueError(f"generate_batch: {problem}")
 
