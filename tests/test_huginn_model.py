@@ -290,10 +290,51 @@ def test_mismatched_checkpoint_raises(tmp_path):
     ({"tie_embeddings": True, "tie_word_embeddings": False}, "disagree"),
     ({"mean_recurrence": 0}, "mean_recurrence"),
     ({"padded_vocab_size": 128}, "padded_vocab_size"),
+    # Checked before the head width, init std or stage sum are derived from them (bare ZeroDivisionError,
+    # "math domain error" and TypeError before):
+    ({"n_embd": 0}, "n_embd=0"),
+    ({"n_embd": -8}, "n_embd=-8"),
+    ({"n_layers_in_prelude": None}, "n_layers_in_prelude=None"),
+    ({"n_layers_in_coda": True}, "n_layers_in_coda=True"),
 ])
 def test_bad_configs_raise(overrides, match):
     with pytest.raises(ValueError, match=match):
         tiny_huginn_config(**overrides)
+
+
+def test_resized_hub_checkpoint_saves_a_config_that_loads(tmp_path):
+    """A Hub config.json carries `padded_vocab_size` (equal to `vocab_size`): resizing the embeddings moves both, so
+    the saved folder loads back (before, it raised that padded_vocab_size differs from vocab_size)."""
+    config = tiny_huginn_config()
+    _, sd = tiny_huginn(seed=7)
+    folder = write_hub_folder(tmp_path / "hub", config, sd, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model.config.padded_vocab_size == VOCAB
+    model.resize_token_embeddings(VOCAB + 23)
+    model.save_pretrained(tmp_path / "resized")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "resized").eval()
+    assert loaded.config.vocab_size == loaded.config.padded_vocab_size == VOCAB + 23
+    ids = random_ids((1, 5), VOCAB + 23, seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, init_scale=0.0).logits, model.eval()(ids, init_scale=0.0).logits)
+
+
+def test_overrides_given_to_from_pretrained_are_checked(tmp_path):
+    """transformers sets `from_pretrained`'s keyword overrides after the config checked itself; the model checks
+    them before building (`mean_recurrence=0` loaded and the forward raised a bare IndexError)."""
+    config = tiny_huginn_config()
+    _, sd = tiny_huginn(seed=7)
+    folder = write_hub_folder(tmp_path / "hub", config, sd, dtype=torch.float32)
+    with pytest.raises(ValueError, match="mean_recurrence=0"):
+        AutoModelForCausalLM.from_pretrained(folder, mean_recurrence=0)
+
+
+def test_output_attentions_raises_instead_of_returning_none():
+    model, _ = tiny_huginn()
+    ids = random_ids((1, 4), VOCAB)
+    for module in (model, model.transformer):
+        with pytest.raises(ValueError, match="output_attentions=True"):
+            module(ids, output_attentions=True, init_scale=0.0)
 
 
 def test_aliases_and_tie_names():

@@ -3,6 +3,8 @@ the exit options, cached decoding, left padding, and input / config validation. 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from helpers import VOCAB, reference, tiny_config, tiny_model
 from inputs import left_pad, random_ids
 from ouro_reference import exit_distribution
 from tolerances import assert_fp32_close, ouro_depth
+from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from hf_loopspec.models.layers import project
@@ -257,17 +260,49 @@ def test_out_of_vocab_ids_raise(bad_id):
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    "overrides, named",
     [
-        {"total_ut_steps": 0},
-        {"total_ut_steps": -2},
-        {"num_attention_heads": 4, "num_key_value_heads": 3},
-        {"hidden_size": 64, "num_attention_heads": 6},  # 64 % 6 != 0 and no head_dim
+        ({"total_ut_steps": 0}, "total_ut_steps=0"),
+        ({"total_ut_steps": -2}, "total_ut_steps=-2"),
+        ({"total_ut_steps": True}, "total_ut_steps=True"),  # a bool is no loop count
+        ({"num_attention_heads": 4, "num_key_value_heads": 3}, "num_key_value_heads=3"),
+        ({"hidden_size": 64, "num_attention_heads": 6}, "num_attention_heads=6"),  # 64 % 6 != 0 and no head_dim
+        # Checked before layer_types or head_dim are derived from them (a TypeError / ZeroDivisionError before):
+        ({"num_hidden_layers": 2.0}, "num_hidden_layers=2.0"),
+        ({"num_hidden_layers": None}, "num_hidden_layers=None"),
+        ({"hidden_size": 0}, "hidden_size=0"),
+        ({"num_attention_heads": 0}, "num_attention_heads=0"),
+        ({"attention_dropout": 0.1}, "attention_dropout=0.1"),  # no dropout is applied: refused, not ignored
     ],
 )
-def test_invalid_config_raises(overrides):
-    with pytest.raises(ValueError):
+def test_invalid_config_raises(overrides, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
         tiny_config(**overrides)
+
+
+def test_settings_changed_after_the_config_was_made_are_checked_when_the_model_is_built(tmp_path):
+    """`from_pretrained`'s keyword overrides are set on the config after it checked itself: the model checks them
+    before building (before, `total_ut_steps=0` loaded and the forward raised a bare IndexError)."""
+    model, _ = tiny_model(seed=0)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="total_ut_steps=0"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, total_ut_steps=0)
+    config = tiny_config()
+    config.num_key_value_heads = 3
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        AutoModelForCausalLM.from_config(config)
+
+
+def test_output_attentions_raises_instead_of_returning_none():
+    """The attention never materializes its weights: asking for them is refused by both models (it returned None)."""
+    model, _ = tiny_model(seed=0)
+    ids = random_ids((1, 4), VOCAB)
+    for module in (model, model.model):
+        with pytest.raises(ValueError, match="output_attentions=True"):
+            module(ids, output_attentions=True)
+    with pytest.raises(ValueError, match="output_attentions=True"):
+        model.generate(ids, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)
+    assert model(ids, output_attentions=False).logits.shape == (1, 4, VOCAB)
 
 
 def test_head_dim_makes_indivisible_hidden_size_valid():

@@ -10,6 +10,12 @@ class StrictLoadingMixin:
     """Put before `PreTrainedModel` in the bases: a checkpoint that does not match the model raises, and speculative
     keys survive `save_pretrained` and `from_pretrained` (`generation.saved_config`)."""
 
+    def __init__(self, config, *args, **kwargs):
+        # The config checked itself when it was made; settings changed since (`from_pretrained`'s keyword overrides
+        # are set after that, as are assignments) are checked here, before a layer is built from them.
+        config.validate_architecture()
+        super().__init__(config, *args, **kwargs)
+
     def save_pretrained(self, *args, **kwargs):
         mark_user_generation_config(getattr(self, "generation_config", None))
         return super().save_pretrained(*args, **kwargs)

@@ -91,9 +91,13 @@ def is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_forward_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> None:
+def check_forward_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
+                         output_attentions: bool | None = None) -> None:
     """`ValueError` unless exactly one of `input_ids` `[batch, length]` and `inputs_embeds` `[batch, length, hidden]`
-    is given, with that shape."""
+    is given, with that shape, and `output_attentions` is not asked for (no attention weights are materialized)."""
+    if output_attentions:
+        raise ValueError("output_attentions=True is not supported: the looped models' attention (dense or paged, "
+                         "over one KV plane per depth) never materializes its weights. Drop output_attentions.")
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
     given, name, dims = (input_ids, "input_ids", 2) if inputs_embeds is None else (inputs_embeds, "inputs_embeds", 3)

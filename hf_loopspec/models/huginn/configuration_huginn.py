@@ -13,11 +13,15 @@ from typing import ClassVar
 from transformers.configuration_utils import PreTrainedConfig
 
 from ...logs import get_logger
+from ..config_checks import check_counts
 
 logger = get_logger(__name__)
 
 BLOCK_STYLES = {"SandwichBlock": "sandwich", "TransformerPreNormBlock": "pre_norm"}
 ROPE_STYLES = ("interleaved", "rotate_half")
+SIZES = ("vocab_size", "n_embd", "n_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+         "n_layers_in_recurrent_block", "mean_recurrence", "block_size")
+OUTER_STAGES = ("n_layers_in_prelude", "n_layers_in_coda")
 
 
 class HuginnConfig(PreTrainedConfig):
@@ -93,9 +97,10 @@ class HuginnConfig(PreTrainedConfig):
         for alias in self.attribute_map:  # transformers applies extra kwargs after this method; aliases first
             if alias in kwargs:
                 setattr(self, alias, kwargs.pop(alias))
+        check_counts(self, SIZES, OUTER_STAGES, derived=("num_key_value_heads", "head_dim"))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.n_heads
-        if self.head_dim is None and isinstance(self.n_heads, int) and self.n_heads > 0:
+        if self.head_dim is None:
             if self.n_embd % self.n_heads:
                 raise ValueError(f"HuginnConfig.n_embd={self.n_embd} is not divisible by n_heads={self.n_heads}; "
                                  "pass head_dim explicitly or choose a divisible head count.")
@@ -135,20 +140,12 @@ class HuginnConfig(PreTrainedConfig):
 
     def validate_architecture(self):
         """Raise `ValueError` for a configuration no Huginn model can be built from."""
-        positive = ("vocab_size", "n_embd", "n_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                    "n_layers_in_recurrent_block", "mean_recurrence", "block_size")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"HuginnConfig.{name}={value!r} is invalid: it must be a positive integer.")
-        for name in ("n_layers_in_prelude", "n_layers_in_coda"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"HuginnConfig.{name}={value!r} is invalid: it must be an integer >= 0.")
+        check_counts(self, SIZES, OUTER_STAGES)
         if self.padded_vocab_size not in (None, self.vocab_size):
             raise ValueError(
-                f"HuginnConfig.padded_vocab_size={self.padded_vocab_size} differs from vocab_size={self.vocab_size}; "
-                "set vocab_size to the number of rows of the checkpoint's embedding."
+                f"HuginnConfig.padded_vocab_size={self.padded_vocab_size} differs from vocab_size={self.vocab_size}: "
+                "the model has one embedding row per id and no padded rows; set both to the number of rows of the "
+                "checkpoint's embedding (or drop padded_vocab_size)."
             )
         if self.n_heads % self.num_key_value_heads:
             raise ValueError(

@@ -272,7 +272,7 @@ class HuginnModel(HuginnPreTrainedModel):
         if inputs_embeds is not None or input_ids is None:
             raise ValueError("Huginn models take `input_ids` (the prelude and the embedding scale apply to token "
                              "embeddings); `inputs_embeds` is not supported.")
-        check_forward_inputs(input_ids, None)
+        check_forward_inputs(input_ids, None, kwargs.get("output_attentions"))
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache()
@@ -356,6 +356,14 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
         return project(self.lm_head, self.transformer.decode(hidden, positions, attention)).float()
 
     # --- HF API ---------------------------------------------------------------------------------------------
+    def resize_token_embeddings(self, *args, **kwargs):
+        """transformers' resize, which sets `vocab_size`; a Hub config's `padded_vocab_size` (the model has no padded
+        rows: the two are equal) follows it, so that the resized model saves a config that loads."""
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        if self.config.padded_vocab_size is not None:
+            self.config.padded_vocab_size = self.config.vocab_size
+        return embeddings
+
     def generate(self, *args, num_steps: int | None = None, init_scale: float | None = None,
                  init_seed: int | None = None, **kwargs):
         """`GenerationMixin.generate` (with hf_loopspec's speculative modes) at `num_steps` recurrence steps, with
@@ -398,7 +406,7 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
             num_steps=num_steps, init_scale=init_scale, init_seed=init_seed, output_step_states=output_step_logits,
-            past_key_values=past_key_values, return_dict=True,
+            past_key_values=past_key_values, return_dict=True, output_attentions=kwargs.get("output_attentions"),
         )
         keep = kept_positions(logits_to_keep)
         logits = project(self.lm_head, out.last_hidden_state[:, keep]).float()

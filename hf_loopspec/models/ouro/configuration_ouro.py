@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from transformers.configuration_utils import PreTrainedConfig
 
+from ..config_checks import check_counts
+
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim")
+
 
 class OuroConfig(PreTrainedConfig):
     r"""
@@ -62,9 +67,10 @@ class OuroConfig(PreTrainedConfig):
     pad_token_id: int | None = 0
 
     def __post_init__(self, **kwargs):
+        check_counts(self, SIZES, derived=("num_key_value_heads", "head_dim"))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None and isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0:
+        if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
                     f"OuroConfig.hidden_size={self.hidden_size} is not divisible by num_attention_heads="
@@ -78,13 +84,9 @@ class OuroConfig(PreTrainedConfig):
 
     def validate_architecture(self):
         """Raise `ValueError` for a configuration no Ouro model can be built from."""
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"OuroConfig.{name}={value!r} is invalid: it must be a positive integer.")
-        if not isinstance(self.total_ut_steps, int) or self.total_ut_steps < 1:
+        check_counts(self, SIZES)
+        steps = self.total_ut_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(
                 f"OuroConfig.total_ut_steps={self.total_ut_steps!r} is invalid: the stack must run at least once; "
                 "set total_ut_steps to an integer >= 1 (the released checkpoints use 4)."
@@ -109,6 +111,9 @@ class OuroConfig(PreTrainedConfig):
             )
         if self.hidden_act != "silu":
             raise ValueError(f"OuroConfig.hidden_act={self.hidden_act!r} is not supported; Ouro uses 'silu'.")
+        if self.attention_dropout:
+            raise ValueError(f"OuroConfig.attention_dropout={self.attention_dropout!r} is not supported: the attention "
+                             "applies no dropout (the released checkpoints use 0.0); set attention_dropout=0.0.")
         if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) != {"full_attention"}:
             raise ValueError(
                 f"OuroConfig.layer_types={self.layer_types!r} must list 'full_attention' once per layer "

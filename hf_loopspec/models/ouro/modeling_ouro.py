@@ -179,7 +179,7 @@ class OuroModel(OuroPreTrainedModel):
         **kwargs,
     ) -> OuroModelOutput:
         cache = one_cache(cache, past_key_values)
-        check_forward_inputs(input_ids, inputs_embeds)
+        check_forward_inputs(input_ids, inputs_embeds, kwargs.get("output_attentions"))
         embeddings = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, H]
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
@@ -255,7 +255,7 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=needs_loops,
-            past_key_values=past_key_values, return_dict=True,
+            past_key_values=past_key_values, return_dict=True, output_attentions=kwargs.get("output_attentions"),
         )
         keep = kept_positions(logits_to_keep)
         if not needs_loops:
