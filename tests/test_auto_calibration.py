@@ -119,6 +119,20 @@ def test_a_corrupt_file_is_measured_over(model, counted, tmp_path, content):
     assert decode({"plain_step": 1.0, "cycle": [["pipeline", "x", None, 1.0]]}) is None
 
 
+@pytest.mark.parametrize("plain_step, cycle_seconds", [(0.0, 1.0), (1.0, 0.0), (-1.0, 1.0), (float("nan"), 1.0),
+                                                       (1.0, float("inf"))])
+def test_a_stored_table_with_a_cost_that_is_no_time_is_measured_over(model, counted, plain_step, cycle_seconds):
+    """A readable table whose plain step or cycle costs no positive, finite time is damaged too: it is measured
+    over (a stored `plain_step` of 0 was trusted, and every later auto call raised ZeroDivisionError in the
+    rescaling that folds a plain segment's time into the table)."""
+    key = auto_cache.cost_key(model, 1)
+    auto_cache.store(key, {"plain_step": plain_step, "cycle": [["pipeline", 1, None, cycle_seconds]]})
+    table = costs_for(model, 1, [Candidate(None), PIPE1])
+    assert counted["measure"] == [1]
+    assert table.plain_step > 0 and table.cycle[PIPE1] > 0
+    assert decode(auto_cache.load(key)) == table
+
+
 def test_a_kept_table_is_completed_from_disk(model, counted):
     """An injected table lacking a candidate takes that candidate's cost from the stored table, timing nothing, and
     keeps its own costs."""

@@ -33,6 +33,7 @@ take its cost likewise. A stored or kept table's costs are reused the same way, 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -80,13 +81,17 @@ def encode(table: CostTable) -> dict:
 
 
 def decode(data) -> CostTable | None:
-    """The measured table `encode` wrote, or None for anything else."""
+    """The measured table `encode` wrote, or None for anything else, a cost that is not a positive finite number of
+    seconds included (a zero would divide `auto_costs.observe`'s rescaling)."""
     try:
         cycle = {Candidate(str(mode), int(d), None if k is None else int(k)): float(seconds)
                  for mode, d, k, seconds in data["cycle"]}
-        return CostTable(float(data["plain_step"]), cycle, adapt=True)
+        plain = float(data["plain_step"])
     except (KeyError, TypeError, ValueError):
         return None
+    if not all(math.isfinite(seconds) and seconds > 0 for seconds in (plain, *cycle.values())):
+        return None
+    return CostTable(plain, cycle, adapt=True)
 
 
 def measure_costs(model, batch: int, candidates: list[Candidate], known: CostTable | None = None) -> CostTable:
