@@ -80,3 +80,41 @@ def test_promote_refuses_while_a_later_branch_is_open():
     cache.branches.close(late)
     cache.branches.promote(early)
     assert cache.num_sequences == 1
+
+
+def test_a_crop_refused_under_an_open_branch_changes_nothing():
+    """`crop` checks every cut before making one: refused (invariant B) it leaves every table and column count as
+    they were, so that a retry after closing the branch cuts exactly once (before, the tables it had cut before the
+    refusal were cut again)."""
+    cache = PagedLoopCache(LAYOUT, page_size=4)
+    for seq in (0, 1):
+        for plane in range(cache.num_planes):
+            fill_values(cache, write(cache, seq, plane, list(range(8))), 10.0 * seq + plane)
+    cache.set_columns(8, range(cache.num_planes))
+    slot = cache.branches.open(1, 6)
+    write(cache, slot, 0, [6])
+    with pytest.raises(ValueError, match="invariant B"):
+        cache.crop(-4)
+    assert [[cache.length(s, d) for d in range(cache.num_planes)] for s in (0, 1)] == [[8] * cache.num_planes] * 2
+    assert cache.columns() == 8
+    cache.branches.close(slot)
+    cache.crop(-4)
+    assert [[cache.length(s, d) for d in range(cache.num_planes)] for s in (0, 1)] == [[4] * cache.num_planes] * 2
+    assert read_values(cache, 0, 0) == [0.0] * 4 and cache.columns() == 4
+
+
+@pytest.mark.parametrize("select", [lambda c: c.batch_select_indices([1]), lambda c: c.reorder_cache([1, 0]),
+                                    lambda c: c.batch_repeat_interleave(2)])
+def test_sequences_cannot_be_selected_while_a_branch_is_open(select):
+    """A branch's slot is no sequence of the batch: selecting, reordering or repeating sequences with one open is
+    refused, leaving the branch usable (before, the branch's table was dropped but the branch stayed registered,
+    and closing it raised)."""
+    cache = PagedLoopCache(LAYOUT, page_size=4)
+    for seq in (0, 1):
+        fill_values(cache, write(cache, seq, 0, list(range(8))), float(seq))
+    slot = cache.branches.open(1, 6)
+    write(cache, slot, 0, [6])
+    with pytest.raises(ValueError, match="open branch"):
+        select(cache)
+    cache.branches.close(slot)
+    select(cache)

@@ -50,6 +50,10 @@ class BranchSlots:
     def __contains__(self, slot: int) -> bool:
         return slot in self._open
 
+    def __len__(self) -> int:
+        """The number of open branches."""
+        return len(self._open)
+
     def open(self, parent: int, point: int) -> int:
         """A new branch of sequence `parent` owning positions >= `point`; returns its slot (no pages yet)."""
         cache = self.cache

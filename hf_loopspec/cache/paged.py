@@ -300,6 +300,14 @@ class PagedLoopCache(PageTables, Cache):
         boolean mask over the sequences, as transformers' caches take them."""
         self._select(self._sequence_indices(indices, "indices", masks=True))
 
+    def _select(self, order: list[int]) -> None:
+        """`PageTables._select`, refused while a branch is open (its slot is no sequence of the batch)."""
+        if self.branches:
+            raise ValueError(f"the PagedLoopCache has {len(self.branches)} open branch(es) (competing proposals); "
+                             "close them (cache.branches.close_all()) before selecting, reordering or repeating its "
+                             "sequences.")
+        super()._select(order)
+
     def _sequence_indices(self, indices, name: str, masks: bool) -> list[int]:
         """`indices` (a 1-D tensor, array, list or tuple) as a list of sequence numbers in `[0, num_sequences)`;
         `ValueError` naming `name` for anything else."""
@@ -330,13 +338,13 @@ class PagedLoopCache(PageTables, Cache):
             raise ValueError(f"crop({tokens_to_remove!r}): pass a negative number of columns to remove (an "
                              "integer), as for transformers' caches.")
         keep = max(self.columns() + int(tokens_to_remove), 0)
-        for d in range(self.num_planes):
-            removed = self._columns[d] - keep
-            if removed <= 0:
-                continue
-            for s in range(self.num_sequences):
-                self.truncate(s, d, max(0, self.length(s, d) - removed))
-            self._columns[d] = keep
+        cuts = [(s, d, max(0, self.length(s, d) - (self._columns[d] - keep)))
+                for d in range(self.num_planes) if self._columns[d] > keep for s in range(self.num_sequences)]
+        for cut in cuts:  # every cut is checked before any is made: a refused crop leaves the cache as it was
+            self.branches.check_truncate(*cut)
+        for cut in cuts:
+            self.truncate(*cut)
+        self._columns = [min(columns, keep) for columns in self._columns]
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         raise ValueError("has_previous_state applies to linear-attention cache layers; every layer of a "
