@@ -287,14 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     reader of stdout closed it."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command in ("generate", "batch"):
+            check_generation_args(args)  # before torch loads: a refused option answers at once
+            warn_seeded_auto(args)
         from . import register
 
         register()  # deferred when the console script imported the package (`hf_loopspec_cli`)
         if args.command in ("generate", "batch"):
             import torch
 
-            check_generation_args(args)
-            warn_seeded_auto(args)
             torch.set_num_threads(args.threads)
         if args.command == "generate":
             return generate(args)

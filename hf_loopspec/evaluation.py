@@ -20,8 +20,9 @@ def run_lm_eval(args: list[str]) -> int:
     """Run lm-eval's own CLI on `args` (as the `lm-eval` command would get them); its exit status.
 
     `FileNotFoundError` first when `--model_args pretrained=PATH` names a path that does not exist and is no Hub id
-    either (lm-eval would report it as a malformed repo id)."""
-    check_pretrained_paths(args)
+    either (lm-eval would report it as a malformed repo id), and `ValueError` for a `dtype` that torch does not have
+    or a key that the model's `from_pretrained` does not take (lm-eval's own errors for them are tracebacks)."""
+    check_model_args(args)
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError as err:
@@ -35,21 +36,33 @@ def run_lm_eval(args: list[str]) -> int:
     sys.argv = ["lm-eval", *args]  # lm-eval's parser reads sys.argv
     try:
         cli_evaluate()  # argparse errors and --help end in SystemExit, which passes through
+    except TypeError as err:  # lm-eval hands the keys it does not know to from_pretrained, and the model's __init__
+        if "unexpected keyword argument" not in str(err):
+            raise
+        raise ValueError(f"{MODEL_ARGS}: {err}; lm-eval passes the keys it does not know to the model, which takes "
+                         "no such argument: drop it or correct its spelling.") from err
     finally:
         sys.argv = saved
     return 0
 
 
-def check_pretrained_paths(args: list[str]) -> None:
+def check_model_args(args: list[str]) -> None:
     """`FileNotFoundError` naming `--model_args pretrained=SPEC` when SPEC is neither an existing path nor a valid Hub
-    repo id (`./nope`, `/abs/nope`); anything else is left to lm-eval."""
+    repo id (`./nope`, `/abs/nope`), `ValueError` naming `dtype=NAME` when torch has no such dtype; anything else is
+    left to lm-eval."""
     values = [value for flag, value in zip(args, args[1:]) if flag == MODEL_ARGS]
     values += [arg.split("=", 1)[1] for arg in args if arg.startswith(f"{MODEL_ARGS}=")]
     for value in values:  # lm-eval's form: key=value pairs separated by commas
         for item in value.split(","):
             key, _, spec = item.partition("=")
-            spec = spec.strip()
-            if key.strip() != "pretrained" or not spec or Path(spec).expanduser().exists():
+            key, spec = key.strip(), spec.strip()
+            if key in ("dtype", "torch_dtype") and spec != "auto":
+                import torch
+
+                if not isinstance(getattr(torch, spec, None), torch.dtype):
+                    raise ValueError(f"{MODEL_ARGS} {key}={spec}: torch has no such dtype; pass float32, bfloat16, "
+                                     "float16 or auto.")
+            if key != "pretrained" or not spec or Path(spec).expanduser().exists():
                 continue
             try:
                 check_source(spec)

@@ -276,6 +276,19 @@ def test_help_and_argument_errors_load_neither_torch_nor_transformers(argv):
     assert result.stdout.rstrip().endswith("imported: []"), result.stdout[-300:]
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "x", "--temperature", "0.5"], "--temperature"),
+    (["batch", "in.jsonl", "--output", "out.jsonl", "--mode", "plain", "--draft-loops", "2"], "--draft-loops"),
+])
+def test_refused_options_answer_before_torch_loads(argv, flag):
+    """docs/cli.md: options the chosen decoding would ignore are refused without loading torch (they loaded torch
+    and transformers first, several seconds)."""
+    result = launch(*argv)
+    assert result.returncode == 2 and result.stderr.startswith(f"hf-loopspec {argv[0]}: error: ")
+    assert flag in result.stderr
+    assert result.stdout.rstrip().endswith("imported: []"), result.stdout[-300:]
+
+
 def test_console_script_registers_before_a_command():
     """The deferred registration happens before the command: the embedded model loads through the Auto classes."""
     result = launch("generate", "def f(x):", "--mode", "plain", "--max-new-tokens", "4")

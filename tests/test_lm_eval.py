@@ -103,3 +103,17 @@ def test_without_lm_eval_installed_the_error_is_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("hf-loopspec lm-eval: error: lm-eval is not installed")
     assert 'pip install "hf-loopspec[eval] @ git+' in err  # the extra, from the repository (not on PyPI)
+
+
+@pytest.mark.parametrize("model_args, named", [
+    (",bogus_arg=3", "bogus_arg"),  # lm-eval hands it to from_pretrained: the model's __init__ raised a TypeError
+    (",dtype=float99", "dtype=float99"),  # lm-eval's getattr(torch, ...) raised an AttributeError
+])
+def test_bad_model_args_end_in_one_line(task_dir, capsys, model_args, named):
+    """docs/cli.md: every error a user can cause ends in one line and exit status 2 (these were tracebacks, 1)."""
+    code = cli.main(["lm-eval", "run", "--model", "hf", "--model_args", f"pretrained={default_model_path()}"
+                     f"{model_args}", "--tasks", TASK, "--include_path", str(task_dir), "--device", "cpu",
+                     "--limit", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("hf-loopspec lm-eval: error: --model_args") and named in err[-1]
