@@ -152,7 +152,7 @@ print(tok.decode(out.sequences[0]), out.speculation.acceptance_rate)
 (`speculative_mode: "auto"`, `draft_loops: 1`, `num_speculative_tokens: 4`: each call decodes plainly, in block or
 in pipeline mode, whichever the device's measured costs and the observed draft acceptance make fastest); pass
 `speculative_mode=None` for plain decoding. It sets no length limit, so the `max_new_tokens` or `max_length` a
-caller passes always wins (without either, transformers' default `max_length` of 20 applies). `eos_token_id` =
+caller passes always wins (without either, transformers' default applies: 20 new tokens). `eos_token_id` =
 `pad_token_id` = `bos_token_id` = 0 (`<|endoftext|>`).
 
 ## Architecture
