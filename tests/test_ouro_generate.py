@@ -162,6 +162,26 @@ def test_static_cache_generate_equals_dynamic(setup):
     torch.testing.assert_close(static, expected, atol=0, rtol=0)
 
 
+def test_a_static_cache_continues_within_its_size_and_refuses_beyond_it(setup):
+    """A static cache made with `max_cache_len` continues like a DynamicCache (a second turn after a first: one plain
+    call's tokens); a call that would write past a static cache's positions raises a ValueError naming its size (an
+    IndexError from index_copy_ before)."""
+    model, _, prompts, _, _ = setup
+    prompt, extra = prompts[1][None], random_ids((1, 3), VOCAB, seed=9)
+    with torch.no_grad():
+        first = model.generate(prompt, max_new_tokens=NEW, eos_token_id=None, cache_implementation="static",
+                               max_cache_len=64, return_dict_in_generate=True)
+        turn = torch.cat([first.sequences, extra], 1)
+        second = model.generate(turn, cache=first.past_key_values, max_new_tokens=NEW, eos_token_id=None)
+        expected = model.generate(turn, max_new_tokens=NEW, eos_token_id=None)
+        torch.testing.assert_close(second, expected, atol=0, rtol=0)
+        full = model.generate(prompt, max_new_tokens=NEW, eos_token_id=None, cache_implementation="static",
+                              return_dict_in_generate=True)
+        capacity = prompt.shape[1] + NEW - 1
+        with pytest.raises(ValueError, match=f"holds {capacity} positions"):
+            model.generate(torch.cat([full.sequences, extra], 1), cache=full.past_key_values, max_new_tokens=NEW)
+
+
 def test_transformers_compiled_static_path_equals_dynamic(setup):
     """transformers' own compiled decoding (static cache + `compile_config`; forced on CPU, aot_eager backend)."""
     model, _, _, ids, mask = setup

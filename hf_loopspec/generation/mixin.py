@@ -197,8 +197,16 @@ class LoopSpecGenerationMixin(GenerationMixin):
             return
         if user_cache is None and generation_config.use_cache is not False \
                 and generation_config.cache_implementation == "static":
-            model_kwargs["cache"] = looped_static_cache(self.config, self.kv_layout, max_cache_length)
+            ceiling = getattr(generation_config, "max_cache_len", None)  # sized for later, longer calls too
+            model_kwargs["cache"] = looped_static_cache(self.config, self.kv_layout,
+                                                        max(max_cache_length, ceiling or 0))
             return
+        if user_cache is not None and getattr(user_cache, "is_compileable", False) and user_cache.layers \
+                and max_cache_length > user_cache.layers[0].max_cache_len:  # a fixed size (static) cache
+            raise ValueError(
+                f"cache: the {type(user_cache).__name__} holds {user_cache.layers[0].max_cache_len} positions, but "
+                f"this call writes up to {max_cache_length} (max_length={generation_config.max_length}, the last "
+                "token not written); pass fewer new tokens, a larger static cache, or a DynamicCache (it grows).")
         super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                               max_cache_length)
 
