@@ -53,6 +53,10 @@ class SpeculativeRequest:
     exit_rule: ExitRule | None = None  # the target logits of exit options (Ouro's exit_at_step, ...); None: head
     complete_cache: bool = False  # leave the cache as plain decoding would (every output column but the last)
 
+    def __post_init__(self):
+        if self.input_ids.dtype != torch.long:  # int32 ids, which generate takes, as the int64 the engine indexes with
+            object.__setattr__(self, "input_ids", self.input_ids.long())
+
     def options(self) -> dict:
         """Every field but `spec` and `cache`, by name (the lane decoder's keyword arguments)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("spec", "cache")}
