@@ -6,7 +6,8 @@ num_speculative_tokens K, second_draft_loops d2, speculative_engine, batch size 
 max_new_tokens, EOS lists (random ids, and tokens plain decoding emits, so that stops and EOS holds happen), logits
 processors (`PROCESSORS`: no_repeat_ngram_size, min_new_tokens, min_length, repetition_penalty, bad_words_ids,
 suppress_tokens, begin_suppress_tokens, forced_eos_token_id, exponential_decay_length_penalty, and a user's
-processor, with which `generate` decodes plainly), use_cache=False, output_scores, `speculative_mode="auto"` (with a
+processor, with which `generate` decodes plainly), Ouro's exit options (`EXITS`), int32 `input_ids`, use_cache=False,
+output_scores, `speculative_mode="auto"` (with a
 cost table under which it speculates, or one under which it decodes plainly, and short segments, so that it switches
 within a call), and continuing a cache that a first call (in any mode, plain included; a plain call's own
 `DynamicCache` too) filled. The
@@ -90,12 +91,13 @@ class Case:
     eos_at: tuple[int, ...] = ()
     auto_costs: str | None = None  # with speculative_mode="auto": the `AUTO_COSTS` table it decides by
     dynamic_first: bool = False  # the first call is plain decoding on its own DynamicCache (else a PagedLoopCache)
+    int32_ids: bool = False  # the speculative call gets its ids as int32 (plain decoding's as int64)
 
     def describe(self) -> str:
         return (f"Case(seed={self.seed}, {self.family}, U={self.loops}, damp={self.damp}, lengths={self.lengths}, "
                 f"max_new={self.max_new}, speculative={self.speculative}, shared={self.shared}, first={self.first}, "
                 f"suffixes={self.suffixes}, eos_at={self.eos_at}, auto_costs={self.auto_costs}, "
-                f"dynamic_first={self.dynamic_first})")
+                f"dynamic_first={self.dynamic_first}, int32_ids={self.int32_ids})")
 
 
 # generate's logits-processor settings a case may draw, each with one value drawn from (rng, vocab)
@@ -111,6 +113,12 @@ PROCESSORS = {
     "forced_eos_token_id": lambda rng, vocab: rng.randint(1, vocab - 1),
     "exponential_decay_length_penalty": lambda rng, vocab: (rng.randint(0, 8), rng.choice([1.2, 2.0])),
 }
+# Ouro's exit options a case may draw (the target's logits from another loop, or from the gate's exit distribution)
+EXITS = (
+    lambda rng, loops: {"exit_at_step": rng.randrange(loops)},
+    lambda rng, loops: {"exit_threshold": rng.choice([0.5, 0.9])},
+    lambda rng, loops: {"use_weighted_exit": True},
+)
 # auto's cost tables (`auto_costs.CostTable`: seconds of a plain step, of an engine cycle per candidate) and a policy
 # of short segments: "speculative", every candidate wins at high acceptance; "plain", none ever does
 _CANDIDATES = [Candidate("pipeline", d) for d in range(1, 8)] + [Candidate("block", d, 4) for d in range(1, 8)]
@@ -168,8 +176,11 @@ def draw_case(seed: int) -> Case:
         speculative = {key: value for key, value in speculative.items() if key in ("use_cache", "output_scores")}
         speculative["speculative_mode"] = "auto"
     dynamic_first = first is not None and first["speculative_mode"] is None and rng.random() < 0.5
+    if family == "ouro" and rng.random() < 0.2:  # (drawn last: the settings above stay those of each seed before)
+        shared |= rng.choice(EXITS)(rng, loops)
+    int32_ids = rng.random() < 0.15
     return Case(seed, family, loops, damp, lengths, max_new, speculative, shared, first, suffixes, eos_at,
-                auto_costs, dynamic_first)
+                auto_costs, dynamic_first, int32_ids)
 
 
 @dataclass
@@ -254,7 +265,8 @@ def run_case(case: Case) -> Mismatch | None:
         elif cache is None:
             cache = paged_cache(model, debug=False, num_steps=shared.get("num_steps"))
         given = {} if cache is None else {"cache": cache}
-        got = generate_dict(model, ids, mask, case.max_new, **given, **case.speculative, **shared)
+        got = generate_dict(model, ids.int() if case.int32_ids else ids, mask, case.max_new, **given,
+                            **case.speculative, **shared)
     except ValueError as error:
         if str(error).startswith(REFUSED) or _plain_error(model, case, vocab) == str(error):
             return None  # the documented refusal, or the error plain decoding raises for these settings too

@@ -54,6 +54,20 @@ def test_exit_options_give_plain_tokens(setup, name, mode, d, k):
                             model_depth=ouro_depth(model.config))
 
 
+@pytest.mark.parametrize("loops,d", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_exit_options_when_every_lane_slot_is_a_head_column(loops, d, name):
+    """Pipeline with U / d = 2 lanes: both slots are head columns, in slot order, so the target is column 0 only
+    every other cycle. The exit rule's logits went to whichever slot was in column 0, and tokens left plain's with
+    margins of 0.1-0.9 (a differential probe found it)."""
+    model = tiny_spec_model(93, loops, vocab=VOCAB, damp=0.15)
+    ids, mask = left_pad(random_prompts(93, [6, 3], VOCAB))
+    ref = plain(model, ids, mask, NEW, **OPTIONS[name])
+    out = speculative(model, ids, mask, NEW, "pipeline", d, **OPTIONS[name])
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    assert_counter_invariants(out.speculation, [NEW, NEW])
+
+
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_exit_options_with_second_proposals_count_as_the_lane_decoder(setup, name):
     """Pipeline with second proposals from depth 3 (siblings chosen by the exit's targets): plain's tokens, and the

@@ -43,10 +43,12 @@ def promote(s: WavefrontState, taken: torch.Tensor) -> None:
 
 def target_scores(plan: Plan, s: WavefrontState, slots: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """The head's logits `scores` `[B, R, V]` of the lane slots `slots` `[B, R]` (`step.head_slots`), with the exit
-    rule's logits in place of those of every slot at depth U (a target). In block mode every slot is a column; in
-    the other modes at most one running slot per sequence is at depth U, column 0 (the others at depth d or d2, or
-    another column's slot again), so the rule runs on column 0 only and its logits serve every column at depth U."""
-    targets = slots if plan.mode == "block" else slots[:, :1]  # [B, T]
+    rule's logits in place of those of every slot at depth U (a target). When every slot is a column (block mode,
+    and pipeline modes with as many lanes as head columns, U / d = 2 or 3 with second proposals), the columns are the
+    slots in order and the rule runs on each; otherwise `head_slots` puts the one running slot per sequence at
+    depth U in column 0 (the others are at depth d or d2, or another column's slot again), so the rule runs on
+    column 0 only and its logits serve every column at depth U."""
+    targets = slots if slots.shape[1] == plan.lanes else slots[:, :1]  # [B, T]
     batch, count = targets.shape
     records = s.loop_states.gather(1, targets[..., None, None].expand(-1, -1, *s.loop_states.shape[2:]))  # [B, T, U, H]
     flat = records.flatten(0, 1)  # [B * T, U, H]
