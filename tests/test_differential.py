@@ -4,7 +4,8 @@ it found.
 `test_random_case` runs `CASES` seeded cases of `differential.draw_case` (the whole settings space: family, loops,
 mode, d, K, d2, engine, batch and padding, EOS lists, processors, exit options, int32 ids, use_cache=False,
 output_scores, cache continuation); each must give plain's tokens, or diverge only at a near-tie that fp32 rounding
-can flip (plain's top-1 / top-2 margin below the bound `differential` derives). `scripts/differential_soak.py` runs many more seeds.
+can flip (plain's top-1 / top-2 margin below the bound `differential` derives). `scripts/differential_soak.py` runs
+many more seeds.
 """
 
 from __future__ import annotations
