@@ -252,6 +252,31 @@ def test_a_huginn_dynamic_cache_is_continued_speculatively():
     assert torch.equal(second.sequences, ref.sequences)
 
 
+@pytest.mark.parametrize("costs", ["plain", "speculative"])
+def test_huginn_call_settings_win_over_the_generation_config_in_every_segment(costs):
+    """The call's `num_steps` / `init_seed` win over a generation config's (docs: the call's keyword arguments
+    first) in every segment of an auto call, as in the fixed modes. Each segment is a `generate` call of its own,
+    which read the config again: one plain segment decoded at the config's steps and seed, and a speculative one
+    raised a layout mismatch."""
+    model, _ = tiny_huginn(seed=3, damp=0.3)
+    model.generation_config.num_steps, model.generation_config.init_seed = 2, 1
+    settings = {"num_steps": 4, "init_scale": 1.0, "init_seed": 2}
+    ids, mask = left_pad(random_prompts(3, [4, 6], model.config.vocab_size))
+    ref = plain(model, ids, mask, 12, **settings)
+    assert not torch.equal(ref.sequences, plain(model, ids, mask, 12, init_scale=1.0).sequences)  # the config's
+    wins = PLAIN_WINS if costs == "plain" else CostTable(4.0, dict.fromkeys(candidates(4, None, None)[1:], 2.0))
+    set_costs(model, wins)
+    set_policy(model, POLICY)
+    try:
+        out = generate_dict(model, ids, mask, 12, speculative_mode="auto", **settings)
+    finally:
+        set_costs(model, None)
+        set_policy(model, None)
+        forget(model)
+    assert out.speculation.choices[0].mode == ("plain" if costs == "plain" else "pipeline")
+    assert torch.equal(out.sequences, ref.sequences)
+
+
 def test_another_kind_of_cache_decodes_plainly(case):
     """A `StaticCache` cannot back speculation: even where speculation would win, the call runs one plain segment
     with reason "cache-type", and its tokens equal plain decoding's."""
