@@ -27,6 +27,7 @@ from speculative_utils import (
     plain,
 )
 from tolerances import assert_fp32_close, huginn_depth
+from transformers import GenerationConfig
 
 from hf_loopspec.generation.history import run_planes
 from hf_loopspec.generation.wavefront import WavefrontEngine
@@ -245,3 +246,27 @@ def test_joint_distribution_of_two_tokens_equals_plain_sampling(mode, d, k, sett
         counts = sample_pairs(model, PROCESSOR_SETTINGS[settings], seed=1, speculative_engine="wavefront",
                               **mode_kwargs(mode, d, k))
     assert chi_square_p_value(counts, joint) > ALPHA
+
+
+@pytest.mark.parametrize("stages", [{"n_layers_in_prelude": 0}, {"n_layers_in_coda": 0},
+                                    {"n_layers_in_prelude": 0, "n_layers_in_coda": 0}],
+                         ids=["no-prelude", "no-coda", "neither"])
+@pytest.mark.parametrize("mode,d,k", MODE_PARAMS)
+def test_a_model_without_a_prelude_or_a_coda_decodes_as_plain(stages, mode, d, k):
+    """A config without a prelude or without a coda (no entry or exit plane) gives plain's tokens in every mode and
+    in continuous batching (without a coda, the head was called without the positions and attention it required:
+    a TypeError in the speculative modes and in every continuous batching request)."""
+    model, _ = tiny_huginn(seed=5, damp=0.3, **stages)
+    ids, mask = left_pad([random_ids(n, VOCAB, seed=40 + i) for i, n in enumerate(LENGTHS)], PAD)
+    settings = {"num_steps": 4, **INITS["seeded"]}
+    ref = plain(model, ids, mask, NEW, **settings)
+    out = generate_dict(model, ids, mask, NEW, **mode_kwargs(mode, d, k), **settings)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    if (mode, d) != MODES[0][:2]:
+        return
+    prompt = random_ids(5, VOCAB, seed=44).tolist()
+    alone = plain(model, torch.tensor([prompt]), torch.ones(1, 5, dtype=torch.long), NEW, **settings)
+    results = model.generate_batch([prompt], generation_config=GenerationConfig(
+        max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, speculative_mode=mode, draft_loops=d, **settings))
+    [result] = results.values()
+    assert result.error is None and list(result.generated_tokens) == alone.sequences[0, 5:].tolist()

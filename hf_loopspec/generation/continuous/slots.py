@@ -113,7 +113,7 @@ class SlotBatch:
         for name in ("token", "position", "depth", "hidden", "draft_q", "round_drafts", "counters", "n_out",
                      "kv_len", "prompt_start", "prompt_depth"):
             getattr(s, name)[b] = 0
-        if stages.has_stage_kv(model):  # the entry plane's KV of the prompt (slot b's rows only)
+        if not stages.embeds_by_lookup(model):  # through model.embed (the entry plane's KV: slot b's rows only)
             tokens = torch.zeros(len(s.token), n, dtype=torch.long, device=device)
             tokens[b] = ids
             real = torch.zeros_like(tokens, dtype=torch.bool)

@@ -208,7 +208,7 @@ class WavefrontEngine:
             **outputs.buffers(plan, batch, self._out_columns(max_new) + 1, self.vocab, hidden_size, like),
             init_states=stages.initial_states(self.model, batch, plan.positions, like),
         )
-        staged = self._embed_staged(state, start) if stages.has_stage_kv(self.model) else None
+        staged = None if stages.embeds_by_lookup(self.model) else self._embed_staged(state, start)
         for b, prompt in enumerate(start.tokens):  # set-up runs once per batch on the host
             n = len(prompt)
             if n == 0:
@@ -224,7 +224,7 @@ class WavefrontEngine:
 
     def _embed_staged(self, state: WavefrontState, start) -> torch.Tensor:
         """`[B, F, H]` the loop-0 input of every token a sequence runs (`resume.Start`: its new tokens, from
-        position `stored`), left-aligned, through the entry stage's KV plane."""
+        position `stored`), left-aligned, by `model.embed` (through the entry stage's KV plane when it has one)."""
         width = max((len(t) for t in start.tokens), default=0)
         tokens = torch.zeros(len(start.tokens), width, dtype=torch.long, device=state.token.device)  # [B, F]
         for b, row in enumerate(start.tokens):
@@ -363,8 +363,8 @@ class WavefrontEngine:
             real, start = torch.arange(max(fill), device=device) < fill_t[:, None], state.prompt_len + state.n_out - 1
             check_token_ids(tokens[real], self.vocab)  # a pad id outside the vocabulary: plain decoding's error
             filling = replace(
-                state, prompt_hidden=stages.embed_rows(self.model, self.plan, state, tokens, start, real)
-                if stages.has_stage_kv(self.model) else self.model.get_input_embeddings()(tokens),
+                state, prompt_hidden=self.model.get_input_embeddings()(tokens) if stages.embeds_by_lookup(self.model)
+                else stages.embed_rows(self.model, self.plan, state, tokens, start, real),
                 prompt_real=real, prompt_start=start, prompt_depth=torch.zeros_like(state.prompt_depth),
                 alive=torch.zeros_like(state.alive), finished=fill_t == 0, core_calls=state.core_calls.clone(),
                 counters=state.counters.clone())

@@ -37,6 +37,13 @@ def has_stage_kv(model) -> bool:
     return layout.entry_plane is not None or layout.first_exit_plane is not None
 
 
+def embeds_by_lookup(model) -> bool:
+    """Whether a token's loop-0 input is its row of the embedding table (Ouro): no stage KV and no initial states
+    of the model's own (Huginn's, joined to the scaled embedding, or its prelude's output, even without stage KV
+    when it has no prelude or no coda). Otherwise `model.embed` makes it (`embed_rows`, `spawn_embedder`)."""
+    return not has_stage_kv(model) and getattr(model, "initial_states", None) is None
+
+
 def exit_depths(plan: Plan) -> tuple[int, ...]:
     """The depths at which lanes and prompt rows run the head: U, d when drafting, d2 with second proposals (the
     lane decoder's `policies.exit_depths`)."""
@@ -116,9 +123,9 @@ def embed_rows(model, plan: Plan, s: WavefrontState, tokens: torch.Tensor, start
 
 
 def _lookup(model) -> Callable | None:
-    """`embed(s, token, position, spawn) -> [B, H]` as the embedding lookup, for a model without stage KV (its
-    loop-0 inputs read no KV); None for a model with stage KV."""
-    if has_stage_kv(model):
+    """`embed(s, token, position, spawn) -> [B, H]` as the embedding lookup, for a model whose loop-0 inputs are
+    embedding rows (`embeds_by_lookup`); None for any other."""
+    if not embeds_by_lookup(model):
         return None
     table = model.get_input_embeddings()
     return lambda s, token, position, spawn: table(token)
@@ -126,8 +133,9 @@ def _lookup(model) -> Callable | None:
 
 def spawn_embedder(model, plan: Plan) -> Callable:
     """`embed(s, token, position, spawn) -> [B, H]`: the loop-0 inputs of the lanes spawned in a cycle (`token`,
-    `position`, `spawn`: `[B]`, one candidate row per sequence). With stage KV, `model.embed` through the entry
-    plane (only the `spawn` rows write it), else the embedding lookup."""
+    `position`, `spawn`: `[B]`, one candidate row per sequence). The embedding lookup where that is the loop-0
+    input (`embeds_by_lookup`), else `model.embed`, through the entry plane when it has one (only the `spawn` rows
+    write it)."""
     lookup = _lookup(model)
     if lookup is not None:
         return lookup

@@ -236,12 +236,15 @@ class HuginnModel(HuginnPreTrainedModel):
             state = block(state, rope, attention)
         return torch.cat([state, hidden[..., width:]], dim=-1)
 
-    def decode(self, hidden: torch.Tensor, positions: torch.Tensor, attention: KVAttention | None) -> torch.Tensor:
-        """The coda on a lane state's state half: `ln_f(coda(ln_f(state)))` `[*rows, n_embd]` (the LM head input)."""
+    def decode(self, hidden: torch.Tensor, positions: torch.Tensor | None,
+               attention: KVAttention | None) -> torch.Tensor:
+        """The coda on a lane state's state half: `ln_f(coda(ln_f(state)))` `[*rows, n_embd]` (the LM head input);
+        `positions` and `attention` serve the coda's blocks (a model without a coda takes None for them)."""
         x = self.ln_f(hidden[..., : self.config.n_embd])
-        rope = self.rope(positions, x.dtype)
-        for block in self.coda:
-            x = block(x, rope, attention)
+        if self.coda:
+            rope = self.rope(positions, x.dtype)
+            for block in self.coda:
+                x = block(x, rope, attention)
         return self.ln_f(x)
 
     # --- HF API ---------------------------------------------------------------------------------------------
@@ -351,8 +354,9 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
         """`HuginnModel.embed`."""
         return self.transformer.embed(input_ids, positions, sequences, attention, initial)
 
-    def head(self, hidden, positions, attention):
-        """Logits (fp32) of lane states at any step; the coda writes and reads the exit plane in `attention`."""
+    def head(self, hidden, positions=None, attention=None):
+        """Logits (fp32) of lane states at any step; the coda writes and reads the exit plane in `attention` (a model
+        without a coda has no exit plane: the engine then passes neither)."""
         return project(self.lm_head, self.transformer.decode(hidden, positions, attention)).float()
 
     # --- HF API ---------------------------------------------------------------------------------------------
