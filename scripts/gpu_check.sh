@@ -15,7 +15,11 @@
 #   2. scripts/bench_gpu.sh: the ouro-1.4b shape in bf16, batch 1 and 8, every mode beside plain and
 #      transformers' static-cache decoding, with the bf16 agreement report (agreement rate, first divergent token,
 #      top-1/top-2 margin there) in each row: bench_gpu_b{1,8}.{json,txt,log}.
-# Each stage runs under its own time limit, so one that hangs cannot eat the rest of the lease.
+#   3. the ragged serving workload (bench_gpu.sh's last stage, one round): bench_workload.{json,txt,log}.
+# Each stage runs under its own time limit, so one that hangs cannot eat the rest of the lease: pytest
+# PYTEST_LIMIT_S (140 s), each batch size BENCH_LIMIT_S (100 s), the workload BENCH_WORKLOAD_LIMIT_S (90 s), each
+# plus 10 s to be killed: at most 140 + 2 x 100 + 90 + 4 x 10 = 470 s, about 8 minutes with the install and
+# the machine report, under the device tool's 600 s per command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TRANSFORMERS_WHEEL="transformers==5.24.0"
@@ -52,10 +56,12 @@ except ImportError:
     print("triton: not installed")
 PY
     echo "=== pytest -m gpu ==="
-    timeout --kill-after=10 "${PYTEST_LIMIT_S:-200}" "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs \
+    timeout --kill-after=10 "${PYTEST_LIMIT_S:-140}" "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs \
         tests/test_attention_ops.py tests/test_gpu_engine.py tests/test_cache_convert.py
     echo "pytest exit status: $? (124 = over its time limit)"
 } 2>&1 | tee "$LOG"
 
 echo "=== bench ===" | tee -a "$LOG"
-BENCH_LIMIT_S="${BENCH_LIMIT_S:-130}" OUT="$OUT_DIR" scripts/bench_gpu.sh --repeats 2 "$@" 2>&1 | tee -a "$LOG"
+BENCH_LIMIT_S="${BENCH_LIMIT_S:-100}" BENCH_WORKLOAD_LIMIT_S="${BENCH_WORKLOAD_LIMIT_S:-90}" \
+    BENCH_WORKLOAD_ARGS="--rounds 1 ${BENCH_WORKLOAD_ARGS:-}" OUT="$OUT_DIR" \
+    scripts/bench_gpu.sh --repeats 2 "$@" 2>&1 | tee -a "$LOG"
