@@ -3,6 +3,7 @@ the exit options, cached decoding, left padding, and input / config validation. 
 
 from __future__ import annotations
 
+import logging
 import re
 
 import numpy as np
@@ -13,7 +14,7 @@ from helpers import VOCAB, reference, tiny_config, tiny_model
 from inputs import left_pad, random_ids
 from ouro_reference import exit_distribution
 from tolerances import assert_fp32_close, ouro_depth
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from hf_loopspec.models.layers import project
@@ -272,7 +273,6 @@ def test_out_of_vocab_ids_raise(bad_id):
         ({"num_hidden_layers": None}, "num_hidden_layers=None"),
         ({"hidden_size": 0}, "hidden_size=0"),
         ({"num_attention_heads": 0}, "num_attention_heads=0"),
-        ({"attention_dropout": 0.1}, "attention_dropout=0.1"),  # no dropout is applied: refused, not ignored
     ],
 )
 def test_invalid_config_raises(overrides, named):
@@ -282,7 +282,8 @@ def test_invalid_config_raises(overrides, named):
 
 def test_settings_changed_after_the_config_was_made_are_checked_when_the_model_is_built(tmp_path):
     """`from_pretrained`'s keyword overrides are set on the config after it checked itself: the model checks them
-    before building (before, `total_ut_steps=0` loaded and the forward raised a bare IndexError)."""
+    before building (before, `total_ut_steps=0` loaded and the forward raised a bare IndexError). A changed layer
+    count is a valid change: `layer_types` follows it."""
     model, _ = tiny_model(seed=0)
     model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="total_ut_steps=0"):
@@ -291,6 +292,23 @@ def test_settings_changed_after_the_config_was_made_are_checked_when_the_model_i
     config.num_key_value_heads = 3
     with pytest.raises(ValueError, match="num_key_value_heads=3"):
         AutoModelForCausalLM.from_config(config)
+    config = tiny_config()
+    config.num_hidden_layers = config.num_hidden_layers + 1
+    assert len(AutoModelForCausalLM.from_config(config).model.layers) == len(config.layer_types) == \
+        config.num_hidden_layers
+    smaller = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path, num_hidden_layers=1))
+    assert len(smaller.model.layers) == 1 and smaller.config.layer_types == ["full_attention"]
+
+
+def test_attention_dropout_is_said_not_to_apply(caplog):
+    """The attention has no dropout: a config with one builds (fine-tuning recipes carry it) and says it is not
+    applied; train and eval forwards are the same."""
+    with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+        model, _ = tiny_model(seed=0, attention_dropout=0.1)
+    assert any("attention_dropout=0.1 is not applied" in r.getMessage() for r in caplog.records)
+    ids = random_ids((1, 4), VOCAB)
+    with torch.no_grad():
+        assert torch.equal(model.train()(ids).logits, model.eval()(ids).logits)
 
 
 def test_output_attentions_raises_instead_of_returning_none():

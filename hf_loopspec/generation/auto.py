@@ -219,7 +219,7 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
     drop = {*SPECULATIVE_KEYS, "max_new_tokens", "max_length", "min_new_tokens", "min_length", "cache",
             "past_key_values", "return_dict_in_generate", "use_cache", "attention_mask", "inputs", "input_ids",
             "streamer"}
-    base = {key: value for key, value in kwargs.items() if key not in drop}
+    base = {key: value for key, value in kwargs.items() if key not in drop} | model.call_settings()
     if config.do_sample and config.num_return_sequences > 1:  # the rows are repeated once, up front (`_rows_and_mask`)
         base["num_return_sequences"] = 1
         if (allowed := base.get("prefix_allowed_tokens_fn")) is not None:  # its batch id stays the prompt's

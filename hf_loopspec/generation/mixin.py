@@ -205,8 +205,9 @@ class LoopSpecGenerationMixin(GenerationMixin):
                 and max_cache_length > user_cache.layers[0].max_cache_len:  # a fixed size (static) cache
             raise ValueError(
                 f"cache: the {type(user_cache).__name__} holds {user_cache.layers[0].max_cache_len} positions, but "
-                f"this call writes up to {max_cache_length} (max_length={generation_config.max_length}, the last "
-                "token not written); pass fewer new tokens, a larger static cache, or a DynamicCache (it grows).")
+                f"this call writes up to {max_cache_length} (its input's positions and its new tokens but the last, "
+                "which is never written); pass fewer new tokens, a larger static cache (max_cache_len), or a "
+                "DynamicCache (it grows).")
         super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                               max_cache_length)
 
@@ -279,6 +280,12 @@ class LoopSpecGenerationMixin(GenerationMixin):
         mask = torch.ones_like(sequences) if mask is None else torch.cat(
             [mask, mask.new_ones(len(mask), sequences.shape[1] - mask.shape[1])], 1)  # [B, sequences' columns]
         return to_dynamic(cache, mask, into=call.dynamic_cache)
+
+    def call_settings(self) -> dict:
+        """The family's own `generate` keyword arguments in force for the running call, resolved; auto mode passes
+        them to each of its segments (each a `generate` call of its own). Empty for Ouro; Huginn has its recurrence
+        settings."""
+        return {}
 
     def exit_rule(self, **model_kwargs) -> ExitRule | None:
         """How the lane decoder computes a target's logits for a call's model kwargs (`decoder.ExitRule`); None: the

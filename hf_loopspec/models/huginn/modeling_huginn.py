@@ -43,7 +43,7 @@ from ..layers import (
 )
 from ..loops import forward_rows
 from .configuration_huginn import HuginnConfig
-from .recurrence import OPEN_BLOCKS, OPEN_CALLS, Recurrence, state_seed, updated
+from .recurrence import OPEN_BLOCKS, Recurrence, state_seed, updated
 
 Rope = Callable[[torch.Tensor], torch.Tensor]  # rotates q or k `[*rows, heads, D]` at the call's positions
 
@@ -373,18 +373,18 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
         """`GenerationMixin.generate` (with hf_loopspec's speculative modes) at `num_steps` recurrence steps, with
         initial states keyed by one seed for the whole call, so plain and speculative decoding see the same
         state for the same token (use `init_scale=0` or a fixed `init_seed` for reproducible outputs). A setting not
-        passed here comes from the generation config (passed, else the model's), else an open `recurrence` block;
-        in a `generate` call inside this model's own (auto mode's segments), from the outer call."""
+        passed here comes from the generation config (passed, else the model's), else an open `recurrence` block."""
         config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or self.generation_config
         given = {"num_steps": num_steps, "init_scale": init_scale, "init_seed": init_seed}
-        inner = id(self) in OPEN_CALLS.get()
-        with self.recurrence(**{key: getattr(config, key, None) if value is None and not inner else value
+        with self.recurrence(**{key: getattr(config, key, None) if value is None else value
                                 for key, value in given.items()}):
-            token = OPEN_CALLS.set(OPEN_CALLS.get() | {id(self)})
-            try:
-                return super().generate(*args, **kwargs)
-            finally:
-                OPEN_CALLS.reset(token)
+            return super().generate(*args, **kwargs)
+
+    def call_settings(self) -> dict:
+        """The running call's recurrence settings, resolved (a seed drawn for it included): auto mode passes them to
+        each of its segments, which would otherwise resolve them again from the generation config."""
+        settings = self.recurrence_settings()
+        return {"num_steps": settings.num_steps, "init_scale": settings.init_scale, "init_seed": settings.init_seed}
 
     @can_return_tuple
     def forward(

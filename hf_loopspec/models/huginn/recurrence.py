@@ -32,9 +32,6 @@ OPEN_BLOCKS: ContextVar[dict[int, Recurrence] | None] = ContextVar("huginn_recur
 """The settings of the `recurrence` blocks open in this thread (or asyncio task), keyed by `id(HuginnModel)`: a
 call's settings never live on the shared model, so threads decoding one model with different settings do not
 interfere. Never mutated: a block sets a new dict and restores the previous one on exit."""
-OPEN_CALLS: ContextVar[frozenset[int]] = ContextVar("huginn_generate_calls", default=frozenset())
-"""The ids of the models whose `generate` runs in this thread (or asyncio task): a `generate` call inside one (auto
-mode's segments) keeps the outer call's settings instead of reading them from the generation config again."""
 
 
 def state_seed(seed: int, sequence: int, position: int) -> int:

@@ -83,7 +83,8 @@ class OuroConfig(PreTrainedConfig):
         self.validate_architecture()
 
     def validate_architecture(self):
-        """Raise `ValueError` for a configuration no Ouro model can be built from."""
+        """Raise `ValueError` for a configuration no Ouro model can be built from. An all-full-attention
+        `layer_types` is re-derived from `num_hidden_layers` first (a count changed after the config was made)."""
         check_counts(self, SIZES)
         steps = self.total_ut_steps
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -111,9 +112,8 @@ class OuroConfig(PreTrainedConfig):
             )
         if self.hidden_act != "silu":
             raise ValueError(f"OuroConfig.hidden_act={self.hidden_act!r} is not supported; Ouro uses 'silu'.")
-        if self.attention_dropout:
-            raise ValueError(f"OuroConfig.attention_dropout={self.attention_dropout!r} is not supported: the attention "
-                             "applies no dropout (the released checkpoints use 0.0); set attention_dropout=0.0.")
+        if set(self.layer_types) == {"full_attention"}:  # follows a layer count changed since the config was made
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
         if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) != {"full_attention"}:
             raise ValueError(
                 f"OuroConfig.layer_types={self.layer_types!r} must list 'full_attention' once per layer "

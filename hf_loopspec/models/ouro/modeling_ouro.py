@@ -22,6 +22,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple
 
 from ...generation.mixin import LoopSpecGenerationMixin
+from ...logs import get_logger
 from ...looped import KVAttention, KVLayout
 from ..base import LoopedCausalLMMixin, StrictLoadingMixin, one_cache
 from ..layers import (
@@ -36,6 +37,8 @@ from ..layers import (
 )
 from ..loops import forward_rows
 from .configuration_ouro import OuroConfig
+
+logger = get_logger(__name__)
 
 
 class OuroAttention(nn.Module):
@@ -122,6 +125,9 @@ class OuroModel(OuroPreTrainedModel):
 
     def __init__(self, config: OuroConfig):
         super().__init__(config)
+        if config.attention_dropout:
+            logger.warning("OuroConfig.attention_dropout=%s is not applied: the looped attention has no dropout, in "
+                           "training as in inference (the released checkpoints use 0.0).", config.attention_dropout)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(OuroDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
