@@ -108,6 +108,21 @@ def test_cancellation_frees_the_slot(model, started, name):
     assert results[late].generated_tokens == alone(model, d, 7)
 
 
+def test_a_cancellation_after_delivery_leaves_a_reused_id_alone(model, started):
+    """`cancel_request` of a delivered request does nothing, also to a later request that reuses its id (it was
+    applied to that one: FAILED "cancelled"); an unknown id is ignored too."""
+    manager = started(SETTINGS["pipeline-d1"])
+    first, second = prompts(5, [3, 4])
+    manager.add_request(first, request_id="a", max_new_tokens=6)
+    assert manager.get_result("a", timeout=60).status == RequestStatus.FINISHED
+    manager.cancel_request("a")
+    manager.cancel_request("never-added")
+    manager.add_request(second, request_id="a", max_new_tokens=6)
+    result = manager.get_result("a", timeout=60)
+    assert result.status == RequestStatus.FINISHED and result.error is None
+    assert result.generated_tokens == alone(model, second, 6)
+
+
 def test_requests_that_cannot_run_fail_alone(model, started):
     """Each request that cannot run is delivered FAILED with a message naming the value; the manager keeps
     serving."""

@@ -64,7 +64,8 @@ class Router(OutputRouter):
 
     def __init__(self):
         super().__init__()
-        self.open_ids = set()  # the requests added and not yet delivered finished or failed
+        self.open_ids: dict[str, int] = {}  # the requests added and not yet delivered finished or failed: serials
+        self._opened = 0  # serials of opens: a reused id gets a new one
         self._arrived = threading.Condition()  # notified after every delivery to the queue
 
     def open(self, request_id: str) -> None:
@@ -73,7 +74,13 @@ class Router(OutputRouter):
             if request_id in self.open_ids:
                 raise ValueError(f"request_id={request_id!r} is already waiting or in flight on this manager: give "
                                  "each request its own id (or none: the manager numbers them).")
-            self.open_ids.add(request_id)
+            self._opened += 1
+            self.open_ids[request_id] = self._opened
+
+    def serial(self, request_id: str) -> int | None:
+        """The serial of the open request of id `request_id`, or None when none is open."""
+        with self._lock:
+            return self.open_ids.get(request_id)
 
     def deliver(self, output: GenerationOutput) -> None:
         self.deliver_batch([output])
@@ -82,7 +89,7 @@ class Router(OutputRouter):
         with self._lock:
             for output in outputs:
                 if output.is_finished() or output.status == RequestStatus.FAILED:
-                    self.open_ids.discard(output.request_id)
+                    self.open_ids.pop(output.request_id, None)
         super().deliver_batch(outputs)
         with self._arrived:  # after the puts: a reader that found nothing is waiting by now, or finds them
             self._arrived.notify_all()
@@ -132,7 +139,7 @@ class LoopBatchingManager:
         self.continuous_batching_config = continuous_batching_config
         self.settings = manager_settings(model, self.generation_config, continuous_batching_config, workload_hints)
         self.input_queue: queue.Queue[RequestState] = queue.Queue()
-        self.cancel_queue: queue.Queue[str] = queue.Queue()
+        self.cancel_queue: queue.Queue[tuple[str, int]] = queue.Queue()  # (request id, its serial)
         self.output_router = Router()
         self.background_thread_status = BackgroundThreadStatus()
         self._request_counter, self._request_lock = 0, threading.Lock()
@@ -269,9 +276,12 @@ class LoopBatchingManager:
                                  record_timestamps=record_timestamps, **logit_processor_kwargs) for ids in inputs]
 
     def cancel_request(self, request_id: str) -> None:
-        """Cancel a request, waiting or in flight: it is delivered FAILED with the error "cancelled"."""
-        self.cancel_queue.put(request_id)
-        self._wake_up_loop.set()
+        """Cancel a request, waiting or in flight: it is delivered FAILED with the error "cancelled". An id with no
+        open request (unknown, or already delivered) is ignored, also when a later request reuses the id."""
+        serial = self.output_router.serial(request_id)
+        if serial is not None:
+            self.cancel_queue.put((request_id, serial))
+            self._wake_up_loop.set()
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """The oldest delivered result (of `request_id` when given; the others stay queued, in order), waiting up to
@@ -377,19 +387,31 @@ class LoopBatchingManager:
                 return
 
     def _take_cancellations(self, slots: SlotBatch, owners: list, waiting: deque) -> None:
+        """Cancel the open requests `cancel_request` named: in a slot, or waiting. A cancellation whose request was
+        delivered since is dropped (its id may be reused); one whose request is open but not yet in the input queue
+        (cancelled from another thread while `add_request` ran) is kept for the next turn."""
+        later = []
         while True:
             try:
-                request_id = self.cancel_queue.get_nowait()
+                request_id, serial = self.cancel_queue.get_nowait()
             except queue.Empty:
-                return
-            for b, owner in enumerate(owners):
-                if owner is not None and owner.request_id == request_id:
-                    slots.cancel(b)
-                    owners[b] = None
-                    self.output_router.fail_and_deliver(owner, RuntimeError(CANCELLED))
-            for state in [s for s in waiting if s.request_id == request_id]:
+                break
+            if self.output_router.serial(request_id) != serial:
+                continue
+            self._take_new(waiting)  # the request, if it was queued after this turn's `_take_new`
+            found = [b for b, owner in enumerate(owners) if owner is not None and owner.request_id == request_id]
+            for b in found:
+                owner, owners[b] = owners[b], None
+                slots.cancel(b)
+                self.output_router.fail_and_deliver(owner, RuntimeError(CANCELLED))
+            states = [s for s in waiting if s.request_id == request_id]
+            for state in states:
                 waiting.remove(state)
                 self.output_router.fail_and_deliver(state, RuntimeError(CANCELLED))
+            if not found and not states:
+                later.append((request_id, serial))
+        for cancellation in later:
+            self.cancel_queue.put(cancellation)
 
     def _admit(self, slots: SlotBatch, owners: list, b: int, state: RequestState) -> None:
         seed = state.logit_processor_kwargs.get("seed")
