@@ -65,7 +65,9 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     `--mode auto` passes `--draft-loops` / `--num-speculative-tokens` only when given (they restrict its choice).
     `--mode plain` passes `speculative_mode=None` explicitly, so a checkpoint whose `generation_config.json` makes a
     speculative mode its default (the embedded model does) still decodes plain. A model without a pad id gets the
-    tokenizer's pad (or EOS) id, else 0.
+    tokenizer's pad (or EOS) id, else 0. Greedy decoding without `--seed` of a model that draws random initial states
+    (Huginn), unless its generation config names their seed, keys them with `init_seed=0`: `--compare`'s two runs
+    and a resumed `batch` then start from the same states (each call would draw its own seed).
     """
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
     for key in ("temperature", "top_k", "top_p", "repetition_penalty"):
@@ -80,6 +82,10 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     else:
         kwargs.update(speculative_mode=args.mode, draft_loops=args.draft_loops,
                       num_speculative_tokens=args.num_speculative_tokens)
+    random_states = getattr(model, "initial_states", None) is not None
+    if random_states and not args.do_sample and args.seed is None \
+            and getattr(model.generation_config, "init_seed", None) is None:
+        kwargs["init_seed"] = 0
     if model.generation_config.pad_token_id is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         kwargs["pad_token_id"] = pad if pad is not None else 0

@@ -294,3 +294,23 @@ def test_console_script_registers_before_a_command():
     result = launch("generate", "def f(x):", "--mode", "plain", "--max-new-tokens", "4")
     assert result.returncode == 0, result.stderr
     assert "[plain] 4 new tokens" in result.stderr
+
+
+def test_greedy_huginn_runs_start_from_the_same_initial_states(tmp_path, capsys):
+    """A Huginn checkpoint draws random initial states (init_scale 1 by default): greedy `generate` without --seed
+    keys them with init_seed 0, so that --compare's plain run sees the speculative run's states (it reported
+    "tokens differ" and exit 1 for a kept guarantee) and two runs, or a resumed batch, print the same tokens."""
+    from huginn_utils import tiny_huginn
+
+    model, _ = tiny_huginn(seed=0)
+    model.save_pretrained(tmp_path / "huginn")
+    word_tokenizer(model.config.vocab_size).save_pretrained(tmp_path / "huginn")
+    argv = ["generate", "w5 w9 w11", "--model", str(tmp_path / "huginn"), "--mode", "pipeline",
+            "--max-new-tokens", "8"]
+    assert cli.main([*argv, "--compare"]) == 0
+    assert "tokens identical to plain decoding: yes" in capsys.readouterr().err
+    printed = []
+    for _ in range(2):
+        assert cli.main(argv) == 0
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1] and printed[0].strip()
