@@ -23,7 +23,8 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from hf_loopspec.assets import default_model_path
 from hf_loopspec.generation.continuous import slots as slots_module
-from hf_loopspec.generation.continuous.manager import CANCELLED, Router
+from hf_loopspec.generation.continuous.manager import CANCELLED
+from hf_loopspec.generation.continuous.router import Router
 
 SETTINGS = named_modes()  # plain, then one pipeline and one block setting
 SECOND = {**SETTINGS["pipeline-d1"], "second_draft_loops": 3}  # pipeline with second proposals (U = 4, d = 1)
