@@ -156,7 +156,7 @@ def request_problem(body, positions: int | None = None) -> str | None:
     """Why the server refuses a completion request's JSON `body` before transformers reads it, or None: a token limit
     that is not a whole number >= 1 (transformers would take 1.5 as 1 and "5" as 5) or that alone reaches the model's
     `positions` (transformers would warn in the server's log and decode on past them, for as long as the client
-    waits), a field it would ignore with a warning in the server's log only (`ONE_ANSWER`: `n=2` would return one
+    waits; the generation config's `max_new_tokens` and `max_length` likewise), a field it would ignore with a warning in the server's log only (`ONE_ANSWER`: `n=2` would return one
     choice) or without one (`UNSUPPORTED`), or a value its handlers would fail on with a bare 500 (`value_problem`).
     Null counts as unset."""
     if not isinstance(body, dict):
@@ -171,6 +171,14 @@ def request_problem(body, positions: int | None = None) -> str | None:
         if value is not None and positions is not None and value >= positions:
             return (f"{name}={value} reaches the model's {positions} positions, which the prompt's tokens share; "
                     f"ask for fewer than {positions} minus the prompt's length.")
+    config = body.get("generation_config")
+    if isinstance(config, str) and positions is not None:  # the same limits in it (a JSON object: `value_problem`)
+        settings = json.loads(config)
+        for name, limit in (("max_new_tokens", positions - 1), ("max_length", positions)):
+            value = settings.get(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
+                return (f"generation_config's {name}={value} goes past the model's {positions} positions, which the "
+                        "prompt's tokens share; ask for fewer tokens (max_tokens).")
     for name, (default, fix) in ONE_ANSWER.items():
         value = body.get(name)
         kept = value is default if isinstance(default, bool) else not isinstance(value, bool) and value == default

@@ -476,6 +476,14 @@ def test_a_token_limit_that_reaches_the_models_positions_is_refused():
                      serving.request_problem({"prompt": "x", "max_completion_tokens": 2048}, positions=2048))
     assert serving.request_problem({"prompt": "x", "max_tokens": 2047}, positions=2048) is None
     assert serving.request_problem({"prompt": "x", "max_tokens": 10**6}) is None  # positions unknown
+    # the same limits given in the generation config (they bypassed the check: a request decoded 2,100 tokens past
+    # the 2,048 positions, or for as long as the client waited)
+    for settings, refused in (({"max_new_tokens": 2048}, True), ({"max_new_tokens": 2047}, False),
+                              ({"max_length": 2049}, True), ({"max_length": 2048}, False)):
+        problem = serving.request_problem({"prompt": "x", "generation_config": json.dumps(settings)}, positions=2048)
+        name, value = next(iter(settings.items()))
+        assert (problem is not None) == refused, settings
+        assert not refused or f"generation_config's {name}={value} goes past the model's 2048 positions" in problem
 
 
 @pytest.mark.parametrize("body", [
