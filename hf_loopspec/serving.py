@@ -156,9 +156,9 @@ def request_problem(body, positions: int | None = None) -> str | None:
     """Why the server refuses a completion request's JSON `body` before transformers reads it, or None: a token limit
     that is not a whole number >= 1 (transformers would take 1.5 as 1 and "5" as 5) or that alone reaches the model's
     `positions` (transformers would warn in the server's log and decode on past them, for as long as the client
-    waits; the generation config's `max_new_tokens` and `max_length` likewise), a field it would ignore with a warning in the server's log only (`ONE_ANSWER`: `n=2` would return one
-    choice) or without one (`UNSUPPORTED`), or a value its handlers would fail on with a bare 500 (`value_problem`).
-    Null counts as unset."""
+    waits; the generation config's `max_new_tokens` and `max_length` likewise), a field it would ignore with a
+    warning in the server's log only (`ONE_ANSWER`: `n=2` would return one choice) or without one (`UNSUPPORTED`), or
+    a value its handlers would fail on with a bare 500 (`value_problem`). Null counts as unset."""
     if not isinstance(body, dict):
         return None
     problem = value_problem(body)
