@@ -323,6 +323,20 @@ def test_output_attentions_raises_instead_of_returning_none():
     assert model(ids, output_attentions=False).logits.shape == (1, 4, VOCAB)
 
 
+@pytest.mark.parametrize("scaling", [{"rope_type": "default"}, {"type": "default"},
+                                     {"rope_type": "default", "rope_theta": 1_000_000.0}])
+def test_rope_scaling_that_says_no_scaling_is_plain_rope(scaling):
+    """A rope_scaling that names the default (no scaling) builds the model of rope_scaling=None (it was refused);
+    any real scaling is still refused."""
+    model, _ = tiny_model(seed=0)
+    scaled, _ = tiny_model(seed=0, rope_scaling=scaling)
+    ids = random_ids((1, 6), VOCAB)
+    with torch.no_grad():
+        assert torch.equal(scaled(ids).logits, model(ids).logits)
+    with pytest.raises(ValueError, match="rope_scaling"):
+        tiny_config(rope_scaling={"rope_type": "linear", "factor": 2.0})
+
+
 def test_head_dim_makes_indivisible_hidden_size_valid():
     config = tiny_config(num_attention_heads=6, num_key_value_heads=3, head_dim=12)
     assert config.head_dim == 12

@@ -105,10 +105,14 @@ class OuroConfig(PreTrainedConfig):
                 "OuroConfig.use_sliding_window=True is not supported: the released Ouro checkpoints use full "
                 "attention in every layer; set use_sliding_window=False."
             )
-        if self.rope_scaling not in (None, {}):
+        scaling = self.rope_scaling
+        plain_rope = isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default" \
+            and set(scaling) <= {"rope_type", "type", "rope_theta"} \
+            and scaling.get("rope_theta", self.rope_theta) == self.rope_theta  # no scaling, said explicitly
+        if scaling not in (None, {}) and not plain_rope:
             raise ValueError(
-                f"OuroConfig.rope_scaling={self.rope_scaling!r} is not supported (the released checkpoints use "
-                "none); set rope_scaling=None."
+                f"OuroConfig.rope_scaling={scaling!r} is not supported (the released checkpoints use none); set "
+                "rope_scaling=None."
             )
         if self.hidden_act != "silu":
             raise ValueError(f"OuroConfig.hidden_act={self.hidden_act!r} is not supported; Ouro uses 'silu'.")
