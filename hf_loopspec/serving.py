@@ -172,13 +172,14 @@ def request_problem(body, positions: int | None = None) -> str | None:
             return (f"{name}={value} reaches the model's {positions} positions, which the prompt's tokens share; "
                     f"ask for fewer than {positions} minus the prompt's length.")
     config = body.get("generation_config")
-    if isinstance(config, str) and positions is not None:  # the same limits in it (a JSON object: `value_problem`)
-        settings = json.loads(config)
-        for name, limit in (("max_new_tokens", positions - 1), ("max_length", positions)):
-            value = settings.get(name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
-                return (f"generation_config's {name}={value} goes past the model's {positions} positions, which the "
-                        "prompt's tokens share; ask for fewer tokens (max_tokens).")
+    if isinstance(config, str) and positions is not None and all(body.get(name) is None for name in TOKEN_LIMITS):
+        settings = json.loads(config)  # (a JSON object: `value_problem`); the limit that applies: max_tokens and
+        # the like replace its max_new_tokens, which wins over its max_length
+        name = "max_new_tokens" if settings.get("max_new_tokens") is not None else "max_length"
+        value, limit = settings.get(name), positions - 1 if name == "max_new_tokens" else positions
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
+            return (f"generation_config's {name}={value} goes past the model's {positions} positions, which the "
+                    f"prompt's tokens share; ask for fewer tokens (generation_config's {name}, or max_tokens).")
     for name, (default, fix) in ONE_ANSWER.items():
         value = body.get(name)
         kept = value is default if isinstance(default, bool) else not isinstance(value, bool) and value == default

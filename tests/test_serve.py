@@ -484,6 +484,12 @@ def test_a_token_limit_that_reaches_the_models_positions_is_refused():
         name, value = next(iter(settings.items()))
         assert (problem is not None) == refused, settings
         assert not refused or f"generation_config's {name}={value} goes past the model's 2048 positions" in problem
+    # a limit that does not apply is not checked: max_tokens replaces the config's max_new_tokens, which wins over
+    # its max_length
+    assert serving.request_problem({"prompt": "x", "max_tokens": 10, "generation_config": json.dumps(
+        {"max_new_tokens": 5000})}, positions=2048) is None
+    assert serving.request_problem({"prompt": "x", "generation_config": json.dumps(
+        {"max_new_tokens": 10, "max_length": 5000})}, positions=2048) is None
 
 
 @pytest.mark.parametrize("body", [
