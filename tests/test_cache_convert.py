@@ -110,6 +110,14 @@ def test_refill_in_place_and_refusals(case):
     partial.update(ref.cache.layers[0].keys[:, :, :-1], ref.cache.layers[0].values[:, :, :-1], 1)
     with pytest.raises(ValueError, match="loop depth 0"):
         to_paged(partial, layout, full)
+    # a mask narrower than the cache, or not 2-D: a ValueError naming it (to_paged made a cache claiming columns it
+    # did not store; to_dynamic raised IndexError / TypeError)
+    columns = ref.cache.get_seq_length()
+    for bad in (full[:, : columns - 1], full[0], full.tolist()):
+        with pytest.raises(ValueError, match=rf"attention_mask: .* >= {columns}\] padding mask"):
+            to_paged(ref.cache, layout, bad)
+        with pytest.raises(ValueError, match=rf"attention_mask: .* >= {columns}\] padding mask"):
+            to_dynamic(paged, bad)
 
 
 @pytest.mark.parametrize("mode", [{"speculative_mode": None}, {"speculative_mode": "pipeline", "draft_loops": 1}],

@@ -118,3 +118,19 @@ def test_sequences_cannot_be_selected_while_a_branch_is_open(select):
         select(cache)
     cache.branches.close(slot)
     select(cache)
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda c: c.branches.open(7, 0), "parent=7"),
+    (lambda c: c.branches.open(0, -1), "point=-1"),
+    (lambda c: c.branches.open(True, 2), "parent=True"),
+    (lambda c: c.branches.close(99), "slot=99"),
+    (lambda c: c.branches.promote(99), "slot=99"),
+])
+def test_branch_arguments_are_checked(call, named):
+    """A parent that is no sequence, a negative branch point or a slot that is no open branch raise a ValueError
+    naming it (they were accepted, giving a table of length -1, or raised IndexError / KeyError)."""
+    cache = _parent()
+    with pytest.raises(ValueError, match=named):
+        call(cache)
+    assert cache.num_sequences == 1 and len(cache.branches) == 0

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..models.layers import is_integer
+
 
 @dataclass
 class _Branch:
@@ -57,6 +59,12 @@ class BranchSlots:
     def open(self, parent: int, point: int) -> int:
         """A new branch of sequence `parent` owning positions >= `point`; returns its slot (no pages yet)."""
         cache = self.cache
+        sequences = cache.num_sequences if self._base is None else self._base
+        if not (is_integer(parent) and 0 <= parent < sequences):
+            raise ValueError(f"parent={parent!r} is not a sequence of this cache (it has {sequences}); branch one "
+                             "of its sequences.")
+        if not is_integer(point) or point < 0:
+            raise ValueError(f"point={point!r}: the first position the branch owns, an integer >= 0.")
         if self._base is None:
             self._base = cache.num_sequences
         slot = next((s for s in range(self._base, cache.num_sequences) if s not in self._open), cache.num_sequences)
@@ -90,9 +98,16 @@ class BranchSlots:
                                  f"common history of its open branch at position {branch.point}: close the branch "
                                  "first (invariant B).")
 
+    def _branch(self, slot: int) -> _Branch:
+        """The open branch of `slot`; `ValueError` naming it when there is none."""
+        if slot not in self._open:
+            raise ValueError(f"slot={slot!r} is not an open branch of this cache (open: {sorted(self._open)}).")
+        return self._open[slot]
+
     def close(self, slot: int) -> None:
         """Release a branch's pages and its slot."""
-        branch = self._open.pop(slot)
+        branch = self._branch(slot)
+        del self._open[slot]
         for plane in branch.opened:
             self.cache.truncate(slot, plane, 0)
         self._drop_slots()
@@ -100,7 +115,7 @@ class BranchSlots:
     def promote(self, slot: int) -> None:
         """Make the branch the parent's history from `point` on (see the module docstring) and close its slot."""
         cache = self.cache
-        branch = self._open[slot]
+        branch = self._branch(slot)
         for other_slot, other in self._open.items():
             if other_slot != slot and other.parent == branch.parent and other.point >= branch.point:
                 raise ValueError(f"cannot promote the branch of sequence {branch.parent} at position {branch.point} "

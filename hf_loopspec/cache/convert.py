@@ -24,7 +24,12 @@ from .paged import PagedLoopCache
 
 
 def _real_columns(attention_mask: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows, cols, positions) `[N]` of the real tokens among the first `columns` columns of `attention_mask`."""
+    """(rows, cols, positions) `[N]` of the real tokens among the first `columns` columns of `attention_mask`;
+    `ValueError` unless it is a 2-D tensor `[B, >= columns]`."""
+    if not torch.is_tensor(attention_mask) or attention_mask.dim() != 2 or attention_mask.shape[1] < columns:
+        shape = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask: {shape}; pass the 2-D [batch, >= {columns}] padding mask of the inputs "
+                         f"the cache holds ({columns} columns).")
     real = attention_mask[:, :columns].bool()  # [B, C]
     rows, cols = real.nonzero(as_tuple=True)  # row-major: each row's real columns in order
     positions = real.long().cumsum(-1)[rows, cols] - 1
@@ -36,8 +41,8 @@ def to_dynamic(cache: PagedLoopCache, attention_mask: torch.Tensor, into: Dynami
     (C = `cache.columns()`), its complete planes only (module docstring); `into` is refilled in place (its old
     entries dropped) when given."""
     layout, columns = cache.kv_layout, cache.columns()
-    cache.check_stored(attention_mask)
     rows, cols, _ = _real_columns(attention_mask, columns)
+    cache.check_stored(attention_mask)
     out = DynamicCache() if into is None else into
     out.layers.clear()
     batch, size = attention_mask.shape[0], cache.page_size
@@ -90,8 +95,8 @@ def to_paged(cache: DynamicCache, layout: KVLayout, attention_mask: torch.Tensor
     columns, paged = cache.get_seq_length(), PagedLoopCache(layout)
     if columns == 0:
         return paged
-    check_dynamic_cache(cache, layout, attention_mask.shape[0])
     rows, cols, positions = _real_columns(attention_mask, columns)
+    check_dynamic_cache(cache, layout, attention_mask.shape[0])
     paged.ensure_sequences(attention_mask.shape[0])
     like = cache.layers[0].keys
     complete = [[i < len(cache.layers) and cache.layers[i].get_seq_length() == columns

@@ -26,7 +26,8 @@ With `debug=True`, every written slot is tagged with the *lineage id* of the row
 gives every token it computes an id and links it to its parent (the id of the token before it on the same
 path) with `link_lineage`. Before attending, each row's read set is checked: position j of its table must carry
 the id of its own ancestor at j. The first violation raises `LineageError` naming (sequence, depth, position,
-layer). Unused pool memory is poisoned with NaN in debug mode. Branch slots are tables like any other, so the
+layer). In debug mode memory the pool grows by is filled with NaN until written (pages freed and reused keep
+the KV they held). Branch slots are tables like any other, so the
 check covers every read of every branch.
 
 Branches (I5, `branches`: `cache.branches`)

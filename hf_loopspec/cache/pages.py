@@ -33,7 +33,7 @@ class PageTables:
         layout: planes, layers, kv heads and head size of the model (`model.kv_layout`).
         page_size: positions per page.
         max_pages: fixed capacity in pages; `None` grows the pool on demand (doubling).
-        debug: keep a lineage tag per written slot (checked by `cache.lineage`) and poison unused memory with NaN.
+        debug: keep a lineage tag per written slot (checked by `cache.lineage`) and fill newly grown memory with NaN.
     """
 
     def __init__(self, layout: KVLayout, page_size: int, max_pages: int | None, debug: bool):
