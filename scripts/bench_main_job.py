@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_loopspec
 from hf_loopspec.bench.auto_table import interleaved
+from hf_loopspec.generation.config import compile_backend
 
 PROMPT = "def fibonacci(n):"
 SETTINGS = dict(max_new_tokens=64, do_sample=False, repetition_penalty=1.4)
@@ -39,6 +40,11 @@ def main() -> None:
     names = [m for m in args.modes.split(",") if m]
     if "plain" not in names or any(m not in RUNS for m in names):
         parser.error(f"--modes {args.modes}: name plain and any of {','.join(RUNS)}")
+    if args.compile:
+        try:
+            compile_backend(args.compile)
+        except ValueError as error:
+            parser.error(f"--compile {args.compile}: {error}")
     torch.set_num_threads(1)
     path = hf_loopspec.default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
