@@ -101,3 +101,8 @@ class LoopedModel(Protocol):
     def core(self, hidden: torch.Tensor, positions: torch.Tensor, attention: KVAttention) -> torch.Tensor: ...
 
     def head(self, hidden: torch.Tensor, positions: torch.Tensor, attention: KVAttention | None) -> torch.Tensor: ...
+
+
+def draws_initial_states(model) -> bool:
+    """Whether `model`'s loop-0 input has a random part (`initial_states`, module docstring: Huginn's)."""
+    return getattr(model, "initial_states", None) is not None

@@ -69,6 +69,8 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     (Huginn), unless its generation config names their seed, keys them with `init_seed=0`: `--compare`'s two runs
     and a resumed `batch` then start from the same states (each call would draw its own seed).
     """
+    from .looped import draws_initial_states  # (here: this module loads without torch, for the CLI's --help)
+
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
     for key in ("temperature", "top_k", "top_p", "repetition_penalty"):
         if getattr(args, key) is not None:
@@ -82,8 +84,7 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     else:
         kwargs.update(speculative_mode=args.mode, draft_loops=args.draft_loops,
                       num_speculative_tokens=args.num_speculative_tokens)
-    random_states = getattr(model, "initial_states", None) is not None
-    if random_states and not args.do_sample and args.seed is None \
+    if draws_initial_states(model) and not args.do_sample and args.seed is None \
             and getattr(model.generation_config, "init_seed", None) is None:
         kwargs["init_seed"] = 0
     if model.generation_config.pad_token_id is None:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...looped import draws_initial_states
 from ...ops.attention.slots import SlotAttention, SlotLayout
 from .sibling import SiblingRows
 from .state import Plan, WavefrontState
@@ -41,7 +42,7 @@ def embeds_by_lookup(model) -> bool:
     """Whether a token's loop-0 input is its row of the embedding table (Ouro): no stage KV and no initial states
     of the model's own (Huginn's, joined to the scaled embedding, or its prelude's output, even without stage KV
     when it has no prelude or no coda). Otherwise `model.embed` makes it (`embed_rows`, `spawn_embedder`)."""
-    return not has_stage_kv(model) and getattr(model, "initial_states", None) is None
+    return not has_stage_kv(model) and not draws_initial_states(model)
 
 
 def exit_depths(plan: Plan) -> tuple[int, ...]:
@@ -62,11 +63,10 @@ def initial_states(model, batch: int, positions: int, like: torch.Tensor) -> tor
     """`WavefrontState.init_states` `[B, C, W]`: the random loop-0 inputs of every position of every sequence under
     the call's settings, for a model that has them (`looped`: `initial_states`), else `[B, 0, 0]`. Set-up, on the
     host: the step only gathers from them."""
-    draw = getattr(model, "initial_states", None)
-    if draw is None:
+    if not draws_initial_states(model):
         return like.new_zeros(batch, 0, 0)
     grid = torch.arange(batch, device=like.device)[:, None].expand(batch, positions)  # [B, C]
-    return draw(grid, torch.arange(positions, device=like.device).expand(batch, positions)).to(like)
+    return model.initial_states(grid, torch.arange(positions, device=like.device).expand(batch, positions)).to(like)
 
 
 def _embed(model, s: WavefrontState, plan: Plan, token: torch.Tensor, position: torch.Tensor, sequence: torch.Tensor,
