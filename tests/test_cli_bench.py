@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import subprocess
+import types
 
 import pytest
 import torch
@@ -179,11 +180,13 @@ def test_bench_compile_reports_compile_time_and_keeps_outputs(tmp_path):
     """`--compile BACKEND` compiles the speculative modes (not plain), reports their compile time and backend, and
     keeps their outputs plain's; the `eager` backend: dynamo's tracing, whatever the backend (the engine's inductor
     code is tested in `test_wavefront.py`)."""
-    args = bench_args.parse_args([*FAST, "--modes", "plain,ar,pipeline", "--compile", "eager"])
+    args = bench_args.parse_args([*FAST, "--modes", "plain,ar,pipeline,auto", "--compile", "eager"])
     result = run_bench(args)
     rows = {r["mode"]: r for r in result["rows"]}
     assert rows["plain"]["compile_seconds"] is None
     assert rows["ar"]["compile_seconds"] is not None and rows["pipeline"]["compile_seconds"] is not None
+    assert rows["pipeline"]["overhead_fraction"] is None  # eager call costs cannot split a compiled run's time
+    assert rows["auto"]["compile_seconds"] is not None and rows["auto"]["overhead_fraction"] is None
     assert all(r["check_passed"] for r in result["rows"][1:])
     assert "backend eager" in report.format_table(result)
 
@@ -225,6 +228,33 @@ def test_ideal_model_interpolates_call_costs():
     assert rows == {"embed": [8, 1, 1], "core": [8] * 4 + [1] * 8, "head": [1] * 3}
     expected = (0.25 + 2 * 0.1) + (4 * 3.0 + 8 * 1.0) + 3 * 0.5
     assert costs.predicted_seconds(measured, rows) == pytest.approx(expected)
+
+
+def _timed_run(seconds: float, core_calls: int, accepted: int) -> dict:
+    """A `run.run_mode` result of a lane mode whose run made `core_calls` core calls of one row (8 tokens)."""
+    stats = types.SimpleNamespace(core_calls=core_calls, core_calls_per_token=core_calls / 8, drafted=8,
+                                  acceptance_rate=accepted / 8, verified=8, accepted=accepted, rejected=8 - accepted,
+                                  discarded=0, second_drafts=0, second_accepted=0)
+    rows = {"embed": [1] * 8, "core": [1] * core_calls, "head": [1] * 8}
+    return {"seconds": seconds, "stats": stats, "call_rows": rows, "peak_mem_bytes": 1, "kv_bytes": 1}
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_row_reports_counters_ideal_and_overhead_of_one_run_the_median_one(compiled):
+    """Rounds that differ (auto's choices, sampling): the row's counters, ideal speed-up and overhead all come
+    from the median-time run, never one round's calls over another round's time; a compiled row reports no
+    overhead (the call costs are eager calls, which cannot split a compiled run's time)."""
+    measured = {"prefill_rows": 8, "prefill": {"embed": 0.0, "core": 0.0, "head": 0.0},
+                "by_rows": {"embed": {1: 0.0}, "core": {1: 0.1}, "head": {1: 0.0}}}
+    runs = [_timed_run(1.0, 32, 0), _timed_run(5.0, 8, 8), _timed_run(2.0, 16, 4)]  # the median: 2.0 s, 16 calls
+    seconds = {"ar": 4.0, "auto": 2.0}
+    row = report.mode_row("auto", runs, seconds, batch=1, new_tokens=8, loops=4, check={}, exact=True,
+                          costs=measured, ar_predicted=3.2, warmup_seconds=3.0, compiled=compiled)
+    assert row["core_calls"] == 16 and row["accepted"] == 4 and row["acceptance_rate"] == 0.5
+    assert row["predicted_seconds"] == pytest.approx(1.6) and row["ideal_speedup_vs_ar"] == pytest.approx(2.0)
+    assert row["overhead_fraction"] == (None if compiled else pytest.approx(0.2))  # 1 - 1.6 / 2.0
+    assert row["acceptance_rate_all"] == [0.0, 1.0, 0.5]
+    assert report.median_run(runs[:2])["seconds"] == 1.0  # an even count: the faster middle run
 
 
 def test_bench_plot_writes_a_png(all_modes, tmp_path):

@@ -484,9 +484,19 @@ def test_the_cards_command_reproduces_the_measured_arguments():
 def test_speed_section_refuses_files_that_are_not_bench_results(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
     (tmp_path / "text.json").write_text("mode tok/s\nplain 9.0")
-    for name in ("other.json", "text.json"):
+    for name in ("cpu_workload_ouro100m.json", "auto_table/default_b1_t1.json"):  # other scripts' results
+        (tmp_path / Path(name).name).write_text((ROOT / "bench_results" / name).read_text())
+    for name in ("other.json", "text.json", "cpu_workload_ouro100m.json", "default_b1_t1.json"):
         with pytest.raises(ValueError, match=name):
             hub_card.build_model_card(repo_id="x/y", benchmarks=[tmp_path / name])
+
+
+def test_a_command_recorded_with_the_old_engine_name_is_quoted_with_todays():
+    """Results recorded before `--engines lanes` became `reference` quote a command that today's bench accepts."""
+    result = json.loads((ROOT / "bench_results" / "cpu_default_b1.json").read_text())
+    assert result["args"]["engines"] == ["lanes"]
+    command = shlex.split(command_line(result))
+    assert vars(bench_args.parse_args(command[2:]))["engines"] == ["reference"]
 
 
 def test_card_text_comes_from_the_family_table_and_the_packaged_template():

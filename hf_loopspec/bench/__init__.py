@@ -75,6 +75,11 @@ and the reported limit is
     overhead_fraction   = 1 - T_hat(mode) / T(mode)               (time outside embed, core, head calls: Python,
                                                                     cache bookkeeping, row planning)
 
+The counters, T_hat(mode) and T(mode) of the last two are one run's, the round whose time is the median (auto's
+calls may choose differently from round to round). The call costs are eager calls: with `--compile` a compiled
+row's overhead is not reported (eager costs cannot split a compiled run's time), and its ideal speed-up stays
+the eager cost model's ratio.
+
 In steady state (N large, prefill negligible, c = decode core calls per token of one sequence) this is the
 per-token form: for the pipeline (every call runs ceil(U/d) lanes per sequence, one head call per d calls with
 a target and a draft row per sequence)
@@ -106,7 +111,7 @@ acceptance, not a greedy match. Every run is seeded with `torch.manual_seed(seed
 `seed`), so a bench repeats. The outputs are random draws: they are not compared token by token with plain
 (`check: {"exact": null, "note": ...}`, `check_passed: null`; the exit status stays 0); that the speculative
 modes sample the same distribution as plain is tested in `tests/test_speculative_sampling.py`. Sampled runs
-differ from round to round, so the counters, calls/token and the ideal speed-up are the first timed round's (as
+differ from round to round, so the counters, calls/token and the ideal speed-up are the median-time round's (as
 with greedy decoding) and `acceptance_rate_all` / `core_calls_per_token_all` list every round's. The untimed
 first plain run is then only a warm-up. `--synthetic-acceptance` is refused with `--do-sample`: it replaces drafts
 by *the known greedy token*, and sampling has no known token to replace them by.

@@ -167,7 +167,8 @@ def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:
             exact = all(c["exact"] for c in checks) if exact_dtype else None
         else:
             check, exact = {"exact": None, "note": SAMPLING_CHECK_NOTE}, None
-        compiled = (args.compile and mode in LANE_MODES) or mode == "static"
+        compiled = bool(args.compile) and (mode in LANE_MODES or mode == AUTO)  # the engine, compiled
+        compiled = compiled or mode == "static"  # transformers compiles its static-cache loop itself
         rows.append(mode_row(name, rs, seconds, batch=args.batch_size, new_tokens=args.new_tokens, loops=loops,
                              check=check, exact=exact, costs=costs, ar_predicted=ar_predicted,
                              warmup_seconds=warmup_seconds.get(name), compiled=bool(compiled), engine=engine))

@@ -30,12 +30,15 @@ NOTES = {
                             "core_calls_per_token); plain: U by construction",
     "ideal_speedup_vs_ar": "T_hat(ar) / T_hat(mode), T_hat = sum of the measured costs of the run's core "
                            "and head calls by row count (see hf_loopspec.bench.costs)",
-    "overhead_fraction": "1 - T_hat(mode) / measured time: the share of time outside embed, core and head calls",
+    "overhead_fraction": "1 - T_hat(mode) / the run's measured time: the share of time outside embed, core and head "
+                         "calls; with --compile, none for compiled rows (T_hat comes from eager call costs, which "
+                         "cannot split a compiled run's time; ideal stays the eager cost model's ratio)",
     "compile_seconds": "with --compile: the mode's warm-up run (which compiles every bucket it meets) minus "
                        "its median timed run; buckets met only in timed runs would compile there",
-    "rounds": "counters, core_calls_per_token and ideal_speedup_vs_ar are the first timed round's; "
-              "acceptance_rate_all / core_calls_per_token_all list every round's (they differ only when "
-              "sampling)",
+    "rounds": "counters, core_calls_per_token, ideal_speedup_vs_ar and overhead_fraction are those of the "
+              "round whose time is the median (the faster middle one for an even --repeats); "
+              "acceptance_rate_all / core_calls_per_token_all list every round's (they differ when sampling, and "
+              "for auto when its choices differ between calls)",
 }
 GREEDY_CHECK_NOTE = ("fp32: every output of every run equals plain greedy (check_passed); other dtypes: "
                      "agreement_rate = mean common-prefix fraction with plain greedy (worst run)")
@@ -101,12 +104,15 @@ def check_text(row: dict) -> str:
 
 def command_line(result: dict) -> str:
     """The `hf-loopspec bench` command of a result: its arguments that differ from the defaults (`--quiet`,
-    `--json` and `--plot`, which do not change what is measured, left out)."""
+    `--json` and `--plot`, which do not change what is measured, left out). An engine recorded under its old name
+    gets today's: `lanes` (the lane decoder) is `reference`."""
     defaults = vars(parse_args([]))
     parts = ["hf-loopspec bench"]
     for key, value in result["args"].items():
         if key not in defaults or key in ("quiet", "json", "plot") or value == defaults[key]:
             continue
+        if key == "engines":
+            value = ["reference" if engine == "lanes" else engine for engine in value]
         flag = "--" + key.replace("_", "-")
         if value is True:
             parts.append(flag)
@@ -163,7 +169,8 @@ def format_table(result: dict) -> str:
             f"{_num(r['acceptance_rate'], '{:.3f}'):>8}{_mib(r['peak_mem_bytes']):>10}  {check}"
         )
     lines.append("x ar: measured speed-up over ar; ideal: the speed-up the run's embed/core/head call counts and "
-                 "measured call costs imply; overhd: share of the time outside those calls.")
+                 "measured call costs imply; overhd: share of the time outside those calls (- for compiled rows: "
+                 "the call costs are eager).")
     return "\n".join(lines)
 
 
@@ -175,9 +182,12 @@ def mode_row(mode: str, runs: list[dict], seconds: dict[str, float], *, batch: i
 
     `runs`: the mode's timed runs (`run.run_mode` results); `check`: "reference" or a `compare` dict;
     `exact`: whether every run equals the reference (None when not checked for identity); `engine`: the engine
-    of a lane mode's run ("wavefront" or "reference"; None for plain modes).
+    of a lane mode's run ("wavefront" or "reference"; None for plain modes); `compiled`: whether the run was
+    compiled (its compile time is reported; its overhead is not, as `costs` are eager call costs).
+    The counters, predicted time and overhead all come from one run, the median-time one (`median_run`): auto's
+    runs may choose differently from round to round.
     """
-    first, tokens = runs[0], batch * new_tokens
+    tokens = batch * new_tokens
     row = {
         "mode": mode, "engine": engine, "tokens": tokens, "seconds": seconds[mode],
         "seconds_all": [x["seconds"] for x in runs],
@@ -198,7 +208,8 @@ def mode_row(mode: str, runs: list[dict], seconds: dict[str, float], *, batch: i
     }
     if mode in PLAIN_MODES:
         return row
-    stats = first["stats"]
+    chosen = median_run(runs)
+    stats = chosen["stats"]
     row.update(
         core_calls=stats.core_calls, core_calls_per_token=stats.core_calls_per_token,
         acceptance_rate=stats.acceptance_rate if stats.drafted else None,
@@ -209,12 +220,17 @@ def mode_row(mode: str, runs: list[dict], seconds: dict[str, float], *, batch: i
     )
     if hasattr(stats, "choices"):  # auto: what each segment ran, and why
         row["auto_choices"] = stats.to_dict()["choices"]
-    predicted = predicted_seconds(costs, first["call_rows"])
+    predicted = predicted_seconds(costs, chosen["call_rows"])
     row.update(ideal_speedup_vs_ar=ar_predicted / predicted, predicted_seconds=predicted,
-               overhead_fraction=1.0 - predicted / seconds[mode])
+               overhead_fraction=None if compiled else 1.0 - predicted / chosen["seconds"])
     if row["speedup_vs_ar"] is not None:
         row["fraction_of_ideal"] = row["speedup_vs_ar"] / row["ideal_speedup_vs_ar"]
     return row
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run whose time is the median of `runs`' (the faster of the two middle ones for an even count)."""
+    return sorted(runs, key=lambda x: x["seconds"])[(len(runs) - 1) // 2]
 
 
 def build_result(rows: list[dict], *, args, machine: dict, model, model_name: str, sampling: dict | None,
@@ -293,4 +309,8 @@ def load_result(path: str | Path) -> dict:
     if not isinstance(result, dict) or not {"rows", "machine", "args", "model"} <= set(result):
         raise ValueError(f"{path} is not an `hf-loopspec bench --json` results file (it lacks rows, machine, args "
                          "or model).")
+    rows = result["rows"]
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and {"mode", "tokens_per_s"} <= set(r) for r in rows):
+        raise ValueError(f"{path} is not an `hf-loopspec bench --json` results file (its rows are not one per mode: "
+                         "a workload or auto-table result?); pass a file written by `hf-loopspec bench --json`.")
     return result
