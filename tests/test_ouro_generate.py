@@ -153,6 +153,15 @@ def test_generate_rejects_cache_sized_from_config(setup):
         generate(model, prompts[0][None], cache=DynamicCache(config=model.config), do_sample=False)
 
 
+@pytest.mark.parametrize("implementation", ["offloaded", "offloaded_static", "quantized"])
+def test_cache_implementations_it_cannot_size_are_refused_by_name(setup, implementation):
+    """transformers would size these caches from num_hidden_layers (one plane), which a looped model overruns: a
+    ValueError naming the setting and the two that work, not an error about a cache the caller never passed."""
+    model, _, prompts, _, _ = setup
+    with pytest.raises(ValueError, match=f"cache_implementation='{implementation}'.*'dynamic'.*'static'"):
+        generate(model, prompts[0][None], do_sample=False, cache_implementation=implementation)
+
+
 def test_static_cache_generate_equals_dynamic(setup):
     """`cache_implementation="static"`: a StaticCache with one layer per (loop, layer), the 2-D padding mask kept
     (transformers would build 4-D masks for num_hidden_layers layers), unwritten capacity masked."""

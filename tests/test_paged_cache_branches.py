@@ -134,3 +134,20 @@ def test_branch_arguments_are_checked(call, named):
     with pytest.raises(ValueError, match=named):
         call(cache)
     assert cache.num_sequences == 1 and len(cache.branches) == 0
+
+
+def test_batch_size_counts_the_batchs_sequences_not_branch_slots():
+    """transformers' `Cache.batch_size` (-1 before: no `layers`): the batch's sequences, an open branch's slot not
+    among them; offloading, which a one-pool cache cannot do, is refused with a message (not a raw TypeError)."""
+    assert PagedLoopCache(LAYOUT).batch_size == 0
+    cache = PagedLoopCache(LAYOUT, page_size=4)
+    for seq in (0, 1):
+        fill_values(cache, write(cache, seq, 0, list(range(8))), float(seq))
+    slot = cache.branches.open(1, 6)
+    write(cache, slot, 0, [6])
+    assert cache.batch_size == 2 and cache.num_sequences == 3
+    cache.branches.close(slot)
+    assert cache.batch_size == 2
+    for move in (cache.offload, cache.prefetch):
+        with pytest.raises(NotImplementedError, match="does not offload"):
+            move(0)

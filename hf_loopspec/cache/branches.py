@@ -56,10 +56,15 @@ class BranchSlots:
         """The number of open branches."""
         return len(self._open)
 
+    @property
+    def batch_sequences(self) -> int:
+        """The batch's sequence count: the cache's slots before the first branch slot."""
+        return self.cache.num_sequences if self._base is None else self._base
+
     def open(self, parent: int, point: int) -> int:
         """A new branch of sequence `parent` owning positions >= `point`; returns its slot (no pages yet)."""
         cache = self.cache
-        sequences = cache.num_sequences if self._base is None else self._base
+        sequences = self.batch_sequences
         if not (is_integer(parent) and 0 <= parent < sequences):
             raise ValueError(f"parent={parent!r} is not a sequence of this cache (it has {sequences}); branch one "
                              "of its sequences.")

@@ -280,6 +280,18 @@ class PagedLoopCache(PageTables, Cache):
         return (f"{type(self).__name__}(sequences={self.num_sequences}, columns={self._columns}, "
                 f"pages_in_use={self.pages_in_use}, page_size={self.page_size}, max_pages={self.max_pages})")
 
+    @property
+    def batch_size(self) -> int:
+        """The batch's sequences (an open branch's slot is none of them); 0 before the first call."""
+        return self.branches.batch_sequences
+
+    def offload(self, layer_idx: int, only_non_sliding: bool = True):
+        raise NotImplementedError("PagedLoopCache keeps every layer's KV in one pool on one device; it does not "
+                                  "offload or prefetch layers.")
+
+    def prefetch(self, layer_idx: int, only_non_sliding: bool = True):
+        self.offload(layer_idx, only_non_sliding)
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         raise NotImplementedError(
             "PagedLoopCache is written through RowBatch by hf_loopspec's looped models; it cannot back a model "

@@ -196,6 +196,12 @@ class LoopSpecGenerationMixin(GenerationMixin):
             model_kwargs["cache"] = DynamicCache()
             return
         if user_cache is None and generation_config.use_cache is not False \
+                and generation_config.cache_implementation not in LOOPED_CACHE_IMPLEMENTATIONS:
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r}: a looped model's cache holds one "
+                "KV per (loop, layer), and hf_loopspec sizes one only for cache_implementation 'dynamic' (the "
+                "default) or 'static'; pass one of these, or a cache of your own (cache=...).")
+        if user_cache is None and generation_config.use_cache is not False \
                 and generation_config.cache_implementation == "static":
             ceiling = getattr(generation_config, "max_cache_len", None)  # sized for later, longer calls too
             model_kwargs["cache"] = looped_static_cache(self.config, self.kv_layout,
@@ -308,6 +314,9 @@ class LoopSpecGenerationMixin(GenerationMixin):
         spec = resolve_speculative(mode, draft_loops, num_speculative_tokens, num_loops=self.num_loops,
                                    modes=LANE_MODES, second_draft_loops=second_draft_loops, reference=True)
         return LaneDecoder.from_request(self, SpeculativeRequest(spec, cache, input_ids, **options)).run()
+
+
+LOOPED_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")  # what plain decoding sizes for a looped model
 
 
 def looped_static_cache(config, layout, max_cache_len: int) -> StaticCache:
