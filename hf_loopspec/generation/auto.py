@@ -26,8 +26,9 @@ on a fixed-capacity `PagedLoopCache` too small for a speculative segment's up-fr
 "capacity"). A call with `position_ids` of its own decodes plainly in one segment (reason "position-ids": only plain
 decoding follows them), and a speculative segment that decoded plainly for a reason of its own (a logits processor
 with no form the engine runs, say: its `fallback`) makes the call report that fallback and decode the rest plainly
-(reason "fallback"). Beam search, assistants and per-step hidden states or attentions are refused, as with the fixed
-modes.
+(reason "fallback"); a model that cannot decode speculatively (`model_checks.model_fallback`) decodes the whole
+call plainly in one segment (reason "fallback"). Beam search, assistants, `inputs_embeds` and per-step hidden
+states or attentions are refused, as with the fixed modes.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from .auto_costs import PLAIN, Candidate, CostTable, observe
 from .auto_policy import AutoChoice, AutoStats, Chooser, policy_for, remember, remembered
 from .config import AUTO_MODE, SPECULATIVE_KEYS, check_generation_mode, resolve_speculative
 from .inputs import as_integer, check_generation_values, check_left_padded
+from .model_checks import model_fallback
 from .stats import SequenceStats, SpeculationStats
 from .wavefront.span import reserved_positions
 
@@ -181,14 +183,15 @@ class _Call:
     use_cache: bool
     engine_settings: dict  # compile_core / speculative_engine, for the speculative segments
     plain_reason: str | None  # why the whole call decodes plainly in one segment ("position-ids"), or None
+    fallback: str | None  # `model_fallback`: why the model cannot decode speculatively (plain_reason "fallback")
 
 
 def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationConfig) -> tuple[_Call, list[Candidate]]:
     """Validate the call (`config`: `merged_config`) and split its kwargs (module docstring); `ValueError` names
     what auto refuses."""
-    if ids is None:
-        raise ValueError("speculative_mode='auto' decodes from input_ids (got none: inputs_embeds or no inputs); pass "
-                         "input_ids, or speculative_mode=None.")
+    if ids is None or kwargs.get("inputs_embeds") is not None:
+        raise ValueError("speculative_mode='auto' decodes from input_ids alone (got inputs_embeds, or no inputs); "
+                         "pass input_ids alone, or speculative_mode=None.")
     d, k = _setting(kwargs, config, "draft_loops"), _setting(kwargs, config, "num_speculative_tokens")
     spec = resolve_speculative(AUTO_MODE, d, k, _setting(kwargs, config, "compile_core"),
                                _setting(kwargs, config, "speculative_engine"), num_loops=model.num_loops,
@@ -231,7 +234,8 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
                  return_dict=bool(config.return_dict_in_generate), use_cache=config.use_cache is not False,
                  engine_settings={key: value for key in ("compile_core", "speculative_engine")
                                   if (value := _setting(kwargs, config, key)) is not None},
-                 plain_reason="position-ids" if kwargs.get("position_ids") is not None else None)
+                 plain_reason="position-ids" if kwargs.get("position_ids") is not None else (
+                     "fallback" if (fallback := model_fallback(model)) else None), fallback=fallback)
     return call, candidates(model.num_loops, d, k)
 
 
@@ -276,7 +280,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     settings = acceptance_settings(kwargs, config)
     chooser = Chooser(costs_for(model, batch, options), options, model.num_loops, policy,
                       remembered(model, settings))
-    stats = AutoStats(mode=AUTO_MODE, draft_loops=0, engine="plain",
+    stats = AutoStats(mode=AUTO_MODE, draft_loops=0, engine="plain", fallback=call.fallback,
                       per_sequence=[SequenceStats() for _ in range(batch)])
     streamer = SegmentStreamer(kwargs["streamer"]) if kwargs.get("streamer") is not None else None
     stopped = torch.zeros(batch, dtype=torch.bool, device=ids.device)

@@ -11,11 +11,13 @@ candidate's, see below), each timed step by step:
   one in `CALIBRATION_PERIOD` wrong), so that its cycles carry the rows of a typical acceptance rather than the
   near-empty lanes of random prompts' rejections, a timestamp taken after every cycle; the cycles that still carry
   prompt rows (the prefill) and the idle ones at the end are left out.
-A step's or cycle's cost is the mean of its timed intervals without those over twice their median (another
-process's time slice, not the decoder's); the first plain step (the prompt's prefill) is left out. Set-up and
-prefill need no warm-up or second run to cancel out, since only steps in the middle of a run are timed. On a CUDA
-device each timed cycle waits for the device, so the engine's overlap of host and device work is not credited
-(auto's own segments, `auto_costs.observe`, then measure it).
+A plain step's cost is the mean of its timed intervals without those over twice their median (another process's
+time slice, not the decoder's); the first plain step (the prompt's prefill) is left out. An engine cycle's cost is
+the plain mean of its intervals: the engine's host work comes in periods (a read-back every few cycles), so its
+long intervals are its own, and leaving them out would make speculation look several times cheaper than it is.
+Set-up and prefill need no warm-up or second run to cancel out, since only steps in the middle of a run are
+timed. On a CUDA device each timed cycle waits for the device, so the engine's overlap of host and device work is
+not credited (auto's own segments, `auto_costs.observe`, then measure it).
 
 Only the shallowest pipeline depth is timed; the other candidates take its cycle cost:
 * a deeper pipeline's cycle is one core call with the same head and embedding work over at most as many rows (at
@@ -182,8 +184,8 @@ def _cycle_seconds(model, ids: torch.Tensor, candidate: Candidate, reference: to
         engine.ended = [_now(model.device)]
         engine.run()
     rows = engine.stats.call_rows["core"]  # per cycle, in order
-    return typical([engine.ended[i + 1] - engine.ended[i] for i in range(engine.prefill_cycles, len(rows))
-                    if rows[i] > 0])
+    return statistics.mean(engine.ended[i + 1] - engine.ended[i] for i in range(engine.prefill_cycles, len(rows))
+                           if rows[i] > 0)  # every interval: the read-backs' are the cycles' own (module docstring)
 
 
 def _now(device: torch.device) -> float:

@@ -105,9 +105,13 @@ def check_generation_values(generation_config) -> None:
 
 
 def check_model_kwargs(mode: str, model_kwargs: dict) -> None:
-    """`ValueError` for a model input of the call that speculative mode `mode` would not honour: `position_ids`
-    (plain decoding feeds a caller's positions; the speculative modes count each token's position from the
-    attention mask, as plain decoding does when none are given)."""
+    """`ValueError` for a model input of the call that speculative mode `mode` would not honour: `inputs_embeds`
+    (the speculative modes embed the input ids themselves) and `position_ids` (plain decoding feeds a caller's
+    positions; the speculative modes count each token's position from the attention mask, as plain decoding does
+    when none are given)."""
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError(f"inputs_embeds: speculative_mode={mode!r} embeds the input ids itself and cannot start "
+                         "from embeddings of your own; pass input_ids alone, or speculative_mode=None.")
     if model_kwargs.get("position_ids") is not None:
         raise ValueError(f"position_ids: speculative_mode={mode!r} counts each token's position from the attention "
                          "mask and cannot follow positions of your own; drop position_ids (plain decoding without "

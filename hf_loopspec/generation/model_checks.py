@@ -9,7 +9,11 @@ a model break that:
 * torch.ao's dynamic quantization (`quantize_dynamic`) takes one activation scale per call over all its rows, so a
   token's output depends on which rows share the call, and the engine's calls hold other rows than plain decoding's;
 * forward hooks (or pre-hooks) on the causal LM or its base model run only when that module is called, and the
-  engine calls its stages instead. Hooks on the layers, the norms and the head run in both.
+  engine calls its stages instead. Hooks on the layers, the norms and the head run in both;
+* a `prepare_inputs_for_generation` set on the model instance changes what plain decoding feeds the model, and the
+  engine never calls it: PEFT's prompt learning (prompt, prefix, p-tuning) prepends its virtual tokens that way.
+  PEFT sets one for every adapter; those of adapters that are neither prompt learning nor POLY (LoRA, ...) pass
+  the inputs through unchanged, so those keep speculative decoding.
 """
 
 from __future__ import annotations
@@ -30,4 +34,13 @@ def model_fallback(model) -> str | None:
         return (f"forward hooks on {' and '.join(hooked)} run only when that module is called, and speculative "
                 "decoding calls its stages (embed, core, head) instead; decoded with plain decoding instead (hooks "
                 "on the layers and the head run in both)")
+    override = vars(model).get("prepare_inputs_for_generation")
+    if override is not None:
+        peft_config = getattr(getattr(override, "__self__", None), "active_peft_config", None)
+        passes_through = getattr(peft_config, "is_prompt_learning", True) is False \
+            and str(getattr(peft_config, "peft_type", "")) not in ("POLY", "PeftType.POLY")  # POLY adds task ids
+        if not passes_through:
+            return ("the model instance has a prepare_inputs_for_generation of its own (PEFT's prompt learning sets "
+                    "one to prepend its virtual tokens), which speculative decoding does not call; decoded with "
+                    "plain decoding instead")
     return None
