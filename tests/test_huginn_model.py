@@ -227,6 +227,27 @@ def test_save_and_load_round_trip(tmp_path):
         torch.testing.assert_close(loaded(ids, init_scale=0.0).logits, model(ids, init_scale=0.0).logits)
 
 
+@pytest.mark.parametrize("marked", [False, True])
+def test_recurrence_settings_of_the_generation_config_survive_save_and_load(tmp_path, marked):
+    """`num_steps`, `init_scale` and `init_seed` set on the generation config are saved and loaded back, also from a
+    file marked `_from_model_config` (which transformers strips of non-standard keys: before, the saved file was so
+    marked, and a reloaded model drew random initial states on every greedy call)."""
+    model, _ = tiny_huginn(seed=6)
+    settings = {"num_steps": 2, "init_scale": 0.5, "init_seed": 11}
+    for key, value in settings.items():
+        setattr(model.generation_config, key, value)
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "generation_config.json"
+    if marked:  # as transformers or an older version may write it
+        path.write_text(json.dumps({**json.loads(path.read_text()), "_from_model_config": True}))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert {key: getattr(loaded.generation_config, key, None) for key in settings} == settings
+    ids = random_ids((1, 5), VOCAB)
+    greedy = {"max_new_tokens": 6, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    expected = model.generate(ids, speculative_mode=None, **greedy, **settings)
+    assert torch.equal(loaded.generate(ids, speculative_mode=None, **greedy), expected)
+
+
 @pytest.mark.parametrize("trust_remote_code", [False, True])
 def test_hub_layout_folder_loads(tmp_path, trust_remote_code):
     """config.json with the upstream auto_map and `tie_embeddings`, safetensors with `freqs_cis` and a second copy of

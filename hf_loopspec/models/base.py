@@ -8,7 +8,10 @@ from ..generation.saved_config import mark_user_generation_config, restore_specu
 
 class StrictLoadingMixin:
     """Put before `PreTrainedModel` in the bases: a checkpoint that does not match the model raises, and speculative
-    keys survive `save_pretrained` and `from_pretrained` (`generation.saved_config`)."""
+    keys and the family's own generation keys (`generation_keys`) survive `save_pretrained` and `from_pretrained`
+    (`generation.saved_config`)."""
+
+    generation_keys: tuple[str, ...] = ()  # generation config keys the family's `generate` reads, besides ours
 
     def __init__(self, config, *args, **kwargs):
         # The config checked itself when it was made; settings changed since (`from_pretrained`'s keyword overrides
@@ -17,14 +20,14 @@ class StrictLoadingMixin:
         super().__init__(config, *args, **kwargs)
 
     def save_pretrained(self, *args, **kwargs):
-        mark_user_generation_config(getattr(self, "generation_config", None))
+        mark_user_generation_config(getattr(self, "generation_config", None), self.generation_keys)
         return super().save_pretrained(*args, **kwargs)
 
     def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
                              cache_dir=None, force_download=False, proxies=None, local_files_only=False, token=None,
                              revision=None, subfolder="", trust_remote_code=None, **kwargs):
-        """transformers' loading of the generation config, plus the speculative keys it drops from a config marked
-        `_from_model_config` (e.g. a `generation_config.json` saved by an older transformers version)."""
+        """transformers' loading of the generation config, plus the speculative and family keys it drops from a
+        config marked `_from_model_config` (e.g. a `generation_config.json` saved by an older transformers version)."""
         download = {"cache_dir": cache_dir, "force_download": force_download, "proxies": proxies,
                     "local_files_only": local_files_only, "token": token, "revision": revision, "subfolder": subfolder}
         super().adjust_generation_fn(generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
@@ -37,7 +40,7 @@ class StrictLoadingMixin:
             saved = saved_generation_dict(pretrained_model_name_or_path, **download)
         else:
             return
-        restore_speculative_keys(self.generation_config, saved)
+        restore_speculative_keys(self.generation_config, saved, self.generation_keys)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):

@@ -24,9 +24,8 @@ from dataclasses import replace
 
 import torch
 
-from ...models.huginn.recurrence import valid_init_seed
+from ...models.huginn.recurrence import GENERATION_KEYS, valid_init_seed
 
-RECURRENCE_KEYS = ("num_steps", "init_scale", "init_seed")  # the generation config's keys a manager reads
 REQUEST_KEY = "init_seed"  # the per-request key of a model with recurrence settings
 SET_UP_SEED = 0  # keys the placeholder states drawn at set-up (every admission replaces its slot's)
 
@@ -35,7 +34,7 @@ def manager_recurrence(model, generation_config):
     """The manager's recurrence settings (see the module docstring), or None for a model without them."""
     if not hasattr(model, "recurrence_settings"):
         return None
-    given = {key: getattr(generation_config, key, None) for key in RECURRENCE_KEYS}
+    given = {key: getattr(generation_config, key, None) for key in GENERATION_KEYS}
     return replace(model.recurrence_settings(), **{key: value for key, value in given.items() if value is not None})
 
 

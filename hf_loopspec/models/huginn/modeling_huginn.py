@@ -43,7 +43,7 @@ from ..layers import (
 )
 from ..loops import forward_rows
 from .configuration_huginn import HuginnConfig
-from .recurrence import OPEN_BLOCKS, Recurrence, state_seed, updated
+from .recurrence import GENERATION_KEYS, OPEN_BLOCKS, Recurrence, state_seed, updated
 
 Rope = Callable[[torch.Tensor], torch.Tensor]  # rotates q or k `[*rows, heads, D]` at the call's positions
 
@@ -112,6 +112,7 @@ class HuginnPreTrainedModel(StrictLoadingMixin, PreTrainedModel):
     base_model_prefix = "transformer"
     _no_split_modules = ["HuginnBlock"]
     _keys_to_ignore_on_load_unexpected = [r"freqs_cis$"]  # the checkpoints' persistent RoPE table: recomputed
+    generation_keys = GENERATION_KEYS  # the recurrence settings a generation config may carry
 
 
 @dataclass

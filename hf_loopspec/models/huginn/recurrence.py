@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from ..layers import is_integer
 
 MAX_INIT_SEED = 2**64  # a generator's seed is 64 bits: a larger one would act as another
+GENERATION_KEYS = ("num_steps", "init_scale", "init_seed")  # a generation config's recurrence settings
 
 
 def valid_init_seed(value) -> bool:
