@@ -35,7 +35,8 @@ def settings_problem(model_config, manager_config, request_config,
     """Why a request with `request_config` cannot join a manager started with `manager_config` (the settings of
     `started_by`), or None."""
     manager, request = effective(model_config, manager_config), effective(model_config, request_config)
-    defaults = type(model_config)().to_dict()
+    # what an unset key means: None, or the value generate gives it (unset do_sample: greedy, as do_sample=False)
+    defaults = {**type(model_config)().to_dict(), **type(model_config)._get_default_generation_params()}
     sampled = manager.get("do_sample", False) or request.get("do_sample", False)
     keys = sorted((set(manager) | set(request)) - PER_REQUEST - (set() if sampled else SAMPLING))
     differ = {k: (request.get(k, defaults.get(k)), manager.get(k, defaults.get(k))) for k in keys

@@ -73,6 +73,31 @@ def test_zero_new_tokens_fails_instead_of_taking_the_default(model):
     assert result.status == RequestStatus.FAILED and "max_new_tokens=0" in result.error
 
 
+@pytest.mark.parametrize("settings", [{}, PIPELINE], ids=["plain", "pipeline"])
+def test_the_models_generation_config_fills_what_the_callers_leaves_unset(model, settings):
+    """As `generate` merges them: a caller's config without EOS ids stops each request at the EOS ids of the model's
+    generation config (which config.json lacks, as a chat checkpoint's end-of-turn id), and a minimum length set
+    there is refused by name. Before, config.json's EOS ids were used and the minimum dropped without a word."""
+    inputs = prompts(5, [4, 6])
+    free = model.generate(torch.tensor([inputs[0]]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                          pad_token_id=0, speculative_mode=None)[0, 4:].tolist()
+    saved = model.generation_config.eos_token_id, model.generation_config.min_new_tokens
+    try:
+        assert model.config.eos_token_id != free[2]
+        model.generation_config.eos_token_id = [free[2]]
+        config = generation_config(settings)  # no EOS ids of its own
+        expected = [model.generate(torch.tensor([p]), generation_config=config, speculative_mode=None)[0, len(p):]
+                    .tolist() for p in inputs]
+        assert expected[0] == free[:free.index(free[2]) + 1]  # stopped at the second EOS id
+        out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching())
+        assert [r.generated_tokens for r in out.values()] == expected
+        model.generation_config.min_new_tokens = 3
+        with pytest.raises(ValueError, match="MinNewTokensLengthLogitsProcessor .* in continuous batching"):
+            model.init_continuous_batching(config, batching())
+    finally:
+        model.generation_config.eos_token_id, model.generation_config.min_new_tokens = saved
+
+
 @pytest.mark.parametrize("extra", [{"max_time": 1e-4}, {"penalty_alpha": 0.6, "top_k": 4}], ids=["max_time",
                                                                                                  "penalty_alpha"])
 def test_settings_a_manager_would_drop_are_refused(model, extra):

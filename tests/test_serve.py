@@ -390,6 +390,10 @@ def test_a_request_joins_a_running_manager_only_with_its_settings(checkpoint):
     sampled = transformers.GenerationConfig(do_sample=True, temperature=0.5)
     assert "do_sample=True (the manager's: False), temperature=0.5 (the manager's: 0.0)" in \
         serving_batching.settings_problem(checkpoints, first, sampled)
+    # a checkpoint that leaves do_sample unset (save_pretrained's default) decodes greedily: `temperature: 0` (the
+    # request's do_sample=False) asks for what its manager runs (before: "do_sample=False (the manager's: None)")
+    unset = transformers.GenerationConfig(pad_token_id=checkpoints.pad_token_id)
+    assert serving_batching.settings_problem(unset, unset, transformers.GenerationConfig(do_sample=False)) is None
     if OWN_PROCESS:  # no manager per first request: `serving_engine.LoopBatchingRunner` refuses by the same check
         stops = transformers.GenerationConfig(**{**checkpoints.to_dict(), "stop_strings": ["\n"]})
         assert "stop_strings=" in serving_batching.settings_problem(checkpoints, checkpoints, stops)

@@ -43,7 +43,6 @@ from transformers import (
     Cache,
     DynamicCache,
     GenerationConfig,
-    GenerationMixin,
     LogitsProcessor,
     LogitsProcessorList,
     StoppingCriteria,
@@ -56,7 +55,7 @@ from ..defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
 from .auto_calibration import costs_for
 from .auto_costs import PLAIN, Candidate, CostTable, observe
 from .auto_policy import AutoChoice, AutoStats, Chooser, policy_for, remember, remembered
-from .config import AUTO_MODE, SPECULATIVE_KEYS, check_generation_mode, resolve_speculative
+from .config import AUTO_MODE, SPECULATIVE_KEYS, check_generation_mode, merged_config, resolve_speculative
 from .inputs import as_integer, check_generation_values, check_left_padded
 from .model_checks import model_fallback
 from .stats import SequenceStats, SpeculationStats
@@ -77,14 +76,6 @@ def requested(model, kwargs: dict) -> bool:
         return kwargs["speculative_mode"] == AUTO_MODE
     mode = getattr(kwargs.get("generation_config"), "speculative_mode", None)
     return (mode if mode is not None else getattr(model.generation_config, "speculative_mode", None)) == AUTO_MODE
-
-
-def merged_config(model, kwargs: dict) -> GenerationConfig:
-    """The call's generation config as transformers resolves it for plain decoding: the passed config over the
-    model's over the global defaults, then the call's generation kwargs (the speculative keys are auto's own)."""
-    given = {key: value for key, value in kwargs.items() if key not in SPECULATIVE_KEYS and key != "generation_config"}
-    config, _ = GenerationMixin._prepare_generation_config(model, kwargs.get("generation_config"), **given)
-    return config
 
 
 def _setting(kwargs: dict, config, key: str):

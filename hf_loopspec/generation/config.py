@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transformers.generation import GenerationConfig, GenerationMode
+from transformers.generation import GenerationConfig, GenerationMixin, GenerationMode
 
 from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
 from .inputs import as_integer
@@ -189,3 +189,12 @@ def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_c
     if generation_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(f"speculative_mode={spec.mode!r} supports greedy decoding and sampling, not "
                          f"{generation_mode}.")
+
+
+def merged_config(model, kwargs: dict) -> GenerationConfig:
+    """A call's generation config as transformers resolves it for plain decoding: the passed config
+    (`kwargs["generation_config"]`) over the model's over the global defaults, then the call's generation kwargs
+    (the speculative keys left out: their callers read them themselves). A copy: the inputs stay as they were."""
+    given = {key: value for key, value in kwargs.items() if key not in SPECULATIVE_KEYS and key != "generation_config"}
+    config, _ = GenerationMixin._prepare_generation_config(model, kwargs.get("generation_config"), **given)
+    return config

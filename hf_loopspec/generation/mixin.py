@@ -36,6 +36,7 @@ from .config import (
     SPECULATIVE_KEYS,
     SpeculativeConfig,
     check_generation_mode,
+    merged_config,
     resolve_speculative,
     speculative_config,
 )
@@ -104,7 +105,9 @@ class LoopSpecGenerationMixin(GenerationMixin):
 
         cached = getattr(self, "_cached_continuous_batching_manager", None)
         if isinstance(cached, LoopBatchingManager):
-            for name, given, kept in (("generation_config", generation_config, cached.generation_config),
+            given = {"generation_config": generation_config}  # compared as the manager holds it: merged
+            resolved = None if generation_config is None else merged_config(self, given)
+            for name, given, kept in (("generation_config", resolved, cached.generation_config),
                                       ("continuous_batching_config", continuous_batching_config,
                                        cached.continuous_batching_config)):
                 if given is not None and given != kept:

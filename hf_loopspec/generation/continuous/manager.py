@@ -37,6 +37,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from ...logs import get_logger
 from ...models.layers import is_integer
+from ..config import merged_config
 from ..rules import non_finite_error
 from . import huginn
 from .router import Router
@@ -63,7 +64,8 @@ class LoopBatchingManager:
 
     def __init__(self, model, generation_config=None, continuous_batching_config=None, workload_hints=None):
         self.model = model.eval()
-        self.generation_config = generation_config if generation_config is not None else model.generation_config
+        # as `generate` resolves it: the given config over the model's (its EOS ids, ...) over the global defaults
+        self.generation_config = merged_config(model, {"generation_config": generation_config})
         self.continuous_batching_config = continuous_batching_config
         self.settings = manager_settings(model, self.generation_config, continuous_batching_config, workload_hints)
         self.input_queue: queue.Queue[RequestState] = queue.Queue()
