@@ -20,7 +20,7 @@ Sampling (`--do-sample`) works in every mode: the speculative modes use lossless
 kept with probability min(1, p/q)), and `generate` prints that acceptance rate. `generate` and `batch` run torch on
 `--threads` CPU threads (default 1, see the option's help); options that the chosen decoding would ignore
 (`--temperature` / `--top-k` / `--top-p` without `--do-sample`, `--draft-loops` / `--num-speculative-tokens` with
-`--mode plain`) are refused before anything loads.
+`--mode plain`, `--num-speculative-tokens` with `--mode pipeline`) are refused before anything loads.
 
 Every error a user can cause (a bad argument, a missing folder, a zero-byte, truncated or corrupt weights file, a
 pickle-only checkpoint, a device the models do not run on, a prompt longer than the model's positions, invalid

@@ -50,10 +50,17 @@ def check_text(text: str, where: str) -> None:
 
 
 def check_mode_options(args: argparse.Namespace) -> None:
-    """`ValueError` when `--mode plain` comes with an option that only speculative decoding reads, naming it."""
+    """`ValueError` when `--mode plain` comes with an option that only speculative decoding reads, or `--mode
+    pipeline` with `--num-speculative-tokens` (block mode's drafts per round; auto reads it for its block
+    candidates), naming it."""
+    given = getattr(args, "speculative_given", {})
+    if args.mode == "pipeline" and "--num-speculative-tokens" in given:
+        raise ValueError(f"--num-speculative-tokens {given['--num-speculative-tokens']} with --mode pipeline, which "
+                         "drafts one token per lane and never reads it (it is block mode's drafts per round); drop "
+                         "it, or pass --mode block.")
     if args.mode != "plain":
         return
-    given = [f"{flag} {value}" for flag, value in getattr(args, "speculative_given", {}).items()]
+    given = [f"{flag} {value}" for flag, value in given.items()]
     if given:
         raise ValueError(f"speculative-only options given with --mode plain, which decodes without them: "
                          f"{', '.join(given)}; drop them, or pass --mode block or --mode pipeline.")
@@ -69,7 +76,10 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     (Huginn), unless its generation config names their seed, keys them with `init_seed=0`: `--compare`'s two runs
     and a resumed `batch` then start from the same states (each call would draw its own seed).
     """
-    from .looped import draws_initial_states  # (here: this module loads without torch, for the CLI's --help)
+    from transformers import GenerationConfig  # (here: this module loads without torch, for the CLI's --help)
+
+    from .generation.config import SPECULATIVE_KEYS, speculative_config
+    from .looped import draws_initial_states
 
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
     for key in ("temperature", "top_k", "top_p", "repetition_penalty"):
@@ -90,4 +100,7 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     if model.generation_config.pad_token_id is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         kwargs["pad_token_id"] = pad if pad is not None else 0
+    # a depth this model's loops refuse fails here, before `batch` makes OUT.parts, not in its first batch
+    speculative_config(GenerationConfig(**{key: kwargs[key] for key in SPECULATIVE_KEYS if key in kwargs}),
+                       model.num_loops)
     return kwargs

@@ -232,6 +232,15 @@ def test_restart_with_other_settings_is_refused(prompts_file, tmp_path, monkeypa
     assert "other settings (batch_size: 4 then, 2 now)" in err and "delete" in err
 
 
+def test_a_depth_the_model_refuses_leaves_nothing_behind(prompts_file, tmp_path, capsys):
+    """A draft depth the model's 4 loops refuse for pipeline mode fails before OUT.parts is made (it was made, the
+    first batch failed, and the corrected command was refused as "an unfinished run with other settings")."""
+    output = tmp_path / "out.jsonl"
+    assert cli.main([*batch_args(prompts_file, output), "--draft-loops", "3", "--device", "cpu"]) == 2
+    assert "draft_loops=3" in capsys.readouterr().err
+    assert not output.exists() and not Path(f"{output}.parts").exists()
+
+
 def test_plain_mode_decodes_plain_on_a_speculative_default(prompts_file, tmp_path, capsys):
     """The embedded model's generation_config.json defaults to pipeline; `--mode plain` must still decode plain."""
     prompts = tmp_path / "two.jsonl"

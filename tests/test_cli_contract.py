@@ -137,6 +137,8 @@ REFUSED = [  # (options, what the one line must contain)
     (["--num-speculative-tokens", "3", "--mode", "plain"], "decodes without them: --num-speculative-tokens 3;"),
     # the default value, given explicitly
     (["--mode", "plain", "--draft-loops", "1"], "decodes without them: --draft-loops 1;"),
+    # block mode's drafts per round: pipeline never reads it (it ran, and K had no effect)
+    (["--mode", "pipeline", "--num-speculative-tokens", "16"], "--num-speculative-tokens 16 with --mode pipeline"),
 ]
 
 
@@ -147,7 +149,9 @@ def test_options_that_would_be_ignored_are_refused_up_front(name, options, messa
     assert cli.main([*command(name, nowhere, tmp_path), *options]) == 2
     line = one_error_line(capsys, name)
     assert message in line
-    assert "--do-sample" in line if "greedy decoding ignores" in message else "--mode block or --mode pipeline" in line
+    fix = "--do-sample" if "greedy decoding ignores" in message else (
+        "pass --mode block" if "--mode pipeline" in message else "--mode block or --mode pipeline")
+    assert fix in line
 
 
 def test_compare_with_plain_mode_is_refused(tmp_path, capsys):
