@@ -17,7 +17,8 @@ Requests decode as `model.generate` does with the checkpoint's generation config
 request can set is what transformers' handlers forward: `max_tokens` (chat: also `max_completion_tokens`; unset:
 the checkpoint's `max_new_tokens`, raised to 1024), `temperature` (0: greedy; otherwise `do_sample` stays the
 checkpoint's), `top_p`, `seed` (torch's global seed), `frequency_penalty` (repetition_penalty = 1 + it), `stop` (stop
-strings), chat's `logit_bias`, and `generation_config`: a JSON string of generation settings (`speculative_mode`
+strings), chat's `logit_bias` (its whole numbers passed on as floats; refused on /v1/completions, whose handler
+drops it), and `generation_config`: a JSON string of generation settings (`speculative_mode`
 "pipeline" or "block", `draft_loops`, `num_speculative_tokens`, `do_sample`, `top_k`, ...); `generate` fills the keys
 it leaves unset from the checkpoint's config, so a request cannot turn a checkpoint's speculative default off (null
 counts as unset). With `--continuous-batching`, transformers builds one manager from the first request's settings
@@ -31,7 +32,8 @@ them, or round 1.5 down, with a line in the server's log only). HTTP errors, a b
 included, and a stream's error event come in OpenAI's error shape (`openai_errors`), so an `openai` client's exception
 says why; `suffix`, `tools` and a `response_format`, which transformers' handlers would drop, get HTTP 400 too, and so
 do values they would fail on with a bare 500 (`value_problem`: a lone surrogate, a numeric `stop`, `messages` as a
-string, a `generation_config` that is not a JSON object's text) and a `temperature` or `top_p` out of range.
+string, a `generation_config` that is not a JSON object's text) and a `temperature` or `top_p` out of range. A
+client that leaves before its answer ends its request quietly (no error in the server's log).
 """
 
 from __future__ import annotations
@@ -152,18 +154,22 @@ UNSUPPORTED = {  # request fields transformers' handlers would drop without a wo
 }
 
 
-def request_problem(body, positions: int | None = None) -> str | None:
+def request_problem(body, positions: int | None = None, path: str = "") -> str | None:
     """Why the server refuses a completion request's JSON `body` before transformers reads it, or None: a token limit
     that is not a whole number >= 1 (transformers would take 1.5 as 1 and "5" as 5) or that alone reaches the model's
     `positions` (transformers would warn in the server's log and decode on past them, for as long as the client
     waits; the generation config's `max_new_tokens` and `max_length` likewise), a field it would ignore with a
     warning in the server's log only (`ONE_ANSWER`: `n=2` would return one choice) or without one (`UNSUPPORTED`), or
-    a value its handlers would fail on with a bare 500 (`value_problem`). Null counts as unset."""
+    a value its handlers would fail on with a bare 500 (`value_problem`), or a `logit_bias` sent to `path`
+    /v1/completions, whose handler drops it without a word (chat's takes it). Null counts as unset."""
     if not isinstance(body, dict):
         return None
     problem = value_problem(body)
     if problem:
         return problem
+    if body.get("logit_bias") and path.endswith("/completions") and not path.endswith("/chat/completions"):
+        return ("logit_bias is not supported on /v1/completions (its handler would drop it); send the request to "
+                "/v1/chat/completions, or leave logit_bias out.")
     for name in TOKEN_LIMITS:
         value = body.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -216,6 +222,11 @@ def value_problem(body: dict) -> str | None:
         if not isinstance(settings, dict):
             return (f"generation_config={config!r} must be a JSON object written as a string, e.g. "
                     '"{\\"speculative_mode\\": \\"pipeline\\"}".')
+    bias = body.get("logit_bias")
+    if bias is not None and not (isinstance(bias, dict) and all(
+            key.isdigit() and not isinstance(value, bool) and isinstance(value, (int, float)) and -100 <= value <= 100
+            for key, value in bias.items())):
+        return f"logit_bias={bias!r} must map token ids (as strings) to numbers in [-100, 100]."
     for name, high in (("temperature", 2.0), ("top_p", 1.0)):
         value = body.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -240,7 +251,7 @@ def openai_errors(positions: int | None = None) -> None:
 
     def build_server(*args, **kwargs):
         from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, Response
         from starlette.exceptions import HTTPException
 
         async def answer(request, error: HTTPException) -> JSONResponse:
@@ -259,14 +270,24 @@ def openai_errors(positions: int | None = None) -> None:
         async def check(request, call_next):
             if request.method == "POST" and "json" in request.headers.get("content-type", "").lower():
                 try:
-                    problem = request_problem(json.loads(await request.body()), build_server.positions)
+                    body = json.loads(await request.body())
+                    problem = request_problem(body, build_server.positions, request.url.path)
                 except RecursionError:
                     problem = "the request body nests too deeply."
                 except ValueError as error:
                     problem = f"the request body is not valid JSON ({error})."
                 if problem:
                     return await answer(request, HTTPException(status_code=400, detail=problem))
-            response = await call_next(request)
+                if isinstance(body, dict) and body.get("logit_bias"):  # OpenAI's whole numbers, as the floats that
+                    # transformers' sequence_bias takes; the handler reads the body starlette keeps (`_body`)
+                    body["logit_bias"] = {key: float(value) for key, value in body["logit_bias"].items()}
+                    request._body = json.dumps(body).encode()
+            try:
+                response = await call_next(request)
+            except RuntimeError:  # starlette's "No response returned.": the client left before the answer
+                if not await request.is_disconnected():
+                    raise
+                return Response(status_code=499)  # (nginx's "client closed request": nobody reads it)
             if response.headers.get("content-type", "").startswith("text/event-stream"):
                 response.body_iterator = openai_error_events(response.body_iterator)
             return response

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import pickle
 import re
 import shutil
@@ -296,6 +297,65 @@ def test_a_streams_error_event_comes_in_openais_shape():
     *kept, last = asyncio.run(collect())
     assert kept == events[:3]  # every other chunk as it came, a split character or event included
     assert json.loads(last.decode()[len("data: "):])["error"]["message"] == "stop_strings: not served"
+
+
+def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
+    """The checks `openai_errors` adds, around a stand-in for transformers' app (echoing what its handlers read):
+    OpenAI's whole-number `logit_bias` reaches the chat handler as the floats transformers' `sequence_bias` takes
+    (it answered 400 with its own message), /v1/completions refuses it (its handler drops it without a word), and a
+    client that leaves before its answer is no server error (starlette's "No response returned." was logged with
+    a traceback)."""
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+    from transformers.cli.serving import server
+    from transformers.cli.serving import utils as serving_utils
+
+    async def chat(request):
+        return JSONResponse(await request.json())
+
+    async def completions(request):
+        await asyncio.sleep(3)  # a slow answer, which the client below leaves before
+        return JSONResponse({})
+
+    app = FastAPI()
+    app.router.add_route("/v1/chat/completions", chat, methods=["POST"])
+    app.router.add_route("/v1/completions", completions, methods=["POST"])
+    if hasattr(serving_utils, "CancelOnDisconnect"):  # transformers >= 5.25 cancels a left request's handling
+        app.add_middleware(serving_utils.CancelOnDisconnect)
+
+    monkeypatch.setattr(server, "build_server", lambda *args, **kwargs: app)
+    serving.openai_errors()
+    port = free_port()
+    stand_in = uvicorn.Server(uvicorn.Config(server.build_server(), host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=stand_in.run, daemon=True)
+    thread.start()
+    try:
+        base = type("Client", (), {"base_url": f"http://127.0.0.1:{port}/v1/"})
+        while not stand_in.started:
+            time.sleep(0.05)
+        bias = {"7": 100, "9": -5.5}
+        status, echoed = post(base, "chat/completions", json.dumps({"messages": [], "logit_bias": bias}).encode(),
+                              "application/json")
+        assert status == 200 and echoed["logit_bias"] == {"7": 100.0, "9": -5.5}
+        assert all(type(value) is float for value in echoed["logit_bias"].values())
+        status, answer = post(base, "completions", json.dumps({"prompt": "x", "logit_bias": bias}).encode(),
+                              "application/json")
+        assert status == 400 and "logit_bias is not supported on /v1/completions" in answer["error"]["message"]
+        status, answer = post(base, "chat/completions", b'{"messages": [], "logit_bias": {"7": 101}}',
+                              "application/json")
+        assert status == 400 and "must map token ids (as strings) to numbers in [-100, 100]" in \
+            answer["error"]["message"]
+        with caplog.at_level(logging.ERROR), socket.create_connection(("127.0.0.1", port)) as client:
+            body = b'{"prompt": "x"}'
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            time.sleep(0.5)  # the request reached the handler; the client leaves
+        time.sleep(3.5)  # the handler's answer has nobody to go to
+        assert not [r for r in caplog.records if "Exception in ASGI application" in r.getMessage()]
+    finally:
+        stand_in.should_exit = True
+        thread.join(timeout=30)
 
 
 def refusal(call) -> str:
