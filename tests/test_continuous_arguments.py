@@ -129,6 +129,9 @@ def test_a_kept_manager_refuses_other_settings(model):
     (ContinuousBatchingConfig(max_blocks_per_request=4, block_size=-16), "block_size=-16"),
     (ContinuousBatchingConfig(seed="x"), "seed='x'"),
     (ContinuousBatchingConfig(seed=-1), "seed=-1"),
+    # a bound the manager would not keep (add_request never blocks): 8 requests all queued past a bound of 2
+    (ContinuousBatchingConfig(max_queue_size=2), "max_queue_size=2 .*add_request never blocks"),
+    (ContinuousBatchingConfig(return_logprobs=True), "return_logprobs=True"),
 ])
 def test_bad_continuous_batching_config_values_are_named(model, config, match):
     with pytest.raises(ValueError, match=match):

@@ -80,6 +80,10 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
         if getattr(config, key, None) is not None:
             raise ValueError(f"{key}={getattr(config, key)!r} in continuous batching: {why}; drop {key}, or decode "
                              "with model.generate.")
+    if getattr(cb_config, "max_queue_size", 0):
+        raise ValueError(f"max_queue_size={cb_config.max_queue_size!r} in the ContinuousBatchingConfig: the package's "
+                         "manager queues every request it is given (add_request never blocks); drop it, and bound "
+                         "what you add yourself.")
     if getattr(cb_config, "return_logprobs", False):
         raise ValueError("return_logprobs=True in the ContinuousBatchingConfig: the package's manager does not "
                          "record log-probabilities (GenerationOutput.logprobs stays empty); drop it.")
