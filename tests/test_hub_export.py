@@ -137,6 +137,35 @@ def test_export_of_a_chatml_model_stops_at_the_end_of_turn(source, tmp_path):
         assert f"generation stops at token {' or '.join(map(str, want))}" in (out / "README.md").read_text()
 
 
+def test_sampling_settings_of_the_checkpoint_are_credited_to_it(source, tmp_path):
+    """A source whose generation_config.json samples: the card uses its settings and says they come from there (it
+    said "recommended by the base model's card", for a source with no card and no base model)."""
+    src = tmp_path / "sampling-src"
+    source[0].save_pretrained(src)
+    word_tokenizer(source[0].config.vocab_size).save_pretrained(src)
+    config = json.loads((src / "generation_config.json").read_text())
+    (src / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "temperature": 0.7,
+                                                            "top_p": 0.9, "top_k": 20}))
+    card = (export.export_checkpoint(src, tmp_path / "out", benchmarks=None) / "README.md").read_text()
+    assert ("Sampling settings recommended by the checkpoint's `generation_config.json`: temperature=0.7, top_p=0.9, "
+            "top_k=20.") in card
+    assert "base model's card" not in card
+
+
+def test_a_reexport_keeps_the_models_name_and_language(tmp_path):
+    """Exporting an exported folder again keeps the model's name (it travels in the card's `model_name`: the second
+    card was titled and coded after the first export's folder) and its `language`."""
+    first = export.export_checkpoint("default", tmp_path / "rx1", benchmarks=None)
+    second = export.export_checkpoint(first, tmp_path / "rx2", benchmarks=None)
+    cards = [ModelCard.load(folder / "README.md") for folder in (first, second)]
+    assert cards[0].data.model_name == "hf-loopspec-default" and cards[0].data.language == ["code"]
+    assert cards[1].data.to_dict() == cards[0].data.to_dict()
+    for card in cards:
+        assert card.text.lstrip().startswith("# hf-loopspec-default")
+        assert "your-username/hf-loopspec-default" in card.text
+        assert "rx1" not in card.text
+
+
 def test_shims_import_hf_loopspec_only_inside_try():
     """transformers' `check_imports` must not list hf_loopspec as a hard requirement of the remote code."""
     from transformers.dynamic_module_utils import get_imports

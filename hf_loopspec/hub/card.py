@@ -87,6 +87,7 @@ def build_model_card(
     chat: bool = False,
     eos_token_ids: list[int] | int | None = None,
     sampling: dict | None = None,
+    sampling_source: str = "the base model's card",
     speculative_mode: str | None = "auto",
     draft_loops: int = DEFAULT_DRAFT_LOOPS,
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
@@ -96,6 +97,7 @@ def build_model_card(
     prompt: str = "def fibonacci(n):",
     max_new_tokens: int = 128,
     tags: tuple[str, ...] | list[str] = (),
+    language: str | list[str] | None = None,
     kv_bytes_per_token: int | None = None,
 ) -> ModelCard:
     """A `ModelCard` for an exported hf-loopspec repo (see the module docstring).
@@ -104,10 +106,12 @@ def build_model_card(
     (None or empty: the card says there are no measured numbers). `family`: a key of `FAMILIES`.
     `tokenizer=False` (the repo ships no tokenizer) loads the base model's tokenizer in the code. `chat=True`
     (models with a chat template, such as the Thinking variants) shows chat-template usage; `sampling` (e.g.
-    `{"temperature": 1.0, "top_p": 0.7}`) is used in every example, with `do_sample=True`. `source`: how the prose
-    names weights that are not the family maker's (e.g. "the embedded model hf-loopspec-default"); the title
-    defaults to the repo's name. `kv_bytes_per_token`: this model's KV bytes per context token in bf16, every loop
-    together (None: the Limitations quote the family's example checkpoint).
+    `{"temperature": 1.0, "top_p": 0.7}`) is used in every example, with `do_sample=True`, and credited to
+    `sampling_source` (where the settings come from). `source`: how the prose names weights that are not the family
+    maker's (e.g. "the embedded model hf-loopspec-default"); the title defaults to the repo's name and is the card's
+    `model_name` (a re-export of the repo keeps it); `language`: the metadata's (a source card's, carried over).
+    `kv_bytes_per_token`: this model's KV bytes per context token in bf16, every loop together (None: the
+    Limitations quote the family's example checkpoint).
     """
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} has no card text; choose one of {', '.join(FAMILIES)}.")
@@ -136,7 +140,7 @@ def build_model_card(
         "tokenizer_code": _tokenizer_code(tokenizer, base_model),
         "inputs_code": _inputs_code(chat, prompt),
         "generate_kwargs": _generate_kwargs(max_new_tokens, sampling, eos if chat else []),
-        "variant_section": _variant_section(fam, chat, eos, sampling),
+        "variant_section": _variant_section(fam, chat, eos, sampling, sampling_source),
         "speed_section": speed_section(results),
         "kv_example": fam.kv_example if kv_bytes_per_token is None else
         f"about {_size(kv_bytes_per_token)} per context token for this model in bf16 across its {num_loops} loops",
@@ -146,7 +150,7 @@ def build_model_card(
     name = fields["title"]
     data = ModelCardData(
         license=license, library_name="transformers", pipeline_tag="text-generation", base_model=base_model,
-        tags=list(dict.fromkeys([*TAGS, *tags])), model_name=name if results else None,
+        tags=list(dict.fromkeys([*TAGS, *tags])), model_name=name, language=language,
         eval_results=eval_results(results, project_url()) or None,
     )
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{MODEL_CARD_TEMPLATE.substitute(fields)}")
@@ -228,7 +232,7 @@ def _generation_defaults(mode: str | None, draft_loops: int, k: int, eos: list[i
             "transformers' plain loop")
 
 
-def _variant_section(fam: CardFamily, chat: bool, eos: list[int], sampling: dict | None) -> str:
+def _variant_section(fam: CardFamily, chat: bool, eos: list[int], sampling: dict | None, sampling_source: str) -> str:
     if not chat and not sampling:
         return ""
     lines = ["", "### Chat and sampling settings", ""]
@@ -237,7 +241,7 @@ def _variant_section(fam: CardFamily, chat: bool, eos: list[int], sampling: dict
                      f"{' and '.join(str(e) for e in eos) if eos else 'the tokenizer eos'}.")
     if sampling:
         settings = ", ".join(f"{k}={v}" for k, v in sampling.items())
-        lines.append(f"Sampling settings recommended by the base model's card: {settings}. Speculative sampling in "
+        lines.append(f"Sampling settings recommended by {sampling_source}: {settings}. Speculative sampling in "
                      "hf-loopspec is lossless (drafts are accepted with probability min(1, p/q) and rejections are "
                      "resampled from the residual), so these settings give the same output distribution in every "
                      "mode.")

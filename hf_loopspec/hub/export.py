@@ -247,6 +247,7 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
         "base_model": base_model,
         "license": license or data.get("license") or "apache-2.0",
         "tags": [tag for tag in data.get("tags") or () if isinstance(tag, str)],
+        "language": data.get("language"),
         "num_loops": model.num_loops,
         "kv_bytes_per_token": kv_bytes_per_token(model),
         "tokenizer": tokenizer is not None,
@@ -260,6 +261,7 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
     if gen.do_sample and "sampling" not in model_card_kwargs:
         card_args["sampling"] = {k: getattr(gen, k) for k in ("temperature", "top_p", "top_k")
                                  if getattr(gen, k, None) is not None}
+        card_args["sampling_source"] = "the checkpoint's `generation_config.json`"
     card_args.update(model_card_kwargs)
     return build_model_card(**card_args)
 
