@@ -81,6 +81,14 @@ def test_an_engine_cycle_costs_its_periodic_long_intervals_too(model, monkeypatc
     assert 2.1e-3 <= seconds <= 9e-3
 
 
+def test_a_lone_spike_in_the_engine_cycles_is_left_out():
+    """One interval far over the others is another process's time slice, left out; periodic long intervals (two or
+    more in a run) are the engine's own and stay (the run above)."""
+    assert auto_calibration.cycle_mean([1.0] * 9 + [40.0]) == 1.0
+    assert auto_calibration.cycle_mean([1.0, 1.0, 1.0, 9.0] * 3) == 3.0
+    assert auto_calibration.cycle_mean([2.0, 5.0]) == 3.5  # too few to tell: every interval
+
+
 def test_a_fresh_process_reads_the_stored_table(model, counted, tmp_path):
     """The first call measures and stores one file; with the process's table dropped, the next reads it and times
     nothing; the table survives the round trip exactly."""

@@ -73,6 +73,20 @@ def test_zero_new_tokens_fails_instead_of_taking_the_default(model):
     assert result.status == RequestStatus.FAILED and "max_new_tokens=0" in result.error
 
 
+def test_without_any_length_a_request_decodes_transformers_default_of_new_tokens(model):
+    """Neither the config nor the model's sets a length: `generate` decodes 20 new tokens, whatever the prompt's
+    length, and so does each request (after the configs were merged, the default max_length 20 counted the prompt:
+    a 22-token prompt failed)."""
+    inputs = prompts(6, [4, 22])
+    config = generation_config({}, max_new_tokens=None)
+    assert model.generation_config.max_length is None and config.max_length is None
+    expected = [model.generate(torch.tensor([p]), generation_config=config, speculative_mode=None)[0, len(p):]
+                .tolist() for p in inputs]
+    out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching())
+    assert [r.generated_tokens for r in out.values()] == expected
+    assert len(expected[1]) == 20 or expected[1][-1] == model.generation_config.eos_token_id
+
+
 @pytest.mark.parametrize("settings", [{}, PIPELINE], ids=["plain", "pipeline"])
 def test_the_models_generation_config_fills_what_the_callers_leaves_unset(model, settings):
     """As `generate` merges them: a caller's config without EOS ids stops each request at the EOS ids of the model's

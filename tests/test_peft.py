@@ -48,6 +48,20 @@ def test_prompt_tuning_decodes_plainly_with_its_soft_prompt(prompt_tuned, mode):
     assert "prepare_inputs_for_generation" in out.speculation.fallback
 
 
+def test_the_base_model_speculates_again_after_a_prompt_tuned_call(prompt_tuned):
+    """PEFT puts the model's own `prepare_inputs_for_generation` back as an instance attribute after a prompt-tuned
+    call: that is no override, so the adapter disabled (or the base model alone) decodes speculatively again."""
+    tuned, _ = prompt_tuned
+    ids, mask = _ids(tuned)
+    tuned.generate(input_ids=ids, attention_mask=mask, speculative_mode=None, **SETTINGS)
+    base = tuned.get_base_model()
+    assert "prepare_inputs_for_generation" in vars(base)  # what PEFT leaves behind
+    plain = base.generate(input_ids=ids, attention_mask=mask, speculative_mode=None, **SETTINGS)
+    out = base.generate(input_ids=ids, attention_mask=mask, speculative_mode="pipeline", return_dict_in_generate=True,
+                        **SETTINGS)
+    assert out.speculation.fallback is None and torch.equal(out.sequences, plain)
+
+
 @pytest.mark.parametrize("mode", ["pipeline", "block"])
 def test_lora_keeps_speculative_decoding_and_plain_tokens(mode):
     model = tiny_model()[0]

@@ -13,8 +13,9 @@ candidate's, see below), each timed step by step:
   prompt rows (the prefill) and the idle ones at the end are left out.
 A plain step's cost is the mean of its timed intervals without those over twice their median (another process's
 time slice, not the decoder's); the first plain step (the prompt's prefill) is left out. An engine cycle's cost is
-the plain mean of its intervals: the engine's host work comes in periods (a read-back every few cycles), so its
-long intervals are its own, and leaving them out would make speculation look several times cheaper than it is.
+the mean of its intervals without one over twice the next longest (`cycle_mean`): the engine's host work comes in
+periods (a read-back every few cycles), so its long intervals are its own and come several to a run, and leaving
+them out made speculation look several times cheaper than it is; a lone longer one is another process's.
 Set-up and prefill need no warm-up or second run to cancel out, since only steps in the middle of a run are
 timed. On a CUDA device each timed cycle waits for the device, so the engine's overlap of host and device work is
 not credited (auto's own segments, `auto_costs.observe`, then measure it).
@@ -132,6 +133,12 @@ def _covers(timed: Candidate, other: Candidate) -> bool:
     return other.mode == "block" and other.num_speculative_tokens == timed.num_speculative_tokens
 
 
+def cycle_mean(intervals: list[float]) -> float:
+    """The mean of `intervals` without those over `SPIKE` times the second longest (module docstring)."""
+    ceiling = SPIKE * sorted(intervals)[-2] if len(intervals) > 2 else math.inf
+    return statistics.mean(t for t in intervals if t <= ceiling)
+
+
 def typical(intervals: list[float]) -> float:
     """The mean of `intervals` without those over `SPIKE` times their median."""
     median = statistics.median(intervals)
@@ -184,8 +191,8 @@ def _cycle_seconds(model, ids: torch.Tensor, candidate: Candidate, reference: to
         engine.ended = [_now(model.device)]
         engine.run()
     rows = engine.stats.call_rows["core"]  # per cycle, in order
-    return statistics.mean(engine.ended[i + 1] - engine.ended[i] for i in range(engine.prefill_cycles, len(rows))
-                           if rows[i] > 0)  # every interval: the read-backs' are the cycles' own (module docstring)
+    return cycle_mean([engine.ended[i + 1] - engine.ended[i] for i in range(engine.prefill_cycles, len(rows))
+                       if rows[i] > 0])
 
 
 def _now(device: torch.device) -> float:

@@ -36,7 +36,6 @@ from .config import (
     SPECULATIVE_KEYS,
     SpeculativeConfig,
     check_generation_mode,
-    merged_config,
     resolve_speculative,
     speculative_config,
 )
@@ -102,11 +101,11 @@ class LoopSpecGenerationMixin(GenerationMixin):
         `stop(keep_for_next_session=True)` is returned again, unless the call gives other settings than it runs
         (`ValueError`: a manager's settings are fixed for its life)."""
         from .continuous.manager import LoopBatchingManager
+        from .continuous.settings import manager_config
 
         cached = getattr(self, "_cached_continuous_batching_manager", None)
-        if isinstance(cached, LoopBatchingManager):
-            given = {"generation_config": generation_config}  # compared as the manager holds it: merged
-            resolved = None if generation_config is None else merged_config(self, given)
+        if isinstance(cached, LoopBatchingManager):  # (a config compared as the manager holds it: merged)
+            resolved = None if generation_config is None else manager_config(self, generation_config)
             for name, given, kept in (("generation_config", resolved, cached.generation_config),
                                       ("continuous_batching_config", continuous_batching_config,
                                        cached.continuous_batching_config)):

@@ -35,7 +35,8 @@ def model_fallback(model) -> str | None:
                 "decoding calls its stages (embed, core, head) instead; decoded with plain decoding instead (hooks "
                 "on the layers and the head run in both)")
     override = vars(model).get("prepare_inputs_for_generation")
-    if override is not None:
+    own = getattr(override, "__func__", None) is type(model).prepare_inputs_for_generation  # (PEFT puts it back so)
+    if override is not None and not own:
         peft_config = getattr(getattr(override, "__self__", None), "active_peft_config", None)
         passes_through = getattr(peft_config, "is_prompt_learning", True) is False \
             and str(getattr(peft_config, "peft_type", "")) not in ("POLY", "PeftType.POLY")  # POLY adds task ids

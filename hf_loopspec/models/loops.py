@@ -180,18 +180,14 @@ class _PagedRows(ForwardRows):
 def _check_layer_count(cache: Cache, layout: KVLayout) -> None:
     needed = layout.num_planes * layout.num_layers
     grows = getattr(cache, "layer_class_to_replicate", None) is not None
-    planes, rest = divmod(len(cache.layers), layout.num_layers)
-    if not grows and len(cache.layers) != needed and rest == 0 and planes > 1:  # sized by an earlier call's settings
-        raise ValueError(
-            f"cache has {len(cache.layers)} layers, {planes} KV planes x {layout.num_layers} layers, but this call "
-            f"writes {layout.num_planes} planes: the cache was filled with another number of loops or recurrence "
-            "steps (or with per-step outputs requested on one call only); continue it with the settings that "
-            "filled it, or start a new cache.")
     if not grows and len(cache.layers) != needed:  # a fixed cache is sized for one layout: its settings
         raise ValueError(
-            f"cache has {len(cache.layers)} layers, but a looped model writes one KV per (plane, layer): "
-            f"{layout.num_planes} planes x {layout.num_layers} layers = {needed}. Pass `DynamicCache()` (it grows) "
-            "or `hf_loopspec.PagedLoopCache`, not a cache sized from the config's num_hidden_layers (for a static "
-            "cache use generate(cache_implementation='static'), which sizes it for the looped model and its number "
-            "of loops or recurrence steps)."
+            f"cache has {len(cache.layers)} layers, but this call writes one KV per (plane, layer): "
+            f"{layout.num_planes} planes x {layout.num_layers} layers = {needed}. A fixed-size cache holds the planes "
+            "of the settings it was made for: one sized from the config's num_hidden_layers never fits, and one "
+            "filled with another number of loops or recurrence steps (or with per-step outputs on one call only) "
+            "does not fit this call. Pass `DynamicCache()` (it grows) or `hf_loopspec.PagedLoopCache`, continue a "
+            "cache with the settings that filled it, or for a static cache use "
+            "generate(cache_implementation='static'), which sizes it for the looped model and its number of loops "
+            "or recurrence steps."
         )

@@ -16,8 +16,7 @@ from transformers import GenerationConfig
 
 from ...logs import get_logger
 from ...models.layers import is_integer
-from ..config import merged_config
-from .settings import extra_problem
+from .settings import extra_problem, manager_config
 
 logger = get_logger(__name__)
 
@@ -32,7 +31,7 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
     _check_arguments(inputs, generation_config, kwargs)
     if not inputs:
         return {}
-    config = merged_config(model, {"generation_config": generation_config})  # as generate and the manager read it
+    config = manager_config(model, generation_config)  # as the manager reads it
     max_new_tokens = kwargs.pop("max_new_tokens", None)  # None: each request's from the generation config
     hints = SimpleNamespace(max_prompt_length=max(len(ids) for ids in inputs),
                             max_generated_length=max_new_tokens if max_new_tokens is not None

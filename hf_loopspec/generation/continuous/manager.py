@@ -37,13 +37,13 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from ...logs import get_logger
 from ...models.layers import is_integer
-from ..config import merged_config
 from ..rules import non_finite_error
 from . import huginn
 from .router import Router
 from .settings import (
     OVERRIDE,
     eos_ids,
+    manager_config,
     manager_settings,
     override_tokens,
     request_max_new,
@@ -64,8 +64,7 @@ class LoopBatchingManager:
 
     def __init__(self, model, generation_config=None, continuous_batching_config=None, workload_hints=None):
         self.model = model.eval()
-        # as `generate` resolves it: the given config over the model's (its EOS ids, ...) over the global defaults
-        self.generation_config = merged_config(model, {"generation_config": generation_config})
+        self.generation_config = manager_config(model, generation_config)  # the given one over the model's
         self.continuous_batching_config = continuous_batching_config
         self.settings = manager_settings(model, self.generation_config, continuous_batching_config, workload_hints)
         self.input_queue: queue.Queue[RequestState] = queue.Queue()

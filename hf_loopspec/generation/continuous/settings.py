@@ -20,7 +20,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from ...defaults import DEFAULT_DRAFT_LOOPS
 from ...models.layers import is_integer
-from ..config import AUTO_MODE, speculative_config
+from ..config import AUTO_MODE, merged_config, speculative_config
 from ..wavefront.processing import WARPERS
 from . import huginn
 from .pool import PoolSize, pool_size, request_positions
@@ -59,6 +59,16 @@ class ManagerSettings:
     vocab: int
     seed: int | None  # the continuous batching config's seed: a sampled request without its own draws from it
     recurrence: object = None  # the model's recurrence settings for every request (`huginn`), None without them
+
+
+def manager_config(model, generation_config):
+    """The generation config a manager runs: `generation_config` (None: none) merged over the model's as `generate`
+    merges them (`merged_config`), except that a `max_length` neither sets stays unset: `generate` then decodes
+    transformers' default as new tokens (`DEFAULT_MAX_NEW_TOKENS`), not as positions the prompt shares."""
+    config = merged_config(model, {"generation_config": generation_config})
+    if all(getattr(c, "max_length", None) is None for c in (generation_config, model.generation_config)):
+        config.max_length = None
+    return config
 
 
 def manager_settings(model, generation_config, cb_config, hints=None) -> ManagerSettings:
