@@ -32,16 +32,23 @@ MODES = {
 }
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default",
                         help="'default' (the model embedded in hf-loopspec) or a checkpoint folder / Hub id")
     parser.add_argument("--prompt", default="def fibonacci(n):\n")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=positive, default=48)
     parser.add_argument("--repetition-penalty", type=float, default=1.4, help="1.0: none (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per mode (default: %(default)s)")
+    parser.add_argument("--threads", type=positive, default=1, help="torch threads (default: %(default)s)")
+    parser.add_argument("--repeats", type=positive, default=3, help="timed rounds per mode (default: %(default)s)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="auto: float32 on CPU; on CUDA bfloat16 from compute capability 8.0, else float16")
@@ -68,6 +75,8 @@ def main(argv=None) -> int:
     print(f"{args.model}: {type(model).__name__}, {model.num_loops} loops, {dtype}, {device}, "
           f"{torch.get_num_threads()} torch thread(s)", flush=True)
 
+    if args.chat and not getattr(tok, "chat_template", None):
+        sys.exit(f"quickstart.py: error: --chat: the tokenizer of {args.model} has no chat template; drop --chat.")
     if args.chat:
         enc = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)

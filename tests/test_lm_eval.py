@@ -9,8 +9,9 @@ import json
 import sys
 
 import pytest
+import torch
 
-from hf_loopspec import cli
+from hf_loopspec import cli, evaluation
 from hf_loopspec.assets import default_model_path
 
 TASK = "loopspec_tiny"
@@ -108,6 +109,8 @@ def test_without_lm_eval_installed_the_error_is_one_line(monkeypatch, capsys):
 @pytest.mark.parametrize("model_args, named", [
     (",bogus_arg=3", "bogus_arg"),  # lm-eval hands it to from_pretrained: the model's __init__ raised a TypeError
     (",dtype=float99", "dtype=float99"),  # lm-eval's getattr(torch, ...) raised an AttributeError
+    (",max_length=abc", "max_length=abc: pass a whole number"),  # a TypeError once lm-eval ran its requests
+    (",max_batch_size=0", "max_batch_size=0"),
 ])
 def test_bad_model_args_end_in_one_line(task_dir, capsys, model_args, named):
     """docs/cli.md: every error a user can cause ends in one line and exit status 2 (these were tracebacks, 1)."""
@@ -117,3 +120,26 @@ def test_bad_model_args_end_in_one_line(task_dir, capsys, model_args, named):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert err[-1].startswith("hf-loopspec lm-eval: error: --model_args") and named in err[-1]
+
+
+
+def test_a_device_this_machine_lacks_ends_in_one_line(task_dir, capsys, monkeypatch):
+    """`--device cuda` without CUDA: `generate`'s one line and status 2 (lm-eval's torch traceback, status 1)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = cli.main(["lm-eval", "run", "--model", "hf", "--model_args", f"pretrained={default_model_path()}",
+                     "--tasks", TASK, "--include_path", str(task_dir), "--device", "cuda", "--limit", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1] == ("hf-loopspec lm-eval: error: --device cuda was requested but CUDA is not "
+                                     "available here; use --device cpu.")
+
+
+def test_a_home_relative_folder_is_expanded_before_lm_eval_sees_it(monkeypatch, tmp_path):
+    """`pretrained=~/model` (quoted, or from Python) names the folder under the home directory; lm-eval would take
+    the unexpanded text for a Hub repo id."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "model").mkdir()
+    for form in (["--model_args", "pretrained=~/model,dtype=float32"], ["--model_args=pretrained=~/model"]):
+        checked = evaluation.check_model_args(["run", *form])
+        assert f"pretrained={tmp_path / 'model'}" in checked[-1] and "~" not in checked[-1]
+    with pytest.raises(FileNotFoundError, match=f"pretrained={tmp_path / 'nope'}"):
+        evaluation.check_model_args(["--model_args", "pretrained=~/nope"])

@@ -97,6 +97,18 @@ def test_quickstart_runs_on_the_embedded_model():
         assert f"[{mode}] " in proc.stdout and mode in rows
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--repeats", "0"], "argument --repeats: 0 must be at least 1"),  # it decoded every mode, then crashed
+    (["--chat"], "--chat: the tokenizer of default has no chat template"),  # transformers' traceback
+])
+def test_quickstart_refuses_what_it_cannot_run_in_one_line(options, message):
+    default_model_or_skip()
+    command = [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--max-new-tokens", "2", *options]
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, env=offline_env(), timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert message in proc.stderr.strip().splitlines()[-1]
+
+
 # --- the schedule drawing -----------------------------------------------------------------------------------------
 
 
