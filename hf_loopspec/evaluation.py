@@ -8,6 +8,8 @@ the install command (`hf_loopspec.hub.install`).
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -47,56 +49,56 @@ def run_lm_eval(args: list[str]) -> int:
     return 0
 
 
-COUNT_KEYS = ("max_length", "max_batch_size")  # model args lm-eval's `hf` model takes as counts
+COUNT_KEYS = ("max_length", "max_batch_size")  # model args lm-eval's `hf` model takes as counts (or None)
+PATH_KEYS = ("pretrained", "tokenizer")  # model args that name a folder (or a Hub id)
 
 
 def check_model_args(args: list[str]) -> list[str]:
-    """`args` with `--model_args pretrained=~/...` expanded (lm-eval would hand `~/m` to the Hub as a repo id), after
-    these checks: `FileNotFoundError` naming `pretrained=SPEC` when SPEC is neither an existing path nor a valid Hub
-    repo id (`./nope`, `/abs/nope`), `ValueError` naming `dtype=NAME` when torch has no such dtype or a count
-    (`COUNT_KEYS`) that is no whole number >= 1 (lm-eval's errors for them are tracebacks); anything else is left to
-    lm-eval."""
-    checked = list(args)
-    for i, arg in enumerate(args):  # lm-eval's forms: `--model_args a=1,b=2` and `--model_args=a=1,b=2`
-        if arg == MODEL_ARGS and i + 1 < len(args):
-            checked[i + 1] = _checked_model_args(args[i + 1])
-        elif arg.startswith(f"{MODEL_ARGS}="):
-            checked[i] = f"{MODEL_ARGS}={_checked_model_args(arg.split('=', 1)[1])}"
-    return checked
-
-
-def _checked_model_args(value: str) -> str:
-    """One `--model_args` value (key=value pairs separated by commas), checked (`check_model_args`), `~` expanded."""
-    items = []
-    for item in value.split(","):
-        key, _, spec = item.partition("=")
-        key, spec = key.strip(), spec.strip()
-        if key in ("dtype", "torch_dtype") and spec != "auto":
+    """`args` with every `--model_args` / `-a` (lm-eval's forms: `a=1,b=2`, `a=1 b=2`, JSON, repeated) merged by
+    lm-eval's own parsing into one JSON `--model_args`, with `~` expanded in folder paths (lm-eval would hand `~/m`
+    to the Hub as a repo id), after these checks: `FileNotFoundError` naming `pretrained=SPEC` when SPEC is neither
+    an existing path nor a valid Hub repo id (`./nope`, `/abs/nope`), `ValueError` naming `dtype=NAME` when torch has
+    no such dtype or a count (`COUNT_KEYS`) that is no whole number >= 1 (lm-eval's errors for them are
+    tracebacks); anything else is left to lm-eval. Without lm-eval, `args` unchanged (`run_lm_eval` says so)."""
+    try:
+        from lm_eval._cli.utils import MergeDictAction
+    except ImportError:
+        return list(args)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument(MODEL_ARGS, "-a", nargs="+", action=MergeDictAction, default=None)
+    try:
+        known, rest = parser.parse_known_args(args)
+    except (argparse.ArgumentError, ValueError, SystemExit):  # lm-eval's own parser says what is wrong
+        return list(args)
+    model_args = known.model_args
+    if not model_args:
+        return list(args)
+    for key, value in model_args.items():
+        if key in ("dtype", "torch_dtype") and isinstance(value, str) and value != "auto":
             import torch
 
-            if not isinstance(getattr(torch, spec, None), torch.dtype):
-                raise ValueError(f"{MODEL_ARGS} {key}={spec}: torch has no such dtype; pass float32, bfloat16, "
+            if not isinstance(getattr(torch, value, None), torch.dtype):
+                raise ValueError(f"{MODEL_ARGS} {key}={value}: torch has no such dtype; pass float32, bfloat16, "
                                  "float16 or auto.")
-        if key in COUNT_KEYS and not (spec.isdigit() and int(spec) >= 1):
-            raise ValueError(f"{MODEL_ARGS} {key}={spec}: pass a whole number >= 1.")
-        if key == "pretrained" and spec.startswith("~"):
-            spec = str(Path(spec).expanduser())
-            item = f"{key}={spec}"
-        items.append(item)
-        if key != "pretrained" or not spec or Path(spec).exists():
-            continue
-        try:
-            check_source(spec)
-        except FileNotFoundError as err:
-            raise FileNotFoundError(f"{MODEL_ARGS} pretrained={spec}: {err}") from None
-    return ",".join(items)
+        if key in COUNT_KEYS and value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                                        or value < 1):
+            raise ValueError(f"{MODEL_ARGS} {key}={value}: pass a whole number >= 1 (or None).")
+        if key in PATH_KEYS and isinstance(value, str) and value.startswith("~"):
+            model_args[key] = value = str(Path(value).expanduser())
+        if key == "pretrained" and isinstance(value, str) and value and not Path(value).exists():
+            try:
+                check_source(value)
+            except FileNotFoundError as err:
+                raise FileNotFoundError(f"{MODEL_ARGS} pretrained={value}: {err}") from None
+    return [*rest, MODEL_ARGS, json.dumps(model_args)]
 
 
 def check_device(args: list[str]) -> None:
-    """`ValueError` for a `--device` this machine does not have (lm-eval's error is a torch traceback)."""
+    """`ValueError` for a `--device` of a kind this machine does not have (cuda, mps: lm-eval's error is a torch
+    traceback); other values (cpu, auto, ...) are lm-eval's to read."""
     devices = [value for flag, value in zip(args, args[1:]) if flag == "--device"]
     devices += [arg.split("=", 1)[1] for arg in args if arg.startswith("--device=")]
-    if devices:
+    if devices and devices[-1].split(":")[0] in ("cuda", "mps"):
         from .loading import resolve_device
 
         resolve_device(devices[-1])

@@ -100,7 +100,9 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     if model.generation_config.pad_token_id is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         kwargs["pad_token_id"] = pad if pad is not None else 0
-    # a depth this model's loops refuse fails here, before `batch` makes OUT.parts, not in its first batch
-    speculative_config(GenerationConfig(**{key: kwargs[key] for key in SPECULATIVE_KEYS if key in kwargs}),
-                       model.num_loops)
+    # a depth this model's loops refuse fails here, before `batch` makes OUT.parts, not in its first batch; a
+    # Huginn checkpoint's generation config may set the recurrence steps `generate` will run (its loops)
+    steps = getattr(model.generation_config, "num_steps", None) if hasattr(model, "recurrence") else None
+    loops = steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1 else model.num_loops
+    speculative_config(GenerationConfig(**{key: kwargs[key] for key in SPECULATIVE_KEYS if key in kwargs}), loops)
     return kwargs

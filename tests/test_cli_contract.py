@@ -300,6 +300,30 @@ def test_console_script_registers_before_a_command():
     assert "[plain] 4 new tokens" in result.stderr
 
 
+def test_draft_depths_are_checked_against_the_steps_the_checkpoint_runs(tmp_path, capsys):
+    """A Huginn checkpoint whose generation config sets num_steps runs that many loops: its depths are checked
+    against them before anything decodes (checked against mean_recurrence, 4 here: a depth of 6 with 8 steps was
+    refused, and one of 3 with 2 steps failed in batch's first batch, leaving an OUT.parts behind)."""
+    from huginn_utils import tiny_huginn
+
+    for steps in (8, 2):
+        model, _ = tiny_huginn(seed=0)
+        assert model.config.mean_recurrence == 4
+        model.generation_config.num_steps = steps
+        model.save_pretrained(tmp_path / f"huginn{steps}")
+        word_tokenizer(model.config.vocab_size).save_pretrained(tmp_path / f"huginn{steps}")
+    assert cli.main(["generate", "w5 w9 w11", "--model", str(tmp_path / "huginn8"), "--mode", "block",
+                     "--draft-loops", "6", "--max-new-tokens", "4"]) == 0
+    capsys.readouterr()
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "w5 w9"}\n')
+    output = tmp_path / "out.jsonl"
+    assert cli.main(["batch", str(tmp_path / "in.jsonl"), "--output", str(output), "--model",
+                     str(tmp_path / "huginn2"), "--mode", "block", "--draft-loops", "3", "--max-new-tokens", "4"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # (after the weights' loading bar)
+    assert last.startswith("hf-loopspec batch: error: draft_loops=3 is outside [1, 1] for a model with 2 loops")
+    assert not output.exists() and not (tmp_path / "out.jsonl.parts").exists()
+
+
 def test_greedy_huginn_runs_start_from_the_same_initial_states(tmp_path, capsys):
     """A Huginn checkpoint draws random initial states (init_scale 1 by default): greedy `generate` without --seed
     keys them with init_seed 0, so that --compare's plain run sees the speculative run's states (it reported

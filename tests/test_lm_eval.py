@@ -135,11 +135,22 @@ def test_a_device_this_machine_lacks_ends_in_one_line(task_dir, capsys, monkeypa
 
 def test_a_home_relative_folder_is_expanded_before_lm_eval_sees_it(monkeypatch, tmp_path):
     """`pretrained=~/model` (quoted, or from Python) names the folder under the home directory; lm-eval would take
-    the unexpanded text for a Hub repo id."""
+    the unexpanded text for a Hub repo id. Every form lm-eval takes is read as lm-eval reads it (its own parsing),
+    and merged into one JSON `--model_args`."""
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "model").mkdir()
-    for form in (["--model_args", "pretrained=~/model,dtype=float32"], ["--model_args=pretrained=~/model"]):
-        checked = evaluation.check_model_args(["run", *form])
-        assert f"pretrained={tmp_path / 'model'}" in checked[-1] and "~" not in checked[-1]
+    forms = [["--model_args", "pretrained=~/model,dtype=float32"], ["--model_args=pretrained=~/model"],
+             ["-a", "pretrained=~/model", "dtype=float32"], ["--model_args", '{"pretrained": "~/model"}'],
+             ["-a", "dtype=float32", "--model_args", "pretrained=~/model,max_length=None"],
+             ["--model_args", 'pretrained="~/model"']]  # lm-eval takes the quotes off
+    for form in forms:
+        checked = evaluation.check_model_args(["run", "--tasks", "x", *form, "--limit", "1"])
+        assert checked[:5] == ["run", "--tasks", "x", "--limit", "1"] and checked[5] == "--model_args"
+        assert json.loads(checked[6])["pretrained"] == str(tmp_path / "model"), form
     with pytest.raises(FileNotFoundError, match=f"pretrained={tmp_path / 'nope'}"):
         evaluation.check_model_args(["--model_args", "pretrained=~/nope"])
+    for form in (["-a", "pretrained=~/model", "max_length=0"], ["--model_args", '{"max_length": "abc"}']):
+        with pytest.raises(ValueError, match="max_length=.*: pass a whole number >= 1"):
+            evaluation.check_model_args(form)
+    assert evaluation.check_model_args(["run", "--tasks", "x"]) == ["run", "--tasks", "x"]  # nothing to merge
+    evaluation.check_device(["--device", "auto"])  # lm-eval's to read (it picks cuda when there is one, else cpu)
