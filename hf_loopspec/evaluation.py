@@ -84,10 +84,10 @@ def check_model_args(args: list[str]) -> list[str]:
                                                         or value < 1):
             raise ValueError(f"{MODEL_ARGS} {key}={value}: pass a whole number >= 1 (or None).")
         if key in PATH_KEYS and isinstance(value, str) and value.startswith("~"):
-            model_args[key] = value = str(Path(value).expanduser())
-        if key == "pretrained" and isinstance(value, str) and value and not Path(value).exists():
+            model_args[key] = str(Path(value).expanduser())
+        if key == "pretrained" and isinstance(value, str) and value and not Path(value).expanduser().exists():
             try:
-                check_source(value)
+                check_source(value)  # (named as given)
             except FileNotFoundError as err:
                 raise FileNotFoundError(f"{MODEL_ARGS} pretrained={value}: {err}") from None
     return [*rest, MODEL_ARGS, json.dumps(model_args)]

@@ -220,13 +220,14 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
             copies = config.num_return_sequences
             base["prefix_allowed_tokens_fn"] = lambda batch_id, tokens: allowed(batch_id // copies, tokens)
     min_new = max(config.min_new_tokens or 0, (config.min_length or 0) - ids.shape[1])  # both minimums, as columns
+    fallback = model_fallback(model)
     call = _Call(base, int(max_new), min_new or None, eos, pad,
                  single=any(_in_effect(key, _setting(kwargs, config, key)) for key in ONE_STRETCH),
                  return_dict=bool(config.return_dict_in_generate), use_cache=config.use_cache is not False,
                  engine_settings={key: value for key in ("compile_core", "speculative_engine")
                                   if (value := _setting(kwargs, config, key)) is not None},
                  plain_reason="position-ids" if kwargs.get("position_ids") is not None else (
-                     "fallback" if (fallback := model_fallback(model)) else None), fallback=fallback)
+                     "fallback" if fallback else None), fallback=fallback)
     return call, candidates(model.num_loops, d, k)
 
 
