@@ -138,6 +138,25 @@ def test_a_kept_manager_refuses_other_settings(model):
         model.destroy_cached_continuous_batching_manager()
 
 
+def test_a_kept_manager_built_from_the_models_config_is_refused_once_that_config_changed(model):
+    """A manager built without a config runs `model.generation_config` as it was then: asked for again without one
+    after that config was edited, it raises (it ran the old settings: other tokens than `generate`'s); unedited, it
+    comes back."""
+    inputs = prompts(2, [4, 6])
+    saved = model.generation_config.repetition_penalty
+    try:
+        model.generate_batch(inputs, max_new_tokens=5, continuous_batching_config=batching(), persistent_manager=True)
+        kept = model.init_continuous_batching()
+        assert model.init_continuous_batching() is kept
+        model.generation_config.repetition_penalty = 1.5
+        with pytest.raises(ValueError, match="merged over model.generation_config as it is now"):
+            model.generate_batch(inputs, max_new_tokens=5, continuous_batching_config=batching(),
+                                 persistent_manager=True)
+    finally:
+        model.generation_config.repetition_penalty = saved
+        model.destroy_cached_continuous_batching_manager()
+
+
 @pytest.mark.parametrize(("config", "match"), [
     (ContinuousBatchingConfig(page_size=0), "page_size=0"),
     (ContinuousBatchingConfig(max_blocks_per_request=4, block_size=-16), "block_size=-16"),

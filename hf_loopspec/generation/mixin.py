@@ -99,20 +99,24 @@ class LoopSpecGenerationMixin(GenerationMixin):
         `generate_batch`), on the wavefront engine: a `continuous.LoopBatchingManager` with transformers' manager API,
         decoding every request as the generation config says (plain, or a speculative mode). A manager kept with
         `stop(keep_for_next_session=True)` is returned again, unless the call gives other settings than it runs
-        (`ValueError`: a manager's settings are fixed for its life)."""
+        (`ValueError`: a manager's settings are fixed for its life): a generation config merged over
+        `model.generation_config` as it is now, or none for a manager built from `model.generation_config` alone
+        (which may have been edited since)."""
         from .continuous.manager import LoopBatchingManager
         from .continuous.settings import manager_config
 
         cached = getattr(self, "_cached_continuous_batching_manager", None)
         if isinstance(cached, LoopBatchingManager):  # (a config compared as the manager holds it: merged)
-            resolved = None if generation_config is None else manager_config(self, generation_config)
+            compare = generation_config is not None or cached.from_model_config
+            resolved = manager_config(self, generation_config) if compare else None
             for name, given, kept in (("generation_config", resolved, cached.generation_config),
                                       ("continuous_batching_config", continuous_batching_config,
                                        cached.continuous_batching_config)):
                 if given is not None and given != kept:
+                    merged = " (merged over model.generation_config as it is now)" * (name == "generation_config")
                     raise ValueError(f"{name}: this model keeps a continuous batching manager (persistent_manager="
-                                     f"True, or stop(keep_for_next_session=True)) built with another {name}, and a "
-                                     "manager's settings are fixed for its life; call "
+                                     f"True, or stop(keep_for_next_session=True)) built with another {name}{merged}, "
+                                     "and a manager's settings are fixed for its life; call "
                                      "model.destroy_cached_continuous_batching_manager() first, or pass the same "
                                      f"{name} (or none).")
             return cached

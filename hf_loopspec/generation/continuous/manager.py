@@ -65,6 +65,7 @@ class LoopBatchingManager:
     def __init__(self, model, generation_config=None, continuous_batching_config=None, workload_hints=None):
         self.model = model.eval()
         self.generation_config = manager_config(model, generation_config)  # the given one over the model's
+        self.from_model_config = generation_config is None  # built from model.generation_config alone
         self.continuous_batching_config = continuous_batching_config
         self.settings = manager_settings(model, self.generation_config, continuous_batching_config, workload_hints)
         self.input_queue: queue.Queue[RequestState] = queue.Queue()
