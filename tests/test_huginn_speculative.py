@@ -213,3 +213,34 @@ def test_recurrence_settings_in_a_generation_config_hold(spec):
     for key, value in {**settings, **spec}.items():  # as from_pretrained reads a generation_config.json with them
         setattr(model.generation_config, key, value)
     assert torch.equal(model.generate(ids, **call), expected)
+
+
+@pytest.mark.parametrize("variant, overrides", [("retrofitted", {}), ("huginn", {"n_layers_in_recurrent_block": 4})])
+@pytest.mark.parametrize("mode", ["pipeline", "block"])
+def test_a_plain_turns_cache_continues_when_prelude_or_coda_have_fewer_layers(variant, overrides, mode):
+    """A prelude or coda with fewer layers than the recurrent block (the retrofitted models; huginn-0125's 2/4/2)
+    leaves a plain call's DynamicCache with fewer layers than planes x layers: a speculative next turn continues it
+    and equals one plain call (`to_paged` read past its layers: IndexError)."""
+    model, _ = tiny_huginn(variant, seed=0, **overrides)
+    settings = {"do_sample": False, "eos_token_id": None, "pad_token_id": PAD, "init_seed": 1}
+    ids = random_ids((1, 5), VOCAB, seed=41)
+    first = model.generate(ids, max_new_tokens=4, speculative_mode=None, return_dict_in_generate=True, **settings)
+    turn = torch.cat([first.sequences, random_ids((1, 2), VOCAB, seed=42)], 1)
+    expected = model.generate(turn, max_new_tokens=4, speculative_mode=None, **settings)
+    out = model.generate(turn, cache=first.past_key_values, max_new_tokens=4, speculative_mode=mode, **settings)
+    assert torch.equal(out, expected)
+
+
+def test_auto_calibrates_under_the_calls_recurrence_settings(tmp_path, monkeypatch):
+    """`auto.calibrate` (the command line measures auto's costs before its timed run) on a model whose initial
+    states need a seed: it runs under the call's recurrence settings, as `generate` does (it raised "init_scale > 0
+    needs a seed", so `hf-loopspec generate` failed on every Huginn checkpoint on a machine's first auto run)."""
+    from hf_loopspec.generation import auto, auto_cache
+    from hf_loopspec.generation.auto_costs import set_costs
+
+    monkeypatch.setenv(auto_cache.CACHE_ENV, str(tmp_path))
+    model, _ = tiny_huginn(seed=0)
+    set_costs(model, None)
+    table = auto.calibrate(model, 1, {"num_steps": 6})
+    assert table.plain_step > 0 and all(cost > 0 for cost in table.cycle.values())
+    assert {candidate.draft_loops for candidate in table.cycle} <= {1, 2, 3, 4, 5}  # the candidates of 6 steps

@@ -109,8 +109,8 @@ def to_paged(cache: DynamicCache, layout: KVLayout, attention_mask: torch.Tensor
     for plane in planes:
         planned = paged.plan_rows(rows, [plane] * len(rows), positions, like=like)
         for layer in range(layout.num_layers):
-            entry = cache.layers[plane * layout.num_layers + layer]
-            if complete[plane][layer]:
+            if complete[plane][layer]:  # (a plane of fewer layers, a Huginn prelude's or coda's, has no more)
+                entry = cache.layers[plane * layout.num_layers + layer]
                 k, v = (t.transpose(1, 2)[rows, cols] for t in (entry.keys, entry.values))  # [N, Hkv, D]
                 write_kv(k, v, paged.k_pool[layer], paged.v_pool[layer], planned.slot)
     paged.set_columns(columns, planes)

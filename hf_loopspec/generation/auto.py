@@ -33,6 +33,7 @@ states or attentions are refused, as with the fixed modes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
@@ -112,11 +113,15 @@ def candidates(loops: int, draft_loops: int | None, k: int | None) -> list[Candi
 def calibrate(model, batch: int, kwargs: dict) -> CostTable:
     """The cost table an auto `generate` call of `batch` rows with `kwargs` uses, measured now unless this or an
     earlier process has it (`auto_calibration.costs_for`): calling it first keeps the measuring out of the call's
-    own time."""
+    own time. A model with recurrence settings (Huginn) is measured under the call's, as `generate` runs it (its
+    steps; a seed drawn for initial states that need one)."""
     config = merged_config(model, kwargs)
-    options = candidates(model.num_loops, _setting(kwargs, config, "draft_loops"),
-                         _setting(kwargs, config, "num_speculative_tokens"))
-    return costs_for(model, batch, options)
+    recurrence = getattr(model, "recurrence", None)
+    settings = {key: _setting(kwargs, config, key) for key in getattr(model, "generation_keys", ())}
+    with recurrence(**settings) if recurrence is not None else contextlib.nullcontext():
+        options = candidates(model.num_loops, _setting(kwargs, config, "draft_loops"),
+                             _setting(kwargs, config, "num_speculative_tokens"))
+        return costs_for(model, batch, options)
 
 
 class ForcePad(LogitsProcessor):
