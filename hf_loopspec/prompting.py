@@ -102,7 +102,7 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
         kwargs["pad_token_id"] = pad if pad is not None else 0
     # a depth this model's loops refuse fails here, before `batch` makes OUT.parts, not in its first batch; a
     # Huginn checkpoint's generation config may set the recurrence steps `generate` will run (its loops)
-    steps = getattr(model.generation_config, "num_steps", None) if hasattr(model, "recurrence") else None
-    loops = steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1 else model.num_loops
+    with model.call_block(model.generation_config):
+        loops = model.num_loops
     speculative_config(GenerationConfig(**{key: kwargs[key] for key in SPECULATIVE_KEYS if key in kwargs}), loops)
     return kwargs

@@ -10,6 +10,7 @@ cost model evaluated by hand, and for sampling the same chain of fixed-mode `gen
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 import warnings
 import weakref
@@ -589,7 +590,8 @@ def test_command_line_auto():
     """`--mode auto` passes only the speculative settings the user gave; the bench takes auto in --modes."""
     args = argparse.Namespace(max_new_tokens=8, do_sample=False, temperature=None, top_k=None, top_p=None,
                               repetition_penalty=None, mode="auto", draft_loops=1, num_speculative_tokens=4)
-    model = argparse.Namespace(generation_config=GenerationConfig(pad_token_id=0), num_loops=4)
+    model = argparse.Namespace(generation_config=GenerationConfig(pad_token_id=0), num_loops=4,
+                               call_block=lambda config: contextlib.nullcontext())
     assert generate_kwargs(args, model, None)["speculative_mode"] == "auto"
     assert "draft_loops" not in generate_kwargs(args, model, None)
     args.speculative_given = {"--draft-loops": 2}

@@ -33,7 +33,6 @@ states or attentions are refused, as with the fixed modes.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import time
@@ -116,9 +115,7 @@ def calibrate(model, batch: int, kwargs: dict) -> CostTable:
     own time. A model with recurrence settings (Huginn) is measured under the call's, as `generate` runs it (its
     steps; a seed drawn for initial states that need one)."""
     config = merged_config(model, kwargs)
-    recurrence = getattr(model, "recurrence", None)
-    settings = {key: _setting(kwargs, config, key) for key in getattr(model, "generation_keys", ())}
-    with recurrence(**settings) if recurrence is not None else contextlib.nullcontext():
+    with model.call_block(config, **{key: kwargs.get(key) for key in model.generation_keys}):
         options = candidates(model.num_loops, _setting(kwargs, config, "draft_loops"),
                              _setting(kwargs, config, "num_speculative_tokens"))
         return costs_for(model, batch, options)

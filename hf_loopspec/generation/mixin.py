@@ -293,6 +293,12 @@ class LoopSpecGenerationMixin(GenerationMixin):
             [mask, mask.new_ones(len(mask), sequences.shape[1] - mask.shape[1])], 1)  # [B, sequences' columns]
         return to_dynamic(cache, mask, into=call.dynamic_cache)
 
+    def call_block(self, generation_config, **given):
+        """The block a `generate` call with `generation_config` and the family's own keyword arguments `given` runs
+        in (a setting None in `given` comes from the config). Nothing for Ouro; Huginn opens `recurrence` with the
+        call's settings, so `num_loops` inside is the call's."""
+        return nullcontext()
+
     def call_settings(self) -> dict:
         """The family's own `generate` keyword arguments in force for the running call, resolved; auto mode passes
         them to each of its segments (each a `generate` call of its own). Empty for Ouro; Huginn has its recurrence

@@ -376,10 +376,13 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
         state for the same token (use `init_scale=0` or a fixed `init_seed` for reproducible outputs). A setting not
         passed here comes from the generation config (passed, else the model's), else an open `recurrence` block."""
         config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or self.generation_config
-        given = {"num_steps": num_steps, "init_scale": init_scale, "init_seed": init_seed}
-        with self.recurrence(**{key: getattr(config, key, None) if value is None else value
-                                for key, value in given.items()}):
+        with self.call_block(config, num_steps=num_steps, init_scale=init_scale, init_seed=init_seed):
             return super().generate(*args, **kwargs)
+
+    def call_block(self, generation_config, **given):
+        """`recurrence` with the call's settings: each one given (not None), else the generation config's."""
+        return self.recurrence(**{key: getattr(generation_config, key, None) if given.get(key) is None
+                                  else given[key] for key in GENERATION_KEYS})
 
     def call_settings(self) -> dict:
         """The running call's recurrence settings, resolved (a seed drawn for it included): auto mode passes them to
