@@ -176,6 +176,27 @@ def test_mismatching_checkpoint_raises_value_error_naming_the_key(tmp_path, sour
     assert key in str(info.value)
 
 
+def test_ignore_mismatched_sizes_keeps_its_transformers_meaning(tmp_path, source):
+    """`ignore_mismatched_sizes=True` (say, loading with another `vocab_size`): the mis-shaped tensors start afresh
+    at the new shape and every other tensor is the checkpoint's; a missing key still raises."""
+    model, sd = source[:2]
+    folder = write_hub_folder(tmp_path / "hub", model.config, sd, dtype=torch.float32)
+    vocab = model.config.vocab_size + 7
+    loaded = AutoModelForCausalLM.from_pretrained(folder, vocab_size=vocab, ignore_mismatched_sizes=True)
+    assert loaded.get_input_embeddings().weight.shape[0] == vocab
+    state = loaded.state_dict()
+    for key, tensor in sd.items():
+        if key in ("model.embed_tokens.weight", "lm_head.weight"):
+            assert state[key].shape[0] == vocab
+        else:
+            assert torch.equal(state[key], tensor.float()), key
+    with pytest.raises(ValueError, match="mismatched_keys"):
+        AutoModelForCausalLM.from_pretrained(folder, vocab_size=vocab)
+    broken = broken_folder(tmp_path, source, BROKEN["missing"][0])
+    with pytest.raises(ValueError, match="missing"):
+        AutoModelForCausalLM.from_pretrained(broken, ignore_mismatched_sizes=True)
+
+
 def test_base_model_missing_key_raises(tmp_path, source):
     folder = broken_folder(tmp_path, source, lambda sd: sd.pop("model.norm.weight"))
     with pytest.raises(ValueError, match="model.norm.weight|norm.weight"):

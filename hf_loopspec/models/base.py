@@ -45,14 +45,17 @@ class StrictLoadingMixin:
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`, except that a checkpoint whose tensors do not match the model
-        (missing, unexpected or mis-shaped keys) raises `ValueError` instead of loading half-random weights."""
+        (missing, unexpected or mis-shaped keys) raises `ValueError` instead of loading half-random weights.
+        `ignore_mismatched_sizes=True` keeps transformers' meaning: mis-shaped tensors are initialized afresh (e.g.
+        an embedding loaded with another `vocab_size`), and only missing or unexpected keys raise."""
         want_info = kwargs.pop("output_loading_info", False)
+        fresh_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
         # transformers would raise a RuntimeError for mis-shaped tensors that names no key (the details go to a
         # log report only); let it load and raise the ValueError below, which lists the keys and shapes.
-        kwargs["ignore_mismatched_sizes"] = True
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        problems = {name: sorted(info.get(name) or ()) for name in ("missing_keys", "unexpected_keys",
-                                                                    "mismatched_keys")}
+        model, info = super().from_pretrained(*args, output_loading_info=True, ignore_mismatched_sizes=True,
+                                              **kwargs)
+        checked = ("missing_keys", "unexpected_keys") + (() if fresh_mismatched else ("mismatched_keys",))
+        problems = {name: sorted(info.get(name) or ()) for name in checked}
         problems = {name: keys for name, keys in problems.items() if keys}
         if problems:
             details = "; ".join(
