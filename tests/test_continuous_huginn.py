@@ -87,6 +87,25 @@ def test_a_recurrence_block_open_at_init_holds_for_every_request(model, started)
         alone(model, p, 6, num_steps=3, init_scale=1.0, init_seed=block.init_seed) for p in inputs]
 
 
+def test_a_kept_manager_serves_only_the_recurrence_it_was_built_with(model):
+    """`persistent_manager=True`: a later call under the same `model.recurrence` block reuses the kept manager (plain
+    decoding's tokens); under another block, or none, it raises instead of decoding the old settings' tokens."""
+    inputs = prompts(6, [5, 3])
+    config = generation_config(SETTINGS["pipeline-d1"])
+    run = lambda: [r.generated_tokens for r in model.generate_batch(  # noqa: E731
+        inputs, generation_config=config, continuous_batching_config=batching(), persistent_manager=True).values()]
+    try:
+        with model.recurrence(num_steps=3, init_scale=0.0):
+            first = run()
+            assert run() == first == [alone(model, p, 8, num_steps=3, **ZERO) for p in inputs]
+        with model.recurrence(num_steps=4, init_scale=0.0), pytest.raises(ValueError, match="num_steps=4"):
+            run()
+        with pytest.raises(ValueError, match="init_scale=1.0"):
+            run()
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+
+
 def test_unseeded_requests_draw_their_own_seed(model, started):
     """init_scale > 0 and no seed: each request draws one at admission, as each `generate` call does, here from the
     continuous batching config's seed (its draws in admission order), so the same prompt twice decodes two ways."""

@@ -101,7 +101,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
         `stop(keep_for_next_session=True)` is returned again, unless the call gives other settings than it runs
         (`ValueError`: a manager's settings are fixed for its life): a generation config merged over
         `model.generation_config` as it is now, or none for a manager built from `model.generation_config` alone
-        (which may have been edited since)."""
+        (which may have been edited since); for a model with recurrence settings (Huginn), also those in force now."""
+        from .continuous.huginn import kept_recurrence_problem
         from .continuous.manager import LoopBatchingManager
         from .continuous.settings import manager_config
 
@@ -119,6 +120,9 @@ class LoopSpecGenerationMixin(GenerationMixin):
                                      "and a manager's settings are fixed for its life; call "
                                      "model.destroy_cached_continuous_batching_manager() first, or pass the same "
                                      f"{name} (or none).")
+            problem = kept_recurrence_problem(self, resolved or cached.generation_config, cached.settings.recurrence)
+            if problem is not None:
+                raise ValueError(problem)
             return cached
         return LoopBatchingManager(self, generation_config, continuous_batching_config, workload_hints)
 

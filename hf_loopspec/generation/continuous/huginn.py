@@ -38,6 +38,18 @@ def manager_recurrence(model, generation_config):
     return replace(model.recurrence_settings(), **{key: value for key, value in given.items() if value is not None})
 
 
+def kept_recurrence_problem(model, generation_config, kept) -> str | None:
+    """Why a kept manager running `kept` (its `manager_recurrence`) cannot serve a call that would build one with
+    `generation_config` here (another `model.recurrence` block open, or none), or None."""
+    wanted = manager_recurrence(model, generation_config)
+    if wanted == kept:
+        return None
+    return (f"this model keeps a continuous batching manager built with the recurrence settings {kept}, but the call "
+            f"runs under {wanted} (the model.recurrence(...) block open now, else the model's defaults, with the "
+            "generation config's num_steps, init_scale and init_seed over them); call "
+            "model.destroy_cached_continuous_batching_manager() first, or call it under the same settings.")
+
+
 def manager_block(model, recurrence):
     """The `model.recurrence` block the manager's set-up runs in (`ValueError` from it for a bad setting); no block
     for a model without recurrence settings."""
