@@ -81,6 +81,9 @@ BAD = [
      r"(?s)(?=.*speculative_engine='lanes')(?=.*decode_with_lanes)(?=.*'auto')"),
     ({"speculative_mode": "pipeline", "speculative_engine": "fast"}, r"speculative_engine='fast'"),
     ({"compile_core": True}, r"compile_core=True compiles the speculative modes' engine"),
+    # plain decoding would return no trace: refused, not ignored
+    ({"speculative_trace": True}, r"speculative_trace=True records a speculative mode's cycles"),
+    ({"speculative_mode": None, "speculative_trace": "hidden"}, r"speculative_trace='hidden'"),
     ({"speculative_mode": "pipeline", "compile_core": "no-such-backend"}, r"torch.compile backend name"),
     ({"speculative_mode": "pipeline", "output_hidden_states": True, "return_dict_in_generate": True},
      r"output_hidden_states=True"),

@@ -393,6 +393,8 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
     kwargs = {**call.base, **candidate.kwargs(), "max_new_tokens": tokens, "attention_mask": mask,
               "return_dict_in_generate": True, "use_cache": True} | ({} if cache is None else {"cache": cache})
     kwargs.update(call.engine_settings if candidate.mode else {"compile_core": False, "speculative_engine": None})
+    if not candidate.mode:  # a plain segment has no cycles to trace (and refuses speculative_trace)
+        kwargs.pop("speculative_trace", None)
     if call.min_new is not None:  # what is left of it, at most the stretch (transformers warns of a larger one)
         kwargs["min_new_tokens"] = min(max(call.min_new - done, 0), tokens)
     if cache is not None:  # a later stretch continues the cache the first one made: no other to set up

@@ -34,6 +34,15 @@ class GenerateCall:
     resolved: bool = False  # whether `speculative` has been resolved (None then means plain decoding)
     dynamic_cache: Any = None  # the caller's DynamicCache a speculative run continues: its KV copied in and back
 
+    def plain_problem(self) -> str | None:
+        """Why this call's runtime options cannot run plainly (`speculative_mode=None`), or None. A trace asked for
+        would be missing from the output without a word; the test-only draft hooks are ignored, as `draft_loops` is
+        (one dict of settings can sweep modes, None included)."""
+        if self.trace is False:
+            return None
+        return (f"speculative_trace={self.trace!r} records a speculative mode's cycles, but this call decodes plainly "
+                "(speculative_mode=None): there are none. Set speculative_mode, or drop speculative_trace.")
+
 
 _CURRENT: ContextVar[GenerateCall | None] = ContextVar("hf_loopspec_generate_call", default=None)
 

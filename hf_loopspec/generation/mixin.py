@@ -167,6 +167,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
             call.speculative, call.resolved = speculative_config(generation_config, self.num_loops), True
             if call.speculative is not None:
                 check_model_kwargs(call.speculative.mode, model_kwargs)
+            elif (problem := call.plain_problem()) is not None:
+                raise ValueError(problem)
         return generation_config, model_kwargs
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
