@@ -17,6 +17,7 @@ import torch
 from huginn_utils import tiny_huginn
 from inputs import extend, left_pad, random_prompts
 from speculative_utils import generate_dict, named_modes, paged_cache, tiny_spec_model
+from tolerances import fp32_tolerance, ouro_depth, rms
 from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache
 
@@ -348,3 +349,76 @@ def test_a_static_cache_implementation_is_said_not_to_apply(mode, monkeypatch):
     assert isinstance(out.cache, PagedLoopCache)
     assert torch.equal(out.sequences, generate(model, ids, mask, FIRST, "plain", None).sequences)
     assert any("cache_implementation='static' does not apply" in message for message in warned)
+
+
+@pytest.mark.parametrize("share", ["repeat", "select", "fork"])
+@pytest.mark.parametrize("mode", [PIPELINE, BLOCK])
+def test_debug_checks_accept_sequences_that_share_pages(share, mode):
+    """`debug=True` after a beam-like expansion (`batch_repeat_interleave`, a repeated index) or a `fork`: both
+    sequences share the first turn's pages; each continuation reads its own history and gives plain decoding's
+    tokens (the lineage tags of one overwrote the other's in the shared pages: a false I1 violation)."""
+    model, vocab, _ = ouro_case()
+    ids, mask = left_pad(random_prompts(7, [5], vocab))
+    cache = PagedLoopCache(model.kv_layout, debug=True)
+    first = generate(model, ids, mask, FIRST, "plain", None, cache=cache).sequences
+    {"repeat": lambda: cache.batch_repeat_interleave(2), "select": lambda: cache.batch_select_indices([0, 0]),
+     "fork": lambda: cache.fork(0)}[share]()
+    full = torch.cat([mask, torch.ones(1, FIRST, dtype=mask.dtype)], 1)
+    whole, whole_mask = extend(torch.cat([first, first]), torch.cat([full, full]), random_prompts(5, [2, 3], vocab))
+    expected = torch.cat([generate(model, whole[r:r + 1], whole_mask[r:r + 1], SECOND, "plain", None).sequences
+                          for r in range(2)])
+    assert torch.equal(generate(model, whole, whole_mask, SECOND, mode, None, cache=cache).sequences, expected)
+
+
+@pytest.mark.parametrize("empty", [lambda c: c.batch_repeat_interleave(0),
+                                   lambda c: c.batch_select_indices(torch.tensor([False, False]))])
+def test_a_cache_emptied_by_selection_starts_afresh(empty):
+    """Selecting no sequence empties the cache as `reset()` does: no consumed columns, and the next call (any batch
+    size) decodes from scratch, as on a `DynamicCache` emptied the same way."""
+    model, vocab, _ = ouro_case()
+    ids, mask = left_pad(random_prompts(8, [6, 3], vocab))
+    cache = PagedLoopCache(model.kv_layout)
+    generate(model, ids, mask, FIRST, "plain", None, cache=cache)
+    empty(cache)
+    assert cache.get_seq_length() == 0 and cache.num_sequences == 0
+    ids, mask = left_pad(random_prompts(9, [4, 2, 5], vocab))
+    expected = generate(model, ids, mask, SECOND, "plain", None).sequences
+    assert torch.equal(generate(model, ids, mask, SECOND, PIPELINE, None, cache=cache).sequences, expected)
+
+
+@pytest.mark.parametrize("mode", ["plain", PIPELINE])
+def test_a_call_on_a_cache_with_an_open_branch_names_the_branch(mode):
+    """A branch's slot counts among the cache's sequences but is none of the batch's: a call refuses the cache
+    naming the open branch and how to close it (it blamed the batch size)."""
+    model, vocab, _ = ouro_case()
+    ids, mask = left_pad(random_prompts(12, [4, 6, 5], vocab))
+    cache = PagedLoopCache(model.kv_layout)
+    first = generate(model, ids, mask, 3, "plain", None, cache=cache).sequences
+    cache.branches.open(0, 3)
+    full = torch.cat([mask, torch.ones(3, 3, dtype=mask.dtype)], 1)
+    with pytest.raises(ValueError, match=r"open branch\(es\).*close_all"):
+        generate(model, first, full, 2, mode, None, cache=cache)
+
+
+@pytest.mark.parametrize("mode", ["plain", PIPELINE, BLOCK])
+def test_a_dynamic_cache_of_fixed_layers_continues_like_plain_decoding(mode):
+    """`DynamicCache(config=...)` (transformers' fixed layers, from the config's layer types): one sized by the
+    model's config is refused before any work in every mode (speculative runs raised IndexError after decoding, as
+    the run's KV went back into it); one with a layer per (plane, layer) gets plain decoding's tokens and KV."""
+    model, vocab, _ = ouro_case()
+    ids, mask = left_pad(random_prompts(13, [5, 2, 4], vocab))
+    with pytest.raises(ValueError, match="cache has 2 layers"):
+        generate(model, ids, mask, SECOND, mode, None, cache=DynamicCache(config=model.config))
+    config = model.config.__class__(**model.config.to_dict())
+    config.num_hidden_layers = len(config.layer_types) * model.kv_layout.num_planes
+    config.layer_types = config.layer_types * model.kv_layout.num_planes
+    cache, reference = DynamicCache(config=config), DynamicCache()
+    out = generate(model, ids, mask, SECOND, mode, None, cache=cache)
+    assert torch.equal(out.sequences, generate(model, ids, mask, SECOND, "plain", None, cache=reference).sequences)
+    real = torch.cat([mask, torch.ones(len(mask), SECOND, dtype=mask.dtype)], 1).bool()  # [B, columns + 1]
+    for layer in range(len(reference.layers)):  # every plane plain decoding wrote, at its real columns
+        keys, expected = (c.layers[layer].keys.transpose(1, 2) for c in (cache, reference))  # [B, C, Hkv, D]
+        assert keys.shape == expected.shape
+        kept, wanted = keys[real[:, :keys.shape[1]]], expected[real[:, :keys.shape[1]]]
+        # the same layers over other row groupings: rounding of the whole model's depth (`tolerances`)
+        torch.testing.assert_close(kept, wanted, **fp32_tolerance(**ouro_depth(model.config), scale=rms(wanted)))

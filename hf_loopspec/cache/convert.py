@@ -44,7 +44,10 @@ def to_dynamic(cache: PagedLoopCache, attention_mask: torch.Tensor, into: Dynami
     rows, cols, _ = _real_columns(attention_mask, columns)
     cache.check_stored(attention_mask)
     out = DynamicCache() if into is None else into
-    out.layers.clear()
+    if getattr(out, "layer_class_to_replicate", None) is not None:
+        out.layers.clear()  # a growing cache makes each layer again as it is written
+    else:
+        out.reset()  # fixed layers (`DynamicCache(config=...)`, one per (plane, layer): `check_layer_count`), emptied
     batch, size = attention_mask.shape[0], cache.page_size
     for plane in range(layout.num_planes if columns else 0):
         if cache.columns(plane) != columns or cache.lengths(plane) != cache.lengths(0):
@@ -91,7 +94,10 @@ def check_dynamic_cache(cache, layout: KVLayout, batch: int) -> None:
 
 def to_paged(cache: DynamicCache, layout: KVLayout, attention_mask: torch.Tensor) -> PagedLoopCache:
     """A `PagedLoopCache` for a model with `layout` holding what the `DynamicCache` `cache` holds for the inputs
-    `attention_mask` `[B, >= C]` marks (C = `cache.get_seq_length()`): every layer that holds all C columns."""
+    `attention_mask` `[B, >= C]` marks (C = `cache.get_seq_length()`): every layer that holds all C columns. A
+    `DynamicCache` of fixed layers (`DynamicCache(config=...)`) must have the layout's, as in plain decoding: the
+    run's KV goes back into it (`to_dynamic`)."""
+    check_layer_count(cache, layout)
     columns, paged = cache.get_seq_length(), PagedLoopCache(layout)
     if columns == 0:
         return paged
@@ -115,3 +121,20 @@ def to_paged(cache: DynamicCache, layout: KVLayout, attention_mask: torch.Tensor
                 write_kv(k, v, paged.k_pool[layer], paged.v_pool[layer], planned.slot)
     paged.set_columns(columns, planes)
     return paged
+
+
+def check_layer_count(cache, layout: KVLayout) -> None:
+    """`ValueError` unless `cache` grows (a `DynamicCache()`) or has one layer per (plane, layer) of `layout`."""
+    needed = layout.num_planes * layout.num_layers
+    grows = getattr(cache, "layer_class_to_replicate", None) is not None
+    if not grows and len(cache.layers) != needed:  # a fixed cache is sized for one layout: its settings
+        raise ValueError(
+            f"cache has {len(cache.layers)} layers, but this call writes one KV per (plane, layer): "
+            f"{layout.num_planes} planes x {layout.num_layers} layers = {needed}. A fixed-size cache holds the planes "
+            "of the settings it was made for: one sized from the config's num_hidden_layers never fits, and one "
+            "filled with another number of loops or recurrence steps (or with per-step outputs on one call only) "
+            "does not fit this call. Pass `DynamicCache()` (it grows) or `hf_loopspec.PagedLoopCache`, continue a "
+            "cache with the settings that filled it, or for a static cache use "
+            "generate(cache_implementation='static'), which sizes it for the looped model and its number of loops "
+            "or recurrence steps."
+        )

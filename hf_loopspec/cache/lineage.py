@@ -54,10 +54,13 @@ def tag_and_check(cache, layer: int, rows: RowBatch) -> None:
 
 
 def adopt(cache, seq: int, lineage: list[int]) -> None:
-    """Link `lineage` as a chain and tag every stored position p of `seq`, in every plane, with `lineage[p]`."""
+    """Link `lineage` as a chain and tag every stored position p of `seq`, in every plane, with `lineage[p]`. A page
+    `seq` shares with another sequence (a fork, `batch_repeat_interleave`) is copied first, as a write would copy
+    it: each sequence's tags are its own."""
     for child, parent in zip(lineage, [-1, *lineage[:-1]]):
         cache._parents[child] = parent
     for plane in range(cache.num_planes):
         table = cache._table(seq, plane)
         for p in range(cache._lengths[table]):
-            cache.tags[:, cache._pages[table][p // cache.page_size], p % cache.page_size] = lineage[p]
+            page = cache._writable_page(table, p // cache.page_size, cache.k_pool)
+            cache.tags[:, page, p % cache.page_size] = lineage[p]

@@ -285,6 +285,16 @@ class PagedLoopCache(PageTables, Cache):
         """The batch's sequences (an open branch's slot is none of them); 0 before the first call."""
         return self.branches.batch_sequences
 
+    def check_batch(self, batch: int, name: str) -> None:
+        """`ValueError` unless a call of `batch` rows (its input `name`) can continue this cache: no open branch, and
+        at most `batch` sequences (a fresh cache adds the missing ones)."""
+        if self.branches:
+            raise ValueError(f"the PagedLoopCache has {len(self.branches)} open branch(es) (competing proposals); "
+                             "close them (cache.branches.close_all()) before continuing it.")
+        if self.num_sequences > batch:
+            raise ValueError(f"the PagedLoopCache holds {self.num_sequences} sequences but {name} has batch size "
+                             f"{batch}; pass a cache filled for this batch, or a fresh one.")
+
     def offload(self, layer_idx: int, only_non_sliding: bool = True):
         raise NotImplementedError("PagedLoopCache keeps every layer's KV in one pool on one device; it does not "
                                   "offload or prefetch layers.")
@@ -320,6 +330,8 @@ class PagedLoopCache(PageTables, Cache):
                              "close them (cache.branches.close_all()) before selecting, reordering or repeating its "
                              "sequences.")
         super()._select(order)
+        if not order:  # an empty cache consumed no columns: the next call starts afresh, at any batch size
+            self.reset()
 
     def _sequence_indices(self, indices, name: str, masks: bool) -> list[int]:
         """`indices` (a 1-D tensor, array, list or tuple) as a list of sequence numbers in `[0, num_sequences)`;

@@ -52,9 +52,7 @@ def start_rows(cache: PagedLoopCache, layout: KVLayout, num_loops: int, draft_de
     """
     batch, width = input_ids.shape
     check_cache_layout(cache, layout)
-    if cache.num_sequences > batch:
-        raise ValueError(f"the PagedLoopCache holds {cache.num_sequences} sequences but input_ids has batch size "
-                         f"{batch}; pass a cache filled for this batch, or a fresh one.")
+    cache.check_batch(batch, "input_ids")
     past = cache.columns()
     if past >= width:
         raise ValueError(f"input_ids has {width} columns, but the PagedLoopCache has already consumed {past}: pass "

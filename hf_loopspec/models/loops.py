@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from ..cache.convert import check_dynamic_cache
+from ..cache.convert import check_dynamic_cache, check_layer_count
 from ..cache.paged import PagedLoopCache
 from ..looped import KVAttention, KVLayout
 from ..ops.attention.dense import DenseKVAttention, padded_causal_mask
@@ -79,7 +79,7 @@ def positions_from_mask(attention_mask, past: int, length: int, device) -> torch
 class _DenseRows(ForwardRows):
     def __init__(self, layout, attention_mask, position_ids, cache, batch, length, device):
         if cache is not None:
-            _check_layer_count(cache, layout)
+            check_layer_count(cache, layout)
             if getattr(cache, "layer_class_to_replicate", None) is not None:  # a DynamicCache: it grows
                 check_dynamic_cache(cache, layout, batch)
         past = cache.get_seq_length() if cache is not None else 0
@@ -131,9 +131,7 @@ class _PagedRows(ForwardRows):
             raise ValueError(f"past_key_values: the PagedLoopCache was made for {cache.kv_layout}, but the model "
                              f"writes {layout}; create it with PagedLoopCache(model.kv_layout).")
         cache.check_pool(like.dtype, device)
-        if cache.num_sequences > batch:
-            raise ValueError(f"the PagedLoopCache holds {cache.num_sequences} sequences but the input has batch "
-                             f"size {batch}; pass a cache made for this batch.")
+        cache.check_batch(batch, "the input")
         self.past = cache.columns()
         if attention_mask is None:  # every column real (transformers also drops an all-ones mask)
             attention_mask = torch.ones(batch, self.past + length, dtype=torch.bool, device=device)
@@ -175,19 +173,3 @@ class _PagedRows(ForwardRows):
 
     def close(self):
         self.cache.set_columns(self.past + self.shape[1], self.planes)
-
-
-def _check_layer_count(cache: Cache, layout: KVLayout) -> None:
-    needed = layout.num_planes * layout.num_layers
-    grows = getattr(cache, "layer_class_to_replicate", None) is not None
-    if not grows and len(cache.layers) != needed:  # a fixed cache is sized for one layout: its settings
-        raise ValueError(
-            f"cache has {len(cache.layers)} layers, but this call writes one KV per (plane, layer): "
-            f"{layout.num_planes} planes x {layout.num_layers} layers = {needed}. A fixed-size cache holds the planes "
-            "of the settings it was made for: one sized from the config's num_hidden_layers never fits, and one "
-            "filled with another number of loops or recurrence steps (or with per-step outputs on one call only) "
-            "does not fit this call. Pass `DynamicCache()` (it grows) or `hf_loopspec.PagedLoopCache`, continue a "
-            "cache with the settings that filled it, or for a static cache use "
-            "generate(cache_implementation='static'), which sizes it for the looped model and its number of loops "
-            "or recurrence steps."
-        )
