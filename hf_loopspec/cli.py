@@ -208,8 +208,10 @@ def _calibrate(model, kwargs: dict) -> None:
 
     start = time.perf_counter()
     auto.calibrate(model, 1, kwargs)
+    where = (f"not stored: {auto_cache.cache_dir()} cannot be written" if auto_cache.unwritable()
+             else f"then read from {auto_cache.cache_dir()}")
     print(f"[auto] cost table ready in {time.perf_counter() - start:.2f} s (measured once per model, device and "
-          f"batch size, then read from {auto_cache.cache_dir()})", file=sys.stderr, flush=True)
+          f"batch size, {where})", file=sys.stderr, flush=True)
 
 
 def _warm_up(model, enc: dict, kwargs: dict) -> None:

@@ -10,7 +10,9 @@ cost model evaluated by hand, and for sampling the same chain of fixed-mode `gen
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
+import sys
 import time
 import warnings
 import weakref
@@ -209,6 +211,51 @@ def test_only_the_most_recent_settings_are_kept(case, monkeypatch):
         auto_policy.remember(model, seen, settings)
     monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())  # a new process reads the file
     assert [auto_policy.remembered(model, k) == seen for k in ("a", "b", "c")] == [True, False, True]
+
+
+@pytest.mark.parametrize("entry", [
+    {"accepted": {"1": 3}, "verified": {"1": 8}, "plain_calls": float("inf")},  # int(inf): OverflowError
+    {"accepted": {"1": 10**400}, "verified": {"1": 10**400}, "plain_calls": 0},  # float(10**400): OverflowError
+    {"accepted": {"1": 500}, "verified": {"1": 10}, "plain_calls": 0},  # more accepted than verified
+    {"accepted": {"1": float("nan")}, "verified": {"1": 8}, "plain_calls": 0},
+    {"accepted": {"1": 3}, "verified": {"1": float("inf")}, "plain_calls": 0},
+    {"accepted": {"1": 3}, "verified": {"1": 8}, "plain_calls": -1},
+])
+def test_a_stored_acceptance_no_decoding_could_make_is_ignored(case, monkeypatch, entry):
+    """A readable acceptance file with impossible counts (an Infinity, a 400-digit number, a NaN, more accepted
+    than verified) is ignored like an unreadable one: auto starts without an acceptance and decodes plain's
+    tokens (an OverflowError made every auto call fail until the file was deleted; a rate of 50 was reported)."""
+    model, prompts, ids, mask, ref, reference = case
+    set_costs(model, SPECULATIVE_WINS)
+    settings = acceptance_settings({"do_sample": False}, merged_config(model, {"do_sample": False}))
+    auto_cache.store(auto_cache.acceptance_key(model), {"by_settings": {settings: entry}}, "acceptance")
+    monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())  # a new process reads the file
+    assert auto_policy.remembered(model, settings) == auto_policy.Acceptance()
+    out = generate_dict(model, ids, mask, NEW, speculative_mode="auto")
+    assert torch.equal(out.sequences, ref.sequences) and out.speculation.choices[0].reason == "probe"
+
+
+def test_threads_remembering_acceptance_on_one_model(case, monkeypatch):
+    """Threads storing acceptance for different settings on one model (each auto call's end) while others read it:
+    no 'dictionary changed size during iteration', and every setting's latest value is kept."""
+    model = case[0]
+    monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())  # this test's entries stay its own
+    monkeypatch.setattr(auto_policy, "KEPT_SETTINGS", 8)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: the unguarded dict failed most runs so
+    seen = [auto_policy.Acceptance({1: float(i)}, {1: 8.0 + i}) for i in range(6)]
+
+    def work(i):
+        for round_ in range(40):
+            auto_policy.remember(model, seen[i], f"settings-{i}-{round_ % 10}")
+            auto_policy.remembered(model, f"settings-{(i + 1) % 6}-{round_ % 10}")
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            list(pool.map(work, range(6)))  # re-raises a thread's exception
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(auto_policy._observed(model)) == 8
 
 
 def test_a_dynamic_cache_is_continued_and_refilled(case):

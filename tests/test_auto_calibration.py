@@ -8,6 +8,7 @@ wrapping the measuring functions. Every test stores its tables under its own `tm
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -145,6 +146,9 @@ def test_a_corrupt_file_is_measured_over(model, counted, tmp_path, content):
     assert counted["measure"] == [1]
     assert decode(auto_cache.load(auto_cache.cost_key(model, 1))) == table
     assert decode({"plain_step": 1.0, "cycle": [["pipeline", "x", None, 1.0]]}) is None
+    # readable JSON that no measurement makes: an Infinity depth, a 400-digit cost (OverflowError before)
+    assert decode({"plain_step": 1.0, "cycle": [["pipeline", float("inf"), None, 1.0]]}) is None
+    assert decode({"plain_step": 10**400, "cycle": [["pipeline", 1, None, 1.0]]}) is None
 
 
 @pytest.mark.parametrize("plain_step, cycle_seconds", [(0.0, 1.0), (1.0, 0.0), (-1.0, 1.0), (float("nan"), 1.0),
@@ -173,14 +177,20 @@ def test_a_kept_table_is_completed_from_disk(model, counted):
     assert table == CostTable(3.0, {PIPE1: decode(stored).cycle[PIPE1], PIPE2: 1.0})
 
 
-def test_the_cache_folder_and_a_folder_that_cannot_be_written(model, counted, tmp_path, monkeypatch):
+def test_the_cache_folder_and_a_folder_that_cannot_be_written(model, counted, tmp_path, monkeypatch, caplog):
     """`HF_LOOPSPEC_CACHE` names the folder; without it, a per-user cache folder named for the package. A folder
-    that cannot be created (a file is in the way) costs only the cache: the call measures and keeps its table."""
+    that cannot be created (a file is in the way) costs only the cache: the call measures and keeps its table, and
+    a warning (once) says the tables cannot be stored there."""
     assert auto_cache.cache_dir() == tmp_path
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     monkeypatch.setenv(auto_cache.CACHE_ENV, str(blocked / "cache"))
-    table = costs_for(model, 1, [Candidate(None), PIPE1])
+    monkeypatch.setattr(auto_cache, "_UNWRITABLE", set())
+    with caplog.at_level(logging.WARNING, logger=auto_cache.__name__):
+        table = costs_for(model, 1, [Candidate(None), PIPE1])
     assert counted["measure"] == [1] and costs_for(model, 1, [PIPE1]) is table
+    assert auto_cache.unwritable()  # (the command line then says the table is not stored)
+    warned = [r.getMessage() for r in caplog.records if "cannot store" in r.getMessage()]
+    assert len(warned) == 1 and str(blocked / "cache") in warned[0] and auto_cache.CACHE_ENV in warned[0]
     monkeypatch.delenv(auto_cache.CACHE_ENV)
     assert "hf_loopspec" in auto_cache.cache_dir().parts

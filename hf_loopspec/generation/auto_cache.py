@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+from ..logs import get_logger
+
+logger = get_logger(__name__)
 CACHE_ENV = "HF_LOOPSPEC_CACHE"
 FORMAT = 1  # bump when the stored table's meaning changes
 
@@ -121,12 +124,14 @@ def load(key: dict, kind: str = "costs") -> dict | None:
 
 
 def store(key: dict, table: dict, kind: str = "costs") -> None:
-    """Write `table` (JSON-serialisable) under `key`, atomically; a folder that cannot be written is skipped."""
+    """Write `table` (JSON-serialisable) under `key`, atomically; a folder that cannot be written is skipped, with a
+    warning once per folder (and `unwritable` then names it)."""
     path = _path(key, kind)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    except OSError:
+    except OSError as error:
+        _skipped(path.parent, error)
         return
     try:
         with os.fdopen(handle, "w") as file:
@@ -136,3 +141,19 @@ def store(key: dict, table: dict, kind: str = "costs") -> None:
         Path(temporary).unlink(missing_ok=True)
         if not isinstance(error, OSError):
             raise
+        _skipped(path.parent, error)
+
+
+_UNWRITABLE: set[Path] = set()  # cache folders a `store` of this process could not write
+
+
+def _skipped(folder: Path, error: OSError) -> None:
+    if cache_dir() not in _UNWRITABLE:
+        _UNWRITABLE.add(cache_dir())
+        logger.warning("hf_loopspec: auto mode cannot store its measured costs and acceptance in %s (%s): every "
+                       "process measures them again. Set %s to a writable folder.", folder, error, CACHE_ENV)
+
+
+def unwritable() -> bool:
+    """Whether this process failed to store a table in the current cache folder (`cache_dir`)."""
+    return cache_dir() in _UNWRITABLE

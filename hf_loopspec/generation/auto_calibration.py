@@ -90,7 +90,7 @@ def decode(data) -> CostTable | None:
         cycle = {Candidate(str(mode), int(d), None if k is None else int(k)): float(seconds)
                  for mode, d, k, seconds in data["cycle"]}
         plain = float(data["plain_step"])
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # (OverflowError: an Infinity depth, a 400-digit cost)
         return None
     if not all(math.isfinite(seconds) and seconds > 0 for seconds in (plain, *cycle.values())):
         return None

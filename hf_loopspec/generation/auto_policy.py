@@ -22,6 +22,8 @@ A segment is `AutoPolicy.interval` tokens, doubled (up to `max_interval`) while 
 
 from __future__ import annotations
 
+import math
+import threading
 import weakref
 from dataclasses import asdict, dataclass, field
 
@@ -78,11 +80,14 @@ class Acceptance:
         """`encode`'s form back; anything else (None, a damaged file) is an empty `Acceptance`."""
         try:
             counts = [{int(d): float(n) for d, n in data[name].items()} for name in ("accepted", "verified")]
-            if set(counts[0]) != set(counts[1]) or any(n < 0 for c in counts for n in c.values()):
-                return cls()
-            return cls(counts[0], counts[1], int(data["plain_calls"]))
-        except (TypeError, KeyError, ValueError, AttributeError):
+            plain_calls = int(data["plain_calls"])
+        except (TypeError, KeyError, ValueError, AttributeError, OverflowError):  # (Infinity, a 400-digit count)
             return cls()
+        accepted, verified = counts
+        if set(accepted) != set(verified) or plain_calls < 0 or not all(
+                math.isfinite(verified[d]) and 0 <= accepted[d] <= verified[d] for d in verified):
+            return cls()  # counts no decoding could have made (NaN, more accepted than verified)
+        return cls(accepted, verified, plain_calls)
 
 
 @dataclass
@@ -120,13 +125,14 @@ class AutoStats(SpeculationStats):
 
 _MEMORY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {settings: Acceptance} of earlier calls
 _POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> AutoPolicy
+_LOCK = threading.Lock()  # guards `_MEMORY`'s dicts: threads decoding one model read and update them
 KEPT_SETTINGS = 32  # decoding settings whose acceptance is kept per model (a sweep of settings keeps the file small)
 
 
 def _observed(model) -> dict[str, Acceptance]:
     """What earlier calls observed on `model`, by their settings: this process's, else an earlier process's stored
     on disk (`auto_cache.acceptance_key`: one file per model, one entry per settings), else nothing."""
-    if model not in _MEMORY:
+    if model not in _MEMORY:  # (called with `_LOCK` held)
         stored = auto_cache.load(auto_cache.acceptance_key(model), "acceptance")
         entries = stored.get("by_settings") if isinstance(stored, dict) else None
         _MEMORY[model] = {str(k): Acceptance.decode(v) for k, v in entries.items()} if isinstance(entries, dict) \
@@ -137,25 +143,28 @@ def _observed(model) -> dict[str, Acceptance]:
 def remembered(model, settings: str) -> Acceptance:
     """The acceptance earlier auto calls with the same `settings` (the decoding settings that change how often drafts
     are accepted: `auto.acceptance_settings`) observed on `model` (a copy), or an empty one."""
-    return _observed(model).get(settings, Acceptance()).copy()
+    with _LOCK:
+        return _observed(model).get(settings, Acceptance()).copy()
 
 
 def remember(model, acceptance: Acceptance, settings: str) -> None:
     """Keep `acceptance` for `model`'s next auto calls with `settings`, in this process and on disk for later ones
     (the `KEPT_SETTINGS` most recently used settings)."""
-    observed = _observed(model)
-    observed.pop(settings, None)
-    observed[settings] = acceptance.copy()  # dicts keep insertion order: the oldest settings come first
-    while len(observed) > KEPT_SETTINGS:
-        del observed[next(iter(observed))]
-    auto_cache.store(auto_cache.acceptance_key(model),
-                     {"by_settings": {k: v.encode() for k, v in observed.items()}}, "acceptance")
+    with _LOCK:
+        observed = _observed(model)
+        observed.pop(settings, None)
+        observed[settings] = acceptance.copy()  # dicts keep insertion order: the oldest settings come first
+        while len(observed) > KEPT_SETTINGS:
+            del observed[next(iter(observed))]
+        encoded = {"by_settings": {k: v.encode() for k, v in observed.items()}}
+    auto_cache.store(auto_cache.acceptance_key(model), encoded, "acceptance")
 
 
 def forget(model) -> None:
     """Drop what earlier calls observed on `model`, for every setting, here and on disk (the next call starts without
     an acceptance)."""
-    _MEMORY.pop(model, None)
+    with _LOCK:
+        _MEMORY.pop(model, None)
     auto_cache.forget(auto_cache.acceptance_key(model), "acceptance")
 
 
