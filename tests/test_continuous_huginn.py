@@ -100,7 +100,16 @@ def test_a_kept_manager_serves_only_the_recurrence_it_was_built_with(model):
             assert run() == first == [alone(model, p, 8, num_steps=3, **ZERO) for p in inputs]
         with model.recurrence(num_steps=4, init_scale=0.0), pytest.raises(ValueError, match="num_steps=4"):
             run()
+        with model.recurrence(num_steps=3, init_scale=0.0, init_seed=9):  # zero states use no seed: reused
+            assert run() == first
         with pytest.raises(ValueError, match="init_scale=1.0"):
+            run()
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    try:  # blocks that draw their own seeds: the message says to give one
+        with model.recurrence(num_steps=3):
+            run()
+        with model.recurrence(num_steps=3), pytest.raises(ValueError, match="Only the seed differs"):
             run()
     finally:
         model.destroy_cached_continuous_batching_manager()

@@ -25,7 +25,7 @@ from huginn_utils import (
 )
 from inputs import left_pad, random_ids
 from tolerances import assert_fp32_close, huginn_depth
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationConfig
 from transformers.cache_utils import DynamicCache
 
 from hf_loopspec import HuginnConfig, HuginnForCausalLM, HuginnModel, PagedLoopCache
@@ -395,6 +395,24 @@ def test_numpy_recurrence_settings_are_their_values():
         expected = model(ids, **settings).logits
         actual = model(ids, num_steps=np.int64(3), init_scale=np.float32(0.5), init_seed=np.uint32(9)).logits
     torch.testing.assert_close(actual, expected, atol=0, rtol=0)
+
+
+def test_a_passed_generation_config_takes_unset_recurrence_settings_from_the_models():
+    """transformers fills a passed generation config's unset keys from the model's: so do the recurrence settings
+    (`generate(generation_config=GenerationConfig(...))` decoded at mean_recurrence steps while auto's calibration and
+    continuous batching, which merge the configs, used the model's num_steps)."""
+    model, _ = tiny_huginn(seed=4)
+    ids = random_ids((1, 4), VOCAB, seed=5)
+    settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "init_scale": 0.0}
+    at = {steps: model.generate(ids, num_steps=steps, **settings) for steps in (3, model.config.mean_recurrence)}
+    assert not torch.equal(*at.values())
+    model.generation_config.num_steps = 3
+    try:
+        assert torch.equal(model.generate(ids, generation_config=GenerationConfig(**settings)), at[3])
+        passed = GenerationConfig(**settings, num_steps=model.config.mean_recurrence)  # the passed config's first
+        assert torch.equal(model.generate(ids, generation_config=passed), at[model.config.mean_recurrence])
+    finally:
+        model.generation_config.num_steps = None
 
 
 def test_bad_inputs_raise():

@@ -42,12 +42,20 @@ def kept_recurrence_problem(model, generation_config, kept) -> str | None:
     """Why a kept manager running `kept` (its `manager_recurrence`) cannot serve a call that would build one with
     `generation_config` here (another `model.recurrence` block open, or none), or None."""
     wanted = manager_recurrence(model, generation_config)
-    if wanted == kept:
+    if _effective(wanted) == _effective(kept):
         return None
+    seed_only = replace(wanted, init_seed=kept.init_seed) == kept
+    why = (" Only the seed differs: a recurrence block given no init_seed draws its own, so give the blocks (or the "
+           "generation config) one init_seed to reuse the manager." if seed_only else "")
     return (f"this model keeps a continuous batching manager built with the recurrence settings {kept}, but the call "
             f"runs under {wanted} (the model.recurrence(...) block open now, else the model's defaults, with the "
             "generation config's num_steps, init_scale and init_seed over them); call "
-            "model.destroy_cached_continuous_batching_manager() first, or call it under the same settings.")
+            f"model.destroy_cached_continuous_batching_manager() first, or call it under the same settings.{why}")
+
+
+def _effective(recurrence):
+    """What of `recurrence` decides the tokens: with init_scale 0 the states are zeros and the seed is unused."""
+    return replace(recurrence, init_seed=None) if recurrence.init_scale == 0 else recurrence
 
 
 def manager_block(model, recurrence):

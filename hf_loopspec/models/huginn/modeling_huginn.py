@@ -380,9 +380,13 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
             return super().generate(*args, **kwargs)
 
     def call_block(self, generation_config, **given):
-        """`recurrence` with the call's settings: each one given (not None), else the generation config's."""
-        return self.recurrence(**{key: getattr(generation_config, key, None) if given.get(key) is None
-                                  else given[key] for key in GENERATION_KEYS})
+        """`recurrence` with the call's settings: each one given (not None), else the generation config's, else (as
+        transformers fills a passed config's unset keys) the model's generation config's."""
+        def setting(key):
+            values = (given.get(key), getattr(generation_config, key, None), getattr(self.generation_config, key, None))
+            return next((value for value in values if value is not None), None)
+
+        return self.recurrence(**{key: setting(key) for key in GENERATION_KEYS})
 
     def call_settings(self) -> dict:
         """The running call's recurrence settings, resolved (a seed drawn for it included): auto mode passes them to
