@@ -42,7 +42,7 @@ def kept_recurrence_problem(model, generation_config, kept) -> str | None:
     """Why a kept manager running `kept` (its `manager_recurrence`) cannot serve a call that would build one with
     `generation_config` here (another `model.recurrence` block open, or none), or None."""
     wanted = manager_recurrence(model, generation_config)
-    if _effective(wanted) == _effective(kept):
+    if wanted is None or _effective(wanted) == _effective(kept):  # (None: a model without recurrence settings)
         return None
     seed_only = replace(wanted, init_seed=kept.init_seed) == kept
     why = (" Only the seed differs: a recurrence block given no init_seed draws its own, so give the blocks (or the "
