@@ -59,10 +59,13 @@ def test_max_length_of_the_config_counts_the_prompt(model, settings):
 
 
 def test_zero_new_tokens_fails_instead_of_taking_the_default(model):
-    """generate_batch raises (every request would fail); one request added with it fails alone."""
-    with pytest.raises(ValueError, match="max_new_tokens=0"):
-        model.generate_batch(prompts(2, [4]), generation_config=generation_config({}),
-                             continuous_batching_config=batching(), max_new_tokens=0)
+    """generate_batch raises (every request would fail), also for a value of another type, before the manager is
+    sized by it (2.5 and "5" raised TypeErrors from deep inside); one request added with it fails alone."""
+    for bad in (0, 2.5, "5", [3, 4], torch.tensor(4)):  # slots sized from the workload (max_new_tokens among it)
+        with pytest.raises(ValueError, match=r"generate_batch: max_new_tokens=.*: give an integer >= 1"):
+            model.generate_batch(prompts(2, [4]), generation_config=generation_config({}),
+                                 continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=2),
+                                 max_new_tokens=bad)
     manager = model.init_continuous_batching(generation_config({}), batching())
     manager.start()
     try:

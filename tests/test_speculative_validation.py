@@ -60,6 +60,9 @@ BAD = [
     ({"speculative_mode": "pipeline", "num_beams": 2}, r"num_beams=2"),
     ({"speculative_mode": "block", "num_beams": 2}, r"num_beams=2"),
     ({"speculative_mode": "pipeline", "prompt_lookup_num_tokens": 3}, r"prompt_lookup_num_tokens=3"),
+    # transformers' layer-skipping self-speculation: refused in every mode before it edits the model's config
+    ({"assistant_early_exit": 1}, r"assistant_early_exit=1 drafts from the first layers"),
+    ({"speculative_mode": "block", "assistant_early_exit": 1}, r"assistant_early_exit=1"),
     ({"speculative_mode": "pipeline", "cache": "static"}, r"(?s)(?=.*StaticCache)(?=.*DynamicCache, or no cache)"),
     ({"speculative_mode": "pipeline", "draft_loops": True}, r"draft_loops=True"),
     ({"speculative_mode": "block", "num_speculative_tokens": False}, r"num_speculative_tokens=False"),

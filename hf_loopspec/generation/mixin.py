@@ -172,6 +172,10 @@ class LoopSpecGenerationMixin(GenerationMixin):
         return generation_config, model_kwargs
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        if generation_config.assistant_early_exit is not None:  # (before any work: it edits the model's config)
+            raise ValueError(f"assistant_early_exit={generation_config.assistant_early_exit!r} drafts from the "
+                             "first layers of one pass, which a looped model does not have: every loop runs all "
+                             "its layers. Drop it; speculative_mode='pipeline' drafts from a shallower loop.")
         spec = self._speculative(generation_config)
         if spec is not None:
             check_generation_mode(spec, generation_mode, generation_config,

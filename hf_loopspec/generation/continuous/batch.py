@@ -33,6 +33,7 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
         return {}
     config = manager_config(model, generation_config)  # as the manager reads it
     max_new_tokens = kwargs.pop("max_new_tokens", None)  # None: each request's from the generation config
+    max_new_tokens = None if max_new_tokens is None else int(max_new_tokens)  # (a numpy integer, checked above)
     hints = SimpleNamespace(max_prompt_length=max(len(ids) for ids in inputs),
                             max_generated_length=max_new_tokens if max_new_tokens is not None
                             else config.max_new_tokens, num_requests=len(inputs))
@@ -66,18 +67,19 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
 def _check_request_settings(manager, max_new_tokens, kwargs: dict) -> None:
     """`ValueError` for a setting that `generate_batch` gives every request and none can run with (each request
     would fail alone, all for the same reason)."""
-    if max_new_tokens is not None and (not is_integer(max_new_tokens) or max_new_tokens < 1):
-        raise ValueError(f"generate_batch: max_new_tokens={max_new_tokens!r}: give an integer >= 1, or None for the "
-                         "generation config's.")
     problem = extra_problem(manager.settings, kwargs)
     if problem:
         raise ValueError(f"generate_batch: {problem}")
 
 
 def _check_arguments(inputs, generation_config, kwargs: dict) -> None:
-    """`ValueError` naming a `generate_batch` argument it cannot take: `inputs` must be a list (or tuple) of prompts,
-    each a list, 1-D tensor or 1-D array of token ids; `generation_config` a `GenerationConfig` or None; `request_id`
-    is the manager's to give (one per request)."""
+    """`ValueError` naming a `generate_batch` argument it cannot take: `max_new_tokens` must be an integer >= 1 or
+    None; `inputs` a list (or tuple) of prompts, each a list, 1-D tensor or 1-D array of token ids;
+    `generation_config` a `GenerationConfig` or None; `request_id` is the manager's to give (one per request)."""
+    max_new_tokens = kwargs.get("max_new_tokens")  # sizes the manager's slots: checked before it is built
+    if max_new_tokens is not None and (not is_integer(max_new_tokens) or max_new_tokens < 1):
+        raise ValueError(f"generate_batch: max_new_tokens={max_new_tokens!r}: give an integer >= 1, or None for the "
+                         "generation config's.")
     if "request_id" in kwargs:
         raise ValueError(f"request_id={kwargs['request_id']!r} in generate_batch would give every request the same "
                          "id: drop it (the manager numbers the requests; the result is keyed by those ids), or add "
