@@ -415,6 +415,23 @@ def test_a_passed_generation_config_takes_unset_recurrence_settings_from_the_mod
         model.generation_config.num_steps = None
 
 
+def test_from_pretrained_takes_recurrence_settings_and_the_position_limit_has_its_usual_name(tmp_path):
+    """`from_pretrained(path, num_steps=..., init_scale=...)` (lm-eval's `--model_args`) puts them in the generation
+    config, checked as `generate` checks them; `block_size` answers as `max_position_embeddings` too, where
+    transformers and lm-eval look for a model's position limit."""
+    model, _ = tiny_huginn(seed=2)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, num_steps=3, init_scale=0.0)
+    assert (loaded.generation_config.num_steps, loaded.generation_config.init_scale) == (3, 0.0)
+    ids = random_ids((1, 4), VOCAB, seed=3)
+    expected = model.generate(ids, max_new_tokens=5, do_sample=False, num_steps=3, init_scale=0.0)
+    assert torch.equal(loaded.generate(ids, max_new_tokens=5, do_sample=False), expected)
+    with pytest.raises(ValueError, match="num_steps=0 must be an integer >= 1"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, num_steps=0)
+    assert loaded.config.max_position_embeddings == loaded.config.block_size
+    assert HuginnConfig(**{**loaded.config.to_dict(), "max_position_embeddings": 64}).block_size == 64
+
+
 def test_bad_inputs_raise():
     model, _ = tiny_huginn()
     with pytest.raises(ValueError, match="outside the vocabulary"):

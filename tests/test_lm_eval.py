@@ -10,6 +10,9 @@ import sys
 
 import pytest
 import torch
+from checkpoint_utils import word_tokenizer
+from huginn_utils import tiny_huginn
+from tolerances import fp32_tolerance, huginn_depth
 
 from hf_loopspec import cli, evaluation
 from hf_loopspec.assets import default_model_path
@@ -96,6 +99,60 @@ def test_speculative_gen_kwargs_log_plain_outputs(logged, batch_size):
         assert "speculative_mode" not in default[doc_id]["arguments"]["gen_args_0"]["arg_1"]
         assert row["resps"] == plain[doc_id]["resps"] == default[doc_id]["resps"], (doc_id, row["doc"])
     assert any(row["resps"][0][0].strip() for row in plain.values())  # something was generated
+
+
+LL_YAML = """\
+task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{target}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def test_huginn_scores_under_the_model_args_recurrence_settings(task_dir, tmp_path):
+    """Huginn's `num_steps` / `init_scale` in `--model_args` reach scoring too (loglikelihood ran the model's
+    defaults, random initial states drawn per call, and `--model_args num_steps=...` was refused): each logged
+    loglikelihood equals a log-softmax sum of one forward at those settings, at batch size 1 and 3 alike."""
+    model, _ = tiny_huginn(seed=0)
+    folder = tmp_path / "huginn"
+    model.save_pretrained(folder)
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    tokenizer.save_pretrained(folder)
+    rows = [{"prompt": f"w{3 + i} w{40 + i} w{70 - i} w{9 + i}", "target": f" w{20 + i} w{60 - i}"} for i in range(3)]
+    data = task_dir / "huginn_ll.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    (task_dir / "huginn_ll.yaml").write_text(LL_YAML.format(task="huginn_ll", data=data), encoding="utf-8")
+    settings = {"num_steps": 3, "init_scale": 0.0}  # not the config's mean_recurrence, nor its random states
+
+    def expected(row):
+        context, target = tokenizer(row["prompt"]).input_ids, tokenizer(row["target"]).input_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([context + target[:-1]]), **settings).logits[0]
+        scores = torch.log_softmax(logits, -1)[len(context) - 1:]
+        return float(scores[torch.arange(len(target)), torch.tensor(target)].sum())
+
+    assert settings["num_steps"] != model.config.mean_recurrence
+    for batch_size in (1, 3):
+        out = tmp_path / f"out-{batch_size}"
+        code = cli.main(["lm-eval", "run", "--model", "hf", "--model_args",
+                         f"pretrained={folder},dtype=float32,num_steps=3,init_scale=0.0", "--tasks", "huginn_ll",
+                         "--include_path", str(task_dir), "--batch_size", str(batch_size), "--device", "cpu",
+                         "--log_samples", "--output_path", str(out)])
+        assert code == 0
+        (samples,) = out.rglob("samples_huginn_ll_*.jsonl")
+        logged = {row["doc_id"]: row for row in map(json.loads, samples.read_text(encoding="utf-8").splitlines())}
+        for doc_id, row in enumerate(rows):
+            # the same forward in another batch (padding): rounding of its depth, on the sum's scale (`tolerances`)
+            want = expected(row)
+            bound = fp32_tolerance(**huginn_depth(model.config, 3), scale=abs(want))["atol"]
+            assert float(logged[doc_id]["resps"][0][0][0]) == pytest.approx(want, abs=bound), doc_id
 
 
 def test_without_lm_eval_installed_the_error_is_one_line(monkeypatch, capsys):

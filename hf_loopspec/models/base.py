@@ -47,8 +47,12 @@ class StrictLoadingMixin:
         """`PreTrainedModel.from_pretrained`, except that a checkpoint whose tensors do not match the model
         (missing, unexpected or mis-shaped keys) raises `ValueError` instead of loading half-random weights.
         `ignore_mismatched_sizes=True` keeps transformers' meaning: mis-shaped tensors are initialized afresh (e.g.
-        an embedding loaded with another `vocab_size`), and only missing or unexpected keys raise."""
+        an embedding loaded with another `vocab_size`), and only missing or unexpected keys raise. A model that
+        generates takes the family's generation keys too (Huginn: `num_steps=32`, e.g. from lm-eval's
+        `--model_args`): they go into the loaded model's generation config, checked as `generate` checks them."""
         want_info = kwargs.pop("output_loading_info", False)
+        family = {key: kwargs.pop(key) for key in cls.generation_keys if key in kwargs} \
+            if hasattr(cls, "call_block") else {}
         fresh_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
         # transformers would raise a RuntimeError for mis-shaped tensors that names no key (the details go to a
         # log report only); let it load and raise the ValueError below, which lists the keys and shapes.
@@ -65,6 +69,11 @@ class StrictLoadingMixin:
                 f"The checkpoint does not match {cls.__name__} for config {model.config.to_diff_dict()}: {details}. "
                 "Check that the checkpoint belongs to this model family and has the shape its config.json says."
             )
+        for key, value in family.items():
+            setattr(model.generation_config, key, value)
+        if family:
+            with model.call_block(model.generation_config):  # a bad setting raises its ValueError now
+                pass
         return (model, info) if want_info else model
 
 

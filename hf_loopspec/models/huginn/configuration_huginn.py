@@ -63,6 +63,7 @@ class HuginnConfig(PreTrainedConfig):
         "hidden_size": "n_embd",
         "num_attention_heads": "n_heads",
         "num_hidden_layers": "n_layers",
+        "max_position_embeddings": "block_size",  # where transformers and lm-eval look for the position limit
     }
 
     vocab_size: int = 65536
