@@ -114,6 +114,8 @@ def test_throughput_and_latency_percentiles_match_numpy():
     (["--model", "ouro-tiny", "--device", "cpu", "--engines", "plain", "--synthetic-acceptance", "0.9"],
      "--synthetic-acceptance 0.9 replaces pipeline drafts"),
     (["--model", "/no/such/folder", "--device", "cpu"], "no such folder: /no/such/folder"),
+    # checked before the run (its results were lost to a traceback at its end)
+    (["--model", "ouro-tiny", "--device", "cpu", "--json", "/etc/hostname/ragged.json"], "--json"),
 ])
 def test_bad_arguments_are_one_line_exit_2(capsys, argv, message):
     with pytest.raises(SystemExit) as done:

@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerFast
 from hf_loopspec import cli, loading
 from hf_loopspec.bench import args as bench_args
 from hf_loopspec.bench import costs, plot, prompts, report, run, shapes
+from hf_loopspec.bench import main as main_module
 from hf_loopspec.bench.main import run_bench
 
 N = 8  # new tokens
@@ -410,6 +411,49 @@ def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
         cli.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--modes", "plain,ar", "--synthetic-acceptance", "0.5"], "--synthetic-acceptance 0.5: none of --modes plain,ar"),
+    (["--modes", "plain,pipeline", "--num-speculative-tokens", "8"], "--num-speculative-tokens 8: none of --modes"),
+    (["--modes", "plain,ar", "--draft-loops", "2"], "--draft-loops 2: none of --modes plain,ar reads it"),
+    (["--modes", "plain", "--engines", "reference"], "--engines reference: none of --modes plain"),
+    (["--modes", "plain,static", "--compile", "eager"], "--compile eager: none of --modes plain,static"),
+])
+def test_bench_refuses_options_no_mode_reads(argv, message, capsys):
+    """An option that none of the modes reads was printed in the header (and banners) and changed nothing."""
+    assert cli.main(["bench", *FAST, *argv]) == 2
+    assert message in capsys.readouterr().err
+    run_bench(bench_args.parse_args([*FAST, "--modes", "plain,block", "--num-speculative-tokens", "3"]))  # read
+
+
+def test_bench_checks_plains_timed_runs_and_an_auto_run_with_plain_segments_has_no_ideal(monkeypatch):
+    """plain's timed runs are compared with its reference run too (a wrong one passed as "reference"); an auto run
+    that decoded plain segments (transformers' loop, outside the engine's cost model) has no ideal or overhead."""
+    runs, original = [], run.run_mode
+
+    def second_plain_wrong(model, mode, *args, **kwargs):
+        result = original(model, mode, *args, **kwargs)
+        if mode == "plain":
+            runs.append(mode)
+            if len(runs) > 1:  # every plain run after the untimed reference
+                result["generated"] = result["generated"].clone()
+                result["generated"][0, -1] = (result["generated"][0, -1] + 1) % 64
+        return result
+
+    monkeypatch.setattr(main_module, "run_mode", second_plain_wrong)
+    result = run_bench(bench_args.parse_args([*FAST, "--modes", "plain,ar"]))
+    plain = result["rows"][0]
+    assert plain["check_passed"] is False and not result["all_checks_passed"]
+    assert plain["check"]["first_divergence"] is not None
+    measured = {"prefill_rows": 8, "prefill": {"embed": 0.0, "core": 0.0, "head": 0.0},
+                "by_rows": {"embed": {1: 0.0}, "core": {1: 0.1}, "head": {1: 0.0}}}
+    auto = _timed_run(2.0, 16, 4)
+    auto["stats"].plain_tokens = 3  # (the other rounds' counters: `test_a_row_reports_...`)
+    row = report.mode_row("auto", [auto], {"ar": 4.0, "auto": 2.0}, batch=1, new_tokens=8, loops=4, check={},
+                          exact=True, costs=measured, ar_predicted=3.2, warmup_seconds=3.0, compiled=False)
+    assert row["core_calls"] == 16 and row["ideal_speedup_vs_ar"] is row["overhead_fraction"] is None
+    assert row["fraction_of_ideal"] is None and row["predicted_seconds"] is None
 
 
 def _run_error(argv, capsys) -> str:

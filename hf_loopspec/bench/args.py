@@ -8,6 +8,7 @@ import argparse
 import math
 
 from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, DTYPE_NAMES
+from ..prompting import SpeculativeOnly
 from .shape_table import SHAPES
 
 MODES = ("plain", "ar", "block", "pipeline")  # the default set
@@ -113,12 +114,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"comma-separated subset of {','.join(ENGINES)}: what runs each lane mode (ar, block, "
                              "pipeline): the wavefront engine (generate's), and the reference (the lane decoder, "
                              "eager only) as a measured baseline, in rows named MODE/reference (default: wavefront)")
-    parser.add_argument("--draft-loops", type=positive, default=DEFAULT_DRAFT_LOOPS,
+    parser.add_argument("--draft-loops", type=positive, default=DEFAULT_DRAFT_LOOPS, action=SpeculativeOnly,
                         help="d: draft from the output of loop d (default: %(default)s)")
     parser.add_argument("--second-draft-loops", type=positive, default=None, metavar="D2",
                         help="also run pipeline with second proposals from loop D2 (second_draft_loops) on each "
                              "engine, as the rows 'pipeline+second' and 'pipeline+second/reference' (default: off)")
     parser.add_argument("--num-speculative-tokens", type=positive, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
+                        action=SpeculativeOnly,
                         help="K: drafts per block round (default: %(default)s)")
     parser.add_argument("--repeats", type=positive, default=3,
                         help="timed rounds; the median is reported (default: %(default)s)")
@@ -169,6 +171,28 @@ def with_defaults(args) -> argparse.Namespace:
     if isinstance(merged["engines"], str):
         merged["engines"] = parse_engines(merged["engines"])
     return argparse.Namespace(**merged)
+
+
+def check_unused_options(args) -> None:
+    """`ValueError` naming an option that none of `--modes` reads (it would be printed in the header and change
+    nothing): `--draft-loops` (block, pipeline), `--num-speculative-tokens` (block), `--synthetic-acceptance`
+    (block, pipeline, auto), `--engines reference` (the lane modes) and `--compile` (the lane modes and auto).
+    `--draft-loops` and `--num-speculative-tokens` count only when given on the command line."""
+    modes = set(args.modes)
+    given = dict(getattr(args, "speculative_given", {}))
+    if args.synthetic_acceptance is not None:
+        given["--synthetic-acceptance"] = args.synthetic_acceptance
+    if args.compile:
+        given["--compile"] = args.compile
+    if "reference" in args.engines:
+        given["--engines"] = ",".join(args.engines)
+    readers = {"--draft-loops": ("block", "pipeline"), "--num-speculative-tokens": ("block",),
+               "--synthetic-acceptance": ("block", "pipeline", AUTO), "--engines": LANE_MODES,
+               "--compile": (*LANE_MODES, AUTO)}
+    for flag, value in given.items():
+        if not modes & set(readers[flag]):
+            raise ValueError(f"{flag} {value}: none of --modes {','.join(args.modes)} reads it (only "
+                             f"{', '.join(readers[flag])}); add one of those to --modes, or drop {flag}.")
 
 
 SAMPLING_OFF = (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0))  # the value of each option that means "off"

@@ -29,7 +29,8 @@ NOTES = {
                             "sequence: core_calls * batch / committed tokens (out.speculation."
                             "core_calls_per_token); plain: U by construction",
     "ideal_speedup_vs_ar": "T_hat(ar) / T_hat(mode), T_hat = sum of the measured costs of the run's core "
-                           "and head calls by row count (see hf_loopspec.bench.costs)",
+                           "and head calls by row count (see hf_loopspec.bench.costs); none (with %ideal and "
+                           "overhead) for an auto run with plain segments, which run transformers' own loop",
     "overhead_fraction": "1 - T_hat(mode) / the run's measured time: the share of time outside embed, core and head "
                          "calls; with --compile, none for compiled rows (T_hat comes from eager call costs, which "
                          "cannot split a compiled run's time; ideal stays the eager cost model's ratio)",
@@ -204,7 +205,7 @@ def mode_row(mode: str, runs: list[dict], seconds: dict[str, float], *, batch: i
         "compile_seconds": warmup_seconds - seconds[mode] if compiled else None,
         "peak_mem_bytes": max(x["peak_mem_bytes"] for x in runs),
         "kv_cache_bytes": max(x["kv_bytes"] for x in runs),
-        "check": check, "check_passed": None if mode == "plain" else exact,
+        "check": check, "check_passed": exact,
     }
     if mode in PLAIN_MODES:
         return row
@@ -220,6 +221,8 @@ def mode_row(mode: str, runs: list[dict], seconds: dict[str, float], *, batch: i
     )
     if hasattr(stats, "choices"):  # auto: what each segment ran, and why
         row["auto_choices"] = stats.to_dict()["choices"]
+    if getattr(stats, "plain_tokens", 0):  # auto with plain segments: transformers' loop, outside the cost model
+        return row
     predicted = predicted_seconds(costs, chosen["call_rows"])
     row.update(ideal_speedup_vs_ar=ar_predicted / predicted, predicted_seconds=predicted,
                overhead_fraction=None if compiled else 1.0 - predicted / chosen["seconds"])
@@ -242,7 +245,7 @@ def build_result(rows: list[dict], *, args, machine: dict, model, model_name: st
         "schema": SCHEMA,
         "rows": rows,
         "machine": machine,
-        "args": dict(vars(args)),
+        "args": {key: value for key, value in vars(args).items() if key != "speculative_given"},
         "model": model_record(model, model_name),
         "synthetic_acceptance": args.synthetic_acceptance,
         "sampling": None if sampling is None else {

@@ -22,6 +22,7 @@ import sys
 from dataclasses import replace
 
 from .args import fraction, positive, positive_float
+from .report import check_writable
 from .shape_table import SHAPES
 
 ENGINES = ("plain", "pipeline")
@@ -211,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.json:
+            check_writable(args.json, "--json")  # before the run, so that a long run is not lost at its end
         result = run_workload(args)
     except (ValueError, OSError) as err:
         parser.exit(2, f"{parser.prog}: error: {' '.join(str(err).split())}\n")
