@@ -20,16 +20,18 @@ from hf_loopspec.assets import default_model_path
 TASK = "loopspec_tiny"
 PROMPTS = ["def add(a, b):\n", "import os\n\n", "class Point:\n", "for i in range(3):\n", "x = [1, 2, 3]\n",
            "def main():\n", "if x is None:\n", "try:\n"]
-YAML = """\
+TASK_YAML = """\
 task: {task}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
 test_split: test
-output_type: generate_until
+output_type: OUTPUT_TYPE
 doc_to_text: "{{{{prompt}}}}"
 doc_to_target: "{{{{target}}}}"
+"""  # a local task of `data`'s rows (prompt, target); OUTPUT_TYPE and the rest are the task kind's
+YAML = TASK_YAML.replace("OUTPUT_TYPE", "generate_until") + """\
 generation_kwargs:
   until: ["\\n\\n"]
   max_gen_toks: 12
@@ -101,16 +103,7 @@ def test_speculative_gen_kwargs_log_plain_outputs(logged, batch_size):
     assert any(row["resps"][0][0].strip() for row in plain.values())  # something was generated
 
 
-LL_YAML = """\
-task: {task}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: loglikelihood
-doc_to_text: "{{{{prompt}}}}"
-doc_to_target: "{{{{target}}}}"
+LL_YAML = TASK_YAML.replace("OUTPUT_TYPE", "loglikelihood") + """\
 metric_list:
   - metric: acc
 """
