@@ -13,6 +13,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -256,6 +257,37 @@ def test_threads_remembering_acceptance_on_one_model(case, monkeypatch):
     finally:
         sys.setswitchinterval(interval)
     assert len(auto_policy._observed(model)) == 8
+
+
+def test_forget_during_a_remember_leaves_nothing_stored(case, monkeypatch):
+    """`forget` while another thread's `remember` writes the table: the forgotten acceptance does not come back
+    from disk in a later process (the write used to land after the removal)."""
+    model = case[0]
+    monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())
+    store, forgetting = auto_cache.store, []
+
+    def slow_store(*args):  # a slow disk: `forget` is called while the table is being written
+        forgetting.append(threading.Thread(target=forget, args=(model,)))
+        forgetting[0].start()
+        time.sleep(0.2)
+        store(*args)
+
+    monkeypatch.setattr(auto_cache, "store", slow_store)
+    auto_policy.remember(model, auto_policy.Acceptance({1: 3.0}, {1: 8.0}), "settings")
+    forgetting[0].join()
+    monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())  # a new process reads the disk
+    assert auto_policy.remembered(model, "settings") == auto_policy.Acceptance()
+
+
+def test_a_prompt_that_fills_the_positions_is_refused_as_in_plain_decoding():
+    """No max_length or max_new_tokens anywhere, and a prompt as long as the model's positions: plain decoding
+    raises, and so does auto (it returned the prompt with no new token and no word)."""
+    model = tiny_spec_model(3, vocab=VOCAB)
+    ids = random_prompts(4, [model.config.max_position_embeddings], VOCAB)[0][None]
+    assert model.generation_config.max_length is None
+    for mode in (None, "auto"):
+        with pytest.raises(ValueError, match="Input length of input_ids is 512"):
+            model.generate(ids, speculative_mode=mode, pad_token_id=PAD)
 
 
 def test_a_dynamic_cache_is_continued_and_refilled(case):

@@ -115,8 +115,9 @@ def test_the_models_generation_config_fills_what_the_callers_leaves_unset(model,
         model.generation_config.eos_token_id, model.generation_config.min_new_tokens = saved
 
 
-@pytest.mark.parametrize("extra", [{"max_time": 1e-4}, {"penalty_alpha": 0.6, "top_k": 4}], ids=["max_time",
-                                                                                                 "penalty_alpha"])
+@pytest.mark.parametrize("extra", [{"max_time": 1e-4}, {"penalty_alpha": 0.6, "top_k": 4},
+                                   {"assistant_early_exit": 1}, {"prompt_lookup_num_tokens": 3}],
+                         ids=["max_time", "penalty_alpha", "assistant_early_exit", "prompt_lookup"])
 def test_settings_a_manager_would_drop_are_refused(model, extra):
     key = next(iter(extra))
     with pytest.raises(ValueError, match=f"{key}=.* in continuous batching"):

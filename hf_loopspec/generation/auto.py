@@ -204,6 +204,9 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
     if max_new is None and _default_max_length(model, kwargs):  # as transformers: that many new tokens
         limit = getattr(model.config, "max_position_embeddings", None)
         max_new = config.max_length if limit is None else min(config.max_length, limit - ids.shape[1])
+        if max_new < 1:  # (plain decoding's own error for a prompt that fills the positions)
+            raise ValueError(f"Input length of input_ids is {ids.shape[1]}, but the model has {limit} positions "
+                             "(max_position_embeddings): no new token fits; shorten the input.")
     if max_new is None:
         max_new = config.max_length - ids.shape[1]
         if max_new < 1:

@@ -157,15 +157,15 @@ def remember(model, acceptance: Acceptance, settings: str) -> None:
         while len(observed) > KEPT_SETTINGS:
             del observed[next(iter(observed))]
         encoded = {"by_settings": {k: v.encode() for k, v in observed.items()}}
-    auto_cache.store(auto_cache.acceptance_key(model), encoded, "acceptance")
+        auto_cache.store(auto_cache.acceptance_key(model), encoded, "acceptance")  # (a `forget` waits for it)
 
 
 def forget(model) -> None:
     """Drop what earlier calls observed on `model`, for every setting, here and on disk (the next call starts without
     an acceptance)."""
-    with _LOCK:
+    with _LOCK:  # (a `remember` under way stores first, then this removes it)
         _MEMORY.pop(model, None)
-    auto_cache.forget(auto_cache.acceptance_key(model), "acceptance")
+        auto_cache.forget(auto_cache.acceptance_key(model), "acceptance")
 
 
 def set_policy(model, policy: AutoPolicy | None) -> None:
