@@ -125,7 +125,7 @@ def load(key: dict, kind: str = "costs") -> dict | None:
 
 def store(key: dict, table: dict, kind: str = "costs") -> None:
     """Write `table` (JSON-serialisable) under `key`, atomically; a folder that cannot be written is skipped, with a
-    warning once per folder (and `unwritable` then names it)."""
+    warning once per folder (and `unwritable()` then says so)."""
     path = _path(key, kind)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
