@@ -116,12 +116,24 @@ def test_the_models_generation_config_fills_what_the_callers_leaves_unset(model,
 
 
 @pytest.mark.parametrize("extra", [{"max_time": 1e-4}, {"penalty_alpha": 0.6, "top_k": 4},
-                                   {"assistant_early_exit": 1}, {"prompt_lookup_num_tokens": 3}],
-                         ids=["max_time", "penalty_alpha", "assistant_early_exit", "prompt_lookup"])
+                                   {"assistant_early_exit": 1}],
+                         ids=["max_time", "penalty_alpha", "assistant_early_exit"])
 def test_settings_a_manager_would_drop_are_refused(model, extra):
     key = next(iter(extra))
     with pytest.raises(ValueError, match=f"{key}=.* in continuous batching"):
         model.init_continuous_batching(generation_config({}, **extra), batching())
+
+
+def test_prompt_lookup_in_the_models_config_is_left_unused():
+    """A checkpoint's generation config may ask for prompt lookup, a lossless speed-up of plain decoding: the manager
+    runs without it and each request gets plain decoding's tokens (refusing it made such a checkpoint unusable in
+    continuous batching and serve, with no config to pass that drops it)."""
+    model = tiny_spec_model(8, vocab=VOCAB)
+    model.generation_config.prompt_lookup_num_tokens = 3
+    inputs = prompts(9, [5, 8])
+    out = model.generate_batch(inputs, generation_config=generation_config({}),
+                               continuous_batching_config=batching())
+    assert [r.generated_tokens for r in out.values()] == [alone(model, p, 8) for p in inputs]
 
 
 def test_a_kept_manager_refuses_other_settings(model):
