@@ -428,6 +428,8 @@ def test_from_pretrained_takes_recurrence_settings_and_the_position_limit_has_it
     assert torch.equal(loaded.generate(ids, max_new_tokens=5, do_sample=False), expected)
     with pytest.raises(ValueError, match="num_steps=0 must be an integer >= 1"):
         AutoModelForCausalLM.from_pretrained(tmp_path, num_steps=0)
+    with pytest.raises(ValueError, match="num_steps=3: generation settings, but HuginnModel does not generate"):
+        AutoModel.from_pretrained(tmp_path, num_steps=3)  # (transformers' TypeError for an unknown keyword before)
     assert loaded.config.max_position_embeddings == loaded.config.block_size
     assert HuginnConfig(**{**loaded.config.to_dict(), "max_position_embeddings": 64}).block_size == 64
 

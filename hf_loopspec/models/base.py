@@ -51,8 +51,11 @@ class StrictLoadingMixin:
         generates takes the family's generation keys too (Huginn: `num_steps=32`, e.g. from lm-eval's
         `--model_args`): they go into the loaded model's generation config, checked as `generate` checks them."""
         want_info = kwargs.pop("output_loading_info", False)
-        family = {key: kwargs.pop(key) for key in cls.generation_keys if key in kwargs} \
-            if hasattr(cls, "call_block") else {}
+        family = {key: kwargs.pop(key) for key in cls.generation_keys if key in kwargs}
+        if family and not hasattr(cls, "call_block"):
+            given = ", ".join(f"{key}={value!r}" for key, value in family.items())
+            raise ValueError(f"{given}: generation settings, but {cls.__name__} does not generate; load the causal "
+                             "LM (AutoModelForCausalLM) for them, or pass them to its forward call.")
         fresh_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
         # transformers would raise a RuntimeError for mis-shaped tensors that names no key (the details go to a
         # log report only); let it load and raise the ValueError below, which lists the keys and shapes.
