@@ -423,6 +423,9 @@ def test_from_pretrained_takes_recurrence_settings_and_the_position_limit_has_it
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, num_steps=3, init_scale=0.0)
     assert (loaded.generation_config.num_steps, loaded.generation_config.init_scale) == (3, 0.0)
+    state = torch.random.get_rng_state()
+    AutoModelForCausalLM.from_pretrained(tmp_path, num_steps=3)  # checked in a block that draws a seed: none kept
+    assert torch.equal(torch.random.get_rng_state(), state)
     ids = random_ids((1, 4), VOCAB, seed=3)
     expected = model.generate(ids, max_new_tokens=5, do_sample=False, num_steps=3, init_scale=0.0)
     assert torch.equal(loaded.generate(ids, max_new_tokens=5, do_sample=False), expected)

@@ -288,9 +288,7 @@ class PagedLoopCache(PageTables, Cache):
     def check_batch(self, batch: int, name: str) -> None:
         """`ValueError` unless a call of `batch` rows (its input `name`) can continue this cache: no open branch, and
         at most `batch` sequences (a fresh cache adds the missing ones)."""
-        if self.branches:
-            raise ValueError(f"the PagedLoopCache has {len(self.branches)} open branch(es) (competing proposals); "
-                             "close them (cache.branches.close_all()) before continuing it.")
+        self._refuse_open_branches("continuing it")
         if self.num_sequences > batch:
             raise ValueError(f"the PagedLoopCache holds {self.num_sequences} sequences but {name} has batch size "
                              f"{batch}; pass a cache filled for this batch, or a fresh one.")
@@ -325,13 +323,16 @@ class PagedLoopCache(PageTables, Cache):
 
     def _select(self, order: list[int]) -> None:
         """`PageTables._select`, refused while a branch is open (its slot is no sequence of the batch)."""
-        if self.branches:
-            raise ValueError(f"the PagedLoopCache has {len(self.branches)} open branch(es) (competing proposals); "
-                             "close them (cache.branches.close_all()) before selecting, reordering or repeating its "
-                             "sequences.")
+        self._refuse_open_branches("selecting, reordering or repeating its sequences")
         super()._select(order)
         if not order:  # an empty cache consumed no columns: the next call starts afresh, at any batch size
             self.reset()
+
+    def _refuse_open_branches(self, doing: str) -> None:
+        """`ValueError` while a branch is open: its slot is no sequence of the batch."""
+        if self.branches:
+            raise ValueError(f"the PagedLoopCache has {len(self.branches)} open branch(es) (competing proposals); "
+                             f"close them (cache.branches.close_all()) before {doing}.")
 
     def _sequence_indices(self, indices, name: str, masks: bool) -> list[int]:
         """`indices` (a 1-D tensor, array, list or tuple) as a list of sequence numbers in `[0, num_sequences)`;

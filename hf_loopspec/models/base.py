@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ..generation.saved_config import mark_user_generation_config, restore_speculative_keys, saved_generation_dict
 
 
@@ -74,8 +76,8 @@ class StrictLoadingMixin:
             )
         for key, value in family.items():
             setattr(model.generation_config, key, value)
-        if family:
-            with model.call_block(model.generation_config):  # a bad setting raises its ValueError now
+        if family:  # a bad setting raises its ValueError now (torch's generator left as it was: a block may draw)
+            with torch.random.fork_rng(devices=[]), model.call_block(model.generation_config):
                 pass
         return (model, info) if want_info else model
 
