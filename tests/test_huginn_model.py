@@ -284,6 +284,24 @@ def test_upstream_config_with_another_n_layers_loads_with_a_warning(tmp_path, ca
         torch.testing.assert_close(loaded(ids, init_scale=0.0).logits, model(ids, init_scale=0.0).logits)
 
 
+@pytest.mark.parametrize("override, problem", [
+    ({"num_hidden_layers": 9}, r"n_layers \(num_hidden_layers\)=9 differs .* = 6"),
+    ({"tie_embeddings": False}, "tie_embeddings=False and tie_word_embeddings=True disagree"),
+    ({"rope_theta": 1000.0}, "rope_theta=1000.0 and rope_base=50000.0 disagree"),
+    ({"rope_base": 1000.0}, "rope_theta=50000.0 and rope_base=1000.0 disagree"),
+])
+def test_a_loading_override_of_one_of_two_paired_fields_raises(tmp_path, override, problem):
+    """`from_pretrained`'s keyword overrides are set after the config is made, on the name given only: an override
+    the model would not follow (it builds from the stage counts, ties by tie_word_embeddings, rotates by rope_base)
+    raises instead of loading a model its config misdescribes (whose save would then not load, or load otherwise)."""
+    _, sd = tiny_huginn(seed=7)
+    folder = write_hub_folder(tmp_path / "huginn", tiny_huginn_config(), sd, dtype=torch.float32)
+    with pytest.raises(ValueError, match=problem):
+        AutoModelForCausalLM.from_pretrained(folder, **override)
+    both = {"rope_theta": 1000.0, "rope_base": 1000.0}  # a consistent change of a pair loads
+    assert AutoModelForCausalLM.from_pretrained(folder, **both).config.rope_base == 1000.0
+
+
 def test_bf16_hub_folder_loads_in_bf16(tmp_path):
     config = tiny_huginn_config("retrofitted")
     _, sd = tiny_huginn("retrofitted")

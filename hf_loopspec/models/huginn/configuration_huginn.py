@@ -140,8 +140,23 @@ class HuginnConfig(PreTrainedConfig):
         return BLOCK_STYLES[self.block_class_name] == "pre_norm"
 
     def validate_architecture(self):
-        """Raise `ValueError` for a configuration no Huginn model can be built from."""
+        """Raise `ValueError` for a configuration no Huginn model can be built from, or one whose paired fields
+        disagree: a setting changed after the config was made (`from_pretrained`'s keyword overrides, assignments)
+        changes only the name given, and the model would be built from the other one."""
         check_counts(self, SIZES, OUTER_STAGES)
+        stages = (self.n_layers_in_prelude, self.n_layers_in_recurrent_block, self.n_layers_in_coda)
+        if self.n_layers != sum(stages):
+            raise ValueError(
+                f"HuginnConfig.n_layers (num_hidden_layers)={self.n_layers} differs from prelude + recurrent block + "
+                f"coda = {' + '.join(map(str, stages))} = {sum(stages)}: the model is built from the per-stage counts; "
+                "set n_layers_in_prelude, n_layers_in_recurrent_block and n_layers_in_coda, and n_layers to their sum."
+            )
+        if self.tie_embeddings != self.tie_word_embeddings:
+            raise ValueError(f"HuginnConfig: tie_embeddings={self.tie_embeddings} and tie_word_embeddings="
+                             f"{self.tie_word_embeddings} disagree (the model ties by tie_word_embeddings); set both.")
+        if self.rope_theta != self.rope_base:
+            raise ValueError(f"HuginnConfig: rope_theta={self.rope_theta} and rope_base={self.rope_base} disagree "
+                             "(the model rotates by rope_base; a saved config loads with rope_theta); set both.")
         if self.padded_vocab_size not in (None, self.vocab_size):
             raise ValueError(
                 f"HuginnConfig.padded_vocab_size={self.padded_vocab_size} differs from vocab_size={self.vocab_size}: "
