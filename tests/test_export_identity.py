@@ -12,6 +12,7 @@ import json
 import os
 
 import pytest
+import torch
 from checkpoint_utils import save_checkpoint
 from huggingface_hub import ModelCard
 from processes import ROOT
@@ -88,6 +89,25 @@ def test_title_lead_and_license_come_from_a_local_source_and_benchmarks_fill_mod
     shape = export.export_checkpoint(src, tmp_path / "shape", benchmarks=[shape_result])
     card = ModelCard.load(shape / "README.md")
     assert card.data.eval_results is None and "ouro-100m" in card.text
+
+
+def test_a_fine_tune_named_after_its_base_model_or_cast_is_not_called_the_base_weights_unchanged(tmp_path):
+    """`--base-model` names a local fine-tune's parent: the card says the weights are the fine-tune's (base model
+    linked) and keeps its own lead; `--dtype` that casts them says so instead of "unchanged"."""
+    src = save_checkpoint(tmp_path / "my-finetune")
+    ModelCard("---\nlicense: mit\n---\n\n# My finetune\n\nOuro tuned on my data.\n").save(src / "README.md")
+    out = export.export_checkpoint(src, tmp_path / "ft", base_model="ByteDance/Ouro-1.4B", benchmarks=None)
+    text = ModelCard.load(out / "README.md").text
+    base = "[ByteDance/Ouro-1.4B](https://huggingface.co/ByteDance/Ouro-1.4B)"
+    assert f"The weights are those of the checkpoint my-finetune (base model: {base}), unchanged" in text
+    assert f"those of {base}" not in text and "Ouro tuned on my data." in text
+    assert OURO.bibtex in text  # the architecture's paper is still the one to cite
+
+    cast = export.export_checkpoint(src, tmp_path / "bf16", dtype="bfloat16", benchmarks=None)
+    assert load_file(cast / "model.safetensors")["lm_head.weight"].dtype == torch.bfloat16
+    text = ModelCard.load(cast / "README.md").text
+    assert "The weights are those of the checkpoint my-finetune, cast to bfloat16 (safetensors)" in text
+    assert "unchanged" not in text.split("\n## ", 1)[0]
 
 
 def test_the_makers_weights_keep_the_family_citation():

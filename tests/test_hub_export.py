@@ -182,7 +182,8 @@ def test_export_refuses_a_non_empty_folder_and_bad_settings(source, tmp_path):
         export.export_checkpoint(source[1], tmp_path / "new", speculative_mode="pipeline", draft_loops=3,
                                  benchmarks=None)
     # plain decoding by default still writes the depths a later speculative call reads: checked alike
-    for bad, match in [({"draft_loops": 7}, "draft_loops=7"), ({"num_speculative_tokens": 0}, "num_speculative_tokens")]:
+    for bad, match in [({"draft_loops": 7}, "draft_loops=7"),
+                       ({"num_speculative_tokens": 0}, "num_speculative_tokens")]:
         with pytest.raises(ValueError, match=match):
             export.export_checkpoint(source[1], tmp_path / "new", speculative_mode=None, benchmarks=None, **bad)
     assert (tmp_path / "x.txt").read_text() == "keep"

@@ -94,6 +94,7 @@ def build_model_card(
     benchmarks: Sequence[dict | str | Path] | None = None,
     family: str = "ouro",
     source: str | None = None,
+    weights_dtype: str | None = None,
     prompt: str = "def fibonacci(n):",
     max_new_tokens: int = 128,
     tags: tuple[str, ...] | list[str] = (),
@@ -108,8 +109,11 @@ def build_model_card(
     (models with a chat template, such as the Thinking variants) shows chat-template usage; `sampling` (e.g.
     `{"temperature": 1.0, "top_p": 0.7}`) is used in every example, with `do_sample=True`, and credited to
     `sampling_source` (where the settings come from). `source`: how the prose names weights that are not the family
-    maker's (e.g. "the embedded model hf-loopspec-default"); the title defaults to the repo's name and is the card's
-    `model_name` (a re-export of the repo keeps it); `language`: the metadata's (a source card's, carried over).
+    maker's (e.g. "the embedded model hf-loopspec-default"); with `base_model` too, the weights are the source's and
+    `base_model` is named as theirs (a fine-tune's parent). `weights_dtype`: the dtype the weights were cast to (e.g.
+    "bfloat16"; None: stored as the source stores them, unchanged). The title defaults to the repo's name and is the
+    card's `model_name` (a re-export of the repo keeps it); `language`: the metadata's (a source card's, carried
+    over).
     `kv_bytes_per_token`: this model's KV bytes per context token in bf16, every loop together (None: the
     Limitations quote the family's example checkpoint).
     """
@@ -120,15 +124,18 @@ def build_model_card(
     eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
     base_link = f"[{base_model}](https://huggingface.co/{base_model})" if base_model and "/" in base_model else None
     makers = makers_weights(base_model, family)
-    weights = base_link or source  # None: the prose says "the source checkpoint"
+    # None: the prose says "the source checkpoint"
+    weights = f"{source} (base model: {base_link})" if source and base_link else source or base_link
+    stored = f"cast to {weights_dtype}" if weights_dtype else "unchanged"
     named = weights or f"a looped language model with the {fam.name} architecture"
     fields = {
         "title": title or repo_id.rsplit("/", 1)[-1],
         "summary": summary or (
             f"{named[0].upper() + named[1:]} packaged for transformers 5.x with "
-            f"[hf-loopspec]({project_url()}): the same weights, loadable with `trust_remote_code=True`, decoded with "
+            f"[hf-loopspec]({project_url()}): the same weights{' in ' + weights_dtype if weights_dtype else ''}, "
+            "loadable with `trust_remote_code=True`, decoded with "
             "lossless pipelined or block self-speculation."),
-        "what_it_is": what_it_is or _what_it_is(fam, weights, makers, num_loops),
+        "what_it_is": what_it_is or _what_it_is(fam, weights, stored, makers, num_loops),
         "project_url": project_url(),
         "install_command": install_command(),
         "family": fam.name,
@@ -166,14 +173,15 @@ def makers_weights(base_model: str | None, family: str = "ouro") -> bool:
     return bool(base_model) and base_model.split("/", 1)[0] == FAMILIES[family].hub_namespace
 
 
-def _what_it_is(fam: CardFamily, weights: str | None, makers: bool, num_loops: int) -> str:
-    """The card's first words on the weights: the maker and the paper only for the maker's own weights."""
+def _what_it_is(fam: CardFamily, weights: str | None, stored: str, makers: bool, num_loops: int) -> str:
+    """The card's first words on the weights (`stored`: "unchanged" or how the export changed them): the maker and
+    the paper only for the maker's weights or a model based on them."""
     loop = f"one stack of layers is applied U = {num_loops} times per token with the same weights"
     whose = f"those of {weights}" if weights else "the source checkpoint's"
     if makers:
-        return (f"The weights are {whose}, unchanged (safetensors). {fam.name} ({fam.maker}; "
+        return (f"The weights are {whose}, {stored} (safetensors). {fam.name} ({fam.maker}; "
                 f"[paper]({fam.paper})) is a looped language model: {loop}.")
-    return (f"The weights are {whose}, unchanged (safetensors): a looped language model with the {fam.name} "
+    return (f"The weights are {whose}, {stored} (safetensors): a looped language model with the {fam.name} "
             f"architecture, in which {loop}.")
 
 

@@ -136,7 +136,7 @@ def export_checkpoint(
     tokenizer = _load_tokenizer(src, source.local_only)
     _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens)
     card = _model_card(source, model, tokenizer, repo_id=repo_id, base_model=base_model, license=license,
-                       benchmarks=benchmarks, **model_card_kwargs)
+                       benchmarks=benchmarks, dtype=dtype, **model_card_kwargs)
     with staged_folder(out) as stage:
         _write_folder(stage, model, tokenizer, shard_bytes)
         card.save(stage / "README.md")
@@ -229,7 +229,8 @@ def _check_measured_on(result: dict, model) -> None:
                          "pass results of `hf-loopspec bench --model SRC --json FILE`, or 'none'.")
 
 
-def _model_card(source, model, tokenizer, *, repo_id, base_model, license, benchmarks, **model_card_kwargs):
+def _model_card(source, model, tokenizer, *, repo_id, base_model, license, benchmarks, dtype,
+                **model_card_kwargs):
     """The card of the export (built before anything is written, so that a bad benchmarks file fails first); its
     identity comes from `source` (a `hf_loopspec.hub.source.Source`)."""
     from .card import build_model_card, makers_weights
@@ -240,11 +241,13 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
     data = source.card_data
     if base_model is None:
         base_model = source.spec if source.hub_id else data.get("base_model")
+    is_base = source.hub_id and base_model == source.spec  # the weights are base_model's own, not a derivative's
     card_args = {
         "repo_id": repo_id or f"your-username/{source.name}",
         "title": repo_id.rsplit("/", 1)[-1] if repo_id else source.name,
-        "summary": None if makers_weights(base_model) else source.lead,  # the maker's weights: the family's words
-        "source": source.description,
+        "summary": None if is_base and makers_weights(base_model) else source.lead,  # the maker's: the family's words
+        "source": None if is_base else source.description or f"[{source.spec}](https://huggingface.co/{source.spec})",
+        "weights_dtype": None if dtype in (None, "auto") else dtype,
         "base_model": base_model,
         "license": license or data.get("license") or "apache-2.0",
         "tags": [tag for tag in data.get("tags") or () if isinstance(tag, str)],
