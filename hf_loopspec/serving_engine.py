@@ -7,8 +7,8 @@ the model's process imports this module, and the loader makes the package's clas
 (`serving.expose_architecture`) before loading. With `--continuous-batching`, the model's process starts one manager
 (`model.init_continuous_batching`) with the checkpoint's generation config as it loads, and its `CBGenerateRunner`
 forwards each request's `max_new_tokens`, EOS ids and sampling settings; `LoopBatchingRunner` forwards
-`max_new_tokens` and EOS, and refuses (HTTP 400, with the reason) a request whose other settings differ from the
-manager's (`serving_batching.settings_problem`).
+`max_new_tokens`, EOS and seeds drawn from the request's `seed` (`request_seeds`), and refuses (HTTP 400, with the
+reason) a request whose other settings differ from the manager's (`serving_batching.settings_problem`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .serving_batching import settings_problem
 # what the server, not the request, adds to every request's settings: `--compile` asks for a static cache, which
 # continuous batching, with a cache of its own, leaves unused (as transformers' own runner does)
 SERVER_SET = frozenset({"cache_implementation"})
+REQUEST_SEEDS = "loopspec_request_seeds"  # `generate` passes a request's seeds (`request_seeds`) on under this key
 
 
 class LoopBatchingRunner(utils.CBGenerateRunner):
@@ -34,11 +35,15 @@ class LoopBatchingRunner(utils.CBGenerateRunner):
                                   list(settings.eos_token_id) if eos is None else eos_ids(eos), {})
         if problem:
             raise ValueError(problem)
+        # transformers' runner would seed torch's global generator, from which the manager's thread draws the seeds
+        # of requests that bring none, later and for whatever is in flight: give the request its own seeds instead
+        generation_kwargs[REQUEST_SEEDS] = request_seeds(settings, generation_kwargs.pop("seed", None))
         super().generate(request_id, inputs, generation_kwargs, stream)
 
     def _build_continuous_batching_kwargs(self, generation_kwargs: dict) -> dict:
         from transformers import GenerationConfig
 
+        seeds = generation_kwargs.pop(REQUEST_SEEDS, {})
         model_config = self.model.generation_config
         request = GenerationConfig(**{key: value for key, value in generation_kwargs.items()
                                       if value is not None and key not in SERVER_SET})
@@ -46,11 +51,28 @@ class LoopBatchingRunner(utils.CBGenerateRunner):
                                    started_by="the checkpoint's generation config, which started the manager")
         if problem:
             raise ValueError(problem)  # the request's fault: an HTTP 400 with the reason
-        return {key: generation_kwargs[key] for key in ("max_new_tokens", "eos_token_id")}
+        return {**{key: generation_kwargs[key] for key in ("max_new_tokens", "eos_token_id")}, **seeds}
 
     def state(self) -> tuple[int, int, str]:
         with self.lock:
             return len(self.active_requests), 0, ""
+
+
+def request_seeds(settings, seed: int | None) -> dict:
+    """The per-request seeds (`add_request` keys) that make a request's tokens depend only on its `seed`, as they
+    do without continuous batching: the sampling seed on a sampling manager, and a Huginn-family request's
+    `init_seed` when its initial states are random and the manager has no seed of its own for them. Both are drawn
+    from a generator seeded with `seed`; nothing for a request without one, or a manager that uses no randomness."""
+    import torch
+
+    if seed is None:
+        return {}
+    draws = torch.Generator().manual_seed(seed)
+    seeds = {"seed": int(torch.randint(2**62, (), generator=draws))} if settings.do_sample else {}
+    recurrence = settings.recurrence
+    if recurrence is not None and recurrence.init_scale > 0 and recurrence.init_seed is None:
+        seeds["init_seed"] = int(torch.randint(2**62, (), generator=draws))
+    return seeds
 
 
 class LoopModelLoader(model_manager.ModelLoader):

@@ -5,6 +5,8 @@ manager asked for with other settings, integer types. The reference of every tok
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -185,6 +187,25 @@ def test_a_kept_manager_built_from_the_models_config_is_refused_once_that_config
 def test_bad_continuous_batching_config_values_are_named(model, config, match):
     with pytest.raises(ValueError, match=match):
         model.init_continuous_batching(generation_config({}), config)
+
+
+def test_a_continuous_batching_config_field_the_manager_does_not_use_is_warned_of(model, caplog):
+    """`max_batch_tokens` and `use_cuda_graph` (transformers' manager's, `--cb-max-batch-tokens` of `serve`) did
+    nothing without a word; a manager now names them in a warning, and fields it uses or checks pass quietly (the
+    `per_request_processors` that `transformers serve` sets included)."""
+    used = batching()
+    used.per_request_processors = True
+    unused = batching()
+    unused.max_batch_tokens, unused.use_cuda_graph = 1, True
+    for config, expected in ((used, None), (unused, "max_batch_tokens=1, use_cuda_graph=True")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+            model.init_continuous_batching(generation_config({}), config)
+        warned = [r.getMessage() for r in caplog.records if "ContinuousBatchingConfig" in r.getMessage()]
+        if expected is None:
+            assert warned == []
+        else:
+            assert len(warned) == 1 and expected in warned[0]
 
 
 def test_bad_generate_batch_arguments_are_named(model):

@@ -489,6 +489,44 @@ def test_the_runner_forwards_a_request_with_the_managers_settings_and_refuses_ot
         runner._build_continuous_batching_kwargs({**request, "repetition_penalty": 1.3})
 
 
+@pytest.mark.skipif(not OWN_PROCESS, reason="transformers >= 5.25's runner")
+def test_the_runner_gives_a_request_the_seeds_drawn_from_its_own_seed():
+    """A request's `seed` becomes its own seeds (`add_request` keys), equal for equal seeds: transformers' runner
+    seeded torch's global generator instead, from which the manager's thread drew every unseeded request's seed
+    later, so that requests in flight together took each other's draws. A sampling manager takes a sampling seed, a
+    Huginn manager with random initial states and no seed of its own an `init_seed`; a greedy Ouro one neither."""
+    from hf_loopspec.models.huginn.recurrence import Recurrence
+    from hf_loopspec.serving_engine import LoopBatchingRunner
+
+    checkpoints = transformers.GenerationConfig(max_new_tokens=20, do_sample=True, eos_token_id=0)
+    added = []
+    runner = object.__new__(LoopBatchingRunner)  # what the runner's `generate` reads, around a recording manager
+    runner.model = types.SimpleNamespace(generation_config=checkpoints)
+    runner.lock, runner.active_requests, runner.count_tokens = threading.Lock(), {}, lambda **counts: None
+    runner._fail_if_worker_died = lambda request_id: False
+    request = {"max_new_tokens": 8, "eos_token_id": 0, "do_sample": True, "temperature": None, "top_k": None,
+               "top_p": None}
+
+    def sent(settings, seed):
+        runner.manager = types.SimpleNamespace(
+            generation_config=checkpoints, settings=settings,
+            add_request=lambda ids, **kwargs: added.append({k: kwargs[k] for k in ("seed", "init_seed") if k in kwargs}))
+        runner.generate(len(added), {"input_ids": [5, 6]}, {**request, "seed": seed}, False)
+        return added[-1]
+
+    def settings(do_sample, recurrence=None):
+        return types.SimpleNamespace(do_sample=do_sample, recurrence=recurrence, eos_token_id=(0,), vocab=100,
+                                     positions=64, pool=types.SimpleNamespace(pages_for=lambda n: 1, pages=8))
+
+    sampling = settings(True)
+    assert sent(sampling, 7) == sent(sampling, 7) != sent(sampling, 8)
+    assert set(sent(sampling, 7)) == {"seed"} and sent(sampling, None) == {}
+    random_states = settings(False, Recurrence(num_steps=4, init_scale=1.0, init_seed=None))
+    assert set(sent(random_states, 7)) == {"init_seed"} and sent(random_states, 7) == sent(random_states, 7)
+    assert sent(settings(False, Recurrence(num_steps=4, init_scale=1.0, init_seed=3)), 7) == {}
+    assert sent(settings(False), 7) == {}
+
+
 @pytest.mark.skipif(not OWN_PROCESS, reason="transformers >= 5.25's model process")
 def test_the_model_process_gets_the_servers_threads():
     """`serving_engine.LoopModelLoader` records the torch threads `serving.start` set (`--threads`) when `Serve`

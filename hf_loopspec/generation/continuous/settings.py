@@ -13,12 +13,14 @@ A request brings its own prompt, `max_new_tokens`, EOS ids, when sampling, `seed
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from ...defaults import DEFAULT_DRAFT_LOOPS
+from ...logs import get_logger
 from ...models.layers import is_integer
 from ..config import AUTO_MODE, merged_config, speculative_config
 from ..wavefront.processing import WARPERS
@@ -37,6 +39,13 @@ UNSUPPORTED = {  # generation config settings a manager cannot honour (stop_stri
     "assistant_early_exit": "assisted decoding is not a decoding a manager runs (nor, on a looped model, generate)",
 }  # (prompt_lookup_num_tokens, a lossless speed-up a checkpoint's config may carry, is left unused: same tokens)
 OVERRIDE = "draft_override"  # where a request's (test-only) draft override waits for its admission
+# the ContinuousBatchingConfig fields a manager reads; `max_queue_size` and `return_logprobs` are refused, and
+# `per_request_processors` (which `transformers serve` sets) is what the manager's request checks decide
+CB_FIELDS_READ = ("max_requests_per_batch", "max_blocks_per_request", "page_size", "block_size", "num_blocks",
+                  "max_memory_percent", "seed")
+CB_FIELDS_CHECKED = ("max_queue_size", "return_logprobs", "per_request_processors")
+
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,10 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
     if getattr(cb_config, "return_logprobs", False):
         raise ValueError("return_logprobs=True in the ContinuousBatchingConfig: the package's manager does not "
                          "record log-probabilities (GenerationOutput.logprobs stays empty); drop it.")
+    unread = unread_cb_fields(cb_config)
+    if unread:
+        logger.warning("ContinuousBatchingConfig(%s): not used by the package's manager, which reads %s only.",
+                       ", ".join(unread), ", ".join(CB_FIELDS_READ))
     model._prepare_special_tokens(config, device=model.device)  # the EOS tensor the EOS-holding processors read
     prompt = torch.zeros(1, 1, dtype=torch.long, device=model.device)  # any prompt: the processors are row-pure
     processors = tuple(model._get_logits_processor(config, input_ids_seq_length=1, encoder_input_ids=prompt))
@@ -128,6 +141,17 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
         max_length=int(config.max_length) if config.max_new_tokens is None and config.max_length else None,
         vocab=model.head_width, seed=_seed(getattr(cb_config, "seed", None)),
         recurrence=recurrence)
+
+
+def unread_cb_fields(cb_config) -> list[str]:
+    """`name=value` of each field of `cb_config` (a `ContinuousBatchingConfig`, or None) set to something other than
+    its default that a manager does not read (e.g. `max_batch_tokens`, `use_cuda_graph`: transformers' manager's)."""
+    if cb_config is None or not dataclasses.is_dataclass(cb_config):
+        return []
+    default = type(cb_config)()
+    return [f"{field.name}={getattr(cb_config, field.name)!r}" for field in dataclasses.fields(cb_config)
+            if field.name not in CB_FIELDS_READ + CB_FIELDS_CHECKED
+            and getattr(cb_config, field.name) != getattr(default, field.name)]
 
 
 def fixed_mode(config, num_loops: int) -> str:
