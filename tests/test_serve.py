@@ -508,9 +508,11 @@ def test_the_runner_gives_a_request_the_seeds_drawn_from_its_own_seed():
                "top_p": None}
 
     def sent(settings, seed):
-        runner.manager = types.SimpleNamespace(
-            generation_config=checkpoints, settings=settings,
-            add_request=lambda ids, **kwargs: added.append({k: kwargs[k] for k in ("seed", "init_seed") if k in kwargs}))
+        def add_request(ids, **kwargs):
+            added.append({key: kwargs[key] for key in ("seed", "init_seed") if key in kwargs})
+
+        runner.manager = types.SimpleNamespace(generation_config=checkpoints, settings=settings,
+                                               add_request=add_request)
         runner.generate(len(added), {"input_ids": [5, 6]}, {**request, "seed": seed}, False)
         return added[-1]
 
