@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import re
 import shlex
 import subprocess
@@ -28,6 +29,7 @@ from recorders import RecordingStreamer, StopAtWidth
 from safetensors.torch import load_file
 from speculative_utils import tiny_spec_model
 from torch import nn
+from transformers import AutoModelForCausalLM
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 import hf_loopspec
@@ -304,6 +306,30 @@ def test_remote_code_without_the_package_names_pip_install(exported, tmp_path):
     """
     report = run_fresh(script, tmp_path, str(exported))
     assert install.install_command() in report["error"]
+
+
+def test_saving_a_natively_loaded_export_leaves_out_pointers_to_code_it_does_not_write(exported, tmp_path, caplog):
+    """After `import hf_loopspec` an exported repo loads as the package's own class (remote code or not), whose
+    `save_pretrained` writes no shims: config.json named them anyway, and the folder failed to load for anyone
+    following the pointers (OSError: no configuration_ouro.py). They are left out, with a warning; saved beside the
+    shims, the pointers stay."""
+    model = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
+    assert type(model) is hf_loopspec.OuroForCausalLM and model.config.auto_map == export.AUTO_MAP
+    with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+        model.save_pretrained(tmp_path / "resaved")
+    assert "auto_map" not in json.loads((tmp_path / "resaved" / "config.json").read_text())
+    assert any("leaves out ['AutoConfig', 'AutoModel', 'AutoModelForCausalLM']" in r.getMessage()
+               for r in caplog.records)
+    assert model.config.auto_map == export.AUTO_MAP  # the model's own config is as it was
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "resaved")
+    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in model.state_dict().items())
+
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    for name in export.SHIM_FILES:
+        (beside / name).write_text((exported / name).read_text())
+    model.save_pretrained(beside)
+    assert json.loads((beside / "config.json").read_text())["auto_map"] == export.AUTO_MAP
 
 
 # --- custom_generate --------------------------------------------------------------------------------------------------

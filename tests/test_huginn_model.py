@@ -264,6 +264,10 @@ def test_hub_layout_folder_loads(tmp_path, trust_remote_code):
     assert type(AutoModel.from_pretrained(folder)) is HuginnModel
     cfg = AutoConfig.from_pretrained(folder)
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers) == (32, 4, 6)
+    # saved, it names no upstream code it does not write (raven_config_minimal.py: a folder that failed to load)
+    loaded.save_pretrained(tmp_path / "saved")
+    assert "auto_map" not in json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "saved")) is HuginnForCausalLM
 
 
 def test_upstream_config_with_another_n_layers_loads_with_a_warning(tmp_path, caplog):
