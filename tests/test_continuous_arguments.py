@@ -208,6 +208,18 @@ def test_a_continuous_batching_config_field_the_manager_does_not_use_is_warned_o
             assert len(warned) == 1 and expected in warned[0]
 
 
+def test_a_request_past_the_models_positions_is_warned_of_once(model, monkeypatch, caplog):
+    """A request longer than `max_position_embeddings` decodes (as `generate` does, plain decoding's tokens) with one
+    warning per manager, as `generate` warns; it decoded without a word before."""
+    monkeypatch.setattr(model.config, "max_position_embeddings", 8)
+    inputs = prompts(3, [4, 6, 3])
+    with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+        out = model.generate_batch(inputs, generation_config=generation_config(PIPELINE), max_new_tokens=5)
+    assert [r.generated_tokens for r in out.values()] == [alone(model, ids, 5) for ids in inputs]
+    warned = [r.getMessage() for r in caplog.records if "max_position_embeddings=8" in r.getMessage()]
+    assert len(warned) == 1 and "a request of 9 positions" in warned[0]
+
+
 def test_bad_generate_batch_arguments_are_named(model):
     with pytest.raises(ValueError, match=r"inputs: a tensor of shape \(2, 4\)"):
         model.generate_batch(torch.ones(2, 4, dtype=torch.long), generation_config=generation_config({}))

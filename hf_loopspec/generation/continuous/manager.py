@@ -73,6 +73,7 @@ class LoopBatchingManager:
         self.output_router = Router()
         self.background_thread_status = BackgroundThreadStatus()
         self._request_counter, self._request_lock = 0, threading.Lock()
+        self._past_positions_warned = False  # a request longer than the model's positions: warned of once
         self._wake_up_loop = threading.Event()
         self._generation_thread: threading.Thread | None = None
         self._seeds = torch.Generator().manual_seed(self.settings.seed) if self.settings.seed is not None else None
@@ -195,9 +196,20 @@ class LoopBatchingManager:
         if problem:
             self.output_router.fail_and_deliver(state, ValueError(f"request {request_id}: {problem}"))
             return request_id
+        self._warn_past_positions(len(ids) + max_new)
         self.input_queue.put(state)
         self._wake_up_loop.set()
         return request_id
+
+    def _warn_past_positions(self, length: int) -> None:
+        """Warn once, as `generate` does, of a request (prompt + new tokens) longer than the model's positions: it
+        decodes past the positions the model was trained for."""
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit and length > limit and not self._past_positions_warned:
+            self._past_positions_warned = True
+            logger.warning("continuous batching: a request of %s positions (prompt + max_new_tokens) is longer than "
+                           "the model's max_position_embeddings=%s; it decodes past the positions the model was "
+                           "trained for.", length, limit)
 
     def add_requests(self, inputs, max_new_tokens: int | None = None, streaming: bool = False,
                      record_timestamps: bool = False, **logit_processor_kwargs) -> list[str]:
