@@ -288,22 +288,35 @@ def test_upstream_config_with_another_n_layers_loads_with_a_warning(tmp_path, ca
         torch.testing.assert_close(loaded(ids, init_scale=0.0).logits, model(ids, init_scale=0.0).logits)
 
 
-@pytest.mark.parametrize("override, problem", [
-    ({"num_hidden_layers": 9}, r"n_layers \(num_hidden_layers\)=9 differs .* = 6"),
-    ({"tie_embeddings": False}, "tie_embeddings=False and tie_word_embeddings=True disagree"),
-    ({"rope_theta": 1000.0}, "rope_theta=1000.0 and rope_base=50000.0 disagree"),
-    ({"rope_base": 1000.0}, "rope_theta=50000.0 and rope_base=1000.0 disagree"),
-])
-def test_a_loading_override_of_one_of_two_paired_fields_raises(tmp_path, override, problem):
-    """`from_pretrained`'s keyword overrides are set after the config is made, on the name given only: an override
-    the model would not follow (it builds from the stage counts, ties by tie_word_embeddings, rotates by rope_base)
-    raises instead of loading a model its config misdescribes (whose save would then not load, or load otherwise)."""
-    _, sd = tiny_huginn(seed=7)
+def test_a_setting_changed_after_the_config_is_made_changes_what_the_model_is_built_from(tmp_path):
+    """`from_pretrained`'s keyword overrides and assignments come after the config is made: one name of a setting
+    with two sets both, and the model follows (an untied head; another rotary base), and its save reloads as it was;
+    a stage count sets n_layers to the new sum. `num_hidden_layers` alone (the model is built from the stage counts)
+    raises. Before, `tie_embeddings=False` and `rope_theta=` were ignored by the model (its save did not load, or
+    loaded with the other base), and `num_hidden_layers=9` built 6 layers under a config saying 9."""
+    model, sd = tiny_huginn(seed=7)
     folder = write_hub_folder(tmp_path / "huginn", tiny_huginn_config(), sd, dtype=torch.float32)
-    with pytest.raises(ValueError, match=problem):
-        AutoModelForCausalLM.from_pretrained(folder, **override)
-    both = {"rope_theta": 1000.0, "rope_base": 1000.0}  # a consistent change of a pair loads
-    assert AutoModelForCausalLM.from_pretrained(folder, **both).config.rope_base == 1000.0
+    with pytest.raises(ValueError, match=r"n_layers \(num_hidden_layers\)=9 differs .* = 6"):
+        AutoModelForCausalLM.from_pretrained(folder, num_hidden_layers=9)
+
+    untied = AutoModelForCausalLM.from_pretrained(folder, tie_embeddings=False)
+    assert untied.config.tie_word_embeddings is False
+    assert untied.lm_head.weight.data_ptr() != untied.transformer.wte.weight.data_ptr()
+    rotated = AutoModelForCausalLM.from_pretrained(folder, rope_theta=1000.0)
+    assert rotated.config.rope_base == 1000.0
+    ids = random_ids((1, 6), VOCAB, seed=8)
+    with torch.no_grad():
+        reference = model(ids, init_scale=0.0).logits
+        assert not torch.allclose(rotated(ids, init_scale=0.0).logits, reference)  # the model rotates by the override
+        for changed in (untied, rotated):
+            changed.save_pretrained(tmp_path / "saved")
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+            torch.testing.assert_close(reloaded(ids, init_scale=0.0).logits, changed(ids, init_scale=0.0).logits)
+
+    config = tiny_huginn_config()
+    config.n_layers_in_recurrent_block = 3
+    assert config.num_hidden_layers == config.n_layers_in_prelude + 3 + config.n_layers_in_coda
+    assert len(HuginnForCausalLM(config).transformer.core_block) == 3
 
 
 def test_bf16_hub_folder_loads_in_bf16(tmp_path):

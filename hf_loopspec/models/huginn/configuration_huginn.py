@@ -14,6 +14,7 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from ...logs import get_logger
 from ..config_checks import check_counts
+from ..layers import is_integer
 
 logger = get_logger(__name__)
 
@@ -22,6 +23,9 @@ ROPE_STYLES = ("interleaved", "rotate_half")
 SIZES = ("vocab_size", "n_embd", "n_heads", "num_key_value_heads", "head_dim", "intermediate_size",
          "n_layers_in_recurrent_block", "mean_recurrence", "block_size")
 OUTER_STAGES = ("n_layers_in_prelude", "n_layers_in_coda")
+STAGES = ("n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda")
+PAIRED = {"tie_embeddings": "tie_word_embeddings", "tie_word_embeddings": "tie_embeddings",  # two names, one setting
+          "rope_theta": "rope_base", "rope_base": "rope_theta"}
 
 
 class HuginnConfig(PreTrainedConfig):
@@ -40,7 +44,8 @@ class HuginnConfig(PreTrainedConfig):
         intermediate_size (`int`): width of the gated SiLU MLP.
         n_layers_in_prelude, n_layers_in_recurrent_block, n_layers_in_coda (`int`): the three stages.
         n_layers (`int`, *optional*): their sum (alias `num_hidden_layers`); a different value (as some configs
-            saved by the upstream code carry) is replaced by the sum, with a warning.
+            saved by the upstream code carry) is replaced by the sum, with a warning. Setting a stage count later
+            updates it; setting it later to another value raises when a model is built.
         mean_recurrence (`int`): default number of recurrence steps at inference.
         block_size (`int`): maximum positions.
         rope_base (`float`): RoPE base; `rope_theta`, when set, takes precedence (both are kept equal).
@@ -127,6 +132,20 @@ class HuginnConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         self.validate_architecture()
 
+    def __setattr__(self, key, value):
+        """Once the config is made (`from_pretrained`'s keyword overrides and assignments come after), setting one
+        name of a setting with two (`PAIRED`) sets both, and a stage count sets `n_layers` to the stages' sum, so that
+        the config always says what the model is built from (a different `n_layers` alone is refused when a model
+        is built from it: `validate_architecture`)."""
+        super().__setattr__(key, value)
+        if not getattr(self, "_post_init_done", False):  # transformers' flag: __post_init__ has run
+            return
+        key = self.attribute_map.get(key, key)
+        if key in PAIRED:
+            super().__setattr__(PAIRED[key], value)
+        elif key in STAGES and all(is_integer(getattr(self, stage)) for stage in STAGES):
+            super().__setattr__("n_layers", sum(getattr(self, stage) for stage in STAGES))
+
     @property
     def embed_scale(self) -> float:
         return float(self.init_values["embed_scale"])
@@ -140,23 +159,21 @@ class HuginnConfig(PreTrainedConfig):
         return BLOCK_STYLES[self.block_class_name] == "pre_norm"
 
     def validate_architecture(self):
-        """Raise `ValueError` for a configuration no Huginn model can be built from, or one whose paired fields
-        disagree: a setting changed after the config was made (`from_pretrained`'s keyword overrides, assignments)
-        changes only the name given, and the model would be built from the other one."""
+        """Raise `ValueError` for a configuration no Huginn model can be built from, or one that misdescribes the
+        model built from it: an `n_layers` (`num_hidden_layers`, e.g. a `from_pretrained` override) other than the
+        stages' sum, or two names of one setting that disagree."""
         check_counts(self, SIZES, OUTER_STAGES)
-        stages = (self.n_layers_in_prelude, self.n_layers_in_recurrent_block, self.n_layers_in_coda)
+        stages = tuple(getattr(self, stage) for stage in STAGES)
         if self.n_layers != sum(stages):
             raise ValueError(
                 f"HuginnConfig.n_layers (num_hidden_layers)={self.n_layers} differs from prelude + recurrent block + "
                 f"coda = {' + '.join(map(str, stages))} = {sum(stages)}: the model is built from the per-stage counts; "
                 "set n_layers_in_prelude, n_layers_in_recurrent_block and n_layers_in_coda, and n_layers to their sum."
             )
-        if self.tie_embeddings != self.tie_word_embeddings:
-            raise ValueError(f"HuginnConfig: tie_embeddings={self.tie_embeddings} and tie_word_embeddings="
-                             f"{self.tie_word_embeddings} disagree (the model ties by tie_word_embeddings); set both.")
-        if self.rope_theta != self.rope_base:
-            raise ValueError(f"HuginnConfig: rope_theta={self.rope_theta} and rope_base={self.rope_base} disagree "
-                             "(the model rotates by rope_base; a saved config loads with rope_theta); set both.")
+        for name, other in (("tie_embeddings", "tie_word_embeddings"), ("rope_theta", "rope_base")):
+            if getattr(self, name) != getattr(self, other):  # a guard: __setattr__ keeps the two names equal
+                raise ValueError(f"HuginnConfig: {name}={getattr(self, name)} and {other}={getattr(self, other)} "
+                                 "disagree: two names of one setting; set both.")
         if self.padded_vocab_size not in (None, self.vocab_size):
             raise ValueError(
                 f"HuginnConfig.padded_vocab_size={self.padded_vocab_size} differs from vocab_size={self.vocab_size}: "
