@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from checkpoint_utils import word_tokenizer
+from checkpoint_utils import save_checkpoint, word_tokenizer
 from huggingface_hub import ModelCard
 from inputs import left_pad, random_prompts
 from processes import ROOT, subprocess_env
@@ -188,6 +188,9 @@ def test_export_refuses_a_non_empty_folder_and_bad_settings(source, tmp_path):
                        ({"num_speculative_tokens": 0}, "num_speculative_tokens")]:
         with pytest.raises(ValueError, match=match):
             export.export_checkpoint(source[1], tmp_path / "new", speculative_mode=None, benchmarks=None, **bad)
+    one_loop = save_checkpoint(tmp_path / "one-loop", total_ut_steps=1)  # cannot speculate: no depths to check
+    out = export.export_checkpoint(one_loop, tmp_path / "one", speculative_mode=None, benchmarks=None)
+    assert json.loads((out / "generation_config.json").read_text())["speculative_mode"] is None
     assert (tmp_path / "x.txt").read_text() == "keep"
     for bad, match in [({"repo_id": "a/b/c"}, "--repo-id 'a/b/c'"), ({"repo_id": "../evil"}, "--repo-id '../evil'"),
                        ({"repo_id": "name-only"}, "namespace/name"), ({"base_model": "x y"}, "--base-model 'x y'"),

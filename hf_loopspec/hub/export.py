@@ -161,8 +161,9 @@ def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loo
 
     gen = model.generation_config
     # the ValueError generate() would raise; with plain decoding by default, the one a later speculative_mode="auto"
-    # call would raise on the depths written
-    resolve_speculative(speculative_mode or "auto", draft_loops, num_speculative_tokens, num_loops=model.num_loops)
+    # call would raise on the depths written (a 1-loop model, which cannot speculate, has no depths to check)
+    if speculative_mode is not None or model.num_loops > 1:
+        resolve_speculative(speculative_mode or "auto", draft_loops, num_speculative_tokens, num_loops=model.num_loops)
     # A config derived from config.json is saved with `_from_model_config: true`, and such a file's extra keys are
     # dropped when it is loaded: mark it as a real generation config so the speculative defaults survive.
     gen._from_model_config = False
