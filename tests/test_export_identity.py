@@ -93,7 +93,7 @@ def test_title_lead_and_license_come_from_a_local_source_and_benchmarks_fill_mod
 
 def test_a_fine_tune_named_after_its_base_model_or_cast_is_not_called_the_base_weights_unchanged(tmp_path):
     """`--base-model` names a local fine-tune's parent: the card says the weights are the fine-tune's (base model
-    linked) and keeps its own lead; `--dtype` that casts them says so instead of "unchanged"."""
+    linked) and keeps its own lead; with `--dtype` it names the dtype instead of saying "unchanged"."""
     src = save_checkpoint(tmp_path / "my-finetune")
     ModelCard("---\nlicense: mit\n---\n\n# My finetune\n\nOuro tuned on my data.\n").save(src / "README.md")
     out = export.export_checkpoint(src, tmp_path / "ft", base_model="ByteDance/Ouro-1.4B", benchmarks=None)
@@ -106,7 +106,7 @@ def test_a_fine_tune_named_after_its_base_model_or_cast_is_not_called_the_base_w
     cast = export.export_checkpoint(src, tmp_path / "bf16", dtype="bfloat16", benchmarks=None)
     assert load_file(cast / "model.safetensors")["lm_head.weight"].dtype == torch.bfloat16
     text = ModelCard.load(cast / "README.md").text
-    assert "The weights are those of the checkpoint my-finetune, cast to bfloat16 (safetensors)" in text
+    assert "The weights are those of the checkpoint my-finetune, in bfloat16 (safetensors)" in text
     assert "unchanged" not in text.split("\n## ", 1)[0]
 
 

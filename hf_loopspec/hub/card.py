@@ -110,10 +110,10 @@ def build_model_card(
     `{"temperature": 1.0, "top_p": 0.7}`) is used in every example, with `do_sample=True`, and credited to
     `sampling_source` (where the settings come from). `source`: how the prose names weights that are not the family
     maker's (e.g. "the embedded model hf-loopspec-default"); with `base_model` too, the weights are the source's and
-    `base_model` is named as theirs (a fine-tune's parent). `weights_dtype`: the dtype the weights were cast to (e.g.
-    "bfloat16"; None: stored as the source stores them, unchanged). The title defaults to the repo's name and is the
-    card's `model_name` (a re-export of the repo keeps it); `language`: the metadata's (a source card's, carried
-    over).
+    `base_model` is named as theirs (a fine-tune's parent). `weights_dtype`: the dtype the export stored the weights
+    in (e.g. "bfloat16", whatever the source's; None: as the source stores them, unchanged). The title defaults to
+    the repo's name and is the card's `model_name` (a re-export of the repo keeps it); `language`: the metadata's
+    (a source card's, carried over).
     `kv_bytes_per_token`: this model's KV bytes per context token in bf16, every loop together (None: the
     Limitations quote the family's example checkpoint).
     """
@@ -126,7 +126,7 @@ def build_model_card(
     makers = makers_weights(base_model, family)
     # None: the prose says "the source checkpoint"
     weights = f"{source} (base model: {base_link})" if source and base_link else source or base_link
-    stored = f"cast to {weights_dtype}" if weights_dtype else "unchanged"
+    stored = f"in {weights_dtype}" if weights_dtype else "unchanged"
     named = weights or f"a looped language model with the {fam.name} architecture"
     fields = {
         "title": title or repo_id.rsplit("/", 1)[-1],

@@ -202,14 +202,14 @@ class LoopBatchingManager:
         return request_id
 
     def _warn_past_positions(self, length: int) -> None:
-        """Warn once, as `generate` does, of a request (prompt + new tokens) longer than the model's positions: it
-        decodes past the positions the model was trained for."""
+        """Warn once of a request (prompt + max_new_tokens) longer than the model's positions: unless it stops at an
+        EOS id first, it decodes past the positions the model was trained for (`generate` warns once it does)."""
         limit = getattr(self.model.config, "max_position_embeddings", None)
         if limit and length > limit and not self._past_positions_warned:
             self._past_positions_warned = True
             logger.warning("continuous batching: a request of %s positions (prompt + max_new_tokens) is longer than "
-                           "the model's max_position_embeddings=%s; it decodes past the positions the model was "
-                           "trained for.", length, limit)
+                           "the model's max_position_embeddings=%s; unless it stops at an EOS id first, it decodes "
+                           "past the positions the model was trained for.", length, limit)
 
     def add_requests(self, inputs, max_new_tokens: int | None = None, streaming: bool = False,
                      record_timestamps: bool = False, **logit_processor_kwargs) -> list[str]:
