@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import re
 import shlex
 import subprocess
@@ -36,7 +37,7 @@ import hf_loopspec
 from hf_loopspec.bench import args as bench_args
 from hf_loopspec.bench.report import command_line
 from hf_loopspec.hub import card as hub_card
-from hf_loopspec.hub import custom_generate, export, install
+from hf_loopspec.hub import custom_generate, export, install, shims
 
 NEW = 12
 PAD = 0
@@ -173,7 +174,7 @@ def test_shims_import_hf_loopspec_only_inside_try():
     from transformers.dynamic_module_utils import get_imports
 
     for name in ("configuration_ouro.py", "modeling_ouro.py", "custom_generate/generate.py"):
-        assert "hf_loopspec" not in get_imports(export.TEMPLATES / name), name
+        assert "hf_loopspec" not in get_imports(shims.TEMPLATES / name), name
 
 
 def test_export_refuses_a_non_empty_folder_and_bad_settings(source, tmp_path):
@@ -311,28 +312,59 @@ def test_remote_code_without_the_package_names_pip_install(exported, tmp_path):
     assert install.install_command() in report["error"]
 
 
-def test_saving_a_natively_loaded_export_leaves_out_pointers_to_code_it_does_not_write(exported, tmp_path, caplog):
-    """After `import hf_loopspec` an exported repo loads as the package's own class (remote code or not), whose
-    `save_pretrained` writes no shims: config.json named them anyway, and the folder failed to load for anyone
-    following the pointers (OSError: no configuration_ouro.py). They are left out, with a warning; saved beside the
-    shims, the pointers stay."""
+def test_saving_a_natively_loaded_export_writes_the_shims_its_auto_map_names(exported, tmp_path, caplog):
+    """After `import hf_loopspec` an exported repo loads as the package's own class (remote code or not), for which
+    transformers writes no code files: config.json named the shims anyway, and the saved folder (or a repo pushed
+    from it) failed to load for anyone following the card (OSError: no configuration_ouro.py). The save writes the
+    shims; a pointer to code the package does not write is left out, with a warning."""
     model = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
     assert type(model) is hf_loopspec.OuroForCausalLM and model.config.auto_map == export.AUTO_MAP
+    extra = {"AutoModelForSequenceClassification": "modeling_ouro.OuroForSequenceClassification"}
+    model.config.auto_map = {**export.AUTO_MAP, **extra}
     with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
         model.save_pretrained(tmp_path / "resaved")
-    assert "auto_map" not in json.loads((tmp_path / "resaved" / "config.json").read_text())
-    assert any("leaves out ['AutoConfig', 'AutoModel', 'AutoModelForCausalLM']" in r.getMessage()
-               for r in caplog.records)
-    assert model.config.auto_map == export.AUTO_MAP  # the model's own config is as it was
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "resaved")
-    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in model.state_dict().items())
-
-    beside = tmp_path / "beside"
-    beside.mkdir()
+    assert json.loads((tmp_path / "resaved" / "config.json").read_text())["auto_map"] == export.AUTO_MAP
+    assert [r.getMessage() for r in caplog.records if "OuroForSequenceClassification" in r.getMessage()]
+    assert model.config.auto_map == {**export.AUTO_MAP, **extra}  # the model's own config is as it was
     for name in export.SHIM_FILES:
-        (beside / name).write_text((exported / name).read_text())
-    model.save_pretrained(beside)
-    assert json.loads((beside / "config.json").read_text())["auto_map"] == export.AUTO_MAP
+        assert (tmp_path / "resaved" / name).read_text() == (exported / name).read_text()
+    script = """
+    import json, sys
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+    print(json.dumps({"module": type(model).__module__, "imported": "hf_loopspec" in sys.modules}))
+    """
+    report = run_fresh(script, tmp_path, str(tmp_path / "resaved"))  # as the card says, with no import first
+    assert report["imported"] and report["module"].startswith("transformers_modules.")  # the shim
+
+
+def test_pushing_a_natively_loaded_export_uploads_the_shims(exported, tmp_path, monkeypatch):
+    """`push_to_hub` (through a temporary folder) and `save_pretrained(push_to_hub=True)` upload the shims with the
+    config.json that names them (the Hub stands in: a repo id for any name, an upload that records what
+    transformers would send: the files new or changed since its save began)."""
+    import transformers.modeling_utils
+    import transformers.utils.hub
+
+    hub_api = SimpleNamespace(create_repo=lambda repo_id, **kwargs: SimpleNamespace(repo_id=repo_id))
+    card = SimpleNamespace(save=lambda path: None)
+    for module in (transformers.utils.hub, transformers.modeling_utils):
+        monkeypatch.setattr(module, "hf_api", lambda: hub_api)
+        monkeypatch.setattr(module, "create_and_tag_model_card", lambda *args, **kwargs: card)
+    uploads = []
+
+    def upload(self, working_dir, repo_id, files_timestamps, **kwargs):
+        names = {name for name in os.listdir(working_dir) if name not in files_timestamps
+                 or os.path.getmtime(os.path.join(working_dir, name)) > files_timestamps[name]}
+        config = json.loads(Path(working_dir, "config.json").read_text())
+        uploads.append((names, config.get("auto_map")))
+
+    monkeypatch.setattr(transformers.utils.hub.PushToHubMixin, "_upload_modified_files", upload)
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    model.push_to_hub("me/ouro-loopspec")
+    model.save_pretrained(tmp_path / "ouro-loopspec", push_to_hub=True)
+    assert len(uploads) == 2
+    for names, auto_map in uploads:
+        assert {"config.json", *export.SHIM_FILES} <= names and auto_map == export.AUTO_MAP
 
 
 # --- custom_generate --------------------------------------------------------------------------------------------------

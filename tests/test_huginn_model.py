@@ -249,7 +249,7 @@ def test_recurrence_settings_of_the_generation_config_survive_save_and_load(tmp_
 
 
 @pytest.mark.parametrize("trust_remote_code", [False, True])
-def test_hub_layout_folder_loads(tmp_path, trust_remote_code):
+def test_hub_layout_folder_loads(tmp_path, trust_remote_code, caplog):
     """config.json with the upstream auto_map and `tie_embeddings`, safetensors with `freqs_cis` and a second copy of
     the tied embedding, no Python files: loads natively through the Auto classes, weights intact."""
     config = tiny_huginn_config()
@@ -265,7 +265,9 @@ def test_hub_layout_folder_loads(tmp_path, trust_remote_code):
     cfg = AutoConfig.from_pretrained(folder)
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers) == (32, 4, 6)
     # saved, it names no upstream code it does not write (raven_config_minimal.py: a folder that failed to load)
-    loaded.save_pretrained(tmp_path / "saved")
+    with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+        loaded.save_pretrained(tmp_path / "saved")
+    assert any("raven_config_minimal.RavenConfig" in r.getMessage() for r in caplog.records)
     assert "auto_map" not in json.loads((tmp_path / "saved" / "config.json").read_text())
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "saved")) is HuginnForCausalLM
 

@@ -111,12 +111,10 @@ def build_model_card(
     `sampling_source` (where the settings come from). `source`: how the prose names weights that are not the family
     maker's (e.g. "the embedded model hf-loopspec-default"); with `base_model` too, the weights are the source's and
     `base_model` is named as theirs (a fine-tune's parent). `weights_dtype`: the dtype the export stored the weights
-    in (e.g. "bfloat16", whatever the source's; None: as the source stores them, unchanged). The title defaults to
-    the repo's name and is the card's `model_name` (a re-export of the repo keeps it); `language`: the metadata's
-    (a source card's, carried over).
+    in (None: as the source stores them, unchanged). The title defaults to the repo's name and is the card's
+    `model_name` (a re-export keeps it); `language`: the metadata's (a source card's, carried over).
     `kv_bytes_per_token`: this model's KV bytes per context token in bf16, every loop together (None: the
-    Limitations quote the family's example checkpoint).
-    """
+    Limitations quote the family's example checkpoint)."""
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} has no card text; choose one of {', '.join(FAMILIES)}.")
     fam = FAMILIES[family]
@@ -126,16 +124,11 @@ def build_model_card(
     makers = makers_weights(base_model, family)
     # None: the prose says "the source checkpoint"
     weights = f"{source} (base model: {base_link})" if source and base_link else source or base_link
-    stored = f"in {weights_dtype}" if weights_dtype else "unchanged"
-    named = weights or f"a looped language model with the {fam.name} architecture"
     fields = {
         "title": title or repo_id.rsplit("/", 1)[-1],
-        "summary": summary or (
-            f"{named[0].upper() + named[1:]} packaged for transformers 5.x with "
-            f"[hf-loopspec]({project_url()}): the same weights{' in ' + weights_dtype if weights_dtype else ''}, "
-            "loadable with `trust_remote_code=True`, decoded with "
-            "lossless pipelined or block self-speculation."),
-        "what_it_is": what_it_is or _what_it_is(fam, weights, stored, makers, num_loops),
+        "summary": summary or _summary(weights or f"a looped language model with the {fam.name} architecture",
+                                       weights_dtype),
+        "what_it_is": what_it_is or _what_it_is(fam, weights, weights_dtype, makers, num_loops),
         "project_url": project_url(),
         "install_command": install_command(),
         "family": fam.name,
@@ -173,9 +166,17 @@ def makers_weights(base_model: str | None, family: str = "ouro") -> bool:
     return bool(base_model) and base_model.split("/", 1)[0] == FAMILIES[family].hub_namespace
 
 
-def _what_it_is(fam: CardFamily, weights: str | None, stored: str, makers: bool, num_loops: int) -> str:
-    """The card's first words on the weights (`stored`: "unchanged" or how the export changed them): the maker and
-    the paper only for the maker's weights or a model based on them."""
+def _summary(named: str, weights_dtype: str | None) -> str:
+    """The card's lead when the source's card gives none: `named` says whose the weights are."""
+    return (f"{named[0].upper() + named[1:]} packaged for transformers 5.x with [hf-loopspec]({project_url()}): the "
+            f"same weights{f' in {weights_dtype}' if weights_dtype else ''}, loadable with `trust_remote_code=True`, "
+            "decoded with lossless pipelined or block self-speculation.")
+
+
+def _what_it_is(fam: CardFamily, weights: str | None, weights_dtype: str | None, makers: bool, num_loops: int) -> str:
+    """The card's first words on the weights (stored as they came, or in `weights_dtype`): the maker and the paper
+    only for the maker's weights or a model based on them."""
+    stored = f"in {weights_dtype}" if weights_dtype else "unchanged"
     loop = f"one stack of layers is applied U = {num_loops} times per token with the same weights"
     whose = f"those of {weights}" if weights else "the source checkpoint's"
     if makers:

@@ -45,20 +45,13 @@ from .. import __version__
 from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
 from ..input_checks import check_source, hub_errors_explained
 from .install import install_command
+from .shims import AUTO_MAP, SHIM_FILES, write_template
 from .source import resolve_source
 from .staging import check_destination, staged_folder
 
-TEMPLATES = Path(__file__).resolve().parent / "templates"
-AUTO_MAP = {
-    "AutoConfig": "configuration_ouro.OuroConfig",
-    "AutoModel": "modeling_ouro.OuroModel",
-    "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM",
-}
-SHIM_FILES = ("configuration_ouro.py", "modeling_ouro.py")
 # transformers checks each line as `name[<op><version>]` (no PEP 508 URLs), so the repository install is a comment
 CUSTOM_GENERATE_REQUIREMENTS = ("# hf-loopspec is not on PyPI yet; install it from its repository: {install}\n"
                                 "hf-loopspec>={version}\ntransformers>=5.24\n")
-SHIM_INSTALL = "pip install hf-loopspec"  # the templates' install line, replaced by `install_command()` when written
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -290,10 +283,8 @@ def _write_folder(folder: Path, model, tokenizer, max_shard_size: int) -> None:
             settings_path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
     (folder / "custom_generate").mkdir()
-    install = install_command().replace('"', '\\"')  # it lands inside a double-quoted string of the shims
-    for name in (*SHIM_FILES, "custom_generate/generate.py"):
-        text = (TEMPLATES / name).read_text(encoding="utf-8")
-        (folder / name).write_text(text.replace(SHIM_INSTALL, install), encoding="utf-8")
+    for name in (*SHIM_FILES, "custom_generate/generate.py"):  # (the shims as the config's save wrote them too)
+        write_template(folder, name)
     (folder / "custom_generate" / "requirements.txt").write_text(
         CUSTOM_GENERATE_REQUIREMENTS.format(install=install_command(), version=__version__))
 

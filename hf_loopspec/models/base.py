@@ -3,14 +3,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ..generation.saved_config import mark_user_generation_config, restore_speculative_keys, saved_generation_dict
-from ..logs import get_logger
-
-logger = get_logger(__name__)
 
 
 class StrictLoadingMixin:
@@ -26,31 +21,9 @@ class StrictLoadingMixin:
         config.validate_architecture()
         super().__init__(config, *args, **kwargs)
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, except that config.json's `auto_map` keeps only the entries whose code
-        is in the folder (or in another Hub repo): a model loaded as the package's own class, not as remote code
-        (e.g. an exported repo, or a Hub checkpoint, loaded after `import hf_loopspec`), writes no code files, and
-        the pointers to them would make the folder fail to load for anyone following them. Warns of those left out."""
+    def save_pretrained(self, *args, **kwargs):
         mark_user_generation_config(getattr(self, "generation_config", None), self.generation_keys)
-        kept = getattr(self.config, "auto_map", None)
-        if not kept or type(self)._auto_class is not None:  # remote code: transformers copies its files beside it
-            return super().save_pretrained(save_directory, *args, **kwargs)
-        present = {key: ref for key, ref in kept.items() if all(_code_is_beside(r, save_directory) for r in
-                                                                  (ref if isinstance(ref, (list, tuple)) else [ref]))}
-        if present != kept:
-            logger.warning(
-                "save_pretrained: config.json's auto_map leaves out %s: their code files are not in %s (this model "
-                "is hf_loopspec's own %s, not remote code, and writes none), so the folder loads with `import "
-                "hf_loopspec`; `hf-loopspec export` writes an Ouro repo that loads with trust_remote_code=True.",
-                sorted(set(kept) - set(present)), save_directory, type(self).__name__)
-        if present:
-            self.config.auto_map = present
-        else:
-            del self.config.auto_map  # no key at all: transformers reads a null auto_map as a mapping
-        try:
-            return super().save_pretrained(save_directory, *args, **kwargs)
-        finally:
-            self.config.auto_map = kept
+        return super().save_pretrained(*args, **kwargs)
 
     def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
                              cache_dir=None, force_download=False, proxies=None, local_files_only=False, token=None,
@@ -154,14 +127,6 @@ class LoopedCausalLMMixin:
 
     def set_output_embeddings(self, value):
         self.lm_head = value
-
-
-def _code_is_beside(reference, folder) -> bool:
-    """Whether an `auto_map` class reference ("module.Class", or "repo--module.Class" of another Hub repo, or None
-    in a tokenizer pair) resolves without a file that a save into `folder` would have to write."""
-    if not isinstance(reference, str) or "--" in reference:
-        return True
-    return (Path(folder) / f"{reference.rsplit('.', 1)[0]}.py").is_file()
 
 
 def one_cache(cache, past_key_values):

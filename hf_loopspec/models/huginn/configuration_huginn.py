@@ -13,6 +13,7 @@ from typing import ClassVar
 from transformers.configuration_utils import PreTrainedConfig
 
 from ...logs import get_logger
+from ..code_pointers import CodePointersMixin
 from ..config_checks import check_counts
 from ..layers import is_integer
 
@@ -28,7 +29,7 @@ PAIRED = {"tie_embeddings": "tie_word_embeddings", "tie_word_embeddings": "tie_e
           "rope_theta": "rope_base", "rope_base": "rope_theta"}
 
 
-class HuginnConfig(PreTrainedConfig):
+class HuginnConfig(CodePointersMixin, PreTrainedConfig):
     r"""
     A prelude of `n_layers_in_prelude` blocks runs once per token; a recurrent block of
     `n_layers_in_recurrent_block` layers runs `num_steps` times (default `mean_recurrence`) on a state that the

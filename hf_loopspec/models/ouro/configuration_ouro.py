@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from transformers.configuration_utils import PreTrainedConfig
 
+from ...hub.shims import AUTO_MAP
+from ..code_pointers import CodePointersMixin
 from ..config_checks import check_counts
 
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "head_dim")
 
 
-class OuroConfig(PreTrainedConfig):
+class OuroConfig(CodePointersMixin, PreTrainedConfig):
     r"""
     Configuration of an Ouro model: a decoder whose whole layer stack runs `total_ut_steps` times with the
     same weights. Every loop reads and writes a KV plane of its own, and every loop's output is decodable
@@ -37,6 +39,7 @@ class OuroConfig(PreTrainedConfig):
 
     model_type = "ouro"
     keys_to_ignore_at_inference = ["cache"]
+    shim_references = frozenset(AUTO_MAP.values())  # a save writes the remote-code shims its auto_map names
 
     vocab_size: int = 49152
     hidden_size: int = 2048

@@ -1,0 +1,27 @@
+"""The remote-code shims of an Ouro repo: `configuration_ouro.py` and `modeling_ouro.py` (package data under
+`templates/`), thin subclasses of the package's Ouro classes, so that `from_pretrained(repo, trust_remote_code=True)`
+returns them in a process that never imported hf_loopspec. `export_checkpoint` writes them, and so does the save of
+an Ouro config whose `auto_map` names them (`hf_loopspec.models.code_pointers`). This module imports no model code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .install import install_command
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+AUTO_MAP = {
+    "AutoConfig": "configuration_ouro.OuroConfig",
+    "AutoModel": "modeling_ouro.OuroModel",
+    "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM",
+}
+SHIM_FILES = ("configuration_ouro.py", "modeling_ouro.py")
+SHIM_INSTALL = "pip install hf-loopspec"  # the templates' install line, replaced by `install_command()` when written
+
+
+def write_template(folder: Path, name: str) -> None:
+    """Write the template `name` (a path under `templates/`) into `folder`, with this install's install line."""
+    install = install_command().replace('"', '\\"')  # it lands inside a double-quoted string of the shims
+    text = (TEMPLATES / name).read_text(encoding="utf-8")
+    (Path(folder) / name).write_text(text.replace(SHIM_INSTALL, install), encoding="utf-8")
