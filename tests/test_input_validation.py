@@ -144,6 +144,30 @@ def test_positions_of_the_callers_own_are_refused_where_they_cannot_be_followed(
         assert torch.equal(out, plain(model, ids, mask, 6).sequences)
 
 
+ALL_MODES = {**MODES, "auto": {"speculative_mode": "auto"}}
+
+
+@pytest.mark.parametrize("mode", ALL_MODES.values(), ids=list(ALL_MODES))
+def test_generates_positional_arguments_and_a_prompt_given_twice_are_read_alike_in_every_mode(model, inputs, mode):
+    """transformers' signature takes `generation_config` (and the rest) by position: auto refused it ("by name"), and
+    a positional config saying auto reached an internal guard; a prompt given as inputs and as input_ids raised in
+    plain decoding but was silently half-dropped in auto; `cache_implementation="paged"` (transformers' switch to
+    continuous batching, which reads padding as prompt tokens) failed on a refusal of settings nobody passed."""
+    ids, mask = inputs
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=PAD, **mode)
+    expected = plain(model, ids, mask, 6).sequences
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, config, attention_mask=mask), expected)
+        with pytest.raises(TypeError, match="multiple values for argument 'generation_config'"):
+            model.generate(ids, config, generation_config=config, attention_mask=mask)
+    with pytest.raises(ValueError, match=r"input_ids: the prompt is given as inputs .* too"):
+        generate(model, ids, mask, input_ids=ids.flip(0), **mode)
+    with pytest.raises(ValueError, match=r"cache_implementation='paged' .* model\.generate_batch"):
+        generate(model, ids, mask, cache_implementation="paged", **mode)
+    with pytest.raises(ValueError, match="output_attentions=True is not supported: .* never materializes"):
+        generate(model, ids, mask, output_attentions=True, return_dict_in_generate=True, **mode)
+
+
 @pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))
 def test_non_finite_sampling_probabilities_raise_as_in_plain(model, inputs, mode):
     """A temperature that underflows in float32 (scores / 0) and a head whose logits are NaN give non-finite

@@ -260,11 +260,9 @@ def _rows_and_mask(model, ids: torch.Tensor, mask: torch.Tensor | None, config: 
 
 
 def generate_auto(model, output_cls, args: tuple, kwargs: dict):
-    """One auto `generate` call (module docstring): `args` / `kwargs` as `generate` got them; returns the
-    sequences, or an `output_cls` with the summed counters as `speculation` (`AutoStats`)."""
-    if len(args) > 1:
-        raise ValueError("speculative_mode='auto': pass generate's options by name (generation_config=..., "
-                         "logits_processor=...), not by position.")
+    """One auto `generate` call (module docstring): `args` (the prompt, or nothing) and `kwargs` as `generate` got
+    them, its other arguments by name (`inputs.by_name`); returns the sequences, or an `output_cls` with the summed
+    counters as `speculation` (`AutoStats`)."""
     ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     config = merged_config(model, kwargs)
     call, options = _prepare(model, ids, kwargs, config)

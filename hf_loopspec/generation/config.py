@@ -180,12 +180,15 @@ def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_c
     if generation_config.num_beams > 1 or generation_mode in (GenerationMode.BEAM_SEARCH,):
         raise ValueError(f"speculative_mode={spec.mode!r} cannot be combined with beam search "
                          f"(num_beams={generation_config.num_beams}); pass num_beams=1 or speculative_mode=None.")
-    for option in ("output_hidden_states", "output_attentions"):
-        if getattr(generation_config, option, False):
-            raise ValueError(f"{option}=True is not supported with speculative_mode={spec.mode!r}: speculative "
-                             "decoding never runs padding columns, so it cannot return plain decoding's per-step "
-                             "tensors. "
-                             f"Use speculative_mode=None for {option}, or a forward call on the output sequences.")
+    if getattr(generation_config, "output_attentions", False):  # (in no mode: models.layers.check_forward_inputs)
+        raise ValueError("output_attentions=True is not supported: the looped models' attention (dense or paged, over "
+                         "one KV plane per depth) never materializes its weights, in any mode or forward call. Drop "
+                         "output_attentions.")
+    if getattr(generation_config, "output_hidden_states", False):
+        raise ValueError(f"output_hidden_states=True is not supported with speculative_mode={spec.mode!r}: "
+                         "speculative decoding never runs padding columns, so it cannot return plain decoding's "
+                         "per-step tensors. Use speculative_mode=None for output_hidden_states, or a forward call on "
+                         "the output sequences.")
     if generation_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(f"speculative_mode={spec.mode!r} supports greedy decoding and sampling, not "
                          f"{generation_mode}.")

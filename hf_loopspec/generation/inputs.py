@@ -37,6 +37,28 @@ ID_DTYPES = (torch.int64, torch.int32)  # what an embedding takes; narrower inte
 COUNT_SETTINGS = ("top_k", "max_new_tokens", "min_new_tokens", "max_length", "min_length", "no_repeat_ngram_size")
 
 
+# `GenerationMixin.generate`'s parameters after `inputs`, in order: what a caller may pass by position
+POSITIONAL = ("generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
+              "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
+              "custom_generate")
+
+
+def by_name(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`generate`'s arguments with everything after `inputs` by name, as the package's paths read them (auto, the
+    speculative checks); `TypeError` as Python's for too many or repeated arguments. `ValueError` for a prompt given
+    twice (`inputs` and `input_ids`), which plain decoding refuses too."""
+    if len(args) > 1 + len(POSITIONAL):
+        raise TypeError(f"generate() takes at most {1 + len(POSITIONAL)} positional arguments ({len(args)} given)")
+    named = dict(zip(POSITIONAL, args[1:]))
+    repeated = sorted(set(named) & set(kwargs))
+    if repeated:
+        raise TypeError(f"generate() got multiple values for argument {repeated[0]!r}")
+    inputs = args[0] if args else kwargs.get("inputs")
+    if inputs is not None and kwargs.get("input_ids") is not None:
+        raise ValueError("input_ids: the prompt is given as inputs (the first argument) too; pass it once.")
+    return args[:1], {**kwargs, **named}
+
+
 def check_inputs(input_ids, attention_mask, cache, vocab_size: int | None = None) -> None:
     """Raise a `ValueError` for ids that are not an int64 / int32 `[batch, length]` tensor with data (not on the
     meta device), at least one row and one column and every id in `[0, vocab_size)` (when given); a mask of another
@@ -115,7 +137,9 @@ def check_model_kwargs(mode: str, model_kwargs: dict) -> None:
     if model_kwargs.get("position_ids") is not None:
         raise ValueError(f"position_ids: speculative_mode={mode!r} counts each token's position from the attention "
                          "mask and cannot follow positions of your own; drop position_ids (plain decoding without "
-                         "them derives the same positions from the mask), or pass speculative_mode=None.")
+                         "them derives the same positions from the mask), or pass speculative_mode=None. (An "
+                         "assistant model gets position_ids from transformers' assisted decoding: set its "
+                         "generation_config.speculative_mode to None or 'auto', which assists plainly.)")
 
 
 def check_assisted_continuation(kwargs: dict, model_config, past: int) -> None:

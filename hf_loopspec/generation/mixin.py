@@ -42,6 +42,7 @@ from .config import (
 from .decoder import ExitRule, LaneDecoder
 from .dispatch import SpeculativeRequest, run_speculative
 from .inputs import (
+    by_name,
     check_assisted_continuation,
     check_generation_values,
     check_inputs,
@@ -82,6 +83,12 @@ class LoopSpecGenerationMixin(GenerationMixin):
         `draft_hook` and `speculative_trace` and, once resolved, its speculative settings. A call that raises on a
         caller's `PagedLoopCache` (any mode or decoding strategy: a full pool, a criterion or streamer that raises,
         Ctrl-C) leaves it holding what it held before the call (`PagedLoopCache.kept_on_error`)."""
+        args, kwargs = by_name(args, kwargs)
+        if kwargs.get("cache_implementation") == "paged":  # transformers' switch to continuous batching
+            raise ValueError("cache_implementation='paged' asks generate to switch to continuous batching, which "
+                             "takes unpadded prompts: call model.generate_batch([ids, ...], generation_config=..., "
+                             "max_new_tokens=...) (transformers' switch passes generate's own arguments on as "
+                             "per-request settings, and reads padding as prompt tokens).")
         ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         check_inputs(ids, kwargs.get("attention_mask"), cache, vocab_size=self.config.vocab_size)
