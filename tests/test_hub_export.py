@@ -337,6 +337,15 @@ def test_saving_a_natively_loaded_export_writes_the_shims_its_auto_map_names(exp
     report = run_fresh(script, tmp_path, str(tmp_path / "resaved"))  # as the card says, with no import first
     assert report["imported"] and report["module"].startswith("transformers_modules.")  # the shim
 
+    own = tmp_path / "own"  # a folder with a modeling_ouro.py of the user's: kept, and named as it was
+    own.mkdir()
+    (own / "modeling_ouro.py").write_text("# my own modeling code\n")
+    model.config.auto_map = dict(export.AUTO_MAP)
+    model.save_pretrained(own)
+    assert (own / "modeling_ouro.py").read_text() == "# my own modeling code\n"
+    assert (own / "configuration_ouro.py").read_text() == (exported / "configuration_ouro.py").read_text()
+    assert json.loads((own / "config.json").read_text())["auto_map"] == export.AUTO_MAP
+
 
 def test_pushing_a_natively_loaded_export_uploads_the_shims(exported, tmp_path, monkeypatch):
     """`push_to_hub` (through a temporary folder) and `save_pretrained(push_to_hub=True)` upload the shims with the
@@ -361,8 +370,9 @@ def test_pushing_a_natively_loaded_export_uploads_the_shims(exported, tmp_path, 
     monkeypatch.setattr(transformers.utils.hub.PushToHubMixin, "_upload_modified_files", upload)
     model = AutoModelForCausalLM.from_pretrained(exported)
     model.push_to_hub("me/ouro-loopspec")
-    model.save_pretrained(tmp_path / "ouro-loopspec", push_to_hub=True)
-    assert len(uploads) == 2
+    for _ in range(2):  # into a fresh folder, then again into the folder that now holds the shims
+        model.save_pretrained(tmp_path / "ouro-loopspec", push_to_hub=True)
+    assert len(uploads) == 3
     for names, auto_map in uploads:
         assert {"config.json", *export.SHIM_FILES} <= names and auto_map == export.AUTO_MAP
 

@@ -158,8 +158,10 @@ def test_generates_positional_arguments_and_a_prompt_given_twice_are_read_alike_
     expected = plain(model, ids, mask, 6).sequences
     with torch.no_grad():
         assert torch.equal(model.generate(ids, config, attention_mask=mask), expected)
-        with pytest.raises(TypeError, match="multiple values for argument 'generation_config'"):
-            model.generate(ids, config, generation_config=config, attention_mask=mask)
+        assert torch.equal(model.generate(None, config, input_ids=ids, attention_mask=mask), expected)
+        for repeated, kwargs in (("generation_config", {"generation_config": config}), ("inputs", {"inputs": ids})):
+            with pytest.raises(TypeError, match=f"multiple values for argument '{repeated}'"):
+                model.generate(ids, config, attention_mask=mask, **kwargs)
     with pytest.raises(ValueError, match=r"input_ids: the prompt is given as inputs .* too"):
         generate(model, ids, mask, input_ids=ids.flip(0), **mode)
     with pytest.raises(ValueError, match=r"cache_implementation='paged' .* model\.generate_batch"):

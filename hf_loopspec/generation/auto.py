@@ -263,7 +263,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     """One auto `generate` call (module docstring): `args` (the prompt, or nothing) and `kwargs` as `generate` got
     them, its other arguments by name (`inputs.by_name`); returns the sequences, or an `output_cls` with the summed
     counters as `speculation` (`AutoStats`)."""
-    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    ids = args[0] if args else kwargs.get("input_ids")
     config = merged_config(model, kwargs)
     call, options = _prepare(model, ids, kwargs, config)
     ids, mask = _rows_and_mask(model, ids, kwargs.get("attention_mask"), config)

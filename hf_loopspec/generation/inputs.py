@@ -44,19 +44,21 @@ POSITIONAL = ("generation_config", "logits_processor", "stopping_criteria", "pre
 
 
 def by_name(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """`generate`'s arguments with everything after `inputs` by name, as the package's paths read them (auto, the
-    speculative checks); `TypeError` as Python's for too many or repeated arguments. `ValueError` for a prompt given
-    twice (`inputs` and `input_ids`), which plain decoding refuses too."""
+    """`generate`'s arguments as the package's paths read them (auto, the speculative checks): the prompt `inputs`
+    as the only positional argument (none when it is None or not given), everything else by name; `TypeError` as
+    Python's for too many or repeated arguments. `ValueError` for a prompt given twice (`inputs` and `input_ids`),
+    which plain decoding refuses too."""
     if len(args) > 1 + len(POSITIONAL):
         raise TypeError(f"generate() takes at most {1 + len(POSITIONAL)} positional arguments ({len(args)} given)")
-    named = dict(zip(POSITIONAL, args[1:]))
+    named = dict(zip(("inputs", *POSITIONAL), args))
     repeated = sorted(set(named) & set(kwargs))
     if repeated:
         raise TypeError(f"generate() got multiple values for argument {repeated[0]!r}")
-    inputs = args[0] if args else kwargs.get("inputs")
+    kwargs = {**kwargs, **named}
+    inputs = kwargs.pop("inputs", None)  # None (given or not): the prompt is input_ids, or none
     if inputs is not None and kwargs.get("input_ids") is not None:
         raise ValueError("input_ids: the prompt is given as inputs (the first argument) too; pass it once.")
-    return args[:1], {**kwargs, **named}
+    return (() if inputs is None else (inputs,)), kwargs
 
 
 def check_inputs(input_ids, attention_mask, cache, vocab_size: int | None = None) -> None:

@@ -89,7 +89,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
                              "takes unpadded prompts: call model.generate_batch([ids, ...], generation_config=..., "
                              "max_new_tokens=...) (transformers' switch passes generate's own arguments on as "
                              "per-request settings, and reads padding as prompt tokens).")
-        ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+        ids = args[0] if args else kwargs.get("input_ids")
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         check_inputs(ids, kwargs.get("attention_mask"), cache, vocab_size=self.config.vocab_size)
         if isinstance(cache, Cache) and cache.get_seq_length():

@@ -20,8 +20,12 @@ SHIM_FILES = ("configuration_ouro.py", "modeling_ouro.py")
 SHIM_INSTALL = "pip install hf-loopspec"  # the templates' install line, replaced by `install_command()` when written
 
 
-def write_template(folder: Path, name: str) -> None:
-    """Write the template `name` (a path under `templates/`) into `folder`, with this install's install line."""
+def template_text(name: str) -> str:
+    """The template `name` (a path under `templates/`) as it is written: with this install's install line."""
     install = install_command().replace('"', '\\"')  # it lands inside a double-quoted string of the shims
-    text = (TEMPLATES / name).read_text(encoding="utf-8")
-    (Path(folder) / name).write_text(text.replace(SHIM_INSTALL, install), encoding="utf-8")
+    return (TEMPLATES / name).read_text(encoding="utf-8").replace(SHIM_INSTALL, install)
+
+
+def write_template(folder: Path, name: str) -> None:
+    """Write the template `name` into `folder` (`template_text`)."""
+    (Path(folder) / name).write_text(template_text(name), encoding="utf-8")

@@ -5,12 +5,13 @@ of its config.json, whose entries name code files ("module.Class": `module.py` b
 writes code files only for remote-code classes, so a save would name files that are not there, and the folder would
 fail to load for anyone following the pointers (`trust_remote_code=True`). On save, each entry keeps its code: the
 file is already in the folder, or it is another Hub repo's ("repo--module.Class"), or the package writes it (a
-family's `shim_references`: Ouro's remote-code shims, `hf_loopspec.hub.shims`). Any other entry is left out, with a
-warning; the config in memory keeps its `auto_map`.
+family's `shim_references`: Ouro's remote-code shims, `hf_loopspec.hub.shims`; never over a file of that name that is
+not the package's own, such as a user's `modeling_ouro.py`, which the entry then names). Any other entry is left out,
+with a warning; the config in memory keeps its `auto_map`.
 
-The shims are written when `config.json` is, inside the model's `save_pretrained`, so `push_to_hub` uploads them. (A
-config pushed on its own with `config.save_pretrained(..., push_to_hub=True)` uploads the shims only when they are
-new to the folder's timestamps: write into a fresh folder.)
+The shims are written (again, when the folder has them) when `config.json` is, inside the model's `save_pretrained`,
+so `push_to_hub` and `save_pretrained(..., push_to_hub=True)` upload them. (A config pushed on its own with
+`config.save_pretrained(..., push_to_hub=True)` uploads config.json alone.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from ..hub.shims import SHIM_FILES, write_template
+from ..hub.shims import template_text, write_template
 from ..logs import get_logger
 
 logger = get_logger(__name__)
@@ -34,18 +35,23 @@ class CodePointersMixin:
         if not kept or type(self)._auto_class is not None:  # remote code: transformers copies its own files
             return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
         folder = Path(save_directory)
-        written = {ref for refs in map(_references, kept.values()) for ref in refs
-                   if ref in self.shim_references and not _is_beside(ref, folder)}
-        present = {key: ref for key, ref in kept.items()
-                   if all(_is_beside(r, folder) or r in written for r in _references(ref))}
+        shims = {_module_file(ref) for refs in map(_references, kept.values()) for ref in refs
+                 if ref in self.shim_references}
+        written = {name for name in shims if _ours_or_missing(folder / name)}
+
+        def resolves(ref) -> bool:  # in the package's shim only the classes it defines; else a file beside
+            name = _module_file(ref)
+            return ref in self.shim_references if name in written else name is None or (folder / name).is_file()
+
+        present = {key: ref for key, ref in kept.items() if all(map(resolves, _references(ref)))}
         if written:
             folder.mkdir(parents=True, exist_ok=True)
-            for name in SHIM_FILES:
+            for name in sorted(written):  # (ours again too: a save that pushes uploads what it wrote)
                 write_template(folder, name)
         if present != kept:
             logger.warning(
-                "config.json's auto_map leaves out %s: they name code files that are not in %s, and the package's "
-                "own %s writes none; the folder loads with `import hf_loopspec`.",
+                "config.json's auto_map leaves out %s: they name code that is not in %s, and the package's own %s "
+                "writes none but its remote-code shims; the folder loads with `import hf_loopspec`.",
                 {key: kept[key] for key in kept if key not in present}, folder, type(self).__name__)
         if present:
             self.auto_map = present
@@ -62,9 +68,15 @@ def _references(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _is_beside(reference, folder: Path) -> bool:
-    """Whether a class reference resolves without a file in `folder` that is not there: None (an absent half of a
-    tokenizer pair), another Hub repo's code ("repo--module.Class"), or `module.py` present in `folder`."""
+def _module_file(reference) -> str | None:
+    """The file a local class reference "module.Class" names (`module.py`); None for anything else: None (an absent
+    half of a tokenizer pair) or another Hub repo's code ("repo--module.Class"), which need no file here."""
     if not isinstance(reference, str) or "--" in reference:
-        return True
-    return (folder / f"{reference.rsplit('.', 1)[0]}.py").is_file()
+        return None
+    return f"{reference.rsplit('.', 1)[0]}.py"
+
+
+def _ours_or_missing(path: Path) -> bool:
+    """Whether the package may write the shim `path`: missing, or the package's own (a file of the same name that
+    is not, e.g. a user's own `modeling_ouro.py`, is never overwritten)."""
+    return not path.exists() or (path.is_file() and path.read_text(encoding="utf-8") == template_text(path.name))
