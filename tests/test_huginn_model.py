@@ -320,6 +320,16 @@ def test_a_setting_changed_after_the_config_is_made_changes_what_the_model_is_bu
     assert config.num_hidden_layers == config.n_layers_in_prelude + 3 + config.n_layers_in_coda
     assert len(HuginnForCausalLM(config).transformer.core_block) == 3
 
+    # init_values given later gets the defaults of the keys it leaves out, as the constructor fills them (a bare
+    # KeyError before); a value that is no dict of numbers is named
+    width = tiny_huginn_config().n_embd
+    defaults = {"std": math.sqrt(2 / (5 * width)), "embed_scale": math.sqrt(width)}
+    for given in ({"embed_scale": 1.0}, {"std": 0.02}, None):
+        loaded = AutoModelForCausalLM.from_pretrained(folder, init_values=given)
+        assert loaded.config.init_values == {**defaults, **(given or {})}
+    with pytest.raises(ValueError, match=r"init_values='x': give a dict"):
+        AutoModelForCausalLM.from_pretrained(folder, init_values="x")
+
 
 def test_bf16_hub_folder_loads_in_bf16(tmp_path):
     config = tiny_huginn_config("retrofitted")

@@ -128,8 +128,7 @@ class HuginnConfig(CodePointersMixin, PreTrainedConfig):
             raise ValueError(f"HuginnConfig: tie_embeddings={self.tie_embeddings} and tie_word_embeddings="
                              f"{self.tie_word_embeddings} disagree; pass one of them (or equal values).")
         self.tie_embeddings = self.tie_word_embeddings = tie.pop() if tie else True
-        self.init_values = {"std": math.sqrt(2 / (5 * self.n_embd)), "embed_scale": math.sqrt(self.n_embd),
-                            **(self.init_values or {})}
+        self.init_values = self._with_defaults(self.init_values)
         super().__post_init__(**kwargs)
         self.validate_architecture()
 
@@ -137,15 +136,24 @@ class HuginnConfig(CodePointersMixin, PreTrainedConfig):
         """Once the config is made (`from_pretrained`'s keyword overrides and assignments come after), setting one
         name of a setting with two (`PAIRED`) sets both, and a stage count sets `n_layers` to the stages' sum, so that
         the config always says what the model is built from (a different `n_layers` alone is refused when a model
-        is built from it: `validate_architecture`)."""
-        super().__setattr__(key, value)
-        if not getattr(self, "_post_init_done", False):  # transformers' flag: __post_init__ has run
+        is built from it: `validate_architecture`); `init_values` gets the default of each key it leaves out, as
+        when the config is made."""
+        done = getattr(self, "_post_init_done", False)  # transformers' flag: __post_init__ has run
+        super().__setattr__(key, self._with_defaults(value) if done and key == "init_values" else value)
+        if not done:
             return
         key = self.attribute_map.get(key, key)
         if key in PAIRED:
             super().__setattr__(PAIRED[key], value)
         elif key in STAGES and all(is_integer(getattr(self, stage)) for stage in STAGES):
             super().__setattr__("n_layers", sum(getattr(self, stage) for stage in STAGES))
+
+    def _with_defaults(self, init_values):
+        """`init_values` (a dict or None) with the default of each key it leaves out; anything else as it is (for
+        `validate_architecture` to name)."""
+        if init_values is not None and not isinstance(init_values, dict):
+            return init_values
+        return {"std": math.sqrt(2 / (5 * self.n_embd)), "embed_scale": math.sqrt(self.n_embd), **(init_values or {})}
 
     @property
     def embed_scale(self) -> float:
@@ -199,6 +207,10 @@ class HuginnConfig(CodePointersMixin, PreTrainedConfig):
         if self.bias:
             raise ValueError("HuginnConfig.bias=True (biases on the linear layers) is not supported: the released "
                              "checkpoints have none; set bias=False.")
+        if not isinstance(self.init_values, dict) or not all(isinstance(self.init_values.get(key), (int, float))
+                                                             for key in ("std", "embed_scale")):
+            raise ValueError(f"HuginnConfig.init_values={self.init_values!r}: give a dict with numbers `std` and "
+                             "`embed_scale` (either may be left out for its default), or None for both defaults.")
         if not self.init_std >= 0 or not self.embed_scale > 0:
             raise ValueError(f"HuginnConfig.init_values={self.init_values!r}: std must be >= 0 and embed_scale > 0.")
 
