@@ -337,13 +337,19 @@ def test_saving_a_natively_loaded_export_writes_the_shims_its_auto_map_names(exp
     report = run_fresh(script, tmp_path, str(tmp_path / "resaved"))  # as the card says, with no import first
     assert report["imported"] and report["module"].startswith("transformers_modules.")  # the shim
 
-    own = tmp_path / "own"  # a folder with a modeling_ouro.py of the user's: kept, and named as it was
+    # a folder with a modeling_ouro.py of the user's (any encoding): kept, and named as it was; a shim of an
+    # earlier release (another install line) is the package's: written anew
+    own = tmp_path / "own"
     own.mkdir()
-    (own / "modeling_ouro.py").write_text("# my own modeling code\n")
+    (own / "modeling_ouro.py").write_bytes("# my own modeling code, café\n".encode("latin-1"))
+    shim = (exported / "configuration_ouro.py").read_text()
+    earlier = shim.replace("hf_loopspec.OuroConfig", "hf_loopspec.OuroConfig (0.1)")  # wording of another release
+    assert earlier != shim
+    (own / "configuration_ouro.py").write_text(earlier)
     model.config.auto_map = dict(export.AUTO_MAP)
     model.save_pretrained(own)
-    assert (own / "modeling_ouro.py").read_text() == "# my own modeling code\n"
-    assert (own / "configuration_ouro.py").read_text() == (exported / "configuration_ouro.py").read_text()
+    assert (own / "modeling_ouro.py").read_bytes() == "# my own modeling code, café\n".encode("latin-1")
+    assert (own / "configuration_ouro.py").read_text() == shim
     assert json.loads((own / "config.json").read_text())["auto_map"] == export.AUTO_MAP
 
 

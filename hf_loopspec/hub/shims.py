@@ -18,6 +18,8 @@ AUTO_MAP = {
 }
 SHIM_FILES = ("configuration_ouro.py", "modeling_ouro.py")
 SHIM_INSTALL = "pip install hf-loopspec"  # the templates' install line, replaced by `install_command()` when written
+# in every shim the package has written, whatever its release (the install line and wording changed between them)
+SHIM_MARKER = b"This file was written by `hf_loopspec.hub.export_checkpoint`"
 
 
 def template_text(name: str) -> str:
@@ -29,3 +31,12 @@ def template_text(name: str) -> str:
 def write_template(folder: Path, name: str) -> None:
     """Write the template `name` into `folder` (`template_text`)."""
     (Path(folder) / name).write_text(template_text(name), encoding="utf-8")
+
+
+def is_shim(path: Path) -> bool:
+    """Whether `path` is a shim the package wrote (this release or an earlier one): a file holding `SHIM_MARKER`.
+    Anything else (a user's own `modeling_ouro.py`, in any encoding; a folder; an unreadable file) is not."""
+    try:
+        return Path(path).is_file() and SHIM_MARKER in Path(path).read_bytes()
+    except OSError:
+        return False

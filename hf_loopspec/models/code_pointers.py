@@ -9,9 +9,11 @@ family's `shim_references`: Ouro's remote-code shims, `hf_loopspec.hub.shims`; n
 not the package's own, such as a user's `modeling_ouro.py`, which the entry then names). Any other entry is left out,
 with a warning; the config in memory keeps its `auto_map`.
 
-The shims are written (again, when the folder has them) when `config.json` is, inside the model's `save_pretrained`,
-so `push_to_hub` and `save_pretrained(..., push_to_hub=True)` upload them. (A config pushed on its own with
-`config.save_pretrained(..., push_to_hub=True)` uploads config.json alone.)
+The shims are written (again, over the package's own shims of this or an earlier release) when `config.json` is,
+inside the model's `save_pretrained`, so `push_to_hub` and `save_pretrained(..., push_to_hub=True)` upload them. A
+user's own file that an entry names is theirs: uploaded as transformers uploads any file of the folder (when new or
+changed since the save began). A config pushed on its own (`config.save_pretrained(..., push_to_hub=True)`) uploads
+config.json alone.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from ..hub.shims import template_text, write_template
+from ..hub.shims import is_shim, write_template
 from ..logs import get_logger
 
 logger = get_logger(__name__)
@@ -77,6 +79,6 @@ def _module_file(reference) -> str | None:
 
 
 def _ours_or_missing(path: Path) -> bool:
-    """Whether the package may write the shim `path`: missing, or the package's own (a file of the same name that
-    is not, e.g. a user's own `modeling_ouro.py`, is never overwritten)."""
-    return not path.exists() or (path.is_file() and path.read_text(encoding="utf-8") == template_text(path.name))
+    """Whether the package may write the shim `path`: missing, or a shim it wrote (of this release or an earlier
+    one: refreshed); a file of that name that is not (e.g. a user's own `modeling_ouro.py`) is never overwritten."""
+    return not path.exists() and not path.is_symlink() or is_shim(path)
