@@ -81,4 +81,4 @@ def _module_file(reference) -> str | None:
 def _ours_or_missing(path: Path) -> bool:
     """Whether the package may write the shim `path`: missing, or a shim it wrote (of this release or an earlier
     one: refreshed); a file of that name that is not (e.g. a user's own `modeling_ouro.py`) is never overwritten."""
-    return not path.exists() and not path.is_symlink() or is_shim(path)
+    return (not path.exists() and not path.is_symlink()) or is_shim(path)
