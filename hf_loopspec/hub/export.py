@@ -283,7 +283,7 @@ def _write_folder(folder: Path, model, tokenizer, max_shard_size: int) -> None:
             settings_path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
     (folder / "custom_generate").mkdir()
-    for name in (*SHIM_FILES, "custom_generate/generate.py"):  # (the shims as the config's save wrote them too)
+    for name in (*SHIM_FILES, "custom_generate/generate.py"):  # shims too: a remote-code source saved its own copies
         write_template(folder, name)
     (folder / "custom_generate" / "requirements.txt").write_text(
         CUSTOM_GENERATE_REQUIREMENTS.format(install=install_command(), version=__version__))
