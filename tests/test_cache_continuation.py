@@ -10,6 +10,8 @@ A 3-turn chat with the embedded default model continues its cache across turns i
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import itertools
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 from huginn_utils import tiny_huginn
 from inputs import extend, left_pad, random_prompts
 from speculative_utils import generate_dict, named_modes, paged_cache, tiny_spec_model
-from tolerances import fp32_tolerance, ouro_depth, rms
+from tolerances import assert_fp32_close, fp32_tolerance, huginn_depth, ouro_depth, rms
 from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache
 
@@ -422,3 +424,76 @@ def test_a_dynamic_cache_of_fixed_layers_continues_like_plain_decoding(mode):
         kept, wanted = keys[real[:, :keys.shape[1]]], expected[real[:, :keys.shape[1]]]
         # the same layers over other row groupings: rounding of the whole model's depth (`tolerances`)
         torch.testing.assert_close(kept, wanted, **fp32_tolerance(**ouro_depth(model.config), scale=rms(wanted)))
+
+
+@pytest.mark.parametrize("first,second", [("plain", PIPELINE), (BLOCK, "plain"), (PIPELINE, BLOCK)])
+def test_cropping_a_turn_returns_the_cache_to_the_turn_before(case, first, second):
+    """After two turns whose second is padded in the middle (`extend`), `crop(-n)` for every n leaves each plane
+    holding, per row, exactly the real tokens of the columns that remain (the mask's count, an independent account;
+    before, every cut column was taken to be a real token of every row, so rows lost tokens of the first turn).
+    Cropping the second turn's columns and continuing with another suffix equals a plain call without a cache."""
+    model, settings, ids, mask, eos, suffixes = case
+    cache = paged_cache(model, debug=True, num_steps=settings.get("num_steps"))
+    out = generate(model, ids, mask, FIRST, first, eos, cache, **settings)
+    turn1 = cache.get_seq_length()
+    full, full_mask = extend(out.sequences, mask, suffixes)
+    got = generate(model, full, full_mask, SECOND, second, eos, cache, **settings).sequences
+    whole = torch.cat([full_mask, full_mask.new_ones(len(full), got.shape[1] - full.shape[1])], dim=1)
+    for keep, order in itertools.product(range(cache.get_seq_length() + 1), ([0, 1, 2], [2, 0, 0])):
+        cropped = copy.deepcopy(cache)
+        cropped.batch_select_indices(torch.tensor(order))  # the padding record follows the sequences
+        cropped.crop(keep - cache.get_seq_length())
+        assert cropped.get_seq_length() == keep
+        for plane in range(cache.num_planes):
+            columns = cropped.columns(plane)
+            assert columns == min(keep, cache.columns(plane)), (keep, plane)
+            assert cropped.lengths(plane) == whole[order, :columns].sum(-1).tolist(), (keep, order, plane)
+    cache.crop(turn1 - cache.get_seq_length())
+    again, again_mask = extend(out.sequences, mask, random_prompts(9, [1, 3, 2], full.max().item() + 1))
+    expected = generate(model, again, again_mask, SECOND, "plain", eos, DynamicCache(), **settings).sequences
+    assert generate(model, again, again_mask, SECOND, second, eos, cache, **settings).sequences.tolist() \
+        == expected.tolist()
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_a_forward_that_runs_out_of_pages_leaves_the_cache_as_it_was(family):
+    """A one-token `forward` on a fixed-capacity cache with room for its first plane only raises
+    `CacheCapacityError`; the planes it wrote are rolled back (before, plane 0 kept the new token and no later call
+    could continue the cache), and with the capacity raised the same step gives the uncached forward's logits."""
+    model, vocab, settings = {"ouro": ouro_case, "huginn": huginn_case}[family]()
+    ids, mask = left_pad(random_prompts(10, [4, 4, 4], vocab))
+    with torch.no_grad(), model.recurrence(**settings) if settings else contextlib.nullcontext():
+        cache = PagedLoopCache(model.kv_layout, page_size=4)
+        model(ids, attention_mask=mask, cache=cache)  # every table holds one full page
+        held, used = [cache.lengths(plane) for plane in range(cache.num_planes)], cache.pages_in_use
+        cache.max_pages = used + len(ids)  # room for one more plane's pages
+        step, step_mask = torch.tensor([[5], [6], [7]]), torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+        with pytest.raises(hf_loopspec.CacheCapacityError):
+            model(step, attention_mask=step_mask, cache=cache)
+        assert [cache.lengths(plane) for plane in range(cache.num_planes)] == held
+        assert cache.pages_in_use == used and cache.get_seq_length() == ids.shape[1]
+        cache.max_pages = None
+        logits = model(step, attention_mask=step_mask, cache=cache).logits[:, -1]
+        expected = model(torch.cat([ids, step], 1), attention_mask=step_mask, use_cache=False).logits[:, -1]
+    # cached vs full forward: fp32 rounding of the model's sequential layers (tolerances.py)
+    depth = ouro_depth(model.config) if family == "ouro" else huginn_depth(model.config, settings["num_steps"])
+    assert_fp32_close(logits, expected, **depth)
+
+
+@pytest.mark.parametrize("mode", list(MODES) + ["auto"])
+@pytest.mark.parametrize("kind", ["paged", "dynamic"])
+def test_a_cache_given_with_use_cache_false_is_refused(mode, kind):
+    """`use_cache=False` decodes without a cache: a cache given as well raised a deep mask error (plain decoding),
+    or was left holding the run's KV with no columns consumed, so that the next call on it raised (speculative). It
+    raises a `ValueError` naming the argument, and the cache stays empty."""
+    model, vocab, _ = ouro_case()
+    ids, mask = left_pad(random_prompts(11, [5, 2], vocab))
+    cache = PagedLoopCache(model.kv_layout) if kind == "paged" else DynamicCache()
+    settings = {"speculative_mode": "auto"} if mode == "auto" else MODES[mode]
+    for name in ("cache", "past_key_values"):
+        with pytest.raises(ValueError, match=rf"^{name}: .*use_cache=False"):
+            generate_dict(model, ids, mask, 4, use_cache=False, **{name: cache}, **settings)
+        assert cache.get_seq_length() == 0
+    plain_tokens = generate(model, ids, mask, 4, "plain", None).sequences
+    assert torch.equal(generate(model, ids, mask, 4, mode if mode != "auto" else "plain", None, cache).sequences,
+                       plain_tokens)

@@ -119,7 +119,7 @@ def to_paged(cache: DynamicCache, layout: KVLayout, attention_mask: torch.Tensor
                 entry = cache.layers[plane * layout.num_layers + layer]
                 k, v = (t.transpose(1, 2)[rows, cols] for t in (entry.keys, entry.values))  # [N, Hkv, D]
                 write_kv(k, v, paged.k_pool[layer], paged.v_pool[layer], planned.slot)
-    paged.set_columns(columns, planes)
+    paged.set_columns(columns, planes, attention_mask)
     return paged
 
 

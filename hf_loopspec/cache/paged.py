@@ -4,12 +4,13 @@ Storage model: see `cache.pages` (page pool, block tables, reference counting, c
 
 The transformers view (`get_seq_length`)
 ----------------------------------------
-transformers counts input *columns* (padding included); the cache stores real tokens only. Every plane records
-how many columns it has consumed (`columns`), and `get_seq_length(layer_idx)` reports that of the plane holding
-cache layer `layer_idx` (plane * num_layers + layer). After any run (plain or speculative) a plane that the run
-wrote holds, for every sequence, exactly the real tokens of its consumed columns, as plain decoding stores them:
-every column but the last generated one, the stop token and padding after an early stop included. A plane that
-the run did not use (e.g. Huginn's draft-depth coda plane under plain decoding) keeps its older count.
+transformers counts input *columns* (padding included); the cache stores real tokens only. Every plane records the
+columns it has consumed (`columns`, and which of them are padding: `cache.columns`); `get_seq_length(layer_idx)` reports
+those of the plane holding cache layer `layer_idx` (plane * num_layers + layer). After any run (plain or
+speculative) a plane that the run wrote holds, for every sequence, exactly the real tokens of its consumed columns,
+as plain decoding stores them: every column but the last generated one, the stop token and padding after an early
+stop included. A plane that the run did not use (e.g. Huginn's draft-depth coda plane under plain decoding) keeps
+its older count.
 
 Invariants enforced on every write (`plan_rows`)
 ------------------------------------------------
@@ -53,11 +54,20 @@ from ..models.layers import is_integer
 from ..ops import attention as attention_ops
 from . import lineage as lineage_checks
 from .branches import BranchSlots
+from .columns import ConsumedColumns
 from .lineage import LineageError
 from .pages import CacheCapacityError, PageTables
 from .rows import RowBatch
 
 __all__ = ["CacheCapacityError", "FlatPools", "LineageError", "PagedKVAttention", "PagedLoopCache"]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A `PagedLoopCache`'s state for `roll_back`: what its tables hold and the columns its planes consumed."""
+
+    lengths: tuple[int, ...]  # [num_sequences * num_planes] stored positions per table
+    columns: ConsumedColumns
 
 
 @dataclass(frozen=True)
@@ -95,8 +105,8 @@ class PagedLoopCache(PageTables, Cache):
         Cache.__init__(self, layers=[])
         PageTables.__init__(self, layout, page_size, max_pages, debug)
         self._parents: dict[int, int] = {}  # debug: lineage id -> parent id (-1 for a first token)
-        # HF view, per plane: how many input columns (padding included) that plane has consumed
-        self._columns = [0] * layout.num_planes
+        # HF view: the input columns (padding included) each plane has consumed, and which are padding
+        self._columns = ConsumedColumns(layout.num_planes)
         self.branches = BranchSlots(self)  # branch-private slots of competing proposals (`cache.branches`, I5)
 
     # --- rows -------------------------------------------------------------------------------------------------
@@ -174,12 +184,12 @@ class PagedLoopCache(PageTables, Cache):
     # --- history from an earlier call -------------------------------------------------------------------------
     def columns(self, plane: int = 0) -> int:
         """HF view: input columns (padding included) that `plane` has consumed."""
-        return self._columns[plane]
+        return self._columns.counts[plane]
 
-    def set_columns(self, count: int, planes) -> None:
-        """HF view: `planes` now hold every real token of the first `count` input columns."""
-        for plane in planes:
-            self._columns[plane] = count
+    def set_columns(self, count: int, planes, attention_mask: torch.Tensor | None = None) -> None:
+        """HF view: `planes` now hold every real token of the first `count` input columns, which `attention_mask`
+        `[B, C]` marks (None, or a column past C: every token real; `cache.columns`)."""
+        self._columns.consume(count, planes, attention_mask)
 
     def check_pool(self, dtype: torch.dtype, device) -> None:
         """`ValueError` naming `past_key_values` when the pool holds another dtype or device than the model's
@@ -242,26 +252,33 @@ class PagedLoopCache(PageTables, Cache):
     @contextmanager
     def kept_on_error(self):
         """A context in which a call may add to the cache: if it raises (a full fixed-capacity pool, a stopping
-        criterion or streamer that raises, Ctrl-C), every table is cut back to its length on entry, sequences added
-        since are freed and dropped, and the consumed columns are restored, so the conversation goes on from what
-        the cache held before; the exception propagates. Only additions are undone: a table that got shorter (a
-        `crop`) stays as it is."""
-        lengths, columns = list(self._lengths), list(self._columns)
+        criterion or streamer that raises, Ctrl-C), it is rolled back to its entry `checkpoint` and the exception
+        propagates, so the conversation goes on from what the cache held before."""
+        checkpoint = self.checkpoint()
         try:
             yield self
         except BaseException:
-            for t in range(len(self._lengths)):
-                seq, plane = divmod(t, self.num_planes)
-                self.truncate(seq, plane, min(self._lengths[t], lengths[t] if t < len(lengths) else 0))
-            del self._pages[len(lengths):], self._lengths[len(lengths):]
-            self._columns = columns
-            self._block_tables = None
+            self.roll_back(checkpoint)
             raise
+
+    def checkpoint(self) -> Checkpoint:  # what `roll_back` returns the cache to
+        return Checkpoint(tuple(self._lengths), self._columns.copy())
+
+    def roll_back(self, checkpoint: Checkpoint) -> None:
+        """Undo the additions since `checkpoint`: every table is cut back to its length then, sequences added since
+        are freed and dropped, and the consumed columns are restored. A table that got shorter (a `crop`) stays so."""
+        lengths = checkpoint.lengths
+        for t in range(len(self._lengths)):
+            seq, plane = divmod(t, self.num_planes)
+            self.truncate(seq, plane, min(self._lengths[t], lengths[t] if t < len(lengths) else 0))
+        del self._pages[len(lengths):], self._lengths[len(lengths):]
+        self._columns = checkpoint.columns.copy()
+        self._block_tables = None
 
     # --- transformers Cache API ---------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         plane = layer_idx // self.kv_layout.num_layers
-        return self._columns[plane] if plane < self.num_planes else 0
+        return self.columns(plane) if plane < self.num_planes else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         """`(kv_length, kv_offset)` of a call adding `query_length` columns at `layer_idx`, as a `DynamicCache`
@@ -325,6 +342,7 @@ class PagedLoopCache(PageTables, Cache):
         """`PageTables._select`, refused while a branch is open (its slot is no sequence of the batch)."""
         self._refuse_open_branches("selecting, reordering or repeating its sequences")
         super()._select(order)
+        self._columns.select(order)
         if not order:  # an empty cache consumed no columns: the next call starts afresh, at any batch size
             self.reset()
 
@@ -357,20 +375,21 @@ class PagedLoopCache(PageTables, Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """HF view (transformers 5 convention): a negative `tokens_to_remove` forgets that many of the last input
-        columns of every plane; the removed columns are taken to be real tokens of every sequence."""
+        columns of every plane; each sequence keeps the tokens of the columns that remain (`cache.columns`)."""
         if torch.is_tensor(tokens_to_remove) and tokens_to_remove.ndim == 0:
             tokens_to_remove = tokens_to_remove.item()
         if not is_integer(tokens_to_remove) or tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove!r}): pass a negative number of columns to remove (an "
                              "integer), as for transformers' caches.")
         keep = max(self.columns() + int(tokens_to_remove), 0)
-        cuts = [(s, d, max(0, self.length(s, d) - (self._columns[d] - keep)))
-                for d in range(self.num_planes) if self._columns[d] > keep for s in range(self.num_sequences)]
+        planes = [d for d in range(self.num_planes) if self.columns(d) > keep]
+        cuts = [(s, d, min(length, self._columns.real(s, keep))) for d in planes
+                for s, length in enumerate(self.lengths(d))]
         for cut in cuts:  # every cut is checked before any is made: a refused crop leaves the cache as it was
             self.branches.check_truncate(*cut)
         for cut in cuts:
             self.truncate(*cut)
-        self._columns = [min(columns, keep) for columns in self._columns]
+        self._columns.crop(keep)
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         raise ValueError("has_previous_state applies to linear-attention cache layers; every layer of a "
@@ -385,7 +404,7 @@ class PagedLoopCache(PageTables, Cache):
         self.branches.close_all()
         for s in range(self.num_sequences):
             self.free(s)
-        self._pages, self._lengths, self._columns = [], [], [0] * self.num_planes
+        self._pages, self._lengths, self._columns = [], [], ConsumedColumns(self.num_planes)
         self._parents.clear()
         self._block_tables = None
 

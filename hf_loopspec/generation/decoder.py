@@ -119,6 +119,7 @@ class LaneDecoder:
         self.filling = False  # completing the cache after the run (`_complete_cache`)
 
         self.columns = OutputColumns(input_ids, pad_token_id, max_length, stopping_criteria, streamer, output_scores)
+        self.mask = attention_mask  # [B, S] or None: the padding of the prompt columns the cache consumes
         self.max_new = self.columns.max_new
         self.layout = model.kv_layout
         cache.check_pool(model.lane_dtype, input_ids.device)
@@ -364,7 +365,7 @@ class LaneDecoder:
                 seq.finished = not seq.lanes
         self.filling = False
         self.cache.set_columns(width + steps - 1,
-                               run_planes(self.layout, self.num_loops, *self.policy.draft_depths))
+                               run_planes(self.layout, self.num_loops, *self.policy.draft_depths), self.mask)
 
     def _truncate(self, seq: SequenceState, length: int) -> None:
         """Roll every KV plane of `seq` back to at most `length` positions (I4)."""

@@ -144,6 +144,18 @@ def check_model_kwargs(mode: str, model_kwargs: dict) -> None:
                          "generation_config.speculative_mode to None or 'auto', which assists plainly.)")
 
 
+def check_cache_use(kwargs: dict, model_config) -> None:
+    """`ValueError` for a `generate` call (`kwargs`) given a cache that it would decode without (`use_cache=False`:
+    the call's, its generation config's or `model_config`'s): every step would write the whole sequence into it
+    again, and the call would return without it."""
+    name = next((key for key in ("cache", "past_key_values") if kwargs.get(key) is not None), None)
+    given = (kwargs.get("use_cache"), getattr(kwargs.get("generation_config"), "use_cache", None),
+             getattr(model_config, "use_cache", None))
+    if name is not None and next((value for value in given if value is not None), True) is False:
+        raise ValueError(f"{name}: a cache given to a call with use_cache=False, which decodes without one; drop "
+                         f"{name}, or pass use_cache=True to continue it.")
+
+
 def check_assisted_continuation(kwargs: dict, model_config, past: int) -> None:
     """`ValueError` for a `generate` call (`kwargs`) that decodes assisted (an assistant model, or prompt lookup: the
     call's, its generation config's or `model_config`'s `prompt_lookup_num_tokens`) continuing a cache that holds

@@ -44,6 +44,7 @@ from .dispatch import SpeculativeRequest, run_speculative
 from .inputs import (
     by_name,
     check_assisted_continuation,
+    check_cache_use,
     check_generation_values,
     check_inputs,
     check_left_padded,
@@ -92,6 +93,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         ids = args[0] if args else kwargs.get("input_ids")
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         check_inputs(ids, kwargs.get("attention_mask"), cache, vocab_size=self.config.vocab_size)
+        check_cache_use(kwargs, self.generation_config)
         if isinstance(cache, Cache) and cache.get_seq_length():
             check_assisted_continuation(kwargs, self.generation_config, cache.get_seq_length())
         with cache.kept_on_error() if isinstance(cache, PagedLoopCache) else nullcontext():

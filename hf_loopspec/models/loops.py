@@ -25,8 +25,9 @@ from .layers import check_mask_values
 class ForwardRows:
     """Rows of one forward call: `positions` and `sequences` (batch row) `[*rows]`, and per plane an attention.
 
-    Every plane's `attention` may be requested once per call (on a paged cache it allocates that plane's slots);
-    call `close()` after the last stage.
+    Every plane's `attention` may be requested once per call (on a paged cache it allocates that plane's slots).
+    Use it as a context around the call's stages: on leaving, the cache records the call's columns as consumed, or,
+    if a stage raised (a full fixed-capacity pool, a plane of other settings, Ctrl-C), forgets what the call wrote.
     """
 
     positions: torch.Tensor
@@ -43,6 +44,18 @@ class ForwardRows:
 
     def close(self) -> None:
         """Tell the cache the call's columns are consumed."""
+
+    def roll_back(self) -> None:
+        """Cut the cache back to what it held before the call."""
+
+    def __enter__(self) -> ForwardRows:
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        if error_type is None:
+            self.close()
+        else:
+            self.roll_back()
 
 
 def forward_rows(layout: KVLayout, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
@@ -106,7 +119,6 @@ class _DenseRows(ForwardRows):
         first_layer = plane * self.layout.num_layers
         grows = self.cache is not None and not torch.is_tensor(self.past)  # (checked on growing caches only)
         if grows and self.cache.get_seq_length(first_layer) != self.past:
-            self._roll_back()  # the planes this call wrote before: a refused call leaves the cache as it was
             raise ValueError(
                 f"KV plane {plane} of the cache holds {self.cache.get_seq_length(first_layer)} positions, but this "
                 f"call continues from {self.past}: continue a cache with the settings that filled it (the same "
@@ -115,8 +127,10 @@ class _DenseRows(ForwardRows):
         self.written.append(plane)
         return DenseKVAttention(self.cache, self.mask, plane, self.layout.num_layers, self.layout.head_dim**-0.5)
 
-    def _roll_back(self) -> None:
+    def roll_back(self) -> None:
         """Crop every layer of the planes this call has written back to the `past` columns it started from."""
+        if self.cache is None or torch.is_tensor(self.past):  # (a static cache's writes are overwritten in place)
+            return
         for plane in self.written:
             for layer in range(plane * self.layout.num_layers, (plane + 1) * self.layout.num_layers):
                 extra = self.cache.get_seq_length(layer) - self.past
@@ -129,7 +143,9 @@ class _PagedRows(ForwardRows):
         device = like.device
         if cache.kv_layout != layout:
             raise ValueError(f"past_key_values: the PagedLoopCache was made for {cache.kv_layout}, but the model "
-                             f"writes {layout}; create it with PagedLoopCache(model.kv_layout).")
+                             f"writes {layout} (for Huginn: the planes depend on num_steps); create it with "
+                             "PagedLoopCache(model.kv_layout) under the same settings (inside model.recurrence("
+                             "num_steps=...) for a Huginn call's num_steps).")
         cache.check_pool(like.dtype, device)
         cache.check_batch(batch, "the input")
         self.past = cache.columns()
@@ -149,9 +165,11 @@ class _PagedRows(ForwardRows):
             raise ValueError("position_ids: a PagedLoopCache stores each token at its count of real tokens in its "
                              "row (the positions generate derives from the attention mask) and cannot follow "
                              "positions of your own; drop position_ids, or decode on a DynamicCache.")
+        self.checkpoint = cache.checkpoint()
         cache.ensure_sequences(batch)  # after the checks: a refused call adds no sequence
         self.sequences = self.seq
         self.cache, self.shape, self.like, self.planes = cache, (batch, length), like, []
+        self.attention_mask = attention_mask  # [B, past + length]
 
     def gather(self, x):
         return x[self.seq, self.col]
@@ -172,4 +190,7 @@ class _PagedRows(ForwardRows):
         return self.cache.attention(rows)
 
     def close(self):
-        self.cache.set_columns(self.past + self.shape[1], self.planes)
+        self.cache.set_columns(self.past + self.shape[1], self.planes, self.attention_mask)
+
+    def roll_back(self):
+        self.cache.roll_back(self.checkpoint)

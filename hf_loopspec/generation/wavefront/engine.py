@@ -125,6 +125,7 @@ class WavefrontEngine:
         self.prefill_cycles = model.num_loops + (num_speculative_tokens * draft_loops if mode == "block" else 0)
         self.stats = SpeculationStats(mode=mode, draft_loops=draft_loops, engine="wavefront")
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        self.mask = mask  # [B, S]: the padding of the prompt columns the cache consumes
         self.tracer = Tracer(input_ids, mask, trace == "hidden") if trace else None
         with torch.no_grad():
             self.state = self._initial_state(input_ids, mask, max_new, eos, draft_override, second_override)
@@ -374,7 +375,8 @@ class WavefrontEngine:
             self.stats.cache_fill_calls = self.model.num_loops
             state.kv_len = filling.kv_len
         self.cache.set_columns(width + steps - 1, run_planes(self.plan.layout, self.model.num_loops,
-                                                             self.plan.draft_loops or None, self.plan.second_loops))
+                                                             self.plan.draft_loops or None, self.plan.second_loops),
+                               self.mask)
 
     def _count_rows(self) -> None:
         """`stats.call_rows` of one step (counted on the host from the shapes): every lane slot, prompt row and

@@ -280,10 +280,10 @@ class HuginnModel(HuginnPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache()
-        with self.recurrence(num_steps, init_scale, init_seed):
+        with self.recurrence(num_steps, init_scale, init_seed), forward_rows(
+                self.kv_layout, attention_mask, position_ids, cache, shape=input_ids.shape,
+                like=self.wte.weight) as rows:
             layout = self.kv_layout
-            rows = forward_rows(layout, attention_mask, position_ids, cache, shape=input_ids.shape,
-                                like=self.wte.weight)
 
             def plane(index):
                 return None if index is None else rows.attention(index)
@@ -296,7 +296,6 @@ class HuginnModel(HuginnPreTrainedModel):
             exits = range(1, self.num_loops + 1) if output_step_states else [self.num_loops]
             decoded = [rows.scatter(self.decode(states[k - 1], rows.positions, plane(layout.exit_plane(k))))
                        for k in exits]
-            rows.close()
         width = self.config.n_embd
         return HuginnModelOutput(
             last_hidden_state=decoded[-1],

@@ -190,13 +190,12 @@ class OuroModel(OuroPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache()
-        rows = forward_rows(self.kv_layout, attention_mask, position_ids, cache, shape=embeddings.shape[:2],
-                            like=embeddings)
-        hidden, states = rows.gather(embeddings), []
-        for depth in range(self.num_loops):
-            hidden = self.core(hidden, rows.positions, rows.attention(depth))
-            states.append(rows.scatter(hidden))
-        rows.close()
+        with forward_rows(self.kv_layout, attention_mask, position_ids, cache, shape=embeddings.shape[:2],
+                          like=embeddings) as rows:
+            hidden, states = rows.gather(embeddings), []
+            for depth in range(self.num_loops):
+                hidden = self.core(hidden, rows.positions, rows.attention(depth))
+                states.append(rows.scatter(hidden))
         hidden = states[-1]
         return OuroModelOutput(
             last_hidden_state=hidden,
