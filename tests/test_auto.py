@@ -19,6 +19,7 @@ import warnings
 import weakref
 from dataclasses import replace
 
+import filelock
 import pytest
 import torch
 import transformers.generation.utils as generation_utils
@@ -212,6 +213,48 @@ def test_only_the_most_recent_settings_are_kept(case, monkeypatch):
         auto_policy.remember(model, seen, settings)
     monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())  # a new process reads the file
     assert [auto_policy.remembered(model, k) == seen for k in ("a", "b", "c")] == [True, False, True]
+
+
+def test_processes_sharing_the_folder_keep_each_others_acceptance(case, monkeypatch, tmp_path):
+    """Process A read the model's file, then process B stored an entry of other settings, then A stored one: B's
+    entry stays on disk (A wrote its own copy over the whole file before) and A now sees it too."""
+    model = case[0]
+    monkeypatch.setenv(auto_cache.CACHE_ENV, str(tmp_path))
+    seen = auto_policy.Acceptance({1: 3.0}, {1: 8.0})
+    process_a = weakref.WeakKeyDictionary()
+    monkeypatch.setattr(auto_policy, "_MEMORY", process_a)
+    auto_policy.remember(model, seen, "first")
+    monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())  # process B
+    auto_policy.remember(model, seen, "second")
+    monkeypatch.setattr(auto_policy, "_MEMORY", process_a)
+    auto_policy.remember(model, seen, "third")
+    assert auto_policy.remembered(model, "second") == seen
+    monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())  # a later process reads the file
+    assert [auto_policy.remembered(model, k) == seen for k in ("first", "second", "third")] == [True] * 3
+
+
+def test_an_update_waits_for_another_holder_of_the_files_lock(tmp_path, monkeypatch):
+    """While another process (here: a thread with its own lock object) holds a table's lock, reads it and writes it
+    back, `auto_cache.update` waits and then changes what that one wrote; unlocked it would have read the file
+    before, and the other's write would have replaced its change."""
+    monkeypatch.setenv(auto_cache.CACHE_ENV, str(tmp_path))
+    key = {"format": auto_cache.FORMAT, "test": "lock"}
+    auto_cache.store(key, {"entries": []})
+    holding = threading.Event()
+
+    def other_process():
+        with filelock.FileLock(f"{auto_cache._path(key)}.lock"):
+            holding.set()
+            entries = auto_cache.load(key)["entries"]
+            time.sleep(0.3)
+            auto_cache.store(key, {"entries": entries + ["other"]})
+
+    worker = threading.Thread(target=other_process)
+    worker.start()
+    holding.wait()
+    auto_cache.update(key, lambda table: {"entries": table["entries"] + ["this"]})
+    worker.join()
+    assert auto_cache.load(key) == {"entries": ["other", "this"]}
 
 
 @pytest.mark.parametrize("entry", [

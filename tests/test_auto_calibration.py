@@ -135,7 +135,8 @@ def test_another_key_measures_again(model, counted, tmp_path, monkeypatch):
     assert auto_cache.load(key) is None
 
 
-@pytest.mark.parametrize("content", ["{not json", json.dumps({"key": "x", "table": []}), ""])
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"key": "x", "table": []}), "",
+                                     pytest.param("[" * 100_000, id="nested")])  # (deeper than the parser recurses)
 def test_a_corrupt_file_is_measured_over(model, counted, tmp_path, content):
     """An unreadable or malformed stored table is ignored: the call measures and stores a readable one."""
     options = [Candidate(None), PIPE1]

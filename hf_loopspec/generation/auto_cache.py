@@ -7,8 +7,9 @@ size and this package's version), the file is named by its hash and also stores 
 another key (a hash collision, a hand-copied file) is ignored like an unreadable one. The folder is
 `$HF_LOOPSPEC_CACHE` when set, else the user cache folder of `platformdirs` when it is installed, else
 `~/.cache/hf_loopspec`; files are written atomically (a temporary file in the folder, then `os.replace`), so
-concurrent processes never read half a file. A folder that cannot be written costs only the cache: the table stays
-in the process.
+concurrent processes never read half a file, and `update` reads, changes and writes one under a file lock, so that
+processes sharing the folder add to what the others stored instead of writing over it. A folder that cannot be
+written costs only the cache: the table stays in the process.
 
 Acceptance (`kind="acceptance"`, `acceptance_key`): what auto calls observed on a model, keyed by its config, dtype,
 a fingerprint of its weights (`weights_fingerprint`: another checkpoint of the same architecture drafts differently)
@@ -27,12 +28,14 @@ import weakref
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 
 from ..logs import get_logger
 
 logger = get_logger(__name__)
 CACHE_ENV = "HF_LOOPSPEC_CACHE"
 FORMAT = 1  # bump when the stored table's meaning changes
+LOCK_SECONDS = 10  # how long `update` waits for another process's update before going ahead unlocked
 
 
 def cache_dir() -> Path:
@@ -116,7 +119,7 @@ def load(key: dict, kind: str = "costs") -> dict | None:
     or it was stored under another key."""
     try:
         stored = json.loads(_path(key, kind).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (RecursionError: JSON nested thousands deep)
         return None
     if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get("table"), dict):
         return None
@@ -142,6 +145,26 @@ def store(key: dict, table: dict, kind: str = "costs") -> None:
         if not isinstance(error, OSError):
             raise
         _skipped(path.parent, error)
+
+
+def update(key: dict, change, kind: str = "costs") -> dict:
+    """Store `change(load(key, kind))` (a table) under `key` and return it: the read and the write hold a lock file
+    next to the table, so a concurrent `update` of another process waits (at most `LOCK_SECONDS`) and then changes
+    what this one wrote. Where the lock cannot be taken (an unwritable folder, a stale lock) it goes ahead unlocked."""
+    path = _path(key, kind)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(f"{path}.lock", timeout=LOCK_SECONDS)
+        lock.acquire()
+    except (OSError, Timeout):
+        lock = None
+    try:
+        table = change(load(key, kind))
+        store(key, table, kind)
+    finally:
+        if lock is not None:
+            lock.release()
+    return table
 
 
 _UNWRITABLE: set[Path] = set()  # cache folders a `store` of this process could not write

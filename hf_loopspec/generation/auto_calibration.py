@@ -65,12 +65,19 @@ def costs_for(model, batch: int, candidates: list[Candidate]) -> CostTable:
     key = auto_cache.cost_key(model, batch)
     stored = decode(auto_cache.load(key))
     if stored is None or _missing(stored, needed):
-        stored = measure_costs(model, batch, needed, stored)
-        auto_cache.store(key, encode(stored))
+        measured = measure_costs(model, batch, needed, stored)
+        # stored under the file's lock with the costs another process stored meanwhile (of other candidates)
+        stored = decode(auto_cache.update(key, lambda current: encode(_merged(decode(current), measured)))) or measured
     if table is not None:  # complete the kept table with the stored costs it lacks
         stored = CostTable(table.plain_step, {**stored.cycle, **table.cycle}, adapt=table.adapt)
     set_costs(model, stored, batch)
     return stored
+
+
+def _merged(other: CostTable | None, measured: CostTable) -> CostTable:
+    """`measured`, plus the candidates' costs of `other` it lacks."""
+    return measured if other is None else CostTable(measured.plain_step, {**other.cycle, **measured.cycle},
+                                                    adapt=measured.adapt)
 
 
 def _missing(table: CostTable, candidates: list[Candidate]) -> list[Candidate]:

@@ -133,11 +133,14 @@ def _observed(model) -> dict[str, Acceptance]:
     """What earlier calls observed on `model`, by their settings: this process's, else an earlier process's stored
     on disk (`auto_cache.acceptance_key`: one file per model, one entry per settings), else nothing."""
     if model not in _MEMORY:  # (called with `_LOCK` held)
-        stored = auto_cache.load(auto_cache.acceptance_key(model), "acceptance")
-        entries = stored.get("by_settings") if isinstance(stored, dict) else None
-        _MEMORY[model] = {str(k): Acceptance.decode(v) for k, v in entries.items()} if isinstance(entries, dict) \
-            else {}
+        _MEMORY[model] = _decoded(auto_cache.load(auto_cache.acceptance_key(model), "acceptance"))
     return _MEMORY[model]
+
+
+def _decoded(stored) -> dict[str, Acceptance]:
+    """The entries of a stored acceptance file (`remember`), oldest first; none for anything else."""
+    entries = stored.get("by_settings") if isinstance(stored, dict) else None
+    return {str(k): Acceptance.decode(v) for k, v in entries.items()} if isinstance(entries, dict) else {}
 
 
 def remembered(model, settings: str) -> Acceptance:
@@ -149,15 +152,19 @@ def remembered(model, settings: str) -> Acceptance:
 
 def remember(model, acceptance: Acceptance, settings: str) -> None:
     """Keep `acceptance` for `model`'s next auto calls with `settings`, in this process and on disk for later ones
-    (the `KEPT_SETTINGS` most recently used settings)."""
-    with _LOCK:
+    (the `KEPT_SETTINGS` most recently used settings). The file is read again and changed under its lock
+    (`auto_cache.update`): what other processes stored since this one read it stays, and this process sees it."""
+    def changed(stored) -> dict:
         observed = _observed(model)
+        observed.update((k, v) for k, v in _decoded(stored).items() if k not in observed)  # other processes'
         observed.pop(settings, None)
         observed[settings] = acceptance.copy()  # dicts keep insertion order: the oldest settings come first
         while len(observed) > KEPT_SETTINGS:
             del observed[next(iter(observed))]
-        encoded = {"by_settings": {k: v.encode() for k, v in observed.items()}}
-        auto_cache.store(auto_cache.acceptance_key(model), encoded, "acceptance")  # (a `forget` waits for it)
+        return {"by_settings": {k: v.encode() for k, v in observed.items()}}
+
+    with _LOCK:  # (a `forget` waits for the store)
+        auto_cache.update(auto_cache.acceptance_key(model), changed, "acceptance")
 
 
 def forget(model) -> None:
