@@ -246,6 +246,21 @@ def test_a_setting_every_request_would_fail_on_raises_in_generate_batch(model):
     assert [r.generated_tokens for r in out.values()] == [alone(model, prompts(2, [4])[0], 3)]
 
 
+@pytest.mark.parametrize("settings", [{}, PIPELINE], ids=["plain", "pipeline"])
+def test_generate_batch_gives_its_eos_ids_to_every_request(model, settings):
+    """`generate_batch(..., eos_token_id=...)` stops every request there, as `generate` with that EOS id does (it
+    was refused as a setting a request cannot take, though `add_request` takes it)."""
+    inputs = prompts(5, [4, 6])
+    free = alone(model, inputs[0], 8)
+    config = generation_config(settings)
+    expected = [model.generate(torch.tensor([p]), generation_config=config, eos_token_id=free[2],
+                               speculative_mode=None)[0, len(p):].tolist() for p in inputs]
+    assert expected[0] == free[:free.index(free[2]) + 1]
+    out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(),
+                               eos_token_id=free[2])
+    assert [r.generated_tokens for r in out.values()] == expected
+
+
 def test_prompts_as_numpy_arrays_decode_like_lists(model):
     """1-D arrays are prompts in generate_batch as in add_request (they were refused with a message naming the list)."""
     inputs = prompts(2, [4, 6])

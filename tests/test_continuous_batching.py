@@ -237,6 +237,23 @@ def test_pause_holds_the_loop_and_keeps_requests(model, started):
     assert collect(manager, [request_id])[request_id].generated_tokens == alone(model, prompt, 6)
 
 
+@pytest.mark.parametrize("stop", ["stop", "hard stop", "destroy"])
+def test_stopping_inside_a_pause_raises_instead_of_waiting_forever(model, started, stop):
+    """`stop` (or `destroy`) inside the calling thread's own pause waited for a loop that the pause holds: it hung.
+    It raises a `RuntimeError` saying to leave the pause; the request in flight then finishes with plain decoding's
+    tokens, and the manager stops."""
+    manager = started(SETTINGS["pipeline-d1"])
+    prompt = prompts(9, [5])[0]
+    request_id = manager.add_request(prompt, max_new_tokens=6)
+    with manager.pause():
+        with pytest.raises(RuntimeError, match="pause"):
+            {"stop": manager.stop, "hard stop": lambda: manager.stop(hard_stop=True),
+             "destroy": manager.destroy}[stop]()
+    assert collect(manager, [request_id])[request_id].generated_tokens == alone(model, prompt, 6)
+    manager.stop(block=True, timeout=60)
+    assert not manager.is_running()
+
+
 def test_a_repetition_penalty_counts_each_requests_own_prompt(model):
     """The generation config's repetition penalty runs in every slot on that request's prompt and tokens (the slot's
     `seen` row is reset at admission): each request equals plain decoding of it alone with the same penalty."""

@@ -27,7 +27,7 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
                    record_timestamps: bool = False, progress_bar: bool = False, persistent_manager: bool = False,
                    warmup: bool = True, **kwargs) -> dict:
     """Decode every prompt of `inputs` (lists of token ids) with continuous batching (see the module docstring).
-    `kwargs`: `max_new_tokens` (for every request) and per-request keys of `add_request` (`seed`)."""
+    `kwargs`: `max_new_tokens`, `eos_token_id` (for every request) and per-request keys of `add_request` (`seed`)."""
     _check_arguments(inputs, generation_config, kwargs)
     if not inputs:
         return {}
@@ -66,8 +66,10 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
 
 def _check_request_settings(manager, max_new_tokens, kwargs: dict) -> None:
     """`ValueError` for a setting that `generate_batch` gives every request and none can run with (each request
-    would fail alone, all for the same reason)."""
-    problem = extra_problem(manager.settings, kwargs)
+    would fail alone, all for the same reason). `eos_token_id` and `streaming` are `add_request`'s own arguments (a
+    bad EOS list fails each request with the reason)."""
+    problem = extra_problem(manager.settings, {k: v for k, v in kwargs.items() if k not in ("eos_token_id",
+                                                                                              "streaming")})
     if problem:
         raise ValueError(f"generate_batch: {problem}")
 

@@ -76,6 +76,7 @@ class LoopBatchingManager:
         self._past_positions_warned = False  # a request longer than the model's positions: warned of once
         self._wake_up_loop = threading.Event()
         self._generation_thread: threading.Thread | None = None
+        self._pauses = threading.local()  # `held`: the pauses the calling thread is inside
         self._seeds = torch.Generator().manual_seed(self.settings.seed) if self.settings.seed is not None else None
         self._inference_mode = torch.is_inference_mode_enabled()  # the loop thread runs in the creator's mode
         # transformers' name for the device side; built now, so that a manager that cannot run raises here
@@ -117,6 +118,9 @@ class LoopBatchingManager:
         if self._generation_thread is None:
             logger.warning("The continuous batching manager was not started.")
             return
+        if getattr(self._pauses, "held", 0):  # the paused loop could never end, and this thread would wait for it
+            raise RuntimeError("stop (or destroy) inside the manager's pause(): the loop is paused and cannot end, so "
+                               "this would wait forever; leave the `with manager.pause():` block first.")
         status = BackgroundThreadStatus.HARD_STOP if hard_stop else BackgroundThreadStatus.FLUSH_AND_STOP
         self.background_thread_status.request_stop(status, 0)
         self._wake_up_loop.set()
@@ -150,9 +154,11 @@ class LoopBatchingManager:
         if not self.is_running():
             raise RuntimeError("pause: the manager is not running (call start first).")
         self.background_thread_status.acquire_pause(self._wake_up_loop)
+        self._pauses.held = getattr(self._pauses, "held", 0) + 1
         try:
             yield
         finally:
+            self._pauses.held -= 1
             self.background_thread_status.release_pause()
 
     # --- requests ----------------------------------------------------------------------------------------------
