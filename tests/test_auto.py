@@ -685,6 +685,20 @@ def test_inputs_embeds_are_refused_naming_input_ids(case):
                        speculative_mode="auto")
 
 
+@pytest.mark.parametrize("costs", ["speculative wins", "plain wins"])
+def test_without_a_prompt_auto_starts_from_bos_as_plain_decoding_does(case, costs):
+    """`generate()` without input_ids decodes one sequence from the BOS id in plain, pipeline and block mode; auto
+    raised. It returns plain decoding's sequence (BOS first); without a BOS id anywhere it names bos_token_id."""
+    model = case[0]
+    set_costs(model, SPECULATIVE_WINS if costs == "speculative wins" else PLAIN_WINS)
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": PAD, "bos_token_id": 1}
+    expected = model.generate(**kwargs, speculative_mode=None)
+    assert expected[0, 0] == 1 and expected.shape == (1, 7)
+    assert torch.equal(model.generate(**kwargs, speculative_mode="auto"), expected)
+    with pytest.raises(ValueError, match="bos_token_id"):
+        model.generate(**(kwargs | {"bos_token_id": None}), speculative_mode="auto")
+
+
 def test_costs_are_measured_once(case):
     """Without an injected table the first call measures one (a positive cost per candidate), later calls reuse it."""
     model = case[0]

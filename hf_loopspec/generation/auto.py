@@ -56,7 +56,7 @@ from .auto_calibration import costs_for
 from .auto_costs import PLAIN, Candidate, CostTable, observe
 from .auto_policy import AutoChoice, AutoStats, Chooser, policy_for, remember, remembered
 from .config import AUTO_MODE, SPECULATIVE_KEYS, check_generation_mode, merged_config, resolve_speculative
-from .inputs import as_integer, check_generation_values, check_left_padded
+from .inputs import as_integer, bos_prompt, check_generation_values, check_left_padded
 from .model_checks import model_fallback
 from .stats import SequenceStats, SpeculationStats
 from .wavefront.span import reserved_positions
@@ -265,6 +265,8 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     counters as `speculation` (`AutoStats`)."""
     ids = args[0] if args else kwargs.get("input_ids")
     config = merged_config(model, kwargs)
+    if ids is None and kwargs.get("inputs_embeds") is None and kwargs.get("attention_mask") is None:
+        ids = bos_prompt(config, model.device)  # no prompt: one sequence from BOS, as plain decoding starts
     call, options = _prepare(model, ids, kwargs, config)
     ids, mask = _rows_and_mask(model, ids, kwargs.get("attention_mask"), config)
     if call.plain_reason is None:  # whatever the segments would be: a call's fate is not a stored acceptance's

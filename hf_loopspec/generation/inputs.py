@@ -88,6 +88,15 @@ def check_inputs(input_ids, attention_mask, cache, vocab_size: int | None = None
                          "real token (mask 1) to continue from; drop those rows or give them a token.")
 
 
+def bos_prompt(generation_config, device) -> torch.Tensor:
+    """`[1, 1]`: the BOS id that plain decoding starts a call without a prompt from; `ValueError` without one."""
+    if generation_config.bos_token_id is None:
+        raise ValueError("generate without input_ids starts from the BOS token, and neither the generation config "
+                         "nor the model's sets bos_token_id: pass input_ids (a prompt), or bos_token_id=...")
+    bos = torch.as_tensor(generation_config.bos_token_id).reshape(-1)[:1]
+    return bos.to(device=device, dtype=torch.long)[None]
+
+
 def _check_ids_tensor(input_ids) -> None:
     """The form of `input_ids` (see `check_inputs`)."""
     if not torch.is_tensor(input_ids):
