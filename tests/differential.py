@@ -11,7 +11,8 @@ output_scores, `speculative_mode="auto"` (with a
 cost table under which it speculates, or one under which it decodes plainly, and short segments, so that it switches
 within a call), and continuing a cache that a first call (in any mode, plain included; a plain call's own
 `DynamicCache` too) filled. The
-wavefront engine's documented refusal (`REFUSED`) of a setting it does not run is a legal outcome. `run_case` decodes it
+wavefront engine's documented refusal (`REFUSED`) of a setting it does not run is a legal outcome, and so is the
+refusal of use_cache=False continuing a cache (`CACHE_REFUSED`). `run_case` decodes it
 speculatively and plainly (transformers' loop on a `DynamicCache`, the same settings) and returns None when the
 tokens are identical, else a `Mismatch` with plain's logit margin at the first divergent token.
 
@@ -45,6 +46,7 @@ from hf_loopspec.generation.auto_policy import AutoPolicy, forget, set_policy
 
 VOCAB = 64  # the Ouro models' vocabulary (Huginn's tiny config has its own, `huginn_utils.VOCAB`)
 REFUSED = "speculative decoding (the wavefront engine) does not support"  # its documented refusal: a legal outcome
+CACHE_REFUSED = "cache: a cache given to a call with use_cache=False"  # continuing a cache without one: refused
 
 
 class NoFollower(LogitsProcessor):
@@ -262,7 +264,7 @@ def run_case(case: Case) -> Mismatch | None:
             set_costs(model, AUTO_COSTS[case.auto_costs])
             set_policy(model, AUTO_POLICY)
             forget(model)
-        elif cache is None:
+        elif cache is None and case.speculative.get("use_cache") is not False:
             cache = paged_cache(model, debug=False, num_steps=shared.get("num_steps"))
         given = {} if cache is None else {"cache": cache}
         got = generate_dict(model, ids.int() if case.int32_ids else ids, mask, case.max_new, **given,
@@ -270,6 +272,8 @@ def run_case(case: Case) -> Mismatch | None:
     except ValueError as error:
         if str(error).startswith(REFUSED) or _plain_error(model, case, vocab) == str(error):
             return None  # the documented refusal, or the error plain decoding raises for these settings too
+        if str(error).startswith(CACHE_REFUSED) and case.first is not None:
+            return None  # use_cache=False continuing the first call's cache: refused in every mode
         return Mismatch(case, error=error)
     except Exception as error:  # noqa: BLE001 - every crash is a finding, reported with its case
         return Mismatch(case, error=error)

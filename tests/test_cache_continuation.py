@@ -27,6 +27,7 @@ import hf_loopspec
 from hf_loopspec import PagedLoopCache
 from hf_loopspec.generation import mixin
 from hf_loopspec.generation.history import run_planes
+from hf_loopspec.generation.mixin import looped_static_cache
 
 # plain decoding and one setting of each speculative mode from the shared matrix, by name
 MODES = named_modes()
@@ -475,9 +476,55 @@ def test_a_forward_that_runs_out_of_pages_leaves_the_cache_as_it_was(family):
         cache.max_pages = None
         logits = model(step, attention_mask=step_mask, cache=cache).logits[:, -1]
         expected = model(torch.cat([ids, step], 1), attention_mask=step_mask, use_cache=False).logits[:, -1]
-    # cached vs full forward: fp32 rounding of the model's sequential layers (tolerances.py)
-    depth = ouro_depth(model.config) if family == "ouro" else huginn_depth(model.config, settings["num_steps"])
-    assert_fp32_close(logits, expected, **depth)
+    assert_fp32_close(logits, expected, **_depth(model, family, settings))  # cached vs full forward (tolerances.py)
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_an_interrupted_forward_leaves_a_dense_cache_as_it_was(family, kind):
+    """A step interrupted in its second loop (Ctrl-C from a hook) after its first wrote a plane: every layer is cut
+    back, a static cache's length counter too (a retry then gave other logits), and the retried step gives the
+    uncached forward's logits. A first forward interrupted on a fresh cache leaves it empty (a `DynamicCache` for any
+    batch size; a static one keeps the buffers of its first batch)."""
+    model, vocab, settings = {"ouro": ouro_case, "huginn": huginn_case}[family]()
+    ids, mask = left_pad(random_prompts(10, [4, 4], vocab))
+    step, step_mask = torch.tensor([[5], [6]]), torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    core = model.model.layers[0] if family == "ouro" else model.transformer.core_block[0]
+    calls = []
+
+    def interrupt_second_loop(module, args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    with torch.no_grad(), model.recurrence(**settings) if settings else contextlib.nullcontext():
+        def fresh():
+            return DynamicCache() if kind == "dynamic" else looped_static_cache(model.config, model.kv_layout, 32)
+
+        cache = fresh()
+        model(ids, attention_mask=mask, cache=cache)
+        held = [int(layer.get_seq_length()) for layer in cache.layers]
+        handle = core.register_forward_pre_hook(interrupt_second_loop)
+        with pytest.raises(KeyboardInterrupt):
+            model(step, attention_mask=step_mask, cache=cache)
+        assert [int(layer.get_seq_length()) for layer in cache.layers] == held
+        calls.clear()
+        empty = fresh()
+        with pytest.raises(KeyboardInterrupt):
+            model(ids, attention_mask=mask, cache=empty)
+        handle.remove()
+        logits = model(step, attention_mask=step_mask, cache=cache).logits[:, -1]
+        expected = model(torch.cat([ids, step], 1), attention_mask=step_mask, use_cache=False).logits[:, -1]
+        assert int(empty.get_seq_length()) == 0
+        rows = 1 if kind == "dynamic" else 2  # (a dynamic cache takes another batch size than before)
+        again = model(ids[:rows], attention_mask=mask[:rows], cache=empty).logits
+        assert_fp32_close(again, model(ids[:rows], attention_mask=mask[:rows], use_cache=False).logits,
+                          **_depth(model, family, settings))
+    assert_fp32_close(logits, expected, **_depth(model, family, settings))  # cached vs full forward (tolerances.py)
+
+
+def _depth(model, family, settings):
+    return ouro_depth(model.config) if family == "ouro" else huginn_depth(model.config, settings["num_steps"])
 
 
 @pytest.mark.parametrize("mode", list(MODES) + ["auto"])

@@ -259,6 +259,10 @@ def test_generate_batch_gives_its_eos_ids_to_every_request(model, settings):
     out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(),
                                eos_token_id=free[2])
     assert [r.generated_tokens for r in out.values()] == expected
+    for bad in ("x", 2.5, list(range(1, 18))):
+        with pytest.raises(ValueError, match="eos_token_id="):
+            model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(),
+                                 eos_token_id=bad)
 
 
 def test_prompts_as_numpy_arrays_decode_like_lists(model):

@@ -8,6 +8,7 @@ cannot run fail alone, with the reason in their `error`; a failure of the loop r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import threading
@@ -249,6 +250,36 @@ def test_stopping_inside_a_pause_raises_instead_of_waiting_forever(model, starte
         with pytest.raises(RuntimeError, match="pause"):
             {"stop": manager.stop, "hard stop": lambda: manager.stop(hard_stop=True),
              "destroy": manager.destroy}[stop]()
+    assert collect(manager, [request_id])[request_id].generated_tokens == alone(model, prompt, 6)
+    manager.stop(block=True, timeout=60)
+    assert not manager.is_running()
+
+
+def test_a_stop_that_does_not_wait_forever_is_allowed_inside_a_pause(model, started):
+    """`stop(block=False)` and `stop(timeout=...)` inside a pause return (the loop ends once the pause is left), as
+    before the guard against the stop that would wait forever; the request in flight finishes first."""
+    manager = started(SETTINGS["pipeline-d1"])
+    prompt = prompts(9, [5])[0]
+    request_id = manager.add_request(prompt, max_new_tokens=6)
+    with manager.pause():
+        manager.stop(block=True, timeout=0.05)
+        manager.stop(block=False)
+    assert collect(manager, [request_id])[request_id].generated_tokens == alone(model, prompt, 6)
+    manager.join(timeout=60)
+    assert not manager.is_running()
+
+
+def test_a_pause_left_in_another_thread_releases_the_loop(model, started):
+    """A pause entered in one thread and left in another (an ExitStack handed to a worker) releases the loop: the
+    request decodes and a blocking stop from the entering thread is not taken for a stop inside its pause."""
+    manager = started(SETTINGS["pipeline-d1"])
+    prompt = prompts(9, [5])[0]
+    stack = contextlib.ExitStack()
+    stack.enter_context(manager.pause())
+    request_id = manager.add_request(prompt, max_new_tokens=6)
+    worker = threading.Thread(target=stack.close)
+    worker.start()
+    worker.join()
     assert collect(manager, [request_id])[request_id].generated_tokens == alone(model, prompt, 6)
     manager.stop(block=True, timeout=60)
     assert not manager.is_running()

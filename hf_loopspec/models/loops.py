@@ -128,13 +128,17 @@ class _DenseRows(ForwardRows):
         return DenseKVAttention(self.cache, self.mask, plane, self.layout.num_layers, self.layout.head_dim**-0.5)
 
     def roll_back(self) -> None:
-        """Crop every layer of the planes this call has written back to the `past` columns it started from."""
-        if self.cache is None or torch.is_tensor(self.past):  # (a static cache's writes are overwritten in place)
+        """Crop every layer of the planes this call has written back to the `past` columns it started from (a static
+        cache's length counter too); a layer the call started empties anew, so a retry may bring another batch size."""
+        if self.cache is None:
             return
+        past = int(self.past)
         for plane in self.written:
             for layer in range(plane * self.layout.num_layers, (plane + 1) * self.layout.num_layers):
-                extra = self.cache.get_seq_length(layer) - self.past
-                if extra > 0:
+                extra = int(self.cache.get_seq_length(layer)) - past
+                if extra > 0 and past == 0:
+                    self.cache.layers[layer].reset()
+                elif extra > 0:
                     self.cache.layers[layer].crop(-extra)
 
 

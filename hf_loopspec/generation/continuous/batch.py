@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 
 from ...logs import get_logger
 from ...models.layers import is_integer
-from .settings import extra_problem, manager_config
+from .settings import MAX_EOS_IDS, eos_ids, extra_problem, manager_config
 
 logger = get_logger(__name__)
 
@@ -66,8 +66,8 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
 
 def _check_request_settings(manager, max_new_tokens, kwargs: dict) -> None:
     """`ValueError` for a setting that `generate_batch` gives every request and none can run with (each request
-    would fail alone, all for the same reason). `eos_token_id` and `streaming` are `add_request`'s own arguments (a
-    bad EOS list fails each request with the reason)."""
+    would fail alone, all for the same reason). `eos_token_id` and `streaming` are `add_request`'s own arguments
+    (`_check_arguments` checks the EOS ids)."""
     problem = extra_problem(manager.settings, {k: v for k, v in kwargs.items() if k not in ("eos_token_id",
                                                                                               "streaming")})
     if problem:
@@ -82,6 +82,9 @@ def _check_arguments(inputs, generation_config, kwargs: dict) -> None:
     if max_new_tokens is not None and (not is_integer(max_new_tokens) or max_new_tokens < 1):
         raise ValueError(f"generate_batch: max_new_tokens={max_new_tokens!r}: give an integer >= 1, or None for the "
                          "generation config's.")
+    if len(eos_ids(kwargs.get("eos_token_id"))) > MAX_EOS_IDS:  # (eos_ids: a ValueError for what is no id)
+        raise ValueError(f"generate_batch: eos_token_id={kwargs['eos_token_id']!r} holds more than {MAX_EOS_IDS} "
+                         "ids, the most a request takes.")
     if "request_id" in kwargs:
         raise ValueError(f"request_id={kwargs['request_id']!r} in generate_batch would give every request the same "
                          "id: drop it (the manager numbers the requests; the result is keyed by those ids), or add "

@@ -25,6 +25,7 @@ the error "cancelled", so iterators and handlers waiting on it end.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -76,7 +77,7 @@ class LoopBatchingManager:
         self._past_positions_warned = False  # a request longer than the model's positions: warned of once
         self._wake_up_loop = threading.Event()
         self._generation_thread: threading.Thread | None = None
-        self._pauses = threading.local()  # `held`: the pauses the calling thread is inside
+        self._pauses: collections.Counter = collections.Counter()  # thread id -> the pauses it entered and holds
         self._seeds = torch.Generator().manual_seed(self.settings.seed) if self.settings.seed is not None else None
         self._inference_mode = torch.is_inference_mode_enabled()  # the loop thread runs in the creator's mode
         # transformers' name for the device side; built now, so that a manager that cannot run raises here
@@ -118,9 +119,10 @@ class LoopBatchingManager:
         if self._generation_thread is None:
             logger.warning("The continuous batching manager was not started.")
             return
-        if getattr(self._pauses, "held", 0):  # the paused loop could never end, and this thread would wait for it
+        if block and timeout is None and self._pauses[threading.get_ident()]:  # the paused loop cannot end: no return
             raise RuntimeError("stop (or destroy) inside the manager's pause(): the loop is paused and cannot end, so "
-                               "this would wait forever; leave the `with manager.pause():` block first.")
+                               "this would wait forever; leave the `with manager.pause():` block first (or pass "
+                               "block=False).")
         status = BackgroundThreadStatus.HARD_STOP if hard_stop else BackgroundThreadStatus.FLUSH_AND_STOP
         self.background_thread_status.request_stop(status, 0)
         self._wake_up_loop.set()
@@ -154,11 +156,12 @@ class LoopBatchingManager:
         if not self.is_running():
             raise RuntimeError("pause: the manager is not running (call start first).")
         self.background_thread_status.acquire_pause(self._wake_up_loop)
-        self._pauses.held = getattr(self._pauses, "held", 0) + 1
+        holder = threading.get_ident()  # (the block may be left in another thread, e.g. by an ExitStack)
+        self._pauses[holder] += 1
         try:
             yield
         finally:
-            self._pauses.held -= 1
+            self._pauses[holder] -= 1
             self.background_thread_status.release_pause()
 
     # --- requests ----------------------------------------------------------------------------------------------
