@@ -14,7 +14,7 @@ import pytest
 import torch
 from speculative_utils import MODE_PAIR, PAD, forcing_hook, mode_params, plain, spec_case, speculative
 from tolerances import assert_fp32_close, ouro_depth
-from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers import AutoTokenizer, EosTokenCriteria, MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
 
 import hf_loopspec
 
@@ -192,3 +192,94 @@ def test_lm_eval_stop_sequence_criterion_at_batch_4(text_setup, mode, d, k):
         else:
             outs.append(plain(model, ids, mask, NEW, **options))
     assert outs[1].sequences.tolist() == outs[0].sequences.tolist()
+
+
+class Logged(Streamer):
+    """A streamer that writes its calls into a log it shares with `LoggedCriterion`."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def put(self, value):
+        super().put(value)
+        self.log.append(("put", value.tolist()))
+
+
+class LoggedCriterion(StoppingCriteria):
+    """Stops every row once the streamer has been given `count` generated tokens: a criterion that reads what was
+    streamed, so it sees one token fewer if the streamer is fed after it than before."""
+
+    def __init__(self, streamer: Logged, count: int):
+        self.streamer, self.count = streamer, count
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.streamer.log.append(("criterion", input_ids.shape[1]))
+        return torch.full((len(input_ids),), len(self.streamer.puts) - 1 >= self.count)
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["engine", "reference"])
+@pytest.mark.parametrize("mode,d,k", mode_params(MODE_PAIR))
+def test_the_criteria_are_called_before_the_streamer_as_in_plain_decoding(setup, mode, d, k, debug):
+    """transformers' loop calls the stopping criteria on a step's ids, then streams that step's token; the
+    speculative modes streamed first, so a criterion reading the streamer stopped a token early."""
+    model, prompts, ids, mask, free, reference = setup
+    runs = []
+    for spec in (False, True):
+        log = []
+        streamer = Logged(log)
+        options = dict(stopping_criteria=StoppingCriteriaList([LoggedCriterion(streamer, 4)]), streamer=streamer,
+                       eos_token_id=None)
+        out = (speculative(model, ids, mask, NEW, mode, d, k, debug=debug, draft_hook=hook_for(prompts, reference),
+                           **options) if spec else plain(model, ids, mask, NEW, **options))
+        runs.append((out.sequences.tolist(), log))
+    assert runs[1] == runs[0]
+    assert runs[0][1][1] == ("criterion", ids.shape[1] + 1)  # (the prompt is streamed first, then the criterion)
+
+
+class EosAfter(EosTokenCriteria):
+    """An EOS criterion that ends a row at its EOS id only once the sequence is `length` long: a subclass deciding
+    otherwise than its class, which plain decoding calls as any criterion."""
+
+    def __init__(self, eos_token_id, length):
+        super().__init__(eos_token_id)
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return super().__call__(input_ids, scores) & (input_ids.shape[1] >= self.length)
+
+
+class NamedEos(Recording):
+    """A criterion with an `eos_token_id` attribute of its own (None, or an id it does not stop at): plain decoding
+    only pads the rows that stop, and never stops a row at that id."""
+
+    def __init__(self, stop_tokens, eos_token_id):
+        super().__init__(stop_tokens)
+        self.eos_token_id = eos_token_id
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["engine", "reference"])
+@pytest.mark.parametrize("mode,d,k", mode_params(MODE_PAIR))
+@pytest.mark.parametrize("criterion", ["eos subclass", "eos attribute", "eos attribute None", "max length above",
+                                       "max length below"])
+def test_criteria_that_look_like_built_in_ones_act_as_in_plain_decoding(setup, mode, d, k, criterion, debug):
+    """Each gives plain decoding's tokens and streamed ids: an `EosTokenCriteria` subclass (the speculative modes
+    stopped at its id as if it were the class), a criterion carrying an `eos_token_id` it does not stop at (the
+    reference stopped there) or None (a crash), a `MaxLengthCriteria` replacing the call's above it (the run
+    stopped at the call's) or below it; on the engine and on the reference (a debug cache)."""
+    model, prompts, ids, mask, free, reference = setup
+    eos, stop, width = int(free[1, 1]), int(free[0, 3]), ids.shape[1]
+    make = {"eos subclass": lambda: [EosAfter(eos, width + 6)],
+            "eos attribute": lambda: [NamedEos([stop], eos)],
+            "eos attribute None": lambda: [NamedEos([stop], None)],
+            "max length above": lambda: [MaxLengthCriteria(width + NEW)],
+            "max length below": lambda: [MaxLengthCriteria(width + 3)]}[criterion]
+    new = NEW - 4 if criterion.startswith("max length") else NEW  # (the call's own length, which a criterion replaces)
+    runs = []
+    for spec in (False, True):
+        streamer = Streamer()
+        options = dict(stopping_criteria=StoppingCriteriaList(make()), streamer=streamer, eos_token_id=None)
+        out = (speculative(model, ids, mask, new, mode, d, k, debug=debug, draft_hook=hook_for(prompts, reference),
+                           **options) if spec else plain(model, ids, mask, new, **options))
+        runs.append((out.sequences.tolist(), streamer.puts))
+    assert runs[1] == runs[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from transformers import EosTokenCriteria, MaxLengthCriteria
 
 from .lanes import SequenceState
 
@@ -23,12 +24,11 @@ class OutputColumns:
     def __init__(self, input_ids: torch.Tensor, pad_token_id: int | None, max_length: int, stopping_criteria,
                  streamer, output_scores: bool):
         self.stopping, self.streamer, self.output_scores = stopping_criteria, streamer, output_scores
-        # Like transformers' loop: a stopped row is padded only when an EOS criterion exists; otherwise it keeps
-        # decoding until every row has stopped, and all rows end at the step where the last one stopped.
-        eos = [c.eos_token_id for c in stopping_criteria or () if hasattr(c, "eos_token_id")]
-        self.pad_stopped = bool(eos)
-        # [E] the ids that end a row (`rules.ends_row`); None without an EOS criterion
-        self.eos = torch.cat([torch.as_tensor(ids).reshape(-1).cpu() for ids in eos]) if eos else None
+        # Like transformers' loop: a stopped row is padded only when a criterion has an `eos_token_id` attribute;
+        # otherwise it keeps decoding until every row has stopped, and all rows end where the last one stopped.
+        self.pad_stopped = any(hasattr(c, "eos_token_id") for c in stopping_criteria or ())
+        eos = eos_ids(stopping_criteria)
+        self.eos = torch.tensor(eos) if eos else None  # [E] the ids that end a row (`rules.ends_row`), or None
         batch, width = input_ids.shape
         self.prompt_width = width
         self.pad = pad_token_id if pad_token_id is not None else 0
@@ -70,22 +70,21 @@ class OutputColumns:
             c = self.settled
             self.settled += 1
             width = self.prompt_width + c + 1
-            if self.streamer is not None:
-                self.streamer.put(self.ids[:, width - 1].cpu())
             scores = None  # what transformers passes: every step's scores so far, when they are returned
             if self.output_scores:
                 self.score_steps.append(stack_step(seqs, "scores", c))
                 scores = tuple(self.score_steps)
-            if self.stopping is None:
-                continue
-            stops = torch.as_tensor(self.stopping(self.ids[:, :width], scores)).expand(len(seqs)).tolist()
-            for seq, stop in zip(seqs, stops):
-                seq.stopped = seq.stopped or bool(stop)
-                if seq.stopped and self.pad_stopped:
-                    end_at(seq, c + 1)
-            if not self.pad_stopped and all(s.stopped for s in seqs):
-                for seq in seqs:
-                    end_at(seq, c + 1)
+            if self.stopping is not None:  # the criteria, then the streamer, as transformers' loop calls them
+                stops = torch.as_tensor(self.stopping(self.ids[:, :width], scores)).expand(len(seqs)).tolist()
+                for seq, stop in zip(seqs, stops):
+                    seq.stopped = seq.stopped or bool(stop)
+                    if seq.stopped and self.pad_stopped:
+                        end_at(seq, c + 1)
+                if not self.pad_stopped and all(s.stopped for s in seqs):
+                    for seq in seqs:
+                        end_at(seq, c + 1)
+            if self.streamer is not None:
+                self.streamer.put(self.ids[:, width - 1].cpu())
 
     def _reserve(self, width: int) -> None:
         """Grow the id buffer to hold `width` columns (doubling, up to the prompt plus max_new)."""
@@ -95,6 +94,21 @@ class OutputColumns:
                                   self.pad)
         grown[:, : self.ids.shape[1]] = self.ids
         self.ids = grown
+
+
+def eos_ids(stopping_criteria) -> list[int]:
+    """The ids at which a row ends: those of the `EosTokenCriteria` of `stopping_criteria` (the exact class: a subclass
+    may decide otherwise, and is called as any criterion is)."""
+    return [int(t) for c in stopping_criteria or () if type(c) is EosTokenCriteria
+            for t in torch.as_tensor(c.eos_token_id).reshape(-1).tolist()]
+
+
+def max_length_of(stopping_criteria, default: int, width: int) -> int:
+    """The length at which a run of `width`-column inputs ends: that of the `MaxLengthCriteria` in
+    `stopping_criteria` (a caller's replaces the call's own in transformers' merge), else `default`; at least one
+    new token, as plain decoding's loop decides on its first step."""
+    limits = [int(c.max_length) for c in stopping_criteria or () if type(c) is MaxLengthCriteria]
+    return max(min(limits, default=default), width + 1)
 
 
 def stack_step(seqs: list[SequenceState], name: str, step: int) -> torch.Tensor:

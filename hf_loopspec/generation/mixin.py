@@ -30,6 +30,7 @@ from ..cache.paged import PagedLoopCache
 from ..logs import get_logger
 from . import auto
 from .call import current_call, runtime_options, scoped
+from .columns import max_length_of
 from .config import (
     AUTO_MODE,
     LANE_MODES,
@@ -277,10 +278,11 @@ class LoopSpecGenerationMixin(GenerationMixin):
             return SpeculativeDecoderOnlyOutput(**{**result, "cache": self._continued_cache(
                 model_kwargs, result.sequences, generation_config)}, speculation=stats)
         call = current_call()
+        max_length = max_length_of(stopping_criteria, int(generation_config.max_length), input_ids.shape[1])
         result = run_speculative(self, SpeculativeRequest(
             spec, model_kwargs["cache"], input_ids, attention_mask=model_kwargs.get("attention_mask"),
             logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-            pad_token_id=_as_int(generation_config._pad_token_tensor), max_length=int(generation_config.max_length),
+            pad_token_id=_as_int(generation_config._pad_token_tensor), max_length=max_length,
             streamer=streamer, draft_hook=call.draft_hook if call else None,
             second_draft_hook=call.second_draft_hook if call else None, do_sample=generation_config.do_sample,
             output_scores=generation_config.return_dict_in_generate and generation_config.output_scores,
