@@ -5,8 +5,10 @@ manager asked for with other settings, integer types. The reference of every tok
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
+import accelerate
 import numpy as np
 import pytest
 import torch
@@ -154,6 +156,55 @@ def test_a_kept_manager_refuses_other_settings(model):
         assert [r.generated_tokens for r in out.values()] == [alone(model, p, 8) for p in inputs]
     finally:
         model.destroy_cached_continuous_batching_manager()
+
+
+@pytest.mark.parametrize("change", ["loops", "dtype", "hook"])
+def test_a_kept_manager_is_refused_once_the_model_changed(change):
+    """A kept manager's slots are built for the model as it was: after its loop count or dtype changed (it decoded
+    the old loop count without a word, or raised a dtype error from deep inside), or a hook was put on it, asking
+    for the manager raises a ValueError; a fresh one (after destroying it) decodes the changed model as generate
+    does."""
+    model = tiny_spec_model(0, vocab=VOCAB, damp=0.5)
+    inputs, config = prompts(2, [4, 6]), generation_config(PIPELINE)
+    model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(),
+                         persistent_manager=True)
+    if change == "loops":
+        model.config.total_ut_steps = 2
+    elif change == "dtype":
+        model.to(torch.float64)
+    else:
+        model.register_forward_hook(lambda module, args, output: output)
+    with pytest.raises(ValueError, match="keeps a continuous batching manager built before|forward hooks"):
+        model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(),
+                             persistent_manager=True)
+    model.destroy_cached_continuous_batching_manager()
+    if change == "hook":
+        return
+    out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching())
+    assert [r.generated_tokens for r in out.values()] == [alone(model, p, 8) for p in inputs]
+
+
+@pytest.mark.parametrize("change", ["hook", "global hook", "quantized", "offloaded"])
+def test_a_model_the_stages_cannot_decode_as_generate_does_is_refused(change):
+    """A hook on the model (or on every module), dynamically quantized layers, weights offloaded by accelerate:
+    `generate` decodes such a model plainly (or, offloaded, moves the weights in per call), but a manager calls the
+    stages on its device, so the hook never ran and the tokens differed, without a word. Continuous batching
+    refuses such a model, naming why."""
+    model = tiny_spec_model(0, vocab=VOCAB, damp=0.5)
+    context = contextlib.nullcontext()
+    if change == "hook":
+        model.model.register_forward_pre_hook(lambda module, args: None)
+    elif change == "global hook":
+        context = torch.nn.modules.module.register_module_forward_hook(lambda module, args, output: output)
+    elif change == "quantized":
+        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    else:
+        accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    named = {"hook": "forward hooks on its base model", "global hook": "global module hooks",
+             "quantized": "dynamically quantized", "offloaded": "meta device"}[change]
+    with context, pytest.raises(ValueError, match=f"continuous batching: .*{named}"):
+        model.generate_batch(prompts(2, [4]), generation_config=generation_config({}),
+                             continuous_batching_config=batching())
 
 
 def test_a_kept_manager_built_from_the_models_config_is_refused_once_that_config_changed(model):

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 
+import accelerate
 import pytest
 import torch
+from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
 from speculative_utils import generate_dict, paged_cache, tiny_spec_model
 from transformers import LogitsProcessor, LogitsProcessorList, SynthIDTextWatermarkingConfig
@@ -128,24 +130,28 @@ def test_a_dynamically_quantized_model_decodes_plainly(setup, mode):
         assert out.speculation.engine == "plain" and out.speculation.committed_tokens == 0
 
 
-@pytest.mark.parametrize("where", ["model", "base model"])
+@pytest.mark.parametrize("where", ["model", "base model", "every module"])
 def test_a_forward_hook_on_the_model_or_its_base_model_decodes_plainly(setup, where, caplog):
     """The engine calls the model's stages, not the causal LM's or its base model's `forward`, so a hook there would
     not run: such a call decodes plainly, the hook runs as in plain decoding (here it steers the output, so equality
-    is not vacuous), and the warning names the hooked module; without the hook the call speculates again."""
+    is not vacuous), and the warning names the hooked module; without the hook the call speculates again. A global
+    module hook (`register_module_forward_hook`, on every module: here it steers the causal LM's output) too."""
     model, ids, mask = setup
-    module, calls = (model if where == "model" else model.model), []
+    calls = []
 
     def steer(module, args, output):
+        if where != "base model" and module is not model:
+            return output
         calls.append(1)
-        if where == "model":
-            output.logits[..., 7] += 100.0
-        else:
+        if where == "base model":
             output.last_hidden_state.mul_(-1.0)
+        else:
+            output.logits[..., 7] += 100.0
         return output
 
     before = run(model, ids, mask).sequences.tolist()
-    handle = module.register_forward_hook(steer)
+    handle = (torch.nn.modules.module.register_module_forward_hook(steer) if where == "every module"
+              else (model if where == "model" else model.model).register_forward_hook(steer))
     try:
         ref = run(model, ids, mask)
         assert ref.sequences.tolist() != before and calls
@@ -156,8 +162,26 @@ def test_a_forward_hook_on_the_model_or_its_base_model_decodes_plainly(setup, wh
     finally:
         handle.remove()
     assert out.sequences.tolist() == ref.sequences.tolist() and len(calls) == NEW
-    named = "the model" if where == "model" else "its base model"
-    assert f"forward hooks on {named} run only" in out.speculation.fallback
+    named = {"model": "the model", "base model": "its base model",
+             "every module": "every module (global module hooks)"}[where]
+    assert f"forward hooks on {named} run when the model itself is called" in out.speculation.fallback
     assert len(fallback_warnings(caplog)) == 1
     again = run(model, ids, mask, speculative_mode="pipeline")
     assert again.speculation.fallback is None and again.sequences.tolist() == before
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_a_model_offloaded_by_accelerate_decodes_in_every_mode(family):
+    """accelerate's `cpu_offload` leaves the weights on the meta device and moves them in at each module call: every
+    mode decodes plain decoding's tokens of the model before offloading (auto timed its costs on the meta device and
+    raised; Huginn's forward placed its positions there and raised in every mode)."""
+    if family == "ouro":
+        model, settings = tiny_spec_model(82, 4, vocab=VOCAB, damp=0.15), {}
+    else:
+        model, settings = tiny_huginn(seed=4, damp=0.3)[0], {"num_steps": 4, "init_scale": 1.0, "init_seed": 9}
+    ids, mask = left_pad(random_prompts(82, [5, 3], model.config.vocab_size))
+    expected = run(model, ids, mask, speculative_mode=None, **settings).sequences
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    assert model.device.type == "meta"
+    for mode in (None, "pipeline", "block", "auto"):
+        assert torch.equal(run(model, ids, mask, speculative_mode=mode, **settings).sequences, expected), mode

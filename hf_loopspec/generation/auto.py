@@ -57,7 +57,7 @@ from .auto_costs import PLAIN, Candidate, CostTable, observe
 from .auto_policy import AutoChoice, AutoStats, Chooser, policy_for, remember, remembered
 from .config import AUTO_MODE, SPECULATIVE_KEYS, check_generation_mode, merged_config, resolve_speculative
 from .inputs import as_integer, bos_prompt, check_generation_values, check_left_padded
-from .model_checks import model_fallback
+from .model_checks import execution_device, model_fallback
 from .stats import SequenceStats, SpeculationStats
 from .wavefront.span import reserved_positions
 
@@ -266,7 +266,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     ids = args[0] if args else kwargs.get("input_ids")
     config = merged_config(model, kwargs)
     if ids is None and kwargs.get("inputs_embeds") is None and kwargs.get("attention_mask") is None:
-        ids = bos_prompt(config, model.device)  # no prompt: one sequence from BOS, as plain decoding starts
+        ids = bos_prompt(config, execution_device(model))  # no prompt: one sequence from BOS, as plain decoding starts
     call, options = _prepare(model, ids, kwargs, config)
     ids, mask = _rows_and_mask(model, ids, kwargs.get("attention_mask"), config)
     if call.plain_reason is None:  # whatever the segments would be: a call's fate is not a stored acceptance's
@@ -369,8 +369,8 @@ def _observe(model, candidate: Candidate, out, new: torch.Tensor, start: float, 
     the `DynamicCache` plain `generate` uses (its prompt's prefill then scales every cost alike); the engine per core
     call, only for a segment that `continued` the call (a first one's prompt prefill would inflate its cost).
     Returns the segment's seconds."""
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+    if (device := execution_device(model)).type == "cuda":
+        torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     spec = getattr(out, "speculation", None)
     if candidate.mode is not None and spec is not None and spec.fallback is None and continued:

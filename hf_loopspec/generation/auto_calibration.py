@@ -47,6 +47,7 @@ from ..cache.paged import PagedLoopCache
 from . import auto_cache
 from .auto_costs import Candidate, CostTable, kept_table, set_costs
 from .config import resolve_speculative
+from .model_checks import execution_device
 
 PROBE_PROMPT = 8  # prompt tokens of a calibration run
 PROBE_TOKENS = 8  # new tokens of the calibration runs
@@ -115,7 +116,7 @@ def measure_costs(model, batch: int, candidates: list[Candidate], known: CostTab
             vocab = model.head_width
             generator = torch.Generator().manual_seed(0)
             ids = torch.randint(min(3, vocab - 1), vocab, (batch, PROBE_PROMPT), generator=generator)
-            runs["ids"] = ids.to(model.device)
+            runs["ids"] = ids.to(execution_device(model))
             runs["reference"], runs["plain"] = _plain_run(model, runs["ids"])
         return runs
 
@@ -167,7 +168,7 @@ def _plain_run(model, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Plain greedy decoding of `PROBE_TOKENS` tokens without EOS: the sequences `[B, S + N]` and the seconds of
     one step (its intervals after the first, `typical`)."""
     config = GenerationConfig(max_new_tokens=PROBE_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None)
-    stamps = _Stamps(model.device)
+    stamps = _Stamps(ids.device)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
                              speculative_mode=None, stopping_criteria=StoppingCriteriaList([stamps]))
@@ -183,7 +184,7 @@ def _cycle_seconds(model, ids: torch.Tensor, candidate: Candidate, reference: to
     class Timed(WavefrontEngine):
         def _advance(self, cycles: int) -> None:
             super()._advance(cycles)
-            self.ended.append(_now(model.device))
+            self.ended.append(_now(ids.device))
 
     width, new_tokens = reference.shape[1], reference.shape[1] - ids.shape[1]
     override = torch.full((len(ids), width), -1, dtype=torch.long, device=ids.device)
@@ -195,7 +196,7 @@ def _cycle_seconds(model, ids: torch.Tensor, candidate: Candidate, reference: to
     request = SpeculativeRequest(spec, PagedLoopCache(model.kv_layout), ids, width, pad_token_id=0)
     with torch.inference_mode():
         engine = Timed.from_request(model, request, draft_override=override)
-        engine.ended = [_now(model.device)]
+        engine.ended = [_now(ids.device)]
         engine.run()
     rows = engine.stats.call_rows["core"]  # per cycle, in order
     return cycle_mean([engine.ended[i + 1] - engine.ended[i] for i in range(engine.prefill_cycles, len(rows))

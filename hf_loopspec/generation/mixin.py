@@ -114,7 +114,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         (which may have been edited since); for a model with recurrence settings (Huginn), also those in force now."""
         from .continuous.huginn import kept_recurrence_problem
         from .continuous.manager import LoopBatchingManager
-        from .continuous.settings import manager_config
+        from .continuous.settings import manager_config, model_refusal, model_signature
 
         cached = getattr(self, "_cached_continuous_batching_manager", None)
         if isinstance(cached, LoopBatchingManager):  # (a config compared as the manager holds it: merged)
@@ -131,7 +131,11 @@ class LoopSpecGenerationMixin(GenerationMixin):
                                      "model.destroy_cached_continuous_batching_manager() first, or pass the same "
                                      f"{name} (or none).")
             problem = kept_recurrence_problem(self, resolved or cached.generation_config, cached.settings.recurrence)
-            if problem is not None:
+            if problem is None and cached.model_signature != model_signature(self):
+                problem = ("this model keeps a continuous batching manager built before the model changed (its config, "
+                           "such as the loop count, its dtype or its device); call "
+                           "model.destroy_cached_continuous_batching_manager() first.")
+            if (problem := problem or model_refusal(self)) is not None:
                 raise ValueError(problem)
             return cached
         return LoopBatchingManager(self, generation_config, continuous_batching_config, workload_hints)

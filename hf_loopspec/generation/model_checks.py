@@ -9,7 +9,8 @@ a model break that:
 * torch.ao's dynamic quantization (`quantize_dynamic`) takes one activation scale per call over all its rows, so a
   token's output depends on which rows share the call, and the engine's calls hold other rows than plain decoding's;
 * forward hooks (or pre-hooks) on the causal LM or its base model run only when that module is called, and the
-  engine calls its stages instead. Hooks on the layers, the norms and the head run in both;
+  engine calls its stages instead. Hooks on the layers, the norms and the head run in both. Global module hooks
+  (`torch.nn.modules.module.register_module_forward_hook`) run on every module, those two included;
 * a `prepare_inputs_for_generation` set on the model instance changes what plain decoding feeds the model, and the
   engine never calls it: PEFT's prompt learning (prompt, prefix, p-tuning) prepends its virtual tokens that way.
   PEFT sets one for every adapter; those of adapters that are neither prompt learning nor POLY (LoRA, ...) pass
@@ -18,22 +19,51 @@ a model break that:
 
 from __future__ import annotations
 
+import torch
+from torch.nn.modules import module as torch_module
+
 DYNAMIC_QUANTIZED = "torch.ao.nn.quantized.dynamic"  # the modules `quantize_dynamic` puts in place
+PLAINLY = "; decoded with plain decoding instead"
+
+
+def execution_device(model) -> torch.device:
+    """Where `model`'s calls compute: its device, or for a model accelerate offloads (weights on the meta device, moved
+    in by hooks at each call) the hooks' execution device (the CPU when none says)."""
+    if model.device.type != "meta":
+        return model.device
+    devices = (getattr(getattr(m, "_hf_hook", None), "execution_device", None) for m in model.modules())
+    return torch.device(next((d for d in devices if d is not None), "cpu"))
 
 
 def model_fallback(model) -> str | None:
     """Why `model` cannot decode speculatively with plain decoding's tokens (module docstring), or None."""
+    problem = model_problem(model)
+    if problem is not None:
+        return problem + PLAINLY
+    return _own_inputs_preparation(model)
+
+
+def model_problem(model) -> str | None:
+    """Why the engine's stage calls would not give `model`'s plain tokens (quantized layers, hooks), or None: the
+    engine cannot decode such a model at all (continuous batching refuses it)."""
     dynamic = sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith(DYNAMIC_QUANTIZED)})
     if dynamic:
         return (f"the model holds dynamically quantized layers ({', '.join(dynamic)}), whose output for a token "
                 "depends on the other rows of its call (one activation scale per call), so speculative decoding "
-                "could change the tokens; decoded with plain decoding instead")
+                "could change the tokens")
     hooked = [name for name, module in (("the model", model), ("its base model", model.base_model))
               if module._forward_hooks or module._forward_pre_hooks]
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        hooked.append("every module (global module hooks)")
     if hooked:
-        return (f"forward hooks on {' and '.join(hooked)} run only when that module is called, and speculative "
-                "decoding calls its stages (embed, core, head) instead; decoded with plain decoding instead (hooks "
-                "on the layers and the head run in both)")
+        return (f"forward hooks on {' and '.join(hooked)} run when the model itself is called, and speculative "
+                "decoding calls its stages (embed, core, head) instead (hooks on the layers and the head run in "
+                "both)")
+    return None
+
+
+def _own_inputs_preparation(model) -> str | None:
+    """Why a `prepare_inputs_for_generation` of the model instance keeps it from speculating, or None."""
     override = vars(model).get("prepare_inputs_for_generation")
     own = getattr(override, "__func__", None) is type(model).prepare_inputs_for_generation  # (PEFT puts it back so)
     if override is not None and not own:
@@ -42,6 +72,5 @@ def model_fallback(model) -> str | None:
             and str(getattr(peft_config, "peft_type", "")) not in ("POLY", "PeftType.POLY")  # POLY adds task ids
         if not passes_through:
             return ("the model instance has a prepare_inputs_for_generation of its own (PEFT's prompt learning sets "
-                    "one to prepend its virtual tokens), which speculative decoding does not call; decoded with "
-                    "plain decoding instead")
+                    "one to prepend its virtual tokens), which speculative decoding does not call" + PLAINLY)
     return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from ...defaults import DEFAULT_DRAFT_LOOPS
 from ...logs import get_logger
 from ...models.layers import is_integer
 from ..config import AUTO_MODE, merged_config, speculative_config
+from ..model_checks import model_problem
 from ..wavefront.processing import WARPERS
 from . import huginn
 from .pool import PoolSize, pool_size, request_positions
@@ -81,8 +83,31 @@ def manager_config(model, generation_config):
     return config
 
 
+def model_signature(model) -> tuple:
+    """What of `model` a manager's slots are built for: its config (the loop count included), dtype and device; a kept
+    manager serves the model only while this holds."""
+    config = {key: value for key, value in model.config.to_dict().items() if key != "_name_or_path"}
+    return json.dumps(config, sort_keys=True, default=str), model.lane_dtype, str(model.device)
+
+
+def model_refusal(model) -> str | None:
+    """Why no manager can decode `model` as it is now (hooks, quantized layers, offloaded weights), or None."""
+    problem = model_problem(model)
+    if problem is not None:
+        return (f"continuous batching: {problem}. A manager always calls the stages (it has no plain path to fall "
+                "back to, as generate does): remove that from the model, or decode with model.generate.")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return ("continuous batching: the model has weights on the meta device (offloaded by accelerate: cpu_offload, "
+                "disk_offload, a device_map with 'disk'), and a manager keeps its weights and KV pool on one device; "
+                "load it onto one device, or decode with model.generate.")
+    return None
+
+
 def manager_settings(model, generation_config, cb_config, hints=None) -> ManagerSettings:
     """The `ManagerSettings` of a manager for `model` (`ValueError` naming a setting it cannot run)."""
+    refusal = model_refusal(model)
+    if refusal is not None:
+        raise ValueError(refusal)
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     recurrence = huginn.manager_recurrence(model, config)
     with huginn.manager_block(model, recurrence):  # num_loops: the manager's recurrence steps

@@ -282,7 +282,7 @@ class HuginnModel(HuginnPreTrainedModel):
             cache = DynamicCache()
         with self.recurrence(num_steps, init_scale, init_seed), forward_rows(
                 self.kv_layout, attention_mask, position_ids, cache, shape=input_ids.shape,
-                like=self.wte.weight) as rows:
+                like=self.wte.weight.new_empty(0, device=input_ids.device)) as rows:  # (meta when offloaded)
             layout = self.kv_layout
 
             def plane(index):
@@ -347,7 +347,7 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
     def initial_states(self, sequences: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The initial states `[*rows, n_embd]` (lane dtype) of the tokens at `positions` of batch rows `sequences`
         under this call's settings, as `embed` would draw them (`HuginnModel.initial_state`)."""
-        like = self.transformer.wte.weight.new_empty(*positions.shape, self.config.n_embd)
+        like = self.transformer.wte.weight.new_empty(*positions.shape, self.config.n_embd, device=positions.device)
         return self.transformer.initial_state(sequences, positions, like)
 
     def embed(self, input_ids, positions=None, sequences=None, attention=None, initial=None):
