@@ -697,6 +697,10 @@ def test_without_a_prompt_auto_starts_from_bos_as_plain_decoding_does(case, cost
     assert torch.equal(model.generate(**kwargs, speculative_mode="auto"), expected)
     with pytest.raises(ValueError, match="bos_token_id"):
         model.generate(**(kwargs | {"bos_token_id": None}), speculative_mode="auto")
+    rows = torch.ones(2, 1, dtype=torch.long)  # a mask alone: one row from BOS per mask row
+    expected = model.generate(**kwargs, attention_mask=rows, speculative_mode=None)
+    assert expected.shape == (2, 7)
+    assert torch.equal(model.generate(**kwargs, attention_mask=rows, speculative_mode="auto"), expected)
 
 
 def test_costs_are_measured_once(case):

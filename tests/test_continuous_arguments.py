@@ -184,6 +184,22 @@ def test_a_kept_manager_is_refused_once_the_model_changed(change):
     assert [r.generated_tokens for r in out.values()] == [alone(model, p, 8) for p in inputs]
 
 
+def test_a_kept_manager_serves_on_after_changes_that_leave_its_slots_alone(tmp_path):
+    """Saving the model (which fills config.architectures and dtype of a model built from a config) and config edits
+    that no slot depends on (use_cache, output_hidden_states) keep the kept manager: it was refused before."""
+    model = tiny_spec_model(0, vocab=VOCAB, damp=0.5)
+    inputs, config = prompts(2, [4, 6]), generation_config(PIPELINE)
+    kept = dict(generation_config=config, continuous_batching_config=batching(), persistent_manager=True)
+    try:
+        first = model.generate_batch(inputs, **kept)
+        model.save_pretrained(tmp_path)
+        model.config.use_cache, model.config.output_hidden_states = False, True
+        again = model.generate_batch(inputs, **kept)
+        assert [r.generated_tokens for r in again.values()] == [r.generated_tokens for r in first.values()]
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+
+
 @pytest.mark.parametrize("change", ["hook", "global hook", "quantized", "offloaded"])
 def test_a_model_the_stages_cannot_decode_as_generate_does_is_refused(change):
     """A hook on the model (or on every module), dynamically quantized layers, weights offloaded by accelerate:

@@ -265,8 +265,9 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     counters as `speculation` (`AutoStats`)."""
     ids = args[0] if args else kwargs.get("input_ids")
     config = merged_config(model, kwargs)
-    if ids is None and kwargs.get("inputs_embeds") is None and kwargs.get("attention_mask") is None:
-        ids = bos_prompt(config, execution_device(model))  # no prompt: one sequence from BOS, as plain decoding starts
+    if ids is None and kwargs.get("inputs_embeds") is None:  # no prompt: from BOS, as plain decoding starts
+        mask = kwargs.get("attention_mask")
+        ids = bos_prompt(config, execution_device(model), 1 if mask is None else len(mask))
     call, options = _prepare(model, ids, kwargs, config)
     ids, mask = _rows_and_mask(model, ids, kwargs.get("attention_mask"), config)
     if call.plain_reason is None:  # whatever the segments would be: a call's fate is not a stored acceptance's

@@ -88,13 +88,14 @@ def check_inputs(input_ids, attention_mask, cache, vocab_size: int | None = None
                          "real token (mask 1) to continue from; drop those rows or give them a token.")
 
 
-def bos_prompt(generation_config, device) -> torch.Tensor:
-    """`[1, 1]`: the BOS id that plain decoding starts a call without a prompt from; `ValueError` without one."""
+def bos_prompt(generation_config, device, batch: int = 1) -> torch.Tensor:
+    """`[batch, 1]`: the BOS id that plain decoding starts a call without a prompt from (one row, or one per row of
+    the call's attention mask); `ValueError` without one."""
     if generation_config.bos_token_id is None:
         raise ValueError("generate without input_ids starts from the BOS token, and neither the generation config "
                          "nor the model's sets bos_token_id: pass input_ids (a prompt), or bos_token_id=...")
     bos = torch.as_tensor(generation_config.bos_token_id).reshape(-1)[:1]
-    return bos.to(device=device, dtype=torch.long)[None]
+    return bos.to(device=device, dtype=torch.long)[None].expand(batch, 1)
 
 
 def _check_ids_tensor(input_ids) -> None:

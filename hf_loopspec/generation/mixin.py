@@ -132,8 +132,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
                                      f"{name} (or none).")
             problem = kept_recurrence_problem(self, resolved or cached.generation_config, cached.settings.recurrence)
             if problem is None and cached.model_signature != model_signature(self):
-                problem = ("this model keeps a continuous batching manager built before the model changed (its config, "
-                           "such as the loop count, its dtype or its device); call "
+                problem = ("this model keeps a continuous batching manager built before the model changed (its loop "
+                           "count, vocabulary, dtype or device); call "
                            "model.destroy_cached_continuous_batching_manager() first.")
             if (problem := problem or model_refusal(self)) is not None:
                 raise ValueError(problem)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 from dataclasses import dataclass
 
 import torch
@@ -84,10 +83,10 @@ def manager_config(model, generation_config):
 
 
 def model_signature(model) -> tuple:
-    """What of `model` a manager's slots are built for: its config (the loop count included), dtype and device; a kept
-    manager serves the model only while this holds."""
-    config = {key: value for key, value in model.config.to_dict().items() if key != "_name_or_path"}
-    return json.dumps(config, sort_keys=True, default=str), model.lane_dtype, str(model.device)
+    """What of `model` a manager's slots are built for: its loop count and KV layout, vocabulary, dtype and device; a
+    kept manager serves the model only while this holds."""
+    return (model.num_loops, model.kv_layout, model.head_width, model.config.vocab_size, model.lane_dtype,
+            str(model.device))
 
 
 def model_refusal(model) -> str | None:
