@@ -120,6 +120,43 @@ def test_refill_in_place_and_refusals(case):
             to_dynamic(paged, bad)
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["growing", "fixed layers"])
+def test_a_refill_that_fails_leaves_the_cache_as_it_was(case, monkeypatch, fixed):
+    """Copying a run's KV back into the caller's `DynamicCache` runs out of memory part-way (the third layer it
+    writes): the caller's cache still holds what it held (it was emptied first, then half refilled, and the
+    conversation's KV was lost); refilled without the fault, it holds the run's entries, in the same layer
+    objects' places."""
+    model, ids, mask, settings, layout, ref = case
+    full = _grown(mask, 2 * NEW)
+    paged = to_paged(ref.cache, layout, full)
+    half = plain(model, ids, mask, NEW, **settings).cache
+    target = DynamicCache(config=model.config) if fixed else DynamicCache()
+    if fixed:  # one fixed layer per (plane, layer)
+        target.layers[:] = [type(target.layers[0])() for _ in range(layout.num_planes * layout.num_layers)]
+    for index, layer in enumerate(half.layers):
+        if layer.is_initialized:
+            target.update(layer.keys, layer.values, index)
+    before = [(layer.keys.clone(), layer.values.clone()) if layer.is_initialized else None for layer in target.layers]
+    calls, update = [], DynamicCache.update
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("injected")
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(DynamicCache, "update", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        to_dynamic(paged, full, into=target)
+    monkeypatch.setattr(DynamicCache, "update", update)
+    after = [(layer.keys, layer.values) if layer.is_initialized else None for layer in target.layers]
+    assert len(after) == len(before) and all(
+        (a is None) == (b is None) and (a is None or (torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])))
+        for a, b in zip(after, before))
+    assert to_dynamic(paged, full, into=target) is target
+    assert target.get_seq_length() == ref.cache.get_seq_length()
+
+
 @pytest.mark.parametrize("mode", [{"speculative_mode": None}, {"speculative_mode": "pipeline", "draft_loops": 1}],
                          ids=["plain", "pipeline"])
 def test_a_dynamic_cache_that_does_not_fit_is_refused(mode):

@@ -200,6 +200,23 @@ def test_a_kept_manager_serves_on_after_changes_that_leave_its_slots_alone(tmp_p
         model.destroy_cached_continuous_batching_manager()
 
 
+def test_generate_batch_takes_only_its_own_results_from_a_kept_manager(model):
+    """A kept manager may still hold the result of an earlier call's request (a call interrupted by Ctrl-C leaves
+    them): `generate_batch` counted it as one of its own, stopped short and raised, on every later call."""
+    inputs, config = prompts(2, [4, 6]), generation_config({})
+    kept = dict(generation_config=config, continuous_batching_config=batching(), persistent_manager=True)
+    try:
+        model.generate_batch(inputs, **kept)
+        manager = model._cached_continuous_batching_manager
+        manager.start()
+        manager.add_request(prompts(3, [5])[0], max_new_tokens=3)  # left uncollected, as by an interrupted call
+        manager.stop(block=True, keep_for_next_session=True)
+        out = model.generate_batch(inputs, **kept)
+        assert [r.generated_tokens for r in out.values()] == [alone(model, p, 8) for p in inputs]
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+
+
 @pytest.mark.parametrize("change", ["hook", "global hook", "quantized", "offloaded"])
 def test_a_model_the_stages_cannot_decode_as_generate_does_is_refused(change):
     """A hook on the model (or on every module), dynamically quantized layers, weights offloaded by accelerate:

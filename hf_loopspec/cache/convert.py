@@ -39,15 +39,11 @@ def _real_columns(attention_mask: torch.Tensor, columns: int) -> tuple[torch.Ten
 def to_dynamic(cache: PagedLoopCache, attention_mask: torch.Tensor, into: DynamicCache | None = None) -> DynamicCache:
     """A `DynamicCache` holding what `cache` holds for the inputs `attention_mask` `[B, >= C]` marks
     (C = `cache.columns()`), its complete planes only (module docstring); `into` is refilled in place (its old
-    entries dropped) when given."""
+    entries dropped) when given, once the new entries are all made: a failure (out of memory) leaves it as it was."""
     layout, columns = cache.kv_layout, cache.columns()
     rows, cols, _ = _real_columns(attention_mask, columns)
     cache.check_stored(attention_mask)
-    out = DynamicCache() if into is None else into
-    if getattr(out, "layer_class_to_replicate", None) is not None:
-        out.layers.clear()  # a growing cache makes each layer again as it is written
-    else:
-        out.reset()  # fixed layers (`DynamicCache(config=...)`, one per (plane, layer): `check_layer_count`), emptied
+    out = DynamicCache()
     batch, size = attention_mask.shape[0], cache.page_size
     for plane in range(layout.num_planes if columns else 0):
         if cache.columns(plane) != columns or cache.lengths(plane) != cache.lengths(0):
@@ -63,7 +59,25 @@ def to_dynamic(cache: PagedLoopCache, attention_mask: torch.Tensor, into: Dynami
                 grid[rows, cols] = flat[slots]
                 dense.append(grid.transpose(1, 2))  # [B, Hkv, C, D]
             out.update(*dense, plane * layout.num_layers + layer)  # creates the skipped planes' layers, unwritten
-    return out
+    return out if into is None else _refill(into, out)
+
+
+def _refill(into: DynamicCache, staged: DynamicCache) -> DynamicCache:
+    """`into` holding `staged`'s layers instead of its own: taken over where the layer classes agree (a growing cache
+    makes each layer as it is written; `DynamicCache(config=...)` has fixed ones), else copied into the emptied
+    layer."""
+    if getattr(into, "layer_class_to_replicate", None) is not None:
+        into.layers[:] = staged.layers
+        return into
+    for index, layer in enumerate(into.layers):  # one per (plane, layer): `check_layer_count`
+        new = staged.layers[index] if index < len(staged.layers) else None
+        if new is not None and type(new) is type(layer):
+            into.layers[index] = new
+            continue
+        layer.reset()
+        if new is not None and new.get_seq_length():
+            into.update(new.keys, new.values, index)
+    return into
 
 
 def _positions_pages(cache: PagedLoopCache, seq: int, plane: int, size: int) -> list[int]:

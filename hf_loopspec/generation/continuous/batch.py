@@ -45,10 +45,11 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
         _check_request_settings(manager, max_new_tokens, kwargs)
         ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps,
                                    **kwargs)
-        while len(results) < len(ids):
-            result = manager.get_result(timeout=RESULT_WAIT_S)
+        pending = list(ids)  # (by id: a kept manager may still hold results of an earlier, interrupted call)
+        while pending:
+            result = manager.get_result(pending[0], timeout=RESULT_WAIT_S)
             if result is not None and result.is_finished():
-                results[result.request_id] = result
+                results[pending.pop(0)] = result
                 bar.update(1)
             elif result is None and not manager.is_running():
                 break
