@@ -115,6 +115,26 @@ def test_a_kept_manager_serves_only_the_recurrence_it_was_built_with(model):
         model.destroy_cached_continuous_batching_manager()
 
 
+def test_a_kept_manager_built_from_the_config_serves_inside_an_equal_block():
+    """A manager whose generation config fixes the recurrence (num_steps 3, a seed) is the same manager inside a
+    block of those settings and after an edit of the default it never reads (`mean_recurrence`): its kept-manager
+    check took the loop count of whatever block was open, and refused, saying the model had changed."""
+    model = tiny_huginn(seed=5, damp=0.3)[0]
+    inputs = prompts(6, [5, 3])
+    config = generation_config(SETTINGS["pipeline-d1"], num_steps=3, **SEEDED)
+    run = lambda: [r.generated_tokens for r in model.generate_batch(  # noqa: E731
+        inputs, generation_config=config, continuous_batching_config=batching(), persistent_manager=True).values()]
+    try:
+        first = run()
+        assert first == [alone(model, p, 8, num_steps=3, **SEEDED) for p in inputs]
+        with model.recurrence(num_steps=3, init_seed=77):
+            assert run() == first
+        model.config.mean_recurrence += 2
+        assert run() == first
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+
+
 def test_unseeded_requests_draw_their_own_seed(model, started):
     """init_scale > 0 and no seed: each request draws one at admission, as each `generate` call does, here from the
     continuous batching config's seed (its draws in admission order), so the same prompt twice decodes two ways."""

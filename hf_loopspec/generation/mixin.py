@@ -131,7 +131,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
                                      "model.destroy_cached_continuous_batching_manager() first, or pass the same "
                                      f"{name} (or none).")
             problem = kept_recurrence_problem(self, resolved or cached.generation_config, cached.settings.recurrence)
-            if problem is None and cached.model_signature != model_signature(self):
+            if problem is None and cached.model_signature != model_signature(self, cached.settings.recurrence):
                 problem = ("this model keeps a continuous batching manager built before the model changed (its loop "
                            "count, vocabulary, dtype or device); call "
                            "model.destroy_cached_continuous_batching_manager() first.")

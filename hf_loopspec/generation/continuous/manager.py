@@ -70,7 +70,7 @@ class LoopBatchingManager:
         self.from_model_config = generation_config is None  # built from model.generation_config alone
         self.continuous_batching_config = continuous_batching_config
         self.settings = manager_settings(model, self.generation_config, continuous_batching_config, workload_hints)
-        self.model_signature = model_signature(model)  # what the slots are built for (a kept manager checks it)
+        self.model_signature = model_signature(model, self.settings.recurrence)  # (a kept manager checks it)
         self.input_queue: queue.Queue[RequestState] = queue.Queue()
         self.cancel_queue: queue.Queue[tuple[str, int]] = queue.Queue()  # (request id, its serial)
         self.output_router = Router()

@@ -82,11 +82,13 @@ def manager_config(model, generation_config):
     return config
 
 
-def model_signature(model) -> tuple:
-    """What of `model` a manager's slots are built for: its loop count and KV layout, vocabulary, dtype and device; a
-    kept manager serves the model only while this holds."""
-    return (model.num_loops, model.kv_layout, model.head_width, model.config.vocab_size, model.lane_dtype,
-            str(model.device))
+def model_signature(model, recurrence=None) -> tuple:
+    """What of `model` a manager with the recurrence settings `recurrence` (`ManagerSettings.recurrence`) has its
+    slots built for: its loop count and KV layout under those settings, vocabulary, dtype and device; a kept manager
+    serves the model only while this holds."""
+    with huginn.manager_block(model, recurrence):
+        return (model.num_loops, model.kv_layout, model.head_width, model.config.vocab_size, model.lane_dtype,
+                str(model.device))
 
 
 def model_refusal(model) -> str | None:
