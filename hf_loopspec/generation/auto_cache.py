@@ -8,8 +8,8 @@ another key (a hash collision, a hand-copied file) is ignored like an unreadable
 `$HF_LOOPSPEC_CACHE` when set, else the user cache folder of `platformdirs` when it is installed, else
 `~/.cache/hf_loopspec`; files are written atomically (a temporary file in the folder, then `os.replace`), so
 concurrent processes never read half a file, and `update` reads, changes and writes one under a file lock, so that
-processes sharing the folder add to what the others stored instead of writing over it. A folder that cannot be
-written costs only the cache: the table stays in the process.
+processes sharing the folder keep the entries the others stored (an entry of the same key: the last writer's). A
+folder that cannot be written costs only the cache: the table stays in the process.
 
 Acceptance (`kind="acceptance"`, `acceptance_key`): what auto calls observed on a model, keyed by its config, dtype,
 a fingerprint of its weights (`weights_fingerprint`: another checkpoint of the same architecture drafts differently)

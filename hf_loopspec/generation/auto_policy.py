@@ -153,7 +153,8 @@ def remembered(model, settings: str) -> Acceptance:
 def remember(model, acceptance: Acceptance, settings: str) -> None:
     """Keep `acceptance` for `model`'s next auto calls with `settings`, in this process and on disk for later ones
     (the `KEPT_SETTINGS` most recently used settings). The file is read again and changed under its lock
-    (`auto_cache.update`): what other processes stored since this one read it stays, and this process sees it."""
+    (`auto_cache.update`): the entries other processes stored since this one read it stay, and this process sees
+    them; for a settings this process holds, its own entry replaces the stored one."""
     def changed(stored) -> dict:
         observed = _observed(model)
         observed.update((k, v) for k, v in _decoded(stored).items() if k not in observed)  # other processes'
