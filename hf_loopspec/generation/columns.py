@@ -27,7 +27,7 @@ class OutputColumns:
         # Like transformers' loop: a stopped row is padded only when a criterion has an `eos_token_id` attribute;
         # otherwise it keeps decoding until every row has stopped, and all rows end where the last one stopped.
         self.pad_stopped = any(hasattr(c, "eos_token_id") for c in stopping_criteria or ())
-        eos = eos_ids(stopping_criteria)
+        eos = stopping_eos_ids(stopping_criteria)
         self.eos = torch.tensor(eos) if eos else None  # [E] the ids that end a row (`rules.ends_row`), or None
         batch, width = input_ids.shape
         self.prompt_width = width
@@ -96,7 +96,7 @@ class OutputColumns:
         self.ids = grown
 
 
-def eos_ids(stopping_criteria) -> list[int]:
+def stopping_eos_ids(stopping_criteria) -> list[int]:
     """The ids at which a row ends: those of the `EosTokenCriteria` of `stopping_criteria` (the exact class: a subclass
     may decide otherwise, and is called as any criterion is)."""
     return [int(t) for c in stopping_criteria or () if type(c) is EosTokenCriteria

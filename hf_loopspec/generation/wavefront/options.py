@@ -3,7 +3,7 @@ the request's settings, with its logits processors and EOS criteria in the engin
 
 from __future__ import annotations
 
-from ..columns import eos_ids
+from ..columns import stopping_eos_ids
 from .processing import device_processors
 from .stopping import HOST_READ_EVERY, host_criteria
 
@@ -14,7 +14,7 @@ def engine_options(model, request) -> dict:
     """`WavefrontEngine`'s keyword arguments (all but the model and the cache) for `request`."""
     spec, ids = request.spec, request.input_ids
     processors, tensors = device_processors(request.logits_processor, ids, model.head_width)
-    eos = eos_ids(request.stopping_criteria)
+    eos = stopping_eos_ids(request.stopping_criteria)
     return dict(mode=spec.mode, draft_loops=spec.draft_loops, num_speculative_tokens=spec.num_speculative_tokens,
                 input_ids=ids, attention_mask=request.attention_mask, pad_token_id=request.pad_token_id,
                 max_length=request.max_length, eos_token_id=eos or None, compile_backend=spec.compile_backend,
