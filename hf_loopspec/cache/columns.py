@@ -22,23 +22,26 @@ class ConsumedColumns:
     def __init__(self, num_planes: int):
         self.counts = [0] * num_planes  # [plane] columns consumed
         self.padding: list[list[int]] = []  # [sequence] padded columns, each < `recorded`, ascending
-        self.recorded = 0  # the columns whose padding `padding` records: the largest count so far
+
+    @property
+    def recorded(self) -> int:
+        """The columns whose padding `padding` records: the most any plane has consumed."""
+        return max(self.counts, default=0)
 
     def consume(self, count: int, planes, attention_mask: torch.Tensor | None = None) -> None:
         """`planes` have consumed the first `count` columns. `attention_mask` `[B, C]` marks the real tokens of the
         inputs (None, or a column past C: every token real); the padding of columns not yet recorded is read from
         it, and for a sequence new to the record, that of every column."""
-        count = int(count)
+        count, recorded = int(count), self.recorded
         if attention_mask is not None and count > 0:
             known, rows, width = len(self.padding), len(attention_mask), min(count, attention_mask.shape[1])
             self.padding.extend([] for _ in range(rows - known))
-            history = [(known + s, c) for s, c in (attention_mask[known:, : self.recorded] == 0).nonzero().tolist()]
-            new = [(s, self.recorded + c) for s, c in (attention_mask[:, self.recorded: width] == 0).nonzero().tolist()]
+            history = [(known + s, c) for s, c in (attention_mask[known:, :recorded] == 0).nonzero().tolist()]
+            new = [(s, recorded + c) for s, c in (attention_mask[:, recorded:width] == 0).nonzero().tolist()]
             for s, column in history + new:  # (each sequence's in ascending order: history < recorded <= new)
                 self.padding[s].append(column)
         for plane in planes:
             self.counts[plane] = count
-        self.recorded = max(self.recorded, count)
 
     def real(self, seq: int, columns: int) -> int:
         """The real tokens of sequence `seq` in the first `columns` columns."""
@@ -48,7 +51,6 @@ class ConsumedColumns:
     def crop(self, keep: int) -> None:
         """Only the first `keep` columns remain consumed, in every plane."""
         self.counts = [min(count, keep) for count in self.counts]
-        self.recorded = max(self.counts)
         self.padding = [padded[: bisect.bisect_left(padded, self.recorded)] for padded in self.padding]
 
     def select(self, order: list[int]) -> None:
@@ -57,8 +59,7 @@ class ConsumedColumns:
 
     def copy(self) -> ConsumedColumns:
         copied = ConsumedColumns(len(self.counts))
-        copied.counts, copied.padding, copied.recorded = list(self.counts), [list(p) for p in self.padding], \
-            self.recorded
+        copied.counts, copied.padding = list(self.counts), [list(p) for p in self.padding]
         return copied
 
     def __repr__(self) -> str:
