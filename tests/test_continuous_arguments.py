@@ -389,3 +389,29 @@ def test_numpy_integers_and_bad_eos_ids(model):
             assert result.status == RequestStatus.FAILED and "eos_token_id=" in result.error, eos
     finally:
         manager.stop(block=True, timeout=30)
+
+
+def test_an_interrupted_call_leaves_nothing_on_a_kept_manager(model, monkeypatch):
+    """Ctrl-C in `generate_batch` on a kept manager: its requests went on decoding and their results stayed queued
+    on the manager for good, one more set per interrupted call. They are now cancelled and their results dropped;
+    the next call decodes as plain `generate` and leaves the manager holding nothing."""
+    inputs, config = prompts(2, [4, 6]), generation_config({})
+    kept = dict(generation_config=config, continuous_batching_config=batching(), persistent_manager=True)
+    try:
+        model.generate_batch(inputs, **kept)
+        manager = model._cached_continuous_batching_manager
+
+        def interrupted(request_id, timeout=None):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(manager, "get_result", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            model.generate_batch(prompts(3, [5, 7, 9]), max_new_tokens=30, **kept)
+        monkeypatch.undo()
+        out = model.generate_batch(inputs, **kept)
+        assert [r.generated_tokens for r in out.values()] == [alone(model, p, 8) for p in inputs]
+        router = manager.output_router
+        assert (router.output_queue.qsize(), router.open_ids) == (0, {})
+        assert not router.abandoned  # (the cancellations were delivered: nothing is left to drop)
+    finally:
+        model.destroy_cached_continuous_batching_manager()

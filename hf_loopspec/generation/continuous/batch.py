@@ -45,14 +45,20 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
         _check_request_settings(manager, max_new_tokens, kwargs)
         ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps,
                                    **kwargs)
-        pending = list(ids)  # (by id: a kept manager may still hold results of an earlier, interrupted call)
-        while pending:
-            result = manager.get_result(pending[0], timeout=RESULT_WAIT_S)
-            if result is not None and result.is_finished():
-                results[pending.pop(0)] = result
-                bar.update(1)
-            elif result is None and not manager.is_running():
-                break
+        pending = list(ids)  # (by id: a kept manager may serve requests of others)
+        try:
+            while pending:
+                result = manager.get_result(pending[0], timeout=RESULT_WAIT_S)
+                if result is not None and result.is_finished():
+                    results[pending.pop(0)] = result
+                    bar.update(1)
+                elif result is None and not manager.is_running():
+                    break
+        except BaseException:  # Ctrl-C: a kept manager must not go on decoding, and holding, what nobody reads
+            for request_id in pending:
+                if manager.output_router.abandon(request_id):
+                    manager.cancel_request(request_id)
+            raise
         fatal = manager.background_thread_status.fatal_error
     if fatal is not None:
         raise RuntimeError(f"generate_batch: the continuous batching loop failed: {fatal}") from fatal

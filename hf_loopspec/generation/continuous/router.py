@@ -15,12 +15,13 @@ class Router(OutputRouter):
     """transformers' `OutputRouter`, whose deliveries without a handler are queued under its lock (so a handler
     registered meanwhile finds them: `take_queued`), and taken from the queue by request id without disturbing the
     others (`take`): a reader waiting for one request never requeues another's results, so each request's results
-    stay in delivery order and no reader spins."""
+    stay in delivery order and no reader spins. Results of an abandoned request are dropped (`abandon`)."""
 
     def __init__(self):
         super().__init__()
         self.open_ids: dict[str, int] = {}  # the requests added and not yet delivered finished or failed: serials
         self._opened = 0  # serials of opens: a reused id gets a new one
+        self.abandoned: set[str] = set()  # open requests whose results nobody will read: dropped on delivery
         self._arrived = threading.Condition()  # notified after every delivery to the queue
 
     def open(self, request_id: str) -> None:
@@ -41,13 +42,33 @@ class Router(OutputRouter):
         self.deliver_batch([output])
 
     def deliver_batch(self, outputs: list[GenerationOutput]) -> None:
+        callbacks = []  # (transformers' routing, with the drop of abandoned results in the same hold of the lock)
         with self._lock:
             for output in outputs:
-                if output.is_finished() or output.status == RequestStatus.FAILED:
+                final = output.is_finished() or output.status == RequestStatus.FAILED
+                if final:
                     self.open_ids.pop(output.request_id, None)
-        super().deliver_batch(outputs)
+                if output.request_id in self.abandoned:
+                    if final:
+                        self.abandoned.discard(output.request_id)
+                elif (entry := self.result_handlers.get(output.request_id)) is not None:
+                    callbacks.append((entry, output))
+                else:
+                    self.output_queue.put(output)
+        for (callback, loop), output in callbacks:
+            loop.call_soon_threadsafe(callback, output)
         with self._arrived:  # after the puts: a reader that found nothing is waiting by now, or finds them
             self._arrived.notify_all()
+
+    def abandon(self, request_id: str) -> bool:
+        """Drop `request_id`'s queued results and those still to come (its reader stopped waiting, e.g. on Ctrl-C);
+        True when the request is still open, so that the caller cancels it (its final result ends the drops)."""
+        with self._lock:  # (deliveries hold it too: a result is queued before this, or dropped after it)
+            still_open = request_id in self.open_ids
+            if still_open:
+                self.abandoned.add(request_id)
+            self.take_queued(request_id)
+        return still_open
 
     def take(self, request_id: str | None, timeout: float | None) -> GenerationOutput | None:
         """The oldest queued result (of `request_id` when given), waiting up to `timeout` seconds (None: without
