@@ -3,7 +3,8 @@
 PEFT's prompt learning prepends its virtual tokens through a `prepare_inputs_for_generation` it sets on the model
 instance, which the speculative engine never calls: such a call decodes plainly and says why
 (`out.speculation.fallback`), in every speculative mode. An adapter that leaves the inputs alone (LoRA) keeps
-speculative decoding, with plain decoding's tokens. `inputs_embeds` is refused by every speculative mode (before,
+speculative decoding, with plain decoding's tokens; one adapter per row (`adapter_names`) decodes plainly.
+`inputs_embeds` is refused by every speculative mode (before,
 pipeline and block decoded the ids and dropped the embeddings, or crashed on an embeddings-only call).
 """
 
@@ -13,6 +14,8 @@ import pytest
 import torch
 from helpers import tiny_model
 from peft import LoraConfig, PromptTuningConfig, TaskType, get_peft_model
+
+from hf_loopspec import PagedLoopCache
 
 MODES = ["pipeline", "block", "auto"]
 SETTINGS = {"max_new_tokens": 10, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
@@ -76,6 +79,54 @@ def test_lora_keeps_speculative_decoding_and_plain_tokens(mode):
                         **SETTINGS)
     assert out.speculation.fallback is None and out.speculation.engine != "plain"
     assert torch.equal(out.sequences, plain)
+
+
+@pytest.fixture(scope="module")
+def two_adapters():
+    """A PEFT model with two random LoRA adapters on the attention projections ("default" and "other")."""
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(5)
+    lora = get_peft_model(tiny_model()[0], config)
+    lora.add_adapter("other", config)
+    return lora.eval()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_adapter_per_row_decodes_plainly_with_each_rows_adapter(two_adapters, mode):
+    """`generate(adapter_names=[...])` (PEFT's mixed batch: one adapter per row) crashed in every speculative mode
+    inside PEFT (its layers split their input by batch row). It decodes plainly now, saying why, and each row gets
+    the tokens of its adapter alone (the reference: a batch-1 plain call with that adapter set)."""
+    ids, mask = _ids(two_adapters)
+    names = ["other", "default"]
+    out = two_adapters.generate(input_ids=ids, attention_mask=mask, speculative_mode=mode, adapter_names=names,
+                                return_dict_in_generate=True, **SETTINGS)
+    assert "adapter_names" in out.speculation.fallback
+    for row, name in enumerate(names):
+        two_adapters.set_adapter(name)
+        alone = two_adapters.generate(input_ids=ids[row:row + 1], attention_mask=mask[row:row + 1],
+                                      speculative_mode=None, **SETTINGS)
+        assert torch.equal(out.sequences[row:row + 1], alone)
+    two_adapters.set_adapter("default")
+    assert not torch.equal(out.sequences[0], two_adapters.generate(  # the adapters differ: a mix-up would show
+        input_ids=ids[:1], attention_mask=mask[:1], speculative_mode=None, **SETTINGS)[0])
+
+
+def test_an_adapter_per_row_refuses_a_paged_cache_and_continues_a_dynamic_one(two_adapters):
+    """A `PagedLoopCache` lays the rows out flat, which PEFT's per-row split cannot read: refused up front, naming the
+    fix. A `DynamicCache` of a first call is continued plainly, with the tokens of one call over both turns."""
+    ids, mask = _ids(two_adapters)
+    names, settings = ["other", "default"], {**SETTINGS, "max_new_tokens": 4}
+    with pytest.raises(ValueError, match="pass a DynamicCache or no cache"):
+        two_adapters.generate(input_ids=ids, attention_mask=mask, adapter_names=names, speculative_mode=None,
+                              cache=PagedLoopCache(two_adapters.get_base_model().kv_layout), **settings)
+    first = two_adapters.generate(input_ids=ids, attention_mask=mask, adapter_names=names, speculative_mode=None,
+                                  return_dict_in_generate=True, **settings)
+    sequences = first.sequences
+    second = two_adapters.generate(input_ids=sequences, attention_mask=torch.ones_like(sequences), cache=first.cache,
+                                   adapter_names=names, speculative_mode="pipeline", **settings)
+    whole = two_adapters.generate(input_ids=ids, attention_mask=mask, adapter_names=names, speculative_mode=None,
+                                  **{**SETTINGS, "max_new_tokens": 8})
+    assert torch.equal(second, whole)
 
 
 @pytest.mark.parametrize("mode", MODES)

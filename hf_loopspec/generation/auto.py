@@ -276,6 +276,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     batch, prompt_width = ids.shape
     policy = policy_for(model)
     settings = acceptance_settings(kwargs, config)
+    options = [] if call.plain_reason else options  # nothing to choose: no costs measured (nor the engine run)
     chooser = Chooser(costs_for(model, batch, options), options, model.num_loops, policy,
                       remembered(model, settings))
     stats = AutoStats(mode=AUTO_MODE, draft_loops=0, engine="plain", fallback=call.fallback,

@@ -11,6 +11,9 @@ a model break that:
 * forward hooks (or pre-hooks) on the causal LM or its base model run only when that module is called, and the
   engine calls its stages instead. Hooks on the layers, the norms and the head run in both. Global module hooks
   (`torch.nn.modules.module.register_module_forward_hook`) run on every module, those two included;
+* PEFT's per-row arguments of `generate` (`adapter_names`: one LoRA adapter per row, `alora_offsets`) reach its
+  layers through pre-hooks that split each layer's input by batch row, and the engine's calls hold their rows
+  otherwise;
 * a `prepare_inputs_for_generation` set on the model instance changes what plain decoding feeds the model, and the
   engine never calls it: PEFT's prompt learning (prompt, prefix, p-tuning) prepends its virtual tokens that way.
   PEFT sets one for every adapter; those of adapters that are neither prompt learning nor POLY (LoRA, ...) pass
@@ -23,6 +26,7 @@ import torch
 from torch.nn.modules import module as torch_module
 
 DYNAMIC_QUANTIZED = "torch.ao.nn.quantized.dynamic"  # the modules `quantize_dynamic` puts in place
+PEFT_PER_ROW = ("adapter_names", "alora_offsets")  # keywords of PEFT's pre-hooks on its layers during `generate`
 PLAINLY = "; decoded with plain decoding instead"
 
 
@@ -51,6 +55,10 @@ def model_problem(model) -> str | None:
         return (f"the model holds dynamically quantized layers ({', '.join(dynamic)}), whose output for a token "
                 "depends on the other rows of its call (one activation scale per call), so speculative decoding "
                 "could change the tokens")
+    per_row = per_row_arguments(model)
+    if per_row:
+        return (f"PEFT's {' and '.join(per_row)} (per batch row) reach the layers through hooks that split their "
+                "input by row, and speculative decoding calls the layers on rows laid out otherwise")
     hooked = [name for name, module in (("the model", model), ("its base model", model.base_model))
               if module._forward_hooks or module._forward_pre_hooks]
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
@@ -60,6 +68,14 @@ def model_problem(model) -> str | None:
                 "decoding calls its stages (embed, core, head) instead (hooks on the layers and the head run in "
                 "both)")
     return None
+
+
+def per_row_arguments(model) -> list[str]:
+    """The per-row arguments of PEFT (`PEFT_PER_ROW`) that its pre-hooks pass to `model`'s layers, in this call: they
+    split each layer's input by batch row, so the model must be called on `[batch, length, ...]` inputs (plain
+    decoding with a `DynamicCache`); a `PagedLoopCache` lays its rows out flat."""
+    return sorted({key for m in model.modules() for hook in m._forward_pre_hooks.values()
+                   for key in getattr(hook, "keywords", {}) if key in PEFT_PER_ROW})
 
 
 def _own_inputs_preparation(model) -> str | None:
