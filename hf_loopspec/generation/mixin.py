@@ -17,7 +17,7 @@ transformers' continuous batching entry points (`init_continuous_batching`, `con
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -139,6 +139,19 @@ class LoopSpecGenerationMixin(GenerationMixin):
                 raise ValueError(problem)
             return cached
         return LoopBatchingManager(self, generation_config, continuous_batching_config, workload_hints)
+
+    @contextmanager
+    @torch.no_grad()  # (as transformers': around the manager's start and stop, not the caller's block)
+    def continuous_batching_context_manager(self, generation_config=None, block: bool = True,
+                                            timeout: float | None = None, continuous_batching_config=None,
+                                            persistent_manager: bool = False, warmup: bool = True,
+                                            workload_hints=None):
+        """transformers' context manager (a manager from `init_continuous_batching`, running inside the block), safe
+        for threads sharing a kept manager: the loop stops when the last of their blocks ends
+        (`LoopBatchingManager.session`)."""
+        manager = self.init_continuous_batching(generation_config, continuous_batching_config, workload_hints)
+        with manager.session(warmup, block, timeout, persistent_manager):
+            yield manager
 
     def destroy_cached_continuous_batching_manager(self) -> None:
         """Destroy the manager kept by `stop(keep_for_next_session=True)`, if any."""

@@ -79,6 +79,8 @@ class LoopBatchingManager:
         self._past_positions_warned = False  # a request longer than the model's positions: warned of once
         self._wake_up_loop = threading.Event()
         self._generation_thread: threading.Thread | None = None
+        self._control = threading.RLock()  # start, stop and sessions: one thread at a time (one loop on the slots)
+        self._sessions = 0  # the open `session` blocks (`continuous_batching_context_manager`), of any thread
         self._pauses: collections.Counter = collections.Counter()  # thread id -> the pauses it entered and holds
         self._seeds = torch.Generator().manual_seed(self.settings.seed) if self.settings.seed is not None else None
         self._inference_mode = torch.is_inference_mode_enabled()  # the loop thread runs in the creator's mode
@@ -102,48 +104,80 @@ class LoopBatchingManager:
 
     def is_running(self) -> bool:
         """Whether the background thread has been started and is alive."""
-        return self._generation_thread is not None and self._generation_thread.is_alive()
+        thread = self._generation_thread
+        return thread is not None and thread.is_alive()
 
     def start(self) -> None:
-        """Start the background generation thread."""
-        if self.is_running():
-            logger.warning("The continuous batching manager is already running.")
-            return
-        self.background_thread_status.clear()
-        self._generation_thread = threading.Thread(target=self._run_generation_loop, daemon=True)
-        self._generation_thread.start()
+        """Start the background generation thread. A loop asked to stop without waiting (`stop(block=False)`) is
+        waited for first: one loop at a time runs on the slots."""
+        with self._control:
+            if self.is_running():
+                if self.background_thread_status.local_status == BackgroundThreadStatus.DONT_STOP:
+                    logger.warning("The continuous batching manager is already running.")
+                    return
+                self.join()
+            self.background_thread_status.clear()
+            self._generation_thread = threading.Thread(target=self._run_generation_loop, daemon=True)
+            self._generation_thread.start()
 
     def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
              hard_stop: bool = False) -> None:
         """Stop the thread once every request is done (`hard_stop`: now, failing those in flight); `block`: wait up
         to `timeout` seconds. `keep_for_next_session`: the model keeps this manager for its next
         `init_continuous_batching`."""
-        if self._generation_thread is None:
-            logger.warning("The continuous batching manager was not started.")
-            return
-        if block and timeout is None and self._pauses[threading.get_ident()]:  # the paused loop cannot end: no return
-            raise RuntimeError("stop (or destroy) inside the manager's pause(): the loop is paused and cannot end, so "
-                               "this would wait forever; leave the `with manager.pause():` block first (or pass "
-                               "block=False).")
-        status = BackgroundThreadStatus.HARD_STOP if hard_stop else BackgroundThreadStatus.FLUSH_AND_STOP
-        self.background_thread_status.request_stop(status, 0)
-        self._wake_up_loop.set()
-        if block:
-            self.join(time.perf_counter(), timeout)
-        if keep_for_next_session:
-            self.model._cached_continuous_batching_manager = self
-        else:
-            self.batch_processor = None
+        with self._control:  # (a `start` of another thread waits for the end of this one's loop)
+            if self._generation_thread is None:
+                logger.warning("The continuous batching manager was not started.")
+                return
+            if block and timeout is None and self._pauses[threading.get_ident()]:  # the paused loop cannot end
+                raise RuntimeError("stop (or destroy) inside the manager's pause(): the loop is paused and cannot "
+                                   "end, so this would wait forever; leave the `with manager.pause():` block first "
+                                   "(or pass block=False).")
+            status = BackgroundThreadStatus.HARD_STOP if hard_stop else BackgroundThreadStatus.FLUSH_AND_STOP
+            self.background_thread_status.request_stop(status, 0)
+            self._wake_up_loop.set()
+            if block:
+                self.join(time.perf_counter(), timeout)
+            if keep_for_next_session:
+                self.model._cached_continuous_batching_manager = self
+            else:
+                self.batch_processor = None
 
     def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> None:
         """Wait (at most `timeout` seconds) for the thread to end."""
-        if self._generation_thread is None:
+        thread = self._generation_thread
+        if thread is None:
             return
-        self._generation_thread.join(timeout=timeout)
-        if self._generation_thread.is_alive():
+        thread.join(timeout=timeout)
+        if thread.is_alive():
             logger.warning("The generation thread did not stop within %s s.", timeout)
-        else:
-            self._generation_thread = None
+            return
+        with self._control:
+            if self._generation_thread is thread:  # (not one that another thread's `start` made since)
+                self._generation_thread = None
+
+    @contextmanager
+    def session(self, warmup: bool, block: bool, timeout: float | None, keep_for_next_session: bool):
+        """`continuous_batching_context_manager`'s block: the loop runs from the first open session (of any thread) to
+        the last closed one, which stops it (and destroys the manager unless `keep_for_next_session`): a session of
+        one thread never stops the loop under another's requests, nor starts a second loop on the same slots."""
+        with self._control:
+            if warmup and not self.warmed_up:
+                self.warmup()
+            if not self.is_running() or self.background_thread_status.local_status != BackgroundThreadStatus.DONT_STOP:
+                self.start()
+            self._sessions += 1
+        try:
+            yield self
+        finally:
+            with self._control:
+                self._sessions -= 1
+                if self._sessions == 0:
+                    self.stop(block=block, timeout=timeout, keep_for_next_session=keep_for_next_session)
+                    if not keep_for_next_session:
+                        self.destroy()
+                elif keep_for_next_session:
+                    self.model._cached_continuous_batching_manager = self
 
     def destroy(self) -> None:
         """Stop the thread if it runs; the manager cannot be restarted after this."""

@@ -1,0 +1,103 @@
+"""Continuous batching managers shared by threads: `continuous_batching_context_manager` blocks (and so
+`generate_batch` calls) of several threads on one kept manager, and `start` / `stop` called from several threads.
+
+Before, each block started and stopped the one kept manager on its own: a block that ended stopped the loop under
+another thread's requests (dropped, or a call waiting forever), two blocks entering at once started two loops on the
+same slots (requests FINISHED with wrong tokens and no error), and two `stop`s at once crashed. The reference of
+every request is plain greedy `generate` of it alone (fp32).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from continuous_utils import VOCAB, WAIT_S, alone, batching, collect, generation_config, prompts
+from speculative_utils import named_modes, tiny_spec_model
+
+PIPELINE = named_modes()["pipeline-d1"]
+
+
+@pytest.fixture
+def model():
+    model = tiny_spec_model(0, vocab=VOCAB, damp=0.5)
+    yield model
+    model.destroy_cached_continuous_batching_manager()
+
+
+def _kept(model) -> dict:
+    return dict(generation_config=generation_config(PIPELINE), continuous_batching_config=batching(),
+                persistent_manager=True)
+
+
+def _in_threads(calls) -> tuple[list, list[str], int]:
+    """Run each of `calls` in a thread of its own, all at once: (their results, the exceptions they raised, how many
+    threads were still running after `WAIT_S` seconds)."""
+    results, errors = [None] * len(calls), []
+
+    def run(i):
+        try:
+            results[i] = calls[i]()
+        except Exception as error:  # (an exception in a thread would otherwise pass unseen)
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT_S)
+    return results, errors, sum(thread.is_alive() for thread in threads)
+
+
+def test_a_block_that_ends_leaves_the_loop_of_another_block_running(model):
+    """Two blocks on one kept manager: when the first ends, the second's requests still decode."""
+    inputs = prompts(2, [4, 6])
+    model.generate_batch(inputs, **_kept(model))  # builds the manager and keeps it
+    other = model.continuous_batching_context_manager(**_kept(model))
+    with model.continuous_batching_context_manager(**_kept(model)) as first:
+        second = other.__enter__()
+        assert second is first
+    try:
+        ids = second.add_requests(inputs, max_new_tokens=8)
+        results = collect(second, ids)
+        assert [results[i].generated_tokens for i in ids] == [alone(model, p, 8) for p in inputs]
+    finally:
+        other.__exit__(None, None, None)
+    assert not second.is_running()  # the last block out stops the loop
+
+
+def test_threads_sharing_a_kept_manager_get_their_own_tokens(model):
+    """`generate_batch(persistent_manager=True)` from two threads at once, three times over."""
+    inputs = [prompts(3, [5, 7, 9]), prompts(4, [6, 3])]
+    expected = [[alone(model, p, 8) for p in group] for group in inputs]
+    model.generate_batch(inputs[0], **_kept(model))
+    for _ in range(3):
+        got, errors, hung = _in_threads([lambda group=group: [
+            r.generated_tokens for r in model.generate_batch(group, **_kept(model)).values()] for group in inputs])
+        assert (errors, hung, got) == ([], 0, expected)
+
+
+def test_stops_from_two_threads_at_once(model):
+    """The second `stop` waits for, or finds, the first one's end; neither raises."""
+    manager = model.init_continuous_batching(generation_config(PIPELINE), batching())
+    for _ in range(10):
+        manager.start()
+        _, errors, hung = _in_threads([lambda: manager.stop(block=True)] * 2)
+        assert (errors, hung, manager.is_running()) == ([], 0, False)
+
+
+def test_a_start_after_a_stop_that_did_not_wait_runs_a_new_loop(model):
+    """`stop(block=False)` then `start()`: the old loop was still ending, so `start` only warned, and every later
+    request failed ("stopping"). `start` now waits for the old loop's end and starts a new one."""
+    manager = model.init_continuous_batching(generation_config(PIPELINE), batching())
+    inputs = prompts(5, [4, 6])
+    manager.start()
+    try:
+        first = manager.add_request(inputs[0], max_new_tokens=8)
+        manager.stop(block=False)
+        manager.start()
+        second = manager.add_request(inputs[1], max_new_tokens=8)
+        results = collect(manager, [first, second])
+        assert [results[i].generated_tokens for i in (first, second)] == [alone(model, p, 8) for p in inputs]
+    finally:
+        manager.stop(block=True)
