@@ -164,6 +164,8 @@ def test_bad_numbers_and_choices_are_one_line_errors(argv, tmp_path, capsys, mon
     (["export", "default", "{tmp}/out", "--benchmarks", "{tmp}/none.json"], "{tmp}/none.json: cannot be read"),
     (["export", "default", "{tmp}/out", "--benchmarks", "none", "--benchmarks", "{tmp}/none.json"],
      "'none' says the card has no measured numbers; pass it alone"),
+    (["export", "default", "{tmp}/out", "--benchmarks", "{tmp}/latin.txt"],
+     "{tmp}/latin.txt is not UTF-8 text (byte 0xe9 at byte 3), so not JSON; pass a file written by"),
     (["bench", "--model", "ouro-tiny", "--prompt-file", "{tmp}/latin.txt"],
      "--prompt-file {tmp}/latin.txt is not UTF-8 text (byte 0xe9 at byte 3)"),
 ])

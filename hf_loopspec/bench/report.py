@@ -307,6 +307,9 @@ def load_result(path: str | Path) -> dict:
     except OSError as err:
         raise ValueError(f"{path}: cannot be read ({err.strerror}); pass a file written by `hf-loopspec bench "
                          "--json`.") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} at byte {err.start}), so not "
+                         "JSON; pass a file written by `hf-loopspec bench --json`.") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not JSON ({err}); pass a file written by `hf-loopspec bench --json`.") from None
     if not isinstance(result, dict) or not {"rows", "machine", "args", "model"} <= set(result):
