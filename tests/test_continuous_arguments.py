@@ -391,22 +391,32 @@ def test_numpy_integers_and_bad_eos_ids(model):
         manager.stop(block=True, timeout=30)
 
 
-def test_an_interrupted_call_leaves_nothing_on_a_kept_manager(model, monkeypatch):
+@pytest.mark.parametrize("where", ["reading results", "adding requests", "inside add_request"])
+def test_an_interrupted_call_leaves_nothing_on_a_kept_manager(model, monkeypatch, where):
     """Ctrl-C in `generate_batch` on a kept manager: its requests went on decoding and their results stayed queued
-    on the manager for good, one more set per interrupted call. They are now cancelled and their results dropped;
-    the next call decodes as plain `generate` and leaves the manager holding nothing."""
+    on the manager for good, one more set per interrupted call (and an interrupt inside `add_request` left its id
+    open for good). They are now cancelled and their results dropped; the next call decodes as plain `generate` and
+    leaves the manager holding nothing."""
     inputs, config = prompts(2, [4, 6]), generation_config({})
     kept = dict(generation_config=config, continuous_batching_config=batching(), persistent_manager=True)
     try:
         model.generate_batch(inputs, **kept)
         manager = model._cached_continuous_batching_manager
+        calls = []
 
-        def interrupted(request_id, timeout=None):
-            raise KeyboardInterrupt
+        def interrupt(real):
+            def interrupted(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 3:
+                    raise KeyboardInterrupt
+                return real(*args, **kwargs)
+            return interrupted
 
-        monkeypatch.setattr(manager, "get_result", interrupted)
+        name = {"reading results": "get_result", "adding requests": "add_request",
+                "inside add_request": "_warn_past_positions"}[where]
+        monkeypatch.setattr(manager, name, interrupt(getattr(manager, name)))
         with pytest.raises(KeyboardInterrupt):
-            model.generate_batch(prompts(3, [5, 7, 9]), max_new_tokens=30, **kept)
+            model.generate_batch(prompts(3, [5, 7, 9, 4]), max_new_tokens=30, **kept)
         monkeypatch.undo()
         out = model.generate_batch(inputs, **kept)
         assert [r.generated_tokens for r in out.values()] == [alone(model, p, 8) for p in inputs]

@@ -43,10 +43,12 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
     results = {}
     with context as manager, tqdm(total=len(inputs), disable=not progress_bar, unit="request") as bar:
         _check_request_settings(manager, max_new_tokens, kwargs)
-        ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps,
-                                   **kwargs)
+        ids = [manager.new_request_id() for _ in inputs]  # known before any is added: all are cleaned up on Ctrl-C
         pending = list(ids)  # (by id: a kept manager may serve requests of others)
         try:
+            for request_id, prompt in zip(ids, inputs):
+                manager.add_request(prompt, request_id=request_id, max_new_tokens=max_new_tokens,
+                                    record_timestamps=record_timestamps, **kwargs)
             while pending:
                 result = manager.get_result(pending[0], timeout=RESULT_WAIT_S)
                 if result is not None and result.is_finished():

@@ -231,19 +231,28 @@ class LoopBatchingManager:
         problem = problem or request_problem(self.settings, ids, max_new, eos, extra)
         if not problem and draft_override is not None:
             extra[OVERRIDE] = override_tokens(self.settings, draft_override, len(ids) + max_new)
-        if request_id is None:
-            with self._request_lock:
-                request_id, self._request_counter = f"req_{self._request_counter}", self._request_counter + 1
-        self.output_router.open(request_id)
+        request_id = self.new_request_id() if request_id is None else request_id
         state = RequestState(request_id=request_id, initial_tokens=ids if isinstance(ids, list) else [],
                              record_timestamps=record_timestamps, max_new_tokens=max_new, eos_token_id=eos,
                              streaming=streaming, logit_processor_kwargs=extra)
-        if problem:
-            self.output_router.fail_and_deliver(state, ValueError(f"request {request_id}: {problem}"))
-            return request_id
-        self._warn_past_positions(len(ids) + max_new)
-        self.input_queue.put(state)
+        self.output_router.open(request_id)
+        try:
+            if problem:
+                self.output_router.fail_and_deliver(state, ValueError(f"request {request_id}: {problem}"))
+                return request_id
+            self._warn_past_positions(len(ids) + max_new)
+            self.input_queue.put(state)
+        except BaseException:  # Ctrl-C before the put: the id must not stay open with no request behind it
+            if all(queued is not state for queued in list(self.input_queue.queue)):
+                self.output_router.close(request_id)
+            raise
         self._wake_up_loop.set()
+        return request_id
+
+    def new_request_id(self) -> str:
+        """An id no request of this manager was given by it before ("req_<n>")."""
+        with self._request_lock:
+            request_id, self._request_counter = f"req_{self._request_counter}", self._request_counter + 1
         return request_id
 
     def _warn_past_positions(self, length: int) -> None:
@@ -302,19 +311,7 @@ class LoopBatchingManager:
         """Deliver `request_id`'s results to `callback` on the running asyncio loop (removed after the final one)."""
         import asyncio
 
-        loop = asyncio.get_running_loop()
-
-        def handle(result):
-            callback(result)
-            if result.is_finished() or result.status == RequestStatus.FAILED:
-                with self.output_router._lock:
-                    self.output_router.result_handlers.pop(request_id, None)
-
-        with self.output_router._lock:  # what was delivered before (a request refused by add_request) comes too
-            self.output_router.result_handlers[request_id] = (handle, loop)
-            early = self.output_router.take_queued(request_id)
-        for result in early:
-            loop.call_soon(handle, result)
+        self.output_router.register_handler(request_id, callback, asyncio.get_running_loop())
 
     # --- the loop ----------------------------------------------------------------------------------------------
 

@@ -33,6 +33,26 @@ class Router(OutputRouter):
             self._opened += 1
             self.open_ids[request_id] = self._opened
 
+    def close(self, request_id: str) -> None:
+        """Note `request_id` as no longer open without a delivery (its request was never queued)."""
+        with self._lock:
+            self.open_ids.pop(request_id, None)
+
+    def register_handler(self, request_id: str, callback, loop) -> None:
+        """Deliver `request_id`'s results to `callback` on the asyncio `loop`, those delivered before included (a
+        request refused by `add_request`); the handler is removed after the final result."""
+        def handle(result):
+            callback(result)
+            if result.is_finished() or result.status == RequestStatus.FAILED:
+                with self._lock:
+                    self.result_handlers.pop(request_id, None)
+
+        with self._lock:
+            self.result_handlers[request_id] = (handle, loop)
+            early = self.take_queued(request_id)
+        for result in early:
+            loop.call_soon(handle, result)
+
     def serial(self, request_id: str) -> int | None:
         """The serial of the open request of id `request_id`, or None when none is open."""
         with self._lock:
