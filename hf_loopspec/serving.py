@@ -30,10 +30,12 @@ given it (`GET /v1/models` lists it: the embedded model's folder by default) or 
 limit that is not a whole number >= 1, gets HTTP 400 with the reason (`request_problem`; transformers would ignore
 them, or round 1.5 down, with a line in the server's log only). HTTP errors, a body that is not JSON or nests too deeply
 included, and a stream's error event come in OpenAI's error shape (`openai_errors`), so an `openai` client's exception
-says why; `suffix`, `tools` and a `response_format`, which transformers' handlers would drop, get HTTP 400 too, and so
-do values they would fail on with a bare 500 (`value_problem`: a lone surrogate, a numeric `stop`, `messages` as a
-string, a `generation_config` that is not a JSON object's text) and a `temperature` or `top_p` out of range. A
-client that leaves before its answer ends its request quietly (no error in the server's log).
+says why; `suffix`, `tools`, a `response_format` and the Responses API's `text.format`, `previous_response_id` and
+`include`, which transformers' handlers would drop, get HTTP 400 too, and so do values they would fail on with a bare
+500 (`value_problem`: a lone surrogate, a numeric `stop`, `messages` as a string or without roles, a chat request
+without `messages` or a Responses one without `input`, a `generation_config` that is not a JSON object's text) and a
+`temperature` or `top_p` out of range. An empty `stop` list means no stop, as in OpenAI's API. A client that leaves
+before its answer ends its request quietly (no error in the server's log).
 """
 
 from __future__ import annotations
@@ -151,6 +153,12 @@ UNSUPPORTED = {  # request fields transformers' handlers would drop without a wo
     "suffix": ((None, ""), "this server does not insert a suffix; append it yourself"),
     "tools": ((None, []), "this server does not call tools; leave them out"),
     "response_format": ((None, {"type": "text"}), "this server does not constrain the output's format; leave it out"),
+    "previous_response_id": ((None,), "this server keeps no responses; send the whole conversation as input"),
+    "include": ((None, []), "this server returns no log-probabilities nor other extra output; leave it out"),
+}
+REQUIRED = {  # what those handlers read unchecked (a bare 500 without it)
+    "/chat/completions": ("messages", 'a list of messages, {"role": ..., "content": ...}'),
+    "/responses": ("input", "a string or a list of items (messages, content parts)"),
 }
 
 
@@ -167,6 +175,12 @@ def request_problem(body, positions: int | None = None, path: str = "") -> str |
     problem = value_problem(body)
     if problem:
         return problem
+    name, what = next((required for end, required in REQUIRED.items() if path.endswith(end)), (None, None))
+    if name and body.get(name) is None:
+        return f"{name} is missing: a request to {path} needs its {name} ({what})."
+    text_format = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if text_format not in (None, {"type": "text"}):  # the Responses API's response_format
+        return f"text.format={text_format!r} is not supported: this server does not constrain the output's format."
     if body.get("logit_bias") and path.endswith("/completions") and not path.endswith("/chat/completions"):
         return ("logit_bias is not supported on /v1/completions (its handler would drop it); send the request to "
                 "/v1/chat/completions, or leave logit_bias out.")
@@ -197,6 +211,17 @@ def request_problem(body, positions: int | None = None, path: str = "") -> str |
     return None
 
 
+def as_transformers_reads(body: dict) -> dict:
+    """`body` with OpenAI's values in the form transformers' handlers take: `logit_bias`'s whole numbers as the floats
+    of its `sequence_bias`, and an empty `stop` list (OpenAI's "no stop") left out."""
+    body = dict(body)
+    if body.get("logit_bias"):
+        body["logit_bias"] = {key: float(value) for key, value in body["logit_bias"].items()}
+    if body.get("stop") == []:
+        del body["stop"]
+    return body
+
+
 def value_problem(body: dict) -> str | None:
     """Why a field of `body` has a value the server cannot take (text that is not Unicode, a `stop` that is not text,
     `messages` that are not a list of messages, a `generation_config` that is not a JSON object's text, a sampling
@@ -209,10 +234,16 @@ def value_problem(body: dict) -> str | None:
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) and stop or isinstance(stop, list)
                                  and all(isinstance(s, str) and s for s in stop)):
-        return f"stop={stop!r} must be a non-empty string or a list of them."
+        return f"stop={stop!r} must be a non-empty string or a list of them (an empty list: no stop)."
     messages = body.get("messages")
-    if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
-        return f"messages={messages!r} must be a list of messages ({{\"role\": ..., \"content\": ...}})."
+    if messages is not None and not (isinstance(messages, list) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
+        return (f"messages={messages!r} must be a list of messages, each with its role "
+                '({"role": ..., "content": ...}).')
+    given = body.get("input")
+    if given is not None and not (isinstance(given, str) or isinstance(given, list) and all(
+            isinstance(item, dict) for item in given)):
+        return f"input={given!r} must be a string or a list of items (messages, content parts)."
     config = body.get("generation_config")
     if config is not None:
         try:
@@ -278,10 +309,8 @@ def openai_errors(positions: int | None = None) -> None:
                     problem = f"the request body is not valid JSON ({error})."
                 if problem:
                     return await answer(request, HTTPException(status_code=400, detail=problem))
-                if isinstance(body, dict) and body.get("logit_bias"):  # OpenAI's whole numbers, as the floats that
-                    # transformers' sequence_bias takes; the handler reads the body starlette keeps (`_body`)
-                    body["logit_bias"] = {key: float(value) for key, value in body["logit_bias"].items()}
-                    request._body = json.dumps(body).encode()
+                if isinstance(body, dict) and (body.get("logit_bias") or body.get("stop") == []):
+                    request._body = json.dumps(as_transformers_reads(body)).encode()  # (starlette keeps `_body`)
             try:
                 response = await call_next(request)
             except RuntimeError:  # starlette's "No response returned.": the client left before the answer

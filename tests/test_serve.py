@@ -339,6 +339,8 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
                               "application/json")
         assert status == 200 and echoed["logit_bias"] == {"7": 100.0, "9": -5.5}
         assert all(type(value) is float for value in echoed["logit_bias"].values())
+        status, echoed = post(base, "chat/completions", b'{"messages": [], "stop": []}', "application/json")
+        assert status == 200 and "stop" not in echoed  # OpenAI's "no stop" (transformers failed on it)
         status, answer = post(base, "completions", json.dumps({"prompt": "x", "logit_bias": bias}).encode(),
                               "application/json")
         assert status == 400 and "logit_bias is not supported on /v1/completions" in answer["error"]["message"]
@@ -571,6 +573,29 @@ def test_the_model_process_gets_the_servers_threads():
 ])
 def test_a_request_field_the_server_cannot_honour_is_refused(body, message):
     assert re.search(message, serving.request_problem({"prompt": "x", **body}))
+
+
+@pytest.mark.parametrize(("path", "body", "message"), [
+    ("/v1/chat/completions", {}, r"messages is missing: a request to /v1/chat/completions needs its messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, r"messages=.* must be a list of messages, each "
+                                                                  "with its role"),
+    ("/v1/responses", {"input": None}, r"input is missing: a request to /v1/responses needs its input"),
+    ("/v1/responses", {"input": 5}, r"input=5 must be a string or a list of items"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_object"}}},
+     r"text.format=\{'type': 'json_object'\} is not supported: this server does not constrain"),
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"},
+     r"previous_response_id='resp_1' is not supported: this server keeps no responses"),
+    ("/v1/responses", {"input": "hi", "include": ["message.output_text.logprobs"]},
+     r"include=.* is not supported: this server returns no log-probabilities"),
+])
+def test_what_a_handler_needs_or_would_drop_is_refused(path, body, message):
+    """A chat request without messages (or a message without its role) and a Responses request without input
+    failed in transformers' handlers with a bare HTTP 500; the Responses API's output format, earlier response and
+    extra output were dropped with only a line in the server's log."""
+    assert re.search(message, serving.request_problem(body, path=path))
+    fine = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+            "/v1/responses": {"input": "hi", "text": {"format": {"type": "text"}}, "include": []}}[path]
+    assert serving.request_problem(fine, path=path) is None
 
 
 def test_a_token_limit_that_reaches_the_models_positions_is_refused():
