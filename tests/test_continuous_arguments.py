@@ -412,9 +412,9 @@ def test_an_interrupted_call_leaves_nothing_on_a_kept_manager(model, monkeypatch
                 return real(*args, **kwargs)
             return interrupted
 
-        name = {"reading results": "get_result", "adding requests": "add_request",
-                "inside add_request": "_warn_past_positions"}[where]
-        monkeypatch.setattr(manager, name, interrupt(getattr(manager, name)))
+        owner, name = {"reading results": (manager, "get_result"), "adding requests": (manager, "add_request"),
+                       "inside add_request": (manager.input_queue, "put")}[where]  # (before the put: none queued)
+        monkeypatch.setattr(owner, name, interrupt(getattr(owner, name)))
         with pytest.raises(KeyboardInterrupt):
             model.generate_batch(prompts(3, [5, 7, 9, 4]), max_new_tokens=30, **kept)
         monkeypatch.undo()
@@ -423,5 +423,25 @@ def test_an_interrupted_call_leaves_nothing_on_a_kept_manager(model, monkeypatch
         router = manager.output_router
         assert (router.output_queue.qsize(), router.open_ids) == (0, {})
         assert not router.abandoned  # (the cancellations were delivered: nothing is left to drop)
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+
+
+def test_a_call_refused_on_an_id_in_use_leaves_that_request_alone(model):
+    """A kept manager holds a request added by hand as "req_1", the id `generate_batch` gives its second request:
+    the call raises, and cancelled that other request on its way out (its owner got no result at all)."""
+    kept = dict(generation_config=generation_config({}), continuous_batching_config=batching(),
+                persistent_manager=True)
+    try:
+        model.generate_batch(prompts(2, [4]), **kept)  # builds the kept manager (its ids start over below)
+        manager = model._cached_continuous_batching_manager
+        manager._request_counter = 0
+        with model.continuous_batching_context_manager(**kept):
+            mine = manager.add_request(prompts(6, [5])[0], request_id="req_1", max_new_tokens=20)
+            with pytest.raises(ValueError, match="request_id='req_1' is already waiting or in flight"):
+                model.generate_batch(prompts(3, [5, 7, 9]), max_new_tokens=4, **kept)
+            result = manager.get_result(mine, timeout=WAIT_S)
+        assert result is not None and result.error is None
+        assert result.generated_tokens == alone(model, prompts(6, [5])[0], 20)
     finally:
         model.destroy_cached_continuous_batching_manager()

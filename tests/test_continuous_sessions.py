@@ -101,3 +101,55 @@ def test_a_start_after_a_stop_that_did_not_wait_runs_a_new_loop(model):
         assert [results[i].generated_tokens for i in (first, second)] == [alone(model, p, 8) for p in inputs]
     finally:
         manager.stop(block=True)
+
+
+def test_a_pause_holders_stop_gets_through_while_another_thread_waits_for_the_loop(model):
+    """Thread B waits in `stop(block=True)` for a loop that thread A holds paused; A's `stop(block=False)` inside its
+    pause (what the pause's own error advises) must return, so that A leaves its pause and B's stop ends."""
+    manager = model.init_continuous_batching(generation_config(PIPELINE), batching())
+    manager.start()
+    paused, b_waits = threading.Event(), threading.Event()
+
+    def a():
+        with manager.pause():
+            paused.set()
+            b_waits.wait(WAIT_S)
+            manager.stop(block=False)
+
+    def b():
+        paused.wait(WAIT_S)
+        b_waits.set()
+        manager.stop(block=True)
+
+    _, errors, hung = _in_threads([a, b])
+    assert (errors, hung, manager.is_running()) == ([], 0, False)
+
+
+def test_a_start_inside_a_pause_of_an_ending_loop_raises(model):
+    """The paused loop cannot end, so a `start` that waits for it would wait forever."""
+    manager = model.init_continuous_batching(generation_config(PIPELINE), batching())
+    manager.start()
+    try:
+        with manager.pause():
+            manager.stop(block=False)
+            with pytest.raises(RuntimeError, match="start inside the manager's pause"):
+                manager.start()
+    finally:
+        manager.stop(block=True)
+
+
+def test_a_block_joining_a_running_loop_does_not_warm_up_its_slots(model, monkeypatch):
+    """A compiled manager's warmup runs the step on the slots: on a loop that serves another block's requests it
+    dropped a prefilling request's prompt rows (FINISHED with wrong tokens). A block joining a running loop skips
+    it (the step is built on first use)."""
+    kept = {**_kept(model), "warmup": False}
+    model.generate_batch(prompts(2, [4]), **kept)
+    manager = model._cached_continuous_batching_manager
+    warmups = []
+    monkeypatch.setattr(manager, "warmup", lambda: warmups.append(manager.is_running()))
+    with model.continuous_batching_context_manager(**kept), \
+            model.continuous_batching_context_manager(**{**kept, "warmup": True}):
+        pass
+    with model.continuous_batching_context_manager(**{**kept, "warmup": True}):
+        pass
+    assert warmups == [False]  # the second block joined a running loop; the third started one

@@ -43,12 +43,17 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
     results = {}
     with context as manager, tqdm(total=len(inputs), disable=not progress_bar, unit="request") as bar:
         _check_request_settings(manager, max_new_tokens, kwargs)
-        ids = [manager.new_request_id() for _ in inputs]  # known before any is added: all are cleaned up on Ctrl-C
-        pending = list(ids)  # (by id: a kept manager may serve requests of others)
+        ids = [manager.new_request_id() for _ in inputs]  # known before each is added: cleaned up on Ctrl-C
+        pending, added = list(ids), set()  # (by id: a kept manager may serve requests of others)
         try:
             for request_id, prompt in zip(ids, inputs):
-                manager.add_request(prompt, request_id=request_id, max_new_tokens=max_new_tokens,
-                                    record_timestamps=record_timestamps, **kwargs)
+                added.add(request_id)  # (before the call: Ctrl-C inside add_request may leave it queued)
+                try:
+                    manager.add_request(prompt, request_id=request_id, max_new_tokens=max_new_tokens,
+                                        record_timestamps=record_timestamps, **kwargs)
+                except ValueError:  # the id is another caller's, open on the manager: not this call's to cancel
+                    added.discard(request_id)
+                    raise
             while pending:
                 result = manager.get_result(pending[0], timeout=RESULT_WAIT_S)
                 if result is not None and result.is_finished():
@@ -57,7 +62,7 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
                 elif result is None and not manager.is_running():
                     break
         except BaseException:  # Ctrl-C: a kept manager must not go on decoding, and holding, what nobody reads
-            for request_id in pending:
+            for request_id in (i for i in pending if i in added):
                 if manager.output_router.abandon(request_id):
                     manager.cancel_request(request_id)
             raise

@@ -48,6 +48,7 @@ from .settings import (
     manager_settings,
     model_signature,
     override_tokens,
+    past_positions,
     request_max_new,
     request_problem,
     token_ids,
@@ -108,25 +109,32 @@ class LoopBatchingManager:
         return thread is not None and thread.is_alive()
 
     def start(self) -> None:
-        """Start the background generation thread. A loop asked to stop without waiting (`stop(block=False)`) is
-        waited for first: one loop at a time runs on the slots."""
-        with self._control:
-            if self.is_running():
+        """Start the background generation thread. A loop asked to stop (`stop(block=False)`) is waited for first,
+        outside the lock (so that a pause holder's `stop` still gets through): one loop at a time runs on the slots."""
+        while True:
+            with self._control:
+                thread = self._generation_thread
+                if thread is None or not thread.is_alive():
+                    self.background_thread_status.clear()
+                    self._generation_thread = threading.Thread(target=self._run_generation_loop, daemon=True)
+                    self._generation_thread.start()
+                    return
                 if self.background_thread_status.local_status == BackgroundThreadStatus.DONT_STOP:
                     logger.warning("The continuous batching manager is already running.")
                     return
-                self.join()
-            self.background_thread_status.clear()
-            self._generation_thread = threading.Thread(target=self._run_generation_loop, daemon=True)
-            self._generation_thread.start()
+                if self._pauses[threading.get_ident()]:
+                    raise RuntimeError("start inside the manager's pause(), while its loop is ending: the paused "
+                                       "loop cannot end, so this would wait forever; leave the pause first.")
+            self._join(thread, None)
 
     def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
              hard_stop: bool = False) -> None:
         """Stop the thread once every request is done (`hard_stop`: now, failing those in flight); `block`: wait up
         to `timeout` seconds. `keep_for_next_session`: the model keeps this manager for its next
         `init_continuous_batching`."""
-        with self._control:  # (a `start` of another thread waits for the end of this one's loop)
-            if self._generation_thread is None:
+        with self._control:
+            thread = self._generation_thread
+            if thread is None:
                 logger.warning("The continuous batching manager was not started.")
                 return
             if block and timeout is None and self._pauses[threading.get_ident()]:  # the paused loop cannot end
@@ -136,18 +144,20 @@ class LoopBatchingManager:
             status = BackgroundThreadStatus.HARD_STOP if hard_stop else BackgroundThreadStatus.FLUSH_AND_STOP
             self.background_thread_status.request_stop(status, 0)
             self._wake_up_loop.set()
-            if block:
-                self.join(time.perf_counter(), timeout)
             if keep_for_next_session:
                 self.model._cached_continuous_batching_manager = self
-            else:
+            else:  # (the loop holds the slots until it ends; a later start builds them again)
                 self.batch_processor = None
+        if block:
+            self._join(thread, timeout)
 
     def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> None:
         """Wait (at most `timeout` seconds) for the thread to end."""
         thread = self._generation_thread
-        if thread is None:
-            return
+        if thread is not None:
+            self._join(thread, timeout)
+
+    def _join(self, thread: threading.Thread, timeout: float | None) -> None:
         thread.join(timeout=timeout)
         if thread.is_alive():
             logger.warning("The generation thread did not stop within %s s.", timeout)
@@ -159,25 +169,27 @@ class LoopBatchingManager:
     @contextmanager
     def session(self, warmup: bool, block: bool, timeout: float | None, keep_for_next_session: bool):
         """`continuous_batching_context_manager`'s block: the loop runs from the first open session (of any thread) to
-        the last closed one, which stops it (and destroys the manager unless `keep_for_next_session`): a session of
-        one thread never stops the loop under another's requests, nor starts a second loop on the same slots."""
+        the last closed one, which stops it (and drops the slots unless `keep_for_next_session`): a session of one
+        thread never stops the loop under another's requests, nor starts a second loop on the same slots. No lock is
+        held while a loop is waited for (a pause holder's `stop` gets through)."""
         with self._control:
-            if warmup and not self.warmed_up:
+            if warmup and not self.warmed_up and not self.is_running():  # (a compiled warmup runs on the slots)
                 self.warmup()
-            if not self.is_running() or self.background_thread_status.local_status != BackgroundThreadStatus.DONT_STOP:
-                self.start()
             self._sessions += 1
         try:
+            if not self.is_running() or self.background_thread_status.local_status != BackgroundThreadStatus.DONT_STOP:
+                self.start()
             yield self
         finally:
             with self._control:
                 self._sessions -= 1
-                if self._sessions == 0:
-                    self.stop(block=block, timeout=timeout, keep_for_next_session=keep_for_next_session)
-                    if not keep_for_next_session:
-                        self.destroy()
+                last, thread = self._sessions == 0, self._generation_thread
+                if last and thread is not None:
+                    self.stop(block=False, keep_for_next_session=keep_for_next_session)
                 elif keep_for_next_session:
                     self.model._cached_continuous_batching_manager = self
+            if last and thread is not None and block:
+                self._join(thread, timeout)
 
     def destroy(self) -> None:
         """Stop the thread if it runs; the manager cannot be restarted after this."""
@@ -240,7 +252,9 @@ class LoopBatchingManager:
             if problem:
                 self.output_router.fail_and_deliver(state, ValueError(f"request {request_id}: {problem}"))
                 return request_id
-            self._warn_past_positions(len(ids) + max_new)
+            if not self._past_positions_warned and (warning := past_positions(self.model, len(ids) + max_new)):
+                self._past_positions_warned = True  # (once per manager)
+                logger.warning(warning)
             self.input_queue.put(state)
         except BaseException:  # Ctrl-C before the put: the id must not stay open with no request behind it
             if all(queued is not state for queued in list(self.input_queue.queue)):
@@ -254,16 +268,6 @@ class LoopBatchingManager:
         with self._request_lock:
             request_id, self._request_counter = f"req_{self._request_counter}", self._request_counter + 1
         return request_id
-
-    def _warn_past_positions(self, length: int) -> None:
-        """Warn once of a request (prompt + max_new_tokens) longer than the model's positions: unless it stops at an
-        EOS id first, it decodes past the positions the model was trained for (`generate` warns once it does)."""
-        limit = getattr(self.model.config, "max_position_embeddings", None)
-        if limit and length > limit and not self._past_positions_warned:
-            self._past_positions_warned = True
-            logger.warning("continuous batching: a request of %s positions (prompt + max_new_tokens) is longer than "
-                           "the model's max_position_embeddings=%s; unless it stops at an EOS id first, it decodes "
-                           "past the positions the model was trained for.", length, limit)
 
     def add_requests(self, inputs, max_new_tokens: int | None = None, streaming: bool = False,
                      record_timestamps: bool = False, **logit_processor_kwargs) -> list[str]:

@@ -258,6 +258,17 @@ REPLACING = ("; a manager kept by persistent_manager=True is sized by its first 
              "call model.destroy_cached_continuous_batching_manager() before starting the larger one")
 
 
+def past_positions(model, length: int) -> str | None:
+    """The warning for a request of `length` positions (prompt + max_new_tokens) past the model's: unless it stops at
+    an EOS id first, it decodes past the positions the model was trained for (`generate` warns once it does)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and length > limit:
+        return (f"continuous batching: a request of {length} positions (prompt + max_new_tokens) is longer than the "
+                f"model's max_position_embeddings={limit}; unless it stops at an EOS id first, it decodes past the "
+                "positions the model was trained for.")
+    return None
+
+
 def request_problem(settings: ManagerSettings, input_ids, max_new_tokens, eos, extra: dict) -> str | None:
     """Why a request cannot run on a manager with `settings`, or None (each message names the value and the fix)."""
     if not isinstance(input_ids, (list, tuple)) or not input_ids:
