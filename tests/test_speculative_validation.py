@@ -13,6 +13,7 @@ from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
 from speculative_utils import PAD, named_modes, paged_cache, plain, tiny_spec_model
 from transformers import EosTokenCriteria, GenerationConfig, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation import GenerationMixin
 
 from hf_loopspec import OuroForCausalLM
 from hf_loopspec.generation import columns, decoder
@@ -46,6 +47,13 @@ class CountingCore:
             monkeypatch.setattr(model, name, counted)
 
 
+def own_loop(model, *args, **kwargs) -> torch.Tensor:
+    """A `custom_generate` decoding loop: transformers' own greedy/sampling loop, returning the sequences alone (a
+    tensor, whatever `return_dict_in_generate` says, as a custom loop may)."""
+    out = GenerationMixin._sample(model, *args, **kwargs)
+    return out if torch.is_tensor(out) else out.sequences
+
+
 BAD = [
     ({"speculative_mode": "pipeline", "draft_loops": 0}, r"draft_loops=0"),
     ({"speculative_mode": "block", "draft_loops": 0}, r"draft_loops=0"),
@@ -57,6 +65,8 @@ BAD = [
     ({"speculative_mode": "block", "num_speculative_tokens": 0}, r"num_speculative_tokens=0"),
     ({"speculative_mode": "block", "num_speculative_tokens": -2}, r"num_speculative_tokens=-2"),
     ({"speculative_mode": "tree"}, r"speculative_mode='tree'"),
+    ({"speculative_mode": "pipeline", "custom_generate": own_loop}, r"callable custom_generate"),
+    ({"speculative_mode": "block", "custom_generate": own_loop}, r"speculative_mode='block' .* callable custom_gen"),
     ({"speculative_mode": "pipeline", "num_beams": 2}, r"num_beams=2"),
     ({"speculative_mode": "block", "num_beams": 2}, r"num_beams=2"),
     ({"speculative_mode": "pipeline", "prompt_lookup_num_tokens": 3}, r"prompt_lookup_num_tokens=3"),
@@ -105,6 +115,19 @@ def test_invalid_arguments_raise_before_any_work(model, inputs, monkeypatch, kwa
     with pytest.raises(ValueError, match=message):
         model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=PAD, **kwargs)
     assert counter.calls == 0
+
+
+@pytest.mark.parametrize("return_dict", [False, True])
+def test_auto_with_a_decoding_loop_of_ones_own_runs_that_loop(model, inputs, return_dict):
+    """A callable `custom_generate` replaces generate's loop: pipeline and block raise (above; they ran the custom
+    loop without a word), auto decodes plainly through it (it crashed on a loop returning a tensor) and returns
+    what it returns, as `speculative_mode=None` does."""
+    ids, mask = inputs
+    settings = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=PAD,
+                    custom_generate=own_loop, return_dict_in_generate=return_dict)
+    out = model.generate(ids, speculative_mode="auto", **settings)
+    assert torch.is_tensor(out) and torch.equal(out, model.generate(ids, speculative_mode=None, **settings))
+    assert torch.equal(out, plain(model, ids, mask, 6).sequences)
 
 
 def test_pipeline_with_u_not_multiple_of_d_names_the_loop_count(model, inputs):

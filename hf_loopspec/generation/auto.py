@@ -55,7 +55,14 @@ from ..defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
 from .auto_calibration import costs_for
 from .auto_costs import PLAIN, Candidate, CostTable, observe
 from .auto_policy import AutoChoice, AutoStats, Chooser, policy_for, remember, remembered
-from .config import AUTO_MODE, SPECULATIVE_KEYS, check_generation_mode, merged_config, resolve_speculative
+from .config import (
+    AUTO_MODE,
+    SPECULATIVE_KEYS,
+    check_generation_mode,
+    merged_config,
+    requested_mode,
+    resolve_speculative,
+)
 from .inputs import as_integer, bos_prompt, check_generation_values, check_left_padded
 from .model_checks import execution_device, model_fallback
 from .stats import SequenceStats, SpeculationStats
@@ -70,12 +77,8 @@ NEUTRAL = {"encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0,
 
 
 def requested(model, kwargs: dict) -> bool:
-    """Whether a `generate` call with `kwargs` asks for auto: its own `speculative_mode`, else its generation
-    config's, else (that one unset, as transformers merges a passed config over the model's) the model's."""
-    if "speculative_mode" in kwargs:
-        return kwargs["speculative_mode"] == AUTO_MODE
-    mode = getattr(kwargs.get("generation_config"), "speculative_mode", None)
-    return (mode if mode is not None else getattr(model.generation_config, "speculative_mode", None)) == AUTO_MODE
+    """Whether a `generate` call with `kwargs` asks for auto (`config.requested_mode`)."""
+    return requested_mode(model, kwargs) == AUTO_MODE
 
 
 def _setting(kwargs: dict, config, key: str):

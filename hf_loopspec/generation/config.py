@@ -169,6 +169,28 @@ def compile_backend(compile_core) -> str | None:
     return compile_core
 
 
+def requested_mode(model, kwargs: dict):
+    """The `speculative_mode` a `generate` call with `kwargs` asks for: its own, else its generation config's, else
+    (that one unset, as transformers merges a passed config over the model's) the model's."""
+    if "speculative_mode" in kwargs:
+        return kwargs["speculative_mode"]
+    mode = getattr(kwargs.get("generation_config"), "speculative_mode", None)
+    return mode if mode is not None else getattr(model.generation_config, "speculative_mode", None)
+
+
+def for_custom_loop(model, kwargs: dict) -> dict:
+    """`kwargs` of a `generate` call whose `custom_generate` is a callable, a decoding loop that replaces generate's
+    own (and so the speculative one): auto, free to decode plainly, does so; pipeline or block raise a `ValueError`
+    (their loop would not run, without a word)."""
+    mode = requested_mode(model, kwargs)
+    if mode == AUTO_MODE:
+        return {**kwargs, "speculative_mode": None}
+    if mode is not None:
+        raise ValueError(f"speculative_mode={mode!r} cannot be combined with a callable custom_generate: a decoding "
+                         "loop of your own replaces the speculative one; pass speculative_mode=None.")
+    return kwargs
+
+
 def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_config, assistant_model) -> None:
     """Reject combinations of a speculative mode with other decoding strategies."""
     if assistant_model is not None or generation_mode == GenerationMode.ASSISTED_GENERATION:

@@ -37,6 +37,7 @@ from .config import (
     SPECULATIVE_KEYS,
     SpeculativeConfig,
     check_generation_mode,
+    for_custom_loop,
     resolve_speculative,
     speculative_config,
 )
@@ -95,6 +96,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         check_inputs(ids, kwargs.get("attention_mask"), cache, vocab_size=self.config.vocab_size)
         check_cache_use(kwargs, self.generation_config)
+        if callable(kwargs.get("custom_generate")):
+            kwargs = for_custom_loop(self, kwargs)
         if isinstance(cache, Cache) and cache.get_seq_length():
             check_assisted_continuation(kwargs, self.generation_config, cache.get_seq_length())
         with cache.kept_on_error() if isinstance(cache, PagedLoopCache) else nullcontext():
