@@ -130,6 +130,21 @@ def test_cached_decoding_equals_full_forward(variant, cache_kind):
     assert_fp32_close(torch.cat(steps, dim=1), full, **huginn_depth(model.config, 3))
 
 
+def test_beam_search_with_random_states_equals_full_recomputation():
+    """Beam search reorders the beams between steps: states keyed by the batch row made a beam's cached tokens carry
+    another row's states, so the cached search chose other beams than the same search recomputed in full. A beam's
+    tokens now draw their prompt's states, the same wherever the beam moves."""
+    model, _ = tiny_huginn(seed=2, damp=0.5)
+    ids, mask = left_pad([random_ids((6,), VOCAB, seed=4), random_ids((4,), VOCAB, seed=5)])
+    settings = dict(attention_mask=mask, max_new_tokens=10, num_beams=3, num_return_sequences=2, init_scale=1.0,
+                    init_seed=123, speculative_mode=None, return_dict_in_generate=True, output_scores=True)
+    cached, full = (model.generate(ids, use_cache=use_cache, **settings) for use_cache in (True, False))
+    assert torch.equal(cached.sequences, full.sequences)
+    # a beam's score is its per-token log-probabilities over its length: each within a forward's bound
+    assert_fp32_close(cached.sequences_scores, full.sequences_scores,
+                      **huginn_depth(model.config, model.config.mean_recurrence))
+
+
 def test_static_cache_generate_equals_dynamic():
     model, _ = tiny_huginn("retrofitted", seed=8)
     ids, mask = left_pad([random_ids(n, VOCAB, seed=n) for n in (5, 2)], PAD)

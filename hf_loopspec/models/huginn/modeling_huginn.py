@@ -43,7 +43,7 @@ from ..layers import (
 )
 from ..loops import forward_rows
 from .configuration_huginn import HuginnConfig
-from .recurrence import GENERATION_KEYS, OPEN_BLOCKS, Recurrence, state_seed, updated
+from .recurrence import GENERATION_KEYS, OPEN_BLOCKS, Recurrence, beam_rows, state_seed, updated
 
 Rope = Callable[[torch.Tensor], torch.Tensor]  # rotates q or k `[*rows, heads, D]` at the call's positions
 
@@ -213,7 +213,8 @@ class HuginnModel(HuginnPreTrainedModel):
 
     def initial_state(self, sequences: torch.Tensor, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """`[*rows, n_embd]`: zeros for init_scale 0, else per token a normal(0, std * init_scale) cut at 3 std,
-        times embed_scale, drawn from a generator keyed by (init_seed, sequence, position)."""
+        times embed_scale, drawn from a generator keyed by (init_seed, sequence, position) (`beam_rows`: a beam's
+        sequence is its prompt's)."""
         scale, seed = self.settings.init_scale, self.settings.init_seed
         if scale == 0:
             return like.new_zeros(like.shape)
@@ -221,7 +222,7 @@ class HuginnModel(HuginnPreTrainedModel):
             raise ValueError("init_scale > 0 needs a seed to key the initial states: call forward or generate, or "
                              "run inside `model.recurrence(init_seed=...)`.")
         std = self.config.init_std * scale
-        keys = zip(sequences.reshape(-1).tolist(), positions.reshape(-1).tolist())
+        keys = zip((sequences // self.settings.beams).reshape(-1).tolist(), positions.reshape(-1).tolist())
         states = torch.empty(sequences.numel(), self.config.n_embd)
         for row, (sequence, position) in zip(states, keys):
             generator = torch.Generator().manual_seed(state_seed(seed, sequence, position))
@@ -375,7 +376,9 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
         state for the same token (use `init_scale=0` or a fixed `init_seed` for reproducible outputs). A setting not
         passed here comes from the generation config (passed, else the model's), else an open `recurrence` block."""
         config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or self.generation_config
-        with self.call_block(config, num_steps=num_steps, init_scale=init_scale, init_seed=init_seed):
+        beams = kwargs.get("num_beams") or getattr(config, "num_beams", None) or 1
+        with self.call_block(config, num_steps=num_steps, init_scale=init_scale, init_seed=init_seed), \
+                beam_rows(self.transformer, int(beams)):
             return super().generate(*args, **kwargs)
 
     def call_block(self, generation_config, **given):

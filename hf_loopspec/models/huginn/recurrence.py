@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
@@ -27,12 +28,28 @@ class Recurrence:
     num_steps: int
     init_scale: float
     init_seed: int | None
+    beams: int = 1  # consecutive batch rows of one prompt (beam search), keyed as one sequence: `beam_rows`
 
 
 OPEN_BLOCKS: ContextVar[dict[int, Recurrence] | None] = ContextVar("huginn_recurrence", default=None)
 """The settings of the `recurrence` blocks open in this thread (or asyncio task), keyed by `id(HuginnModel)`: a
 call's settings never live on the shared model, so threads decoding one model with different settings do not
 interfere. Never mutated: a block sets a new dict and restores the previous one on exit."""
+
+
+@contextmanager
+def beam_rows(model, beams: int):
+    """Inside the block, `model`'s (a `HuginnModel` in an open `recurrence` block) batch rows are `beams` beams per
+    prompt, whose tokens draw the states of their prompt's (sequence = row // beams): beam search reorders the beams
+    between steps, so a state keyed by the row would no longer be the one the beam's cached tokens were drawn with."""
+    if beams <= 1:
+        yield
+        return
+    token = OPEN_BLOCKS.set({**OPEN_BLOCKS.get(), id(model): replace(model.settings, beams=beams)})
+    try:
+        yield
+    finally:
+        OPEN_BLOCKS.reset(token)
 
 
 def state_seed(seed: int, sequence: int, position: int) -> int:
