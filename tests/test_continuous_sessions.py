@@ -9,6 +9,7 @@ every request is plain greedy `generate` of it alone (fp32).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -153,3 +154,38 @@ def test_a_block_joining_a_running_loop_does_not_warm_up_its_slots(model, monkey
     with model.continuous_batching_context_manager(**{**kept, "warmup": True}):
         pass
     assert warmups == [False]  # the second block joined a running loop; the third started one
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_a_block_ended_inside_its_own_threads_pause_does_not_wait_forever(model, stopping):
+    """A block that ends (or starts on a loop that is ending) inside its thread's pause: the loop it would wait for
+    cannot end while the pause holds it. The block ends without waiting; the loop ends once the pause is left."""
+    kept = _kept(model)
+    model.generate_batch(prompts(2, [4]), **kept)
+    manager = model._cached_continuous_batching_manager
+    manager.start()
+
+    def block_in_pause():
+        with manager.pause():
+            if stopping:
+                manager.stop(block=False, keep_for_next_session=True)
+            with contextlib.suppress(RuntimeError), model.continuous_batching_context_manager(**kept):
+                pass
+            return manager._sessions
+
+    sessions, errors, hung = _in_threads([block_in_pause])
+    assert (errors, hung, sessions) == ([], 0, [0])
+    manager.join(timeout=WAIT_S)
+    assert not manager.is_running()
+
+
+def test_a_manager_destroyed_inside_a_kept_block_is_not_kept_again(model):
+    """`destroy_cached_continuous_batching_manager()` inside a `persistent_manager=True` block: the block's end kept
+    the destroyed manager again, and a later call with other settings was refused."""
+    model.generate_batch(prompts(2, [4]), **_kept(model))
+    with model.continuous_batching_context_manager(**_kept(model)):
+        model.destroy_cached_continuous_batching_manager()
+    assert getattr(model, "_cached_continuous_batching_manager", None) is None
+    other = dict(generation_config=generation_config({}), continuous_batching_config=batching())
+    out = model.generate_batch(prompts(3, [5]), **other)
+    assert [r.generated_tokens for r in out.values()] == [alone(model, prompts(3, [5])[0], 8)]

@@ -130,14 +130,21 @@ def test_cached_decoding_equals_full_forward(variant, cache_kind):
     assert_fp32_close(torch.cat(steps, dim=1), full, **huginn_depth(model.config, 3))
 
 
-def test_beam_search_with_random_states_equals_full_recomputation():
+@pytest.mark.parametrize("beams_from", ["argument", "the model's generation config"])
+def test_beam_search_with_random_states_equals_full_recomputation(beams_from):
     """Beam search reorders the beams between steps: states keyed by the batch row made a beam's cached tokens carry
     another row's states, so the cached search chose other beams than the same search recomputed in full. A beam's
-    tokens now draw their prompt's states, the same wherever the beam moves."""
+    tokens now draw their prompt's states, the same wherever the beam moves, also when `num_beams` comes from the
+    model's generation config under a passed one (which transformers fills from it)."""
     model, _ = tiny_huginn(seed=2, damp=0.5)
     ids, mask = left_pad([random_ids((6,), VOCAB, seed=4), random_ids((4,), VOCAB, seed=5)])
-    settings = dict(attention_mask=mask, max_new_tokens=10, num_beams=3, num_return_sequences=2, init_scale=1.0,
-                    init_seed=123, speculative_mode=None, return_dict_in_generate=True, output_scores=True)
+    settings = dict(attention_mask=mask, max_new_tokens=10, num_return_sequences=2, init_scale=1.0, init_seed=123,
+                    speculative_mode=None, return_dict_in_generate=True, output_scores=True)
+    if beams_from == "argument":
+        settings["num_beams"] = 3
+    else:
+        model.generation_config.num_beams = 3
+        settings["generation_config"] = GenerationConfig(pad_token_id=model.generation_config.pad_token_id)
     cached, full = (model.generate(ids, use_cache=use_cache, **settings) for use_cache in (True, False))
     assert torch.equal(cached.sequences, full.sequences)
     # a beam's score is its per-token log-probabilities over its length: each within a forward's bound

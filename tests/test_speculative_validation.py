@@ -130,6 +130,30 @@ def test_auto_with_a_decoding_loop_of_ones_own_runs_that_loop(model, inputs, ret
     assert torch.equal(out, plain(model, ids, mask, 6).sequences)
 
 
+REPO_GENERATE = """
+import torch
+
+
+def generate(model, inputs=None, generation_config=None, **kwargs):
+    ids = inputs
+    for _ in range(kwargs["max_new_tokens"]):
+        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids
+"""
+
+
+def test_auto_hands_a_repos_generate_the_whole_call(model, inputs, tmp_path):
+    """`custom_generate="<repo or folder>"` replaces the whole `generate` call (the repo's function gets every
+    argument): auto ran it for each segment of its own and crashed on the tensor it returned. It runs the call,
+    and its output is returned."""
+    (tmp_path / "custom_generate").mkdir()
+    (tmp_path / "custom_generate" / "generate.py").write_text(REPO_GENERATE)
+    ids = inputs[0][:1, -4:]  # (one unpadded row: the function above knows no mask)
+    out = model.generate(ids, max_new_tokens=6, custom_generate=str(tmp_path), trust_remote_code=True,
+                         speculative_mode="auto", return_dict_in_generate=True)
+    assert torch.is_tensor(out) and torch.equal(out, plain(model, ids, None, 6).sequences)
+
+
 def test_pipeline_with_u_not_multiple_of_d_names_the_loop_count(model, inputs):
     ids, mask = inputs
     with pytest.raises(ValueError, match=r"\(4\)") as info:

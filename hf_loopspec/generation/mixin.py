@@ -96,6 +96,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         check_inputs(ids, kwargs.get("attention_mask"), cache, vocab_size=self.config.vocab_size)
         check_cache_use(kwargs, self.generation_config)
+        if isinstance(kwargs.get("custom_generate"), str):  # a repo's generate replaces the whole call: transformers
+            return super().generate(*args, **kwargs)  # hands it every argument, speculative_mode included
         if callable(kwargs.get("custom_generate")):
             kwargs = for_custom_loop(self, kwargs)
         if isinstance(cache, Cache) and cache.get_seq_length():

@@ -184,12 +184,12 @@ class LoopBatchingManager:
             with self._control:
                 self._sessions -= 1
                 last, thread = self._sessions == 0, self._generation_thread
-                if last and thread is not None:
+                if thread is not None and last:  # (None: stopped or destroyed by a caller: nothing to stop or keep)
                     self.stop(block=False, keep_for_next_session=keep_for_next_session)
-                elif keep_for_next_session:
+                elif thread is not None and keep_for_next_session:
                     self.model._cached_continuous_batching_manager = self
-            if last and thread is not None and block:
-                self._join(thread, timeout)
+            if last and thread is not None and block and not self._pauses[threading.get_ident()]:
+                self._join(thread, timeout)  # (a loop this thread holds paused ends once the pause is left)
 
     def destroy(self) -> None:
         """Stop the thread if it runs; the manager cannot be restarted after this."""
