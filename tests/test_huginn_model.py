@@ -152,6 +152,18 @@ def test_beam_search_with_random_states_equals_full_recomputation(beams_from):
                       **huginn_depth(model.config, model.config.mean_recurrence))
 
 
+def test_num_beams_1_passed_over_a_beam_search_config_keys_states_by_row():
+    """`num_beams=1` given to `generate` wins over the model's generation config's 3 (as in transformers): the
+    call decodes greedily, with each row's own states, as on a model whose config has no beams."""
+    model, _ = tiny_huginn(seed=2, damp=0.5)
+    ids = random_ids((3, 5), VOCAB, seed=6)
+    settings = dict(max_new_tokens=6, init_scale=1.0, init_seed=7, speculative_mode=None)
+    model.generation_config.num_beams = 3
+    over = model.generate(ids, num_beams=1, **settings)
+    model.generation_config.num_beams = 1
+    assert torch.equal(over, model.generate(ids, **settings))
+
+
 def test_static_cache_generate_equals_dynamic():
     model, _ = tiny_huginn("retrofitted", seed=8)
     ids, mask = left_pad([random_ids(n, VOCAB, seed=n) for n in (5, 2)], PAD)

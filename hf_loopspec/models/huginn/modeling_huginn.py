@@ -376,8 +376,10 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
         state for the same token (use `init_scale=0` or a fixed `init_seed` for reproducible outputs). A setting not
         passed here comes from the generation config (passed, else the model's), else an open `recurrence` block."""
         config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or self.generation_config
-        beams = (getattr(config, "num_beams", None), self.generation_config.num_beams)  # (a passed config's 1, the
-        beams = kwargs.get("num_beams") or next((n for n in beams if n not in (None, 1)), 1)  # default: the model's)
+        # num_beams as transformers resolves it: the argument, else a passed config's (its default 1: the model's)
+        configured = next((n for n in (getattr(config, "num_beams", None), self.generation_config.num_beams)
+                           if n not in (None, 1)), 1)
+        beams = kwargs["num_beams"] if kwargs.get("num_beams") is not None else configured
         with self.call_block(config, num_steps=num_steps, init_scale=init_scale, init_seed=init_seed), \
                 beam_rows(self.transformer, int(beams)):
             return super().generate(*args, **kwargs)
