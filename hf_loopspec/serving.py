@@ -14,28 +14,28 @@ Every option is `transformers serve`'s own (`--port`, `--host`, `--continuous-ba
 
 Requests decode as `model.generate` does with the checkpoint's generation config, so a checkpoint whose
 `generation_config.json` names a `speculative_mode` is served speculatively (the embedded model: auto). What a
-request can set is what transformers' handlers forward: `max_tokens` (chat: also `max_completion_tokens`; unset:
-the checkpoint's `max_new_tokens`, raised to 1024), `temperature` (0: greedy; otherwise `do_sample` stays the
+request can set is what transformers' handlers forward: `max_tokens` (chat: also `max_completion_tokens`; unset: the
+checkpoint's `max_new_tokens`, raised to 1024), `temperature` (0: greedy; otherwise `do_sample` stays the
 checkpoint's), `top_p`, `seed` (torch's global seed), `frequency_penalty` (repetition_penalty = 1 + it), `stop` (stop
-strings), chat's `logit_bias` (its whole numbers passed on as floats; refused on /v1/completions, whose handler
-drops it), and `generation_config`: a JSON string of generation settings (`speculative_mode`
-"pipeline" or "block", `draft_loops`, `num_speculative_tokens`, `do_sample`, `top_k`, ...); `generate` fills the keys
-it leaves unset from the checkpoint's config, so a request cannot turn a checkpoint's speculative default off (null
-counts as unset). With `--continuous-batching`, transformers builds one manager from the first request's settings
-(5.25: from the checkpoint's generation config, as the model loads) and forwards only `max_tokens` and the EOS of
-later ones; a later request whose other settings differ, and a request the manager cannot serve, get HTTP 400 with
-the reason (`serving_batching`; 5.25: `serving_engine`). Requests name the model as the server was
-given it (`GET /v1/models` lists it: the embedded model's folder by default) or leave it out. A request that sets
-`n`, `best_of`, `logprobs`, `top_logprobs`, `echo` or `presence_penalty` to anything but its default, or a token
-limit that is not a whole number >= 1, gets HTTP 400 with the reason (`request_problem`; transformers would ignore
-them, or round 1.5 down, with a line in the server's log only). HTTP errors, a body that is not JSON or nests too deeply
-included, and a stream's error event come in OpenAI's error shape (`openai_errors`), so an `openai` client's exception
-says why; `suffix`, `tools`, a `response_format` and the Responses API's `text.format`, `previous_response_id` and
-`include`, which transformers' handlers would drop, get HTTP 400 too, and so do values they would fail on with a bare
-500 (`value_problem`: a lone surrogate, a numeric `stop`, `messages` as a string or without roles, a chat request
-without `messages` or a Responses one without `input`, a `generation_config` that is not a JSON object's text) and a
-`temperature` or `top_p` out of range. An empty `stop` list means no stop, as in OpenAI's API. A client that leaves
-before its answer ends its request quietly (no error in the server's log).
+strings), chat's `logit_bias` (its whole numbers passed on as floats; refused on /v1/completions, whose handler drops
+it), and `generation_config`: a JSON string of generation settings (`speculative_mode` "pipeline" or "block",
+`draft_loops`, `num_speculative_tokens`, `do_sample`, `top_k`, ...); `generate` fills the keys it leaves unset from
+the checkpoint's config, so a request cannot turn a checkpoint's speculative default off (null counts as unset). With
+`--continuous-batching`, transformers builds one manager from the first request's settings (5.25: from the
+checkpoint's generation config, as the model loads) and forwards only `max_tokens` and the EOS of later ones; a later
+request whose other settings differ, and a request the manager cannot serve, get HTTP 400 with the reason
+(`serving_batching`; 5.25: `serving_engine`). Requests name the model as the server was given it (`GET /v1/models`
+lists it: the embedded model's folder by default) or leave it out. A request that sets `n`, `best_of`, `logprobs`,
+`top_logprobs`, `echo` or `presence_penalty` to anything but its default, or a token limit that is not a whole number
+>= 1, gets HTTP 400 with the reason (`request_problem`; transformers would ignore them, or round 1.5 down, with a
+line in the server's log only). HTTP errors, a body that is not JSON or nests too deeply included, and a stream's
+error event come in OpenAI's error shape (`openai_errors`), so an `openai` client's exception says why; `suffix`,
+`tools`, a `response_format` and the Responses API's `text.format`, `previous_response_id` and `include`, which
+transformers' handlers would drop, get HTTP 400 too, and so do values they would fail on with a bare 500
+(`value_problem`: a lone surrogate, a numeric `stop`, `messages` as a string or without roles, content parts without
+a type, a chat request without `messages` or a Responses one without `input`, a `generation_config` that is not a
+JSON object's text) and a `temperature` or `top_p` out of range. An empty `stop` list means no stop, as in OpenAI's
+API. A client that leaves before its answer ends its request quietly (no error in the server's log).
 """
 
 from __future__ import annotations
@@ -222,6 +222,12 @@ def as_transformers_reads(body: dict) -> dict:
     return body
 
 
+def _typed_parts(content) -> bool:
+    """Whether a message's `content` is what transformers' handlers read: text (or none), or a list of parts, each
+    an object with its `type` (they index it)."""
+    return not isinstance(content, list) or all(isinstance(part, dict) and "type" in part for part in content)
+
+
 def value_problem(body: dict) -> str | None:
     """Why a field of `body` has a value the server cannot take (text that is not Unicode, a `stop` that is not text,
     `messages` that are not a list of messages, a `generation_config` that is not a JSON object's text, a sampling
@@ -237,13 +243,16 @@ def value_problem(body: dict) -> str | None:
         return f"stop={stop!r} must be a non-empty string or a list of them (an empty list: no stop)."
     messages = body.get("messages")
     if messages is not None and not (isinstance(messages, list) and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
-        return (f"messages={messages!r} must be a list of messages, each with its role "
-                '({"role": ..., "content": ...}).')
+            isinstance(m, dict) and isinstance(m.get("role"), str) and _typed_parts(m.get("content"))
+            for m in messages)):
+        return (f"messages={messages!r} must be a list of messages, each with its role and its content as text or "
+                'parts with a type ({"role": ..., "content": ...}).')
     given = body.get("input")
     if given is not None and not (isinstance(given, str) or isinstance(given, list) and all(
-            isinstance(item, dict) for item in given)):
-        return f"input={given!r} must be a string or a list of items (messages, content parts)."
+            isinstance(item, dict) and (_typed_parts(item.get("content")) if "role" in item else _typed_parts([item]))
+            for item in given)):
+        return (f"input={given!r} must be a string or a list of items: messages (with a role, their content text "
+                "or parts with a type) or content parts with a type.")
     config = body.get("generation_config")
     if config is not None:
         try:

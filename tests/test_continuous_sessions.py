@@ -179,11 +179,16 @@ def test_a_block_ended_inside_its_own_threads_pause_does_not_wait_forever(model,
     assert not manager.is_running()
 
 
-def test_a_manager_destroyed_inside_a_kept_block_is_not_kept_again(model):
-    """`destroy_cached_continuous_batching_manager()` inside a `persistent_manager=True` block: the block's end kept
-    the destroyed manager again, and a later call with other settings was refused."""
+@pytest.mark.parametrize("loop", ["running", "ended before"])
+def test_a_manager_destroyed_inside_a_kept_block_is_not_kept_again(model, loop):
+    """`destroy_cached_continuous_batching_manager()` inside a `persistent_manager=True` block (its loop running, or
+    already ended by a `stop(block=False)`): the block's end kept the destroyed manager again, and a later call with
+    other settings was refused."""
     model.generate_batch(prompts(2, [4]), **_kept(model))
-    with model.continuous_batching_context_manager(**_kept(model)):
+    with model.continuous_batching_context_manager(**_kept(model)) as manager:
+        if loop == "ended before":
+            manager.stop(block=False)
+            manager._generation_thread.join(WAIT_S)
         model.destroy_cached_continuous_batching_manager()
     assert getattr(model, "_cached_continuous_batching_manager", None) is None
     other = dict(generation_config=generation_config({}), continuous_batching_config=batching())

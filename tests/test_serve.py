@@ -581,6 +581,10 @@ def test_a_request_field_the_server_cannot_honour_is_refused(body, message):
                                                                   "with its role"),
     ("/v1/responses", {"input": None}, r"input is missing: a request to /v1/responses needs its input"),
     ("/v1/responses", {"input": 5}, r"input=5 must be a string or a list of items"),
+    ("/v1/responses", {"input": [{"content": "hi"}]}, r"input=.* must be a string or a list of items"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"text": "hi"}]}]}, r"input=.* or a list of items"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"text": "hi"}]}]},
+     r"messages=.* its content as text or parts with a type"),
     ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_object"}}},
      r"text.format=\{'type': 'json_object'\} is not supported: this server does not constrain"),
     ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"},
@@ -593,9 +597,13 @@ def test_what_a_handler_needs_or_would_drop_is_refused(path, body, message):
     failed in transformers' handlers with a bare HTTP 500; the Responses API's output format, earlier response and
     extra output were dropped with only a line in the server's log."""
     assert re.search(message, serving.request_problem(body, path=path))
-    fine = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
-            "/v1/responses": {"input": "hi", "text": {"format": {"type": "text"}}, "include": []}}[path]
-    assert serving.request_problem(fine, path=path) is None
+    fine = {"/v1/chat/completions": [{"messages": [{"role": "user", "content": "hi"}]},
+                                     {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}],
+            "/v1/responses": [{"input": "hi", "text": {"format": {"type": "text"}}, "include": []},
+                              {"input": [{"type": "input_text", "text": "hi"}]},
+                              {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                                         {"role": "assistant", "content": "hello"}]}]}[path]
+    assert [serving.request_problem(body, path=path) for body in fine] == [None] * len(fine)
 
 
 def test_a_token_limit_that_reaches_the_models_positions_is_refused():

@@ -88,6 +88,7 @@ class LoopBatchingManager:
         # transformers' name for the device side; built now, so that a manager that cannot run raises here
         self.batch_processor: SlotBatch | None = SlotBatch(model, self.settings)
         self.warmed_up = False
+        self.destroyed = False  # by `destroy`: never kept for a next session again
 
     # --- control -----------------------------------------------------------------------------------------------
 
@@ -105,8 +106,7 @@ class LoopBatchingManager:
 
     def is_running(self) -> bool:
         """Whether the background thread has been started and is alive."""
-        thread = self._generation_thread
-        return thread is not None and thread.is_alive()
+        return (thread := self._generation_thread) is not None and thread.is_alive()
 
     def start(self) -> None:
         """Start the background generation thread. A loop asked to stop (`stop(block=False)`) is waited for first,
@@ -144,17 +144,16 @@ class LoopBatchingManager:
             status = BackgroundThreadStatus.HARD_STOP if hard_stop else BackgroundThreadStatus.FLUSH_AND_STOP
             self.background_thread_status.request_stop(status, 0)
             self._wake_up_loop.set()
-            if keep_for_next_session:
+            if keep_for_next_session and not self.destroyed:
                 self.model._cached_continuous_batching_manager = self
-            else:  # (the loop holds the slots until it ends; a later start builds them again)
+            elif not keep_for_next_session:  # (the loop holds the slots until it ends; a later start builds them again)
                 self.batch_processor = None
         if block:
             self._join(thread, timeout)
 
     def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> None:
         """Wait (at most `timeout` seconds) for the thread to end."""
-        thread = self._generation_thread
-        if thread is not None:
+        if (thread := self._generation_thread) is not None:
             self._join(thread, timeout)
 
     def _join(self, thread: threading.Thread, timeout: float | None) -> None:
@@ -186,13 +185,14 @@ class LoopBatchingManager:
                 last, thread = self._sessions == 0, self._generation_thread
                 if thread is not None and last:  # (None: stopped or destroyed by a caller: nothing to stop or keep)
                     self.stop(block=False, keep_for_next_session=keep_for_next_session)
-                elif thread is not None and keep_for_next_session:
+                elif thread is not None and keep_for_next_session and not self.destroyed:
                     self.model._cached_continuous_batching_manager = self
             if last and thread is not None and block and not self._pauses[threading.get_ident()]:
                 self._join(thread, timeout)  # (a loop this thread holds paused ends once the pause is left)
 
     def destroy(self) -> None:
         """Stop the thread if it runs; the manager cannot be restarted after this."""
+        self.destroyed = True
         if self.is_running():
             self.stop(block=True)
         self.batch_processor = None
