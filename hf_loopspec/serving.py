@@ -248,11 +248,14 @@ def value_problem(body: dict) -> str | None:
         return (f"messages={messages!r} must be a list of messages, each with its role and its content as text or "
                 'parts with a type ({"role": ..., "content": ...}).')
     given = body.get("input")
+    parts = isinstance(given, list) and given and isinstance(given[0], dict) and "role" not in given[0]
     if given is not None and not (isinstance(given, str) or isinstance(given, list) and all(
-            isinstance(item, dict) and (_typed_parts(item.get("content")) if "role" in item else _typed_parts([item]))
+            isinstance(item, dict) and ("role" not in item and "type" in item if parts else
+                                        _typed_parts(item.get("content")) if "role" in item else "type" in item)
             for item in given)):
-        return (f"input={given!r} must be a string or a list of items: messages (with a role, their content text "
-                "or parts with a type) or content parts with a type.")
+        return (f"input={given!r}: give a string, or a list that starts with a message (with a role; content as "
+                "text or typed parts) followed by messages and typed items; a list that starts with no message is "
+                "read as one user message's content parts, each with a type.")
     config = body.get("generation_config")
     if config is not None:
         try:
@@ -303,6 +306,11 @@ def openai_errors(positions: int | None = None) -> None:
         async def refuse(request, error: ValueError) -> JSONResponse:  # a request's settings `generate` refused
             return await answer(request, HTTPException(status_code=400, detail=str(error)))
 
+        async def failed(request, error: Exception) -> JSONResponse:  # any other error of a handler (logged too)
+            return await answer(request, HTTPException(status_code=500, detail=(
+                f"the server failed on this request ({type(error).__name__}: {error}); a field of the request may "
+                "lack what the server reads (see the server's log).")))
+
         async def malformed(request, error) -> JSONResponse:  # FastAPI's 422 for a body it cannot read
             reasons = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in error.errors())
             return await answer(request, HTTPException(status_code=422, detail=f"the request body: {reasons}."))
@@ -334,6 +342,7 @@ def openai_errors(positions: int | None = None) -> None:
         app.add_exception_handler(HTTPException, answer)
         app.add_exception_handler(RequestValidationError, malformed)
         app.add_exception_handler(ValueError, refuse)
+        app.add_exception_handler(Exception, failed)
         app.middleware("http")(check)
         return app
 

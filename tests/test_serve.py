@@ -314,6 +314,9 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
     async def chat(request):
         return JSONResponse(await request.json())
 
+    async def responses(request):  # a handler that fails on what a request lacks
+        raise KeyError("type")
+
     async def completions(request):
         await asyncio.sleep(3)  # a slow answer, which the client below leaves before
         return JSONResponse({})
@@ -321,6 +324,7 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
     app = FastAPI()
     app.router.add_route("/v1/chat/completions", chat, methods=["POST"])
     app.router.add_route("/v1/completions", completions, methods=["POST"])
+    app.router.add_route("/v1/responses", responses, methods=["POST"])
     if hasattr(serving_utils, "CancelOnDisconnect"):  # transformers >= 5.25 cancels a left request's handling
         app.add_middleware(serving_utils.CancelOnDisconnect)
 
@@ -341,6 +345,8 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
         assert all(type(value) is float for value in echoed["logit_bias"].values())
         status, echoed = post(base, "chat/completions", b'{"messages": [], "stop": []}', "application/json")
         assert status == 200 and "stop" not in echoed  # OpenAI's "no stop" (transformers failed on it)
+        status, answer = post(base, "responses", b'{"input": "hi"}', "application/json")  # a bare text 500 before
+        assert status == 500 and "the server failed on this request (KeyError: 'type')" in answer["error"]["message"]
         status, answer = post(base, "completions", json.dumps({"prompt": "x", "logit_bias": bias}).encode(),
                               "application/json")
         assert status == 400 and "logit_bias is not supported on /v1/completions" in answer["error"]["message"]
@@ -348,6 +354,7 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
                               "application/json")
         assert status == 400 and "must map token ids (as strings) to numbers in [-100, 100]" in \
             answer["error"]["message"]
+        caplog.clear()  # (the failing handler above logged its traceback, as it should)
         with caplog.at_level(logging.ERROR), socket.create_connection(("127.0.0.1", port)) as client:
             body = b'{"prompt": "x"}'
             client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -580,9 +587,12 @@ def test_a_request_field_the_server_cannot_honour_is_refused(body, message):
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, r"messages=.* must be a list of messages, each "
                                                                   "with its role"),
     ("/v1/responses", {"input": None}, r"input is missing: a request to /v1/responses needs its input"),
-    ("/v1/responses", {"input": 5}, r"input=5 must be a string or a list of items"),
-    ("/v1/responses", {"input": [{"content": "hi"}]}, r"input=.* must be a string or a list of items"),
-    ("/v1/responses", {"input": [{"role": "user", "content": [{"text": "hi"}]}]}, r"input=.* or a list of items"),
+    ("/v1/responses", {"input": 5}, r"input=5: give a string, or a list that starts with a message"),
+    ("/v1/responses", {"input": [{"content": "hi"}]}, r"input=.*: give a string"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"text": "hi"}]}]}, r"input=.*: give a string"),
+    # transformers reads a list whose first item is no message as one message's parts (it failed on the message)
+    ("/v1/responses", {"input": [{"type": "reasoning", "summary": []}, {"role": "user", "content": "hi"}]},
+     r"a list that starts with no message is read as one user message's content parts"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"text": "hi"}]}]},
      r"messages=.* its content as text or parts with a type"),
     ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_object"}}},
