@@ -35,7 +35,8 @@ transformers' handlers would drop, get HTTP 400 too, and so do values they would
 (`value_problem`: a lone surrogate, a numeric `stop`, `messages` as a string or without roles, content parts without
 a type, a chat request without `messages` or a Responses one without `input`, a `generation_config` that is not a
 JSON object's text) and a `temperature` or `top_p` out of range. An empty `stop` list means no stop, as in OpenAI's
-API. A client that leaves before its answer ends its request quietly (no error in the server's log).
+API. Any other error of a handler is a 500 in OpenAI's error shape, naming it. A client that leaves before its answer
+ends its request quietly (no error in the server's log).
 """
 
 from __future__ import annotations
