@@ -164,6 +164,16 @@ def test_num_beams_1_passed_over_a_beam_search_config_keys_states_by_row():
     assert torch.equal(over, model.generate(ids, **settings))
 
 
+@pytest.mark.parametrize("mode", [None, "pipeline", "auto"])
+def test_num_steps_whose_kv_cannot_fit_raise_before_allocating(mode):
+    """`num_steps=10**9` (e.g. in a served request's generation config): the cache's per-plane records took 16 GB
+    before any check (MemoryError, or the server's model process killed); plain decoding raised a SystemError. One
+    token's KV over 2 * 10**9 + 1 planes exceeds any machine's memory: a `ValueError` names the setting first."""
+    model, _ = tiny_huginn()
+    with pytest.raises(ValueError, match=r"num_steps=1000000000: one token's KV over its 2000000001 planes"):
+        model.generate(random_ids((1, 3), VOCAB), num_steps=10**9, max_new_tokens=3, speculative_mode=mode)
+
+
 def test_static_cache_generate_equals_dynamic():
     model, _ = tiny_huginn("retrofitted", seed=8)
     ids, mask = left_pad([random_ids(n, VOCAB, seed=n) for n in (5, 2)], PAD)

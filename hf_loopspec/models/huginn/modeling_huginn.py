@@ -43,7 +43,7 @@ from ..layers import (
 )
 from ..loops import forward_rows
 from .configuration_huginn import HuginnConfig
-from .recurrence import GENERATION_KEYS, OPEN_BLOCKS, Recurrence, beam_rows, state_seed, updated
+from .recurrence import GENERATION_KEYS, OPEN_BLOCKS, Recurrence, beam_rows, check_steps_fit, state_seed, updated
 
 Rope = Callable[[torch.Tensor], torch.Tensor]  # rotates q or k `[*rows, heads, D]` at the call's positions
 
@@ -382,6 +382,7 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
         beams = kwargs["num_beams"] if kwargs.get("num_beams") is not None else configured
         with self.call_block(config, num_steps=num_steps, init_scale=init_scale, init_seed=init_seed), \
                 beam_rows(self.transformer, int(beams)):
+            check_steps_fit(self)
             return super().generate(*args, **kwargs)
 
     def call_block(self, generation_config, **given):

@@ -52,6 +52,21 @@ def beam_rows(model, beams: int):
         OPEN_BLOCKS.reset(token)
 
 
+def check_steps_fit(model) -> None:
+    """`ValueError` when one token's KV over every plane of `model`'s call (a `HuginnForCausalLM` inside its call's
+    `recurrence` block) takes more than the free memory: a call with such a `num_steps` (say 10**9, from a served
+    request) would fail allocating, or be killed with its server, instead of saying why."""
+    from ...generation.dispatch import free_memory  # (the generation package imports the models)
+
+    layout = model.kv_layout
+    per_token = 2 * layout.num_planes * layout.num_layers * layout.num_kv_heads * layout.head_dim * \
+        model.lane_dtype.itemsize
+    if per_token > free_memory(model.device):
+        raise ValueError(f"num_steps={model.num_loops}: one token's KV over its {layout.num_planes} planes takes "
+                         f"{per_token / 2**30:.1f} GiB, more than the free memory; use fewer steps (the checkpoint's "
+                         f"mean_recurrence is {model.config.mean_recurrence}).")
+
+
 def state_seed(seed: int, sequence: int, position: int) -> int:
     """A generator seed for one token's initial state, mixed from (seed, sequence, position)."""
     mixed = (seed * 0x9E3779B97F4A7C15 + sequence * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) % 2**64
