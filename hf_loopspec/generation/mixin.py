@@ -219,11 +219,12 @@ class LoopSpecGenerationMixin(GenerationMixin):
         """Looped models write one KV per (loop, layer): the default cache is a growing `DynamicCache()` for
         plain decoding and a `PagedLoopCache` for speculative decoding, which needs per-depth planes."""
         user_cache, call = model_kwargs.get("cache"), current_call()
-        per_row = per_row_arguments(self)  # PEFT's adapter_names: plain decoding, on a DynamicCache
-        if per_row and isinstance(user_cache, PagedLoopCache):
+        speculative, paged = self._speculative(generation_config) is not None, isinstance(user_cache, PagedLoopCache)
+        per_row = per_row_arguments(self) if speculative or paged else []  # PEFT's adapter_names: a DynamicCache
+        if per_row and paged:
             raise ValueError(f"cache: PEFT's {' and '.join(per_row)} split each layer's input by batch row, and a "
                              "PagedLoopCache lays the rows out flat; pass a DynamicCache or no cache.")
-        if self._speculative(generation_config) is not None and not per_row:
+        if speculative and not per_row:
             if user_cache is None and generation_config.cache_implementation is not None:
                 logger.warning_once("hf_loopspec: cache_implementation=%r does not apply to speculative decoding, "
                                     "which keeps its KV in a PagedLoopCache (pass speculative_mode=None for that "
