@@ -166,7 +166,7 @@ def test_num_beams_1_passed_over_a_beam_search_config_keys_states_by_row():
 
 @pytest.mark.parametrize("mode", [None, "pipeline", "auto"])
 def test_num_steps_whose_kv_cannot_fit_raise_before_allocating(mode):
-    """`num_steps=10**9` (e.g. in a served request's generation config): the cache's per-plane records took 16 GB
+    """`num_steps=10**9` (e.g. in a served request's generation config): the cache filled its per-plane records
     before any check (MemoryError, or the server's model process killed); plain decoding raised a SystemError. One
     token's KV over 2 * 10**9 + 1 planes exceeds any machine's memory: a `ValueError` names the setting first."""
     model, _ = tiny_huginn()
