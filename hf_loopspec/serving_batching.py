@@ -31,12 +31,16 @@ def effective(model_config, config) -> dict:
 
 
 def settings_problem(model_config, manager_config, request_config,
-                     started_by: str = "the first one, which started the manager") -> str | None:
+                     started_by: str = "the first one, which started the manager", recurrence=None) -> str | None:
     """Why a request with `request_config` cannot join a manager started with `manager_config` (the settings of
-    `started_by`), or None."""
+    `started_by`), or None. `recurrence`: the manager's recurrence settings (a Huginn-family model's
+    `ManagerSettings.recurrence`), the values its unset `num_steps`, `init_scale` and `init_seed` mean."""
     manager, request = effective(model_config, manager_config), effective(model_config, request_config)
     # what an unset key means: None, or the value generate gives it (unset do_sample: greedy, as do_sample=False)
     defaults = {**type(model_config)().to_dict(), **type(model_config)._get_default_generation_params()}
+    if recurrence is not None:
+        defaults.update(num_steps=recurrence.num_steps, init_scale=recurrence.init_scale,
+                        init_seed=recurrence.init_seed)
     sampled = manager.get("do_sample", False) or request.get("do_sample", False)
     keys = sorted((set(manager) | set(request)) - PER_REQUEST - (set() if sampled else SAMPLING))
     differ = {k: (request.get(k, defaults.get(k)), manager.get(k, defaults.get(k))) for k in keys
@@ -45,7 +49,7 @@ def settings_problem(model_config, manager_config, request_config,
         return None
     listed = ", ".join(f"{k}={mine!r} (the manager's: {theirs!r})" for k, (mine, theirs) in list(differ.items())[:6])
     return (f"this request asks for {listed}: with --continuous-batching, every request decodes with the settings of "
-            f"{started_by}; a request may change only max_tokens. Send the same settings, "
+            f"{started_by}; a request may change only max_tokens, its EOS and seed. Send the same settings, "
             "or serve without --continuous-batching for per-request settings.")
 
 
@@ -66,7 +70,8 @@ def install() -> type:
                 super().init_cb(model, gen_config)
             except ValueError as error:
                 raise HTTPException(status_code=400, detail=str(error)) from None
-            problem = settings_problem(model.generation_config, self._cb.generation_config, gen_config)
+            problem = settings_problem(model.generation_config, self._cb.generation_config, gen_config,
+                                       recurrence=self._cb.settings.recurrence)
             if problem:
                 raise HTTPException(status_code=400, detail=problem)
 

@@ -7,8 +7,9 @@ the model's process imports this module, and the loader makes the package's clas
 (`serving.expose_architecture`) before loading. With `--continuous-batching`, the model's process starts one manager
 (`model.init_continuous_batching`) with the checkpoint's generation config as it loads, and its `CBGenerateRunner`
 forwards each request's `max_new_tokens`, EOS ids and sampling settings; `LoopBatchingRunner` forwards
-`max_new_tokens`, EOS and seeds drawn from the request's `seed` (`request_seeds`), and refuses (HTTP 400, with the
-reason) a request whose other settings differ from the manager's (`serving_batching.settings_problem`).
+`max_new_tokens`, EOS and seeds drawn from the request's `seed` (`request_seeds`; a Huginn-family request's own
+`init_seed` over them), and refuses (HTTP 400, with the reason) a request whose other settings differ from the
+manager's (`serving_batching.settings_problem`).
 """
 
 from __future__ import annotations
@@ -43,12 +44,22 @@ class LoopBatchingRunner(utils.CBGenerateRunner):
     def _build_continuous_batching_kwargs(self, generation_kwargs: dict) -> dict:
         from transformers import GenerationConfig
 
+        from .generation.continuous import huginn
+
         seeds = generation_kwargs.pop(REQUEST_SEEDS, {})
+        recurrence = self.manager.settings.recurrence
+        if recurrence is not None and generation_kwargs.get(huginn.REQUEST_KEY) is not None:
+            # a Huginn-family request's own init_seed keys its initial states, as `generate(..., init_seed=S)`
+            seeds = {**seeds, huginn.REQUEST_KEY: generation_kwargs.pop(huginn.REQUEST_KEY)}
+            problem = huginn.request_problem(seeds)
+            if problem:
+                raise ValueError(problem)
         model_config = self.model.generation_config
         request = GenerationConfig(**{key: value for key, value in generation_kwargs.items()
                                       if value is not None and key not in SERVER_SET})
         problem = settings_problem(model_config, self.manager.generation_config, request,
-                                   started_by="the checkpoint's generation config, which started the manager")
+                                   started_by="the checkpoint's generation config, which started the manager",
+                                   recurrence=recurrence)
         if problem:
             raise ValueError(problem)  # the request's fault: an HTTP 400 with the reason
         return {**{key: generation_kwargs[key] for key in ("max_new_tokens", "eos_token_id")}, **seeds}

@@ -488,7 +488,8 @@ def test_the_runner_forwards_a_request_with_the_managers_settings_and_refuses_ot
     checkpoints = transformers.GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=0)
     runner = object.__new__(LoopBatchingRunner)  # only the two configs the check reads
     runner.model = types.SimpleNamespace(generation_config=checkpoints)
-    runner.manager = types.SimpleNamespace(generation_config=checkpoints)
+    runner.manager = types.SimpleNamespace(generation_config=checkpoints,
+                                           settings=types.SimpleNamespace(recurrence=None))  # (no Huginn settings)
     request = {"max_new_tokens": 1024, "eos_token_id": 3, "do_sample": False, "temperature": None, "top_k": None,
                "top_p": None}
     assert runner._build_continuous_batching_kwargs(request) == {"max_new_tokens": 1024, "eos_token_id": 3}
@@ -496,6 +497,32 @@ def test_the_runner_forwards_a_request_with_the_managers_settings_and_refuses_ot
     assert runner._build_continuous_batching_kwargs(compiled) == {"max_new_tokens": 1024, "eos_token_id": 3}
     with pytest.raises(ValueError, match=r"repetition_penalty=1\.3 \(the manager's: "):
         runner._build_continuous_batching_kwargs({**request, "repetition_penalty": 1.3})
+
+
+@pytest.mark.skipif(not OWN_PROCESS, reason="transformers >= 5.25's continuous-batching runner")
+def test_the_runner_reads_a_huginn_request_against_the_managers_recurrence():
+    """A Huginn-family manager's recurrence settings are what its checkpoint leaves unset means: a request restating
+    them joins (before: refused, "num_steps=4 (the manager's: None)"), another num_steps is refused naming both, and
+    the request's own `init_seed` keys its initial states (`add_request(init_seed=...)`), as `generate` takes it."""
+    from hf_loopspec.models.huginn.recurrence import Recurrence
+    from hf_loopspec.serving_engine import LoopBatchingRunner
+
+    checkpoints = transformers.GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=2)
+    runner = object.__new__(LoopBatchingRunner)  # only the configs and settings the check reads
+    runner.model = types.SimpleNamespace(generation_config=checkpoints)
+    recurrence = Recurrence(num_steps=4, init_scale=1.0, init_seed=None)
+    runner.manager = types.SimpleNamespace(generation_config=checkpoints,
+                                           settings=types.SimpleNamespace(recurrence=recurrence))
+    request = {"max_new_tokens": 8, "eos_token_id": 2, "do_sample": False, "temperature": None, "top_k": None,
+               "top_p": None}
+    passed = {"max_new_tokens": 8, "eos_token_id": 2}
+    for restated in ({}, {"num_steps": 4}, {"init_scale": 1.0}, {"num_steps": 4, "init_scale": 1.0}):
+        assert runner._build_continuous_batching_kwargs({**request, **restated}) == passed, restated
+    with pytest.raises(ValueError, match=r"num_steps=3 \(the manager's: 4\).*may change only max_tokens, its EOS"):
+        runner._build_continuous_batching_kwargs({**request, "num_steps": 3})
+    assert runner._build_continuous_batching_kwargs({**request, "init_seed": 5}) == {**passed, "init_seed": 5}
+    with pytest.raises(ValueError, match=r"init_seed=-1: give an integer"):
+        runner._build_continuous_batching_kwargs({**request, "init_seed": -1})
 
 
 @pytest.mark.skipif(not OWN_PROCESS, reason="transformers >= 5.25's runner")
