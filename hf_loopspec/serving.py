@@ -46,6 +46,8 @@ import json
 import sys
 
 DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
+# what the model's process (transformers 5.25) raises for a checkpoint it cannot load: the user's to fix
+LOAD_REFUSALS = frozenset({"ValueError", "OSError", "FileNotFoundError", "IsADirectoryError", "PermissionError"})
 OWN_HELP = ("\n\nhf-loopspec serve: FORCE_MODEL (MODEL) defaults to the embedded default model; --threads N sets "
             f"torch's CPU threads (default {DEFAULT_THREADS}); --debug shows tracebacks.")
 
@@ -401,7 +403,21 @@ def start(argv: list[str]):
     note = chat_template_note(params["force_model"])
     if note:
         print(note, file=sys.stderr, flush=True)
-    return Serve(**params)
+    try:
+        return Serve(**params)
+    except RuntimeError as error:
+        raise load_failure(error) from error
+
+
+def load_failure(error: RuntimeError) -> Exception:
+    """What `hf-loopspec serve` raises for `error` from `Serve`: transformers 5.25 loads the model in a process of its
+    own and re-raises its failure here as a `RuntimeError("TYPE: message")`; a checkpoint the loader refuses (a
+    `ValueError` or `OSError` there: weights that do not match the config, a missing file) becomes a `ValueError`
+    (the CLI's one-line error, exit 2), anything else stays as it is."""
+    kind, _, message = str(error).partition(": ")
+    if kind in LOAD_REFUSALS:
+        return ValueError(f"the model did not load: {message}")
+    return error
 
 
 def main(argv: list[str]) -> int:

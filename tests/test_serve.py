@@ -431,6 +431,18 @@ def test_bad_model_or_option_is_one_line_exit_2(capsys, argv, message):
     assert message in one_error_line(capsys, "serve")
 
 
+@pytest.mark.skipif(not OWN_PROCESS, reason="transformers >= 5.25 loads the model in a process of its own")
+def test_a_checkpoint_that_does_not_load_is_one_line_exit_2(capsys, checkpoint, tmp_path):
+    """Weights that do not match config.json fail in the model's process, which transformers re-raises as a
+    `RuntimeError("ValueError: ...")` (before: its traceback, exit 1); the serve command says why in one line."""
+    folder = tmp_path / "model"
+    shutil.copytree(checkpoint, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 8}))
+    assert cli.main(["serve", str(folder), "--port", str(free_port())]) == 2
+    assert "the model did not load: The checkpoint does not match" in one_error_line(capsys, "serve")
+
+
 def test_several_api_servers_are_refused(capsys):
     """transformers >= 5.25 can run API servers in processes spawned afresh, without the package's request checks."""
     assert cli.main(["serve", "--api-server-count", "2"]) == 2
