@@ -9,7 +9,6 @@ the install command (`hf_loopspec.hub.install`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -39,8 +38,7 @@ def run_lm_eval(args: list[str]) -> int:
     saved = sys.argv
     sys.argv = ["lm-eval", *args]  # lm-eval's parser reads sys.argv
     try:
-        with scored_under_call_settings():
-            cli_evaluate()  # argparse errors and --help end in SystemExit, which passes through
+        cli_evaluate()  # argparse errors and --help end in SystemExit, which passes through
     except TypeError as err:  # lm-eval hands the keys it does not know to from_pretrained, and the model's __init__
         if "unexpected keyword argument" not in str(err):
             raise
@@ -49,28 +47,6 @@ def run_lm_eval(args: list[str]) -> int:
     finally:
         sys.argv = saved
     return 0
-
-
-@contextlib.contextmanager
-def scored_under_call_settings():
-    """lm-eval's `hf` model scores (loglikelihood, rolling) by calling the model's forward, which for a family with
-    recurrence settings (Huginn) would run the model's defaults; inside this block each scoring call runs under the
-    settings `generate` would take from the model's generation config (`model.call_block`), e.g. those given by
-    `--model_args num_steps=32,init_scale=0`, so that both kinds of task see the same model."""
-    from lm_eval.models.huggingface import HFLM
-
-    score = HFLM._model_call
-
-    def score_in_call_block(self, *args, **kwargs):
-        block = getattr(self.model, "call_block", None)
-        with block(self.model.generation_config) if block is not None else contextlib.nullcontext():
-            return score(self, *args, **kwargs)
-
-    HFLM._model_call = score_in_call_block
-    try:
-        yield
-    finally:
-        HFLM._model_call = score
 
 
 COUNT_KEYS = ("max_length", "max_batch_size")  # model args lm-eval's `hf` model takes as counts (or None)

@@ -528,6 +528,27 @@ def test_from_pretrained_takes_recurrence_settings_and_the_position_limit_has_it
     assert HuginnConfig(**{**loaded.config.to_dict(), "max_position_embeddings": 64}).block_size == 64
 
 
+def test_forward_outside_a_block_runs_the_generation_configs_recurrence_settings(tmp_path):
+    """A model loaded with `num_steps=3, init_scale=0` (lm-eval's `--model_args`, also from Python) scores with them
+    as it generates with them: forward used to run mean_recurrence steps from random states, so lm-eval's `HFLM`
+    scored another model than the one it generated with. An argument of forward, or an open `recurrence` block (in
+    which `generate` runs forward), still decides over the generation config."""
+    model, _ = tiny_huginn(seed=2)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, num_steps=3, init_scale=0.0).eval()
+    ids = random_ids((2, 5), VOCAB, seed=4)
+    with torch.no_grad():
+        at = {steps: model(ids, num_steps=steps, init_scale=0.0).logits for steps in (2, 3)}
+        assert not torch.equal(at[2], at[3])
+        torch.testing.assert_close(loaded(ids).logits, at[3], atol=0, rtol=0)  # the same computation
+        torch.testing.assert_close(loaded(ids, num_steps=2).logits, at[2], atol=0, rtol=0)
+        with loaded.recurrence(num_steps=2, init_scale=0.0):
+            torch.testing.assert_close(loaded(ids).logits, at[2], atol=0, rtol=0)
+        seeded = model(ids, num_steps=3, init_scale=1.0, init_seed=7).logits
+        loaded.generation_config.init_scale, loaded.generation_config.init_seed = 1.0, 7
+        torch.testing.assert_close(loaded(ids).logits, seeded, atol=0, rtol=0)
+
+
 def test_bad_inputs_raise():
     model, _ = tiny_huginn()
     with pytest.raises(ValueError, match="outside the vocabulary"):

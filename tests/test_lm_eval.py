@@ -112,7 +112,8 @@ metric_list:
 def test_huginn_scores_under_the_model_args_recurrence_settings(task_dir, tmp_path):
     """Huginn's `num_steps` / `init_scale` in `--model_args` reach scoring too (loglikelihood ran the model's
     defaults, random initial states drawn per call, and `--model_args num_steps=...` was refused): each logged
-    loglikelihood equals a log-softmax sum of one forward at those settings, at batch size 1 and 3 alike."""
+    loglikelihood equals a log-softmax sum of one forward at those settings, at batch size 1 and 3 alike, and so does
+    lm-eval's `HFLM` given them from Python (which scored at the model's defaults while the CLI did not)."""
     model, _ = tiny_huginn(seed=0)
     folder = tmp_path / "huginn"
     model.save_pretrained(folder)
@@ -146,6 +147,16 @@ def test_huginn_scores_under_the_model_args_recurrence_settings(task_dir, tmp_pa
             want = expected(row)
             bound = fp32_tolerance(**huginn_depth(model.config, 3), scale=abs(want))["atol"]
             assert float(logged[doc_id]["resps"][0][0][0]) == pytest.approx(want, abs=bound), doc_id
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=str(folder), device="cpu", dtype="float32", batch_size=3, **settings)
+    requests = [Instance(request_type="loglikelihood", doc=row, arguments=(row["prompt"], row["target"]), idx=0,
+                         metadata=("huginn_ll", doc_id, 1)) for doc_id, row in enumerate(rows)]
+    for (score, _), row in zip(lm.loglikelihood(requests), rows, strict=True):
+        want = expected(row)
+        bound = fp32_tolerance(**huginn_depth(model.config, 3), scale=abs(want))["atol"]
+        assert score == pytest.approx(want, abs=bound), row
 
 
 def test_without_lm_eval_installed_the_error_is_one_line(monkeypatch, capsys):

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple
 
@@ -43,6 +42,7 @@ from ..layers import (
 )
 from ..loops import forward_rows
 from .configuration_huginn import HuginnConfig
+from .outputs import HuginnCausalLMOutput, HuginnModelOutput
 from .recurrence import GENERATION_KEYS, OPEN_BLOCKS, Recurrence, beam_rows, check_steps_fit, state_seed, updated
 
 Rope = Callable[[torch.Tensor], torch.Tensor]  # rotates q or k `[*rows, heads, D]` at the call's positions
@@ -115,19 +115,6 @@ class HuginnPreTrainedModel(StrictLoadingMixin, PreTrainedModel):
     generation_keys = GENERATION_KEYS  # the recurrence settings a generation config may carry
 
 
-@dataclass
-class HuginnModelOutput(BaseModelOutputWithPast):
-    r"""
-    `last_hidden_state` is the coda output after the final norm (the LM head's input). `hidden_states`, when
-    requested, holds the prelude output followed by the state after every recurrence step.
-
-    step_states (`tuple(torch.FloatTensor)`, *optional*):
-        The coda output (LM head input) for the state after every step, with `output_step_states=True`.
-    """
-
-    step_states: tuple[torch.FloatTensor, ...] | None = None
-
-
 class HuginnModel(HuginnPreTrainedModel):
     """Embedding, prelude, adapter, recurrent block, coda and final norm; the `LoopedModel` parts embed / core,
     and `decode` (the coda)."""
@@ -149,6 +136,11 @@ class HuginnModel(HuginnPreTrainedModel):
     def settings(self) -> Recurrence:
         """The settings of the innermost `recurrence` block open in this thread, else the defaults."""
         return (OPEN_BLOCKS.get() or {}).get(id(self)) or Recurrence(self.config.mean_recurrence, 1.0, None)
+
+    @property
+    def in_block(self) -> bool:
+        """Whether a `recurrence` block of this model is open in this thread (`generate` runs in one)."""
+        return id(self) in (OPEN_BLOCKS.get() or {})
 
     @contextlib.contextmanager
     def recurrence(self, num_steps: int | None = None, init_scale: float | None = None,
@@ -307,16 +299,6 @@ class HuginnModel(HuginnPreTrainedModel):
         )
 
 
-@dataclass
-class HuginnCausalLMOutput(CausalLMOutputWithPast):
-    r"""
-    step_logits (`tuple(torch.FloatTensor)`, *optional*):
-        Logits after every recurrence step (step r: what `num_steps=r+1` gives), with `output_step_logits=True`.
-    """
-
-    step_logits: tuple[torch.FloatTensor, ...] | None = None
-
-
 class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGenerationMixin):
     """Huginn with its LM head: the `LoopedModel` protocol plus HF `forward` / `generate`, both of which take
     `num_steps`, `init_scale` and `init_seed` (see `HuginnModel.recurrence`)."""
@@ -421,11 +403,17 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
     ) -> HuginnCausalLMOutput:
         r"""
         Runs `num_steps` recurrence steps (default `mean_recurrence`) from initial states of scale `init_scale`
-        (default 1.0; 0 gives zeros) keyed by `init_seed` (drawn from torch's generator when None).
-        `output_step_logits=True` also decodes every step's state (each with its own coda KV plane).
-        Logits are fp32. Ouro's exit options (`exit_at_step`, ...) raise `ValueError`: this family has none.
+        (default 1.0; 0 gives zeros) keyed by `init_seed` (drawn from torch's generator when None). Outside a
+        `recurrence` block, a setting not passed is the generation config's where it sets one (as `generate` reads
+        it, e.g. `from_pretrained(..., num_steps=32)`'s), so scoring by forward calls (lm-eval's loglikelihood) runs
+        the model that generates. `output_step_logits=True` also decodes every step's state (each with its own coda
+        KV plane). Logits are fp32. Ouro's exit options (`exit_at_step`, ...) raise `ValueError`: this family has none.
         """
         reject_exit_options(type(self).__name__, kwargs)
+        if not self.transformer.in_block:  # (inside one, e.g. generate's, None keeps the block's setting)
+            given = {"num_steps": num_steps, "init_scale": init_scale, "init_seed": init_seed}
+            num_steps, init_scale, init_seed = (getattr(self.generation_config, key, None) if value is None else value
+                                                for key, value in given.items())
         out = self.transformer(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
