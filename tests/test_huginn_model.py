@@ -350,10 +350,17 @@ def test_a_setting_changed_after_the_config_is_made_changes_what_the_model_is_bu
     assert untied.lm_head.weight.data_ptr() != untied.transformer.wte.weight.data_ptr()
     rotated = AutoModelForCausalLM.from_pretrained(folder, rope_theta=1000.0)
     assert rotated.config.rope_base == 1000.0
+    # transformers 5's name for it (`rope_parameters`; before: stored and never read), a scaling refused
+    given = AutoModelForCausalLM.from_pretrained(folder, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    assert given.config.rope_base == given.config.rope_theta == 1000.0
+    assert "rope_parameters" not in given.config.to_dict()
+    with pytest.raises(ValueError, match=r"rope_parameters=\{'rope_type': 'yarn'.* Huginn uses plain RoPE"):
+        tiny_huginn_config(rope_parameters={"rope_type": "yarn", "factor": 2.0})
     ids = random_ids((1, 6), VOCAB, seed=8)
     with torch.no_grad():
         reference = model(ids, init_scale=0.0).logits
         assert not torch.allclose(rotated(ids, init_scale=0.0).logits, reference)  # the model rotates by the override
+        assert torch.equal(given(ids, init_scale=0.0).logits, rotated(ids, init_scale=0.0).logits)
         for changed in (untied, rotated):
             changed.save_pretrained(tmp_path / "saved")
             reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")

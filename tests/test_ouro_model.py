@@ -3,6 +3,7 @@ the exit options, cached decoding, left padding, and input / config validation. 
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -335,6 +336,34 @@ def test_rope_scaling_that_says_no_scaling_is_plain_rope(scaling):
         assert torch.equal(scaled(ids).logits, model(ids).logits)
     with pytest.raises(ValueError, match="rope_scaling"):
         tiny_config(rope_scaling={"rope_type": "linear", "factor": 2.0})
+
+
+def test_transformers_5_rope_parameters_set_the_rope(tmp_path):
+    """transformers 5 writes RoPE settings as `rope_parameters`: its `rope_theta` is the model's (in the constructor,
+    a config.json and a keyword of `from_pretrained` / `AutoConfig.from_pretrained`), and a scaling is refused as
+    under `rope_scaling`. Before, the key was stored and never read: the model rotated by the default base."""
+    ids = random_ids((1, 6), VOCAB)
+    plain, _ = tiny_model(seed=0)
+    based, _ = tiny_model(seed=0, rope_theta=10_000.0)
+    given, _ = tiny_model(seed=0, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    with torch.no_grad():
+        assert not torch.equal(based(ids).logits, plain(ids).logits)
+        assert torch.equal(given(ids).logits, based(ids).logits)
+    plain.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["rope_theta"]
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_theta": 10_000.0}}))
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config.rope_theta == 10_000.0
+    keyword = {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}
+    assert AutoModelForCausalLM.from_pretrained(tmp_path, **keyword).config.rope_theta == 500.0
+    assert AutoConfig.from_pretrained(tmp_path, **keyword).rope_theta == 500.0
+    linear = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10_000.0}
+    with pytest.raises(ValueError, match=r"rope_scaling=\{'rope_type': 'linear', 'factor': 4.0\} \(or rope_parameters"):
+        tiny_config(rope_parameters=linear)
+    with pytest.raises(ValueError, match="not supported"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, rope_parameters=linear)
+    with pytest.raises(ValueError, match=r"rope_parameters=10000.0 must be a dict"):
+        tiny_config(rope_parameters=10_000.0)
 
 
 def test_head_dim_makes_indivisible_hidden_size_valid():

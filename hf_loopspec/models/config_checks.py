@@ -1,6 +1,7 @@
-"""The count check shared by the families' configurations, run before anything is derived from the counts (so
+"""Checks shared by the families' configurations: the count check, run before anything is derived from the counts (so
 that `hidden_size=0` or `num_hidden_layers=2.0` raise a `ValueError` naming the field, not a `ZeroDivisionError` or
-`TypeError` from a derived value) and again by `validate_architecture`."""
+`TypeError` from a derived value) and again by `validate_architecture`; and transformers 5's `rope_parameters`, read
+into the fields the families' checkpoints use (`rope_parameters`)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,31 @@ def check_counts(config, positive: tuple[str, ...], non_negative: tuple[str, ...
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 kind = "a positive integer" if low else "an integer >= 0"
                 raise ValueError(f"{type(config).__name__}.{field}={value!r} is invalid: it must be {kind}.")
+
+
+def rope_parameters(config, kwargs: dict) -> tuple[float | None, dict]:
+    """transformers 5's `rope_parameters` (popped from `kwargs`: the families keep their checkpoints' own fields, and
+    the key would otherwise be stored and never read) as `(its rope_theta or None, its scaling keys: {} for plain
+    RoPE)`; `(None, {})` without one. `ValueError` naming it for a value that is no dict."""
+    given = kwargs.pop("rope_parameters", None)
+    if given is None:
+        return None, {}
+    if not isinstance(given, dict):
+        raise ValueError(f"{type(config).__name__}.rope_parameters={given!r} must be a dict such as "
+                         '{"rope_type": "default", "rope_theta": 10000.0}.')
+    scaling = {key: value for key, value in given.items() if key != "rope_theta"}
+    plain = scaling.get("rope_type", scaling.get("type", "default")) == "default" and set(scaling) <= {"rope_type",
+                                                                                                      "type"}
+    return given.get("rope_theta"), {} if plain else scaling
+
+
+class RopeParametersMixin:
+    """`rope_parameters` given as a keyword of `from_pretrained` / `from_dict` reaches `__post_init__` as a
+    config.json key does (transformers sets only keywords the config has as attributes: it would drop this one, or
+    hand it to the model's `__init__`)."""
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        if "rope_parameters" in kwargs:
+            config_dict = {**config_dict, "rope_parameters": kwargs.pop("rope_parameters")}
+        return super().from_dict(config_dict, **kwargs)

@@ -14,7 +14,7 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from ...logs import get_logger
 from ..code_pointers import CodePointersMixin
-from ..config_checks import check_counts
+from ..config_checks import RopeParametersMixin, check_counts, rope_parameters
 from ..layers import is_integer
 
 logger = get_logger(__name__)
@@ -29,7 +29,7 @@ PAIRED = {"tie_embeddings": "tie_word_embeddings", "tie_word_embeddings": "tie_e
           "rope_theta": "rope_base", "rope_base": "rope_theta"}
 
 
-class HuginnConfig(CodePointersMixin, PreTrainedConfig):
+class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
     r"""
     A prelude of `n_layers_in_prelude` blocks runs once per token; a recurrent block of
     `n_layers_in_recurrent_block` layers runs `num_steps` times (default `mean_recurrence`) on a state that the
@@ -120,6 +120,11 @@ class HuginnConfig(CodePointersMixin, PreTrainedConfig):
                 "set to %s.", self.n_layers, self.n_layers_in_prelude, self.n_layers_in_recurrent_block,
                 self.n_layers_in_coda, stages, stages)
         self.n_layers = stages
+        theta, scaling = rope_parameters(self, kwargs)  # transformers 5's name wins over both of the checkpoints'
+        if scaling:
+            raise ValueError(f"HuginnConfig.rope_parameters={scaling!r} is not supported: Huginn uses plain RoPE; give "
+                             "only rope_theta (or rope_base).")
+        self.rope_theta = self.rope_theta if theta is None else theta
         if self.rope_theta is not None:  # the transformers name wins when both are set
             self.rope_base = self.rope_theta
         self.rope_theta = self.rope_base

@@ -10,13 +10,13 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from ...hub.shims import AUTO_MAP
 from ..code_pointers import CodePointersMixin
-from ..config_checks import check_counts
+from ..config_checks import RopeParametersMixin, check_counts, rope_parameters
 
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "head_dim")
 
 
-class OuroConfig(CodePointersMixin, PreTrainedConfig):
+class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
     r"""
     Configuration of an Ouro model: a decoder whose whole layer stack runs `total_ut_steps` times with the
     same weights. Every loop reads and writes a KV plane of its own, and every loop's output is decodable
@@ -71,6 +71,9 @@ class OuroConfig(CodePointersMixin, PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         check_counts(self, SIZES, derived=("num_key_value_heads", "head_dim"))
+        theta, scaling = rope_parameters(self, kwargs)  # (transformers 5's name, over the checkpoints' own)
+        self.rope_theta = self.rope_theta if theta is None else theta
+        self.rope_scaling = scaling or self.rope_scaling  # (a scaling: refused by validate_architecture)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -114,8 +117,8 @@ class OuroConfig(CodePointersMixin, PreTrainedConfig):
             and scaling.get("rope_theta", self.rope_theta) == self.rope_theta  # no scaling, said explicitly
         if scaling not in (None, {}) and not plain_rope:
             raise ValueError(
-                f"OuroConfig.rope_scaling={scaling!r} is not supported (the released checkpoints use none); set "
-                "rope_scaling=None."
+                f"OuroConfig.rope_scaling={scaling!r} (or rope_parameters with these keys) is not supported (the "
+                "released checkpoints use none); set rope_scaling=None, or give rope_parameters only rope_theta."
             )
         if self.hidden_act != "silu":
             raise ValueError(f"OuroConfig.hidden_act={self.hidden_act!r} is not supported; Ouro uses 'silu'.")
