@@ -289,6 +289,16 @@ def test_settings_changed_after_the_config_was_made_are_checked_when_the_model_i
     model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="total_ut_steps=0"):
         AutoModelForCausalLM.from_pretrained(tmp_path, total_ut_steps=0)
+    # a loaded model's config, which the model reads at every call: a bad loop count is refused where it is set
+    # (before: the next forward's IndexError or TypeError)
+    for bad in (0, "4", 2.0):
+        with pytest.raises(ValueError, match=re.escape(f"total_ut_steps={bad!r} is invalid")):
+            model.config.total_ut_steps = bad
+    assert model.config.total_ut_steps == tiny_config().total_ut_steps
+    model.config.total_ut_steps = 2  # a valid change is the model's from the next call on
+    with torch.no_grad():
+        ids = random_ids((1, 5), VOCAB)
+        assert torch.equal(model(ids).logits, tiny_model(seed=0, total_ut_steps=2)[0](ids).logits)
     config = tiny_config()
     config.num_key_value_heads = 3
     with pytest.raises(ValueError, match="num_key_value_heads=3"):

@@ -88,16 +88,16 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
         super().__post_init__(**kwargs)
         self.validate_architecture()
 
+    def __setattr__(self, key, value):
+        if key == "total_ut_steps":  # also on a loaded model's config, which the model reads at every call
+            check_loop_count(value)
+        super().__setattr__(key, value)
+
     def validate_architecture(self):
         """Raise `ValueError` for a configuration no Ouro model can be built from. An all-full-attention
         `layer_types` is re-derived from `num_hidden_layers` first (a count changed after the config was made)."""
         check_counts(self, SIZES)
-        steps = self.total_ut_steps
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(
-                f"OuroConfig.total_ut_steps={self.total_ut_steps!r} is invalid: the stack must run at least once; "
-                "set total_ut_steps to an integer >= 1 (the released checkpoints use 4)."
-            )
+        check_loop_count(self.total_ut_steps)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"OuroConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -129,6 +129,13 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
                 f"OuroConfig.layer_types={self.layer_types!r} must list 'full_attention' once per layer "
                 f"({self.num_hidden_layers} layers)."
             )
+
+
+def check_loop_count(steps) -> None:
+    """`ValueError` unless `steps` (`total_ut_steps`) is an integer >= 1."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"OuroConfig.total_ut_steps={steps!r} is invalid: the stack must run at least once; set "
+                         "total_ut_steps to an integer >= 1 (the released checkpoints use 4).")
 
 
 __all__ = ["OuroConfig"]
