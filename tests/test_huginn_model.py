@@ -538,8 +538,9 @@ def test_from_pretrained_takes_recurrence_settings_and_the_position_limit_has_it
 def test_forward_outside_a_block_runs_the_generation_configs_recurrence_settings(tmp_path):
     """A model loaded with `num_steps=3, init_scale=0` (lm-eval's `--model_args`, also from Python) scores with them
     as it generates with them: forward used to run mean_recurrence steps from random states, so lm-eval's `HFLM`
-    scored another model than the one it generated with. An argument of forward, or an open `recurrence` block (in
-    which `generate` runs forward), still decides over the generation config."""
+    scored another model than the one it generated with. The generation config's settings are the model's defaults
+    (`num_loops`, `kv_layout`, a block that sets only some settings); an argument of forward, or a block's setting
+    (`generate` runs forward in one), still decides over them."""
     model, _ = tiny_huginn(seed=2)
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, num_steps=3, init_scale=0.0).eval()
@@ -551,9 +552,14 @@ def test_forward_outside_a_block_runs_the_generation_configs_recurrence_settings
         torch.testing.assert_close(loaded(ids, num_steps=2).logits, at[2], atol=0, rtol=0)
         with loaded.recurrence(num_steps=2, init_scale=0.0):
             torch.testing.assert_close(loaded(ids).logits, at[2], atol=0, rtol=0)
+        with loaded.recurrence(init_seed=5):  # the other two stay the generation config's
+            torch.testing.assert_close(loaded(ids).logits, at[3], atol=0, rtol=0)
         seeded = model(ids, num_steps=3, init_scale=1.0, init_seed=7).logits
         loaded.generation_config.init_scale, loaded.generation_config.init_seed = 1.0, 7
         torch.testing.assert_close(loaded(ids).logits, seeded, atol=0, rtol=0)
+    with model.recurrence(num_steps=3):
+        three = model.kv_layout
+    assert loaded.num_loops == 3 and loaded.kv_layout == three != model.kv_layout  # (a cache built for it fits)
 
 
 def test_bad_inputs_raise():

@@ -134,19 +134,22 @@ class HuginnModel(HuginnPreTrainedModel):
     # --- recurrence settings --------------------------------------------------------------------------------
     @property
     def settings(self) -> Recurrence:
-        """The settings of the innermost `recurrence` block open in this thread, else the defaults."""
-        return (OPEN_BLOCKS.get() or {}).get(id(self)) or Recurrence(self.config.mean_recurrence, 1.0, None)
+        """The settings of the innermost `recurrence` block open in this thread, else the defaults (`defaults`)."""
+        return (OPEN_BLOCKS.get() or {}).get(id(self)) or self.defaults()
 
-    @property
-    def in_block(self) -> bool:
-        """Whether a `recurrence` block of this model is open in this thread (`generate` runs in one)."""
-        return id(self) in (OPEN_BLOCKS.get() or {})
+    def defaults(self) -> Recurrence:
+        """The settings outside any block: those the causal LM's generation config sets (its `generation_config`,
+        which this model holds too: e.g. `from_pretrained(..., num_steps=32)`'s), else `mean_recurrence` steps,
+        init_scale 1.0 and no seed (each call then draws its own)."""
+        config = getattr(self, "generation_config", None)  # (None: a base model loaded alone)
+        given = [getattr(config, key, None) for key in GENERATION_KEYS]
+        return updated(Recurrence(self.config.mean_recurrence, 1.0, None), *given, self.config.mean_recurrence)
 
     @contextlib.contextmanager
     def recurrence(self, num_steps: int | None = None, init_scale: float | None = None,
                    init_seed: int | None = None) -> Iterator[Recurrence]:
-        """Run the block with these settings (None keeps the current value; outside any block: `mean_recurrence`
-        steps, init_scale 1.0). A positive `init_scale` without a seed draws one from torch's global generator,
+        """Run the block with these settings (None keeps the current value; outside any block: the defaults,
+        `defaults`). A positive `init_scale` without a seed draws one from torch's global generator,
         so `torch.manual_seed` makes a run reproducible, and every token's state within the block is keyed by
         (seed, sequence, position): forward calls, cached steps and every decoding mode draw the same states.
         The settings hold for this thread (or asyncio task) only; the model itself is not changed."""
@@ -308,8 +311,21 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
     def __init__(self, config: HuginnConfig):
         super().__init__(config)
         self.transformer = HuginnModel(config)
+        self.generation_config = self.generation_config  # (the base model holds it too: see the property)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.post_init()
+
+    @property
+    def generation_config(self):
+        """transformers' generation config of the model; the base model holds the same object, whose recurrence
+        settings are its defaults outside any `recurrence` block (`HuginnModel.defaults`)."""
+        return self.__dict__.get("_generation_config")
+
+    @generation_config.setter
+    def generation_config(self, config) -> None:
+        self.__dict__["_generation_config"] = config
+        if "transformer" in self._modules:
+            self.transformer.__dict__["generation_config"] = config
 
     # --- LoopedModel protocol (num_loops, kv_layout, embed, core: LoopedCausalLMMixin) ------------------------
     def recurrence(self, num_steps: int | None = None, init_scale: float | None = None,
@@ -319,7 +335,7 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
 
     def recurrence_settings(self) -> Recurrence:
         """The settings in force in this thread: the innermost open `recurrence` block's, else the defaults
-        (`mean_recurrence` steps, init_scale 1.0, no seed: each call then draws its own)."""
+        (`HuginnModel.defaults`: the generation config's, else `mean_recurrence` steps, init_scale 1.0, no seed)."""
         return self.transformer.settings
 
     def step_settings(self) -> Recurrence:
@@ -402,18 +418,14 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
         **kwargs,
     ) -> HuginnCausalLMOutput:
         r"""
-        Runs `num_steps` recurrence steps (default `mean_recurrence`) from initial states of scale `init_scale`
-        (default 1.0; 0 gives zeros) keyed by `init_seed` (drawn from torch's generator when None). Outside a
-        `recurrence` block, a setting not passed is the generation config's where it sets one (as `generate` reads
-        it, e.g. `from_pretrained(..., num_steps=32)`'s), so scoring by forward calls (lm-eval's loglikelihood) runs
-        the model that generates. `output_step_logits=True` also decodes every step's state (each with its own coda
-        KV plane). Logits are fp32. Ouro's exit options (`exit_at_step`, ...) raise `ValueError`: this family has none.
+        Runs `num_steps` recurrence steps from initial states of scale `init_scale` (0 gives zeros) keyed by
+        `init_seed` (drawn from torch's generator when None); a setting not passed is an open `recurrence` block's,
+        else the generation config's (e.g. `from_pretrained(..., num_steps=32)`'s: scoring by forward calls, as
+        lm-eval's loglikelihood does, runs the model that generates), else `mean_recurrence`, 1.0 and None.
+        `output_step_logits=True` also decodes every step's state (each with its own coda KV plane). Logits are
+        fp32. Ouro's exit options (`exit_at_step`, ...) raise `ValueError`: this family has none.
         """
         reject_exit_options(type(self).__name__, kwargs)
-        if not self.transformer.in_block:  # (inside one, e.g. generate's, None keeps the block's setting)
-            given = {"num_steps": num_steps, "init_scale": init_scale, "init_seed": init_seed}
-            num_steps, init_scale, init_seed = (getattr(self.generation_config, key, None) if value is None else value
-                                                for key, value in given.items())
         out = self.transformer(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
