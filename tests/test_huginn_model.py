@@ -354,14 +354,23 @@ def test_a_setting_changed_after_the_config_is_made_changes_what_the_model_is_bu
     given = AutoModelForCausalLM.from_pretrained(folder, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
     assert given.config.rope_base == given.config.rope_theta == 1000.0
     assert "rope_parameters" not in given.config.to_dict()
-    with pytest.raises(ValueError, match=r"rope_parameters=\{'rope_type': 'yarn'.* Huginn uses plain RoPE"):
+    with pytest.raises(ValueError, match=r"rope_parameters=\{'rope_type': 'yarn'.* uses plain RoPE"):
         tiny_huginn_config(rope_parameters={"rope_type": "yarn", "factor": 2.0})
+    scaled = json.loads((folder / "config.json").read_text())  # the older name, which transformers turns into it
+    (tmp_path / "scaled").mkdir()
+    (tmp_path / "scaled" / "config.json").write_text(json.dumps({**scaled, "rope_scaling": {"rope_type": "linear",
+                                                                                            "factor": 4.0}}))
+    with pytest.raises(ValueError, match=r"rope_scaling=\{'rope_type': 'linear'.* uses plain RoPE"):
+        AutoConfig.from_pretrained(tmp_path / "scaled")  # (before: loaded unscaled, saved a config that did not load)
+    set_later = AutoModelForCausalLM.from_pretrained(folder)
+    set_later.config.rope_parameters = {"rope_type": "default", "rope_theta": 1000.0}  # applies at once
     ids = random_ids((1, 6), VOCAB, seed=8)
     with torch.no_grad():
         reference = model(ids, init_scale=0.0).logits
         assert not torch.allclose(rotated(ids, init_scale=0.0).logits, reference)  # the model rotates by the override
         assert torch.equal(given(ids, init_scale=0.0).logits, rotated(ids, init_scale=0.0).logits)
-        for changed in (untied, rotated):
+        assert torch.equal(set_later(ids, init_scale=0.0).logits, rotated(ids, init_scale=0.0).logits)
+        for changed in (untied, rotated, set_later):
             changed.save_pretrained(tmp_path / "saved")
             reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
             torch.testing.assert_close(reloaded(ids, init_scale=0.0).logits, changed(ids, init_scale=0.0).logits)

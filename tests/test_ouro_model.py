@@ -368,12 +368,19 @@ def test_transformers_5_rope_parameters_set_the_rope(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(tmp_path, **keyword).config.rope_theta == 500.0
     assert AutoConfig.from_pretrained(tmp_path, **keyword).rope_theta == 500.0
     linear = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10_000.0}
-    with pytest.raises(ValueError, match=r"rope_scaling=\{'rope_type': 'linear', 'factor': 4.0\} \(or rope_parameters"):
+    with pytest.raises(ValueError, match=r"rope_parameters=\{'rope_type': 'linear'.* uses plain RoPE"):
         tiny_config(rope_parameters=linear)
-    with pytest.raises(ValueError, match="not supported"):
+    with pytest.raises(ValueError, match="uses plain RoPE"):
         AutoModelForCausalLM.from_pretrained(tmp_path, rope_parameters=linear)
-    with pytest.raises(ValueError, match=r"rope_parameters=10000.0 must be a dict"):
+    with pytest.raises(ValueError, match=r"rope_parameters=10000.0 is not supported"):
         tiny_config(rope_parameters=10_000.0)
+    # set on a loaded model's config: the base changes at once, and the save says so in the family's own field
+    plain.config.rope_parameters = {"rope_type": "default", "rope_theta": 10_000.0}
+    plain.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["rope_theta"] == 10_000.0 and "rope_parameters" not in saved
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, based(ids).logits)
 
 
 def test_head_dim_makes_indivisible_hidden_size_valid():

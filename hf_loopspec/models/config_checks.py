@@ -1,7 +1,8 @@
 """Checks shared by the families' configurations: the count check, run before anything is derived from the counts (so
 that `hidden_size=0` or `num_hidden_layers=2.0` raise a `ValueError` naming the field, not a `ZeroDivisionError` or
 `TypeError` from a derived value) and again by `validate_architecture`; and transformers 5's `rope_parameters`, read
-into the fields the families' checkpoints use (`rope_parameters`)."""
+into the fields the families' checkpoints use (`rope_theta_of`, `RopeParametersMixin`): the configs never store it,
+so that it cannot go stale beside them."""
 
 from __future__ import annotations
 
@@ -21,20 +22,18 @@ def check_counts(config, positive: tuple[str, ...], non_negative: tuple[str, ...
                 raise ValueError(f"{type(config).__name__}.{field}={value!r} is invalid: it must be {kind}.")
 
 
-def rope_parameters(config, kwargs: dict) -> tuple[float | None, dict]:
-    """transformers 5's `rope_parameters` (popped from `kwargs`: the families keep their checkpoints' own fields, and
-    the key would otherwise be stored and never read) as `(its rope_theta or None, its scaling keys: {} for plain
-    RoPE)`; `(None, {})` without one. `ValueError` naming it for a value that is no dict."""
-    given = kwargs.pop("rope_parameters", None)
+def rope_theta_of(config, name: str, given) -> float | None:
+    """The RoPE base in `given`, a value of transformers 5's `rope_parameters` (or of `rope_scaling`, which
+    transformers turns into it, on a family without that field): its `rope_theta`, or None. `ValueError` naming
+    `name` for a value that is no dict, or that scales the rotation: both families use plain RoPE."""
     if given is None:
-        return None, {}
-    if not isinstance(given, dict):
-        raise ValueError(f"{type(config).__name__}.rope_parameters={given!r} must be a dict such as "
-                         '{"rope_type": "default", "rope_theta": 10000.0}.')
-    scaling = {key: value for key, value in given.items() if key != "rope_theta"}
-    plain = scaling.get("rope_type", scaling.get("type", "default")) == "default" and set(scaling) <= {"rope_type",
-                                                                                                      "type"}
-    return given.get("rope_theta"), {} if plain else scaling
+        return None
+    scaling = {key: value for key, value in given.items() if key != "rope_theta"} if isinstance(given, dict) else None
+    if scaling is None or scaling.get("rope_type", scaling.get("type", "default")) != "default" \
+            or set(scaling) - {"rope_type", "type"}:
+        raise ValueError(f"{type(config).__name__}.{name}={given!r} is not supported: the model uses plain RoPE; give "
+                         'only its base, e.g. {"rope_type": "default", "rope_theta": 10000.0}.')
+    return given.get("rope_theta")
 
 
 class RopeParametersMixin:

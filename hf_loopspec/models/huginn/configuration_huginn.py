@@ -14,7 +14,7 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from ...logs import get_logger
 from ..code_pointers import CodePointersMixin
-from ..config_checks import RopeParametersMixin, check_counts, rope_parameters
+from ..config_checks import RopeParametersMixin, check_counts, rope_theta_of
 from ..layers import is_integer
 
 logger = get_logger(__name__)
@@ -120,11 +120,6 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
                 "set to %s.", self.n_layers, self.n_layers_in_prelude, self.n_layers_in_recurrent_block,
                 self.n_layers_in_coda, stages, stages)
         self.n_layers = stages
-        theta, scaling = rope_parameters(self, kwargs)  # transformers 5's name wins over both of the checkpoints'
-        if scaling:
-            raise ValueError(f"HuginnConfig.rope_parameters={scaling!r} is not supported: Huginn uses plain RoPE; give "
-                             "only rope_theta (or rope_base).")
-        self.rope_theta = self.rope_theta if theta is None else theta
         if self.rope_theta is not None:  # the transformers name wins when both are set
             self.rope_base = self.rope_theta
         self.rope_theta = self.rope_base
@@ -142,7 +137,14 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
         name of a setting with two (`PAIRED`) sets both, and a stage count sets `n_layers` to the stages' sum, so that
         the config always says what the model is built from (a different `n_layers` alone is refused when a model
         is built from it: `validate_architecture`); `init_values` gets the default of each key it leaves out, as
-        when the config is made."""
+        when the config is made. transformers 5's `rope_parameters` (and `rope_scaling`, its older name) set the
+        RoPE base and are not stored (`rope_theta_of`)."""
+        if key in ("rope_parameters", "rope_scaling"):  # transformers 5's names (config.json, keywords): the base only
+            theta = rope_theta_of(self, key, value)
+            if theta is not None:
+                super().__setattr__("rope_theta", theta)
+                super().__setattr__("rope_base", theta)
+            return
         done = getattr(self, "_post_init_done", False)  # transformers' flag: __post_init__ has run
         super().__setattr__(key, self._with_defaults(value) if done and key == "init_values" else value)
         if not done:

@@ -10,7 +10,7 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from ...hub.shims import AUTO_MAP
 from ..code_pointers import CodePointersMixin
-from ..config_checks import RopeParametersMixin, check_counts, rope_parameters
+from ..config_checks import RopeParametersMixin, check_counts, rope_theta_of
 
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "head_dim")
@@ -71,9 +71,6 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         check_counts(self, SIZES, derived=("num_key_value_heads", "head_dim"))
-        theta, scaling = rope_parameters(self, kwargs)  # (transformers 5's name, over the checkpoints' own)
-        self.rope_theta = self.rope_theta if theta is None else theta
-        self.rope_scaling = scaling or self.rope_scaling  # (a scaling: refused by validate_architecture)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -89,9 +86,13 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
         self.validate_architecture()
 
     def __setattr__(self, key, value):
+        if key == "rope_parameters":  # transformers 5's name (config.json, a keyword, an assignment): its base only
+            theta = rope_theta_of(self, key, value)
+            key, value = ("rope_theta", theta) if theta is not None else (None, None)
         if key == "total_ut_steps":  # also on a loaded model's config, which the model reads at every call
             check_loop_count(value)
-        super().__setattr__(key, value)
+        if key is not None:
+            super().__setattr__(key, value)
 
     def validate_architecture(self):
         """Raise `ValueError` for a configuration no Ouro model can be built from. An all-full-attention
@@ -117,8 +118,8 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
             and scaling.get("rope_theta", self.rope_theta) == self.rope_theta  # no scaling, said explicitly
         if scaling not in (None, {}) and not plain_rope:
             raise ValueError(
-                f"OuroConfig.rope_scaling={scaling!r} (or rope_parameters with these keys) is not supported (the "
-                "released checkpoints use none); set rope_scaling=None, or give rope_parameters only rope_theta."
+                f"OuroConfig.rope_scaling={scaling!r} is not supported (the released checkpoints use none); set "
+                "rope_scaling=None."
             )
         if self.hidden_act != "silu":
             raise ValueError(f"OuroConfig.hidden_act={self.hidden_act!r} is not supported; Ouro uses 'silu'.")
