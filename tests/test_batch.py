@@ -5,6 +5,7 @@ one-line error naming the line before any model is loaded; a restart with other 
 
 from __future__ import annotations
 
+import codecs
 import csv as csv_module
 import json
 import signal
@@ -280,3 +281,10 @@ def test_csv_read_with_datasets_gives_the_jsonl_output(prompts_file, tmp_path, c
     assert f"{csv}, row 2: the prompt ('text') is empty" in capsys.readouterr().err
     csv.write_text("id,text\n007,0042\n7,1.50\n")  # cells are text as written: no guessed numbers
     assert [(row.id, row.prompt) for row in read_prompts(csv, "text")] == [("007", "0042"), ("7", "1.50")]
+    # a byte-order mark first (Excel's "CSV UTF-8", Notepad) is no part of the text (it was: no column "id")
+    marked = {"csv": "id,text\n007,0042\n7,1.50\n", "jsonl": '{"id": "007", "text": "0042"}\n{"id": "7", "text": '
+              '"1.50"}\n', "json": '[{"id": "007", "text": "0042"}, {"id": "7", "text": "1.50"}]'}
+    for suffix, text in marked.items():
+        (tmp_path / f"marked.{suffix}").write_bytes(codecs.BOM_UTF8 + text.encode())
+        rows = read_prompts(tmp_path / f"marked.{suffix}", "text")
+        assert [(row.id, row.prompt) for row in rows] == [("007", "0042"), ("7", "1.50")], suffix

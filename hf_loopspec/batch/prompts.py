@@ -13,6 +13,7 @@ lines silenced while it reads, so that the error is the only line.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import csv
 import json
@@ -80,8 +81,9 @@ def _check_row(where: str, row, field: str) -> PromptRow:
 
 
 def _utf8_text(path: Path) -> str:
-    """The text of `path`; `ValueError` naming the line and column (in bytes) of the first byte that is not UTF-8."""
-    data = path.read_bytes()
+    """The text of `path`, without the byte-order mark an editor may put first (Excel's "CSV UTF-8"); `ValueError`
+    naming the line and column (in bytes, the mark not counted) of the first byte that is not UTF-8."""
+    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -159,7 +161,7 @@ def _dataset_rows(path: Path, builder: str):
 def _csv_as_text(path: Path, datasets) -> dict:
     """`load_dataset` options that read every CSV cell as the text it holds: a CSV has no types, and guessed ones
     would turn the id "007" into 7 (then equal to a "7") and a prompt "0042" into a number; an empty cell is ""."""
-    with path.open(newline="", encoding="utf-8") as handle:
+    with path.open(newline="", encoding="utf-8-sig") as handle:  # (the reader drops a byte-order mark too)
         header = next(csv.reader(handle), [])
     return {"features": datasets.Features({name: datasets.Value("string") for name in header}),
             "keep_default_na": False, "na_filter": False}
