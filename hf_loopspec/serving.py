@@ -32,11 +32,12 @@ line in the server's log only). HTTP errors, a body that is not JSON or nests to
 error event come in OpenAI's error shape (`openai_errors`), so an `openai` client's exception says why; `suffix`,
 `tools`, a `response_format` and the Responses API's `text.format`, `previous_response_id` and `include`, which
 transformers' handlers would drop, get HTTP 400 too, and so do values they would fail on with a bare 500
-(`value_problem`: a lone surrogate, a numeric `stop`, `messages` as a string or without roles, content parts without
-a type, a chat request without `messages` or a Responses one without `input`, a `generation_config` that is not a
-JSON object's text) and a `temperature` or `top_p` out of range. An empty `stop` list means no stop, as in OpenAI's
-API. Any other error of a handler is a 500 in OpenAI's error shape, naming it. A client that leaves before its answer
-ends its request quietly (no error in the server's log).
+(`value_problem`: a lone surrogate, a numeric `stop`, `messages` as a string or without roles, content that is not
+text or a list of text parts, a chat request without `messages` or a Responses one without `input`, a
+`generation_config` that is not a JSON object's text) and a `temperature` or `top_p` out of range; so does a content
+part that is not text (an image, audio), which they would drop without a word: the served models read text only. An
+empty `stop` list means no stop, as in OpenAI's API. Any other error of a handler is a 500 in OpenAI's error shape,
+naming it. A client that leaves before its answer ends its request quietly (no error in the server's log).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import json
 import sys
 
 DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
+TEXT_PARTS = frozenset({"text", "input_text", "output_text"})  # the content part types of text (chat, Responses)
 # what the model's process (transformers 5.25) raises for a checkpoint it cannot load: the user's to fix
 LOAD_REFUSALS = frozenset({"ValueError", "OSError", "FileNotFoundError", "IsADirectoryError", "PermissionError"})
 OWN_HELP = ("\n\nhf-loopspec serve: FORCE_MODEL (MODEL) defaults to the embedded default model; --threads N sets "
@@ -225,10 +227,16 @@ def as_transformers_reads(body: dict) -> dict:
     return body
 
 
+def _text_part(part) -> bool:
+    """Whether `part` is a content part the served (text-only) models read: `{"type": "text", "text": "..."}`, or the
+    Responses API's `input_text` / `output_text`; transformers' handlers drop a part of another type without a word
+    (an image, audio) and fail on one without its text."""
+    return isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str)
+
+
 def _typed_parts(content) -> bool:
-    """Whether a message's `content` is what transformers' handlers read: text (or none), or a list of parts, each
-    an object with its `type` (they index it)."""
-    return not isinstance(content, list) or all(isinstance(part, dict) and "type" in part for part in content)
+    """Whether a message's `content` is what transformers' handlers read: text (or none), or a list of text parts."""
+    return content is None or isinstance(content, str) or isinstance(content, list) and all(map(_text_part, content))
 
 
 def value_problem(body: dict) -> str | None:
@@ -249,16 +257,18 @@ def value_problem(body: dict) -> str | None:
             isinstance(m, dict) and isinstance(m.get("role"), str) and _typed_parts(m.get("content"))
             for m in messages)):
         return (f"messages={messages!r} must be a list of messages, each with its role and its content as text or "
-                'parts with a type ({"role": ..., "content": ...}).')
+                'text parts ({"role": ..., "content": "..." or [{"type": "text", "text": "..."}]}): the model reads '
+                "text only.")
     given = body.get("input")
     parts = isinstance(given, list) and given and isinstance(given[0], dict) and "role" not in given[0]
     if given is not None and not (isinstance(given, str) or isinstance(given, list) and all(
-            isinstance(item, dict) and ("role" not in item and "type" in item if parts else
+            isinstance(item, dict) and ("role" not in item and _text_part(item) if parts else
                                         _typed_parts(item.get("content")) if "role" in item else "type" in item)
             for item in given)):
         return (f"input={given!r}: give a string, or a list that starts with a message (with a role; content as "
-                "text or typed parts) followed by messages and typed items; a list that starts with no message is "
-                "read as one user message's content parts, each with a type.")
+                "text or text parts) followed by messages and typed items; a list that starts with no message is "
+                'read as one user message\'s text parts ({"type": "input_text", "text": "..."}): the model reads '
+                "text only.")
     config = body.get("generation_config")
     if config is not None:
         try:

@@ -631,9 +631,18 @@ def test_a_request_field_the_server_cannot_honour_is_refused(body, message):
     ("/v1/responses", {"input": [{"role": "user", "content": [{"text": "hi"}]}]}, r"input=.*: give a string"),
     # transformers reads a list whose first item is no message as one message's parts (it failed on the message)
     ("/v1/responses", {"input": [{"type": "reasoning", "summary": []}, {"role": "user", "content": "hi"}]},
-     r"a list that starts with no message is read as one user message's content parts"),
+     r"a list that starts with no message is read as one user message's text parts"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"text": "hi"}]}]},
-     r"messages=.* its content as text or parts with a type"),
+     r"messages=.* its content as text or text parts"),
+    # content transformers' handlers failed on with a bare 500 (a dict, a number, a text part without its text)
+    *(("/v1/chat/completions", {"messages": [{"role": "user", "content": content}]}, r"messages=.* text parts")
+      for content in ({"type": "text", "text": "hi"}, 5, [{"type": "text"}], [{"type": "text", "text": 5}])),
+    # parts the handlers dropped without a word: the models read text only
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]},
+     r"messages=.*: the model reads text only"),
+    ("/v1/responses", {"input": [{"type": "input_text", "text": "hi"}, {"type": "input_audio", "data": "AA"}]},
+     r"input=.*: the model reads text only"),
     ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_object"}}},
      r"text.format=\{'type': 'json_object'\} is not supported: this server does not constrain"),
     ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"},
