@@ -37,7 +37,8 @@ text or a list of text parts, a chat request without `messages` or a Responses o
 `generation_config` that is not a JSON object's text) and a `temperature` or `top_p` out of range; so does a content
 part that is not text (an image, audio), which they would drop without a word: the served models read text only. An
 empty `stop` list means no stop, as in OpenAI's API. Any other error of a handler is a 500 in OpenAI's error shape,
-naming it. A client that leaves before its answer ends its request quietly (no error in the server's log).
+naming it. Chat and completions streams end with OpenAI's `data: [DONE]` event. A client that leaves before its
+answer ends its request quietly (no error in the server's log).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import json
 import sys
 
 DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
+DONE_STREAMS = frozenset({"/v1/chat/completions", "/v1/completions"})  # OpenAI ends their streams with [DONE]
 TEXT_PARTS = frozenset({"text", "input_text", "output_text"})  # the content part types of text (chat, Responses)
 # what the model's process (transformers 5.25) raises for a checkpoint it cannot load: the user's to fix
 LOAD_REFUSALS = frozenset({"ValueError", "OSError", "FileNotFoundError", "IsADirectoryError", "PermissionError"})
@@ -348,7 +350,8 @@ def openai_errors(positions: int | None = None) -> None:
                     raise
                 return Response(status_code=499)  # (nginx's "client closed request": nobody reads it)
             if response.headers.get("content-type", "").startswith("text/event-stream"):
-                response.body_iterator = openai_error_events(response.body_iterator)
+                done = request.url.path.rstrip("/") in DONE_STREAMS
+                response.body_iterator = openai_error_events(response.body_iterator, done)
             return response
 
         app = original(*args, **kwargs)
@@ -363,10 +366,12 @@ def openai_errors(positions: int | None = None) -> None:
     server.build_server = build_server
 
 
-async def openai_error_events(chunks):
+async def openai_error_events(chunks, done: bool = False):
     """A stream's server-sent events, an error event `data: {"error": "text"}` (transformers' handlers send one when a
     request fails after its stream began) rewritten in OpenAI's shape, `{"error": {"message": "text", ...}}`, whose
-    message the `openai` client puts in its exception."""
+    message the `openai` client puts in its exception; with `done`, the stream ends with OpenAI's `data: [DONE]`
+    event (the chat and legacy completions streams do; clients that wait for it would otherwise wait for the
+    connection to close)."""
     async for chunk in chunks:
         raw = chunk if isinstance(chunk, bytes) else chunk.encode("utf-8")  # (bytes: never split a character)
         if raw.startswith(b'data: {"error": "'):
@@ -378,6 +383,8 @@ async def openai_error_events(chunks):
                 error = {"message": payload["error"], "type": "invalid_request_error", "code": None}
                 chunk = f"data: {json.dumps({'error': error})}\n\n".encode()
         yield chunk
+    if done:
+        yield b"data: [DONE]\n\n"
 
 
 def start(argv: list[str]):

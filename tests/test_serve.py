@@ -298,6 +298,11 @@ def test_a_streams_error_event_comes_in_openais_shape():
     assert kept == events[:3]  # every other chunk as it came, a split character or event included
     assert json.loads(last.decode()[len("data: "):])["error"]["message"] == "stop_strings: not served"
 
+    async def ended():  # a chat or completions stream: OpenAI's last event (transformers sent none)
+        return [chunk async for chunk in serving.openai_error_events(stream(), done=True)]
+
+    assert asyncio.run(ended()) == [*kept, last, b"data: [DONE]\n\n"]
+
 
 def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
     """The checks `openai_errors` adds, around a stand-in for transformers' app (echoing what its handlers read):
@@ -307,12 +312,15 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
     a traceback)."""
     import uvicorn
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
     from transformers.cli.serving import server
     from transformers.cli.serving import utils as serving_utils
 
     async def chat(request):
-        return JSONResponse(await request.json())
+        body = await request.json()
+        if body.get("stream"):
+            return StreamingResponse(iter([b'data: {"choices": []}\n\n']), media_type="text/event-stream")
+        return JSONResponse(body)
 
     async def responses(request):  # a handler that fails on what a request lacks
         raise KeyError("type")
@@ -343,6 +351,11 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
                               "application/json")
         assert status == 200 and echoed["logit_bias"] == {"7": 100.0, "9": -5.5}
         assert all(type(value) is float for value in echoed["logit_bias"].values())
+        streamed = urllib.request.Request(f"{base.base_url}chat/completions", method="POST",
+                                          data=b'{"messages": [], "stream": true}',
+                                          headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(streamed, timeout=60) as answer:  # OpenAI's end of a stream (none before)
+            assert answer.read() == b'data: {"choices": []}\n\ndata: [DONE]\n\n'
         status, echoed = post(base, "chat/completions", b'{"messages": [], "stop": []}', "application/json")
         assert status == 200 and "stop" not in echoed  # OpenAI's "no stop" (transformers failed on it)
         status, answer = post(base, "responses", b'{"input": "hi"}', "application/json")  # a bare text 500 before
