@@ -10,6 +10,8 @@ loop outputs into the main lane's slot) the engine's counters equal the lane dec
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from inputs import left_pad, random_prompts
@@ -26,6 +28,7 @@ from speculative_utils import (
     tiny_spec_model,
 )
 from tolerances import ouro_depth
+from transformers import GenerationConfig
 
 VOCAB = 64
 NEW = 16
@@ -105,6 +108,32 @@ def test_config_early_exit_settings_mean_the_same_in_every_mode(mode, d, k):
     ids, mask = left_pad(random_prompts(92, [5, 2], VOCAB))
     ref = plain(model, ids, mask, NEW)
     assert speculative(model, ids, mask, NEW, mode, d, k).sequences.tolist() == ref.sequences.tolist()
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_exit_options_set_in_a_generation_config_decode_as_the_arguments(setup, name):
+    """An exit option in a passed generation config, or in the model's (a checkpoint's generation_config.json), is
+    the argument's: transformers kept such a key in the config, where forward never saw it, so every mode decoded
+    from the last loop without a word. Continuous batching, which decodes from the last loop, refuses it."""
+    model, ids, mask, last_loop = setup
+    want = plain(model, ids, mask, NEW, **OPTIONS[name]).sequences.tolist()
+    assert want != last_loop.tolist()
+    for mode in (None, "pipeline", "block", "auto"):
+        spec = {} if mode is None else {"speculative_mode": mode}
+        config = GenerationConfig(max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, **OPTIONS[name])
+        out = model.generate(ids, attention_mask=mask, generation_config=config, **spec)
+        assert out.tolist() == want, mode
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(saved)
+    for key, value in OPTIONS[name].items():  # (`update` would set only the keys the config already has)
+        setattr(model.generation_config, key, value)
+    try:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
+        assert out.tolist() == want
+        with pytest.raises(ValueError, match=f"{name.split('=')[0]}=.* in continuous batching: a manager decodes"):
+            model.generate_batch([[5, 6, 7]], max_new_tokens=2)
+    finally:
+        model.generation_config = saved
 
 
 @pytest.mark.parametrize("mode", [None, "pipeline", "block"])

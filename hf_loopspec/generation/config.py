@@ -33,6 +33,7 @@ from .inputs import as_integer
 SPECULATIVE_KEYS = ("speculative_mode", "draft_loops", "num_speculative_tokens", "compile_core", "speculative_engine",
                     "second_draft_loops")
 MODES = ("pipeline", "block")
+EXIT_OPTIONS = ("exit_at_step", "exit_threshold", "use_weighted_exit")  # Ouro's exit selection (forward, generate)
 AUTO_MODE = "auto"  # chosen per segment by `generation.auto`; never reaches an engine
 SETTABLE_MODES = (*MODES, AUTO_MODE)  # what `speculative_mode` accepts besides None
 LANE_MODES = ("ar", *MODES)  # `decode_with_lanes` also runs "ar": the reference without drafting

@@ -33,6 +33,7 @@ from .call import current_call, runtime_options, scoped
 from .columns import max_length_of
 from .config import (
     AUTO_MODE,
+    EXIT_OPTIONS,
     LANE_MODES,
     SPECULATIVE_KEYS,
     SpeculativeConfig,
@@ -58,7 +59,6 @@ from .stats import SpeculationStats
 
 logger = get_logger(__name__)
 
-EXIT_OPTIONS = ("exit_at_step", "exit_threshold", "use_weighted_exit")  # Ouro's exit selection (forward, generate)
 
 
 def reject_exit_options(model_name: str, kwargs: dict) -> None:
@@ -184,10 +184,16 @@ class LoopSpecGenerationMixin(GenerationMixin):
     def _prepare_generation_config(self, generation_config, **kwargs):
         """transformers' merge of the call's config and kwargs over the model's, then the speculative kwargs. When
         the call decodes plainly (`speculative_mode` None), the speculative keys it did not pass itself (the model's
-        own, e.g. a checkpoint's `generation_config.json`) are dropped: only the call's own keys can conflict."""
+        own, e.g. a checkpoint's `generation_config.json`) are dropped: only the call's own keys can conflict. Exit
+        options (`EXIT_OPTIONS`) set in a config reach the model's forward as the arguments do."""
         ours = {key: kwargs.pop(key) for key in SPECULATIVE_KEYS if key in kwargs}
+        exits = {key: kwargs.pop(key) for key in EXIT_OPTIONS if kwargs.get(key) is not None}
         given = set(ours) | {key for key in SPECULATIVE_KEYS if getattr(generation_config, key, None) is not None}
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
+        # exit options are the forward's: the call's, else a config's (transformers keeps a key that a config has,
+        # e.g. a checkpoint's `exit_at_step`, in the config, and forward would never see it)
+        configured = {key: getattr(generation_config, key, None) for key in EXIT_OPTIONS}
+        model_kwargs.update({key: value for key, value in configured.items() if value is not None}, **exits)
         check_generation_values(generation_config)
         for key, value in ours.items():
             setattr(generation_config, key, value)
