@@ -571,6 +571,37 @@ def test_forward_outside_a_block_runs_the_generation_configs_recurrence_settings
     assert loaded.num_loops == 3 and loaded.kv_layout == three != model.kv_layout  # (a cache built for it fits)
 
 
+
+def test_a_bad_generation_config_setting_fails_only_the_calls_that_read_it():
+    """A config value is read, and checked, only where the call gives none (a bad `init_seed` in a checkpoint's
+    generation_config.json failed calls that passed all three settings), and its error names the config."""
+    model, _ = tiny_huginn(seed=2)
+    ids = random_ids((1, 4), VOCAB, seed=3)
+    model.generation_config.init_seed = -1
+    with torch.no_grad():
+        explicit = model(ids, num_steps=3, init_scale=0.0, init_seed=3).logits
+        model.generation_config.init_seed = None
+        assert torch.equal(model(ids, num_steps=3, init_scale=0.0, init_seed=3).logits, explicit)
+        model.generation_config.init_seed = -1
+        with pytest.raises(ValueError, match=r"the model's generation_config: init_seed=-1 must be an integer"):
+            model(ids, num_steps=3, init_scale=0.0)
+
+
+def test_a_whole_model_pickled_before_the_config_was_shared_loads_with_it():
+    """`torch.save(model)` by an earlier version kept the generation config under `generation_config` in the
+    model's `__dict__`, which the property hides: loading must move it there (it came back None, and generate
+    failed), shared with the base model again."""
+    model, _ = tiny_huginn(seed=2)
+    model.generation_config.num_steps = 3
+    state = model.__getstate__()
+    state["generation_config"] = state.pop("_generation_config")  # the layout of the earlier version
+    state["_modules"]["transformer"].__dict__.pop("generation_config")
+    old = HuginnForCausalLM.__new__(HuginnForCausalLM)
+    old.__setstate__(state)
+    assert old.generation_config.num_steps == old.num_loops == 3
+    assert old.transformer.generation_config is old.generation_config
+
+
 def test_bad_inputs_raise():
     model, _ = tiny_huginn()
     with pytest.raises(ValueError, match="outside the vocabulary"):

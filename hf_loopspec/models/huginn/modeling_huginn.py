@@ -44,6 +44,7 @@ from ..loops import forward_rows
 from .configuration_huginn import HuginnConfig
 from .outputs import HuginnCausalLMOutput, HuginnModelOutput
 from .recurrence import GENERATION_KEYS, OPEN_BLOCKS, Recurrence, beam_rows, check_steps_fit, state_seed, updated
+from .shared_config import SharedGenerationConfig
 
 Rope = Callable[[torch.Tensor], torch.Tensor]  # rotates q or k `[*rows, heads, D]` at the call's positions
 
@@ -137,13 +138,18 @@ class HuginnModel(HuginnPreTrainedModel):
         """The settings of the innermost `recurrence` block open in this thread, else the defaults (`defaults`)."""
         return (OPEN_BLOCKS.get() or {}).get(id(self)) or self.defaults()
 
-    def defaults(self) -> Recurrence:
+    def defaults(self, *given) -> Recurrence:
         """The settings outside any block: those the causal LM's generation config sets (its `generation_config`,
         which this model holds too: e.g. `from_pretrained(..., num_steps=32)`'s), else `mean_recurrence` steps,
-        init_scale 1.0 and no seed (each call then draws its own)."""
-        config = getattr(self, "generation_config", None)  # (None: a base model loaded alone)
-        given = [getattr(config, key, None) for key in GENERATION_KEYS]
-        return updated(Recurrence(self.config.mean_recurrence, 1.0, None), *given, self.config.mean_recurrence)
+        init_scale 1.0 and no seed (each call then draws its own). `given`: the caller's num_steps, init_scale and
+        init_seed; a config value is read (and checked: `ValueError` naming the config) only where it gives None."""
+        config, mean = getattr(self, "generation_config", None), self.config.mean_recurrence  # (None: a base model)
+        read = [getattr(config, key, None) if not given or given[i] is None else None
+                for i, key in enumerate(GENERATION_KEYS)]
+        try:
+            return updated(Recurrence(mean, 1.0, None), *read, mean)
+        except ValueError as error:
+            raise ValueError(f"the model's generation_config: {error}") from None
 
     @contextlib.contextmanager
     def recurrence(self, num_steps: int | None = None, init_scale: float | None = None,
@@ -153,7 +159,8 @@ class HuginnModel(HuginnPreTrainedModel):
         so `torch.manual_seed` makes a run reproducible, and every token's state within the block is keyed by
         (seed, sequence, position): forward calls, cached steps and every decoding mode draw the same states.
         The settings hold for this thread (or asyncio task) only; the model itself is not changed."""
-        settings = updated(self.settings, num_steps, init_scale, init_seed, self.config.mean_recurrence)
+        current = (OPEN_BLOCKS.get() or {}).get(id(self)) or self.defaults(num_steps, init_scale, init_seed)
+        settings = updated(current, num_steps, init_scale, init_seed, self.config.mean_recurrence)
         if settings.init_scale > 0 and settings.init_seed is None:
             settings = replace(settings, init_seed=int(torch.randint(2**62, ())))
         token = OPEN_BLOCKS.set({**(OPEN_BLOCKS.get() or {}), id(self): settings})
@@ -302,7 +309,7 @@ class HuginnModel(HuginnPreTrainedModel):
         )
 
 
-class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGenerationMixin):
+class HuginnForCausalLM(SharedGenerationConfig, LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGenerationMixin):
     """Huginn with its LM head: the `LoopedModel` protocol plus HF `forward` / `generate`, both of which take
     `num_steps`, `init_scale` and `init_seed` (see `HuginnModel.recurrence`)."""
 
@@ -311,21 +318,9 @@ class HuginnForCausalLM(LoopedCausalLMMixin, HuginnPreTrainedModel, LoopSpecGene
     def __init__(self, config: HuginnConfig):
         super().__init__(config)
         self.transformer = HuginnModel(config)
-        self.generation_config = self.generation_config  # (the base model holds it too: see the property)
+        self.generation_config = self.generation_config  # (the base model holds it too: `SharedGenerationConfig`)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.post_init()
-
-    @property
-    def generation_config(self):
-        """transformers' generation config of the model; the base model holds the same object, whose recurrence
-        settings are its defaults outside any `recurrence` block (`HuginnModel.defaults`)."""
-        return self.__dict__.get("_generation_config")
-
-    @generation_config.setter
-    def generation_config(self, config) -> None:
-        self.__dict__["_generation_config"] = config
-        if "transformer" in self._modules:
-            self.transformer.__dict__["generation_config"] = config
 
     # --- LoopedModel protocol (num_loops, kv_layout, embed, core: LoopedCausalLMMixin) ------------------------
     def recurrence(self, num_steps: int | None = None, init_scale: float | None = None,
