@@ -362,6 +362,8 @@ def test_a_setting_changed_after_the_config_is_made_changes_what_the_model_is_bu
                                                                                             "factor": 4.0}}))
     with pytest.raises(ValueError, match=r"rope_scaling=\{'rope_type': 'linear'.* uses plain RoPE"):
         AutoConfig.from_pretrained(tmp_path / "scaled")  # (before: loaded unscaled, saved a config that did not load)
+    with pytest.raises(ValueError, match=r"rope_scaling=\{'rope_type': 'linear'.* uses plain RoPE"):
+        AutoModelForCausalLM.from_pretrained(folder, rope_scaling={"rope_type": "linear", "factor": 4.0})  # (TypeError)
     set_later = AutoModelForCausalLM.from_pretrained(folder)
     set_later.config.rope_parameters = {"rope_type": "default", "rope_theta": 1000.0}  # applies at once
     ids = random_ids((1, 6), VOCAB, seed=8)

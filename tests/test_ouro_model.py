@@ -374,6 +374,10 @@ def test_transformers_5_rope_parameters_set_the_rope(tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path, rope_parameters=linear)
     with pytest.raises(ValueError, match=r"rope_parameters=10000.0 is not supported"):
         tiny_config(rope_parameters=10_000.0)
+    with pytest.raises(ValueError, match="rope_scaling=.* is not supported"):  # (accepted, then unloadable)
+        plain.config.rope_scaling = {"rope_type": "linear", "factor": 4.0}
+    with pytest.raises(ValueError, match="rope_scaling=.* is not supported"):  # (a keyword: dropped before)
+        AutoConfig.from_pretrained(tmp_path, rope_scaling={"rope_type": "linear", "factor": 4.0})
     # set on a loaded model's config: the base changes at once, and the save says so in the family's own field
     plain.config.rope_parameters = {"rope_type": "default", "rope_theta": 10_000.0}
     plain.save_pretrained(tmp_path / "saved")

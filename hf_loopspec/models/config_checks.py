@@ -37,12 +37,11 @@ def rope_theta_of(config, name: str, given) -> float | None:
 
 
 class RopeParametersMixin:
-    """`rope_parameters` given as a keyword of `from_pretrained` / `from_dict` reaches `__post_init__` as a
-    config.json key does (transformers sets only keywords the config has as attributes: it would drop this one, or
-    hand it to the model's `__init__`)."""
+    """`rope_parameters` and `rope_scaling` given as keywords of `from_pretrained` / `from_dict` reach the config as
+    config.json keys do (transformers sets only keywords the config has as attributes: it would drop them, or hand
+    them to the model's `__init__`)."""
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
-        if "rope_parameters" in kwargs:
-            config_dict = {**config_dict, "rope_parameters": kwargs.pop("rope_parameters")}
-        return super().from_dict(config_dict, **kwargs)
+        rope = {key: kwargs.pop(key) for key in ("rope_parameters", "rope_scaling") if key in kwargs}
+        return super().from_dict({**config_dict, **rope}, **kwargs)

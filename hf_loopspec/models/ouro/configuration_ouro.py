@@ -91,6 +91,9 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
             key, value = ("rope_theta", theta) if theta is not None else (None, None)
         if key == "total_ut_steps":  # also on a loaded model's config, which the model reads at every call
             check_loop_count(value)
+        # an assignment (at construction, `validate_architecture` checks it against the final rope_theta)
+        if key == "rope_scaling" and getattr(self, "_post_init_done", False):
+            check_rope_scaling(value, self.rope_theta)
         if key is not None:
             super().__setattr__(key, value)
 
@@ -112,15 +115,7 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
                 "OuroConfig.use_sliding_window=True is not supported: the released Ouro checkpoints use full "
                 "attention in every layer; set use_sliding_window=False."
             )
-        scaling = self.rope_scaling
-        plain_rope = isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default" \
-            and set(scaling) <= {"rope_type", "type", "rope_theta"} \
-            and scaling.get("rope_theta", self.rope_theta) == self.rope_theta  # no scaling, said explicitly
-        if scaling not in (None, {}) and not plain_rope:
-            raise ValueError(
-                f"OuroConfig.rope_scaling={scaling!r} is not supported (the released checkpoints use none); set "
-                "rope_scaling=None."
-            )
+        check_rope_scaling(self.rope_scaling, self.rope_theta)
         if self.hidden_act != "silu":
             raise ValueError(f"OuroConfig.hidden_act={self.hidden_act!r} is not supported; Ouro uses 'silu'.")
         if set(self.layer_types) == {"full_attention"}:  # follows a layer count changed since the config was made
@@ -130,6 +125,16 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
                 f"OuroConfig.layer_types={self.layer_types!r} must list 'full_attention' once per layer "
                 f"({self.num_hidden_layers} layers)."
             )
+
+
+def check_rope_scaling(scaling, theta) -> None:
+    """`ValueError` unless `scaling` (`rope_scaling`) asks for no scaling: None, {}, or the default named explicitly."""
+    plain_rope = isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default" \
+        and set(scaling) <= {"rope_type", "type", "rope_theta"} \
+        and scaling.get("rope_theta", theta) == theta  # no scaling, said explicitly
+    if scaling not in (None, {}) and not plain_rope:
+        raise ValueError(f"OuroConfig.rope_scaling={scaling!r} is not supported (the released checkpoints use none); "
+                         "set rope_scaling=None.")
 
 
 def check_loop_count(steps) -> None:
