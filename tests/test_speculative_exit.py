@@ -136,6 +136,29 @@ def test_exit_options_set_in_a_generation_config_decode_as_the_arguments(setup, 
         model.generation_config = saved
 
 
+@pytest.mark.parametrize("setting", [{"num_steps": 2}, {"init_scale": 0.0}, {"init_seed": 3}])
+def test_ouro_refuses_huginns_recurrence_settings(setup, setting):
+    """Ouro's loop count is its config's: a Huginn recurrence setting passed to forward, or set in a generation
+    config (passed or the model's; generate and continuous batching), is refused (forward and a config's key were
+    silently unread: the model ran all its loops)."""
+    model, ids, mask, _ = setup
+    name = next(iter(setting))
+    with pytest.raises(ValueError, match=f"{name}=.*: OuroForCausalLM has no recurrence settings"):
+        model(ids, attention_mask=mask, **setting)
+    for mode in (None, "pipeline", "auto"):
+        config = GenerationConfig(max_new_tokens=2, do_sample=False, pad_token_id=PAD, **setting)
+        with pytest.raises(ValueError, match=f"{name}=.*: OuroForCausalLM has no recurrence settings"):
+            model.generate(ids, attention_mask=mask, generation_config=config, speculative_mode=mode)
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(saved)
+    setattr(model.generation_config, name, setting[name])
+    try:
+        with pytest.raises(ValueError, match=f"{name}=.*: OuroForCausalLM has no recurrence settings"):
+            model.generate_batch([[5, 6, 7]], max_new_tokens=2)
+    finally:
+        model.generation_config = saved
+
+
 @pytest.mark.parametrize("mode", [None, "pipeline", "block"])
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_huginn_refuses_exit_options_in_every_mode(name, mode):

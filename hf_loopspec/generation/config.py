@@ -34,6 +34,7 @@ SPECULATIVE_KEYS = ("speculative_mode", "draft_loops", "num_speculative_tokens",
                     "second_draft_loops")
 MODES = ("pipeline", "block")
 EXIT_OPTIONS = ("exit_at_step", "exit_threshold", "use_weighted_exit")  # Ouro's exit selection (forward, generate)
+RECURRENCE_OPTIONS = ("num_steps", "init_scale", "init_seed")  # Huginn's recurrence settings (forward, generate)
 AUTO_MODE = "auto"  # chosen per segment by `generation.auto`; never reaches an engine
 SETTABLE_MODES = (*MODES, AUTO_MODE)  # what `speculative_mode` accepts besides None
 LANE_MODES = ("ar", *MODES)  # `decode_with_lanes` also runs "ar": the reference without drafting
@@ -224,3 +225,13 @@ def merged_config(model, kwargs: dict) -> GenerationConfig:
     given = {key: value for key, value in kwargs.items() if key not in SPECULATIVE_KEYS and key != "generation_config"}
     config, _ = GenerationMixin._prepare_generation_config(model, kwargs.get("generation_config"), **given)
     return config
+
+
+def reject_recurrence_options(model_name: str, kwargs: dict) -> None:
+    """`ValueError` when `kwargs` set one of Huginn's recurrence settings (`RECURRENCE_OPTIONS`), for a family whose
+    loop count is fixed by its config (Ouro): such a setting would otherwise pass through `**kwargs` unread."""
+    given = [f"{name}={kwargs[name]!r}" for name in RECURRENCE_OPTIONS if kwargs.get(name) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: {model_name} has no recurrence settings (they are Huginn's); it runs "
+                         "config.total_ut_steps loops: pass exit_at_step=k to take loop k's logits, or change "
+                         "total_ut_steps.")

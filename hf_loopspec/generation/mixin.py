@@ -39,6 +39,7 @@ from .config import (
     SpeculativeConfig,
     check_generation_mode,
     for_custom_loop,
+    reject_recurrence_options,
     resolve_speculative,
     speculative_config,
 )
@@ -185,7 +186,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
         """transformers' merge of the call's config and kwargs over the model's, then the speculative kwargs. When
         the call decodes plainly (`speculative_mode` None), the speculative keys it did not pass itself (the model's
         own, e.g. a checkpoint's `generation_config.json`) are dropped: only the call's own keys can conflict. Exit
-        options (`EXIT_OPTIONS`) set in a config reach the model's forward as the arguments do."""
+        options (`EXIT_OPTIONS`) set in a config reach the model's forward as the arguments do; recurrence settings
+        (`RECURRENCE_OPTIONS`) in a config are refused by a family without them."""
         ours = {key: kwargs.pop(key) for key in SPECULATIVE_KEYS if key in kwargs}
         exits = {key: kwargs.pop(key) for key in EXIT_OPTIONS if kwargs.get(key) is not None}
         given = set(ours) | {key for key in SPECULATIVE_KEYS if getattr(generation_config, key, None) is not None}
@@ -194,6 +196,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
         # e.g. a checkpoint's `exit_at_step`, in the config, and forward would never see it)
         configured = {key: getattr(generation_config, key, None) for key in EXIT_OPTIONS}
         model_kwargs.update({key: value for key, value in configured.items() if value is not None}, **exits)
+        if not hasattr(self, "recurrence_settings"):  # (a family with them reads them: Huginn's `call_block`)
+            reject_recurrence_options(type(self).__name__, vars(generation_config))
         check_generation_values(generation_config)
         for key, value in ours.items():
             setattr(generation_config, key, value)

@@ -22,7 +22,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from ...defaults import DEFAULT_DRAFT_LOOPS
 from ...logs import get_logger
 from ...models.layers import is_integer
-from ..config import AUTO_MODE, EXIT_OPTIONS, merged_config, speculative_config
+from ..config import AUTO_MODE, EXIT_OPTIONS, merged_config, reject_recurrence_options, speculative_config
 from ..model_checks import model_problem
 from ..wavefront.processing import WARPERS
 from . import huginn
@@ -122,6 +122,8 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
     if getattr(config, "stop_strings", None):
         raise ValueError(f"stop_strings={config.stop_strings!r} in continuous batching: a manager stops a request at "
                          "its EOS ids and max_new_tokens only; drop stop_strings, or decode with model.generate.")
+    if recurrence is None:  # a family without recurrence settings (Ouro): refused, as `generate` refuses them
+        reject_recurrence_options(type(model).__name__, vars(config))
     exits = [f"{key}={getattr(config, key)!r}" for key in EXIT_OPTIONS
              if getattr(config, key, None) not in (None, False)]
     if exits:

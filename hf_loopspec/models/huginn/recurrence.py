@@ -9,10 +9,11 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
+from ...generation.config import RECURRENCE_OPTIONS
 from ..layers import is_integer
 
 MAX_INIT_SEED = 2**64  # a generator's seed is 64 bits: a larger one would act as another
-GENERATION_KEYS = ("num_steps", "init_scale", "init_seed")  # a generation config's recurrence settings
+GENERATION_KEYS = RECURRENCE_OPTIONS  # a generation config's recurrence settings: num_steps, init_scale, init_seed
 
 
 def valid_init_seed(value) -> bool:

@@ -21,6 +21,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple
 
+from ...generation.config import reject_recurrence_options
 from ...generation.mixin import LoopSpecGenerationMixin
 from ...logs import get_logger
 from ...looped import KVAttention, KVLayout
@@ -255,6 +256,7 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
         `output_loop_logits=True` returns every loop's logits.
         """
         check_exit_options(self.num_loops, exit_at_step, exit_threshold, use_weighted_exit)
+        reject_recurrence_options(type(self).__name__, kwargs)
         needs_loops = output_hidden_states or output_loop_logits or exit_at_step is not None \
             or exit_threshold is not None or use_weighted_exit
         out = self.model(
