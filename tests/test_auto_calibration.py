@@ -195,3 +195,26 @@ def test_the_cache_folder_and_a_folder_that_cannot_be_written(model, counted, tm
     assert len(warned) == 1 and str(blocked / "cache") in warned[0] and auto_cache.CACHE_ENV in warned[0]
     monkeypatch.delenv(auto_cache.CACHE_ENV)
     assert "hf_loopspec" in auto_cache.cache_dir().parts
+
+
+class OpaqueWeight(torch.Tensor):
+    """A weight whose values plain tensor operations cannot read, as torchao's quantized weights (their `view`
+    raised NotImplementedError in auto's weights fingerprint, so that auto failed on such a model)."""
+
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return args[0]
+        raise NotImplementedError(f"{func} on an opaque weight")
+
+
+def test_the_weights_fingerprint_reads_a_weight_it_cannot_view_by_its_type_and_shape():
+    plain, opaque = tiny_spec_model(3), tiny_spec_model(3)
+    head = opaque.lm_head.weight
+    opaque.lm_head.weight = torch.nn.Parameter(OpaqueWeight(head.shape), requires_grad=False)
+    key = auto_cache.weights_fingerprint(opaque)
+    assert key == auto_cache.weights_fingerprint(opaque) != auto_cache.weights_fingerprint(plain)

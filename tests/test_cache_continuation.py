@@ -85,6 +85,21 @@ def test_continue_any_mode_from_any_mode(case, first, second):
                                                           dtype=full_mask.dtype)], dim=1), settings)
 
 
+@pytest.mark.parametrize("second", ["plain", "auto"])
+def test_a_cache_filled_under_inference_mode_continues_outside_it(case, second):
+    """Pools made under `torch.inference_mode` took writes only there: plain decoding (and auto, which decodes
+    plainly here) continued such a cache outside it with torch's "Inplace update to inference tensor" error."""
+    model, settings, ids, mask, eos, suffixes = case
+    with torch.inference_mode():
+        out = generate(model, ids, mask, FIRST, PIPELINE, eos, paged_cache(model, num_steps=settings.get("num_steps")),
+                       **settings)
+    full, full_mask = extend(out.sequences, mask, suffixes)
+    expected = generate(model, full, full_mask, SECOND, "plain", eos, DynamicCache(), **settings).sequences
+    got = generate_dict(model, full, full_mask, SECOND, eos_token_id=eos, cache=out.cache,
+                        speculative_mode=None if second == "plain" else "auto", **settings)
+    assert got.sequences.tolist() == expected.tolist()
+
+
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

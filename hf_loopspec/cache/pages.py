@@ -110,9 +110,10 @@ class PageTables:
             new = min(new, self.max_pages)
         shape = (lay.num_layers, new, self.page_size, lay.num_kv_heads, lay.head_dim)
         fill = float("nan") if self.debug else 0.0
-        k_pool = torch.full(shape, fill, dtype=like.dtype, device=like.device)
-        v_pool = torch.full(shape, fill, dtype=like.dtype, device=like.device)
-        tags = torch.full((lay.num_layers, new, self.page_size), -1, dtype=torch.long) if self.debug else None
+        with torch.inference_mode(False):  # normal tensors, which take writes in and outside inference_mode alike
+            k_pool = torch.full(shape, fill, dtype=like.dtype, device=like.device)
+            v_pool = torch.full(shape, fill, dtype=like.dtype, device=like.device)
+            tags = torch.full((lay.num_layers, new, self.page_size), -1, dtype=torch.long) if self.debug else None
         if old:
             k_pool[:, :old] = self.k_pool
             v_pool[:, :old] = self.v_pool

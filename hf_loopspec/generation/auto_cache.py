@@ -88,9 +88,18 @@ def weights_fingerprint(model) -> str:
         for name, parameter in model.named_parameters():
             digest.update(name.encode())
             if parameter.device.type != "meta":
-                digest.update(parameter.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
+                digest.update(_leading_values(parameter))
         _FINGERPRINTS[model] = digest.hexdigest()[:32]
     return _FINGERPRINTS[model]
+
+
+def _leading_values(parameter) -> bytes:
+    """The first values of `parameter`, or, for a tensor subclass that cannot be read as plain values (a quantized
+    weight of torchao), its type and shape."""
+    try:
+        return parameter.detach().reshape(-1)[:16].float().cpu().numpy().tobytes()
+    except (NotImplementedError, RuntimeError, TypeError):
+        return f"{type(parameter).__name__}{tuple(parameter.shape)}".encode()
 
 
 def acceptance_key(model) -> dict:
