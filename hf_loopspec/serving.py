@@ -27,18 +27,19 @@ request whose other settings differ, and a request the manager cannot serve, get
 (`serving_batching`; 5.25: `serving_engine`). Requests name the model as the server was given it (`GET /v1/models`
 lists it: the embedded model's folder by default) or leave it out. A request that sets `n`, `best_of`, `logprobs`,
 `top_logprobs`, `echo` or `presence_penalty` to anything but its default, or a token limit that is not a whole number
->= 1, gets HTTP 400 with the reason (`request_problem`; transformers would ignore them, or round 1.5 down, with a
-line in the server's log only). HTTP errors, a body that is not JSON or nests too deeply included, and a stream's
-error event come in OpenAI's error shape (`openai_errors`), so an `openai` client's exception says why; `suffix`,
-`tools`, a `response_format` and the Responses API's `text.format`, `previous_response_id` and `include`, which
-transformers' handlers would drop, get HTTP 400 too, and so do values they would fail on with a bare 500
-(`value_problem`: a lone surrogate, a numeric `stop`, `messages` as a string or without roles, content that is not
-text or a list of text parts, a chat request without `messages` or a Responses one without `input`, a
-`generation_config` that is not a JSON object's text) and a `temperature` or `top_p` out of range; so does a content
-part that is not text (an image, audio), which they would drop without a word: the served models read text only. An
-empty `stop` list means no stop, as in OpenAI's API. Any other error of a handler is a 500 in OpenAI's error shape,
-naming it. Chat and completions streams end with OpenAI's `data: [DONE]` event. A client that leaves before its
-answer ends its request quietly (no error in the server's log).
+>= 1, gets HTTP 400 with the reason (`serving_requests.request_problem`; transformers would ignore them, or round 1.5
+down, with a line in the server's log only). HTTP errors, a body that is not JSON or nests too deeply included, and a
+stream's error event come in OpenAI's error shape (`openai_errors`), so an `openai` client's exception says why;
+`suffix`, `tools`, a `response_format` and the Responses API's `text.format`, `previous_response_id` and `include`,
+which transformers' handlers would drop, get HTTP 400 too, and so do values they would fail on with a bare 500
+(`serving_requests.value_problem`: a lone surrogate, a numeric `stop`, `messages` as a string or without roles,
+content that is not text or a list of text parts, a chat request without `messages` or a Responses one without
+`input`, a `generation_config` that is not a JSON object's text) and a `temperature` or `top_p` out of range; so does
+a content part that is not text (an image, audio), which they would drop without a word: the served models read text
+only. An empty `stop` list means no stop, as in OpenAI's API, and a replayed assistant message's refusal parts reach
+the model as text. Any other error of a handler is a 500 in OpenAI's error shape, naming it. Chat and completions
+streams end with OpenAI's `data: [DONE]` event. A client that leaves before its answer ends its request quietly (no
+error in the server's log).
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ import argparse
 import json
 import sys
 
+from .serving_requests import as_transformers_reads, request_problem
+
 DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
 DONE_STREAMS = frozenset({"/v1/chat/completions", "/v1/completions"})  # OpenAI ends their streams with [DONE]
-TEXT_PARTS = frozenset({"text", "input_text", "output_text"})  # the content part types of text (chat, Responses)
 # what the model's process (transformers 5.25) raises for a checkpoint it cannot load: the user's to fix
 LOAD_REFUSALS = frozenset({"ValueError", "OSError", "FileNotFoundError", "IsADirectoryError", "PermissionError"})
 OWN_HELP = ("\n\nhf-loopspec serve: FORCE_MODEL (MODEL) defaults to the embedded default model; --threads N sets "
@@ -144,155 +146,6 @@ def chat_template_note(spec: str) -> str | None:
             "format messages and fails; /v1/completions serves raw prompts.")
 
 
-TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-ONE_ANSWER = {  # request fields the server cannot honour (transformers logs them as ignored), and the fix
-    "n": (1, "this server returns one choice per request; send that many requests"),
-    "best_of": (1, "this server returns one choice per request; send that many requests"),
-    "logprobs": (False, "this server returns no log-probabilities; leave it out (or call model.generate with "
-                        "output_scores=True)"),
-    "top_logprobs": (0, "this server returns no log-probabilities; leave it out"),
-    "echo": (False, "this server does not echo the prompt; prepend it yourself"),
-    "presence_penalty": (0, "this server has no presence penalty; use frequency_penalty (a repetition penalty)"),
-}
-
-
-UNSUPPORTED = {  # request fields transformers' handlers would drop without a word, when set to anything but these
-    "suffix": ((None, ""), "this server does not insert a suffix; append it yourself"),
-    "tools": ((None, []), "this server does not call tools; leave them out"),
-    "response_format": ((None, {"type": "text"}), "this server does not constrain the output's format; leave it out"),
-    "previous_response_id": ((None,), "this server keeps no responses; send the whole conversation as input"),
-    "include": ((None, []), "this server returns no log-probabilities nor other extra output; leave it out"),
-}
-REQUIRED = {  # what those handlers read unchecked (a bare 500 without it)
-    "/chat/completions": ("messages", 'a list of messages, {"role": ..., "content": ...}'),
-    "/responses": ("input", "a string or a list of items (messages, content parts)"),
-}
-
-
-def request_problem(body, positions: int | None = None, path: str = "") -> str | None:
-    """Why the server refuses a completion request's JSON `body` before transformers reads it, or None: a token limit
-    that is not a whole number >= 1 (transformers would take 1.5 as 1 and "5" as 5) or that alone reaches the model's
-    `positions` (transformers would warn in the server's log and decode on past them, for as long as the client
-    waits; the generation config's `max_new_tokens` and `max_length` likewise), a field it would ignore with a
-    warning in the server's log only (`ONE_ANSWER`: `n=2` would return one choice) or without one (`UNSUPPORTED`), or
-    a value its handlers would fail on with a bare 500 (`value_problem`), or a `logit_bias` sent to `path`
-    /v1/completions, whose handler drops it without a word (chat's takes it). Null counts as unset."""
-    if not isinstance(body, dict):
-        return None
-    problem = value_problem(body)
-    if problem:
-        return problem
-    name, what = next((required for end, required in REQUIRED.items() if path.endswith(end)), (None, None))
-    if name and body.get(name) is None:
-        return f"{name} is missing: a request to {path} needs its {name} ({what})."
-    text_format = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    if text_format not in (None, {"type": "text"}):  # the Responses API's response_format
-        return f"text.format={text_format!r} is not supported: this server does not constrain the output's format."
-    if body.get("logit_bias") and path.endswith("/completions") and not path.endswith("/chat/completions"):
-        return ("logit_bias is not supported on /v1/completions (its handler would drop it); send the request to "
-                "/v1/chat/completions, or leave logit_bias out.")
-    for name in TOKEN_LIMITS:
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            return f"{name}={value!r} must be a whole number >= 1 (the most tokens to generate), or left out."
-        if value is not None and positions is not None and value >= positions:
-            return (f"{name}={value} reaches the model's {positions} positions, which the prompt's tokens share; "
-                    f"ask for fewer than {positions} minus the prompt's length.")
-    config = body.get("generation_config")
-    if isinstance(config, str) and positions is not None and all(body.get(name) is None for name in TOKEN_LIMITS):
-        settings = json.loads(config)  # (a JSON object: `value_problem`); the limit that applies: max_tokens and
-        # the like replace its max_new_tokens, which wins over its max_length
-        name = "max_new_tokens" if settings.get("max_new_tokens") is not None else "max_length"
-        value, limit = settings.get(name), positions - 1 if name == "max_new_tokens" else positions
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
-            return (f"generation_config's {name}={value} goes past the model's {positions} positions, which the "
-                    f"prompt's tokens share; ask for fewer tokens (generation_config's {name}, or max_tokens).")
-    for name, (default, fix) in ONE_ANSWER.items():
-        value = body.get(name)
-        kept = value is default if isinstance(default, bool) else not isinstance(value, bool) and value == default
-        if value is not None and not kept:
-            return f"{name}={value!r} is not supported: {fix}."
-    for name, (defaults, fix) in UNSUPPORTED.items():
-        if name in body and body[name] not in defaults:
-            return f"{name}={body[name]!r} is not supported: {fix}."
-    return None
-
-
-def as_transformers_reads(body: dict) -> dict:
-    """`body` with OpenAI's values in the form transformers' handlers take: `logit_bias`'s whole numbers as the floats
-    of its `sequence_bias`, and an empty `stop` list (OpenAI's "no stop") left out."""
-    body = dict(body)
-    if body.get("logit_bias"):
-        body["logit_bias"] = {key: float(value) for key, value in body["logit_bias"].items()}
-    if body.get("stop") == []:
-        del body["stop"]
-    return body
-
-
-def _text_part(part) -> bool:
-    """Whether `part` is a content part the served (text-only) models read: `{"type": "text", "text": "..."}`, or the
-    Responses API's `input_text` / `output_text`; transformers' handlers drop a part of another type without a word
-    (an image, audio) and fail on one without its text."""
-    return isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str)
-
-
-def _typed_parts(content) -> bool:
-    """Whether a message's `content` is what transformers' handlers read: text (or none), or a list of text parts."""
-    return content is None or isinstance(content, str) or isinstance(content, list) and all(map(_text_part, content))
-
-
-def value_problem(body: dict) -> str | None:
-    """Why a field of `body` has a value the server cannot take (text that is not Unicode, a `stop` that is not text,
-    `messages` that are not a list of messages, a `generation_config` that is not a JSON object's text, a sampling
-    setting out of its range), or None."""
-    try:
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as error:
-        bad = error.object[error.start:error.end]
-        return f"the request holds text that is not valid Unicode ({error.reason}: {bad!r})."
-    stop = body.get("stop")
-    if stop is not None and not (isinstance(stop, str) and stop or isinstance(stop, list)
-                                 and all(isinstance(s, str) and s for s in stop)):
-        return f"stop={stop!r} must be a non-empty string or a list of them (an empty list: no stop)."
-    messages = body.get("messages")
-    if messages is not None and not (isinstance(messages, list) and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and _typed_parts(m.get("content"))
-            for m in messages)):
-        return (f"messages={messages!r} must be a list of messages, each with its role and its content as text or "
-                'text parts ({"role": ..., "content": "..." or [{"type": "text", "text": "..."}]}): the model reads '
-                "text only.")
-    given = body.get("input")
-    parts = isinstance(given, list) and given and isinstance(given[0], dict) and "role" not in given[0]
-    if given is not None and not (isinstance(given, str) or isinstance(given, list) and all(
-            isinstance(item, dict) and ("role" not in item and _text_part(item) if parts else
-                                        _typed_parts(item.get("content")) if "role" in item else "type" in item)
-            for item in given)):
-        return (f"input={given!r}: give a string, or a list that starts with a message (with a role; content as "
-                "text or text parts) followed by messages and typed items; a list that starts with no message is "
-                'read as one user message\'s text parts ({"type": "input_text", "text": "..."}): the model reads '
-                "text only.")
-    config = body.get("generation_config")
-    if config is not None:
-        try:
-            settings = json.loads(config) if isinstance(config, str) else None
-        except ValueError:
-            settings = None
-        if not isinstance(settings, dict):
-            return (f"generation_config={config!r} must be a JSON object written as a string, e.g. "
-                    '"{\\"speculative_mode\\": \\"pipeline\\"}".')
-    bias = body.get("logit_bias")
-    if bias is not None and not (isinstance(bias, dict) and all(
-            key.isdigit() and not isinstance(value, bool) and isinstance(value, (int, float)) and -100 <= value <= 100
-            for key, value in bias.items())):
-        return f"logit_bias={bias!r} must map token ids (as strings) to numbers in [-100, 100]."
-    for name, high in (("temperature", 2.0), ("top_p", 1.0)):
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 <= value <= high):
-            return f"{name}={value!r} must be a number in [0, {high:g}]."
-    return None
-
-
 def openai_errors(positions: int | None = None) -> None:
     """Make the server answer its HTTP errors in OpenAI's error shape, `{"error": {"message", "type", "code"}}` (the
     `openai` client puts `message` into its exception's text; with FastAPI's own `{"detail": ...}` it shows only the
@@ -341,8 +194,8 @@ def openai_errors(positions: int | None = None) -> None:
                     problem = f"the request body is not valid JSON ({error})."
                 if problem:
                     return await answer(request, HTTPException(status_code=400, detail=problem))
-                if isinstance(body, dict) and (body.get("logit_bias") or body.get("stop") == []):
-                    request._body = json.dumps(as_transformers_reads(body)).encode()  # (starlette keeps `_body`)
+                if isinstance(body, dict) and (read := json.dumps(as_transformers_reads(body))) != json.dumps(body):
+                    request._body = read.encode()  # (starlette keeps `_body`; 100 == 100.0: compared as text)
             try:
                 response = await call_next(request)
             except RuntimeError:  # starlette's "No response returned.": the client left before the answer

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cli.serve import Serve
 
 import hf_loopspec
-from hf_loopspec import cli, serving, serving_batching
+from hf_loopspec import cli, serving, serving_batching, serving_requests
 from hf_loopspec.generation import mixin
 from hf_loopspec.generation.continuous.manager import LoopBatchingManager
 from hf_loopspec.generation.dispatch import SpeculativeRequest
@@ -228,7 +228,7 @@ def check_concurrent_requests(checkpoint, reference, cases, *options: str, then=
 def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, reference):
     """Concurrent clients, each answered as plain `generate`; then a request whose settings `generate` refuses gets
     a 400 with the reason (a `ValueError`, not a bare 500), as do a fractional `max_tokens` and `n=2` (checked before
-    transformers reads them: `serving.request_problem`), and the server keeps serving."""
+    transformers reads them: `serving_requests.request_problem`), and the server keeps serving."""
 
     def refused(client, calls):
         bad = {**BLOCK, "speculative_mode": "pipeline", "draft_loops": 3}  # U = 4 is not a multiple of 3
@@ -356,6 +356,11 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
                                           headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(streamed, timeout=60) as answer:  # OpenAI's end of a stream (none before)
             assert answer.read() == b'data: {"choices": []}\n\ndata: [DONE]\n\n'
+        replayed = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+            {"type": "text", "text": "Well."}, {"type": "refusal", "refusal": "I can't."}]}]}
+        status, echoed = post(base, "chat/completions", json.dumps(replayed).encode(), "application/json")
+        assert status == 200 and echoed["messages"][1]["content"] == [  # (transformers dropped the refusal)
+            {"type": "text", "text": "Well."}, {"type": "text", "text": "I can't."}]
         status, echoed = post(base, "chat/completions", b'{"messages": [], "stop": []}', "application/json")
         assert status == 200 and "stop" not in echoed  # OpenAI's "no stop" (transformers failed on it)
         status, answer = post(base, "responses", b'{"input": "hi"}', "application/json")  # a bare text 500 before
@@ -631,7 +636,7 @@ def test_the_model_process_gets_the_servers_threads():
     ({"top_p": 2.0}, r"top_p=2.0 must be a number in \[0, 1\]"),
 ])
 def test_a_request_field_the_server_cannot_honour_is_refused(body, message):
-    assert re.search(message, serving.request_problem({"prompt": "x", **body}))
+    assert re.search(message, serving_requests.request_problem({"prompt": "x", **body}))
 
 
 @pytest.mark.parametrize(("path", "body", "message"), [
@@ -667,36 +672,39 @@ def test_what_a_handler_needs_or_would_drop_is_refused(path, body, message):
     """A chat request without messages (or a message without its role) and a Responses request without input
     failed in transformers' handlers with a bare HTTP 500; the Responses API's output format, earlier response and
     extra output were dropped with only a line in the server's log."""
-    assert re.search(message, serving.request_problem(body, path=path))
+    assert re.search(message, serving_requests.request_problem(body, path=path))
     fine = {"/v1/chat/completions": [{"messages": [{"role": "user", "content": "hi"}]},
                                      {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}],
             "/v1/responses": [{"input": "hi", "text": {"format": {"type": "text"}}, "include": []},
+                              {"input": [{"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+                                         {"role": "user", "content": "why?"}]},
                               {"input": [{"type": "input_text", "text": "hi"}]},
                               {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
                                          {"role": "assistant", "content": "hello"}]}]}[path]
-    assert [serving.request_problem(body, path=path) for body in fine] == [None] * len(fine)
+    assert [serving_requests.request_problem(body, path=path) for body in fine] == [None] * len(fine)
 
 
 def test_a_token_limit_that_reaches_the_models_positions_is_refused():
     """Transformers' loop would warn in the server's log and decode past the positions for as long as the client
     waits; a limit below them passes (whether the prompt leaves room is `generate`'s to say)."""
     assert re.search(r"max_completion_tokens=2048 reaches the model's 2048 positions, .*fewer than 2048 minus",
-                     serving.request_problem({"prompt": "x", "max_completion_tokens": 2048}, positions=2048))
-    assert serving.request_problem({"prompt": "x", "max_tokens": 2047}, positions=2048) is None
-    assert serving.request_problem({"prompt": "x", "max_tokens": 10**6}) is None  # positions unknown
+                     serving_requests.request_problem({"prompt": "x", "max_completion_tokens": 2048}, positions=2048))
+    assert serving_requests.request_problem({"prompt": "x", "max_tokens": 2047}, positions=2048) is None
+    assert serving_requests.request_problem({"prompt": "x", "max_tokens": 10**6}) is None  # positions unknown
     # the same limits given in the generation config (they bypassed the check: a request decoded 2,100 tokens past
     # the 2,048 positions, or for as long as the client waited)
     for settings, refused in (({"max_new_tokens": 2048}, True), ({"max_new_tokens": 2047}, False),
                               ({"max_length": 2049}, True), ({"max_length": 2048}, False)):
-        problem = serving.request_problem({"prompt": "x", "generation_config": json.dumps(settings)}, positions=2048)
+        body = {"prompt": "x", "generation_config": json.dumps(settings)}
+        problem = serving_requests.request_problem(body, positions=2048)
         name, value = next(iter(settings.items()))
         assert (problem is not None) == refused, settings
         assert not refused or f"generation_config's {name}={value} goes past the model's 2048 positions" in problem
     # a limit that does not apply is not checked: max_tokens replaces the config's max_new_tokens, which wins over
     # its max_length
-    assert serving.request_problem({"prompt": "x", "max_tokens": 10, "generation_config": json.dumps(
+    assert serving_requests.request_problem({"prompt": "x", "max_tokens": 10, "generation_config": json.dumps(
         {"max_new_tokens": 5000})}, positions=2048) is None
-    assert serving.request_problem({"prompt": "x", "generation_config": json.dumps(
+    assert serving_requests.request_problem({"prompt": "x", "generation_config": json.dumps(
         {"max_new_tokens": 10, "max_length": 5000})}, positions=2048) is None
 
 
@@ -708,4 +716,4 @@ def test_a_token_limit_that_reaches_the_models_positions_is_refused():
     ["not", "an", "object"],
 ])
 def test_defaults_and_unset_fields_pass(body):
-    assert serving.request_problem(body) is None
+    assert serving_requests.request_problem(body) is None
