@@ -587,6 +587,9 @@ def test_a_bad_generation_config_setting_fails_only_the_calls_that_read_it():
         model.generation_config.init_seed = -1
         with pytest.raises(ValueError, match=r"the model's generation_config: init_seed=-1 must be an integer"):
             model(ids, num_steps=3, init_scale=0.0)
+        settings = {"num_steps": 3, "init_scale": 0.0, "init_seed": 3, "max_new_tokens": 3, "do_sample": False}
+        plain = model.generate(ids, **settings, speculative_mode=None)  # auto's calibration read the config's
+        assert torch.equal(model.generate(ids, **settings, speculative_mode="auto"), plain)
 
 
 def test_a_whole_model_pickled_before_the_config_was_shared_loads_with_it():

@@ -132,8 +132,14 @@ def test_exit_options_set_in_a_generation_config_decode_as_the_arguments(setup, 
         assert out.tolist() == want
         with pytest.raises(ValueError, match=f"{name.split('=')[0]}=.* in continuous batching: a manager decodes"):
             model.generate_batch([[5, 6, 7]], max_new_tokens=2)
+        # the call's own exit option replaces the config's (two set were refused: "Pass at most one of ...")
+        other = {"exit_at_step": 0} if name != "exit_at_step=1" else {"exit_threshold": 0.9}
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, **other)
+        assert out.tolist() == plain(model, ids, mask, NEW, **other).sequences.tolist()
     finally:
         model.generation_config = saved
+    with pytest.raises(ValueError, match="exit_at_step=0 in continuous batching"):  # (0 == False: it passed)
+        model.generate_batch([[5, 6, 7]], max_new_tokens=2, generation_config=GenerationConfig(exit_at_step=0))
 
 
 @pytest.mark.parametrize("setting", [{"num_steps": 2}, {"init_scale": 0.0}, {"init_seed": 3}])

@@ -171,7 +171,8 @@ def _plain_run(model, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
     stamps = _Stamps(ids.device)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                             speculative_mode=None, stopping_criteria=StoppingCriteriaList([stamps]))
+                             speculative_mode=None, stopping_criteria=StoppingCriteriaList([stamps]),
+                             **model.call_settings())  # (Huginn: the running call's recurrence settings)
     return out, typical([b - a for a, b in zip(stamps.times, stamps.times[1:])])
 
 

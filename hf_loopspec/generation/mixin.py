@@ -194,7 +194,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
         # exit options are the forward's: the call's, else a config's (transformers keeps a key that a config has,
         # e.g. a checkpoint's `exit_at_step`, in the config, and forward would never see it)
-        configured = {key: getattr(generation_config, key, None) for key in EXIT_OPTIONS}
+        # (one exit option of the call replaces the config's: they are alternatives, at most one may be set)
+        configured = {} if exits else {key: getattr(generation_config, key, None) for key in EXIT_OPTIONS}
         model_kwargs.update({key: value for key, value in configured.items() if value is not None}, **exits)
         if not hasattr(self, "recurrence_settings"):  # (a family with them reads them: Huginn's `call_block`)
             reject_recurrence_options(type(self).__name__, vars(generation_config))

@@ -124,8 +124,8 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
                          "its EOS ids and max_new_tokens only; drop stop_strings, or decode with model.generate.")
     if recurrence is None:  # a family without recurrence settings (Ouro): refused, as `generate` refuses them
         reject_recurrence_options(type(model).__name__, vars(config))
-    exits = [f"{key}={getattr(config, key)!r}" for key in EXIT_OPTIONS
-             if getattr(config, key, None) not in (None, False)]
+    exits = [f"{key}={getattr(config, key)!r}" for key in EXIT_OPTIONS  # (exit_at_step=0 is an exit: not False)
+             if getattr(config, key, None) is not None and getattr(config, key) is not False]
     if exits:
         raise ValueError(f"{', '.join(exits)} in continuous batching: a manager decodes every request from the last "
                          "loop (exit options are generate's); drop them, or decode with model.generate.")
