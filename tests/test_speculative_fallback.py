@@ -21,6 +21,8 @@ from speculative_utils import generate_dict, paged_cache, tiny_spec_model
 from transformers import LogitsProcessor, LogitsProcessorList, SynthIDTextWatermarkingConfig
 from transformers.utils import logging as transformers_logging
 
+from hf_loopspec import PagedLoopCache
+
 VOCAB = 64
 NEW = 10
 
@@ -111,12 +113,11 @@ def test_row_pure_processors_still_run_speculatively(setup):
 def test_a_dynamically_quantized_model_decodes_plainly(setup, mode):
     """torch.ao's dynamic quantization takes one activation scale per call, so a row's output depends on the rows
     beside it (shown first: the reason is real); every speculative mode decodes such a model plainly and says so,
-    with plain decoding's tokens (auto included: it reads the head's width from the quantized head). One unpadded
-    row: plain decoding of a padded batch itself depends on how the rows are laid out in each call (the package's
-    cache leaves padding out of them, transformers' does not)."""
+    with plain decoding's tokens (auto included: it reads the head's width from the quantized head), on a padded
+    batch too: the fallback decodes on a `DynamicCache`, whose calls hold the padding as plain decoding's do (it
+    decoded on the `PagedLoopCache`, which leaves padding out, and so other tokens). Such a cache is refused."""
     model, ids, mask = setup
-    ids, mask = ids[:1], mask[:1]
-    assert bool(mask.all())
+    assert not bool(mask.all())
     quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     layer = quantized.model.layers[0].mlp.up_proj
     x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
@@ -128,6 +129,8 @@ def test_a_dynamically_quantized_model_decodes_plainly(setup, mode):
     if mode != "auto":  # (auto's stretches are generate calls of these modes)
         assert "dynamically quantized layers (Linear)" in out.speculation.fallback
         assert out.speculation.engine == "plain" and out.speculation.committed_tokens == 0
+    with pytest.raises(ValueError, match="dynamically quantized layers .* pass a DynamicCache or no cache"):
+        run(quantized, ids, mask, speculative_mode=mode, cache=PagedLoopCache(quantized.kv_layout))
 
 
 @pytest.mark.parametrize("where", ["model", "base model", "every module"])

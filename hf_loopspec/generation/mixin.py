@@ -54,7 +54,7 @@ from .inputs import (
     check_left_padded,
     check_model_kwargs,
 )
-from .model_checks import model_fallback, per_row_arguments
+from .model_checks import dense_cache_reason, model_fallback
 from .processors import plain_fallback
 from .stats import SpeculationStats
 
@@ -231,11 +231,11 @@ class LoopSpecGenerationMixin(GenerationMixin):
         plain decoding and a `PagedLoopCache` for speculative decoding, which needs per-depth planes."""
         user_cache, call = model_kwargs.get("cache"), current_call()
         speculative, paged = self._speculative(generation_config) is not None, isinstance(user_cache, PagedLoopCache)
-        per_row = per_row_arguments(self) if speculative or paged else []  # PEFT's adapter_names: a DynamicCache
-        if per_row and paged:
-            raise ValueError(f"cache: PEFT's {' and '.join(per_row)} split each layer's input by batch row, and a "
-                             "PagedLoopCache lays the rows out flat; pass a DynamicCache or no cache.")
-        if speculative and not per_row:
+        dense = dense_cache_reason(self) if speculative or paged else None  # (such a model falls back to plain)
+        if dense and paged:
+            raise ValueError(f"cache: {dense}, and a PagedLoopCache lays the rows out flat, without padding; pass a "
+                             "DynamicCache or no cache.")
+        if speculative and not dense:
             if user_cache is None and generation_config.cache_implementation is not None:
                 logger.warning_once("hf_loopspec: cache_implementation=%r does not apply to speculative decoding, "
                                     "which keeps its KV in a PagedLoopCache (pass speculative_mode=None for that "

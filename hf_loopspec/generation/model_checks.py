@@ -47,10 +47,27 @@ def model_fallback(model) -> str | None:
     return _own_inputs_preparation(model)
 
 
+def dense_cache_reason(model) -> str | None:
+    """Why `model` must be called on `[batch, length, ...]` inputs, padding included, as plain decoding with a
+    `DynamicCache` calls it (a `PagedLoopCache` lays the rows out flat, without padding), or None: PEFT's per-row
+    arguments split each layer's input by batch row, and a dynamically quantized layer takes one activation scale
+    over all the rows and positions of its call."""
+    per_row = per_row_arguments(model)
+    if per_row:
+        return f"PEFT's {' and '.join(per_row)} split each layer's input by batch row"
+    if _dynamic_quantized(model):
+        return "the model's dynamically quantized layers take one activation scale over all the rows of a call"
+    return None
+
+
+def _dynamic_quantized(model) -> list[str]:
+    return sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith(DYNAMIC_QUANTIZED)})
+
+
 def model_problem(model) -> str | None:
     """Why the engine's stage calls would not give `model`'s plain tokens (quantized layers, hooks), or None: the
     engine cannot decode such a model at all (continuous batching refuses it)."""
-    dynamic = sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith(DYNAMIC_QUANTIZED)})
+    dynamic = _dynamic_quantized(model)
     if dynamic:
         return (f"the model holds dynamically quantized layers ({', '.join(dynamic)}), whose output for a token "
                 "depends on the other rows of its call (one activation scale per call), so speculative decoding "
