@@ -133,6 +133,32 @@ def test_a_dynamically_quantized_model_decodes_plainly(setup, mode):
         run(quantized, ids, mask, speculative_mode=mode, cache=PagedLoopCache(quantized.kv_layout))
 
 
+class Int8Weight(torch.Tensor):
+    """A weight that says it quantizes the activations it meets, as torchao's do (`act_quant_kwargs`: per row, for
+    int8 dynamic activation); it computes as a plain tensor, so plain decoding of the model is the reference."""
+
+    act_quant_kwargs = "per row"
+
+
+def test_a_model_whose_weights_quantize_activations_decodes_plainly(setup):
+    """torchao's activation quantization rounds activations to a coarse grid, so the engine's last-bit differences
+    became other tokens, without a word; such a model decodes plainly and says so. Weight-only quantization (no
+    `act_quant_kwargs`) keeps speculative decoding."""
+    model, ids, mask = setup
+    layer = model.model.layers[0].mlp.up_proj
+    plain = layer.weight
+    layer.weight = torch.nn.Parameter(plain.detach().as_subclass(Int8Weight), requires_grad=False)
+    try:
+        ref = run(model, ids, mask, speculative_mode=None)
+        out = run(model, ids, mask, speculative_mode="pipeline")
+        assert out.sequences.tolist() == ref.sequences.tolist()
+        assert "weights (Int8Weight) quantize the activations" in out.speculation.fallback
+        Int8Weight.act_quant_kwargs = None  # weight-only
+        assert run(model, ids, mask, speculative_mode="pipeline").speculation.fallback is None
+    finally:
+        layer.weight, Int8Weight.act_quant_kwargs = plain, "per row"
+
+
 @pytest.mark.parametrize("where", ["model", "base model", "every module"])
 def test_a_forward_hook_on_the_model_or_its_base_model_decodes_plainly(setup, where, caplog):
     """The engine calls the model's stages, not the causal LM's or its base model's `forward`, so a hook there would

@@ -3,11 +3,14 @@
 logits processor it cannot run, `processors.plain_fallback`).
 
 Speculative decoding is exact because a row's output does not depend on the other rows of its call, and because
-the stages the engine calls (`embed`, `core`, `head`) do all that a forward call does. Two things a user can do to
-a model break that:
+the stages the engine calls (`embed`, `core`, `head`) do all that a forward call does. These changes a user can make
+to a model break that:
 
 * torch.ao's dynamic quantization (`quantize_dynamic`) takes one activation scale per call over all its rows, so a
   token's output depends on which rows share the call, and the engine's calls hold other rows than plain decoding's;
+* torchao's activation quantization (weights with `act_quant_kwargs`, e.g. int8 dynamic activation) rounds each
+  activation to a coarse grid, so the last-bit differences between the engine's calls (other shapes) and plain
+  decoding's become whole steps, and tokens differ (its weight-only quantization keeps speculative decoding);
 * forward hooks (or pre-hooks) on the causal LM or its base model run only when that module is called, and the
   engine calls its stages instead. Hooks on the layers, the norms and the head run in both. Global module hooks
   (`torch.nn.modules.module.register_module_forward_hook`) run on every module, those two included;
@@ -72,6 +75,11 @@ def model_problem(model) -> str | None:
         return (f"the model holds dynamically quantized layers ({', '.join(dynamic)}), whose output for a token "
                 "depends on the other rows of its call (one activation scale per call), so speculative decoding "
                 "could change the tokens")
+    quantized = sorted({type(w).__name__ for w in model.parameters() if getattr(w, "act_quant_kwargs", None)
+                        is not None or "ActivationQuantized" in type(w).__name__})
+    if quantized:
+        return (f"the model's weights ({', '.join(quantized)}) quantize the activations they meet (torchao), which "
+                "turns the rounding differences between the engine's calls and plain decoding's into other tokens")
     per_row = per_row_arguments(model)
     if per_row:
         return (f"PEFT's {' and '.join(per_row)} (per batch row) reach the layers through hooks that split their "
