@@ -163,6 +163,8 @@ def value_problem(body: dict) -> str | None:
             key.isdigit() and not isinstance(value, bool) and isinstance(value, (int, float)) and -100 <= value <= 100
             for key, value in bias.items())):
         return f"logit_bias={bias!r} must map token ids (as strings) to numbers in [-100, 100]."
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):  # (transformers: any truthy value)
+        return f"stream={body['stream']!r} must be true or false."
     for name, high in (("temperature", 2.0), ("top_p", 1.0)):
         value = body.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))

@@ -632,6 +632,7 @@ def test_the_model_process_gets_the_servers_threads():
     ({"generation_config": {"do_sample": False}}, r"generation_config=\{'do_sample': False\} must be a JSON object "
                                                    "written as a string"),
     ({"generation_config": "[1, 2]"}, r"generation_config='\[1, 2\]' must be"),
+    ({"stream": "yes"}, r"stream='yes' must be true or false"),  # (it streamed: transformers took it as true)
     ({"temperature": -1}, r"temperature=-1 must be a number in \[0, 2\]"),
     ({"top_p": 2.0}, r"top_p=2.0 must be a number in \[0, 1\]"),
 ])
