@@ -83,8 +83,8 @@ def request_problem(body, positions: int | None = None, path: str = "") -> str |
 
 def as_transformers_reads(body: dict) -> dict:
     """`body` with OpenAI's values in the form transformers' handlers take: `logit_bias`'s whole numbers as the floats
-    of its `sequence_bias`, an empty `stop` list (OpenAI's "no stop") left out, and a replayed assistant message's
-    refusal parts as text parts (the handlers would drop them without a word)."""
+    of its `sequence_bias`, an empty `stop` list (OpenAI's "no stop") left out, and refusals as text (the handlers
+    would drop them without a word): refusal parts, and a replayed assistant message's `refusal` field."""
     body = dict(body)
     if body.get("logit_bias"):
         body["logit_bias"] = {key: float(value) for key, value in body["logit_bias"].items()}
@@ -92,10 +92,21 @@ def as_transformers_reads(body: dict) -> dict:
         del body["stop"]
     for field in ("messages", "input"):
         if isinstance(body.get(field), list):
-            body[field] = [{**item, "content": [_as_text(part) for part in item["content"]]}
-                           if isinstance(item, dict) and isinstance(item.get("content"), list) else item
-                           for item in body[field]]
+            body[field] = [_refusal_as_text(item) for item in body[field]]
     return body
+
+
+def _refusal_as_text(item):
+    """A message (or a Responses input item) with its refusals as text; any other item as it is."""
+    if not isinstance(item, dict):
+        return item
+    if "role" not in item:  # a content part of the Responses API's flat form
+        return _as_text(item)
+    if isinstance(item.get("content"), list):
+        return {**item, "content": [_as_text(part) for part in item["content"]]}
+    if not item.get("content") and isinstance(item.get("refusal"), str):  # the openai client's replayed message
+        return {**item, "content": item["refusal"]}
+    return item
 
 
 def _as_text(part):

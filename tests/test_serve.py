@@ -281,6 +281,23 @@ def post(client, endpoint: str, body: bytes, content_type: str) -> tuple[int, di
         return error.code, json.loads(error.read())
 
 
+def test_refusals_reach_the_model_as_text():
+    """transformers' handlers drop a refusal without a word: a refusal part (in a message, or in the Responses API's
+    flat list of parts) and a replayed assistant message's `refusal` field (the `openai` client's shape) are
+    rewritten as the text they hold; everything else is left as it is."""
+    chat = {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": None, "refusal": "I can't."},
+                         {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+                         {"role": "assistant", "content": "Yes.", "refusal": None}]}
+    assert serving_requests.as_transformers_reads(chat)["messages"] == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "I can't.", "refusal": "I can't."},
+        {"role": "assistant", "content": [{"type": "text", "text": "No."}]},
+        {"role": "assistant", "content": "Yes.", "refusal": None}]
+    flat = {"input": [{"type": "input_text", "text": "hi"}, {"type": "refusal", "refusal": "No."}]}
+    assert serving_requests.as_transformers_reads(flat)["input"] == [{"type": "input_text", "text": "hi"},
+                                                                     {"type": "text", "text": "No."}]
+
+
 def test_a_streams_error_event_comes_in_openais_shape():
     """transformers' handlers end a failing stream with `data: {"error": "text"}`, whose text the `openai` client
     drops; the server rewrites it as `{"error": {"message": ...}}` and leaves every other event as it was."""

@@ -130,6 +130,10 @@ def test_exit_options_set_in_a_generation_config_decode_as_the_arguments(setup, 
     try:
         out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
         assert out.tolist() == want
+        # use_weighted_exit=False chooses no exit: the config's stays (it was dropped: the last loop decoded)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                             use_weighted_exit=False)
+        assert out.tolist() == (want if name != "use_weighted_exit" else last_loop.tolist())
         with pytest.raises(ValueError, match=f"{name.split('=')[0]}=.* in continuous batching: a manager decodes"):
             model.generate_batch([[5, 6, 7]], max_new_tokens=2)
         # the call's own exit option replaces the config's (two set were refused: "Pass at most one of ...")

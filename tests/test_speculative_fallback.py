@@ -135,12 +135,14 @@ def test_a_dynamically_quantized_model_decodes_plainly(setup, mode):
 
 class Int8Weight(torch.Tensor):
     """A weight that says it quantizes the activations it meets, as torchao's do (`act_quant_kwargs`: per row, for
-    int8 dynamic activation); it computes as a plain tensor, so plain decoding of the model is the reference."""
+    int8 dynamic activation; `activation_quantization` on its Intx weights); it computes as a plain tensor, so plain
+    decoding of the model is the reference."""
 
-    act_quant_kwargs = "per row"
+    act_quant_kwargs = activation_quantization = None
 
 
-def test_a_model_whose_weights_quantize_activations_decodes_plainly(setup):
+@pytest.mark.parametrize("marker", ["act_quant_kwargs", "activation_quantization"])
+def test_a_model_whose_weights_quantize_activations_decodes_plainly(setup, marker):
     """torchao's activation quantization rounds activations to a coarse grid, so the engine's last-bit differences
     became other tokens, without a word; such a model decodes plainly and says so. Weight-only quantization (no
     `act_quant_kwargs`) keeps speculative decoding."""
@@ -149,14 +151,16 @@ def test_a_model_whose_weights_quantize_activations_decodes_plainly(setup):
     plain = layer.weight
     layer.weight = torch.nn.Parameter(plain.detach().as_subclass(Int8Weight), requires_grad=False)
     try:
+        setattr(Int8Weight, marker, "int8 per row")
         ref = run(model, ids, mask, speculative_mode=None)
         out = run(model, ids, mask, speculative_mode="pipeline")
         assert out.sequences.tolist() == ref.sequences.tolist()
         assert "weights (Int8Weight) quantize the activations" in out.speculation.fallback
-        Int8Weight.act_quant_kwargs = None  # weight-only
+        setattr(Int8Weight, marker, None)  # weight-only
         assert run(model, ids, mask, speculative_mode="pipeline").speculation.fallback is None
     finally:
-        layer.weight, Int8Weight.act_quant_kwargs = plain, "per row"
+        layer.weight = plain
+        setattr(Int8Weight, marker, None)
 
 
 @pytest.mark.parametrize("where", ["model", "base model", "every module"])

@@ -190,12 +190,13 @@ class LoopSpecGenerationMixin(GenerationMixin):
         (`RECURRENCE_OPTIONS`) in a config are refused by a family without them."""
         ours = {key: kwargs.pop(key) for key in SPECULATIVE_KEYS if key in kwargs}
         exits = {key: kwargs.pop(key) for key in EXIT_OPTIONS if kwargs.get(key) is not None}
+        chosen = any(value is not False for value in exits.values())  # (use_weighted_exit=False chooses nothing)
         given = set(ours) | {key for key in SPECULATIVE_KEYS if getattr(generation_config, key, None) is not None}
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
         # exit options are the forward's: the call's, else a config's (transformers keeps a key that a config has,
         # e.g. a checkpoint's `exit_at_step`, in the config, and forward would never see it)
         # (one exit option of the call replaces the config's: they are alternatives, at most one may be set)
-        configured = {} if exits else {key: getattr(generation_config, key, None) for key in EXIT_OPTIONS}
+        configured = {} if chosen else {key: getattr(generation_config, key, None) for key in EXIT_OPTIONS}
         model_kwargs.update({key: value for key, value in configured.items() if value is not None}, **exits)
         if not hasattr(self, "recurrence_settings"):  # (a family with them reads them: Huginn's `call_block`)
             reject_recurrence_options(type(self).__name__, vars(generation_config))

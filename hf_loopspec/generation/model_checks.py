@@ -8,7 +8,7 @@ to a model break that:
 
 * torch.ao's dynamic quantization (`quantize_dynamic`) takes one activation scale per call over all its rows, so a
   token's output depends on which rows share the call, and the engine's calls hold other rows than plain decoding's;
-* torchao's activation quantization (weights with `act_quant_kwargs`, e.g. int8 dynamic activation) rounds each
+* torchao's activation quantization (weights with `ACTIVATION_QUANTIZATION`, e.g. int8 dynamic activation) rounds each
   activation to a coarse grid, so the last-bit differences between the engine's calls (other shapes) and plain
   decoding's become whole steps, and tokens differ (its weight-only quantization keeps speculative decoding);
 * forward hooks (or pre-hooks) on the causal LM or its base model run only when that module is called, and the
@@ -29,6 +29,7 @@ import torch
 from torch.nn.modules import module as torch_module
 
 DYNAMIC_QUANTIZED = "torch.ao.nn.quantized.dynamic"  # the modules `quantize_dynamic` puts in place
+ACTIVATION_QUANTIZATION = ("act_quant_kwargs", "activation_quantization")  # torchao weights that quantize inputs
 PEFT_PER_ROW = ("adapter_names", "alora_offsets")  # keywords of PEFT's pre-hooks on its layers during `generate`
 PLAINLY = "; decoded with plain decoding instead"
 
@@ -75,8 +76,8 @@ def model_problem(model) -> str | None:
         return (f"the model holds dynamically quantized layers ({', '.join(dynamic)}), whose output for a token "
                 "depends on the other rows of its call (one activation scale per call), so speculative decoding "
                 "could change the tokens")
-    quantized = sorted({type(w).__name__ for w in model.parameters() if getattr(w, "act_quant_kwargs", None)
-                        is not None or "ActivationQuantized" in type(w).__name__})
+    quantized = sorted({type(w).__name__ for w in model.parameters() if "ActivationQuantized" in type(w).__name__
+                        or any(getattr(w, key, None) is not None for key in ACTIVATION_QUANTIZATION)})
     if quantized:
         return (f"the model's weights ({', '.join(quantized)}) quantize the activations they meet (torchao), which "
                 "turns the rounding differences between the engine's calls and plain decoding's into other tokens")
