@@ -159,6 +159,8 @@ def test_ouro_refuses_huginns_recurrence_settings(setup, setting):
         config = GenerationConfig(max_new_tokens=2, do_sample=False, pad_token_id=PAD, **setting)
         with pytest.raises(ValueError, match=f"{name}=.*: OuroForCausalLM has no recurrence settings"):
             model.generate(ids, attention_mask=mask, generation_config=config, speculative_mode=mode)
+        with pytest.raises(ValueError, match=f"{name}=.*: OuroForCausalLM has no recurrence settings"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, speculative_mode=mode, **setting)
     saved = model.generation_config
     model.generation_config = copy.deepcopy(saved)
     setattr(model.generation_config, name, setting[name])

@@ -199,7 +199,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         configured = {} if chosen else {key: getattr(generation_config, key, None) for key in EXIT_OPTIONS}
         model_kwargs.update({key: value for key, value in configured.items() if value is not None}, **exits)
         if not hasattr(self, "recurrence_settings"):  # (a family with them reads them: Huginn's `call_block`)
-            reject_recurrence_options(type(self).__name__, vars(generation_config))
+            reject_recurrence_options(type(self).__name__, {**vars(generation_config), **model_kwargs})
         check_generation_values(generation_config)
         for key, value in ours.items():
             setattr(generation_config, key, value)
