@@ -31,10 +31,12 @@ def effective(model_config, config) -> dict:
 
 
 def settings_problem(model_config, manager_config, request_config,
-                     started_by: str = "the first one, which started the manager", recurrence=None) -> str | None:
+                     started_by: str = "the first one, which started the manager", recurrence=None,
+                     also: str = "") -> str | None:
     """Why a request with `request_config` cannot join a manager started with `manager_config` (the settings of
     `started_by`), or None. `recurrence`: the manager's recurrence settings (a Huginn-family model's
-    `ManagerSettings.recurrence`), the values its unset `num_steps`, `init_scale` and `init_seed` mean."""
+    `ManagerSettings.recurrence`), the values its unset `num_steps`, `init_scale` and `init_seed` mean. `also`: what
+    else a request may change, for the message."""
     manager, request = effective(model_config, manager_config), effective(model_config, request_config)
     # what an unset key means: None, or the value generate gives it (unset do_sample: greedy, as do_sample=False)
     defaults = {**type(model_config)().to_dict(), **type(model_config)._get_default_generation_params()}
@@ -49,8 +51,8 @@ def settings_problem(model_config, manager_config, request_config,
         return None
     listed = ", ".join(f"{k}={mine!r} (the manager's: {theirs!r})" for k, (mine, theirs) in list(differ.items())[:6])
     return (f"this request asks for {listed}: with --continuous-batching, every request decodes with the settings of "
-            f"{started_by}; a request may change only max_tokens, its EOS and seed. Send the same settings, "
-            "or serve without --continuous-batching for per-request settings.")
+            f"{started_by}; a request may change only max_tokens, its EOS and seed{also}. Send the same settings, or "
+            "serve without --continuous-batching for per-request settings.")
 
 
 def install() -> type:

@@ -45,21 +45,22 @@ class LoopBatchingRunner(utils.CBGenerateRunner):
         from transformers import GenerationConfig
 
         from .generation.continuous import huginn
+        from .models.huginn.recurrence import GENERATION_KEYS, updated
 
         seeds = generation_kwargs.pop(REQUEST_SEEDS, {})
         recurrence = self.manager.settings.recurrence
+        if recurrence is not None:  # checked as generate checks them (a request's 4.0 would compare equal to 4)
+            mean = getattr(getattr(self.model, "config", None), "mean_recurrence", recurrence.num_steps)
+            updated(recurrence, *(generation_kwargs.get(key) for key in GENERATION_KEYS), mean)
         if recurrence is not None and generation_kwargs.get(huginn.REQUEST_KEY) is not None:
             # a Huginn-family request's own init_seed keys its initial states, as `generate(..., init_seed=S)`
-            seeds = {**seeds, huginn.REQUEST_KEY: generation_kwargs.pop(huginn.REQUEST_KEY)}
-            problem = huginn.request_problem(seeds)
-            if problem:
-                raise ValueError(problem)
+            seeds = {**seeds, huginn.REQUEST_KEY: generation_kwargs.pop(huginn.REQUEST_KEY)}  # (checked above)
         model_config = self.model.generation_config
         request = GenerationConfig(**{key: value for key, value in generation_kwargs.items()
                                       if value is not None and key not in SERVER_SET})
         problem = settings_problem(model_config, self.manager.generation_config, request,
                                    started_by="the checkpoint's generation config, which started the manager",
-                                   recurrence=recurrence)
+                                   recurrence=recurrence, also=" (and its init_seed)" if recurrence is not None else "")
         if problem:
             raise ValueError(problem)  # the request's fault: an HTTP 400 with the reason
         return {**{key: generation_kwargs[key] for key in ("max_new_tokens", "eos_token_id")}, **seeds}

@@ -565,10 +565,13 @@ def test_the_runner_reads_a_huginn_request_against_the_managers_recurrence():
     passed = {"max_new_tokens": 8, "eos_token_id": 2}
     for restated in ({}, {"num_steps": 4}, {"init_scale": 1.0}, {"num_steps": 4, "init_scale": 1.0}):
         assert runner._build_continuous_batching_kwargs({**request, **restated}) == passed, restated
-    with pytest.raises(ValueError, match=r"num_steps=3 \(the manager's: 4\).*may change only max_tokens, its EOS"):
+    with pytest.raises(ValueError, match=r"num_steps=3 \(the manager's: 4\).*may change only max_tokens, its EOS "
+                                         r"and seed \(and its init_seed\)"):
         runner._build_continuous_batching_kwargs({**request, "num_steps": 3})
+    with pytest.raises(ValueError, match=r"num_steps=4.0 must be an integer >= 1"):  # (equal to 4: it passed)
+        runner._build_continuous_batching_kwargs({**request, "num_steps": 4.0})
     assert runner._build_continuous_batching_kwargs({**request, "init_seed": 5}) == {**passed, "init_seed": 5}
-    with pytest.raises(ValueError, match=r"init_seed=-1: give an integer"):
+    with pytest.raises(ValueError, match=r"init_seed=-1 must be an integer in \[0, 2\*\*64\)"):
         runner._build_continuous_batching_kwargs({**request, "init_seed": -1})
 
 
