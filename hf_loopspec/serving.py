@@ -36,10 +36,10 @@ which transformers' handlers would drop, get HTTP 400 too, and so do values they
 content that is not text or a list of text parts, a chat request without `messages` or a Responses one without
 `input`, a `generation_config` that is not a JSON object's text) and a `temperature` or `top_p` out of range; so does
 a content part that is not text (an image, audio), which they would drop without a word: the served models read text
-only. An empty `stop` list means no stop, as in OpenAI's API, and refusals (refusal parts, a replayed assistant
-message's `refusal` field) reach the model as text. Any other error of a handler is a 500 in OpenAI's error shape,
-naming it. Chat and completions streams end with OpenAI's `data: [DONE]` event. A client that leaves before its
-answer ends its request quietly (no error in the server's log).
+only. An empty `stop` list means no stop, as in OpenAI's API, and refusals (refusal parts, and a replayed assistant
+message's `refusal` field when its content is empty) reach the model as text. Any other error of a handler is a 500
+in OpenAI's error shape, naming it. Chat and completions streams end with OpenAI's `data: [DONE]` event. A client
+that leaves before its answer ends its request quietly (no error in the server's log).
 """
 
 from __future__ import annotations

@@ -91,21 +91,23 @@ def as_transformers_reads(body: dict) -> dict:
     if body.get("stop") == []:
         del body["stop"]
     for field in ("messages", "input"):
-        if isinstance(body.get(field), list):
-            body[field] = [_refusal_as_text(item) for item in body[field]]
+        items = body.get(field)
+        if isinstance(items, list) and items and isinstance(items[0], dict) and "role" not in items[0]:
+            body[field] = [_as_text(part) for part in items]  # the Responses API's flat list of one message's parts
+        elif isinstance(items, list):
+            body[field] = [_refusal_as_text(item) for item in items]
     return body
 
 
 def _refusal_as_text(item):
-    """A message (or a Responses input item) with its refusals as text; any other item as it is."""
-    if not isinstance(item, dict):
+    """A message with its refusals as text (its refusal parts; its `refusal` field when its content is empty, as the
+    `openai` client replays a refused answer); anything else as it is."""
+    if not isinstance(item, dict) or "role" not in item:
         return item
-    if "role" not in item:  # a content part of the Responses API's flat form
-        return _as_text(item)
+    if not item.get("content") and isinstance(item.get("refusal"), str):
+        return {**item, "content": item["refusal"]}
     if isinstance(item.get("content"), list):
         return {**item, "content": [_as_text(part) for part in item["content"]]}
-    if not item.get("content") and isinstance(item.get("refusal"), str):  # the openai client's replayed message
-        return {**item, "content": item["refusal"]}
     return item
 
 
@@ -123,6 +125,11 @@ def _text_part(part) -> bool:
     without its text."""
     part = _as_text(part)
     return isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str)
+
+
+def _message_content(message: dict) -> bool:
+    """Whether a message's `content` is text parts (`_typed_parts`) and its `refusal` (if any) text."""
+    return _typed_parts(message.get("content")) and isinstance(message.get("refusal", ""), (str, type(None)))
 
 
 def _typed_parts(content) -> bool:
@@ -145,16 +152,15 @@ def value_problem(body: dict) -> str | None:
         return f"stop={stop!r} must be a non-empty string or a list of them (an empty list: no stop)."
     messages = body.get("messages")
     if messages is not None and not (isinstance(messages, list) and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and _typed_parts(m.get("content"))
-            for m in messages)):
+            isinstance(m, dict) and isinstance(m.get("role"), str) and _message_content(m) for m in messages)):
         return (f"messages={messages!r} must be a list of messages, each with its role and its content as text or "
-                'text parts ({"role": ..., "content": "..." or [{"type": "text", "text": "..."}]}): the model reads '
-                "text only.")
+                'text parts ({"role": ..., "content": "..." or [{"type": "text", "text": "..."}]}) and any refusal as '
+                "text: the model reads text only.")
     given = body.get("input")
     parts = isinstance(given, list) and given and isinstance(given[0], dict) and "role" not in given[0]
     if given is not None and not (isinstance(given, str) or isinstance(given, list) and all(
             isinstance(item, dict) and ("role" not in item and _text_part(item) if parts else
-                                        _typed_parts(item.get("content")) if "role" in item else "type" in item)
+                                        _message_content(item) if "role" in item else "type" in item)
             for item in given)):
         return (f"input={given!r}: give a string, or a list that starts with a message (with a role; content as "
                 "text or text parts) followed by messages and typed items; a list that starts with no message is "

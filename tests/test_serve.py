@@ -288,14 +288,21 @@ def test_refusals_reach_the_model_as_text():
     chat = {"messages": [{"role": "user", "content": "hi"},
                          {"role": "assistant", "content": None, "refusal": "I can't."},
                          {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
-                         {"role": "assistant", "content": "Yes.", "refusal": None}]}
+                         {"role": "assistant", "content": "Yes.", "refusal": None},
+                         {"role": "assistant", "content": [], "refusal": "Never."}]}
     assert serving_requests.as_transformers_reads(chat)["messages"] == [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "I can't.", "refusal": "I can't."},
         {"role": "assistant", "content": [{"type": "text", "text": "No."}]},
-        {"role": "assistant", "content": "Yes.", "refusal": None}]
+        {"role": "assistant", "content": "Yes.", "refusal": None},
+        {"role": "assistant", "content": "Never.", "refusal": "Never."}]
     flat = {"input": [{"type": "input_text", "text": "hi"}, {"type": "refusal", "refusal": "No."}]}
     assert serving_requests.as_transformers_reads(flat)["input"] == [{"type": "input_text", "text": "hi"},
                                                                      {"type": "text", "text": "No."}]
+    items = {"input": [{"role": "user", "content": "hi"}, {"type": "refusal", "refusal": "No."}]}  # an item, no part
+    assert serving_requests.as_transformers_reads(items) == items
+    problem = serving_requests.request_problem({"messages": [{"role": "assistant", "content": None, "refusal": 5}]},
+                                               path="/v1/chat/completions")  # (dropped without a word before)
+    assert "and any refusal as text" in problem
 
 
 def test_a_streams_error_event_comes_in_openais_shape():
