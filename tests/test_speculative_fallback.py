@@ -19,6 +19,7 @@ from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
 from speculative_utils import generate_dict, paged_cache, tiny_spec_model
 from transformers import LogitsProcessor, LogitsProcessorList, SynthIDTextWatermarkingConfig
+from transformers.cache_utils import DynamicCache
 from transformers.utils import logging as transformers_logging
 
 from hf_loopspec import PagedLoopCache
@@ -156,6 +157,10 @@ def test_a_model_whose_weights_quantize_activations_decodes_plainly(setup, marke
         out = run(model, ids, mask, speculative_mode="pipeline")
         assert out.sequences.tolist() == ref.sequences.tolist()
         assert "weights (Int8Weight) quantize the activations" in out.speculation.fallback
+        # on a DynamicCache, as plain decoding (the paged cache's calls, without padding, gave other tokens)
+        assert isinstance(out.cache, DynamicCache) and not bool(mask.all())
+        with pytest.raises(ValueError, match="weights quantize their inputs, .* pass a DynamicCache or no cache"):
+            run(model, ids, mask, speculative_mode="pipeline", cache=PagedLoopCache(model.kv_layout))
         setattr(Int8Weight, marker, None)  # weight-only
         assert run(model, ids, mask, speculative_mode="pipeline").speculation.fallback is None
     finally:

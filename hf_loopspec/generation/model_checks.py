@@ -54,18 +54,26 @@ def model_fallback(model) -> str | None:
 def dense_cache_reason(model) -> str | None:
     """Why `model` must be called on `[batch, length, ...]` inputs, padding included, as plain decoding with a
     `DynamicCache` calls it (a `PagedLoopCache` lays the rows out flat, without padding), or None: PEFT's per-row
-    arguments split each layer's input by batch row, and a dynamically quantized layer takes one activation scale
-    over all the rows and positions of its call."""
+    arguments split each layer's input by batch row, a dynamically quantized layer takes one activation scale over
+    all the rows and positions of its call, and activation-quantized weights (torchao) round the last-bit
+    differences of other call shapes into other tokens."""
     per_row = per_row_arguments(model)
     if per_row:
         return f"PEFT's {' and '.join(per_row)} split each layer's input by batch row"
     if _dynamic_quantized(model):
         return "the model's dynamically quantized layers take one activation scale over all the rows of a call"
+    if _activation_quantized(model):
+        return "the model's weights quantize their inputs, which turns other call shapes into other tokens"
     return None
 
 
 def _dynamic_quantized(model) -> list[str]:
     return sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith(DYNAMIC_QUANTIZED)})
+
+
+def _activation_quantized(model) -> list[str]:
+    return sorted({type(w).__name__ for w in model.parameters() if "ActivationQuantized" in type(w).__name__
+                   or any(getattr(w, key, None) is not None for key in ACTIVATION_QUANTIZATION)})
 
 
 def model_problem(model) -> str | None:
@@ -76,8 +84,7 @@ def model_problem(model) -> str | None:
         return (f"the model holds dynamically quantized layers ({', '.join(dynamic)}), whose output for a token "
                 "depends on the other rows of its call (one activation scale per call), so speculative decoding "
                 "could change the tokens")
-    quantized = sorted({type(w).__name__ for w in model.parameters() if "ActivationQuantized" in type(w).__name__
-                        or any(getattr(w, key, None) is not None for key in ACTIVATION_QUANTIZATION)})
+    quantized = _activation_quantized(model)
     if quantized:
         return (f"the model's weights ({', '.join(quantized)}) quantize the activations they meet (torchao), which "
                 "turns the rounding differences between the engine's calls and plain decoding's into other tokens")
