@@ -61,7 +61,6 @@ from .stats import SpeculationStats
 logger = get_logger(__name__)
 
 
-
 def reject_exit_options(model_name: str, kwargs: dict) -> None:
     """`ValueError` when `kwargs` set one of `EXIT_OPTIONS`, for a family whose forward has no exit selection: such
     an option would otherwise pass through `**kwargs` unread and silently change nothing."""
@@ -193,9 +192,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
         chosen = any(value is not False for value in exits.values())  # (use_weighted_exit=False chooses nothing)
         given = set(ours) | {key for key in SPECULATIVE_KEYS if getattr(generation_config, key, None) is not None}
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
-        # exit options are the forward's: the call's, else a config's (transformers keeps a key that a config has,
-        # e.g. a checkpoint's `exit_at_step`, in the config, and forward would never see it)
-        # (one exit option of the call replaces the config's: they are alternatives, at most one may be set)
+        # exit options are the forward's: the call's (one replaces all of the config's: they are alternatives), else
+        # a config's (transformers keeps a key a config has, e.g. a checkpoint's `exit_at_step`, in the config)
         configured = {} if chosen else {key: getattr(generation_config, key, None) for key in EXIT_OPTIONS}
         model_kwargs.update({key: value for key, value in configured.items() if value is not None}, **exits)
         if not hasattr(self, "recurrence_settings"):  # (a family with them reads them: Huginn's `call_block`)
