@@ -25,6 +25,15 @@ def model():
     return tiny_spec_model(0, vocab=VOCAB, damp=0.5)
 
 
+@pytest.mark.parametrize("name", ["persistent_manager", "warmup", "record_timestamps", "progress_bar"])
+def test_switches_of_generate_batch_are_booleans(model, name):
+    """`persistent_manager="no"` kept the manager (a non-empty string is true), so the next call with another
+    config was refused for a manager the caller never asked to keep."""
+    with pytest.raises(ValueError, match=f"{name}='no' must be True or False"):
+        model.generate_batch([[5, 6, 7]], max_new_tokens=2, **{name: "no"})
+    assert getattr(model, "_cached_continuous_batching_manager", None) is None
+
+
 def test_request_ids_must_be_new(model):
     """`generate_batch(request_id=...)` would give every request one id (it waited forever); an id still open on a
     manager is refused; once that request has finished, its id is free again."""

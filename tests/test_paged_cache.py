@@ -90,6 +90,16 @@ class TestAllocator:
         cache.free(0)
         assert cache.pages_in_use == 0
 
+    @pytest.mark.parametrize("args", [(0, 1, torch.tensor(2)), (0, 1, 2.5), ("0", 1, 2), (True, 1, 2)])
+    def test_truncate_takes_integers_only(self, args):
+        """A tensor length was stored in the page tables, True truncated sequence 1, and the others failed with a
+        TypeError from inside."""
+        cache = PagedLoopCache(LAYOUT, page_size=4)
+        write(cache, 0, 1, list(range(9)))
+        with pytest.raises(ValueError, match=r"truncate: (seq|length)=.* must be an integer"):
+            cache.truncate(*args)
+        assert cache.length(0, 1) == 9
+
     @pytest.mark.parametrize("max_pages", [None, 2 * 3 * 3])
     def test_reserve_in_order_lays_tables_out_contiguously(self, max_pages):
         """`reserve_in_order`: every (sequence, plane) table of the batch gets its positions on consecutive pages,

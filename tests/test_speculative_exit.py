@@ -171,6 +171,19 @@ def test_ouro_refuses_huginns_recurrence_settings(setup, setting):
         model.generation_config = saved
 
 
+def test_generate_only_options_are_checked_in_auto_and_refused_in_a_config(setup):
+    """`speculative_trace` / `draft_hook` are `generate` arguments: auto checks them up front (a plain stretch
+    dropped a bad one unread), and a generation config holding them is refused (the trace silently never came)."""
+    model, ids, mask, _ = setup
+    with pytest.raises(ValueError, match="speculative_trace='yes' must be True, False or 'hidden'"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, speculative_mode="auto", speculative_trace="yes")
+    with pytest.raises(ValueError, match="draft_hook=42 must be callable"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, speculative_mode="auto", draft_hook=42)
+    config = GenerationConfig(max_new_tokens=2, pad_token_id=PAD, speculative_mode="pipeline", speculative_trace=True)
+    with pytest.raises(ValueError, match="speculative_trace=True in a generation config is not read: pass it to"):
+        model.generate(ids, attention_mask=mask, generation_config=config)
+
+
 @pytest.mark.parametrize("mode", [None, "pipeline", "block"])
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_huginn_refuses_exit_options_in_every_mode(name, mode):

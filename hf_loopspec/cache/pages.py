@@ -17,6 +17,8 @@ rolls back a suffix of one (sequence, depth) and frees pages it no longer needs.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..looped import KVLayout
@@ -267,6 +269,10 @@ class PageTables:
     # --- rollback, forks ----------------------------------------------------------------------------------------
     def truncate(self, seq: int, depth: int, length: int) -> None:
         """Keep only positions `0 .. length-1` of (seq, depth); pages no longer needed are freed."""
+        for name, value in (("seq", seq), ("depth", depth), ("length", length)):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):  # (a tensor would be stored)
+                raise ValueError(f"truncate: {name}={value!r} must be an integer.")
+        seq, depth, length = int(seq), int(depth), int(length)
         t = self._table(seq, depth)
         if not 0 <= length <= self._lengths[t]:
             raise ValueError(f"cannot truncate sequence {seq}, depth {depth} of length {self._lengths[t]} to "

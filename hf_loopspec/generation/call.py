@@ -61,6 +61,15 @@ def runtime_options(kwargs: dict) -> GenerateCall:
     return GenerateCall(draft_hook=hook, second_draft_hook=second, trace=trace)
 
 
+def reject_configured_runtime_keys(config) -> None:
+    """`ValueError` when a generation config sets one of the `RUNTIME_KEYS`, which only a `generate` argument sets
+    (the config's would be unread: no trace, no hook)."""
+    given = [f"{key}={getattr(config, key)!r}" for key in RUNTIME_KEYS if getattr(config, key, None) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} in a generation config is not read: pass it to generate(...) as an "
+                         "argument instead.")
+
+
 @contextlib.contextmanager
 def scoped(call: GenerateCall) -> Iterator[GenerateCall]:
     """Make `call` the current call of this thread until the block exits."""

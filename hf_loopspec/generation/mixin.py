@@ -29,7 +29,7 @@ from ..cache.convert import to_dynamic, to_paged
 from ..cache.paged import PagedLoopCache
 from ..logs import get_logger
 from . import auto
-from .call import current_call, runtime_options, scoped
+from .call import current_call, reject_configured_runtime_keys, runtime_options, scoped
 from .columns import max_length_of
 from .config import (
     AUTO_MODE,
@@ -104,6 +104,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
             check_assisted_continuation(kwargs, self.generation_config, cache.get_seq_length())
         with cache.kept_on_error() if isinstance(cache, PagedLoopCache) else nullcontext():
             if auto.requested(self, kwargs):  # segments of plain / block / pipeline calls (`generation.auto`)
+                runtime_options(dict(kwargs))  # checked up front: a plain stretch drops them unread
                 return auto.generate_auto(self, SpeculativeDecoderOnlyOutput, args, kwargs)
             with scoped(runtime_options(kwargs)):
                 return super().generate(*args, **kwargs)
@@ -170,6 +171,11 @@ class LoopSpecGenerationMixin(GenerationMixin):
         returning empty outputs (`continuous.batch`)."""
         from .continuous.batch import generate_batch
 
+        for name, value in (("persistent_manager", persistent_manager), ("warmup", warmup),
+                            ("record_timestamps", record_timestamps), ("progress_bar", progress_bar)):
+            if not isinstance(value, bool):  # ("no" would be true)
+                raise ValueError(f"{name}={value!r} must be True or False.")
+
         return generate_batch(self, inputs, generation_config, continuous_batching_config, record_timestamps,
                               progress_bar, persistent_manager, warmup, **kwargs)
 
@@ -199,6 +205,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         if not hasattr(self, "recurrence_settings"):  # (a family with them reads them: Huginn's `call_block`)
             reject_recurrence_options(type(self).__name__, {**vars(generation_config), **model_kwargs})
         check_generation_values(generation_config)
+        reject_configured_runtime_keys(generation_config)
         for key, value in ours.items():
             setattr(generation_config, key, value)
         if getattr(generation_config, "speculative_mode", None) is None:
