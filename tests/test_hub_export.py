@@ -155,6 +155,32 @@ def test_sampling_settings_of_the_checkpoint_are_credited_to_it(source, tmp_path
     assert "base model's card" not in card
 
 
+def test_an_exit_option_of_the_checkpoint_is_on_the_card_and_a_bad_one_refused(source, tmp_path):
+    """A source whose generation_config.json sets an exit option: the export keeps it and its card says `generate`
+    decodes from that exit (it said "from the last loop"); a setting every `generate` of the export would raise on
+    (an exit past the loops, two exits, Huginn's num_steps) is refused before anything is written (it was copied,
+    exit 0)."""
+    src = tmp_path / "exit-src"
+    source[0].save_pretrained(src)
+    word_tokenizer(source[0].config.vocab_size).save_pretrained(src)
+    config = json.loads((src / "generation_config.json").read_text())
+    config.pop("_from_model_config", None)  # (a file marked so loses its extra keys as it loads)
+    for given in ({"exit_at_step": 0}, {"exit_threshold": 0.5}):
+        (src / "generation_config.json").write_text(json.dumps({**config, **given}))
+        out = export.export_checkpoint(src, tmp_path / f"out-{next(iter(given))}", benchmarks=None)
+        card = (out / "README.md").read_text()
+        name, value = next(iter(given.items()))
+        assert f"sets `{name}={value!r}`: `generate` decodes from that exit" in card
+        assert "decodes from the last loop" not in card
+        assert json.loads((out / "generation_config.json").read_text())[name] == value
+    for bad, match in [({"exit_at_step": 7}, "exit_at_step=7 must be"), ({"exit_at_step": 1, "exit_threshold": 0.5},
+                       "Pass at most one"), ({"num_steps": 8}, "num_steps=8: OuroForCausalLM has no recurrence")]:
+        (src / "generation_config.json").write_text(json.dumps({**config, **bad}))
+        with pytest.raises(ValueError, match=f"the source's generation_config.json: .*{match}"):
+            export.export_checkpoint(src, tmp_path / "bad", benchmarks=None)
+        assert not (tmp_path / "bad").exists()
+
+
 def test_a_reexport_keeps_the_models_name_and_language(tmp_path):
     """Exporting an exported folder again keeps the model's name (it travels in the card's `model_name`: the second
     card was titled and coded after the first export's folder) and its `language`."""

@@ -74,6 +74,13 @@ FAMILIES = {
 }
 
 
+def _exit_limitation(exit_options: dict) -> str:
+    """The Limitations bullet of a repo whose generation config sets an exit option."""
+    given = ", ".join(f"`{key}={value!r}`" for key, value in exit_options.items())
+    return (f"* **Exit.** This repo's `generation_config.json` sets {given}: `generate` decodes from that exit, not "
+            "from the last loop,\n  in every mode (pass another exit option to `generate` to override it).\n")
+
+
 def build_model_card(
     *,
     repo_id: str,
@@ -100,6 +107,7 @@ def build_model_card(
     tags: tuple[str, ...] | list[str] = (),
     language: str | list[str] | None = None,
     kv_bytes_per_token: int | None = None,
+    exit_options: dict | None = None,
 ) -> ModelCard:
     """A `ModelCard` for an exported hf-loopspec repo (see the module docstring).
 
@@ -114,7 +122,8 @@ def build_model_card(
     in (None: as the source stores them, unchanged). The title defaults to the repo's name and is the card's
     `model_name` (a re-export keeps it); `language`: the metadata's (a source card's, carried over).
     `kv_bytes_per_token`: this model's KV bytes per context token in bf16, every loop together (None: the
-    Limitations quote the family's example checkpoint)."""
+    Limitations quote the family's example checkpoint). `exit_options`: the exit option the repo's generation config
+    sets (e.g. `{"exit_at_step": 1}`), which every `generate` then decodes from (None: the last loop)."""
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} has no card text; choose one of {', '.join(FAMILIES)}.")
     fam = FAMILIES[family]
@@ -144,7 +153,7 @@ def build_model_card(
         "speed_section": speed_section(results),
         "kv_example": fam.kv_example if kv_bytes_per_token is None else
         f"about {_size(kv_bytes_per_token)} per context token for this model in bf16 across its {num_loops} loops",
-        "family_limitations": fam.limitations,
+        "family_limitations": _exit_limitation(exit_options) if exit_options else fam.limitations,
         "citation_section": _citation_section(fam, base_link) if makers else "",
     }
     name = fields["title"]

@@ -150,13 +150,19 @@ def _readable_as_umask(folder: Path) -> None:
 def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens):
     """Set on `model.generation_config` (and return it) the speculative defaults (validated), eos ids that end a
     chat turn and a pad id."""
-    from ..generation.config import resolve_speculative  # here: the command's parser is built without transformers
+    # (here: the command's parser is built without transformers)
+    from ..generation.config import EXIT_OPTIONS, reject_recurrence_options, resolve_speculative
 
     gen = model.generation_config
     # the ValueError generate() would raise; with plain decoding by default, the one a later speculative_mode="auto"
     # call would raise on the depths written (a 1-loop model, which cannot speculate, has no depths to check)
     if speculative_mode is not None or model.num_loops > 1:
         resolve_speculative(speculative_mode or "auto", draft_loops, num_speculative_tokens, num_loops=model.num_loops)
+    try:  # the source's own settings that every generate() of the export would raise on
+        reject_recurrence_options(type(model).__name__, vars(gen))
+        model.exit_rule(**{key: getattr(gen, key) for key in EXIT_OPTIONS if getattr(gen, key, None) is not None})
+    except ValueError as error:
+        raise ValueError(f"the source's generation_config.json: {error}") from None
     # A config derived from config.json is saved with `_from_model_config: true`, and such a file's extra keys are
     # dropped when it is loaded: mark it as a real generation config so the speculative defaults survive.
     gen._from_model_config = False
@@ -227,6 +233,7 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
                 **model_card_kwargs):
     """The card of the export (built before anything is written, so that a bad benchmarks file fails first); its
     identity comes from `source` (a `hf_loopspec.hub.source.Source`)."""
+    from ..generation.config import EXIT_OPTIONS
     from .card import build_model_card, makers_weights
 
     for result in benchmarks:
@@ -255,6 +262,8 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
         "draft_loops": gen.draft_loops,
         "num_speculative_tokens": gen.num_speculative_tokens,
         "benchmarks": benchmarks,
+        "exit_options": {key: getattr(gen, key) for key in EXIT_OPTIONS
+                         if getattr(gen, key, None) is not None and getattr(gen, key) is not False},
     }
     if gen.do_sample and "sampling" not in model_card_kwargs:
         card_args["sampling"] = {k: getattr(gen, k) for k in ("temperature", "top_p", "top_k")
