@@ -32,6 +32,8 @@ def test_switches_of_generate_batch_are_booleans(model, name):
     with pytest.raises(ValueError, match=f"{name}='no' must be True or False"):
         model.generate_batch([[5, 6, 7]], max_new_tokens=2, **{name: "no"})
     assert getattr(model, "_cached_continuous_batching_manager", None) is None
+    done = model.generate_batch([[5, 6, 7]], max_new_tokens=2, **{name: np.bool_(name == "warmup")})  # (numpy's)
+    assert [len(out.generated_tokens) for out in done.values()] == [2]
 
 
 def test_request_ids_must_be_new(model):

@@ -174,7 +174,8 @@ def test_an_exit_option_of_the_checkpoint_is_on_the_card_and_a_bad_one_refused(s
         assert "decodes from the last loop" not in card
         assert json.loads((out / "generation_config.json").read_text())[name] == value
     for bad, match in [({"exit_at_step": 7}, "exit_at_step=7 must be"), ({"exit_at_step": 1, "exit_threshold": 0.5},
-                       "Pass at most one"), ({"num_steps": 8}, "num_steps=8: OuroForCausalLM has no recurrence")]:
+                       "Pass at most one"), ({"num_steps": 8}, "num_steps=8: OuroForCausalLM has no recurrence"),
+                       ({"speculative_trace": True}, "speculative_trace=True in a generation config is not read")]:
         (src / "generation_config.json").write_text(json.dumps({**config, **bad}))
         with pytest.raises(ValueError, match=f"the source's generation_config.json: .*{match}"):
             export.export_checkpoint(src, tmp_path / "bad", benchmarks=None)

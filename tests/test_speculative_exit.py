@@ -182,6 +182,11 @@ def test_generate_only_options_are_checked_in_auto_and_refused_in_a_config(setup
     config = GenerationConfig(max_new_tokens=2, pad_token_id=PAD, speculative_mode="pipeline", speculative_trace=True)
     with pytest.raises(ValueError, match="speculative_trace=True in a generation config is not read: pass it to"):
         model.generate(ids, attention_mask=mask, generation_config=config)
+    with pytest.raises(ValueError, match="speculative_trace=True in a generation config is not read"):
+        model.generate_batch([[5, 6, 7]], generation_config=config)  # (continuous batching dropped it too)
+    asks_nothing = GenerationConfig(max_new_tokens=2, pad_token_id=PAD, speculative_trace=False, draft_hook=None)
+    out = model.generate(ids, attention_mask=mask, generation_config=asks_nothing, return_dict_in_generate=True)
+    assert out.sequences.shape[1] == ids.shape[1] + 2  # (False and None ask for nothing: a saved false still loads)
 
 
 @pytest.mark.parametrize("mode", [None, "pipeline", "block"])

@@ -62,9 +62,10 @@ def runtime_options(kwargs: dict) -> GenerateCall:
 
 
 def reject_configured_runtime_keys(config) -> None:
-    """`ValueError` when a generation config sets one of the `RUNTIME_KEYS`, which only a `generate` argument sets
-    (the config's would be unread: no trace, no hook)."""
-    given = [f"{key}={getattr(config, key)!r}" for key in RUNTIME_KEYS if getattr(config, key, None) is not None]
+    """`ValueError` when a generation config asks for one of the `RUNTIME_KEYS` (a hook, a trace), which only a
+    `generate` argument sets (the config's would be unread: no trace, no hook); None and False ask for nothing."""
+    given = [f"{key}={getattr(config, key)!r}" for key in RUNTIME_KEYS
+             if getattr(config, key, None) is not None and getattr(config, key) is not False]
     if given:
         raise ValueError(f"{', '.join(given)} in a generation config is not read: pass it to generate(...) as an "
                          "argument instead.")

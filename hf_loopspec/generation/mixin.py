@@ -20,6 +20,7 @@ import copy
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.generation import GenerationMixin
@@ -173,7 +174,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
 
         for name, value in (("persistent_manager", persistent_manager), ("warmup", warmup),
                             ("record_timestamps", record_timestamps), ("progress_bar", progress_bar)):
-            if not isinstance(value, bool):  # ("no" would be true)
+            if value is not None and not isinstance(value, (bool, np.bool_)):  # ("no" would be true)
                 raise ValueError(f"{name}={value!r} must be True or False.")
 
         return generate_batch(self, inputs, generation_config, continuous_batching_config, record_timestamps,

@@ -151,6 +151,7 @@ def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loo
     """Set on `model.generation_config` (and return it) the speculative defaults (validated), eos ids that end a
     chat turn and a pad id."""
     # (here: the command's parser is built without transformers)
+    from ..generation.call import reject_configured_runtime_keys
     from ..generation.config import EXIT_OPTIONS, reject_recurrence_options, resolve_speculative
 
     gen = model.generation_config
@@ -159,6 +160,7 @@ def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loo
     if speculative_mode is not None or model.num_loops > 1:
         resolve_speculative(speculative_mode or "auto", draft_loops, num_speculative_tokens, num_loops=model.num_loops)
     try:  # the source's own settings that every generate() of the export would raise on
+        reject_configured_runtime_keys(gen)
         reject_recurrence_options(type(model).__name__, vars(gen))
         model.exit_rule(**{key: getattr(gen, key) for key in EXIT_OPTIONS if getattr(gen, key, None) is not None})
     except ValueError as error:

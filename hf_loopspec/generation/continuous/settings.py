@@ -22,6 +22,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from ...defaults import DEFAULT_DRAFT_LOOPS
 from ...logs import get_logger
 from ...models.layers import is_integer
+from ..call import reject_configured_runtime_keys
 from ..config import AUTO_MODE, EXIT_OPTIONS, merged_config, reject_recurrence_options, speculative_config
 from ..model_checks import model_problem
 from ..wavefront.processing import WARPERS
@@ -124,6 +125,7 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
                          "its EOS ids and max_new_tokens only; drop stop_strings, or decode with model.generate.")
     if recurrence is None:  # a family without recurrence settings (Ouro): refused, as `generate` refuses them
         reject_recurrence_options(type(model).__name__, vars(config))
+    reject_configured_runtime_keys(config)  # (a hook or trace in a config: as `generate` refuses it)
     exits = [f"{key}={getattr(config, key)!r}" for key in EXIT_OPTIONS  # (exit_at_step=0 is an exit: not False)
              if getattr(config, key, None) is not None and getattr(config, key) is not False]
     if exits:
