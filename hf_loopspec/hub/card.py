@@ -111,19 +111,17 @@ def build_model_card(
 ) -> ModelCard:
     """A `ModelCard` for an exported hf-loopspec repo (see the module docstring).
 
-    `benchmarks`: `hf-loopspec bench` results for the speed section, as JSON documents or paths of `--json` files
-    (None or empty: the card says there are no measured numbers). `family`: a key of `FAMILIES`.
-    `tokenizer=False` (the repo ships no tokenizer) loads the base model's tokenizer in the code. `chat=True`
-    (models with a chat template, such as the Thinking variants) shows chat-template usage; `sampling` (e.g.
-    `{"temperature": 1.0, "top_p": 0.7}`) is used in every example, with `do_sample=True`, and credited to
-    `sampling_source` (where the settings come from). `source`: how the prose names weights that are not the family
-    maker's (e.g. "the embedded model hf-loopspec-default"); with `base_model` too, the weights are the source's and
-    `base_model` is named as theirs (a fine-tune's parent). `weights_dtype`: the dtype the export stored the weights
-    in (None: as the source stores them, unchanged). The title defaults to the repo's name and is the card's
-    `model_name` (a re-export keeps it); `language`: the metadata's (a source card's, carried over).
-    `kv_bytes_per_token`: this model's KV bytes per context token in bf16, every loop together (None: the
-    Limitations quote the family's example checkpoint). `exit_options`: the exit option the repo's generation config
-    sets (e.g. `{"exit_at_step": 1}`), which every `generate` then decodes from (None: the last loop)."""
+    `benchmarks`: `hf-loopspec bench` results for the speed section, as JSON documents or paths of `--json` files (None
+    or empty: the card says there are no measured numbers). `family`: a key of `FAMILIES`. `tokenizer=False` (the repo
+    ships no tokenizer) loads the base model's tokenizer in the code. `chat=True` (models with a chat template, such as
+    the Thinking variants) shows chat-template usage; `sampling` (e.g. `{"temperature": 1.0, "top_p": 0.7}`) is used in
+    every example, with `do_sample=True`, and credited to `sampling_source` (where the settings come from). `source`:
+    how the prose names weights that are not the family maker's (e.g. "the embedded model hf-loopspec-default"); with
+    `base_model` too, the weights are the source's and `base_model` is named as theirs (a fine-tune's parent).
+    `weights_dtype`: the dtype the export stored the weights in (None: as the source stores them). The title defaults to
+    the repo's name and is the card's `model_name` (a re-export keeps it); `language`: the metadata's (a source card's,
+    carried over). `kv_bytes_per_token`: this model's KV bytes per context token in bf16, every loop together (None: the
+    family's example). `exit_options`: the exit the repo's generation config sets (None: the last loop)."""
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} has no card text; choose one of {', '.join(FAMILIES)}.")
     fam = FAMILIES[family]
