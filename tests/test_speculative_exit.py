@@ -203,3 +203,6 @@ def test_huginn_refuses_exit_options_in_every_mode(name, mode):
         model.generate(ids, max_new_tokens=2, do_sample=False, num_steps=4, init_scale=0.0, **spec, **OPTIONS[name])
     with pytest.raises(ValueError, match="has no exit options"):
         model(ids, num_steps=2, **OPTIONS[name])
+    for zero in ({"exit_at_step": 0}, {"exit_threshold": 0.0}):  # (0 == False: they passed unread)
+        with pytest.raises(ValueError, match="has no exit options"):
+            model(ids, num_steps=2, **zero)

@@ -16,7 +16,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from .config import SpeculativeConfig
+from .config import SpeculativeConfig, asks
 
 RUNTIME_KEYS = ("draft_hook", "second_draft_hook", "speculative_trace")
 """Per-call `generate` kwargs that are not generation settings: `draft_hook` (test-only: override draft proposals,
@@ -64,8 +64,7 @@ def runtime_options(kwargs: dict) -> GenerateCall:
 def reject_configured_runtime_keys(config) -> None:
     """`ValueError` when a generation config asks for one of the `RUNTIME_KEYS` (a hook, a trace), which only a
     `generate` argument sets (the config's would be unread: no trace, no hook); None and False ask for nothing."""
-    given = [f"{key}={getattr(config, key)!r}" for key in RUNTIME_KEYS
-             if getattr(config, key, None) is not None and getattr(config, key) is not False]
+    given = [f"{key}={getattr(config, key)!r}" for key in RUNTIME_KEYS if asks(getattr(config, key, None))]
     if given:
         raise ValueError(f"{', '.join(given)} in a generation config is not read: pass it to generate(...) as an "
                          "argument instead.")

@@ -38,6 +38,7 @@ from .config import (
     LANE_MODES,
     SPECULATIVE_KEYS,
     SpeculativeConfig,
+    asks,
     check_generation_mode,
     for_custom_loop,
     reject_recurrence_options,
@@ -65,7 +66,7 @@ logger = get_logger(__name__)
 def reject_exit_options(model_name: str, kwargs: dict) -> None:
     """`ValueError` when `kwargs` set one of `EXIT_OPTIONS`, for a family whose forward has no exit selection: such
     an option would otherwise pass through `**kwargs` unread and silently change nothing."""
-    given = [f"{name}={kwargs[name]!r}" for name in EXIT_OPTIONS if kwargs.get(name) not in (None, False)]
+    given = [f"{name}={kwargs[name]!r}" for name in EXIT_OPTIONS if asks(kwargs.get(name))]  # (0 is an exit)
     if given:
         raise ValueError(f"{', '.join(given)}: {model_name} has no exit options (they select one of Ouro's loops); "
                          "drop them (Huginn models choose their depth with num_steps).")
@@ -196,7 +197,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         (`RECURRENCE_OPTIONS`) in a config are refused by a family without them."""
         ours = {key: kwargs.pop(key) for key in SPECULATIVE_KEYS if key in kwargs}
         exits = {key: kwargs.pop(key) for key in EXIT_OPTIONS if kwargs.get(key) is not None}
-        chosen = any(value is not False for value in exits.values())  # (use_weighted_exit=False chooses nothing)
+        chosen = any(map(asks, exits.values()))  # (use_weighted_exit=False chooses nothing)
         given = set(ours) | {key for key in SPECULATIVE_KEYS if getattr(generation_config, key, None) is not None}
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
         # exit options are the forward's: the call's (one replaces all of the config's: they are alternatives), else

@@ -235,7 +235,7 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
                 **model_card_kwargs):
     """The card of the export (built before anything is written, so that a bad benchmarks file fails first); its
     identity comes from `source` (a `hf_loopspec.hub.source.Source`)."""
-    from ..generation.config import EXIT_OPTIONS
+    from ..generation.config import EXIT_OPTIONS, asks
     from .card import build_model_card, makers_weights
 
     for result in benchmarks:
@@ -264,8 +264,7 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
         "draft_loops": gen.draft_loops,
         "num_speculative_tokens": gen.num_speculative_tokens,
         "benchmarks": benchmarks,
-        "exit_options": {key: getattr(gen, key) for key in EXIT_OPTIONS
-                         if getattr(gen, key, None) is not None and getattr(gen, key) is not False},
+        "exit_options": {key: getattr(gen, key) for key in EXIT_OPTIONS if asks(getattr(gen, key, None))},
     }
     if gen.do_sample and "sampling" not in model_card_kwargs:
         card_args["sampling"] = {k: getattr(gen, k) for k in ("temperature", "top_p", "top_k")

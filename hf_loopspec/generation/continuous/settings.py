@@ -23,7 +23,7 @@ from ...defaults import DEFAULT_DRAFT_LOOPS
 from ...logs import get_logger
 from ...models.layers import is_integer
 from ..call import reject_configured_runtime_keys
-from ..config import AUTO_MODE, EXIT_OPTIONS, merged_config, reject_recurrence_options, speculative_config
+from ..config import AUTO_MODE, EXIT_OPTIONS, asks, merged_config, reject_recurrence_options, speculative_config
 from ..model_checks import model_problem
 from ..wavefront.processing import WARPERS
 from . import huginn
@@ -126,8 +126,7 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
     if recurrence is None:  # a family without recurrence settings (Ouro): refused, as `generate` refuses them
         reject_recurrence_options(type(model).__name__, vars(config))
     reject_configured_runtime_keys(config)  # (a hook or trace in a config: as `generate` refuses it)
-    exits = [f"{key}={getattr(config, key)!r}" for key in EXIT_OPTIONS  # (exit_at_step=0 is an exit: not False)
-             if getattr(config, key, None) is not None and getattr(config, key) is not False]
+    exits = [f"{key}={getattr(config, key)!r}" for key in EXIT_OPTIONS if asks(getattr(config, key, None))]
     if exits:
         raise ValueError(f"{', '.join(exits)} in continuous batching: a manager decodes every request from the last "
                          "loop (exit options are generate's); drop them, or decode with model.generate.")

@@ -21,7 +21,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple
 
-from ...generation.config import reject_recurrence_options
+from ...generation.config import asks, reject_recurrence_options
 from ...generation.mixin import LoopSpecGenerationMixin
 from ...logs import get_logger
 from ...looped import KVAttention, KVLayout
@@ -340,7 +340,7 @@ def check_exit_options(loops: int, exit_at_step, exit_threshold, use_weighted_ex
         raise ValueError(f"exit_threshold={exit_threshold!r} must be a number in [0, 1].")
     if use_weighted_exit is not None and not isinstance(use_weighted_exit, bool):
         raise ValueError(f"use_weighted_exit={use_weighted_exit!r} must be True or False.")
-    if sum(x is not None and x is not False for x in (exit_at_step, exit_threshold, use_weighted_exit)) > 1:
+    if sum(map(asks, (exit_at_step, exit_threshold, use_weighted_exit))) > 1:
         raise ValueError("Pass at most one of exit_at_step, exit_threshold and use_weighted_exit.")
 
 
