@@ -10,6 +10,7 @@ with a `ValueError` naming `compile_core`.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from inputs import left_pad, random_prompts
@@ -136,3 +137,25 @@ def test_compiled_step_refuses_host_work(setup):
     with pytest.raises(ValueError, match=r"draft_hook with compile_core"):
         speculative(model, ids, mask, 4, "pipeline", 1, speculative_engine="wavefront", compile_core="eager",
                     draft_hook=lambda s, p, t: t)
+
+
+BAD_HOOK_RESULTS = {"negative": -1, "past_vocab": VOCAB, "float": 3.0, "two_tokens": torch.tensor([1, 2])}
+
+
+@pytest.mark.parametrize("engine", ["wavefront", "lanes"])
+@pytest.mark.parametrize("bad", sorted(BAD_HOOK_RESULTS))
+@pytest.mark.parametrize("which", ["draft_hook", "second_draft_hook"])
+def test_hook_returning_no_token_id_is_refused(setup, engine, bad, which):
+    """A hook that returns no token id of the vocabulary is named in a `ValueError` by both engines (a -1 read as
+    'not forced' by the engine, one past the vocabulary failed in the embedding); a 0-d tensor or numpy integer is a
+    token id."""
+    model, ids, mask, _, _ = setup
+    hooks = {"draft_hook": lambda s, p, t: t, "second_draft_hook": lambda s, p, f, t: t}
+    run = dict(second_draft_loops=3, **engine_settings(model, engine))
+    ok = speculative(model, ids, mask, 6, "pipeline", 1, **run, draft_hook=lambda s, p, t: torch.tensor(t),
+                     second_draft_hook=lambda s, p, f, t: np.int64(t))
+    assert ok.speculation.drafted > 0 and ok.speculation.second_drafts > 0
+    hooks[which] = lambda *args: BAD_HOOK_RESULTS[bad]
+    with pytest.raises(ValueError, match=rf"{which} returned .* token id in \[0, {VOCAB}\)"):
+        speculative(model, ids, mask, 6, "pipeline", 1, **dict(run, cache=engine_settings(model, engine)["cache"]),
+                    **hooks)

@@ -11,10 +11,13 @@ call's generation config. A context variable is private to its thread (and async
 from __future__ import annotations
 
 import contextlib
+import numbers
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from .config import SpeculativeConfig, asks
 
@@ -59,6 +62,24 @@ def runtime_options(kwargs: dict) -> GenerateCall:
     if trace not in (True, False, "hidden"):
         raise ValueError(f"speculative_trace={trace!r} must be True, False or 'hidden'.")
     return GenerateCall(draft_hook=hook, second_draft_hook=second, trace=trace)
+
+
+def checked_hook(name: str, hook: Callable[..., int] | None, vocab: int) -> Callable[..., int] | None:
+    """`hook` (a draft hook, named `name`) with its result checked: a token id in `[0, vocab)`, as a Python int, a
+    numpy integer or a one-element integer tensor; anything else raises `ValueError` naming the hook and the value
+    (a negative id would read as 'not forced' in the wavefront engine, one past the vocabulary fail in the
+    embedding). None stays None."""
+    if hook is None:
+        return None
+
+    def call(*args) -> int:
+        value = hook(*args)
+        item = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or not 0 <= item < vocab:
+            raise ValueError(f"{name} returned {value!r} for {args}: it must return a token id in [0, {vocab}).")
+        return int(item)
+
+    return call
 
 
 def reject_configured_runtime_keys(config) -> None:

@@ -44,6 +44,7 @@ from itertools import count
 import torch
 
 from ..cache.paged import PagedLoopCache
+from .call import checked_hook
 from .columns import OutputColumns, stack_step
 from .history import run_planes, start_rows
 from .lane_rules import LaneRules
@@ -103,12 +104,12 @@ class LaneDecoder:
             raise ValueError("exit options need a head without KV of its own (the lane decoder keeps no exit plane "
                              "for the exits they select); decode with speculative_mode=None.")
         self.num_loops = model.num_loops
-        self.seconds = None if second_draft_loops is None else SecondProposals(cache, second_draft_loops,
-                                                                              second_draft_hook)
+        self.seconds = None if second_draft_loops is None else SecondProposals(
+            cache, second_draft_loops, checked_hook("second_draft_hook", second_draft_hook, model.head_width))
         has_processors = logits_processor is not None and len(logits_processor)
         self.processors = [row_processors(logits_processor, s) for s in range(len(input_ids))] \
             if has_processors else None
-        self.draft_hook = draft_hook
+        self.draft_hook = checked_hook("draft_hook", draft_hook, model.head_width)
         self.do_sample = do_sample
         self.output_scores, self.output_logits = output_scores, output_logits
         self.complete_cache = complete_cache

@@ -34,6 +34,7 @@ import torch
 
 from ...cache.paged import FlatPools, PagedLoopCache
 from ...models.layers import check_token_ids
+from ..call import checked_hook
 from ..decoder import DecodeResult
 from ..history import check_cache_layout, run_planes
 from ..rules import cycle_uniforms, lanes_for, non_finite_error, run_generator, uniform_columns
@@ -119,7 +120,8 @@ class WavefrontEngine:
                          second_loops=second_draft_loops, exit_rule=exit_rule, output_scores=output_scores,
                          output_logits=output_logits, trace_hidden=trace == "hidden",
                          host=HostHooks(logits_processor, input_ids, (model.num_loops, draft_loops, second_draft_loops),
-                                        draft_hook, second_draft_hook)
+                                        checked_hook("draft_hook", draft_hook, self.vocab),
+                                        checked_hook("second_draft_hook", second_draft_hook, self.vocab))
                          if any(item[0] == HOST for item in processors) or draft_hook or second_draft_hook else None,
                          layout=model.kv_layout, step_settings=stages.step_settings(model))
         self.prefill_cycles = model.num_loops + (num_speculative_tokens * draft_loops if mode == "block" else 0)
