@@ -58,6 +58,26 @@ def test_request_ids_must_be_new(model):
         manager.stop(block=True, timeout=30)
 
 
+def test_add_request_checks_its_id_and_switches(model):
+    """`streaming="no"` streamed (a non-empty string is true) and an unhashable id raised a TypeError from the
+    result router; both are refused up front, naming the argument, and nothing is queued for them."""
+    inputs = prompts(1, [4])
+    manager = model.init_continuous_batching(generation_config(PIPELINE), batching())
+    manager.start()
+    try:
+        for kwargs, match in (({"streaming": "no"}, "streaming='no' must be True or False"),
+                              ({"record_timestamps": 1}, "record_timestamps=1 must be True or False"),
+                              ({"request_id": ["a"]}, r"request_id=\['a'\] must be a string"),
+                              ({"request_id": 7}, r"request_id=7 must be a string .* str\(request_id\)")):
+            with pytest.raises(ValueError, match=match):
+                manager.add_request(inputs[0], max_new_tokens=3, **kwargs)
+        assert manager.input_queue.empty()
+        rid = manager.add_request(inputs[0], max_new_tokens=3, streaming=np.bool_(False), record_timestamps=None)
+        assert manager.get_result(rid, timeout=WAIT_S).generated_tokens == alone(model, inputs[0], 3)
+    finally:
+        manager.stop(block=True, timeout=30)
+
+
 @pytest.mark.parametrize("settings", [{}, PIPELINE], ids=["plain", "pipeline"])
 def test_max_length_of_the_config_counts_the_prompt(model, settings):
     """A generation config with `max_length` and no `max_new_tokens` stops each request where `generate` does

@@ -20,7 +20,6 @@ import copy
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.generation import GenerationMixin
@@ -172,12 +171,10 @@ class LoopSpecGenerationMixin(GenerationMixin):
         """transformers' `generate_batch` on the package's manager; raises when the manager's loop fails instead of
         returning empty outputs (`continuous.batch`)."""
         from .continuous.batch import generate_batch
+        from .continuous.settings import check_arguments
 
-        for name, value in (("persistent_manager", persistent_manager), ("warmup", warmup),
-                            ("record_timestamps", record_timestamps), ("progress_bar", progress_bar)):
-            if value is not None and not isinstance(value, (bool, np.bool_)):  # ("no" would be true)
-                raise ValueError(f"{name}={value!r} must be True or False.")
-
+        check_arguments(persistent_manager=persistent_manager, warmup=warmup, record_timestamps=record_timestamps,
+                        progress_bar=progress_bar)
         return generate_batch(self, inputs, generation_config, continuous_batching_config, record_timestamps,
                               progress_bar, persistent_manager, warmup, **kwargs)
 

@@ -6,15 +6,15 @@ wavefront engine.
 routing (`RequestState`, `GenerationOutput`, `RequestStatus`, `OutputRouter`, `BackgroundThreadStatus`), so code
 written for transformers' manager, `transformers serve --continuous-batching` included, drives it unchanged.
 
-The loop (a background thread, `start`) repeats: take cancellations and new requests; admit waiting requests into
-free slots (first come, first served, each taking KV pages from the manager's pool for what it can use, or waiting
-for them: `pool`, `slots.SlotBatch.admit`); run R cycles of the engine (`SlotBatch.run`); read
-back every slot's committed count and tokens; deliver the new tokens of streaming requests (status DECODING, the
-tokens so far) and the result of each finished request (FINISHED), whose slot and pages are then free. Every request
-decodes with the manager's settings (`settings.ManagerSettings`: plain decoding is the engine's "ar" mode, one token
-per U core calls; a speculative mode from the generation config drafts and verifies inside the same cycles) and its own
-prompt, `max_new_tokens`, EOS ids and sampling seed (and, for a Huginn-family model, initial states: `huginn`), so its
-tokens are those of decoding it alone.
+The loop (a background thread, `start`) repeats: take cancellations and new requests; admit waiting requests into free
+slots (first come, first served, each taking KV pages from the manager's pool for what it can use, or waiting for
+them: `pool`, `slots.SlotBatch.admit`); run R cycles of the engine (`SlotBatch.run`); read back every slot's committed
+count and tokens; deliver the new tokens of streaming requests (status DECODING, the tokens so far) and the result of
+each finished request (FINISHED), whose slot and pages are then free. Every request decodes with the manager's
+settings (`settings.ManagerSettings`: plain decoding is the engine's "ar" mode, one token per U core calls; a
+speculative mode from the generation config drafts and verifies inside the same cycles) and its own prompt,
+`max_new_tokens`, EOS ids and sampling seed (and, for a Huginn-family model, initial states: `huginn`), so its tokens
+are those of decoding it alone.
 
 Failures are loud and local: a request that cannot run (`settings.request_problem`) is delivered FAILED with the
 reason in `GenerationOutput.error` at once, and one whose sampling met non-finite probabilities when it finishes;
@@ -43,6 +43,7 @@ from . import huginn
 from .router import Router
 from .settings import (
     OVERRIDE,
+    check_arguments,
     eos_ids,
     manager_config,
     manager_settings,
@@ -94,8 +95,7 @@ class LoopBatchingManager:
 
     def warmup(self) -> None:
         """Build the slots (pages, state) and, compiled, both shapes of the step, so that no request waits for them."""
-        slots = self._slots()
-        if self.settings.compile_backend is not None:
+        if (slots := self._slots()) and self.settings.compile_backend is not None:
             slots.warmup()
         self.warmed_up = True
 
@@ -130,8 +130,7 @@ class LoopBatchingManager:
     def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
              hard_stop: bool = False) -> None:
         """Stop the thread once every request is done (`hard_stop`: now, failing those in flight); `block`: wait up
-        to `timeout` seconds. `keep_for_next_session`: the model keeps this manager for its next
-        `init_continuous_batching`."""
+        to `timeout` seconds. `keep_for_next_session`: the model keeps it for its next `init_continuous_batching`."""
         with self._control:
             thread = self._generation_thread
             if thread is None:
@@ -224,6 +223,7 @@ class LoopBatchingManager:
         request's own positions (prompt first, position 0), at most prompt + `max_new_tokens` long; a draft for
         position p becomes `draft_override[p]` where that is >= 0 (-1: the model's own draft). Verification stays
         real, so the tokens do not change; only which drafts are accepted. `ValueError` here when it is malformed."""
+        check_arguments(request_id, streaming=streaming, record_timestamps=record_timestamps)
         denial = self.background_thread_status.can_accept_new_requests()
         if denial is not None:
             logger.warning("%s: the request is dropped.", denial)

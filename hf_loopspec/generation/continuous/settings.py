@@ -16,6 +16,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
@@ -227,6 +228,16 @@ def _positions(model, config, cb_config, hints) -> int:
         return max(2, wanted)
     limit = getattr(model.config, "max_position_embeddings", None) or DEFAULT_POSITIONS
     return max(2, min(DEFAULT_POSITIONS, limit))
+
+
+def check_arguments(request_id=None, **switches) -> None:
+    """`ValueError` for a request id that is not a string (None: one is made) or a switch (name=value) that is not
+    True, False (numpy's included) or None: "no" would read as true."""
+    if request_id is not None and not isinstance(request_id, str):
+        raise ValueError(f"request_id={request_id!r} must be a string (or None for a new one): pass str(request_id).")
+    for name, value in switches.items():
+        if value is not None and not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{name}={value!r} must be True or False.")
 
 
 def eos_ids(value) -> list[int]:
