@@ -28,7 +28,7 @@ from speculative_utils import (
     tiny_spec_model,
 )
 from tolerances import ouro_depth
-from transformers import GenerationConfig
+from transformers import ContinuousBatchingConfig, GenerationConfig
 
 VOCAB = 64
 NEW = 16
@@ -114,7 +114,7 @@ def test_config_early_exit_settings_mean_the_same_in_every_mode(mode, d, k):
 def test_exit_options_set_in_a_generation_config_decode_as_the_arguments(setup, name):
     """An exit option in a passed generation config, or in the model's (a checkpoint's generation_config.json), is
     the argument's: transformers kept such a key in the config, where forward never saw it, so every mode decoded
-    from the last loop without a word. Continuous batching, which decodes from the last loop, refuses it."""
+    from the last loop without a word. Continuous batching decodes from it too."""
     model, ids, mask, last_loop = setup
     want = plain(model, ids, mask, NEW, **OPTIONS[name]).sequences.tolist()
     assert want != last_loop.tolist()
@@ -134,16 +134,14 @@ def test_exit_options_set_in_a_generation_config_decode_as_the_arguments(setup, 
         out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
                              use_weighted_exit=False)
         assert out.tolist() == (want if name != "use_weighted_exit" else last_loop.tolist())
-        with pytest.raises(ValueError, match=f"{name.split('=')[0]}=.* in continuous batching: a manager decodes"):
-            model.generate_batch([[5, 6, 7]], max_new_tokens=2)
+        batch = model.generate_batch([ids[0, -6:].tolist()], max_new_tokens=NEW)  # (row 0 has no padding)
+        assert [r.generated_tokens for r in batch.values()] == [want[0][ids.shape[1]:]]
         # the call's own exit option replaces the config's (two set were refused: "Pass at most one of ...")
         other = {"exit_at_step": 0} if name != "exit_at_step=1" else {"exit_threshold": 0.9}
         out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, **other)
         assert out.tolist() == plain(model, ids, mask, NEW, **other).sequences.tolist()
     finally:
         model.generation_config = saved
-    with pytest.raises(ValueError, match="exit_at_step=0 in continuous batching"):  # (0 == False: it passed)
-        model.generate_batch([[5, 6, 7]], max_new_tokens=2, generation_config=GenerationConfig(exit_at_step=0))
 
 
 @pytest.mark.parametrize("setting", [{"num_steps": 2}, {"init_scale": 0.0}, {"init_seed": 3}])
@@ -206,3 +204,31 @@ def test_huginn_refuses_exit_options_in_every_mode(name, mode):
     for zero in ({"exit_at_step": 0}, {"exit_threshold": 0.0}):  # (0 == False: they passed unread)
         with pytest.raises(ValueError, match="has no exit options"):
             model(ids, num_steps=2, **zero)
+
+
+@pytest.mark.parametrize("mode", [None, "pipeline", "block", "auto"])
+@pytest.mark.parametrize("name", list(OPTIONS) + ["exit_at_step=0"])
+def test_continuous_batching_decodes_from_the_configured_exit(setup, name, mode):
+    """A manager whose generation config sets an exit option gives each request plain `generate`'s tokens with that
+    option, alone (continuous batching refused exit options: a checkpoint whose generation config sets one could
+    not be served with --continuous-batching). Three requests of different lengths share two slots, so a slot is
+    reused by a request whose own loop outputs must replace its previous owner's."""
+    model = setup[0]
+    options = OPTIONS.get(name, {"exit_at_step": 0})
+    requests = [p.tolist() for p in random_prompts(93, [6, 3, 9], VOCAB)]
+    want = [plain(model, torch.tensor([p]), None, NEW, **options).sequences[0, len(p):].tolist() for p in requests]
+    assert want != [plain(model, torch.tensor([p]), None, NEW).sequences[0, len(p):].tolist() for p in requests]
+    spec = {} if mode is None else {"speculative_mode": mode, "draft_loops": 1}
+    config = GenerationConfig(max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, eos_token_id=None, **spec,
+                              **options)
+    out = model.generate_batch(requests, generation_config=config,
+                               continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=2))
+    assert [r.generated_tokens for r in out.values()] == want
+
+
+def test_continuous_batching_checks_exit_options_as_generate_does(setup):
+    model = setup[0]
+    for options, message in (({"exit_at_step": 4}, "exit_at_step=4 must be"),
+                             ({"exit_at_step": 1, "exit_threshold": 0.5}, "at most one")):
+        with pytest.raises(ValueError, match=message):
+            model.generate_batch([[5, 6, 7]], max_new_tokens=2, generation_config=GenerationConfig(**options))

@@ -24,7 +24,7 @@ from ...defaults import DEFAULT_DRAFT_LOOPS
 from ...logs import get_logger
 from ...models.layers import is_integer
 from ..call import reject_configured_runtime_keys
-from ..config import AUTO_MODE, EXIT_OPTIONS, asks, merged_config, reject_recurrence_options, speculative_config
+from ..config import AUTO_MODE, EXIT_OPTIONS, merged_config, reject_recurrence_options, speculative_config
 from ..model_checks import model_problem
 from ..wavefront.processing import WARPERS
 from . import huginn
@@ -72,6 +72,7 @@ class ManagerSettings:
     vocab: int
     seed: int | None  # the continuous batching config's seed: a sampled request without its own draws from it
     recurrence: object = None  # the model's recurrence settings for every request (`huginn`), None without them
+    exit_rule: object = None  # the generation config's exit options (`decoder.ExitRule`), None: the last loop's head
 
 
 def manager_config(model, generation_config):
@@ -127,10 +128,10 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
     if recurrence is None:  # a family without recurrence settings (Ouro): refused, as `generate` refuses them
         reject_recurrence_options(type(model).__name__, vars(config))
     reject_configured_runtime_keys(config)  # (a hook or trace in a config: as `generate` refuses it)
-    exits = [f"{key}={getattr(config, key)!r}" for key in EXIT_OPTIONS if asks(getattr(config, key, None))]
-    if exits:
-        raise ValueError(f"{', '.join(exits)} in continuous batching: a manager decodes every request from the last "
-                         "loop (exit options are generate's); drop them, or decode with model.generate.")
+    # the config's exit options select every request's target logits, as they do generate's (checked as it checks
+    # them; a family without exit options refuses them)
+    exit_rule = model.exit_rule(**{key: getattr(config, key) for key in EXIT_OPTIONS
+                                   if getattr(config, key, None) is not None})
     for key, why in UNSUPPORTED.items():
         if getattr(config, key, None) is not None:
             raise ValueError(f"{key}={getattr(config, key)!r} in continuous batching: {why}; drop {key}, or decode "
@@ -175,7 +176,7 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
         max_new_tokens=int(config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS),
         max_length=int(config.max_length) if config.max_new_tokens is None and config.max_length else None,
         vocab=model.head_width, seed=_seed(getattr(cb_config, "seed", None)),
-        recurrence=recurrence)
+        recurrence=recurrence, exit_rule=exit_rule)
 
 
 def unread_cb_fields(cb_config) -> list[str]:

@@ -60,7 +60,8 @@ class SlotBatch:
                 num_speculative_tokens=settings.num_speculative_tokens, input_ids=placeholder, attention_mask=None,
                 pad_token_id=settings.pad_token_id, max_length=settings.positions, eos_token_id=[-1],
                 read_every=read_every, compile_backend=settings.compile_backend, processors=processors,
-                do_sample=settings.do_sample, second_draft_loops=settings.second_draft_loops, **tensors)
+                do_sample=settings.do_sample, second_draft_loops=settings.second_draft_loops,
+                exit_rule=settings.exit_rule, **tensors)
         self.model, self.settings = model, settings
         self.pool = KVPool(self.engine, settings.pool)
         s = self.engine.state
@@ -111,7 +112,7 @@ class SlotBatch:
         for name in ("alive", "draft", "sib_alive", "sib_read"):
             getattr(s, name)[b] = False
         for name in ("token", "position", "depth", "hidden", "draft_q", "round_drafts", "counters", "n_out",
-                     "kv_len", "prompt_start", "prompt_depth"):
+                     "kv_len", "prompt_start", "prompt_depth", "loop_states", "sib_states"):
             getattr(s, name)[b] = 0
         if not stages.embeds_by_lookup(model):  # through model.embed (the entry plane's KV: slot b's rows only)
             tokens = torch.zeros(len(s.token), n, dtype=torch.long, device=device)
