@@ -502,15 +502,25 @@ def test_right_padding_is_refused_whatever_was_stored(case):
 
 def test_rows_that_stop_stay_stopped(case):
     """Row 0 stops at EOS early; the later segments keep it stopped: tokens and every KV plane of the returned cache
-    equal plain decoding's (which feeds the stopped row pad tokens)."""
+    equal plain decoding's (which feeds the stopped row pad tokens). Its scores and logits are zeros from the step
+    after its EOS, in every segment (a plain segment gave it the pad token's forced 0 / -inf scores), and the other
+    row's are plain decoding's."""
     model, prompts, ids, mask, _, reference = case
     set_costs(model, SPECULATIVE_WINS)
     first = [first_new_occurrence(r[len(p):]) for r, p in zip(reference, prompts)]
     eos = next(t for t, i in first[0].items() if 8 <= i <= 16 and t not in first[1])  # stops row 0 only
-    ref = plain(model, ids, mask, 30, eos_token_id=eos)
+    outputs = dict(output_scores=True, output_logits=True, eos_token_id=eos)
+    ref = plain(model, ids, mask, 30, **outputs)
     hook = forcing_hook(reference, [len(p) for p in prompts], accept_outside(20, 24), VOCAB)
-    out = generate_dict(model, ids, mask, 30, speculative_mode="auto", draft_hook=hook, eos_token_id=eos)
+    out = generate_dict(model, ids, mask, 30, speculative_mode="auto", draft_hook=hook, **outputs)
     assert torch.equal(out.sequences, ref.sequences)
+    end = first[0][eos]  # row 0's EOS is its new token number `end`
+    for name in ("scores", "logits"):
+        got, want = torch.stack(getattr(out, name), 1), torch.stack(getattr(ref, name), 1)  # [B, steps, V]
+        assert got.shape == want.shape and not got[0, end + 1:].any()
+        # fp32: the same computation in another batching order (segments, speculative rows) rounds differently
+        torch.testing.assert_close(got[0, : end + 1], want[0, : end + 1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
     assert len(out.speculation.choices) > 2 and out.speculation.choices[-1].reason == "stopped-rows"
     counts = generated_counts(out.sequences, ids.shape[1], 30, eos)
     assert_counter_invariants(out.speculation, counts)

@@ -10,25 +10,26 @@ generator from torch's global one, plain segments draw from it), so a segment is
 prefix and so is the chain; a seeded auto call equals the same chain of fixed-mode calls.
 
 Rows that stopped (EOS) in an earlier segment stay stopped: the remaining segments decode plainly with those rows
-forced to the pad token (as plain decoding feeds them), so their tokens and cached KV are plain decoding's. A
-segment that ends early ends the call (every row has stopped). A call with a `ONE_STRETCH` setting chooses once and
-decodes in one segment: its own stopping criteria, stop strings or `max_time` (which rows stopped, or how long the
-call has run, only they know), or a logits processor that transformers builds from a call's input length or
-`max_length` (`forced_eos_token_id`, `begin_suppress_tokens`, ...), which a later segment would measure anew. The
-call's settings are transformers' merge of its config over the model's (`merged_config`), its attention mask the
-one transformers infers when none is passed, and a sampled call's rows are repeated `num_return_sequences` times up
-front. Speculative segments run on a `PagedLoopCache` and plain ones on
+forced to the pad token (as plain decoding feeds them), so their tokens and cached KV are plain decoding's; their
+scores and logits are zeros from the step after their end, as the fixed modes give them (`auto_rows.zero_ended`; a
+call that decoded plainly throughout returns plain decoding's). A segment that ends early ends the call (every row has
+stopped). A call with a `ONE_STRETCH` setting chooses once and decodes in one segment: its own stopping criteria, stop
+strings or `max_time` (which rows stopped, or how long the call has run, only they know), or a logits processor that
+transformers builds from a call's input length or `max_length` (`forced_eos_token_id`, `begin_suppress_tokens`, ...),
+which a later segment would measure anew. The call's settings are transformers' merge of its config over the model's
+(`merged_config`), its attention mask the one transformers infers when none is passed, and a sampled call's rows are
+repeated `num_return_sequences` times up front. Speculative segments run on a `PagedLoopCache` and plain ones on
 transformers' `DynamicCache` (faster for plain decoding): the KV moves between the two when the choice changes
-(`cache.convert`), copied, not recomputed. A cache the caller passed stays the call's cache: a `PagedLoopCache`
-backs every segment, and a `DynamicCache` is refilled with the call's KV at its end. A call continuing another kind
-of cache (e.g. a `StaticCache`) decodes plainly in one segment (reason "cache-type"), and so does the rest of a call
-on a fixed-capacity `PagedLoopCache` too small for a speculative segment's up-front reservation (reason
-"capacity"). A call with `position_ids` of its own decodes plainly in one segment (reason "position-ids": only plain
-decoding follows them), and a speculative segment that decoded plainly for a reason of its own (a logits processor
-with no form the engine runs, say: its `fallback`) makes the call report that fallback and decode the rest plainly
-(reason "fallback"); a model that cannot decode speculatively (`model_checks.model_fallback`) decodes the whole
-call plainly in one segment (reason "fallback"). Beam search, assistants, `inputs_embeds` and per-step hidden
-states or attentions are refused, as with the fixed modes.
+(`cache.convert`), copied, not recomputed. A cache the caller passed stays the call's cache: a `PagedLoopCache` backs
+every segment, and a `DynamicCache` is refilled with the call's KV at its end. A call continuing another kind of cache
+(e.g. a `StaticCache`) decodes plainly in one segment (reason "cache-type"), and so does the rest of a call on a
+fixed-capacity `PagedLoopCache` too small for a speculative segment's up-front reservation (reason "capacity"). A call
+with `position_ids` of its own decodes plainly in one segment (reason "position-ids": only plain decoding follows
+them), and a speculative segment that decoded plainly for a reason of its own (a logits processor with no form the
+engine runs, say: its `fallback`) makes the call report that fallback and decode the rest plainly (reason "fallback");
+a model that cannot decode speculatively (`model_checks.model_fallback`) decodes the whole call plainly in one segment
+(reason "fallback"). Beam search, assistants, `inputs_embeds` and per-step hidden states or attentions are refused, as
+with the fixed modes.
 """
 
 from __future__ import annotations
@@ -43,9 +44,7 @@ from transformers import (
     Cache,
     DynamicCache,
     GenerationConfig,
-    LogitsProcessor,
     LogitsProcessorList,
-    StoppingCriteria,
     StoppingCriteriaList,
 )
 
@@ -55,6 +54,7 @@ from ..defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
 from .auto_calibration import costs_for
 from .auto_costs import PLAIN, Candidate, CostTable, observe
 from .auto_policy import AutoChoice, AutoStats, Chooser, policy_for, remember, remembered
+from .auto_rows import ForcePad, Stopped, ended, zero_ended
 from .config import (
     AUTO_MODE,
     SPECULATIVE_KEYS,
@@ -122,28 +122,6 @@ def calibrate(model, batch: int, kwargs: dict) -> CostTable:
         options = candidates(model.num_loops, _setting(kwargs, config, "draft_loops"),
                              _setting(kwargs, config, "num_speculative_tokens"))
         return costs_for(model, batch, options)
-
-
-class ForcePad(LogitsProcessor):
-    """Rows already stopped choose the pad token (plain decoding's input for them)."""
-
-    def __init__(self, stopped: torch.Tensor, pad: int):
-        self.stopped, self.pad = stopped, pad
-
-    def __call__(self, input_ids, scores):
-        forced = torch.full_like(scores, -float("inf"))
-        forced[:, self.pad] = 0.0
-        return torch.where(self.stopped.to(scores.device)[:, None], forced, scores)
-
-
-class Stopped(StoppingCriteria):
-    """Rows already stopped count as done, so a segment ends once the other rows stop."""
-
-    def __init__(self, stopped: torch.Tensor):
-        self.stopped = stopped
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return self.stopped.to(input_ids.device)
 
 
 class SegmentStreamer:
@@ -318,7 +296,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
         if stats.choices and _setting_of(stats.choices[-1]) != _setting_of(choice):
             stats.switches.append(done)
         stats.choices.append(choice)
-        stopped = stopped | _stops(new, call.eos)
+        stopped = stopped | ended(new, call.eos).any(1)
         ids, done = out.sequences, done + new.shape[1]
         mask = torch.cat([mask, torch.ones_like(new, dtype=mask.dtype)], 1)
         scores += list(out.scores or ())
@@ -333,6 +311,8 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
         streamer.inner.end()
     if not call.return_dict:
         return ids
+    if any(choice.mode != "plain" for choice in stats.choices):  # (decoded plainly throughout: plain's scores)
+        scores, logits = (zero_ended(steps, ids[:, prompt_width:], call.eos) for steps in (scores, logits))
     return output_cls(sequences=ids, scores=tuple(scores) or None, logits=tuple(logits) or None,
                       cache=cache if call.use_cache else None,
                       speculation=stats, trace=traces or None)
@@ -387,13 +367,6 @@ def _observe(model, candidate: Candidate, out, new: torch.Tensor, start: float, 
 
 def _setting_of(choice: AutoChoice) -> tuple:
     return choice.mode, choice.draft_loops, choice.num_speculative_tokens
-
-
-def _stops(new: torch.Tensor, eos: list[int]) -> torch.Tensor:
-    """`[B]` bool: rows whose new tokens `[B, n]` hold an EOS id."""
-    if not eos:
-        return torch.zeros(len(new), dtype=torch.bool, device=new.device)
-    return torch.isin(new, torch.tensor(eos, device=new.device)).any(1)
 
 
 def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped, tokens: int, done: int, streamer):

@@ -3,10 +3,10 @@
 A manager's settings are fixed when it starts (they are the shapes and the constants of its step): the decoding mode
 and its keys (`speculative_mode`, `draft_loops`, `num_speculative_tokens`, `second_draft_loops`, `compile_core`;
 "auto" runs the mode `fixed_mode` names), the sampling processors and Ouro's exit options come from the generation
-config, the same for every request; the slot count B and each slot's positions C from the continuous batching config or the workload
-hints (`manager_settings`), and the KV page pool the slots share (`pool.pool_size`: `num_blocks`,
-`max_memory_percent`); a Huginn-family model's recurrence settings as `huginn.manager_recurrence` reads them.
-A request brings its own prompt, `max_new_tokens`, EOS ids, when sampling, `seed` and, for a Huginn-family model,
+config, the same for every request; the slot count B and each slot's positions C from the continuous batching config
+or the workload hints (`manager_settings`), and the KV page pool the slots share (`pool.pool_size`: `num_blocks`,
+`max_memory_percent`); a Huginn-family model's recurrence settings as `huginn.manager_recurrence` reads them. A
+request brings its own prompt, `max_new_tokens`, EOS ids, when sampling, `seed` and, for a Huginn-family model,
 `init_seed` (`request_problem` says why one cannot run).
 """
 
