@@ -52,6 +52,25 @@ def test_use_cache_false_gives_plain_tokens(family, mode, d, k, processor):
     assert out.cache is None
 
 
+@pytest.mark.parametrize("mode", [None, "pipeline", "auto"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_use_cache_none_means_the_default(family, mode):
+    """`use_cache=None` (as a wrapper passes an unset option on) decodes as if it were not given: plain decoding fed
+    it to every forward, where it made a fresh cache per step, and returned other tokens (transformers' own models
+    do too). Reference: greedy argmax over full forward passes with no cache, one unpadded row."""
+    spec, settings, vocab = FAMILIES[family]
+    model = model_for(**spec)
+    ids = random_prompts(6, [5], vocab)[0][None]
+    seq = ids
+    with torch.no_grad():
+        for _ in range(8):
+            logits = model(seq, use_cache=False, **settings).logits[:, -1]
+            seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
+    spec_kwargs = {} if mode is None else {"speculative_mode": mode}
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=None, **spec_kwargs, **settings)
+    assert out.tolist() == seq.tolist()
+
+
 @pytest.mark.parametrize("mode,d,k", [pytest.param(*m, id=mode_id(*m)) for m in MODES])
 def test_huginn_continues_a_filled_cache(mode, d, k):
     """Huginn continuing a cache that a pipeline call filled (reported to crash in the wavefront engine's set-up):

@@ -88,6 +88,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
         caller's `PagedLoopCache` (any mode or decoding strategy: a full pool, a criterion or streamer that raises,
         Ctrl-C) leaves it holding what it held before the call (`PagedLoopCache.kept_on_error`)."""
         args, kwargs = by_name(args, kwargs)
+        if "use_cache" in kwargs and kwargs["use_cache"] is None:  # not given: transformers would hand every forward
+            del kwargs["use_cache"]  # a None that makes a fresh cache per step (other tokens, on its own models too)
         if kwargs.get("cache_implementation") == "paged":  # transformers' switch to continuous batching
             raise ValueError("cache_implementation='paged' asks generate to switch to continuous batching, which "
                              "takes unpadded prompts: call model.generate_batch([ids, ...], generation_config=..., "
