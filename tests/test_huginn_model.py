@@ -611,8 +611,10 @@ def test_bad_inputs_raise():
     model, _ = tiny_huginn()
     with pytest.raises(ValueError, match="outside the vocabulary"):
         model(torch.tensor([[3, 500]]))
-    with pytest.raises(ValueError, match="inputs_embeds"):
+    with pytest.raises(ValueError, match="inputs_embeds` is not supported"):
         model(inputs_embeds=torch.zeros(1, 2, 32))
+    with pytest.raises(ValueError, match="input_ids: none given"):  # (it blamed inputs_embeds, never passed)
+        model(attention_mask=torch.ones(1, 2, dtype=torch.long))
 
 
 @pytest.mark.parametrize(("filled", "continued"), [(4, 2), (6, 3)])
