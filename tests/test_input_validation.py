@@ -57,6 +57,26 @@ def test_malformed_ids_raise_the_same_error_in_every_mode(model, inputs, mode, c
         generate(model, *make(*inputs), **mode)
 
 
+@pytest.mark.parametrize("mode", {**MODES, "auto": {"speculative_mode": "auto"}}.values(), ids=[*MODES, "auto"])
+def test_a_pad_token_outside_the_vocabulary_is_named_up_front(model, inputs, mode):
+    """A batch whose rows can finish apart feeds the pad token to the finished ones: one outside the vocabulary
+    (a tokenizer's added [PAD] the embeddings never got) is refused before any work, naming pad_token_id (the
+    forward's error named input_ids, once a row had finished). One row, or no EOS, feeds no pad: it decodes."""
+    ids, mask = inputs
+
+    def run(rows, pad, eos):
+        return model.generate(ids[rows], attention_mask=mask[rows], max_new_tokens=6, do_sample=False,
+                              pad_token_id=pad, eos_token_id=eos, **mode)
+
+    for pad in (VOCAB, -1):
+        with pytest.raises(ValueError, match=rf"pad_token_id={pad} is outside the vocabulary \[0, {VOCAB}\)"):
+            run(slice(None), pad, 3)
+    alone = plain(model, ids[:1], mask[:1], 6, eos_token_id=3).sequences
+    assert run(slice(0, 1), VOCAB, 3).tolist() == alone.tolist()
+    free = plain(model, ids, mask, 6, eos_token_id=None).sequences
+    assert run(slice(None), VOCAB, None).tolist() == free.tolist()
+
+
 @pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))
 def test_int32_ids_and_numpy_max_new_tokens_decode_as_plain(model, inputs, mode):
     ids, mask = inputs
@@ -106,23 +126,6 @@ def test_eos_ids_outside_the_vocabulary_hold_nothing_as_in_plain(model, inputs, 
         assert expected[0, ids.shape[1]].item() == first  # the wrapped id would have banned this token
         out = generate(model, ids, mask, eos_token_id=eos, min_new_tokens=4, **mode)
         assert out.tolist() == expected.tolist()
-
-
-@pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))
-def test_a_pad_id_outside_the_vocabulary_raises_once_it_is_fed(model, inputs, mode):
-    """A pad id outside [0, V) is fed, as in plain decoding, once a row stops at EOS before the others: every mode
-    raises plain decoding's `ValueError` then (the engine's cache completion raised an IndexError), and decodes as
-    plain decoding while no row is padded."""
-    ids, mask = inputs
-    tokens = plain(model, ids, mask, 6).sequences[:, ids.shape[1]:]
-    eos = tokens[0, 1].item()  # row 0 stops at its second new token
-    assert eos not in tokens[1, :-1].tolist()  # the other row goes on: the pad is fed
-    call = lambda eos: model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,  # noqa: E731
-                                      pad_token_id=500, eos_token_id=eos, **mode)
-    with torch.no_grad(), pytest.raises(ValueError, match=r"ids outside the vocabulary \[0, 96\): \[500\]"):
-        call(eos)
-    with torch.no_grad():
-        assert torch.equal(call(None), plain(model, ids, mask, 6).sequences)
 
 
 @pytest.mark.parametrize("mode", [*SPECULATIVE.values(), "paged"], ids=[*SPECULATIVE, "plain-paged"])

@@ -147,13 +147,13 @@ BAD_HOOK_RESULTS = {"negative": -1, "past_vocab": VOCAB, "float": 3.0, "two_toke
 @pytest.mark.parametrize("which", ["draft_hook", "second_draft_hook"])
 def test_hook_returning_no_token_id_is_refused(setup, engine, bad, which):
     """A hook that returns no token id of the vocabulary is named in a `ValueError` by both engines (a -1 read as
-    'not forced' by the engine, one past the vocabulary failed in the embedding); a 0-d tensor or numpy integer is a
+    'not forced' by the engine, one past the vocabulary failed in the embedding); a one-element tensor or array is a
     token id."""
     model, ids, mask, _, _ = setup
     hooks = {"draft_hook": lambda s, p, t: t, "second_draft_hook": lambda s, p, f, t: t}
     run = dict(second_draft_loops=3, **engine_settings(model, engine))
     ok = speculative(model, ids, mask, 6, "pipeline", 1, **run, draft_hook=lambda s, p, t: torch.tensor(t),
-                     second_draft_hook=lambda s, p, f, t: np.int64(t))
+                     second_draft_hook=lambda s, p, f, t: np.asarray(t))  # (a 0-d array: refused at first)
     assert ok.speculation.drafted > 0 and ok.speculation.second_drafts > 0
     hooks[which] = lambda *args: BAD_HOOK_RESULTS[bad]
     with pytest.raises(ValueError, match=rf"{which} returned .* token id in \[0, {VOCAB}\)"):

@@ -17,6 +17,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .config import SpeculativeConfig, asks
@@ -66,15 +67,16 @@ def runtime_options(kwargs: dict) -> GenerateCall:
 
 def checked_hook(name: str, hook: Callable[..., int] | None, vocab: int) -> Callable[..., int] | None:
     """`hook` (a draft hook, named `name`) with its result checked: a token id in `[0, vocab)`, as a Python int, a
-    numpy integer or a one-element integer tensor; anything else raises `ValueError` naming the hook and the value
-    (a negative id would read as 'not forced' in the wavefront engine, one past the vocabulary fail in the
+    numpy integer or a one-element integer tensor or array; anything else raises `ValueError` naming the hook and the
+    value (a negative id would read as 'not forced' in the wavefront engine, one past the vocabulary fail in the
     embedding). None stays None."""
     if hook is None:
         return None
 
     def call(*args) -> int:
         value = hook(*args)
-        item = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+        one = isinstance(value, (torch.Tensor, np.ndarray)) and value.reshape(-1).shape == (1,)
+        item = value.item() if one else value
         if isinstance(item, bool) or not isinstance(item, numbers.Integral) or not 0 <= item < vocab:
             raise ValueError(f"{name} returned {value!r} for {args}: it must return a token id in [0, {vocab}).")
         return int(item)

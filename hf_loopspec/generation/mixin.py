@@ -54,6 +54,7 @@ from .inputs import (
     check_inputs,
     check_left_padded,
     check_model_kwargs,
+    check_pad_token,
 )
 from .model_checks import dense_cache_reason, model_fallback
 from .processors import plain_fallback
@@ -236,6 +237,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
                                       max_cache_length):
         """Looped models write one KV per (loop, layer): the default cache is a growing `DynamicCache()` for
         plain decoding and a `PagedLoopCache` for speculative decoding, which needs per-depth planes."""
+        check_pad_token(generation_config, batch_size * (generation_config.num_return_sequences or 1),
+                        self.config.vocab_size)
         user_cache, call = model_kwargs.get("cache"), current_call()
         speculative, paged = self._speculative(generation_config) is not None, isinstance(user_cache, PagedLoopCache)
         dense = dense_cache_reason(self) if speculative or paged else None  # (such a model falls back to plain)
