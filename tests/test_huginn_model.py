@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 
 import numpy as np
 import pytest
@@ -427,10 +428,30 @@ def test_mismatched_checkpoint_raises(tmp_path):
     ({"n_embd": -8}, "n_embd=-8"),
     ({"n_layers_in_prelude": None}, "n_layers_in_prelude=None"),
     ({"n_layers_in_coda": True}, "n_layers_in_coda=True"),
+    ({"rope_base": 0.0}, "rope_base=0.0 is invalid"),  # (NaN logits before)
+    ({"rope_theta": -5.0}, "rope_base=-5.0 is invalid"),
 ])
 def test_bad_configs_raise(overrides, match):
     with pytest.raises(ValueError, match=match):
         tiny_huginn_config(**overrides)
+
+
+def test_keywords_naming_one_setting_twice_must_agree(tmp_path):
+    """`from_pretrained` / `AutoConfig.from_pretrained` keywords that give one setting two values (its two names, or
+    a `rope_parameters` base): transformers sets them one after the other, so the last won without a word; they are
+    refused as the constructor refuses them. Equal values load; "sdpa" (all the model runs) loads too."""
+    model, _ = tiny_huginn()
+    model.save_pretrained(tmp_path)
+    for keywords, named in (({"rope_theta": 10.0, "rope_base": 20.0}, "rope_base=20.0 and rope_theta=10.0"),
+                            ({"rope_base": 20.0, "rope_parameters": {"rope_theta": 10.0}}, "rope_base=20.0 and rope_p"),
+                            ({"tie_embeddings": False, "tie_word_embeddings": True}, "tie_embeddings=False and tie_w")):
+        for load in (AutoModelForCausalLM.from_pretrained, AutoConfig.from_pretrained):
+            with pytest.raises(ValueError, match=f"{re.escape(named)}.* disagree"):
+                load(tmp_path, **keywords)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, rope_theta=10.0, rope_base=10.0, attn_implementation="sdpa")
+    assert loaded.config.rope_base == loaded.config.rope_theta == 10.0
+    with pytest.raises(ValueError, match="rope_base=0.0 is invalid"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, rope_base=0.0)
 
 
 def test_resized_hub_checkpoint_saves_a_config_that_loads(tmp_path):

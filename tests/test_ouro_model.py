@@ -274,11 +274,33 @@ def test_out_of_vocab_ids_raise(bad_id):
         ({"num_hidden_layers": None}, "num_hidden_layers=None"),
         ({"hidden_size": 0}, "hidden_size=0"),
         ({"num_attention_heads": 0}, "num_attention_heads=0"),
+        # accepted before: theta 0 gave NaN logits (generate returned token 0), a string a TypeError in forward, and
+        # attention_bias=True built no biases
+        ({"rope_theta": 0}, "rope_theta=0 is invalid"),
+        ({"rope_theta": -1e4}, "rope_theta=-10000.0 is invalid"),
+        ({"rope_theta": "1e4"}, "rope_theta='1e4' is invalid"),
+        ({"rope_theta": float("inf")}, "rope_theta=inf is invalid"),
+        ({"attention_bias": True}, "attention_bias=True is not supported"),
     ],
 )
 def test_invalid_config_raises(overrides, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         tiny_config(**overrides)
+
+
+def test_keywords_giving_the_rope_base_twice_must_agree(tmp_path):
+    """`rope_theta` and a `rope_parameters` with another base, both keywords of `from_pretrained`: transformers sets
+    them one after the other (the last won, silently); they are refused, equal values load, and a bad base given as a
+    keyword is refused when the model is built."""
+    model, _ = tiny_model(seed=0)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"rope_theta=10\.0 and rope_parameters=\{'rope_theta': 20\.0\} disagree"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, rope_theta=10.0, rope_parameters={"rope_theta": 20.0})
+    same = AutoModelForCausalLM.from_pretrained(tmp_path, rope_theta=10.0, rope_parameters={"rope_theta": 10.0})
+    assert same.config.rope_theta == 10.0
+    for keywords in ({"rope_theta": 0.0}, {"rope_parameters": {"rope_theta": -1.0}}, {"attention_bias": True}):
+        with pytest.raises(ValueError, match="rope_theta=.* is invalid|attention_bias=True"):
+            AutoModelForCausalLM.from_pretrained(tmp_path, **keywords)
 
 
 def test_settings_changed_after_the_config_was_made_are_checked_when_the_model_is_built(tmp_path):

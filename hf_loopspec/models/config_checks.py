@@ -6,6 +6,12 @@ so that it cannot go stale beside them."""
 
 from __future__ import annotations
 
+import math
+import numbers
+from typing import ClassVar
+
+ROPE_BASE_NAMES = ("rope_theta", "rope_parameters", "rope_scaling")  # the keywords that can give the RoPE base
+
 
 def check_counts(config, positive: tuple[str, ...], non_negative: tuple[str, ...] = (),
                  derived: tuple[str, ...] = ()) -> None:
@@ -36,12 +42,32 @@ def rope_theta_of(config, name: str, given) -> float | None:
     return given.get("rope_theta")
 
 
+def check_rope_base(config, name: str) -> None:
+    """`ValueError` naming `name` unless the config's RoPE base there is a finite number > 0 (0 gave NaN logits and
+    a string a `TypeError` at the first forward)."""
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{type(config).__name__}.{name}={value!r} is invalid: the RoPE base must be a finite number "
+                         "> 0 (the checkpoints use 10000.0 to 1000000.0).")
+
+
 class RopeParametersMixin:
     """`rope_parameters` and `rope_scaling` given as keywords of `from_pretrained` / `from_dict` reach the config as
     config.json keys do (transformers sets only keywords the config has as attributes: it would drop them, or hand
-    them to the model's `__init__`)."""
+    them to the model's `__init__`). Keywords that give one setting two values (`KEYWORD_GROUPS`: names of one
+    setting; a rope dict counts with its `rope_theta`) raise a `ValueError`: transformers sets keywords one after the
+    other, so the last would win without a word."""
+
+    KEYWORD_GROUPS: ClassVar[tuple[tuple[str, ...], ...]] = (ROPE_BASE_NAMES,)
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
+        for group in cls.KEYWORD_GROUPS:
+            values = {name: kwargs[name].get("rope_theta") if isinstance(kwargs[name], dict) else kwargs[name]
+                      for name in group if name in kwargs}
+            given = {name: value for name, value in values.items() if value is not None}
+            if len(set(given.values())) > 1:
+                raise ValueError(f"{cls.__name__}: {' and '.join(f'{k}={kwargs[k]!r}' for k in given)} disagree: "
+                                 "two names of one setting; pass one of them (or equal values).")
         rope = {key: kwargs.pop(key) for key in ("rope_parameters", "rope_scaling") if key in kwargs}
         return super().from_dict({**config_dict, **rope}, **kwargs)

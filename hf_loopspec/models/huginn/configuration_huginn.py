@@ -14,7 +14,7 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from ...logs import get_logger
 from ..code_pointers import CodePointersMixin
-from ..config_checks import RopeParametersMixin, check_counts, rope_theta_of
+from ..config_checks import ROPE_BASE_NAMES, RopeParametersMixin, check_counts, check_rope_base, rope_theta_of
 from ..layers import is_integer
 
 logger = get_logger(__name__)
@@ -71,6 +71,8 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
         "num_hidden_layers": "n_layers",
         "max_position_embeddings": "block_size",  # where transformers and lm-eval look for the position limit
     }
+    KEYWORD_GROUPS: ClassVar[tuple[tuple[str, ...], ...]] = (("rope_base", *ROPE_BASE_NAMES),
+                                                             ("tie_embeddings", "tie_word_embeddings"))
 
     vocab_size: int = 65536
     padded_vocab_size: int | None = None
@@ -190,6 +192,7 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
             if getattr(self, name) != getattr(self, other):  # a guard: __setattr__ keeps the two names equal
                 raise ValueError(f"HuginnConfig: {name}={getattr(self, name)} and {other}={getattr(self, other)} "
                                  "disagree: two names of one setting; set both.")
+        check_rope_base(self, "rope_base")
         if self.padded_vocab_size not in (None, self.vocab_size):
             raise ValueError(
                 f"HuginnConfig.padded_vocab_size={self.padded_vocab_size} differs from vocab_size={self.vocab_size}: "

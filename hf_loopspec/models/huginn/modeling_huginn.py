@@ -112,6 +112,7 @@ class HuginnPreTrainedModel(StrictLoadingMixin, PreTrainedModel):
     config_class = HuginnConfig
     base_model_prefix = "transformer"
     _no_split_modules = ["HuginnBlock"]
+    _supports_sdpa = True  # attends with F.scaled_dot_product_attention whatever attn_implementation says
     _keys_to_ignore_on_load_unexpected = [r"freqs_cis$"]  # the checkpoints' persistent RoPE table: recomputed
     generation_keys = GENERATION_KEYS  # the recurrence settings a generation config may carry
 

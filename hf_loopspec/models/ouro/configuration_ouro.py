@@ -10,7 +10,7 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from ...hub.shims import AUTO_MAP
 from ..code_pointers import CodePointersMixin
-from ..config_checks import RopeParametersMixin, check_counts, rope_theta_of
+from ..config_checks import RopeParametersMixin, check_counts, check_rope_base, rope_theta_of
 
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "head_dim")
@@ -115,7 +115,11 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
                 "OuroConfig.use_sliding_window=True is not supported: the released Ouro checkpoints use full "
                 "attention in every layer; set use_sliding_window=False."
             )
+        check_rope_base(self, "rope_theta")
         check_rope_scaling(self.rope_scaling, self.rope_theta)
+        if self.attention_bias:
+            raise ValueError("OuroConfig.attention_bias=True is not supported: the released Ouro checkpoints have no "
+                             "q/k/v/o biases (the model builds none); set attention_bias=False.")
         if self.hidden_act != "silu":
             raise ValueError(f"OuroConfig.hidden_act={self.hidden_act!r} is not supported; Ouro uses 'silu'.")
         if set(self.layer_types) == {"full_attention"}:  # follows a layer count changed since the config was made

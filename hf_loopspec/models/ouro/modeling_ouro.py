@@ -97,7 +97,7 @@ class OuroPreTrainedModel(StrictLoadingMixin, PreTrainedModel):
     config_class = OuroConfig
     base_model_prefix = "model"
     _no_split_modules = ["OuroDecoderLayer"]
-    _supports_sdpa = True
+    _supports_sdpa = True  # attends with F.scaled_dot_product_attention whatever attn_implementation says
 
 
 
