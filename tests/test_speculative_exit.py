@@ -11,6 +11,7 @@ loop outputs into the main lane's slot) the engine's counters equal the lane dec
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from speculative_utils import (
     tiny_spec_model,
 )
 from tolerances import ouro_depth
-from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
 VOCAB = 64
 NEW = 16
@@ -232,3 +233,29 @@ def test_continuous_batching_checks_exit_options_as_generate_does(setup):
                              ({"exit_at_step": 1, "exit_threshold": 0.5}, "at most one")):
         with pytest.raises(ValueError, match=message):
             model.generate_batch([[5, 6, 7]], max_new_tokens=2, generation_config=GenerationConfig(**options))
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_exit_options_of_the_generation_config_survive_save_and_load(setup, name, tmp_path):
+    """An exit option set on a model's generation config derived from its config.json (marked `_from_model_config`)
+    is kept by `save_pretrained` and `from_pretrained`, as in a marked file an older save wrote: transformers drops
+    non-standard keys of a marked config, so the reloaded model decoded from the last loop without a word."""
+    model, ids, mask, last_loop = setup
+    want = plain(model, ids, mask, NEW, **OPTIONS[name]).sequences.tolist()
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(saved)
+    model.generation_config._from_model_config = True
+    for key, value in OPTIONS[name].items():
+        setattr(model.generation_config, key, value)
+    try:
+        model.save_pretrained(tmp_path / "saved")
+    finally:
+        model.generation_config = saved
+    marked = json.loads((tmp_path / "saved" / "generation_config.json").read_text())
+    (tmp_path / "saved" / "generation_config.json").write_text(json.dumps({**marked, "_from_model_config": True}))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert {key: getattr(loaded.generation_config, key) for key in OPTIONS[name]} == OPTIONS[name]
+    for mode in (None, "pipeline"):
+        out = loaded.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                              speculative_mode=mode)
+        assert out.tolist() == want != last_loop.tolist()
