@@ -500,20 +500,27 @@ def test_right_padding_is_refused_whatever_was_stored(case):
         generate_dict(model, ids, mask, 8, speculative_mode="auto")
 
 
-def test_rows_that_stop_stay_stopped(case):
+@pytest.mark.parametrize("fallback", [False, True], ids=["speculative", "plain-fallback"])
+def test_rows_that_stop_stay_stopped(case, fallback):
     """Row 0 stops at EOS early; the later segments keep it stopped: tokens and every KV plane of the returned cache
     equal plain decoding's (which feeds the stopped row pad tokens). Its scores and logits are zeros from the step
     after its EOS, in every segment (a plain segment gave it the pad token's forced 0 / -inf scores), and the other
-    row's are plain decoding's."""
+    row's are plain decoding's; also when every segment decodes plainly (a user processor: the probe falls back)."""
     model, prompts, ids, mask, _, reference = case
     set_costs(model, SPECULATIVE_WINS)
     first = [first_new_occurrence(r[len(p):]) for r, p in zip(reference, prompts)]
-    eos = next(t for t, i in first[0].items() if 8 <= i <= 16 and t not in first[1])  # stops row 0 only
+    window = range(1, 3) if fallback else range(8, 17)  # inside the probe when it falls back (POLICY.probe_tokens)
+    eos = next(t for t, i in first[0].items() if i in window and t not in first[1])  # stops row 0 only
     outputs = dict(output_scores=True, output_logits=True, eos_token_id=eos)
+    if fallback:
+        outputs["logits_processor"] = LogitsProcessorList([Unvetted()])
     ref = plain(model, ids, mask, 30, **outputs)
     hook = forcing_hook(reference, [len(p) for p in prompts], accept_outside(20, 24), VOCAB)
     out = generate_dict(model, ids, mask, 30, speculative_mode="auto", draft_hook=hook, **outputs)
     assert torch.equal(out.sequences, ref.sequences)
+    assert len(out.speculation.choices) > (1 if fallback else 2)
+    assert out.speculation.choices[-1].reason == "stopped-rows"
+    assert ({c.mode for c in out.speculation.choices} == {"plain"}) == fallback
     end = first[0][eos]  # row 0's EOS is its new token number `end`
     for name in ("scores", "logits"):
         got, want = torch.stack(getattr(out, name), 1), torch.stack(getattr(ref, name), 1)  # [B, steps, V]
@@ -521,7 +528,8 @@ def test_rows_that_stop_stay_stopped(case):
         # fp32: the same computation in another batching order (segments, speculative rows) rounds differently
         torch.testing.assert_close(got[0, : end + 1], want[0, : end + 1], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
-    assert len(out.speculation.choices) > 2 and out.speculation.choices[-1].reason == "stopped-rows"
+    if fallback:
+        return
     counts = generated_counts(out.sequences, ids.shape[1], 30, eos)
     assert_counter_invariants(out.speculation, counts)
     steps = out.sequences.shape[1] - ids.shape[1]

@@ -293,6 +293,27 @@ def test_recurrence_settings_of_the_generation_config_survive_save_and_load(tmp_
     assert torch.equal(loaded.generate(ids, speculative_mode=None, **greedy), expected)
 
 
+@pytest.mark.parametrize("marked", [False, True])
+def test_exit_options_in_a_saved_generation_config_are_refused_by_name(tmp_path, marked):
+    """Huginn has no exit options: a generation_config.json asking for one fails each generate with the package's
+    ValueError naming it (transformers' "model_kwargs are not used" before), unless it is marked
+    `_from_model_config` (transformers drops such keys; Ouro's are kept); one that asks for nothing decodes."""
+    model, _ = tiny_huginn(seed=6)
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "generation_config.json"
+    saved = json.loads(path.read_text())
+    ids, greedy = random_ids((1, 5), VOCAB), {"max_new_tokens": 4, "do_sample": False, "init_scale": 0.0}
+    expected = model.generate(ids, **greedy)
+    for extra, asks in (({"exit_threshold": 1.0}, True), ({"use_weighted_exit": False}, False)):
+        path.write_text(json.dumps({**saved, "_from_model_config": marked, **extra}))
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+        if asks and not marked:
+            with pytest.raises(ValueError, match="exit_threshold=1.0: HuginnForCausalLM has no exit options"):
+                loaded.generate(ids, **greedy)
+        else:
+            assert torch.equal(loaded.generate(ids, **greedy), expected)
+
+
 @pytest.mark.parametrize("trust_remote_code", [False, True])
 def test_hub_layout_folder_loads(tmp_path, trust_remote_code, caplog):
     """config.json with the upstream auto_map and `tie_embeddings`, safetensors with `freqs_cis` and a second copy of
@@ -429,7 +450,8 @@ def test_mismatched_checkpoint_raises(tmp_path):
     ({"n_layers_in_prelude": None}, "n_layers_in_prelude=None"),
     ({"n_layers_in_coda": True}, "n_layers_in_coda=True"),
     ({"rope_base": 0.0}, "rope_base=0.0 is invalid"),  # (NaN logits before)
-    ({"rope_theta": -5.0}, "rope_base=-5.0 is invalid"),
+    ({"rope_theta": -5.0, "rope_base": None}, "rope_base=-5.0 is invalid"),
+    ({"rope_theta": 2.0, "rope_base": 3.0}, "rope_base=3.0 and rope_theta=2.0 disagree"),
 ])
 def test_bad_configs_raise(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -439,7 +461,7 @@ def test_bad_configs_raise(overrides, match):
 def test_keywords_naming_one_setting_twice_must_agree(tmp_path):
     """`from_pretrained` / `AutoConfig.from_pretrained` keywords that give one setting two values (its two names, or
     a `rope_parameters` base): transformers sets them one after the other, so the last won without a word; they are
-    refused as the constructor refuses them. Equal values load; "sdpa" (all the model runs) loads too."""
+    refused as the constructor (config.json) refuses them. Equal values load; "sdpa" (all the model runs) loads."""
     model, _ = tiny_huginn()
     model.save_pretrained(tmp_path)
     for keywords, named in (({"rope_theta": 10.0, "rope_base": 20.0}, "rope_base=20.0 and rope_theta=10.0"),
@@ -452,6 +474,13 @@ def test_keywords_naming_one_setting_twice_must_agree(tmp_path):
     assert loaded.config.rope_base == loaded.config.rope_theta == 10.0
     with pytest.raises(ValueError, match="rope_base=0.0 is invalid"):
         AutoModelForCausalLM.from_pretrained(tmp_path, rope_base=0.0)
+    # a saved config.json holds both names: one edited alone was ignored (rope_theta won, silently)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "rope_base": 10000.0}))
+    with pytest.raises(ValueError, match=r"rope_base=10000\.0 and rope_theta=.* disagree"):
+        AutoConfig.from_pretrained(tmp_path)
+    one_name = tiny_huginn_config(rope_theta=10000.0, rope_base=None), tiny_huginn_config(rope_base=10000.0)
+    assert [(c.rope_base, c.rope_theta) for c in one_name] == [(1e4, 1e4)] * 2
 
 
 def test_resized_hub_checkpoint_saves_a_config_that_loads(tmp_path):

@@ -75,6 +75,10 @@ def test_a_pad_token_outside_the_vocabulary_is_named_up_front(model, inputs, mod
     assert run(slice(0, 1), VOCAB, 3).tolist() == alone.tolist()
     free = plain(model, ids, mask, 6, eos_token_id=None).sequences
     assert run(slice(None), VOCAB, None).tolist() == free.tolist()
+    if mode.get("speculative_mode") is None:  # beam search only fills finished hypotheses with it (was refused)
+        beams = dict(attention_mask=mask, max_new_tokens=6, num_beams=3, num_return_sequences=2, eos_token_id=3)
+        out = model.generate(ids, pad_token_id=VOCAB, **beams)
+        assert torch.equal(torch.where(out == VOCAB, PAD, out), model.generate(ids, pad_token_id=PAD, **beams))
 
 
 @pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))

@@ -12,7 +12,7 @@ prefix and so is the chain; a seeded auto call equals the same chain of fixed-mo
 Rows that stopped (EOS) in an earlier segment stay stopped: the remaining segments decode plainly with those rows
 forced to the pad token (as plain decoding feeds them), so their tokens and cached KV are plain decoding's; their
 scores and logits are zeros from the step after their end, as the fixed modes give them (`auto_rows.zero_ended`; a
-call that decoded plainly throughout returns plain decoding's). A segment that ends early ends the call (every row has
+call decoded plainly in one stretch returns plain decoding's). A segment that ends early ends the call (every row has
 stopped). A call with a `ONE_STRETCH` setting chooses once and decodes in one segment: its own stopping criteria, stop
 strings or `max_time` (which rows stopped, or how long the call has run, only they know), or a logits processor that
 transformers builds from a call's input length or `max_length` (`forced_eos_token_id`, `begin_suppress_tokens`, ...),
@@ -311,7 +311,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
         streamer.inner.end()
     if not call.return_dict:
         return ids
-    if any(choice.mode != "plain" for choice in stats.choices):  # (decoded plainly throughout: plain's scores)
+    if len(stats.choices) > 1 or stats.choices[0].mode != "plain":  # (one plain stretch: plain decoding's scores)
         scores, logits = (zero_ended(steps, ids[:, prompt_width:], call.eos) for steps in (scores, logits))
     return output_cls(sequences=ids, scores=tuple(scores) or None, logits=tuple(logits) or None,
                       cache=cache if call.use_cache else None,

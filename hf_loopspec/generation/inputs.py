@@ -141,10 +141,12 @@ def check_generation_values(generation_config) -> None:
 def check_pad_token(generation_config, rows: int, vocab_size: int) -> None:
     """`ValueError` naming `pad_token_id` when it lies outside the vocabulary and a call of `rows` rows could feed
     it: a row that finishes (EOS, stop strings) before the others is fed the pad token, which the model cannot embed
-    (the error came from `forward`, mid-call, naming input_ids). One row, or nothing that finishes a row, feeds none."""
+    (the error came from `forward`, mid-call, naming input_ids). One row, nothing that finishes a row, or beam search
+    (which only fills finished hypotheses with it) feeds none."""
     pad, eos = generation_config.pad_token_id, generation_config.eos_token_id
     finishes = eos is not None or bool(generation_config.stop_strings)
-    if rows > 1 and finishes and pad is not None and not 0 <= int(pad) < vocab_size:
+    beams = (generation_config.num_beams or 1) > 1
+    if rows > 1 and finishes and not beams and pad is not None and not 0 <= int(pad) < vocab_size:
         raise ValueError(f"pad_token_id={pad} is outside the vocabulary [0, {vocab_size}): a row that finishes before "
                          "the others is fed the pad token, which the model cannot embed. Pass a pad_token_id inside "
                          "the vocabulary (the EOS id is a common choice).")

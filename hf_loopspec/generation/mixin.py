@@ -204,6 +204,9 @@ class LoopSpecGenerationMixin(GenerationMixin):
         # a config's (transformers keeps a key a config has, e.g. a checkpoint's `exit_at_step`, in the config)
         configured = {} if chosen else {key: getattr(generation_config, key, None) for key in EXIT_OPTIONS}
         model_kwargs.update({key: value for key, value in configured.items() if value is not None}, **exits)
+        if type(self).exit_rule is LoopSpecGenerationMixin.exit_rule:  # a family without exit options refuses them
+            reject_exit_options(type(self).__name__, model_kwargs)  # (a config's: transformers' "not used" before)
+            model_kwargs = {key: value for key, value in model_kwargs.items() if key not in EXIT_OPTIONS}
         if not hasattr(self, "recurrence_settings"):  # (a family with them reads them: Huginn's `call_block`)
             reject_recurrence_options(type(self).__name__, {**vars(generation_config), **model_kwargs})
         check_generation_values(generation_config)

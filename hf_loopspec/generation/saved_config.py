@@ -2,8 +2,8 @@
 
 transformers drops every non-standard key of a generation config marked `_from_model_config` (as a default config
 derived from `config.json` is, and as files saved by older transformers versions are) when it builds the
-`GenerationConfig`. The speculative keys and Ouro's exit options (`KEPT_KEYS`) are non-standard, and so are a
-family's own (`extra_keys`: Huginn's recurrence settings, `num_steps`, `init_scale`, `init_seed`), so:
+`GenerationConfig`. The speculative keys are non-standard, and so are a family's own (`extra_keys`: Huginn's
+recurrence settings, `num_steps`, `init_scale`, `init_seed`; Ouro's exit options), so:
 
 * `mark_user_generation_config` unmarks a config that carries such keys before it is saved;
 * `restore_speculative_keys` puts back the keys that a loaded `generation_config.json` (or a `generation_config`
@@ -18,26 +18,24 @@ from transformers import GenerationConfig
 from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from ..logs import get_logger
-from .config import EXIT_OPTIONS, SPECULATIVE_KEYS
+from .config import SPECULATIVE_KEYS
 
 logger = get_logger(__name__)
 
-KEPT_KEYS = (*SPECULATIVE_KEYS, *EXIT_OPTIONS)  # the non-standard keys of every family kept through save and load
-
 
 def mark_user_generation_config(generation_config, extra_keys: tuple[str, ...] = ()) -> None:
-    """Keep the `KEPT_KEYS` (and the family's `extra_keys`) set on a model's default generation config through
+    """Keep speculative keys (and the family's `extra_keys`) set on a model's default generation config through
     `save_pretrained`: once such keys are set, the config is the user's own, not one derived from `config.json`."""
     if generation_config is not None and any(getattr(generation_config, k, None) is not None
-                                             for k in (*KEPT_KEYS, *extra_keys)):
+                                             for k in (*SPECULATIVE_KEYS, *extra_keys)):
         generation_config._from_model_config = False
 
 
 def restore_speculative_keys(target: GenerationConfig, saved: dict, extra_keys: tuple[str, ...] = ()) -> None:
-    """Set on `target` the `KEPT_KEYS` (and the family's `extra_keys`) of `saved` (a generation config's dict)
+    """Set on `target` the speculative keys (and the family's `extra_keys`) of `saved` (a generation config's dict)
     that it lacks; a config that then carries them is the user's own (`_from_model_config` False), so later saves
     and `generate` keep them."""
-    restored = {key: saved[key] for key in (*KEPT_KEYS, *extra_keys)
+    restored = {key: saved[key] for key in (*SPECULATIVE_KEYS, *extra_keys)
                 if saved.get(key) is not None and getattr(target, key, None) is None}
     for key, value in restored.items():
         setattr(target, key, value)

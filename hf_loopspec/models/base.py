@@ -14,6 +14,7 @@ class StrictLoadingMixin:
     (`generation.saved_config`)."""
 
     generation_keys: tuple[str, ...] = ()  # generation config keys the family's `generate` reads, besides ours
+    saved_generation_keys: tuple[str, ...] = ()  # more such keys, kept through save and load (not loading keywords)
 
     def __init__(self, config, *args, **kwargs):
         # The config checked itself when it was made; settings changed since (`from_pretrained`'s keyword overrides
@@ -22,7 +23,8 @@ class StrictLoadingMixin:
         super().__init__(config, *args, **kwargs)
 
     def save_pretrained(self, *args, **kwargs):
-        mark_user_generation_config(getattr(self, "generation_config", None), self.generation_keys)
+        mark_user_generation_config(getattr(self, "generation_config", None),
+                                    (*self.generation_keys, *self.saved_generation_keys))
         return super().save_pretrained(*args, **kwargs)
 
     def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
@@ -42,7 +44,7 @@ class StrictLoadingMixin:
             saved = saved_generation_dict(pretrained_model_name_or_path, **download)
         else:
             return
-        restore_speculative_keys(self.generation_config, saved, self.generation_keys)
+        restore_speculative_keys(self.generation_config, saved, (*self.generation_keys, *self.saved_generation_keys))
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):

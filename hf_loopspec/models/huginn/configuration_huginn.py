@@ -25,6 +25,7 @@ SIZES = ("vocab_size", "n_embd", "n_heads", "num_key_value_heads", "head_dim", "
          "n_layers_in_recurrent_block", "mean_recurrence", "block_size")
 OUTER_STAGES = ("n_layers_in_prelude", "n_layers_in_coda")
 STAGES = ("n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda")
+DEFAULT_ROPE_BASE = 50000.0  # Huginn-0125's
 PAIRED = {"tie_embeddings": "tie_word_embeddings", "tie_word_embeddings": "tie_embeddings",  # two names, one setting
           "rope_theta": "rope_base", "rope_base": "rope_theta"}
 
@@ -49,7 +50,8 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
             updates it; setting it later to another value raises when a model is built.
         mean_recurrence (`int`): default number of recurrence steps at inference.
         block_size (`int`): maximum positions.
-        rope_base (`float`): RoPE base; `rope_theta`, when set, takes precedence (both are kept equal).
+        rope_base (`float`): RoPE base; `rope_theta` is its transformers name (both are kept equal; given both, they
+            must agree).
         rope_style (`str`): "interleaved" (Huginn-0125: pairs (x[2i], x[2i+1])) or "rotate_half" (the
             retrofitted Llama-style checkpoints).
         block_class_name (`str`): "SandwichBlock" (norm after every residual add, Huginn-0125) or
@@ -87,7 +89,7 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
     n_layers_in_coda: int = 2
     mean_recurrence: int = 32
     block_size: int = 4096
-    rope_base: float = 50000.0
+    rope_base: float | None = None  # (with rope_theta None too: DEFAULT_ROPE_BASE)
     rope_theta: float | None = None
     rope_style: str = "interleaved"
     block_class_name: str = "SandwichBlock"
@@ -122,14 +124,14 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
                 "set to %s.", self.n_layers, self.n_layers_in_prelude, self.n_layers_in_recurrent_block,
                 self.n_layers_in_coda, stages, stages)
         self.n_layers = stages
-        if self.rope_theta is not None:  # the transformers name wins when both are set
-            self.rope_base = self.rope_theta
-        self.rope_theta = self.rope_base
-        tie = {x for x in (self.tie_embeddings, self.tie_word_embeddings) if x is not None}
-        if len(tie) > 1:
-            raise ValueError(f"HuginnConfig: tie_embeddings={self.tie_embeddings} and tie_word_embeddings="
-                             f"{self.tie_word_embeddings} disagree; pass one of them (or equal values).")
-        self.tie_embeddings = self.tie_word_embeddings = tie.pop() if tie else True
+        for name, other in (("rope_base", "rope_theta"), ("tie_embeddings", "tie_word_embeddings")):
+            if None not in (getattr(self, name), getattr(self, other)) and getattr(self, name) != getattr(self, other):
+                raise ValueError(f"HuginnConfig: {name}={getattr(self, name)!r} and {other}={getattr(self, other)!r} "
+                                 "disagree: two names of one setting; pass one of them (or equal values).")
+        base = next((x for x in (self.rope_theta, self.rope_base) if x is not None), DEFAULT_ROPE_BASE)
+        self.rope_theta = self.rope_base = base
+        self.tie_embeddings = self.tie_word_embeddings = next(
+            (x for x in (self.tie_embeddings, self.tie_word_embeddings) if x is not None), True)
         self.init_values = self._with_defaults(self.init_values)
         super().__post_init__(**kwargs)
         self.validate_architecture()

@@ -21,7 +21,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple
 
-from ...generation.config import asks, reject_recurrence_options
+from ...generation.config import EXIT_OPTIONS, asks, reject_recurrence_options
 from ...generation.mixin import LoopSpecGenerationMixin
 from ...logs import get_logger
 from ...looped import KVAttention, KVLayout
@@ -209,6 +209,7 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
     """Ouro with its LM head: the `LoopedModel` protocol plus HF `forward` / `generate`."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    saved_generation_keys = EXIT_OPTIONS  # a generation config's exit options survive save and load
 
     def __init__(self, config: OuroConfig):
         super().__init__(config)
