@@ -479,6 +479,9 @@ def test_keywords_naming_one_setting_twice_must_agree(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**saved, "rope_base": 10000.0}))
     with pytest.raises(ValueError, match=r"rope_base=10000\.0 and rope_theta=.* disagree"):
         AutoConfig.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "rope_parameters": {"rope_theta": 777.0}}))
+    with pytest.raises(ValueError, match=r"\(config.json\): rope_base=50000\.0 and .*rope_parameters=.* disagree"):
+        AutoConfig.from_pretrained(tmp_path)  # (rope_parameters won, silently)
     one_name = tiny_huginn_config(rope_theta=10000.0, rope_base=None), tiny_huginn_config(rope_base=10000.0)
     assert [(c.rope_base, c.rope_theta) for c in one_name] == [(1e4, 1e4)] * 2
 

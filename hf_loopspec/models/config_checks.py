@@ -54,20 +54,21 @@ def check_rope_base(config, name: str) -> None:
 class RopeParametersMixin:
     """`rope_parameters` and `rope_scaling` given as keywords of `from_pretrained` / `from_dict` reach the config as
     config.json keys do (transformers sets only keywords the config has as attributes: it would drop them, or hand
-    them to the model's `__init__`). Keywords that give one setting two values (`KEYWORD_GROUPS`: names of one
-    setting; a rope dict counts with its `rope_theta`) raise a `ValueError`: transformers sets keywords one after the
-    other, so the last would win without a word."""
+    them to the model's `__init__`). A config.json, or keywords, giving one setting two values (`KEYWORD_GROUPS`:
+    names of one setting; a rope dict counts with its `rope_theta`) raise a `ValueError`: transformers sets them one
+    after the other, so the last would win without a word. (A keyword overrides config.json, as in transformers.)"""
 
     KEYWORD_GROUPS: ClassVar[tuple[tuple[str, ...], ...]] = (ROPE_BASE_NAMES,)
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
-        for group in cls.KEYWORD_GROUPS:
-            values = {name: kwargs[name].get("rope_theta") if isinstance(kwargs[name], dict) else kwargs[name]
-                      for name in group if name in kwargs}
-            given = {name: value for name, value in values.items() if value is not None}
-            if len(set(given.values())) > 1:
-                raise ValueError(f"{cls.__name__}: {' and '.join(f'{k}={kwargs[k]!r}' for k in given)} disagree: "
-                                 "two names of one setting; pass one of them (or equal values).")
+        for where, given in (("config.json", config_dict), ("keywords", kwargs)):
+            for group in cls.KEYWORD_GROUPS:
+                values = {name: given[name].get("rope_theta") if isinstance(given[name], dict) else given[name]
+                          for name in group if name in given}
+                values = {name: value for name, value in values.items() if value is not None}
+                if len(set(values.values())) > 1:
+                    raise ValueError(f"{cls.__name__} ({where}): {' and '.join(f'{k}={given[k]!r}' for k in values)} "
+                                     "disagree: two names of one setting; give one of them (or equal values).")
         rope = {key: kwargs.pop(key) for key in ("rope_parameters", "rope_scaling") if key in kwargs}
         return super().from_dict({**config_dict, **rope}, **kwargs)
