@@ -13,6 +13,7 @@ import contextlib
 import threading
 
 import pytest
+import torch
 from continuous_utils import VOCAB, WAIT_S, alone, batching, collect, generation_config, prompts
 from speculative_utils import named_modes, tiny_spec_model
 
@@ -194,3 +195,26 @@ def test_a_manager_destroyed_inside_a_kept_block_is_not_kept_again(model, loop):
     other = dict(generation_config=generation_config({}), continuous_batching_config=batching())
     out = model.generate_batch(prompts(3, [5]), **other)
     assert [r.generated_tokens for r in out.values()] == [alone(model, prompts(3, [5])[0], 8)]
+
+
+def test_the_loop_thread_decodes_under_the_callers_autocast(model):
+    """autocast is per thread, and the manager decodes on a thread of its own: `generate_batch` under
+    `torch.autocast` ran its layers in fp32 without a word, where `generate` runs them in bf16. The loop now runs
+    under its creator's autocast (seen by a hook on a layer: the dtype of what it returns, and the thread's
+    autocast), and a kept manager asked for under another autocast is refused."""
+    seen = []
+    layer = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    handle = layer.register_forward_hook(lambda m, i, out: seen.append((torch.is_autocast_enabled("cpu"), out.dtype)))
+    try:
+        inputs = prompts(5, [4, 6])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model.generate_batch(inputs, max_new_tokens=3, **_kept(model))
+        assert seen and set(seen) == {(True, torch.bfloat16)}
+        with pytest.raises(ValueError, match="under another torch.autocast"):
+            model.generate_batch(inputs, max_new_tokens=3, **_kept(model))
+        model.destroy_cached_continuous_batching_manager()
+        seen.clear()
+        model.generate_batch(inputs, max_new_tokens=3, **_kept(model))
+        assert seen and set(seen) == {(False, torch.float32)}
+    finally:
+        handle.remove()

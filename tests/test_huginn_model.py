@@ -682,3 +682,20 @@ def test_a_dynamic_cache_of_more_steps_is_refused(filled, continued):
         first = model.generate(ids, cache=cache, max_new_tokens=3, num_steps=filled, **settings)
         with pytest.raises(ValueError, match=f"this call writes {2 * continued + 1} planes .* settings that filled it"):
             model.generate(first, cache=cache, max_new_tokens=2, num_steps=continued, **settings)
+
+
+def test_seeded_initial_states_do_not_depend_on_torchs_default_dtype():
+    """The keyed initial states were drawn into a tensor of torch's default dtype: under
+    `torch.set_default_dtype(torch.float64)` the same fp32 model and `init_seed` gave other logits and tokens."""
+    model, _ = tiny_huginn(seed=6)
+    ids = random_ids((2, 5), VOCAB)
+    settings = {"num_steps": 3, "init_scale": 1.0, "init_seed": 4}
+    with torch.no_grad():
+        want = model(ids, **settings).logits
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            got = model(ids, **settings).logits
+        finally:
+            torch.set_default_dtype(before)
+    assert torch.equal(got, want)

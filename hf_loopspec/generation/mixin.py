@@ -143,7 +143,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
             problem = kept_recurrence_problem(self, resolved or cached.generation_config, cached.settings.recurrence)
             if problem is None and cached.model_signature != model_signature(self, cached.settings.recurrence):
                 problem = ("this model keeps a continuous batching manager built before the model changed (its loop "
-                           "count, vocabulary, dtype or device); call "
+                           "count, vocabulary, dtype or device) or under another torch.autocast; call "
                            "model.destroy_cached_continuous_batching_manager() first.")
             if (problem := problem or model_refusal(self)) is not None:
                 raise ValueError(problem)

@@ -320,7 +320,10 @@ class LoopBatchingManager:
     # --- the loop ----------------------------------------------------------------------------------------------
 
     def _run_generation_loop(self) -> None:
-        with torch.inference_mode(self._inference_mode):  # the mode the state's tensors were made in (per thread)
+        """The loop, under its creator's inference mode (the state's tensors were made in it) and autocast (both are
+        per thread; the autocast is the last entry of `model_signature`)."""
+        enabled, dtype = self.model_signature[-1]
+        with torch.inference_mode(self._inference_mode), torch.autocast(self.model.device.type, dtype, enabled):
             self._serve()
 
     def _serve(self) -> None:
@@ -368,11 +371,8 @@ class LoopBatchingManager:
         return True
 
     def _take_new(self, waiting: deque) -> None:
-        while True:
-            try:
-                waiting.append(self.input_queue.get_nowait())
-            except queue.Empty:
-                return
+        while not self.input_queue.empty():  # (this thread alone takes from it)
+            waiting.append(self.input_queue.get_nowait())
 
     def _take_cancellations(self, slots: SlotBatch, owners: list, waiting: deque) -> None:
         """Cancel the open requests `cancel_request` named: in a slot, or waiting. A cancellation whose request was

@@ -87,11 +87,13 @@ def manager_config(model, generation_config):
 
 def model_signature(model, recurrence=None) -> tuple:
     """What of `model` a manager with the recurrence settings `recurrence` (`ManagerSettings.recurrence`) has its
-    slots built for: its loop count and KV layout under those settings, vocabulary, dtype and device; a kept manager
-    serves the model only while this holds."""
+    slots built for: its loop count and KV layout under those settings, vocabulary, dtype, device and, last, the
+    caller's autocast (enabled, dtype) for that device, which the loop thread decodes under (autocast is per thread);
+    a kept manager serves the model only while this holds."""
+    device = model.device.type
     with huginn.manager_block(model, recurrence):
         return (model.num_loops, model.kv_layout, model.head_width, model.config.vocab_size, model.lane_dtype,
-                str(model.device))
+                str(model.device), (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
 
 
 def model_refusal(model) -> str | None:

@@ -217,7 +217,8 @@ class HuginnModel(HuginnPreTrainedModel):
     def initial_state(self, sequences: torch.Tensor, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """`[*rows, n_embd]`: zeros for init_scale 0, else per token a normal(0, std * init_scale) cut at 3 std,
         times embed_scale, drawn from a generator keyed by (init_seed, sequence, position) (`beam_rows`: a beam's
-        sequence is its prompt's)."""
+        sequence is its prompt's), in fp32 on the CPU whatever torch's default dtype and device, then cast to
+        `like`'s."""
         scale, seed = self.settings.init_scale, self.settings.init_seed
         if scale == 0:
             return like.new_zeros(like.shape)
@@ -226,9 +227,9 @@ class HuginnModel(HuginnPreTrainedModel):
                              "run inside `model.recurrence(init_seed=...)`.")
         std = self.config.init_std * scale
         keys = zip((sequences // self.settings.beams).reshape(-1).tolist(), positions.reshape(-1).tolist())
-        states = torch.empty(sequences.numel(), self.config.n_embd)
+        states = torch.empty(sequences.numel(), self.config.n_embd, dtype=torch.float32, device="cpu")
         for row, (sequence, position) in zip(states, keys):
-            generator = torch.Generator().manual_seed(state_seed(seed, sequence, position))
+            generator = torch.Generator("cpu").manual_seed(state_seed(seed, sequence, position))
             nn.init.trunc_normal_(row, 0.0, std, -3 * std, 3 * std, generator=generator)
         return (states * self.config.embed_scale).view(like.shape).to(like)
 
