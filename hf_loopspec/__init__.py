@@ -41,6 +41,10 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:  # the lazy names too, for dir(), help() and tab completion
+    return sorted({*globals(), *_EXPORTS})
+
+
 def register() -> None:
     """Register the Ouro and Huginn config and model classes with `AutoConfig`, `AutoModel` and
     `AutoModelForCausalLM` (idempotent)."""

@@ -63,3 +63,16 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     assert url == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
     requirements = (work / "exported" / "custom_generate" / "requirements.txt").read_text()
     assert f"git+{url}" in requirements and (work / "exported" / "modeling_ouro.py").is_file()
+
+
+@pytest.mark.parametrize("name", ["hf_loopspec", "hf_loopspec.hub"])
+def test_the_public_names_are_listed_by_dir_and_help(name):
+    """The packages load their public names lazily (`__getattr__`): without a `__dir__`, `dir()`, `help()` and tab
+    completion showed only the names already loaded (`register` of 16)."""
+    import importlib
+    import pydoc
+
+    module = importlib.import_module(name)
+    assert set(module.__all__) <= set(dir(module))
+    page = pydoc.render_doc(module, renderer=pydoc.plaintext)
+    assert all(getattr(module, public) is not None and public in page for public in module.__all__)

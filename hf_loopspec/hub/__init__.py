@@ -21,4 +21,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:  # the lazy names too, for dir(), help() and tab completion
+    return sorted({*globals(), *_EXPORTS})
+
+
 __all__ = sorted(_EXPORTS)
