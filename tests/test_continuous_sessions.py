@@ -216,5 +216,7 @@ def test_the_loop_thread_decodes_under_the_callers_autocast(model):
         seen.clear()
         model.generate_batch(inputs, max_new_tokens=3, **_kept(model))
         assert seen and set(seen) == {(False, torch.float32)}
+        with torch.autocast("cpu", dtype=torch.float16, enabled=False):  # off: its dtype does not count (refused)
+            model.generate_batch(inputs, max_new_tokens=3, **_kept(model))
     finally:
         handle.remove()

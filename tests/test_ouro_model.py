@@ -302,6 +302,9 @@ def test_keywords_giving_the_rope_base_twice_must_agree(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**saved, "rope_parameters": {"rope_theta": 20.0}}))
     with pytest.raises(ValueError, match=r"\(config.json\): rope_theta=.* and rope_parameters=.* disagree"):
         AutoConfig.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "rope_theta": [1e6]}))  # (a TypeError from the check)
+    with pytest.raises(ValueError, match=r"rope_theta=\[1000000\.0\] is invalid"):
+        AutoConfig.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(saved))
     for keywords in ({"rope_theta": 0.0}, {"rope_parameters": {"rope_theta": -1.0}}, {"attention_bias": True}):
         with pytest.raises(ValueError, match="rope_theta=.* is invalid|attention_bias=True"):

@@ -66,9 +66,10 @@ class RopeParametersMixin:
             for group in cls.KEYWORD_GROUPS:
                 values = {name: given[name].get("rope_theta") if isinstance(given[name], dict) else given[name]
                           for name in group if name in given}
-                values = {name: value for name, value in values.items() if value is not None}
-                if len(set(values.values())) > 1:
-                    raise ValueError(f"{cls.__name__} ({where}): {' and '.join(f'{k}={given[k]!r}' for k in values)} "
-                                     "disagree: two names of one setting; give one of them (or equal values).")
+                values = [(name, value) for name, value in values.items() if value is not None]
+                if any(value != values[0][1] for _, value in values):  # (not hashed: a list is `check_rope_base`'s)
+                    named = " and ".join(f"{name}={given[name]!r}" for name, _ in values)
+                    raise ValueError(f"{cls.__name__} ({where}): {named} disagree: two names of one setting; give one "
+                                     "of them (or equal values).")
         rope = {key: kwargs.pop(key) for key in ("rope_parameters", "rope_scaling") if key in kwargs}
         return super().from_dict({**config_dict, **rope}, **kwargs)

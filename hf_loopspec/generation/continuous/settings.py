@@ -93,7 +93,8 @@ def model_signature(model, recurrence=None) -> tuple:
     device = model.device.type
     with huginn.manager_block(model, recurrence):
         return (model.num_loops, model.kv_layout, model.head_width, model.config.vocab_size, model.lane_dtype,
-                str(model.device), (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
+                str(model.device), (True, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device)
+                else (False, None))
 
 
 def model_refusal(model) -> str | None:
