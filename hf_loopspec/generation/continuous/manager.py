@@ -95,7 +95,8 @@ class LoopBatchingManager:
 
     def warmup(self) -> None:
         """Build the slots (pages, state) and, compiled, both shapes of the step, so that no request waits for them."""
-        if (slots := self._slots()) and self.settings.compile_backend is not None:
+        slots = self._slots()
+        if self.settings.compile_backend is not None:
             slots.warmup()
         self.warmed_up = True
 
@@ -320,8 +321,7 @@ class LoopBatchingManager:
     # --- the loop ----------------------------------------------------------------------------------------------
 
     def _run_generation_loop(self) -> None:
-        """The loop, under its creator's inference mode (the state's tensors were made in it) and autocast (both are
-        per thread; the autocast is the last entry of `model_signature`)."""
+        """The loop, under its creator's inference mode and autocast (per thread; the last of `model_signature`)."""
         enabled, dtype = self.model_signature[-1]
         with torch.inference_mode(self._inference_mode), torch.autocast(self.model.device.type, dtype, enabled):
             self._serve()
