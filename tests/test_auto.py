@@ -559,6 +559,22 @@ def test_settings_of_the_whole_call_hold_across_stretches(case, setting):
     assert len(out.speculation.choices) > 1 and out.speculation.choices[0].tokens < 20  # the probe, then more
 
 
+def test_min_new_tokens_takes_precedence_over_min_length_as_in_plain_decoding(case):
+    """transformers ignores `min_length` when `min_new_tokens` is set; auto held EOS back for the larger of the two,
+    so a row plain decoding ends at its EOS went on (found by the differential soak, seed 70838)."""
+    model, prompts, ids, mask, _, reference = case
+    set_costs(model, SPECULATIVE_WINS)
+    first = [first_new_occurrence(r[len(p):]) for r, p in zip(reference, prompts)]
+    eos = next(t for t, i in first[0].items() if 3 <= i <= 6 and t not in first[1])  # row 0's, after the minimum
+    kwargs = {"min_new_tokens": 2, "min_length": ids.shape[1] + 20, "eos_token_id": eos}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (transformers warns that min_new_tokens takes precedence)
+        ref = generate_dict(model, ids, mask, 30, speculative_mode=None, **kwargs)
+        out = generate_dict(model, ids, mask, 30, speculative_mode="auto", **kwargs)
+    assert ref.sequences[0, ids.shape[1] + first[0][eos]] == eos  # plain ends row 0 there
+    assert torch.equal(out.sequences, ref.sequences)
+
+
 def test_sampling_equals_the_chain_of_its_choices(case):
     """Sampled: an auto call (switching as the forced pattern makes it) equals, seed for seed, the chain of
     fixed-mode `generate` calls its choices name, each continuing the previous one's cache."""

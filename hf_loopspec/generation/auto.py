@@ -149,7 +149,7 @@ class _Call:
 
     base: dict
     max_new: int
-    min_new: int | None  # the call's min_new_tokens and min_length, as new columns
+    min_new: int | None  # the call's minimum length as new columns (min_new_tokens, else min_length's)
     eos: list[int]
     pad: int
     single: bool  # a `ONE_STRETCH` setting: one segment
@@ -205,9 +205,10 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
         if (allowed := base.get("prefix_allowed_tokens_fn")) is not None:  # its batch id stays the prompt's
             copies = config.num_return_sequences
             base["prefix_allowed_tokens_fn"] = lambda batch_id, tokens: allowed(batch_id // copies, tokens)
-    min_new = max(config.min_new_tokens or 0, (config.min_length or 0) - ids.shape[1])  # both minimums, as columns
+    # the minimum as new columns: min_new_tokens when set (transformers then ignores min_length), else min_length's
+    min_new = config.min_new_tokens if config.min_new_tokens is not None else (config.min_length or 0) - ids.shape[1]
     fallback = model_fallback(model)
-    call = _Call(base, int(max_new), min_new or None, eos, pad,
+    call = _Call(base, int(max_new), min_new if min_new > 0 else None, eos, pad,
                  single=any(_in_effect(key, _setting(kwargs, config, key)) for key in ONE_STRETCH),
                  return_dict=bool(config.return_dict_in_generate), use_cache=config.use_cache is not False,
                  engine_settings={key: value for key in ("compile_core", "speculative_engine")
