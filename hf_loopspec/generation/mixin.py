@@ -239,7 +239,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
         """Looped models write one KV per (loop, layer): the default cache is a growing `DynamicCache()` for
-        plain decoding and a `PagedLoopCache` for speculative decoding, which needs per-depth planes."""
+        plain decoding and a `PagedLoopCache` for speculative decoding, which needs per-depth planes. (The first hook
+        that sees both the resolved config and the batch size: the pad id is checked here, for every strategy.)"""
         check_pad_token(generation_config, batch_size * (generation_config.num_return_sequences or 1),
                         self.config.vocab_size)
         user_cache, call = model_kwargs.get("cache"), current_call()

@@ -26,8 +26,8 @@ SIZES = ("vocab_size", "n_embd", "n_heads", "num_key_value_heads", "head_dim", "
 OUTER_STAGES = ("n_layers_in_prelude", "n_layers_in_coda")
 STAGES = ("n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda")
 DEFAULT_ROPE_BASE = 50000.0  # Huginn-0125's
-PAIRED = {"tie_embeddings": "tie_word_embeddings", "tie_word_embeddings": "tie_embeddings",  # two names, one setting
-          "rope_theta": "rope_base", "rope_base": "rope_theta"}
+NAME_PAIRS = (("rope_base", "rope_theta"), ("tie_embeddings", "tie_word_embeddings"))  # two names, one setting
+PAIRED = {**dict(NAME_PAIRS), **{other: name for name, other in NAME_PAIRS}}  # each name -> the other
 
 
 class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
@@ -73,8 +73,7 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
         "num_hidden_layers": "n_layers",
         "max_position_embeddings": "block_size",  # where transformers and lm-eval look for the position limit
     }
-    KEYWORD_GROUPS: ClassVar[tuple[tuple[str, ...], ...]] = (("rope_base", *ROPE_BASE_NAMES),
-                                                             ("tie_embeddings", "tie_word_embeddings"))
+    KEYWORD_GROUPS: ClassVar[tuple[tuple[str, ...], ...]] = (("rope_base", *ROPE_BASE_NAMES), NAME_PAIRS[1])
 
     vocab_size: int = 65536
     padded_vocab_size: int | None = None
@@ -124,7 +123,7 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
                 "set to %s.", self.n_layers, self.n_layers_in_prelude, self.n_layers_in_recurrent_block,
                 self.n_layers_in_coda, stages, stages)
         self.n_layers = stages
-        for name, other in (("rope_base", "rope_theta"), ("tie_embeddings", "tie_word_embeddings")):
+        for name, other in NAME_PAIRS:
             if None not in (getattr(self, name), getattr(self, other)) and getattr(self, name) != getattr(self, other):
                 raise ValueError(f"HuginnConfig: {name}={getattr(self, name)!r} and {other}={getattr(self, other)!r} "
                                  "disagree: two names of one setting; pass one of them (or equal values).")
@@ -190,7 +189,7 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
                 f"coda = {' + '.join(map(str, stages))} = {sum(stages)}: the model is built from the per-stage counts; "
                 "set n_layers_in_prelude, n_layers_in_recurrent_block and n_layers_in_coda, and n_layers to their sum."
             )
-        for name, other in (("tie_embeddings", "tie_word_embeddings"), ("rope_theta", "rope_base")):
+        for name, other in NAME_PAIRS:
             if getattr(self, name) != getattr(self, other):  # a guard: __setattr__ keeps the two names equal
                 raise ValueError(f"HuginnConfig: {name}={getattr(self, name)} and {other}={getattr(self, other)} "
                                  "disagree: two names of one setting; set both.")
