@@ -259,3 +259,48 @@ def test_exit_options_of_the_generation_config_survive_save_and_load(setup, name
         out = loaded.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
                               speculative_mode=mode)
         assert out.tolist() == want != last_loop.tolist()
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_forward_takes_the_generation_configs_exit_option(setup, name):
+    """A forward call without exit options scores at the generation config's, as `generate` decodes (lm-eval's
+    loglikelihood and generate_until of one run used to see two models); `exit_threshold=1.0` still reaches the last
+    loop. The references are forward calls that pass the option, and the last loop's logits."""
+    model, ids, mask, _ = setup
+    with torch.no_grad():
+        chosen = model(ids, attention_mask=mask, **OPTIONS[name]).logits
+        last = model(ids, attention_mask=mask, output_loop_logits=True).loop_logits[-1]
+        assert not torch.equal(chosen, last)
+        saved = model.generation_config
+        model.generation_config = copy.deepcopy(saved)
+        for key, value in OPTIONS[name].items():
+            setattr(model.generation_config, key, value)
+        try:
+            assert torch.equal(model(ids, attention_mask=mask).logits, chosen)
+            assert torch.equal(model(ids, attention_mask=mask, exit_threshold=1.0).logits, last)
+        finally:
+            model.generation_config = saved
+
+
+def test_from_pretrained_takes_exit_options(setup, tmp_path):
+    """`from_pretrained(..., exit_at_step=k)` (lm-eval's `--model_args`) sets the generation config that forward and
+    generate read; it replaces a saved alternative, and a bad value raises the forward's `ValueError` at load (it was
+    refused as an unknown argument of the model's constructor)."""
+    model, ids, mask, _ = setup
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(saved)
+    model.generation_config.exit_threshold = 0.9
+    try:
+        model.save_pretrained(tmp_path / "saved")
+    finally:
+        model.generation_config = saved
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", exit_at_step=1)
+    assert (loaded.generation_config.exit_at_step, loaded.generation_config.exit_threshold) == (1, None)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, attention_mask=mask).logits, model(ids, attention_mask=mask,
+                                                                          exit_at_step=1).logits)
+    want = plain(model, ids, mask, NEW, exit_at_step=1).sequences.tolist()
+    out = loaded.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
+    assert out.tolist() == want
+    with pytest.raises(ValueError, match="exit_at_step=9 must be"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "saved", exit_at_step=9)

@@ -223,3 +223,47 @@ def test_a_model_offloaded_by_accelerate_decodes_in_every_mode(family):
     assert model.device.type == "meta"
     for mode in (None, "pipeline", "block", "auto"):
         assert torch.equal(run(model, ids, mask, speculative_mode=mode, **settings).sequences, expected), mode
+
+
+def layer_inputs(model, **kwargs) -> tuple[list, list]:
+    """The output of a greedy call on a one-row prompt, and how many tokens each call of the first layer took (a
+    dense `[1, T, H]` input or a flat `[T, H]` one, as a `PagedLoopCache` lays it out)."""
+    shapes = []
+    hook = model.model.layers[0].register_forward_hook(lambda _, args, out: shapes.append(args[0].shape[-2]))
+    try:
+        ids = torch.tensor([list(range(3, 15))])
+        out = generate_dict(model, ids, torch.ones_like(ids), NEW, **kwargs)
+    finally:
+        hook.remove()
+    return out, shapes
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "block", "auto"])
+def test_a_chunked_prefill_decodes_plainly(setup, mode):
+    """`prefill_chunk_size` (the prompt prefilled in chunks of that many tokens, to bound memory) was ignored by the
+    speculative modes, which prefilled the whole prompt in one call: such a call decodes plainly, says so, and calls
+    the model as plain decoding does (the same number of tokens in each call, chunks first)."""
+    model = setup[0]
+    ref, want = layer_inputs(model, prefill_chunk_size=4)
+    assert want[0] == 4 and layer_inputs(model)[1][0] == 12  # (the chunking is real)
+    out, shapes = layer_inputs(model, prefill_chunk_size=4, speculative_mode=mode)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    assert shapes == want
+    assert "prefill_chunk_size=4" in out.speculation.fallback
+
+
+def test_synced_gpus_decodes_plainly(setup, tmp_path):
+    """`synced_gpus=True` (DeepSpeed ZeRO-3 / FSDP: a process whose rows have stopped keeps calling the model until
+    every process's have) was ignored by the speculative modes, so a process that finished first stopped calling and
+    the others would wait on it for ever: such a call decodes plainly (in a one-process group here, where plain
+    decoding's synchronisation runs), with plain decoding's calls."""
+    model = setup[0]
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        ref, want = layer_inputs(model, synced_gpus=True)
+        for mode in ("pipeline", "block", "auto"):
+            out, shapes = layer_inputs(model, synced_gpus=True, speculative_mode=mode)
+            assert out.sequences.tolist() == ref.sequences.tolist() and shapes == want, mode
+            assert "synced_gpus=True" in out.speculation.fallback, mode
+    finally:
+        torch.distributed.destroy_process_group()

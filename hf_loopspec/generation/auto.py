@@ -27,9 +27,10 @@ fixed-capacity `PagedLoopCache` too small for a speculative segment's up-front r
 with `position_ids` of its own decodes plainly in one segment (reason "position-ids": only plain decoding follows
 them), and a speculative segment that decoded plainly for a reason of its own (a logits processor with no form the
 engine runs, say: its `fallback`) makes the call report that fallback and decode the rest plainly (reason "fallback");
-a model that cannot decode speculatively (`model_checks.model_fallback`) decodes the whole call plainly in one segment
-(reason "fallback"). Beam search, assistants, `inputs_embeds` and per-step hidden states or attentions are refused, as
-with the fixed modes.
+a model that cannot decode speculatively (`model_checks.model_fallback`), or a call that asks for what only plain
+decoding does (`config.settings_fallback`: `synced_gpus`, `prefill_chunk_size`), decodes the whole call plainly in one
+segment (reason "fallback"). Beam search, assistants, `inputs_embeds` and per-step hidden states or attentions are
+refused, as with the fixed modes.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ from .config import (
     merged_config,
     requested_mode,
     resolve_speculative,
+    settings_fallback,
+    synced_gpus_of,
 )
 from .inputs import as_integer, bos_prompt, check_generation_values, check_left_padded
 from .model_checks import execution_device, model_fallback
@@ -207,7 +210,7 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
             base["prefix_allowed_tokens_fn"] = lambda batch_id, tokens: allowed(batch_id // copies, tokens)
     # the minimum as new columns: min_new_tokens when set (transformers then ignores min_length), else min_length's
     min_new = config.min_new_tokens if config.min_new_tokens is not None else (config.min_length or 0) - ids.shape[1]
-    fallback = model_fallback(model)
+    fallback = model_fallback(model) or settings_fallback(config, synced_gpus_of(model, kwargs.get("synced_gpus")))
     call = _Call(base, int(max_new), min_new if min_new > 0 else None, eos, pad,
                  single=any(_in_effect(key, _setting(kwargs, config, key)) for key in ONE_STRETCH),
                  return_dict=bool(config.return_dict_in_generate), use_cache=config.use_cache is not False,

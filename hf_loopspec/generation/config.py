@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from transformers.generation import GenerationConfig, GenerationMixin, GenerationMode
 
 from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
@@ -221,6 +222,35 @@ def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_c
     if generation_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(f"speculative_mode={spec.mode!r} supports greedy decoding and sampling, not "
                          f"{generation_mode}.")
+
+
+def settings_fallback(generation_config, synced_gpus: bool) -> str | None:
+    """Why a call's settings ask for something besides its tokens that only plain decoding does, or None. The engine
+    prefills a prompt in one call and stops calling the model once its rows have stopped; plain decoding honours
+    `prefill_chunk_size` (the prompt in chunks, which bounds the prefill's memory) and `synced_gpus` (a process whose
+    rows have stopped keeps calling forward until every process's have, as DeepSpeed ZeRO-3 and FSDP need: the
+    others gather sharded weights in each call). Such a call decodes plainly: its tokens are the same."""
+    if synced_gpus:
+        return ("synced_gpus=True asks every process to call the model until all have finished, which speculative "
+                "decoding does not do; decoded with plain decoding instead")
+    chunk = getattr(generation_config, "prefill_chunk_size", None)
+    if chunk is not None:
+        return (f"prefill_chunk_size={chunk!r} asks for a prompt prefilled in chunks, which speculative decoding does "
+                "not do; decoded with plain decoding instead")
+    return None
+
+
+def synced_gpus_of(model, synced_gpus) -> bool:
+    """`generate`'s `synced_gpus` as transformers resolves it: the argument, else True for a model that DeepSpeed
+    ZeRO-3 or FSDP shards over more than one process."""
+    if synced_gpus is not None:
+        return bool(synced_gpus)
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    many = torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
+    return bool(many and (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)))
 
 
 def merged_config(model, kwargs: dict) -> GenerationConfig:

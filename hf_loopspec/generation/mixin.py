@@ -42,6 +42,7 @@ from .config import (
     for_custom_loop,
     reject_recurrence_options,
     resolve_speculative,
+    settings_fallback,
     speculative_config,
 )
 from .decoder import ExitRule, LaneDecoder
@@ -316,7 +317,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
             raise ValueError("speculative_mode='auto' is decoded by model.generate(...) itself; call generate, or "
                              "pass speculative_mode='pipeline' or 'block'.")
         check_left_padded(model_kwargs.get("attention_mask"), spec.mode)
-        fallback = model_fallback(self) or plain_fallback(logits_processor)
+        fallback = model_fallback(self) or plain_fallback(logits_processor) \
+            or settings_fallback(generation_config, synced_gpus)
         if fallback is not None:
             logger.warning_once("hf_loopspec: %s.", fallback)
             if generation_config.use_cache is False:  # plain decoding without a cache, as transformers' own

@@ -78,7 +78,8 @@ def _exit_limitation(exit_options: dict) -> str:
     """The Limitations bullet of a repo whose generation config sets an exit option."""
     given = ", ".join(f"`{key}={value!r}`" for key, value in exit_options.items())
     return (f"* **Exit.** This repo's `generation_config.json` sets {given}: `generate` decodes from that exit, not "
-            "from the last loop,\n  in every mode (pass another exit option to `generate` to override it).\n")
+            "from the last loop,\n  in every mode, and `forward` scores from it (pass another exit option to "
+            "override it;\n  `exit_threshold=1.0` selects the last loop).\n")
 
 
 def build_model_card(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..generation.config import EXIT_OPTIONS, asks
 from ..generation.saved_config import mark_user_generation_config, restore_speculative_keys, saved_generation_dict
 
 
@@ -14,7 +15,6 @@ class StrictLoadingMixin:
     (`generation.saved_config`)."""
 
     generation_keys: tuple[str, ...] = ()  # generation config keys the family's `generate` reads, besides ours
-    saved_generation_keys: tuple[str, ...] = ()  # more such keys, kept through save and load (not loading keywords)
 
     def __init__(self, config, *args, **kwargs):
         # The config checked itself when it was made; settings changed since (`from_pretrained`'s keyword overrides
@@ -24,7 +24,7 @@ class StrictLoadingMixin:
 
     def save_pretrained(self, *args, **kwargs):
         mark_user_generation_config(getattr(self, "generation_config", None),
-                                    (*self.generation_keys, *self.saved_generation_keys))
+                                    self.generation_keys)
         return super().save_pretrained(*args, **kwargs)
 
     def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
@@ -44,7 +44,7 @@ class StrictLoadingMixin:
             saved = saved_generation_dict(pretrained_model_name_or_path, **download)
         else:
             return
-        restore_speculative_keys(self.generation_config, saved, (*self.generation_keys, *self.saved_generation_keys))
+        restore_speculative_keys(self.generation_config, saved, self.generation_keys)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -52,8 +52,9 @@ class StrictLoadingMixin:
         (missing, unexpected or mis-shaped keys) raises `ValueError` instead of loading half-random weights.
         `ignore_mismatched_sizes=True` keeps transformers' meaning: mis-shaped tensors are initialized afresh (e.g.
         an embedding loaded with another `vocab_size`), and only missing or unexpected keys raise. A model that
-        generates takes the family's generation keys too (Huginn: `num_steps=32`, e.g. from lm-eval's
-        `--model_args`): they go into the loaded model's generation config, checked as `generate` checks them."""
+        generates takes the family's generation keys too (Huginn: `num_steps=32`; Ouro: `exit_at_step=2`, ...; e.g.
+        from lm-eval's `--model_args`): they go into the loaded model's generation config, checked as `generate`
+        checks them; an exit option given replaces the checkpoint's (they are alternatives)."""
         want_info = kwargs.pop("output_loading_info", False)
         family = {key: kwargs.pop(key) for key in cls.generation_keys if key in kwargs}
         if family and not hasattr(cls, "call_block"):
@@ -76,9 +77,13 @@ class StrictLoadingMixin:
                 f"The checkpoint does not match {cls.__name__} for config {model.config.to_diff_dict()}: {details}. "
                 "Check that the checkpoint belongs to this model family and has the shape its config.json says."
             )
+        if any(asks(family.get(key)) for key in EXIT_OPTIONS):
+            for key in EXIT_OPTIONS:
+                setattr(model.generation_config, key, None)
         for key, value in family.items():
             setattr(model.generation_config, key, value)
         if family:  # a bad setting raises its ValueError now (torch's generator left as it was: a block may draw)
+            model.exit_rule(**{key: getattr(model.generation_config, key, None) for key in EXIT_OPTIONS})
             with torch.random.fork_rng(devices=[]), model.call_block(model.generation_config):
                 pass
         return (model, info) if want_info else model

@@ -209,7 +209,7 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
     """Ouro with its LM head: the `LoopedModel` protocol plus HF `forward` / `generate`."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    saved_generation_keys = EXIT_OPTIONS  # a generation config's exit options survive save and load
+    generation_keys = EXIT_OPTIONS  # a generation config's exit options: forward's defaults, kept through save/load
 
     def __init__(self, config: OuroConfig):
         super().__init__(config)
@@ -237,7 +237,7 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
         logits_to_keep: int = 0,
         exit_at_step: int | None = None,
         exit_threshold: float | None = None,
-        use_weighted_exit: bool = False,
+        use_weighted_exit: bool | None = None,
         output_loop_logits: bool = False,
         past_key_values: Cache | None = None,
         **kwargs,
@@ -253,9 +253,16 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
           `U-1`. Computed in fp32 here, so a threshold of 1.0 always selects the last loop.
         - `use_weighted_exit` (`bool`): the expectation of the per-loop logits under `p`.
 
+        A call that chooses none of the three takes the generation config's (a checkpoint's `generation_config.json`,
+        `from_pretrained(..., exit_at_step=k)`), as `generate` does (`configured_exit`), so that scoring by forward
+        calls (lm-eval's loglikelihood) and training see the model that `generate` decodes; `exit_threshold=1.0`
+        selects the last loop whatever the config says.
+
         `output_hidden_states=True` returns the embeddings and every loop's output, plus `exit_gate_logits`;
         `output_loop_logits=True` returns every loop's logits.
         """
+        exit_at_step, exit_threshold, use_weighted_exit = self.configured_exit(exit_at_step, exit_threshold,
+                                                                               use_weighted_exit)
         check_exit_options(self.num_loops, exit_at_step, exit_threshold, use_weighted_exit)
         reject_recurrence_options(type(self).__name__, kwargs)
         needs_loops = output_hidden_states or output_loop_logits or exit_at_step is not None \
@@ -285,6 +292,16 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
             exit_gate_logits=gate_logits,
             loop_logits=loop_logits if output_loop_logits else None,
         )
+
+    def configured_exit(self, exit_at_step, exit_threshold, use_weighted_exit) -> tuple:
+        """The exit options a forward call runs with, merged over the generation config's as `generate` merges a
+        call's: the call's alone when one of them chooses an exit (they are alternatives), else each one's value, or
+        the config's where the call's is None."""
+        given = (exit_at_step, exit_threshold, use_weighted_exit)
+        if any(map(asks, given)):
+            return given
+        configured = (getattr(self.generation_config, key, None) for key in EXIT_OPTIONS)
+        return tuple(mine if mine is not None else theirs for mine, theirs in zip(given, configured))
 
     def exit_rule(self, exit_at_step: int | None = None, exit_threshold: float | None = None,
                   use_weighted_exit: bool = False, **model_kwargs):
