@@ -22,6 +22,11 @@ ONE_ANSWER = {  # request fields the server cannot honour (transformers logs the
 UNSUPPORTED = {  # request fields transformers' handlers would drop without a word, when set to anything but these
     "suffix": ((None, ""), "this server does not insert a suffix; append it yourself"),
     "tools": ((None, []), "this server does not call tools; leave them out"),
+    "tool_choice": ((None, "none", "auto"), "this server does not call tools; leave it out"),
+    "functions": ((None, []), "this server does not call functions; leave them out"),
+    "function_call": ((None, "none", "auto"), "this server does not call functions; leave it out"),
+    "modalities": ((None, ["text"]), "this server answers in text only; leave it out"),
+    "audio": ((None,), "this server answers in text only; leave it out"),
     "response_format": ((None, {"type": "text"}), "this server does not constrain the output's format; leave it out"),
     "previous_response_id": ((None,), "this server keeps no responses; send the whole conversation as input"),
     "include": ((None, []), "this server returns no log-probabilities nor other extra output; leave it out"),
@@ -29,7 +34,9 @@ UNSUPPORTED = {  # request fields transformers' handlers would drop without a wo
 REQUIRED = {  # what those handlers read unchecked (a bare 500 without it)
     "/chat/completions": ("messages", 'a list of messages, {"role": ..., "content": ...}'),
     "/responses": ("input", "a string or a list of items (messages, content parts)"),
+    "/completions": ("prompt", "the text to continue"),  # (after /chat/completions: the first ending that matches)
 }
+SEEDS = (-(2**63), 2**64 - 1)  # the seeds torch's generators take
 
 
 def request_problem(body, positions: int | None = None, path: str = "") -> str | None:
@@ -140,7 +147,7 @@ def _typed_parts(content) -> bool:
 def value_problem(body: dict) -> str | None:
     """Why a field of `body` has a value the server cannot take (text that is not Unicode, a `stop` that is not text,
     `messages` that are not a list of messages, a `generation_config` that is not a JSON object's text, a sampling
-    setting out of its range), or None."""
+    setting out of its range, a `seed` that is not a whole number torch takes), or None."""
     try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as error:
@@ -180,6 +187,9 @@ def value_problem(body: dict) -> str | None:
             key.isdigit() and not isinstance(value, bool) and isinstance(value, (int, float)) and -100 <= value <= 100
             for key, value in bias.items())):
         return f"logit_bias={bias!r} must map token ids (as strings) to numbers in [-100, 100]."
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEEDS[0] <= seed <= SEEDS[1]):
+        return f"seed={seed!r} must be a whole number in [{SEEDS[0]}, {SEEDS[1]}] (transformers would cut 1.5 to 1)."
     if body.get("stream") is not None and not isinstance(body["stream"], bool):  # (transformers: any truthy value)
         return f"stream={body['stream']!r} must be true or false."
     for name, high in (("temperature", 2.0), ("top_p", 1.0)):

@@ -650,6 +650,17 @@ def test_the_model_process_gets_the_servers_threads():
     ({"presence_penalty": 0.5}, r"presence_penalty=0.5 is not supported: .*frequency_penalty"),
     ({"suffix": "!"}, r"suffix='!' is not supported"),
     ({"tools": [{"type": "function"}]}, r"tools=.* is not supported"),
+    # tool and audio fields transformers' handlers dropped without a word (the answer was ordinary text)
+    ({"tool_choice": "required"}, r"tool_choice='required' is not supported: this server does not call tools"),
+    ({"tool_choice": {"type": "function", "name": "f"}}, r"tool_choice=.* is not supported"),
+    ({"functions": [{"name": "f"}]}, r"functions=.* is not supported: this server does not call functions"),
+    ({"function_call": {"name": "f"}}, r"function_call=.* is not supported"),
+    ({"modalities": ["text", "audio"]}, r"modalities=.* is not supported: this server answers in text only"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, r"audio=.* is not supported"),
+    ({"seed": 1.5}, r"seed=1.5 must be a whole number in \[-9223372036854775808, 18446744073709551615\]"),
+    ({"seed": "7"}, r"seed='7' must be a whole number"),
+    ({"seed": True}, r"seed=True must be"),
+    ({"seed": 2**64}, r"seed=18446744073709551616 must be"),  # (torch's generator raised: a bare 500)
     ({"response_format": {"type": "json_object"}}, r"response_format=.* is not supported"),
     # values transformers' handlers failed on with a bare 500, or took out of range
     ({"prompt": "Hi\ud800"}, r"not valid Unicode \(surrogates not allowed: '\\ud800'\)"),
@@ -672,6 +683,7 @@ def test_a_request_field_the_server_cannot_honour_is_refused(body, message):
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, r"messages=.* must be a list of messages, each "
                                                                   "with its role"),
     ("/v1/responses", {"input": None}, r"input is missing: a request to /v1/responses needs its input"),
+    ("/v1/completions", {}, r"prompt is missing: a request to /v1/completions needs its prompt"),  # (said input_ids=[])
     ("/v1/responses", {"input": 5}, r"input=5: give a string, or a list that starts with a message"),
     ("/v1/responses", {"input": [{"content": "hi"}]}, r"input=.*: give a string"),
     ("/v1/responses", {"input": [{"role": "user", "content": [{"text": "hi"}]}]}, r"input=.*: give a string"),
@@ -708,7 +720,8 @@ def test_what_a_handler_needs_or_would_drop_is_refused(path, body, message):
                                          {"role": "user", "content": "why?"}]},
                               {"input": [{"type": "input_text", "text": "hi"}]},
                               {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
-                                         {"role": "assistant", "content": "hello"}]}]}[path]
+                                         {"role": "assistant", "content": "hello"}]}],
+            "/v1/completions": [{"prompt": "hi"}, {"prompt": ""}]}[path]
     assert [serving_requests.request_problem(body, path=path) for body in fine] == [None] * len(fine)
 
 
@@ -741,6 +754,8 @@ def test_a_token_limit_that_reaches_the_models_positions_is_refused():
     {"max_tokens": None, "n": None, "logprobs": None, "presence_penalty": 0, "top_logprobs": 0, "best_of": 1},
     {"stop": ["\n", "#"], "tools": [], "response_format": {"type": "text"}, "suffix": None, "temperature": 0,
      "top_p": 1, "generation_config": '{"speculative_mode": "pipeline"}', "messages": [{"role": "user"}]},
+    {"tool_choice": "auto", "function_call": "none", "functions": [], "modalities": ["text"], "seed": -1},
+    {"seed": 2**64 - 1, "audio": None},
     ["not", "an", "object"],
 ])
 def test_defaults_and_unset_fields_pass(body):
