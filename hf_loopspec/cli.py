@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
         "batch", help="generate for every row of a JSONL file (data-parallel under accelerate launch)",
         description="Generate a completion for every {\"id\": ..., \"prompt\": ...} row of PROMPTS into OUT (JSONL, "
                     "input order), in length-grouped batches. Under `accelerate launch --num_processes N -m "
-                    "hf_loopspec.cli batch ...` every process decodes its shard of the batches. Resumable: rerun the "
-                    "same command after a kill and only the unfinished rows are generated.")
+                    "hf_loopspec.cli batch ...` every process decodes its shard of the batches (without a GPU add "
+                    "--multi_gpu, or use torchrun --nproc_per_node N: accelerate's CPU launch starts one process). "
+                    "Resumable: rerun the same command after a kill and only the unfinished rows are generated.")
     batch.add_argument("prompts", metavar="PROMPTS",
                        help="JSONL file, one {\"id\": ..., \"prompt\": ...} object a line")
     batch.add_argument("--output", required=True, metavar="OUT",

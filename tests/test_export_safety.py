@@ -170,3 +170,31 @@ def test_the_card_of_a_source_without_tokenizer_loads_the_base_models(tmp_path):
     assert not (out / "tokenizer_config.json").exists()
     assert ('tok = AutoTokenizer.from_pretrained("ByteDance/Ouro-1.4B", padding_side="left")  # this repo ships no '
             "tokenizer") in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    ({"benchmarks": [{"x": 1}]}, r"benchmarks\[0\] is not an `hf-loopspec bench --json` result"),  # (a KeyError)
+    ({"benchmarks": "bench.json"}, r"benchmarks='bench.json' must be a list"),  # (read letter by letter)
+    ({"license": 5}, r"--license 5 is not a Hub license id"),  # (a TypeError)
+    ({"tags": "abc"}, r"tags='abc' must be a list of strings"),  # (the tags a, b and c)
+    ({"sampling": "x"}, r"sampling='x' must be a dict"),
+    ({"sampling": {"temperature": -1}}, r"sampling: temperature=-1 must be a number > 0"),  # (in the card's code)
+    ({"sampling": {"top_k": 1.5}}, r"sampling: top_k=1.5 must be an integer >= 0"),
+    ({"exit_options": "x"}, r"exit_options='x' must be a dict of Ouro's exit options"),
+    ({"repo_id": None}, r"repo_id=None: the card needs the repo"),
+])
+def test_card_arguments_are_checked(bad, message):
+    """`build_model_card`'s arguments failed deep inside with a KeyError, TypeError or AttributeError, or were read
+    wrongly without a word; `export_checkpoint` passes them on, and refuses a bad one before anything is written."""
+    with pytest.raises(ValueError, match=message):
+        hf_loopspec.hub.build_model_card(**{"repo_id": "a/b"} | bad)
+
+
+def test_export_refuses_bad_arguments_before_writing(tmp_path):
+    for bad, message in (({"benchmarks": [{"x": 1}]}, r"benchmarks\[0\]"), ({"license": 5}, "--license 5"),
+                         ({"tags": "abc"}, "tags='abc'")):
+        with pytest.raises(ValueError, match=message):
+            export.export_checkpoint("default", tmp_path / "out", **bad)
+    with pytest.raises(ValueError, match="out=None: give the path of the folder to write"):
+        export.export_checkpoint("default", None)
+    assert not (tmp_path / "out").exists()

@@ -31,9 +31,10 @@ is reported with the first divergent token and the reference's top-1/top-2 logit
 
 Random-weight shapes (`SHAPES`) cover both families: `ouro-tiny`, `ouro-100m`, `ouro-1.4b`, and `huginn-tiny`,
 `huginn-small` (Huginn-0125's 2 + 4 + 2 stage layout at width 512, 32 recurrence steps), `huginn-3.5b` (the real
-shape, for a GPU). Huginn-family models run every mode from zero initial states (init_scale 0) at
-`mean_recurrence` steps; `draft_loops` then counts recurrence steps. Their prelude (`embed`) and coda (`head`)
-have KV of their own: the call-cost model below times them on their own planes.
+shape, for a GPU). Huginn-family models run every mode from zero initial states (init_scale 0) at the checkpoint's
+steps (its generation config's `num_steps`, else `mean_recurrence`); `draft_loops` then counts recurrence steps.
+Their prelude (`embed`) and coda (`head`) have KV of their own: the call-cost model below times them on their own
+planes.
 
 `--compile [BACKEND]` runs the wavefront engine's step compiled (`compile_core`, fullgraph); each row reports
 `compile_seconds`, its warm-up run minus its median timed run.

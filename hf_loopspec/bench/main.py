@@ -112,8 +112,9 @@ def run_bench(args) -> dict:
 
 
 def _fixed_recurrence(model):
-    """Huginn-family models: every mode runs `mean_recurrence` steps from zero initial states (init_scale 0), so
-    that plain decoding is a deterministic reference."""
+    """Huginn-family models: every mode runs the checkpoint's steps (its generation config's `num_steps`, else
+    `mean_recurrence`, read as the block opens) from zero initial states (init_scale 0), so that plain decoding is a
+    deterministic reference."""
     recurrence = getattr(model, "recurrence", None)
     return recurrence(init_scale=0.0) if recurrence is not None else contextlib.nullcontext()
 

@@ -312,11 +312,16 @@ def load_result(path: str | Path) -> dict:
                          "JSON; pass a file written by `hf-loopspec bench --json`.") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not JSON ({err}); pass a file written by `hf-loopspec bench --json`.") from None
+    return checked_result(result, str(path))
+
+
+def checked_result(result, name: str) -> dict:
+    """`result` (a results document, read from `name`: a file or an argument) when it is what `write_result` writes;
+    `ValueError` naming `name` otherwise."""
     if not isinstance(result, dict) or not {"rows", "machine", "args", "model"} <= set(result):
-        raise ValueError(f"{path} is not an `hf-loopspec bench --json` results file (it lacks rows, machine, args "
-                         "or model).")
+        raise ValueError(f"{name} is not an `hf-loopspec bench --json` result (it lacks rows, machine, args or model).")
     rows = result["rows"]
     if not isinstance(rows, list) or not all(isinstance(r, dict) and {"mode", "tokens_per_s"} <= set(r) for r in rows):
-        raise ValueError(f"{path} is not an `hf-loopspec bench --json` results file (its rows are not one per mode: "
-                         "a workload or auto-table result?); pass a file written by `hf-loopspec bench --json`.")
+        raise ValueError(f"{name} is not an `hf-loopspec bench --json` result (its rows are not one per mode: a "
+                         "workload or auto-table result?); pass a file written by `hf-loopspec bench --json`.")
     return result

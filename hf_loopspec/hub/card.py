@@ -26,6 +26,7 @@ from string import Template
 from huggingface_hub import ModelCard, ModelCardData
 
 from ..generation.config import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
+from .card_checks import check_card_arguments
 from .card_speed import bench_results, eval_results, speed_section
 from .install import install_command, project_url
 
@@ -123,8 +124,7 @@ def build_model_card(
     the repo's name and is the card's `model_name` (a re-export keeps it); `language`: the metadata's (a source card's,
     carried over). `kv_bytes_per_token`: this model's KV bytes per context token in bf16, every loop together (None: the
     family's example). `exit_options`: the exit the repo's generation config sets (None: the last loop)."""
-    if family not in FAMILIES:
-        raise ValueError(f"family={family!r} has no card text; choose one of {', '.join(FAMILIES)}.")
+    check_card_arguments(family, FAMILIES, repo_id, base_model, license, tags, sampling, exit_options)
     fam = FAMILIES[family]
     results = bench_results(benchmarks)  # a bad results file fails before anything is built
     eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult
 
-from ..bench.report import check_text, command_line, load_result
+from ..bench.report import check_text, checked_result, command_line, load_result
 from ..bench.shape_table import SHAPES
 
 NO_NUMBERS = (
@@ -28,8 +28,15 @@ COLUMNS = ("mode", "tok/s", "× plain", "× ar", "calls/token", "acceptance", "c
 
 
 def bench_results(benchmarks: Sequence[dict | str | Path] | None) -> list[dict]:
-    """Result documents from documents or `--json` file paths; `ValueError` for a file that is not one."""
-    return [b if isinstance(b, dict) else load_result(b) for b in benchmarks or ()]
+    """Result documents from a list of documents or `--json` file paths; `ValueError` for an item that is not one,
+    or one document or path given alone (a path string would be read letter by letter)."""
+    if benchmarks is None:
+        return []
+    if isinstance(benchmarks, (str, Path, dict)) or not isinstance(benchmarks, Sequence):
+        raise ValueError(f"benchmarks={benchmarks!r} must be a list of bench results (documents or `--json` file "
+                         "paths), or None: wrap one in a list.")
+    return [checked_result(b, f"benchmarks[{i}]") if isinstance(b, dict) else load_result(b)
+            for i, b in enumerate(benchmarks)]
 
 
 def eval_results(results: Sequence[dict], source_url: str) -> list[EvalResult]:

@@ -44,6 +44,7 @@ from pathlib import Path
 from .. import __version__
 from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
 from ..input_checks import check_source, hub_errors_explained
+from .card_checks import check_card_metadata
 from .install import install_command
 from .shims import AUTO_MAP, SHIM_FILES, write_template
 from .source import resolve_source
@@ -182,31 +183,6 @@ def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loo
         eos = gen.eos_token_id
         gen.pad_token_id = (eos[0] if isinstance(eos, list) and eos else eos) if eos is not None else 0
     return gen
-
-
-LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.\-]*")  # the form of the Hub's license ids (apache-2.0, cc-by-4.0, other)
-
-
-def check_card_metadata(repo_id: str | None, base_model: str | None, license: str | None) -> None:
-    """`ValueError` naming `--repo-id`, `--base-model` or `--license` when it is not what the Hub accepts there: repo
-    ids as `huggingface_hub.utils.validate_repo_id` checks them (no `..`, at most one slash; the repo to create with
-    its namespace), and a license id of lowercase letters, digits, dots and dashes."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    for flag, value in (("--repo-id", repo_id), ("--base-model", base_model)):
-        if value is None:
-            continue
-        try:
-            validate_repo_id(value)
-        except HFValidationError as error:
-            raise ValueError(f"{flag} {value!r} is not a Hub repo id ({error}); give namespace/name, e.g. "
-                             "my-org/Ouro-1.4B-loopspec.") from None
-        if flag == "--repo-id" and value.count("/") != 1:  # a repo to create needs its namespace
-            raise ValueError(f"{flag} {value!r} is not a Hub repo id: give namespace/name, e.g. "
-                             "my-org/Ouro-1.4B-loopspec.")
-    if license is not None and not LICENSE_ID.fullmatch(license):
-        raise ValueError(f"--license {license!r} is not a Hub license id: give one such as apache-2.0, mit or "
-                         "cc-by-4.0 (or 'other').")
 
 
 def kv_bytes_per_token(model) -> int:

@@ -90,7 +90,9 @@ def _locked(folder: Path) -> Iterator[None]:
 def check_destination(out: str | Path, *, overwrite: bool) -> Path:
     """`out` as an absolute path, or an error when it cannot be replaced safely: `ValueError` for a path below a file
     or a symlink (its target lies outside the path given), `FileExistsError` for a file, or for a non-empty folder
-    unless `overwrite`."""
+    unless `overwrite`; `ValueError` for an `out` that is no path."""
+    if not isinstance(out, (str, os.PathLike)) or not str(out):
+        raise ValueError(f"out={out!r}: give the path of the folder to write (a new or empty folder).")
     out = Path(os.path.abspath(out))
     if (blocking := file_in_the_way(out)) is not None:
         raise ValueError(f"{out}: {blocking} is a file, not a folder; pass a path in a folder.")

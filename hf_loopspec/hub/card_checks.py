@@ -1,0 +1,74 @@
+"""The checks of a model card's arguments (`card.build_model_card`, `export.export_checkpoint` and its command): each
+raises a `ValueError` that names the argument (the command's flag for the metadata), its value and the fix, before
+anything is built or written. A string where a list is due (`tags="abc"`) would otherwise be read letter by letter,
+and sampling settings that `generate` refuses would be written into the card's example code."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+
+LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.\-]*")  # the form of the Hub's license ids (apache-2.0, cc-by-4.0, other)
+SAMPLING_RANGES = {  # a card's sampling setting -> (low, high, low included): what `generate` samples with
+    "temperature": (0.0, math.inf, False), "top_p": (0.0, 1.0, False), "top_k": (0, math.inf, True),
+    "min_p": (0.0, 1.0, True), "repetition_penalty": (0.0, math.inf, False),
+}
+
+
+def check_card_metadata(repo_id: str | None, base_model: str | None, license: str | None) -> None:
+    """`ValueError` naming `--repo-id`, `--base-model` or `--license` when it is not what the Hub accepts there: repo
+    ids as `huggingface_hub.utils.validate_repo_id` checks them (no `..`, at most one slash; the repo to create with
+    its namespace), and a license id of lowercase letters, digits, dots and dashes."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    for flag, value in (("--repo-id", repo_id), ("--base-model", base_model)):
+        if value is None:
+            continue
+        try:
+            validate_repo_id(value)
+        except HFValidationError as error:
+            raise ValueError(f"{flag} {value!r} is not a Hub repo id ({error}); give namespace/name, e.g. "
+                             "my-org/Ouro-1.4B-loopspec.") from None
+        if flag == "--repo-id" and value.count("/") != 1:  # a repo to create needs its namespace
+            raise ValueError(f"{flag} {value!r} is not a Hub repo id: give namespace/name, e.g. "
+                             "my-org/Ouro-1.4B-loopspec.")
+    if license is not None and not (isinstance(license, str) and LICENSE_ID.fullmatch(license)):
+        raise ValueError(f"--license {license!r} is not a Hub license id: give one such as apache-2.0, mit or "
+                         "cc-by-4.0 (or 'other').")
+
+
+def check_card_arguments(family, families, repo_id, base_model, license, tags, sampling, exit_options) -> None:
+    """`ValueError` for `build_model_card` arguments it cannot use: a `family` that is none of `families` (the card
+    texts), the metadata (`check_card_metadata`; `repo_id` is required), `tags` that are no list of strings,
+    `sampling` that is no dict of `generate`'s sampling settings in their ranges (`SAMPLING_RANGES`), and
+    `exit_options` that are no dict of Ouro's exit options."""
+    if family not in families:
+        raise ValueError(f"family={family!r} has no card text; choose one of {', '.join(families)}.")
+    if repo_id is None:
+        raise ValueError("repo_id=None: the card needs the repo it is for (its title and code); give namespace/name.")
+    check_card_metadata(repo_id, base_model, license)
+    if isinstance(tags, str) or not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
+        raise ValueError(f"tags={tags!r} must be a list of strings (e.g. ['code']).")
+    if sampling is not None:
+        if not isinstance(sampling, dict):
+            raise ValueError(f"sampling={sampling!r} must be a dict of sampling settings (e.g. {{'temperature': 0.7, "
+                             "'top_p': 0.9}) or None.")
+        for key, value in sampling.items():
+            if key not in SAMPLING_RANGES:
+                raise ValueError(f"sampling: {key!r} is not one of the card's sampling settings "
+                                 f"({', '.join(SAMPLING_RANGES)}).")
+            low, high, closed = SAMPLING_RANGES[key]
+            number = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            if not number or not (low <= value if closed else low < value) or value > high \
+                    or key == "top_k" and not isinstance(value, numbers.Integral):
+                where = (f">= {low:g}" if closed else f"> {low:g}") if high == math.inf else \
+                    (f"in [{low:g}, {high:g}]" if closed else f"in ({low:g}, {high:g}]")
+                raise ValueError(f"sampling: {key}={value!r} must be {'an integer' if key == 'top_k' else 'a number'} "
+                                 f"{where}, as generate takes it.")
+    from ..generation.config import EXIT_OPTIONS  # (here: the export command's parser loads neither torch nor
+    # transformers)
+
+    if exit_options is not None and not (isinstance(exit_options, dict) and set(exit_options) <= set(EXIT_OPTIONS)):
+        raise ValueError(f"exit_options={exit_options!r} must be a dict of Ouro's exit options "
+                         f"({', '.join(EXIT_OPTIONS)}) or None.")
