@@ -65,6 +65,7 @@ class KVLayout:
     Plane `k < num_loops` is loop depth `k` (the core's KV). A model with an attending entry stage adds the
     plane `entry_plane`; one with an attending head adds a plane per exit depth, `exit_plane(depth)` for
     depth 1..num_loops. A stage with fewer layers than `num_layers` leaves the other layers of its planes unused.
+    Every count is an integer >= 1 and every plane one of the `num_planes` (`ValueError` naming the field).
     """
 
     num_planes: int
@@ -73,6 +74,18 @@ class KVLayout:
     head_dim: int
     entry_plane: int | None = None
     first_exit_plane: int | None = None  # the plane of exit depth 1; exit depth k uses first_exit_plane + k - 1
+
+    def __post_init__(self):
+        counts = {"num_planes": self.num_planes, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                  "head_dim": self.head_dim}
+        planes = {"entry_plane": self.entry_plane, "first_exit_plane": self.first_exit_plane}
+        for name, value in counts.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"KVLayout.{name}={value!r} must be an integer >= 1.")
+        for name, value in planes.items():
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value < self.num_planes):
+                raise ValueError(f"KVLayout.{name}={value!r} must be None or a plane in [0, {self.num_planes}).")
 
     def exit_plane(self, depth: int) -> int | None:
         """The plane the head writes for rows of exit depth `depth` (1-based), or None for a stateless head."""

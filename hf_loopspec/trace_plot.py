@@ -72,7 +72,12 @@ class ScheduleGrid:
 
 
 def schedule_grid(trace: Sequence, seq: int = 0, num_loops: int | None = None) -> ScheduleGrid:
-    """The cells of sequence `seq` in a `generate(..., speculative_trace=True)` trace (a list of `CycleTrace`)."""
+    """The cells of sequence `seq` in a `generate(..., speculative_trace=True)` trace (a list of `CycleTrace`);
+    `ValueError` for anything else (e.g. the output itself: pass `out.trace`)."""
+    if isinstance(trace, (str, bytes)) or not isinstance(trace, Sequence) \
+            or not all(hasattr(cycle, "rows") for cycle in trace):
+        raise ValueError(f"trace: a {type(trace).__name__}; pass the trace of a generate(..., speculative_trace=True, "
+                         "return_dict_in_generate=True) call, out.trace (a list of cycles).")
     if not trace:
         raise ValueError("the trace is empty: pass generate(..., speculative_trace=True, return_dict_in_generate=True) "
                          "and a speculative_mode.")

@@ -694,7 +694,7 @@ def test_sampled_rows_are_repeated_for_num_return_sequences(case, costs):
     ({"second_draft_loops": 2}, "second_draft_loops=2"),
     ({"draft_loops": 4}, "draft_loops=4"),
     ({"num_beams": 2}, "num_beams=2"),
-    ({"cache": ({}, {})}, "cache of type tuple"),
+    ({"cache": ({}, {})}, "cache: a tuple is no transformers Cache"),
     ({"output_attentions": True}, "output_attentions=True"),
     ({"output_hidden_states": True}, "output_hidden_states=True"),
     ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens=3"),

@@ -342,6 +342,14 @@ def test_bad_generate_batch_arguments_are_named(model):
         model.generate_batch((p for p in prompts(2, [4])), generation_config=generation_config({}))
     with pytest.raises(ValueError, match="generation_config: a dict"):
         model.generate_batch(prompts(2, [4]), generation_config={"max_new_tokens": 3})
+    # a dict's settings were read as unset, each ignored without a word (a num_blocks far too large ran)
+    with pytest.raises(ValueError, match=r"continuous_batching_config: a dict; give a transformers.Continuous"):
+        model.generate_batch(prompts(2, [4]), continuous_batching_config={"num_blocks": 10**9})
+    for bad in ({"max_requests_per_batch": 0}, "x"):
+        with pytest.raises(ValueError, match="continuous_batching_config: a "):
+            model.init_continuous_batching(generation_config({}), continuous_batching_config=bad)
+    with pytest.raises(ValueError, match="generation_config: a str"):
+        model.init_continuous_batching("x")
     for bad, match in [("abc", r"inputs\[1\]: a str;"), (torch.ones(1, 3, dtype=torch.long),
                                                       r"inputs\[1\]: a Tensor of shape \(1, 3\);")]:
         with pytest.raises(ValueError, match=match):

@@ -203,6 +203,12 @@ COUNTS = {  # a setting that counts tokens, given as something other than an int
     "max_length=9.5": ({"max_new_tokens": None, "max_length": 9.5}, r"max_length=9.5 is a float"),
     "min_new_tokens=1.5": ({"min_new_tokens": 1.5}, r"min_new_tokens=1.5 is a float"),
     "min_new_tokens=tensor": ({"min_new_tokens": torch.tensor(2)}, r"min_new_tokens=tensor\(2\) counts tokens"),
+    # strings failed in transformers' merge of the settings with a bare TypeError
+    "max_new_tokens='3'": ({"max_new_tokens": "3"}, r"max_new_tokens='3' counts tokens"),
+    "eos_token_id='x'": ({"eos_token_id": "x"}, r"eos_token_id='x' must be a token id \(an integer, or a list"),
+    "eos_token_id=[1, 'a']": ({"eos_token_id": [1, "a"]}, r"eos_token_id=\[1, 'a'\] must be a token id"),
+    "bos_token_id=2.0": ({"bos_token_id": 2.0}, r"bos_token_id=2.0 must be a token id"),
+    "prefill_chunk_size=0": ({"prefill_chunk_size": 0}, r"prefill_chunk_size=0 must be an integer >= 1"),
 }
 
 
@@ -216,6 +222,30 @@ def test_a_count_that_is_no_integer_is_rejected_naming_it(model, inputs, mode, c
     ids, mask = inputs
     with pytest.raises(ValueError, match=message), torch.no_grad():
         model.generate(ids, attention_mask=mask, pad_token_id=PAD, **{"max_new_tokens": 4} | setting | mode)
+
+
+@pytest.mark.parametrize("mode", [*MODES.values(), AUTO], ids=[*MODES, "auto"])
+def test_token_ids_as_tensors_and_lists_still_pass(model, inputs, mode):
+    ids, mask = inputs
+    want = generate(model, ids, mask, eos_token_id=3)
+    for eos in ([3], torch.tensor([3]), np.int64(3)):
+        assert generate(model, ids, mask, eos_token_id=eos, **mode).tolist() == want.tolist()
+    with torch.no_grad():
+        assert model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=3,
+                              pad_token_id=torch.tensor(PAD), **mode).tolist() == want.tolist()
+        with pytest.raises(ValueError, match=r"pad_token_id='x' must be a token id \(an integer\)"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=3, pad_token_id="x", **mode)
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_a_cache_that_is_no_cache_is_refused_naming_it(model, inputs, name):
+    """A string or a legacy tuple failed plain decoding and forward with an AttributeError deep inside."""
+    ids, mask = inputs
+    for mode in [*MODES.values(), AUTO]:
+        with pytest.raises(ValueError, match=f"{name}: a str is no transformers Cache"):
+            generate(model, ids, mask, **{name: "x"}, **mode)
+    with pytest.raises(ValueError, match=f"{name}: a tuple is no transformers Cache"), torch.no_grad():
+        model(ids, attention_mask=mask, **{name: ((ids, ids),)})
 
 
 # --- speculative_mode=None over a checkpoint's speculative defaults -------------------------------------------------

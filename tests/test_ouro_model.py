@@ -324,6 +324,8 @@ def test_settings_changed_after_the_config_was_made_are_checked_when_the_model_i
     for bad in (0, "4", 2.0):
         with pytest.raises(ValueError, match=re.escape(f"total_ut_steps={bad!r} is invalid")):
             model.config.total_ut_steps = bad
+    with pytest.raises(ValueError, match=r"total_ut_steps=np.int64\(4\) is invalid: it must be a Python integer"):
+        model.config.total_ut_steps = np.int64(4)  # (it said "the stack must run at least once")
     assert model.config.total_ut_steps == tiny_config().total_ut_steps
     model.config.total_ut_steps = 2  # a valid change is the model's from the next call on
     with torch.no_grad():
@@ -564,6 +566,9 @@ def test_logits_to_keep_takes_a_count_or_the_positions_to_keep():
     ({"attention_mask": torch.full((2, 7), 2)}, r"must hold only 0 \(padding\) and 1 \(real token\), got values \[2\]"),
     ({"attention_mask": torch.ones(2, 6, dtype=torch.long)}, r"shape \(2, 6\), expected a 2-D \[batch, 7\]"),
     ({"attention_mask": torch.ones(2, 1, 7, 7, dtype=torch.long)}, r"shape \(2, 1, 7, 7\)"),
+    # these failed in torch (the embedding, the rotary positions, the first layer), naming no argument
+    ({"position_ids": torch.arange(3)[None]}, r"position_ids has shape \(1, 3\), but the input is \[2, 7\]"),
+    ({"position_ids": torch.arange(7)[None].expand(3, 7)}, r"position_ids has shape \(3, 7\)"),
 ])
 def test_bad_forward_arguments_raise_value_errors_naming_them(kwargs, message):
     """They were taken as another value (True as loop 1, "no" as True), or raised deep torch errors, or changed the
@@ -582,6 +587,13 @@ def test_numpy_exit_steps_and_one_dimensional_ids():
         assert torch.equal(model(ids, exit_at_step=np.int64(1)).logits, model(ids, exit_at_step=1).logits)
     with pytest.raises(ValueError, match=r"input_ids has shape \(7,\); pass a 2-D \[batch, length\] tensor"):
         model(ids[0])
+    with pytest.raises(ValueError, match=r"input_ids has dtype torch.float32; pass token ids as an int64"):
+        model(ids.float())
+    with pytest.raises(ValueError, match=r"inputs_embeds has shape \(2, 7, 5\), but the model's hidden size is"):
+        model(inputs_embeds=torch.randn(2, 7, 5))
+    with torch.no_grad():  # (positions given as [T] or [1, T] are the default ones)
+        for positions in (torch.arange(7), torch.arange(7)[None]):
+            assert torch.equal(model(ids, position_ids=positions).logits, model(ids).logits)
 
 
 def test_plain_generate_takes_inputs_embeds_and_the_dynamic_cache_implementation():

@@ -371,3 +371,19 @@ class TestPlainGenerateOnPagedCache:
         model, ids, mask = model_and_batch()
         with pytest.raises(ValueError, match="PagedLoopCache was made for"):
             model(ids, attention_mask=mask, cache=PagedLoopCache(LAYOUT))
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ((-1, 1, 1, 4), r"KVLayout.num_planes=-1 must be an integer >= 1"),
+    ((2, 0, 1, 4), r"KVLayout.num_layers=0 must be"),
+    ((2, 1, "a", 4), r"KVLayout.num_kv_heads='a' must be"),
+    ((2, 1, 1, 1.5), r"KVLayout.head_dim=1.5 must be"),
+    ((2, 1, 1, 4, 2), r"KVLayout.entry_plane=2 must be None or a plane in \[0, 2\)"),
+    ((2, 1, 1, 4, None, -1), r"KVLayout.first_exit_plane=-1 must be"),
+])
+def test_a_layout_that_names_no_kv_is_refused(fields, message):
+    """A layout of negative or fractional counts was taken, and a cache built on it failed only when a model wrote."""
+    from hf_loopspec import KVLayout
+
+    with pytest.raises(ValueError, match=message):
+        KVLayout(*fields)

@@ -304,3 +304,47 @@ def test_from_pretrained_takes_exit_options(setup, tmp_path):
     assert out.tolist() == want
     with pytest.raises(ValueError, match="exit_at_step=9 must be"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "saved", exit_at_step=9)
+
+
+def test_a_call_or_a_passed_config_decides_the_exit_in_every_mode(setup):
+    """With the model's config at exit 1: `exit_at_step=None` passed to `generate` unsets it (transformers' merge), in
+    every mode (plain decoding's forward filled it back from the model's config while the speculative modes decoded
+    the last loop); a passed config that chooses another exit replaces the model's, in `generate` and continuous
+    batching alike (both used to meet: "Pass at most one")."""
+    model, ids, mask, last_loop = setup
+    want = {name: plain(model, ids, mask, NEW, **OPTIONS[name]).sequences.tolist() for name in OPTIONS}
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(saved)
+    model.generation_config.exit_at_step = 1
+    try:
+        for mode in (None, "pipeline", "block", "auto"):
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                                 speculative_mode=mode, exit_at_step=None)
+            assert out.tolist() == last_loop.tolist(), mode
+            for name in ("exit_threshold=0.9", "use_weighted_exit"):
+                config = GenerationConfig(max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, **OPTIONS[name])
+                out = model.generate(ids, attention_mask=mask, generation_config=config, speculative_mode=mode)
+                assert out.tolist() == want[name], (mode, name)
+        config = GenerationConfig(max_new_tokens=NEW, do_sample=False, exit_threshold=1.0)  # (the last loop)
+        batch = model.generate_batch([ids[0, -6:].tolist()], generation_config=config)  # (row 0 has no padding)
+        assert [r.generated_tokens for r in batch.values()] == [last_loop[0, ids.shape[1]:].tolist()]
+    finally:
+        model.generation_config = saved
+
+
+def test_from_pretrained_refuses_another_familys_settings(tmp_path):
+    """Huginn's causal LM given an exit option, Ouro's given a recurrence setting, and Ouro's base model given an exit
+    option (it does not generate) raise a `ValueError` naming them (a TypeError from the constructor before)."""
+    from huginn_utils import tiny_huginn
+    from transformers import AutoModel
+
+    tiny_huginn()[0].save_pretrained(tmp_path / "huginn")
+    tiny_spec_model(91, 4, vocab=VOCAB).save_pretrained(tmp_path / "ouro")
+    with pytest.raises(ValueError, match=r"exit_at_step=1: generation settings of another model family .* "
+                                         "HuginnForCausalLM takes num_steps, init_scale, init_seed"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "huginn", exit_at_step=1)
+    with pytest.raises(ValueError, match=r"num_steps=4: generation settings of another model family .* "
+                                         "OuroForCausalLM takes exit_at_step"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "ouro", num_steps=4)
+    with pytest.raises(ValueError, match="exit_at_step=1: generation settings, but OuroModel does not generate"):
+        AutoModel.from_pretrained(tmp_path / "ouro", exit_at_step=1)

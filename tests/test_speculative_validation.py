@@ -409,3 +409,22 @@ def test_id_buffer_grows_with_the_output(model, inputs, monkeypatch):
         got = model.decode_with_lanes(ids, mode, cache=paged_cache(model), attention_mask=mask, pad_token_id=PAD,
                                       max_length=ids.shape[1] + 12)
         assert got.sequences.tolist() == plain(model, ids, mask, 12, eos_token_id=None).sequences.tolist()
+
+
+def test_the_reference_refuses_bad_inputs_naming_them(model, inputs):
+    """`decode_with_lanes` (the reference that the `speculative_engine='lanes'` message points to) said "None is not
+    supported; use ... or None", failed with AttributeErrors on list ids or no cache and a TypeError on a string
+    `max_length`, and returned the prompt for a `max_length` shorter than it."""
+    ids, mask = inputs
+    settings = {"attention_mask": mask, "pad_token_id": PAD}
+    cases = [({"mode": None}, r"mode=None: the lane decoder runs one of \('ar', 'pipeline', 'block'\)"),
+             ({"input_ids": ids.tolist()}, "input_ids: a list; pass a"),
+             ({"input_ids": ids.float()}, "input_ids has dtype torch.float32"),
+             ({"cache": None}, "cache: a NoneType; the lane decoder keeps its KV in a PagedLoopCache"),
+             ({"max_length": "12"}, r"max_length='12' must be an integer"),
+             ({"max_length": 3}, f"max_length=3 leaves no room after the {ids.shape[1]} input columns")]
+    for bad, message in cases:
+        call = {"input_ids": ids, "mode": "pipeline", "cache": paged_cache(model), "max_length": ids.shape[1] + 4}
+        call |= bad
+        with pytest.raises(ValueError, match=message):
+            model.decode_with_lanes(call.pop("input_ids"), call.pop("mode"), **call, **settings)

@@ -256,3 +256,10 @@ def test_trace_with_second_proposals(setup, d, second):
     assert [c.events for c in got.trace] == [c.events for c in want.trace]
     assert [sorted(c.rows, key=repr) for c in got.trace] == [sorted(c.rows, key=repr) for c in want.trace]
     assert any(kind == "second" for c in got.trace for kind, *_ in c.events)
+
+
+def test_the_schedule_of_something_that_is_no_trace_is_refused():
+    """The output itself, not its `.trace`, failed with an AttributeError about `rows`."""
+    for bad in ("x", SimpleNamespace(trace=[]), [object()]):
+        with pytest.raises(ValueError, match="pass the trace of a generate"):
+            schedule_grid(bad)

@@ -178,10 +178,6 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
     assistant = kwargs.get("assistant_model")
     check_generation_mode(spec, config.get_generation_mode(assistant), config, assistant)
     check_generation_values(config)
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if cache is not None and not isinstance(cache, Cache):
-        raise ValueError(f"speculative_mode='auto' continues a transformers Cache, got cache of type "
-                         f"{type(cache).__name__}; pass the cache an earlier call returned, or none.")
     max_new = config.max_new_tokens
     if max_new is not None and max_new < 1:
         raise ValueError(f"max_new_tokens={max_new} must be >= 1 (the tokens to generate).")

@@ -255,11 +255,22 @@ def synced_gpus_of(model, synced_gpus) -> bool:
 
 def merged_config(model, kwargs: dict) -> GenerationConfig:
     """A call's generation config as transformers resolves it for plain decoding: the passed config
-    (`kwargs["generation_config"]`) over the model's over the global defaults, then the call's generation kwargs
-    (the speculative keys left out: their callers read them themselves). A copy: the inputs stay as they were."""
+    (`kwargs["generation_config"]`) over the model's over the global defaults (`keep_passed_exit` applied), then the
+    call's generation kwargs (the speculative keys left out: their callers read them themselves). A copy: the inputs
+    stay as they were."""
     given = {key: value for key, value in kwargs.items() if key not in SPECULATIVE_KEYS and key != "generation_config"}
     config, _ = GenerationMixin._prepare_generation_config(model, kwargs.get("generation_config"), **given)
+    keep_passed_exit(kwargs.get("generation_config"), config)
     return config
+
+
+def keep_passed_exit(passed, merged) -> None:
+    """A config `passed` to a call that chooses an exit replaces the model's exit options in `merged` (the two merged
+    as transformers merges them, which fills the passed config's unset keys from the model's): the options are
+    alternatives, so the model's `exit_at_step` would meet the passed `exit_threshold` ("Pass at most one")."""
+    if passed is not None and any(asks(getattr(passed, key, None)) for key in EXIT_OPTIONS):
+        for key in EXIT_OPTIONS:
+            setattr(merged, key, getattr(passed, key, None))
 
 
 def reject_recurrence_options(model_name: str, kwargs: dict) -> None:

@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..cache.paged import PagedLoopCache
-from ..models.layers import check_mask_values, check_token_ids, is_integer
+from ..models.layers import check_forward_inputs, check_mask_values, check_token_ids, is_integer
 
 
 def as_integer(value, name: str) -> int:
@@ -33,6 +33,7 @@ def as_integer(value, name: str) -> int:
 
 
 ID_DTYPES = (torch.int64, torch.int32)  # what an embedding takes; narrower integers cannot hold a vocabulary
+TOKEN_ID_SETTINGS = ("pad_token_id", "bos_token_id", "eos_token_id")  # generate's settings that name tokens
 # generate's settings that count tokens: a bool there (`top_k=True`) is a mistake that would read as 1
 COUNT_SETTINGS = ("top_k", "max_new_tokens", "min_new_tokens", "max_length", "min_length", "no_repeat_ngram_size")
 
@@ -120,13 +121,17 @@ def _check_ids_tensor(input_ids) -> None:
                          "(e.g. the BOS token), as the first generated token needs a context.")
 
 
-def check_generation_values(generation_config) -> None:
+def check_generation_values(settings) -> None:
     """`ValueError` for anything but a Python or numpy integer (or None) among the settings that count tokens
     (`COUNT_SETTINGS`), in every mode: transformers would take `True` as 1 (or fail deep in torch), stop a
     `max_new_tokens=2.5` call after 3 tokens (it compares lengths with the float) where the speculative modes'
-    integer counts would stop after 2, and refuse a tensor in some settings only."""
+    integer counts would stop after 2, and refuse a tensor in some settings only; and for token ids
+    (`TOKEN_ID_SETTINGS`) that are no integers or one-element integer tensors (EOS: or a list or tensor of them), and
+    a `prefill_chunk_size` below 1. `settings`: a generation config, or a call's keyword arguments, checked before
+    transformers reads them (it fails on `max_new_tokens="3"` or `eos_token_id="x"` with a bare TypeError)."""
+    get = settings.get if isinstance(settings, dict) else lambda key: getattr(settings, key, None)
     for key in COUNT_SETTINGS:
-        value = getattr(generation_config, key, None)
+        value = get(key)
         if isinstance(value, bool):
             raise ValueError(f"{key}={value!r} is a bool, but {key} counts tokens; pass an integer (or None to leave "
                              "it unset).")
@@ -136,6 +141,19 @@ def check_generation_values(generation_config) -> None:
         if value is not None and not isinstance(value, numbers.Integral):
             raise ValueError(f"{key}={value!r} counts tokens: pass a Python or numpy integer (e.g. int(...) of a "
                              "0-d tensor), or None to leave it unset.")
+    chunk = get("prefill_chunk_size")  # (0 or less failed in torch's split)
+    if chunk is not None and (not is_integer(chunk) or chunk < 1):
+        raise ValueError(f"prefill_chunk_size={chunk!r} must be an integer >= 1 (the prompt's tokens per prefill "
+                         "call), or None to prefill in one call.")
+    for key in TOKEN_ID_SETTINGS:
+        value = get(key)
+        if torch.is_tensor(value):  # (a 0-d or one-element tensor; EOS: any integer tensor)
+            ids = value.reshape(-1).tolist() if key == "eos_token_id" or value.numel() == 1 else []
+        else:
+            ids = list(value) if key == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
+        if value is not None and not (all(map(is_integer, ids)) and (len(ids) == 1 or key == "eos_token_id")):
+            also = ", or a list of them" if key == "eos_token_id" else ""
+            raise ValueError(f"{key}={value!r} must be a token id (an integer{also}), or None to leave it unset.")
 
 
 def check_pad_token(generation_config, rows: int, vocab_size: int) -> None:
@@ -168,11 +186,38 @@ def check_model_kwargs(mode: str, model_kwargs: dict) -> None:
                          "generation_config.speculative_mode to None or 'auto', which assists plainly.)")
 
 
+def check_reference_inputs(input_ids, cache, max_length, vocab_size: int) -> int:
+    """`max_length` as an int, after a `ValueError` naming what the reference (`decode_with_lanes`) cannot take: ids
+    that are no `[batch, length]` integer tensor inside the vocabulary, a cache that is no `PagedLoopCache`, or a
+    `max_length` (columns of the output) that leaves no room after the input's columns."""
+    if not torch.is_tensor(input_ids):
+        raise ValueError(f"input_ids: a {type(input_ids).__name__}; pass a [batch, length] tensor of token ids.")
+    check_forward_inputs(input_ids, None)
+    check_token_ids(input_ids, vocab_size)
+    if not isinstance(cache, PagedLoopCache):
+        raise ValueError(f"cache: a {type(cache).__name__}; the lane decoder keeps its KV in a PagedLoopCache: pass "
+                         "PagedLoopCache(model.kv_layout), or one an earlier call filled.")
+    max_length = as_integer(max_length, "max_length")
+    if max_length <= input_ids.shape[1]:
+        raise ValueError(f"max_length={max_length} leaves no room after the {input_ids.shape[1]} input columns: pass "
+                         "a larger max_length (columns of the output).")
+    return max_length
+
+
+def check_cache_type(cache, name: str) -> None:
+    """`ValueError` naming `name` for a cache that is no transformers `Cache` (the legacy tuples, or a mistake)."""
+    if cache is not None and not isinstance(cache, Cache):
+        raise ValueError(f"{name}: a {type(cache).__name__} is no transformers Cache; pass a Cache (a DynamicCache, "
+                         "the PagedLoopCache or DynamicCache an earlier call returned) or None for a fresh one.")
+
+
 def check_cache_use(kwargs: dict, model_config) -> None:
-    """`ValueError` for a `generate` call (`kwargs`) given a cache that it would decode without (`use_cache=False`:
-    the call's, its generation config's or `model_config`'s): every step would write the whole sequence into it
-    again, and the call would return without it."""
+    """`ValueError` for a `generate` call (`kwargs`) given no `Cache` (`check_cache_type`), or a cache that it would
+    decode without (`use_cache=False`: the call's, its generation config's or `model_config`'s): every step would
+    write the whole sequence into it again, and the call would return without it."""
     name = next((key for key in ("cache", "past_key_values") if kwargs.get(key) is not None), None)
+    if name is not None:
+        check_cache_type(kwargs[name], name)
     given = (kwargs.get("use_cache"), getattr(kwargs.get("generation_config"), "use_cache", None),
              getattr(model_config, "use_cache", None))
     if name is not None and next((value for value in given if value is not None), True) is False:

@@ -40,6 +40,7 @@ from .config import (
     asks,
     check_generation_mode,
     for_custom_loop,
+    keep_passed_exit,
     reject_recurrence_options,
     resolve_speculative,
     settings_fallback,
@@ -56,6 +57,7 @@ from .inputs import (
     check_left_padded,
     check_model_kwargs,
     check_pad_token,
+    check_reference_inputs,
 )
 from .model_checks import dense_cache_reason, model_fallback
 from .processors import plain_fallback
@@ -97,6 +99,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
                              "takes unpadded prompts: call model.generate_batch([ids, ...], generation_config=..., "
                              "max_new_tokens=...) (transformers' switch passes generate's own arguments on as "
                              "per-request settings, and reads padding as prompt tokens).")
+        check_generation_values(kwargs)  # (a string failed in transformers' merge with a bare TypeError)
         ids = args[0] if args else kwargs.get("input_ids")
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         check_inputs(ids, kwargs.get("attention_mask"), cache, vocab_size=self.config.vocab_size)
@@ -125,8 +128,9 @@ class LoopSpecGenerationMixin(GenerationMixin):
         (which may have been edited since); for a model with recurrence settings (Huginn), also those in force now."""
         from .continuous.huginn import kept_recurrence_problem
         from .continuous.manager import LoopBatchingManager
-        from .continuous.settings import manager_config, model_refusal, model_signature
+        from .continuous.settings import check_config_types, manager_config, model_refusal, model_signature
 
+        check_config_types(generation_config, continuous_batching_config)
         cached = getattr(self, "_cached_continuous_batching_manager", None)
         if isinstance(cached, LoopBatchingManager):  # (a config compared as the manager holds it: merged)
             compare = generation_config is not None or cached.from_model_config
@@ -200,7 +204,9 @@ class LoopSpecGenerationMixin(GenerationMixin):
         exits = {key: kwargs.pop(key) for key in EXIT_OPTIONS if kwargs.get(key) is not None}
         chosen = any(map(asks, exits.values()))  # (use_weighted_exit=False chooses nothing)
         given = set(ours) | {key for key in SPECULATIVE_KEYS if getattr(generation_config, key, None) is not None}
+        passed = generation_config
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
+        keep_passed_exit(passed, generation_config)
         # exit options are the forward's: the call's (one replaces all of the config's: they are alternatives), else
         # a config's (transformers keeps a key a config has, e.g. a checkpoint's `exit_at_step`, in the config)
         configured = {} if chosen else {key: getattr(generation_config, key, None) for key in EXIT_OPTIONS}
@@ -396,8 +402,13 @@ class LoopSpecGenerationMixin(GenerationMixin):
         the default), except that every `second_draft_loops` between `draft_loops` and the loop count runs.
 
         `options` are the fields of `dispatch.SpeculativeRequest` (`max_length`, `attention_mask`, ...). The tests
-        compare the engine with it; it runs eagerly (no `compile_core`).
+        compare the engine with it; it runs eagerly (no `compile_core`). Its inputs are checked as `generate` checks
+        them (`ValueError` naming the argument).
         """
+        if mode not in LANE_MODES:
+            raise ValueError(f"mode={mode!r}: the lane decoder runs one of {LANE_MODES} ('ar': without drafts).")
+        options["max_length"] = check_reference_inputs(input_ids, cache, options.get("max_length"),
+                                                       self.config.vocab_size)
         spec = resolve_speculative(mode, draft_loops, num_speculative_tokens, num_loops=self.num_loops,
                                    modes=LANE_MODES, second_draft_loops=second_draft_loops, reference=True)
         return LaneDecoder.from_request(self, SpeculativeRequest(spec, cache, input_ids, **options)).run()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..generation.config import EXIT_OPTIONS, asks
+from ..generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS, asks
+from ..generation.inputs import check_cache_type
 from ..generation.saved_config import mark_user_generation_config, restore_speculative_keys, saved_generation_dict
 
 
@@ -55,6 +56,12 @@ class StrictLoadingMixin:
         generates takes the family's generation keys too (Huginn: `num_steps=32`; Ouro: `exit_at_step=2`, ...; e.g.
         from lm-eval's `--model_args`): they go into the loaded model's generation config, checked as `generate`
         checks them; an exit option given replaces the checkpoint's (they are alternatives)."""
+        foreign = [f"{key}={kwargs[key]!r}" for key in (*EXIT_OPTIONS, *RECURRENCE_OPTIONS)
+                   if key in kwargs and key not in cls.generation_keys]
+        if foreign:
+            raise ValueError(f"{', '.join(foreign)}: generation settings of another model family (Ouro's exit options, "
+                             f"Huginn's recurrence settings); {cls.__name__} takes "
+                             f"{', '.join(cls.generation_keys) or 'none'}. Drop them.")
         want_info = kwargs.pop("output_loading_info", False)
         family = {key: kwargs.pop(key) for key in cls.generation_keys if key in kwargs}
         if family and not hasattr(cls, "call_block"):
@@ -137,7 +144,10 @@ class LoopedCausalLMMixin:
 
 
 def one_cache(cache, past_key_values):
-    """The KV cache of a forward call, passed as `cache` (transformers >= 5.24) or `past_key_values`, not both."""
+    """The KV cache of a forward call, passed as `cache` (transformers >= 5.24) or `past_key_values`, not both, and a
+    transformers `Cache` (`ValueError` naming the argument otherwise)."""
+    check_cache_type(cache, "cache")
+    check_cache_type(past_key_values, "past_key_values")
     if past_key_values is None:
         return cache
     if cache is not None:

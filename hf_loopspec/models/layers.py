@@ -92,9 +92,12 @@ def is_integer(value) -> bool:
 
 
 def check_forward_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
-                         output_attentions: bool | None = None) -> None:
-    """`ValueError` unless exactly one of `input_ids` `[batch, length]` and `inputs_embeds` `[batch, length, hidden]`
-    is given, with that shape, and `output_attentions` is not asked for (no attention weights are materialized)."""
+                         output_attentions: bool | None = None, position_ids: torch.Tensor | None = None,
+                         hidden_size: int | None = None) -> None:
+    """`ValueError` unless exactly one of `input_ids` `[batch, length]` (integers) and `inputs_embeds` `[batch, length,
+    hidden_size]` is given, with that shape, `position_ids` (if any) hold one position per input token (`[batch,
+    length]`, `[1, length]` or `[length]`), and `output_attentions` is not asked for (no attention weights are
+    materialized). Each failed later in torch with a message that names no argument."""
     if output_attentions:
         raise ValueError("output_attentions=True is not supported: the looped models' attention (dense or paged, "
                          "over one KV plane per depth) never materializes its weights. Drop output_attentions.")
@@ -104,6 +107,15 @@ def check_forward_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Te
     if given.dim() != dims:
         raise ValueError(f"{name} has shape {tuple(given.shape)}; pass a {dims}-D "
                          f"[batch, length{', hidden' if dims == 3 else ''}] tensor (one row: {name}[None]).")
+    if inputs_embeds is None and (given.dtype == torch.bool or given.is_floating_point() or given.is_complex()):
+        raise ValueError(f"input_ids has dtype {given.dtype}; pass token ids as an int64 (or int32) tensor.")
+    if inputs_embeds is not None and hidden_size is not None and given.shape[-1] != hidden_size:
+        raise ValueError(f"inputs_embeds has shape {tuple(given.shape)}, but the model's hidden size is {hidden_size}: "
+                         "pass [batch, length, hidden] embeddings (e.g. model.get_input_embeddings()(input_ids)).")
+    batch, length = given.shape[:2]
+    if position_ids is not None and tuple(position_ids.shape) not in ((batch, length), (1, length), (length,)):
+        raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, but the input is [{batch}, {length}] "
+                         f"tokens: pass one position per token, [{batch}, {length}], [1, {length}] or [{length}].")
 
 
 def kept_positions(logits_to_keep) -> slice | torch.Tensor:

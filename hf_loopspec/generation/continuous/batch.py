@@ -12,11 +12,10 @@ from types import SimpleNamespace
 
 import torch
 from tqdm.auto import tqdm
-from transformers import GenerationConfig
 
 from ...logs import get_logger
 from ...models.layers import is_integer
-from .settings import MAX_EOS_IDS, eos_ids, extra_problem, manager_config
+from .settings import MAX_EOS_IDS, check_config_types, eos_ids, extra_problem, manager_config
 
 logger = get_logger(__name__)
 
@@ -28,7 +27,8 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
                    warmup: bool = True, **kwargs) -> dict:
     """Decode every prompt of `inputs` (lists of token ids) with continuous batching (see the module docstring).
     `kwargs`: `max_new_tokens`, `eos_token_id` (for every request) and per-request keys of `add_request` (`seed`)."""
-    _check_arguments(inputs, generation_config, kwargs)
+    _check_arguments(inputs, kwargs)
+    check_config_types(generation_config, continuous_batching_config)
     if not inputs:
         return {}
     config = manager_config(model, generation_config)  # as the manager reads it
@@ -88,10 +88,10 @@ def _check_request_settings(manager, max_new_tokens, kwargs: dict) -> None:
         raise ValueError(f"generate_batch: {problem}")
 
 
-def _check_arguments(inputs, generation_config, kwargs: dict) -> None:
+def _check_arguments(inputs, kwargs: dict) -> None:
     """`ValueError` naming a `generate_batch` argument it cannot take: `max_new_tokens` must be an integer >= 1 or
-    None; `inputs` a list (or tuple) of prompts, each a list, 1-D tensor or 1-D array of token ids;
-    `generation_config` a `GenerationConfig` or None; `request_id` is the manager's to give (one per request)."""
+    None; `inputs` a list (or tuple) of prompts, each a list, 1-D tensor or 1-D array of token ids; `request_id` is
+    the manager's to give (one per request). (The configs' types: `settings.check_config_types`.)"""
     max_new_tokens = kwargs.get("max_new_tokens")  # sizes the manager's slots: checked before it is built
     if max_new_tokens is not None and (not is_integer(max_new_tokens) or max_new_tokens < 1):
         raise ValueError(f"generate_batch: max_new_tokens={max_new_tokens!r}: give an integer >= 1, or None for the "
@@ -113,6 +113,3 @@ def _check_arguments(inputs, generation_config, kwargs: dict) -> None:
             shape = f" of shape {tuple(ids.shape)}" if hasattr(ids, "shape") else ""
             raise ValueError(f"inputs[{i}]: a {type(ids).__name__}{shape}; each prompt must be a list (or 1-D tensor "
                              "or array) of token ids: tokenize texts first (tokenizer(texts)['input_ids']).")
-    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
-        raise ValueError(f"generation_config: a {type(generation_config).__name__}; give a "
-                         "transformers.GenerationConfig (GenerationConfig(**settings)) or None.")

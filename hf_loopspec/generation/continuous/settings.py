@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import RepetitionPenaltyLogitsProcessor
+from transformers import ContinuousBatchingConfig, GenerationConfig, RepetitionPenaltyLogitsProcessor
 
 from ...defaults import DEFAULT_DRAFT_LOOPS
 from ...logs import get_logger
@@ -232,6 +232,16 @@ def _positions(model, config, cb_config, hints) -> int:
         return max(2, wanted)
     limit = getattr(model.config, "max_position_embeddings", None) or DEFAULT_POSITIONS
     return max(2, min(DEFAULT_POSITIONS, limit))
+
+
+def check_config_types(generation_config, cb_config) -> None:
+    """`ValueError` for a generation config or a `ContinuousBatchingConfig` of another type (a dict's keys were
+    read as unset: every one of them ignored without a word); None for either is fine."""
+    for name, value, kind in (("generation_config", generation_config, GenerationConfig),
+                              ("continuous_batching_config", cb_config, ContinuousBatchingConfig)):
+        if value is not None and not isinstance(value, kind):
+            raise ValueError(f"{name}: a {type(value).__name__}; give a transformers.{kind.__name__} "
+                             f"({kind.__name__}(**settings)) or None.")
 
 
 def check_arguments(request_id=None, **switches) -> None:

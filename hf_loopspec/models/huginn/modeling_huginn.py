@@ -282,7 +282,7 @@ class HuginnModel(HuginnPreTrainedModel):
             raise ValueError(("Huginn models take `input_ids` (the prelude and the embedding scale apply to token "
                               "embeddings); `inputs_embeds` is not supported.") if inputs_embeds is not None else
                              "input_ids: none given; pass the prompt's token ids as input_ids.")
-        check_forward_inputs(input_ids, None, kwargs.get("output_attentions"))
+        check_forward_inputs(input_ids, None, kwargs.get("output_attentions"), position_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache()

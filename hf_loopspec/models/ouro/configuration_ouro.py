@@ -143,7 +143,10 @@ def check_rope_scaling(scaling, theta) -> None:
 
 def check_loop_count(steps) -> None:
     """`ValueError` unless `steps` (`total_ut_steps`) is an integer >= 1."""
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+    if not isinstance(steps, int) or isinstance(steps, bool):  # (a numpy integer would not save as JSON)
+        raise ValueError(f"OuroConfig.total_ut_steps={steps!r} is invalid: it must be a Python integer >= 1 (e.g. "
+                         "int(value); the released checkpoints use 4).")
+    if steps < 1:
         raise ValueError(f"OuroConfig.total_ut_steps={steps!r} is invalid: the stack must run at least once; set "
                          "total_ut_steps to an integer >= 1 (the released checkpoints use 4).")
 

@@ -21,6 +21,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple
 
+from ...generation.call import current_call
 from ...generation.config import EXIT_OPTIONS, asks, reject_recurrence_options
 from ...generation.mixin import LoopSpecGenerationMixin
 from ...logs import get_logger
@@ -98,6 +99,7 @@ class OuroPreTrainedModel(StrictLoadingMixin, PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["OuroDecoderLayer"]
     _supports_sdpa = True  # attends with F.scaled_dot_product_attention whatever attn_implementation says
+    generation_keys = EXIT_OPTIONS  # a generation config's exit options: forward's defaults, kept through save/load
 
 
 
@@ -186,7 +188,8 @@ class OuroModel(OuroPreTrainedModel):
         **kwargs,
     ) -> OuroModelOutput:
         cache = one_cache(cache, past_key_values)
-        check_forward_inputs(input_ids, inputs_embeds, kwargs.get("output_attentions"))
+        check_forward_inputs(input_ids, inputs_embeds, kwargs.get("output_attentions"), position_ids,
+                             self.config.hidden_size)
         embeddings = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, H]
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
@@ -209,7 +212,6 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
     """Ouro with its LM head: the `LoopedModel` protocol plus HF `forward` / `generate`."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    generation_keys = EXIT_OPTIONS  # a generation config's exit options: forward's defaults, kept through save/load
 
     def __init__(self, config: OuroConfig):
         super().__init__(config)
@@ -296,9 +298,10 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
     def configured_exit(self, exit_at_step, exit_threshold, use_weighted_exit) -> tuple:
         """The exit options a forward call runs with, merged over the generation config's as `generate` merges a
         call's: the call's alone when one of them chooses an exit (they are alternatives), else each one's value, or
-        the config's where the call's is None."""
+        the config's where the call's is None. Inside a `generate` call the call's alone: `generate` passes the
+        options it resolved (none: the last loop, as its speculative modes decode)."""
         given = (exit_at_step, exit_threshold, use_weighted_exit)
-        if any(map(asks, given)):
+        if any(map(asks, given)) or current_call() is not None:
             return given
         configured = (getattr(self.generation_config, key, None) for key in EXIT_OPTIONS)
         return tuple(mine if mine is not None else theirs for mine, theirs in zip(given, configured))
