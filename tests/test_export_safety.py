@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from checkpoint_utils import save_checkpoint, snapshot
@@ -175,19 +176,37 @@ def test_the_card_of_a_source_without_tokenizer_loads_the_base_models(tmp_path):
 @pytest.mark.parametrize(("bad", "message"), [
     ({"benchmarks": [{"x": 1}]}, r"benchmarks\[0\] is not an `hf-loopspec bench --json` result"),  # (a KeyError)
     ({"benchmarks": "bench.json"}, r"benchmarks='bench.json' must be a list"),  # (read letter by letter)
-    ({"license": 5}, r"--license 5 is not a Hub license id"),  # (a TypeError)
+    ({"benchmarks": [123]}, r"benchmarks\[0\]=123: give a bench result"),  # (a TypeError in pathlib)
+    ({"benchmarks": [{"rows": [], "machine": None, "args": {}, "model": {}}]}, r"benchmarks\[0\] is not"),
+    ({"license": 5}, r"license=5 must be a string or None"),  # (a TypeError)
     ({"tags": "abc"}, r"tags='abc' must be a list of strings"),  # (the tags a, b and c)
     ({"sampling": "x"}, r"sampling='x' must be a dict"),
-    ({"sampling": {"temperature": -1}}, r"sampling: temperature=-1 must be a number > 0"),  # (in the card's code)
-    ({"sampling": {"top_k": 1.5}}, r"sampling: top_k=1.5 must be an integer >= 0"),
+    ({"sampling": {"temperature": -1}}, r"sampling \(the base model's card\): temperature=-1 must be a number > 0"),
+    ({"sampling": {"top_k": 1.5}}, r"sampling .*: top_k=1.5 must be an integer >= 0"),
     ({"exit_options": "x"}, r"exit_options='x' must be a dict of Ouro's exit options"),
+    ({"exit_options": {"exit_threshold": "x"}}, r"exit_threshold='x' must be a number in \[0, 1\]"),
+    ({"draft_loops": 99}, r"draft_loops=99"),  # (written into the card unchecked)
     ({"repo_id": None}, r"repo_id=None: the card needs the repo"),
+    ({"family": ["ouro"]}, r"family=\['ouro'\] has no card text"),
+    ({"kv_bytes_per_token": "x"}, r"kv_bytes_per_token='x' must be an integer >= 1"),
 ])
 def test_card_arguments_are_checked(bad, message):
     """`build_model_card`'s arguments failed deep inside with a KeyError, TypeError or AttributeError, or were read
     wrongly without a word; `export_checkpoint` passes them on, and refuses a bad one before anything is written."""
     with pytest.raises(ValueError, match=message):
         hf_loopspec.hub.build_model_card(**{"repo_id": "a/b"} | bad)
+
+
+def test_what_an_export_carries_from_its_source_is_written_as_it_is():
+    """`export` fills the card's repo id from the source's name and its license and base model from the source's
+    card; the Hub form of `--repo-id` / `--license` / `--base-model` is checked on the flags only, so a folder named
+    with a space, a card's `Apache-2.0` or a local base model still export (the first card checks refused them,
+    naming flags never passed). A sampling setting left None is left out of the card, a numpy one written plainly."""
+    card = hf_loopspec.hub.build_model_card(
+        repo_id="your-username/name with space", license="Apache-2.0", base_model="./local/ckpt",
+        sampling={"temperature": np.float32(0.5), "top_p": None}).content
+    assert "name with space" in card and "license: Apache-2.0" in card and "./local/ckpt" in card
+    assert "do_sample=True, temperature=0.5)" in card and "top_p" not in card.split("gen = dict(")[1].split(")")[0]
 
 
 def test_export_refuses_bad_arguments_before_writing(tmp_path):

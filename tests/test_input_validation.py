@@ -208,7 +208,8 @@ COUNTS = {  # a setting that counts tokens, given as something other than an int
     "eos_token_id='x'": ({"eos_token_id": "x"}, r"eos_token_id='x' must be a token id \(an integer, or a list"),
     "eos_token_id=[1, 'a']": ({"eos_token_id": [1, "a"]}, r"eos_token_id=\[1, 'a'\] must be a token id"),
     "bos_token_id=2.0": ({"bos_token_id": 2.0}, r"bos_token_id=2.0 must be a token id"),
-    "prefill_chunk_size=0": ({"prefill_chunk_size": 0}, r"prefill_chunk_size=0 must be an integer >= 1"),
+    "prefill_chunk_size=0": ({"prefill_chunk_size": 0}, r"prefill_chunk_size=0 must be a Python integer >= 1"),
+    "prefill_chunk_size=np.int64(2)": ({"prefill_chunk_size": np.int64(2)}, r"prefill_chunk_size=np.int64\(2\)"),
 }
 
 
@@ -228,11 +229,12 @@ def test_a_count_that_is_no_integer_is_rejected_naming_it(model, inputs, mode, c
 def test_token_ids_as_tensors_and_lists_still_pass(model, inputs, mode):
     ids, mask = inputs
     want = generate(model, ids, mask, eos_token_id=3)
-    for eos in ([3], torch.tensor([3]), np.int64(3)):
+    for eos in ([3], (3,), torch.tensor([3]), np.int64(3), np.array([3]), np.array(3), [torch.tensor(3)]):
         assert generate(model, ids, mask, eos_token_id=eos, **mode).tolist() == want.tolist()
     with torch.no_grad():
-        assert model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=3,
-                              pad_token_id=torch.tensor(PAD), **mode).tolist() == want.tolist()
+        for pad in (torch.tensor(PAD), np.array(PAD)):
+            assert model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=3,
+                                  pad_token_id=pad, **mode).tolist() == want.tolist()
         with pytest.raises(ValueError, match=r"pad_token_id='x' must be a token id \(an integer\)"):
             model.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=3, pad_token_id="x", **mode)
 

@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, Generat
 
 VOCAB = 64
 NEW = 16
+EXIT_NAMES = ("exit_at_step", "exit_threshold", "use_weighted_exit")
 OPTIONS = {"exit_at_step=1": {"exit_at_step": 1}, "exit_threshold=0.9": {"exit_threshold": 0.9},
            "use_weighted_exit": {"use_weighted_exit": True}}
 
@@ -278,6 +279,11 @@ def test_forward_takes_the_generation_configs_exit_option(setup, name):
         try:
             assert torch.equal(model(ids, attention_mask=mask).logits, chosen)
             assert torch.equal(model(ids, attention_mask=mask, exit_threshold=1.0).logits, last)
+            inside = []  # a criterion (or processor, or custom loop) that scores inside generate sees the same model
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=PAD,
+                           stopping_criteria=[lambda *_: inside.append(model(ids, attention_mask=mask).logits)
+                                              or torch.zeros(len(ids), dtype=torch.bool)])
+            assert inside and all(torch.equal(logits, chosen) for logits in inside)
         finally:
             model.generation_config = saved
 
@@ -307,10 +313,10 @@ def test_from_pretrained_takes_exit_options(setup, tmp_path):
 
 
 def test_a_call_or_a_passed_config_decides_the_exit_in_every_mode(setup):
-    """With the model's config at exit 1: `exit_at_step=None` passed to `generate` unsets it (transformers' merge), in
-    every mode (plain decoding's forward filled it back from the model's config while the speculative modes decoded
-    the last loop); a passed config that chooses another exit replaces the model's, in `generate` and continuous
-    batching alike (both used to meet: "Pass at most one")."""
+    """With the model's config at exit 1: an option passed as None (a wrapper passing an unset option on) counts as
+    not given, in every mode (plain decoding's forward read the model's exit while transformers' merge had unset it
+    for the speculative modes, which decoded the last loop); a passed config that chooses another exit replaces the
+    model's, in `generate` and continuous batching alike (both used to meet: "Pass at most one")."""
     model, ids, mask, last_loop = setup
     want = {name: plain(model, ids, mask, NEW, **OPTIONS[name]).sequences.tolist() for name in OPTIONS}
     saved = model.generation_config
@@ -318,9 +324,10 @@ def test_a_call_or_a_passed_config_decides_the_exit_in_every_mode(setup):
     model.generation_config.exit_at_step = 1
     try:
         for mode in (None, "pipeline", "block", "auto"):
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
-                                 speculative_mode=mode, exit_at_step=None)
-            assert out.tolist() == last_loop.tolist(), mode
+            for unset in EXIT_NAMES:
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                                     speculative_mode=mode, **{unset: None})
+                assert out.tolist() == want["exit_at_step=1"], (mode, unset)
             for name in ("exit_threshold=0.9", "use_weighted_exit"):
                 config = GenerationConfig(max_new_tokens=NEW, do_sample=False, pad_token_id=PAD, **OPTIONS[name])
                 out = model.generate(ids, attention_mask=mask, generation_config=config, speculative_mode=mode)

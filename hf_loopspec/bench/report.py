@@ -318,8 +318,11 @@ def load_result(path: str | Path) -> dict:
 def checked_result(result, name: str) -> dict:
     """`result` (a results document, read from `name`: a file or an argument) when it is what `write_result` writes;
     `ValueError` naming `name` otherwise."""
-    if not isinstance(result, dict) or not {"rows", "machine", "args", "model"} <= set(result):
-        raise ValueError(f"{name} is not an `hf-loopspec bench --json` result (it lacks rows, machine, args or model).")
+    if not isinstance(result, dict) or not {"rows", "machine", "args", "model"} <= set(result) \
+            or not all(isinstance(result[key], dict) for key in ("machine", "args", "model")) \
+            or "name" not in result["model"]:
+        raise ValueError(f"{name} is not an `hf-loopspec bench --json` result (it lacks rows, machine, args or model, "
+                         "or they are not what the bench writes).")
     rows = result["rows"]
     if not isinstance(rows, list) or not all(isinstance(r, dict) and {"mode", "tokens_per_s"} <= set(r) for r in rows):
         raise ValueError(f"{name} is not an `hf-loopspec bench --json` result (its rows are not one per mode: a "

@@ -141,19 +141,30 @@ def check_generation_values(settings) -> None:
         if value is not None and not isinstance(value, numbers.Integral):
             raise ValueError(f"{key}={value!r} counts tokens: pass a Python or numpy integer (e.g. int(...) of a "
                              "0-d tensor), or None to leave it unset.")
-    chunk = get("prefill_chunk_size")  # (0 or less failed in torch's split)
-    if chunk is not None and (not is_integer(chunk) or chunk < 1):
-        raise ValueError(f"prefill_chunk_size={chunk!r} must be an integer >= 1 (the prompt's tokens per prefill "
+    chunk = get("prefill_chunk_size")  # (0 or less, or a numpy integer, failed in torch's split)
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+        raise ValueError(f"prefill_chunk_size={chunk!r} must be a Python integer >= 1 (the prompt's tokens per prefill "
                          "call), or None to prefill in one call.")
     for key in TOKEN_ID_SETTINGS:
         value = get(key)
-        if torch.is_tensor(value):  # (a 0-d or one-element tensor; EOS: any integer tensor)
-            ids = value.reshape(-1).tolist() if key == "eos_token_id" or value.numel() == 1 else []
-        else:
-            ids = list(value) if key == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
-        if value is not None and not (all(map(is_integer, ids)) and (len(ids) == 1 or key == "eos_token_id")):
+        ids = None if value is None else _token_ids(value)
+        if value is not None and (ids is None or len(ids) != 1 and key != "eos_token_id"):
             also = ", or a list of them" if key == "eos_token_id" else ""
             raise ValueError(f"{key}={value!r} must be a token id (an integer{also}), or None to leave it unset.")
+
+
+def _token_ids(value) -> list[int] | None:
+    """The ids a token-id setting holds (an integer, or a list, tuple, tensor or array of them, as transformers turns
+    it into a tensor) as Python ints, or None when it holds anything else (text, floats, bools)."""
+    if isinstance(value, (bool, str, bytes)):
+        return None
+    try:
+        flat = torch.as_tensor(value).reshape(-1)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    if flat.numel() and (flat.dtype == torch.bool or flat.is_floating_point() or flat.is_complex()):
+        return None
+    return [int(i) for i in flat.tolist()]
 
 
 def check_pad_token(generation_config, rows: int, vocab_size: int) -> None:

@@ -201,7 +201,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
         options (`EXIT_OPTIONS`) set in a config reach the model's forward as the arguments do; recurrence settings
         (`RECURRENCE_OPTIONS`) in a config are refused by a family without them."""
         ours = {key: kwargs.pop(key) for key in SPECULATIVE_KEYS if key in kwargs}
-        exits = {key: kwargs.pop(key) for key in EXIT_OPTIONS if kwargs.get(key) is not None}
+        exits = {key: value for key in EXIT_OPTIONS if (value := kwargs.pop(key, None)) is not None}  # (None: not
+        # given, as forward reads it: transformers' merge would unset the model's option for the config only)
         chosen = any(map(asks, exits.values()))  # (use_weighted_exit=False chooses nothing)
         given = set(ours) | {key for key in SPECULATIVE_KEYS if getattr(generation_config, key, None) is not None}
         passed = generation_config

@@ -124,7 +124,7 @@ def build_model_card(
     the repo's name and is the card's `model_name` (a re-export keeps it); `language`: the metadata's (a source card's,
     carried over). `kv_bytes_per_token`: this model's KV bytes per context token in bf16, every loop together (None: the
     family's example). `exit_options`: the exit the repo's generation config sets (None: the last loop)."""
-    check_card_arguments(family, FAMILIES, repo_id, base_model, license, tags, sampling, exit_options)
+    sampling = check_card_arguments(FAMILIES, **locals())  # (card_checks: every argument, by name)
     fam = FAMILIES[family]
     results = bench_results(benchmarks)  # a bad results file fails before anything is built
     eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])

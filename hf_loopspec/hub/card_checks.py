@@ -38,37 +38,63 @@ def check_card_metadata(repo_id: str | None, base_model: str | None, license: st
                          "cc-by-4.0 (or 'other').")
 
 
-def check_card_arguments(family, families, repo_id, base_model, license, tags, sampling, exit_options) -> None:
-    """`ValueError` for `build_model_card` arguments it cannot use: a `family` that is none of `families` (the card
-    texts), the metadata (`check_card_metadata`; `repo_id` is required), `tags` that are no list of strings,
-    `sampling` that is no dict of `generate`'s sampling settings in their ranges (`SAMPLING_RANGES`), and
-    `exit_options` that are no dict of Ouro's exit options."""
-    if family not in families:
+def check_card_arguments(families, *, family, repo_id, base_model, license, tags, sampling, sampling_source,
+                         exit_options, num_loops, speculative_mode, draft_loops, num_speculative_tokens,
+                         kv_bytes_per_token, **_) -> dict | None:
+    """`sampling` as the card writes it (None values left out, numpy numbers as Python's; None for none), after a
+    `ValueError` for `build_model_card` arguments (passed by name, as its `locals()`) it cannot use: a `family`
+    that is none of `families` (the card texts), a `repo_id` that is no text, a `base_model` or `license` that is no
+    text (their Hub form is `export`'s check of its flags: `check_card_metadata`; a source card's are carried as they
+    are), `tags` that are no list of strings, `sampling` (from `sampling_source`) that is no dict of `generate`'s
+    sampling settings in their ranges (`SAMPLING_RANGES`; None values are left out of the card), exit options or
+    speculative defaults that `generate` would refuse, a loop count or KV size that is no positive integer."""
+    # (imported here: the export command's parser loads neither torch nor transformers)
+    from ..generation.config import EXIT_OPTIONS, resolve_speculative
+    from ..models.ouro.modeling_ouro import check_exit_options
+
+    if not isinstance(family, str) or family not in families:
         raise ValueError(f"family={family!r} has no card text; choose one of {', '.join(families)}.")
-    if repo_id is None:
-        raise ValueError("repo_id=None: the card needs the repo it is for (its title and code); give namespace/name.")
-    check_card_metadata(repo_id, base_model, license)
+    if not isinstance(repo_id, str) or not repo_id:
+        raise ValueError(f"repo_id={repo_id!r}: the card needs the repo it is for (its title and code); give "
+                         "namespace/name.")
+    for name, value in (("base_model", base_model), ("license", license)):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{name}={value!r} must be a string or None (from export: the source card's {name}; "
+                             f"pass --{name.replace('_', '-')}).")
     if isinstance(tags, str) or not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
         raise ValueError(f"tags={tags!r} must be a list of strings (e.g. ['code']).")
-    if sampling is not None:
-        if not isinstance(sampling, dict):
-            raise ValueError(f"sampling={sampling!r} must be a dict of sampling settings (e.g. {{'temperature': 0.7, "
-                             "'top_p': 0.9}) or None.")
-        for key, value in sampling.items():
-            if key not in SAMPLING_RANGES:
-                raise ValueError(f"sampling: {key!r} is not one of the card's sampling settings "
-                                 f"({', '.join(SAMPLING_RANGES)}).")
-            low, high, closed = SAMPLING_RANGES[key]
-            number = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-            if not number or not (low <= value if closed else low < value) or value > high \
-                    or key == "top_k" and not isinstance(value, numbers.Integral):
-                where = (f">= {low:g}" if closed else f"> {low:g}") if high == math.inf else \
-                    (f"in [{low:g}, {high:g}]" if closed else f"in ({low:g}, {high:g}]")
-                raise ValueError(f"sampling: {key}={value!r} must be {'an integer' if key == 'top_k' else 'a number'} "
-                                 f"{where}, as generate takes it.")
-    from ..generation.config import EXIT_OPTIONS  # (here: the export command's parser loads neither torch nor
-    # transformers)
+    _check_sampling(sampling, sampling_source)
+    for name, value in (("num_loops", num_loops), ("kv_bytes_per_token", kv_bytes_per_token)):
+        if (value is not None or name == "num_loops") and (not isinstance(value, int) or isinstance(value, bool)
+                                                           or value < 1):
+            raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+    if exit_options is not None:
+        if not isinstance(exit_options, dict) or not set(exit_options) <= set(EXIT_OPTIONS):
+            raise ValueError(f"exit_options={exit_options!r} must be a dict of Ouro's exit options "
+                             f"({', '.join(EXIT_OPTIONS)}) or None.")
+        check_exit_options(num_loops, *(exit_options.get(key) for key in EXIT_OPTIONS))
+    if speculative_mode is not None or num_loops > 1:  # (the checks `export` runs on the defaults it writes)
+        resolve_speculative(speculative_mode or "auto", draft_loops, num_speculative_tokens, num_loops=num_loops)
+    written = {key: value.item() if hasattr(value, "item") else value for key, value in (sampling or {}).items()
+               if value is not None}
+    return written or None
 
-    if exit_options is not None and not (isinstance(exit_options, dict) and set(exit_options) <= set(EXIT_OPTIONS)):
-        raise ValueError(f"exit_options={exit_options!r} must be a dict of Ouro's exit options "
-                         f"({', '.join(EXIT_OPTIONS)}) or None.")
+
+def _check_sampling(sampling, source: str) -> None:
+    if sampling is None:
+        return
+    if not isinstance(sampling, dict):
+        raise ValueError(f"sampling={sampling!r} must be a dict of sampling settings (e.g. {{'temperature': 0.7, "
+                         "'top_p': 0.9}) or None.")
+    for key, value in sampling.items():
+        if key not in SAMPLING_RANGES:
+            raise ValueError(f"sampling ({source}): {key!r} is not one of the card's sampling settings "
+                             f"({', '.join(SAMPLING_RANGES)}).")
+        low, high, closed = SAMPLING_RANGES[key]
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+        if value is not None and (not number or not (low <= value if closed else low < value) or value > high
+                                  or key == "top_k" and not isinstance(value, numbers.Integral)):
+            where = (f">= {low:g}" if closed else f"> {low:g}") if high == math.inf else \
+                (f"in [{low:g}, {high:g}]" if closed else f"in ({low:g}, {high:g}]")
+            raise ValueError(f"sampling ({source}): {key}={value!r} must be "
+                             f"{'an integer' if key == 'top_k' else 'a number'} {where}, as generate takes it.")

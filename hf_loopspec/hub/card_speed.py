@@ -5,6 +5,7 @@ instead of showing any. `eval_results` turns the same results into the card's `m
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,9 +33,12 @@ def bench_results(benchmarks: Sequence[dict | str | Path] | None) -> list[dict]:
     or one document or path given alone (a path string would be read letter by letter)."""
     if benchmarks is None:
         return []
-    if isinstance(benchmarks, (str, Path, dict)) or not isinstance(benchmarks, Sequence):
+    if isinstance(benchmarks, (str, bytes, Path, dict)) or not isinstance(benchmarks, Sequence):
         raise ValueError(f"benchmarks={benchmarks!r} must be a list of bench results (documents or `--json` file "
                          "paths), or None: wrap one in a list.")
+    for i, item in enumerate(benchmarks):
+        if not isinstance(item, (dict, str, os.PathLike)):
+            raise ValueError(f"benchmarks[{i}]={item!r}: give a bench result (a dict) or the path of a `--json` file.")
     return [checked_result(b, f"benchmarks[{i}]") if isinstance(b, dict) else load_result(b)
             for i, b in enumerate(benchmarks)]
 

@@ -21,7 +21,6 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple
 
-from ...generation.call import current_call
 from ...generation.config import EXIT_OPTIONS, asks, reject_recurrence_options
 from ...generation.mixin import LoopSpecGenerationMixin
 from ...logs import get_logger
@@ -298,10 +297,9 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
     def configured_exit(self, exit_at_step, exit_threshold, use_weighted_exit) -> tuple:
         """The exit options a forward call runs with, merged over the generation config's as `generate` merges a
         call's: the call's alone when one of them chooses an exit (they are alternatives), else each one's value, or
-        the config's where the call's is None. Inside a `generate` call the call's alone: `generate` passes the
-        options it resolved (none: the last loop, as its speculative modes decode)."""
+        the config's where the call's is None."""
         given = (exit_at_step, exit_threshold, use_weighted_exit)
-        if any(map(asks, given)) or current_call() is not None:
+        if any(map(asks, given)):
             return given
         configured = (getattr(self.generation_config, key, None) for key in EXIT_OPTIONS)
         return tuple(mine if mine is not None else theirs for mine, theirs in zip(given, configured))
