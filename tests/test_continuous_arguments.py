@@ -14,7 +14,7 @@ import pytest
 import torch
 from continuous_utils import VOCAB, WAIT_S, alone, batching, generation_config, prompts
 from speculative_utils import named_modes, tiny_spec_model
-from transformers import ContinuousBatchingConfig
+from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import RequestStatus
 
 PIPELINE = named_modes()["pipeline-d1"]
@@ -350,6 +350,15 @@ def test_bad_generate_batch_arguments_are_named(model):
             model.init_continuous_batching(generation_config({}), continuous_batching_config=bad)
     with pytest.raises(ValueError, match="generation_config: a str"):
         model.init_continuous_batching("x")
+    # token ids read as generate reads them: a list of 0-d tensors is EOS ids, a string is refused by name
+    with pytest.raises(ValueError, match="eos_token_id='5' must be a token id"):
+        model.generate_batch(prompts(2, [4]), generation_config=GenerationConfig(eos_token_id="5"))
+    done = {}
+    for eos in (VOCAB - 1, [torch.tensor(VOCAB - 1)]):  # (the second was refused)
+        out = model.generate_batch(prompts(1, [4]), generation_config=generation_config({}), max_new_tokens=2,
+                                   eos_token_id=eos)
+        done[str(eos)] = [result.generated_tokens for result in out.values()]
+    assert len(set(map(str, done.values()))) == 1
     for bad, match in [("abc", r"inputs\[1\]: a str;"), (torch.ones(1, 3, dtype=torch.long),
                                                       r"inputs\[1\]: a Tensor of shape \(1, 3\);")]:
         with pytest.raises(ValueError, match=match):

@@ -185,6 +185,7 @@ def test_the_card_of_a_source_without_tokenizer_loads_the_base_models(tmp_path):
     ({"sampling": {"top_k": 1.5}}, r"sampling .*: top_k=1.5 must be an integer >= 0"),
     ({"exit_options": "x"}, r"exit_options='x' must be a dict of Ouro's exit options"),
     ({"exit_options": {"exit_threshold": "x"}}, r"exit_threshold='x' must be a number in \[0, 1\]"),
+    ({"exit_options": {"exit_at_step": None}}, r"that choose an exit"),  # (the card said it decodes from it)
     ({"draft_loops": 99}, r"draft_loops=99"),  # (written into the card unchecked)
     ({"repo_id": None}, r"repo_id=None: the card needs the repo"),
     ({"family": ["ouro"]}, r"family=\['ouro'\] has no card text"),
@@ -204,7 +205,7 @@ def test_what_an_export_carries_from_its_source_is_written_as_it_is():
     naming flags never passed). A sampling setting left None is left out of the card, a numpy one written plainly."""
     card = hf_loopspec.hub.build_model_card(
         repo_id="your-username/name with space", license="Apache-2.0", base_model="./local/ckpt",
-        sampling={"temperature": np.float32(0.5), "top_p": None}).content
+        sampling={"temperature": np.float32(0.5), "top_p": None}, num_loops=np.int64(4)).content
     assert "name with space" in card and "license: Apache-2.0" in card and "./local/ckpt" in card
     assert "do_sample=True, temperature=0.5)" in card and "top_p" not in card.split("gen = dict(")[1].split(")")[0]
 

@@ -235,8 +235,9 @@ def test_token_ids_as_tensors_and_lists_still_pass(model, inputs, mode):
         for pad in (torch.tensor(PAD), np.array(PAD)):
             assert model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=3,
                                   pad_token_id=pad, **mode).tolist() == want.tolist()
-        with pytest.raises(ValueError, match=r"pad_token_id='x' must be a token id \(an integer\)"):
-            model.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=3, pad_token_id="x", **mode)
+        for bad in ("x", [PAD], (PAD,)):  # (a list or tuple failed in transformers' validation with a TypeError)
+            with pytest.raises(ValueError, match=r"pad_token_id=.* must be a token id \(an integer\)"):
+                model.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=3, pad_token_id=bad, **mode)
 
 
 @pytest.mark.parametrize("name", ["cache", "past_key_values"])

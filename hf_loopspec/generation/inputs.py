@@ -147,16 +147,18 @@ def check_generation_values(settings) -> None:
                          "call), or None to prefill in one call.")
     for key in TOKEN_ID_SETTINGS:
         value = get(key)
-        ids = None if value is None else _token_ids(value)
-        if value is not None and (ids is None or len(ids) != 1 and key != "eos_token_id"):
+        ids = None if value is None else token_id_values(value)
+        one = key != "eos_token_id"  # (transformers fails on a list or tuple there; a one-element array passes)
+        if value is not None and (ids is None or one and (len(ids) != 1 or isinstance(value, (list, tuple)))):
             also = ", or a list of them" if key == "eos_token_id" else ""
             raise ValueError(f"{key}={value!r} must be a token id (an integer{also}), or None to leave it unset.")
 
 
-def _token_ids(value) -> list[int] | None:
+def token_id_values(value) -> list[int] | None:
     """The ids a token-id setting holds (an integer, or a list, tuple, tensor or array of them, as transformers turns
     it into a tensor) as Python ints, or None when it holds anything else (text, floats, bools)."""
-    if isinstance(value, (bool, str, bytes)):
+    if isinstance(value, (bool, str, bytes)) or isinstance(value, (list, tuple)) and any(
+            isinstance(v, (list, tuple)) or getattr(v, "ndim", 0) for v in value):  # (a list holds single ids)
         return None
     try:
         flat = torch.as_tensor(value).reshape(-1)

@@ -49,7 +49,7 @@ def check_card_arguments(families, *, family, repo_id, base_model, license, tags
     sampling settings in their ranges (`SAMPLING_RANGES`; None values are left out of the card), exit options or
     speculative defaults that `generate` would refuse, a loop count or KV size that is no positive integer."""
     # (imported here: the export command's parser loads neither torch nor transformers)
-    from ..generation.config import EXIT_OPTIONS, resolve_speculative
+    from ..generation.config import EXIT_OPTIONS, asks, resolve_speculative
     from ..models.ouro.modeling_ouro import check_exit_options
 
     if not isinstance(family, str) or family not in families:
@@ -65,13 +65,15 @@ def check_card_arguments(families, *, family, repo_id, base_model, license, tags
         raise ValueError(f"tags={tags!r} must be a list of strings (e.g. ['code']).")
     _check_sampling(sampling, sampling_source)
     for name, value in (("num_loops", num_loops), ("kv_bytes_per_token", kv_bytes_per_token)):
-        if (value is not None or name == "num_loops") and (not isinstance(value, int) or isinstance(value, bool)
-                                                           or value < 1):
+        if (value is not None or name == "num_loops") and (not isinstance(value, numbers.Integral)
+                                                           or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name}={value!r} must be an integer >= 1.")
     if exit_options is not None:
-        if not isinstance(exit_options, dict) or not set(exit_options) <= set(EXIT_OPTIONS):
+        if not isinstance(exit_options, dict) or not set(exit_options) <= set(EXIT_OPTIONS) \
+                or not all(map(asks, exit_options.values())):
             raise ValueError(f"exit_options={exit_options!r} must be a dict of Ouro's exit options "
-                             f"({', '.join(EXIT_OPTIONS)}) or None.")
+                             f"({', '.join(EXIT_OPTIONS)}) that choose an exit (None and False choose none: leave "
+                             "them out), or None.")
         check_exit_options(num_loops, *(exit_options.get(key) for key in EXIT_OPTIONS))
     if speculative_mode is not None or num_loops > 1:  # (the checks `export` runs on the defaults it writes)
         resolve_speculative(speculative_mode or "auto", draft_loops, num_speculative_tokens, num_loops=num_loops)

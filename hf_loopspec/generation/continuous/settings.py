@@ -25,6 +25,7 @@ from ...logs import get_logger
 from ...models.layers import is_integer
 from ..call import reject_configured_runtime_keys
 from ..config import AUTO_MODE, EXIT_OPTIONS, merged_config, reject_recurrence_options, speculative_config
+from ..inputs import check_generation_values, token_id_values
 from ..model_checks import model_problem
 from ..wavefront.processing import WARPERS
 from . import huginn
@@ -242,6 +243,8 @@ def check_config_types(generation_config, cb_config) -> None:
         if value is not None and not isinstance(value, kind):
             raise ValueError(f"{name}: a {type(value).__name__}; give a transformers.{kind.__name__} "
                              f"({kind.__name__}(**settings)) or None.")
+    if generation_config is not None:
+        check_generation_values(generation_config)  # (as generate checks them: a string id failed in transformers)
 
 
 def check_arguments(request_id=None, **switches) -> None:
@@ -259,11 +262,10 @@ def eos_ids(value) -> list[int]:
     reads them; `ValueError` naming `eos_token_id` for anything else."""
     if value is None:
         return []
-    values = value.tolist() if hasattr(value, "tolist") else value
-    values = [values] if not isinstance(values, (list, tuple)) else list(values)
-    if not all(is_integer(v) for v in values):
+    values = token_id_values(value)  # (as `generate` reads them)
+    if values is None:
         raise ValueError(f"eos_token_id={value!r}: give a token id or a list of token ids (integers), or None.")
-    return [int(v) for v in values if v >= 0]
+    return [v for v in values if v >= 0]
 
 
 def token_ids(value):
