@@ -264,6 +264,16 @@ def merged_config(model, kwargs: dict) -> GenerationConfig:
     return config
 
 
+def merged_exit(given: dict, config) -> dict:
+    """The exit options (`EXIT_OPTIONS`) a call runs with, those set only: the call's `given` ones alone when one of
+    them chooses an exit (they are alternatives: one replaces all of the config's), else `config`'s with the call's
+    over them. None given is not given (`use_weighted_exit=False` chooses nothing, and keeps a config's exit)."""
+    given = {key: value for key, value in given.items() if value is not None}
+    if any(map(asks, given.values())):
+        return given
+    return {key: value for key in EXIT_OPTIONS if (value := given.get(key, getattr(config, key, None))) is not None}
+
+
 def keep_passed_exit(passed, merged) -> None:
     """A config `passed` to a call that chooses an exit replaces the model's exit options in `merged` (the two merged
     as transformers merges them, which fills the passed config's unset keys from the model's): the options are

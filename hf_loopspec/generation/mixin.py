@@ -41,6 +41,7 @@ from .config import (
     check_generation_mode,
     for_custom_loop,
     keep_passed_exit,
+    merged_exit,
     reject_recurrence_options,
     resolve_speculative,
     settings_fallback,
@@ -201,17 +202,15 @@ class LoopSpecGenerationMixin(GenerationMixin):
         options (`EXIT_OPTIONS`) set in a config reach the model's forward as the arguments do; recurrence settings
         (`RECURRENCE_OPTIONS`) in a config are refused by a family without them."""
         ours = {key: kwargs.pop(key) for key in SPECULATIVE_KEYS if key in kwargs}
-        exits = {key: value for key in EXIT_OPTIONS if (value := kwargs.pop(key, None)) is not None}  # (None: not
-        # given, as forward reads it: transformers' merge would unset the model's option for the config only)
-        chosen = any(map(asks, exits.values()))  # (use_weighted_exit=False chooses nothing)
+        exits = {key: kwargs.pop(key, None) for key in EXIT_OPTIONS}  # (out of transformers' merge: None there would
+        # unset the model's option for the config only, where forward reads None as not given)
         given = set(ours) | {key for key in SPECULATIVE_KEYS if getattr(generation_config, key, None) is not None}
         passed = generation_config
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
         keep_passed_exit(passed, generation_config)
-        # exit options are the forward's: the call's (one replaces all of the config's: they are alternatives), else
-        # a config's (transformers keeps a key a config has, e.g. a checkpoint's `exit_at_step`, in the config)
-        configured = {} if chosen else {key: getattr(generation_config, key, None) for key in EXIT_OPTIONS}
-        model_kwargs.update({key: value for key, value in configured.items() if value is not None}, **exits)
+        # exit options are the forward's, merged as forward merges them (transformers keeps a key a config has, e.g.
+        # a checkpoint's `exit_at_step`, in the config)
+        model_kwargs.update(merged_exit(exits, generation_config))
         if type(self).exit_rule is LoopSpecGenerationMixin.exit_rule:  # a family without exit options refuses them
             reject_exit_options(type(self).__name__, model_kwargs)  # (a config's: transformers' "not used" before)
             model_kwargs = {key: value for key, value in model_kwargs.items() if key not in EXIT_OPTIONS}

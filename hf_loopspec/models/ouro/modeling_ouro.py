@@ -21,7 +21,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple
 
-from ...generation.config import EXIT_OPTIONS, asks, reject_recurrence_options
+from ...generation.config import EXIT_OPTIONS, asks, merged_exit, reject_recurrence_options
 from ...generation.mixin import LoopSpecGenerationMixin
 from ...logs import get_logger
 from ...looped import KVAttention, KVLayout
@@ -255,15 +255,16 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
         - `use_weighted_exit` (`bool`): the expectation of the per-loop logits under `p`.
 
         A call that chooses none of the three takes the generation config's (a checkpoint's `generation_config.json`,
-        `from_pretrained(..., exit_at_step=k)`), as `generate` does (`configured_exit`), so that scoring by forward
-        calls (lm-eval's loglikelihood) and training see the model that `generate` decodes; `exit_threshold=1.0`
-        selects the last loop whatever the config says.
+        `from_pretrained(..., exit_at_step=k)`), merged as `generate` merges a call's (`merged_exit`), so that scoring
+        by forward calls (lm-eval's loglikelihood) and training see the model that `generate` decodes;
+        `exit_threshold=1.0` selects the last loop whatever the config says.
 
         `output_hidden_states=True` returns the embeddings and every loop's output, plus `exit_gate_logits`;
         `output_loop_logits=True` returns every loop's logits.
         """
-        exit_at_step, exit_threshold, use_weighted_exit = self.configured_exit(exit_at_step, exit_threshold,
-                                                                               use_weighted_exit)
+        chosen = merged_exit(dict(zip(EXIT_OPTIONS, (exit_at_step, exit_threshold, use_weighted_exit))),
+                             self.generation_config)
+        exit_at_step, exit_threshold, use_weighted_exit = (chosen.get(key) for key in EXIT_OPTIONS)
         check_exit_options(self.num_loops, exit_at_step, exit_threshold, use_weighted_exit)
         reject_recurrence_options(type(self).__name__, kwargs)
         needs_loops = output_hidden_states or output_loop_logits or exit_at_step is not None \
@@ -293,16 +294,6 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
             exit_gate_logits=gate_logits,
             loop_logits=loop_logits if output_loop_logits else None,
         )
-
-    def configured_exit(self, exit_at_step, exit_threshold, use_weighted_exit) -> tuple:
-        """The exit options a forward call runs with, merged over the generation config's as `generate` merges a
-        call's: the call's alone when one of them chooses an exit (they are alternatives), else each one's value, or
-        the config's where the call's is None."""
-        given = (exit_at_step, exit_threshold, use_weighted_exit)
-        if any(map(asks, given)):
-            return given
-        configured = (getattr(self.generation_config, key, None) for key in EXIT_OPTIONS)
-        return tuple(mine if mine is not None else theirs for mine, theirs in zip(given, configured))
 
     def exit_rule(self, exit_at_step: int | None = None, exit_threshold: float | None = None,
                   use_weighted_exit: bool = False, **model_kwargs):
