@@ -141,17 +141,20 @@ def test_export_of_a_chatml_model_stops_at_the_end_of_turn(source, tmp_path):
 
 
 def test_sampling_settings_of_the_checkpoint_are_credited_to_it(source, tmp_path):
-    """A source whose generation_config.json samples: the card uses its settings and says they come from there (it
-    said "recommended by the base model's card", for a source with no card and no base model)."""
+    """A source whose generation_config.json samples: the card uses all its sampling settings (min_p and
+    repetition_penalty were dropped) and says they come from there (it said "recommended by the base model's card", for
+    a source with no card and no base model)."""
     src = tmp_path / "sampling-src"
     source[0].save_pretrained(src)
     word_tokenizer(source[0].config.vocab_size).save_pretrained(src)
     config = json.loads((src / "generation_config.json").read_text())
     (src / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "temperature": 0.7,
-                                                            "top_p": 0.9, "top_k": 20}))
+                                                            "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+                                                            "repetition_penalty": 1.1}))
     card = (export.export_checkpoint(src, tmp_path / "out", benchmarks=None) / "README.md").read_text()
     assert ("Sampling settings recommended by the checkpoint's `generation_config.json`: temperature=0.7, top_p=0.9, "
-            "top_k=20.") in card
+            "top_k=20, min_p=0.05, repetition_penalty=1.1.") in card
+    assert "do_sample=True, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1)" in card
     assert "base model's card" not in card
 
 

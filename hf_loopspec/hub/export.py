@@ -44,7 +44,7 @@ from pathlib import Path
 from .. import __version__
 from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
 from ..input_checks import check_source, hub_errors_explained
-from .card_checks import check_card_metadata
+from .card_checks import SAMPLING_RANGES, check_card_metadata
 from .install import install_command
 from .shims import AUTO_MAP, SHIM_FILES, write_template
 from .source import resolve_source
@@ -243,8 +243,7 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
         "exit_options": {key: getattr(gen, key) for key in EXIT_OPTIONS if asks(getattr(gen, key, None))},
     }
     if gen.do_sample and "sampling" not in model_card_kwargs:
-        card_args["sampling"] = {k: getattr(gen, k) for k in ("temperature", "top_p", "top_k")
-                                 if getattr(gen, k, None) is not None}
+        card_args["sampling"] = {k: getattr(gen, k) for k in SAMPLING_RANGES if getattr(gen, k, None) is not None}
         card_args["sampling_source"] = "the checkpoint's `generation_config.json`"
     card_args.update(model_card_kwargs)
     return build_model_card(**card_args)
