@@ -135,6 +135,24 @@ def test_a_kept_manager_built_from_the_config_serves_inside_an_equal_block():
         model.destroy_cached_continuous_batching_manager()
 
 
+def test_an_open_block_decides_over_the_models_generation_config_as_in_generate():
+    """A manager's recurrence settings follow `generate`'s order: a passed config's, else the block open where it is
+    built, else the model's generation config's (the model's config came before the block, so a model loaded with
+    `num_steps=3` decoded 3 steps inside `recurrence(num_steps=2)`)."""
+    model = tiny_huginn(seed=5, damp=0.3)[0]
+    model.generation_config.num_steps, model.generation_config.init_scale = 3, 0.0
+    inputs = prompts(6, [5, 3])
+    expected = {steps: [alone(model, p, 8, num_steps=steps, init_scale=0.0) for p in inputs] for steps in (2, 3)}
+    assert expected[2] != expected[3]
+    run = lambda config: [r.generated_tokens for r in model.generate_batch(  # noqa: E731
+        inputs, generation_config=config, continuous_batching_config=batching(), max_new_tokens=8).values()]
+    with model.recurrence(num_steps=2):
+        assert run(None) == expected[2]
+        assert run(generation_config(SETTINGS["plain"])) == expected[2]
+        assert run(generation_config(SETTINGS["pipeline-d1"], num_steps=3)) == expected[3]
+    assert run(None) == expected[3]
+
+
 def test_unseeded_requests_draw_their_own_seed(model, started):
     """init_scale > 0 and no seed: each request draws one at admission, as each `generate` call does, here from the
     continuous batching config's seed (its draws in admission order), so the same prompt twice decodes two ways."""

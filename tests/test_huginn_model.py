@@ -577,6 +577,30 @@ def test_a_passed_generation_config_takes_unset_recurrence_settings_from_the_mod
         model.generation_config.num_steps = None
 
 
+@pytest.mark.parametrize("mode", [None, "pipeline", "auto"])
+def test_an_open_block_decides_over_the_models_generation_config_in_generate_as_in_forward(mode):
+    """One order for a recurrence setting everywhere: the call's argument, else a passed generation config's, else an
+    open `model.recurrence(...)` block's, else the model's generation config's. `generate` read the model's config
+    before the block (a model loaded with `num_steps=3` decoded 3 steps inside `recurrence(num_steps=2)`, where
+    forward ran 2). The reference is `generate` given the settings as arguments, which no block or config overrides."""
+    model, _ = tiny_huginn(seed=4)
+    ids = random_ids((2, 4), VOCAB, seed=5)
+    settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "speculative_mode": mode}
+    at = {steps: model.generate(ids, **settings, num_steps=steps, init_scale=0.0) for steps in (2, 3)}
+    assert not torch.equal(at[2], at[3])
+    model.generation_config.num_steps, model.generation_config.init_scale = 3, 0.0
+    try:
+        assert torch.equal(model.generate(ids, **settings), at[3])
+        with model.recurrence(num_steps=2):
+            assert torch.equal(model.generate(ids, **settings), at[2])
+            assert torch.equal(model.generate(ids, **settings, num_steps=3), at[3])
+            passed = GenerationConfig(**settings, num_steps=3)
+            assert torch.equal(model.generate(ids, generation_config=passed), at[3])
+            assert torch.equal(model.generate(ids, generation_config=GenerationConfig(**settings)), at[2])
+    finally:
+        model.generation_config.num_steps = model.generation_config.init_scale = None
+
+
 def test_from_pretrained_takes_recurrence_settings_and_the_position_limit_has_its_usual_name(tmp_path):
     """`from_pretrained(path, num_steps=..., init_scale=...)` (lm-eval's `--model_args`) puts them in the generation
     config, checked as `generate` checks them; `block_size` answers as `max_position_embeddings` too, where

@@ -121,7 +121,7 @@ def calibrate(model, batch: int, kwargs: dict) -> CostTable:
     own time. A model with recurrence settings (Huginn) is measured under the call's, as `generate` runs it (its
     steps; a seed drawn for initial states that need one)."""
     config = merged_config(model, kwargs)
-    with model.call_block(config, **{key: kwargs.get(key) for key in model.generation_keys}):
+    with model.call_block(kwargs.get("generation_config"), **{key: kwargs.get(key) for key in model.generation_keys}):
         options = candidates(model.num_loops, _setting(kwargs, config, "draft_loops"),
                              _setting(kwargs, config, "num_speculative_tokens"))
         return costs_for(model, batch, options)

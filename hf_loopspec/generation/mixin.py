@@ -127,6 +127,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         (`ValueError`: a manager's settings are fixed for its life): a generation config merged over
         `model.generation_config` as it is now, or none for a manager built from `model.generation_config` alone
         (which may have been edited since); for a model with recurrence settings (Huginn), also those in force now."""
+        from ..models.huginn.recurrence import passed_settings
         from .continuous.huginn import kept_recurrence_problem
         from .continuous.manager import LoopBatchingManager
         from .continuous.settings import check_config_types, manager_config, model_refusal, model_signature
@@ -146,7 +147,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
                                      "and a manager's settings are fixed for its life; call "
                                      "model.destroy_cached_continuous_batching_manager() first, or pass the same "
                                      f"{name} (or none).")
-            problem = kept_recurrence_problem(self, resolved or cached.generation_config, cached.settings.recurrence)
+            passed = cached.passed_recurrence if generation_config is None else passed_settings(self, generation_config)
+            problem = kept_recurrence_problem(self, passed, cached.settings.recurrence)
             if problem is None and cached.model_signature != model_signature(self, cached.settings.recurrence):
                 problem = ("this model keeps a continuous batching manager built before the model changed (its loop "
                            "count, vocabulary, dtype or device) or under another torch.autocast; call "
@@ -375,9 +377,10 @@ class LoopSpecGenerationMixin(GenerationMixin):
         return to_dynamic(cache, mask, into=call.dynamic_cache)
 
     def call_block(self, generation_config, **given):
-        """The block a `generate` call with `generation_config` and the family's own keyword arguments `given` runs
-        in (a setting None in `given` comes from the config). Nothing for Ouro; Huginn opens `recurrence` with the
-        call's settings, so `num_loops` inside is the call's."""
+        """The block a `generate` call with the passed `generation_config` (None or the model's: none passed) and the
+        family's own keyword arguments `given` runs in (a setting None in `given` comes from the passed config, else
+        as the family resolves it). Nothing for Ouro; Huginn opens `recurrence` with the call's settings, so
+        `num_loops` inside is the call's."""
         return nullcontext()
 
     def call_settings(self) -> dict:

@@ -1,11 +1,11 @@
 """Models with recurrence settings and keyed initial states (Huginn: `recurrence`, `initial_states`) in continuous
 batching.
 
-Recurrence settings are the manager's, fixed at its start as `generate` takes them: those in force where the manager
-is built (an open `model.recurrence(...)` block, else the model's defaults: `mean_recurrence` steps, init_scale 1.0,
-no seed), with the generation config's `num_steps`, `init_scale` and `init_seed` over them when it sets them
-(`manager_recurrence`). `num_steps` and `init_scale` shape the step (they are `Plan` constants), so they hold for
-every request.
+Recurrence settings are the manager's, fixed at its start as `generate` takes them: a passed generation config's
+`num_steps`, `init_scale` and `init_seed` where it sets them, over those in force where the manager is built (an open
+`model.recurrence(...)` block, else the model's defaults: its generation config's, else `mean_recurrence` steps,
+init_scale 1.0, no seed) (`manager_recurrence`). `num_steps` and `init_scale` shape the step (they are `Plan`
+constants), so they hold for every request.
 
 Initial states are per request: at admission, slot b's row of `WavefrontState.init_states` is refilled with the
 states plain `generate` of that request alone draws (a batch of one: sequence 0, positions 0, 1, ...) under the
@@ -24,32 +24,32 @@ from dataclasses import replace
 
 import torch
 
-from ...models.huginn.recurrence import GENERATION_KEYS, valid_init_seed
+from ...models.huginn.recurrence import valid_init_seed
 
 REQUEST_KEY = "init_seed"  # the per-request key of a model with recurrence settings
 SET_UP_SEED = 0  # keys the placeholder states drawn at set-up (every admission replaces its slot's)
 
 
-def manager_recurrence(model, generation_config):
-    """The manager's recurrence settings (see the module docstring), or None for a model without them."""
+def manager_recurrence(model, passed: dict):
+    """The recurrence settings of a manager built here with a generation config that sets `passed` (its
+    `passed_settings`): see the module docstring. None for a model without them."""
     if not hasattr(model, "recurrence_settings"):
         return None
-    given = {key: getattr(generation_config, key, None) for key in GENERATION_KEYS}
-    return replace(model.recurrence_settings(), **{key: value for key, value in given.items() if value is not None})
+    return replace(model.recurrence_settings(), **passed)
 
 
-def kept_recurrence_problem(model, generation_config, kept) -> str | None:
-    """Why a kept manager running `kept` (its `manager_recurrence`) cannot serve a call that would build one with
-    `generation_config` here (another `model.recurrence` block open, or none), or None."""
-    wanted = manager_recurrence(model, generation_config)
+def kept_recurrence_problem(model, passed: dict, kept) -> str | None:
+    """Why a kept manager running `kept` (its `manager_recurrence`) cannot serve a call that would build one here
+    (another `model.recurrence` block open, or none) with a generation config that sets `passed`, or None."""
+    wanted = manager_recurrence(model, passed)
     if wanted is None or _effective(wanted) == _effective(kept):  # (None: a model without recurrence settings)
         return None
     seed_only = replace(wanted, init_seed=kept.init_seed) == kept
     why = (" Only the seed differs: a recurrence block given no init_seed draws its own, so give the blocks (or the "
            "generation config) one init_seed to reuse the manager." if seed_only else "")
     return (f"this model keeps a continuous batching manager built with the recurrence settings {kept}, but the call "
-            f"runs under {wanted} (the model.recurrence(...) block open now, else the model's defaults, with the "
-            "generation config's num_steps, init_scale and init_seed over them); call "
+            f"runs under {wanted} (a passed generation config's num_steps, init_scale and init_seed over the "
+            "model.recurrence(...) block open now, else over the model's defaults); call "
             f"model.destroy_cached_continuous_batching_manager() first, or call it under the same settings.{why}")
 
 

@@ -12,7 +12,6 @@ request brings its own prompt, `max_new_tokens`, EOS ids, when sampling, `seed` 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, RepetitionP
 
 from ...defaults import DEFAULT_DRAFT_LOOPS
 from ...logs import get_logger
+from ...models.huginn.recurrence import passed_settings
 from ...models.layers import is_integer
 from ..call import reject_configured_runtime_keys
 from ..config import AUTO_MODE, EXIT_OPTIONS, merged_config, reject_recurrence_options, speculative_config
@@ -112,12 +112,13 @@ def model_refusal(model) -> str | None:
 
 
 def manager_settings(model, generation_config, cb_config, hints=None) -> ManagerSettings:
-    """The `ManagerSettings` of a manager for `model` (`ValueError` naming a setting it cannot run)."""
+    """The `ManagerSettings` of a manager for `model` built with `generation_config` (the one passed: None for none;
+    merged here, `manager_config`) (`ValueError` naming a setting it cannot run)."""
     refusal = model_refusal(model)
     if refusal is not None:
         raise ValueError(refusal)
-    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
-    recurrence = huginn.manager_recurrence(model, config)
+    config = manager_config(model, generation_config)
+    recurrence = huginn.manager_recurrence(model, passed_settings(model, generation_config))
     with huginn.manager_block(model, recurrence):  # num_loops: the manager's recurrence steps
         if getattr(config, "speculative_mode", None) == AUTO_MODE:
             speculative_config(config, model.num_loops)  # auto's own checks, with auto named in its errors

@@ -41,6 +41,7 @@ from ..layers import (
     rotate_interleaved,
 )
 from ..loops import forward_rows
+from . import recurrence as recurrence_rules
 from .configuration_huginn import HuginnConfig
 from .outputs import HuginnCausalLMOutput, HuginnModelOutput
 from .recurrence import GENERATION_KEYS, OPEN_BLOCKS, Recurrence, beam_rows, check_steps_fit, state_seed, updated
@@ -370,7 +371,8 @@ class HuginnForCausalLM(SharedGenerationConfig, LoopedCausalLMMixin, HuginnPreTr
         """`GenerationMixin.generate` (with hf_loopspec's speculative modes) at `num_steps` recurrence steps, with
         initial states keyed by one seed for the whole call, so plain and speculative decoding see the same
         state for the same token (use `init_scale=0` or a fixed `init_seed` for reproducible outputs). A setting not
-        passed here comes from the generation config (passed, else the model's), else an open `recurrence` block."""
+        passed here comes from a passed generation config, else an open `recurrence` block, else the model's
+        generation config (`call_block`)."""
         config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or self.generation_config
         # num_beams as transformers resolves it: the argument, else a passed config's (its default 1: the model's)
         configured = next((n for n in (getattr(config, "num_beams", None), self.generation_config.num_beams)
@@ -382,13 +384,11 @@ class HuginnForCausalLM(SharedGenerationConfig, LoopedCausalLMMixin, HuginnPreTr
             return super().generate(*args, **kwargs)
 
     def call_block(self, generation_config, **given):
-        """`recurrence` with the call's settings: each one given (not None), else the generation config's, else (as
-        transformers fills a passed config's unset keys) the model's generation config's."""
-        def setting(key):
-            values = (given.get(key), getattr(generation_config, key, None), getattr(self.generation_config, key, None))
-            return next((value for value in values if value is not None), None)
-
-        return self.recurrence(**{key: setting(key) for key in GENERATION_KEYS})
+        """`recurrence` with the call's settings: each one given (not None), else the passed generation config's
+        (`passed_settings`), else an open block's, else the model's generation config's (`HuginnModel.defaults`)."""
+        passed = recurrence_rules.passed_settings(self, generation_config)
+        return self.recurrence(**{key: passed.get(key) if given.get(key) is None else given[key]
+                                  for key in GENERATION_KEYS})
 
     def call_settings(self) -> dict:
         """The running call's recurrence settings, resolved (a seed drawn for it included): auto mode passes them to

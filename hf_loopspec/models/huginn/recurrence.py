@@ -53,6 +53,15 @@ def beam_rows(model, beams: int):
         OPEN_BLOCKS.reset(token)
 
 
+def passed_settings(model, generation_config) -> dict:
+    """The recurrence settings a generation config passed to a call sets (those not None): they come before an open
+    `recurrence` block's. The model's own generation config (`model.generation_config`, or None: no config passed)
+    sets none here: its settings are the defaults (`HuginnModel.defaults`), which an open block overrides."""
+    if generation_config is None or generation_config is model.generation_config:
+        return {}
+    return {key: value for key in GENERATION_KEYS if (value := getattr(generation_config, key, None)) is not None}
+
+
 def check_steps_fit(model) -> None:
     """`ValueError` when one token's KV over every plane of `model`'s call (a `HuginnForCausalLM` inside its call's
     `recurrence` block) takes more than the free memory: a call with such a `num_steps` (say 10**9, from a served
