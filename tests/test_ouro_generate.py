@@ -153,13 +153,18 @@ def test_generate_rejects_cache_sized_from_config(setup):
         generate(model, prompts[0][None], cache=DynamicCache(config=model.config), do_sample=False)
 
 
+@pytest.mark.parametrize("mode", [None, "auto"])
 @pytest.mark.parametrize("implementation", ["offloaded", "offloaded_static", "quantized"])
-def test_cache_implementations_it_cannot_size_are_refused_by_name(setup, implementation):
+def test_cache_implementations_it_cannot_size_are_refused_by_name(setup, implementation, mode):
     """transformers would size these caches from num_hidden_layers (one plane), which a looped model overruns: a
-    ValueError naming the setting and the two that work, not an error about a cache the caller never passed."""
+    ValueError naming the setting and the two that work, not an error about a cache the caller never passed. Auto
+    mode refuses it on every call, as any stretch may be plain (its first call, opened by a speculative stretch that
+    ignored the setting, decoded; later ones, which auto began plainly, raised)."""
     model, _, prompts, _, _ = setup
-    with pytest.raises(ValueError, match=f"cache_implementation='{implementation}'.*'dynamic'.*'static'"):
-        generate(model, prompts[0][None], do_sample=False, cache_implementation=implementation)
+    for _ in range(2 if mode else 1):
+        with pytest.raises(ValueError, match=f"cache_implementation='{implementation}'.*'dynamic'.*'static'"):
+            generate(model, prompts[0][None], do_sample=False, cache_implementation=implementation,
+                     speculative_mode=mode)
 
 
 def test_static_cache_generate_equals_dynamic(setup):

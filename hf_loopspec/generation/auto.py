@@ -66,7 +66,7 @@ from .config import (
     settings_fallback,
     synced_gpus_of,
 )
-from .inputs import as_integer, bos_prompt, check_generation_values, check_left_padded
+from .inputs import as_integer, bos_prompt, check_cache_implementation, check_generation_values, check_left_padded
 from .model_checks import execution_device, model_fallback
 from .stats import SequenceStats, SpeculationStats
 from .wavefront.span import reserved_positions
@@ -178,6 +178,7 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
     assistant = kwargs.get("assistant_model")
     check_generation_mode(spec, config.get_generation_mode(assistant), config, assistant)
     check_generation_values(config)
+    check_cache_implementation(config, kwargs.get("cache", kwargs.get("past_key_values")))
     max_new = config.max_new_tokens
     if max_new is not None and max_new < 1:
         raise ValueError(f"max_new_tokens={max_new} must be >= 1 (the tokens to generate).")

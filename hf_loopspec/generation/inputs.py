@@ -224,6 +224,22 @@ def check_cache_type(cache, name: str) -> None:
                          "the PagedLoopCache or DynamicCache an earlier call returned) or None for a fresh one.")
 
 
+LOOPED_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")  # what plain decoding sizes for a looped model
+
+
+def check_cache_implementation(generation_config, cache) -> None:
+    """`ValueError` for a `cache_implementation` that plain decoding would build the cache with (no `cache` passed,
+    caching on) and cannot size for a looped model. Auto mode checks it up front, as any of its stretches may be
+    plain."""
+    implementation = generation_config.cache_implementation
+    if cache is None and generation_config.use_cache is not False \
+            and implementation not in LOOPED_CACHE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"cache_implementation={implementation!r}: a looped model's cache holds one KV per (loop, layer), and "
+            "hf_loopspec sizes one only for cache_implementation 'dynamic' (the default) or 'static'; pass one of "
+            "these, or a cache of your own (cache=...).")
+
+
 def check_cache_use(kwargs: dict, model_config) -> None:
     """`ValueError` for a `generate` call (`kwargs`) given no `Cache` (`check_cache_type`), or a cache that it would
     decode without (`use_cache=False`: the call's, its generation config's or `model_config`'s): every step would

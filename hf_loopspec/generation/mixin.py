@@ -52,6 +52,7 @@ from .dispatch import SpeculativeRequest, run_speculative
 from .inputs import (
     by_name,
     check_assisted_continuation,
+    check_cache_implementation,
     check_cache_use,
     check_generation_values,
     check_inputs,
@@ -282,12 +283,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         if default:
             model_kwargs["cache"] = DynamicCache()
             return
-        if user_cache is None and generation_config.use_cache is not False \
-                and generation_config.cache_implementation not in LOOPED_CACHE_IMPLEMENTATIONS:
-            raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r}: a looped model's cache holds one "
-                "KV per (loop, layer), and hf_loopspec sizes one only for cache_implementation 'dynamic' (the "
-                "default) or 'static'; pass one of these, or a cache of your own (cache=...).")
+        check_cache_implementation(generation_config, user_cache)
         if user_cache is None and generation_config.use_cache is not False \
                 and generation_config.cache_implementation == "static":
             ceiling = getattr(generation_config, "max_cache_len", None)  # sized for later, longer calls too
@@ -415,9 +411,6 @@ class LoopSpecGenerationMixin(GenerationMixin):
         spec = resolve_speculative(mode, draft_loops, num_speculative_tokens, num_loops=self.num_loops,
                                    modes=LANE_MODES, second_draft_loops=second_draft_loops, reference=True)
         return LaneDecoder.from_request(self, SpeculativeRequest(spec, cache, input_ids, **options)).run()
-
-
-LOOPED_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")  # what plain decoding sizes for a looped model
 
 
 def looped_static_cache(config, layout, max_cache_len: int) -> StaticCache:
