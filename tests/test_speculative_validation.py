@@ -130,6 +130,32 @@ def test_auto_with_a_decoding_loop_of_ones_own_runs_that_loop(model, inputs, ret
     assert torch.equal(out, plain(model, ids, mask, 6).sequences)
 
 
+@pytest.mark.parametrize("given", ["argument", "passed config", "model config"])
+def test_a_decoding_loop_reached_past_the_models_generate_refuses_a_speculative_mode(model, inputs, given):
+    """A repo's generate.py (transformers-community's DoLa, contrastive search) runs its loop as
+    `GenerationMixin.generate(model, ..., custom_generate=loop)`, past the model's `generate`: pipeline and block
+    decoded plainly there without a word, however the mode was given. They raise as through `model.generate`; auto
+    decodes plainly through the loop."""
+    ids, mask = inputs
+    settings = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=PAD, custom_generate=own_loop)
+
+    def run(mode):
+        if given == "argument":
+            return GenerationMixin.generate(model, ids, speculative_mode=mode, **settings)
+        if given == "passed config":
+            return GenerationMixin.generate(model, ids, GenerationConfig(speculative_mode=mode), **settings)
+        model.generation_config.speculative_mode = mode
+        try:
+            return GenerationMixin.generate(model, ids, **settings)
+        finally:
+            model.generation_config.speculative_mode = None
+
+    for mode in ("pipeline", "block"):
+        with pytest.raises(ValueError, match=f"speculative_mode='{mode}' cannot be combined with a callable"):
+            run(mode)
+    assert torch.equal(run("auto"), plain(model, ids, mask, 6).sequences)
+
+
 REPO_GENERATE = """
 import torch
 

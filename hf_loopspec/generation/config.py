@@ -186,17 +186,14 @@ def requested_mode(model, kwargs: dict):
     return mode if mode is not None else getattr(model.generation_config, "speculative_mode", None)
 
 
-def for_custom_loop(model, kwargs: dict) -> dict:
-    """`kwargs` of a `generate` call whose `custom_generate` is a callable, a decoding loop that replaces generate's
-    own (and so the speculative one): auto, free to decode plainly, does so; pipeline or block raise a `ValueError`
-    (their loop would not run, without a word)."""
-    mode = requested_mode(model, kwargs)
-    if mode == AUTO_MODE:
-        return {**kwargs, "speculative_mode": None}
-    if mode is not None:
+def custom_loop_mode(mode):
+    """The `speculative_mode` of a `generate` call whose `custom_generate` is a callable, a decoding loop that replaces
+    generate's own (and so the speculative one), asking for `mode`: auto, free to decode plainly, does so (None);
+    pipeline or block raise a `ValueError` (their loop would not run, without a word)."""
+    if mode not in (None, AUTO_MODE):
         raise ValueError(f"speculative_mode={mode!r} cannot be combined with a callable custom_generate: a decoding "
                          "loop of your own replaces the speculative one; pass speculative_mode=None.")
-    return kwargs
+    return None
 
 
 def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_config, assistant_model) -> None:

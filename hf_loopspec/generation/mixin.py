@@ -39,10 +39,11 @@ from .config import (
     SpeculativeConfig,
     asks,
     check_generation_mode,
-    for_custom_loop,
+    custom_loop_mode,
     keep_passed_exit,
     merged_exit,
     reject_recurrence_options,
+    requested_mode,
     resolve_speculative,
     settings_fallback,
     speculative_config,
@@ -66,6 +67,7 @@ from .processors import plain_fallback
 from .stats import SpeculationStats
 
 logger = get_logger(__name__)
+CUSTOM_LOOP = "_hf_loopspec_custom_loop"  # marks a call with a callable custom_generate (`_validate_generation_mode`)
 
 
 def reject_exit_options(model_name: str, kwargs: dict) -> None:
@@ -109,7 +111,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         if isinstance(kwargs.get("custom_generate"), str):  # a repo's generate replaces the whole call: transformers
             return super().generate(*args, **kwargs)  # hands it every argument, speculative_mode included
         if callable(kwargs.get("custom_generate")):
-            kwargs = for_custom_loop(self, kwargs)
+            kwargs = {**kwargs, "speculative_mode": custom_loop_mode(requested_mode(self, kwargs))}
         if isinstance(cache, Cache) and cache.get_seq_length():
             check_assisted_continuation(kwargs, self.generation_config, cache.get_seq_length())
         with cache.kept_on_error() if isinstance(cache, PagedLoopCache) else nullcontext():
@@ -235,7 +237,16 @@ class LoopSpecGenerationMixin(GenerationMixin):
                 raise ValueError(problem)
         return generation_config, model_kwargs
 
+    def _extract_generation_mode_kwargs(self, custom_generate, kwargs, *args):
+        """transformers' split of a call's kwargs, with a callable `custom_generate` marked (`CUSTOM_LOOP`) for
+        `_validate_generation_mode`, which sees the resolved config: a loop reached without this class's `generate`
+        (a repo's generate.py calling `GenerationMixin.generate`) must not drop a speculative mode silently."""
+        extracted = super()._extract_generation_mode_kwargs(custom_generate, kwargs, *args)
+        return {**extracted, CUSTOM_LOOP: True} if callable(custom_generate) else extracted
+
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        if generation_mode_kwargs.pop(CUSTOM_LOOP, False):  # (popped: the loop receives these kwargs)
+            generation_config.speculative_mode = custom_loop_mode(getattr(generation_config, "speculative_mode", None))
         if generation_config.assistant_early_exit is not None:  # (before any work: it edits the model's config)
             raise ValueError(f"assistant_early_exit={generation_config.assistant_early_exit!r} drafts from the "
                              "first layers of one pass, which a looped model does not have: every loop runs all "
