@@ -698,6 +698,8 @@ def test_sampled_rows_are_repeated_for_num_return_sequences(case, costs):
     ({"output_attentions": True}, "output_attentions=True"),
     ({"output_hidden_states": True}, "output_hidden_states=True"),
     ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens=3"),
+    ({"penalty_alpha": 0.6, "top_k": 4}, r"penalty_alpha=0\.6"),
+    ({"assistant_early_exit": 1}, "assistant_early_exit=1 drafts from the first layers"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"max_new_tokens": None, "max_length": 5}, "max_length=5"),
 ])

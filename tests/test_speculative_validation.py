@@ -102,6 +102,12 @@ BAD = [
      r"output_hidden_states=True"),
     ({"speculative_mode": "block", "output_attentions": True, "return_dict_in_generate": True},
      r"output_attentions=True"),
+    # strategies the speculative modes do not run, named by their setting (contrastive search asked for
+    # trust_remote_code first, then named the strategy alone; prompt lookup of 0 tokens was "assisted generation")
+    ({"speculative_mode": "pipeline", "penalty_alpha": 0.6, "top_k": 4}, r"penalty_alpha=0\.6"),
+    ({"speculative_mode": "block", "penalty_alpha": 0.6, "top_k": 4, "trust_remote_code": True}, r"penalty_alpha=0\.6"),
+    ({"speculative_mode": "pipeline", "dola_layers": "high"}, r"dola_layers='high'"),
+    ({"speculative_mode": "pipeline", "prompt_lookup_num_tokens": 0}, r"prompt_lookup_num_tokens=0"),
 ]
 
 

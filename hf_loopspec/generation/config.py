@@ -196,12 +196,29 @@ def custom_loop_mode(mode):
     return None
 
 
+STRATEGY_SETTINGS = {  # the setting that selects a decoding strategy the speculative modes do not run
+    GenerationMode.CONTRASTIVE_SEARCH: "penalty_alpha", GenerationMode.DOLA_GENERATION: "dola_layers",
+    GenerationMode.GROUP_BEAM_SEARCH: "num_beam_groups", GenerationMode.CONSTRAINED_BEAM_SEARCH: "constraints",
+}
+
+
+def reject_assistant_early_exit(generation_config) -> None:
+    """`ValueError` for transformers' self-speculation from a pass's first layers, in every mode (before any work:
+    transformers edits the model's config for it)."""
+    if generation_config.assistant_early_exit is not None:
+        raise ValueError(f"assistant_early_exit={generation_config.assistant_early_exit!r} drafts from the first "
+                         "layers of one pass, which a looped model does not have: every loop runs all its layers. "
+                         "Drop it; speculative_mode='pipeline' drafts from a shallower loop.")
+
+
 def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_config, assistant_model) -> None:
-    """Reject combinations of a speculative mode with other decoding strategies."""
+    """Reject combinations of a speculative mode with other decoding strategies, naming the setting that asks for
+    one."""
+    reject_assistant_early_exit(generation_config)
     if assistant_model is not None or generation_mode == GenerationMode.ASSISTED_GENERATION:
         what = "an assistant model" if assistant_model is not None else (
             f"prompt lookup (prompt_lookup_num_tokens={generation_config.prompt_lookup_num_tokens})"
-            if generation_config.prompt_lookup_num_tokens else "assisted generation")
+            if generation_config.prompt_lookup_num_tokens is not None else "assisted generation")
         raise ValueError(f"speculative_mode={spec.mode!r} cannot be combined with {what}: the model drafts for "
                          "itself. Drop one of the two.")
     if generation_config.num_beams > 1 or generation_mode in (GenerationMode.BEAM_SEARCH,):
@@ -217,8 +234,10 @@ def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_c
                          "per-step tensors. Use speculative_mode=None for output_hidden_states, or a forward call on "
                          "the output sequences.")
     if generation_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        key = STRATEGY_SETTINGS.get(generation_mode)
+        asked = f" ({key}={getattr(generation_config, key, None)!r}); drop {key}," if key else ";"
         raise ValueError(f"speculative_mode={spec.mode!r} supports greedy decoding and sampling, not "
-                         f"{generation_mode}.")
+                         f"{generation_mode.value.replace('_', ' ')}{asked} or pass speculative_mode=None.")
 
 
 def settings_fallback(generation_config, synced_gpus: bool) -> str | None:

@@ -42,6 +42,7 @@ from .config import (
     custom_loop_mode,
     keep_passed_exit,
     merged_exit,
+    reject_assistant_early_exit,
     reject_recurrence_options,
     requested_mode,
     resolve_speculative,
@@ -231,8 +232,9 @@ class LoopSpecGenerationMixin(GenerationMixin):
         call = current_call()
         if call is not None:
             call.speculative, call.resolved = speculative_config(generation_config, self.num_loops), True
-            if call.speculative is not None:
-                check_model_kwargs(call.speculative.mode, model_kwargs)
+            if (spec := call.speculative) is not None:  # (a strategy refused here: transformers' checks come next)
+                check_generation_mode(spec, generation_config.get_generation_mode(), generation_config, None)
+                check_model_kwargs(spec.mode, model_kwargs)
             elif (problem := call.plain_problem()) is not None:
                 raise ValueError(problem)
         return generation_config, model_kwargs
@@ -247,10 +249,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         if generation_mode_kwargs.pop(CUSTOM_LOOP, False):  # (popped: the loop receives these kwargs)
             generation_config.speculative_mode = custom_loop_mode(getattr(generation_config, "speculative_mode", None))
-        if generation_config.assistant_early_exit is not None:  # (before any work: it edits the model's config)
-            raise ValueError(f"assistant_early_exit={generation_config.assistant_early_exit!r} drafts from the "
-                             "first layers of one pass, which a looped model does not have: every loop runs all "
-                             "its layers. Drop it; speculative_mode='pipeline' drafts from a shallower loop.")
+        reject_assistant_early_exit(generation_config)
         spec = self._speculative(generation_config)
         if spec is not None:
             check_generation_mode(spec, generation_mode, generation_config,
