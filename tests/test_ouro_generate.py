@@ -176,6 +176,19 @@ def test_static_cache_generate_equals_dynamic(setup):
     torch.testing.assert_close(static, expected, atol=0, rtol=0)
 
 
+def test_prompt_lookup_on_a_static_cache_equals_plain_decoding(setup):
+    """Prompt lookup verifies drafts that run past max_length (its output is cut there afterwards), so a static cache
+    sized for max_length alone overflowed with an IndexError from index_copy_; it is sized for those drafts too."""
+    model, _, _, _, _ = setup
+    for seed in range(6):
+        ids = random_ids((1, 8), VOCAB, seed=seed)
+        expected = generate(model, ids, do_sample=False, eos_token_id=None)
+        for lookup in (1, 4):
+            out = generate(model, ids, do_sample=False, eos_token_id=None, prompt_lookup_num_tokens=lookup,
+                           cache_implementation="static")
+            assert torch.equal(out, expected), (seed, lookup)
+
+
 def test_a_static_cache_continues_within_its_size_and_refuses_beyond_it(setup):
     """A static cache made with `max_cache_len` continues like a DynamicCache (a second turn after a first: one plain
     call's tokens); a call that would write past a static cache's positions raises a ValueError naming its size (an

@@ -294,6 +294,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
             model_kwargs["cache"] = DynamicCache()
             return
         check_cache_implementation(generation_config, user_cache)
+        # prompt lookup verifies drafts that run past max_length (the output is cut there after): room for them
+        max_cache_length += generation_config.prompt_lookup_num_tokens or 0
         if user_cache is None and generation_config.use_cache is not False \
                 and generation_config.cache_implementation == "static":
             ceiling = getattr(generation_config, "max_cache_len", None)  # sized for later, longer calls too
