@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ...ops.attention.slots import table_slot
+from ...ops.attention.stored import stored
 from .state import Plan, WavefrontState, counts
 
 
@@ -47,8 +48,8 @@ class SiblingRows:
         """Write the rows' KV `k`, `v` `[B, Hkv, D]` into the private rows and attend with queries `q` `[B, Hq, D]`
         over the main tables `keys`, `values` `[B * planes, S, Hkv, D]` and the private rows: `[B, Hq, D]`."""
         k_rows, v_rows = self.k_rows[layer_idx], self.v_rows[layer_idx]  # [B * planes + 1, Hkv, D]
-        k_rows.index_copy_(0, self.write_row, k.to(k_rows.dtype))
-        v_rows.index_copy_(0, self.write_row, v.to(v_rows.dtype))
+        k_rows.index_copy_(0, self.write_row, stored(k, k_rows.dtype))
+        v_rows.index_copy_(0, self.write_row, stored(v, v_rows.dtype))
         own_keys = torch.cat([keys[self.table], k_rows[self.table][:, None]], 1)  # [B, S + 1, Hkv, D]
         own_values = torch.cat([values[self.table], v_rows[self.table][:, None]], 1)
         return attend(q.float()[:, :, None], own_keys, own_values, self.visible)[:, :, 0]  # [B, Hq, D]

@@ -259,8 +259,9 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
         by forward calls (lm-eval's loglikelihood) and training see the model that `generate` decodes;
         `exit_threshold=1.0` selects the last loop whatever the config says.
 
-        `output_hidden_states=True` returns the embeddings and every loop's output, plus `exit_gate_logits`;
-        `output_loop_logits=True` returns every loop's logits.
+        `output_hidden_states=True` returns the embeddings and every loop's output, plus `exit_gate_logits`, which
+        also come with any exit option in effect (the config's included); `output_loop_logits=True` returns every
+        loop's logits.
         """
         chosen = merged_exit(dict(zip(EXIT_OPTIONS, (exit_at_step, exit_threshold, use_weighted_exit))),
                              self.generation_config)

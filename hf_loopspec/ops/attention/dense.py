@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
+from .stored import stored
+
 
 def padded_causal_mask(
     attention_mask: torch.Tensor | None,  # [B, S] 1 = real token, 0 = padding; or None (no padding)
@@ -67,6 +69,7 @@ class DenseKVAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [B, T, Hq, D]   k, v: [B, T, Hkv, D]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        k, v = stored(k, k.dtype), stored(v, v.dtype)  # as every path stores them (a padding token's inf: masked)
         if self.cache is not None:
             k, v = self.cache.update(k, v, self.depth * self.num_layers + layer_idx)  # [B, Hkv, S, D]
         out = F.scaled_dot_product_attention(

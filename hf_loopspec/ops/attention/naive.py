@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .slots import SlotLayout
+from .stored import stored
 
 
 def naive_write_kv(
@@ -23,12 +24,13 @@ def naive_write_kv(
     v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
     slots: torch.Tensor,  # [N] flat slots; < 0 marks an inactive row
 ) -> None:
-    """Store row `n`'s key and value at flat slot `slots[n]`; rows with a negative slot write nothing."""
+    """Store row `n`'s key and value at flat slot `slots[n]` (non-finite entries as 0: `stored`); rows with a negative
+    slot write nothing."""
     page_size = k_cache.shape[1]
     for n, slot in enumerate(slots.tolist()):
         if slot >= 0:
-            k_cache[slot // page_size, slot % page_size] = k[n]
-            v_cache[slot // page_size, slot % page_size] = v[n]
+            k_cache[slot // page_size, slot % page_size] = stored(k[n], k_cache.dtype)
+            v_cache[slot // page_size, slot % page_size] = stored(v[n], v_cache.dtype)
 
 
 def naive_paged_attention(
@@ -69,7 +71,7 @@ def naive_slot_attention(
 ) -> torch.Tensor:
     """`slots.SlotAttention` without extra rows, one row at a time. Row n of sequence b on plane p (clamped to the last
     plane) uses table t = b * planes + p, whose position j is pool slot `layer_idx * layer_slots + t * W + j`. Every
-    active row first writes its key and value at its own position; then each active row attends to positions
+    active row first writes its key and value at its own position (`stored`); then each active row attends to positions
     0 .. its position of its table (the caller keeps them below `layout.read_span`). Inactive rows write nothing and
     output zeros. Computed in the dtype of `q` (pass float64 tensors for an oracle)."""
     plane, position, active = lanes
@@ -87,8 +89,8 @@ def naive_slot_attention(
     for n, row in enumerate(rows):
         if row is not None:
             table, pos = row
-            k_pool[first + table * layout.table_width + pos] = k[n]
-            v_pool[first + table * layout.table_width + pos] = v[n]
+            k_pool[first + table * layout.table_width + pos] = stored(k[n], k_pool.dtype)
+            v_pool[first + table * layout.table_width + pos] = stored(v[n], v_pool.dtype)
     out = torch.zeros_like(q)
     for n, row in enumerate(rows):
         if row is not None:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .stored import stored
+
 __all__ = ["SlotAttention", "SlotLayout", "attend", "attend_cells", "table_slot"]
 
 
@@ -120,8 +122,8 @@ class SlotAttention:
             q, k, v = (x.new_zeros(len(self.active), *x.shape[1:]).index_copy(0, self.rows, x) for x in (q, k, v))
         first = layer_idx * self.layer_slots  # the layer's first slot in the flat pools
         pooled = len(self.write_slot)  # the lane and prompt rows: they write the pool
-        self.k_pool.index_copy_(0, self.write_slot + first, k[:pooled].to(self.k_pool.dtype))
-        self.v_pool.index_copy_(0, self.write_slot + first, v[:pooled].to(self.v_pool.dtype))
+        self.k_pool.index_copy_(0, self.write_slot + first, stored(k[:pooled], self.k_pool.dtype))
+        self.v_pool.index_copy_(0, self.write_slot + first, stored(v[:pooled], self.v_pool.dtype))
         batch, lanes, grid = self.place.shape
         tables = batch * layout.planes
         shape = (tables, layout.table_width, *self.k_pool.shape[1:])
@@ -133,7 +135,9 @@ class SlotAttention:
             keys, values = (pool.index_select(0, self.read_slot + first).view(tables, layout.read_span, *shape[2:])
                             for pool in (self.k_pool, self.v_pool))
         n = batch * lanes
-        lane_q = q[:n].float().view(batch, lanes, -1)  # [B, L, Hq * D]
+        # (a non-finite query is placed as 0: the one-hot product sums a sequence's lanes, and 0 * NaN would reach
+        # the cells of its other lanes; that lane's own residual stays non-finite)
+        lane_q = q[:n].float().view(batch, lanes, -1).nan_to_num(0.0, 0.0, 0.0)  # [B, L, Hq * D]
         grid_q = (self.place.transpose(1, 2) @ lane_q).view(tables, layout.cells, *q.shape[1:])  # [., R, Hq, D]
         lane_attend = attend_cells if torch.compiler.is_compiling() and q.device.type == "cpu" else attend
         grid_out = lane_attend(grid_q.transpose(1, 2), keys, values, self.lane_visible)  # [B * planes, Hq, R, D]

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .stored import stored
+
 _GATHER_BYTES = 16 * 2**20  # budget for the keys gathered for one chunk of tables (counted in fp32)
 
 
@@ -34,12 +36,13 @@ def write_kv_torch(
     v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
     slots: torch.Tensor,  # [N] int64; < 0 marks an inactive row
 ) -> None:
-    """Scatter row `n`'s key and value into flat slot `slots[n]` of the pools, skipping rows with a negative slot."""
+    """Scatter row `n`'s key and value (`stored`) into flat slot `slots[n]` of the pools, skipping rows with a negative
+    slot."""
     active = slots >= 0  # [N]
     slots = slots[active]  # [n_active]
     page_size = k_cache.shape[1]
-    k_cache[slots // page_size, slots % page_size] = k[active]
-    v_cache[slots // page_size, slots % page_size] = v[active]
+    k_cache[slots // page_size, slots % page_size] = stored(k[active], k_cache.dtype)
+    v_cache[slots // page_size, slots % page_size] = stored(v[active], v_cache.dtype)
 
 
 def paged_attention_torch(
@@ -57,7 +60,9 @@ def paged_attention_torch(
     `[N, Hq, D]` in `q.dtype`, zeros for inactive rows. Inactive rows touch no block table.
 
     Only slots below the longest context among a table's rows in this call are read. Those hold real KV (the
-    longest row attends to all of them), so garbage or NaN anywhere else in the pool cannot reach an output.
+    longest row attends to all of them), finite as every write stores it (`stored`: a shorter row of the table masks
+    the later ones, and a masked inf or NaN would still reach its output), so garbage or NaN anywhere else in the
+    pool cannot reach an output.
     """
     if len(q) == 0 or not bool(context_lens.all()):
         return _attend_active_rows(q, k_cache, v_cache, block_tables, table_ids, context_lens, scale)

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .stored import stored
+
 # Whether the kernels below were decorated for the CPU interpreter: triton reads the variable at decoration time.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -143,7 +145,8 @@ def write_kv_triton(
     v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
     slots: torch.Tensor,  # [N] int64; < 0 marks an inactive row
 ) -> None:
-    """Triton twin of `naive.naive_write_kv`: scatter each row's key and value into its flat slot."""
+    """Triton twin of `naive.naive_write_kv`: scatter each row's key and value (`stored`) into its flat slot."""
+    k, v = stored(k, k_cache.dtype), stored(v, v_cache.dtype)
     _check_unit_stride(k, v, k_cache, v_cache)
     num_rows, num_kv_heads, head_dim = k.shape
     if num_rows == 0:
