@@ -175,7 +175,7 @@ def test_a_later_process_starts_from_the_stored_acceptance(case, monkeypatch):
     assert [(c.mode, c.reason) for c in later.speculation.choices] == [("plain", "acceptance")]
     assert torch.equal(later.sequences, ref.sequences)
     call = {"do_sample": False, "draft_hook": hook}
-    settings = acceptance_settings(call, merged_config(model, call))
+    settings = acceptance_settings(call, merged_config(model, call), model.num_loops)
     assert auto_policy.remembered(model, settings).rate(1, POLICY.min_verified) == 0.0  # the calls' key
     other = tiny_spec_model(6, vocab=VOCAB, damp=0.3)  # same config, other weights
     assert other.config.to_dict() == model.config.to_dict()
@@ -271,7 +271,7 @@ def test_a_stored_acceptance_no_decoding_could_make_is_ignored(case, monkeypatch
     tokens (an OverflowError made every auto call fail until the file was deleted; a rate of 50 was reported)."""
     model, prompts, ids, mask, ref, reference = case
     set_costs(model, SPECULATIVE_WINS)
-    settings = acceptance_settings({"do_sample": False}, merged_config(model, {"do_sample": False}))
+    settings = acceptance_settings({"do_sample": False}, merged_config(model, {"do_sample": False}), model.num_loops)
     auto_cache.store(auto_cache.acceptance_key(model), {"by_settings": {settings: entry}}, "acceptance")
     monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())  # a new process reads the file
     assert auto_policy.remembered(model, settings) == auto_policy.Acceptance()

@@ -218,3 +218,24 @@ def test_the_weights_fingerprint_reads_a_weight_it_cannot_view_by_its_type_and_s
     opaque.lm_head.weight = torch.nn.Parameter(OpaqueWeight(head.shape), requires_grad=False)
     key = auto_cache.weights_fingerprint(opaque)
     assert key == auto_cache.weights_fingerprint(opaque) != auto_cache.weights_fingerprint(plain)
+
+
+def test_a_huginn_models_costs_are_measured_per_recurrence_steps(tmp_path, monkeypatch):
+    """A call's cost grows with Huginn's `num_steps`: a table measured at 2 steps was used at 6, in the process and
+    from disk (the keys named no loop count), so auto underpriced plain decoding at the deeper setting."""
+    from huginn_utils import tiny_huginn
+
+    monkeypatch.setenv(auto_cache.CACHE_ENV, str(tmp_path))
+    huginn = tiny_huginn(seed=1)[0]
+    measured = []
+    measure = auto_calibration.measure_costs
+    monkeypatch.setattr(auto_calibration, "measure_costs",
+                        lambda *args: measured.append(huginn.num_loops) or measure(*args))
+    for steps in (2, 6, 2, 6):
+        with huginn.recurrence(num_steps=steps, init_scale=0.0):
+            costs_for(huginn, 1, [Candidate("pipeline", 1)])
+    assert measured == [2, 6]  # once per loop count, then kept in the process
+    set_costs(huginn, None)
+    with huginn.recurrence(num_steps=6, init_scale=0.0):
+        costs_for(huginn, 1, [Candidate("pipeline", 1)])
+    assert measured == [2, 6]  # read back from disk, under the key of its loop count

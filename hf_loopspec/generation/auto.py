@@ -92,11 +92,12 @@ ACCEPTANCE_SETTINGS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "t
                        "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "sequence_bias")
 
 
-def acceptance_settings(kwargs: dict, config) -> str:
+def acceptance_settings(kwargs: dict, config, loops: int) -> str:
     """The settings of a call that change how often drafts are accepted, as the key of the acceptance earlier calls
     observed (`auto_policy.remembered`): `ACCEPTANCE_SETTINGS`, the class names of the call's own logits
-    processors, and whether a draft hook (tests, the bench's synthetic drafts) replaces the model's drafts."""
-    values = {key: _setting(kwargs, config, key) for key in ACCEPTANCE_SETTINGS}
+    processors, whether a draft hook (tests, the bench's synthetic drafts) replaces the model's drafts, and the
+    call's loop count `loops` (Huginn's `num_steps`: the depth drafts are verified at)."""
+    values = {key: _setting(kwargs, config, key) for key in ACCEPTANCE_SETTINGS} | {"loops": loops}
     if isinstance(values["sequence_bias"], dict):  # {(ids...): bias}: tuple keys, which JSON cannot hold
         values["sequence_bias"] = sorted([list(ids), bias] for ids, bias in values["sequence_bias"].items())
     values["logits_processor"] = [type(p).__qualname__ for p in kwargs.get("logits_processor") or ()]
@@ -257,7 +258,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     batch, prompt_width = ids.shape
     policy = policy_for(model)
-    settings = acceptance_settings(kwargs, config)
+    settings = acceptance_settings(kwargs, config, model.num_loops)
     options = [] if call.plain_reason else options  # nothing to choose: no costs measured (nor the engine run)
     chooser = Chooser(costs_for(model, batch, options), options, model.num_loops, policy,
                       remembered(model, settings))

@@ -3,13 +3,13 @@ an earlier one timed or probed.
 
 Cost tables (`kind="costs"`): one JSON file per key: `cost_key` holds everything that changes what a call costs (the
 model's config, parameter count and dtype, the device's type and name, torch's version and thread count, the batch
-size and this package's version), the file is named by its hash and also stores the key itself, so that a file from
-another key (a hash collision, a hand-copied file) is ignored like an unreadable one. The folder is
-`$HF_LOOPSPEC_CACHE` when set, else the user cache folder of `platformdirs` when it is installed, else
-`~/.cache/hf_loopspec`; files are written atomically (a temporary file in the folder, then `os.replace`), so
-concurrent processes never read half a file, and `update` reads, changes and writes one under a file lock, so that
-processes sharing the folder keep the entries the others stored (an entry of the same key: the last writer's). A
-folder that cannot be written costs only the cache: the table stays in the process.
+size, the loop count a call runs (Huginn's `num_steps`) and this package's version), the file is named by its hash
+and also stores the key itself, so that a file from another key (a hash collision, a hand-copied file) is ignored
+like an unreadable one. The folder is `$HF_LOOPSPEC_CACHE` when set, else the user cache folder of `platformdirs`
+when it is installed, else `~/.cache/hf_loopspec`; files are written atomically (a temporary file in the folder, then
+`os.replace`), so concurrent processes never read half a file, and `update` reads, changes and writes one under a
+file lock, so that processes sharing the folder keep the entries the others stored (an entry of the same key: the
+last writer's). A folder that cannot be written costs only the cache: the table stays in the process.
 
 Acceptance (`kind="acceptance"`, `acceptance_key`): what auto calls observed on a model, keyed by its config, dtype,
 a fingerprint of its weights (`weights_fingerprint`: another checkpoint of the same architecture drafts differently)
@@ -74,7 +74,7 @@ def cost_key(model, batch: int) -> dict:
     return {"format": FORMAT, "config": _config(model),
             "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(model.lane_dtype),
             "device": device_name(model.device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "batch": batch, "hf_loopspec": __version__}
+            "batch": batch, "loops": model.num_loops, "hf_loopspec": __version__}
 
 
 _FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> weights_fingerprint

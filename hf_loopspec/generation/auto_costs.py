@@ -81,7 +81,9 @@ _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(d
 
 
 def _key(model, batch: int | None) -> tuple:
-    return (str(model.device), str(model.lane_dtype), batch)
+    """A table's key: a measured one is for the model's loops now (Huginn's `num_steps`: the steps a call costs) and
+    one batch size; a table injected for every batch size (`batch` None) is for every loop count too."""
+    return (str(model.device), str(model.lane_dtype)) + ((None,) if batch is None else (model.num_loops, batch))
 
 
 def set_costs(model, table: CostTable | None, batch: int | None = None) -> None:
