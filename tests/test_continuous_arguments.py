@@ -189,6 +189,22 @@ def test_a_kept_manager_refuses_other_settings(model):
         model.destroy_cached_continuous_batching_manager()
 
 
+def test_a_kept_manager_built_with_numpy_settings_serves_equal_configs_again(model):
+    """numpy numbers pass everywhere else (generate, a manager's first call); reusing a kept manager built with them
+    raised transformers' TypeError from comparing the configs through JSON ("int64 is not JSON serializable")."""
+    inputs = prompts(2, [4, 6])
+    numpy = generation_config({}, max_new_tokens=np.int64(5), eos_token_id=[np.int64(0)], temperature=np.float32(1))
+    python = generation_config({}, max_new_tokens=5, eos_token_id=[0], temperature=1.0)
+    expected = [alone(model, p, 5, eos=[0]) for p in inputs]
+    try:
+        for config in (numpy, numpy, python):
+            out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(),
+                                       persistent_manager=True)
+            assert [r.generated_tokens for r in out.values()] == expected
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+
+
 @pytest.mark.parametrize("change", ["loops", "dtype", "hook"])
 def test_a_kept_manager_is_refused_once_the_model_changed(change):
     """A kept manager's slots are built for the model as it was: after its loop count or dtype changed (it decoded

@@ -8,6 +8,7 @@ arrives, from zero initial states (deterministic without a seed) and from seeded
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from continuous_utils import alone, batching, collect, generation_config, prompts, starting
@@ -151,6 +152,24 @@ def test_an_open_block_decides_over_the_models_generation_config_as_in_generate(
         assert run(generation_config(SETTINGS["plain"])) == expected[2]
         assert run(generation_config(SETTINGS["pipeline-d1"], num_steps=3)) == expected[3]
     assert run(None) == expected[3]
+
+
+def test_a_kept_manager_built_with_numpy_recurrence_settings_serves_again():
+    """numpy recurrence settings are read as Python numbers (the kept manager's settings held np.int64 steps, and its
+    config failed transformers' JSON comparison on the next call)."""
+    model = tiny_huginn(seed=5, damp=0.3)[0]
+    inputs = prompts(6, [5, 3])
+    config = generation_config(SETTINGS["pipeline-d1"], num_steps=np.int64(3), init_scale=np.float64(0.0))
+    expected = [alone(model, p, 8, num_steps=3, init_scale=0.0) for p in inputs]
+    try:
+        for _ in range(2):
+            out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(),
+                                       persistent_manager=True)
+            assert [r.generated_tokens for r in out.values()] == expected
+        recurrence = model._cached_continuous_batching_manager.settings.recurrence
+        assert type(recurrence.num_steps) is int and type(recurrence.init_scale) is float
+    finally:
+        model.destroy_cached_continuous_batching_manager()
 
 
 def test_unseeded_requests_draw_their_own_seed(model, started):
