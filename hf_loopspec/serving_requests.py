@@ -43,7 +43,8 @@ def request_problem(body, positions: int | None = None, path: str = "") -> str |
     """Why the server refuses a completion request's JSON `body` before transformers reads it, or None: a token limit
     that is not a whole number >= 1 (transformers would take 1.5 as 1 and "5" as 5) or that alone reaches the model's
     `positions` (transformers would warn in the server's log and decode on past them, for as long as the client
-    waits; the generation config's `max_new_tokens` and `max_length` likewise), a field it would ignore with a
+    waits; the generation config's `max_new_tokens` likewise), the generation config's `max_length` (the server
+    always sets `max_new_tokens`, which wins over it: it would be ignored), a field it would ignore with a
     warning in the server's log only (`ONE_ANSWER`: `n=2` would return one choice) or without one (`UNSUPPORTED`), or
     a value its handlers would fail on with a bare 500 (`value_problem`), or a `logit_bias` sent to `path`
     /v1/completions, whose handler drops it without a word (chat's takes it). Null counts as unset."""
@@ -68,15 +69,16 @@ def request_problem(body, positions: int | None = None, path: str = "") -> str |
         if value is not None and positions is not None and value >= positions:
             return (f"{name}={value} reaches the model's {positions} positions, which the prompt's tokens share; "
                     f"ask for fewer than {positions} minus the prompt's length.")
-    config = body.get("generation_config")
-    if isinstance(config, str) and positions is not None and all(body.get(name) is None for name in TOKEN_LIMITS):
-        settings = json.loads(config)  # (a JSON object: `value_problem`); the limit that applies: max_tokens and
-        # the like replace its max_new_tokens, which wins over its max_length
-        name = "max_new_tokens" if settings.get("max_new_tokens") is not None else "max_length"
-        value, limit = settings.get(name), positions - 1 if name == "max_new_tokens" else positions
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
-            return (f"generation_config's {name}={value} goes past the model's {positions} positions, which the "
-                    f"prompt's tokens share; ask for fewer tokens (generation_config's {name}, or max_tokens).")
+    settings = json.loads(body["generation_config"]) if isinstance(body.get("generation_config"), str) else {}
+    if settings.get("max_length") is not None:  # (a JSON object: `value_problem`)
+        return (f"generation_config's max_length={settings['max_length']!r} is not honoured by this server: it always "
+                "sets max_new_tokens (max_tokens, else the checkpoint's, at least 1024), which wins over max_length; "
+                "send max_tokens, or generation_config's max_new_tokens, instead.")
+    value = settings.get("max_new_tokens")  # the limit that applies unless max_tokens or the like replace it
+    if positions is not None and all(body.get(name) is None for name in TOKEN_LIMITS) and isinstance(
+            value, (int, float)) and not isinstance(value, bool) and value >= positions:
+        return (f"generation_config's max_new_tokens={value} goes past the model's {positions} positions, which the "
+                "prompt's tokens share; ask for fewer tokens (generation_config's max_new_tokens, or max_tokens).")
     for name, (default, fix) in ONE_ANSWER.items():
         value = body.get(name)
         kept = value is default if isinstance(default, bool) else not isinstance(value, bool) and value == default
