@@ -22,6 +22,7 @@ from __future__ import annotations
 PER_REQUEST = frozenset({"max_new_tokens", "max_length", "eos_token_id", "use_cache", "transformers_version",
                          "_from_model_config"})
 SAMPLING = frozenset({"temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"})
+OFF_AS_UNSET = frozenset({"use_weighted_exit"})  # options whose False asks for nothing, as unset does
 
 
 def effective(model_config, config) -> dict:
@@ -45,8 +46,12 @@ def settings_problem(model_config, manager_config, request_config,
                         init_seed=recurrence.init_seed)
     sampled = manager.get("do_sample", False) or request.get("do_sample", False)
     keys = sorted((set(manager) | set(request)) - PER_REQUEST - (set() if sampled else SAMPLING))
-    differ = {k: (request.get(k, defaults.get(k)), manager.get(k, defaults.get(k))) for k in keys
-              if request.get(k, defaults.get(k)) != manager.get(k, defaults.get(k))}
+
+    def meant(side: dict, key: str):  # what `side` asks for: an unset key as generate reads it, an option off as unset
+        value = side.get(key, defaults.get(key))
+        return None if key in OFF_AS_UNSET and value is False else value
+
+    differ = {k: (meant(request, k), meant(manager, k)) for k in keys if meant(request, k) != meant(manager, k)}
     if not differ:
         return None
     listed = ", ".join(f"{k}={mine!r} (the manager's: {theirs!r})" for k, (mine, theirs) in list(differ.items())[:6])

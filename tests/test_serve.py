@@ -517,6 +517,11 @@ def test_a_request_joins_a_running_manager_only_with_its_settings(checkpoint):
     # request's do_sample=False) asks for what its manager runs (before: "do_sample=False (the manager's: None)")
     unset = transformers.GenerationConfig(pad_token_id=checkpoints.pad_token_id)
     assert serving_batching.settings_problem(unset, unset, transformers.GenerationConfig(do_sample=False)) is None
+    # use_weighted_exit=False asks for no exit, as unset does (it was refused: "(the manager's: None)"); True differs
+    for flag, refused in ((False, False), (True, True)):
+        problem = serving_batching.settings_problem(checkpoints, first, transformers.GenerationConfig(
+            **{**checkpoints.to_dict(), "use_weighted_exit": flag}))
+        assert (problem is not None) == refused and (not refused or "use_weighted_exit=True" in problem)
     if OWN_PROCESS:  # no manager per first request: `serving_engine.LoopBatchingRunner` refuses by the same check
         stops = transformers.GenerationConfig(**{**checkpoints.to_dict(), "stop_strings": ["\n"]})
         assert "stop_strings=" in serving_batching.settings_problem(checkpoints, checkpoints, stops)
