@@ -37,15 +37,16 @@ MODES = ("pipeline", "block")
 EXIT_OPTIONS = ("exit_at_step", "exit_threshold", "use_weighted_exit")  # Ouro's exit selection (forward, generate)
 RECURRENCE_OPTIONS = ("num_steps", "init_scale", "init_seed")  # Huginn's recurrence settings (forward, generate)
 
-
-def asks(value) -> bool:
-    """Whether an option's value asks for something: None and False do not (0, as `exit_at_step=0`, does)."""
-    return value is not None and value is not False
 AUTO_MODE = "auto"  # chosen per segment by `generation.auto`; never reaches an engine
 SETTABLE_MODES = (*MODES, AUTO_MODE)  # what `speculative_mode` accepts besides None
 LANE_MODES = ("ar", *MODES)  # `decode_with_lanes` also runs "ar": the reference without drafting
 ENGINES = ("auto", "wavefront")
 RETIRED_ENGINES = ("lanes",)  # values of earlier versions (a saved generation_config.json may hold one)
+
+
+def asks(value) -> bool:
+    """Whether an option's value asks for something: None and False do not (0, as `exit_at_step=0`, does)."""
+    return value is not None and value is not False
 
 
 @dataclass(frozen=True)
