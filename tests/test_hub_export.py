@@ -158,6 +158,24 @@ def test_sampling_settings_of_the_checkpoint_are_credited_to_it(source, tmp_path
     assert "base model's card" not in card
 
 
+@pytest.mark.parametrize("base_model", ["./local-model", "/abs/path/model"])
+def test_a_source_cards_base_model_that_is_a_path_is_left_out_with_a_warning(source, tmp_path, caplog, base_model):
+    """A local fine-tune's card may name its base model by path: the export's card wrote it as the Hub's base_model
+    (which the Hub rejects) and linked https://huggingface.co/./local-model. It is left out, with a warning naming
+    --base-model; a Hub id there is kept."""
+    src = tmp_path / "src"
+    source[0].save_pretrained(src)
+    for named, kept in ((base_model, False), ("someone/base", True)):
+        (src / "README.md").write_text(f"---\nbase_model: {named}\nlicense: mit\n---\n# Model\n\nA fine-tune.\n")
+        with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+            out = export.export_checkpoint(src, tmp_path / f"out-{kept}", benchmarks=None)
+        card, data = (out / "README.md").read_text(), ModelCard.load(out / "README.md").data.to_dict()
+        assert data.get("base_model") == ("someone/base" if kept else None), data
+        assert ("huggingface.co/someone/base" in card) == kept and "huggingface.co/." not in card
+        assert ("is no Hub repo id" in caplog.text) != kept and (kept or "--base-model" in caplog.text)
+        caplog.clear()
+
+
 def test_an_exit_option_of_the_checkpoint_is_on_the_card_and_a_bad_one_refused(source, tmp_path):
     """A source whose generation_config.json sets an exit option: the export keeps it and its card says `generate`
     decodes from that exit (it said "from the last loop"); a setting every `generate` of the export would raise on

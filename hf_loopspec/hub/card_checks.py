@@ -16,6 +16,18 @@ SAMPLING_RANGES = {  # a card's sampling setting -> (low, high, low included): w
 }
 
 
+def is_hub_repo_id(value: str) -> bool:
+    """Whether `value` has the form of a Hub repo id (`huggingface_hub.utils.validate_repo_id`: `gpt2`, `org/name`),
+    which a path (`./model`, `/abs/path`) has not."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
 def check_card_metadata(repo_id: str | None, base_model: str | None, license: str | None) -> None:
     """`ValueError` naming `--repo-id`, `--base-model` or `--license` when it is not what the Hub accepts there: repo
     ids as `huggingface_hub.utils.validate_repo_id` checks them (no `..`, at most one slash; the repo to create with

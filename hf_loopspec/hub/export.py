@@ -44,7 +44,7 @@ from pathlib import Path
 from .. import __version__
 from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
 from ..input_checks import check_source, hub_errors_explained
-from .card_checks import SAMPLING_RANGES, check_card_metadata
+from .card_checks import SAMPLING_RANGES, check_card_metadata, is_hub_repo_id
 from .install import install_command
 from .shims import AUTO_MAP, SHIM_FILES, write_template
 from .source import resolve_source
@@ -212,6 +212,7 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
     """The card of the export (built before anything is written, so that a bad benchmarks file fails first); its
     identity comes from `source` (a `hf_loopspec.hub.source.Source`)."""
     from ..generation.config import EXIT_OPTIONS, asks
+    from ..logs import get_logger
     from .card import build_model_card, makers_weights
 
     for result in benchmarks:
@@ -220,6 +221,10 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
     data = source.card_data
     if base_model is None:
         base_model = source.spec if source.hub_id else data.get("base_model")
+        if isinstance(base_model, str) and not is_hub_repo_id(base_model):  # (a path: the Hub would reject it)
+            get_logger(__name__).warning("export: the source card's base_model %r is no Hub repo id: left out of "
+                                         "the card; pass --base-model to name the base model.", base_model)
+            base_model = None
     is_base = source.hub_id and base_model == source.spec  # the weights are base_model's own, not a derivative's
     card_args = {
         "repo_id": repo_id or f"your-username/{source.name}",
