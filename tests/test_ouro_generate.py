@@ -209,6 +209,22 @@ def test_a_static_cache_continues_within_its_size_and_refuses_beyond_it(setup):
             model.generate(torch.cat([full.sequences, extra], 1), cache=full.past_key_values, max_new_tokens=NEW)
 
 
+@pytest.mark.parametrize("exit_at_step", [None, 1])
+def test_forward_compiles_whole_with_a_padding_mask(setup, exit_at_step):
+    """`torch.compile(model.forward, fullgraph=True)` of a padded batch (a graph break raises): the mask's checks read
+    it on the host (whether it holds only 0 and 1, whether it masks anything), which a trace cannot; traced, they are
+    skipped, as the token ids' check is, and the mask is always applied. Compiled logits equal eager ones to fp32
+    rounding over the forward's depth (aot_eager may decompose ops another way)."""
+    model, _, _, ids, mask = setup
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        for use_cache in (False, True):
+            expected = model(ids, attention_mask=mask, use_cache=use_cache, exit_at_step=exit_at_step).logits
+            actual = compiled(ids, attention_mask=mask, use_cache=use_cache, exit_at_step=exit_at_step).logits
+            assert_fp32_close(actual, expected, **ouro_depth(model.config))
+
+
 def test_transformers_compiled_static_path_equals_dynamic(setup):
     """transformers' own compiled decoding (static cache + `compile_config`; forced on CPU, aot_eager backend)."""
     model, _, _, ids, mask = setup

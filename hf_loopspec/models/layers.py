@@ -131,7 +131,10 @@ def kept_positions(logits_to_keep) -> slice | torch.Tensor:
 
 
 def check_mask_values(attention_mask: torch.Tensor) -> None:
-    """`ValueError` unless `attention_mask` holds only 0 (padding) and 1 (a real token)."""
+    """`ValueError` unless `attention_mask` holds only 0 (padding) and 1 (a real token). Skipped while `torch.compile`
+    traces (the check reads the mask on the host), as `check_token_ids` is."""
+    if torch.compiler.is_compiling():
+        return
     binary = (attention_mask == 0) | (attention_mask == 1)
     if not bool(binary.all()):
         bad = attention_mask[~binary].unique()[:5].tolist()
