@@ -239,3 +239,37 @@ def test_a_huginn_models_costs_are_measured_per_recurrence_steps(tmp_path, monke
     with huginn.recurrence(num_steps=6, init_scale=0.0):
         costs_for(huginn, 1, [Candidate("pipeline", 1)])
     assert measured == [2, 6]  # read back from disk, under the key of its loop count
+
+
+def test_an_injected_table_holds_at_every_loop_count_and_a_new_one_replaces_it(tmp_path, monkeypatch):
+    """Injected tables are fixed choices (tests, benchmarks): one for a batch size held only at the Huginn loop
+    count it was set at (auto measured at the others), forgetting a batch size left the tables of other loop counts,
+    and a table for every batch size did not replace the copy auto had completed from the previous one."""
+    from huginn_utils import tiny_huginn
+
+    from hf_loopspec.generation.auto_costs import kept_table
+
+    monkeypatch.setenv(auto_cache.CACHE_ENV, str(tmp_path))
+    huginn = tiny_huginn(seed=1)[0]
+    injected = CostTable(1.0, {PIPE1: 0.5})
+    set_costs(huginn, injected, batch=1)
+    for steps in (2, 6):
+        with huginn.recurrence(num_steps=steps, init_scale=0.0):
+            assert kept_table(huginn, 1) is injected
+            costs_for(huginn, 1, [PIPE1])  # nothing to measure
+            assert kept_table(huginn, 1) is injected
+    with huginn.recurrence(num_steps=2, init_scale=0.0):
+        costs_for(huginn, 2, [PIPE1])  # measured for batch 2 at 2 steps
+    set_costs(huginn, None, batch=2)
+    with huginn.recurrence(num_steps=6, init_scale=0.0):
+        set_costs(huginn, None, batch=1)
+    with huginn.recurrence(num_steps=2, init_scale=0.0):
+        assert kept_table(huginn, 1) is None and kept_table(huginn, 2) is None
+    first, second = CostTable(1.0, {PIPE1: 0.5}), CostTable(1.0, {PIPE1: 0.25, PIPE2: 0.25})
+    set_costs(huginn, first)
+    with huginn.recurrence(num_steps=4, init_scale=0.0):
+        completed = costs_for(huginn, 1, [PIPE1, PIPE2])  # the injected table completed for batch 1
+        assert completed.cycle[PIPE1] == 0.5 and not completed.adapt
+        set_costs(huginn, second)
+        assert kept_table(huginn, 1) is second
+    set_costs(huginn, None)

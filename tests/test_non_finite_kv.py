@@ -20,6 +20,7 @@ from huginn_utils import tiny_huginn
 from inputs import random_ids
 
 from hf_loopspec import PagedLoopCache
+from hf_loopspec.generation import rules
 from hf_loopspec.ops.attention import naive_write_kv, write_kv_torch
 
 NEW = 8
@@ -110,3 +111,36 @@ def test_a_cache_continued_after_a_nan_draft_equals_plain_decoding():
                                draft_hook=lambda sequence, position, draft: token, **settings)
         second = model.generate(first, cache=cache, pad_token_id=0, speculative_mode="pipeline", **settings)
     assert torch.equal(second, expected)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["pipeline", "block"])
+def test_sampling_past_a_rejected_nan_draft_draws_as_the_unpoisoned_model(family, mode):
+    """Sampling: the lanes after a rejected NaN draft have NaN probabilities, and the run raised plain sampling's
+    "probability tensor contains inf or nan" error, which plain sampling of the same call never raises. Only
+    committing targets' probabilities count now, and a drafter's non-finite ones count as a point mass on its draft
+    (`rules.proposal_q`). The random numbers depend on cycles and lanes, not on tokens, so the poisoned model draws
+    exactly what the unpoisoned one draws with the same seed and drafts (the poisoned token is suppressed: p = 0)."""
+    model = FAMILIES[family]()
+    ids = random_ids((2, 5), 80, seed=8)
+    token = min(set(range(1, 80)) - set(ids.flatten().tolist()))
+    settings = settings_of(family) | {"do_sample": True, "suppress_tokens": [token], "pad_token_id": 0}
+    first = ids.shape[1]  # the poisoned token is forced as each sequence's first draft only: later drafts are the
+    hook = lambda sequence, position, draft: token if position == first else draft  # noqa: E731  model's own
+
+    def run():
+        torch.manual_seed(11)
+        with torch.no_grad():
+            return model.generate(ids, speculative_mode=mode, draft_loops=1, draft_hook=hook, **settings)
+
+    expected = run()
+    poison(model, token)
+    out = run()
+    assert torch.equal(out, expected) and token not in out[:, first:]
+
+
+def test_a_proposals_non_finite_distribution_counts_as_a_point_mass():
+    q = torch.tensor([[0.5, 0.5, 0.0], [float("nan")] * 3, [0.2, 0.3, 0.5]])
+    token, forced = torch.tensor([1, 2, 0]), torch.tensor([False, False, True])
+    expected = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    assert torch.equal(rules.proposal_q(q, token, forced), expected)

@@ -7,11 +7,11 @@ embedding work) per speculative candidate. With the acceptance a of drafts from 
     pipeline (d):      calls per token = d + (U - d)(1 - a)
     block (d, K):      calls per round = (K + 1) d + (U - d), tokens per round = 1 + a + ... + a^K
 
-and seconds per token = calls per token * seconds per cycle; a candidate's speed-up is plain's seconds per token
-over its own. `auto_calibration.costs_for` measures a table once per (model, device, dtype, batch size) or reads the
-one an earlier process stored, and keeps it here for the process; auto's own segments then refine it (`observe`:
-the processors, prompts and load of real calls, in this process only); `set_costs` injects a fixed table (tests:
-every choice is then deterministic).
+and seconds per token = calls per token * seconds per cycle; a candidate's speed-up is plain's seconds per token over
+its own. `auto_calibration.costs_for` measures a table once per (model, device, dtype, loop count, batch size) or
+reads the one an earlier process stored, and keeps it here for the process; auto's own segments then refine it
+(`observe`: the processors, prompts and load of real calls, in this process only); `set_costs` injects a fixed table
+(tests: every choice is then deterministic).
 """
 
 from __future__ import annotations
@@ -77,32 +77,37 @@ def speedup(costs: CostTable, candidate: Candidate, loops: int, acceptance: floa
     return costs.plain_step / seconds if seconds > 0 else float("inf")
 
 
-_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(device, dtype, batch|None): table}
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {_key: table}
 
 
-def _key(model, batch: int | None) -> tuple:
-    """A table's key: a measured one is for the model's loops now (Huginn's `num_steps`: the steps a call costs) and
-    one batch size; a table injected for every batch size (`batch` None) is for every loop count too."""
-    return (str(model.device), str(model.lane_dtype)) + ((None,) if batch is None else (model.num_loops, batch))
+def _key(model, batch: int | None, measured: bool) -> tuple:
+    """A table's key: (device, dtype, loops, batch). A measured table (`adapt`) holds for the loop count the model
+    runs now (Huginn's `num_steps`: the steps a call costs) and one batch size; an injected one for every loop count
+    (`loops` None), and for every batch size when `batch` is None."""
+    return str(model.device), str(model.lane_dtype), model.num_loops if measured else None, batch
 
 
 def set_costs(model, table: CostTable | None, batch: int | None = None) -> None:
-    """Use `table` for `model` on its current device and dtype, for batch size `batch` (None: every batch size
-    without a table of its own); `table=None` forgets that table, or with `batch` None every table of `model`
-    (the next auto call measures)."""
+    """Use `table` for `model` on its current device and dtype, for batch size `batch`, or for every batch size
+    (`batch` None: it replaces every table kept for the model, measured or injected); `table=None` forgets the tables
+    of that batch size (of every loop count), or with `batch` None every table of `model` (the next auto call
+    measures)."""
     tables = _TABLES.setdefault(model, {})
-    if table is None and batch is None:
-        tables.clear()
-    elif table is None:
-        tables.pop(_key(model, batch), None)
-    else:
-        tables[_key(model, batch)] = table
+    here = _key(model, batch, measured=False)[:2]  # (device, dtype)
+    replaced = (None, model.num_loops)  # the loop counts a new table of `batch` replaces (forgetting: all)
+    for key in list(tables):
+        if batch is None or key[:2] == here and key[3] == batch and (table is None or key[2] in replaced):
+            del tables[key]
+    if table is not None:
+        tables[_key(model, batch, measured=table.adapt and batch is not None)] = table
 
 
 def kept_table(model, batch: int) -> CostTable | None:
-    """The table this process holds for `model` at batch size `batch` (its own, else one for every batch size)."""
+    """The table this process holds for `model` at batch size `batch`: measured at its loop count now, else injected
+    for that batch size, else injected for every batch size."""
     tables = _TABLES.get(model, {})
-    return tables.get(_key(model, batch)) or tables.get(_key(model, None))
+    keys = (_key(model, batch, measured=True), _key(model, batch, measured=False), _key(model, None, measured=False))
+    return next((tables[key] for key in keys if key in tables), None)
 
 
 def observe(model, batch: int, candidate: Candidate, seconds: float, steps: int) -> None:
@@ -112,7 +117,7 @@ def observe(model, batch: int, candidate: Candidate, seconds: float, steps: int)
     speculative costs by the same factor (a change of load slows every setting alike, so the ratios, which decide,
     stay those measured). Injected tables (`adapt` False) stay fixed."""
     tables = _TABLES.get(model, {})
-    key = _key(model, batch)
+    key = _key(model, batch, measured=True)
     table = tables.get(key)
     if table is None or not table.adapt or steps <= 0 or (candidate.mode and candidate not in table.cycle):
         return

@@ -378,7 +378,7 @@ class LaneDecoder:
         seq = self.seqs[lane.seq]
         if self.processors is not None:
             raw = self._process(seq.index, self._prefix(seq, lane), raw)
-        token, q = self.rules.choose(lane, raw) if top is None else (top, None)
+        token, q = self.rules.choose(lane, raw, propose=True) if top is None else (top, None)
         if self.draft_hook is not None:
             hooked = int(self.draft_hook(seq.index, lane.position + 1, token))
             if q is not None and hooked != token:  # a forced proposal is a point mass: still lossless
@@ -396,7 +396,7 @@ class LaneDecoder:
         q = None
         if top is None:
             scores = self._process(seq.index, self._prefix(seq, lane), raw)
-            top, q = self.rules.choose(lane, scores)
+            top, q = self.rules.choose(lane, scores, propose=True)
         sibling = self.seconds.propose(seq, lane, top, q, self._spawn)
         if sibling is not None:
             self._event("second", seq.index, sibling.position, sibling.token)

@@ -13,6 +13,7 @@ from .rules import (
     draw,
     greedy,
     non_finite_error,
+    proposal_q,
     run_generator,
     second_candidate,
     speculative,
@@ -43,14 +44,19 @@ class LaneRules:
             return cycle_uniforms(self.generator, (1, 1, self.shape[-1]), self.device)[0, 0]
         return self.noise[lane.seq, lane.position % self.shape[1]]
 
-    def choose(self, lane: Lane, scores: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """The token `lane`'s processed head `scores` `[V]` give when there is no draft to judge (its draft, a second
-        proposal, or a target with nothing after it): greedy, their argmax; sampling, a draw from their softmax with
-        the lane's `DRAW` uniform. Also returns that softmax `[V]` (None when greedy)."""
+    def choose(self, lane: Lane, scores: torch.Tensor, propose: bool = False) -> tuple[int, torch.Tensor | None]:
+        """The token `lane`'s processed head `scores` `[V]` give when there is no draft to judge (its draft or a
+        second proposal: `propose`; or a target with nothing after it): greedy, their argmax; sampling, a draw from
+        their softmax with the lane's `DRAW` uniform. Also returns the distribution it was drawn from `[V]` (None
+        when greedy): a proposal's non-finite softmax counts as a point mass on the token (`rules.proposal_q`)."""
         if not self.do_sample:
             return int(scores.argmax()), None
-        probs = self._probabilities(lane, scores)
-        return int(draw(probs, self.uniforms(lane)[DRAW])), probs
+        if not propose:
+            probs = self._probabilities(lane, scores)
+            return int(draw(probs, self.uniforms(lane)[DRAW])), probs
+        probs = torch.softmax(scores, -1)
+        token = draw(probs, self.uniforms(lane)[DRAW])
+        return int(token), proposal_q(probs[None], token[None], torch.zeros(1, dtype=torch.bool))[0]
 
     @staticmethod
     def _probabilities(lane: Lane, scores: torch.Tensor) -> torch.Tensor:

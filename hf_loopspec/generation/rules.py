@@ -65,6 +65,15 @@ def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (cumulative <= point).sum(-1).clamp(max=weights.shape[-1] - 1)
 
 
+def proposal_q(q: torch.Tensor, token: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """The distribution `[B, V]` a proposal `token` `[B]` counts as drawn from: its drafter's probabilities `q`, or a
+    point mass on `token` where it was forced (`forced` `[B]`) or where `q` is not finite (a drafter whose activations
+    overflowed). A point mass keeps speculative sampling exact (the draft is kept with probability p(token)); a
+    non-finite q would spoil the target's draw."""
+    point = forced | ~q.isfinite().all(-1)  # [B]
+    return torch.where(point[:, None], torch.nn.functional.one_hot(token, q.shape[-1]).to(q.dtype), q)
+
+
 def greedy(scores: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy rule on `scores` `[..., V]` with drafts `x` `[...]`: (the argmax `[...]`, whether x equals it)."""
     top = scores.argmax(-1)

@@ -21,10 +21,10 @@ in `accepted` and `second_accepted`, and a chosen sibling becomes a main-path la
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...ops.attention.slots import table_slot
 from ...ops.attention.stored import stored
+from .. import rules
 from .state import Plan, WavefrontState, counts
 
 
@@ -118,7 +118,7 @@ def reread(plan: Plan, s: WavefrontState, rereader: torch.Tensor, top: torch.Ten
     s.sib_read = s.sib_read | has
     if probs is not None:
         q = torch.where(rereader[..., None], probs, 0.0).sum(1)  # [B, V] (at most one re-reader per sequence)
-        q = torch.where((forced >= 0)[:, None], F.one_hot(token, q.shape[-1]).to(q.dtype), q)
+        q = rules.proposal_q(q, token, forced >= 0)
         s.sib_q = torch.where(has[:, None], q, s.sib_q)
     s.sib_depth = torch.where(spawn, 0, s.sib_depth)
     s.sib_alive = s.sib_alive | spawn

@@ -54,7 +54,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ...ops.attention.slots import SlotAttention, SlotLayout
 from .. import rules
@@ -82,11 +81,9 @@ def make_step(model, plan: Plan) -> Callable[[WavefrontState], WavefrontState]:
         token, accept, probs = (None if x is None else place(x)
                                 for x in choose(plan, state, scores, slots))  # [B, L], [B, L], [B, L, V] or None
         kept = outputs.slot_values(plan, logits, scores, place)  # output_scores / output_logits: [B, L, V] each
-        if probs is not None:
-            _flag_invalid(state, probs)
         drafter = _drafters(plan, state, ran)  # [B, L], chosen before verification
         rereader = ran & (state.depth == plan.second_loops) if second else None  # [B, L]
-        spawn_tok, spawn_pos, restart, taken = _verify(plan, state, ran, token, accept, kept)
+        spawn_tok, spawn_pos, restart, taken = _verify(plan, state, ran, token, accept, kept, probs)
         drafter = drafter & ~taken  # a chosen sibling took a killed lane's slot, which may have been the drafter's
         if plan.exit_rule is not None and second:
             exits.promote(state, taken)
@@ -189,14 +186,6 @@ def head_slots(plan: Plan, s: WavefrontState, ran: torch.Tensor) -> torch.Tensor
     return torch.where(present, slots, first)
 
 
-def _flag_invalid(s: WavefrontState, probs: torch.Tensor) -> None:
-    """Sampling: a sequence whose live lanes' probabilities `probs` `[B, L, V]` are not all finite (settings that
-    overflow in float32, non-finite logits) is marked `invalid` and finished (`WavefrontEngine.run` raises)."""
-    bad = (~probs.isfinite().all(-1) & s.alive).any(1) & ~s.finished  # [B]
-    s.invalid = s.invalid | bad
-    s.finished = s.finished | bad
-
-
 def _to_slots(x: torch.Tensor, slots: torch.Tensor, lanes: int) -> torch.Tensor:
     """`x` `[B, R, ...]` of the slots `slots` `[B, R]` placed at those slots of `[B, L, ...]` (zeros elsewhere;
     a slot listed twice gets the same value twice)."""
@@ -288,9 +277,13 @@ def _shift_left(x: torch.Tensor, fill) -> torch.Tensor:
 
 
 def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor, accept: torch.Tensor,
-            kept: tuple = ()):
+            kept: tuple = (), probs: torch.Tensor | None = None):
     """Step 4, with each slot's chosen token `top` `[B, L]` and whether the lane after it is accepted `accept`
     `[B, L]` (`processing.choose`); a committed target's `kept` values (`outputs.slot_values`) are recorded.
+    Sampling, a sequence whose committing targets' probabilities `probs` `[B, L, V]` are not all finite (settings
+    that overflow in float32, non-finite logits: plain sampling's error) commits nothing and is marked `invalid` and
+    finished (`WavefrontEngine.run` raises); other lanes' probabilities do not count (a lane after a rejected draft
+    dies with it, whatever the draft's activations were).
     Returns each sequence's restart lane: token `[B]`, position `[B]`, and whether there is one `[B]`; and the lane
     slots `[B, L]` that chosen siblings took (`sibling.promote`)."""
     lanes = s.token.shape[1]
@@ -309,6 +302,10 @@ def _verify(plan: Plan, s: WavefrontState, ran: torch.Tensor, top: torch.Tensor,
     first_stop = torch.where(go_on.all(1), lanes, (~go_on).long().argmax(1))  # [B] rank of the first lane not going on
     reached = rank <= first_stop[:, None]  # [B, L] every lane below the rank goes on (no cumprod: a fused compare)
     commit = target & reached  # [B, L]
+    if probs is not None:
+        bad = (commit & ~by_rank(probs.isfinite().all(-1))).any(1)  # [B]
+        s.invalid, s.finished = s.invalid | bad, s.finished | bad
+        commit = commit & ~bad[:, None]
     n_commit = commit.sum(1)  # [B]
     verified = commit & has_next
     accepted, rejected, second = verified & (match | chosen), verified & ~match & ~chosen, verified & ~match & chosen
@@ -377,6 +374,6 @@ def _draft(plan: Plan, s: WavefrontState, drafter, top, probs, restart_tok, rest
     s.draft = torch.where(slot, has_draft[:, None], s.draft)
     if plan.do_sample:  # the draft's q: the drafter's probabilities, or a point mass on a forced token (lossless)
         q = torch.where(drafter[..., None], probs, 0.0).sum(1)  # [B, V] (at most one drafter per sequence)
-        q = torch.where((forced >= 0)[:, None], F.one_hot(draft_tok, q.shape[-1]).to(q.dtype), q)
+        q = rules.proposal_q(q, draft_tok, forced >= 0)
         s.draft_q = torch.where(slot[..., None], q[:, None], s.draft_q)
     s.hidden = torch.where(slot[..., None], embed_spawned(s, token, position, spawn)[:, None], s.hidden)
