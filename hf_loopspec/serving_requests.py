@@ -71,9 +71,10 @@ def request_problem(body, positions: int | None = None, path: str = "") -> str |
                     f"ask for fewer than {positions} minus the prompt's length.")
     settings = json.loads(body["generation_config"]) if isinstance(body.get("generation_config"), str) else {}
     if settings.get("max_length") is not None:  # (a JSON object: `value_problem`)
+        limit = "max_output_tokens" if path.endswith("/responses") else "max_tokens"  # (the endpoint's own field)
         return (f"generation_config's max_length={settings['max_length']!r} is not honoured by this server: it always "
-                "sets max_new_tokens (max_tokens, else the checkpoint's, at least 1024), which wins over max_length; "
-                "send max_tokens, or generation_config's max_new_tokens, instead.")
+                f"sets max_new_tokens ({limit}, else the checkpoint's, at least 1024), which wins over max_length; "
+                f"send {limit}, or generation_config's max_new_tokens, instead.")
     value = settings.get("max_new_tokens")  # the limit that applies unless max_tokens or the like replace it
     if positions is not None and all(body.get(name) is None for name in TOKEN_LIMITS) and isinstance(
             value, (int, float)) and not isinstance(value, bool) and value >= positions:

@@ -172,6 +172,15 @@ def test_a_kept_manager_built_with_numpy_recurrence_settings_serves_again():
         model.destroy_cached_continuous_batching_manager()
 
 
+def test_num_steps_whose_kv_cannot_fit_are_refused_by_name():
+    """As `generate` refuses them: a manager built for 10**12 steps raised a bare MemoryError from filling its cache's
+    per-plane records (or, at 10**9, tried to build lists of billions of entries)."""
+    model = tiny_huginn(seed=5, damp=0.3)[0]
+    with pytest.raises(ValueError, match=r"num_steps=1000000000000: one token's KV over its 2000000000001 planes"):
+        model.generate_batch(prompts(6, [5]), generation_config=generation_config(SETTINGS["plain"], num_steps=10**12),
+                             continuous_batching_config=batching())
+
+
 def test_unseeded_requests_draw_their_own_seed(model, started):
     """init_scale > 0 and no seed: each request draws one at admission, as each `generate` call does, here from the
     continuous batching config's seed (its draws in admission order), so the same prompt twice decodes two ways."""

@@ -753,6 +753,9 @@ def test_a_token_limit_that_reaches_the_models_positions_is_refused():
     for settings in ({"max_length": 6}, {"max_length": 5000}, {"max_new_tokens": 10, "max_length": 5000}):
         problem = serving_requests.request_problem({"prompt": "x", "generation_config": json.dumps(settings)})
         assert re.search(r"max_length=\d+ is not honoured .* send max_tokens", problem), settings
+    responses = serving_requests.request_problem({"input": "x", "generation_config": json.dumps({"max_length": 6})},
+                                                 path="/v1/responses")  # (its field: max_tokens gets a 422 there)
+    assert "send max_output_tokens, or generation_config's max_new_tokens" in responses
 
 
 @pytest.mark.parametrize("body", [

@@ -21,7 +21,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, RepetitionP
 
 from ...defaults import DEFAULT_DRAFT_LOOPS
 from ...logs import get_logger
-from ...models.huginn.recurrence import passed_settings
+from ...models.huginn.recurrence import check_steps_fit, passed_settings
 from ...models.layers import is_integer
 from ..call import reject_configured_runtime_keys
 from ..config import AUTO_MODE, EXIT_OPTIONS, merged_config, reject_recurrence_options, speculative_config
@@ -129,6 +129,8 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
     config = manager_config(model, generation_config)
     recurrence = huginn.manager_recurrence(model, passed_settings(model, generation_config))
     with huginn.manager_block(model, recurrence):  # num_loops: the manager's recurrence steps
+        if recurrence is not None:  # (a num_steps whose KV outgrows the memory: a ValueError, as generate's)
+            check_steps_fit(model)
         if getattr(config, "speculative_mode", None) == AUTO_MODE:
             speculative_config(config, model.num_loops)  # auto's own checks, with auto named in its errors
             config.speculative_mode = fixed_mode(config, model.num_loops)
