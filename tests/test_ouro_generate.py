@@ -12,6 +12,8 @@ from tolerances import assert_fp32_close, ouro_depth
 from transformers import CompileConfig
 from transformers.cache_utils import DynamicCache
 
+from hf_loopspec.generation.mixin import looped_static_cache
+
 PAD = 1  # explicit pad id, distinct from Ouro's eos id 0
 NEW = 12  # max_new_tokens
 LENGTHS = (6, 3, 9)
@@ -176,6 +178,18 @@ def test_static_cache_generate_equals_dynamic(setup):
     torch.testing.assert_close(static, expected, atol=0, rtol=0)
 
 
+def test_a_call_without_a_cache_ignores_cache_implementation_in_auto_mode_too(setup):
+    """`use_cache=False`: plain decoding builds no cache, so any cache_implementation passes; auto's stretches build
+    their own, and the first (plain) one raised on an unsupported one while a speculative first stretch ignored it,
+    so the same call decoded or raised from one call to the next."""
+    model, _, prompts, _, _ = setup
+    ids = prompts[0][None]
+    expected = generate(model, ids, do_sample=False, use_cache=False, cache_implementation="offloaded")
+    for _ in range(3):
+        assert torch.equal(generate(model, ids, do_sample=False, use_cache=False, cache_implementation="offloaded",
+                                    speculative_mode="auto"), expected)
+
+
 def test_prompt_lookup_on_a_static_cache_equals_plain_decoding(setup):
     """Prompt lookup verifies drafts that run past max_length (its output is cut there afterwards), so a static cache
     sized for max_length alone overflowed with an IndexError from index_copy_; it is sized for those drafts too."""
@@ -187,6 +201,10 @@ def test_prompt_lookup_on_a_static_cache_equals_plain_decoding(setup):
             out = generate(model, ids, do_sample=False, eos_token_id=None, prompt_lookup_num_tokens=lookup,
                            cache_implementation="static")
             assert torch.equal(out, expected), (seed, lookup)
+    ids = random_ids((1, 8), VOCAB, seed=0)  # a static cache of the call's own size has no room for the drafts
+    cache = looped_static_cache(model.config, model.kv_layout, ids.shape[1] + NEW - 1)
+    with pytest.raises(ValueError, match=r"plus the 4 prompt lookup drafts .* or prompt lookup drafts"):
+        generate(model, ids, do_sample=False, prompt_lookup_num_tokens=4, cache=cache)
 
 
 def test_a_static_cache_continues_within_its_size_and_refuses_beyond_it(setup):

@@ -108,6 +108,7 @@ BAD = [
     ({"speculative_mode": "block", "penalty_alpha": 0.6, "top_k": 4, "trust_remote_code": True}, r"penalty_alpha=0\.6"),
     ({"speculative_mode": "pipeline", "dola_layers": "high"}, r"dola_layers='high'"),
     ({"speculative_mode": "pipeline", "prompt_lookup_num_tokens": 0}, r"prompt_lookup_num_tokens=0"),
+    ({"speculative_mode": "block", "force_words_ids": [[5, 6]], "num_beams": 1}, r"force_words_ids=\[\[5, 6\]\]"),
 ]
 
 
@@ -160,6 +161,12 @@ def test_a_decoding_loop_reached_past_the_models_generate_refuses_a_speculative_
         with pytest.raises(ValueError, match=f"speculative_mode='{mode}' cannot be combined with a callable"):
             run(mode)
     assert torch.equal(run("auto"), plain(model, ids, mask, 6).sequences)
+    # auto decodes plainly through the loop, its engine settings with it (they were refused as plain decoding's:
+    # "set speculative_mode too")
+    engine = {"speculative_engine": "wavefront", "compile_core": "eager", "second_draft_loops": 3}
+    out = GenerationMixin.generate(model, ids, speculative_mode="auto", **engine, **settings)
+    assert torch.equal(out, plain(model, ids, mask, 6).sequences)
+    assert torch.equal(model.generate(ids, speculative_mode="auto", **engine, **settings), out)
 
 
 REPO_GENERATE = """

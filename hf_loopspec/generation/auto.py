@@ -380,8 +380,8 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
         kwargs.pop("speculative_trace", None)
     if call.min_new is not None:  # what is left of it, at most the stretch (transformers warns of a larger one)
         kwargs["min_new_tokens"] = min(max(call.min_new - done, 0), tokens)
-    if cache is not None:  # a later stretch continues the cache the first one made: no other to set up
-        kwargs["cache_implementation"] = None
+    if cache is not None or not call.use_cache:  # a later stretch continues the cache the first one made, and a
+        kwargs["cache_implementation"] = None  # call without a cache (whose plain decoding builds none) sets none up
     if bool(stopped.any()):
         kwargs["logits_processor"] = LogitsProcessorList([*(call.base.get("logits_processor") or ()),
                                                           ForcePad(stopped.clone(), call.pad)])

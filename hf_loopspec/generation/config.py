@@ -187,19 +187,21 @@ def requested_mode(model, kwargs: dict):
     return mode if mode is not None else getattr(model.generation_config, "speculative_mode", None)
 
 
-def custom_loop_mode(mode):
-    """The `speculative_mode` of a `generate` call whose `custom_generate` is a callable, a decoding loop that replaces
-    generate's own (and so the speculative one), asking for `mode`: auto, free to decode plainly, does so (None);
-    pipeline or block raise a `ValueError` (their loop would not run, without a word)."""
+def custom_loop_settings(mode) -> dict:
+    """The speculative settings that replace a call's when its `custom_generate` is a callable, a decoding loop that
+    replaces generate's own (and so the speculative one), and it asks for `mode`: auto, free to decode plainly, does
+    so (every speculative key None: its engine settings go with it); plain keeps its own (none); pipeline or block
+    raise a `ValueError` (their loop would not run, without a word)."""
     if mode not in (None, AUTO_MODE):
         raise ValueError(f"speculative_mode={mode!r} cannot be combined with a callable custom_generate: a decoding "
                          "loop of your own replaces the speculative one; pass speculative_mode=None.")
-    return None
+    return dict.fromkeys(SPECULATIVE_KEYS) if mode == AUTO_MODE else {}
 
 
-STRATEGY_SETTINGS = {  # the setting that selects a decoding strategy the speculative modes do not run
-    GenerationMode.CONTRASTIVE_SEARCH: "penalty_alpha", GenerationMode.DOLA_GENERATION: "dola_layers",
-    GenerationMode.GROUP_BEAM_SEARCH: "num_beam_groups", GenerationMode.CONSTRAINED_BEAM_SEARCH: "constraints",
+STRATEGY_SETTINGS = {  # the settings that select a decoding strategy the speculative modes do not run
+    GenerationMode.CONTRASTIVE_SEARCH: ("penalty_alpha",), GenerationMode.DOLA_GENERATION: ("dola_layers",),
+    GenerationMode.GROUP_BEAM_SEARCH: ("num_beam_groups",),
+    GenerationMode.CONSTRAINED_BEAM_SEARCH: ("constraints", "force_words_ids"),
 }
 
 
@@ -235,8 +237,9 @@ def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_c
                          "per-step tensors. Use speculative_mode=None for output_hidden_states, or a forward call on "
                          "the output sequences.")
     if generation_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        key = STRATEGY_SETTINGS.get(generation_mode)
-        asked = f" ({key}={getattr(generation_config, key, None)!r}); drop {key}," if key else ";"
+        key = next((key for key in STRATEGY_SETTINGS.get(generation_mode, ()) if getattr(generation_config, key, None)
+                    is not None), None)  # the one the config sets
+        asked = f" ({key}={getattr(generation_config, key)!r}); drop {key}," if key else ";"
         raise ValueError(f"speculative_mode={spec.mode!r} supports greedy decoding and sampling, not "
                          f"{generation_mode.value.replace('_', ' ')}{asked} or pass speculative_mode=None.")
 

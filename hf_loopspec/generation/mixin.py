@@ -39,7 +39,7 @@ from .config import (
     SpeculativeConfig,
     asks,
     check_generation_mode,
-    custom_loop_mode,
+    custom_loop_settings,
     keep_passed_exit,
     merged_exit,
     reject_assistant_early_exit,
@@ -112,7 +112,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         if isinstance(kwargs.get("custom_generate"), str):  # a repo's generate replaces the whole call: transformers
             return super().generate(*args, **kwargs)  # hands it every argument, speculative_mode included
         if callable(kwargs.get("custom_generate")):
-            kwargs = {**kwargs, "speculative_mode": custom_loop_mode(requested_mode(self, kwargs))}
+            kwargs = {**kwargs, **custom_loop_settings(requested_mode(self, kwargs))}
         if isinstance(cache, Cache) and cache.get_seq_length():
             check_assisted_continuation(kwargs, self.generation_config, cache.get_seq_length())
         with cache.kept_on_error() if isinstance(cache, PagedLoopCache) else nullcontext():
@@ -248,7 +248,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         if generation_mode_kwargs.pop(CUSTOM_LOOP, False):  # (popped: the loop receives these kwargs)
-            generation_config.speculative_mode = custom_loop_mode(getattr(generation_config, "speculative_mode", None))
+            for key, value in custom_loop_settings(getattr(generation_config, "speculative_mode", None)).items():
+                setattr(generation_config, key, value)
         reject_assistant_early_exit(generation_config)
         spec = self._speculative(generation_config)
         if spec is not None:
@@ -304,11 +305,14 @@ class LoopSpecGenerationMixin(GenerationMixin):
             return
         if user_cache is not None and getattr(user_cache, "is_compileable", False) and user_cache.layers \
                 and max_cache_length > user_cache.layers[0].max_cache_len:  # a fixed size (static) cache
+            drafts = generation_config.prompt_lookup_num_tokens or 0
+            lookup = f", plus the {drafts} prompt lookup drafts verified past them" if drafts else ""
+            fewer = " or prompt lookup drafts (prompt_lookup_num_tokens)" if drafts else ""
             raise ValueError(
                 f"cache: the {type(user_cache).__name__} holds {user_cache.layers[0].max_cache_len} positions, but "
                 f"this call writes up to {max_cache_length} (its input's positions and its new tokens but the last, "
-                "which is never written); pass fewer new tokens, a larger static cache (max_cache_len), or a "
-                "DynamicCache (it grows).")
+                f"which is never written{lookup}); pass fewer new tokens{fewer}, a larger static cache "
+                "(max_cache_len), or a DynamicCache (it grows).")
         super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                               max_cache_length)
 
