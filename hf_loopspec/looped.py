@@ -119,3 +119,21 @@ class LoopedModel(Protocol):
 def draws_initial_states(model) -> bool:
     """Whether `model`'s loop-0 input has a random part (`initial_states`, module docstring: Huginn's)."""
     return getattr(model, "initial_states", None) is not None
+
+
+def check_kv_continues(cache, dtype: torch.dtype, device) -> None:
+    """`ValueError` naming `cache` (a caller's `PagedLoopCache`, or a transformers Cache) when the KV it holds (none
+    yet: nothing to check) has another dtype or device than the KV the model writes now (`dtype`, `device`): a cache
+    continues with the model, dtype and device that filled it (attention would fail on the mixed dtypes with a bare
+    RuntimeError)."""
+    held = getattr(cache, "k_pool", None)  # a PagedLoopCache's pool, else a transformers cache's first keys
+    if held is None:
+        held = next((layer.keys for layer in getattr(cache, "layers", ()) if getattr(layer, "keys", None) is not None
+                     and layer.keys.numel()), None)
+    if held is None or not held.numel():
+        return
+    device = torch.device(device)
+    if held.dtype != dtype or held.device.type != device.type or device.index not in (None, held.device.index):
+        raise ValueError(f"cache: the {type(cache).__name__} holds {held.dtype} KV on {held.device}, but the model "
+                         f"computes in {dtype} on {device}: continue it with the model (dtype and device) that filled "
+                         "it, or pass a fresh cache.")

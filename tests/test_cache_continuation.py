@@ -339,20 +339,32 @@ def test_bad_cache_arguments_raise_value_errors_naming_them():
     assert cache.get_seq_length() == columns - 2 and type(cache.get_seq_length()) is int
 
 
-@pytest.mark.parametrize("mode", ["plain", PIPELINE])
-def test_a_cache_of_another_dtype_is_refused_and_kept(mode):
-    """A cache filled in fp32 continued by the same model in bf16: a `ValueError` naming past_key_values in every
-    mode (plain raised torch's index_put dtype error, pipeline silently mixed dtypes), the cache unchanged."""
+@pytest.mark.parametrize("kind", ["paged", "dynamic"])
+@pytest.mark.parametrize("mode", ["plain", PIPELINE, "auto"])
+def test_a_cache_of_another_dtype_is_refused_and_kept(mode, kind):
+    """A cache filled in fp32 continued by the same model in bf16: a `ValueError` naming the cache, its class and
+    both dtypes in every mode (plain raised torch's index_put dtype error on a PagedLoopCache and SDPA's on a
+    DynamicCache; pipeline silently mixed dtypes, then named the PagedLoopCache it had made of a DynamicCache), the
+    cache unchanged."""
     model, vocab, _ = ouro_case()
     ids, mask = left_pad(random_prompts(13, [4, 6], vocab))
-    cache = PagedLoopCache(model.kv_layout)
+    cache = PagedLoopCache(model.kv_layout) if kind == "paged" else DynamicCache()
     out = generate(model, ids, mask, 3, "plain", None, cache=cache).sequences
-    before = repr(cache)
+    before = repr(cache) if kind == "paged" else [layer.keys.clone() for layer in cache.layers]
     half = tiny_spec_model(61, 4, vocab=64, damp=0.3).to(torch.bfloat16)
     whole = torch.cat([out, torch.tensor([[5], [6]])], 1)
-    with pytest.raises(ValueError, match=r"past_key_values: the PagedLoopCache holds torch.float32 KV"):
-        generate(half, whole, torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype)], 1), 2, mode, None, cache=cache)
-    assert repr(cache) == before
+    name = {"paged": "PagedLoopCache", "dynamic": "DynamicCache"}[kind]
+    whole_mask = torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype)], 1)
+    with pytest.raises(ValueError, match=rf"cache: the {name} holds torch.float32 KV on cpu, but the model computes "
+                                         r"in torch.bfloat16"):
+        if mode == "auto":
+            generate_dict(half, whole, whole_mask, 2, eos_token_id=None, cache=cache, speculative_mode="auto")
+        else:
+            generate(half, whole, whole_mask, 2, mode, None, cache=cache)
+    if kind == "paged":
+        assert repr(cache) == before
+    else:
+        assert all(torch.equal(layer.keys, keys) for layer, keys in zip(cache.layers, before))
 
 
 @pytest.mark.parametrize("mode", [PIPELINE, BLOCK])

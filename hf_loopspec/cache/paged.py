@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from ..looped import KVLayout
+from ..looped import KVLayout, check_kv_continues
 from ..models.layers import is_integer
 from ..ops import attention as attention_ops
 from . import lineage as lineage_checks
@@ -192,16 +192,9 @@ class PagedLoopCache(PageTables, Cache):
         self._columns.consume(count, planes, attention_mask)
 
     def check_pool(self, dtype: torch.dtype, device) -> None:
-        """`ValueError` naming `past_key_values` when the pool holds another dtype or device than the model's
-        activations (`dtype`, `device`): a cache continues on the model, dtype and device that filled it."""
-        if self.k_pool is None:
-            return
-        device = torch.device(device)
-        pool = self.k_pool.device
-        if self.k_pool.dtype != dtype or pool.type != device.type or device.index not in (None, pool.index):
-            raise ValueError(f"past_key_values: the PagedLoopCache holds {self.k_pool.dtype} KV on {pool}, but the "
-                             f"model computes in {dtype} on {device}: continue it with the model (dtype and device) "
-                             "that filled it, or pass a fresh cache.")
+        """`ValueError` naming the cache when the pool holds another dtype or device than the model's activations
+        (`dtype`, `device`): a cache continues on the model, dtype and device that filled it (`check_kv_continues`)."""
+        check_kv_continues(self, dtype, device)
 
     def check_stored(self, attention_mask: torch.Tensor) -> None:
         """Raise unless every sequence stores exactly the real tokens that `attention_mask` `[B, >= columns]`

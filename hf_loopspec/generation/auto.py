@@ -52,6 +52,7 @@ from transformers import (
 from ..cache.convert import to_dynamic, to_paged
 from ..cache.paged import PagedLoopCache
 from ..defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
+from ..looped import check_kv_continues
 from .auto_calibration import costs_for
 from .auto_costs import PLAIN, Candidate, CostTable, observe
 from .auto_policy import AutoChoice, AutoStats, Chooser, policy_for, remember, remembered
@@ -256,6 +257,8 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     if call.plain_reason is None:  # whatever the segments would be: a call's fate is not a stored acceptance's
         check_left_padded(mask, AUTO_MODE)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is not None:  # (before a stretch converts it: the error names the caller's cache)
+        check_kv_continues(cache, model.lane_dtype, execution_device(model))
     batch, prompt_width = ids.shape
     policy = policy_for(model)
     settings = acceptance_settings(kwargs, config, model.num_loops)

@@ -28,6 +28,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..cache.convert import to_dynamic, to_paged
 from ..cache.paged import PagedLoopCache
 from ..logs import get_logger
+from ..looped import check_kv_continues
 from . import auto
 from .call import current_call, reject_configured_runtime_keys, runtime_options, scoped
 from .columns import max_length_of
@@ -278,6 +279,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
             if user_cache is None:
                 model_kwargs["cache"] = PagedLoopCache(self.kv_layout)
             elif isinstance(user_cache, DynamicCache) and call is not None:  # a plain call's, e.g. a chat's last turn
+                check_kv_continues(user_cache, self.lane_dtype, self.device)
                 mask = model_kwargs.get("attention_mask")  # None: no padding, every cached column is real
                 mask = torch.ones(batch_size, user_cache.get_seq_length(), dtype=torch.long,
                                   device=self.device) if mask is None else mask

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
+from ...looped import check_kv_continues
 from .stored import stored
 
 
@@ -71,6 +72,8 @@ class DenseKVAttention:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         k, v = stored(k, k.dtype), stored(v, v.dtype)  # as every path stores them (a padding token's inf: masked)
         if self.cache is not None:
+            if layer_idx == 0 and self.depth == 0:  # (once per call: the first layer the call writes)
+                check_kv_continues(self.cache, k.dtype, k.device)
             k, v = self.cache.update(k, v, self.depth * self.num_layers + layer_idx)  # [B, Hkv, S, D]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=self.mask, scale=self.scale, enable_gqa=q.shape[1] != k.shape[1]
