@@ -121,12 +121,12 @@ def draws_initial_states(model) -> bool:
     return getattr(model, "initial_states", None) is not None
 
 
-def check_kv_continues(cache, dtype: torch.dtype, device) -> None:
-    """`ValueError` naming `cache` (a caller's `PagedLoopCache`, or a transformers Cache) when the KV it holds (none
-    yet: nothing to check) has another dtype or device than the KV the model writes now (`dtype`, `device`): a cache
-    continues with the model, dtype and device that filled it (attention would fail on the mixed dtypes with a bare
-    RuntimeError)."""
-    held = getattr(cache, "k_pool", None)  # a PagedLoopCache's pool, else a transformers cache's first keys
+def check_kv_continues(cache, dtype: torch.dtype, device, held: torch.Tensor | None = None) -> None:
+    """`ValueError` naming `cache` (a caller's `PagedLoopCache`, or a transformers Cache) when the KV it holds (`held`,
+    else found: none yet, nothing to check) has another dtype or device than the KV the model writes now (`dtype`,
+    `device`): a cache continues with the model, dtype and device that filled it (attention would fail on the mixed
+    dtypes with a bare RuntimeError)."""
+    held = getattr(cache, "k_pool", None) if held is None else held  # a PagedLoopCache's pool, else a layer's keys
     if held is None:
         held = next((layer.keys for layer in getattr(cache, "layers", ()) if getattr(layer, "keys", None) is not None
                      and layer.keys.numel()), None)

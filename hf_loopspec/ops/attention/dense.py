@@ -72,9 +72,10 @@ class DenseKVAttention:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         k, v = stored(k, k.dtype), stored(v, v.dtype)  # as every path stores them (a padding token's inf: masked)
         if self.cache is not None:
-            if layer_idx == 0 and self.depth == 0:  # (once per call: the first layer the call writes)
-                check_kv_continues(self.cache, k.dtype, k.device)
-            k, v = self.cache.update(k, v, self.depth * self.num_layers + layer_idx)  # [B, Hkv, S, D]
+            index = self.depth * self.num_layers + layer_idx
+            if index < len(self.cache.layers) and getattr(self.cache.layers[index], "keys", None) is not None:
+                check_kv_continues(self.cache, k.dtype, k.device, held=self.cache.layers[index].keys)
+            k, v = self.cache.update(k, v, index)  # [B, Hkv, S, D]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=self.mask, scale=self.scale, enable_gqa=q.shape[1] != k.shape[1]
         )  # [B, Hq, T, D]
