@@ -667,6 +667,15 @@ def test_a_bad_generation_config_setting_fails_only_the_calls_that_read_it():
         settings = {"num_steps": 3, "init_scale": 0.0, "init_seed": 3, "max_new_tokens": 3, "do_sample": False}
         plain = model.generate(ids, **settings, speculative_mode=None)  # auto's calibration read the config's
         assert torch.equal(model.generate(ids, **settings, speculative_mode="auto"), plain)
+    # a passed config's bad value is named as the config's (it read as an argument's), where the call reads it
+    model.generation_config.init_seed = None
+    passed = GenerationConfig(num_steps=0, max_new_tokens=3, do_sample=False)
+    with pytest.raises(ValueError, match=r"^generation_config: num_steps=0 must be an integer >= 1"):
+        model.generate(ids, generation_config=passed)
+    with pytest.raises(ValueError, match=r"^generation_config: num_steps=0 must be an integer >= 1"):
+        model.generate_batch([ids[0].tolist()], generation_config=passed)
+    assert torch.equal(model.generate(ids, generation_config=passed, num_steps=3, init_scale=0.0, init_seed=3),
+                       model.generate(ids, max_new_tokens=3, do_sample=False, num_steps=3, init_scale=0.0, init_seed=3))
 
 
 def test_a_whole_model_pickled_before_the_config_was_shared_loads_with_it():

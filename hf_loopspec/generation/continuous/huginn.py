@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import torch
 
-from ...models.huginn.recurrence import GENERATION_KEYS, updated, valid_init_seed
+from ...models.huginn.recurrence import GENERATION_KEYS, check_passed, updated, valid_init_seed
 
 REQUEST_KEY = "init_seed"  # the per-request key of a model with recurrence settings
 SET_UP_SEED = 0  # keys the placeholder states drawn at set-up (every admission replaces its slot's)
@@ -35,7 +35,8 @@ def manager_recurrence(model, passed: dict):
     `passed_settings`): see the module docstring. None for a model without them."""
     if not hasattr(model, "recurrence_settings"):
         return None
-    given = (passed.get(key) for key in GENERATION_KEYS)  # (checked, and numpy numbers made Python's)
+    check_passed(passed, model.config.mean_recurrence)
+    given = (passed.get(key) for key in GENERATION_KEYS)  # (numpy numbers made Python's)
     return updated(model.recurrence_settings(), *given, model.config.mean_recurrence)
 
 

@@ -387,8 +387,9 @@ class HuginnForCausalLM(SharedGenerationConfig, LoopedCausalLMMixin, HuginnPreTr
         """`recurrence` with the call's settings: each one given (not None), else the passed generation config's
         (`passed_settings`), else an open block's, else the model's generation config's (`HuginnModel.defaults`)."""
         passed = recurrence_rules.passed_settings(self, generation_config)
-        return self.recurrence(**{key: passed.get(key) if given.get(key) is None else given[key]
-                                  for key in GENERATION_KEYS})
+        read = {key: value for key, value in passed.items() if given.get(key) is None}  # (a bad one names the config)
+        recurrence_rules.check_passed(read, self.config.mean_recurrence)
+        return self.recurrence(**{key: read.get(key, given.get(key)) for key in GENERATION_KEYS})
 
     def call_settings(self) -> dict:
         """The running call's recurrence settings, resolved (a seed drawn for it included): auto mode passes them to

@@ -62,6 +62,15 @@ def passed_settings(model, generation_config) -> dict:
     return {key: value for key in GENERATION_KEYS if (value := getattr(generation_config, key, None)) is not None}
 
 
+def check_passed(settings: dict, mean_recurrence: int) -> None:
+    """`ValueError` naming the generation config when one of the `settings` a call reads from a passed config
+    (`passed_settings`) is bad."""
+    try:
+        updated(Recurrence(1, 1.0, None), *map(settings.get, GENERATION_KEYS), mean_recurrence)
+    except ValueError as error:
+        raise ValueError(f"generation_config: {error}") from None
+
+
 def check_steps_fit(model) -> None:
     """`ValueError` when one token's KV over every plane of `model`'s call (a `HuginnForCausalLM` inside its call's
     `recurrence` block) takes more than the free memory: a call with such a `num_steps` (say 10**9, from a served
