@@ -260,6 +260,11 @@ def test_an_injected_table_holds_at_every_loop_count_and_a_new_one_replaces_it(t
             assert kept_table(huginn, 1) is injected
     with huginn.recurrence(num_steps=2, init_scale=0.0):
         costs_for(huginn, 2, [PIPE1])  # measured for batch 2 at 2 steps
+    with huginn.recurrence(num_steps=6, init_scale=0.0):  # measured at 6 steps, then replaced by an injected table
+        costs_for(huginn, 2, [PIPE1])
+        set_costs(huginn, injected, batch=2)
+    with huginn.recurrence(num_steps=2, init_scale=0.0):
+        assert kept_table(huginn, 2) is injected
     set_costs(huginn, None, batch=2)
     with huginn.recurrence(num_steps=6, init_scale=0.0):
         set_costs(huginn, None, batch=1)

@@ -88,15 +88,15 @@ def _key(model, batch: int | None, measured: bool) -> tuple:
 
 
 def set_costs(model, table: CostTable | None, batch: int | None = None) -> None:
-    """Use `table` for `model` on its current device and dtype, for batch size `batch`, or for every batch size
-    (`batch` None: it replaces every table kept for the model, measured or injected); `table=None` forgets the tables
-    of that batch size (of every loop count), or with `batch` None every table of `model` (the next auto call
-    measures)."""
+    """Use `table` for `model` on its current device and dtype, for batch size `batch` (an injected table replaces the
+    tables of every loop count kept for it), or for every batch size (`batch` None: it replaces every table kept for
+    the model, measured or injected); `table=None` forgets the tables of that batch size (of every loop count), or
+    with `batch` None every table of `model` (the next auto call measures)."""
     tables = _TABLES.setdefault(model, {})
     here = _key(model, batch, measured=False)[:2]  # (device, dtype)
-    replaced = (None, model.num_loops)  # the loop counts a new table of `batch` replaces (forgetting: all)
+    every_loop_count = table is None or not table.adapt  # forgetting or injecting replaces all of `batch`'s tables
     for key in list(tables):
-        if batch is None or key[:2] == here and key[3] == batch and (table is None or key[2] in replaced):
+        if batch is None or key[:2] == here and key[3] == batch and (every_loop_count or key[2] == model.num_loops):
             del tables[key]
     if table is not None:
         tables[_key(model, batch, measured=table.adapt and batch is not None)] = table
