@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from hf_loopspec.models.layers import project
+from hf_loopspec.models.ouro.configuration_ouro import OuroConfig
 
 # MHA and GQA (incl. a single KV head), U in {1, 3, 4}, explicit head_dim != hidden / heads (= 16).
 ARCHS = {
@@ -305,6 +306,13 @@ def test_keywords_giving_the_rope_base_twice_must_agree(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**saved, "rope_theta": [1e6]}))  # (a TypeError from the check)
     with pytest.raises(ValueError, match=r"rope_theta=\[1000000\.0\] is invalid"):
         AutoConfig.from_pretrained(tmp_path)
+    # the constructor too (rope_parameters' base won without a word); a keyword overrides config.json's other name
+    with pytest.raises(ValueError, match=r"OuroConfig: rope_theta=5\.0 and rope_parameters=.* disagree"):
+        OuroConfig(rope_theta=5.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    assert OuroConfig(rope_parameters={"rope_theta": 10000.0}).rope_theta == 10000.0
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "rope_theta": 5.0}))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, rope_parameters={"rope_theta": 20.0})
+    assert loaded.config.rope_theta == 20.0
     (tmp_path / "config.json").write_text(json.dumps(saved))
     for keywords in ({"rope_theta": 0.0}, {"rope_parameters": {"rope_theta": -1.0}}, {"attention_bias": True}):
         with pytest.raises(ValueError, match="rope_theta=.* is invalid|attention_bias=True"):

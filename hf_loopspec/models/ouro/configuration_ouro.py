@@ -71,6 +71,11 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         check_counts(self, SIZES, derived=("num_key_value_heads", "head_dim"))
+        given = rope_theta_of(self, "rope_parameters", kwargs.get("rope_parameters"))
+        if given is not None and given != self.rope_theta != type(self).rope_theta:  # both given (not the default)
+            raise ValueError(f"OuroConfig: rope_theta={self.rope_theta!r} and rope_parameters="
+                             f"{kwargs['rope_parameters']!r} disagree: two names of one setting; give one of them "
+                             "(or equal values).")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
