@@ -152,7 +152,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
                                      "and a manager's settings are fixed for its life; call "
                                      "model.destroy_cached_continuous_batching_manager() first, or pass the same "
                                      f"{name} (or none).")
-            passed = cached.passed_recurrence if generation_config is None else passed_settings(self, generation_config)
+            passed = cached.settings.passed_recurrence if generation_config is None else \
+                passed_settings(self, generation_config)
             problem = kept_recurrence_problem(self, passed, cached.settings.recurrence)
             if problem is None and cached.model_signature != model_signature(self, cached.settings.recurrence):
                 problem = ("this model keeps a continuous batching manager built before the model changed (its loop "

@@ -37,7 +37,6 @@ from transformers.generation.continuous_batching.continuous_api import Backgroun
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState, RequestStatus
 
 from ...logs import get_logger
-from ...models.huginn.recurrence import passed_settings
 from ...models.layers import is_integer
 from ..rules import non_finite_error
 from . import huginn
@@ -72,7 +71,6 @@ class LoopBatchingManager:
         self.generation_config = manager_config(model, generation_config)  # the given one over the model's
         self.from_model_config = generation_config is None  # built from model.generation_config alone
         self.continuous_batching_config = continuous_batching_config
-        self.passed_recurrence = passed_settings(model, generation_config)  # (a kept manager checks it: `huginn`)
         self.settings = manager_settings(model, generation_config, continuous_batching_config, workload_hints)
         self.model_signature = model_signature(model, self.settings.recurrence)  # (a kept manager checks it)
         self.input_queue: queue.Queue[RequestState] = queue.Queue()

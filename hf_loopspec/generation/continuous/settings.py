@@ -73,6 +73,7 @@ class ManagerSettings:
     vocab: int
     seed: int | None  # the continuous batching config's seed: a sampled request without its own draws from it
     recurrence: object = None  # the model's recurrence settings for every request (`huginn`), None without them
+    passed_recurrence: dict = dataclasses.field(default_factory=dict)  # those the passed config set (`huginn`)
     exit_rule: object = None  # the generation config's exit options (`decoder.ExitRule`), None: the last loop's head
 
 
@@ -127,7 +128,8 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
     if refusal is not None:
         raise ValueError(refusal)
     config = manager_config(model, generation_config)
-    recurrence = huginn.manager_recurrence(model, passed_settings(model, generation_config))
+    passed = passed_settings(model, generation_config)
+    recurrence = huginn.manager_recurrence(model, passed)
     with huginn.manager_block(model, recurrence):  # num_loops: the manager's recurrence steps
         if recurrence is not None:  # (a num_steps whose KV outgrows the memory: a ValueError, as generate's)
             check_steps_fit(model)
@@ -192,7 +194,7 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
         max_new_tokens=int(config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS),
         max_length=int(config.max_length) if config.max_new_tokens is None and config.max_length else None,
         vocab=model.head_width, seed=_seed(getattr(cb_config, "seed", None)),
-        recurrence=recurrence, exit_rule=exit_rule)
+        recurrence=recurrence, passed_recurrence=passed, exit_rule=exit_rule)
 
 
 def unread_cb_fields(cb_config) -> list[str]:
