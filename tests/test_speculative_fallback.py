@@ -219,10 +219,17 @@ def test_a_model_offloaded_by_accelerate_decodes_in_every_mode(family):
         model, settings = tiny_huginn(seed=4, damp=0.3)[0], {"num_steps": 4, "init_scale": 1.0, "init_seed": 9}
     ids, mask = left_pad(random_prompts(82, [5, 3], model.config.vocab_size))
     expected = run(model, ids, mask, speculative_mode=None, **settings).sequences
+    first = run(model, ids[:1, -3:], mask[:1, -3:], speculative_mode=None, **settings)  # a chat's plain first turn
+    turn = torch.cat([first.sequences, torch.tensor([[5]])], 1)
+    continued = run(model, turn, torch.ones_like(turn), speculative_mode=None, **settings).sequences
     accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
     assert model.device.type == "meta"
     for mode in (None, "pipeline", "block", "auto"):
         assert torch.equal(run(model, ids, mask, speculative_mode=mode, **settings).sequences, expected), mode
+        # its DynamicCache continued speculatively (refused as a cache on another device: meta, the weights' place)
+        cache = run(model, ids[:1, -3:], mask[:1, -3:], speculative_mode=None, **settings).past_key_values
+        out = run(model, turn, torch.ones_like(turn), speculative_mode=mode, cache=cache, **settings)
+        assert torch.equal(out.sequences, continued), mode
 
 
 def layer_inputs(model, **kwargs) -> tuple[list, list]:

@@ -64,7 +64,7 @@ from .inputs import (
     check_pad_token,
     check_reference_inputs,
 )
-from .model_checks import dense_cache_reason, model_fallback
+from .model_checks import dense_cache_reason, execution_device, model_fallback
 from .processors import plain_fallback
 from .stats import SpeculationStats
 
@@ -280,10 +280,11 @@ class LoopSpecGenerationMixin(GenerationMixin):
             if user_cache is None:
                 model_kwargs["cache"] = PagedLoopCache(self.kv_layout)
             elif isinstance(user_cache, DynamicCache) and call is not None:  # a plain call's, e.g. a chat's last turn
-                check_kv_continues(user_cache, self.lane_dtype, self.device)
+                device = execution_device(self)  # (an offloaded model's weights are on meta)
+                check_kv_continues(user_cache, self.lane_dtype, device)
                 mask = model_kwargs.get("attention_mask")  # None: no padding, every cached column is real
                 mask = torch.ones(batch_size, user_cache.get_seq_length(), dtype=torch.long,
-                                  device=self.device) if mask is None else mask
+                                  device=device) if mask is None else mask
                 model_kwargs["cache"] = to_paged(user_cache, self.kv_layout, mask)
                 call.dynamic_cache = user_cache  # refilled with the run's KV at its end (`_continued_cache`)
             elif not isinstance(user_cache, PagedLoopCache):
