@@ -313,6 +313,8 @@ def test_keywords_giving_the_rope_base_twice_must_agree(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**saved, "rope_theta": 5.0}))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, rope_parameters={"rope_theta": 20.0})
     assert loaded.config.rope_theta == 20.0
+    for none in ({"rope_scaling": None}, {"rope_parameters": None}, {"rope_parameters": {"rope_type": "default"}}):
+        assert AutoModelForCausalLM.from_pretrained(tmp_path, **none).config.rope_theta == 5.0  # no base: kept
     (tmp_path / "config.json").write_text(json.dumps(saved))
     for keywords in ({"rope_theta": 0.0}, {"rope_parameters": {"rope_theta": -1.0}}, {"attention_bias": True}):
         with pytest.raises(ValueError, match="rope_theta=.* is invalid|attention_bias=True"):

@@ -72,6 +72,9 @@ class RopeParametersMixin:
                     raise ValueError(f"{cls.__name__} ({where}): {named} disagree: two names of one setting; give one "
                                      "of them (or equal values).")
         rope = {key: kwargs.pop(key) for key in ("rope_parameters", "rope_scaling") if key in kwargs}
-        overridden = {name for group in cls.KEYWORD_GROUPS if set(group) & (set(rope) | set(kwargs)) for name in group}
+        given = {**kwargs, **rope}  # a keyword giving the setting (a rope dict: with its base) replaces config.json's
+        given = {name for name, value in given.items()
+                 if value is not None and (not isinstance(value, dict) or value.get("rope_theta") is not None)}
+        overridden = {name for group in cls.KEYWORD_GROUPS if set(group) & given for name in group}
         kept = {key: value for key, value in config_dict.items() if key not in overridden}  # (the keyword's stands)
         return super().from_dict({**kept, **rope}, **kwargs)

@@ -127,7 +127,13 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
             if None not in (getattr(self, name), getattr(self, other)) and getattr(self, name) != getattr(self, other):
                 raise ValueError(f"HuginnConfig: {name}={getattr(self, name)!r} and {other}={getattr(self, other)!r} "
                                  "disagree: two names of one setting; pass one of them (or equal values).")
-        base = next((x for x in (self.rope_theta, self.rope_base) if x is not None), DEFAULT_ROPE_BASE)
+        given = rope_theta_of(self, "rope_parameters", kwargs.get("rope_parameters"))  # (set after this method)
+        named = next((x for x in (self.rope_theta, self.rope_base) if x is not None), None)
+        if None not in (given, named) and given != named:
+            raise ValueError(f"HuginnConfig: rope_base / rope_theta={named!r} and rope_parameters="
+                             f"{kwargs['rope_parameters']!r} disagree: two names of one setting; pass one of them (or "
+                             "equal values).")
+        base = named if named is not None else DEFAULT_ROPE_BASE
         self.rope_theta = self.rope_base = base
         self.tie_embeddings = self.tie_word_embeddings = next(
             (x for x in (self.tie_embeddings, self.tie_word_embeddings) if x is not None), True)
