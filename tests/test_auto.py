@@ -850,17 +850,6 @@ def test_a_generation_config_passed_to_auto_brings_no_deprecation_warning(case, 
     assert [message for message in warned if "generation_config` together with" in message]
 
 
-def test_stretches_of_a_call_with_a_minimum_length_bring_no_length_warnings(case, monkeypatch):
-    """The stretches decode with a snapshot of the call's config and give their own lengths: a snapshot holding
-    transformers' default min_length (0: "set") made each stretch warn of both min_new_tokens and min_length."""
-    model, _, ids, mask, _, _ = case
-    set_costs(model, SPECULATIVE_WINS)
-    warned = []
-    monkeypatch.setattr(generation_utils.logger, "warning", lambda message, *args: warned.append(message))
-    out = generate_dict(model, ids, mask, NEW, speculative_mode="auto", min_new_tokens=20, eos_token_id=None)
-    assert len(out.speculation.choices) > 1 and not [message for message in warned if "Both `m" in message]
-
-
 @pytest.mark.parametrize("passed", [False, True])
 def test_a_config_edited_during_the_call_does_not_reach_its_later_stretches(case, passed):
     """Each stretch is a `generate` call of its own: it read `model.generation_config` (or the caller's config

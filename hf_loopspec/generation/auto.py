@@ -206,7 +206,7 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
     # or of the passed config, by another thread mid-call would otherwise reach the later stretches); the stretches
     # give their own lengths
     base["generation_config"] = snapshot = copy.deepcopy(config)
-    snapshot.max_length = snapshot.min_length = None  # (a set one: transformers warns of both, once per stretch)
+    snapshot.max_length = None
     if config.do_sample and config.num_return_sequences > 1:  # the rows are repeated once, up front (`_rows_and_mask`)
         base["num_return_sequences"] = 1
         if (allowed := base.get("prefix_allowed_tokens_fn")) is not None:  # its batch id stays the prompt's
