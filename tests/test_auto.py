@@ -848,38 +848,3 @@ def test_a_generation_config_passed_to_auto_brings_no_deprecation_warning(case, 
     assert not [message for message in warned if "generation_config` together with" in message]
     model.generate(ids, attention_mask=mask, generation_config=config, use_cache=True)  # the user's own call does
     assert [message for message in warned if "generation_config` together with" in message]
-
-
-@pytest.mark.parametrize("passed", [False, True])
-def test_a_config_edited_during_the_call_does_not_reach_its_later_stretches(case, passed):
-    """Each stretch is a `generate` call of its own: it read `model.generation_config` (or the caller's config
-    object) as it was then, so an edit by another thread mid-call (here by the streamer, after the first stretch)
-    changed the tokens of the later stretches, and a cleared EOS let a row decode past its EOS. The call keeps the
-    config it began with, as every other mode does."""
-    model, _, ids, mask, _, _ = case
-    set_costs(model, SPECULATIVE_WINS)
-    config = GenerationConfig(**{**model.generation_config.to_diff_dict(), "eos_token_id": 7})
-    settings = {"speculative_mode": "auto"} | ({"generation_config": config} if passed else {"eos_token_id": 7})
-    expected = generate_dict(model, ids, mask, NEW, **settings).sequences
-    forget(model)  # (the second call probes again: more than one stretch)
-    edited = config if passed else model.generation_config
-    kept = (edited.repetition_penalty, edited.eos_token_id)
-
-    class Editor:  # edits the config once the first stretch has put its tokens
-        def __init__(self):
-            self.puts = 0
-
-        def put(self, value):
-            self.puts += 1
-            if self.puts == 3:
-                edited.repetition_penalty, edited.eos_token_id = 5.0, None
-
-        def end(self):
-            pass
-
-    try:
-        out = generate_dict(model, ids, mask, NEW, streamer=Editor(), **settings)
-        assert len(out.speculation.choices) > 1  # (the edit landed between stretches)
-    finally:
-        edited.repetition_penalty, edited.eos_token_id = kept
-    assert torch.equal(out.sequences, expected)

@@ -202,11 +202,6 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
             "past_key_values", "return_dict_in_generate", "use_cache", "attention_mask", "inputs", "input_ids",
             "streamer"}
     base = {key: value for key, value in kwargs.items() if key not in drop} | model.call_settings()
-    # every stretch decodes with the call's config as it was when the call began (an edit of model.generation_config,
-    # or of the passed config, by another thread mid-call would otherwise reach the later stretches); the stretches
-    # give their own lengths
-    base["generation_config"] = snapshot = copy.deepcopy(config)
-    snapshot.max_length = None
     if config.do_sample and config.num_return_sequences > 1:  # the rows are repeated once, up front (`_rows_and_mask`)
         base["num_return_sequences"] = 1
         if (allowed := base.get("prefix_allowed_tokens_fn")) is not None:  # its batch id stays the prompt's
