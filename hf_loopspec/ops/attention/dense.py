@@ -73,8 +73,8 @@ class DenseKVAttention:
         k, v = stored(k, k.dtype), stored(v, v.dtype)  # as every path stores them (a padding token's inf: masked)
         if self.cache is not None:
             index = self.depth * self.num_layers + layer_idx
-            if index < len(self.cache.layers) and getattr(self.cache.layers[index], "keys", None) is not None:
-                check_kv_continues(self.cache, k.dtype, k.device, held=self.cache.layers[index].keys)
+            if layer_idx == 0 and index < len(self.cache.layers):  # (once per plane and call: its first layer)
+                check_kv_continues(self.cache, k.dtype, k.device, held=getattr(self.cache.layers[index], "keys", None))
             k, v = self.cache.update(k, v, index)  # [B, Hkv, S, D]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=self.mask, scale=self.scale, enable_gqa=q.shape[1] != k.shape[1]
