@@ -382,6 +382,21 @@ def test_keys_in_a_generation_config_marked_from_model_config_are_honoured(input
     assert out.sequences.tolist() == ref.sequences.tolist()
 
 
+@pytest.mark.parametrize("key", ["speculative_trace", "draft_hook"])
+def test_a_runtime_key_in_a_file_marked_from_model_config_is_refused_not_dropped(inputs, tmp_path, key):
+    """A trace or hook saved in a `generation_config.json` is refused by `generate` whatever the file's
+    `_from_model_config` mark (transformers drops such a marked file's non-standard keys; before, the call then ran
+    without a word and returned no trace)."""
+    model = tiny_spec_model(55, 4, vocab=VOCAB)
+    ids, mask = inputs
+    model.save_pretrained(tmp_path)
+    saved = {"_from_model_config": True, "pad_token_id": PAD, "speculative_mode": "pipeline", key: True}
+    (tmp_path / "generation_config.json").write_text(json.dumps(saved))
+    loaded = OuroForCausalLM.from_pretrained(tmp_path).eval()
+    with pytest.raises(ValueError, match=f"{key}=True in a generation config is not read: pass it to generate"):
+        loaded.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+
+
 @pytest.mark.parametrize("value", [np.int64(2), np.int32(2), torch.tensor(2), 2])
 def test_integer_arguments_accept_numpy_and_tensor_integers(model, inputs, value):
     ids, mask = inputs

@@ -7,7 +7,8 @@ recurrence settings, `num_steps`, `init_scale`, `init_seed`; Ouro's exit options
 
 * `mark_user_generation_config` unmarks a config that carries such keys before it is saved;
 * `restore_speculative_keys` puts back the keys that a loaded `generation_config.json` (or a `generation_config`
-  passed to `from_pretrained`) carried but transformers dropped.
+  passed to `from_pretrained`) carried but transformers dropped, the `RUNTIME_KEYS` (a hook, a trace) included, so
+  that `generate` refuses those as it refuses them in any other generation config instead of never seeing them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from transformers import GenerationConfig
 from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from ..logs import get_logger
+from .call import RUNTIME_KEYS
 from .config import SPECULATIVE_KEYS
 
 logger = get_logger(__name__)
@@ -35,7 +37,7 @@ def restore_speculative_keys(target: GenerationConfig, saved: dict, extra_keys: 
     """Set on `target` the speculative keys (and the family's `extra_keys`) of `saved` (a generation config's dict)
     that it lacks; a config that then carries them is the user's own (`_from_model_config` False), so later saves
     and `generate` keep them."""
-    restored = {key: saved[key] for key in (*SPECULATIVE_KEYS, *extra_keys)
+    restored = {key: saved[key] for key in (*SPECULATIVE_KEYS, *RUNTIME_KEYS, *extra_keys)
                 if saved.get(key) is not None and getattr(target, key, None) is None}
     for key, value in restored.items():
         setattr(target, key, value)
