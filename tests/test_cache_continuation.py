@@ -507,6 +507,22 @@ def test_a_forward_that_runs_out_of_pages_leaves_the_cache_as_it_was(family):
 
 
 @pytest.mark.parametrize("family", ["ouro", "huginn"])
+@pytest.mark.parametrize("kind", ["dynamic", "paged"])
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_a_forward_given_a_cache_and_use_cache_false_raises_and_leaves_it(family, kind, name):
+    """`forward(..., cache, use_cache=False)` raises `ValueError` naming the argument, as `generate` does (before, it
+    wrote the call's columns into the cache and returned no cache); the cache stays empty."""
+    model, vocab, settings = {"ouro": ouro_case, "huginn": huginn_case}[family]()
+    ids, mask = left_pad(random_prompts(11, [4, 3], vocab))
+    cache = DynamicCache() if kind == "dynamic" else PagedLoopCache(model.kv_layout)
+    with torch.no_grad(), model.recurrence(**settings) if settings else contextlib.nullcontext():
+        with pytest.raises(ValueError, match=f"{name}: a cache given to a forward call with use_cache=False"):
+            model(ids, attention_mask=mask, use_cache=False, **{name: cache})
+        assert cache.get_seq_length() == 0
+        assert model(ids, attention_mask=mask, use_cache=False).past_key_values is None
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
 def test_an_interrupted_forward_leaves_a_dense_cache_as_it_was(family, kind):
     """A step interrupted in its second loop (Ctrl-C from a hook) after its first wrote a plane: every layer is cut

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicCache
 
 from ..generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS, asks
 from ..generation.inputs import check_cache_type
@@ -143,13 +144,17 @@ class LoopedCausalLMMixin:
         self.lm_head = value
 
 
-def one_cache(cache, past_key_values):
-    """The KV cache of a forward call, passed as `cache` (transformers >= 5.24) or `past_key_values`, not both, and a
-    transformers `Cache` (`ValueError` naming the argument otherwise)."""
+def one_cache(cache, past_key_values, use_cache: bool):
+    """The KV cache a forward call writes: the one passed as `cache` (transformers >= 5.24) or `past_key_values`, not
+    both, and a transformers `Cache` (`ValueError` naming the argument otherwise); a new `DynamicCache` when none is
+    passed and `use_cache` is set, None when it is not. A cache passed with `use_cache=False` (the call's, else the
+    model config's) raises `ValueError`, as it does in `generate`: the call would write into it and return none."""
     check_cache_type(cache, "cache")
     check_cache_type(past_key_values, "past_key_values")
-    if past_key_values is None:
-        return cache
-    if cache is not None:
+    if cache is not None and past_key_values is not None:
         raise ValueError("Pass the KV cache as `cache` or as `past_key_values`, not both.")
-    return past_key_values
+    name, given = ("cache", cache) if cache is not None else ("past_key_values", past_key_values)
+    if given is not None and not use_cache:
+        raise ValueError(f"{name}: a cache given to a forward call with use_cache=False, which would write into it "
+                         f"and return none; drop {name}, or pass use_cache=True.")
+    return DynamicCache() if use_cache and given is None else given

@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple
 
@@ -278,15 +278,13 @@ class HuginnModel(HuginnPreTrainedModel):
         past_key_values: Cache | None = None,
         **kwargs,
     ) -> HuginnModelOutput:
-        cache = one_cache(cache, past_key_values)
         if inputs_embeds is not None or input_ids is None:
             raise ValueError(("Huginn models take `input_ids` (the prelude and the embedding scale apply to token "
                               "embeddings); `inputs_embeds` is not supported.") if inputs_embeds is not None else
                              "input_ids: none given; pass the prompt's token ids as input_ids.")
         check_forward_inputs(input_ids, None, kwargs.get("output_attentions"), position_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and cache is None:
-            cache = DynamicCache()
+        cache = one_cache(cache, past_key_values, use_cache)
         with self.recurrence(num_steps, init_scale, init_seed), forward_rows(
                 self.kv_layout, attention_mask, position_ids, cache, shape=input_ids.shape,
                 like=self.wte.weight.new_empty(0, device=input_ids.device)) as rows:  # (meta when offloaded)

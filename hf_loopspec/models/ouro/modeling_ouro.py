@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple
@@ -186,13 +186,11 @@ class OuroModel(OuroPreTrainedModel):
         past_key_values: Cache | None = None,
         **kwargs,
     ) -> OuroModelOutput:
-        cache = one_cache(cache, past_key_values)
         check_forward_inputs(input_ids, inputs_embeds, kwargs.get("output_attentions"), position_ids,
                              self.config.hidden_size)
         embeddings = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, H]
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and cache is None:
-            cache = DynamicCache()
+        cache = one_cache(cache, past_key_values, use_cache)
         with forward_rows(self.kv_layout, attention_mask, position_ids, cache, shape=embeddings.shape[:2],
                           like=embeddings) as rows:
             hidden, states = rows.gather(embeddings), []
