@@ -14,6 +14,7 @@ import contextlib
 import copy
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from huginn_utils import tiny_huginn
@@ -322,6 +323,8 @@ def test_bad_cache_arguments_raise_value_errors_naming_them():
         (lambda: cache.batch_select_indices(torch.tensor([True])), "boolean mask of 1 values for a cache of 2"),
         (lambda: cache.reorder_cache(torch.tensor([2, 0])), r"beam_idx holds? \[2\]"),
         (lambda: cache.reorder_cache(torch.tensor([True, False])), "beam_idx: a boolean mask"),
+        (lambda: cache.batch_select_indices(torch.tensor([1, 0], dtype=torch.uint8)), r"indices: uint8 values"),
+        (lambda: cache.reorder_cache(np.array([1, 0], dtype=np.uint8)), r"beam_idx: uint8 values.*\.bool\(\)"),
         (lambda: cache.batch_repeat_interleave(-1), "repeats=-1"),
         (lambda: cache.crop(2.5), r"crop\(2\.5\)"),
         (lambda: cache.has_previous_state(), "linear-attention"),

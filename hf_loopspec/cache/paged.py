@@ -351,6 +351,9 @@ class PagedLoopCache(PageTables, Cache):
         dtype = getattr(indices, "dtype", None)
         if dtype is not None and getattr(dtype, "is_floating_point", getattr(dtype, "kind", "") == "f"):
             raise ValueError(f"{name}: {dtype} values; give integer sequence indices (or a boolean mask).")
+        if str(dtype) in ("torch.uint8", "uint8"):  # a DynamicCache indexes with it as a (deprecated) mask
+            raise ValueError(f"{name}: uint8 values, which transformers' caches read as a mask and a list as "
+                             f"indices; give a boolean mask ({name}.bool()) or integer sequence indices.")
         values = indices.tolist() if hasattr(indices, "tolist") else indices
         if not isinstance(values, (list, tuple)):
             raise ValueError(f"{name}={indices!r}: give a 1-D tensor (or list) of sequence indices.")
