@@ -23,6 +23,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.utils import logging as transformers_logging
 
 from hf_loopspec import PagedLoopCache
+from hf_loopspec.generation import auto, auto_policy
 
 VOCAB = 64
 NEW = 10
@@ -79,6 +80,26 @@ def test_unsupported_processor_falls_back_to_plain_with_one_warning(setup, case,
         assert out.sequences.tolist() == ref.sequences.tolist()
         assert name in out.speculation.fallback and out.speculation.mode == mode
         assert out.speculation.core_calls == out.speculation.committed_tokens == 0
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_auto_reports_the_fallback_whatever_it_would_choose(setup, case, caplog, monkeypatch):
+    """Auto mode decodes such a call plainly in one stretch, warns once and says why in `out.speculation.fallback`
+    before choosing anything (before, a model whose remembered acceptance made auto choose plain decoding reported
+    no fallback for `guidance_scale` or watermarking: only a speculative stretch that fell back found them)."""
+    model, ids, mask = setup
+    settings, name = CASES[case]
+    name = {"guidance_scale": "guidance_scale=1.5", "synthid": "watermarking_config"}.get(case, name)
+    low = auto_policy.Acceptance({1: 0.0, 2: 0.0}, {1: 500.0, 2: 500.0})  # auto would choose plain decoding
+    monkeypatch.setattr(auto_policy, "remembered", lambda model, settings: low.copy())
+    monkeypatch.setattr(auto, "remembered", lambda model, settings: low.copy())
+    transformers_logging.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+        out = run(model, ids, mask, speculative_mode="auto", **settings)
+    assert len(fallback_warnings(caplog)) == 1 and name in fallback_warnings(caplog)[0]
+    assert name in out.speculation.fallback
+    assert [(c.mode, c.reason) for c in out.speculation.choices] == [("plain", "fallback")]
+    assert out.sequences.tolist() == run(model, ids, mask, **settings).sequences.tolist()
 
 
 def test_transformers_verbosity_silences_the_fallback_warning(setup, caplog):

@@ -52,6 +52,7 @@ from transformers import (
 from ..cache.convert import to_dynamic, to_paged
 from ..cache.paged import PagedLoopCache
 from ..defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
+from ..logs import get_logger
 from ..looped import check_kv_continues
 from .auto_calibration import costs_for
 from .auto_costs import PLAIN, Candidate, CostTable, observe
@@ -69,8 +70,11 @@ from .config import (
 )
 from .inputs import as_integer, bos_prompt, check_cache_implementation, check_generation_values, check_left_padded
 from .model_checks import execution_device, model_fallback
+from .processors import configured_fallback, plain_fallback
 from .stats import SequenceStats, SpeculationStats
 from .wavefront.span import reserved_positions
+
+logger = get_logger(__name__)
 
 # Settings measured from the call's start or its end (transformers builds them from the input length or max_length
 # of each `generate` call), and criteria that may stop the call: a call with any of them decodes as one segment.
@@ -209,7 +213,10 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
             base["prefix_allowed_tokens_fn"] = lambda batch_id, tokens: allowed(batch_id // copies, tokens)
     # the minimum as new columns: min_new_tokens when set (transformers then ignores min_length), else min_length's
     min_new = config.min_new_tokens if config.min_new_tokens is not None else (config.min_length or 0) - ids.shape[1]
-    fallback = model_fallback(model) or settings_fallback(config, synced_gpus_of(model, kwargs.get("synced_gpus")))
+    fallback = model_fallback(model) or plain_fallback(kwargs.get("logits_processor")) \
+        or configured_fallback(config) or settings_fallback(config, synced_gpus_of(model, kwargs.get("synced_gpus")))
+    if fallback is not None:
+        logger.warning_once("hf_loopspec: %s.", fallback)
     call = _Call(base, int(max_new), min_new if min_new > 0 else None, eos, pad,
                  single=any(_in_effect(key, _setting(kwargs, config, key)) for key in ONE_STRETCH),
                  return_dict=bool(config.return_dict_in_generate), use_cache=config.use_cache is not False,

@@ -40,6 +40,22 @@ def plain_fallback(processors) -> str | None:
             "decoded with plain decoding instead")
 
 
+def configured_fallback(generation_config) -> str | None:
+    """Why the processors transformers builds from `generation_config`'s own settings cannot run speculatively (a
+    `guidance_scale` other than 1, a `watermarking_config`), or None: `plain_fallback`'s verdict on them before they
+    are built (auto mode chooses its stretches before transformers builds any)."""
+    guidance = getattr(generation_config, "guidance_scale", None)
+    if guidance is not None and guidance != 1:
+        return (f"guidance_scale={guidance!r} adds classifier-free guidance, a logits processor that runs the model on "
+                "a context of its own (not a pure function of one row's ids and scores), so speculative decoding could "
+                "change its output; decoded with plain decoding instead")
+    if getattr(generation_config, "watermarking_config", None) is not None:
+        return ("watermarking_config adds a watermarking logits processor, which is not known to be a pure function of "
+                "one row's ids and scores, so speculative decoding could change its output; decoded with plain "
+                "decoding instead")
+    return None
+
+
 def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessorList:
     """The processors as they apply to batch row `row` alone (the decoder calls them one row at a time).
 
