@@ -21,15 +21,16 @@ which a later segment would measure anew. The call's settings are transformers' 
 repeated `num_return_sequences` times up front. Speculative segments run on a `PagedLoopCache` and plain ones on
 transformers' `DynamicCache` (faster for plain decoding): the KV moves between the two when the choice changes
 (`cache.convert`), copied, not recomputed. A cache the caller passed stays the call's cache: a `PagedLoopCache` backs
-every segment, and a `DynamicCache` is refilled with the call's KV at its end. A call continuing another kind of cache
-(e.g. a `StaticCache`) decodes plainly in one segment (reason "cache-type"), and so does the rest of a call on a
-fixed-capacity `PagedLoopCache` too small for a speculative segment's up-front reservation (reason "capacity"). A call
-with `position_ids` of its own decodes plainly in one segment (reason "position-ids": only plain decoding follows
-them), and a speculative segment that decoded plainly for a reason of its own (a logits processor with no form the
-engine runs, say: its `fallback`) makes the call report that fallback and decode the rest plainly (reason "fallback");
-a model that cannot decode speculatively (`model_checks.model_fallback`), or a call that asks for what only plain
-decoding does (`config.settings_fallback`: `synced_gpus`, `prefill_chunk_size`), decodes the whole call plainly in one
-segment (reason "fallback"). Beam search, assistants, `inputs_embeds` and per-step hidden states or attentions are
+every segment, and a `DynamicCache` is refilled with the call's KV at its end. A call continuing another kind of
+cache (e.g. a `StaticCache`) decodes plainly in one segment (reason "cache-type"), and so does the rest of a call on
+a fixed-capacity `PagedLoopCache` too small for a speculative segment's up-front reservation (reason "capacity"). A
+call with `position_ids` of its own decodes plainly in one segment (reason "position-ids": only plain decoding
+follows them). A model that cannot decode speculatively (`model_checks.model_fallback`), a call with a logits
+processor not known to be row-pure (`processors.plain_fallback`, `configured_fallback`: its own, guidance,
+watermarking), or one that asks for what only plain decoding does (`config.settings_fallback`: `synced_gpus`,
+`prefill_chunk_size`) decodes the whole call plainly in one segment (reason "fallback"), whatever auto would choose;
+a speculative segment that decoded plainly for a reason found only then (its `fallback`) makes the call report it and
+decode the rest plainly. Beam search, assistants, `inputs_embeds` and per-step hidden states or attentions are
 refused, as with the fixed modes.
 """
 
