@@ -528,7 +528,7 @@ def test_rows_that_stop_stay_stopped(case, fallback):
     for name in ("scores", "logits"):
         got, want = torch.stack(getattr(out, name), 1), torch.stack(getattr(ref, name), 1)  # [B, steps, V]
         assert got.shape == want.shape
-        if fallback:  # one plain stretch: plain decoding's own (docs/generation.md, "Outputs")
+        if fallback:  # one plain stretch: plain decoding's own (the Outputs item of docs/generation.md)
             assert torch.equal(got, want)
             continue
         assert not got[0, end + 1:].any()
