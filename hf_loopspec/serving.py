@@ -85,12 +85,29 @@ def parse(argv: list[str]) -> tuple[dict, argparse.Namespace]:
     if params.get("api_server_count", 1) > 1:  # transformers >= 5.25: API servers in processes spawned afresh
         raise ValueError(f"--api-server-count {params['api_server_count']}: hf-loopspec serve runs one API server "
                          "(its request checks and error answers live in this process); leave the option out.")
+    if not 1 <= params.get("port", 8000) <= 65535:  # uvicorn would listen on another port, or fail after loading
+        raise ValueError(f"--port {params['port']}: pass a TCP port in [1, 65535].")
     if params.get("device") not in (None, "auto"):
         from .loading import resolve_device
 
         resolve_device(params["device"])  # `ValueError` for meta, a missing CUDA, ...: refused before serving
     params["force_model"] = resolve_model(params["force_model"])
     return params, options
+
+
+def check_address(host: str, port: int) -> None:
+    """`ValueError` (one line) when the server could not listen on `host`:`port` (in use, no such host), found by
+    binding a socket there as uvicorn will, before the model loads (uvicorn would fail after it, in its log)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            reason = error.strerror or error
+            raise ValueError(f"--host {host} --port {port}: the server cannot listen there ({reason}); pass a free "
+                             "--port (or another --host).") from None
 
 
 def resolve_model(spec: str | None) -> str:
@@ -251,6 +268,7 @@ def start(argv: list[str]):
     from .input_checks import max_positions
 
     params, options = parse(argv)
+    check_address(params.get("host", "localhost"), params.get("port", 8000))
     if not is_serve_available():
         raise ValueError("serving needs fastapi, uvicorn and openai, which are not installed; install them with "
                          "pip install 'hf-loopspec[serve]'.")

@@ -464,6 +464,8 @@ def test_the_architecture_resolves_where_transformers_serve_looks_it_up(checkpoi
     (["ouro-100m"], "random-weight benchmark shape"),
     (["--bogus"], "No such option: --bogus"),
     (["--port", "eighty"], "Invalid value for '--port'"),
+    (["--port", "99999"], "--port 99999: pass a TCP port in [1, 65535]"),  # uvicorn listened on 99999 - 65536
+    (["--port", "-5"], "--port -5: pass a TCP port in [1, 65535]"),
     (["--threads", "0"], "--threads 0"),
     (["--device", "meta"], "--device meta"),
     (["a", "b"], "unexpected extra argument"),
@@ -483,6 +485,18 @@ def test_a_checkpoint_that_does_not_load_is_one_line_exit_2(capsys, checkpoint, 
     (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 8}))
     assert cli.main(["serve", str(folder), "--port", str(free_port())]) == 2
     assert "the model did not load: The checkpoint does not match" in one_error_line(capsys, "serve")
+
+
+def test_an_address_in_use_is_one_line_exit_2_before_the_model_loads(capsys, monkeypatch):
+    """A port another socket listens on is refused in one line (before: uvicorn's error inside 40 lines of log, exit
+    3, after the model had loaded); nothing is loaded."""
+    monkeypatch.setattr(serving, "expose_architecture", lambda *a: pytest.fail("the model was prepared"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    assert f"--host 127.0.0.1 --port {port}: the server cannot listen there" in one_error_line(capsys, "serve")
 
 
 def test_several_api_servers_are_refused(capsys):
