@@ -29,7 +29,8 @@ lists it: the embedded model's folder by default) or leave it out. A request tha
 `top_logprobs`, `echo` or `presence_penalty` to anything but its default, or a token limit that is not a whole number
 >= 1, gets HTTP 400 with the reason (`serving_requests.request_problem`; transformers would ignore them, or round 1.5
 down, with a line in the server's log only). HTTP errors, a body that is not JSON or nests too deeply included, and a
-stream's error event come in OpenAI's error shape (`openai_errors`), so an `openai` client's exception says why;
+stream's error event come in OpenAI's error shape (`openai_errors`), so an `openai` client's exception says why (a
+chat or completions stream refused before its first token gets the HTTP 400 a request without streaming gets);
 `suffix`, `tools`, a `response_format` and the Responses API's `text.format`, `previous_response_id` and `include`,
 which transformers' handlers would drop, get HTTP 400 too, and so do values they would fail on with a bare 500
 (`serving_requests.value_problem`: a lone surrogate, a numeric `stop`, `messages` as a string or without roles,
@@ -220,8 +221,14 @@ def openai_errors(positions: int | None = None) -> None:
                     raise
                 return Response(status_code=499)  # (nginx's "client closed request": nobody reads it)
             if response.headers.get("content-type", "").startswith("text/event-stream"):
-                done = request.url.path.rstrip("/") in DONE_STREAMS
-                response.body_iterator = openai_error_events(response.body_iterator, done)
+                done, chunks = request.url.path.rstrip("/") in DONE_STREAMS, response.body_iterator
+                if done:  # refused before its first token (settings `generate` refused): a 400, as without stream
+                    message, read = await refusal_before_tokens(chunks)
+                    if message is not None:
+                        await chunks.aclose()  # (its handler's clean-up)
+                        return await answer(request, HTTPException(status_code=400, detail=message))
+                    chunks = replayed(read, chunks)
+                response.body_iterator = openai_error_events(chunks, done)
             return response
 
         app = original(*args, **kwargs)
@@ -234,6 +241,39 @@ def openai_errors(positions: int | None = None) -> None:
 
     build_server.wrapped, build_server.positions = original, positions
     server.build_server = build_server
+
+
+async def refusal_before_tokens(chunks) -> tuple[str | None, list]:
+    """`(message, chunks read)`: the message of the error event a chat or completions stream sent before any token (a
+    request whose settings `generate` refused as it started), or None once an event of another kind came (a chat
+    stream's first event, which names the assistant's role only, is skipped); the chunks read, to be sent on."""
+    read = []
+    async for chunk in chunks:
+        read.append(chunk)
+        raw = chunk if isinstance(chunk, bytes) else chunk.encode("utf-8")
+        try:
+            event = json.loads(raw[len(b"data: "):]) if raw.startswith(b"data: {") else None
+        except ValueError:  # not one whole event
+            event = None
+        if not isinstance(event, dict):
+            return None, read
+        if isinstance(event.get("error"), str):
+            return event["error"], read
+        choice = (event.get("choices") or [{}])[0]
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        role_only = isinstance(delta, dict) and not choice.get("finish_reason") and not any(
+            value for key, value in delta.items() if key != "role")
+        if not role_only:
+            return None, read
+    return None, read
+
+
+async def replayed(read: list, chunks):
+    """The chunks `read`, then the rest of `chunks`."""
+    for chunk in read:
+        yield chunk
+    async for chunk in chunks:
+        yield chunk
 
 
 async def openai_error_events(chunks, done: bool = False):

@@ -233,9 +233,11 @@ def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, referenc
     def refused(client, calls):
         bad = {**BLOCK, "speculative_mode": "pipeline", "draft_loops": 3}  # U = 4 is not a multiple of 3
         kept, _ = ran(calls)
-        reason = refusal(lambda: client.completions.create(
-            model=checkpoint, prompt=PROMPTS[0], max_tokens=4, extra_body={"generation_config": json.dumps(bad)}))
-        assert re.search(r"Error code: 400 .*draft_loops=3", reason), reason
+        for stream in (False, True):  # streaming: refused before its first token, a 400 too (it was an error event)
+            reason = refusal(lambda stream=stream: client.completions.create(
+                model=checkpoint, prompt=PROMPTS[0], max_tokens=4, stream=stream,
+                extra_body={"generation_config": json.dumps(bad)}))
+            assert re.search(r"Error code: 400 .*draft_loops=3", reason), (stream, reason)
         reason = refusal(lambda: client.completions.create(model=checkpoint, prompt=PROMPTS[0], max_tokens=1.5))
         assert re.search(r"Error code: 400 .*max_tokens=1.5 must be a whole number", reason), reason
         reason = refusal(lambda: client.completions.create(model=checkpoint, prompt=PROMPTS[0], max_tokens=10**6))
@@ -326,6 +328,27 @@ def test_a_streams_error_event_comes_in_openais_shape():
         return [chunk async for chunk in serving.openai_error_events(stream(), done=True)]
 
     assert asyncio.run(ended()) == [*kept, last, b"data: [DONE]\n\n"]
+
+
+def test_a_stream_refused_before_its_first_token_is_found():
+    """An error event before any token (after a chat stream's role-only first event) is a refusal the server answers
+    with a 400; a stream whose first event carries a token, or whose error comes after one, is sent on whole."""
+    role = b'data: {"choices": [{"delta": {"role": "assistant", "content": null}, "index": 0}]}\n\n'
+    error = b'data: {"error": "draft_loops=3: refused"}\n\n'
+    token = b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+
+    async def scan(events):
+        async def stream():
+            for event in events:
+                yield event
+
+        chunks = stream()
+        message, read = await serving.refusal_before_tokens(chunks)
+        return message, [chunk async for chunk in serving.replayed(read, chunks)]
+
+    for events, message in [([error], "draft_loops=3: refused"), ([role, error], "draft_loops=3: refused"),
+                            ([token, error], None), ([role, token, error], None), ([], None)]:
+        assert asyncio.run(scan(events)) == (message, events)
 
 
 def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
@@ -430,8 +453,8 @@ def test_serve_with_continuous_batching_answers_as_plain_generate(checkpoint, re
         speculative, (mode, accepted) = ran(calls)
         assert mode == "pipeline" and not speculative and accepted > 0
         fast = client.with_options(timeout=30)
-        for stream in (False, True):  # streaming: the error event's message is the exception's text
-            assert re.search(r"speculative_mode='block' \(the manager's: 'auto'\)",
+        for stream in (False, True):  # streaming too: refused before its first token, a 400 (not an error event)
+            assert re.search(r"Error code: 400 .*speculative_mode='block' \(the manager's: 'auto'\)",
                              refusal(lambda stream=stream: ask(fast, checkpoint, "block", PROMPTS[0], stream)))
         for stream in (False, True):  # past the model's positions: the server refuses it before any slot does
             def call(stream=stream):  # (a slot's own check: test_continuous_batching)
