@@ -3,8 +3,8 @@ processor (through transformers' logging, so its verbosity applies), and reports
 `out.speculation.fallback`; the output is plain decoding's.
 
 The cases are a stateful processor that runs the model on its own context (classifier-free guidance through
-`guidance_scale`), watermarking (`SynthIDTextWatermarkingConfig`, under seeded sampling) and a user's processor
-that treats batch rows differently. Each is first shown to change plain decoding's output, so equality is not
+`guidance_scale`), watermarking (`SynthIDTextWatermarkingConfig`, under seeded sampling), a penalty on each row's
+prompt tokens (`encoder_repetition_penalty`) and a user's processor that treats batch rows differently. Each is first shown to change plain decoding's output, so equality is not
 vacuous; the expectation is plain decoding with the same settings.
 """
 
@@ -44,6 +44,7 @@ CASES = {
     "synthid": ({"do_sample": True, "watermarking_config": SynthIDTextWatermarkingConfig(
         keys=[654, 400, 836, 123, 340], ngram_len=3)}, "SynthIDTextWatermarkLogitsProcessor"),
     "row_bias": ({"logits_processor": LogitsProcessorList([RowBias()])}, "RowBias"),
+    "encoder_penalty": ({"encoder_repetition_penalty": 3.0}, "EncoderRepetitionPenaltyLogitsProcessor"),
 }
 
 
@@ -89,7 +90,8 @@ def test_auto_reports_the_fallback_whatever_it_would_choose(setup, case, caplog,
     no fallback for `guidance_scale` or watermarking: only a speculative stretch that fell back found them)."""
     model, ids, mask = setup
     settings, name = CASES[case]
-    name = {"guidance_scale": "guidance_scale=1.5", "synthid": "watermarking_config"}.get(case, name)
+    name = {"guidance_scale": "guidance_scale=1.5", "synthid": "watermarking_config",
+            "encoder_penalty": "encoder_repetition_penalty=3.0"}.get(case, name)
     low = auto_policy.Acceptance({1: 0.0, 2: 0.0}, {1: 500.0, 2: 500.0})  # auto would choose plain decoding
     monkeypatch.setattr(auto_policy, "remembered", lambda model, settings: low.copy())
     monkeypatch.setattr(auto, "remembered", lambda model, settings: low.copy())
