@@ -46,13 +46,16 @@ that leaves before its answer ends its request quietly (no error in the server's
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import logging
 import sys
 
 from .serving_requests import as_transformers_reads, request_problem
 
 DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
 DONE_STREAMS = frozenset({"/v1/chat/completions", "/v1/completions"})  # OpenAI ends their streams with [DONE]
+STREAM_FAILURES = collections.deque(maxlen=256)  # messages of stream errors that were no refusal (`tag_stream_errors`)
 # what the model's process (transformers 5.25) raises for a checkpoint it cannot load: the user's to fix
 LOAD_REFUSALS = frozenset({"ValueError", "OSError", "FileNotFoundError", "IsADirectoryError", "PermissionError"})
 OWN_HELP = ("\n\nhf-loopspec serve: FORCE_MODEL (MODEL) defaults to the embedded default model; --threads N sets "
@@ -193,9 +196,8 @@ def openai_errors(positions: int | None = None) -> None:
             return await answer(request, HTTPException(status_code=400, detail=str(error)))
 
         async def failed(request, error: Exception) -> JSONResponse:  # any other error of a handler (logged too)
-            return await answer(request, HTTPException(status_code=500, detail=(
-                f"the server failed on this request ({type(error).__name__}: {error}); a field of the request may "
-                "lack what the server reads (see the server's log).")))
+            return await answer(request, HTTPException(status_code=500, detail=failure(
+                f"{type(error).__name__}: {error}")))
 
         async def malformed(request, error) -> JSONResponse:  # FastAPI's 422 for a body it cannot read
             reasons = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in error.errors())
@@ -216,21 +218,25 @@ def openai_errors(positions: int | None = None) -> None:
                     request._body = read.encode()  # (starlette keeps `_body`; 100 == 100.0: compared as text)
             try:
                 response = await call_next(request)
-            except RuntimeError:  # starlette's "No response returned.": the client left before the answer
-                if not await request.is_disconnected():
-                    raise
-                return Response(status_code=499)  # (nginx's "client closed request": nobody reads it)
+            except Exception as error:  # a handler's failure, answered here: raised on, it closed the connection
+                if isinstance(error, RuntimeError) and await request.is_disconnected():  # "No response returned."
+                    return Response(status_code=499)  # (nginx's "client closed request": nobody reads it)
+                logging.getLogger("uvicorn.error").error("the server failed on %s", request.url.path, exc_info=error)
+                return await failed(request, error)
             if response.headers.get("content-type", "").startswith("text/event-stream"):
                 done, chunks = request.url.path.rstrip("/") in DONE_STREAMS, response.body_iterator
                 if done:  # refused before its first token (settings `generate` refused): a 400, as without stream
                     message, read = await refusal_before_tokens(chunks)
                     if message is not None:
                         await chunks.aclose()  # (its handler's clean-up)
+                        if message in STREAM_FAILURES:  # a failure, not a refusal: the 500 a plain request gets
+                            return await answer(request, HTTPException(status_code=500, detail=failure(message)))
                         return await answer(request, HTTPException(status_code=400, detail=message))
                     chunks = replayed(read, chunks)
                 response.body_iterator = openai_error_events(chunks, done)
             return response
 
+        tag_stream_errors()
         app = original(*args, **kwargs)
         app.add_exception_handler(HTTPException, answer)
         app.add_exception_handler(RequestValidationError, malformed)
@@ -241,6 +247,36 @@ def openai_errors(positions: int | None = None) -> None:
 
     build_server.wrapped, build_server.positions = original, positions
     server.build_server = build_server
+
+
+def failure(text: str) -> str:
+    """The reason of a 500: the server failed on a request (`text`: the error's type and message)."""
+    return (f"the server failed on this request ({text}); a field of the request may lack what the server reads (see "
+            "the server's log).")
+
+
+def tag_stream_errors() -> None:
+    """Make the stream errors transformers' serving modules create (`_StreamError`, which carries a message only)
+    record the messages of failures that are no refusal (any exception but a `ValueError`) in `STREAM_FAILURES`, so
+    that a stream failing before its first token gets the status a request without streaming gets: 400 for a
+    refusal, 500 for a failure. Idempotent."""
+    from transformers.cli.serving import model_manager, utils
+
+    for module in (model_manager, utils):  # where 5.25 (model_manager) and 5.24 (utils) create them
+        original = getattr(module, "_StreamError", None)
+        if original is None or getattr(original, "records_failures", False):
+            continue
+
+        class StreamError(original):
+            records_failures = True
+
+            def __init__(self, msg: str):
+                super().__init__(msg)
+                error = sys.exc_info()[1]  # (created in the `except` block of the failed request)
+                if error is not None and not isinstance(error, ValueError):
+                    STREAM_FAILURES.append(msg)
+
+        module._StreamError = StreamError
 
 
 async def refusal_before_tokens(chunks) -> tuple[str | None, list]:

@@ -238,6 +238,10 @@ def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, referenc
                 model=checkpoint, prompt=PROMPTS[0], max_tokens=4, stream=stream,
                 extra_body={"generation_config": json.dumps(bad)}))
             assert re.search(r"Error code: 400 .*draft_loops=3", reason), (stream, reason)
+            failed = refusal(lambda stream=stream: client.completions.create(  # a failure, no refusal: 500 either way
+                model=checkpoint, prompt=PROMPTS[0], max_tokens=4, stream=stream,
+                extra_body={"generation_config": json.dumps({"num_beams": "x"})}))
+            assert re.search(r"Error code: 500 .*the server failed on this request .*TypeError", failed), failed
         reason = refusal(lambda: client.completions.create(model=checkpoint, prompt=PROMPTS[0], max_tokens=1.5))
         assert re.search(r"Error code: 400 .*max_tokens=1.5 must be a whole number", reason), reason
         reason = refusal(lambda: client.completions.create(model=checkpoint, prompt=PROMPTS[0], max_tokens=10**6))
@@ -349,6 +353,25 @@ def test_a_stream_refused_before_its_first_token_is_found():
     for events, message in [([error], "draft_loops=3: refused"), ([role, error], "draft_loops=3: refused"),
                             ([token, error], None), ([role, token, error], None), ([], None)]:
         assert asyncio.run(scan(events)) == (message, events)
+
+
+def test_stream_errors_record_the_failures_that_are_no_refusal():
+    """transformers' stream errors carry a message only; tagged, those made while handling any exception but a
+    `ValueError` are recorded, so a stream failing before its first token gets a 500 (a refusal: a 400)."""
+    from transformers.cli.serving import model_manager
+    from transformers.cli.serving import utils as serving_utils
+
+    serving.tag_stream_errors()
+    serving.tag_stream_errors()  # idempotent: one subclass, not a chain
+    for module in (model_manager, serving_utils):
+        assert module._StreamError.__bases__[0].__name__ == "_StreamError"
+        for error in (TypeError(f"boom in {module.__name__}"), ValueError(f"refused in {module.__name__}")):
+            try:
+                raise error
+            except Exception as caught:
+                module._StreamError(str(caught))
+        assert f"boom in {module.__name__}" in serving.STREAM_FAILURES
+        assert f"refused in {module.__name__}" not in serving.STREAM_FAILURES
 
 
 def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):

@@ -4,8 +4,9 @@ processor (through transformers' logging, so its verbosity applies), and reports
 
 The cases are a stateful processor that runs the model on its own context (classifier-free guidance through
 `guidance_scale`), watermarking (`SynthIDTextWatermarkingConfig`, under seeded sampling), a penalty on each row's
-prompt tokens (`encoder_repetition_penalty`) and a user's processor that treats batch rows differently. Each is first shown to change plain decoding's output, so equality is not
-vacuous; the expectation is plain decoding with the same settings.
+prompt tokens (`encoder_repetition_penalty`) and a user's processor that treats batch rows differently. Each is first
+shown to change plain decoding's output, so equality is not vacuous; the expectation is plain decoding with the same
+settings.
 """
 
 from __future__ import annotations
