@@ -30,7 +30,7 @@ lists it: the embedded model's folder by default) or leave it out. A request tha
 >= 1, gets HTTP 400 with the reason (`serving_requests.request_problem`; transformers would ignore them, or round 1.5
 down, with a line in the server's log only). HTTP errors, a body that is not JSON or nests too deeply included, and a
 stream's error event come in OpenAI's error shape (`openai_errors`), so an `openai` client's exception says why (a
-chat or completions stream refused before its first token gets the HTTP 400 a request without streaming gets);
+chat or completions stream failing before its first token gets the status a request without streaming gets);
 `suffix`, `tools`, a `response_format` and the Responses API's `text.format`, `previous_response_id` and `include`,
 which transformers' handlers would drop, get HTTP 400 too, and so do values they would fail on with a bare 500
 (`serving_requests.value_problem`: a lone surrogate, a numeric `stop`, `messages` as a string or without roles,
