@@ -225,13 +225,14 @@ def openai_errors(positions: int | None = None) -> None:
                 return await failed(request, error)
             if response.headers.get("content-type", "").startswith("text/event-stream"):
                 done, chunks = request.url.path.rstrip("/") in DONE_STREAMS, response.body_iterator
-                if done:  # refused before its first token (settings `generate` refused): a 400, as without stream
-                    message, read = await refusal_before_tokens(chunks)
+                if done:  # failed before its first token: the status it gets without streaming
+                    message, read = await error_before_tokens(chunks)
                     if message is not None:
                         await chunks.aclose()  # (its handler's clean-up)
-                        if message in STREAM_FAILURES:  # a failure, not a refusal: the 500 a plain request gets
+                        if message in STREAM_FAILURES:  # a failure, not a refusal: 500
+                            STREAM_FAILURES.remove(message)
                             return await answer(request, HTTPException(status_code=500, detail=failure(message)))
-                        return await answer(request, HTTPException(status_code=400, detail=message))
+                        return await answer(request, HTTPException(status_code=400, detail=message))  # a refusal
                     chunks = replayed(read, chunks)
                 response.body_iterator = openai_error_events(chunks, done)
             return response
@@ -279,10 +280,11 @@ def tag_stream_errors() -> None:
         module._StreamError = StreamError
 
 
-async def refusal_before_tokens(chunks) -> tuple[str | None, list]:
+async def error_before_tokens(chunks) -> tuple[str | None, list]:
     """`(message, chunks read)`: the message of the error event a chat or completions stream sent before any token (a
-    request whose settings `generate` refused as it started), or None once an event of another kind came (a chat
-    stream's first event, which names the assistant's role only, is skipped); the chunks read, to be sent on."""
+    request that failed, or whose settings `generate` refused, as it started), or None once an event of another kind
+    came (a chat stream's first event, which names the assistant's role only, is skipped); the chunks read, to be
+    sent on."""
     read = []
     async for chunk in chunks:
         read.append(chunk)

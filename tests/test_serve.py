@@ -334,7 +334,7 @@ def test_a_streams_error_event_comes_in_openais_shape():
     assert asyncio.run(ended()) == [*kept, last, b"data: [DONE]\n\n"]
 
 
-def test_a_stream_refused_before_its_first_token_is_found():
+def test_a_stream_that_fails_before_its_first_token_is_found():
     """An error event before any token (after a chat stream's role-only first event) is a refusal the server answers
     with a 400; a stream whose first event carries a token, or whose error comes after one, is sent on whole."""
     role = b'data: {"choices": [{"delta": {"role": "assistant", "content": null}, "index": 0}]}\n\n'
@@ -347,7 +347,7 @@ def test_a_stream_refused_before_its_first_token_is_found():
                 yield event
 
         chunks = stream()
-        message, read = await serving.refusal_before_tokens(chunks)
+        message, read = await serving.error_before_tokens(chunks)
         return message, [chunk async for chunk in serving.replayed(read, chunks)]
 
     for events, message in [([error], "draft_loops=3: refused"), ([role, error], "draft_loops=3: refused"),
