@@ -55,7 +55,7 @@ from .serving_requests import as_transformers_reads, request_problem
 
 DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
 DONE_STREAMS = frozenset({"/v1/chat/completions", "/v1/completions"})  # OpenAI ends their streams with [DONE]
-STREAM_FAILURES = collections.deque(maxlen=256)  # messages of stream errors that were no refusal (`tag_stream_errors`)
+STREAM_FAILURES = collections.deque(maxlen=256)  # (message, status) of stream errors no refusal (`tag_stream_errors`)
 # what the model's process (transformers 5.25) raises for a checkpoint it cannot load: the user's to fix
 LOAD_REFUSALS = frozenset({"ValueError", "OSError", "FileNotFoundError", "IsADirectoryError", "PermissionError"})
 OWN_HELP = ("\n\nhf-loopspec serve: FORCE_MODEL (MODEL) defaults to the embedded default model; --threads N sets "
@@ -175,6 +175,7 @@ def openai_errors(positions: int | None = None) -> None:
     of `positions` positions) as a 400 before transformers reads it. Wraps `build_server`, which transformers' `Serve`
     imports when it is constructed; idempotent, and a later call sets the positions the next server checks."""
     from transformers.cli.serving import server
+    from transformers.cli.serving import utils as serving_utils
 
     if hasattr(server.build_server, "wrapped"):
         server.build_server.positions = positions
@@ -229,16 +230,23 @@ def openai_errors(positions: int | None = None) -> None:
                     message, read = await error_before_tokens(chunks)
                     if message is not None:
                         await chunks.aclose()  # (its handler's clean-up)
-                        if message in STREAM_FAILURES:  # a failure, not a refusal: 500
-                            STREAM_FAILURES.remove(message)
-                            return await answer(request, HTTPException(status_code=500, detail=failure(message)))
-                        return await answer(request, HTTPException(status_code=400, detail=message))  # a refusal
+                        status = next((entry for entry in STREAM_FAILURES if entry[0] == message), None)
+                        if status is None:  # a refusal
+                            return await answer(request, HTTPException(status_code=400, detail=message))
+                        STREAM_FAILURES.remove(status)  # a failure: 500, or 503 when the model's engine died
+                        detail = failure(message) if status[1] == 500 else message
+                        return await answer(request, HTTPException(status_code=status[1], detail=detail))
                     chunks = replayed(read, chunks)
                 response.body_iterator = openai_error_events(chunks, done)
             return response
 
+        async def dead(request, error: Exception) -> JSONResponse:  # transformers' 503, in OpenAI's shape
+            return await answer(request, HTTPException(status_code=503, detail=str(error)))
+
         tag_stream_errors()
         app = original(*args, **kwargs)
+        if hasattr(serving_utils, "EngineDeadError"):  # transformers >= 5.25
+            app.add_exception_handler(serving_utils.EngineDeadError, dead)
         app.add_exception_handler(HTTPException, answer)
         app.add_exception_handler(RequestValidationError, malformed)
         app.add_exception_handler(ValueError, refuse)
@@ -258,10 +266,12 @@ def failure(text: str) -> str:
 
 def tag_stream_errors() -> None:
     """Make the stream errors transformers' serving modules create (`_StreamError`, which carries a message only)
-    record the messages of failures that are no refusal (any exception but a `ValueError`) in `STREAM_FAILURES`, so
-    that a stream failing before its first token gets the status a request without streaming gets: 400 for a
-    refusal, 500 for a failure. Idempotent."""
+    record the message and status of failures that are no refusal (any exception but a `ValueError`) in
+    `STREAM_FAILURES`, so that a stream failing before its first token gets the status a request without streaming
+    gets: 400 for a refusal, 503 when the model's engine died (`EngineDeadError`), else 500. Idempotent."""
     from transformers.cli.serving import model_manager, utils
+
+    dead = getattr(utils, "EngineDeadError", ())
 
     for module in (model_manager, utils):  # where 5.25 (model_manager) and 5.24 (utils) create them
         original = getattr(module, "_StreamError", None)
@@ -275,7 +285,7 @@ def tag_stream_errors() -> None:
                 super().__init__(msg)
                 error = sys.exc_info()[1]  # (created in the `except` block of the failed request)
                 if error is not None and not isinstance(error, ValueError):
-                    STREAM_FAILURES.append(msg)
+                    STREAM_FAILURES.append((msg, 503 if isinstance(error, dead) else 500))
 
         module._StreamError = StreamError
 

@@ -365,13 +365,17 @@ def test_stream_errors_record_the_failures_that_are_no_refusal():
     serving.tag_stream_errors()  # idempotent: one subclass, not a chain
     for module in (model_manager, serving_utils):
         assert module._StreamError.__bases__[0].__name__ == "_StreamError"
-        for error in (TypeError(f"boom in {module.__name__}"), ValueError(f"refused in {module.__name__}")):
+        dead = getattr(serving_utils, "EngineDeadError", None)  # transformers >= 5.25
+        errors = [TypeError(f"boom in {module.__name__}"), ValueError(f"refused in {module.__name__}"),
+                  *([dead(f"died in {module.__name__}")] if dead else [])]
+        for error in errors:
             try:
                 raise error
             except Exception as caught:
                 module._StreamError(str(caught))
-        assert f"boom in {module.__name__}" in serving.STREAM_FAILURES
-        assert f"refused in {module.__name__}" not in serving.STREAM_FAILURES
+        recorded = [entry for entry in serving.STREAM_FAILURES if entry[0].endswith(f"in {module.__name__}")]
+        name = module.__name__
+        assert recorded == [(f"boom in {name}", 500), *([(f"died in {name}", 503)] if dead else [])]
 
 
 def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
@@ -403,6 +407,12 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
     app.router.add_route("/v1/chat/completions", chat, methods=["POST"])
     app.router.add_route("/v1/completions", completions, methods=["POST"])
     app.router.add_route("/v1/responses", responses, methods=["POST"])
+    dead = getattr(serving_utils, "EngineDeadError", None)  # transformers >= 5.25: the model's process died
+
+    async def died(request):
+        raise dead("The model's process crashed (exit code -9).")
+
+    app.router.add_route("/v1/died", died, methods=["POST"])
     if hasattr(serving_utils, "CancelOnDisconnect"):  # transformers >= 5.25 cancels a left request's handling
         app.add_middleware(serving_utils.CancelOnDisconnect)
 
@@ -435,6 +445,9 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
         assert status == 200 and "stop" not in echoed  # OpenAI's "no stop" (transformers failed on it)
         status, answer = post(base, "responses", b'{"input": "hi"}', "application/json")  # a bare text 500 before
         assert status == 500 and "the server failed on this request (KeyError: 'type')" in answer["error"]["message"]
+        if dead is not None:  # transformers' 503, in OpenAI's shape (its own answer was {"error": "text"})
+            status, answer = post(base, "died", b'{"input": "hi"}', "application/json")
+            assert status == 503 and answer["error"]["message"] == "The model's process crashed (exit code -9)."
         status, answer = post(base, "completions", json.dumps({"prompt": "x", "logit_bias": bias}).encode(),
                               "application/json")
         assert status == 400 and "logit_bias is not supported on /v1/completions" in answer["error"]["message"]
