@@ -335,8 +335,9 @@ def test_a_streams_error_event_comes_in_openais_shape():
 
 
 def test_a_stream_that_fails_before_its_first_token_is_found():
-    """An error event before any token (after a chat stream's role-only first event) is a refusal the server answers
-    with a 400; a stream whose first event carries a token, or whose error comes after one, is sent on whole."""
+    """An error event before any token (after a chat stream's role-only first event) is found, for the server to
+    answer with the status the request gets without streaming; a stream whose first event carries a token, or whose
+    error comes after one, is sent on whole."""
     role = b'data: {"choices": [{"delta": {"role": "assistant", "content": null}, "index": 0}]}\n\n'
     error = b'data: {"error": "draft_loops=3: refused"}\n\n'
     token = b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
@@ -357,24 +358,25 @@ def test_a_stream_that_fails_before_its_first_token_is_found():
 
 def test_stream_errors_record_the_failures_that_are_no_refusal():
     """transformers' stream errors carry a message only; tagged, those made while handling any exception but a
-    `ValueError` are recorded, so a stream failing before its first token gets a 500 (a refusal: a 400)."""
+    `ValueError` are recorded with their status (503 for a dead engine, else 500), so a stream failing before its
+    first token gets that status (a refusal: a 400)."""
     from transformers.cli.serving import model_manager
     from transformers.cli.serving import utils as serving_utils
 
     serving.tag_stream_errors()
     serving.tag_stream_errors()  # idempotent: one subclass, not a chain
+    dead = getattr(serving_utils, "EngineDeadError", None)  # transformers >= 5.25: the model's process died
     for module in (model_manager, serving_utils):
         assert module._StreamError.__bases__[0].__name__ == "_StreamError"
-        dead = getattr(serving_utils, "EngineDeadError", None)  # transformers >= 5.25
-        errors = [TypeError(f"boom in {module.__name__}"), ValueError(f"refused in {module.__name__}"),
-                  *([dead(f"died in {module.__name__}")] if dead else [])]
+        name = module.__name__
+        errors = [TypeError(f"boom in {name}"), ValueError(f"refused in {name}")]
+        errors += [dead(f"died in {name}")] if dead else []
         for error in errors:
             try:
                 raise error
             except Exception as caught:
                 module._StreamError(str(caught))
-        recorded = [entry for entry in serving.STREAM_FAILURES if entry[0].endswith(f"in {module.__name__}")]
-        name = module.__name__
+        recorded = [entry for entry in serving.STREAM_FAILURES if entry[0].endswith(f"in {name}")]
         assert recorded == [(f"boom in {name}", 500), *([(f"died in {name}", 503)] if dead else [])]
 
 
