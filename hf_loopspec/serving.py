@@ -205,18 +205,9 @@ def openai_errors(positions: int | None = None) -> None:
             return await answer(request, HTTPException(status_code=422, detail=f"the request body: {reasons}."))
 
         async def check(request, call_next):
-            if request.method == "POST" and "json" in request.headers.get("content-type", "").lower():
-                try:
-                    body = json.loads(await request.body())
-                    problem = request_problem(body, build_server.positions, request.url.path)
-                except RecursionError:
-                    problem = "the request body nests too deeply."
-                except ValueError as error:
-                    problem = f"the request body is not valid JSON ({error})."
-                if problem:
-                    return await answer(request, HTTPException(status_code=400, detail=problem))
-                if isinstance(body, dict) and (read := json.dumps(as_transformers_reads(body))) != json.dumps(body):
-                    request._body = read.encode()  # (starlette keeps `_body`; 100 == 100.0: compared as text)
+            problem = await body_problem(request, build_server.positions)
+            if problem:
+                return await answer(request, HTTPException(status_code=400, detail=problem))
             try:
                 response = await call_next(request)
             except Exception as error:  # a handler's failure, answered here: raised on, it closed the connection
@@ -227,16 +218,9 @@ def openai_errors(positions: int | None = None) -> None:
             if response.headers.get("content-type", "").startswith("text/event-stream"):
                 done, chunks = request.url.path.rstrip("/") in DONE_STREAMS, response.body_iterator
                 if done:  # failed before its first token: the status it gets without streaming
-                    message, read = await error_before_tokens(chunks)
-                    if message is not None:
-                        await chunks.aclose()  # (its handler's clean-up)
-                        status = next((entry for entry in STREAM_FAILURES if entry[0] == message), None)
-                        if status is None:  # a refusal
-                            return await answer(request, HTTPException(status_code=400, detail=message))
-                        STREAM_FAILURES.remove(status)  # a failure: 500, or 503 when the model's engine died
-                        detail = failure(message) if status[1] == 500 else message
-                        return await answer(request, HTTPException(status_code=status[1], detail=detail))
-                    chunks = replayed(read, chunks)
+                    status, detail, chunks = await stream_status(chunks)
+                    if status is not None:
+                        return await answer(request, HTTPException(status_code=status, detail=detail))
                 response.body_iterator = openai_error_events(chunks, done)
             return response
 
@@ -256,6 +240,39 @@ def openai_errors(positions: int | None = None) -> None:
 
     build_server.wrapped, build_server.positions = original, positions
     server.build_server = build_server
+
+
+async def body_problem(request, positions: int | None) -> str | None:
+    """Why a POST's JSON body is refused (`request_problem`, for a model of `positions` positions; a body that is not
+    JSON, or nests too deeply), or None, after giving the request the body transformers reads
+    (`as_transformers_reads`)."""
+    if request.method != "POST" or "json" not in request.headers.get("content-type", "").lower():
+        return None
+    try:
+        body = json.loads(await request.body())
+        problem = request_problem(body, positions, request.url.path)
+    except RecursionError:
+        return "the request body nests too deeply."
+    except ValueError as error:
+        return f"the request body is not valid JSON ({error})."
+    if not problem and isinstance(body, dict) and (read := json.dumps(as_transformers_reads(body))) != json.dumps(body):
+        request._body = read.encode()  # (starlette keeps `_body`; 100 == 100.0: compared as text)
+    return problem
+
+
+async def stream_status(chunks) -> tuple[int | None, str | None, object]:
+    """`(status, reason, chunks to send)` for a chat or completions stream: a stream that failed before its first
+    token gets the status the request gets without streaming (400 for a refusal; for a failure `STREAM_FAILURES`
+    holds, 503 when the model's engine died, else 500) and no chunks; any other stream `(None, None, its chunks)`."""
+    message, read = await error_before_tokens(chunks)
+    if message is None:
+        return None, None, replayed(read, chunks)
+    await chunks.aclose()  # (its handler's clean-up)
+    entry = next((entry for entry in STREAM_FAILURES if entry[0] == message), None)
+    if entry is None:
+        return 400, message, None
+    STREAM_FAILURES.remove(entry)
+    return entry[1], failure(message) if entry[1] == 500 else message, None
 
 
 def failure(text: str) -> str:
