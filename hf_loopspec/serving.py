@@ -172,8 +172,11 @@ def openai_errors(positions: int | None = None) -> None:
     `openai` client puts `message` into its exception's text; with FastAPI's own `{"detail": ...}` it shows only the
     status), with FastAPI's `detail` kept beside it, a `ValueError` a request raises (settings `generate` refuses)
     as a 400 in that shape instead of a bare 500, and a POST whose JSON body `request_problem` refuses (for a model
-    of `positions` positions) as a 400 before transformers reads it. Wraps `build_server`, which transformers' `Serve`
-    imports when it is constructed; idempotent, and a later call sets the positions the next server checks."""
+    of `positions` positions) as a 400 before transformers reads it; a handler's failure as a 500 (answered, not
+    raised on: uvicorn would close the connection), transformers' dead engine as a 503, and a chat or completions
+    stream that fails before its first token with one of those (`stream_status`). Wraps `build_server`, which
+    transformers' `Serve` imports when it is constructed; idempotent, and a later call sets the positions the next
+    server checks."""
     from transformers.cli.serving import server
     from transformers.cli.serving import utils as serving_utils
 
