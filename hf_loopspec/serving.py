@@ -89,7 +89,7 @@ def parse(argv: list[str]) -> tuple[dict, argparse.Namespace]:
     if params.get("api_server_count", 1) > 1:  # transformers >= 5.25: API servers in processes spawned afresh
         raise ValueError(f"--api-server-count {params['api_server_count']}: hf-loopspec serve runs one API server "
                          "(its request checks and error answers live in this process); leave the option out.")
-    if not 1 <= params.get("port", 8000) <= 65535:  # uvicorn would listen on another port, or fail after loading
+    if not 1 <= params["port"] <= 65535:  # uvicorn would listen on another port, or fail after loading
         raise ValueError(f"--port {params['port']}: pass a TCP port in [1, 65535].")
     if params.get("device") not in (None, "auto"):
         from .loading import resolve_device
@@ -376,7 +376,7 @@ def start(argv: list[str]):
     from .input_checks import max_positions
 
     params, options = parse(argv)
-    check_address(params.get("host", "localhost"), params.get("port", 8000))
+    check_address(params["host"], params["port"])
     if not is_serve_available():
         raise ValueError("serving needs fastapi, uvicorn and openai, which are not installed; install them with "
                          "pip install 'hf-loopspec[serve]'.")
