@@ -271,11 +271,18 @@ async def stream_status(chunks) -> tuple[int | None, str | None, object]:
     if message is None:
         return None, None, replayed(read, chunks)
     await chunks.aclose()  # (its handler's clean-up)
+    status = recorded_status(message)
+    return status, failure(message) if status == 500 else message, None
+
+
+def recorded_status(message: str) -> int:
+    """The status of a stream error of text `message`: the one `STREAM_FAILURES` holds for it (taken from there), else
+    400 (a refusal)."""
     entry = next((entry for entry in STREAM_FAILURES if entry[0] == message), None)
     if entry is None:
-        return 400, message, None
+        return 400
     STREAM_FAILURES.remove(entry)
-    return entry[1], failure(message) if entry[1] == 500 else message, None
+    return entry[1]
 
 
 def failure(text: str) -> str:
@@ -347,9 +354,9 @@ async def replayed(read: list, chunks):
 async def openai_error_events(chunks, done: bool = False):
     """A stream's server-sent events, an error event `data: {"error": "text"}` (transformers' handlers send one when a
     request fails after its stream began) rewritten in OpenAI's shape, `{"error": {"message": "text", ...}}`, whose
-    message the `openai` client puts in its exception; with `done`, the stream ends with OpenAI's `data: [DONE]`
-    event (the chat and legacy completions streams do; clients that wait for it would otherwise wait for the
-    connection to close)."""
+    message the `openai` client puts in its exception, with the type and code of its status (`recorded_status`); with
+    `done`, the stream ends with OpenAI's `data: [DONE]` event (the chat and legacy completions streams do; clients that
+    wait for it would otherwise wait for the connection to close)."""
     async for chunk in chunks:
         raw = chunk if isinstance(chunk, bytes) else chunk.encode("utf-8")  # (bytes: never split a character)
         if raw.startswith(b'data: {"error": "'):
@@ -358,7 +365,9 @@ async def openai_error_events(chunks, done: bool = False):
             except ValueError:  # not one whole event: passed on as it came
                 payload = {}
             if isinstance(payload.get("error"), str):
-                error = {"message": payload["error"], "type": "invalid_request_error", "code": None}
+                status = recorded_status(payload["error"])
+                kind = "invalid_request_error" if status < 500 else "server_error"
+                error = {"message": payload["error"], "type": kind, "code": status}
                 chunk = f"data: {json.dumps({'error': error})}\n\n".encode()
         yield chunk
     if done:

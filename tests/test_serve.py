@@ -313,7 +313,8 @@ def test_refusals_reach_the_model_as_text():
 
 def test_a_streams_error_event_comes_in_openais_shape():
     """transformers' handlers end a failing stream with `data: {"error": "text"}`, whose text the `openai` client
-    drops; the server rewrites it as `{"error": {"message": ...}}` and leaves every other event as it was."""
+    drops; the server rewrites it as `{"error": {"message": ...}}`, typed as a refusal or, for a failure that
+    `tag_stream_errors` recorded, a server error, and leaves every other event as it was."""
     events = [b'data: {"choices": []}\n\n', "data: {\"text\": \"\u00e9\"}\n\n".encode()[:-5],  # a split character
               b'data: {"error": "stop', b'data: {"error": "stop_strings: not served"}\n\n']
 
@@ -326,7 +327,14 @@ def test_a_streams_error_event_comes_in_openais_shape():
 
     *kept, last = asyncio.run(collect())
     assert kept == events[:3]  # every other chunk as it came, a split character or event included
-    assert json.loads(last.decode()[len("data: "):])["error"]["message"] == "stop_strings: not served"
+    error = json.loads(last.decode()[len("data: "):])["error"]
+    assert error == {"message": "stop_strings: not served", "type": "invalid_request_error", "code": 400}
+
+    serving.STREAM_FAILURES.append(("stop_strings: not served", 500))  # a failure, not a refusal (`tag_stream_errors`)
+    *_, failed = asyncio.run(collect())
+    error = json.loads(failed.decode()[len("data: "):])["error"]
+    assert error == {"message": "stop_strings: not served", "type": "server_error", "code": 500}
+    assert ("stop_strings: not served", 500) not in serving.STREAM_FAILURES  # (taken: its text may come again)
 
     async def ended():  # a chat or completions stream: OpenAI's last event (transformers sent none)
         return [chunk async for chunk in serving.openai_error_events(stream(), done=True)]
