@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,6 +61,20 @@ def test_overwrite_replaces_the_previous_export_as_a_set(sources, tmp_path, caps
     assert_weights_of(out, sources["a"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT"]  # no staging folder left beside OUT
     capsys.readouterr()
+
+
+def test_overwrite_keeps_the_folder_it_writes_into(sources, tmp_path, monkeypatch):
+    """Exporting into the working folder (a clone of the Hub repo) replaces its contents, not the folder: the shell
+    that ran it still stands in the export (a replaced folder left it in a deleted one, where `ls` shows nothing)."""
+    out = tmp_path / "OUT"
+    run_export(sources["a"], out)
+    inode = out.stat().st_ino
+    monkeypatch.chdir(out)
+    run_export(sources["b"], ".", "--overwrite")
+    assert out.stat().st_ino == inode and os.path.samefile(os.getcwd(), out)
+    assert (Path.cwd() / "config.json").is_file()
+    assert_weights_of(out, sources["b"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT"]  # nothing left beside OUT
 
 
 def test_overwrite_replaces_symlinks_and_a_file_named_custom_generate_and_keeps_hidden_entries(sources, tmp_path):

@@ -1,12 +1,14 @@
 """Write a folder beside its destination and move it into place only when it is complete.
 
 `staged_folder(out)` yields a new, empty folder `.OUT.<random>.partial` next to `out` (same file system). When the
-`with` block ends normally, the staged folder takes `out`'s place by renames: a reader of `out` sees the previous
-folder, then for an instant no folder, then the new complete one; never a mix. Entries of the previous `out` whose
-names start with "." (`.git`, `.gitattributes`, `.cache`) are moved into the new folder, and every other entry of
-the previous `out` is deleted with it: nothing of a previous write survives, so a stale weights file or index cannot
-sit beside new ones. Symlinks inside the previous `out` are removed (or moved, when hidden) as links, never followed,
-so nothing outside `out` is written or deleted.
+`with` block ends normally, the staged entries move into `out` by renames. A new `out` is the staged folder renamed;
+an existing `out` stays the same folder (its permissions, a shell or process whose working folder it is): its entries
+are first moved aside into `.OUT.<random>.old`, then the staged ones moved in, so a reader of `out` never sees a
+previous file beside a new one (for an instant it sees part of one set). Entries whose names start with "." (`.git`,
+`.gitattributes`, `.cache`) stay, unless the staged folder holds one of the same name; every other previous entry is
+deleted: nothing of a previous write survives, so a stale weights file or index cannot sit beside new ones. Symlinks
+inside the previous `out` are moved and removed as links, never followed, so nothing outside `out` is written or
+deleted.
 
 When the block raises (or the rename fails), the staged folder is removed, any parent folders created for it are
 removed again, and `out` is exactly as it was. A process killed mid-write leaves only the hidden `.partial` folder,
@@ -122,25 +124,32 @@ def _make_parents(folder: Path) -> list[Path]:
 
 
 def _replace(stage: Path, out: Path) -> None:
-    """Move `stage` to `out`; the previous `out` (if any) gives its hidden entries to `stage` and is deleted."""
+    """Move `stage`'s entries into `out` and delete `out`'s previous ones but the hidden entries `stage` lacks (the
+    module docstring); a new `out` is `stage` renamed. On failure `out` is put back as it was."""
     if not os.path.lexists(out):
         os.rename(stage, out)
         return
-    old = _unique(out, "old")
-    os.rename(out, old)
-    moved = []
-    try:
-        for entry in sorted(old.iterdir()):
-            if entry.name.startswith(".") and not os.path.lexists(stage / entry.name):
-                os.rename(entry, stage / entry.name)
-                moved.append(entry.name)
-        os.rename(stage, out)
-    except BaseException:  # put the previous folder back as it was
-        for name in moved:
-            os.rename(stage / name, old / name)
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old)
+    with _locked(out):  # two exports to one existing `out` take turns: never a mix of both
+        old = _unique(out, "old")
+        old.mkdir()
+        aside, placed = [], []
+        try:
+            for entry in sorted(out.iterdir()):
+                if not entry.name.startswith(".") or os.path.lexists(stage / entry.name):
+                    os.rename(entry, old / entry.name)
+                    aside.append(entry.name)
+            for entry in sorted(stage.iterdir()):
+                os.rename(entry, out / entry.name)
+                placed.append(entry.name)
+        except BaseException:  # put the previous entries back
+            for name in placed:
+                os.rename(out / name, stage / name)
+            for name in aside:
+                os.rename(old / name, out / name)
+            old.rmdir()
+            raise
+        shutil.rmtree(old)
+        stage.rmdir()
 
 
 __all__ = ["check_destination", "remove_stale_stages", "staged_folder"]
