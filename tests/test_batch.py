@@ -183,6 +183,10 @@ BAD_INPUTS = {
                      [], 4, "id 'a' was already used on " + "{prompts}, line 1"),
     "empty-prompt": (['{"id": 1, "prompt": "a"}', '{"id": 2, "prompt": "  "}'], [], 2, "is empty or only whitespace"),
     "missing-field": (['{"id": 1, "prompt": "a"}'], ["--field", "text"], 1, "has no 'text' field"),
+    "surrogate-id": (['{"id": 1, "prompt": "a"}', '{"id": "b\\ud800", "prompt": "b"}'], [], 2,
+                     "is not UTF-8 text (lone surrogate U+D800"),  # (valid JSON; it failed as its row was written)
+    "huge-int-id": (['{"id": 1, "prompt": "a"}', '{"id": 1' + "0" * 5000 + ', "prompt": "b"}'], [], 2,
+                    "holds an integer of more digits than Python reads"),
 }
 
 

@@ -2,13 +2,14 @@
 file that `datasets` reads), read and checked in full before anything is generated, and the length-grouped batches
 the rows are decoded in.
 
-Contract of `read_prompts`: every non-blank line is a JSON object with an `id` (a string or an integer, unique in
-the file; a CSV's cells are all text, ids included, kept as written) and a string that is not only whitespace in the
-text field (`prompt` unless `field` says otherwise), and no key twice in one object; anything else is a `ValueError`
-that names the file, the line (or row) number and the fix. Blank lines are skipped. A text file (JSONL, CSV, JSON)
-that is not UTF-8 is refused naming the line of the first bad byte; a file `datasets` cannot read is refused naming
-the file and the reader's reason (its row or line when the reader gives one), with `datasets`' progress bars and log
-lines silenced while it reads, so that the error is the only line.
+Contract of `read_prompts`: every non-blank line is a JSON object with an `id` (a string or an integer, unique in the
+file; a CSV's cells are all text, ids included, kept as written) and a string that is not only whitespace in the text
+field (`prompt` unless `field` says otherwise), and no key twice in one object; a string id must be UTF-8 (no lone
+surrogate escapes such as `"\\ud800"`) and an integer readable by Python; anything else is a `ValueError` that names the
+file, the line (or row) number and the fix. Blank lines are skipped. A text file (JSONL, CSV, JSON) that is not UTF-8 is
+refused naming the line of the first bad byte; a file `datasets` cannot read is refused naming the file and the reader's
+reason (its row or line when the reader gives one), with `datasets`' progress bars and log lines silenced while it
+reads, so that the error is the only line.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..prompting import check_text
 
 DATASETS_BUILDERS = {".csv": "csv", ".parquet": "parquet", ".json": "json"}  # other suffixes: JSONL
 
@@ -47,6 +50,11 @@ def _parse_line(where: str, text: str):
     except json.JSONDecodeError as err:
         raise ValueError(f"{where} is not valid JSON ({err.msg} at column {err.colno}); each line must be one JSON "
                          'object such as {"id": 1, "prompt": "..."}.') from None
+    except ValueError as err:  # Python's own limit on an integer's digits (a JSON number of over 4300 of them)
+        if "digits" not in str(err):
+            raise
+        raise ValueError(f"{where} holds an integer of more digits than Python reads ({err}); write it as a "
+                         'string ("...").') from None
 
 
 def _kind(value) -> str:
@@ -68,6 +76,8 @@ def _check_row(where: str, row, field: str) -> PromptRow:
     row_id = row["id"]
     if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
         raise ValueError(f"{where}: the id is {_kind(row_id)}; use a string or an integer.")
+    if isinstance(row_id, str):  # (written to the output file as UTF-8 after the row is decoded)
+        check_text(row_id, f"the id on {where}")
     if field not in row:
         raise ValueError(f"{where} has no {field!r} field (it has {', '.join(map(repr, row))}); pass --field NAME to "
                          "read the text from another field.")
