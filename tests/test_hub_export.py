@@ -140,6 +140,22 @@ def test_export_of_a_chatml_model_stops_at_the_end_of_turn(source, tmp_path):
         assert f"generation stops at token {' or '.join(map(str, want))}" in (out / "README.md").read_text()
 
 
+def test_a_chat_cards_token_ids_are_its_tokenizers(source, tmp_path):
+    """The card names the ChatML tokens by the ids of the exported tokenizer (it gave Ouro's 1, 2 and 0 for any
+    tokenizer), and a chat template that is not ChatML by no ids."""
+    vocab = source[0].config.vocab_size
+    src = tmp_path / "chat-src"
+    source[0].save_pretrained(src)
+    word_tokenizer(vocab, CHATML_TEMPLATE, specials_at=vocab - 3).save_pretrained(src)
+    out = export.export_checkpoint(src, tmp_path / "out", benchmarks=None)
+    card = (out / "README.md").read_text()
+    assert (f"a ChatML chat template (`<|im_start|>` = {vocab - 2}, `<|im_end|>` = {vocab - 1}). A turn ends with "
+            f"`<|im_end|>` and a document with `<|endoftext|>` = {vocab - 3};") in card
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"][-1] == vocab - 1
+    plain = export.export_checkpoint(source[1], tmp_path / "plain", benchmarks=None)  # CHAT_TEMPLATE: not ChatML
+    assert "The tokenizer carries a chat template;" in (plain / "README.md").read_text()
+
+
 def test_sampling_settings_of_the_checkpoint_are_credited_to_it(source, tmp_path):
     """A source whose generation_config.json samples: the card uses all its sampling settings (min_p and
     repetition_penalty were dropped) and says they come from there (it said "recommended by the base model's card", for
@@ -665,7 +681,9 @@ def test_card_text_comes_from_the_family_table_and_the_packaged_template():
     card = hub_card.build_model_card(repo_id="x/y", chat=True, eos_token_ids=[0, 2],
                                      base_model="ByteDance/Ouro-1.4B-Thinking").text
     ouro = hub_card.FAMILIES["ouro"]
-    assert ouro.bibtex in card and ouro.chat_template in card and ouro.kv_example in card
+    assert ouro.bibtex in card and ouro.kv_example in card
+    assert ("(`<|im_start|>` = 1, `<|im_end|>` = 2). A turn ends with `<|im_end|>` and a document with "
+            "`<|endoftext|>` = 0") in card  # the family's own tokenizer's ids
     # weights that are not the maker's: no maker claim, no request to cite the family's paper
     other = hub_card.build_model_card(repo_id="x/y", base_model="someone/ouro-finetune").text
     assert ouro.bibtex not in other and ouro.maker not in other and ouro.arxiv not in other

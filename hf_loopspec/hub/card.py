@@ -46,7 +46,7 @@ class CardFamily:
     arxiv: str  # arXiv id
     bibtex: str
     shim_files: tuple[str, ...]  # the remote-code files the export writes
-    chat_template: str  # the chat template and its special-token ids, for chat models
+    chat_tokens: dict[str, int]  # the ChatML tokens of the family's chat models and their ids
     kv_example: str  # the KV read per context token of one real checkpoint
     limitations: str = ""  # extra Limitations bullets (Markdown, each line ending in a newline)
 
@@ -65,8 +65,7 @@ FAMILIES = {
   year    = {2025}
 }""",
         shim_files=("configuration_ouro.py", "modeling_ouro.py"),
-        chat_template="a ChatML chat template (`<|im_start|>` = 1, `<|im_end|>` = 2). A turn ends with `<|im_end|>` "
-                      "and a document with `<|endoftext|>` = 0",
+        chat_tokens={"<|im_start|>": 1, "<|im_end|>": 2, "<|endoftext|>": 0},
         kv_example="about 786 KB per context token for Ouro-1.4B in bf16 across its 4 loops",
         limitations="* **Early exit.** `generate` decodes from the last loop (the checkpoints' `early_exit_threshold` "
                     "of 1.0); the\n  exit gate is available through `forward(exit_threshold=..., exit_at_step=..., "
@@ -94,6 +93,7 @@ def build_model_card(
     num_loops: int = 4,
     tokenizer: bool = True,
     chat: bool = False,
+    chat_tokens: dict[str, int] | None = None,
     eos_token_ids: list[int] | int | None = None,
     sampling: dict | None = None,
     sampling_source: str = "the base model's card",
@@ -116,14 +116,16 @@ def build_model_card(
     `benchmarks`: `hf-loopspec bench` results for the speed section, as JSON documents or paths of `--json` files (None
     or empty: the card says there are no measured numbers). `family`: a key of `FAMILIES`. `tokenizer=False` (the repo
     ships no tokenizer) loads the base model's tokenizer in the code. `chat=True` (models with a chat template, such as
-    the Thinking variants) shows chat-template usage; `sampling` (e.g. `{"temperature": 1.0, "top_p": 0.7}`) is used in
-    every example, with `do_sample=True`, and credited to `sampling_source` (where the settings come from). `source`:
-    how the prose names weights that are not the family maker's (e.g. "the embedded model hf-loopspec-default"); with
-    `base_model` too, the weights are the source's and `base_model` is named as theirs (a fine-tune's parent).
-    `weights_dtype`: the dtype the export stored the weights in (None: as the source stores them). The title defaults to
-    the repo's name and is the card's `model_name` (a re-export keeps it); `language`: the metadata's (a source card's,
-    carried over). `kv_bytes_per_token`: this model's KV bytes per context token in bf16, every loop together (None: the
-    family's example). `exit_options`: the exit the repo's generation config sets (None: the last loop)."""
+    the Thinking variants) shows chat-template usage, and the card names the ids of its ChatML tokens (`chat_tokens`:
+    `{token: id}` of the repo's tokenizer, `{}` for a template that is not ChatML; None: the family's); `sampling` (e.g.
+    `{"temperature": 1.0, "top_p": 0.7}`) is used in every example, with `do_sample=True`, and credited to
+    `sampling_source` (where the settings come from). `source`: how the prose names weights that are not the family
+    maker's (e.g. "the embedded model hf-loopspec-default"); with `base_model` too, the weights are the source's and
+    `base_model` is named as theirs (a fine-tune's parent). `weights_dtype`: the dtype the export stored the weights in
+    (None: as the source stores them). The title defaults to the repo's name and is the card's `model_name` (a re-export
+    keeps it); `language`: the metadata's (a source card's, carried over). `kv_bytes_per_token`: this model's KV bytes
+    per context token in bf16, every loop together (None: the family's example). `exit_options`: the exit the repo's
+    generation config sets (None: the last loop)."""
     sampling = check_card_arguments(FAMILIES, **locals())  # (card_checks: every argument, by name)
     fam = FAMILIES[family]
     results = bench_results(benchmarks)  # a bad results file fails before anything is built
@@ -148,7 +150,8 @@ def build_model_card(
         "tokenizer_code": _tokenizer_code(tokenizer, base_model),
         "inputs_code": _inputs_code(chat, prompt),
         "generate_kwargs": _generate_kwargs(max_new_tokens, sampling, eos if chat else []),
-        "variant_section": _variant_section(fam, chat, eos, sampling, sampling_source),
+        "variant_section": _variant_section(fam.chat_tokens if chat_tokens is None else chat_tokens, chat, eos,
+                                            sampling, sampling_source),
         "speed_section": speed_section(results),
         "kv_example": fam.kv_example if kv_bytes_per_token is None else
         f"about {_size(kv_bytes_per_token)} per context token for this model in bf16 across its {num_loops} loops",
@@ -249,13 +252,24 @@ def _generation_defaults(mode: str | None, draft_loops: int, k: int, eos: list[i
             "transformers' plain loop")
 
 
-def _variant_section(fam: CardFamily, chat: bool, eos: list[int], sampling: dict | None, sampling_source: str) -> str:
+def _chat_template(tokens: dict[str, int]) -> str:
+    """How the card names a chat template whose ChatML tokens have the ids `tokens` (none: not ChatML)."""
+    if "<|im_end|>" not in tokens:
+        return "a chat template"
+    ids = ", ".join(f"`{token}` = {tokens[token]}" for token in ("<|im_start|>", "<|im_end|>") if token in tokens)
+    document = f" and a document with `<|endoftext|>` = {tokens['<|endoftext|>']}" if "<|endoftext|>" in tokens else ""
+    return f"a ChatML chat template ({ids}). A turn ends with `<|im_end|>`{document}"
+
+
+def _variant_section(chat_tokens: dict[str, int], chat: bool, eos: list[int], sampling: dict | None,
+                     sampling_source: str) -> str:
     if not chat and not sampling:
         return ""
     lines = ["", "### Chat and sampling settings", ""]
     if chat:
-        lines.append(f"The tokenizer carries {fam.chat_template}; this repo's `generation_config.json` stops on "
-                     f"{' and '.join(str(e) for e in eos) if eos else 'the tokenizer eos'}.")
+        stops = " and ".join(str(e) for e in eos) if eos else "the tokenizer eos"
+        lines.append(f"The tokenizer carries {_chat_template(chat_tokens)}; this repo's `generation_config.json` "
+                     f"stops on {stops}.")
     if sampling:
         settings = ", ".join(f"{k}={v}" for k, v in sampling.items())
         lines.append(f"Sampling settings recommended by {sampling_source}: {settings}. Speculative sampling in "

@@ -240,6 +240,7 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
         "kv_bytes_per_token": kv_bytes_per_token(model),
         "tokenizer": tokenizer is not None,
         "chat": bool(getattr(tokenizer, "chat_template", None)),
+        "chat_tokens": _chatml_tokens(tokenizer),
         "eos_token_ids": gen.eos_token_id,
         "speculative_mode": gen.speculative_mode,
         "draft_loops": gen.draft_loops,
@@ -322,11 +323,17 @@ def _source_tokenizer_settings(src: str) -> dict | None:
 
 def _end_of_turn_id(tokenizer) -> int | None:
     """The id of `<|im_end|>` when the tokenizer has a ChatML chat template (Ouro's Thinking models), else None."""
+    return _chatml_tokens(tokenizer).get("<|im_end|>")
+
+
+def _chatml_tokens(tokenizer) -> dict[str, int]:
+    """`{token: id}` of the ChatML tokens (`<|im_start|>`, `<|im_end|>`, `<|endoftext|>`) the tokenizer knows, when
+    its chat template is ChatML (it writes `<|im_end|>`); else {}."""
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
     if not template or "<|im_end|>" not in str(template):
-        return None
-    token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    return token_id if isinstance(token_id, int) and token_id != tokenizer.unk_token_id else None
+        return {}
+    vocab = tokenizer.get_vocab()
+    return {token: vocab[token] for token in ("<|im_start|>", "<|im_end|>", "<|endoftext|>") if token in vocab}
 
 
 # --- command line ---------------------------------------------------------------------------------------------------
