@@ -232,6 +232,12 @@ def test_a_reexport_keeps_the_models_name_and_language(tmp_path):
         assert "your-username/hf-loopspec-default" in card.text
         assert "rx1" not in card.text
 
+    # a card with benchmark results keeps its name only as model-index's (the re-export was titled "rx3")
+    results = [ROOT / "bench_results" / "cpu_default_b1.json"]
+    measured = export.export_checkpoint("default", tmp_path / "rx3", benchmarks=results)
+    again = ModelCard.load(export.export_checkpoint(measured, tmp_path / "rx4", benchmarks=None) / "README.md")
+    assert again.data.model_name == "hf-loopspec-default" and again.text.lstrip().startswith("# hf-loopspec-default")
+
 
 def test_shims_import_hf_loopspec_only_inside_try():
     """transformers' `check_imports` must not list hf_loopspec as a hard requirement of the remote code."""

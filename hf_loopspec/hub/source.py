@@ -84,7 +84,7 @@ def hub_state(repo_id: str) -> tuple[bool, dict]:
         reason = " ".join(str(err).split())[:200]
         raise OSError(f"{repo_id} is not a local folder, the Hub cannot be reached ({type(err).__name__}: {reason}) "
                       "and the repo is not in the local Hub cache; check the folder path, or the connection.") from None
-    return False, info.card_data.to_dict() if info.card_data is not None else {}
+    return False, _metadata(info.card_data) if info.card_data is not None else {}
 
 
 def _card(readme: Path) -> tuple[dict, str | None]:
@@ -106,7 +106,16 @@ def _card(readme: Path) -> tuple[dict, str | None]:
             break
         lead.append(line)
     text = "\n".join(lead).strip()
-    return card.data.to_dict(), text or None
+    return _metadata(card.data), text or None
+
+
+def _metadata(card_data) -> dict:
+    """A `ModelCardData`'s front matter as a dict, with its `model_name` (the title) at the top level: a card with
+    evaluation results keeps it only as `model-index`'s name."""
+    data = card_data.to_dict()
+    if getattr(card_data, "model_name", None):
+        data["model_name"] = card_data.model_name
+    return data
 
 
 __all__ = ["Source", "resolve_source"]
