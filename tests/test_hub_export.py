@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -237,6 +238,21 @@ def test_a_reexport_keeps_the_models_name_and_language(tmp_path):
     measured = export.export_checkpoint("default", tmp_path / "rx3", benchmarks=results)
     again = ModelCard.load(export.export_checkpoint(measured, tmp_path / "rx4", benchmarks=None) / "README.md")
     assert again.data.model_name == "hf-loopspec-default" and again.text.lstrip().startswith("# hf-loopspec-default")
+
+
+def test_a_source_cards_metadata_is_checked_as_the_flags_are(source, tmp_path, caplog):
+    """The source card's license is used only when it is a Hub license id, like --license's (it was written into the
+    card as it came), and a language that is no language code is left out with a warning."""
+    src = tmp_path / "src"
+    shutil.copytree(source[1], src)
+    (src / "README.md").write_text("---\nlicense: Apache License 2.0\nlanguage: 5\n---\n# a card\n")
+    with pytest.raises(ValueError, match="license: 'Apache License 2.0', which is not a Hub license id; pass --"):
+        export.export_checkpoint(src, tmp_path / "out", benchmarks=None)
+    assert not (tmp_path / "out").exists()
+    out = export.export_checkpoint(src, tmp_path / "out", benchmarks=None, license="mit")
+    data = ModelCard.load(out / "README.md").data.to_dict()
+    assert data["license"] == "mit" and "language" not in data
+    assert "the source card's language 5 is no language code" in caplog.text
 
 
 def test_shims_import_hf_loopspec_only_inside_try():

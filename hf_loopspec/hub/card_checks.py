@@ -28,6 +28,11 @@ def is_hub_repo_id(value: str) -> bool:
     return True
 
 
+def is_license_id(value) -> bool:
+    """Whether `value` has the form of a Hub license id (apache-2.0, cc-by-4.0, other)."""
+    return isinstance(value, str) and LICENSE_ID.fullmatch(value) is not None
+
+
 def check_card_metadata(repo_id: str | None, base_model: str | None, license: str | None) -> None:
     """`ValueError` naming `--repo-id`, `--base-model` or `--license` when it is not what the Hub accepts there: repo
     ids as `huggingface_hub.utils.validate_repo_id` checks them (no `..`, at most one slash; the repo to create with
@@ -45,7 +50,7 @@ def check_card_metadata(repo_id: str | None, base_model: str | None, license: st
         if flag == "--repo-id" and value.count("/") != 1:  # a repo to create needs its namespace
             raise ValueError(f"{flag} {value!r} is not a Hub repo id: give namespace/name, e.g. "
                              "my-org/Ouro-1.4B-loopspec.")
-    if license is not None and not (isinstance(license, str) and LICENSE_ID.fullmatch(license)):
+    if license is not None and not is_license_id(license):
         raise ValueError(f"--license {license!r} is not a Hub license id: give one such as apache-2.0, mit or "
                          "cc-by-4.0 (or 'other').")
 
@@ -56,8 +61,8 @@ def check_card_arguments(families, *, family, repo_id, base_model, license, tags
     """`sampling` as the card writes it (None values left out, numpy numbers as Python's; None for none), after a
     `ValueError` for `build_model_card` arguments (passed by name, as its `locals()`) it cannot use: a `family`
     that is none of `families` (the card texts), a `repo_id` that is no text, a `base_model` or `license` that is no
-    text (their Hub form is `export`'s check of its flags: `check_card_metadata`; a source card's are carried as they
-    are), `tags` that are no list of strings, `sampling` (from `sampling_source`) that is no dict of `generate`'s
+    text (their Hub form is `export`'s check: `check_card_metadata` for its flags, and its own for a source card's),
+    `tags` that are no list of strings, `sampling` (from `sampling_source`) that is no dict of `generate`'s
     sampling settings in their ranges (`SAMPLING_RANGES`; None values are left out of the card), exit options or
     speculative defaults that `generate` would refuse, a loop count or KV size that is no positive integer."""
     # (imported here: the export command's parser loads neither torch nor transformers)

@@ -44,7 +44,7 @@ from pathlib import Path
 from .. import __version__
 from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
 from ..input_checks import check_source, hub_errors_explained
-from .card_checks import SAMPLING_RANGES, check_card_metadata, is_hub_repo_id
+from .card_checks import SAMPLING_RANGES, check_card_metadata, is_hub_repo_id, is_license_id
 from .install import install_command
 from .shims import AUTO_MAP, SHIM_FILES, write_template
 from .source import resolve_source
@@ -225,6 +225,7 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
             get_logger(__name__).warning("export: the source card's base_model %r is no Hub repo id: left out of "
                                          "the card; pass --base-model to name the base model.", base_model)
             base_model = None
+    license, language = _carried_metadata(data, license)
     is_base = source.hub_id and base_model == source.spec  # the weights are base_model's own, not a derivative's
     card_args = {
         "repo_id": repo_id or f"your-username/{source.name}",
@@ -233,9 +234,9 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
         "source": None if is_base else source.description or f"[{source.spec}](https://huggingface.co/{source.spec})",
         "weights_dtype": None if dtype in (None, "auto") else dtype,
         "base_model": base_model,
-        "license": license or data.get("license") or "apache-2.0",
+        "license": license,
         "tags": [tag for tag in data.get("tags") or () if isinstance(tag, str)],
-        "language": data.get("language"),
+        "language": language,
         "num_loops": model.num_loops,
         "kv_bytes_per_token": kv_bytes_per_token(model),
         "tokenizer": tokenizer is not None,
@@ -253,6 +254,25 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
         card_args["sampling_source"] = "the checkpoint's `generation_config.json`"
     card_args.update(model_card_kwargs)
     return build_model_card(**card_args)
+
+
+def _carried_metadata(data: dict, license: str | None) -> tuple[str, str | list[str] | None]:
+    """(license, language) of the export's card: `license` (--license), else the source card `data`'s, else
+    apache-2.0, and the source card's language (None: none). A `ValueError` when the source's license is used and is
+    no Hub license id (what `--license` is checked for); a language that is no language code or list of them is left
+    out with a warning (the Hub refuses such a card)."""
+    from ..logs import get_logger
+
+    language = data.get("language")
+    if license is None and not is_license_id(license := data.get("license") or "apache-2.0"):
+        raise ValueError(f"the source's model card has license: {license!r}, which is not a Hub license id; pass "
+                         "--license with one such as apache-2.0, mit or cc-by-4.0 (or 'other').")
+    if language is not None and not (isinstance(language, str) or isinstance(language, list) and language
+                                     and all(isinstance(code, str) for code in language)):
+        get_logger(__name__).warning("export: the source card's language %r is no language code or list of them: "
+                                     "left out of the card.", language)
+        language = None
+    return license, language
 
 
 def _write_folder(folder: Path, model, tokenizer, max_shard_size: int) -> None:
