@@ -138,6 +138,17 @@ def test_refusals_before_anything_is_written(sources, tmp_path, capsys):
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where nobody can create a folder")
+def test_a_folder_that_cannot_be_written_is_named_before_the_model_loads(sources, monkeypatch, capsys):
+    """OUT in a folder nobody can write to (root included: /proc) is refused naming OUT and the fix before the model
+    loads (it failed after, naming only the hidden staging folder)."""
+    monkeypatch.setattr(export, "resolve_source", lambda spec: pytest.fail("the source was read"))
+    assert cli.main(["export", str(sources["a"]), "/proc/hf-loopspec-out", "--benchmarks", "none"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "/proc/hf-loopspec-out: cannot write in /proc" in err, err
+    assert "pass an OUT in a folder you can write to" in err and ".partial" not in err
+
+
 def with_foreign_tokenizer_code(src, folder, *, class_known: bool):
     """A copy of `src` whose tokenizer_config.json points AutoTokenizer at another repo's code (and config.json at a
     remote pipeline); `class_known=False` also drops the tokenizer class, so only that code could load it."""

@@ -48,7 +48,7 @@ from .card_checks import SAMPLING_RANGES, check_card_metadata, is_hub_repo_id, i
 from .install import install_command
 from .shims import AUTO_MAP, SHIM_FILES, write_template
 from .source import resolve_source
-from .staging import check_destination, staged_folder
+from .staging import check_destination, check_writable, staged_folder
 
 # transformers checks each line as `name[<op><version>]` (no PEP 508 URLs), so the repository install is a comment
 CUSTOM_GENERATE_REQUIREMENTS = ("# hf-loopspec is not on PyPI yet; install it from its repository: {install}\n"
@@ -113,6 +113,7 @@ def export_checkpoint(
     if dtype not in (None, *DTYPES):
         raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}.")
     out = check_destination(out, overwrite=overwrite)
+    check_writable(out)
     source = resolve_source(str(src))
     src = source.path
     if Path(src).exists() and (Path(src).resolve() == out.resolve() or out.resolve() in Path(src).resolve().parents):

@@ -23,6 +23,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -108,6 +109,19 @@ def check_destination(out: str | Path, *, overwrite: bool) -> Path:
     return out
 
 
+def check_writable(out: Path) -> None:
+    """`OSError` naming `out` when no folder can be written beside it (checked by creating and removing one in the
+    nearest folder that exists, as `staged_folder` will: permissions alone do not tell, e.g. for root on /proc)."""
+    folder = out.parent
+    while not folder.exists():
+        folder = folder.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".probe", dir=folder))
+    except OSError as error:
+        raise OSError(f"{out}: cannot write in {folder} ({error.strerror or error}); pass an OUT in a folder you can "
+                      "write to.") from None
+
+
 def _unique(out: Path, suffix: str) -> Path:
     return out.parent / f".{out.name}.{secrets.token_hex(4)}.{suffix}"
 
@@ -152,4 +166,4 @@ def _replace(stage: Path, out: Path) -> None:
         stage.rmdir()
 
 
-__all__ = ["check_destination", "remove_stale_stages", "staged_folder"]
+__all__ = ["check_destination", "check_writable", "remove_stale_stages", "staged_folder"]
