@@ -310,6 +310,29 @@ def test_compiled_step_serves_other_lengths(backend, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.skipif(NO_COMPILER, reason="inductor's CPU code generation needs a C++ compiler")
+def test_compiled_second_proposals_keep_plains_tokens():
+    """Pipeline decoding with second proposals, its step compiled by inductor (`compile_core=True`), returns plain
+    greedy decoding's tokens and the eager step's counters, siblings chosen included. With inductor's in-place buffer
+    reuse (`compiling.SIBLING_INDUCTOR_OPTIONS`) this run committed other tokens from its first compiled call on,
+    at plain top-1 / top-2 margins far above fp32 rounding. The default cycles per compiled call (with one, the run
+    kept plain's tokens on that code) on `ouro-tiny` and a left-padded batch, where the failure showed."""
+    model = random_model("ouro-tiny")
+    ids = torch.randint(1, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[1, :6], mask[1, :6] = 0, 0
+    settings = dict(attention_mask=mask, max_new_tokens=30, speculative_mode="pipeline", second_draft_loops=3,
+                    return_dict_in_generate=True)
+    eager = model.generate(ids, **settings)
+    compiled = model.generate(ids, compile_core=True, **settings)
+    assert eager.speculation.second_accepted > 0  # siblings were chosen: the run takes `sibling.promote`
+    torch.testing.assert_close(eager.sequences, model.generate(ids, attention_mask=mask, max_new_tokens=30),
+                               atol=0, rtol=0)
+    torch.testing.assert_close(compiled.sequences, eager.sequences, atol=0, rtol=0)
+    assert compiled.speculation.to_dict() == eager.speculation.to_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NO_COMPILER, reason="inductor's CPU code generation needs a C++ compiler")
 def test_compiled_bf16_block_stays_finite(monkeypatch):
     """Block mode in bf16 with `compile_core=True` (inductor on a CPU): every hidden state and KV entry of the run stays
     finite and no sequence stops before max_new_tokens, as in the eager run. With inductor's C++ wrapper this

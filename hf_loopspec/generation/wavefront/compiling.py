@@ -19,6 +19,11 @@ from .step import make_cycles
 # did. With the wrapper put back for bf16 (here and in `compiled_prefill`), `test_compiled_bf16_block_stays_finite`
 # passes on the current step and torch; it stays off in bf16 until something shows it sound there.
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
+# Inductor's options for a step with second proposals: no buffer reused in place. With that reuse the compiled step of
+# pipeline mode with `second_draft_loops` (ouro-tiny, CPU, fp32, with or without the C++ wrapper) wrote other values
+# into the sibling's private KV rows and the pools than the eager step from its first call on, and committed other
+# tokens than plain decoding; without it, the eager step's tokens (`test_compiled_second_proposals_keep_plains_tokens`).
+SIBLING_INDUCTOR_OPTIONS = {"inplace_buffers": False}
 
 
 # The model's store of compiled step functions (`compiled.compiled_store`): {(plan, cycles, backend, lane dtype, CUDA
@@ -43,14 +48,21 @@ def compiled_cycles(model, plan: Plan, cycles: int, backend: str, device: torch.
     key = (plan, cycles, backend, model.lane_dtype, uses_cuda_graphs(device, backend))
     if key not in store:
         run = make_cycles(model, plan, cycles)
-        private = _private_copy(run)
-        if key[-1]:
-            store[key] = GraphStep(torch.compile(private, mode="reduce-overhead", fullgraph=True), run)
-        elif backend == "inductor" and device.type == "cpu" and model.lane_dtype == torch.float32:
-            store[key] = torch.compile(private, backend=backend, fullgraph=True, options=CPU_INDUCTOR_OPTIONS)
-        else:
-            store[key] = torch.compile(private, backend=backend, fullgraph=True)
+        options = None
+        if backend == "inductor":
+            cpp_wrapper = device.type == "cpu" and model.lane_dtype == torch.float32
+            options = inductor_options(plan, {"triton.cudagraphs": True} if key[-1] else  # mode "reduce-overhead"
+                                       CPU_INDUCTOR_OPTIONS if cpp_wrapper else {})
+        compiled = torch.compile(_private_copy(run), backend=backend, fullgraph=True, options=options)
+        store[key] = GraphStep(compiled, run) if key[-1] else compiled
     return store[key]
+
+
+def inductor_options(plan: Plan, options: dict) -> dict | None:
+    """`options` for inductor's compile of `plan`'s step, with `SIBLING_INDUCTOR_OPTIONS` for second proposals;
+    None for none."""
+    options = {**options, **(SIBLING_INDUCTOR_OPTIONS if plan.second_loops is not None else {})}
+    return options or None
 
 
 def compiled_prefill(model, plan: Plan, backend: str):
@@ -63,7 +75,8 @@ def compiled_prefill(model, plan: Plan, backend: str):
     key = (plan, "prefill", backend, model.lane_dtype)
     if key not in store:
         private = _private_copy(make_cycles(model, plan, 1))
-        compiled = torch.compile(private, backend=backend, fullgraph=True)
+        options = inductor_options(plan, {}) if backend == "inductor" else None
+        compiled = torch.compile(private, backend=backend, fullgraph=True, options=options)
 
         def cycle(state: WavefrontState, noise: torch.Tensor | None) -> WavefrontState:
             if state.prompt_real.shape[1] > 1:
