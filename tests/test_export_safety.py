@@ -6,6 +6,7 @@ checkpoints built here; the oracle for the weights is the source's safetensors f
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -147,6 +148,44 @@ def test_a_folder_that_cannot_be_written_is_named_before_the_model_loads(sources
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "/proc/hf-loopspec-out: cannot write in /proc" in err, err
     assert "pass an OUT in a folder you can write to" in err and ".partial" not in err
+
+
+def test_a_mount_point_is_refused_before_the_model_loads(sources, tmp_path, monkeypatch, capsys):
+    """An OUT that is a mount point (a container's volume) is refused naming it and a folder inside it as the fix:
+    the export moves its files in from beside OUT, which fails across file systems (it failed after the load, naming
+    the hidden staging folder). The crossing is simulated: `os.rename` into OUT fails as Linux's does (EXDEV)."""
+    out = tmp_path / "OUT"
+    out.mkdir()
+    rename = os.rename
+
+    def across(src, dst, *args, **kwargs):
+        if Path(dst).parent == out:
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src), None, str(dst))
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", across)
+    monkeypatch.setattr(export, "resolve_source", lambda spec: pytest.fail("the source was read"))
+    assert cli.main(["export", str(sources["a"]), str(out), "--benchmarks", "none"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{out} is a mount point" in err and f"e.g. {out / 'model'}" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT"] and not any(out.iterdir())
+
+
+def test_the_next_export_removes_what_one_killed_while_moving_left(sources, tmp_path):
+    """An export killed between moving OUT's previous entries aside and moving the new ones in leaves OUT partly
+    replaced and a hidden `.OUT.*.old` folder; the next export to OUT removes that folder (it stayed for good) and
+    writes a whole set. A name of 250 characters works too (the hidden folders' names are cut to fit)."""
+    for name in ("OUT", "n" * 250):
+        out = tmp_path / name
+        run_export(sources["a"], out)
+        old = tmp_path / f".{name[:200]}.0123abcd.old"
+        old.mkdir()
+        (old / "model.safetensors").write_bytes(b"the previous weights")
+        (out / "config.json").unlink()  # moved aside before the kill
+        run_export(sources["b"], out, "--overwrite")
+        assert not old.exists() and (out / "config.json").is_file()
+        assert_weights_of(out, sources["b"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["OUT", "n" * 250])
 
 
 def with_foreign_tokenizer_code(src, folder, *, class_known: bool):

@@ -150,20 +150,16 @@ def build_model_card(
         "tokenizer_code": _tokenizer_code(tokenizer, base_model),
         "inputs_code": _inputs_code(chat, prompt),
         "generate_kwargs": _generate_kwargs(max_new_tokens, sampling, eos if chat else []),
-        "variant_section": _variant_section(fam.chat_tokens if chat_tokens is None else chat_tokens, chat, eos,
-                                            sampling, sampling_source),
+        "variant_section": _variant_section(fam, chat, chat_tokens, eos, sampling, sampling_source),
         "speed_section": speed_section(results),
         "kv_example": fam.kv_example if kv_bytes_per_token is None else
         f"about {_size(kv_bytes_per_token)} per context token for this model in bf16 across its {num_loops} loops",
         "family_limitations": _exit_limitation(exit_options) if exit_options else fam.limitations,
         "citation_section": _citation_section(fam, base_link) if makers else "",
     }
-    name = fields["title"]
-    data = ModelCardData(
-        license=license, library_name="transformers", pipeline_tag="text-generation", base_model=base_model,
-        tags=list(dict.fromkeys([*TAGS, *tags])), model_name=name, language=language,
-        eval_results=eval_results(results, project_url()) or None,
-    )
+    data = ModelCardData(license=license, library_name="transformers", pipeline_tag="text-generation",
+                         base_model=base_model, tags=list(dict.fromkeys([*TAGS, *tags])), model_name=fields["title"],
+                         language=language, eval_results=eval_results(results, project_url()) or None)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{MODEL_CARD_TEMPLATE.substitute(fields)}")
 
 
@@ -261,14 +257,15 @@ def _chat_template(tokens: dict[str, int]) -> str:
     return f"a ChatML chat template ({ids}). A turn ends with `<|im_end|>`{document}"
 
 
-def _variant_section(chat_tokens: dict[str, int], chat: bool, eos: list[int], sampling: dict | None,
-                     sampling_source: str) -> str:
+def _variant_section(fam: CardFamily, chat: bool, chat_tokens: dict[str, int] | None, eos: list[int],
+                     sampling: dict | None, sampling_source: str) -> str:
     if not chat and not sampling:
         return ""
     lines = ["", "### Chat and sampling settings", ""]
     if chat:
         stops = " and ".join(str(e) for e in eos) if eos else "the tokenizer eos"
-        lines.append(f"The tokenizer carries {_chat_template(chat_tokens)}; this repo's `generation_config.json` "
+        template = _chat_template(fam.chat_tokens if chat_tokens is None else chat_tokens)
+        lines.append(f"The tokenizer carries {template}; this repo's `generation_config.json` "
                      f"stops on {stops}.")
     if sampling:
         settings = ", ".join(f"{k}={v}" for k, v in sampling.items())

@@ -9,7 +9,9 @@ import math
 import numbers
 import re
 
-LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.\-]*")  # the form of the Hub's license ids (apache-2.0, cc-by-4.0, other)
+LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+\-]*")  # the form of the Hub's license ids (apache-2.0, openrail++, other)
+# the form of a card's language: an ISO 639 code (en, zho) with optional subtags (zh-Hans), or "code"
+LANGUAGE_CODE = re.compile(r"(?:[a-z]{2,3}(?:-[A-Za-z0-9]{2,8})*|code)")
 SAMPLING_RANGES = {  # a card's sampling setting -> (low, high, low included): what `generate` samples with
     "temperature": (0.0, math.inf, False), "top_p": (0.0, 1.0, False), "top_k": (0, math.inf, True),
     "min_p": (0.0, 1.0, True), "repetition_penalty": (0.0, math.inf, False),
@@ -33,10 +35,17 @@ def is_license_id(value) -> bool:
     return isinstance(value, str) and LICENSE_ID.fullmatch(value) is not None
 
 
+def is_language(value) -> bool:
+    """Whether `value` has the form of a card's `language`: a language code (`LANGUAGE_CODE`) or a non-empty list of
+    them."""
+    codes = [value] if isinstance(value, str) else value if isinstance(value, list) and value else [None]
+    return all(isinstance(code, str) and LANGUAGE_CODE.fullmatch(code) for code in codes)
+
+
 def check_card_metadata(repo_id: str | None, base_model: str | None, license: str | None) -> None:
     """`ValueError` naming `--repo-id`, `--base-model` or `--license` when it is not what the Hub accepts there: repo
     ids as `huggingface_hub.utils.validate_repo_id` checks them (no `..`, at most one slash; the repo to create with
-    its namespace), and a license id of lowercase letters, digits, dots and dashes."""
+    its namespace), and a license id of lowercase letters, digits, dots, dashes and plus signs (openrail++)."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     for flag, value in (("--repo-id", repo_id), ("--base-model", base_model)):

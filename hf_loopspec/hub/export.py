@@ -44,11 +44,11 @@ from pathlib import Path
 from .. import __version__
 from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
 from ..input_checks import check_source, hub_errors_explained
-from .card_checks import SAMPLING_RANGES, check_card_metadata, is_hub_repo_id, is_license_id
+from .card_checks import SAMPLING_RANGES, check_card_metadata, is_hub_repo_id, is_language, is_license_id
 from .install import install_command
 from .shims import AUTO_MAP, SHIM_FILES, write_template
 from .source import resolve_source
-from .staging import check_destination, check_writable, staged_folder
+from .staging import check_destination, staged_folder
 
 # transformers checks each line as `name[<op><version>]` (no PEP 508 URLs), so the repository install is a comment
 CUSTOM_GENERATE_REQUIREMENTS = ("# hf-loopspec is not on PyPI yet; install it from its repository: {install}\n"
@@ -113,7 +113,6 @@ def export_checkpoint(
     if dtype not in (None, *DTYPES):
         raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}.")
     out = check_destination(out, overwrite=overwrite)
-    check_writable(out)
     source = resolve_source(str(src))
     src = source.path
     if Path(src).exists() and (Path(src).resolve() == out.resolve() or out.resolve() in Path(src).resolve().parents):
@@ -268,10 +267,9 @@ def _carried_metadata(data: dict, license: str | None) -> tuple[str, str | list[
     if license is None and not is_license_id(license := data.get("license") or "apache-2.0"):
         raise ValueError(f"the source's model card has license: {license!r}, which is not a Hub license id; pass "
                          "--license with one such as apache-2.0, mit or cc-by-4.0 (or 'other').")
-    if language is not None and not (isinstance(language, str) or isinstance(language, list) and language
-                                     and all(isinstance(code, str) for code in language)):
-        get_logger(__name__).warning("export: the source card's language %r is no language code or list of them: "
-                                     "left out of the card.", language)
+    if language is not None and not is_language(language):
+        get_logger(__name__).warning("export: the source card's language %r is no language code (en, zh-Hans) or "
+                                     "list of them: left out of the card (the Hub refuses it).", language)
         language = None
     return license, language
 

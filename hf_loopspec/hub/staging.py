@@ -10,16 +10,20 @@ deleted: nothing of a previous write survives, so a stale weights file or index 
 inside the previous `out` are moved and removed as links, never followed, so nothing outside `out` is written or
 deleted.
 
-When the block raises (or the rename fails), the staged folder is removed, any parent folders created for it are
-removed again, and `out` is exactly as it was. A process killed mid-write leaves only the hidden `.partial` folder,
-and the next `staged_folder` for the same `out` removes it: a writer holds an exclusive `flock` on its staged folder
-while it writes, so a `.OUT.*.partial` folder whose lock can be taken has no live writer (one still being written,
-by a concurrent export, is left alone). Where `fcntl` is missing (Windows) stale folders are left in place.
+When the block raises (or a rename fails), the staged folder is removed, any parent folders created for it are
+removed again, and `out` is exactly as it was. A process killed mid-write leaves only the hidden `.partial` folder
+(killed while moving entries, `out` partly replaced and a `.old` folder of its previous entries), and the next
+`staged_folder` for the same `out` removes them: a writer holds an exclusive `flock` on its staged folder while it
+writes, and on `out` while it moves entries, so a `.partial` folder whose lock can be taken, or a `.old` folder
+while `out`'s can, has no live writer (one still being written, by a concurrent export, is left alone). Where
+`fcntl` is missing (Windows) stale folders are left in place. (`OUT` in these names is `out`'s name, cut to 200
+characters: the names stay within a file system's 255.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
@@ -56,23 +60,26 @@ def staged_folder(out: str | Path) -> Iterator[Path]:
 
 
 def remove_stale_stages(out: Path) -> list[Path]:
-    """Remove the `.OUT.*.partial` folders beside `out` that no live writer holds (module docstring); returns them."""
+    """Remove the `.OUT.*.partial` and `.OUT.*.old` folders beside `out` that no live writer holds (module
+    docstring); returns them."""
     if fcntl is None or not out.parent.is_dir():
         return []
     removed = []
-    for stage in sorted(out.parent.glob(f".{out.name}.*.partial")):
-        if stage.is_symlink() or not stage.is_dir():
-            continue
-        fd = os.open(stage, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # a live writer holds it
-            continue
-        else:
-            shutil.rmtree(stage, ignore_errors=True)
-            removed.append(stage)
-        finally:
-            os.close(fd)
+    for suffix, holder in (("partial", None), ("old", out)):
+        for stage in sorted(out.parent.glob(f"{_prefix(out)}*.{suffix}")):
+            locked = holder or stage  # a `.old` folder's writer locks `out`
+            if stage.is_symlink() or not stage.is_dir() or locked.is_symlink() or not locked.is_dir():
+                continue
+            fd = os.open(locked, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # a live writer holds it
+                continue
+            else:
+                shutil.rmtree(stage, ignore_errors=True)
+                removed.append(stage)
+            finally:
+                os.close(fd)
     return removed
 
 
@@ -93,7 +100,7 @@ def _locked(folder: Path) -> Iterator[None]:
 def check_destination(out: str | Path, *, overwrite: bool) -> Path:
     """`out` as an absolute path, or an error when it cannot be replaced safely: `ValueError` for a path below a file
     or a symlink (its target lies outside the path given), `FileExistsError` for a file, or for a non-empty folder
-    unless `overwrite`; `ValueError` for an `out` that is no path."""
+    unless `overwrite`; `ValueError` for an `out` that is no path; those of `check_writable`."""
     if not isinstance(out, (str, os.PathLike)) or not str(out):
         raise ValueError(f"out={out!r}: give the path of the folder to write (a new or empty folder).")
     out = Path(os.path.abspath(out))
@@ -106,24 +113,43 @@ def check_destination(out: str | Path, *, overwrite: bool) -> Path:
     if not overwrite and out.is_dir() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; pass --overwrite (overwrite=True) to replace its contents, or a "
                               "new folder.")
+    check_writable(out)
     return out
 
 
 def check_writable(out: Path) -> None:
-    """`OSError` naming `out` when no folder can be written beside it (checked by creating and removing one in the
-    nearest folder that exists, as `staged_folder` will: permissions alone do not tell, e.g. for root on /proc)."""
+    """An error naming `out` when the export could not write it, found by doing what it will do with an empty
+    folder (permissions alone do not tell, e.g. for root on /proc): make one beside `out` (in the nearest folder that
+    exists), and when `out` is a folder move it in and remove it. `OSError` when either fails, `ValueError` when the
+    move crosses file systems (`out` is a mount point, e.g. a container's volume)."""
     folder = out.parent
     while not folder.exists():
         folder = folder.parent
+    place = folder
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".probe", dir=folder))
+        probe = Path(tempfile.mkdtemp(prefix=_prefix(out), suffix=".probe", dir=folder))
+        try:
+            if out.is_dir():
+                place = out
+                os.rename(probe, out / probe.name)
+                probe = out / probe.name
+        finally:
+            probe.rmdir()
     except OSError as error:
-        raise OSError(f"{out}: cannot write in {folder} ({error.strerror or error}); pass an OUT in a folder you can "
+        if error.errno == errno.EXDEV:
+            raise ValueError(f"{out} is a mount point: export writes beside OUT and moves the files in, which cannot "
+                             f"cross file systems; pass a folder inside it, e.g. {out / 'model'}.") from None
+        raise OSError(f"{out}: cannot write in {place} ({error.strerror or error}); pass an OUT in a folder you can "
                       "write to.") from None
 
 
+def _prefix(out: Path) -> str:
+    """The start of the names of `out`'s staged and previous-entry folders (module docstring)."""
+    return f".{out.name[:200]}."
+
+
 def _unique(out: Path, suffix: str) -> Path:
-    return out.parent / f".{out.name}.{secrets.token_hex(4)}.{suffix}"
+    return out.parent / f"{_prefix(out)}{secrets.token_hex(4)}.{suffix}"
 
 
 def _make_parents(folder: Path) -> list[Path]:
@@ -166,4 +192,4 @@ def _replace(stage: Path, out: Path) -> None:
         stage.rmdir()
 
 
-__all__ = ["check_destination", "check_writable", "remove_stale_stages", "staged_folder"]
+__all__ = ["check_destination", "remove_stale_stages", "staged_folder"]
