@@ -37,13 +37,17 @@ def encode_prompt(tokenizer, text: str, chat: bool, where: str = "the prompt") -
     return list(ids)
 
 
-def check_text(text: str, where: str) -> None:
+def check_text(text: str, where: str, escaped: bool = False) -> None:
     """`ValueError` naming `where` when `text` holds lone surrogates: the bytes of a command-line argument or file
-    that were not UTF-8 (Python keeps them as surrogate escapes), which no tokenizer can encode."""
+    that were not UTF-8 (Python keeps them as surrogate escapes), which no tokenizer can encode; with `escaped`, text
+    read from JSON, where they can only come from an escape such as `\\ud800` without its pair."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
         char = ord(text[err.start])
+        if escaped:
+            raise ValueError(f"{where} holds the escape \\u{char:04x} at character {err.start}, half of a surrogate "
+                             "pair (not a character); write the character itself or its whole pair.") from None
         what = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"lone surrogate U+{char:04X}"
         raise ValueError(f"{where} is not UTF-8 text ({what} at character {err.start}); pass it as UTF-8 (check "
                          "the terminal's locale, or convert the text with iconv).") from None

@@ -184,7 +184,8 @@ BAD_INPUTS = {
     "empty-prompt": (['{"id": 1, "prompt": "a"}', '{"id": 2, "prompt": "  "}'], [], 2, "is empty or only whitespace"),
     "missing-field": (['{"id": 1, "prompt": "a"}'], ["--field", "text"], 1, "has no 'text' field"),
     "surrogate-id": (['{"id": 1, "prompt": "a"}', '{"id": "b\\ud800", "prompt": "b"}'], [], 2,
-                     "is not UTF-8 text (lone surrogate U+D800"),  # (valid JSON; it failed as its row was written)
+                     "holds the escape \\ud800 at character 1, half of a surrogate pair"),  # (failed as it was written)
+    "surrogate-prompt": (['{"id": 1, "prompt": "a\\udcff"}'], [], 1, "holds the escape \\udcff"),  # (not "byte 0xff")
     "huge-int-id": (['{"id": 1, "prompt": "a"}', '{"id": 1' + "0" * 5000 + ', "prompt": "b"}'], [], 2,
                     "holds an integer of more digits than Python reads"),
 }
@@ -201,6 +202,16 @@ def test_an_existing_output_is_never_overwritten(prompts_file, tmp_path, monkeyp
     assert not output.with_name("out.jsonl.parts").exists()
     assert cli.main(batch_args(prompts_file, output / "out.jsonl", "--device", "cpu")) == 2  # below a file
     assert f"{output} is a file, not a folder" in capsys.readouterr().err
+
+
+def test_a_repeated_key_is_named_whatever_it_is_called(tmp_path):
+    """A key given twice is reported as such, also when its name (or the file's path) says "digits" (it was taken for
+    Python's limit on an integer's digits)."""
+    prompts = tmp_path / "digits.jsonl"
+    prompts.write_text('{"id": 1, "digits": 1, "digits": 2, "prompt": "a"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"line 1 has the key 'digits' twice \(JSON readers keep one of them "
+                                         r"silently\); keep one\.$"):
+        read_prompts(prompts)
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)

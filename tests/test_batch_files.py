@@ -318,6 +318,11 @@ BAD_FILES = {  # name: (bytes, what the line names after the file)
                                                                                     "(byte 0xe9 at byte 25"),
     "latin.csv": (b"id,prompt\n1,caf\xe9\n", ", line 2, is not UTF-8 text (byte 0xe9 at byte 6"),
     "empty.json": (b"", " is empty (0 bytes)"),
+    # half a surrogate pair, which datasets' reader dropped without a word (the id "x\ud800" was read as "x")
+    "lone.json": (b'[{"id": 1, "prompt": "a"}, {"id": "x\\ud800", "prompt": "b"}]', ", row 2 holds the escape "
+                                                                                       "\\ud800 at character 1"),
+    "lone-lines.json": (b'{"id": 1, "prompt": "a"}\n{"id": 2, "prompt": "a\\udc80b"}\n', ", line 2 holds the "
+                                                                                         "escape \\udc80"),
 }
 
 

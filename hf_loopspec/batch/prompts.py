@@ -4,12 +4,13 @@ the rows are decoded in.
 
 Contract of `read_prompts`: every non-blank line is a JSON object with an `id` (a string or an integer, unique in the
 file; a CSV's cells are all text, ids included, kept as written) and a string that is not only whitespace in the text
-field (`prompt` unless `field` says otherwise), and no key twice in one object; a string id must be UTF-8 (no lone
-surrogate escapes such as `"\\ud800"`) and an integer readable by Python; anything else is a `ValueError` that names the
-file, the line (or row) number and the fix. Blank lines are skipped. A text file (JSONL, CSV, JSON) that is not UTF-8 is
-refused naming the line of the first bad byte; a file `datasets` cannot read is refused naming the file and the reader's
-reason (its row or line when the reader gives one), with `datasets`' progress bars and log lines silenced while it
-reads, so that the error is the only line.
+field (`prompt` unless `field` says otherwise), and no key twice in one object; no text may hold half a surrogate pair
+(an escape such as `"\\ud800"` without its pair; in a `.json` file, checked before `datasets` reads it, which drops it)
+and an integer must be readable by Python; anything else is a `ValueError` that names the file, the line (or row) number
+and the fix. Blank lines are skipped. A text file (JSONL, CSV, JSON) that is not UTF-8 is refused naming the line of the
+first bad byte; a file `datasets` cannot read is refused naming the file and the reader's reason (its row or line when
+the reader gives one), with `datasets`' progress bars and log lines silenced while it reads, so that the error is the
+only line.
 """
 
 from __future__ import annotations
@@ -37,12 +38,16 @@ class PromptRow:
     prompt: str
 
 
+class RepeatedKey(ValueError):
+    """A key given twice in one JSON object of the input."""
+
+
 def _parse_line(where: str, text: str):
     def unique_keys(pairs: list[tuple[str, object]]) -> dict:
         keys = [key for key, _ in pairs]
         if repeated := next((key for i, key in enumerate(keys) if key in keys[:i]), None):
-            raise ValueError(f"{where} has the key {repeated!r} twice (JSON readers keep one of them silently); keep "
-                             "one.")
+            raise RepeatedKey(f"{where} has the key {repeated!r} twice (JSON readers keep one of them silently); "
+                              "keep one.")
         return dict(pairs)
 
     try:
@@ -50,11 +55,12 @@ def _parse_line(where: str, text: str):
     except json.JSONDecodeError as err:
         raise ValueError(f"{where} is not valid JSON ({err.msg} at column {err.colno}); each line must be one JSON "
                          'object such as {"id": 1, "prompt": "..."}.') from None
+    except RepeatedKey:
+        raise
     except ValueError as err:  # Python's own limit on an integer's digits (a JSON number of over 4300 of them)
-        if "digits" not in str(err):
-            raise
         raise ValueError(f"{where} holds an integer of more digits than Python reads ({err}); write it as a "
                          'string ("...").') from None
+
 
 
 def _kind(value) -> str:
@@ -77,7 +83,7 @@ def _check_row(where: str, row, field: str) -> PromptRow:
     if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
         raise ValueError(f"{where}: the id is {_kind(row_id)}; use a string or an integer.")
     if isinstance(row_id, str):  # (written to the output file as UTF-8 after the row is decoded)
-        check_text(row_id, f"the id on {where}")
+        check_text(row_id, f"the id on {where}", escaped=True)
     if field not in row:
         raise ValueError(f"{where} has no {field!r} field (it has {', '.join(map(repr, row))}); pass --field NAME to "
                          "read the text from another field.")
@@ -87,6 +93,7 @@ def _check_row(where: str, row, field: str) -> PromptRow:
     if not prompt.strip():
         raise ValueError(f"{where}: the prompt ({field!r}) is empty or only whitespace; remove the row or give it "
                          "some text.")
+    check_text(prompt, f"the prompt on {where}", escaped=True)
     return PromptRow(where, row_id, prompt)
 
 
@@ -155,7 +162,9 @@ def _dataset_rows(path: Path, builder: str):
     if path.stat().st_size == 0:
         raise ValueError(f"PROMPTS {path} is empty (0 bytes).")
     if builder != "parquet":
-        _utf8_text(path)  # names the line of a bad byte; the readers would not
+        text = _utf8_text(path)  # names the line of a bad byte; the readers would not
+        if builder == "json":
+            _check_json_escapes(path, text)
     options = _csv_as_text(path, datasets) if builder == "csv" else {}
     with tempfile.TemporaryDirectory() as cache, _quiet_datasets(datasets):  # the Arrow copy is not kept
         try:
@@ -166,6 +175,39 @@ def _dataset_rows(path: Path, builder: str):
                              "file, or write the prompts as JSONL, one object a line.") from None
     for number, row in enumerate(rows, start=1):
         yield f"{path}, row {number}", row
+
+
+def _check_json_escapes(path: Path, text: str) -> None:
+    """`ValueError` naming the row (a JSON array) or line (JSON Lines) of a string that holds half a surrogate pair
+    (an escape such as `\\ud800` without its pair), which `datasets`' reader drops without a word; a file neither
+    form reads is left to the reader's error."""
+    rows, unit = [], "row"
+    try:
+        data = json.loads(text)
+        rows = list(enumerate(data, start=1)) if isinstance(data, list) else [(None, data)]
+    except (ValueError, RecursionError):  # JSON Lines (a line no JSON reader reads is left to the reader's error)
+        unit = "line"
+        for number, line in enumerate(text.split("\n"), start=1):
+            if line.strip():
+                with contextlib.suppress(ValueError, RecursionError):
+                    rows.append((number, json.loads(line)))
+    for number, row in rows:
+        with contextlib.suppress(RecursionError):  # (nested too deeply to walk: the reader's error)
+            for value in _strings(row):
+                check_text(value, f"a text on {path}" + (f", {unit} {number}" if number else ""), escaped=True)
+
+
+def _strings(value) -> Iterator[str]:
+    """Every string in a JSON value, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
 
 
 def _csv_as_text(path: Path, datasets) -> dict:
