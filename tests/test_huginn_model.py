@@ -64,6 +64,10 @@ def test_logits_and_states_match_reference_random_state(variant):
     assert_fp32_close(out.logits, ref["step_logits"][-1], **depth)
     for step in range(4):
         assert_fp32_close(out.hidden_states[1 + step], ref["states"][step], **depth)
+    model.config.output_hidden_states = True  # the default of a call that passes none (it was ignored)
+    with torch.no_grad(), model.recurrence(num_steps=4, init_scale=1.0, init_seed=11):
+        by_config = model(ids, use_cache=False)
+    assert torch.equal(torch.stack(by_config.hidden_states), torch.stack(out.hidden_states))
 
 
 def test_step_logits_equal_shallower_runs():

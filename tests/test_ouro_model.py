@@ -79,6 +79,12 @@ def test_hidden_states_are_embeddings_then_every_loop():
     with torch.no_grad():
         base = model.model(ids, use_cache=False)
     assert_close(base.last_hidden_state, ref["loop_hidden"][-1], model.config)
+    model.config.output_hidden_states = True  # the default of a call that passes none (it was ignored)
+    with torch.no_grad():
+        by_config, base, off = model(ids, use_cache=False), model.model(ids, use_cache=False), \
+            model(ids, use_cache=False, output_hidden_states=False)
+    assert torch.equal(torch.stack(by_config.hidden_states), torch.stack(out.hidden_states))
+    assert len(base.hidden_states) == 4 and off.hidden_states is None
 
 
 def test_logits_to_keep_and_loss():

@@ -284,6 +284,8 @@ class HuginnModel(HuginnPreTrainedModel):
                              "input_ids: none given; pass the prompt's token ids as input_ids.")
         check_forward_inputs(input_ids, None, kwargs.get("output_attentions"), position_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         cache = one_cache(cache, past_key_values, use_cache)
         with self.recurrence(num_steps, init_scale, init_seed), forward_rows(
                 self.kv_layout, attention_mask, position_ids, cache, shape=input_ids.shape,

@@ -190,6 +190,8 @@ class OuroModel(OuroPreTrainedModel):
                              self.config.hidden_size)
         embeddings = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, H]
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         cache = one_cache(cache, past_key_values, use_cache)
         with forward_rows(self.kv_layout, attention_mask, position_ids, cache, shape=embeddings.shape[:2],
                           like=embeddings) as rows:
@@ -257,15 +259,17 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
         by forward calls (lm-eval's loglikelihood) and training see the model that `generate` decodes;
         `exit_threshold=1.0` selects the last loop whatever the config says.
 
-        `output_hidden_states=True` returns the embeddings and every loop's output, plus `exit_gate_logits`, which
-        also come with any exit option in effect (the config's included); `output_loop_logits=True` returns every
-        loop's logits.
+        `output_hidden_states=True` (default: the config's) returns the embeddings and every loop's output, plus
+        `exit_gate_logits`, which also come with any exit option in effect (the config's included);
+        `output_loop_logits=True` returns every loop's logits.
         """
         chosen = merged_exit(dict(zip(EXIT_OPTIONS, (exit_at_step, exit_threshold, use_weighted_exit))),
                              self.generation_config)
         exit_at_step, exit_threshold, use_weighted_exit = (chosen.get(key) for key in EXIT_OPTIONS)
         check_exit_options(self.num_loops, exit_at_step, exit_threshold, use_weighted_exit)
         reject_recurrence_options(type(self).__name__, kwargs)
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         needs_loops = output_hidden_states or output_loop_logits or exit_at_step is not None \
             or exit_threshold is not None or use_weighted_exit
         out = self.model(
