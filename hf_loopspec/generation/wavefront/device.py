@@ -7,13 +7,13 @@ and a plain compiled step, which is what the tests run.
   committed-token buffer, taken on the compute stream. On CUDA it is copied into pinned host memory on a side
   stream that waits for the compute stream, with an event the host waits on only when it reads the values
   (`values`), so the cycles launched meanwhile run while the copy lands. On a CPU the values are there at once.
-* `GraphStep`: the step compiled with `mode="reduce-overhead"` (inductor's CUDA graphs: each shape is captured
-  once and replayed) with the buffers the step writes in place (`IN_PLACE`: the KV pools, the sibling KV rows)
-  marked as static addresses. A replay's outputs live in the graphs' memory pool, and the next replay (a new
+* `GraphStep`: the step compiled with inductor's CUDA graphs (`mode="reduce-overhead"`'s option; each shape is
+  captured once and replayed) with the buffers the step writes in place (`IN_PLACE`: the KV pools, the sibling KV
+  rows) marked as static addresses. A replay's outputs live in the graphs' memory pool, and the next replay (a new
   generation, `cudagraph_mark_step_begin`) frees them; since every call's inputs are the previous call's outputs,
   `GraphStep` hands the host loop copies (`owned`), the remedy torch's own error message names. If compiling or
-  capturing fails, it logs why and runs the eager step from then on (the step is a pure tensor function, so both
-  give the same tokens).
+  capturing fails, it logs why and runs the eager step from then on (the step is a pure tensor function, so both give
+  the same tokens).
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ def owned(result: WavefrontState, given: dict[str, torch.Tensor]) -> WavefrontSt
 
 
 class GraphStep:
-    """The step under `torch.compile(mode="reduce-overhead", fullgraph=True)`, with an eager fallback. Its result
-    owns its tensors (`owned`), so it is a valid input for the next call and for the eager step."""
+    """The step compiled with CUDA graphs (`compiling.compiled_cycles`), with an eager fallback. Its result owns its
+    tensors (`owned`), so it is a valid input for the next call and for the eager step."""
 
     def __init__(self, compiled, eager):
         self.compiled, self.eager, self.failed = compiled, eager, False
