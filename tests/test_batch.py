@@ -186,6 +186,7 @@ BAD_INPUTS = {
     "surrogate-id": (['{"id": 1, "prompt": "a"}', '{"id": "b\\ud800", "prompt": "b"}'], [], 2,
                      "holds the escape \\ud800 at character 1, half of a surrogate pair"),  # (failed as it was written)
     "surrogate-prompt": (['{"id": 1, "prompt": "a\\udcff"}'], [], 1, "holds the escape \\udcff"),  # (not "byte 0xff")
+    "deep": (['{"id": 1, "prompt": "a", "x": ' + "[" * 100000], [], 1, "nests too deeply to read"),  # (a traceback)
     "huge-int-id": (['{"id": 1, "prompt": "a"}', '{"id": 1' + "0" * 5000 + ', "prompt": "b"}'], [], 2,
                     "holds an integer of more digits than Python reads"),
 }

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 import hf_loopspec
 from hf_loopspec import cli
-from hf_loopspec.hub import export
+from hf_loopspec.hub import export, staging
 
 FOREIGN = ["evil/repo--tokenization_evil.EvilTokenizer", None]
 
@@ -174,18 +174,25 @@ def test_a_mount_point_is_refused_before_the_model_loads(sources, tmp_path, monk
 def test_the_next_export_removes_what_one_killed_while_moving_left(sources, tmp_path):
     """An export killed between moving OUT's previous entries aside and moving the new ones in leaves OUT partly
     replaced and a hidden `.OUT.*.old` folder; the next export to OUT removes that folder (it stayed for good) and
-    writes a whole set. A name of 250 characters works too (the hidden folders' names are cut to fit)."""
-    for name in ("OUT", "n" * 250):
+    writes a whole set, and leaves the hidden folders of other OUTs alone (those of `OUT.b`, `OUT[1]`, or a name
+    that shares its first 200 characters: they are another export's, maybe still running). A name of 250 characters
+    works too (the hidden folders' names are cut to fit, with a digest of the whole name)."""
+    long, other = "n" * 250, "n" * 200 + "m" * 50
+    others = [tmp_path / name for name in (".OUT.b.0123abcd.old", ".OUT[1].0123abcd.partial")]
+    for name in ("OUT", long):
         out = tmp_path / name
         run_export(sources["a"], out)
-        old = tmp_path / f".{name[:200]}.0123abcd.old"
-        old.mkdir()
-        (old / "model.safetensors").write_bytes(b"the previous weights")
+        old = staging._unique(out, "old")
+        others.append(staging._unique(tmp_path / other, "old"))
+        for folder in (old, *others):
+            folder.mkdir(exist_ok=True)
+            (folder / "model.safetensors").write_bytes(b"the previous weights")
         (out / "config.json").unlink()  # moved aside before the kill
         run_export(sources["b"], out, "--overwrite")
         assert not old.exists() and (out / "config.json").is_file()
+        assert all(folder.is_dir() for folder in others)
         assert_weights_of(out, sources["b"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["OUT", "n" * 250])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["OUT", long, *(p.name for p in others)])
 
 
 def with_foreign_tokenizer_code(src, folder, *, class_known: bool):

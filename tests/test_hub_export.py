@@ -253,8 +253,8 @@ def test_a_source_cards_metadata_is_checked_as_the_flags_are(source, tmp_path, c
     data = ModelCard.load(out / "README.md").data.to_dict()
     assert data["license"] == "mit" and "language" not in data
     assert "the source card's language 5 is no language code" in caplog.text
-    for language, kept in (("English", False), ("[en, English]", False), ("''", False), ("[en, zh-Hans]", True),
-                           ("code", True)):
+    for language, kept in (("English", False), ("[en, English]", False), ("''", False), ("[en, zh-Hans]", False),
+                           ("code", True), ("[en, multilingual]", True), ("[en, zho]", True)):
         (src / "README.md").write_text(f"---\nlicense: openrail++\nlanguage: {language}\n---\n# a card\n")
         out = export.export_checkpoint(src, tmp_path / "out", benchmarks=None, overwrite=True)
         data = ModelCard.load(out / "README.md").data.to_dict()

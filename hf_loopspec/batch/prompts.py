@@ -57,6 +57,9 @@ def _parse_line(where: str, text: str):
                          'object such as {"id": 1, "prompt": "..."}.') from None
     except RepeatedKey:
         raise
+    except RecursionError:
+        raise ValueError(f"{where} nests too deeply to read; each line must be one JSON object such as "
+                         '{"id": 1, "prompt": "..."}.') from None
     except ValueError as err:  # Python's own limit on an integer's digits (a JSON number of over 4300 of them)
         raise ValueError(f"{where} holds an integer of more digits than Python reads ({err}); write it as a "
                          'string ("...").') from None

@@ -10,8 +10,9 @@ import numbers
 import re
 
 LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+\-]*")  # the form of the Hub's license ids (apache-2.0, openrail++, other)
-# the form of a card's language: an ISO 639 code (en, zho) with optional subtags (zh-Hans), or "code"
-LANGUAGE_CODE = re.compile(r"(?:[a-z]{2,3}(?:-[A-Za-z0-9]{2,8})*|code)")
+# the form of a card's `language` as the Hub takes it: an ISO 639 code of two or three lowercase letters (en, zho), or
+# "code" or "multilingual" (a BCP-47 tag such as zh-Hans belongs in `language_bcp47`)
+LANGUAGE_CODE = re.compile(r"[a-z]{2,3}|code|multilingual")
 SAMPLING_RANGES = {  # a card's sampling setting -> (low, high, low included): what `generate` samples with
     "temperature": (0.0, math.inf, False), "top_p": (0.0, 1.0, False), "top_k": (0, math.inf, True),
     "min_p": (0.0, 1.0, True), "repetition_penalty": (0.0, math.inf, False),

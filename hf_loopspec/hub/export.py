@@ -268,8 +268,9 @@ def _carried_metadata(data: dict, license: str | None) -> tuple[str, str | list[
         raise ValueError(f"the source's model card has license: {license!r}, which is not a Hub license id; pass "
                          "--license with one such as apache-2.0, mit or cc-by-4.0 (or 'other').")
     if language is not None and not is_language(language):
-        get_logger(__name__).warning("export: the source card's language %r is no language code (en, zh-Hans) or "
-                                     "list of them: left out of the card (the Hub refuses it).", language)
+        get_logger(__name__).warning("export: the source card's language %r is no language code (en, zho, code, "
+                                     "multilingual) or list of them: left out of the card (the Hub refuses it).",
+                                     language)
         language = None
     return license, language
 

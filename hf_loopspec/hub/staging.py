@@ -16,15 +16,17 @@ removed again, and `out` is exactly as it was. A process killed mid-write leaves
 `staged_folder` for the same `out` removes them: a writer holds an exclusive `flock` on its staged folder while it
 writes, and on `out` while it moves entries, so a `.partial` folder whose lock can be taken, or a `.old` folder
 while `out`'s can, has no live writer (one still being written, by a concurrent export, is left alone). Where
-`fcntl` is missing (Windows) stale folders are left in place. (`OUT` in these names is `out`'s name, cut to 200
-characters: the names stay within a file system's 255.)
+`fcntl` is missing (Windows) stale folders are left in place. (`OUT` in these names is `out`'s name, or for a name
+of over 200 characters its start and a digest of it: the names stay within a file system's 255, `_prefix`.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -66,7 +68,8 @@ def remove_stale_stages(out: Path) -> list[Path]:
         return []
     removed = []
     for suffix, holder in (("partial", None), ("old", out)):
-        for stage in sorted(out.parent.glob(f"{_prefix(out)}*.{suffix}")):
+        ours = re.compile(re.escape(_prefix(out)) + r"[0-9a-f]{8}\." + suffix)  # (never another OUT's)
+        for stage in sorted(path for path in out.parent.iterdir() if ours.fullmatch(path.name)):
             locked = holder or stage  # a `.old` folder's writer locks `out`
             if stage.is_symlink() or not stage.is_dir() or locked.is_symlink() or not locked.is_dir():
                 continue
@@ -144,8 +147,10 @@ def check_writable(out: Path) -> None:
 
 
 def _prefix(out: Path) -> str:
-    """The start of the names of `out`'s staged and previous-entry folders (module docstring)."""
-    return f".{out.name[:200]}."
+    """The start of the names of `out`'s staged and previous-entry folders (module docstring): `.OUT.`, a name of
+    over 200 characters cut to 180 and a digest of the whole (names that share their start stay apart)."""
+    name = out.name if len(out.name) <= 200 else f"{out.name[:180]}~{hashlib.sha1(out.name.encode()).hexdigest()[:16]}"
+    return f".{name}."
 
 
 def _unique(out: Path, suffix: str) -> Path:
