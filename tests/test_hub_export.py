@@ -694,6 +694,20 @@ def test_speed_section_refuses_files_that_are_not_bench_results(tmp_path):
             hub_card.build_model_card(repo_id="x/y", benchmarks=[tmp_path / name])
 
 
+def test_a_result_whose_check_failed_is_not_quoted(tmp_path):
+    """A bench result in which a speculative output differed from plain decoding (the bench exited 1) is refused by
+    name: its speed-up went into the card's table and model-index without a mark."""
+    result = json.loads((ROOT / "bench_results" / "cpu_default_b1.json").read_text())
+    assert all(row["check_passed"] is not False for row in result["rows"])
+    hub_card.build_model_card(repo_id="x/y", benchmarks=[result])  # as recorded: quoted
+    pipeline = next(row for row in result["rows"] if row["mode"] == "pipeline")
+    pipeline["check_passed"], result["all_checks_passed"] = False, False
+    (tmp_path / "failed.json").write_text(json.dumps(result))
+    for given, name in ((result, r"benchmarks\[0\]"), (tmp_path / "failed.json", "failed.json")):
+        with pytest.raises(ValueError, match=f"{name}: the bench's check failed for pipeline"):
+            hub_card.build_model_card(repo_id="x/y", benchmarks=[given])
+
+
 def test_a_command_recorded_with_the_old_engine_name_is_quoted_with_todays():
     """Results recorded before `--engines lanes` became `reference` quote a command that today's bench accepts."""
     result = json.loads((ROOT / "bench_results" / "cpu_default_b1.json").read_text())

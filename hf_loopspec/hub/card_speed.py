@@ -30,7 +30,8 @@ COLUMNS = ("mode", "tok/s", "× plain", "× ar", "calls/token", "acceptance", "c
 
 def bench_results(benchmarks: Sequence[dict | str | Path] | None) -> list[dict]:
     """Result documents from a list of documents or `--json` file paths; `ValueError` for an item that is not one,
-    or one document or path given alone (a path string would be read letter by letter)."""
+    one document or path given alone (a path string would be read letter by letter), or a result whose check failed
+    (a speculative output that differed from plain decoding)."""
     if benchmarks is None:
         return []
     if isinstance(benchmarks, (str, bytes, Path, dict)) or not isinstance(benchmarks, Sequence):
@@ -39,8 +40,15 @@ def bench_results(benchmarks: Sequence[dict | str | Path] | None) -> list[dict]:
     for i, item in enumerate(benchmarks):
         if not isinstance(item, (dict, str, os.PathLike)):
             raise ValueError(f"benchmarks[{i}]={item!r}: give a bench result (a dict) or the path of a `--json` file.")
-    return [checked_result(b, f"benchmarks[{i}]") if isinstance(b, dict) else load_result(b)
-            for i, b in enumerate(benchmarks)]
+    results = [checked_result(b, f"benchmarks[{i}]") if isinstance(b, dict) else load_result(b)
+               for i, b in enumerate(benchmarks)]
+    for i, result in enumerate(results):  # a card quotes only runs whose outputs were plain decoding's
+        if failed := [str(r["mode"]) for r in result["rows"] if r.get("check_passed") is False]:
+            where = benchmarks[i] if not isinstance(benchmarks[i], dict) else f"benchmarks[{i}]"
+            raise ValueError(f"{where}: the bench's check failed for {', '.join(failed)} (its output differed from "
+                             "plain decoding), so a card cannot quote it; rerun `hf-loopspec bench --json` and pass a "
+                             "result whose checks pass.")
+    return results
 
 
 def eval_results(results: Sequence[dict], source_url: str) -> list[EvalResult]:
