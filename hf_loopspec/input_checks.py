@@ -133,15 +133,17 @@ def max_positions(config) -> int | None:
     return None
 
 
-def check_positions(config, prompt_len: int, new_tokens: int, *, prompt_flag: str, new_flag: str) -> None:
+def check_positions(config, prompt_len: int, new_tokens: int, *, prompt_flag: str, new_flag: str,
+                    least_new: int = 1) -> None:
     """`ValueError` when a prompt of `prompt_len` tokens plus `new_tokens` would pass the model's maximum positions
-    (positions past it were never trained: the output would be garbage without an error)."""
+    (positions past it were never trained: the output would be garbage without an error); its fix leaves room for
+    `least_new` new tokens, the fewest the caller accepts."""
     limit = max_positions(config)
     if limit is None or prompt_len + new_tokens <= limit:
         return
-    if prompt_len >= limit:
+    if prompt_len > limit - least_new:
         raise ValueError(f"the prompt is {prompt_len} tokens and the model has {limit} positions; shorten "
-                         f"{prompt_flag} to under {limit} tokens.")
+                         f"{prompt_flag} to at most {limit - least_new} tokens.")
     raise ValueError(f"the prompt ({prompt_len} tokens) plus {new_flag} {new_tokens} passes the model's {limit} "
                      f"positions; lower {new_flag} to {limit - prompt_len} or shorten {prompt_flag}.")
 

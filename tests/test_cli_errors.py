@@ -202,6 +202,14 @@ def test_prompts_too_long_for_the_model_are_errors(good, tmp_path, capsys):
     bench_argv = [*command("bench", str(good), tmp_path), "--prompt-len", "12", "--new-tokens", "8"]
     assert cli.main(bench_argv) == 2
     assert "lower --new-tokens to 4 or shorten --prompt-len" in _last_line(capsys.readouterr().err)
+    # one position left: the speculative modes need two new tokens, so the fix is a shorter prompt (it said "lower
+    # --new-tokens to 1", which the next run refused)
+    bench_argv = [*command("bench", str(good), tmp_path), "--prompt-len", str(POSITIONS - 1), "--new-tokens", "2",
+                  "--modes", "plain,pipeline"]
+    assert cli.main(bench_argv) == 2
+    assert f"shorten --prompt-len to at most {POSITIONS - 2} tokens" in _last_line(capsys.readouterr().err)
+    assert cli.main([*bench_argv, "--new-tokens", "1"]) == 2
+    assert "--new-tokens 1: the speculative modes (" in capsys.readouterr().err
 
 
 # --- the traceback on request, interrupts, a real process -----------------------------------------------------------

@@ -23,11 +23,11 @@ for the embedded model, which was trained on Python; `PROMPT_TEXT`, English, for
   (`second_draft_loops`, D2 >= U - d), once per `--engines` engine; its rows add `second_drafts` and
   `second_accepted`.
 
-`plain` is also run once, untimed, first: its greedy output is the reference. Every mode is then warmed up
-once, and the timed runs are interleaved (`plain ar block pipeline plain ar ...`, `--repeats` rounds); a
-mode's time is the median of its rounds and includes prefill. Every output of every run is compared with the
-reference: in fp32 it must be equal (`check_passed`), in bf16/fp16 the agreement rate (common-prefix fraction)
-is reported with the first divergent token and the reference's top-1/top-2 logit margin there.
+`plain` is also run once, untimed, first: its greedy output is the reference. Every mode is then warmed up once,
+and the timed runs are interleaved (`plain ar block pipeline plain ar ...`, `--repeats` rounds); a mode's time is
+the median of its rounds and includes prefill. Every output of every timed run (not the warm-up's) is compared
+with the reference: in fp32 it must be equal (`check_passed`), in bf16/fp16 the agreement rate (common-prefix
+fraction) is reported with the first divergent token and the reference's top-1/top-2 logit margin there.
 
 Random-weight shapes (`SHAPES`) cover both families: `ouro-tiny`, `ouro-100m`, `ouro-1.4b`, and `huginn-tiny`,
 `huginn-small` (Huginn-0125's 2 + 4 + 2 stage layout at width 512, 32 recurrence steps), `huginn-3.5b` (the real

@@ -30,6 +30,8 @@ from .report import (
 )
 from .run import bench_generation_config, compare, generation_processors, run_mode, sampling_settings, synthetic_hook
 
+DRAFTING = ("block", "pipeline")  # the modes that need at least 2 new tokens (nothing to draft otherwise)
+
 
 @dataclass
 class _Bench:
@@ -97,8 +99,10 @@ def run_bench(args) -> dict:
             check_writable(path, flag)
     if args.prompt_file:
         read_prompt_file(args.prompt_file)  # a missing or undecodable file fails before the model loads
-    if args.new_tokens < 2 and any(m in args.modes for m in ("block", "pipeline")):
-        raise ValueError("--new-tokens must be >= 2 for the speculative modes (nothing to draft otherwise).")
+    if args.new_tokens < 2 and (drafting := [m for m in args.modes if m in DRAFTING]):
+        raise ValueError(f"--new-tokens {args.new_tokens}: the speculative modes ({', '.join(drafting)}) need at "
+                         "least 2 new tokens (nothing to draft otherwise); pass --new-tokens 2 or more, or drop them "
+                         "from --modes.")
     device = resolve_device(args.device)
     model, tokenizer, model_name = load_model(args.model, DTYPES[args.dtype], device, seed=args.seed)
     sampling = sampling_settings(args)
@@ -139,7 +143,7 @@ def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:
     loops = model.num_loops
     _validate(args, loops)
     check_positions(model.config, args.prompt_len, args.new_tokens, prompt_flag="--prompt-len",
-                    new_flag="--new-tokens")
+                    new_flag="--new-tokens", least_new=2 if set(args.modes) & set(DRAFTING) else 1)
     vocab = model.head_width
     if args.prompt_file and tokenizer is None:
         raise ValueError(f"--prompt-file {args.prompt_file}: {model_name} has no tokenizer, so its prompts are random "
