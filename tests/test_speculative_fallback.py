@@ -158,6 +158,26 @@ def test_a_dynamically_quantized_model_decodes_plainly(setup, mode):
         run(quantized, ids, mask, speculative_mode=mode, cache=PagedLoopCache(quantized.kv_layout))
 
 
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_an_embedding_of_another_dtype_than_the_model_decodes_plainly(family):
+    """An input embedding cast alone (`embed_tokens.half()` on an fp32 model): plain decoding runs (the layers take
+    its output), and every speculative mode decodes plainly, names both dtypes and the fix, with plain decoding's
+    tokens (the engine, which keeps its lanes in the embedding's dtype, raised a RuntimeError from a copy or a
+    matmul)."""
+    model = tiny_spec_model(82, 4, vocab=VOCAB, damp=0.15) if family == "ouro" else \
+        tiny_huginn("retrofitted", seed=82)[0]  # (an untied head: the tied one in float16 stops plain decoding too)
+    ids, mask = left_pad(random_prompts(82, [5, 3], VOCAB))
+    model.get_input_embeddings().half()
+    settings = {} if family == "ouro" else {"init_scale": 0.0}
+    ref = run(model, ids, mask, speculative_mode=None, **settings)
+    for mode in ("pipeline", "block", "auto"):
+        out = run(model, ids, mask, speculative_mode=mode, **settings)
+        assert out.sequences.tolist() == ref.sequences.tolist(), mode
+        if mode != "auto":
+            assert "the input embedding is float16 and the other weights float32" in out.speculation.fallback
+            assert "model.to(torch.bfloat16)" in out.speculation.fallback
+
+
 class Int8Weight(torch.Tensor):
     """A weight that says it quantizes the activations it meets, as torchao's do (`act_quant_kwargs`: per row, for
     int8 dynamic activation; `activation_quantization` on its Intx weights); it computes as a plain tensor, so plain

@@ -17,6 +17,8 @@ to a model break that:
 * PEFT's per-row arguments of `generate` (`adapter_names`: one LoRA adapter per row, `alora_offsets`) reach its
   layers through pre-hooks that split each layer's input by batch row, and the engine's calls hold their rows
   otherwise;
+* an input embedding of another dtype than all the other weights (e.g. `embed_tokens.half()` on an fp32 model):
+  the engine keeps its lanes in the embedding's dtype;
 * a `prepare_inputs_for_generation` set on the model instance changes what plain decoding feeds the model, and the
   engine never calls it: PEFT's prompt learning (prompt, prefix, p-tuning) prepends its virtual tokens that way.
   PEFT sets one for every adapter; those of adapters that are neither prompt learning nor POLY (LoRA, ...) pass
@@ -57,6 +59,9 @@ def dense_cache_reason(model) -> str | None:
     arguments split each layer's input by batch row, a dynamically quantized layer takes one activation scale over
     all the rows and positions of its call, and activation-quantized weights (torchao) round the last-bit
     differences of other call shapes into other tokens."""
+    mixed = _mixed_embedding_dtype(model)
+    if mixed:
+        return mixed
     per_row = per_row_arguments(model)
     if per_row:
         return f"PEFT's {' and '.join(per_row)} split each layer's input by batch row"
@@ -88,6 +93,9 @@ def model_problem(model) -> str | None:
     if quantized:
         return (f"the model's weights ({', '.join(quantized)}) quantize the activations they meet (torchao), which "
                 "turns the rounding differences between the engine's calls and plain decoding's into other tokens")
+    mixed = _mixed_embedding_dtype(model)
+    if mixed:
+        return mixed
     per_row = per_row_arguments(model)
     if per_row:
         return (f"PEFT's {' and '.join(per_row)} (per batch row) reach the layers through hooks that split their "
@@ -101,6 +109,18 @@ def model_problem(model) -> str | None:
                 "decoding calls its stages (embed, core, head) instead (hooks on the layers and the head run in "
                 "both)")
     return None
+
+
+def _mixed_embedding_dtype(model) -> str | None:
+    """Why a model whose input embedding has another floating dtype than all its other weights cannot be decoded
+    by the engine (it keeps its lanes in the embedding's dtype, `lane_dtype`), or None."""
+    embedding = model.get_input_embeddings().weight
+    others = {p.dtype for p in model.parameters() if p.is_floating_point() and p is not embedding}
+    if not embedding.is_floating_point() or not others or embedding.dtype in others:
+        return None
+    return (f"the input embedding is {str(embedding.dtype).removeprefix('torch.')} and the other weights "
+            f"{', '.join(sorted(str(d).removeprefix('torch.') for d in others))}: the engine keeps its lanes in the "
+            "embedding's dtype (cast the whole model, e.g. model.to(torch.bfloat16), to decode it speculatively)")
 
 
 def per_row_arguments(model) -> list[str]:
