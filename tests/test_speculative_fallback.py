@@ -274,6 +274,9 @@ def test_a_model_offloaded_by_accelerate_decodes_in_every_mode(family):
         cache = run(model, ids[:1, -3:], mask[:1, -3:], speculative_mode=None, **settings).past_key_values
         out = run(model, turn, torch.ones_like(turn), speculative_mode=mode, cache=cache, **settings)
         assert torch.equal(out.sequences, continued), mode
+    for mode in ("pipeline", "block"):  # compiled: refused by name (dynamo raised on accelerate's hooks)
+        with pytest.raises(ValueError, match="compile_core with a model offloaded by accelerate .* drop compile_core"):
+            run(model, ids, mask, speculative_mode=mode, compile_core="eager", **settings)
 
 
 def layer_inputs(model, **kwargs) -> tuple[list, list]:

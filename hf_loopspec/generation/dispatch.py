@@ -88,6 +88,10 @@ def unsupported(model, request: SpeculativeRequest) -> list[str]:
     if compiled and (host := compile_problem(request.logits_processor, ids.shape[1], request.draft_hook,
                                              request.second_draft_hook)):
         problems.append(host)
+    if compiled and any(p.device.type == "meta" for p in model.parameters()):
+        problems.append("compile_core with a model offloaded by accelerate (weights on the meta device, moved in by "
+                        "hooks at each call, which torch.compile cannot trace); load the model onto one device to "
+                        "compile, or drop compile_core")
     return problems
 
 
