@@ -65,8 +65,7 @@ time, a run would take
     T_hat(mode) = sum_i t(R_i) + sum_j h(M_j) + sum_k e(E_k)   (interpolated piecewise-linearly between points)
 
 For `ar` with N new tokens that is U prefill calls, (N-1)*U calls of B rows, N head calls of B rows (Ouro) and
-the embedding of the prompt and of N-1 tokens (the baseline whether or not `ar` runs; the engine's own `ar` runs
-more calls, the head and the embedding every cycle, so its row's ideal is below 1):
+the embedding of the prompt and of N-1 tokens:
 
     T_hat(ar) = U*t_pre + (N-1)*U*t(B) + N*h(B) + e_pre + (N-1)*e(B)
 

@@ -159,10 +159,9 @@ def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:
     with torch.inference_mode():
         runs, warmup_seconds, cost_rounds, reference, reference_logits = _measure(bench, model_name, device)
     costs = median_costs(cost_rounds)
-    # T_hat(ar) of the formula (`costs.ar_call_rows`), whether or not `ar` ran: the engine's own `ar` runs more calls
-    # (the head and the embedding every cycle), and one baseline serves every --modes
-    ar_predicted = predicted_seconds(costs, ar_call_rows(loops, args.batch_size, args.prompt_len, args.new_tokens,
-                                                         model.kv_layout.first_exit_plane is not None))
+    ar_rows = runs["ar"][0]["call_rows"] if "ar" in runs else ar_call_rows(
+        loops, args.batch_size, args.prompt_len, args.new_tokens, model.kv_layout.first_exit_plane is not None)
+    ar_predicted = predicted_seconds(costs, ar_rows)
     seconds = {mode: statistics.median(x["seconds"] for x in rs) for mode, rs in runs.items()}
     exact_dtype = DTYPES[args.dtype] == torch.float32
     rows = []
