@@ -176,10 +176,11 @@ def test_the_next_export_removes_what_one_killed_while_moving_left(sources, tmp_
     replaced and a hidden `.OUT.*.old` folder; the next export to OUT removes that folder (it stayed for good) and
     writes a whole set, and leaves the hidden folders of other OUTs alone (those of `OUT.b`, `OUT[1]`, or a name
     that shares its first 200 characters: they are another export's, maybe still running). A name of 250 characters
-    works too (the hidden folders' names are cut to fit, with a digest of the whole name)."""
-    long, other = "n" * 250, "n" * 200 + "m" * 50
+    works too, and one of 120 two-byte characters (the hidden folders' names are cut to fit in bytes, with a digest of
+    the whole name)."""
+    long, other, wide = "n" * 250, "n" * 200 + "m" * 50, "\u00e9" * 120  # (the last: 240 bytes in UTF-8)
     others = [tmp_path / name for name in (".OUT.b.0123abcd.old", ".OUT[1].0123abcd.partial")]
-    for name in ("OUT", long):
+    for name in ("OUT", long, wide):
         out = tmp_path / name
         run_export(sources["a"], out)
         old = staging._unique(out, "old")
@@ -192,7 +193,7 @@ def test_the_next_export_removes_what_one_killed_while_moving_left(sources, tmp_
         assert not old.exists() and (out / "config.json").is_file()
         assert all(folder.is_dir() for folder in others)
         assert_weights_of(out, sources["b"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["OUT", long, *(p.name for p in others)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["OUT", long, wide, *(p.name for p in others)])
 
 
 def with_foreign_tokenizer_code(src, folder, *, class_known: bool):

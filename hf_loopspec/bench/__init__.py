@@ -69,7 +69,10 @@ the embedding of the prompt and of N-1 tokens:
 
     T_hat(ar) = U*t_pre + (N-1)*U*t(B) + N*h(B) + e_pre + (N-1)*e(B)
 
-and the reported limit is
+That formula is the baseline when `ar` is not in `--modes`. When it is, T_hat(ar) is the `ar` run's own calls, so
+that its row's ideal is 1 and `fraction_of_ideal` divides two speed-ups over the same run; the engine's `ar` runs
+the head and the embedding every cycle, more calls than the formula counts, so one run's ideal differs with and
+without `ar` in `--modes` (most where the head is costly: Huginn's coda). The reported limit is
 
     ideal_speedup_vs_ar = T_hat(ar) / T_hat(mode)
     fraction_of_ideal   = speedup_vs_ar / ideal_speedup_vs_ar      (speedup_vs_ar = T(ar) / T(mode), measured)

@@ -29,8 +29,10 @@ NOTES = {
                             "sequence: core_calls * batch / committed tokens (out.speculation."
                             "core_calls_per_token); plain: U by construction",
     "ideal_speedup_vs_ar": "T_hat(ar) / T_hat(mode), T_hat = sum of the measured costs of the run's core "
-                           "and head calls by row count (see hf_loopspec.bench.costs); none (with %ideal and "
-                           "overhead) for an auto run with plain segments, which run transformers' own loop",
+                           "and head calls by row count (see hf_loopspec.bench.costs); T_hat(ar): the ar run's "
+                           "calls when --modes has ar, else the formula of hf_loopspec.bench (fewer head and embed "
+                           "calls than the engine's ar runs); none (with %ideal and overhead) for an auto run with "
+                           "plain segments, which run transformers' own loop",
     "overhead_fraction": "1 - T_hat(mode) / the run's measured time: the share of time outside embed, core and head "
                          "calls; with --compile, none for compiled rows (T_hat comes from eager call costs, which "
                          "cannot split a compiled run's time; ideal stays the eager cost model's ratio)",
@@ -41,7 +43,8 @@ NOTES = {
               "acceptance_rate_all / core_calls_per_token_all list every round's (they differ when sampling, and "
               "for auto when its choices differ between calls)",
 }
-GREEDY_CHECK_NOTE = ("fp32: every output of every run equals plain greedy (check_passed); other dtypes: "
+GREEDY_CHECK_NOTE = ("fp32: every output of every timed run (not the warm-up's) equals plain greedy (check_passed); "
+                     "other dtypes: "
                      "agreement_rate = mean common-prefix fraction with plain greedy (worst run)")
 CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim", "total_ut_steps", "n_layers_in_prelude",

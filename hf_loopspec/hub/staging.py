@@ -17,7 +17,7 @@ removed again, and `out` is exactly as it was. A process killed mid-write leaves
 writes, and on `out` while it moves entries, so a `.partial` folder whose lock can be taken, or a `.old` folder
 while `out`'s can, has no live writer (one still being written, by a concurrent export, is left alone). Where
 `fcntl` is missing (Windows) stale folders are left in place. (`OUT` in these names is `out`'s name, or for a name
-of over 200 characters its start and a digest of it: the names stay within a file system's 255, `_prefix`.)
+of over 200 bytes its start and a digest of it: the names stay within a file system's 255, `_prefix`.)
 """
 
 from __future__ import annotations
@@ -148,9 +148,12 @@ def check_writable(out: Path) -> None:
 
 def _prefix(out: Path) -> str:
     """The start of the names of `out`'s staged and previous-entry folders (module docstring): `.OUT.`, a name of
-    over 200 characters cut to 180 and a digest of the whole (names that share their start stay apart)."""
-    name = out.name if len(out.name) <= 200 else f"{out.name[:180]}~{hashlib.sha1(out.name.encode()).hexdigest()[:16]}"
-    return f".{name}."
+    over 200 bytes (file systems count bytes) cut to at most 180 and a digest of the whole (names that share their
+    start stay apart)."""
+    name = os.fsencode(out.name)
+    if len(name) > 200:
+        name = name[:180].decode("utf-8", "ignore").encode() + b"~" + hashlib.sha1(name).hexdigest()[:16].encode()
+    return f".{os.fsdecode(name)}."
 
 
 def _unique(out: Path, suffix: str) -> Path:
