@@ -143,13 +143,13 @@ def test_the_next_export_removes_the_staged_folder_of_a_killed_one(tmp_path):
     stale = tmp_path / ".OUT.0badc0de.partial"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"half")
-    live = tmp_path / ".OUT.0000live.partial"
+    live = tmp_path / ".OUT.0000beef.partial"
     live.mkdir()
     fd = os.open(live, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # as a concurrent export holds its staged folder
         export.export_checkpoint(src, out, benchmarks=None)
-        assert sorted(p.name for p in tmp_path.iterdir()) == [".OUT.0000live.partial", "OUT", "src"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".OUT.0000beef.partial", "OUT", "src"]
     finally:
         os.close(fd)
     export.export_checkpoint(src, out, benchmarks=None, overwrite=True)
