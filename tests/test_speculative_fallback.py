@@ -176,6 +176,9 @@ def test_an_embedding_of_another_dtype_than_the_model_decodes_plainly(family):
         if mode != "auto":
             assert "the input embedding is float16 and the other weights float32" in out.speculation.fallback
             assert "model.to(torch.bfloat16)" in out.speculation.fallback
+    with pytest.raises(ValueError, match="input embedding is float16, not the dtype of its other weights, and a "
+                                         "PagedLoopCache keeps the KV in the embedding's dtype; pass a DynamicCache"):
+        run(model, ids, mask, speculative_mode=None, cache=PagedLoopCache(model.kv_layout), **settings)
 
 
 class Int8Weight(torch.Tensor):

@@ -270,8 +270,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         speculative, paged = self._speculative(generation_config) is not None, isinstance(user_cache, PagedLoopCache)
         dense = dense_cache_reason(self) if speculative or paged else None  # (such a model falls back to plain)
         if dense and paged:
-            raise ValueError(f"cache: {dense}, and a PagedLoopCache lays the rows out flat, without padding; pass a "
-                             "DynamicCache or no cache.")
+            raise ValueError(f"cache: {dense}; pass a DynamicCache or no cache.")
         if speculative and not dense:
             if user_cache is None and generation_config.cache_implementation is not None:
                 logger.warning_once("hf_loopspec: cache_implementation=%r does not apply to speculative decoding, "

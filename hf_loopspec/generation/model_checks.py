@@ -54,21 +54,24 @@ def model_fallback(model) -> str | None:
 
 
 def dense_cache_reason(model) -> str | None:
-    """Why `model` must be called on `[batch, length, ...]` inputs, padding included, as plain decoding with a
-    `DynamicCache` calls it (a `PagedLoopCache` lays the rows out flat, without padding), or None: PEFT's per-row
-    arguments split each layer's input by batch row, a dynamically quantized layer takes one activation scale over
-    all the rows and positions of its call, and activation-quantized weights (torchao) round the last-bit
-    differences of other call shapes into other tokens."""
-    mixed = _mixed_embedding_dtype(model)
-    if mixed:
-        return mixed
+    """Why `model` must decode on a `DynamicCache`, as plain decoding does, not on a `PagedLoopCache`, or None. Its
+    calls must take `[batch, length, ...]` inputs, padding included (a `PagedLoopCache` lays the rows out flat,
+    without padding), when PEFT's per-row arguments split each layer's input by batch row, a dynamically quantized
+    layer takes one activation scale over all the rows and positions of its call, or activation-quantized weights
+    (torchao) round the last-bit differences of other call shapes into other tokens; and its KV must keep the
+    layers' dtype when its input embedding has another (a `PagedLoopCache` keeps the embedding's, `lane_dtype`)."""
+    flat = ", and a PagedLoopCache lays the rows out flat, without padding"
     per_row = per_row_arguments(model)
     if per_row:
-        return f"PEFT's {' and '.join(per_row)} split each layer's input by batch row"
+        return f"PEFT's {' and '.join(per_row)} split each layer's input by batch row{flat}"
     if _dynamic_quantized(model):
-        return "the model's dynamically quantized layers take one activation scale over all the rows of a call"
+        return f"the model's dynamically quantized layers take one activation scale over all the rows of a call{flat}"
     if _activation_quantized(model):
-        return "the model's weights quantize their inputs, which turns other call shapes into other tokens"
+        return f"the model's weights quantize their inputs, which turns other call shapes into other tokens{flat}"
+    embedding = model.get_input_embeddings().weight
+    if _mixed_embedding_dtype(model):
+        return (f"the model's input embedding is {str(embedding.dtype).removeprefix('torch.')}, not the dtype of its "
+                "other weights, and a PagedLoopCache keeps the KV in the embedding's dtype")
     return None
 
 
