@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -231,6 +232,21 @@ def test_processes_sharing_the_folder_keep_each_others_acceptance(case, monkeypa
     assert auto_policy.remembered(model, "second") == seen
     monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())  # a later process reads the file
     assert [auto_policy.remembered(model, k) == seen for k in ("first", "second", "third")] == [True] * 3
+
+
+def test_a_stored_table_has_the_mode_the_umask_gives(tmp_path, monkeypatch):
+    """A table is readable by whoever the umask lets read new files, as the lock file beside it: other users sharing
+    the folder keep its entries (it was 0600 whatever the umask, from mkstemp, and their reads failed as if it were
+    missing, so they measured again and replaced it)."""
+    monkeypatch.setenv(auto_cache.CACHE_ENV, str(tmp_path))
+    key = {"format": auto_cache.FORMAT, "test": "mode"}
+    before = os.umask(0o022)
+    try:
+        auto_cache.store(key, {"entries": []})
+    finally:
+        os.umask(before)
+    assert auto_cache._path(key).stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in auto_cache._path(key).parent.iterdir()] == [auto_cache._path(key).name]  # no temporary
 
 
 def test_an_update_waits_for_another_holder_of_the_files_lock(tmp_path, monkeypatch):

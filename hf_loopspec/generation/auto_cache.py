@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
+import secrets
 import weakref
 from pathlib import Path
 
@@ -136,12 +136,15 @@ def load(key: dict, kind: str = "costs") -> dict | None:
 
 
 def store(key: dict, table: dict, kind: str = "costs") -> None:
-    """Write `table` (JSON-serialisable) under `key`, atomically; a folder that cannot be written is skipped, with a
-    warning once per folder (and `unwritable()` then says so)."""
+    """Write `table` (JSON-serialisable) under `key`, atomically, with the mode the umask gives a new file (so that
+    other users sharing the folder read it); a folder that cannot be written is skipped, with a warning once per
+    folder (and `unwritable()` then says so)."""
     path = _path(key, kind)
+    temporary = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        # the umask's mode, as the lock files beside it (mkstemp's 0600 kept other users sharing the folder out)
+        handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as error:
         _skipped(path.parent, error)
         return
