@@ -15,6 +15,7 @@ MODES = ("plain", "ar", "block", "pipeline")  # the default set
 AUTO = "auto"  # speculative_mode="auto" through generate (not in the default set)
 PLAIN_MODES = ("plain", "static")  # transformers' own loop: DynamicCache, or cache_implementation="static"
 LANE_MODES = ("ar", "block", "pipeline")
+DRAFTING = ("block", "pipeline")  # the modes that need at least 2 new tokens (nothing to draft otherwise)
 ENGINES = ("wavefront", "reference")  # what runs a lane mode: the engine, or the lane decoder as a measured baseline
 DESCRIPTION = "plain vs AR vs block vs pipeline decoding in one process, with the limit it is judged by."
 

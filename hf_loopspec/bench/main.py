@@ -15,7 +15,7 @@ import torch
 from ..generation.config import compile_backend, resolve_speculative
 from ..input_checks import check_positions
 from ..loading import DTYPES, load_model, resolve_device
-from .args import AUTO, LANE_MODES, check_sampling_args, check_unused_options, with_defaults
+from .args import AUTO, DRAFTING, LANE_MODES, check_sampling_args, check_unused_options, with_defaults
 from .costs import ar_call_rows, call_grids, measure_call_costs, median_costs, predicted_seconds
 from .plot import plot, pyplot
 from .prompts import PROMPT_CODE, PROMPT_TEXT, make_prompts
@@ -29,8 +29,6 @@ from .report import (
     write_result,
 )
 from .run import bench_generation_config, compare, generation_processors, run_mode, sampling_settings, synthetic_hook
-
-DRAFTING = ("block", "pipeline")  # the modes that need at least 2 new tokens (nothing to draft otherwise)
 
 
 @dataclass

@@ -68,10 +68,9 @@ def dense_cache_reason(model) -> str | None:
         return f"the model's dynamically quantized layers take one activation scale over all the rows of a call{flat}"
     if _activation_quantized(model):
         return f"the model's weights quantize their inputs, which turns other call shapes into other tokens{flat}"
-    embedding = model.get_input_embeddings().weight
-    if _mixed_embedding_dtype(model):
-        return (f"the model's input embedding is {str(embedding.dtype).removeprefix('torch.')}, not the dtype of its "
-                "other weights, and a PagedLoopCache keeps the KV in the embedding's dtype")
+    if mixed := _mixed_dtypes(model):
+        return (f"the model's input embedding is {mixed[0]}, not the dtype of its other weights, and a PagedLoopCache "
+                "keeps the KV in the embedding's dtype")
     return None
 
 
@@ -96,9 +95,10 @@ def model_problem(model) -> str | None:
     if quantized:
         return (f"the model's weights ({', '.join(quantized)}) quantize the activations they meet (torchao), which "
                 "turns the rounding differences between the engine's calls and plain decoding's into other tokens")
-    mixed = _mixed_embedding_dtype(model)
-    if mixed:
-        return mixed
+    if mixed := _mixed_dtypes(model):
+        return (f"the input embedding is {mixed[0]} and the other weights {', '.join(mixed[1])}: the engine keeps its "
+                "lanes in the embedding's dtype (cast the whole model, e.g. model.to(torch.bfloat16), to decode it "
+                "speculatively)")
     per_row = per_row_arguments(model)
     if per_row:
         return (f"PEFT's {' and '.join(per_row)} (per batch row) reach the layers through hooks that split their "
@@ -114,16 +114,15 @@ def model_problem(model) -> str | None:
     return None
 
 
-def _mixed_embedding_dtype(model) -> str | None:
-    """Why a model whose input embedding has another floating dtype than all its other weights cannot be decoded
-    by the engine (it keeps its lanes in the embedding's dtype, `lane_dtype`), or None."""
+def _mixed_dtypes(model) -> tuple[str, list[str]] | None:
+    """(the input embedding's dtype, the other weights' dtypes) as names, when the embedding's floating dtype is none
+    of the others' (the engine keeps its lanes in the embedding's, `lane_dtype`), else None."""
     embedding = model.get_input_embeddings().weight
     others = {p.dtype for p in model.parameters() if p.is_floating_point() and p is not embedding}
     if not embedding.is_floating_point() or not others or embedding.dtype in others:
         return None
-    return (f"the input embedding is {str(embedding.dtype).removeprefix('torch.')} and the other weights "
-            f"{', '.join(sorted(str(d).removeprefix('torch.') for d in others))}: the engine keeps its lanes in the "
-            "embedding's dtype (cast the whole model, e.g. model.to(torch.bfloat16), to decode it speculatively)")
+    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+    return name(embedding.dtype), sorted(map(name, others))
 
 
 def per_row_arguments(model) -> list[str]:
