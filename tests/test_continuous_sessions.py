@@ -220,3 +220,17 @@ def test_the_loop_thread_decodes_under_the_callers_autocast(model):
             model.generate_batch(inputs, max_new_tokens=3, **_kept(model))
     finally:
         handle.remove()
+
+
+def test_a_destroyed_manager_is_not_started_again(model):
+    """`destroy()` says the manager cannot be restarted: `start` on it rebuilt its slots and ran a new loop, and a
+    kept manager destroyed by its own `destroy()` stayed on the model, so the next block took the destroyed one."""
+    model.generate_batch(prompts(2, [4]), **_kept(model))
+    manager = model.init_continuous_batching(generation_config(PIPELINE), batching())
+    manager.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        manager.start()
+    assert not manager.is_running()
+    assert getattr(model, "_cached_continuous_batching_manager", None) is None
+    out = model.generate_batch(prompts(3, [5]), **_kept(model))  # a new manager, built and kept
+    assert [r.generated_tokens for r in out.values()] == [alone(model, prompts(3, [5])[0], 8)]

@@ -111,9 +111,14 @@ class LoopBatchingManager:
 
     def start(self) -> None:
         """Start the background generation thread. A loop asked to stop (`stop(block=False)`) is waited for first,
-        outside the lock (so that a pause holder's `stop` still gets through): one loop at a time runs on the slots."""
+        outside the lock (so that a pause holder's `stop` still gets through): one loop at a time runs on the slots.
+        A destroyed manager raises (`destroy`)."""
         while True:
             with self._control:
+                if self.destroyed:
+                    raise RuntimeError("start: this continuous batching manager was destroyed, and a destroyed "
+                                       "manager cannot be restarted; call model.init_continuous_batching() (or "
+                                       "generate_batch) for a new one.")
                 thread = self._generation_thread
                 if thread is None or not thread.is_alive():
                     self.background_thread_status.clear()
@@ -191,8 +196,11 @@ class LoopBatchingManager:
                 self._join(thread, timeout)  # (a loop this thread holds paused ends once the pause is left)
 
     def destroy(self) -> None:
-        """Stop the thread if it runs; the manager cannot be restarted after this."""
+        """Stop the thread if it runs; the manager cannot be restarted after this (`start` raises), and a model that
+        kept it for its next session forgets it."""
         self.destroyed = True
+        if self.model.__dict__.get("_cached_continuous_batching_manager") is self:
+            del self.model.__dict__["_cached_continuous_batching_manager"]
         if self.is_running():
             self.stop(block=True)
         self.batch_processor = None
