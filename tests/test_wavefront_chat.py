@@ -189,6 +189,22 @@ def test_inputs_that_do_not_continue_the_cache_raise_the_lane_decoders_error(cha
     assert errors["wavefront"] == errors["lanes"]
 
 
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("mode", [None, "pipeline", "auto"])
+def test_only_the_new_ids_after_a_plain_turn_name_the_whole_sequence(chat, mode, masked):
+    """Turn 2 passes only its new ids with the `DynamicCache` of a plain turn 1 (a common mistake): the same
+    `ValueError` as after a speculative turn, in every mode. It was an error naming `position_ids` (not passed) or
+    a mask row without a real token, whose suggested fix was wrong."""
+    model, ids, mask, _, turns = chat
+    first = plain(model, ids[:1, -PROMPTS[0]:], None, NEW)  # row 0: no padding
+    new = torch.as_tensor(turns[0][0])[None]  # [1, 3]
+    masks = {"attention_mask": torch.ones_like(new)} if masked else {}
+    consumed = first.sequences.shape[1] - 1  # every token but the last output
+    with pytest.raises(ValueError, match=f"DynamicCache has already consumed {consumed}: pass the whole sequence"):
+        model.generate(new, max_new_tokens=3, do_sample=False, pad_token_id=0, cache=first.cache,
+                       speculative_mode=mode, **masks)
+
+
 def test_a_debug_cache_is_refused_naming_the_reference_decoder(chat):
     """`PagedLoopCache(debug=True)`'s lineage checks are a debugging aid of the reference decoder: the engine refuses
     it, naming the setting and `decode_with_lanes`; "auto" runs the reference for it (and says so)."""

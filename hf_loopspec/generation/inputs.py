@@ -72,9 +72,10 @@ def check_inputs(input_ids, attention_mask, cache, vocab_size: int | None = None
     if vocab_size is not None:
         check_token_ids(input_ids, vocab_size)
     past = int(cache.get_seq_length()) if isinstance(cache, Cache) else 0
-    if isinstance(cache, PagedLoopCache) and past >= input_ids.shape[1]:
-        raise ValueError(f"input_ids has {input_ids.shape[1]} columns, but the PagedLoopCache has already consumed "
-                         f"{past}: pass the whole sequence (the ids that filled the cache, then the new tokens).")
+    if past and past >= input_ids.shape[1]:
+        raise ValueError(f"input_ids has {input_ids.shape[1]} columns, but the {type(cache).__name__} has already "
+                         f"consumed {past}: pass the whole sequence (the ids that filled the cache, then the new "
+                         "tokens).")
     if attention_mask is None:
         return
     if not torch.is_tensor(attention_mask) or attention_mask.shape != input_ids.shape:
