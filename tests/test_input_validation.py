@@ -296,3 +296,27 @@ def test_a_speculative_key_passed_with_speculative_mode_none_still_conflicts(spe
     with pytest.raises(ValueError, match=rf"{key}={SAVED_KEYS[key]!r}"), torch.no_grad():
         speculative_checkpoint.generate(ids, attention_mask=mask, max_new_tokens=4, speculative_mode=None,
                                         **{key: SAVED_KEYS[key]})
+
+
+def test_a_passed_config_naming_a_mode_decodes_plainly_under_speculative_mode_none(speculative_checkpoint, model,
+                                                                                  inputs):
+    """The checkpoint's own config passed as `generation_config=` (`GenerationConfig.from_pretrained`, or a copy of
+    `model.generation_config`), with `speculative_mode=None`: its speculative keys go with the mode it names, as the
+    model's own do. Its `second_draft_loops` was taken as passed by the call and raised "set that too" (the config
+    set it), while its `draft_loops` was ignored."""
+    ids, mask = inputs
+    config = GenerationConfig(pad_token_id=PAD, do_sample=False, max_new_tokens=6, **SAVED_KEYS)
+    with torch.no_grad():
+        out = speculative_checkpoint.generate(ids, attention_mask=mask, generation_config=config,
+                                              speculative_mode=None, return_dict_in_generate=True)
+    assert getattr(out, "speculation", None) is None
+    assert out.sequences.tolist() == plain(model, ids, mask, 6).sequences.tolist()
+
+
+def test_a_passed_config_without_a_mode_still_conflicts_with_plain_decoding(model, inputs):
+    """A config that sets `second_draft_loops` but no mode, on a model without one: the key is that config's own."""
+    ids, mask = inputs
+    config = GenerationConfig(pad_token_id=PAD, do_sample=False, max_new_tokens=4, second_draft_loops=3)
+    with pytest.raises(ValueError, match="second_draft_loops=3 is a setting of speculative_mode='pipeline'"), \
+            torch.no_grad():
+        model.generate(ids, attention_mask=mask, generation_config=config)
