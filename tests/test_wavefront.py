@@ -477,7 +477,8 @@ def test_memory_check_counts_the_reserved_positions(monkeypatch):
     eager = speculative(model, ids, mask, new, "pipeline", 1, 1, speculative_engine="wavefront")
     assert eager.speculation.engine == "wavefront"
     for engine in ("wavefront", "auto"):
-        with pytest.raises(ValueError, match=re.escape(f"max_length={max_length} (KV pages for 64 positions")):
+        refusal = f"max_length={max_length} (the prompt's columns plus max_new_tokens; KV pages for 64 positions"
+        with pytest.raises(ValueError, match=re.escape(refusal) + ".*: lower max_new_tokens"):
             speculative(model, ids, mask, new, "pipeline", 1, 1, speculative_engine=engine, compile_core="eager")
     torch.testing.assert_close(eager.sequences, ref.sequences, atol=0, rtol=0)
 

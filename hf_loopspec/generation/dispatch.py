@@ -69,8 +69,8 @@ def run_speculative(model, request: SpeculativeRequest) -> DecodeResult:
         return LaneDecoder.from_request(model, request).run()
     problems = unsupported(model, request)
     if problems:
-        raise ValueError(f"speculative decoding (the wavefront engine) does not support {'; '.join(problems)}. Drop "
-                         f"{'it' if len(problems) == 1 else 'them'}, or decode plainly (speculative_mode=None).")
+        raise ValueError(f"speculative decoding (the wavefront engine) does not support {'; '.join(problems)}. "
+                         "Else decode plainly (speculative_mode=None).")
     return WavefrontEngine.from_request(model, request).run()
 
 
@@ -82,9 +82,10 @@ def unsupported(model, request: SpeculativeRequest) -> list[str]:
     positions = reserved_positions(max_length, compiled)
     reserved = len(ids) * cache.num_planes * positions * cache.bytes_per_token_per_depth(model.lane_dtype)
     if reserved > free_memory(ids.device) / 2:
-        problems.append(f"max_length={max_length} (KV pages for {positions} positions of {len(ids)} sequences in "
-                        f"{cache.num_planes} planes, reserved up front, need {reserved / 2**30:.1f} GiB: more than "
-                        "half the free memory)")
+        problems.append(f"max_length={max_length} (the prompt's columns plus max_new_tokens; KV pages for "
+                        f"{positions} positions of {len(ids)} sequences in {cache.num_planes} planes, reserved up "
+                        f"front, need {reserved / 2**30:.1f} GiB: more than half the free memory): lower "
+                        "max_new_tokens (or max_length)")
     if compiled and (host := compile_problem(request.logits_processor, ids.shape[1], request.draft_hook,
                                              request.second_draft_hook)):
         problems.append(host)
