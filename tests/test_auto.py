@@ -234,6 +234,24 @@ def test_processes_sharing_the_folder_keep_each_others_acceptance(case, monkeypa
     assert [auto_policy.remembered(model, k) == seen for k in ("first", "second", "third")] == [True] * 3
 
 
+def test_a_model_cast_to_another_dtype_reads_and_stores_that_dtypes_acceptance(monkeypatch, tmp_path):
+    """The acceptance is kept per model and dtype (the stored key has the dtype): after `model.to(dtype)` the same
+    object used the acceptance it had seen in the old dtype, with no probe, and stored it under the new dtype's key,
+    over what that dtype had observed."""
+    monkeypatch.setenv(auto_cache.CACHE_ENV, str(tmp_path))
+    model = tiny_spec_model(8, vocab=VOCAB)
+    seen_fp32, seen_fp64 = auto_policy.Acceptance({1: 3.0}, {1: 8.0}), auto_policy.Acceptance({1: 7.0}, {1: 8.0})
+    auto_policy.remember(model, seen_fp32, "s")
+    model.to(torch.float64)
+    assert auto_policy.remembered(model, "s") == auto_policy.Acceptance()  # nothing seen in fp64 yet
+    auto_policy.remember(model, seen_fp64, "s")
+    model.to(torch.float32)
+    assert auto_policy.remembered(model, "s") == seen_fp32
+    monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())  # a later process reads both files
+    assert auto_policy.remembered(model, "s") == seen_fp32
+    assert auto_policy.remembered(model.to(torch.float64), "s") == seen_fp64
+
+
 def test_a_stored_table_has_the_mode_the_umask_gives(tmp_path, monkeypatch):
     """A table is readable by whoever the umask lets read new files, as the lock file beside it: other users sharing
     the folder keep its entries (it was 0600 whatever the umask, from mkstemp, and their reads failed as if it were

@@ -123,18 +123,21 @@ class AutoStats(SpeculationStats):
                 "choices": [asdict(c) for c in self.choices]}
 
 
-_MEMORY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {settings: Acceptance} of earlier calls
+_MEMORY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its acceptance key, {settings:
+# Acceptance} of earlier calls under that key)
 _POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> AutoPolicy
 _LOCK = threading.Lock()  # guards `_MEMORY`'s dicts: threads decoding one model read and update them
 KEPT_SETTINGS = 32  # decoding settings whose acceptance is kept per model (a sweep of settings keeps the file small)
 
 
-def _observed(model) -> dict[str, Acceptance]:
-    """What earlier calls observed on `model`, by their settings: this process's, else an earlier process's stored
-    on disk (`auto_cache.acceptance_key`: one file per model, one entry per settings), else nothing."""
-    if model not in _MEMORY:  # (called with `_LOCK` held)
-        _MEMORY[model] = _decoded(auto_cache.load(auto_cache.acceptance_key(model), "acceptance"))
-    return _MEMORY[model]
+def _observed(model, key: dict) -> dict[str, Acceptance]:
+    """What earlier calls observed on `model` under its acceptance `key` (`auto_cache.acceptance_key`: one file per
+    model, one entry per settings), by their settings: this process's, else an earlier process's stored on disk,
+    else nothing. A model whose key changed since (`model.to(dtype)`, an edited config) reads its new key's."""
+    kept = _MEMORY.get(model)  # (called with `_LOCK` held)
+    if kept is None or kept[0] != key:
+        kept = _MEMORY[model] = (key, _decoded(auto_cache.load(key, "acceptance")))
+    return kept[1]
 
 
 def _decoded(stored) -> dict[str, Acceptance]:
@@ -146,8 +149,9 @@ def _decoded(stored) -> dict[str, Acceptance]:
 def remembered(model, settings: str) -> Acceptance:
     """The acceptance earlier auto calls with the same `settings` (the decoding settings that change how often drafts
     are accepted: `auto.acceptance_settings`) observed on `model` (a copy), or an empty one."""
+    key = auto_cache.acceptance_key(model)
     with _LOCK:
-        return _observed(model).get(settings, Acceptance()).copy()
+        return _observed(model, key).get(settings, Acceptance()).copy()
 
 
 def remember(model, acceptance: Acceptance, settings: str) -> None:
@@ -155,8 +159,10 @@ def remember(model, acceptance: Acceptance, settings: str) -> None:
     (the `KEPT_SETTINGS` most recently used settings). The file is read again and changed under its lock
     (`auto_cache.update`): the entries other processes stored since this one read it stay, and this process sees
     them; for a settings this process holds, its own entry replaces the stored one."""
+    key = auto_cache.acceptance_key(model)
+
     def changed(stored) -> dict:
-        observed = _observed(model)
+        observed = _observed(model, key)
         observed.update((k, v) for k, v in _decoded(stored).items() if k not in observed)  # other processes'
         observed.pop(settings, None)
         observed[settings] = acceptance.copy()  # dicts keep insertion order: the oldest settings come first
@@ -165,7 +171,7 @@ def remember(model, acceptance: Acceptance, settings: str) -> None:
         return {"by_settings": {k: v.encode() for k, v in observed.items()}}
 
     with _LOCK:  # (a `forget` waits for the store)
-        auto_cache.update(auto_cache.acceptance_key(model), changed, "acceptance")
+        auto_cache.update(key, changed, "acceptance")
 
 
 def forget(model) -> None:
