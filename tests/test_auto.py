@@ -333,7 +333,7 @@ def test_threads_remembering_acceptance_on_one_model(case, monkeypatch):
             list(pool.map(work, range(6)))  # re-raises a thread's exception
     finally:
         sys.setswitchinterval(interval)
-    assert len(auto_policy._observed(model)) == 8
+    assert len(auto_policy._observed(model, auto_cache.acceptance_key(model))) == 8
 
 
 def test_forget_during_a_remember_leaves_nothing_stored(case, monkeypatch):
