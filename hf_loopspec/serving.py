@@ -387,8 +387,10 @@ def start(argv: list[str]):
     params, options = parse(argv)
     check_address(params["host"], params["port"])
     if not is_serve_available():
+        from .hub.install import install_command
+
         raise ValueError("serving needs fastapi, uvicorn and openai, which are not installed; install them with "
-                         "pip install 'hf-loopspec[serve]'.")
+                         f"{install_command('serve')}.")
     from transformers.cli.serve import Serve
 
     torch.set_num_threads(options.threads)

@@ -235,7 +235,8 @@ Measured with
 {measured['command']}
 ```
 
-(`scripts/measure_default_model.py`; the raw numbers, per prompt, are in `measurements.json` next to this card).
+(`scripts/measure_default_model.py`; the raw numbers, per prompt, are in
+`model_cards/hf-loopspec-default/measurements.json` of the hf-loopspec repository).
 
 **Read these numbers with care.** They are measured on the model's own greedy continuations, and text a
 small model writes (including any repetition in it) is easier for the shallow loops to predict than real code:

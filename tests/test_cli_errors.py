@@ -295,3 +295,22 @@ def test_a_reader_that_leaves_early_ends_generate_quietly():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 141 and first, err
     assert "error" not in err and "Traceback" not in err and "attention mask" not in err, err
+
+
+def test_missing_extras_are_named_with_the_repository_install_line(monkeypatch):
+    """hf-loopspec is not on PyPI: the bench's plot and serve told users to `pip install 'hf-loopspec[...]'`, which
+    finds nothing; they give the repository form every other install line uses (`hub.install`)."""
+    from transformers.utils import import_utils
+
+    from hf_loopspec import serving
+    from hf_loopspec.bench import plot
+    from hf_loopspec.hub.install import install_command
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (an import of it raises ImportError)
+    with pytest.raises(ValueError) as error:
+        plot.pyplot()
+    assert install_command("bench") in str(error.value) and "@ git+" in install_command("bench")
+    monkeypatch.setattr(import_utils, "is_serve_available", lambda: False)
+    with pytest.raises(ValueError) as error:
+        serving.start(["--port", "8123"])
+    assert install_command("serve") in str(error.value)

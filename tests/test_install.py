@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -76,3 +77,19 @@ def test_the_public_names_are_listed_by_dir_and_help(name):
     assert set(module.__all__) <= set(dir(module))
     page = pydoc.render_doc(module, renderer=pydoc.plaintext)
     assert all(getattr(module, public) is not None and public in page for public in module.__all__)
+
+
+def test_the_sdist_carries_the_whole_test_suite(tmp_path):
+    """setuptools puts `tests/test*.py` in an sdist on its own, without the helpers they import (`conftest.py`,
+    `inputs.py`, ...): the suite of an unpacked sdist could not even be collected. Every file of tests/ is in."""
+    source = tmp_path / "source"
+    copied = [pattern for pattern in NOT_COPIED if pattern != "tests"]
+    shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(*copied))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    built = run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+                 "print(build_meta.build_sdist(sys.argv[1]))", str(tmp_path / "dist")], source, env)
+    name = built.stdout.strip().splitlines()[-1]
+    with tarfile.open(tmp_path / "dist" / name) as archive:
+        shipped = {Path(*Path(member).parts[1:]).as_posix() for member in archive.getnames()}
+    suite = {path.relative_to(source).as_posix() for path in (source / "tests").rglob("*") if path.is_file()}
+    assert suite and suite <= shipped, sorted(suite - shipped)

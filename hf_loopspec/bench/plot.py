@@ -15,8 +15,9 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'hf-loopspec[bench]' (or pip install matplotlib)."
-                         ) from None
+        from ..hub.install import install_command
+
+        raise ValueError(f"--plot needs matplotlib: {install_command('bench')} (or pip install matplotlib).") from None
     return plt
 
 
