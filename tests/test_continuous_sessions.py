@@ -228,9 +228,12 @@ def test_a_destroyed_manager_is_not_started_again(model):
     model.generate_batch(prompts(2, [4]), **_kept(model))
     manager = model.init_continuous_batching(generation_config(PIPELINE), batching())
     manager.destroy()
-    with pytest.raises(RuntimeError, match="destroyed"):
-        manager.start()
-    assert not manager.is_running()
+    for call in (manager.start, manager.warmup, lambda: manager.session(True, True, None, False).__enter__()):
+        with pytest.raises(RuntimeError, match="destroyed"):
+            call()
+    assert not manager.is_running() and manager.batch_processor is None  # (no slots built again)
     assert getattr(model, "_cached_continuous_batching_manager", None) is None
+    model._cached_continuous_batching_manager = manager  # kept by a `stop` racing the `destroy`: not handed out
+    assert model.init_continuous_batching(generation_config(PIPELINE), batching()) is not manager
     out = model.generate_batch(prompts(3, [5]), **_kept(model))  # a new manager, built and kept
     assert [r.generated_tokens for r in out.values()] == [alone(model, prompts(3, [5])[0], 8)]

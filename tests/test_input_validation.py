@@ -6,6 +6,7 @@ probabilities are not finite). The reference is always plain `generate` on the s
 from __future__ import annotations
 
 import argparse
+import copy
 
 import numpy as np
 import pytest
@@ -305,12 +306,15 @@ def test_a_passed_config_naming_a_mode_decodes_plainly_under_speculative_mode_no
     model's own do. Its `second_draft_loops` was taken as passed by the call and raised "set that too" (the config
     set it), while its `draft_loops` was ignored."""
     ids, mask = inputs
-    config = GenerationConfig(pad_token_id=PAD, do_sample=False, max_new_tokens=6, **SAVED_KEYS)
-    with torch.no_grad():
-        out = speculative_checkpoint.generate(ids, attention_mask=mask, generation_config=config,
-                                              speculative_mode=None, return_dict_in_generate=True)
-    assert getattr(out, "speculation", None) is None
-    assert out.sequences.tolist() == plain(model, ids, mask, 6).sequences.tolist()
+    named = GenerationConfig(pad_token_id=PAD, do_sample=False, max_new_tokens=6, **SAVED_KEYS)
+    cleared = copy.deepcopy(named)
+    cleared.speculative_mode = None  # unset: the model's config fills it (a copy edited for plain decoding)
+    for config in (named, cleared):
+        with torch.no_grad():
+            out = speculative_checkpoint.generate(ids, attention_mask=mask, generation_config=config,
+                                                  speculative_mode=None, return_dict_in_generate=True)
+        assert getattr(out, "speculation", None) is None
+        assert out.sequences.tolist() == plain(model, ids, mask, 6).sequences.tolist()
 
 
 def test_a_passed_config_without_a_mode_still_conflicts_with_plain_decoding(model, inputs):

@@ -465,7 +465,7 @@ def test_unsupported_settings_raise_naming_them(case):
 def test_memory_check_counts_the_reserved_positions(monkeypatch):
     """The KV pages reserved up front must fit in half the free memory, counted over the positions the engine
     reserves: compiled, the bucket of C (`span.reserved_positions`), more than the call's max_length. Past it,
-    generate raises a ValueError naming max_length, whatever `speculative_engine` says."""
+    generate raises a ValueError naming the sequences and their length, whatever `speculative_engine` says."""
     model, ids, mask = _batch(7, (3, 5))
     cache = paged_cache(model, debug=False)
     new = 4
@@ -477,8 +477,8 @@ def test_memory_check_counts_the_reserved_positions(monkeypatch):
     eager = speculative(model, ids, mask, new, "pipeline", 1, 1, speculative_engine="wavefront")
     assert eager.speculation.engine == "wavefront"
     for engine in ("wavefront", "auto"):
-        refusal = f"max_length={max_length} (the prompt's columns plus max_new_tokens; KV pages for 64 positions"
-        with pytest.raises(ValueError, match=re.escape(refusal) + ".*: lower max_new_tokens"):
+        refusal = f"2 sequences of up to {max_length} columns (the prompt and the new tokens; KV pages for 64 positions"
+        with pytest.raises(ValueError, match=re.escape(refusal) + ".*: lower max_new_tokens .*fewer sequences"):
             speculative(model, ids, mask, new, "pipeline", 1, 1, speculative_engine=engine, compile_core="eager")
     torch.testing.assert_close(eager.sequences, ref.sequences, atol=0, rtol=0)
 

@@ -82,10 +82,10 @@ def unsupported(model, request: SpeculativeRequest) -> list[str]:
     positions = reserved_positions(max_length, compiled)
     reserved = len(ids) * cache.num_planes * positions * cache.bytes_per_token_per_depth(model.lane_dtype)
     if reserved > free_memory(ids.device) / 2:
-        problems.append(f"max_length={max_length} (the prompt's columns plus max_new_tokens; KV pages for "
-                        f"{positions} positions of {len(ids)} sequences in {cache.num_planes} planes, reserved up "
-                        f"front, need {reserved / 2**30:.1f} GiB: more than half the free memory): lower "
-                        "max_new_tokens (or max_length)")
+        problems.append(f"{len(ids)} sequences of up to {max_length} columns (the prompt and the new tokens; KV "
+                        f"pages for {positions} positions of each in {cache.num_planes} planes, reserved up front, "
+                        f"need {reserved / 2**30:.1f} GiB: more than half the free memory): lower max_new_tokens (or "
+                        "max_length), or pass fewer sequences per call")
     if compiled and (host := compile_problem(request.logits_processor, ids.shape[1], request.draft_hook,
                                              request.second_draft_hook)):
         problems.append(host)

@@ -139,7 +139,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
 
         check_config_types(generation_config, continuous_batching_config)
         cached = getattr(self, "_cached_continuous_batching_manager", None)
-        if isinstance(cached, LoopBatchingManager):  # (a config compared as the manager holds it: merged)
+        if isinstance(cached, LoopBatchingManager) and not cached.destroyed:  # (configs compared merged)
             compare = generation_config is not None or cached.from_model_config
             resolved = manager_config(self, generation_config) if compare else None
             for name, given, kept in (("generation_config", resolved, cached.generation_config),
@@ -204,22 +204,21 @@ class LoopSpecGenerationMixin(GenerationMixin):
         return call.speculative
 
     def _prepare_generation_config(self, generation_config, **kwargs):
-        """transformers' merge of the call's config and kwargs over the model's, then the speculative kwargs. When
-        the call decodes plainly (`speculative_mode` None), the speculative keys it did not pass itself (the model's
-        own, e.g. a checkpoint's `generation_config.json`, or those of a passed config that names a mode) are dropped:
-        only the call's own keys can conflict. Exit
-        options (`EXIT_OPTIONS`) set in a config reach the model's forward as the arguments do; recurrence settings
-        (`RECURRENCE_OPTIONS`) in a config are refused by a family without them."""
+        """transformers' merge of the call's config and kwargs over the model's, then the speculative kwargs. When the
+        call decodes plainly (`speculative_mode` None), the speculative keys it did not pass itself (the model's own,
+        e.g. a checkpoint's `generation_config.json`, and those of a passed config when it or the model's names a mode)
+        are dropped: only the call's own keys can conflict. Exit options (`EXIT_OPTIONS`) set in a config reach the
+        model's forward as the arguments do; recurrence settings (`RECURRENCE_OPTIONS`) in a config are refused by a
+        family without them."""
         ours = {key: kwargs.pop(key) for key in SPECULATIVE_KEYS if key in kwargs}
         exits = {key: kwargs.pop(key, None) for key in EXIT_OPTIONS}  # (out of transformers' merge: None there would
         # unset the model's option for the config only, where forward reads None as not given)
-        # a passed config's keys conflict with plain decoding only when that config names no mode itself: else they
-        # are that mode's settings, and the call's `speculative_mode=None` drops them with it (as the model's own)
-        configured = getattr(generation_config, "speculative_mode", None) is not None
-        given = set(ours) | {key for key in SPECULATIVE_KEYS if getattr(generation_config, key, None) is not None
-                             and not configured}
         passed = generation_config
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
+        # a passed config's keys conflict with plain decoding only when no mode is set (by it or by the model's): else
+        # the call's `speculative_mode=None` drops them with that mode, as it drops the model's own
+        given = set(ours) | ({key for key in SPECULATIVE_KEYS if getattr(passed, key, None) is not None}
+                             if getattr(generation_config, "speculative_mode", None) is None else set())
         keep_passed_exit(passed, generation_config)
         # exit options are the forward's, merged as forward merges them (transformers keeps a key a config has, e.g.
         # a checkpoint's `exit_at_step`, in the config)

@@ -34,12 +34,13 @@ from contextlib import contextmanager
 
 import torch
 from transformers.generation.continuous_batching.continuous_api import BackgroundThreadStatus
-from transformers.generation.continuous_batching.requests import GenerationOutput, RequestState, RequestStatus
+from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 
 from ...logs import get_logger
 from ...models.layers import is_integer
 from ..rules import non_finite_error
 from . import huginn
+from .results import IDLE_WAIT_S, ResultReading
 from .router import Router
 from .settings import (
     OVERRIDE,
@@ -59,10 +60,9 @@ from .slots import SlotBatch
 logger = get_logger(__name__)
 
 CANCELLED = "cancelled"  # the error text of a request cancelled by `cancel_request`
-IDLE_WAIT_S = 0.1  # the loop's wait for work when no slot is busy
 
 
-class LoopBatchingManager:
+class LoopBatchingManager(ResultReading):
     """Continuous batching of one looped model (see the module docstring). Build it with
     `model.init_continuous_batching(generation_config, continuous_batching_config, workload_hints)`."""
 
@@ -94,7 +94,9 @@ class LoopBatchingManager:
     # --- control -----------------------------------------------------------------------------------------------
 
     def warmup(self) -> None:
-        """Build the slots (pages, state) and, compiled, both shapes of the step, so that no request waits for them."""
+        """Build the slots (pages, state) and, compiled, both shapes of the step, so that no request waits for them.
+        A destroyed manager raises (`destroy`)."""
+        self._check_not_destroyed("warmup")
         slots = self._slots()
         if self.settings.compile_backend is not None:
             slots.warmup()
@@ -115,10 +117,7 @@ class LoopBatchingManager:
         A destroyed manager raises (`destroy`)."""
         while True:
             with self._control:
-                if self.destroyed:
-                    raise RuntimeError("start: this continuous batching manager was destroyed, and a destroyed "
-                                       "manager cannot be restarted; call model.init_continuous_batching() (or "
-                                       "generate_batch) for a new one.")
+                self._check_not_destroyed("start")
                 thread = self._generation_thread
                 if thread is None or not thread.is_alive():
                     self.background_thread_status.clear()
@@ -132,6 +131,12 @@ class LoopBatchingManager:
                     raise RuntimeError("start inside the manager's pause(), while its loop is ending: the paused "
                                        "loop cannot end, so this would wait forever; leave the pause first.")
             self._join(thread, None)
+
+    def _check_not_destroyed(self, name: str) -> None:
+        if self.destroyed:
+            raise RuntimeError(f"{name}: this continuous batching manager was destroyed, and a destroyed manager "
+                               "cannot be restarted; call model.init_continuous_batching() (or generate_batch) for a "
+                               "new one.")
 
     def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
              hard_stop: bool = False) -> None:
@@ -177,6 +182,7 @@ class LoopBatchingManager:
         thread never stops the loop under another's requests, nor starts a second loop on the same slots. No lock is
         held while a loop is waited for (a pause holder's `stop` gets through)."""
         with self._control:
+            self._check_not_destroyed("continuous_batching_context_manager")
             if warmup and not self.warmed_up and not self.is_running():  # (a compiled warmup runs on the slots)
                 self.warmup()
             self._sessions += 1
@@ -198,9 +204,10 @@ class LoopBatchingManager:
     def destroy(self) -> None:
         """Stop the thread if it runs; the manager cannot be restarted after this (`start` raises), and a model that
         kept it for its next session forgets it."""
-        self.destroyed = True
-        if self.model.__dict__.get("_cached_continuous_batching_manager") is self:
-            del self.model.__dict__["_cached_continuous_batching_manager"]
+        with self._control:  # (a `stop` or a block's end keeping it checks `destroyed` under the same lock)
+            self.destroyed = True
+            if self.model.__dict__.get("_cached_continuous_batching_manager") is self:
+                del self.model.__dict__["_cached_continuous_batching_manager"]
         if self.is_running():
             self.stop(block=True)
         self.batch_processor = None
@@ -291,40 +298,6 @@ class LoopBatchingManager:
         if serial is not None:
             self.cancel_queue.put((request_id, serial))
             self._wake_up_loop.set()
-
-    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
-        """The oldest delivered result (of `request_id` when given; the others stay queued, in order), waiting up to
-        `timeout` seconds (None: without limit) while the thread runs; None when none came, at once when the thread
-        is not running (it delivers nothing more)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:  # in waits of at most IDLE_WAIT_S, so that a thread that ends meanwhile ends the wait
-            ended = not self.is_running() or self.background_thread_status.fatal_error is not None
-            left = IDLE_WAIT_S if deadline is None else min(IDLE_WAIT_S, deadline - time.monotonic())
-            result = self.output_router.take(request_id, 0 if ended else max(left, 0))
-            if result is not None or ended or (deadline is not None and time.monotonic() >= deadline):
-                return result
-
-    def __iter__(self):
-        while self.is_running() or not self.output_router.output_queue.empty():
-            result = self.get_result(timeout=IDLE_WAIT_S)
-            if result is not None:
-                yield result
-
-    def request_id_iter(self, request_id: str):
-        """The results of `request_id` as they come (streaming: one per read-back with new tokens), up to the final
-        one."""
-        while self.is_running() or self.output_router.holds(request_id):
-            result = self.get_result(request_id=request_id, timeout=IDLE_WAIT_S)
-            if result is not None:
-                yield result
-                if result.is_finished():
-                    return
-
-    def register_result_handler(self, request_id: str, callback) -> None:
-        """Deliver `request_id`'s results to `callback` on the running asyncio loop (removed after the final one)."""
-        import asyncio
-
-        self.output_router.register_handler(request_id, callback, asyncio.get_running_loop())
 
     # --- the loop ----------------------------------------------------------------------------------------------
 
