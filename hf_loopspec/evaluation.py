@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ def run_lm_eval(args: list[str]) -> int:
     or a key that the model's `from_pretrained` does not take (lm-eval's own errors for them are tracebacks)."""
     args = check_model_args(args)
     check_device(args)
+    check_processes(args)
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError as err:
@@ -42,8 +44,12 @@ def run_lm_eval(args: list[str]) -> int:
     except TypeError as err:  # lm-eval hands the keys it does not know to from_pretrained, and the model's __init__
         if "unexpected keyword argument" not in str(err):
             raise
+        from .generation.config import SPECULATIVE_KEYS
+
+        named = [key for key in SPECULATIVE_KEYS if f"'{key}'" in str(err)]
+        fix = f"a decoding setting: pass {named[0]} in --gen_kwargs" if named else "drop it or correct its spelling"
         raise ValueError(f"{MODEL_ARGS}: {err}; lm-eval passes the keys it does not know to the model, which takes "
-                         "no such argument: drop it or correct its spelling.") from err
+                         f"no such argument: {fix}.") from err
     finally:
         sys.argv = saved
     return 0
@@ -102,3 +108,20 @@ def check_device(args: list[str]) -> None:
         from .loading import resolve_device
 
         resolve_device(devices[-1])
+
+
+def check_processes(args: list[str]) -> None:
+    """`ValueError` for a run in several processes (`accelerate launch`, `torchrun`: `WORLD_SIZE` > 1) on fewer than
+    two GPUs, where lm-eval's `hf` backend does not split the documents (it does over two or more devices, and under
+    a `tp_plan` it runs one model on purpose): every process would evaluate every document, for the same results."""
+    import torch
+
+    processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if processes < 2 or any("tp_plan" in arg for arg in args):
+        return
+    devices = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+    if devices < 2:
+        raise ValueError(f"hf-loopspec lm-eval runs in {processes} processes (WORLD_SIZE={processes}) with {devices} "
+                         "GPU(s), and lm-eval splits the documents between processes only over two or more GPUs: "
+                         "every process would evaluate every document, for the same results; run it as one process "
+                         "(without accelerate launch), or with one process per GPU.")

@@ -172,6 +172,7 @@ def test_without_lm_eval_installed_the_error_is_one_line(monkeypatch, capsys):
     (",dtype=float99", "dtype=float99"),  # lm-eval's getattr(torch, ...) raised an AttributeError
     (",max_length=abc", "max_length=abc: pass a whole number"),  # a TypeError once lm-eval ran its requests
     (",max_batch_size=0", "max_batch_size=0"),
+    (",speculative_mode=pipeline", "pass speculative_mode in --gen_kwargs"),  # a decoding setting, spelled right
 ])
 def test_bad_model_args_end_in_one_line(task_dir, capsys, model_args, named):
     """docs/cli.md: every error a user can cause ends in one line and exit status 2 (these were tracebacks, 1)."""
@@ -183,7 +184,6 @@ def test_bad_model_args_end_in_one_line(task_dir, capsys, model_args, named):
     assert err[-1].startswith("hf-loopspec lm-eval: error: --model_args") and named in err[-1]
 
 
-
 def test_a_device_this_machine_lacks_ends_in_one_line(task_dir, capsys, monkeypatch):
     """`--device cuda` without CUDA: `generate`'s one line and status 2 (lm-eval's torch traceback, status 1)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -192,6 +192,17 @@ def test_a_device_this_machine_lacks_ends_in_one_line(task_dir, capsys, monkeypa
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1] == ("hf-loopspec lm-eval: error: --device cuda was requested but CUDA is not "
                                      "available here; use --device cpu.")
+
+
+def test_several_processes_without_gpus_to_split_over_end_in_one_line(task_dir, capsys, monkeypatch):
+    """Under `accelerate launch --num_processes 2` on a CPU, lm-eval's `hf` backend does not split the documents
+    (only over two or more GPUs): each process evaluated every document, twice the work and no word."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code = cli.main(["lm-eval", "run", "--model", "hf", "--model_args", f"pretrained={default_model_path()}",
+                     "--tasks", TASK, "--include_path", str(task_dir), "--device", "cpu", "--limit", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("hf-loopspec lm-eval: error: hf-loopspec lm-eval runs in 2 processes")
+    assert "every process would evaluate every document" in err[-1]
 
 
 def test_a_home_relative_folder_is_expanded_before_lm_eval_sees_it(monkeypatch, tmp_path):
