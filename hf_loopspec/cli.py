@@ -247,6 +247,8 @@ def _speculation_summary(args: argparse.Namespace, model, out) -> str:
     stats = getattr(out, "speculation", None)
     if stats is None:
         return ""
+    if stats.fallback is not None and args.mode != "auto":  # (auto counts its plain stretches)
+        return f"; decoded plainly ({stats.fallback})"
     line = (f"; draft_loops={stats.draft_loops}: {stats.core_calls} core calls ({stats.core_calls_per_token:.2f} "
             f"per token, plain decoding needs {model.num_loops}); drafts accepted {stats.accepted}/"
             f"{stats.verified} verified ({stats.acceptance_rate:.1%})")

@@ -5,6 +5,7 @@ one-line error naming the line before any model is loaded; a restart with other 
 
 from __future__ import annotations
 
+import argparse
 import codecs
 import csv as csv_module
 import json
@@ -304,3 +305,21 @@ def test_csv_read_with_datasets_gives_the_jsonl_output(prompts_file, tmp_path, c
         (tmp_path / f"marked.{suffix}").write_bytes(codecs.BOM_UTF8 + text.encode())
         rows = read_prompts(tmp_path / f"marked.{suffix}", "text")
         assert [(row.id, row.prompt) for row in rows] == [("007", "0042"), ("7", "1.50")], suffix
+
+
+def test_a_call_that_decodes_plainly_gives_its_reason_not_a_crash(model, tokenizer):
+    """A pipeline call that falls back to plain decoding (here `prefill_chunk_size`, as a checkpoint's generation
+    config may set) has no per-row counters: `batch` crashed with an IndexError, and `generate`'s statistics line
+    said "0 core calls" for a call that made 4 per token."""
+    prompts = [tokenizer("def f(x):")["input_ids"], tokenizer("import os")["input_ids"]]
+    kwargs = {"speculative_mode": "pipeline", "draft_loops": 1, "max_new_tokens": 4, "do_sample": False,
+              "prefill_chunk_size": 4}
+    rows = batch_run.decode_batch(model, tokenizer, prompts, kwargs)
+    assert [row["speculation"] for row in rows] == [{"fallback": rows[0]["speculation"]["fallback"]}] * 2
+    assert "prefill_chunk_size" in rows[0]["speculation"]["fallback"]
+    plain = batch_run.decode_batch(model, tokenizer, prompts, {"max_new_tokens": 4, "do_sample": False})
+    assert [row["completion"] for row in rows] == [row["completion"] for row in plain]
+    enc = tokenizer("def f(x):", return_tensors="pt")
+    out = model.generate(**enc, **kwargs, return_dict_in_generate=True)
+    line = cli._speculation_summary(argparse.Namespace(mode="pipeline", do_sample=False), model, out)
+    assert line == f"; decoded plainly ({out.speculation.fallback})" and "core calls" not in line

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 import hf_loopspec
 from hf_loopspec.generation.wavefront import engine as engine_module
 from hf_loopspec.generation.wavefront import options, stopping
-from hf_loopspec.trace_plot import schedule_grid
+from hf_loopspec.trace_plot import plot_schedule, schedule_grid
 
 VOCAB, NEW = 64, 14
 WAVEFRONT = {"speculative_engine": "wavefront"}
@@ -263,3 +263,24 @@ def test_the_schedule_of_something_that_is_no_trace_is_refused():
     for bad in ("x", SimpleNamespace(trace=[]), [object()]):
         with pytest.raises(ValueError, match="pass the trace of a generate"):
             schedule_grid(bad)
+
+
+def test_trace_arguments_that_cannot_be_honoured_are_refused(setup):
+    """A trace without `return_dict_in_generate` was dropped with the output object, and `speculative_trace=1.0`
+    passed as True; `schedule_grid` of a sequence the trace does not hold, or with fewer loops than it reaches, drew
+    an empty or clipped grid, and `plot_schedule(max_cycles=-3)` failed inside matplotlib."""
+    model, ids, mask, _ = setup
+    for mode in ("pipeline", "auto"):
+        with pytest.raises(ValueError, match="needs return_dict_in_generate=True"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, speculative_mode=mode,
+                           speculative_trace=True)
+    for bad in (1.0, torch.tensor(True), "yes"):
+        with pytest.raises(ValueError, match="must be True, False or 'hidden'"):
+            speculative(model, ids, mask, 2, "pipeline", 1, speculative_trace=bad)
+    trace = speculative(model, ids, mask, NEW, "pipeline", 1, speculative_trace=True).trace
+    with pytest.raises(ValueError, match=rf"seq={len(ids)}: the trace holds no rows"):
+        schedule_grid(trace, len(ids))
+    with pytest.raises(ValueError, match=f"num_loops=2: the trace reaches depth {model.num_loops - 1}"):
+        schedule_grid(trace, 0, 2)
+    with pytest.raises(ValueError, match="max_cycles=-3"):
+        plot_schedule(trace, max_cycles=-3)

@@ -66,8 +66,9 @@ def decode_batch(model, tokenizer, prompts: list[list[int]], kwargs: dict) -> li
         kept = tokens if stop is None else tokens[: stop + 1]
         result = {"completion": tokenizer.decode(kept, skip_special_tokens=True), "new_tokens": len(kept),
                   "stop": "length" if stop is None else "eos"}
-        if stats is not None:
-            result["speculation"] = asdict(stats.per_sequence[row])
+        if stats is not None:  # (a fixed mode that decoded plainly has no counters: its reason instead)
+            result["speculation"] = asdict(stats.per_sequence[row]) if stats.per_sequence else \
+                {"fallback": stats.fallback}
         results.append(result)
     return results
 

@@ -51,17 +51,27 @@ class GenerateCall:
 _CURRENT: ContextVar[GenerateCall | None] = ContextVar("hf_loopspec_generate_call", default=None)
 
 
-def runtime_options(kwargs: dict) -> GenerateCall:
-    """Pop the `RUNTIME_KEYS` from `generate`'s kwargs into a new call; raises `ValueError` for a bad value."""
+def runtime_options(kwargs: dict, model_config=None) -> GenerateCall:
+    """Pop the `RUNTIME_KEYS` from `generate`'s kwargs into a new call; raises `ValueError` for a bad value, and for a
+    trace asked for without `return_dict_in_generate` (from the call, its config or `model_config`): it would be
+    dropped with the output object."""
     hook = kwargs.pop("draft_hook", None)
     if hook is not None and not callable(hook):
         raise ValueError(f"draft_hook={hook!r} must be callable(seq, position, token).")
     second = kwargs.pop("second_draft_hook", None)
     if second is not None and not callable(second):
         raise ValueError(f"second_draft_hook={second!r} must be callable(seq, position, first_token, token).")
-    trace = kwargs.pop("speculative_trace", None) or False
-    if trace not in (True, False, "hidden"):
+    trace = kwargs.pop("speculative_trace", None)
+    trace = False if trace is None else trace
+    if not (isinstance(trace, bool) or (isinstance(trace, str) and trace == "hidden")):  # (1.0 == True: refused)
         raise ValueError(f"speculative_trace={trace!r} must be True, False or 'hidden'.")
+    passed = kwargs.get("generation_config")  # (transformers fills a passed config's False from the model's)
+    returned = kwargs.get("return_dict_in_generate", getattr(passed, "return_dict_in_generate", False) or
+                          getattr(model_config, "return_dict_in_generate", False))
+    if trace and not returned:
+        raise ValueError(f"speculative_trace={trace!r} is returned as out.trace, which needs "
+                         "return_dict_in_generate=True (without it generate returns the ids alone): pass that too, "
+                         "or drop speculative_trace.")
     return GenerateCall(draft_hook=hook, second_draft_hook=second, trace=trace)
 
 

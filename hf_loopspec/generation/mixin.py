@@ -118,9 +118,9 @@ class LoopSpecGenerationMixin(GenerationMixin):
             check_assisted_continuation(kwargs, self.generation_config, cache.get_seq_length())
         with cache.kept_on_error() if isinstance(cache, PagedLoopCache) else nullcontext():
             if auto.requested(self, kwargs):  # segments of plain / block / pipeline calls (`generation.auto`)
-                runtime_options(dict(kwargs))  # checked up front: a plain stretch drops them unread
+                runtime_options(dict(kwargs), self.generation_config)  # checked up front: plain stretches drop them
                 return auto.generate_auto(self, SpeculativeDecoderOnlyOutput, args, kwargs)
-            with scoped(runtime_options(kwargs)):
+            with scoped(runtime_options(kwargs, self.generation_config)):
                 return super().generate(*args, **kwargs)
 
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
