@@ -86,7 +86,8 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     from .looped import draws_initial_states
 
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
-    for key in ("temperature", "top_k", "top_p", "repetition_penalty"):
+    sampling = ("temperature", "top_k", "top_p") if args.do_sample else ()  # (greedy: each is off, or unset)
+    for key in (*sampling, "repetition_penalty"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
     if args.mode == "plain":

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .models.layers import is_integer
+
 KINDS = ("prompt", "target", "accepted", "rejected", "discarded", "second_accepted", "second")
 COLORS = {
     "prompt": "#d9d9d9",
@@ -106,8 +108,7 @@ def schedule_grid(trace: Sequence, seq: int = 0, num_loops: int | None = None) -
     if not rows_at:
         held = sorted({row.seq for cycle in trace for row in cycle.rows})
         raise ValueError(f"seq={seq}: the trace holds no rows of that sequence; pass one of {held}.")
-    if num_loops is not None and (isinstance(num_loops, bool) or not isinstance(num_loops, int)
-                                  or num_loops <= deepest):
+    if num_loops is not None and (not is_integer(num_loops) or num_loops <= deepest):
         raise ValueError(f"num_loops={num_loops!r}: the trace reaches depth {deepest}; pass at least {deepest + 1} "
                          "(the model's loop count), or None to read it from the trace.")
     loops = num_loops if num_loops is not None else deepest + 1
@@ -165,7 +166,7 @@ def plot_schedule(trace: Sequence, *, seq: int = 0, tokenizer=None, num_loops: i
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
 
-    if max_cycles is not None and (isinstance(max_cycles, bool) or not isinstance(max_cycles, int) or max_cycles < 1):
+    if max_cycles is not None and (not is_integer(max_cycles) or max_cycles < 1):
         raise ValueError(f"max_cycles={max_cycles!r}: pass a whole number >= 1 of cycles to draw, or None for all.")
     grid = schedule_grid(trace, seq=seq, num_loops=num_loops)
     cycles = grid.num_cycles if max_cycles is None else min(max_cycles, grid.num_cycles)

@@ -6,6 +6,7 @@ missing local folder, and no tokenizer warning ahead of an error line."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import re
 import shutil
@@ -20,6 +21,7 @@ from processes import ROOT, subprocess_env
 from transformers import AutoModelForCausalLM, GPT2Config, TopKLogitsWarper
 
 from hf_loopspec import cli
+from hf_loopspec.assets import default_model_path
 from hf_loopspec.generation.auto_costs import kept_table
 from hf_loopspec.prompting import generate_kwargs
 
@@ -342,3 +344,14 @@ def test_greedy_huginn_runs_start_from_the_same_initial_states(tmp_path, capsys)
         assert cli.main(argv) == 0
         printed.append(capsys.readouterr().out)
     assert printed[0] == printed[1] and printed[0].strip()
+
+
+def test_sampling_options_at_their_off_values_are_not_passed_to_greedy_decoding():
+    """`--top-k 0` (or `--temperature 1.0`, `--top-p 1.0`) without `--do-sample` is accepted as "off", and was passed
+    on to the greedy call, where transformers warned that the flag is not valid and may be ignored."""
+    model = AutoModelForCausalLM.from_pretrained(default_model_path())
+    off = dict(max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=None, mode="plain", seed=None)
+    greedy = generate_kwargs(argparse.Namespace(do_sample=False, **off), model, tokenizer=None)
+    assert not {"temperature", "top_k", "top_p"} & set(greedy)
+    sampled = generate_kwargs(argparse.Namespace(do_sample=True, **off), model, tokenizer=None)
+    assert (sampled["temperature"], sampled["top_k"], sampled["top_p"]) == (1.0, 0, 1.0)

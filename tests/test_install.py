@@ -81,7 +81,8 @@ def test_the_public_names_are_listed_by_dir_and_help(name):
 
 def test_the_sdist_carries_the_whole_test_suite(tmp_path):
     """setuptools puts `tests/test*.py` in an sdist on its own, without the helpers they import (`conftest.py`,
-    `inputs.py`, ...): the suite of an unpacked sdist could not even be collected. Every file of tests/ is in."""
+    `inputs.py`, ...) or the files they read (`scripts/`, `docs/`, ...): the suite of an unpacked sdist could not even
+    be collected. Every file of those folders is in."""
     source = tmp_path / "source"
     copied = [pattern for pattern in NOT_COPIED if pattern != "tests"]
     shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(*copied))
@@ -91,5 +92,7 @@ def test_the_sdist_carries_the_whole_test_suite(tmp_path):
     name = built.stdout.strip().splitlines()[-1]
     with tarfile.open(tmp_path / "dist" / name) as archive:
         shipped = {Path(*Path(member).parts[1:]).as_posix() for member in archive.getnames()}
-    suite = {path.relative_to(source).as_posix() for path in (source / "tests").rglob("*") if path.is_file()}
+    read = ("tests", "scripts", "examples", "docs", "model_cards", "bench_results")  # what the suite reads
+    suite = {path.relative_to(source).as_posix() for folder in read for path in (source / folder).rglob("*")
+             if path.is_file()} | {"BENCHMARKS.md", "README.md", "pyproject.toml"}
     assert suite and suite <= shipped, sorted(suite - shipped)

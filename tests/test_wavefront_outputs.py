@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from recorders import RecordingStreamer, StopAtWidth
@@ -25,7 +26,7 @@ from speculative_utils import (
     speculative,
 )
 from tolerances import assert_fp32_close, ouro_depth
-from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers import AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 import hf_loopspec
 from hf_loopspec.generation.wavefront import engine as engine_module
@@ -270,10 +271,14 @@ def test_trace_arguments_that_cannot_be_honoured_are_refused(setup):
     passed as True; `schedule_grid` of a sequence the trace does not hold, or with fewer loops than it reaches, drew
     an empty or clipped grid, and `plot_schedule(max_cycles=-3)` failed inside matplotlib."""
     model, ids, mask, _ = setup
-    for mode in ("pipeline", "auto"):
+    unreturned = GenerationConfig(return_dict_in_generate=False, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    for mode, config in (("pipeline", None), ("auto", None), ("pipeline", unreturned)):  # (an explicit False stays)
         with pytest.raises(ValueError, match="needs return_dict_in_generate=True"):
             model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, speculative_mode=mode,
-                           speculative_trace=True)
+                           speculative_trace=True, generation_config=config)
+    with pytest.raises(ValueError, match="this call decodes plainly"):  # the fix that applies, not a step before it
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, speculative_mode=None, speculative_trace=True)
+    assert speculative(model, ids, mask, 2, "pipeline", 1, speculative_trace=np.True_).trace
     for bad in (1.0, torch.tensor(True), "yes"):
         with pytest.raises(ValueError, match="must be True, False or 'hidden'"):
             speculative(model, ids, mask, 2, "pipeline", 1, speculative_trace=bad)
@@ -284,3 +289,4 @@ def test_trace_arguments_that_cannot_be_honoured_are_refused(setup):
         schedule_grid(trace, 0, 2)
     with pytest.raises(ValueError, match="max_cycles=-3"):
         plot_schedule(trace, max_cycles=-3)
+    assert schedule_grid(trace, np.int64(0), np.int64(model.num_loops)) == schedule_grid(trace, 0, model.num_loops)

@@ -62,13 +62,15 @@ def runtime_options(kwargs: dict, model_config=None) -> GenerateCall:
     if second is not None and not callable(second):
         raise ValueError(f"second_draft_hook={second!r} must be callable(seq, position, first_token, token).")
     trace = kwargs.pop("speculative_trace", None)
-    trace = False if trace is None else trace
+    trace = False if trace is None else bool(trace) if isinstance(trace, (bool, np.bool_)) else trace
     if not (isinstance(trace, bool) or (isinstance(trace, str) and trace == "hidden")):  # (1.0 == True: refused)
         raise ValueError(f"speculative_trace={trace!r} must be True, False or 'hidden'.")
-    passed = kwargs.get("generation_config")  # (transformers fills a passed config's False from the model's)
-    returned = kwargs.get("return_dict_in_generate", getattr(passed, "return_dict_in_generate", False) or
-                          getattr(model_config, "return_dict_in_generate", False))
-    if trace and not returned:
+    returned = kwargs.get("return_dict_in_generate")  # else the passed config's, else (None there) the model's
+    if returned is None:
+        returned = getattr(kwargs.get("generation_config"), "return_dict_in_generate", None)
+    if returned is None:
+        returned = getattr(model_config, "return_dict_in_generate", False)
+    if trace and not returned and kwargs.get("speculative_mode", "") is not None:  # (plain: `plain_problem` says)
         raise ValueError(f"speculative_trace={trace!r} is returned as out.trace, which needs "
                          "return_dict_in_generate=True (without it generate returns the ids alone): pass that too, "
                          "or drop speculative_trace.")
