@@ -17,6 +17,8 @@ from pathlib import Path
 from .input_checks import check_source
 
 MODEL_ARGS = "--model_args"
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+                 "no_repeat_ngram_size")  # decoding settings lm-eval's --gen_kwargs passes to generate
 
 
 def run_lm_eval(args: list[str]) -> int:
@@ -44,12 +46,9 @@ def run_lm_eval(args: list[str]) -> int:
     except TypeError as err:  # lm-eval hands the keys it does not know to from_pretrained, and the model's __init__
         if "unexpected keyword argument" not in str(err):
             raise
-        from transformers import GenerationConfig
-
         from .generation.config import SPECULATIVE_KEYS
 
-        decoding = (*SPECULATIVE_KEYS, *GenerationConfig().to_dict())
-        named = [key for key in decoding if f"'{key}'" in str(err)]
+        named = [key for key in (*SPECULATIVE_KEYS, *SAMPLING_KEYS) if f"'{key}'" in str(err)]
         fix = f"a decoding setting: pass {named[0]} in --gen_kwargs" if named else "drop it or correct its spelling"
         raise ValueError(f"{MODEL_ARGS}: {err}; lm-eval passes the keys it does not know to the model, which takes "
                          f"no such argument: {fix}.") from err

@@ -70,6 +70,9 @@ def check_mode_options(args: argparse.Namespace) -> None:
                          f"{', '.join(given)}; drop them, or pass --mode block or --mode pipeline.")
 
 
+SAMPLING_KEYS = ("temperature", "top_k", "top_p")  # options only sampling reads (refused greedy unless off)
+
+
 def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     """`model.generate` keyword arguments for the options of `hf-loopspec generate` / `batch`.
 
@@ -86,7 +89,7 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     from .looped import draws_initial_states
 
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
-    sampling = ("temperature", "top_k", "top_p") if args.do_sample else ()  # (greedy: each is off, or unset)
+    sampling = SAMPLING_KEYS if args.do_sample else ()  # (greedy: each is off, or unset)
     for key in (*sampling, "repetition_penalty"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)

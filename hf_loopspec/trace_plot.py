@@ -83,6 +83,8 @@ def schedule_grid(trace: Sequence, seq: int = 0, num_loops: int | None = None) -
     if not trace:
         raise ValueError("the trace is empty: pass generate(..., speculative_trace=True, return_dict_in_generate=True) "
                          "and a speculative_mode.")
+    if not is_integer(seq):
+        raise ValueError(f"seq={seq!r}: pass the row of the batch to draw (a whole number).")
     first = [row for row in trace[0].rows if row.seq == seq]
     prompt_positions = {row.position for row in first if row.depth == 0}
     current: dict[tuple[int, int, int], _Lane] = {}  # (position, token, branch) -> its newest lane

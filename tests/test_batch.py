@@ -323,3 +323,17 @@ def test_a_call_that_decodes_plainly_gives_its_reason_not_a_crash(model, tokeniz
     out = model.generate(**enc, **kwargs, return_dict_in_generate=True)
     line = cli._speculation_summary(argparse.Namespace(mode="pipeline", do_sample=False), model, out)
     assert line == f"; decoded plainly ({out.speculation.fallback})" and "core calls" not in line
+
+
+def test_sampling_options_at_their_off_values_do_not_block_a_resume(tmp_path):
+    """A greedy run with `--top-k 0 --temperature 1.0` (off: not passed on) and its resume without them generate the
+    same: their settings compare equal (the resume was refused as made with other settings)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "x"}\n')
+    parse = cli.build_parser().parse_args
+    out = tmp_path / "o.jsonl"
+    with_off = parse(batch_args(prompts, out, "--mode", "plain", "--top-k", "0", "--temperature", "1.0"))
+    without = parse(batch_args(prompts, out, "--mode", "plain"))
+    assert batch_run.run_settings(with_off) == batch_run.run_settings(without)
+    sampled = parse(batch_args(prompts, out, "--mode", "plain", "--do-sample", "--top-k", "0"))
+    assert batch_run.run_settings(sampled)["top_k"] == 0

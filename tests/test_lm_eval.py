@@ -174,6 +174,7 @@ def test_without_lm_eval_installed_the_error_is_one_line(monkeypatch, capsys):
     (",max_batch_size=0", "max_batch_size=0"),
     (",speculative_mode=pipeline", "pass speculative_mode in --gen_kwargs"),  # a decoding setting, spelled right
     (",temperature=0.5", "pass temperature in --gen_kwargs"),
+    (",return_dict_in_generate=True", "drop it or correct its spelling"),  # (lm-eval's generate_until cannot take it)
 ])
 def test_bad_model_args_end_in_one_line(task_dir, capsys, model_args, named):
     """docs/cli.md: every error a user can cause ends in one line and exit status 2 (these were tracebacks, 1)."""

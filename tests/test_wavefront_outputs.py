@@ -272,12 +272,21 @@ def test_trace_arguments_that_cannot_be_honoured_are_refused(setup):
     an empty or clipped grid, and `plot_schedule(max_cycles=-3)` failed inside matplotlib."""
     model, ids, mask, _ = setup
     unreturned = GenerationConfig(return_dict_in_generate=False, max_new_tokens=2, do_sample=False, pad_token_id=0)
-    for mode, config in (("pipeline", None), ("auto", None), ("pipeline", unreturned)):  # (an explicit False stays)
-        with pytest.raises(ValueError, match="needs return_dict_in_generate=True"):
-            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, speculative_mode=mode,
-                           speculative_trace=True, generation_config=config)
-    with pytest.raises(ValueError, match="this call decodes plainly"):  # the fix that applies, not a step before it
-        model.generate(ids, attention_mask=mask, max_new_tokens=2, speculative_mode=None, speculative_trace=True)
+    model.generation_config.return_dict_in_generate = True  # (a call's None or a passed config's False wins)
+    try:
+        for mode, returned in (("pipeline", {"return_dict_in_generate": False}),
+                               ("auto", {"return_dict_in_generate": None}),
+                               ("block", {"return_dict_in_generate": None}),
+                               ("pipeline", {"generation_config": unreturned}),
+                               ("auto", {"generation_config": unreturned})):
+            with pytest.raises(ValueError, match="needs return_dict_in_generate=True"):
+                model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, speculative_mode=mode,
+                               speculative_trace=True, **returned)
+    finally:
+        model.generation_config.return_dict_in_generate = False
+    for plain_call in ({"speculative_mode": None}, {}):  # the fix that applies, not a step before it
+        with pytest.raises(ValueError, match="this call decodes plainly"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, speculative_trace=True, **plain_call)
     assert speculative(model, ids, mask, 2, "pipeline", 1, speculative_trace=np.True_).trace
     for bad in (1.0, torch.tensor(True), "yes"):
         with pytest.raises(ValueError, match="must be True, False or 'hidden'"):
@@ -290,3 +299,5 @@ def test_trace_arguments_that_cannot_be_honoured_are_refused(setup):
     with pytest.raises(ValueError, match="max_cycles=-3"):
         plot_schedule(trace, max_cycles=-3)
     assert schedule_grid(trace, np.int64(0), np.int64(model.num_loops)) == schedule_grid(trace, 0, model.num_loops)
+    with pytest.raises(ValueError, match="seq=True"):
+        schedule_grid(trace, True)

@@ -25,7 +25,7 @@ import torch
 
 from .. import loading
 from ..input_checks import check_positions
-from ..prompting import encode_prompt, generate_kwargs
+from ..prompting import SAMPLING_KEYS, encode_prompt, generate_kwargs
 from .fingerprint import weights_fingerprint
 from .parts import PartStore
 from .progress import RunProgress
@@ -42,7 +42,8 @@ def run_settings(args: argparse.Namespace) -> dict:
     """What the output depends on: the input file's SHA-256, the options that change what is generated and the
     weights' fingerprint (`fingerprint.weights_fingerprint`; None for a Hub id until it is loaded)."""
     digest = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
-    return {"input_sha256": digest, **{key: getattr(args, key) for key in SETTING_KEYS},
+    unread = () if args.do_sample else SAMPLING_KEYS  # (greedy: at their off values at most, and not passed on)
+    return {"input_sha256": digest, **{key: None if key in unread else getattr(args, key) for key in SETTING_KEYS},
             "weights": weights_fingerprint(args.model)}
 
 

@@ -38,23 +38,26 @@ class GenerateCall:
     resolved: bool = False  # whether `speculative` has been resolved (None then means plain decoding)
     dynamic_cache: Any = None  # the caller's DynamicCache a speculative run continues: its KV copied in and back
 
-    def plain_problem(self) -> str | None:
-        """Why this call's runtime options cannot run plainly (`speculative_mode=None`), or None. A trace asked for
-        would be missing from the output without a word; the test-only draft hooks are ignored, as `draft_loops` is
-        (one dict of settings can sweep modes, None included)."""
+    def problem(self, generation_config) -> str | None:
+        """Why this call's runtime options cannot be honoured under its resolved `generation_config`, or None: a trace
+        asked for would be missing from the output without a word in a call that decodes plainly (no cycles; the
+        test-only draft hooks are ignored there, as `draft_loops` is: one dict of settings can sweep modes, None
+        included) or returns the ids alone."""
         if self.trace is False:
             return None
-        return (f"speculative_trace={self.trace!r} records a speculative mode's cycles, but this call decodes plainly "
-                "(speculative_mode=None): there are none. Set speculative_mode, or drop speculative_trace.")
+        if self.speculative is None:
+            return (f"speculative_trace={self.trace!r} records a speculative mode's cycles, but this call decodes "
+                    "plainly (speculative_mode=None): there are none. Set speculative_mode, or drop speculative_trace.")
+        return None if generation_config.return_dict_in_generate else _unreturned(self.trace)
 
 
 _CURRENT: ContextVar[GenerateCall | None] = ContextVar("hf_loopspec_generate_call", default=None)
 
 
 def runtime_options(kwargs: dict, model_config=None) -> GenerateCall:
-    """Pop the `RUNTIME_KEYS` from `generate`'s kwargs into a new call; raises `ValueError` for a bad value, and for a
-    trace asked for without `return_dict_in_generate` (from the call, its config or `model_config`): it would be
-    dropped with the output object."""
+    """Pop the `RUNTIME_KEYS` from `generate`'s kwargs into a new call; raises `ValueError` for a bad value, and, given
+    the model's `model_config` (auto: checked up front), for a trace asked for without `return_dict_in_generate`: it
+    would be dropped with the output object (other calls: `GenerateCall.problem`, once resolved)."""
     hook = kwargs.pop("draft_hook", None)
     if hook is not None and not callable(hook):
         raise ValueError(f"draft_hook={hook!r} must be callable(seq, position, token).")
@@ -65,16 +68,23 @@ def runtime_options(kwargs: dict, model_config=None) -> GenerateCall:
     trace = False if trace is None else bool(trace) if isinstance(trace, (bool, np.bool_)) else trace
     if not (isinstance(trace, bool) or (isinstance(trace, str) and trace == "hidden")):  # (1.0 == True: refused)
         raise ValueError(f"speculative_trace={trace!r} must be True, False or 'hidden'.")
-    returned = kwargs.get("return_dict_in_generate")  # else the passed config's, else (None there) the model's
-    if returned is None:
-        returned = getattr(kwargs.get("generation_config"), "return_dict_in_generate", None)
-    if returned is None:
-        returned = getattr(model_config, "return_dict_in_generate", False)
-    if trace and not returned and kwargs.get("speculative_mode", "") is not None:  # (plain: `plain_problem` says)
-        raise ValueError(f"speculative_trace={trace!r} is returned as out.trace, which needs "
-                         "return_dict_in_generate=True (without it generate returns the ids alone): pass that too, "
-                         "or drop speculative_trace.")
+    if trace and model_config is not None and not _returns_dict(kwargs, model_config):
+        raise ValueError(_unreturned(trace))
     return GenerateCall(draft_hook=hook, second_draft_hook=second, trace=trace)
+
+
+def _returns_dict(kwargs: dict, model_config) -> bool:
+    """`return_dict_in_generate` as transformers merges it: the call's (even None), else the passed config's unless
+    None, else the model's."""
+    if "return_dict_in_generate" in kwargs:
+        return bool(kwargs["return_dict_in_generate"])
+    passed = getattr(kwargs.get("generation_config"), "return_dict_in_generate", None)
+    return bool(getattr(model_config, "return_dict_in_generate", False) if passed is None else passed)
+
+
+def _unreturned(trace) -> str:
+    return (f"speculative_trace={trace!r} is returned as out.trace, which needs return_dict_in_generate=True "
+            "(without it generate returns the ids alone): pass that too, or drop speculative_trace.")
 
 
 def checked_hook(name: str, hook: Callable[..., int] | None, vocab: int) -> Callable[..., int] | None:

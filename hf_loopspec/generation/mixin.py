@@ -120,7 +120,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
             if auto.requested(self, kwargs):  # segments of plain / block / pipeline calls (`generation.auto`)
                 runtime_options(dict(kwargs), self.generation_config)  # checked up front: plain stretches drop them
                 return auto.generate_auto(self, SpeculativeDecoderOnlyOutput, args, kwargs)
-            with scoped(runtime_options(kwargs, self.generation_config)):
+            with scoped(runtime_options(kwargs)):
                 return super().generate(*args, **kwargs)
 
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
@@ -241,7 +241,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
             if (spec := call.speculative) is not None:  # (a strategy refused here: transformers' checks come next)
                 check_generation_mode(spec, generation_config.get_generation_mode(), generation_config, None)
                 check_model_kwargs(spec.mode, model_kwargs)
-            elif (problem := call.plain_problem()) is not None:
+            if (problem := call.problem(generation_config)) is not None:
                 raise ValueError(problem)
         return generation_config, model_kwargs
 
