@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from tolerances import assert_fp32_close, ouro_depth
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
+from hf_loopspec.generation.mixin import looped_static_cache
 from hf_loopspec.models.layers import project
 from hf_loopspec.models.ouro.configuration_ouro import OuroConfig
 
@@ -624,3 +626,41 @@ def test_plain_generate_takes_inputs_embeds_and_the_dynamic_cache_implementation
     embedded = model.generate(inputs_embeds=model.get_input_embeddings()(ids), **settings)
     assert torch.equal(embedded, expected[:, ids.shape[1]:])
     assert torch.equal(model.generate(ids, cache_implementation="dynamic", **settings), expected)
+
+
+@pytest.mark.parametrize("width", [3, 40])
+def test_a_static_caches_step_checks_its_mask_as_a_dynamic_caches_does(width):
+    """A step on the `StaticCache` of `cache_implementation="static"` with a mask of the wrong width was taken: a short
+    one read as other rotary positions, a long one cut (logits off by 1-2), and a 4-D one failed inside torch."""
+    model, _ = tiny_model(seed=9)
+    ids = random_ids((2, 7), VOCAB, seed=15)
+    with torch.no_grad():
+        full = model(ids).logits[:, -1]
+        for mask, message in ((torch.ones(2, width, dtype=torch.long), rf"shape \(2, {width}\), expected a 2-D "
+                               r"\[batch, 7\]"), (torch.ones(2, 1, 1, 7), r"shape \(2, 1, 1, 7\)")):
+            cache = looped_static_cache(model.config, model.kv_layout, 16)
+            model(ids[:, :6], cache=cache, use_cache=True)
+            with pytest.raises(ValueError, match=message):
+                model(ids[:, 6:], attention_mask=mask, cache=cache, use_cache=True)
+        step = model(ids[:, 6:], attention_mask=torch.ones(2, 7, dtype=torch.long), cache=cache, use_cache=True)
+    assert_close(step.logits[:, -1], full, model.config)
+
+
+def test_forward_traces_with_torch_jit():
+    """`torch.jit.trace` of the forward (as transformers' own models allow) failed in SDPA: the grouped-query flag was
+    a traced tensor, not a bool."""
+    model, _ = tiny_model(seed=9)
+    ids = random_ids((2, 6), VOCAB, seed=16)
+
+    class Logits(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x, use_cache=False).logits
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (TorchScript's deprecation and tracer warnings)
+        traced = torch.jit.trace(Logits(model), (ids,), check_trace=False)
+        assert torch.equal(traced(ids), model(ids, use_cache=False).logits)

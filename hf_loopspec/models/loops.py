@@ -68,13 +68,15 @@ def forward_rows(layout: KVLayout, attention_mask: torch.Tensor | None, position
     return _DenseRows(layout, attention_mask, position_ids, cache, batch, length, like.device)
 
 
-def check_mask(attention_mask: torch.Tensor | None, batch: int, past: int, length: int) -> None:
-    """`ValueError` naming `attention_mask` unless it is None or a `[batch, past + length]` padding mask; its values
-    (0 and 1) are checked on a call without history only, as a generate call's prefill (a later step's would cost a
-    device sync each)."""
+def check_mask(attention_mask: torch.Tensor | None, batch: int, past: int | None, length: int) -> None:
+    """`ValueError` naming `attention_mask` unless it is None or a `[batch, past + length]` padding mask (`past` None:
+    a count that cannot be read without a device sync, so `[batch, any]`); its values (0 and 1) are checked on a call
+    without history only, as a generate call's prefill (a later step's would cost a device sync each)."""
     if attention_mask is None:
         return
-    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, past + length):
+    if past is None and attention_mask.dim() == 2 and attention_mask.shape[0] == batch:
+        return
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, (past or 0) + length):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected a 2-D [batch, "
                          f"{past + length}] padding mask (the cache holds {past} columns, this call adds {length}).")
     if past == 0:
@@ -97,7 +99,9 @@ class _DenseRows(ForwardRows):
                 check_dynamic_cache(cache, layout, batch)
         past = cache.get_seq_length() if cache is not None else 0
         if torch.is_tensor(past):  # a static cache counts in a tensor that its own writes advance in place
-            past = past.clone()
+            past = past.clone()  # (read on a CPU only: elsewhere, or compiling, reading it costs a sync or a break)
+            readable = past.device.type == "cpu" and not torch.compiler.is_compiling()
+            check_mask(attention_mask, batch, int(past) if readable else None, length)
         else:
             check_mask(attention_mask, batch, past, length)
         if position_ids is None:

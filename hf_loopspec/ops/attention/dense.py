@@ -77,6 +77,6 @@ class DenseKVAttention:
                 check_kv_continues(self.cache, k.dtype, k.device, held=getattr(self.cache.layers[index], "keys", None))
             k, v = self.cache.update(k, v, index)  # [B, Hkv, S, D]
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=self.mask, scale=self.scale, enable_gqa=q.shape[1] != k.shape[1]
+            q, k, v, attn_mask=self.mask, scale=self.scale, enable_gqa=bool(q.size(1) != k.size(1))
         )  # [B, Hq, T, D]
         return out.transpose(1, 2)
