@@ -70,6 +70,12 @@ def _hub_local_only(spec: str) -> bool:
     return hub_state(spec)[0]
 
 
+def hub_options(local_only: bool) -> dict:
+    """`from_pretrained`'s options to load from the local Hub cache only (`local_only`), its adapter lookup included:
+    transformers looks for a peft `adapter_config.json` with its own options, and would retry the Hub for it."""
+    return {"local_files_only": local_only, **({"adapter_kwargs": {"local_files_only": True}} if local_only else {})}
+
+
 def load_model(spec: str, dtype: torch.dtype | str, device: torch.device, *, need_tokenizer: bool = False,
                seed: int = 0):
     """`(model, tokenizer or None, description)` for a shape name, 'default', or a checkpoint path / Hub id.
@@ -85,6 +91,8 @@ def load_model(spec: str, dtype: torch.dtype | str, device: torch.device, *, nee
         dtype = torch.float32 if dtype == "auto" else dtype
         return random_model(spec, dtype, device, seed), None, f"{spec} (random weights, seed {seed})"
     path = default_model_path() if spec == "default" else spec
+    if Path(str(path)).expanduser().exists():  # (`~/model` quoted, or `--model=~/model`: the shell left the `~`)
+        path = str(Path(str(path)).expanduser())
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_loopspec  # noqa: F401  (registers the Auto classes)
@@ -95,7 +103,7 @@ def load_model(spec: str, dtype: torch.dtype | str, device: torch.device, *, nee
         dtype = torch.float32 if device.type == "cpu" else "auto"
     with hub_errors_explained(str(path)):
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_safetensors=True,
-                                                     local_files_only=local_only).to(device).eval()
+                                                     **hub_options(local_only)).to(device).eval()
     if not hasattr(model, "decode_with_lanes"):
         raise ModelNotAvailable(f"{path} loads as {type(model).__name__}, which is not an hf_loopspec looped model.")
     try:

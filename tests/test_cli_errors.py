@@ -314,3 +314,32 @@ def test_missing_extras_are_named_with_the_repository_install_line(monkeypatch):
     with pytest.raises(ValueError) as error:
         serving.start(["--port", "8123"])
     assert install_command("serve") in str(error.value)
+
+
+def test_a_home_relative_folder_loads_as_that_folder(tmp_path, monkeypatch):
+    """`--model ~/model` quoted (or `--model=~/model`, which the shell does not expand) passed every check as that
+    folder, then was loaded unexpanded as a Hub repo id ("Repo id must be in the form ..."); export did the same."""
+    from hf_loopspec.hub.source import resolve_source
+    from hf_loopspec.loading import load_model
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    save_checkpoint(tmp_path / "model", seed=3)
+    model, tokenizer, _ = load_model("~/model", "auto", torch.device("cpu"), need_tokenizer=True)
+    assert tokenizer is not None and model.config.vocab_size > 0
+    assert resolve_source("~/model").path == str(tmp_path / "model")
+
+
+def test_a_cache_only_load_keeps_the_adapter_lookup_off_the_hub(tmp_path, monkeypatch):
+    """A Hub id loaded from the local cache only (the Hub out of reach) still had transformers look for a peft
+    `adapter_config.json` on the Hub, with retries: a 20-30 s stall before every cached load."""
+    import transformers.models.auto.auto_factory as auto_factory
+
+    from hf_loopspec import loading
+
+    asked = []
+    lookup = auto_factory.find_adapter_config_file
+    monkeypatch.setattr(auto_factory, "find_adapter_config_file",
+                        lambda *args, **kwargs: asked.append(kwargs) or lookup(*args, **kwargs))
+    monkeypatch.setattr(loading, "_hub_local_only", lambda spec: True)  # as for a cached Hub id, offline
+    loading.load_model(str(save_checkpoint(tmp_path / "model", seed=3)), "auto", torch.device("cpu"))
+    assert asked and all(kwargs.get("local_files_only") for kwargs in asked)

@@ -105,6 +105,7 @@ def export_checkpoint(
 
     import hf_loopspec
 
+    from ..loading import hub_options
     from .card_speed import bench_results
 
     shard_bytes = shard_size(max_shard_size)  # the settings first: a bad one is refused before any Hub request
@@ -122,7 +123,7 @@ def export_checkpoint(
     load_dtype = "auto" if dtype in (None, "auto") else getattr(torch, dtype)
     with hub_errors_explained(src):
         model = AutoModelForCausalLM.from_pretrained(src, dtype=load_dtype, trust_remote_code=trust_remote_code,
-                                                     use_safetensors=True, local_files_only=source.local_only)
+                                                     use_safetensors=True, **hub_options(source.local_only))
     if not isinstance(model, hf_loopspec.OuroForCausalLM):
         raise ValueError(f"{src} loads as {type(model).__name__}; export supports hf_loopspec's Ouro models "
                          "(model_type 'ouro').")

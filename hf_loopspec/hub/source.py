@@ -42,7 +42,7 @@ def resolve_source(spec: str) -> Source:
         folder = Path(spec).expanduser()
         data, lead = _card(folder / "README.md")
         name = data.get("model_name") or folder.resolve().name
-        return Source(spec, spec, name, f"the checkpoint {name}", False, False, data, lead)
+        return Source(spec, str(folder), name, f"the checkpoint {name}", False, False, data, lead)
     from ..input_checks import check_source
 
     check_source(spec)  # a path-like name that is no folder: "no such folder", before any Hub request
