@@ -21,6 +21,7 @@ from transformers.cache_utils import DynamicCache
 
 from hf_loopspec.generation.mixin import looped_static_cache
 from hf_loopspec.models.layers import project
+from hf_loopspec.models.loops import check_mask
 from hf_loopspec.models.ouro.configuration_ouro import OuroConfig
 
 # MHA and GQA (incl. a single KV head), U in {1, 3, 4}, explicit head_dim != hidden / heads (= 16).
@@ -644,6 +645,9 @@ def test_a_static_caches_step_checks_its_mask_as_a_dynamic_caches_does(width):
                 model(ids[:, 6:], attention_mask=mask, cache=cache, use_cache=True)
         step = model(ids[:, 6:], attention_mask=torch.ones(2, 7, dtype=torch.long), cache=cache, use_cache=True)
     assert_close(step.logits[:, -1], full, model.config)
+    for mask in (torch.ones(2, 1, 1, 7), torch.ones(3, 7)):  # a count that cannot be read without a sync: the form
+        with pytest.raises(ValueError, match=r"expected a 2-D \[2, cached \+ new columns\]"):
+            check_mask(mask, 2, None, 1)
 
 
 def test_forward_traces_with_torch_jit():

@@ -74,9 +74,12 @@ def check_mask(attention_mask: torch.Tensor | None, batch: int, past: int | None
     without history only, as a generate call's prefill (a later step's would cost a device sync each)."""
     if attention_mask is None:
         return
-    if past is None and attention_mask.dim() == 2 and attention_mask.shape[0] == batch:
+    if past is None:
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch:
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected a 2-D [{batch}, "
+                             "cached + new columns] padding mask.")
         return
-    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, (past or 0) + length):
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, past + length):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected a 2-D [batch, "
                          f"{past + length}] padding mask (the cache holds {past} columns, this call adds {length}).")
     if past == 0:
