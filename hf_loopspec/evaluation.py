@@ -17,7 +17,7 @@ from pathlib import Path
 from .input_checks import check_source
 
 MODEL_ARGS = "--model_args"
-SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+GEN_KWARGS_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
                  "no_repeat_ngram_size")  # decoding settings lm-eval's --gen_kwargs passes to generate
 
 
@@ -48,7 +48,7 @@ def run_lm_eval(args: list[str]) -> int:
             raise
         from .generation.config import SPECULATIVE_KEYS
 
-        named = [key for key in (*SPECULATIVE_KEYS, *SAMPLING_KEYS) if f"'{key}'" in str(err)]
+        named = [key for key in (*SPECULATIVE_KEYS, *GEN_KWARGS_KEYS) if f"'{key}'" in str(err)]
         fix = f"a decoding setting: pass {named[0]} in --gen_kwargs" if named else "drop it or correct its spelling"
         raise ValueError(f"{MODEL_ARGS}: {err}; lm-eval passes the keys it does not know to the model, which takes "
                          f"no such argument: {fix}.") from err

@@ -70,7 +70,7 @@ def run_speculative(model, request: SpeculativeRequest) -> DecodeResult:
     problems = unsupported(model, request)
     if problems:
         raise ValueError(f"speculative decoding (the wavefront engine) does not support {'; '.join(problems)}. "
-                         "Else decode plainly (speculative_mode=None).")
+                         "Otherwise decode plainly (speculative_mode=None).")
     return WavefrontEngine.from_request(model, request).run()
 
 
