@@ -18,7 +18,7 @@ from .input_checks import check_source
 
 MODEL_ARGS = "--model_args"
 GEN_KWARGS_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
-                 "no_repeat_ngram_size")  # decoding settings lm-eval's --gen_kwargs passes to generate
+                   "no_repeat_ngram_size")  # decoding settings lm-eval's --gen_kwargs passes to generate
 
 
 def run_lm_eval(args: list[str]) -> int:
