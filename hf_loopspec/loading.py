@@ -10,6 +10,7 @@ import torch
 
 from .bench.shapes import SHAPES, random_model
 from .defaults import DTYPE_NAMES
+from .hub.source import hub_options
 from .input_checks import check_source, hub_errors_explained
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -68,12 +69,6 @@ def _hub_local_only(spec: str) -> bool:
     from .hub.source import hub_state
 
     return hub_state(spec)[0]
-
-
-def hub_options(local_only: bool) -> dict:
-    """`from_pretrained`'s options to load from the local Hub cache only (`local_only`), its adapter lookup included:
-    transformers looks for a peft `adapter_config.json` with its own options, and would retry the Hub for it."""
-    return {"local_files_only": local_only, **({"adapter_kwargs": {"local_files_only": True}} if local_only else {})}
 
 
 def load_model(spec: str, dtype: torch.dtype | str, device: torch.device, *, need_tokenizer: bool = False,

@@ -47,7 +47,7 @@ from ..input_checks import check_source, hub_errors_explained
 from .card_checks import SAMPLING_RANGES, check_card_metadata, is_hub_repo_id, is_language, is_license_id
 from .install import install_command
 from .shims import AUTO_MAP, SHIM_FILES, write_template
-from .source import resolve_source
+from .source import hub_options, resolve_source
 from .staging import check_destination, staged_folder
 
 # transformers checks each line as `name[<op><version>]` (no PEP 508 URLs), so the repository install is a comment
@@ -105,7 +105,6 @@ def export_checkpoint(
 
     import hf_loopspec
 
-    from ..loading import hub_options
     from .card_speed import bench_results
 
     shard_bytes = shard_size(max_shard_size)  # the settings first: a bad one is refused before any Hub request

@@ -27,6 +27,12 @@ class Source:
     lead: str | None = None  # the paragraphs between the title and the first section of the source's card
 
 
+def hub_options(local_only: bool) -> dict:
+    """`from_pretrained`'s options to load from the local Hub cache only (`local_only`), its adapter lookup included:
+    transformers looks for a peft `adapter_config.json` with its own options, and would retry the Hub for it."""
+    return {"local_files_only": local_only, **({"adapter_kwargs": {"local_files_only": True}} if local_only else {})}
+
+
 def resolve_source(spec: str) -> Source:
     """The `Source` for SRC (module docstring); `OSError` for a Hub id that cannot be used now,
     `ValueError` (`hf_loopspec.loading.ModelNotAvailable`) when "default" is missing from this install."""
