@@ -6,6 +6,8 @@
 #
 #   scripts/bench_gpu.sh                                    # on the GPU machine; JSON + table into $OUT (or .)
 #   scripts/bench_gpu.sh --model ouro-tiny --device cpu     # CPU dry run: extra arguments override the defaults
+#     (of the bench runs; the workload run takes BENCH_WORKLOAD_ARGS: for a CPU dry run add
+#     BENCH_WORKLOAD_ARGS="--model ouro-tiny --dtype float32 --device cpu", or BENCH_WORKLOAD=0 to skip it)
 #
 # Each batch size runs in its own process under a time limit (BENCH_LIMIT_S, default 220 s), so one slow
 # configuration cannot eat the whole budget; the table of every finished run is printed and kept in $OUT.

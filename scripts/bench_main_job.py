@@ -52,7 +52,7 @@ def main() -> None:
     inputs = tokenizer(PROMPT, return_tensors="pt")
     runs = {"plain": RUNS["plain"], **{name: RUNS[name] for name in names if name != "plain"}}
     if args.compile:
-        runs["pipeline compiled"] = runs["pipeline"] | {"compile_core": args.compile}
+        runs["pipeline compiled"] = RUNS["pipeline"] | {"compile_core": args.compile}
     plain = {}
 
     def check(name: str, out) -> None:
