@@ -311,6 +311,7 @@ def test_missing_extras_are_named_with_the_repository_install_line(monkeypatch):
         plot.pyplot()
     assert install_command("bench") in str(error.value) and "@ git+" in install_command("bench")
     monkeypatch.setattr(import_utils, "is_serve_available", lambda: False)
+    monkeypatch.setattr(serving, "check_address", lambda host, port: None)  # (whether the port is free: not this)
     with pytest.raises(ValueError) as error:
         serving.start(["--port", "8123"])
     assert install_command("serve") in str(error.value)
