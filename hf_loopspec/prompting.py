@@ -70,7 +70,8 @@ def check_mode_options(args: argparse.Namespace) -> None:
                          f"{', '.join(given)}; drop them, or pass --mode block or --mode pipeline.")
 
 
-SAMPLING_KEYS = ("temperature", "top_k", "top_p")  # options only sampling reads (refused greedy unless off)
+SAMPLING_OFF = (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0))  # the value of each option that means "off"
+SAMPLING_KEYS = tuple(name for name, _ in SAMPLING_OFF)  # options only sampling reads (refused greedy unless off)
 
 
 def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:

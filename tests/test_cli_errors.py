@@ -332,7 +332,7 @@ def test_a_home_relative_folder_loads_as_that_folder(tmp_path, monkeypatch):
 
 def test_a_cache_only_load_keeps_the_adapter_lookup_off_the_hub(tmp_path, monkeypatch):
     """A Hub id loaded from the local cache only (the Hub out of reach) still had transformers look for a peft
-    `adapter_config.json` on the Hub, with retries: a 20-30 s stall before every cached load."""
+    `adapter_config.json` on the Hub, with retries, before every cached load."""
     import transformers.models.auto.auto_factory as auto_factory
 
     from hf_loopspec import loading

@@ -8,7 +8,7 @@ import argparse
 import math
 
 from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, DTYPE_NAMES
-from ..prompting import SpeculativeOnly
+from ..prompting import SAMPLING_OFF, SpeculativeOnly
 from .shape_table import SHAPES
 
 MODES = ("plain", "ar", "block", "pipeline")  # the default set
@@ -194,9 +194,6 @@ def check_unused_options(args) -> None:
         if not modes & set(readers[flag]):
             raise ValueError(f"{flag} {value}: none of --modes {','.join(args.modes)} reads it (only "
                              f"{', '.join(readers[flag])}); add one of those to --modes, or drop {flag}.")
-
-
-SAMPLING_OFF = (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0))  # the value of each option that means "off"
 
 
 def check_sampling_args(args) -> None:
