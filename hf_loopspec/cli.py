@@ -45,6 +45,8 @@ from .prompting import SpeculativeOnly, check_mode_options, check_text, encode_p
 DEBUG_ENV = "HF_LOOPSPEC_DEBUG"
 DEFAULT_THREADS = 1  # see --threads' help
 USER_ERRORS = (ValueError, OSError)  # what the commands raise for input a user can fix
+# the library's messages name generate's arguments; `generate` and `batch` say which option sets the same thing
+OPTION_SPELLINGS = {"speculative_mode=None": "--mode plain"}
 BROKEN_PIPE = 141  # the status of a command that SIGPIPE ended (128 + 13), what a shell reports for `cat` there
 
 
@@ -328,7 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         if debug_requested(args):
             raise
-        print(f"hf-loopspec {args.command}: error: {one_line(err)}", file=sys.stderr)
+        message = one_line(err)
+        if args.command in ("generate", "batch"):
+            for argument, option in OPTION_SPELLINGS.items():
+                message = message.replace(argument, option)
+        print(f"hf-loopspec {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if debug_requested(args):

@@ -212,6 +212,20 @@ def test_prompts_too_long_for_the_model_are_errors(good, tmp_path, capsys):
     assert "--new-tokens 1: the speculative modes (" in capsys.readouterr().err
 
 
+def test_advice_to_decode_plainly_names_the_option(tmp_path, capsys):
+    """The library's "speculative_mode=None" reads "--mode plain" on the command line: a one-loop checkpoint has no
+    shallower loop to draft from, and generate and batch say which option decodes it (they named the argument)."""
+    one_loop = save_checkpoint(tmp_path / "one-loop", total_ut_steps=1)
+    capsys.readouterr()  # (the save's progress bar)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "w5 w6"}\n')
+    for argv in (["generate", "w5 w6"], ["batch", str(prompts), "--output", str(tmp_path / "out.jsonl")]):
+        assert cli.main([*argv, "--model", str(one_loop), "--device", "cpu", "--mode", "pipeline"]) == 2
+        line = _last_line(capsys.readouterr().err)
+        assert "this call runs 1 loop" in line and "decode plainly (--mode plain)" in line, line
+        assert "speculative_mode" not in line
+
+
 # --- the traceback on request, interrupts, a real process -----------------------------------------------------------
 
 

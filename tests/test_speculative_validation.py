@@ -250,7 +250,7 @@ def test_one_loop_model_cannot_self_speculate(inputs, mode):
     the message says so and names num_steps (it said "draft_loops=1 is outside [1, 0]")."""
     ids, mask = inputs
     model = tiny_spec_model(53, 1, vocab=VOCAB)
-    message = r"this call runs 1 loop \(a Huginn model with num_steps=1, or a 1-loop model\): pass num_steps >= 2"
+    message = r"this call runs 1 loop \(a Huginn model with num_steps=1, or a 1-loop model\): decode plainly"
     with pytest.raises(ValueError, match=message):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=PAD,
                        speculative_mode=mode)
