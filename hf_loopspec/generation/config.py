@@ -187,14 +187,19 @@ def requested_mode(model, kwargs: dict):
     return mode if mode is not None else getattr(model.generation_config, "speculative_mode", None)
 
 
-def custom_loop_settings(mode) -> dict:
+def custom_loop_settings(mode, trace=None) -> dict:
     """The speculative settings that replace a call's when its `custom_generate` is a callable, a decoding loop that
-    replaces generate's own (and so the speculative one), and it asks for `mode`: auto, free to decode plainly, does
-    so (every speculative key None: its engine settings go with it); plain keeps its own (none); pipeline or block
-    raise a `ValueError` (their loop would not run, without a word)."""
+    replaces generate's own (and so the speculative one), and it asks for `mode` and `speculative_trace=trace`: auto,
+    free to decode plainly, does so (every speculative key None: its engine settings go with it); plain keeps its own
+    (none); pipeline or block, or a trace asked for, raise a `ValueError` (their loop would not run, without a
+    word)."""
     if mode not in (None, AUTO_MODE):
         raise ValueError(f"speculative_mode={mode!r} cannot be combined with a callable custom_generate: a decoding "
                          "loop of your own replaces the speculative one; pass speculative_mode=None.")
+    if trace not in (None, False):
+        raise ValueError(f"speculative_trace={trace!r} records a speculative mode's cycles, but a callable "
+                         "custom_generate replaces the speculative loop (speculative_mode='auto' decodes plainly "
+                         "then): there are none. Drop speculative_trace, or custom_generate.")
     return dict.fromkeys(SPECULATIVE_KEYS) if mode == AUTO_MODE else {}
 
 

@@ -113,7 +113,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         if isinstance(kwargs.get("custom_generate"), str):  # a repo's generate replaces the whole call: transformers
             return super().generate(*args, **kwargs)  # hands it every argument, speculative_mode included
         if callable(kwargs.get("custom_generate")):
-            kwargs = {**kwargs, **custom_loop_settings(requested_mode(self, kwargs))}
+            kwargs = {**kwargs, **custom_loop_settings(requested_mode(self, kwargs), kwargs.get("speculative_trace"))}
         if isinstance(cache, Cache) and cache.get_seq_length():
             check_assisted_continuation(kwargs, self.generation_config, cache.get_seq_length())
         with cache.kept_on_error() if isinstance(cache, PagedLoopCache) else nullcontext():
