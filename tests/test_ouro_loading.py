@@ -5,6 +5,7 @@ not match the config. Logits are checked against the independent reference."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -195,6 +196,23 @@ def test_ignore_mismatched_sizes_keeps_its_transformers_meaning(tmp_path, source
     broken = broken_folder(tmp_path, source, BROKEN["missing"][0])
     with pytest.raises(ValueError, match="missing"):
         AutoModelForCausalLM.from_pretrained(broken, ignore_mismatched_sizes=True)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "huginn_raven"])
+def test_a_checkpoint_of_another_family_is_refused_before_its_weights_load(tmp_path, saved, model_type):
+    """A config.json naming another `model_type` is refused by the family's class, whose tensors fit or not
+    (transformers only warned, then built the class's model from the other family's config: a GPT-2 folder made a
+    default-sized Ouro); the auto class still loads the checkpoint as what it is."""
+    folder = tmp_path / "relabelled"
+    shutil.copytree(saved, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    for loader in (OuroForCausalLM, OuroModel):
+        with pytest.raises(ValueError, match=rf"model_type='{model_type}'.*cannot load .*AutoModelForCausalLM"):
+            loader.from_pretrained(folder)
+    with pytest.raises(ValueError, match="model_type='ouro'.*HuginnForCausalLM cannot load"):
+        hf_loopspec.HuginnForCausalLM.from_pretrained(saved)
+    assert type(AutoModelForCausalLM.from_pretrained(saved)) is OuroForCausalLM
 
 
 def test_base_model_missing_key_raises(tmp_path, source):

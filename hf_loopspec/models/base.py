@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import torch
+from transformers import PretrainedConfig
 from transformers.cache_utils import DynamicCache
 
 from ..generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS, asks
 from ..generation.inputs import check_cache_type
 from ..generation.saved_config import mark_user_generation_config, restore_speculative_keys, saved_generation_dict
+
+
+DOWNLOAD_KEYS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
 
 
 class StrictLoadingMixin:
@@ -49,6 +53,25 @@ class StrictLoadingMixin:
         restore_speculative_keys(self.generation_config, saved, self.generation_keys)
 
     @classmethod
+    def _check_family(cls, path, kwargs: dict) -> None:
+        """`ValueError` when `path`'s config.json names another `model_type`, before any weight is read: transformers
+        only logs a warning, then builds this family's model (at its default size) from the other family's config.
+        A call that passes its own `config`, or a GGUF file, is not checked; a config that cannot be read is left to
+        transformers' load, which says what is missing."""
+        if path is None or kwargs.get("config") is not None or kwargs.get("gguf_file"):
+            return
+        download = {key: kwargs[key] for key in DOWNLOAD_KEYS if key in kwargs}
+        try:
+            saved, _ = PretrainedConfig.get_config_dict(path, **download)
+        except (OSError, ValueError):
+            return
+        found, expected = saved.get("model_type"), cls.config_class.model_type
+        if found and found != expected:
+            raise ValueError(f"{path} holds a model_type={found!r} checkpoint (its config.json), which "
+                             f"{cls.__name__} cannot load (it loads {expected!r}): load it with "
+                             "AutoModelForCausalLM.from_pretrained, which picks the class of its family.")
+
+    @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`, except that a checkpoint whose tensors do not match the model
         (missing, unexpected or mis-shaped keys) raises `ValueError` instead of loading half-random weights.
@@ -63,6 +86,7 @@ class StrictLoadingMixin:
             raise ValueError(f"{', '.join(foreign)}: generation settings of another model family (Ouro's exit options, "
                              f"Huginn's recurrence settings); {cls.__name__} takes "
                              f"{', '.join(cls.generation_keys) or 'none'}. Drop them.")
+        cls._check_family(args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs)
         want_info = kwargs.pop("output_loading_info", False)
         family = {key: kwargs.pop(key) for key in cls.generation_keys if key in kwargs}
         if family and not hasattr(cls, "call_block"):
