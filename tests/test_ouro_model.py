@@ -291,6 +291,10 @@ def test_out_of_vocab_ids_raise(bad_id):
         ({"rope_theta": "1e4"}, "rope_theta='1e4' is invalid"),
         ({"rope_theta": float("inf")}, "rope_theta=inf is invalid"),
         ({"attention_bias": True}, "attention_bias=True is not supported"),
+        # accepted before, with NaN logits
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0 is invalid"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps=nan is invalid"),
+        ({"rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6' is invalid"),
     ],
 )
 def test_invalid_config_raises(overrides, named):

@@ -11,7 +11,6 @@ from ..generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS, asks
 from ..generation.inputs import check_cache_type
 from ..generation.saved_config import mark_user_generation_config, restore_speculative_keys, saved_generation_dict
 
-
 DOWNLOAD_KEYS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
 
 

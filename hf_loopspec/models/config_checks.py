@@ -51,6 +51,15 @@ def check_rope_base(config, name: str) -> None:
                          "> 0 (the checkpoints use 10000.0 to 1000000.0).")
 
 
+def check_norm_eps(config, name: str) -> None:
+    """`ValueError` naming `name` unless the config's RMSNorm epsilon there is a finite number >= 0 (a negative or NaN
+    one gave NaN logits, and greedy decoding then returned token 0 without a word)."""
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{type(config).__name__}.{name}={value!r} is invalid: the RMSNorm epsilon must be a finite "
+                         "number >= 0 (the checkpoints use 1e-6).")
+
+
 class RopeParametersMixin:
     """`rope_parameters` and `rope_scaling` given as keywords of `from_pretrained` / `from_dict` reach the config as
     config.json keys do (transformers sets only keywords the config has as attributes: it would drop them, or hand

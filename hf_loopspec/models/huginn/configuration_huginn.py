@@ -14,7 +14,14 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from ...logs import get_logger
 from ..code_pointers import CodePointersMixin
-from ..config_checks import ROPE_BASE_NAMES, RopeParametersMixin, check_counts, check_rope_base, rope_theta_of
+from ..config_checks import (
+    ROPE_BASE_NAMES,
+    RopeParametersMixin,
+    check_counts,
+    check_norm_eps,
+    check_rope_base,
+    rope_theta_of,
+)
 from ..layers import is_integer
 
 logger = get_logger(__name__)
@@ -200,6 +207,7 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
                 raise ValueError(f"HuginnConfig: {name}={getattr(self, name)} and {other}={getattr(self, other)} "
                                  "disagree: two names of one setting; set both.")
         check_rope_base(self, "rope_base")
+        check_norm_eps(self, "norm_eps")
         if self.padded_vocab_size not in (None, self.vocab_size):
             raise ValueError(
                 f"HuginnConfig.padded_vocab_size={self.padded_vocab_size} differs from vocab_size={self.vocab_size}: "

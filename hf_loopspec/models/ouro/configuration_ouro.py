@@ -10,7 +10,7 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from ...hub.shims import AUTO_MAP
 from ..code_pointers import CodePointersMixin
-from ..config_checks import RopeParametersMixin, check_counts, check_rope_base, rope_theta_of
+from ..config_checks import RopeParametersMixin, check_counts, check_norm_eps, check_rope_base, rope_theta_of
 
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "head_dim")
@@ -121,6 +121,7 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
                 "attention in every layer; set use_sliding_window=False."
             )
         check_rope_base(self, "rope_theta")
+        check_norm_eps(self, "rms_norm_eps")
         check_rope_scaling(self.rope_scaling, self.rope_theta)
         if self.attention_bias:
             raise ValueError("OuroConfig.attention_bias=True is not supported: the released Ouro checkpoints have no "
