@@ -11,7 +11,9 @@ import contextlib
 import json
 import subprocess
 import types
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from checkpoint_utils import word_tokenizer
@@ -341,6 +343,25 @@ def test_bench_leaves_the_callers_generation_config_alone():
     with pytest.raises(RuntimeError), run.bench_generation_config(model, None):
         raise RuntimeError("a failed run")
     assert model.generation_config is mine
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"repeats": 0}, r"repeats=0: 0 must be >= 1"),  # (an IndexError after the runs)
+    ({"new_tokens": 2.5}, r"new_tokens=2\.5: '2\.5' is not an integer"),
+    ({"dtype": "fp16"}, r"dtype='fp16': choose one of bfloat16, float16, float32"),  # (a KeyError)
+    ({"top_p": 2.0, "do_sample": True}, r"top_p=2\.0: 2\.0 is outside \[0, 1\]"),  # (ran)
+    ({"quiet": "no"}, r"quiet='no': expected True or False"),
+    ({"modes": ["plain", "tree"]}, r"modes=\['plain', 'tree'\]: unknown mode"),
+    ({"new_tokenz": 4}, r"new_tokenz=4 is not an option of the bench; use one of .*new_tokens"),  # (ignored)
+])
+def test_a_namespace_built_in_code_is_checked_as_the_command_line_is(given, message):
+    """The notebook builds `run_bench`'s arguments as an `argparse.Namespace`: each value is checked as its option's
+    text would be, and a name that is no option is refused, before the model loads."""
+    with pytest.raises(ValueError, match=message):
+        run_bench(argparse.Namespace(model="no-such-model", **given))
+    args = bench_args.with_defaults(argparse.Namespace(modes=("plain", "block"), new_tokens=np.int64(5),
+                                                       json=Path("b.json"), quiet=True))
+    assert (args.modes, args.new_tokens, args.json, args.quiet) == (["plain", "block"], 5, Path("b.json"), True)
 
 
 def test_bench_refuses_sampling_options_that_would_not_apply(capsys):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
+import os
 
 from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, DTYPE_NAMES
 from ..prompting import SAMPLING_OFF, SpeculativeOnly
@@ -164,14 +166,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+CLI_ONLY = ("command", "debug", "speculative_given")  # set by `hf-loopspec`'s parser and its actions, not options
+
+
 def with_defaults(args) -> argparse.Namespace:
-    merged = vars(parse_args([])).copy()
-    merged.update({k: v for k, v in vars(args).items()})
-    if isinstance(merged["modes"], str):
-        merged["modes"] = parse_modes(merged["modes"])
-    if isinstance(merged["engines"], str):
-        merged["engines"] = parse_engines(merged["engines"])
+    """`args` (from `parse_args`, or an `argparse.Namespace` built in code, as the notebook builds it) over the
+    options' defaults, each value checked as the command line checks it: `ValueError` naming an attribute that is no
+    option (a misspelling changed nothing) or a value that the option's type or choices refuse (`modes` and
+    `engines` may be lists)."""
+    parser = build_parser()
+    options = {action.dest: action for action in parser._actions if action.dest != "help"}
+    merged = vars(parser.parse_args([]))
+    for name, value in vars(args).items():
+        if name in CLI_ONLY:
+            merged[name] = value
+        elif name not in options:
+            raise ValueError(f"bench argument {name}={value!r} is not an option of the bench; use one of "
+                             f"{', '.join(sorted(options))}.")
+        else:
+            merged[name] = checked_value(options[name], value)
     return argparse.Namespace(**merged)
+
+
+def checked_value(action: argparse.Action, value):
+    """`value` of the option `action` as its command-line text would parse (a list of modes or engines joined by
+    commas first), or a `ValueError` naming the option; None stays None (the options' "not given")."""
+    if value is None or value is action.default:
+        return value
+    if action.type is None:  # a flag, or free text (a path, a device, a backend)
+        kind = bool if action.nargs == 0 else (str, os.PathLike)
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+            raise ValueError(f"bench argument {action.dest}={value!r}: expected "
+                             f"{'True or False' if kind is bool else 'text'}.")
+    else:
+        text = ",".join(value) if isinstance(value, (list, tuple)) else value
+        if isinstance(value, bool) or not isinstance(text, (str, numbers.Real)):
+            raise ValueError(f"bench argument {action.dest}={value!r}: expected what {action.option_strings[0]} "
+                             "takes on the command line.")
+        try:
+            value = action.type(str(text))
+        except argparse.ArgumentTypeError as err:
+            raise ValueError(f"bench argument {action.dest}={value!r}: {err}") from None
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"bench argument {action.dest}={value!r}: choose one of {', '.join(action.choices)}.")
+    return value
 
 
 def check_unused_options(args) -> None:
