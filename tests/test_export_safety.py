@@ -251,7 +251,7 @@ def test_the_card_of_a_source_without_tokenizer_loads_the_base_models(tmp_path):
     ({"benchmarks": "bench.json"}, r"benchmarks='bench.json' must be a list"),  # (read letter by letter)
     ({"benchmarks": [123]}, r"benchmarks\[0\]=123: give a bench result"),  # (a TypeError in pathlib)
     ({"benchmarks": [{"rows": [], "machine": None, "args": {}, "model": {}}]}, r"benchmarks\[0\] is not"),
-    ({"license": 5}, r"license=5 must be a string or None"),  # (a TypeError)
+    ({"license": 5}, r"license=5 is not a Hub license id: give one such as apache-2.0"),  # (a TypeError)
     ({"tags": "abc"}, r"tags='abc' must be a list of strings"),  # (the tags a, b and c)
     ({"sampling": "x"}, r"sampling='x' must be a dict"),
     ({"sampling": {"temperature": -1}}, r"sampling \(the base model's card\): temperature=-1 must be a number > 0"),
@@ -273,13 +273,14 @@ def test_card_arguments_are_checked(bad, message):
 
 def test_what_an_export_carries_from_its_source_is_written_as_it_is():
     """`export` fills the card's repo id from the source's name and its license and base model from the source's
-    card; the Hub form of `--repo-id` / `--license` / `--base-model` is checked on the flags only, so a folder named
-    with a space, a card's `Apache-2.0` or a local base model still export (the first card checks refused them,
-    naming flags never passed). A sampling setting left None is left out of the card, a numpy one written plainly."""
+    card; the Hub form of `--repo-id` / `--base-model` is checked on the flags only, so a folder named with a space or
+    a local base model still export (the first card checks refused them, naming flags never passed). A license is a
+    Hub license id wherever it comes from (the Hub refuses a card with another). A sampling setting left None is left
+    out of the card, a numpy one written plainly."""
     card = hf_loopspec.hub.build_model_card(
-        repo_id="your-username/name with space", license="Apache-2.0", base_model="./local/ckpt",
+        repo_id="your-username/name with space", license="apache-2.0", base_model="./local/ckpt",
         sampling={"temperature": np.float32(0.5), "top_p": None}, num_loops=np.int64(4)).content
-    assert "name with space" in card and "license: Apache-2.0" in card and "./local/ckpt" in card
+    assert "name with space" in card and "license: apache-2.0" in card and "./local/ckpt" in card
     assert "do_sample=True, temperature=0.5)" in card and "top_p" not in card.split("gen = dict(")[1].split(")")[0]
 
 

@@ -17,6 +17,7 @@ source checkout. Install lines come from `hf_loopspec.hub.install` (the project 
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -129,7 +130,8 @@ def build_model_card(
     sampling = check_card_arguments(FAMILIES, **locals())  # (card_checks: every argument, by name)
     fam = FAMILIES[family]
     results = bench_results(benchmarks)  # a bad results file fails before anything is built
-    eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
+    eos = [int(id_) for id_ in ([eos_token_ids] if isinstance(eos_token_ids, numbers.Integral)  # (numpy as Python)
+                                else eos_token_ids or [])]
     base_link = f"[{base_model}](https://huggingface.co/{base_model})" if base_model and "/" in base_model else None
     makers = makers_weights(base_model, family)
     # None: the prose says "the source checkpoint"

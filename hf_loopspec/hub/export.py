@@ -21,13 +21,14 @@ model embedded in the package) and writes to OUT:
   own card when it has one (the embedded model's is `model_cards/hf-loopspec-default/`), and the family's maker and
   paper appear only for the maker's own weights. `--benchmarks` results fill its speed section and `model-index`.
 
-Guarantees: SRC is checked before it loads (`hf_loopspec.input_checks.check_source`: safetensors only, complete
-files; a Hub id that is not in the local cache fails at once when the Hub cannot be used: offline mode or no
-network); the folder is written beside OUT and moved into place only when complete, so a failed export leaves OUT as
-it was, `--overwrite` replaces the previous export as a set, and the staged folders a killed export left beside OUT
-are removed by the next export to OUT (`hf_loopspec.hub.staging`); the only remote-code
-pointers in OUT are the ones the export writes (config.json's `auto_map` to the shims; a source tokenizer's
-`auto_map` is dropped, and a tokenizer that cannot load without its own code is refused).
+Guarantees: the settings are checked before anything loads (`hub.card_checks`), and SRC before its weights load
+(`hf_loopspec.input_checks.check_source`: safetensors only, complete files; then its config.json: the Ouro family, and
+the speculative defaults against its loop count; a Hub id that is not in the local cache fails at once when the Hub
+cannot be used: offline mode or no network); the folder is written beside OUT and moved into place only when
+complete, so a failed export leaves OUT as it was, `--overwrite` replaces the previous export as a set, and the staged
+folders a killed export left beside OUT are removed by the next export to OUT (`hf_loopspec.hub.staging`); the only
+remote-code pointers in OUT are the ones the export writes (config.json's `auto_map` to the shims; a source
+tokenizer's `auto_map` is dropped, and a tokenizer that cannot load without its own code is refused).
 
 Command line: `python -m hf_loopspec.hub.export SRC OUT [options]` (`main_export`), and the `export` subcommand of
 `hf-loopspec` when the CLI registers it with `add_subcommand`.
@@ -36,15 +37,15 @@ Command line: `python -m hf_loopspec.hub.export SRC OUT [options]` (`main_export
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
-import re
 import sys
 from pathlib import Path
 
 from .. import __version__
-from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
+from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, DTYPE_NAMES
 from ..input_checks import check_source, hub_errors_explained
-from .card_checks import SAMPLING_RANGES, check_card_metadata, is_hub_repo_id, is_language, is_license_id
+from .card_checks import CHATML_TOKENS, SAMPLING_RANGES, carried_metadata, check_loop_settings, is_hub_repo_id
 from .install import install_command
 from .shims import AUTO_MAP, SHIM_FILES, write_template
 from .source import hub_options, resolve_source
@@ -53,7 +54,7 @@ from .staging import check_destination, staged_folder
 # transformers checks each line as `name[<op><version>]` (no PEP 508 URLs), so the repository install is a comment
 CUSTOM_GENERATE_REQUIREMENTS = ("# hf-loopspec is not on PyPI yet; install it from its repository: {install}\n"
                                 "hf-loopspec>={version}\ntransformers>=5.24\n")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", *DTYPE_NAMES)
 
 
 def export_checkpoint(
@@ -78,7 +79,7 @@ def export_checkpoint(
     Args:
         src: a checkpoint folder, a Hub id (`ByteDance/Ouro-1.4B`, ...) or "default" (the embedded model).
         out: the folder to write; it must be empty or missing unless `overwrite=True`.
-        max_shard_size: passed to `save_pretrained` (`"2GB"`, `"500MB"`, or bytes).
+        max_shard_size: passed to `save_pretrained` (`"2GB"`, `"500MB"`, or bytes: an integer).
         dtype: `"float32"`, `"bfloat16"`, `"float16"`, or None / `"auto"` to keep the checkpoint's.
         speculative_mode, draft_loops, num_speculative_tokens: the defaults written to `generation_config.json`
             (validated against the model's loop count; `speculative_mode=None` writes plain decoding).
@@ -88,7 +89,8 @@ def export_checkpoint(
         license: the card's license; default the source card's, else `apache-2.0`.
         benchmarks: `hf-loopspec bench` results for the card's speed section (JSON documents or `--json` files);
             None: the card says there are no measured numbers.
-        model_card_kwargs: passed to `build_model_card` (`title`, `summary`, `sampling`, `tags`, ...).
+        model_card_kwargs: passed to `build_model_card` (`title`, `summary`, `sampling`, `tags`, ...); a keyword
+            it does not take raises a `TypeError`.
 
     The folder is written beside `out` and moved into place only when complete (`hf_loopspec.hub.staging`): with
     `overwrite=True` the previous contents of `out` are replaced as a set (hidden entries such as `.git` are
@@ -103,29 +105,26 @@ def export_checkpoint(
     import torch
     from transformers import AutoModelForCausalLM
 
-    import hf_loopspec
-
     from .card_speed import bench_results
 
-    shard_bytes = shard_size(max_shard_size)  # the settings first: a bad one is refused before any Hub request
-    check_card_metadata(repo_id, base_model, license)
+    # the settings first: a bad one is refused before any Hub request
+    shard_bytes = _checked_settings(max_shard_size, dtype, overwrite, trust_remote_code, repo_id, base_model, license,
+                                    model_card_kwargs)
     benchmarks = bench_results(benchmarks)  # the result files too, before the model loads
-    if dtype not in (None, *DTYPES):
-        raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}.")
     out = check_destination(out, overwrite=overwrite)
     source = resolve_source(str(src))
     src = source.path
     if Path(src).exists() and (Path(src).resolve() == out.resolve() or out.resolve() in Path(src).resolve().parents):
         raise ValueError(f"OUT ({out}) is or contains the source checkpoint {src}; export into another folder.")
     check_source(src)
+    num_loops = _source_config(src, source.local_only, trust_remote_code).total_ut_steps  # no weights read yet
+    check_loop_settings(num_loops, model_card_kwargs.get("exit_options"), speculative_mode, draft_loops,
+                        num_speculative_tokens)
 
     load_dtype = "auto" if dtype in (None, "auto") else getattr(torch, dtype)
     with hub_errors_explained(src):
         model = AutoModelForCausalLM.from_pretrained(src, dtype=load_dtype, trust_remote_code=trust_remote_code,
                                                      use_safetensors=True, **hub_options(source.local_only))
-    if not isinstance(model, hf_loopspec.OuroForCausalLM):
-        raise ValueError(f"{src} loads as {type(model).__name__}; export supports hf_loopspec's Ouro models "
-                         "(model_type 'ouro').")
     model.eval()
     tokenizer = _load_tokenizer(src, source.local_only)
     _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens)
@@ -136,6 +135,44 @@ def export_checkpoint(
         card.save(stage / "README.md")
         _readable_as_umask(stage)
     return out
+
+
+def _checked_settings(max_shard_size, dtype, overwrite, trust_remote_code, repo_id, base_model, license,
+                      model_card_kwargs: dict) -> int:
+    """`max_shard_size` in bytes, after a `ValueError` for any setting of `export_checkpoint` that is checked without
+    the source (`model_card_kwargs` as `build_model_card` checks them), and a `TypeError` naming a keyword that neither
+    `export_checkpoint` nor `build_model_card` takes."""
+    from .card import FAMILIES, build_model_card
+    from .card_checks import check_card_keywords, check_card_metadata, check_flags, shard_size
+
+    check_flags(overwrite=overwrite, trust_remote_code=trust_remote_code)
+    if dtype not in (None, *DTYPES):
+        raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}.")
+    check_card_metadata(repo_id, base_model, license)
+    card_keywords = [name for name in inspect.signature(build_model_card).parameters
+                     if name not in inspect.signature(export_checkpoint).parameters]
+    unknown = [name for name in model_card_kwargs if name not in card_keywords]
+    if unknown:
+        raise TypeError(f"export_checkpoint() got an unexpected keyword argument {unknown[0]!r}; the keywords it "
+                        f"passes to the model card are {', '.join(card_keywords)}.")
+    check_card_keywords(model_card_kwargs, FAMILIES)
+    return shard_size(max_shard_size)
+
+
+def _source_config(src: str, local_only: bool, trust_remote_code: bool):
+    """SRC's config, read without its weights, after a `ValueError` when SRC is of another family than Ouro
+    (config.json's `model_type`): its weights then load as hf_loopspec's `OuroForCausalLM`, whose registration wins
+    over a checkpoint's own remote code."""
+    from transformers import AutoConfig
+
+    import hf_loopspec
+
+    with hub_errors_explained(src):
+        config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code, local_files_only=local_only)
+    if not isinstance(config, hf_loopspec.OuroConfig):
+        raise ValueError(f"{src} has model_type {config.model_type!r}; export supports hf_loopspec's Ouro models "
+                         "(model_type 'ouro').")
+    return config
 
 
 def _readable_as_umask(folder: Path) -> None:
@@ -149,17 +186,13 @@ def _readable_as_umask(folder: Path) -> None:
 
 
 def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens):
-    """Set on `model.generation_config` (and return it) the speculative defaults (validated), eos ids that end a
-    chat turn and a pad id."""
+    """Set on `model.generation_config` (and return it) the speculative defaults (checked before the model loaded:
+    `check_loop_settings`), eos ids that end a chat turn and a pad id."""
     # (here: the command's parser is built without transformers)
     from ..generation.call import reject_configured_runtime_keys
-    from ..generation.config import EXIT_OPTIONS, reject_recurrence_options, resolve_speculative
+    from ..generation.config import EXIT_OPTIONS, reject_recurrence_options
 
     gen = model.generation_config
-    # the ValueError generate() would raise; with plain decoding by default, the one a later speculative_mode="auto"
-    # call would raise on the depths written (a 1-loop model, which cannot speculate, has no depths to check)
-    if speculative_mode is not None or model.num_loops > 1:
-        resolve_speculative(speculative_mode or "auto", draft_loops, num_speculative_tokens, num_loops=model.num_loops)
     try:  # the source's own settings that every generate() of the export would raise on
         reject_configured_runtime_keys(gen)
         reject_recurrence_options(type(model).__name__, vars(gen))
@@ -225,7 +258,7 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
             get_logger(__name__).warning("export: the source card's base_model %r is no Hub repo id: left out of "
                                          "the card; pass --base-model to name the base model.", base_model)
             base_model = None
-    license, language = _carried_metadata(data, license)
+    license, language = carried_metadata(data, license)
     is_base = source.hub_id and base_model == source.spec  # the weights are base_model's own, not a derivative's
     card_args = {
         "repo_id": repo_id or f"your-username/{source.name}",
@@ -254,25 +287,6 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
         card_args["sampling_source"] = "the checkpoint's `generation_config.json`"
     card_args.update(model_card_kwargs)
     return build_model_card(**card_args)
-
-
-def _carried_metadata(data: dict, license: str | None) -> tuple[str, str | list[str] | None]:
-    """(license, language) of the export's card: `license` (--license), else the source card `data`'s, else
-    apache-2.0, and the source card's language (None: none). A `ValueError` when the source's license is used and is
-    no Hub license id (what `--license` is checked for); a language that is no language code or list of them is left
-    out with a warning (the Hub refuses such a card)."""
-    from ..logs import get_logger
-
-    language = data.get("language")
-    if license is None and not is_license_id(license := data.get("license") or "apache-2.0"):
-        raise ValueError(f"the source's model card has license: {license!r}, which is not a Hub license id; pass "
-                         "--license with one such as apache-2.0, mit or cc-by-4.0 (or 'other').")
-    if language is not None and not is_language(language):
-        get_logger(__name__).warning("export: the source card's language %r is no language code (en, zho, code, "
-                                     "multilingual) or list of them: left out of the card (the Hub refuses it).",
-                                     language)
-        language = None
-    return license, language
 
 
 def _write_folder(folder: Path, model, tokenizer, max_shard_size: int) -> None:
@@ -353,7 +367,7 @@ def _chatml_tokens(tokenizer) -> dict[str, int]:
     if not template or "<|im_end|>" not in str(template):
         return {}
     vocab = tokenizer.get_vocab()
-    return {token: vocab[token] for token in ("<|im_start|>", "<|im_end|>", "<|endoftext|>") if token in vocab}
+    return {token: vocab[token] for token in CHATML_TOKENS if token in vocab}
 
 
 # --- command line ---------------------------------------------------------------------------------------------------
@@ -424,18 +438,6 @@ def main_export(argv: list[str] | None = None) -> int:
     from ..cli import main as cli_main
 
     return cli_main(["export", *(sys.argv[1:] if argv is None else argv)])
-
-
-def shard_size(value: str | int) -> int:
-    """Bytes for a shard size: a byte count or a number with a decimal unit ("40KB", "500MB", "2GB", "1TB", as
-    `save_pretrained` reads them); `ValueError` naming the fix otherwise."""
-    text = str(value).strip()
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)B?", text, flags=re.IGNORECASE)
-    size = int(float(match[1]) * 1000 ** " KMGT".index(match[2].upper() or " ")) if match else 0
-    if size < 1:
-        raise ValueError(f"max shard size {value!r} is not a size; pass --max-shard-size (max_shard_size) as e.g. "
-                         "500MB, 2GB or a byte count.")
-    return size
 
 
 if __name__ == "__main__":
