@@ -166,10 +166,17 @@ def plot_schedule(trace: Sequence, *, seq: int = 0, tokenizer=None, num_loops: i
     existing axes.
     """
     import matplotlib.pyplot as plt
+    from matplotlib.axes import Axes
     from matplotlib.patches import Patch, Rectangle
 
     if max_cycles is not None and (not is_integer(max_cycles) or max_cycles < 1):
         raise ValueError(f"max_cycles={max_cycles!r}: pass a whole number >= 1 of cycles to draw, or None for all.")
+    if ax is not None and not isinstance(ax, Axes):
+        raise ValueError(f"ax is a {type(ax).__name__}; pass a matplotlib Axes to draw into (plt.subplots()[1]), or "
+                         "None for a new figure.")
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+        raise ValueError(f"tokenizer is a {type(tokenizer).__name__}, which has no decode method; pass the model's "
+                         "tokenizer (AutoTokenizer.from_pretrained(...)), or None to show token ids.")
     grid = schedule_grid(trace, seq=seq, num_loops=num_loops)
     cycles = grid.num_cycles if max_cycles is None else min(max_cycles, grid.num_cycles)
     if ax is None:

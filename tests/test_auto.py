@@ -356,6 +356,18 @@ def test_forget_during_a_remember_leaves_nothing_stored(case, monkeypatch):
     assert auto_policy.remembered(model, "settings") == auto_policy.Acceptance()
 
 
+def test_the_policy_functions_refuse_what_is_no_looped_model():
+    """`forget` and `set_policy` name a model that auto never decodes, and a policy that is no `AutoPolicy` (a
+    weakref TypeError or an AttributeError before, or a policy stored to fail at the next call)."""
+    for bad in (None, "ByteDance/Ouro-1.4B", torch.nn.Linear(2, 2)):
+        for call, args in ((forget, (bad,)), (set_policy, (bad, None))):
+            with pytest.raises(ValueError, match=rf"model is {type(bad).__name__}, not a looped model of hf_loopspec"):
+                call(*args)
+    model = tiny_spec_model(5, vocab=VOCAB)
+    with pytest.raises(ValueError, match="policy is dict; pass an AutoPolicy"):
+        set_policy(model, {"margin": 0.1})
+
+
 def test_a_prompt_that_fills_the_positions_is_refused_as_in_plain_decoding():
     """No max_length or max_new_tokens anywhere, and a prompt as long as the model's positions: plain decoding
     raises, and so does auto (it returned the prompt with no new token and no word)."""

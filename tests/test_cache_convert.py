@@ -118,6 +118,19 @@ def test_refill_in_place_and_refusals(case):
             to_paged(ref.cache, layout, bad)
         with pytest.raises(ValueError, match=rf"attention_mask: .* >= {columns}\] padding mask"):
             to_dynamic(paged, bad)
+    # the wrong object in a slot: a ValueError naming the argument (AttributeErrors before)
+    with pytest.raises(ValueError, match="to_dynamic: cache is a DynamicCache; it converts a PagedLoopCache"):
+        to_dynamic(ref.cache, full)
+    with pytest.raises(ValueError, match="to_dynamic: into is a str; pass the DynamicCache to refill"):
+        to_dynamic(paged, full, into="x")
+    with pytest.raises(ValueError, match=r"to_paged: layout is a .*ForCausalLM; pass the model's KV layout"):
+        to_paged(ref.cache, model, full)
+    with pytest.raises(ValueError, match="to_paged: cache is a PagedLoopCache; it converts a DynamicCache"):
+        to_paged(paged, layout, full)
+    # a plane the layout lacks: a ValueError (99 was an IndexError, -1 the last plane's count)
+    for plane in (layout.num_planes, -1, 0.0):
+        with pytest.raises(ValueError, match=rf"plane={plane!r} is no loop depth .*\[0, {layout.num_planes - 1}\]"):
+            paged.columns(plane)
 
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["growing", "fixed layers"])

@@ -162,6 +162,14 @@ def test_plot_schedule_draws_every_cell(pipeline_trace, tmp_path):
     assert (tmp_path / "schedule.png").stat().st_size > 0
 
 
+def test_plot_schedule_refuses_what_it_cannot_draw_with(pipeline_trace):
+    """An `ax` that is no matplotlib Axes and a `tokenizer` without `decode` are named (AttributeErrors before)."""
+    with pytest.raises(ValueError, match="ax is a str; pass a matplotlib Axes"):
+        plot_schedule(pipeline_trace.trace, num_loops=4, ax="x")
+    with pytest.raises(ValueError, match="tokenizer is a str, which has no decode method"):
+        plot_schedule(pipeline_trace.trace, num_loops=4, tokenizer="x")
+
+
 def test_schedule_grid_needs_a_trace():
     with pytest.raises(ValueError, match="speculative_trace=True"):
         schedule_grid([])

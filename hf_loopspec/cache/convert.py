@@ -40,6 +40,11 @@ def to_dynamic(cache: PagedLoopCache, attention_mask: torch.Tensor, into: Dynami
     """A `DynamicCache` holding what `cache` holds for the inputs `attention_mask` `[B, >= C]` marks
     (C = `cache.columns()`), its complete planes only (module docstring); `into` is refilled in place (its old
     entries dropped) when given, once the new entries are all made: a failure (out of memory) leaves it as it was."""
+    if not isinstance(cache, PagedLoopCache):
+        raise ValueError(f"to_dynamic: cache is a {type(cache).__name__}; it converts a PagedLoopCache (to_paged "
+                         "converts the other way).")
+    if into is not None and not isinstance(into, DynamicCache):
+        raise ValueError(f"to_dynamic: into is a {type(into).__name__}; pass the DynamicCache to refill, or None.")
     layout, columns = cache.kv_layout, cache.columns()
     rows, cols, _ = _real_columns(attention_mask, columns)
     cache.check_stored(attention_mask)
@@ -111,6 +116,12 @@ def to_paged(cache: DynamicCache, layout: KVLayout, attention_mask: torch.Tensor
     `attention_mask` `[B, >= C]` marks (C = `cache.get_seq_length()`): every layer that holds all C columns. A
     `DynamicCache` of fixed layers (`DynamicCache(config=...)`) must have the layout's, as in plain decoding: the
     run's KV goes back into it (`to_dynamic`)."""
+    if not isinstance(cache, DynamicCache):
+        raise ValueError(f"to_paged: cache is a {type(cache).__name__}; it converts a DynamicCache (to_dynamic "
+                         "converts the other way).")
+    if not isinstance(layout, KVLayout):
+        raise ValueError(f"to_paged: layout is a {type(layout).__name__}; pass the model's KV layout: "
+                         "to_paged(cache, model.kv_layout, attention_mask).")
     check_layer_count(cache, layout)
     columns, paged = cache.get_seq_length(), PagedLoopCache(layout)
     if columns == 0:

@@ -183,7 +183,11 @@ class PagedLoopCache(PageTables, Cache):
 
     # --- history from an earlier call -------------------------------------------------------------------------
     def columns(self, plane: int = 0) -> int:
-        """HF view: input columns (padding included) that `plane` has consumed."""
+        """HF view: input columns (padding included) that `plane` has consumed; `ValueError` for a plane the layout
+        lacks (a negative index would count from the end)."""
+        if not is_integer(plane) or not 0 <= plane < self.kv_layout.num_planes:
+            raise ValueError(f"plane={plane!r} is no loop depth of this cache: pass an integer in "
+                             f"[0, {self.kv_layout.num_planes - 1}].")
         return self._columns.counts[plane]
 
     def set_columns(self, count: int, planes, attention_mask: torch.Tensor | None = None) -> None:

@@ -174,9 +174,17 @@ def remember(model, acceptance: Acceptance, settings: str) -> None:
         auto_cache.update(key, changed, "acceptance")
 
 
+def check_model(model, where: str) -> None:
+    """`ValueError` naming `where` unless `model` is a looped causal LM of this package (the objects auto decodes)."""
+    if not all(hasattr(model, name) for name in ("kv_layout", "lane_dtype", "num_loops")):
+        raise ValueError(f"{where}: model is {type(model).__name__}, not a looped model of hf_loopspec; pass the "
+                         "OuroForCausalLM or HuginnForCausalLM whose auto calls it is about.")
+
+
 def forget(model) -> None:
     """Drop what earlier calls observed on `model`, for every setting, here and on disk (the next call starts without
     an acceptance)."""
+    check_model(model, "auto_policy.forget")
     with _LOCK:  # (a `remember` under way stores first, then this removes it)
         _MEMORY.pop(model, None)
         auto_cache.forget(auto_cache.acceptance_key(model), "acceptance")
@@ -184,6 +192,10 @@ def forget(model) -> None:
 
 def set_policy(model, policy: AutoPolicy | None) -> None:
     """Use `policy` for `model`'s auto calls (None: the default)."""
+    check_model(model, "auto_policy.set_policy")
+    if policy is not None and not isinstance(policy, AutoPolicy):
+        raise ValueError(f"auto_policy.set_policy: policy is {type(policy).__name__}; pass an AutoPolicy (e.g. "
+                         "dataclasses.replace(AutoPolicy(), margin=...)), or None for the default.")
     if policy is None:
         _POLICIES.pop(model, None)
     else:
