@@ -73,6 +73,7 @@ from .inputs import as_integer, bos_prompt, check_cache_implementation, check_ge
 from .model_checks import execution_device, model_fallback
 from .processors import configured_fallback, plain_fallback
 from .stats import SequenceStats, SpeculationStats
+from .wavefront.host import compile_problem
 from .wavefront.span import reserved_positions
 
 logger = get_logger(__name__)
@@ -218,6 +219,8 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
         or configured_fallback(config) or settings_fallback(config, synced_gpus_of(model, kwargs.get("synced_gpus")))
     if fallback is not None:
         logger.warning_once("hf_loopspec: %s.", fallback)
+    elif spec.compile_backend is not None and (host := _compile_problem(model, ids, kwargs, config)):
+        raise ValueError(f"speculative_mode='auto' cannot run {host}.")  # (whichever segments auto would choose)
     call = _Call(base, int(max_new), min_new if min_new > 0 else None, eos, pad,
                  single=any(_in_effect(key, _setting(kwargs, config, key)) for key in ONE_STRETCH),
                  return_dict=bool(config.return_dict_in_generate), use_cache=config.use_cache is not False,
@@ -226,6 +229,15 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
                  plain_reason="position-ids" if kwargs.get("position_ids") is not None else (
                      "fallback" if fallback else None), fallback=fallback)
     return call, candidates(model.num_loops, d, k)
+
+
+def _compile_problem(model, ids: torch.Tensor, kwargs: dict, config: GenerationConfig) -> str | None:
+    """Why a compiled step could not run the call's logits processors, as the fixed modes say it up front: auto's
+    speculative segments would raise it, and its plain ones, which drop `compile_core`, not."""
+    processors = model._get_logits_processor(config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
+                                             prefix_allowed_tokens_fn=kwargs.get("prefix_allowed_tokens_fn"),
+                                             logits_processor=kwargs.get("logits_processor"), device=ids.device)
+    return compile_problem(processors, ids.shape[1], None, None)
 
 
 def _default_max_length(model, kwargs: dict) -> bool:
