@@ -353,6 +353,9 @@ def test_bench_leaves_the_callers_generation_config_alone():
     ({"quiet": "no"}, r"quiet='no': expected True or False"),
     ({"modes": ["plain", "tree"]}, r"modes=\['plain', 'tree'\]: unknown mode"),
     ({"new_tokenz": 4}, r"new_tokenz=4 is not an option of the bench; use one of .*new_tokens"),  # (ignored)
+    ({"modes": ["plain", 1]}, r"modes=\['plain', 1\]: expected what --modes takes"),  # (a bare TypeError)
+    ({"repeats": ["3"]}, r"repeats=\['3'\]: expected what --repeats takes"),
+    ({"modes": "plain", "draft_loops": 3}, r"--draft-loops 3: none of --modes plain reads it"),  # (ran)
 ])
 def test_a_namespace_built_in_code_is_checked_as_the_command_line_is(given, message):
     """The notebook builds `run_bench`'s arguments as an `argparse.Namespace`: each value is checked as its option's
@@ -360,8 +363,9 @@ def test_a_namespace_built_in_code_is_checked_as_the_command_line_is(given, mess
     with pytest.raises(ValueError, match=message):
         run_bench(argparse.Namespace(model="no-such-model", **given))
     args = bench_args.with_defaults(argparse.Namespace(modes=("plain", "block"), new_tokens=np.int64(5),
-                                                       json=Path("b.json"), quiet=True))
+                                                       json=Path("b.json"), quiet=True, device=torch.device("cpu")))
     assert (args.modes, args.new_tokens, args.json, args.quiet) == (["plain", "block"], 5, Path("b.json"), True)
+    assert args.device == torch.device("cpu")
 
 
 def test_bench_refuses_sampling_options_that_would_not_apply(capsys):

@@ -70,6 +70,8 @@ BAD = [
     # auto decodes plainly under a loop of one's own: a trace is refused naming that loop (it told to set a mode)
     ({"speculative_mode": "auto", "custom_generate": own_loop, "speculative_trace": True, "return_dict_in_generate":
       True}, r"(?s)(?=.*speculative_trace=True)(?=.*callable custom_generate)(?=.*Drop speculative_trace)"),
+    ({"speculative_mode": None, "custom_generate": own_loop, "speculative_trace": "bogus"},
+     r"speculative_trace='bogus' must be True, False or 'hidden'"),  # (it was told to drop custom_generate)
     ({"speculative_mode": "pipeline", "num_beams": 2}, r"num_beams=2"),
     ({"speculative_mode": "block", "num_beams": 2}, r"num_beams=2"),
     ({"speculative_mode": "pipeline", "prompt_lookup_num_tokens": 3}, r"prompt_lookup_num_tokens=3"),

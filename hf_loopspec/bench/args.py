@@ -8,6 +8,7 @@ import argparse
 import math
 import numbers
 import os
+import sys
 
 from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, DTYPE_NAMES
 from ..prompting import SAMPLING_OFF, SpeculativeOnly
@@ -173,10 +174,12 @@ def with_defaults(args) -> argparse.Namespace:
     """`args` (from `parse_args`, or an `argparse.Namespace` built in code, as the notebook builds it) over the
     options' defaults, each value checked as the command line checks it: `ValueError` naming an attribute that is no
     option (a misspelling changed nothing) or a value that the option's type or choices refuse (`modes` and
-    `engines` may be lists)."""
+    `engines` may be lists of names, `device` a `torch.device`). A speculative-only option set in code to another
+    value than its default counts as given (`check_unused_options`), as on the command line."""
     parser = build_parser()
     options = {action.dest: action for action in parser._actions if action.dest != "help"}
     merged = vars(parser.parse_args([]))
+    given = dict(getattr(args, "speculative_given", {}))
     for name, value in vars(args).items():
         if name in CLI_ONLY:
             merged[name] = value
@@ -184,8 +187,11 @@ def with_defaults(args) -> argparse.Namespace:
             raise ValueError(f"bench argument {name}={value!r} is not an option of the bench; use one of "
                              f"{', '.join(sorted(options))}.")
         else:
-            merged[name] = checked_value(options[name], value)
-    return argparse.Namespace(**merged)
+            action = options[name]
+            merged[name] = checked_value(action, value)
+            if isinstance(action, SpeculativeOnly) and merged[name] != action.default:
+                given.setdefault(action.option_strings[0], merged[name])
+    return argparse.Namespace(**{**merged, "speculative_given": given} if given else merged)
 
 
 def checked_value(action: argparse.Action, value):
@@ -194,19 +200,27 @@ def checked_value(action: argparse.Action, value):
     if value is None or value is action.default:
         return value
     if action.type is None:  # a flag, or free text (a path, a device, a backend)
-        kind = bool if action.nargs == 0 else (str, os.PathLike)
+        torch = sys.modules.get("torch")  # (a torch.device given in code: torch is loaded)
+        kind = bool if action.nargs == 0 else (str, os.PathLike, *((torch.device,) if torch and action.dest ==
+                                                                   "device" else ()))
         if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
             raise ValueError(f"bench argument {action.dest}={value!r}: expected "
                              f"{'True or False' if kind is bool else 'text'}.")
-    else:
-        text = ",".join(value) if isinstance(value, (list, tuple)) else value
-        if isinstance(value, bool) or not isinstance(text, (str, numbers.Real)):
-            raise ValueError(f"bench argument {action.dest}={value!r}: expected what {action.option_strings[0]} "
-                             "takes on the command line.")
-        try:
-            value = action.type(str(text))
-        except argparse.ArgumentTypeError as err:
-            raise ValueError(f"bench argument {action.dest}={value!r}: {err}") from None
+        return checked_choice(action, value)
+    listed = action.type in (parse_modes, parse_engines) and isinstance(value, (list, tuple)) \
+        and all(isinstance(item, str) for item in value)
+    if not listed and (isinstance(value, bool) or not isinstance(value, (str, numbers.Real))):
+        raise ValueError(f"bench argument {action.dest}={value!r}: expected what {action.option_strings[0]} takes "
+                         "on the command line (modes and engines: a comma-separated text or a list of names).")
+    try:
+        value = action.type(",".join(value) if listed else str(value))
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"bench argument {action.dest}={value!r}: {err}") from None
+    return checked_choice(action, value)
+
+
+def checked_choice(action: argparse.Action, value):
+    """`value`, after a `ValueError` when the option `action` has choices and it is none of them."""
     if action.choices is not None and value not in action.choices:
         raise ValueError(f"bench argument {action.dest}={value!r}: choose one of {', '.join(action.choices)}.")
     return value

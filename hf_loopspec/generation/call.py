@@ -64,13 +64,19 @@ def runtime_options(kwargs: dict, model_config=None) -> GenerateCall:
     second = kwargs.pop("second_draft_hook", None)
     if second is not None and not callable(second):
         raise ValueError(f"second_draft_hook={second!r} must be callable(seq, position, first_token, token).")
-    trace = kwargs.pop("speculative_trace", None)
-    trace = False if trace is None else bool(trace) if isinstance(trace, (bool, np.bool_)) else trace
-    if not (isinstance(trace, bool) or (isinstance(trace, str) and trace == "hidden")):  # (1.0 == True: refused)
-        raise ValueError(f"speculative_trace={trace!r} must be True, False or 'hidden'.")
+    trace = trace_setting(kwargs.pop("speculative_trace", None))
     if trace and model_config is not None and not _returns_dict(kwargs, model_config):
         raise ValueError(_unreturned(trace))
     return GenerateCall(draft_hook=hook, second_draft_hook=second, trace=trace)
+
+
+def trace_setting(value) -> bool | str:
+    """`speculative_trace=value` as a call runs it (None: False; a numpy bool: Python's); `ValueError` unless it is
+    True, False or 'hidden' (1.0 == True: refused)."""
+    value = False if value is None else bool(value) if isinstance(value, (bool, np.bool_)) else value
+    if not (isinstance(value, bool) or (isinstance(value, str) and value == "hidden")):
+        raise ValueError(f"speculative_trace={value!r} must be True, False or 'hidden'.")
+    return value
 
 
 def _returns_dict(kwargs: dict, model_config) -> bool:

@@ -189,17 +189,19 @@ def requested_mode(model, kwargs: dict):
 
 def custom_loop_settings(mode, trace=None) -> dict:
     """The speculative settings that replace a call's when its `custom_generate` is a callable, a decoding loop that
-    replaces generate's own (and so the speculative one), and it asks for `mode` and `speculative_trace=trace`: auto,
-    free to decode plainly, does so (every speculative key None: its engine settings go with it); plain keeps its own
-    (none); pipeline or block, or a trace asked for, raise a `ValueError` (their loop would not run, without a
-    word)."""
+    replaces generate's own (and so the speculative one), and it asks for `mode` and `speculative_trace=trace`
+    (checked first: `call.trace_setting`): auto, free to decode plainly, does so (every speculative key None: its engine
+    settings go with it); plain keeps its own (none); pipeline or block, or a trace asked for, raise a `ValueError`
+    (their loop would not run, without a word)."""
     if mode not in (None, AUTO_MODE):
         raise ValueError(f"speculative_mode={mode!r} cannot be combined with a callable custom_generate: a decoding "
                          "loop of your own replaces the speculative one; pass speculative_mode=None.")
-    if trace not in (None, False):
+    from .call import trace_setting  # (here: call imports this module)
+
+    if trace_setting(trace):
         raise ValueError(f"speculative_trace={trace!r} records a speculative mode's cycles, but a callable "
-                         "custom_generate replaces the speculative loop (speculative_mode='auto' decodes plainly "
-                         "then): there are none. Drop speculative_trace, or custom_generate.")
+                         "custom_generate replaces generate's loop, so none runs (speculative_mode='auto' decodes "
+                         "plainly then): there are no cycles. Drop speculative_trace, or custom_generate.")
     return dict.fromkeys(SPECULATIVE_KEYS) if mode == AUTO_MODE else {}
 
 
