@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -45,8 +46,14 @@ from .prompting import SpeculativeOnly, check_mode_options, check_text, encode_p
 DEBUG_ENV = "HF_LOOPSPEC_DEBUG"
 DEFAULT_THREADS = 1  # see --threads' help
 USER_ERRORS = (ValueError, OSError)  # what the commands raise for input a user can fix
-# the library's messages name generate's arguments; `generate` and `batch` say which option sets the same thing
-OPTION_SPELLINGS = {"speculative_mode=None": "--mode plain"}
+# the library's messages name generate's arguments; `generate` and `batch` name the option that sets the same thing
+# (a pattern -> its replacement; `second_draft_loops`, which no option sets, keeps its name)
+OPTION_SPELLINGS = (
+    (re.compile(r"\bspeculative_mode=None\b"), "--mode plain"),
+    (re.compile(r"\bspeculative_mode='(\w+)'"), r"--mode \1"),
+    (re.compile(r"\b(draft_loops|num_speculative_tokens|max_new_tokens|repetition_penalty|do_sample|top_[kp])\b"),
+     lambda match: "--" + match[1].replace("_", "-")),
+)
 BROKEN_PIPE = 141  # the status of a command that SIGPIPE ended (128 + 13), what a shell reports for `cat` there
 
 
@@ -332,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         message = one_line(err)
         if args.command in ("generate", "batch"):
-            for argument, option in OPTION_SPELLINGS.items():
-                message = message.replace(argument, option)
+            for pattern, option in OPTION_SPELLINGS:
+                message = pattern.sub(option, message)
         print(f"hf-loopspec {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

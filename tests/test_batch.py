@@ -255,7 +255,7 @@ def test_a_depth_the_model_refuses_leaves_nothing_behind(prompts_file, tmp_path,
     first batch failed, and the corrected command was refused as "an unfinished run with other settings")."""
     output = tmp_path / "out.jsonl"
     assert cli.main([*batch_args(prompts_file, output), "--draft-loops", "3", "--device", "cpu"]) == 2
-    assert "draft_loops=3" in capsys.readouterr().err
+    assert "--draft-loops=3" in capsys.readouterr().err
     assert not output.exists() and not Path(f"{output}.parts").exists()
 
 

@@ -491,7 +491,9 @@ def _run_error(argv, capsys) -> str:
 
 def test_invalid_speculative_settings_are_clear_errors(checkpoint, capsys):
     base = ["generate", "w5 w6", "--model", str(checkpoint), "--device", "cpu", "--max-new-tokens", "3"]
-    assert "multiple of draft_loops=3" in _run_error([*base, "--mode", "pipeline", "--draft-loops", "3"], capsys)
+    # (the advice names the options: it named generate's keywords)
+    assert "multiple of --draft-loops=3; use --draft-loops in [1, 2] or --mode block" in \
+        _run_error([*base, "--mode", "pipeline", "--draft-loops", "3"], capsys)
     assert "outside [1, 3]" in _run_error([*base, "--mode", "block", "--draft-loops", "4"], capsys)
     assert "outside [1, 3]" in _run_error(["bench", *FAST, "--draft-loops", "5"], capsys)
     assert "torch.compile backend name" in _run_error(["bench", *FAST, "--compile", "no-such-backend"], capsys)

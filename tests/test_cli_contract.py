@@ -322,7 +322,7 @@ def test_draft_depths_are_checked_against_the_steps_the_checkpoint_runs(tmp_path
     assert cli.main(["batch", str(tmp_path / "in.jsonl"), "--output", str(output), "--model",
                      str(tmp_path / "huginn2"), "--mode", "block", "--draft-loops", "3", "--max-new-tokens", "4"]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]  # (after the weights' loading bar)
-    assert last.startswith("hf-loopspec batch: error: draft_loops=3 is outside [1, 1] for a model with 2 loops")
+    assert last.startswith("hf-loopspec batch: error: --draft-loops=3 is outside [1, 1] for a model with 2 loops")
     assert not output.exists() and not (tmp_path / "out.jsonl.parts").exists()
 
 
