@@ -10,12 +10,14 @@ pipeline and block decoded the ids and dropped the embeddings, or crashed on an 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers import tiny_model
 from peft import LoraConfig, PromptTuningConfig, TaskType, get_peft_model
 
-from hf_loopspec import PagedLoopCache
+from hf_loopspec import OuroForCausalLM, PagedLoopCache
 
 MODES = ["pipeline", "block", "auto"]
 SETTINGS = {"max_new_tokens": 10, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
@@ -79,6 +81,22 @@ def test_lora_keeps_speculative_decoding_and_plain_tokens(mode):
                         **SETTINGS)
     assert out.speculation.fallback is None and out.speculation.engine != "plain"
     assert torch.equal(out.sequences, plain)
+
+
+def test_an_adapter_folder_loads_only_onto_a_base_of_the_family(tmp_path):
+    """`from_pretrained(adapter_folder)` loads the base model that adapter_config.json names, then the adapter: the
+    family check reads the base's config.json (an adapter folder has none), so an adapter over a base of another
+    model_type is refused before any weight loads, naming both folders; over an Ouro base it loads."""
+    tiny_model()[0].save_pretrained(tmp_path / "base")
+    model = OuroForCausalLM.from_pretrained(tmp_path / "base")  # (the adapter's config names the folder it came from)
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    lora.save_pretrained(tmp_path / "adapter")
+    assert type(OuroForCausalLM.from_pretrained(tmp_path / "adapter")) is OuroForCausalLM
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    (tmp_path / "base" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match=r"base\b.* \(the base model of the adapter .*adapter\) holds a "
+                                         r"model_type='gpt2' checkpoint"):
+        OuroForCausalLM.from_pretrained(tmp_path / "adapter")
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import DynamicCache
+from transformers.utils import find_adapter_config_file
 
 from ..generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS, asks
 from ..generation.inputs import check_cache_type
@@ -52,21 +56,28 @@ class StrictLoadingMixin:
         restore_speculative_keys(self.generation_config, saved, self.generation_keys)
 
     @classmethod
-    def _check_family(cls, path, kwargs: dict) -> None:
+    def _check_family(cls, path, kwargs: dict, adapter: str | None = None) -> None:
         """`ValueError` when `path`'s config.json names another `model_type`, before any weight is read: transformers
-        only logs a warning, then builds this family's model (at its default size) from the other family's config.
-        A call that passes its own `config`, or a GGUF file, is not checked; a config that cannot be read is left to
-        transformers' load, which says what is missing."""
+        only logs a warning, then builds this family's model (at its default size) from the other family's config. A
+        PEFT adapter folder (no config.json) is checked by its base model's (`adapter`: the folder, then). A call that
+        passes its own `config`, or a GGUF file, is not checked; a config that cannot be read is left to transformers'
+        load, which says what is missing."""
         if path is None or kwargs.get("config") is not None or kwargs.get("gguf_file"):
             return
         download = {key: kwargs[key] for key in DOWNLOAD_KEYS if key in kwargs}
         try:
             saved, _ = PretrainedConfig.get_config_dict(path, **download)
         except (OSError, ValueError):
-            return
+            saved = {}
         found, expected = saved.get("model_type"), cls.config_class.model_type
-        if found and found != expected:
-            raise ValueError(f"{path} holds a model_type={found!r} checkpoint (its config.json), which "
+        if not found and adapter is None:
+            settings = find_adapter_config_file(path, **download)
+            base = json.loads(Path(settings).read_text()).get("base_model_name_or_path") if settings else None
+            if base:  # (transformers loads the adapter's base model, then the adapter onto it)
+                cls._check_family(base, kwargs, adapter=str(path))
+        elif found and found != expected:
+            where = f" (the base model of the adapter {adapter})" if adapter else ""
+            raise ValueError(f"{path}{where} holds a model_type={found!r} checkpoint (its config.json), which "
                              f"{cls.__name__} cannot load (it loads {expected!r}): load it with "
                              "AutoModelForCausalLM.from_pretrained, which picks the class of its family.")
 
