@@ -35,9 +35,11 @@ chat or completions stream failing before its first token gets the status a requ
 which transformers' handlers would drop, get HTTP 400 too, and so do values they would fail on with a bare 500
 (`serving_requests.value_problem`: a lone surrogate, a numeric `stop`, `messages` as a string or without roles,
 content that is not text or a list of text parts, a chat request without `messages` or a Responses one without
-`input`, a `generation_config` that is not a JSON object's text) and a `temperature` or `top_p` out of range; so does
-a content part that is not text (an image, audio), which they would drop without a word: the served models read text
-only. An empty `stop` list means no stop, as in OpenAI's API, and refusals (refusal parts, and a replayed assistant
+`input`, a `generation_config` that is not a JSON object's text, a `prompt` that is not one string, a
+`stream_options` that is not an object of bools) and a `temperature`, `top_p` or `frequency_penalty` out of range; so
+does a content part that is not text (an image, audio), which they would drop without a word: the served models read
+text only. An empty `stop` list means no stop, as in OpenAI's API; a chat or completions answer ends before the first
+stop string in it, streaming or not (`serving_stops`), and refusals (refusal parts, and a replayed assistant
 message's `refusal` field when its content is empty) reach the model as text. Any other error of a handler is a 500
 in OpenAI's error shape, naming it. Chat and completions streams end with OpenAI's `data: [DONE]` event. A client
 that leaves before its answer ends its request quietly (no error in the server's log).
@@ -52,6 +54,7 @@ import logging
 import sys
 
 from .serving_requests import as_transformers_reads, request_problem
+from .serving_stops import stop_strings, without_stops
 
 DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
 DONE_STREAMS = frozenset({"/v1/chat/completions", "/v1/completions"})  # OpenAI ends their streams with [DONE]
@@ -218,6 +221,8 @@ def openai_errors(positions: int | None = None) -> None:
                     return Response(status_code=499)  # (nginx's "client closed request": nobody reads it)
                 logging.getLogger("uvicorn.error").error("the server failed on %s", request.url.path, exc_info=error)
                 return await failed(request, error)
+            if getattr(request.state, "stops", ()) and request.url.path.rstrip("/") in DONE_STREAMS:
+                response = await without_stops(response, request.state.stops)  # (OpenAI's text ends before them)
             if response.headers.get("content-type", "").startswith("text/event-stream"):
                 done, chunks = request.url.path.rstrip("/") in DONE_STREAMS, response.body_iterator
                 if done:  # failed before its first token: the status it gets without streaming
@@ -248,7 +253,7 @@ def openai_errors(positions: int | None = None) -> None:
 async def body_problem(request, positions: int | None) -> str | None:
     """Why a POST's JSON body is refused (`request_problem`, for a model of `positions` positions; a body that is not
     JSON, or nests too deeply), or None, after giving the request the body transformers reads
-    (`as_transformers_reads`)."""
+    (`as_transformers_reads`) and its stop strings, `request.state.stops` (`serving_stops`)."""
     if request.method != "POST" or "json" not in request.headers.get("content-type", "").lower():
         return None
     try:
@@ -260,6 +265,7 @@ async def body_problem(request, positions: int | None) -> str | None:
         return f"the request body is not valid JSON ({error})."
     if not problem and isinstance(body, dict) and (read := json.dumps(as_transformers_reads(body))) != json.dumps(body):
         request._body = read.encode()  # (starlette keeps `_body`; 100 == 100.0: compared as text)
+    request.state.stops = () if problem else stop_strings(body)
     return problem
 
 

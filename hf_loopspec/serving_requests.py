@@ -5,6 +5,7 @@ the forms those handlers take (`as_transformers_reads`). `serving.openai_errors`
 from __future__ import annotations
 
 import json
+import reprlib
 
 TEXT_PARTS = frozenset({"text", "input_text", "output_text"})  # the content part types of text (chat, Responses)
 TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
@@ -149,8 +150,8 @@ def _typed_parts(content) -> bool:
 
 def value_problem(body: dict) -> str | None:
     """Why a field of `body` has a value the server cannot take (text that is not Unicode, a `stop` that is not text,
-    `messages` that are not a list of messages, a `generation_config` that is not a JSON object's text, a sampling
-    setting out of its range, a `seed` that is not a whole number torch takes), or None."""
+    `messages` that are not a list of messages, a `generation_config` that is not a JSON object's text, a `prompt`
+    that is not one string: `prompt_problem`, a setting out of its range: `setting_problem`), or None."""
     try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as error:
@@ -190,14 +191,52 @@ def value_problem(body: dict) -> str | None:
             key.isdigit() and not isinstance(value, bool) and isinstance(value, (int, float)) and -100 <= value <= 100
             for key, value in bias.items())):
         return f"logit_bias={bias!r} must map token ids (as strings) to numbers in [-100, 100]."
+    return prompt_problem(body.get("prompt")) or setting_problem(body)
+
+
+def prompt_problem(prompt) -> str | None:
+    """Why `prompt` (of /v1/completions) is not what transformers' handler reads, one string, or None (unset). OpenAI
+    also takes a list of strings, of token ids or of such lists (several prompts, or tokens): the handler answered
+    those with a bare "prompt must be a string."."""
+    if prompt is None or isinstance(prompt, str):
+        return None
+    kind = f"a value of type {type(prompt).__name__}"
+    if isinstance(prompt, list) and prompt:
+        kinds = {"a list of strings": str, "a list of token ids": int, "a list of token-id lists": list}
+        kind = next((name for name, item in kinds.items() if all(type(p) is item for p in prompt)), kind)
+    return (f"prompt={reprlib.repr(prompt)} is {kind}: this server takes one prompt per request, as a string; send "
+            "one request per prompt, with token ids decoded to their text.")
+
+
+def setting_problem(body: dict) -> str | None:
+    """Why a setting of `body` is out of what the server takes, or None: a `seed` torch does not take, a `stream` or
+    `stream_options.include_usage` that is not a bool (transformers would take any truthy value), a `stream_options`
+    that is not an object, a `temperature` or `top_p` out of its range, or a `frequency_penalty` that is not a number
+    the server can apply (it passes `repetition_penalty = 1 + frequency_penalty`, which must be positive: above -1,
+    and at most OpenAI's 2). A bool is no number; NaN and the infinities are in no range."""
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEEDS[0] <= seed <= SEEDS[1]):
         return f"seed={seed!r} must be a whole number in [{SEEDS[0]}, {SEEDS[1]}] (transformers would cut 1.5 to 1)."
     if body.get("stream") is not None and not isinstance(body["stream"], bool):  # (transformers: any truthy value)
         return f"stream={body['stream']!r} must be true or false."
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        return f'stream_options={options!r} must be an object, e.g. {{"include_usage": true}}, or left out.'
+    usage = (options or {}).get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        return f"stream_options.include_usage={usage!r} must be true or false (true: a last event with the usage)."
     for name, high in (("temperature", 2.0), ("top_p", 1.0)):
         value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 <= value <= high):
+        if value is not None and not (_number(value) and 0 <= value <= high):
             return f"{name}={value!r} must be a number in [0, {high:g}]."
+    penalty = body.get("frequency_penalty")
+    if penalty is not None and not (_number(penalty) and -1 < penalty <= 2):
+        return (f"frequency_penalty={penalty!r} must be a number above -1 and at most 2: this server applies it as "
+                "transformers' repetition_penalty = 1 + frequency_penalty, which must be positive (OpenAI's [-2, -1] "
+                "cannot be honoured); pass a number in (-1, 2], or leave it out (0: no penalty).")
     return None
+
+
+def _number(value) -> bool:
+    """Whether `value` is a JSON number (an int or a float; not a bool, not a string)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

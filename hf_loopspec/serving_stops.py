@@ -1,0 +1,146 @@
+"""A request's stop strings kept out of its answer, as OpenAI's API returns it ("the returned text will not contain
+the stop sequence"): transformers' handlers stop generating once a stop string appears (`stop_strings`) but return
+the text with it, and whatever the last token carried after it.
+
+`serving.openai_errors` applies `without_stops` to every answer of /v1/completions and /v1/chat/completions whose
+request names stop strings (`stop_strings`). The text (chat: the message's `content`) ends where the first stop
+string to appear in it begins (`stop_at`: the one that ends first; of those, the longest), with finish_reason "stop"
+then. A stream holds back the end of its text that could still begin a stop string until the next text (or the
+stream's last event) resolves it (`StopCut`), so no event carries stop text, and its texts, joined, are the answer
+the request gets without streaming.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def stop_strings(body) -> tuple[str, ...]:
+    """The stop strings of a request's JSON `body`, as `serving_requests.value_problem` lets `stop` through (a
+    non-empty string, or a list of them); none for a body without them."""
+    stop = body.get("stop") if isinstance(body, dict) else None
+    if isinstance(stop, str):
+        return (stop,)
+    return tuple(stop) if isinstance(stop, list) else ()
+
+
+def stop_at(text: str, stops: tuple[str, ...]) -> int | None:
+    """Where `text` is cut: the start of the first of `stops` (non-empty) to appear in it, i.e. the occurrence that
+    ends first (of those ending at once, the one that starts first), or None when none appears."""
+    found = [(start + len(stop), start) for stop in stops if (start := text.find(stop)) >= 0]
+    return min(found)[1] if found else None
+
+
+def undecided(text: str, stops: tuple[str, ...]) -> int:
+    """How many of `text`'s last characters could still begin one of `stops`: the length of the longest end of
+    `text` that is a proper beginning of one (0: none)."""
+    return max((size for stop in stops for size in range(1, min(len(stop), len(text) + 1))
+                if text.endswith(stop[:size])), default=0)
+
+
+class StopCut:
+    """A stream's texts, in order, with `stops` kept out: `feed` gives the part of a text that can be sent now (none
+    once a stop string appeared: `stopped`), `rest` the part held back, at the stream's end. The texts `feed` and
+    `rest` give, joined, are the joined texts cut by `stop_at`."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops, self.held, self.stopped = stops, "", False
+
+    def feed(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        text = self.held + text  # (a stop string not wholly in what came before starts in `held`, or later)
+        end = stop_at(text, self.stops)
+        if end is not None:
+            self.held, self.stopped = "", True
+            return text[:end]
+        end = len(text) - undecided(text, self.stops)
+        self.held = text[end:]
+        return text[:end]
+
+    def rest(self) -> str:
+        text, self.held = self.held, ""
+        return text
+
+
+def text_field(choice: dict) -> tuple[dict, str]:
+    """`(holder, key)`: where a choice of a chat or completions answer or stream event holds its text (a chat
+    stream's `delta`, a chat answer's `message`: their `content`; a completion's choice: its `text`)."""
+    for name in ("delta", "message"):
+        if isinstance(choice.get(name), dict):
+            return choice[name], "content"
+    return choice, "text"
+
+
+def cut_answer(answer: dict, stops: tuple[str, ...]) -> dict:
+    """A chat or completions answer (its JSON, changed in place) with each choice's text cut before the first of
+    `stops` in it (`stop_at`), its finish_reason "stop" then."""
+    for choice in answer.get("choices") or []:
+        holder, key = text_field(choice)
+        end = stop_at(holder[key], stops) if isinstance(holder.get(key), str) else None
+        if end is not None:
+            holder[key], choice["finish_reason"] = holder[key][:end], "stop"
+    return answer
+
+
+def cut_event(event: dict, cut: StopCut) -> dict | None:
+    """A chat or completions stream event (its JSON, changed in place) with its text as `cut` lets it through, and
+    the text held back added to the event that ends the choice (its finish_reason, "stop" once a stop string
+    appeared); None for an event that carried text and is left with nothing to send. Other events as they are."""
+    choice = (event.get("choices") or [None])[0]
+    if not isinstance(choice, dict):
+        return event
+    holder, key = text_field(choice)
+    text, finished = holder.get(key), choice.get("finish_reason") is not None
+    if not (isinstance(text, str) or finished):
+        return event
+    sent = cut.feed(text or "") + (cut.rest() if finished else "")
+    if sent or text:
+        holder[key] = sent
+    if finished and cut.stopped:
+        choice["finish_reason"] = "stop"
+    others = key == "content" and any(value for name, value in holder.items() if name != key)  # (a delta's role)
+    return None if text and not sent and not finished and not others else event
+
+
+async def stream_without_stops(chunks, stops: tuple[str, ...]):
+    """The chunks of a chat or completions stream (server-sent events, whole or in pieces) as whole events, their
+    texts cut by one `StopCut` of `stops` (`cut_event`)."""
+    cut, pending = StopCut(stops), b""
+    async for chunk in chunks:
+        pending += chunk if isinstance(chunk, bytes) else chunk.encode("utf-8")
+        *events, pending = pending.split(b"\n\n")
+        sent = b"".join(cut_sse(event, cut) for event in events)
+        if sent:
+            yield sent
+    if pending:  # (a stream that ended mid-event: passed on as it came)
+        yield pending
+
+
+def cut_sse(event: bytes, cut: StopCut) -> bytes:
+    """One server-sent event (without its blank line) as `cut_event` leaves it, with its blank line; b"" for none."""
+    try:
+        payload = json.loads(event[len(b"data: "):]) if event.startswith(b"data: {") else None
+    except ValueError:
+        payload = None
+    if not isinstance(payload, dict) or "choices" not in payload:
+        return event + b"\n\n"
+    payload = cut_event(payload, cut)
+    return b"" if payload is None else f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+async def without_stops(response, stops: tuple[str, ...]):
+    """`response` (a chat or completions handler's, streaming or not) with `stops` kept out of its text: a stream
+    cut as it goes (`stream_without_stops`), a JSON answer of status 200 read and cut (`cut_answer`); any other
+    response as it is."""
+    from fastapi.responses import JSONResponse
+
+    kind = response.headers.get("content-type", "")
+    if kind.startswith("text/event-stream"):
+        response.body_iterator = stream_without_stops(response.body_iterator, stops)
+        return response
+    if response.status_code != 200 or not kind.startswith("application/json"):
+        return response
+    body = b"".join([chunk async for chunk in response.body_iterator])
+    headers = {name: value for name, value in response.headers.items() if name.lower() != "content-length"}
+    return JSONResponse(cut_answer(json.loads(body), stops), status_code=200, headers=headers)

@@ -1,0 +1,198 @@
+"""`hf-loopspec serve`'s own reading of a request and of its answer: fields OpenAI's API takes that the server cannot
+honour as given are refused with a 400 naming them (`serving_requests`), and a chat or completions answer ends
+before its first stop string, streaming or not (`serving_stops`), as OpenAI's API returns it; on a stand-in for
+transformers' app (exact texts and events) and on the served embedded model."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.request
+
+import pytest
+import test_serve
+from test_serve import free_port, post, start_server
+
+from hf_loopspec import serving, serving_requests
+from hf_loopspec.serving_stops import StopCut, stop_at
+
+checkpoint = test_serve.checkpoint  # (the served copy of the embedded model, with a chat template)
+PENALTY = r"frequency_penalty=%s must be a number above -1 and at most 2: .* repetition_penalty = 1 \+ frequency_pen"
+
+
+@pytest.mark.parametrize(("value", "shown"), [
+    ("a", "'a'"), ("1.5", "'1.5'"), (True, "True"),  # (a string failed in float(), or was taken; True as 1)
+    (-1.5, "-1.5"), (-1, "-1"),  # in OpenAI's [-2, 2], but repetition_penalty <= 0 (transformers' own 400)
+    (float("nan"), "nan"), (float("inf"), "inf"), (2.5, "2.5"),
+])
+def test_a_frequency_penalty_the_server_cannot_apply_is_refused(value, shown):
+    problem = serving_requests.request_problem({"prompt": "x", "frequency_penalty": value}, path="/v1/completions")
+    assert re.search(PENALTY % re.escape(shown), problem), problem
+    assert "pass a number in (-1, 2]" in problem
+
+
+@pytest.mark.parametrize("value", [-0.5, 0, 1.5, 2, None])
+def test_a_frequency_penalty_in_range_passes(value):
+    assert serving_requests.request_problem({"prompt": "x", "frequency_penalty": value}) is None
+
+
+@pytest.mark.parametrize(("prompt", "kind"), [
+    (["def a():", "def b():"], "a list of strings"), ([100, 200, 300], "a list of token ids"),
+    ([[100, 200]], "a list of token-id lists"), ([], "a value of type list"), (5, "a value of type int"),
+])
+def test_a_prompt_that_is_not_one_string_is_refused(prompt, kind):
+    """OpenAI takes several prompts, or tokens, in a list; transformers' handler answered a bare "prompt must be a
+    string."."""
+    problem = serving_requests.request_problem({"prompt": prompt}, path="/v1/completions")
+    assert problem.startswith(f"prompt={prompt!r} is {kind}: this server takes one prompt per request, as a string")
+    assert "send one request per prompt" in problem
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"include_usage": "x"}, r"stream_options.include_usage='x' must be true or false"),  # (taken as true)
+    ({"include_usage": 1}, r"stream_options.include_usage=1 must be true or false"),
+    ("yes", r"stream_options='yes' must be an object"),
+])
+def test_stream_options_that_are_no_object_of_bools_are_refused(options, message):
+    body = {"prompt": "x", "stream": True, "stream_options": options}
+    assert re.search(message, serving_requests.request_problem(body))
+    for fine in ({"include_usage": True}, {"include_usage": False}, {}, None):
+        assert serving_requests.request_problem({**body, "stream_options": fine}) is None
+
+
+def test_a_streams_texts_keep_out_what_could_still_be_a_stop_string():
+    """Whatever the pieces a text comes in, the pieces sent hold no stop text and join to the text cut before the
+    first stop string to appear in it (the one that ends first), as the answer without streaming is cut."""
+    cases = [("x = vmod(a)\n", ("(", "mod(q")), ("abcd", ("abcd", "c")), ("abab", ("bab", "aba")), ("ab", ("b(",)),
+             ("", ("(",)), ("a((b", ("((",))]
+    for text, stops in cases:
+        want = text[:stop_at(text, stops)] if stop_at(text, stops) is not None else text
+        for size in (1, 2, 3, len(text) or 1):
+            cut = StopCut(stops)
+            sent = [cut.feed(text[i:i + size]) for i in range(0, len(text), size)] + [cut.rest()]
+            assert "".join(sent) == want, (text, stops, size)
+            assert not any(stop in piece for piece in sent for stop in stops), (text, stops, size)
+    assert [stop_at(text, stops) for text, stops in cases] == [8, 2, 0, None, None, 1]
+
+
+# (stop strings, the text the stand-in handler answers, the pieces its stream sends, the answer's finish_reason)
+STAND_IN = [(["(", "mod(q"], "x = vmod(a)\n", ["x = ", "vm", "od", "(a", ")", "\n"], "stop"),
+            ("mod(q", "x = vmod", ["x = ", "vm", "od"], "length")]  # the held-back "mod" ends the stream
+
+
+def stand_in_app(stops: list | str, text: str, pieces: list[str]):
+    """A stand-in for transformers' app: /v1/completions and /v1/chat/completions answer `text` (finish_reason
+    "length", as when the token limit and the stop string come at once), or stream `pieces`, some events sent
+    together and one split across chunks, then the finish and usage events, as transformers' handlers do."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    def event(choice: dict) -> bytes:
+        return f"data: {json.dumps({'id': 'r', 'choices': [{'index': 0, **choice}], 'usage': None})}\n\n".encode()
+
+    async def answer(request: Request):
+        body = await request.json()
+        assert body["stop"] == stops  # (what transformers reads: its own stop_strings stop the generation)
+        chat = request.url.path.endswith("/chat/completions")
+        if not body.get("stream"):
+            choice = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            return JSONResponse({"choices": [{"index": 0, **choice, "finish_reason": "length"}], "usage": {}})
+        own = [{"delta": {"content": piece}} if chat else {"text": piece} for piece in pieces]
+        events = [event(choice) for choice in own]
+        events += [event({"delta": {}, "finish_reason": "length"} if chat else {"text": "", "finish_reason": "length"}),
+                   b'data: {"id": "r", "choices": [], "usage": {"completion_tokens": 6}}\n\n']
+        if chat:
+            events.insert(0, event({"delta": {"role": "assistant"}}))
+        together = b"".join(events[:2])
+        chunks = [together[:-7], together[-7:], *events[2:]]  # (an event split across chunks)
+        return StreamingResponse(iter(chunks), media_type="text/event-stream")
+
+    app = FastAPI()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        app.router.add_route(path, answer, methods=["POST"])
+    return app
+
+
+def streamed(base: str, endpoint: str, body: dict) -> list[bytes]:
+    """The server-sent events (without their blank lines) of a streaming POST of `body`."""
+    request = urllib.request.Request(f"{base}{endpoint}", method="POST", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        return [event for event in answer.read().split(b"\n\n") if event]
+
+
+def texts(events: list[bytes], chat: bool) -> tuple[list[str], list]:
+    """`(texts, finish reasons)` of a chat or completions stream's events."""
+    choices = [choice for event in events if event.startswith(b"data: {")
+               for choice in json.loads(event[len(b"data: "):])["choices"]]
+    got = [choice["delta"].get("content") if chat else choice["text"] for choice in choices]
+    return [text for text in got if text is not None], [c.get("finish_reason") for c in choices]
+
+
+@pytest.mark.parametrize(("stops", "text", "pieces", "reason"), STAND_IN)
+def test_an_answer_ends_before_its_first_stop_string(monkeypatch, stops, text, pieces, reason):
+    """transformers' handlers returned the stop string and what its token carried after it ("x = vmod(a)"); the
+    answer ends before it, finish_reason "stop", and no streamed event holds stop text, its texts joined equal to the
+    answer without streaming (text that could begin a stop string is held back, and sent when it is not one)."""
+    import uvicorn
+    from transformers.cli.serving import server
+
+    monkeypatch.setattr(server, "build_server", lambda *args, **kwargs: stand_in_app(stops, text, pieces))
+    serving.openai_errors()
+    port = free_port()
+    stand_in = uvicorn.Server(uvicorn.Config(server.build_server(), host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=stand_in.run, daemon=True)
+    thread.start()
+    try:
+        while not stand_in.started:
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{port}/v1/"
+        client = type("Client", (), {"base_url": base})
+        for endpoint, chat, body in (("completions", False, {"prompt": "x = foo"}),
+                                     ("chat/completions", True, {"messages": [{"role": "user", "content": "x"}]})):
+            status, answer = post(client, endpoint, json.dumps({**body, "stop": stops}).encode(), "application/json")
+            choice = answer["choices"][0]
+            assert status == 200 and (choice["message"]["content"] if chat else choice["text"]) == "x = vmod"
+            assert choice["finish_reason"] == reason
+            events = streamed(base, endpoint, {**body, "stop": stops, "stream": True})
+            sent, reasons = texts(events, chat)
+            assert "".join(sent) == "x = vmod" and not any("(" in piece or "mod(q" in piece for piece in sent)
+            assert reasons[-1] == reason and events[-2:] == [
+                b'data: {"id": "r", "choices": [], "usage": {"completion_tokens": 6}}', b"data: [DONE]"]
+            assert (events[0] == b'data: {"id": "r", "choices": [{"index": 0, "delta": {"role": "assistant"}}], '
+                                 b'"usage": null}') == chat  # (a chat stream's role event, kept)
+    finally:
+        stand_in.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_the_served_model_answers_without_its_stop_string(checkpoint):
+    """The embedded model, served: a request with a stop string taken from its own greedy answer (12 tokens) gets
+    that answer cut before the stop string's first occurrence, on both endpoints, streaming (no event with stop text)
+    or not."""
+    server, client, _, patch = start_server(checkpoint)
+    try:
+        for endpoint, chat in (("completions", False), ("chat/completions", True)):
+            body = {"messages": [{"role": "user", "content": "x = foo"}]} if chat else {"prompt": "x = foo"}
+            body.update(max_tokens=12, temperature=0)
+            full = answer_text(post(client, endpoint, json.dumps(body).encode(), "application/json")[1], chat)
+            # the stop string: the latest two characters of the answer that appear there first
+            at = max(k for k in range(1, len(full) - 1) if full.index(full[k:k + 2]) == k)
+            stop, want = full[at:at + 2], full[:at]
+            status, answer = post(client, endpoint, json.dumps({**body, "stop": stop}).encode(), "application/json")
+            assert status == 200 and answer_text(answer, chat) == want, (full, stop, answer)
+            assert answer["choices"][0]["finish_reason"] == "stop"
+            sent, reasons = texts(streamed(str(client.base_url), endpoint, {**body, "stop": [stop], "stream": True}),
+                                  chat)
+            assert "".join(sent) == want and not any(stop in piece for piece in sent), (full, stop, sent)
+            assert reasons[-1] == "stop"
+    finally:
+        server.kill_server()
+        patch.undo()
+
+
+def answer_text(answer: dict, chat: bool) -> str:
+    choice = answer["choices"][0]
+    return choice["message"]["content"] if chat else choice["text"]
