@@ -152,16 +152,25 @@ def test_a_cache_filled_for_fewer_rows_is_refused(mode):
     assert cache.get_seq_length() == held and cache.length(0, 0) == first.shape[1] - 1
 
 
+def _held(cache) -> list:
+    """What a cache holds, per table (paged) or per layer (dense: its length, None for an empty layer)."""
+    if isinstance(cache, PagedLoopCache):
+        return [cache.lengths(plane) for plane in range(cache.num_planes)]
+    return [layer.get_seq_length() if layer.is_initialized else None for layer in cache.layers]
+
+
+@pytest.mark.parametrize("kind", ["paged", "dynamic"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_an_interrupted_call_leaves_the_cache_as_it_was(mode):
+def test_an_interrupted_call_leaves_the_cache_as_it_was(mode, kind):
     """A stopping criterion that raises in the middle of a second turn: the cache keeps its first turn (a speculative
     run's tables held its reserved positions, plain decoding's the positions it had fed, so no later call could
-    continue it), and the retried turn gives plain decoding's tokens."""
+    continue it; plain decoding's `DynamicCache` kept the columns it had fed), and the retried turn gives plain
+    decoding's tokens."""
     model, vocab, _ = ouro_case()
     ids, mask = left_pad(random_prompts(2, [6, 3, 5], vocab))
-    cache = PagedLoopCache(model.kv_layout)
+    cache = PagedLoopCache(model.kv_layout) if kind == "paged" else DynamicCache()
     first = generate(model, ids, mask, FIRST, mode, None, cache=cache).sequences
-    held = [cache.lengths(plane) for plane in range(cache.num_planes)]
+    held = _held(cache)
     second, second_mask = extend(first, mask, random_prompts(3, [2, 2, 2], vocab))
 
     class Interrupt(StoppingCriteria):
@@ -173,7 +182,7 @@ def test_an_interrupted_call_leaves_the_cache_as_it_was(mode):
     with pytest.raises(KeyboardInterrupt):
         generate(model, second, second_mask, SECOND, mode, None, cache=cache,
                  stopping_criteria=StoppingCriteriaList([Interrupt()]))
-    assert [cache.lengths(plane) for plane in range(cache.num_planes)] == held
+    assert _held(cache) == held
     assert cache.get_seq_length() == first.shape[1] - 1  # the columns the first turn fed
     out = generate(model, second, second_mask, SECOND, mode, None, cache=cache).sequences
     expected = generate(model, second, second_mask, SECOND, "plain", None).sequences

@@ -1,17 +1,17 @@
 """The `GenerationMixin` subclass that every hf_loopspec model inherits.
 
 It adds `speculative_mode`, `draft_loops`, `num_speculative_tokens`, `compile_core`, `speculative_engine` and
-`second_draft_loops` to `generate` (as kwargs or on the `GenerationConfig`), resolves and validates them once per
-call before any work (`generation.call`), and routes greedy decoding and sampling to the wavefront engine
+`second_draft_loops` to `generate` (as kwargs or on the `GenerationConfig`), resolves and validates them once per call
+before any work (`generation.call`), and routes greedy decoding and sampling to the wavefront engine
 (`generation.dispatch`) when a speculative mode is set, unless a logits processor is not known to be row-pure
 (`generation.processors`: the call then decodes plainly, and says so). Plain decoding (`speculative_mode=None`) is
 transformers' own loop, on a growing `DynamicCache` by default or, with `cache_implementation="static"`, on a
-`StaticCache` sized for one layer per (plane, layer) (`looped_static_cache`). `speculative_mode="auto"` runs the
-call as a chain of such calls (`generation.auto`). `speculative_mode=None` passed to a
-call means plain decoding whatever the model's generation config holds: its other speculative keys are then ignored
-(the call's own still conflict). The speculative modes refuse right-padded rows (`inputs.check_left_padded`).
-transformers' continuous batching entry points (`init_continuous_batching`, `continuous_batching_context_manager`,
-`generate_batch`) run the package's manager on the same engine (`generation.continuous`).
+`StaticCache` sized for one layer per (plane, layer) (`looped_static_cache`). `speculative_mode="auto"` runs the call as
+a chain of such calls (`generation.auto`). `speculative_mode=None` passed to a call means plain decoding whatever the
+model's generation config holds: its other speculative keys are then ignored (the call's own still conflict). The
+speculative modes refuse right-padded rows (`inputs.check_left_padded`). transformers' continuous batching entry points
+(`init_continuous_batching`, `continuous_batching_context_manager`, `generate_batch`) run the package's manager on the
+same engine (`generation.continuous`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.convert import to_dynamic, to_paged
+from ..cache.kept import kept_on_error
 from ..cache.paged import PagedLoopCache
 from ..logs import get_logger
 from ..looped import check_kv_continues
@@ -95,8 +96,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
     def generate(self, *args, **kwargs):
         """`GenerationMixin.generate` inside a `GenerateCall` (`generation.call`) that holds this call's
         `draft_hook` and `speculative_trace` and, once resolved, its speculative settings. A call that raises on a
-        caller's `PagedLoopCache` (any mode or decoding strategy: a full pool, a criterion or streamer that raises,
-        Ctrl-C) leaves it holding what it held before the call (`PagedLoopCache.kept_on_error`)."""
+        caller's cache (any mode: a full pool, a criterion or streamer that raises, Ctrl-C) leaves it as it was."""
         args, kwargs = by_name(args, kwargs)
         if "use_cache" in kwargs and kwargs["use_cache"] is None:  # not given: transformers would hand every forward
             del kwargs["use_cache"]  # a None that makes a fresh cache per step (other tokens, on its own models too)
@@ -116,7 +116,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
             kwargs = {**kwargs, **custom_loop_settings(requested_mode(self, kwargs), kwargs.get("speculative_trace"))}
         if isinstance(cache, Cache) and cache.get_seq_length():
             check_assisted_continuation(kwargs, self.generation_config, cache.get_seq_length())
-        with cache.kept_on_error() if isinstance(cache, PagedLoopCache) else nullcontext():
+        with kept_on_error(cache):
             if auto.requested(self, kwargs):  # segments of plain / block / pipeline calls (`generation.auto`)
                 runtime_options(dict(kwargs), self.generation_config)  # checked up front: plain stretches drop them
                 return auto.generate_auto(self, SpeculativeDecoderOnlyOutput, args, kwargs)
