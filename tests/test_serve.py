@@ -7,6 +7,7 @@ and exit status 2."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import pickle
@@ -81,6 +82,28 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def stand_in_served(monkeypatch, app):
+    """`app` (a stand-in for transformers' server app) served in a thread as `transformers serve` builds its server,
+    the package's middleware (`serving.openai_errors`) added; yields its port, and stops it on leaving."""
+    import uvicorn
+    from transformers.cli.serving import server
+
+    monkeypatch.setattr(server, "build_server", lambda *args, **kwargs: app)
+    serving.openai_errors()
+    port = free_port()
+    stand_in = uvicorn.Server(uvicorn.Config(server.build_server(), host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=stand_in.run, daemon=True)
+    thread.start()
+    try:
+        while not stand_in.started:
+            time.sleep(0.05)
+        yield port
+    finally:
+        stand_in.should_exit = True
+        thread.join(timeout=30)
 
 
 class ThreadServer:
@@ -394,10 +417,8 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
     (it answered 400 with its own message), /v1/completions refuses it (its handler drops it without a word), and a
     client that leaves before its answer is no server error (starlette's "No response returned." was logged with
     a traceback)."""
-    import uvicorn
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, StreamingResponse
-    from transformers.cli.serving import server
     from transformers.cli.serving import utils as serving_utils
 
     async def chat(request):
@@ -426,16 +447,8 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
     if hasattr(serving_utils, "CancelOnDisconnect"):  # transformers >= 5.25 cancels a left request's handling
         app.add_middleware(serving_utils.CancelOnDisconnect)
 
-    monkeypatch.setattr(server, "build_server", lambda *args, **kwargs: app)
-    serving.openai_errors()
-    port = free_port()
-    stand_in = uvicorn.Server(uvicorn.Config(server.build_server(), host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=stand_in.run, daemon=True)
-    thread.start()
-    try:
+    with stand_in_served(monkeypatch, app) as port:
         base = type("Client", (), {"base_url": f"http://127.0.0.1:{port}/v1/"})
-        while not stand_in.started:
-            time.sleep(0.05)
         bias = {"7": 100, "9": -5.5}
         status, echoed = post(base, "chat/completions", json.dumps({"messages": [], "logit_bias": bias}).encode(),
                               "application/json")
@@ -473,9 +486,6 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
             time.sleep(0.5)  # the request reached the handler; the client leaves
         time.sleep(3.5)  # the handler's answer has nobody to go to
         assert not [r for r in caplog.records if "Exception in ASGI application" in r.getMessage()]
-    finally:
-        stand_in.should_exit = True
-        thread.join(timeout=30)
 
 
 def refusal(call) -> str:

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import time
 import urllib.request
 
 import pytest
 import test_serve
-from test_serve import free_port, post, start_server
+from test_serve import post, stand_in_served, start_server
 
-from hf_loopspec import serving, serving_requests
+from hf_loopspec import serving_requests
 from hf_loopspec.serving_stops import StopCut, stop_at
 
 checkpoint = test_serve.checkpoint  # (the served copy of the embedded model, with a chat template)
@@ -136,18 +134,7 @@ def test_an_answer_ends_before_its_first_stop_string(monkeypatch, stops, text, p
     """transformers' handlers returned the stop string and what its token carried after it ("x = vmod(a)"); the
     answer ends before it, finish_reason "stop", and no streamed event holds stop text, its texts joined equal to the
     answer without streaming (text that could begin a stop string is held back, and sent when it is not one)."""
-    import uvicorn
-    from transformers.cli.serving import server
-
-    monkeypatch.setattr(server, "build_server", lambda *args, **kwargs: stand_in_app(stops, text, pieces))
-    serving.openai_errors()
-    port = free_port()
-    stand_in = uvicorn.Server(uvicorn.Config(server.build_server(), host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=stand_in.run, daemon=True)
-    thread.start()
-    try:
-        while not stand_in.started:
-            time.sleep(0.05)
+    with stand_in_served(monkeypatch, stand_in_app(stops, text, pieces)) as port:
         base = f"http://127.0.0.1:{port}/v1/"
         client = type("Client", (), {"base_url": base})
         for endpoint, chat, body in (("completions", False, {"prompt": "x = foo"}),
@@ -163,9 +150,6 @@ def test_an_answer_ends_before_its_first_stop_string(monkeypatch, stops, text, p
                 b'data: {"id": "r", "choices": [], "usage": {"completion_tokens": 6}}', b"data: [DONE]"]
             assert (events[0] == b'data: {"id": "r", "choices": [{"index": 0, "delta": {"role": "assistant"}}], '
                                  b'"usage": null}') == chat  # (a chat stream's role event, kept)
-    finally:
-        stand_in.should_exit = True
-        thread.join(timeout=30)
 
 
 def test_the_served_model_answers_without_its_stop_string(checkpoint):
