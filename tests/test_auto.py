@@ -145,18 +145,21 @@ def test_plain_when_no_setting_can_win(case):
     assert out.speculation.core_calls == model.num_loops * NEW
 
 
+@pytest.mark.parametrize("setting, processor", [({"no_repeat_ngram_size": 2}, "NoRepeatNGramLogitsProcessor"),
+                                                ({"bad_words_ids": [[9]]}, "NoBadWordsLogitsProcessor")])
 @pytest.mark.parametrize("costs", ["plain wins", "speculation wins"])
-def test_compile_core_with_a_host_processor_is_refused_whatever_auto_would_choose(case, costs, monkeypatch):
-    """`compile_core` with a logits processor the compiled step cannot run (an n-gram ban) is refused up front, as
-    in the fixed modes: the same call ran plainly (compile_core dropped without a word) while plain won, and raised
-    mid-call once a reprobe ran a speculative segment."""
+def test_compile_core_with_a_host_processor_is_refused_whatever_auto_would_choose(case, costs, setting, processor,
+                                                                                  monkeypatch):
+    """`compile_core` with a logits processor the compiled step cannot run (an n-gram ban, a banned word, which
+    reads the EOS tensors) is refused up front, as in the fixed modes: the same call ran plainly (compile_core
+    dropped without a word) while plain won, and raised mid-call once a reprobe ran a speculative segment."""
     model, prompts, ids, mask, ref, reference = case
     set_costs(model, PLAIN_WINS if costs == "plain wins" else SPECULATIVE_WINS)
     counter = []
     monkeypatch.setattr(model, "core", lambda *args, **kwargs: counter.append(1))  # no core call may run
-    with pytest.raises(ValueError, match=r"speculative_mode='auto' cannot run logits processor "
-                                         r"NoRepeatNGramLogitsProcessor with compile_core .*drop compile_core"):
-        generate_dict(model, ids, mask, NEW, speculative_mode="auto", compile_core=True, no_repeat_ngram_size=2)
+    with pytest.raises(ValueError, match=rf"speculative_mode='auto' cannot run logits processor {processor} with "
+                                         r"compile_core .*drop compile_core"):
+        generate_dict(model, ids, mask, NEW, speculative_mode="auto", compile_core=True, **setting)
     assert counter == []
 
 

@@ -99,6 +99,26 @@ def test_an_adapter_folder_loads_only_onto_a_base_of_the_family(tmp_path):
         OuroForCausalLM.from_pretrained(tmp_path / "adapter")
 
 
+def test_auto_policy_functions_act_on_the_model_a_peft_model_wraps():
+    """`set_policy` and `forget` given the PEFT wrapper (as a user holding one passes it) act on the looped model
+    it wraps, which auto decodes with and keys what it observes by (they stored a policy auto never read, and
+    forgot nothing)."""
+    from hf_loopspec.generation import auto_policy
+
+    lora = get_peft_model(tiny_model()[0], LoraConfig(r=4, target_modules=["q_proj"])).eval()
+    base = lora.get_base_model()
+    auto_policy.set_policy(lora, auto_policy.AutoPolicy(margin=2.5))
+    try:
+        assert auto_policy.policy_for(base).margin == 2.5
+        ids, mask = _ids(base)
+        lora.generate(input_ids=ids, attention_mask=mask, speculative_mode="auto", **SETTINGS)
+        assert base in auto_policy._MEMORY
+        auto_policy.forget(lora)
+        assert base not in auto_policy._MEMORY
+    finally:
+        auto_policy.set_policy(lora, None)
+
+
 @pytest.fixture(scope="module")
 def two_adapters():
     """A PEFT model with two random LoRA adapters on the attention projections ("default" and "other")."""

@@ -234,6 +234,8 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
 def _compile_problem(model, ids: torch.Tensor, kwargs: dict, config: GenerationConfig) -> str | None:
     """Why a compiled step could not run the call's logits processors, as the fixed modes say it up front: auto's
     speculative segments would raise it, and its plain ones, which drop `compile_core`, not."""
+    config = copy.deepcopy(config)
+    model._prepare_special_tokens(config, device=ids.device)  # (the EOS tensors some processors read)
     processors = model._get_logits_processor(config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
                                              prefix_allowed_tokens_fn=kwargs.get("prefix_allowed_tokens_fn"),
                                              logits_processor=kwargs.get("logits_processor"), device=ids.device)

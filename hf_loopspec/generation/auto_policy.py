@@ -174,25 +174,31 @@ def remember(model, acceptance: Acceptance, settings: str) -> None:
         auto_cache.update(key, changed, "acceptance")
 
 
-def check_model(model, where: str) -> None:
-    """`ValueError` naming `where` unless `model` is a looped causal LM of this package (the objects auto decodes)."""
+def looped_model(model, where: str):
+    """The looped causal LM of this package that `model` is or wraps (a PEFT model's base model, the module that
+    torch.compile wrapped): the object auto keys what it observes by, since `generate` runs on it. `ValueError`
+    naming `where` for anything else."""
+    if callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()
+    model = getattr(model, "_orig_mod", model)
     if not all(hasattr(model, name) for name in ("kv_layout", "lane_dtype", "num_loops")):
         raise ValueError(f"{where}: model is {type(model).__name__}, not a looped model of hf_loopspec; pass the "
                          "OuroForCausalLM or HuginnForCausalLM whose auto calls it is about.")
+    return model
 
 
 def forget(model) -> None:
-    """Drop what earlier calls observed on `model`, for every setting, here and on disk (the next call starts without
-    an acceptance)."""
-    check_model(model, "auto_policy.forget")
+    """Drop what earlier calls observed on `model` (or the looped model it wraps: `looped_model`), for every setting,
+    here and on disk (the next call starts without an acceptance)."""
+    model = looped_model(model, "auto_policy.forget")
     with _LOCK:  # (a `remember` under way stores first, then this removes it)
         _MEMORY.pop(model, None)
         auto_cache.forget(auto_cache.acceptance_key(model), "acceptance")
 
 
 def set_policy(model, policy: AutoPolicy | None) -> None:
-    """Use `policy` for `model`'s auto calls (None: the default)."""
-    check_model(model, "auto_policy.set_policy")
+    """Use `policy` for `model`'s auto calls (None: the default); a wrapper's apply to the model it wraps."""
+    model = looped_model(model, "auto_policy.set_policy")
     if policy is not None and not isinstance(policy, AutoPolicy):
         raise ValueError(f"auto_policy.set_policy: policy is {type(policy).__name__}; pass an AutoPolicy (e.g. "
                          "dataclasses.replace(AutoPolicy(), margin=...)), or None for the default.")
