@@ -55,9 +55,10 @@ def test_use_cache_false_gives_plain_tokens(family, mode, d, k, processor):
 @pytest.mark.parametrize("mode", [None, "pipeline", "auto"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_use_cache_none_means_the_default(family, mode):
-    """`use_cache=None` (as a wrapper passes an unset option on) decodes as if it were not given: plain decoding fed
-    it to every forward, where it made a fresh cache per step, and returned other tokens (transformers' own models
-    do too). Reference: greedy argmax over full forward passes with no cache, one unpadded row."""
+    """`use_cache=None` and `max_length=None` (as a wrapper passes unset options on) decode as if they were not
+    given: plain decoding fed `use_cache` to every forward, where it made a fresh cache per step, and returned other
+    tokens (transformers' own models do too); a None `max_length` was added to the prompt's length (a TypeError in
+    every mode). Reference: greedy argmax over full forward passes with no cache, one unpadded row."""
     spec, settings, vocab = FAMILIES[family]
     model = model_for(**spec)
     ids = random_prompts(6, [5], vocab)[0][None]
@@ -69,6 +70,9 @@ def test_use_cache_none_means_the_default(family, mode):
     spec_kwargs = {} if mode is None else {"speculative_mode": mode}
     out = model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=None, **spec_kwargs, **settings)
     assert out.tolist() == seq.tolist()
+    unset = model.generate(ids, max_length=None, do_sample=False, **spec_kwargs, **settings)  # no length given
+    assert unset.shape == model.generate(ids, do_sample=False, **spec_kwargs, **settings).shape
+    assert unset[:, : seq.shape[1]].tolist() == seq.tolist()
 
 
 @pytest.mark.parametrize("mode,d,k", [pytest.param(*m, id=mode_id(*m)) for m in MODES])

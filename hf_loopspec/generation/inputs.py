@@ -44,18 +44,22 @@ POSITIONAL = ("generation_config", "logits_processor", "stopping_criteria", "pre
               "custom_generate")
 
 
+UNSET_BY_NONE = ("use_cache", "max_length")  # `generate` arguments whose None means "not given"
+
+
 def by_name(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """`generate`'s arguments as the package's paths read them (auto, the speculative checks): the prompt `inputs`
-    as the only positional argument (none when it is None or not given), everything else by name; `TypeError` as
-    Python's for too many or repeated arguments. `ValueError` for a prompt given twice (`inputs` and `input_ids`),
-    which plain decoding refuses too."""
+    as the only positional argument (none when it is None or not given), everything else by name, `UNSET_BY_NONE`
+    left out when None (transformers would pass a None `use_cache` to every forward, which then makes a fresh cache
+    per step, and add a None `max_length` to the prompt's length); `TypeError` as Python's for too many or repeated
+    arguments. `ValueError` for a prompt given twice (`inputs` and `input_ids`), which plain decoding refuses too."""
     if len(args) > 1 + len(POSITIONAL):
         raise TypeError(f"generate() takes at most {1 + len(POSITIONAL)} positional arguments ({len(args)} given)")
     named = dict(zip(("inputs", *POSITIONAL), args))
     repeated = sorted(set(named) & set(kwargs))
     if repeated:
         raise TypeError(f"generate() got multiple values for argument {repeated[0]!r}")
-    kwargs = {**kwargs, **named}
+    kwargs = {key: value for key, value in {**kwargs, **named}.items() if value is not None or key not in UNSET_BY_NONE}
     inputs = kwargs.pop("inputs", None)  # None (given or not): the prompt is input_ids, or none
     if inputs is not None and kwargs.get("input_ids") is not None:
         raise ValueError("input_ids: the prompt is given as inputs (the first argument) too; pass it once.")

@@ -98,8 +98,6 @@ class LoopSpecGenerationMixin(GenerationMixin):
         `draft_hook` and `speculative_trace` and, once resolved, its speculative settings. A call that raises on a
         caller's cache (any mode: a full pool, a criterion or streamer that raises, Ctrl-C) leaves it as it was."""
         args, kwargs = by_name(args, kwargs)
-        if "use_cache" in kwargs and kwargs["use_cache"] is None:  # not given: transformers would hand every forward
-            del kwargs["use_cache"]  # a None that makes a fresh cache per step (other tokens, on its own models too)
         if kwargs.get("cache_implementation") == "paged":  # transformers' switch to continuous batching
             raise ValueError("cache_implementation='paged' asks generate to switch to continuous batching, which "
                              "takes unpadded prompts: call model.generate_batch([ids, ...], generation_config=..., "
