@@ -74,6 +74,8 @@ def test_add_request_checks_its_id_and_switches(model):
         assert manager.input_queue.empty()
         rid = manager.add_request(inputs[0], max_new_tokens=3, streaming=np.bool_(False), record_timestamps=None)
         assert manager.get_result(rid, timeout=WAIT_S).generated_tokens == alone(model, inputs[0], 3)
+        nested = manager.get_result(manager.add_request([inputs[0]], max_new_tokens=3), timeout=WAIT_S)
+        assert "a list of lists; give one flat list of token ids per request" in nested.error  # (named "token ids")
     finally:
         manager.stop(block=True, timeout=30)
 
@@ -314,6 +316,9 @@ def test_a_kept_manager_built_from_the_models_config_is_refused_once_that_config
     # a bound the manager would not keep (add_request never blocks): 8 requests all queued past a bound of 2
     (ContinuousBatchingConfig(max_queue_size=2), "max_queue_size=2 .*add_request never blocks"),
     (ContinuousBatchingConfig(return_logprobs=True), "return_logprobs=True"),
+    # slots longer than the model's positions (a billion: a raw allocator error; their state grows with them)
+    (ContinuousBatchingConfig(max_blocks_per_request=10**9, page_size=16),
+     r"max_blocks_per_request=1000000000 blocks of 16 positions .* more than the model's \d+ \(max_position_emb"),
 ])
 def test_bad_continuous_batching_config_values_are_named(model, config, match):
     with pytest.raises(ValueError, match=match):
@@ -376,7 +381,8 @@ def test_bad_generate_batch_arguments_are_named(model):
         done[str(eos)] = [result.generated_tokens for result in out.values()]
     assert len(set(map(str, done.values()))) == 1
     for bad, match in [("abc", r"inputs\[1\]: a str;"), (torch.ones(1, 3, dtype=torch.long),
-                                                      r"inputs\[1\]: a Tensor of shape \(1, 3\);")]:
+                                                      r"inputs\[1\]: a Tensor of shape \(1, 3\);"),
+                       ([[5, 6]], r"inputs\[1\]: a list of lists;")]:  # (a FAILED request naming "token ids")
         with pytest.raises(ValueError, match=match):
             model.generate_batch([[5, 6], bad], generation_config=generation_config({}))
 

@@ -234,19 +234,25 @@ def _seed(value) -> int | None:
 
 
 def _positions(model, config, cb_config, hints) -> int:
-    """C: `max_blocks_per_request * block_size` (or `page_size`) of the continuous batching config; else the workload
+    """C: `max_blocks_per_request * block_size` (or `page_size`) of the continuous batching config (`ValueError`
+    when that is more than the model's `max_position_embeddings`: a slot's state grows with it); else the workload
     hints' longest prompt plus output; else `DEFAULT_POSITIONS` or the model's `max_position_embeddings`."""
+    limit = getattr(model.config, "max_position_embeddings", None)
     blocks = _positive(getattr(cb_config, "max_blocks_per_request", None), "max_blocks_per_request")
     if blocks:
         size = _positive(getattr(cb_config, "block_size", None), "block_size") \
             or _positive(getattr(cb_config, "page_size", None), "page_size") or 1
+        if limit and blocks * size > limit:
+            raise ValueError(f"max_blocks_per_request={blocks} blocks of {size} positions make slots of "
+                             f"{blocks * size} positions, more than the model's {limit} (max_position_embeddings; a "
+                             f"slot's state grows with its positions): pass max_blocks_per_request <= "
+                             f"{max(1, limit // size)}.")
         return max(2, blocks * size)
     if hints is not None and getattr(hints, "max_prompt_length", None):
         wanted = hints.max_prompt_length + (hints.max_generated_length or config.max_new_tokens or config.max_length
                                             or DEFAULT_MAX_NEW_TOKENS)
         return max(2, wanted)
-    limit = getattr(model.config, "max_position_embeddings", None) or DEFAULT_POSITIONS
-    return max(2, min(DEFAULT_POSITIONS, limit))
+    return max(2, min(DEFAULT_POSITIONS, limit or DEFAULT_POSITIONS))
 
 
 def check_config_types(generation_config, cb_config) -> None:
@@ -322,6 +328,8 @@ def request_problem(settings: ManagerSettings, input_ids, max_new_tokens, eos, e
     """Why a request cannot run on a manager with `settings`, or None (each message names the value and the fix)."""
     if not isinstance(input_ids, (list, tuple)) or not input_ids:
         return f"input_ids={input_ids!r}: give a non-empty list of token ids."
+    if any(isinstance(t, (list, tuple)) or getattr(t, "ndim", 0) for t in input_ids):
+        return f"input_ids={input_ids!r:.80}: a list of lists; give one flat list of token ids per request."
     bad = [t for t in input_ids if not is_integer(t) or not 0 <= t < settings.vocab]
     if bad:
         return f"input_ids hold {bad[:4]}: token ids must be integers in [0, {settings.vocab})."
