@@ -83,8 +83,9 @@ def read_prompt_file(path: str) -> str:
 def run_bench(args) -> dict:
     """Run the benchmark (see `hf_loopspec.bench`); returns the result document (also written by `--json`).
 
-    `args` is an `argparse.Namespace` from `parse_args` (missing attributes take their defaults). The model's
-    `generation_config` is left as it was.
+    `args` is an `argparse.Namespace` from `parse_args`, or one built in code (missing attributes take their
+    defaults; each value is checked as its option's text would be, and a name that is no option raises a
+    `ValueError`: `args.with_defaults`). The model's `generation_config` is left as it was.
     """
     args = with_defaults(args)
     check_sampling_args(args)
