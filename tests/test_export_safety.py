@@ -220,12 +220,13 @@ def test_export_drops_remote_code_pointers_it_did_not_write(sources, tmp_path):
         if path.is_file() and path.suffix in (".json", ".md", ".py", ".txt"):
             assert "evil/repo" not in path.read_text(), path
     assert json.loads((out / "config.json").read_text())["auto_map"] == export.AUTO_MAP
-    # The card's tokenizer line is what the folder needs: run it as written, without remote code.
+    # The card's tokenizer line is what the folder needs, run without remote code: it trusts the repo as the model
+    # load does (config.json's auto_map would make transformers ask), but the tokenizer itself runs none.
     card = (out / "README.md").read_text()
     line = re.search(r"^tok = AutoTokenizer\.from_pretrained\(repo, .*\)$", card, flags=re.MULTILINE)[0]
-    assert "trust_remote_code" not in line
+    assert "trust_remote_code=True" in line
     scope = {"AutoTokenizer": AutoTokenizer, "repo": str(out)}
-    exec(line, scope)  # noqa: S102  (the card's own code)
+    exec(line.replace("trust_remote_code=True", "trust_remote_code=False"), scope)  # noqa: S102  (the card's code)
     source_tok = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
     assert scope["tok"]("w5 w6 w7")["input_ids"] == source_tok("w5 w6 w7")["input_ids"] == [5, 6, 7]
 

@@ -87,10 +87,8 @@ def build_model_card(
     *,
     repo_id: str,
     base_model: str | None = None,
-    license: str = "apache-2.0",
-    title: str | None = None,
-    summary: str | None = None,
-    what_it_is: str | None = None,
+    license: str = "apache-2.0", license_name: str | None = None, license_link: str | None = None,
+    title: str | None = None, summary: str | None = None, what_it_is: str | None = None,
     num_loops: int = 4,
     tokenizer: bool = True,
     chat: bool = False,
@@ -108,7 +106,7 @@ def build_model_card(
     prompt: str = "def fibonacci(n):",
     max_new_tokens: int = 128,
     tags: tuple[str, ...] | list[str] = (),
-    language: str | list[str] | None = None,
+    language: str | list[str] | None = None, datasets: list[str] | None = None,
     kv_bytes_per_token: int | None = None,
     exit_options: dict | None = None,
 ) -> ModelCard:
@@ -124,9 +122,9 @@ def build_model_card(
     maker's (e.g. "the embedded model hf-loopspec-default"); with `base_model` too, the weights are the source's and
     `base_model` is named as theirs (a fine-tune's parent). `weights_dtype`: the dtype the export stored the weights in
     (None: as the source stores them). The title defaults to the repo's name and is the card's `model_name` (a re-export
-    keeps it); `language`: the metadata's (a source card's, carried over). `kv_bytes_per_token`: this model's KV bytes
-    per context token in bf16, every loop together (None: the family's example). `exit_options`: the exit the repo's
-    generation config sets (None: the last loop)."""
+    keeps it); `language`, `datasets`, `license_name` and `license_link`: `_card_data`'s. `kv_bytes_per_token`: this
+    model's KV bytes per context token in bf16, every loop together (None: the family's example). `exit_options`: the
+    exit the repo's generation config sets (None: the last loop)."""
     sampling = check_card_arguments(FAMILIES, **locals())  # (card_checks: every argument, by name)
     fam = FAMILIES[family]
     results = bench_results(benchmarks)  # a bad results file fails before anything is built
@@ -148,21 +146,30 @@ def build_model_card(
         "repo_id": repo_id,
         "base_model_or_repo": base_model or repo_id,
         "num_loops": num_loops,
-        "generation_defaults": _generation_defaults(speculative_mode, draft_loops, num_speculative_tokens, eos),
+        "generation_defaults": _generation_defaults(speculative_mode, draft_loops, num_speculative_tokens, eos,
+                                                    num_loops),
         "tokenizer_code": _tokenizer_code(tokenizer, base_model),
         "inputs_code": _inputs_code(chat, prompt),
         "generate_kwargs": _generate_kwargs(max_new_tokens, sampling, eos if chat else []),
         "variant_section": _variant_section(fam, chat, chat_tokens, eos, sampling, sampling_source),
-        "speed_section": speed_section(results),
+        "speed_section": speed_section(results, repo_id),
         "kv_example": fam.kv_example if kv_bytes_per_token is None else
         f"about {_size(kv_bytes_per_token)} per context token for this model in bf16 across its {num_loops} loops",
         "family_limitations": _exit_limitation(exit_options) if exit_options else fam.limitations,
         "citation_section": _citation_section(fam, base_link) if makers else "",
     }
-    data = ModelCardData(license=license, library_name="transformers", pipeline_tag="text-generation",
-                         base_model=base_model, tags=list(dict.fromkeys([*TAGS, *tags])), model_name=fields["title"],
-                         language=language, eval_results=eval_results(results, project_url()) or None)
+    data = _card_data(fields["title"], results, tags, license=license, license_name=license_name,
+                      license_link=license_link, base_model=base_model, language=language, datasets=datasets)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{MODEL_CARD_TEMPLATE.substitute(fields)}")
+
+
+def _card_data(title: str, results: Sequence[dict], tags, **metadata) -> ModelCardData:
+    """The card's front matter: `metadata` (the license with an `other` license's name and link, the base model, and
+    a source card's language and datasets, carried over), the package's library, pipeline tag and tags, the title as
+    `model_name` and the bench `results` as `model-index`."""
+    return ModelCardData(library_name="transformers", pipeline_tag="text-generation", model_name=title,
+                         tags=list(dict.fromkeys([*TAGS, *tags])),
+                         eval_results=eval_results(results, project_url()) or None, **metadata)
 
 
 def _size(count: int) -> str:
@@ -223,27 +230,37 @@ def _inputs_code(chat: bool, prompt: str) -> str:
 
 
 def _tokenizer_code(tokenizer: bool, base_model: str | None) -> str:
-    """The card's tokenizer line: the repo's own tokenizer (it never needs remote code: the export drops tokenizer
-    `auto_map`s), else the base model's."""
+    """The card's tokenizer line: the repo's own tokenizer, else the base model's. The repo's is loaded with
+    `trust_remote_code=True`, as the model is: its own code is none (the export drops tokenizer `auto_map`s), but
+    transformers reads the repo's config.json, whose `auto_map` names the shims, and without the flag asks on a
+    terminal whether to run them (a process that loads the tokenizer before the model, without hf_loopspec)."""
     if tokenizer:
-        return 'tok = AutoTokenizer.from_pretrained(repo, padding_side="left")'
+        return 'tok = AutoTokenizer.from_pretrained(repo, trust_remote_code=True, padding_side="left")'
     source = json.dumps(base_model or "<the tokenizer the weights were trained with>")
     return (f"tok = AutoTokenizer.from_pretrained({source}, padding_side=\"left\")  "
             "# this repo ships no tokenizer")
 
 
-def _generation_defaults(mode: str | None, draft_loops: int, k: int, eos: list[int]) -> str:
+def _generation_defaults(mode: str | None, draft_loops: int, k: int, eos: list[int], num_loops: int) -> str:
+    """What the card says of the defaults written to `generation_config.json`: only modes those defaults can run
+    (pipeline mode needs `draft_loops` to divide `num_loops`; auto then weighs plain and block only)."""
     where = f"token {' or '.join(str(e) for e in eos)}" if eos else "the checkpoint's eos token"
     stops = f"generation stops at {where}"
+    pipeline = num_loops < 2 or num_loops % draft_loops == 0  # (a 1-loop model: no depth was checked)
+    divisors = ", ".join(str(d) for d in range(1, num_loops) if num_loops % d == 0)
     if mode is None:
-        return (f"plain decoding by default ({stops}); pass `speculative_mode=\"pipeline\"` or `\"block\"` to "
-                "speculate")
+        if pipeline:
+            return (f"plain decoding by default ({stops}); pass `speculative_mode=\"pipeline\"` or `\"block\"` to "
+                    "speculate")
+        return (f"plain decoding by default ({stops}); pass `speculative_mode=\"block\"` to speculate from loop "
+                f"{draft_loops} (`\"pipeline\"` needs a `draft_loops` that divides {num_loops}: {divisors})")
     settings = f'`speculative_mode="{mode}"`, `draft_loops={draft_loops}`'
     if mode == "auto":
-        return (f"self-speculative decoding is on by default ({settings}: each call decodes plainly, in block or in "
-                f"pipeline mode from loop {draft_loops}, whichever the costs measured on the device and the draft "
-                f"acceptance it observes make fastest; {stops}); pass `speculative_mode=None` for transformers' "
-                "plain loop")
+        modes = ", in block or in pipeline mode" if pipeline else " or in block mode"
+        why = "" if pipeline else f" (pipeline mode needs a `draft_loops` that divides {num_loops}: {divisors})"
+        return (f"self-speculative decoding is on by default ({settings}: each call decodes plainly{modes} from "
+                f"loop {draft_loops}, whichever the costs measured on the device and the draft acceptance it "
+                f"observes make fastest{why}; {stops}); pass `speculative_mode=None` for transformers' plain loop")
     if mode == "block":
         settings += f", `num_speculative_tokens={k}`"
     return (f"self-speculative decoding is on by default ({settings}; {stops}); pass `speculative_mode=None` for "

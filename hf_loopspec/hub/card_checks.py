@@ -97,28 +97,42 @@ def check_card_metadata(repo_id: str | None, base_model: str | None, license: st
         raise ValueError(f"--license {license!r} is not a Hub license id: {LICENSE_FIX}.")
 
 
-def carried_metadata(data: dict, license: str | None) -> tuple[str, str | list[str] | None]:
-    """(license, language) of an export's card: `license` (--license), else the source card `data`'s, else
-    apache-2.0, and the source card's language (None: none). A `ValueError` when the source's license is used and is
-    no Hub license id (what `--license` is checked for); a language that is no language code or list of them is left
-    out with a warning (the Hub refuses such a card)."""
+def carried_metadata(data: dict, license: str | None) -> dict:
+    """The metadata an export's card takes from the source card `data`, as `build_model_card` keywords: `license`
+    (--license, else the source's, else apache-2.0), the source's `license_name` and `license_link` when its license
+    is the one carried (not with --license), its `language` and its `datasets`. A `ValueError` when the source's
+    license is used and is no Hub license id (what `--license` is checked for); a name or link that is no string, a
+    language that is no language code or list of them, and datasets that are no list of strings are left out with a
+    warning (the Hub refuses such a card)."""
     from ..logs import get_logger
 
-    language = data.get("language")
-    if license is None and not is_license_id(license := data.get("license") or "apache-2.0"):
+    sources_license = license is None
+    if sources_license and not is_license_id(license := data.get("license") or "apache-2.0"):
         raise ValueError(f"the source's model card has license: {license!r}, which is not a Hub license id; pass "
                          f"--license: {LICENSE_FIX}.")
-    if language is not None and not is_language(language):
-        get_logger(__name__).warning("export: the source card's language %r is no language code (en, zho, code, "
-                                     "multilingual) or list of them: left out of the card (the Hub refuses it).",
-                                     language)
-        language = None
-    return license, language
+    carried = {"license": license}
+    for key, usable, form in (("license_name", _text, "text"), ("license_link", _text, "text"),
+                              ("language", is_language, "language code (en, zho, code, multilingual) or list of them"),
+                              ("datasets", _texts, "list of dataset ids (strings)")):
+        value = data.get(key)
+        if value is None or key.startswith("license_") and not sources_license:
+            continue
+        if usable(value):
+            carried[key] = value
+        else:
+            get_logger(__name__).warning("export: the source card's %s %r is no %s: left out of the card (the Hub "
+                                         "refuses it).", key, value, form)
+    return carried
 
 
 def _text(value) -> bool:
     """Whether `value` is a non-empty string."""
     return isinstance(value, str) and bool(value)
+
+
+def _texts(value) -> bool:
+    """Whether `value` is a non-empty list of non-empty strings (a card's `datasets`, as the Hub takes them)."""
+    return isinstance(value, list) and bool(value) and all(map(_text, value))
 
 
 def _or_none(accepts):
@@ -151,6 +165,9 @@ CARD_ARGUMENT_RULES = {
     "license": (_or_none(is_license_id), f" is not a Hub license id: {LICENSE_FIX}, or None"),
     "language": (_or_none(is_language), " must be a language code (en, zho, code, multilingual), a non-empty list of "
                                         "them, or None"),
+    "license_name": (_or_none(_text), " must be a non-empty string or None (the name of an 'other' license)"),
+    "license_link": (_or_none(_text), " must be a non-empty string or None (a URL or a file of the repo)"),
+    "datasets": (_or_none(_texts), " must be a non-empty list of dataset ids (strings), or None"),
     "tags": (lambda value: isinstance(value, (list, tuple)) and all(isinstance(tag, str) for tag in value),
              " must be a list of strings (e.g. ['code'])"),
     "tokenizer": (lambda value: isinstance(value, bool), " must be True or False (whether the repo ships a tokenizer)"),

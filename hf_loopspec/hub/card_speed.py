@@ -1,7 +1,9 @@
 """The speed section of a model card, built from `hf-loopspec bench` results (the JSON documents of
 `hf_loopspec.bench.report`, whose schema that module owns): one subsection per result with its machine, the command
 that reproduces it and a table per mode. Without results the section says that there are no measured numbers,
-instead of showing any. `eval_results` turns the same results into the card's `model-index` metadata."""
+instead of showing any. A result measured on a local checkpoint folder (`--model PATH`) is quoted as measured on the
+card's repo (`--model REPO_ID`): a path of the measuring machine means nothing to a reader, and the card's repo holds
+the same weights. `eval_results` turns the same results into the card's `model-index` metadata."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from huggingface_hub import EvalResult
 
 from ..bench.report import check_text, checked_result, command_line, load_result
 from ..bench.shape_table import SHAPES
+from .card_checks import is_hub_repo_id
 
 NO_NUMBERS = (
     "No measured speed numbers: no `hf-loopspec bench` results were given when this card was written, so it shows "
@@ -79,15 +82,27 @@ def eval_results(results: Sequence[dict], source_url: str) -> list[EvalResult]:
     return entries
 
 
-def speed_section(results: Sequence[dict]) -> str:
-    """The card's speed section for bench result documents (module docstring)."""
+def speed_section(results: Sequence[dict], repo_id: str) -> str:
+    """The card's speed section for bench result documents, whose local `--model` folders are named as `repo_id`
+    (module docstring)."""
     if not results:
         return NO_NUMBERS
     parts = ["Measured with `hf-loopspec bench` (tokens/s are for all sequences of the batch, prefill included; "
              "each table names its machine and the command that reproduces it)."]
     for result in results:
-        parts.extend(_subsection(result))
+        parts.extend(_subsection(_as_measured_on_repo(result, repo_id)))
     return "\n\n".join(parts)
+
+
+def _as_measured_on_repo(result: dict, repo_id: str) -> dict:
+    """`result` (unchanged) when its `--model` is a Hub id, 'default' or a random-weight shape; else (a checkpoint
+    folder: one that exists here, or a name that is no Hub repo id, such as /abs/path or ./folder) a copy whose
+    `--model` and model name are `repo_id`."""
+    model = result["args"].get("model")
+    if not isinstance(model, str) or model == "default" or model in SHAPES or (
+            is_hub_repo_id(model) and not Path(model).expanduser().exists()):
+        return result
+    return {**result, "args": {**result["args"], "model": repo_id}, "model": {**result["model"], "name": repo_id}}
 
 
 def _subsection(result: dict) -> list[str]:

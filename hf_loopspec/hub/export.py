@@ -45,10 +45,10 @@ from pathlib import Path
 from .. import __version__
 from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, DTYPE_NAMES
 from ..input_checks import check_source, hub_errors_explained
-from .card_checks import CHATML_TOKENS, SAMPLING_RANGES, carried_metadata, check_loop_settings, is_hub_repo_id
+from .card_checks import CHATML_TOKENS, SAMPLING_RANGES, check_loop_settings, is_hub_repo_id
 from .install import install_command
 from .shims import AUTO_MAP, SHIM_FILES, write_template
-from .source import hub_options, resolve_source
+from .source import card_metadata, copy_license_files, hub_options, resolve_source
 from .staging import check_destination, staged_folder
 
 # transformers checks each line as `name[<op><version>]` (no PEP 508 URLs), so the repository install is a comment
@@ -86,7 +86,8 @@ def export_checkpoint(
         repo_id: the Hub repo the folder is meant for (the card's title and code); default
             `your-username/<the source's name>`.
         base_model: the card's `base_model`; default `src` when it is a Hub id, else the source card's.
-        license: the card's license; default the source card's, else `apache-2.0`.
+        license: the card's license; default the source card's (with its `license_name` and `license_link`), else
+            `apache-2.0`. The license files of a local `src` folder are copied (`hub.source.copy_license_files`).
         benchmarks: `hf-loopspec bench` results for the card's speed section (JSON documents or `--json` files);
             None: the card says there are no measured numbers.
         model_card_kwargs: passed to `build_model_card` (`title`, `summary`, `sampling`, `tags`, ...); a keyword
@@ -132,6 +133,7 @@ def export_checkpoint(
                        benchmarks=benchmarks, dtype=dtype, **model_card_kwargs)
     with staged_folder(out) as stage:
         _write_folder(stage, model, tokenizer, shard_bytes)
+        copy_license_files(source, stage)
         card.save(stage / "README.md")
         _readable_as_umask(stage)
     return out
@@ -258,7 +260,6 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
             get_logger(__name__).warning("export: the source card's base_model %r is no Hub repo id: left out of "
                                          "the card; pass --base-model to name the base model.", base_model)
             base_model = None
-    license, language = carried_metadata(data, license)
     is_base = source.hub_id and base_model == source.spec  # the weights are base_model's own, not a derivative's
     card_args = {
         "repo_id": repo_id or f"your-username/{source.name}",
@@ -267,9 +268,8 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
         "source": None if is_base else source.description or f"[{source.spec}](https://huggingface.co/{source.spec})",
         "weights_dtype": None if dtype in (None, "auto") else dtype,
         "base_model": base_model,
-        "license": license,
         "tags": [tag for tag in data.get("tags") or () if isinstance(tag, str)],
-        "language": language,
+        **card_metadata(source, license),  # license (with its name and link), language, datasets
         "num_loops": model.num_loops,
         "kv_bytes_per_token": kv_bytes_per_token(model),
         "tokenizer": tokenizer is not None,

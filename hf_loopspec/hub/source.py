@@ -1,6 +1,7 @@
 """What an export starts from: `resolve_source(spec)` turns SRC ("default", a checkpoint folder or a Hub id) into a
 `Source`: the path to load, whether to load from local files only, and the source's identity for the model card (its
-name, its card's metadata and lead paragraphs).
+name, its card's metadata and lead paragraphs). `card_metadata` is the metadata of the source's card that the
+export's card carries, and `copy_license_files` copies the license files of a local source into the export.
 
 A Hub id is checked before anything loads. In offline mode (`HF_HUB_OFFLINE=1`, `huggingface_hub.is_offline_mode`)
 or when the Hub cannot be reached, a repo that is in the local Hub cache loads from it, and any other fails at once
@@ -9,10 +10,15 @@ with one `OSError` saying so, instead of after transformers' retries. A repo the
 
 from __future__ import annotations
 
+import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 HUB_TIMEOUT_S = 10.0
+# the names of license files an export copies from the top of a local source folder: LICENSE, LICENCE.md,
+# LICENSE-MODEL.txt, COPYING, NOTICE, ... (any case)
+LICENSE_FILE = re.compile(r"(licen[cs]e|copying|notice)([-_.][\w.-]*)?", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -124,4 +130,41 @@ def _metadata(card_data) -> dict:
     return data
 
 
-__all__ = ["Source", "resolve_source"]
+def license_files(source: Source) -> list[Path]:
+    """The license files (`LICENSE_FILE`) at the top of a local source folder, sorted; [] for a Hub source."""
+    if source.hub_id:
+        return []
+    return sorted(path for path in Path(source.path).iterdir() if LICENSE_FILE.fullmatch(path.name) and path.is_file())
+
+
+def copy_license_files(source: Source, folder: Path) -> None:
+    """Copy `license_files(source)` into `folder` (their contents: a link is followed)."""
+    for path in license_files(source):
+        shutil.copyfile(path, folder / path.name)
+
+
+def card_metadata(source: Source, license: str | None) -> dict:
+    """The metadata of the source's card that the export's card carries (`card_checks.carried_metadata`: the license
+    unless `license` (--license) is given, with its name and link, the language and the datasets). A relative
+    `license_link` must still lead to the license in the exported repo: for a Hub source it becomes the URL of the
+    file in the source's repo; for a local folder it is kept when it names a license file the export copies
+    (`copy_license_files`), else it is left out with a warning."""
+    from ..logs import get_logger
+    from .card_checks import carried_metadata
+
+    carried = carried_metadata(source.card_data, license)
+    link = carried.get("license_link")
+    if link is None or re.match(r"[a-z][a-z0-9+.-]*://", link, flags=re.IGNORECASE):
+        return carried
+    name = link.removeprefix("./")
+    if source.hub_id:
+        carried["license_link"] = f"https://huggingface.co/{source.spec}/blob/main/{name}"
+    elif name not in [path.name for path in license_files(source)]:
+        get_logger(__name__).warning("export: the source card's license_link %r names no license file at the top of "
+                                     "%s, which the export copies: left out of the card; give the card a URL or "
+                                     "put the license file there.", link, source.path)
+        del carried["license_link"]
+    return carried
+
+
+__all__ = ["Source", "card_metadata", "copy_license_files", "license_files", "resolve_source"]

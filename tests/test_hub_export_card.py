@@ -1,0 +1,113 @@
+"""What an export's model card says of its source and of its own defaults (`hf_loopspec.hub.card`,
+`hf_loopspec.hub.source`, `hf_loopspec.hub.card_speed`): the source's license stays named and its license files
+travel, the generation defaults are described as they can run, and a bench result measured on a local folder is
+quoted as a command a Hub reader can run. CPU, tiny checkpoints, no network."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from checkpoint_utils import save_checkpoint
+from huggingface_hub import ModelCard
+from processes import ROOT
+
+from hf_loopspec.hub import card as hub_card
+from hf_loopspec.hub import export
+from hf_loopspec.hub.source import Source, card_metadata
+
+OTHER_LICENSE_CARD = """---
+license: other
+license_name: tiny-research-license
+license_link: LICENSE
+datasets:
+- my-org/my-data
+---
+
+# Tiny research Ouro
+
+A tiny Ouro checkpoint under a custom license.
+"""
+
+
+@pytest.fixture(scope="module")
+def licensed_src(tmp_path_factory):
+    """A tiny Ouro checkpoint folder whose card names an `other` license, with license files beside it."""
+    src = save_checkpoint(tmp_path_factory.mktemp("src") / "ouro", seed=1)
+    (src / "README.md").write_text(OTHER_LICENSE_CARD)
+    (src / "LICENSE").write_text("custom license text\n")
+    (src / "NOTICE.txt").write_text("notice text\n")
+    (src / "docs").mkdir()
+    (src / "docs" / "LICENSE.md").write_text("nested: not copied\n")
+    return src
+
+
+def test_an_other_license_keeps_its_name_link_and_files(licensed_src, tmp_path):
+    """The card kept `license: other` but dropped its name and link, and LICENSE was not copied: the exported repo no
+    longer said which license applies. The source's datasets were dropped too."""
+    out = export.export_checkpoint(licensed_src, tmp_path / "out", benchmarks=None)
+    data = ModelCard.load(out / "README.md").data.to_dict()
+    assert data["license"] == "other" and data["license_name"] == "tiny-research-license"
+    assert data["license_link"] == "LICENSE" and data["datasets"] == ["my-org/my-data"]
+    assert (out / "LICENSE").read_text() == "custom license text\n"
+    assert (out / "NOTICE.txt").read_text() == "notice text\n" and not (out / "docs").exists()
+    # --license replaces the source's: its name and link are not carried (the files still are: they are the source's)
+    out = export.export_checkpoint(licensed_src, tmp_path / "mit", benchmarks=None, license="mit")
+    data = ModelCard.load(out / "README.md").data.to_dict()
+    assert data["license"] == "mit" and "license_name" not in data and "license_link" not in data
+    assert (out / "LICENSE").is_file()
+
+
+def test_a_license_link_leads_to_the_license_from_the_exported_repo(licensed_src, caplog):
+    """A relative link of a Hub source's card leads to the file in the source's repo; one of a local folder that names
+    no license file the export copies is left out with a warning; datasets not in the Hub's form too."""
+    data = {"license": "other", "license_name": "x", "license_link": "./LICENSE.md"}
+    hub = Source("org/model", "org/model", "model", None, True, True, data)
+    assert card_metadata(hub, None)["license_link"] == "https://huggingface.co/org/model/blob/main/LICENSE.md"
+    url = {**data, "license_link": "https://example.org/license"}
+    assert card_metadata(Source("org/model", "org/model", "model", None, True, True, url), None) == url
+    local = Source(str(licensed_src), str(licensed_src), "ouro", None, False, False,
+                   {**data, "license_link": "legal/LICENSE.md", "datasets": "my-org/my-data"})
+    with caplog.at_level(logging.WARNING):
+        assert card_metadata(local, None) == {"license": "other", "license_name": "x"}
+    assert "license_link 'legal/LICENSE.md' names no license file at the top of" in caplog.text
+    assert "the source card's datasets 'my-org/my-data' is no list of dataset ids" in caplog.text
+
+
+@pytest.mark.parametrize("mode", [None, "auto"])
+def test_the_card_names_only_modes_its_defaults_can_run(mode):
+    """With `draft_loops` that does not divide the loop count, the card promised `speculative_mode="pipeline"` (which
+    raises at that depth) or said auto weighs pipeline (it weighs plain and block only)."""
+    text = hub_card.build_model_card(repo_id="me/x", num_loops=4, speculative_mode=mode, draft_loops=3).text
+    line = next(line for line in text.splitlines() if line.startswith("* `generation_config.json`"))
+    assert "pipeline mode from" not in line and 'pass `speculative_mode="pipeline"`' not in line
+    assert "needs a `draft_loops` that divides 4: 1, 2" in line
+    assert ('pass `speculative_mode="block"` to speculate from loop 3' if mode is None else
+            "decodes plainly or in block mode from loop 3") in line
+    at_divisor = hub_card.build_model_card(repo_id="me/x", num_loops=4, speculative_mode=mode, draft_loops=2).text
+    speculates = ('speculative_mode="pipeline"` or `"block"` to speculate' if mode is None else
+                  "in block or in pipeline mode from loop 2")
+    assert speculates in at_divisor and "that divides" not in at_divisor
+
+
+def test_a_bench_of_a_local_folder_is_quoted_on_the_cards_repo(tmp_path):
+    """The quoted command (and its heading) named this machine's checkpoint path, which a Hub reader cannot run; a Hub
+    id, 'default' and a random-weight shape are quoted as measured."""
+    result = json.loads((ROOT / "bench_results" / "cpu_ouro100m_b1.json").read_text())
+    for local in (str(tmp_path), "/no/such/folder/ouro"):
+        bench = {**result, "args": {**result["args"], "model": local}, "model": {**result["model"], "name": local}}
+        text = hub_card.build_model_card(repo_id="me/x", benchmarks=[bench]).text
+        assert local not in text and "hf-loopspec bench --model me/x " in text and "### me/x, " in text
+    for kept in ("someone/Ouro-tiny", "ouro-100m"):
+        bench = {**result, "args": {**result["args"], "model": kept}}
+        text = hub_card.build_model_card(repo_id="me/x", benchmarks=[bench]).text
+        assert f"hf-loopspec bench --model {kept} " in text
+
+
+def test_the_cards_tokenizer_load_trusts_the_repo_as_its_model_load_does():
+    """Without `trust_remote_code=True`, transformers asks on a terminal whether to run the repo's shims (named by its
+    config.json) when the tokenizer is loaded first in a process that has not imported hf_loopspec."""
+    text = hub_card.build_model_card(repo_id="me/x").text
+    assert 'AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True' in text
+    assert 'tok = AutoTokenizer.from_pretrained(repo, trust_remote_code=True, padding_side="left")' in text
