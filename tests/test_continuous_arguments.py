@@ -316,13 +316,33 @@ def test_a_kept_manager_built_from_the_models_config_is_refused_once_that_config
     # a bound the manager would not keep (add_request never blocks): 8 requests all queued past a bound of 2
     (ContinuousBatchingConfig(max_queue_size=2), "max_queue_size=2 .*add_request never blocks"),
     (ContinuousBatchingConfig(return_logprobs=True), "return_logprobs=True"),
-    # slots longer than the model's positions (a billion: a raw allocator error; their state grows with them)
+    # slots far past any request (a billion blocks: a raw allocator error; a million ran the machine out of memory)
     (ContinuousBatchingConfig(max_blocks_per_request=10**9, page_size=16),
-     r"max_blocks_per_request=1000000000 blocks of 16 positions .* more than the model's \d+ \(max_position_emb"),
+     r"slots of 16000000000 positions .* more than half the free memory: pass a smaller max_blocks_per_request"),
 ])
 def test_bad_continuous_batching_config_values_are_named(model, config, match):
     with pytest.raises(ValueError, match=match):
         model.init_continuous_batching(generation_config({}), config)
+
+
+def test_a_prompt_of_0d_tensors_or_arrays_is_read_as_their_values(model):
+    """A prompt listing 0-d tensors or arrays (what iterating a 1-D tensor gives) decodes as its values (each request
+    failed with "token ids must be integers" for ids that were)."""
+    prompt = prompts(1, [4])[0]
+    for items in ([torch.tensor(t) for t in prompt], [np.array(t) for t in prompt]):
+        out = model.generate_batch([items], generation_config=generation_config({}), max_new_tokens=3)
+        assert [result.generated_tokens for result in out.values()] == [alone(model, prompt, 3)]
+
+
+def test_a_slot_longer_than_the_models_positions_is_taken(model):
+    """A slot may be longer than the model's positions (one block of 1024 positions on a 512-position model): its
+    requests may decode past them as `generate` does, with a warning; only a slot whose state would not fit in
+    memory is refused (above; slots longer than the positions were refused for a while, a regression)."""
+    prompt = prompts(1, [4])[0]
+    out = model.generate_batch([prompt], generation_config=generation_config({}), max_new_tokens=3,
+                               continuous_batching_config=ContinuousBatchingConfig(max_blocks_per_request=1,
+                                                                                   page_size=1024))
+    assert [result.generated_tokens for result in out.values()] == [alone(model, prompt, 3)]
 
 
 def test_a_continuous_batching_config_field_the_manager_does_not_use_is_warned_of(model, caplog):

@@ -34,6 +34,9 @@ from .pool import PoolSize, pool_size, request_positions
 DEFAULT_SLOTS = 8  # B when neither the continuous batching config nor the workload hints give it
 DEFAULT_POSITIONS = 1024  # C when nothing gives it (capped by the model's max_position_embeddings)
 MAX_EOS_IDS = 16  # E: EOS ids one request may carry
+# a bound per slot and position on the engine state that grows with a slot's length (token ids, masks, page tables;
+# not the KV, which the pool's own cap bounds): over three times what that state measures on a CPU
+SLOT_STATE_BYTES = 1024
 DEFAULT_MAX_NEW_TOKENS = 20  # transformers' default when neither the request nor the generation config sets it
 REQUEST_KEYS = ("seed",)  # the per-request keyword a request may add (`add_request(**logit_processor_kwargs)`)
 MAX_SEED = 2**63  # seeds are torch generator seeds: int64
@@ -180,6 +183,7 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
     slots = _positive(getattr(cb_config, "max_requests_per_batch", None), "max_requests_per_batch") \
         or min(DEFAULT_SLOTS, getattr(hints, "num_requests", None) or DEFAULT_SLOTS)
     positions = _positions(model, config, cb_config, hints)
+    _check_slot_state(model.device, slots, positions)
     with huginn.manager_block(model, recurrence):  # the planes of the manager's recurrence steps
         pool = pool_size(model.kv_layout, model.lane_dtype, model.device, cb_config, slots, positions)
     return ManagerSettings(
@@ -234,25 +238,33 @@ def _seed(value) -> int | None:
 
 
 def _positions(model, config, cb_config, hints) -> int:
-    """C: `max_blocks_per_request * block_size` (or `page_size`) of the continuous batching config (`ValueError`
-    when that is more than the model's `max_position_embeddings`: a slot's state grows with it); else the workload
+    """C: `max_blocks_per_request * block_size` (or `page_size`) of the continuous batching config; else the workload
     hints' longest prompt plus output; else `DEFAULT_POSITIONS` or the model's `max_position_embeddings`."""
-    limit = getattr(model.config, "max_position_embeddings", None)
     blocks = _positive(getattr(cb_config, "max_blocks_per_request", None), "max_blocks_per_request")
     if blocks:
         size = _positive(getattr(cb_config, "block_size", None), "block_size") \
             or _positive(getattr(cb_config, "page_size", None), "page_size") or 1
-        if limit and blocks * size > limit:
-            raise ValueError(f"max_blocks_per_request={blocks} blocks of {size} positions make slots of "
-                             f"{blocks * size} positions, more than the model's {limit} (max_position_embeddings; a "
-                             f"slot's state grows with its positions): pass max_blocks_per_request <= "
-                             f"{max(1, limit // size)}.")
         return max(2, blocks * size)
     if hints is not None and getattr(hints, "max_prompt_length", None):
         wanted = hints.max_prompt_length + (hints.max_generated_length or config.max_new_tokens or config.max_length
                                             or DEFAULT_MAX_NEW_TOKENS)
         return max(2, wanted)
-    return max(2, min(DEFAULT_POSITIONS, limit or DEFAULT_POSITIONS))
+    limit = getattr(model.config, "max_position_embeddings", None) or DEFAULT_POSITIONS
+    return max(2, min(DEFAULT_POSITIONS, limit))
+
+
+def _check_slot_state(device, slots: int, positions: int) -> None:
+    """`ValueError` when B slots of C positions would keep an engine state (`SLOT_STATE_BYTES` per slot and
+    position) of more than half the free memory of `device`: a slot sized far past any request failed in the
+    allocator, or ran the machine out of memory, instead of naming the setting."""
+    from ..dispatch import free_memory  # (here: dispatch imports the engine, which this module's users import first)
+
+    need = slots * positions * SLOT_STATE_BYTES
+    if need > free_memory(device) / 2:
+        raise ValueError(f"{slots} slots of {positions} positions (max_blocks_per_request x block or page size, or "
+                         f"the workload hints) keep an engine state of up to {need / 2**30:.1f} GiB, more than half "
+                         "the free memory: pass a smaller max_blocks_per_request (a slot holds a request's prompt "
+                         "and new tokens), or a smaller max_requests_per_batch.")
 
 
 def check_config_types(generation_config, cb_config) -> None:
@@ -289,12 +301,13 @@ def eos_ids(value) -> list[int]:
 
 
 def token_ids(value):
-    """A request's prompt as a list (a tensor's or array's values, a list's items, ints where they are integers); any
-    other value as it is, for `request_problem` to name."""
+    """A request's prompt as a list (a tensor's or array's values, a list's items, 0-d tensors and arrays among them
+    read as their value, ints where they are integers); any other value as it is, for `request_problem` to name."""
     if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
         value = value.tolist()
     if not isinstance(value, (list, tuple)):
         return value
+    value = [t.item() if getattr(t, "ndim", None) == 0 and hasattr(t, "item") else t for t in value]
     return [int(t) if is_integer(t) else t for t in value]
 
 
