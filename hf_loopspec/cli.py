@@ -47,12 +47,14 @@ DEBUG_ENV = "HF_LOOPSPEC_DEBUG"
 DEFAULT_THREADS = 1  # see --threads' help
 USER_ERRORS = (ValueError, OSError)  # what the commands raise for input a user can fix
 # the library's messages name generate's arguments; `generate` and `batch` name the option that sets the same thing
-# (a pattern -> its replacement; `second_draft_loops`, which no option sets, keeps its name)
+# (a pattern -> its replacement): an argument's name standing as a word of the prose (after a space or a parenthesis;
+# not inside a path, a quoted field name or `second_draft_loops`, which no option sets)
+ARGUMENT = r"(?<![^\s(])"
 OPTION_SPELLINGS = (
-    (re.compile(r"\bspeculative_mode=None\b"), "--mode plain"),
-    (re.compile(r"\bspeculative_mode='(\w+)'"), r"--mode \1"),
-    (re.compile(r"\b(draft_loops|num_speculative_tokens|max_new_tokens|repetition_penalty|do_sample|top_[kp])\b"),
-     lambda match: "--" + match[1].replace("_", "-")),
+    (re.compile(ARGUMENT + r"speculative_mode=None\b"), "--mode plain"),
+    (re.compile(ARGUMENT + r"speculative_mode='(\w+)'"), r"--mode \1"),
+    (re.compile(ARGUMENT + r"(draft_loops|num_speculative_tokens|max_new_tokens|repetition_penalty|do_sample|top_[kp])"
+                r"(?![\w/'-]|\.\w)"), lambda match: "--" + match[1].replace("_", "-")),
 )
 BROKEN_PIPE = 141  # the status of a command that SIGPIPE ended (128 + 13), what a shell reports for `cat` there
 

@@ -309,10 +309,19 @@ def test_the_fingerprint_samples_the_data_of_large_files_and_ignores_timestamps(
 # --- reader errors, in a real process ---------------------------------------------------------------------------------
 
 BAD_FILES = {  # name: (bytes, what the line names after the file)
-    "bad.csv": (b'id,prompt\n1,"import os\n', "cannot be read as CSV (ParserError: Error tokenizing data. C error: "
-                                              "EOF inside string starting at row 1)"),
-    "ragged.csv": (b"id,prompt\n1,a\n2,b,c,d\n", "Expected 2 fields in line 3, saw 4"),
-    "bad.json": (b'{"id": 1, "prompt": ', "cannot be read as JSON (ArrowInvalid: JSON parse error"),
+    "bad.csv": (b'id,prompt\n1,"import os\n', ", line 2, cannot be read as CSV (unexpected end of data); put a "
+                                              "field that holds a comma"),
+    "ragged.csv": (b"id,prompt\n1,a\n2,b,c,d\n", ", line 3 (row 2), has 4 fields ('2', 'b', 'c', 'd') where the "
+                                                "header has 2 ('id', 'prompt'); put a field that holds a comma"),
+    "bad.json": (b'{"id": 1, "prompt": ', ", line 1 is not valid JSON (Expecting value at column 21); a .json file "
+                                          "holds one JSON array of objects"),
+    "bad-array.json": (b'[{"id": 1, "prompt": "a"},\n {"id": 2 "prompt": "b"}]', ", row 2 is not valid JSON "
+                                                                                 "(Expecting ',' delimiter at line 2, "
+                                                                                 "column 11)"),
+    # files without rows ("Instruction "train" corresponds to no data!", from datasets)
+    "empty-array.json": (b"[ ]\n", " holds no rows; give it at least one row such as "),
+    "empty-object.json": (b"{}", " holds no rows; give it at least one row such as "),
+    "header-only.csv": (b"id,prompt\n", " holds no rows; give it at least one row such as "),
     "bad.parquet": (b"PAR1 not really parquet", "cannot be read as PARQUET (ArrowInvalid: "),
     "latin.jsonl": (b'{"id": 0, "prompt": "a"}\n{"id": 1, "prompt": "caf\xe9"}\n', ", line 2, is not UTF-8 text "
                                                                                     "(byte 0xe9 at byte 25"),

@@ -224,6 +224,12 @@ def test_advice_to_decode_plainly_names_the_option(tmp_path, capsys):
         line = _last_line(capsys.readouterr().err)
         assert "this call runs 1 loop" in line and "decode plainly (--mode plain)" in line, line
         assert "speculative_mode" not in line
+    # a path or a field that holds an argument's name is printed as given (it was rewritten as an option)
+    missing = tmp_path / "sweeps" / "top_p" / "max_new_tokens"
+    assert cli.main(["generate", "w5", "--model", str(missing), "--device", "cpu"]) == 2
+    assert f"no such folder: {missing}" in _last_line(capsys.readouterr().err)
+    assert cli.main(["batch", str(prompts), "--output", str(tmp_path / "o.jsonl"), "--field", "max_new_tokens"]) == 2
+    assert "has no 'max_new_tokens' field" in _last_line(capsys.readouterr().err)
 
 
 # --- the traceback on request, interrupts, a real process -----------------------------------------------------------
@@ -283,7 +289,8 @@ def test_a_real_process_prints_one_line(good, tmp_path, tmp_path_factory):
 
 def test_an_os_error_about_a_path_names_the_path_first(tmp_path, capsys):
     """An `OSError` with a path reads "PATH: reason" (it read "[Errno 2] No such file or directory: 'PATH'"): a
-    made-up error, then a batch OUT below /proc, where nothing can be created (Linux)."""
+    made-up error, then a batch OUT below /proc, where nothing can be created (Linux): batch names --output, the
+    folder it could not create with the reason, and the fix."""
     assert cli.one_line(FileNotFoundError(2, "No such file or directory", "/x/y")) == "/x/y: No such file or directory"
     assert cli.one_line(OSError(18, "Invalid cross-device link", "a", None, "b")) == \
         "a: Invalid cross-device link (with b)"
@@ -294,7 +301,9 @@ def test_an_os_error_about_a_path_names_the_path_first(tmp_path, capsys):
     prompts.write_text('{"id": 1, "prompt": "def f():"}\n')
     out = "/proc/no-such-folder/out.jsonl"
     assert cli.main(["batch", str(prompts), "--output", out, "--device", "cpu", "--max-new-tokens", "2"]) == 2
-    assert one_error_line(capsys, "batch").endswith("error: /proc/no-such-folder: No such file or directory")
+    assert one_error_line(capsys, "batch").endswith(f"error: --output {out}: cannot create /proc/no-such-folder (No "
+                                                    "such file or directory); pass an --output in a folder you can "
+                                                    "write (the run keeps its parts in out.jsonl.parts/ beside it).")
 
 
 def test_a_reader_that_leaves_early_ends_generate_quietly():

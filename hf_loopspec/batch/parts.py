@@ -14,8 +14,10 @@ lossless after SIGTERM or SIGKILL at any point:
   never mix; a `settings.json` that does not parse is refused naming the file;
 * one run at a time owns `OUT.parts/` (`lock.RunLock`): a second run on the same OUT is refused up front;
 * the merge writes `OUT` in input order to a temporary file, fsyncs it and renames it over `OUT` (atomic), and
-  only then removes `OUT.parts/`; a kill during the merge leaves the parts, and a rerun merges again (removing the
-  temporary file the killed merge left beside OUT);
+  only then removes `OUT.parts/`: renamed first to a temporary folder beside it, then deleted, so that a kill leaves
+  either the whole parts folder (a rerun merges again, removing the temporary file the killed merge left beside OUT)
+  or none (OUT is finished, and a rerun is refused as for any existing OUT; the next merge to OUT removes the
+  temporary folder);
 * no file is written through a symbolic link: OUT, `OUT.parts/` or anything in it being a link is refused up front,
   part and lock files are opened with `O_NOFOLLOW`, and every temporary file is made by `tempfile.mkstemp` in the
   target's folder (exclusive creation under an unpredictable name) and renamed over the target.
@@ -59,10 +61,11 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def temporaries(path: Path) -> list[Path]:
-    """The temporary files (not folders) that `_write_atomic(path, ...)` makes, left behind by a kill."""
+def temporaries(path: Path, folders: bool = False) -> list[Path]:
+    """The temporary files that `_write_atomic(path, ...)` makes or, with `folders`, the temporary folders that the
+    removal of the parts folder `path` makes (`PartStore.merge`), left behind by a kill (links among them too)."""
     pattern = f".{glob.escape(path.name)}.*{TEMPORARY_SUFFIX}"
-    return [entry for entry in path.parent.glob(pattern) if entry.is_symlink() or not entry.is_dir()]
+    return [entry for entry in path.parent.glob(pattern) if entry.is_symlink() or entry.is_dir() == folders]
 
 
 def refuse_link(path: Path, role: str, fix: str) -> None:
@@ -200,7 +203,14 @@ class PartStore:
                                f"on {missing[0].where}); rerun the same command to generate them.")
         for stale in temporaries(self.output):  # of a merge killed before its rename; the lock keeps others out
             stale.unlink()
+        for stale in temporaries(self.dir, folders=True):  # of a merge killed while it removed the parts
+            if stale.is_symlink():
+                stale.unlink()
+            else:
+                shutil.rmtree(stale)
         _write_atomic(self.output, "".join(json.dumps(rows[id_key(p.id)], ensure_ascii=False) + "\n"
                                            for p in prompts))
-        shutil.rmtree(self.dir)
+        removed = tempfile.mkdtemp(dir=self.dir.parent, prefix=f".{self.dir.name}.", suffix=TEMPORARY_SUFFIX)
+        os.replace(self.dir, removed)  # one step from "OUT and its parts" to "OUT alone" (see the module docstring)
+        shutil.rmtree(removed)
         return len(prompts)

@@ -29,7 +29,8 @@ from ..prompting import SAMPLING_KEYS, encode_prompt, generate_kwargs
 from .fingerprint import weights_fingerprint
 from .parts import PartStore
 from .progress import RunProgress
-from .prompts import PromptRow, id_key, plan_batches, quiet_logger, read_prompts
+from .prompts import PromptRow, id_key, plan_batches, read_prompts
+from .readers import quiet_logger
 
 # A process that finishes its shard early waits for the others at the final barrier; allow long shards.
 BARRIER_TIMEOUT = timedelta(hours=24)

@@ -1,0 +1,184 @@
+"""The input and output paths of `hf-loopspec batch`: a `.json` file's values are kept as written (ids were coerced to
+one type by `datasets`); a key given twice in a `.json` object or a CSV header, a CSV record with more or fewer fields
+than its header (it was read shifted), and a file without rows are one-line refusals naming the line or row before a
+model loads; a failed run removes the output folders it created; an output folder the run cannot write names
+--output; a merge killed while it removed the parts leaves a finished OUT that the rerun recognises."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from checkpoint_utils import snapshot
+from processes import subprocess_env
+
+from hf_loopspec import cli, loading
+from hf_loopspec.batch.prompts import read_prompts
+
+
+def argv(prompts: Path, output: Path, *extra: str) -> list[str]:
+    return ["batch", str(prompts), "--output", str(output), "--mode", "plain", "--max-new-tokens", "3", "--device",
+            "cpu", *extra]
+
+
+def one_error_line(capsys) -> str:
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and len(lines) == 1 and lines[0].startswith("hf-loopspec batch: error: "), err
+    return lines[0]
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading a model fails the test: the refusals come before it."""
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+
+
+# --- .json values as written ----------------------------------------------------------------------------------------
+
+MIXED = [{"id": 1, "prompt": "def a():"}, {"id": "2", "prompt": "def b():"}, {"id": "x", "prompt": "def c():"},
+         {"id": "0042", "prompt": "def d():"}, {"id": 7, "prompt": "def e():"}, {"id": "007", "prompt": "def f():"}]
+
+
+def test_json_ids_are_kept_as_written(tmp_path):
+    """Integer and string ids in one `.json` array stay what they are (they were [1, 2, "x", 42], and 7 and "007" were
+    refused as one id), in the rows read and in OUT, as from the same rows written as JSONL."""
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(MIXED), encoding="utf-8")
+    rows = read_prompts(prompts)
+    assert [(row.where, row.id, row.prompt) for row in rows] == [
+        (f"{prompts}, row {number}", row["id"], row["prompt"]) for number, row in enumerate(MIXED, start=1)]
+    output = tmp_path / "out.jsonl"
+    assert cli.main(argv(prompts, output)) == 0
+    assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == [row["id"] for row in MIXED]
+
+
+# --- refusals before the model loads --------------------------------------------------------------------------------
+
+BAD = {  # name: (content, what the error line says after "FILE")
+    "repeated-key.json": ('[{"id": 1, "prompt": "a"},\n {"id": 2, "prompt": "b", "prompt": "c"}]',
+                          ", row 2 has the key 'prompt' twice (JSON readers keep one of them silently); keep one."),
+    "repeated-nested-key.json": ('[{"id": 1, "prompt": "a", "meta": {"k": 1, "k": 2}}]',
+                                 ", row 1 has the key 'k' twice"),
+    "repeated-key-lines.json": ('{"id": 1, "prompt": "a"}\n{"id": 2, "id": 3, "prompt": "b"}\n',
+                                ", line 2 has the key 'id' twice"),
+    "repeated-column.csv": ("id,prompt,prompt\n1,def a():,def b():\n",
+                            ", line 1: the header names the column 'prompt' twice (a reader keeps one of them "
+                            "silently); rename or remove one."),
+    "unquoted-comma.csv": ("id,prompt\n1,def f(a, b):\n",
+                           ", line 2 (row 1), has 3 fields ('1', 'def f(a', ' b):') where the header has 2 ('id', "
+                           "'prompt'); put a field that holds a comma, a quote or a line break in double quotes "
+                           '("def f(a, b):"), its quotes doubled.'),
+    "missing-field.csv": ('id,prompt\n1,"def f(a,\n  b):"\n\n2\n', ", line 5 (row 2), has 1 field ('2') where the "
+                                                                   "header has 2"),
+    "float-id.json": ('[{"id": 1, "prompt": "a"}, {"id": 2.5, "prompt": "b"}]',
+                      ", row 2: the id is a number (2.5); use a string or an integer."),
+    "trailing-comma.json": ('[{"id": 1, "prompt": "a"},]', ", row 2 is not valid JSON (Expecting value at column "
+                                                           "27); a .json file holds one JSON array of objects"),
+    "after-the-array.json": ('[{"id": 1, "prompt": "a"}]\n[]', ", after the array, is not valid JSON (Extra data at "
+                                                               "line 2, column 1)"),
+    "empty-array.json": ("[]", " holds no rows; give it at least one row such as {\"id\": 1, \"prompt\": \"...\"}."),
+    "empty-object.json": ("{ }\n", " holds no rows"),
+    "header-only.csv": ("id,prompt\n\n", " holds no rows"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_json_and_csv_input_is_one_line_before_the_model(name, tmp_path, capsys, no_model):
+    content, message = BAD[name]
+    prompts = tmp_path / name
+    prompts.write_text(content, encoding="utf-8")
+    before = snapshot(tmp_path)
+    assert cli.main(argv(prompts, tmp_path / "out.jsonl")) == 2
+    line = one_error_line(capsys)
+    assert f"{prompts}{message}" in line, line
+    assert snapshot(tmp_path) == before
+
+
+# --- output folders -------------------------------------------------------------------------------------------------
+
+
+def fail_at_the_load(*args, **kwargs):
+    raise ValueError("loaded")
+
+
+def test_a_failed_run_removes_the_folders_it_created(tmp_path, capsys, monkeypatch):
+    """A run that fails after taking its lock removes OUT's folders that it created, and only those (it left them)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "import os\\n"}\n', encoding="utf-8")
+    (tmp_path / "kept").mkdir()  # empty, but there before the run
+    monkeypatch.setattr(loading, "load_model", fail_at_the_load)
+    before = snapshot(tmp_path)
+    assert cli.main(argv(prompts, tmp_path / "kept" / "new" / "deeper" / "out.jsonl")) == 2
+    assert one_error_line(capsys).endswith("error: loaded")
+    assert snapshot(tmp_path) == before
+
+
+def without_file_permissions() -> list[str]:
+    """A command prefix under which root obeys file permissions (none needed for another user)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("root ignores file permissions, and setpriv (to drop that capability) is not installed")
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
+
+
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_an_output_folder_that_cannot_be_written_names_output(below, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "import os\\n"}\n', encoding="utf-8")
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o555)
+    output = folder / below / "out.jsonl"
+    made = output.with_name("out.jsonl.parts") if not below else folder / below
+    command = [*without_file_permissions(), sys.executable, "-m", "hf_loopspec.cli", *argv(prompts, output)]
+    proc = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=600)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (f"hf-loopspec batch: error: --output {output}: cannot create {made} (Permission denied); "
+                           "pass an --output in a folder you can write (the run keeps its parts in out.jsonl.parts/ "
+                           "beside it).\n")
+    assert list(folder.iterdir()) == []
+
+
+KILLED_WHILE_REMOVING_THE_PARTS = """
+import os, shutil, signal, sys
+from hf_loopspec import cli
+
+def rmtree(path, *args, **kwargs):  # the merge's removal of the parts: killed once settings.json is gone
+    os.unlink(os.path.join(path, "settings.json"))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+shutil.rmtree = rmtree
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_merge_killed_while_removing_the_parts_leaves_a_finished_output(tmp_path, capsys, monkeypatch):
+    """OUT was complete, but the rerun said the parts had lost their settings.json ("restore it")."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in MIXED[:2]), encoding="utf-8")
+    output = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, "-c", KILLED_WHILE_REMOVING_THE_PARTS, *argv(prompts, output)],
+                          capture_output=True, text=True, env=subprocess_env(), cwd=tmp_path, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-4000:]
+    finished = output.read_bytes()
+    assert [json.loads(line)["id"] for line in finished.splitlines()] == [1, "2"]
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert cli.main(argv(prompts, output)) == 2
+    assert f"--output {output} exists (a finished run's output" in one_error_line(capsys)
+    assert not output.with_name("out.jsonl.parts").exists()
+    assert output.read_bytes() == finished
+    output.unlink()  # the next run to this OUT removes what the killed removal left
+    debris = [path.name for path in tmp_path.iterdir() if path.name.startswith(".out.jsonl.parts.")]
+    assert len(debris) == 1
+    monkeypatch.undo()
+    assert cli.main(argv(prompts, output)) == 0
+    assert output.read_bytes() == finished
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out.jsonl", "p.jsonl"]
