@@ -103,6 +103,10 @@ def test_a_bench_of_a_local_folder_is_quoted_on_the_cards_repo(tmp_path):
         bench = {**result, "args": {**result["args"], "model": kept}}
         text = hub_card.build_model_card(repo_id="me/x", benchmarks=[bench]).text
         assert f"hf-loopspec bench --model {kept} " in text
+    # a prompt file by its name alone (its path named the measuring machine's folders)
+    bench = {**result, "args": {**result["args"], "prompt_file": "/home/alice/private/prompts.txt"}}
+    text = hub_card.build_model_card(repo_id="me/x", benchmarks=[bench]).text
+    assert "/home/alice" not in text and "--prompt-file prompts.txt" in text
 
 
 def test_the_cards_tokenizer_load_trusts_the_repo_as_its_model_load_does():

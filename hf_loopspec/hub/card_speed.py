@@ -95,14 +95,16 @@ def speed_section(results: Sequence[dict], repo_id: str) -> str:
 
 
 def _as_measured_on_repo(result: dict, repo_id: str) -> dict:
-    """`result` (unchanged) when its `--model` is a Hub id, 'default' or a random-weight shape; else (a checkpoint
-    folder: one that exists here, or a name that is no Hub repo id, such as /abs/path or ./folder) a copy whose
-    `--model` and model name are `repo_id`."""
-    model = result["args"].get("model")
+    """`result` as the card quotes it: a `--prompt-file` by its file name alone, and, unless its `--model` is a Hub
+    id, 'default' or a random-weight shape (a checkpoint folder: one that exists here, or a name that is no Hub repo
+    id, such as /abs/path or ./folder), `repo_id` as its `--model` and model name. (A copy; `result` is unchanged.)"""
+    args, model = dict(result["args"]), result["args"].get("model")
+    if isinstance(args.get("prompt_file"), str):
+        args["prompt_file"] = Path(args["prompt_file"]).name
     if not isinstance(model, str) or model == "default" or model in SHAPES or (
             is_hub_repo_id(model) and not Path(model).expanduser().exists()):
-        return result
-    return {**result, "args": {**result["args"], "model": repo_id}, "model": {**result["model"], "name": repo_id}}
+        return {**result, "args": args}
+    return {**result, "args": {**args, "model": repo_id}, "model": {**result["model"], "name": repo_id}}
 
 
 def _subsection(result: dict) -> list[str]:
