@@ -88,7 +88,7 @@ def load_model(spec: str, dtype: torch.dtype | str, device: torch.device, *, nee
     path = default_model_path() if spec == "default" else spec
     if Path(str(path)).expanduser().exists():  # (`~/model` quoted, or `--model=~/model`: the shell left the `~`)
         path = str(Path(str(path)).expanduser())
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     import hf_loopspec  # noqa: F401  (registers the Auto classes)
 
@@ -96,21 +96,30 @@ def load_model(spec: str, dtype: torch.dtype | str, device: torch.device, *, nee
     local_only = _hub_local_only(str(path))
     if dtype == "auto":
         dtype = torch.float32 if device.type == "cpu" else "auto"
+    tokenizer = load_tokenizer(str(path), local_only, required=need_tokenizer)  # (first: no weights load for nothing)
     with hub_errors_explained(str(path)):
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_safetensors=True,
                                                      **hub_options(local_only)).to(device).eval()
     if not hasattr(model, "decode_with_lanes"):
         raise ModelNotAvailable(f"{path} loads as {type(model).__name__}, which is not an hf_loopspec looped model.")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=local_only)
-    except (OSError, ValueError) as err:
-        if need_tokenizer:
-            folder = Path(str(path))
-            if folder.is_dir() and not any(folder.glob("tokenizer*")):
-                raise ModelNotAvailable(f"{path} has no tokenizer files (tokenizer.json, tokenizer_config.json); "
-                                        "add them to the folder, or pass a checkpoint that has them.") from None
-            raise ModelNotAvailable(f"no tokenizer could be loaded from {path} ({err}); pass a checkpoint whose "
-                                    "tokenizer loads with AutoTokenizer.") from None
-        tokenizer = None
     name = "embedded default model" if spec == "default" else str(path)
     return model, tokenizer, name
+
+
+def load_tokenizer(path: str, local_only: bool = False, required: bool = True):
+    """The tokenizer of the checkpoint at `path` (a folder or a Hub id), or None when it has none and it is not
+    `required`; `ModelNotAvailable` otherwise, naming a folder without tokenizer files as such (transformers would
+    name a tokenizer library to install)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=local_only)
+    except (OSError, ValueError) as err:
+        if not required:
+            return None
+        folder = Path(path)
+        if folder.is_dir() and not any(folder.glob("tokenizer*")):
+            raise ModelNotAvailable(f"{path} has no tokenizer files (tokenizer.json, tokenizer_config.json); add "
+                                    "them to the folder, or pass a checkpoint that has them.") from None
+        raise ModelNotAvailable(f"no tokenizer could be loaded from {path} ({err}); pass a checkpoint whose "
+                                "tokenizer loads with AutoTokenizer.") from None

@@ -28,8 +28,14 @@ def encode_prompt(tokenizer, text: str, chat: bool, where: str = "the prompt") -
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"--chat: the tokenizer {tokenizer.name_or_path} has no chat template; drop --chat.")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            return_dict=True, tokenizer_kwargs={"verbose": False})["input_ids"]
+        from jinja2 import TemplateError  # (transformers renders chat templates with jinja2)
+
+        try:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                return_dict=True, tokenizer_kwargs={"verbose": False})["input_ids"]
+        except TemplateError as err:
+            raise ValueError(f"--chat: the chat template of {tokenizer.name_or_path} fails on one user message "
+                             f"({type(err).__name__}: {err}); fix its template, or drop --chat.") from None
     else:
         ids = tokenizer(text, verbose=False)["input_ids"]
     if not ids:

@@ -20,7 +20,7 @@ from cli_utils import command, one_error_line
 from processes import ROOT, subprocess_env
 from transformers import AutoModelForCausalLM, GPT2Config, TopKLogitsWarper
 
-from hf_loopspec import cli
+from hf_loopspec import cli, serving
 from hf_loopspec.assets import default_model_path
 from hf_loopspec.generation.auto_costs import kept_table
 from hf_loopspec.prompting import generate_kwargs
@@ -253,6 +253,36 @@ def test_the_tokenizers_length_warning_does_not_precede_the_error(tmp_path, caps
         lines = capsys.readouterr().err.strip().splitlines()
         assert all("Loading weights" in line for line in lines[:-1]), lines
         assert lines[-1].startswith("hf-loopspec generate: error: the prompt is ")
+
+
+@pytest.mark.parametrize("template, error", [("{{ raise_exception('System role not supported') }}", "TemplateError"),
+                                             ("{% for m in messages %}{{ m['content'] }}", "TemplateSyntaxError")])
+def test_a_chat_template_that_fails_is_one_line(template, error, tmp_path, capsys):
+    """A chat template that raises (as many Hub templates do for a role they refuse) or does not parse: one line
+    naming --chat, the template's error and the fix, for generate and batch (a jinja2 traceback before)."""
+    folder = save_checkpoint(tmp_path / "ckpt", seed=1, tokenizer=False, max_position_embeddings=POSITIONS)
+    word_tokenizer(chat_template=template).save_pretrained(folder)
+    capsys.readouterr()  # (the save's progress bar)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "w5"}\n')
+    for argv in (["generate", "w5"], ["batch", str(prompts), "--output", str(tmp_path / "out.jsonl")]):
+        assert cli.main([*argv, "--model", str(folder), "--device", "cpu", "--chat"]) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]  # (after the weights' progress bar)
+        assert last.startswith(f"hf-loopspec {argv[0]}: error: --chat: the chat template of {folder} fails on one "
+                               f"user message ({error}: "), last
+
+
+def test_a_folder_without_a_tokenizer_is_refused_before_its_weights_load(tmp_path, capsys, monkeypatch):
+    """generate, batch and serve need the tokenizer: a folder without tokenizer files is named as such before any
+    weight loads (generate loaded the model first; serve said to install a tokenizer library)."""
+    folder = save_checkpoint(tmp_path / "ckpt", seed=1, tokenizer=False)
+    capsys.readouterr()
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *args, **kwargs: pytest.fail("weights loaded"))
+    assert cli.main(["generate", "w5", "--model", str(folder), "--device", "cpu"]) == 2
+    assert f"{folder} has no tokenizer files (tokenizer.json, tokenizer_config.json); add them" in \
+        one_error_line(capsys, "generate")
+    with pytest.raises(ValueError, match=f"{folder} has no tokenizer files"):
+        serving.chat_template_note(str(folder))
 
 
 # --- the console script ---------------------------------------------------------------------------------------------
