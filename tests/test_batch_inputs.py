@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from checkpoint_utils import snapshot
+import torch
+from checkpoint_utils import save_checkpoint, snapshot
 from processes import subprocess_env
 
 from hf_loopspec import cli, loading
@@ -182,3 +183,65 @@ def test_a_merge_killed_while_removing_the_parts_leaves_a_finished_output(tmp_pa
     assert cli.main(argv(prompts, output)) == 0
     assert output.read_bytes() == finished
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out.jsonl", "p.jsonl"]
+
+
+# --- pad and EOS of the checkpoint's tokenizer ----------------------------------------------------------------------
+
+TWO_LENGTHS = [{"id": 1, "prompt": "w5 w9 w11 w40 w41 w42"}, {"id": 2, "prompt": "w17 w23"}]
+
+
+def edited_checkpoint(folder: Path, tokenizer_edit, **configs) -> Path:
+    """A tiny checkpoint (seed 0) whose tokenizer_config.json is changed by `tokenizer_edit` and whose config.json and
+    generation_config.json get `configs`."""
+    save_checkpoint(folder, seed=0)
+    for name, edit in (("tokenizer_config.json", tokenizer_edit), ("config.json", lambda c: c.update(configs)),
+                       ("generation_config.json", lambda c: c.update(configs))):
+        data = json.loads((folder / name).read_text())
+        edit(data)
+        (folder / name).write_text(json.dumps(data))
+    return folder
+
+
+def run_rows(tmp_path: Path, model: Path, rows: list[dict], *extra: str) -> list[dict]:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    output = tmp_path / "out.jsonl"
+    assert cli.main(argv(prompts, output, "--model", str(model), "--batch-size", "2", *extra)) == 0
+    assert not output.with_name("out.jsonl.parts").exists()
+    return [json.loads(line) for line in output.read_text().splitlines()]
+
+
+def one_by_one(model_path: Path, rows: list[dict], pad: int) -> list[tuple[str, int]]:
+    """`(completion, new_tokens)` of each prompt decoded alone (no padding), as `generate` does, 3 tokens."""
+    model, tokenizer, _ = loading.load_model(str(model_path), torch.float32, "cpu", need_tokenizer=True)
+    expected = []
+    for row in rows:
+        ids = torch.tensor([tokenizer(row["prompt"])["input_ids"]])
+        new = model.generate(ids, max_new_tokens=3, do_sample=False, speculative_mode=None, pad_token_id=pad)
+        new = new[0, ids.shape[-1]:].tolist()
+        expected.append((tokenizer.decode(new, skip_special_tokens=True), len(new)))
+    return expected
+
+
+@pytest.mark.parametrize("case", ["no-pad-no-eos", "pad-outside-the-vocabulary"])
+def test_a_tokenizer_without_a_usable_pad_decodes_as_generate_does(case, tmp_path):
+    """A tokenizer with neither pad nor eos token failed mid-run with transformers' "Asking to pad but the tokenizer
+    does not have a padding token" (leaving OUT.parts/), one whose pad token was added past the model's vocabulary
+    with "outside the vocabulary"; the batch is now padded with an id of the vocabulary, and masked."""
+    if case == "no-pad-no-eos":
+        model = edited_checkpoint(tmp_path / "ck", lambda c: [c.pop("eos_token", None), c.pop("pad_token", None)],
+                                  eos_token_id=None, pad_token_id=None)
+    else:
+        model = edited_checkpoint(tmp_path / "ck", lambda c: c.update(pad_token="[PAD]"), pad_token_id=None)
+    rows = run_rows(tmp_path, model, TWO_LENGTHS)
+    assert [(row["completion"], row["new_tokens"]) for row in rows] == one_by_one(model, TWO_LENGTHS, pad=0)
+
+
+def test_an_eos_that_is_an_ordinary_word_is_not_in_the_completion(tmp_path):
+    """With generation_config.json's eos ids [0, 16, 12] (w16 and w12 ordinary words of the tokenizer), the completion
+    ended with the EOS's text ('w98 w16'); it is counted in new_tokens only."""
+    model = edited_checkpoint(tmp_path / "ck", lambda c: None)
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [0, 16, 12]}))
+    rows = run_rows(tmp_path, model, TWO_LENGTHS[:1], "--max-new-tokens", "8")
+    assert [(row["completion"], row["new_tokens"], row["stop"]) for row in rows] == [("w98", 2, "eos")]

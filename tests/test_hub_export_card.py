@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from pathlib import Path
 
 import pytest
 from checkpoint_utils import save_checkpoint
 from huggingface_hub import ModelCard
 from processes import ROOT
+from transformers import AutoTokenizer, GenerationConfig
 
 from hf_loopspec.hub import card as hub_card
 from hf_loopspec.hub import export
@@ -115,3 +118,39 @@ def test_the_cards_tokenizer_load_trusts_the_repo_as_its_model_load_does():
     text = hub_card.build_model_card(repo_id="me/x").text
     assert 'AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True' in text
     assert 'tok = AutoTokenizer.from_pretrained(repo, trust_remote_code=True, padding_side="left")' in text
+
+
+def card_blocks(card: str, repo: Path) -> list[str]:
+    """The card's Python blocks, run against the local folder `repo` on the CPU in fp32."""
+    blocks = re.findall(r"```python\n(.*?)```", card, flags=re.DOTALL)
+    return [re.sub(r'"your-username/[^"]+"', repr(str(repo)), block)
+            .replace('dtype=torch.bfloat16, device_map="cuda"', "dtype=torch.float32") for block in blocks]
+
+
+@pytest.mark.parametrize("case", ["no-pad", "no-pad-no-eos"])
+def test_the_cards_quickstart_pads_with_a_tokenizer_that_had_no_pad_token(case, tmp_path):
+    """The quickstart pads two prompts (`padding=True`): it raised "Asking to pad but the tokenizer does not have a
+    padding token" on an export of a tokenizer without one, although generation_config.json names a pad id. The
+    exported tokenizer now pads with the token of that id, a special token of the tokenizer."""
+    src = save_checkpoint(tmp_path / "ouro", seed=0)
+    settings = json.loads((src / "tokenizer_config.json").read_text())
+    settings.pop("pad_token", None)
+    if case == "no-pad-no-eos":
+        settings.pop("eos_token", None)
+    (src / "tokenizer_config.json").write_text(json.dumps(settings))
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((src / name).read_text())
+        config.update(pad_token_id=None, **({"eos_token_id": None} if case == "no-pad-no-eos" else {}))
+        (src / name).write_text(json.dumps(config))
+    out = export.export_checkpoint(src, tmp_path / "out", benchmarks=None)
+    assert json.loads((out / "generation_config.json").read_text())["pad_token_id"] == 0
+    quickstart, plain = card_blocks((out / "README.md").read_text(), out)[:2]
+    assert "padding=True" in quickstart and "speculative_mode=None" in plain
+    scope = {}
+    exec(quickstart + plain, scope)  # noqa: S102  (the card's code)
+    assert scope["tok"].pad_token_id == 0 and scope["inputs"]["input_ids"].shape[0] == 2
+    # an ordinary word is not made the pad token: it would be dropped from the decoded text as a special token
+    gen = GenerationConfig(pad_token_id=5)
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    hub_card.settle_pad(gen, tokenizer)
+    assert tokenizer.pad_token is None and tokenizer.decode([5, 6], skip_special_tokens=True) == "w5 w6"

@@ -51,11 +51,14 @@ def run_settings(args: argparse.Namespace) -> dict:
 def decode_batch(model, tokenizer, prompts: list[list[int]], kwargs: dict) -> list[dict]:
     """Generate for one batch of token-id prompts (left-padded together); one result dict per prompt, in order.
 
-    A row's output ends at its first EOS (kept in `new_tokens`, not in the text); `stop` says whether it ended
-    at EOS or at the length limit; `speculation` holds its counters (`SequenceStats`) in the speculative modes.
+    A row's output ends at its first EOS (kept in `new_tokens`, not in the text, even when the EOS id is an ordinary
+    word of the tokenizer); `stop` says whether it ended at EOS or at the length limit; `speculation` holds its
+    counters (`SequenceStats`) in the speculative modes. The batch is padded with the pad id `generate` uses
+    (`kwargs`' from `batch_kwargs`, else the generation config's, else 0), not the tokenizer's: a tokenizer may have
+    no pad token, or one outside the model's vocabulary.
     """
-    enc = tokenizer.pad({"input_ids": prompts}, padding=True, padding_side="left", return_tensors="pt")
-    enc = enc.to(model.device)
+    pad = kwargs["pad_token_id"] if "pad_token_id" in kwargs else model.generation_config.pad_token_id
+    enc = left_pad(prompts, 0 if pad is None else pad, model.device)
     with torch.inference_mode():
         out = model.generate(**enc, **kwargs, return_dict_in_generate=True)
     new = out.sequences[:, enc["input_ids"].shape[-1]:]  # [batch, new]
@@ -66,13 +69,38 @@ def decode_batch(model, tokenizer, prompts: list[list[int]], kwargs: dict) -> li
     for row, tokens in enumerate(new.tolist()):
         stop = next((i for i, token in enumerate(tokens) if token in eos), None)
         kept = tokens if stop is None else tokens[: stop + 1]
-        result = {"completion": tokenizer.decode(kept, skip_special_tokens=True), "new_tokens": len(kept),
+        text = tokens if stop is None else tokens[:stop]
+        result = {"completion": tokenizer.decode(text, skip_special_tokens=True), "new_tokens": len(kept),
                   "stop": "length" if stop is None else "eos"}
         if stats is not None:  # (a fixed mode that decoded plainly has no counters: its reason instead)
             result["speculation"] = asdict(stats.per_sequence[row]) if stats.per_sequence else \
                 {"fallback": stats.fallback}
         results.append(result)
     return results
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> dict:
+    """`input_ids` and `attention_mask` ([batch, longest prompt], on `device`) of `prompts` left-padded with `pad_id`
+    (masked out: any id in the model's vocabulary does)."""
+    width = max(len(ids) for ids in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, ids in enumerate(prompts):
+        if ids:
+            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids):] = 1
+    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
+
+
+def batch_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
+    """`prompting.generate_kwargs` with a pad id in the model's vocabulary: one outside it (a tokenizer's pad token
+    added past the vocabulary) is replaced by 0, which pads the prompts (masked out) and a finished row's tail (cut at
+    its EOS), as any id in the vocabulary would; in a batch both are fed to the model, which refuses the other."""
+    kwargs = generate_kwargs(args, model, tokenizer)
+    pad = kwargs["pad_token_id"] if "pad_token_id" in kwargs else model.generation_config.pad_token_id
+    if pad is None or not 0 <= pad < model.config.vocab_size:
+        kwargs["pad_token_id"] = 0
+    return kwargs
 
 
 def process_state():
@@ -166,9 +194,7 @@ def load_and_encode(args: argparse.Namespace, state, store: PartStore, prompts: 
     if store.settings["weights"] is None:
         store.settings["weights"] = weights_fingerprint(args.model, loaded=True)
         on_main_process(state, store.check_settings)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # left padding needs a pad token; masked out anyway
-    return model, tokenizer, encode_prompts(prompts, model, tokenizer, args), generate_kwargs(args, model, tokenizer)
+    return model, tokenizer, encode_prompts(prompts, model, tokenizer, args), batch_kwargs(args, model, tokenizer)
 
 
 def run_batch(args: argparse.Namespace) -> int:

@@ -229,6 +229,21 @@ def _inputs_code(chat: bool, prompt: str) -> str:
             "padding=True).to(model.device)")
 
 
+def settle_pad(gen, tokenizer) -> None:
+    """Give an export's generation config `gen` a pad id, and its tokenizer (None: it has none) a pad token, so that
+    the card's quickstart, which pads a batch of two prompts, runs on the exported tokenizer.
+
+    `gen.pad_token_id`, when None, becomes the first eos id, else 0. A tokenizer without a pad token gets the token
+    of that id when it is one of the tokenizer's special tokens (its eos token, typically); an ordinary word is not
+    made the pad token (it would become special, and `skip_special_tokens` would drop it from decoded text).
+    """
+    if gen.pad_token_id is None:
+        eos = gen.eos_token_id
+        gen.pad_token_id = (eos[0] if isinstance(eos, list) and eos else eos) if eos is not None else 0
+    if tokenizer is not None and tokenizer.pad_token is None and gen.pad_token_id in tokenizer.all_special_ids:
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(gen.pad_token_id)
+
+
 def _tokenizer_code(tokenizer: bool, base_model: str | None) -> str:
     """The card's tokenizer line: the repo's own tokenizer, else the base model's. The repo's is loaded with
     `trust_remote_code=True`, as the model is: its own code is none (the export drops tokenizer `auto_map`s), but

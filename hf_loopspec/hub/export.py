@@ -189,10 +189,11 @@ def _readable_as_umask(folder: Path) -> None:
 
 def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens):
     """Set on `model.generation_config` (and return it) the speculative defaults (checked before the model loaded:
-    `check_loop_settings`), eos ids that end a chat turn and a pad id."""
+    `check_loop_settings`), eos ids that end a chat turn and a pad id (`card.settle_pad`: the tokenizer's too)."""
     # (here: the command's parser is built without transformers)
     from ..generation.call import reject_configured_runtime_keys
     from ..generation.config import EXIT_OPTIONS, reject_recurrence_options
+    from .card import settle_pad
 
     gen = model.generation_config
     try:  # the source's own settings that every generate() of the export would raise on
@@ -214,9 +215,7 @@ def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loo
         eos = [] if gen.eos_token_id is None else [gen.eos_token_id] if isinstance(gen.eos_token_id, int) \
             else list(gen.eos_token_id)
         gen.eos_token_id = eos + [end_of_turn] if end_of_turn not in eos else gen.eos_token_id
-    if gen.pad_token_id is None:
-        eos = gen.eos_token_id
-        gen.pad_token_id = (eos[0] if isinstance(eos, list) and eos else eos) if eos is not None else 0
+    settle_pad(gen, tokenizer)
     return gen
 
 
