@@ -4,10 +4,12 @@ Contract of `file_rows(path)`: `(where, row)` for every row in file order, `wher
 N" (N from 1) as the format says:
 
 * JSONL (any suffix but those below): every non-blank line is one JSON value ("line N");
-* `.json`: the elements of the one JSON array the file holds ("row N"), or, when it does not start with `[`, its
-  non-blank lines as JSON Lines ("line N"); an empty array, and an empty object alone, hold no rows. It is read with
-  the json module, so values are as written (no column is coerced to one type);
-* `.csv`: the records after the header (the first non-blank record; blank lines skipped), as `{column: cell}` with
+* `.json`: the elements of the one JSON array the file holds ("row N"), or, when it does not start with `[`, the
+  JSON values it holds one after another: one a line (JSON Lines), or each over several lines as a pretty-printer
+  writes them ("line N": where the value starts); an empty array, and an empty object alone, hold no rows. It is
+  read with the json module, so values are as written (no column is coerced to one type);
+* `.csv`: the records after the header (the first non-blank record; blank lines, and lines of spaces alone,
+  skipped), as `{column: cell}` with
   every cell the text it holds ("row N"); a header naming a column twice, or a record with more or fewer fields than
   the header (an unquoted comma), is refused naming its line;
 * `.parquet`: the rows `datasets` reads ("row N").
@@ -123,13 +125,24 @@ def _array_rows(path: Path, text: str, start: int) -> Iterator[tuple[str, object
     _after(text, index + 1, f"{path}, after the array,", JSON_FIX)
 
 
+def _values_rows(path: Path, text: str) -> Iterator[tuple[str, object]]:
+    """(where, value) for every JSON value of `text`, one after another (one a line, or each over several lines as a
+    pretty-printer writes them), "line N" being the line where the value starts."""
+    index = SPACE.match(text).end()
+    while index < len(text):
+        where = f"{path}, line {text.count(chr(10), 0, index) + 1}"
+        value, index = _decode(where, text, index, JSON_FIX)
+        yield where, value
+        index = SPACE.match(text, index).end()
+
+
 def _json_rows(path: Path) -> Iterator[tuple[str, object]]:
     """(where, value) for every row of a `.json` file (see the module docstring)."""
     text = utf8_text(path)
     start = SPACE.match(text).end()
     if text.startswith("[", start):
         return _array_rows(path, text, start)
-    return iter(()) if "".join(text.split()) == "{}" else _lines_rows(path, text, JSON_FIX)
+    return iter(()) if "".join(text.split()) == "{}" else _values_rows(path, text)
 
 
 def _shown(fields: list[str]) -> str:
@@ -143,6 +156,8 @@ def _csv_rows(path: Path) -> Iterator[tuple[str, dict[str, str]]]:
     header, number, line = None, 0, 1  # line: where the next record starts
     try:
         for record in reader:
+            if len(record) == 1 and not record[0].strip():  # a line of spaces alone (an editor's): a blank line
+                record = []
             if record and header is None:
                 if repeated := next((name for i, name in enumerate(record) if name in record[:i]), None):
                     raise ValueError(f"{path}, line {line}: the header names the column {repeated!r} twice (a "
