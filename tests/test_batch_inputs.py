@@ -18,21 +18,10 @@ import pytest
 import torch
 from checkpoint_utils import save_checkpoint, snapshot
 from processes import subprocess_env
+from test_batch_files import argv, one_error_line
 
 from hf_loopspec import cli, loading
 from hf_loopspec.batch.prompts import read_prompts
-
-
-def argv(prompts: Path, output: Path, *extra: str) -> list[str]:
-    return ["batch", str(prompts), "--output", str(output), "--mode", "plain", "--max-new-tokens", "3", "--device",
-            "cpu", *extra]
-
-
-def one_error_line(capsys) -> str:
-    out, err = capsys.readouterr()
-    lines = err.splitlines()
-    assert out == "" and len(lines) == 1 and lines[0].startswith("hf-loopspec batch: error: "), err
-    return lines[0]
 
 
 @pytest.fixture
