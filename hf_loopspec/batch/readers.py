@@ -8,10 +8,9 @@ N" (N from 1) as the format says:
   JSON values it holds one after another: one a line (JSON Lines), or each over several lines as a pretty-printer
   writes them ("line N": where the value starts); an empty array, and an empty object alone, hold no rows. It is
   read with the json module, so values are as written (no column is coerced to one type);
-* `.csv`: the records after the header (the first non-blank record; blank lines, and lines of spaces alone,
-  skipped), as `{column: cell}` with
-  every cell the text it holds ("row N"); a header naming a column twice, or a record with more or fewer fields than
-  the header (an unquoted comma), is refused naming its line;
+* `.csv`: the records after the header (the first non-blank record; blank lines, and lines of spaces alone, skipped), as
+  `{column: cell}` with every cell the text it holds ("row N"); a header naming a column twice, or a record with more or
+  fewer fields than the header (an unquoted comma), is refused naming its line;
 * `.parquet`: the rows `datasets` reads ("row N").
 
 No JSON object may give a key twice. Text that is not UTF-8 (a UTF-8 byte-order mark first is dropped), JSON or CSV
