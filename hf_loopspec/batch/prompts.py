@@ -7,8 +7,8 @@ CSV's cells are all text, ids included, kept as written) and a string that is no
 (`prompt` unless `field` says otherwise), and no key twice in one object; no id or prompt may hold half a surrogate
 pair (an escape such as `"\\ud800"` without its pair) and an integer must be readable by Python; anything else is a
 `ValueError` that names the file, the line (or row) number and the fix. The rows of a file (`readers.file_rows`):
-the non-blank lines of JSONL ("line N"); the elements of a `.json` file's one JSON array ("row N", from 1), or its
-non-blank lines when it is JSON Lines; a `.csv` file's records after its header, read with Python's csv module
+the non-blank lines of JSONL ("line N"); the elements of a `.json` file's one JSON array ("row N", from 1), or the
+objects it holds one after another (JSON Lines, or pretty-printed: "line N"); a `.csv` file's records after its header, read with Python's csv module
 ("row N"; a header naming a column twice, or a record with more or fewer fields than the header, is refused naming
 its line); a `.parquet` file's rows, read with `datasets` ("row N"). A text file that is not UTF-8 is refused naming
 the line of the first bad byte; a file without rows is refused.
