@@ -2,16 +2,16 @@
 file of such rows), read and checked in full before anything is generated, and the length-grouped batches the rows
 are decoded in.
 
-Contract of `read_prompts`: every row is a JSON object with an `id` (a string or an integer, unique in the file; a
-CSV's cells are all text, ids included, kept as written) and a string that is not only whitespace in the text field
-(`prompt` unless `field` says otherwise), and no key twice in one object; no id or prompt may hold half a surrogate
-pair (an escape such as `"\\ud800"` without its pair) and an integer must be readable by Python; anything else is a
-`ValueError` that names the file, the line (or row) number and the fix. The rows of a file (`readers.file_rows`):
-the non-blank lines of JSONL ("line N"); the elements of a `.json` file's one JSON array ("row N", from 1), or the
-objects it holds one after another (JSON Lines, or pretty-printed: "line N"); a `.csv` file's records after its header, read with Python's csv module
-("row N"; a header naming a column twice, or a record with more or fewer fields than the header, is refused naming
-its line); a `.parquet` file's rows, read with `datasets` ("row N"). A text file that is not UTF-8 is refused naming
-the line of the first bad byte; a file without rows is refused.
+Contract of `read_prompts`: every row is a JSON object with an `id` (a string or an integer, unique in the file; a CSV's
+cells are all text, ids included, kept as written) and a string that is not only whitespace in the text field (`prompt`
+unless `field` says otherwise), and no key twice in one object; no id or prompt may hold half a surrogate pair (an
+escape such as `"\\ud800"` without its pair) and an integer must be readable by Python; anything else is a `ValueError`
+that names the file, the line (or row) number and the fix. The rows of a file (`readers.file_rows`): the non-blank lines
+of JSONL ("line N"); the elements of a `.json` file's one JSON array ("row N", from 1), or the objects it holds one
+after another (JSON Lines, or pretty-printed: "line N"); a `.csv` file's records after its header, read with Python's
+csv module ("row N"; a header naming a column twice, or a record with more or fewer fields than the header, is refused
+naming its line); a `.parquet` file's rows, read with `datasets` ("row N"). A text file that is not UTF-8 is refused
+naming the line of the first bad byte; a file without rows is refused.
 """
 
 from __future__ import annotations
