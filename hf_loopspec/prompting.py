@@ -86,9 +86,10 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     `--mode auto` passes `--draft-loops` / `--num-speculative-tokens` only when given (they restrict its choice).
     `--mode plain` passes `speculative_mode=None` explicitly, so a checkpoint whose `generation_config.json` makes a
     speculative mode its default (the embedded model does) still decodes plain. A model without a pad id gets the
-    tokenizer's pad (or EOS) id, else 0. Greedy decoding without `--seed` of a model that draws random initial states
-    (Huginn), unless its generation config names their seed, keys them with `init_seed=0`: `--compare`'s two runs
-    and a resumed `batch` then start from the same states (each call would draw its own seed).
+    tokenizer's pad (or EOS) id when it is in the model's vocabulary (a pad token added past it would be fed to the
+    model for padded and finished rows, which refuses it), else 0. Greedy decoding without `--seed` of a model that
+    draws random initial states (Huginn), unless its generation config names their seed, keys them with `init_seed=0`:
+    `--compare`'s two runs and a resumed `batch` then start from the same states (each call would draw its own seed).
     """
     from transformers import GenerationConfig  # (here: this module loads without torch, for the CLI's --help)
 
@@ -114,7 +115,7 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
         kwargs["init_seed"] = 0
     if model.generation_config.pad_token_id is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        kwargs["pad_token_id"] = pad if pad is not None else 0
+        kwargs["pad_token_id"] = pad if pad is not None and 0 <= pad < model.config.vocab_size else 0
     # a depth this model's loops refuse fails here, before `batch` makes OUT.parts, not in its first batch; a
     # Huginn checkpoint's generation config may set the recurrence steps `generate` will run (its loops)
     with model.call_block(model.generation_config):

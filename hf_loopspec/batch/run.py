@@ -52,10 +52,10 @@ def decode_batch(model, tokenizer, prompts: list[list[int]], kwargs: dict) -> li
     """Generate for one batch of token-id prompts (left-padded together); one result dict per prompt, in order.
 
     A row's output ends at its first EOS (kept in `new_tokens`, not in the text, even when the EOS id is an ordinary
-    word of the tokenizer); `stop` says whether it ended at EOS or at the length limit; `speculation` holds its
-    counters (`SequenceStats`) in the speculative modes. The batch is padded with the pad id `generate` uses
-    (`kwargs`' from `batch_kwargs`, else the generation config's, else 0), not the tokenizer's: a tokenizer may have
-    no pad token, or one outside the model's vocabulary.
+    word of the tokenizer); `stop` says whether it ended at EOS or at the length limit; `speculation` holds its counters
+    (`SequenceStats`) in the speculative modes. The batch is padded with the pad id `generate` uses (`kwargs`' from
+    `prompting.generate_kwargs`, else the generation config's, else 0), not the tokenizer's: a tokenizer may have no pad
+    token, or one outside the model's vocabulary.
     """
     pad = kwargs["pad_token_id"] if "pad_token_id" in kwargs else model.generation_config.pad_token_id
     enc = left_pad(prompts, 0 if pad is None else pad, model.device)
@@ -90,17 +90,6 @@ def left_pad(prompts: list[list[int]], pad_id: int, device) -> dict:
             input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
             attention_mask[row, width - len(ids):] = 1
     return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
-
-
-def batch_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
-    """`prompting.generate_kwargs` with a pad id in the model's vocabulary: one outside it (a tokenizer's pad token
-    added past the vocabulary) is replaced by 0, which pads the prompts (masked out) and a finished row's tail (cut at
-    its EOS), as any id in the vocabulary would; in a batch both are fed to the model, which refuses the other."""
-    kwargs = generate_kwargs(args, model, tokenizer)
-    pad = kwargs["pad_token_id"] if "pad_token_id" in kwargs else model.generation_config.pad_token_id
-    if pad is None or not 0 <= pad < model.config.vocab_size:
-        kwargs["pad_token_id"] = 0
-    return kwargs
 
 
 def process_state():
@@ -194,7 +183,7 @@ def load_and_encode(args: argparse.Namespace, state, store: PartStore, prompts: 
     if store.settings["weights"] is None:
         store.settings["weights"] = weights_fingerprint(args.model, loaded=True)
         on_main_process(state, store.check_settings)
-    return model, tokenizer, encode_prompts(prompts, model, tokenizer, args), batch_kwargs(args, model, tokenizer)
+    return model, tokenizer, encode_prompts(prompts, model, tokenizer, args), generate_kwargs(args, model, tokenizer)
 
 
 def run_batch(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from ...logs import get_logger
 from ...models.layers import is_integer
-from .settings import MAX_EOS_IDS, check_config_types, eos_ids, extra_problem, manager_config
+from .settings import MAX_EOS_IDS, check_config_types, eos_ids, extra_problem, manager_config, nested
 
 logger = get_logger(__name__)
 
@@ -109,9 +109,8 @@ def _check_arguments(inputs, kwargs: dict) -> None:
                          "tokenizer(texts)['input_ids'], or tensor.tolist() of a [batch, length] tensor without "
                          "padding).")
     for i, ids in enumerate(inputs):
-        nested = isinstance(ids, (list, tuple)) and any(isinstance(t, (list, tuple)) or getattr(t, "ndim", 0)
-                                                         for t in ids)
-        if nested or not isinstance(ids, (list, tuple)) and getattr(ids, "ndim", None) != 1:
-            shape = " of lists" if nested else f" of shape {tuple(ids.shape)}" if hasattr(ids, "shape") else ""
+        deep = isinstance(ids, (list, tuple)) and nested(ids)
+        if deep or not isinstance(ids, (list, tuple)) and getattr(ids, "ndim", None) != 1:
+            shape = " of lists" if deep else f" of shape {tuple(ids.shape)}" if hasattr(ids, "shape") else ""
             raise ValueError(f"inputs[{i}]: a {type(ids).__name__}{shape}; each prompt must be a list (or 1-D tensor "
                              "or array) of token ids: tokenize texts first (tokenizer(texts)['input_ids']).")

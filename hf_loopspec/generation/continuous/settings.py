@@ -337,11 +337,17 @@ def past_positions(model, length: int) -> str | None:
     return None
 
 
+def nested(input_ids) -> bool:
+    """Whether a prompt given as a list holds lists, or tensors or arrays of one or more dimensions (a list of
+    prompts where one prompt is due)."""
+    return any(isinstance(t, (list, tuple)) or getattr(t, "ndim", 0) for t in input_ids)
+
+
 def request_problem(settings: ManagerSettings, input_ids, max_new_tokens, eos, extra: dict) -> str | None:
     """Why a request cannot run on a manager with `settings`, or None (each message names the value and the fix)."""
     if not isinstance(input_ids, (list, tuple)) or not input_ids:
         return f"input_ids={input_ids!r}: give a non-empty list of token ids."
-    if any(isinstance(t, (list, tuple)) or getattr(t, "ndim", 0) for t in input_ids):
+    if nested(input_ids):
         return f"input_ids={input_ids!r:.80}: a list of lists; give one flat list of token ids per request."
     bad = [t for t in input_ids if not is_integer(t) or not 0 <= t < settings.vocab]
     if bad:
