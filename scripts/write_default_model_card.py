@@ -223,7 +223,8 @@ A uniform guess scores ln {config['vocab_size']} = {val['uniform_loss']:.3f}.
 ## Self-speculation: draft acceptance per draft depth
 
 {measured['decoding']['batch_size']} prompt per batch, {len(measured['prompts'])} held-out prompts of
-{prompt_tokens} tokens (one per validation file), {dec['max_new_tokens']} new tokens each, greedy, fp32.
+{prompt_tokens} tokens (one per validation file), {dec['max_new_tokens']} new tokens each, greedy
+without a repetition penalty (the command's `--repetition-penalty` sets only the samples' decoding), fp32.
 "Core calls / token" counts every pass of the shared layer stack, prompt prefill included, per committed
 token; plain decoding needs U = {loops}.
 
