@@ -85,9 +85,9 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
 
     `--mode auto` passes `--draft-loops` / `--num-speculative-tokens` only when given (they restrict its choice).
     `--mode plain` passes `speculative_mode=None` explicitly, so a checkpoint whose `generation_config.json` makes a
-    speculative mode its default (the embedded model does) still decodes plain. A model without a pad id gets the
-    tokenizer's pad (or EOS) id when it is in the model's vocabulary (a pad token added past it would be fed to the
-    model for padded and finished rows, which refuses it), else 0. Greedy decoding without `--seed` of a model that
+    speculative mode its default (the embedded model does) still decodes plain. Rows are padded with the generation
+    config's pad id, else the tokenizer's pad (or EOS) id, when it is in the model's vocabulary (a pad token added past
+    it would be fed to the model for padded and finished rows, which refuses it), else with 0. Greedy decoding without `--seed` of a model that
     draws random initial states (Huginn), unless its generation config names their seed, keys them with `init_seed=0`:
     `--compare`'s two runs and a resumed `batch` then start from the same states (each call would draw its own seed).
     """
@@ -95,6 +95,7 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
 
     from .generation.config import SPECULATIVE_KEYS, speculative_config
     from .looped import draws_initial_states
+    from .models.layers import is_integer
 
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
     sampling = SAMPLING_KEYS if args.do_sample else ()  # (greedy: each is off, or unset)
@@ -113,9 +114,10 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     if draws_initial_states(model) and not args.do_sample and args.seed is None \
             and getattr(model.generation_config, "init_seed", None) is None:
         kwargs["init_seed"] = 0
-    if model.generation_config.pad_token_id is None:
+    pad = model.generation_config.pad_token_id
+    if pad is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        kwargs["pad_token_id"] = pad if pad is not None and 0 <= pad < model.config.vocab_size else 0
+    kwargs["pad_token_id"] = pad if is_integer(pad) and 0 <= pad < model.config.vocab_size else 0
     # a depth this model's loops refuse fails here, before `batch` makes OUT.parts, not in its first batch; a
     # Huginn checkpoint's generation config may set the recurrence steps `generate` will run (its loops)
     with model.call_block(model.generation_config):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_utils import save_checkpoint, snapshot
+from checkpoint_utils import TINY, save_checkpoint, snapshot
 from processes import subprocess_env
 from test_batch_files import argv, one_error_line
 
@@ -227,16 +227,21 @@ def one_by_one(model_path: Path, rows: list[dict], pad: int) -> list[tuple[str, 
     return expected
 
 
-@pytest.mark.parametrize("case", ["no-pad-no-eos", "pad-outside-the-vocabulary"])
+@pytest.mark.parametrize("case", ["no-pad-no-eos", "pad-outside-the-vocabulary", "config-pad-past-the-vocabulary",
+                                  "config-pad-negative"])
 def test_a_tokenizer_without_a_usable_pad_decodes_as_generate_does(case, tmp_path):
     """A tokenizer with neither pad nor eos token failed mid-run with transformers' "Asking to pad but the tokenizer
     does not have a padding token" (leaving OUT.parts/), one whose pad token was added past the model's vocabulary
-    with "outside the vocabulary"; the batch is now padded with an id of the vocabulary, and masked."""
+    with "outside the vocabulary", as did a generation_config.json whose pad_token_id is past the vocabulary or
+    negative; the batch is now padded with an id of the vocabulary, and masked."""
     if case == "no-pad-no-eos":
         model = edited_checkpoint(tmp_path / "ck", lambda c: [c.pop("eos_token", None), c.pop("pad_token", None)],
                                   eos_token_id=None, pad_token_id=None)
-    else:
+    elif case == "pad-outside-the-vocabulary":
         model = edited_checkpoint(tmp_path / "ck", lambda c: c.update(pad_token="[PAD]"), pad_token_id=None)
+    else:
+        pad = TINY["vocab_size"] if case == "config-pad-past-the-vocabulary" else -1
+        model = edited_checkpoint(tmp_path / "ck", lambda c: c.update(pad_token="[PAD]"), pad_token_id=pad)
     rows = run_rows(tmp_path, model, TWO_LENGTHS)
     assert [(row["completion"], row["new_tokens"]) for row in rows] == one_by_one(model, TWO_LENGTHS, pad=0)
 

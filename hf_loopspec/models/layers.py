@@ -152,5 +152,6 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
         bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)]
         raise ValueError(
             f"input_ids contains ids outside the vocabulary [0, {vocab_size}): {bad.unique()[:8].tolist()}. "
-            "Check that the tokenizer belongs to this model."
+            "Check that the tokenizer belongs to this model, and that its pad id (pad_token_id) is an id of the "
+            "vocabulary: padding positions are embedded too."
         )
