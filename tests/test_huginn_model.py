@@ -300,8 +300,9 @@ def test_recurrence_settings_of_the_generation_config_survive_save_and_load(tmp_
 @pytest.mark.parametrize("marked", [False, True])
 def test_exit_options_in_a_saved_generation_config_are_refused_by_name(tmp_path, marked):
     """Huginn has no exit options: a generation_config.json asking for one fails each generate with the package's
-    ValueError naming it (transformers' "model_kwargs are not used" before), unless it is marked
-    `_from_model_config` (transformers drops such keys; Ouro's are kept); one that asks for nothing decodes."""
+    ValueError naming it (transformers' "model_kwargs are not used" before), also when the file is marked
+    `_from_model_config` (transformers drops such keys: the option vanished without a word); one that asks for nothing
+    decodes."""
     model, _ = tiny_huginn(seed=6)
     model.save_pretrained(tmp_path)
     path = tmp_path / "generation_config.json"
@@ -311,7 +312,7 @@ def test_exit_options_in_a_saved_generation_config_are_refused_by_name(tmp_path,
     for extra, asks in (({"exit_threshold": 1.0}, True), ({"use_weighted_exit": False}, False)):
         path.write_text(json.dumps({**saved, "_from_model_config": marked, **extra}))
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
-        if asks and not marked:
+        if asks:
             with pytest.raises(ValueError, match="exit_threshold=1.0: HuginnForCausalLM has no exit options"):
                 loaded.generate(ids, **greedy)
         else:

@@ -402,6 +402,21 @@ def test_a_runtime_key_in_a_file_marked_from_model_config_is_refused_not_dropped
         loaded.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
 
 
+@pytest.mark.parametrize("marked", [False, True])
+def test_another_familys_key_in_a_saved_generation_config_is_refused(inputs, tmp_path, marked):
+    """Huginn's `num_steps` in an Ouro checkpoint's generation_config.json is refused by `generate`, also in a file
+    marked `_from_model_config` (transformers drops such a file's non-standard keys: it vanished without a word)."""
+    model = tiny_spec_model(55, 4, vocab=VOCAB)
+    ids, mask = inputs
+    model.save_pretrained(tmp_path)
+    saved = {"_from_model_config": marked, "pad_token_id": PAD, "num_steps": 4}
+    (tmp_path / "generation_config.json").write_text(json.dumps(saved))
+    loaded = OuroForCausalLM.from_pretrained(tmp_path).eval()
+    for mode in (None, "pipeline"):
+        with pytest.raises(ValueError, match="num_steps=4: OuroForCausalLM has no recurrence settings"):
+            loaded.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, speculative_mode=mode)
+
+
 @pytest.mark.parametrize("value", [np.int64(2), np.int32(2), torch.tensor(2), 2])
 def test_integer_arguments_accept_numpy_and_tensor_integers(model, inputs, value):
     ids, mask = inputs

@@ -39,8 +39,9 @@ class StrictLoadingMixin:
     def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
                              cache_dir=None, force_download=False, proxies=None, local_files_only=False, token=None,
                              revision=None, subfolder="", trust_remote_code=None, **kwargs):
-        """transformers' loading of the generation config, plus the speculative and family keys it drops from a
-        config marked `_from_model_config` (e.g. a `generation_config.json` saved by an older transformers version)."""
+        """transformers' loading of the generation config, plus the speculative and family keys (of every family) it
+        drops from a config marked `_from_model_config` (e.g. a `generation_config.json` saved by an older
+        transformers version)."""
         download = {"cache_dir": cache_dir, "force_download": force_download, "proxies": proxies,
                     "local_files_only": local_files_only, "token": token, "revision": revision, "subfolder": subfolder}
         super().adjust_generation_fn(generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
@@ -53,7 +54,9 @@ class StrictLoadingMixin:
             saved = saved_generation_dict(pretrained_model_name_or_path, **download)
         else:
             return
-        restore_speculative_keys(self.generation_config, saved, self.generation_keys)
+        # every family's keys: another family's (Huginn's num_steps in an Ouro file) is refused by `generate` as in a
+        # file without the mark, instead of vanishing with it
+        restore_speculative_keys(self.generation_config, saved, (*EXIT_OPTIONS, *RECURRENCE_OPTIONS))
 
     @classmethod
     def _check_family(cls, path, kwargs: dict, adapter: str | None = None) -> None:
