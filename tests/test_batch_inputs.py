@@ -6,6 +6,7 @@ model loads; a failed run removes the output folders it created; an output folde
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -101,16 +102,20 @@ def fail_at_the_load(*args, **kwargs):
 def test_pretty_printed_json_objects_and_a_csv_line_of_spaces_read_as_before(tmp_path):
     """Forms the earlier reader (datasets) took, which the first json/csv reader refused: a `.json` file of one
     pretty-printed object, or several one after another ("line N": where each starts), and a CSV line of spaces
-    alone (an editor's), skipped as blank."""
-    rows = [{"id": 1, "prompt": "def a():"}, {"id": "b", "prompt": "def b():"}]
+    alone (an editor's), skipped as blank; a CSV field longer than the csv module's default limit (131,072
+    characters: refused, with advice to quote it)."""
+    rows = [{"id": 1, "prompt": "def a():"}, {"id": "b", "prompt": "def b():"}, {"id": 3, "prompt": "x"}]
     one, many = tmp_path / "one.json", tmp_path / "many.json"
     one.write_text(json.dumps(rows[0], indent=2), encoding="utf-8")
     many.write_text("\n".join(json.dumps(row, indent=2) for row in rows), encoding="utf-8")
     assert [(row.where, row.id) for row in read_prompts(one)] == [(f"{one}, line 1", 1)]
-    assert [(row.where, row.id) for row in read_prompts(many)] == [(f"{many}, line 1", 1), (f"{many}, line 5", "b")]
-    table = tmp_path / "p.csv"
-    table.write_text("id,prompt\n1,def a():\n  \n2,def b():\n   \n", encoding="utf-8")
-    assert [(row.id, row.prompt) for row in read_prompts(table)] == [("1", "def a():"), ("2", "def b():")]
+    assert [(row.where, row.id) for row in read_prompts(many)] == [
+        (f"{many}, line 1", 1), (f"{many}, line 5", "b"), (f"{many}, line 9", 3)]
+    table, long = tmp_path / "p.csv", "x" * 200_000
+    table.write_text(f"id,prompt\n1,def a():\n  \n2,def b():\n   \n3,\"{long}\"\n", encoding="utf-8")
+    assert [(row.id, row.prompt) for row in read_prompts(table)] == [("1", "def a():"), ("2", "def b():"),
+                                                                      ("3", long)]
+    assert csv.field_size_limit() == 131_072  # (the process-wide limit is restored)
 
 
 def test_a_failed_run_removes_the_folders_it_created(tmp_path, capsys, monkeypatch):

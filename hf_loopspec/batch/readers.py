@@ -40,6 +40,7 @@ JSON_FIX = ('a .json file holds one JSON array of objects such as [{"id": 1, "pr
 CSV_FIX = ('put a field that holds a comma, a quote or a line break in double quotes ("def f(a, b):"), its quotes '
            "doubled")
 SHOWN = 40  # characters of a CSV field shown in a message
+FIELD_LIMIT = 2**31 - 1  # the csv module's largest field (a C long on every platform)
 
 
 class RepeatedKey(ValueError):
@@ -127,9 +128,10 @@ def _array_rows(path: Path, text: str, start: int) -> Iterator[tuple[str, object
 def _values_rows(path: Path, text: str) -> Iterator[tuple[str, object]]:
     """(where, value) for every JSON value of `text`, one after another (one a line, or each over several lines as a
     pretty-printer writes them), "line N" being the line where the value starts."""
-    index = SPACE.match(text).end()
+    index, line, counted = SPACE.match(text).end(), 1, 0  # line: the line of text[counted]
     while index < len(text):
-        where = f"{path}, line {text.count(chr(10), 0, index) + 1}"
+        line, counted = line + text.count("\n", counted, index), index
+        where = f"{path}, line {line}"
         value, index = _decode(where, text, index, JSON_FIX)
         yield where, value
         index = SPACE.match(text, index).end()
@@ -149,29 +151,40 @@ def _shown(fields: list[str]) -> str:
     return ", ".join(repr(field if len(field) <= SHOWN else field[: SHOWN - 3] + "...") for field in fields)
 
 
-def _csv_rows(path: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    """(where, {column: cell}) for every record of a CSV file after its header (see the module docstring)."""
+def _csv_records(path: Path) -> list[tuple[int, list[str]]]:
+    """(line where it starts, fields) for every record of a CSV file; a field of any length is read (the csv module
+    refuses one over 131,072 characters unless its process-wide limit is raised, as it is here while it reads)."""
     reader = csv.reader(io.StringIO(utf8_text(path), newline=""), strict=True)
-    header, number, line = None, 0, 1  # line: where the next record starts
+    records, line, limit = [], 1, csv.field_size_limit(FIELD_LIMIT)
     try:
         for record in reader:
-            if len(record) == 1 and not record[0].strip():  # a line of spaces alone (an editor's): a blank line
-                record = []
-            if record and header is None:
-                if repeated := next((name for i, name in enumerate(record) if name in record[:i]), None):
-                    raise ValueError(f"{path}, line {line}: the header names the column {repeated!r} twice (a "
-                                     "reader keeps one of them silently); rename or remove one.")
-                header = record
-            elif record:
-                number += 1
-                if len(record) != len(header):
-                    raise ValueError(f"{path}, line {line} (row {number}), has {len(record)} field"
-                                     f"{'s' * (len(record) != 1)} ({_shown(record)}) where the header has "
-                                     f"{len(header)} ({_shown(header)}); {CSV_FIX}.")
-                yield f"{path}, row {number}", dict(zip(header, record))
+            records.append((line, record))
             line = reader.line_num + 1
     except csv.Error as err:
         raise ValueError(f"{path}, line {reader.line_num}, cannot be read as CSV ({err}); {CSV_FIX}.") from None
+    finally:
+        csv.field_size_limit(limit)
+    return records
+
+
+def _csv_rows(path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """(where, {column: cell}) for every record of a CSV file after its header (see the module docstring)."""
+    header, number = None, 0
+    for line, record in _csv_records(path):
+        if len(record) == 1 and not record[0].strip():  # a line of spaces alone (an editor's): a blank line
+            record = []
+        if record and header is None:
+            if repeated := next((name for i, name in enumerate(record) if name in record[:i]), None):
+                raise ValueError(f"{path}, line {line}: the header names the column {repeated!r} twice (a reader "
+                                 "keeps one of them silently); rename or remove one.")
+            header = record
+        elif record:
+            number += 1
+            if len(record) != len(header):
+                raise ValueError(f"{path}, line {line} (row {number}), has {len(record)} field"
+                                 f"{'s' * (len(record) != 1)} ({_shown(record)}) where the header has "
+                                 f"{len(header)} ({_shown(header)}); {CSV_FIX}.")
+            yield f"{path}, row {number}", dict(zip(header, record))
 
 
 @contextlib.contextmanager
