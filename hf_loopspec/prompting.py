@@ -28,12 +28,10 @@ def encode_prompt(tokenizer, text: str, chat: bool, where: str = "the prompt") -
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"--chat: the tokenizer {tokenizer.name_or_path} has no chat template; drop --chat.")
-        from jinja2 import TemplateError  # (transformers renders chat templates with jinja2)
-
         try:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 return_dict=True, tokenizer_kwargs={"verbose": False})["input_ids"]
-        except TemplateError as err:
+        except Exception as err:  # the template's code failed (jinja2's errors, or a Python one of its expressions)
             raise ValueError(f"--chat: the chat template of {tokenizer.name_or_path} fails on one user message "
                              f"({type(err).__name__}: {err}); fix its template, or drop --chat.") from None
     else:

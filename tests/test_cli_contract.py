@@ -256,10 +256,13 @@ def test_the_tokenizers_length_warning_does_not_precede_the_error(tmp_path, caps
 
 
 @pytest.mark.parametrize("template, error", [("{{ raise_exception('System role not supported') }}", "TemplateError"),
-                                             ("{% for m in messages %}{{ m['content'] }}", "TemplateSyntaxError")])
+                                             ("{% for m in messages %}{{ m['content'] }}", "TemplateSyntaxError"),
+                                             ("{{ messages[0]['content'] + 1 }}", "TypeError"),
+                                             ("{{ 1 / 0 }}", "ZeroDivisionError")])
 def test_a_chat_template_that_fails_is_one_line(template, error, tmp_path, capsys):
-    """A chat template that raises (as many Hub templates do for a role they refuse) or does not parse: one line
-    naming --chat, the template's error and the fix, for generate and batch (a jinja2 traceback before)."""
+    """A chat template that raises (as many Hub templates do for a role they refuse, or with a Python error of its
+    expressions) or does not parse: one line naming --chat, the template's error and the fix, for generate and batch
+    (a traceback before)."""
     folder = save_checkpoint(tmp_path / "ckpt", seed=1, tokenizer=False, max_position_embeddings=POSITIONS)
     word_tokenizer(chat_template=template).save_pretrained(folder)
     capsys.readouterr()  # (the save's progress bar)
