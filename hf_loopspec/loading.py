@@ -109,11 +109,14 @@ def load_model(spec: str, dtype: torch.dtype | str, device: torch.device, *, nee
 def load_tokenizer(path: str, local_only: bool = False, required: bool = True):
     """The tokenizer of the checkpoint at `path` (a folder or a Hub id), or None when it has none and it is not
     `required`; `ModelNotAvailable` otherwise, naming a folder without tokenizer files as such (transformers would
-    name a tokenizer library to install)."""
-    from transformers import AutoTokenizer
+    name a tokenizer library to install). The checkpoint's config is read first, by its family's class: a field
+    it refuses is its `ValueError` naming the field (the tokenizer read config.json with transformers' base class,
+    whose checks raised other errors, or a traceback)."""
+    from transformers import AutoConfig, AutoTokenizer
 
+    config = AutoConfig.from_pretrained(path, local_files_only=local_only)
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=local_only)
+        return AutoTokenizer.from_pretrained(path, config=config, local_files_only=local_only)
     except (OSError, ValueError) as err:
         if not required:
             return None

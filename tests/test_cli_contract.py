@@ -7,6 +7,7 @@ missing local folder, and no tokenizer warning ahead of an error line."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import re
 import shutil
@@ -285,6 +286,24 @@ def test_a_folder_without_a_tokenizer_is_refused_before_its_weights_load(tmp_pat
     assert f"{folder} has no tokenizer files (tokenizer.json, tokenizer_config.json); add them" in \
         one_error_line(capsys, "generate")
     with pytest.raises(ValueError, match=f"{folder} has no tokenizer files"):
+        serving.chat_template_note(str(folder))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("vocab_size", "4096", "OuroConfig.vocab_size='4096' is invalid: it must be a positive integer."),
+    ("torch_dtype", "float13", "OuroConfig.torch_dtype='float13' is no torch dtype"),
+])
+def test_a_config_field_the_family_refuses_is_one_line(field, value, message, tmp_path, capsys):
+    """A config.json field of the wrong type or a dtype torch lacks: the family's ValueError naming the field, in one
+    line (the tokenizer read config.json with transformers' base class first: a StrictDataclassClassValidationError
+    or torch's AttributeError, with a traceback), for generate and serve."""
+    folder = save_checkpoint(tmp_path / "ckpt", seed=1)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, field: value}))
+    capsys.readouterr()
+    assert cli.main(["generate", "w5", "--model", str(folder), "--device", "cpu"]) == 2
+    assert message in one_error_line(capsys, "generate")
+    with pytest.raises(ValueError, match=re.escape(message)):
         serving.chat_template_note(str(folder))
 
 

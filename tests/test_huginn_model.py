@@ -457,6 +457,7 @@ def test_mismatched_checkpoint_raises(tmp_path):
     ({"rope_base": 0.0}, "rope_base=0.0 is invalid"),  # (NaN logits before)
     ({"rope_theta": -5.0, "rope_base": None}, "rope_base=-5.0 is invalid"),
     ({"norm_eps": -1e-6}, "norm_eps=-1e-06 is invalid"),  # (NaN logits before)
+    ({"torch_dtype": "float13"}, "HuginnConfig.torch_dtype='float13' is no torch dtype"),  # (torch's AttributeError)
     ({"rope_theta": 2.0, "rope_base": 3.0}, "rope_base=3.0 and rope_theta=2.0 disagree"),
     # rope_parameters' base won without a word
     ({"rope_base": 3.0, "rope_parameters": {"rope_theta": 2.0}}, r"rope_theta=3\.0 and rope_parameters=.* disagree"),

@@ -295,6 +295,9 @@ def test_out_of_vocab_ids_raise(bad_id):
         ({"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0 is invalid"),
         ({"rms_norm_eps": float("nan")}, "rms_norm_eps=nan is invalid"),
         ({"rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6' is invalid"),
+        # an AttributeError of torch before (a traceback from the command line)
+        ({"dtype": "float13"}, "OuroConfig.dtype='float13' is no torch dtype"),
+        ({"torch_dtype": "bf16"}, "OuroConfig.torch_dtype='bf16' is no torch dtype"),
     ],
 )
 def test_invalid_config_raises(overrides, named):

@@ -18,6 +18,7 @@ from ..config_checks import (
     ROPE_BASE_NAMES,
     RopeParametersMixin,
     check_counts,
+    check_dtype,
     check_norm_eps,
     check_rope_base,
     rope_theta_of,
@@ -145,6 +146,7 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
         self.tie_embeddings = self.tie_word_embeddings = next(
             (x for x in (self.tie_embeddings, self.tie_word_embeddings) if x is not None), True)
         self.init_values = self._with_defaults(self.init_values)
+        check_dtype(self, kwargs)
         super().__post_init__(**kwargs)
         self.validate_architecture()
 

@@ -10,7 +10,14 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from ...hub.shims import AUTO_MAP
 from ..code_pointers import CodePointersMixin
-from ..config_checks import RopeParametersMixin, check_counts, check_norm_eps, check_rope_base, rope_theta_of
+from ..config_checks import (
+    RopeParametersMixin,
+    check_counts,
+    check_dtype,
+    check_norm_eps,
+    check_rope_base,
+    rope_theta_of,
+)
 
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "head_dim")
@@ -87,6 +94,7 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
+        check_dtype(self, kwargs)
         super().__post_init__(**kwargs)
         self.validate_architecture()
 
