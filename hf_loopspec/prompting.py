@@ -85,9 +85,10 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     `--mode plain` passes `speculative_mode=None` explicitly, so a checkpoint whose `generation_config.json` makes a
     speculative mode its default (the embedded model does) still decodes plain. Rows are padded with the generation
     config's pad id, else the tokenizer's pad (or EOS) id, when it is in the model's vocabulary (a pad token added past
-    it would be fed to the model for padded and finished rows, which refuses it), else with 0. Greedy decoding without `--seed` of a model that
-    draws random initial states (Huginn), unless its generation config names their seed, keys them with `init_seed=0`:
-    `--compare`'s two runs and a resumed `batch` then start from the same states (each call would draw its own seed).
+    it would be fed to the model for padded and finished rows, which refuses it), else with 0. Greedy decoding without
+    `--seed` of a model that draws random initial states (Huginn), unless its generation config names their seed, keys
+    them with `init_seed=0`: `--compare`'s two runs and a resumed `batch` then start from the same states (each call
+    would draw its own seed).
     """
     from transformers import GenerationConfig  # (here: this module loads without torch, for the CLI's --help)
 
