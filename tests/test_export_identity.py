@@ -110,6 +110,24 @@ def test_a_fine_tune_named_after_its_base_model_or_cast_is_not_called_the_base_w
     assert "unchanged" not in text.split("\n## ", 1)[0]
 
 
+@pytest.mark.parametrize("stored, named", [(torch.float32, "bfloat16"), (torch.bfloat16, "float32")])
+def test_the_default_dtype_keeps_the_stored_weights_whatever_config_json_names(stored, named, tmp_path):
+    """A checkpoint whose config.json names another dtype than its weights are stored in (common on the Hub): the
+    export keeps the stored weights bit for bit, as its card says ("unchanged"); transformers' dtype="auto" follows
+    config.json, and the export rounded float32 weights to bfloat16 under a card that called them unchanged."""
+    src = save_checkpoint(tmp_path / "src")
+    if stored != torch.float32:
+        AutoModelForCausalLM.from_pretrained(src, dtype=stored).save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "dtype": named, "torch_dtype": named}))
+    assert source.stored_dtype(str(src)) == str(stored).removeprefix("torch.")
+    out = export.export_checkpoint(src, tmp_path / "out", benchmarks=None)
+    before, after = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[key], after[key]) for key in before)
+    assert json.loads((out / "config.json").read_text())["dtype"] == str(stored).removeprefix("torch.")
+    assert "unchanged (safetensors)" in ModelCard.load(out / "README.md").text
+
+
 def test_the_makers_weights_keep_the_family_citation():
     text = hub_card.build_model_card(repo_id="x/Ouro-1.4B-loopspec", base_model="ByteDance/Ouro-1.4B").text
     assert OURO.bibtex in text and "## Citation" in text

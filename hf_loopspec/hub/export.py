@@ -4,7 +4,7 @@
 model embedded in the package) and writes to OUT:
 
 * `model.safetensors` (or shards `model-0000i-of-0000n.safetensors` + index when larger than `max_shard_size`),
-  through `save_pretrained`; the checkpoint's dtype is kept unless `dtype` is given;
+  through `save_pretrained`; the dtype the weights are stored in is kept unless `dtype` is given;
 * the tokenizer files, when SRC has a tokenizer;
 * `config.json` whose `auto_map` points at `configuration_ouro.OuroConfig`, `modeling_ouro.OuroModel` and
   `modeling_ouro.OuroForCausalLM` in OUT: small shims that import `hf_loopspec` and subclass its classes, so
@@ -48,7 +48,7 @@ from ..input_checks import check_source, hub_errors_explained
 from .card_checks import CHATML_TOKENS, SAMPLING_RANGES, check_loop_settings, is_hub_repo_id
 from .install import install_command
 from .shims import AUTO_MAP, SHIM_FILES, write_template
-from .source import card_metadata, copy_license_files, hub_options, resolve_source
+from .source import card_metadata, copy_license_files, hub_options, resolve_source, stored_dtype
 from .staging import check_destination, staged_folder
 
 # transformers checks each line as `name[<op><version>]` (no PEP 508 URLs), so the repository install is a comment
@@ -80,7 +80,8 @@ def export_checkpoint(
         src: a checkpoint folder, a Hub id (`ByteDance/Ouro-1.4B`, ...) or "default" (the embedded model).
         out: the folder to write; it must be empty or missing unless `overwrite=True`.
         max_shard_size: passed to `save_pretrained` (`"2GB"`, `"500MB"`, or bytes: an integer).
-        dtype: `"float32"`, `"bfloat16"`, `"float16"`, or None / `"auto"` to keep the checkpoint's.
+        dtype: `"float32"`, `"bfloat16"`, `"float16"`, or None / `"auto"` to keep the dtype the checkpoint's weights
+            are stored in (`source.stored_dtype`; a config.json naming another one does not convert them).
         speculative_mode, draft_loops, num_speculative_tokens: the defaults written to `generation_config.json`
             (validated against the model's loop count; `speculative_mode=None` writes plain decoding).
         repo_id: the Hub repo the folder is meant for (the card's title and code); default
@@ -122,7 +123,8 @@ def export_checkpoint(
     check_loop_settings(num_loops, model_card_kwargs.get("exit_options"), speculative_mode, draft_loops,
                         num_speculative_tokens)
 
-    load_dtype = "auto" if dtype in (None, "auto") else getattr(torch, dtype)
+    keep = stored_dtype(src, source.local_only) if dtype in (None, "auto") else dtype  # (None: config.json's)
+    load_dtype = "auto" if keep is None else getattr(torch, keep)
     with hub_errors_explained(src):
         model = AutoModelForCausalLM.from_pretrained(src, dtype=load_dtype, trust_remote_code=trust_remote_code,
                                                      use_safetensors=True, **hub_options(source.local_only))
@@ -376,7 +378,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("out", metavar="OUT", help="folder to write (must be empty unless --overwrite)")
     parser.add_argument("--max-shard-size", default="2GB",
                         help="safetensors shard size: 500MB, 2GB, ... or bytes (default: %(default)s)")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype (default: the checkpoint's)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="weights dtype (default: the one they are stored in)")
     parser.add_argument("--speculative-mode", choices=("auto", "pipeline", "block", "none"), default="auto",
                         help="default decoding written to generation_config.json (default: %(default)s)")
     parser.add_argument("--draft-loops", type=int, default=DEFAULT_DRAFT_LOOPS,

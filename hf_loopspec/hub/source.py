@@ -10,12 +10,14 @@ with one `OSError` saying so, instead of after transformers' retries. A repo the
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 HUB_TIMEOUT_S = 10.0
+SAFETENSORS_FLOATS = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # header names
 # the names of license files an export copies from the top of a local source folder: LICENSE, LICENCE.md,
 # LICENSE-MODEL.txt, COPYING, NOTICE, ... (any case)
 LICENSE_FILE = re.compile(r"(licen[cs]e|copying|notice)([-_.][\w.-]*)?", re.IGNORECASE)
@@ -37,6 +39,28 @@ def hub_options(local_only: bool) -> dict:
     """`from_pretrained`'s options to load from the local Hub cache only (`local_only`), its adapter lookup included:
     transformers looks for a peft `adapter_config.json` with its own options, and would retry the Hub for it."""
     return {"local_files_only": local_only, **({"adapter_kwargs": {"local_files_only": True}} if local_only else {})}
+
+
+def stored_dtype(path: str, local_only: bool = False) -> str | None:
+    """The dtype ("float32", "bfloat16", ...) that every floating tensor of the checkpoint at `path` (a folder or a
+    Hub id) is stored in, read from its first safetensors file's header; None when they differ, are of another kind
+    (float8), or the file cannot be read: then the checkpoint's config.json decides, as `dtype="auto"` does. (A
+    config.json may name another dtype than the stored one: "auto" would then convert the weights.)"""
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    from ..input_checks import SAFE_INDEX, SAFE_WEIGHTS
+
+    try:
+        index = cached_file(path, SAFE_INDEX, local_files_only=local_only,
+                            _raise_exceptions_for_missing_entries=False)
+        name = SAFE_WEIGHTS if index is None else min(json.loads(Path(index).read_text())["weight_map"].values())
+        with safe_open(cached_file(path, name, local_files_only=local_only), framework="pt") as weights:
+            kinds = {weights.get_slice(key).get_dtype() for key in weights.keys()}  # noqa: SIM118 (no dict)
+    except Exception:  # whatever fails here fails again, with its own message, when the weights load
+        return None
+    found = {SAFETENSORS_FLOATS.get(kind, "other") for kind in kinds if kind.startswith(("F", "BF"))}
+    return found.pop() if len(found) == 1 and "other" not in found else None
 
 
 def resolve_source(spec: str) -> Source:
