@@ -318,11 +318,20 @@ def test_a_kept_manager_built_from_the_models_config_is_refused_once_that_config
     (ContinuousBatchingConfig(return_logprobs=True), "return_logprobs=True"),
     # slots far past any request (a billion blocks: a raw allocator error; a million ran the machine out of memory)
     (ContinuousBatchingConfig(max_blocks_per_request=10**9, page_size=16),
-     r"slots of 16000000000 positions .* more than half the free memory: pass a smaller max_blocks_per_request"),
+     r"slots of 16000000000 positions .* more than half the free memory. The positions come from "
+     r"max_blocks_per_request x block or page size: pass a smaller max_blocks_per_request"),
 ])
 def test_bad_continuous_batching_config_values_are_named(model, config, match):
     with pytest.raises(ValueError, match=match):
         model.init_continuous_batching(generation_config({}), config)
+
+
+def test_slots_sized_by_max_new_tokens_name_it(model):
+    """Without a ContinuousBatchingConfig a slot holds the longest prompt plus max_new_tokens: a billion new tokens is
+    refused naming max_new_tokens (the message named max_blocks_per_request, which the caller never set)."""
+    with pytest.raises(ValueError, match=r"1 slots of 1000000003 positions .* The positions come from the longest "
+                                         r"prompt plus max_new_tokens: lower max_new_tokens"):
+        model.generate_batch([[5, 6, 7]], generation_config=generation_config({}), max_new_tokens=10**9)
 
 
 def test_a_prompt_of_0d_tensors_or_arrays_is_read_as_their_values(model):

@@ -182,8 +182,8 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
         _positive(getattr(cb_config, key, None), key)
     slots = _positive(getattr(cb_config, "max_requests_per_batch", None), "max_requests_per_batch") \
         or min(DEFAULT_SLOTS, getattr(hints, "num_requests", None) or DEFAULT_SLOTS)
-    positions = _positions(model, config, cb_config, hints)
-    _check_slot_state(model.device, slots, positions)
+    positions, source = _positions(model, config, cb_config, hints)
+    _check_slot_state(model.device, slots, positions, source)
     with huginn.manager_block(model, recurrence):  # the planes of the manager's recurrence steps
         pool = pool_size(model.kv_layout, model.lane_dtype, model.device, cb_config, slots, positions)
     return ManagerSettings(
@@ -237,34 +237,36 @@ def _seed(value) -> int | None:
     return None if value is None else int(value)
 
 
-def _positions(model, config, cb_config, hints) -> int:
-    """C: `max_blocks_per_request * block_size` (or `page_size`) of the continuous batching config; else the workload
-    hints' longest prompt plus output; else `DEFAULT_POSITIONS` or the model's `max_position_embeddings`."""
+def _positions(model, config, cb_config, hints) -> tuple[int, str]:
+    """`(C, what sets it)`: `max_blocks_per_request * block_size` (or `page_size`) of the continuous batching config;
+    else the workload hints' longest prompt plus output; else `DEFAULT_POSITIONS` or the model's
+    `max_position_embeddings`. What sets it is the phrase `_check_slot_state` names, with its fix."""
     blocks = _positive(getattr(cb_config, "max_blocks_per_request", None), "max_blocks_per_request")
     if blocks:
         size = _positive(getattr(cb_config, "block_size", None), "block_size") \
             or _positive(getattr(cb_config, "page_size", None), "page_size") or 1
-        return max(2, blocks * size)
+        return max(2, blocks * size), ("max_blocks_per_request x block or page size: pass a smaller "
+                                       "max_blocks_per_request (a slot holds a request's prompt and new tokens)")
     if hints is not None and getattr(hints, "max_prompt_length", None):
         wanted = hints.max_prompt_length + (hints.max_generated_length or config.max_new_tokens or config.max_length
                                             or DEFAULT_MAX_NEW_TOKENS)
-        return max(2, wanted)
+        return max(2, wanted), ("the longest prompt plus max_new_tokens: lower max_new_tokens (or max_length), or "
+                                "pass a ContinuousBatchingConfig with max_blocks_per_request")
     limit = getattr(model.config, "max_position_embeddings", None) or DEFAULT_POSITIONS
-    return max(2, min(DEFAULT_POSITIONS, limit))
+    return max(2, min(DEFAULT_POSITIONS, limit)), "the default slot length: pass a smaller max_blocks_per_request"
 
 
-def _check_slot_state(device, slots: int, positions: int) -> None:
+def _check_slot_state(device, slots: int, positions: int, source: str) -> None:
     """`ValueError` when B slots of C positions would keep an engine state (`SLOT_STATE_BYTES` per slot and
     position) of more than half the free memory of `device`: a slot sized far past any request failed in the
-    allocator, or ran the machine out of memory, instead of naming the setting."""
+    allocator, or ran the machine out of memory, instead of naming the setting (`source`: what set C, and its fix)."""
     from ..dispatch import free_memory  # (here: dispatch imports the engine, which this module's users import first)
 
     need = slots * positions * SLOT_STATE_BYTES
     if need > free_memory(device) / 2:
-        raise ValueError(f"{slots} slots of {positions} positions (max_blocks_per_request x block or page size, or "
-                         f"the workload hints) keep an engine state of up to {need / 2**30:.1f} GiB, more than half "
-                         "the free memory: pass a smaller max_blocks_per_request (a slot holds a request's prompt "
-                         "and new tokens), or a smaller max_requests_per_batch.")
+        raise ValueError(f"{slots} slots of {positions} positions keep an engine state of up to {need / 2**30:.1f} "
+                         f"GiB, more than half the free memory. The positions come from {source}; or pass a "
+                         "smaller max_requests_per_batch.")
 
 
 def check_config_types(generation_config, cb_config) -> None:
