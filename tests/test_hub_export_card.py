@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from huggingface_hub import ModelCard
 from processes import ROOT
 from transformers import AutoTokenizer, GenerationConfig
 
+from hf_loopspec.bench import args as bench_args
 from hf_loopspec.hub import card as hub_card
 from hf_loopspec.hub import export
 from hf_loopspec.hub.source import Source, card_metadata
@@ -106,10 +108,16 @@ def test_a_bench_of_a_local_folder_is_quoted_on_the_cards_repo(tmp_path):
         bench = {**result, "args": {**result["args"], "model": kept}}
         text = hub_card.build_model_card(repo_id="me/x", benchmarks=[bench]).text
         assert f"hf-loopspec bench --model {kept} " in text
-    # a prompt file by its name alone (its path named the measuring machine's folders)
-    bench = {**result, "args": {**result["args"], "prompt_file": "/home/alice/private/prompts.txt"}}
-    text = hub_card.build_model_card(repo_id="me/x", benchmarks=[bench]).text
-    assert "/home/alice" not in text and "--prompt-file prompts.txt" in text
+    # a prompt file by its name alone (its path named the measuring machine's folders, a Windows path whole), quoted
+    # for a shell when it has a space (pasted, it gave "unrecognized arguments")
+    for path, quoted in (("/home/alice/private/prompts.txt", "prompts.txt"),
+                         ("C:\\Users\\alice\\bench\\prompts.txt", "prompts.txt"),
+                         ("/home/alice/code sample.py", "'code sample.py'")):
+        bench = {**result, "args": {**result["args"], "prompt_file": path}}
+        text = hub_card.build_model_card(repo_id="me/x", benchmarks=[bench]).text
+        assert "alice" not in text and f"--prompt-file {quoted} " in text, path
+        line = next(line for line in text.splitlines() if line.startswith("hf-loopspec bench"))
+        assert bench_args.parse_args(shlex.split(line)[2:]).prompt_file == quoted.strip("'")
 
 
 def test_the_cards_tokenizer_load_trusts_the_repo_as_its_model_load_does():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 from pathlib import Path
 
 import torch
@@ -107,9 +108,9 @@ def check_text(row: dict) -> str:
 
 
 def command_line(result: dict) -> str:
-    """The `hf-loopspec bench` command of a result: its arguments that differ from the defaults (`--quiet`,
-    `--json` and `--plot`, which do not change what is measured, left out). An engine recorded under its old name
-    gets today's: `lanes` (the lane decoder) is `reference`."""
+    """The `hf-loopspec bench` command of a result, quoted for a POSIX shell: its arguments that differ from the
+    defaults (`--quiet`, `--json` and `--plot`, which do not change what is measured, left out). An engine recorded
+    under its old name gets today's: `lanes` (the lane decoder) is `reference`."""
     defaults = vars(parse_args([]))
     parts = ["hf-loopspec bench"]
     for key, value in result["args"].items():
@@ -121,7 +122,7 @@ def command_line(result: dict) -> str:
         if value is True:
             parts.append(flag)
         else:
-            parts.append(f"{flag} {','.join(value) if isinstance(value, list) else value}")
+            parts.append(f"{flag} {shlex.quote(','.join(value) if isinstance(value, list) else str(value))}")
     return " ".join(parts)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 
 from huggingface_hub import EvalResult
 
@@ -100,7 +100,7 @@ def _as_measured_on_repo(result: dict, repo_id: str) -> dict:
     id, such as /abs/path or ./folder), `repo_id` as its `--model` and model name. (A copy; `result` is unchanged.)"""
     args, model = dict(result["args"]), result["args"].get("model")
     if isinstance(args.get("prompt_file"), str):
-        args["prompt_file"] = Path(args["prompt_file"]).name
+        args["prompt_file"] = PureWindowsPath(args["prompt_file"]).name  # (splits at "/" and at "\\": any machine's)
     if not isinstance(model, str) or model == "default" or model in SHAPES or (
             is_hub_repo_id(model) and not Path(model).expanduser().exists()):
         return {**result, "args": args}
