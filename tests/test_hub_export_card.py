@@ -12,7 +12,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from checkpoint_utils import save_checkpoint
+from checkpoint_utils import TINY, save_checkpoint
 from huggingface_hub import ModelCard
 from processes import ROOT
 from transformers import AutoTokenizer, GenerationConfig
@@ -135,21 +135,28 @@ def card_blocks(card: str, repo: Path) -> list[str]:
             .replace('dtype=torch.bfloat16, device_map="cuda"', "dtype=torch.float32") for block in blocks]
 
 
-@pytest.mark.parametrize("case", ["no-pad", "no-pad-no-eos"])
+@pytest.mark.parametrize("case", ["no-pad", "no-pad-no-eos", "pad-past-the-vocabulary", "config-pad-past-it"])
 def test_the_cards_quickstart_pads_with_a_tokenizer_that_had_no_pad_token(case, tmp_path):
     """The quickstart pads two prompts (`padding=True`): it raised "Asking to pad but the tokenizer does not have a
-    padding token" on an export of a tokenizer without one, although generation_config.json names a pad id. The
-    exported tokenizer now pads with the token of that id, a special token of the tokenizer."""
+    padding token" on an export of a tokenizer without one, although generation_config.json names a pad id, and
+    "outside the vocabulary" for prompts of unequal length with a pad token added past the model's vocabulary (in
+    the tokenizer, or as generation_config.json's pad_token_id). The exported tokenizer now pads with the token of
+    generation_config.json's pad id, an id of the vocabulary and a special token of the tokenizer."""
     src = save_checkpoint(tmp_path / "ouro", seed=0)
     settings = json.loads((src / "tokenizer_config.json").read_text())
     settings.pop("pad_token", None)
     if case == "no-pad-no-eos":
         settings.pop("eos_token", None)
+    if case in ("pad-past-the-vocabulary", "config-pad-past-it"):
+        settings["pad_token"] = "[PAD]"  # (added: the id after the vocabulary's last)
     (src / "tokenizer_config.json").write_text(json.dumps(settings))
     for name in ("config.json", "generation_config.json"):
         config = json.loads((src / name).read_text())
-        config.update(pad_token_id=None, **({"eos_token_id": None} if case == "no-pad-no-eos" else {}))
+        config.update(pad_token_id=TINY["vocab_size"] if case == "config-pad-past-it" else None,
+                      **({"eos_token_id": None} if case == "no-pad-no-eos" else {}))
         (src / name).write_text(json.dumps(config))
+    if case != "no-pad-no-eos":
+        assert AutoTokenizer.from_pretrained(src).pad_token_id in (None, TINY["vocab_size"])  # (the source's)
     out = export.export_checkpoint(src, tmp_path / "out", benchmarks=None)
     assert json.loads((out / "generation_config.json").read_text())["pad_token_id"] == 0
     quickstart, plain = card_blocks((out / "README.md").read_text(), out)[:2]
@@ -157,8 +164,20 @@ def test_the_cards_quickstart_pads_with_a_tokenizer_that_had_no_pad_token(case, 
     scope = {}
     exec(quickstart + plain, scope)  # noqa: S102  (the card's code)
     assert scope["tok"].pad_token_id == 0 and scope["inputs"]["input_ids"].shape[0] == 2
-    # an ordinary word is not made the pad token: it would be dropped from the decoded text as a special token
+    padded = scope["tok"](["w5", "w5 w6 w7"], padding=True, return_tensors="pt")
+    out_ids = scope["model"].generate(**padded, max_new_tokens=2, do_sample=False)  # (unequal lengths: padded)
+    assert out_ids.shape == (2, 5)
+
+
+def test_an_export_whose_tokenizer_cannot_pad_says_so(tmp_path, caplog):
+    """An ordinary word is not made the pad token (it would be dropped from the decoded text as a special token): a
+    tokenizer with no special token of the pad id keeps no pad token, and the export warns that the card's
+    quickstart cannot pad with it (it exported without a word, and the quickstart raised)."""
+    src = save_checkpoint(tmp_path / "ouro", seed=0)
     gen = GenerationConfig(pad_token_id=5)
     tokenizer = AutoTokenizer.from_pretrained(src)
-    hub_card.settle_pad(gen, tokenizer)
+    tokenizer.pad_token = None
+    with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+        hub_card.settle_pad(gen, tokenizer, TINY["vocab_size"])
     assert tokenizer.pad_token is None and tokenizer.decode([5, 6], skip_special_tokens=True) == "w5 w6"
+    assert "so the card's quickstart, which pads two prompts, fails on it" in caplog.text

@@ -229,19 +229,35 @@ def _inputs_code(chat: bool, prompt: str) -> str:
             "padding=True).to(model.device)")
 
 
-def settle_pad(gen, tokenizer) -> None:
-    """Give an export's generation config `gen` a pad id, and its tokenizer (None: it has none) a pad token, so that
-    the card's quickstart, which pads a batch of two prompts, runs on the exported tokenizer.
+def settle_pad(gen, tokenizer, vocab_size: int) -> None:
+    """Give an export's generation config `gen` a pad id, and its tokenizer (None: it has none) a pad token, inside
+    the model's vocabulary (`vocab_size` ids), so that the card's quickstart, which pads a batch of two prompts, runs
+    on the exported tokenizer (padding positions are embedded too: an id past the vocabulary is refused).
 
-    `gen.pad_token_id`, when None, becomes the first eos id, else 0. A tokenizer without a pad token gets the token
-    of that id when it is one of the tokenizer's special tokens (its eos token, typically); an ordinary word is not
-    made the pad token (it would become special, and `skip_special_tokens` would drop it from decoded text).
+    `gen.pad_token_id`, when None or outside the vocabulary, becomes the first eos id, else 0. A tokenizer without a
+    pad token, or with one outside the vocabulary, gets the token of that id when it is one of the tokenizer's
+    special tokens (its eos token, typically); an ordinary word is not made the pad token (it would become special,
+    and `skip_special_tokens` would drop it from decoded text): the export then warns that the quickstart cannot pad.
     """
-    if gen.pad_token_id is None:
+    def inside(token_id) -> bool:
+        return isinstance(token_id, int) and 0 <= token_id < vocab_size
+
+    if not inside(gen.pad_token_id):
         eos = gen.eos_token_id
-        gen.pad_token_id = (eos[0] if isinstance(eos, list) and eos else eos) if eos is not None else 0
-    if tokenizer is not None and tokenizer.pad_token is None and gen.pad_token_id in tokenizer.all_special_ids:
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        gen.pad_token_id = eos if inside(eos) else 0
+    if tokenizer is None or inside(tokenizer.pad_token_id):
+        return
+    if gen.pad_token_id in tokenizer.all_special_ids:
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(gen.pad_token_id)
+        return
+    from ..logs import get_logger
+
+    get_logger(__name__).warning(
+        "export: the tokenizer has no pad token inside the model's %d ids, and id %d is none of its special tokens, "
+        "so the card's quickstart, which pads two prompts, fails on it; give the source's tokenizer a pad token of "
+        "the vocabulary (e.g. tokenizer.pad_token = tokenizer.eos_token, then save it) and export again.",
+        vocab_size, gen.pad_token_id)
 
 
 def _tokenizer_code(tokenizer: bool, base_model: str | None) -> str:

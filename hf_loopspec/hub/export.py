@@ -217,7 +217,7 @@ def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loo
         eos = [] if gen.eos_token_id is None else [gen.eos_token_id] if isinstance(gen.eos_token_id, int) \
             else list(gen.eos_token_id)
         gen.eos_token_id = eos + [end_of_turn] if end_of_turn not in eos else gen.eos_token_id
-    settle_pad(gen, tokenizer)
+    settle_pad(gen, tokenizer, model.config.vocab_size)
     return gen
 
 
