@@ -64,7 +64,8 @@ PATH_KEYS = ("pretrained", "tokenizer")  # model args that name a folder (or a H
 def check_model_args(args: list[str]) -> list[str]:
     """`args` with every `--model_args` / `-a` (lm-eval's forms: `a=1,b=2`, `a=1 b=2`, JSON, repeated) merged by
     lm-eval's own parsing into one JSON `--model_args`, with `~` expanded in folder paths (lm-eval would hand `~/m`
-    to the Hub as a repo id), after these checks: `FileNotFoundError` naming `pretrained=SPEC` when SPEC is neither
+    to the Hub as a repo id) and `default` (no folder of that name here) read as the embedded model's folder, as
+    the other commands read it, after these checks: `FileNotFoundError` naming `pretrained=SPEC` when SPEC is neither
     an existing path nor a valid Hub repo id (`./nope`, `/abs/nope`), `ValueError` naming `dtype=NAME` when torch has
     no such dtype or a count (`COUNT_KEYS`) that is no whole number >= 1 (lm-eval's errors for them are
     tracebacks); anything else is left to lm-eval. Without lm-eval, `args` unchanged (`run_lm_eval` says so)."""
@@ -93,6 +94,10 @@ def check_model_args(args: list[str]) -> list[str]:
             raise ValueError(f"{MODEL_ARGS} {key}={value}: pass a whole number >= 1 (or None).")
         if key in PATH_KEYS and isinstance(value, str) and value.startswith("~"):
             model_args[key] = str(Path(value).expanduser())
+        if key in PATH_KEYS and value == "default" and not Path(value).exists():  # (the other commands' name)
+            from .assets import default_model_path
+
+            model_args[key] = value = str(default_model_path())
         if key == "pretrained" and isinstance(value, str) and value and not Path(value).expanduser().exists():
             try:
                 check_source(value)  # (named as given)

@@ -227,4 +227,7 @@ def test_a_home_relative_folder_is_expanded_before_lm_eval_sees_it(monkeypatch, 
         with pytest.raises(ValueError, match="max_length=.*: pass a whole number >= 1"):
             evaluation.check_model_args(form)
     assert evaluation.check_model_args(["run", "--tasks", "x"]) == ["run", "--tasks", "x"]  # nothing to merge
+    # the embedded model by the name the other commands take (lm-eval tried the Hub repo "default")
+    checked = evaluation.check_model_args(["-a", "pretrained=default,tokenizer=default"])
+    assert json.loads(checked[1]) == {"pretrained": str(default_model_path()), "tokenizer": str(default_model_path())}
     evaluation.check_device(["--device", "auto"])  # lm-eval's to read (it picks cuda when there is one, else cpu)
