@@ -9,15 +9,9 @@ from __future__ import annotations
 from transformers.configuration_utils import PreTrainedConfig
 
 from ...hub.shims import AUTO_MAP
+from .. import config_checks as checks
 from ..code_pointers import CodePointersMixin
-from ..config_checks import (
-    RopeParametersMixin,
-    check_counts,
-    check_dtype,
-    check_norm_eps,
-    check_rope_base,
-    rope_theta_of,
-)
+from ..config_checks import RopeParametersMixin, rope_theta_of
 
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "head_dim")
@@ -77,7 +71,7 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
     pad_token_id: int | None = 0
 
     def __post_init__(self, **kwargs):
-        check_counts(self, SIZES, derived=("num_key_value_heads", "head_dim"))
+        checks.check_counts(self, SIZES, derived=("num_key_value_heads", "head_dim"))
         given = rope_theta_of(self, "rope_parameters", kwargs.get("rope_parameters"))
         if given is not None and given != self.rope_theta != type(self).rope_theta:  # both given (not the default)
             raise ValueError(f"OuroConfig: rope_theta={self.rope_theta!r} and rope_parameters="
@@ -94,7 +88,7 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
-        check_dtype(self, kwargs)
+        checks.check_dtype(self, kwargs)
         super().__post_init__(**kwargs)
         self.validate_architecture()
 
@@ -113,7 +107,7 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
     def validate_architecture(self):
         """Raise `ValueError` for a configuration no Ouro model can be built from. An all-full-attention
         `layer_types` is re-derived from `num_hidden_layers` first (a count changed after the config was made)."""
-        check_counts(self, SIZES)
+        checks.check_counts(self, SIZES)
         check_loop_count(self.total_ut_steps)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
@@ -128,8 +122,8 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
                 "OuroConfig.use_sliding_window=True is not supported: the released Ouro checkpoints use full "
                 "attention in every layer; set use_sliding_window=False."
             )
-        check_rope_base(self, "rope_theta")
-        check_norm_eps(self, "rms_norm_eps")
+        checks.check_rope_base(self, "rope_theta")
+        checks.check_norm_eps(self, "rms_norm_eps")
         check_rope_scaling(self.rope_scaling, self.rope_theta)
         if self.attention_bias:
             raise ValueError("OuroConfig.attention_bias=True is not supported: the released Ouro checkpoints have no "
