@@ -130,6 +130,26 @@ def test_choice_follows_forced_acceptance(case):
     assert_counter_invariants(stats, [NEW] * len(ids))
 
 
+def test_a_calls_none_clears_its_configs_setting_in_every_stretch(case):
+    """`min_new_tokens=None` or `pad_token_id=None` of the call clears a passed generation config's value, as in plain
+    decoding; auto's stretches read the config's value again (transformers fills a config's None from the model's
+    generation config): the minimum held back an EOS, and a finished row was padded with the config's pad id instead
+    of the EOS (plain decoding's pad without one)."""
+    model, prompts, ids, mask, ref, reference = case
+    set_costs(model, SPECULATIVE_WINS)
+    # row 0 stops at its second or third new token, and row 1 goes on (the token is none of its own)
+    eos = next(t for t in reference[0][len(prompts[0]) + 1:len(prompts[0]) + 3] if t not in reference[1])
+    for config, cleared in ((GenerationConfig(min_new_tokens=5, eos_token_id=eos, pad_token_id=0),
+                             {"min_new_tokens": None}),
+                            (GenerationConfig(eos_token_id=eos, pad_token_id=7), {"pad_token_id": None})):
+        want, got = (model.generate(ids, attention_mask=mask, generation_config=config, max_new_tokens=NEW,
+                                    do_sample=False, speculative_mode=mode, **cleared) for mode in (None, "auto"))
+        new = want[0, ids.shape[1]:].tolist()
+        stop, pad = new.index(eos), config.pad_token_id if "min_new_tokens" in cleared else eos
+        assert stop < 3 and set(new[stop + 1:]) == {pad}  # (cleared: no minimum; no pad id, the EOS's)
+        assert want.shape[1] == ids.shape[1] + NEW and torch.equal(got, want), cleared
+
+
 def test_plain_when_no_setting_can_win(case):
     """A cost table under which no speculative setting beats plain even at acceptance 1: one plain segment for
     the whole call, and no draft is ever made (the hook is never called)."""

@@ -405,6 +405,9 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
         kwargs.pop("speculative_trace", None)
     if call.min_new is not None:  # what is left of it, at most the stretch (transformers warns of a larger one)
         kwargs["min_new_tokens"] = min(max(call.min_new - done, 0), tokens)
+    elif any(getattr(config, "min_new_tokens", None) is not None
+             for config in (kwargs.get("generation_config"), model.generation_config)):
+        kwargs["min_new_tokens"] = None  # (the call's min_new_tokens=None cleared a config's: a keyword clears it)
     if cache is not None or not call.use_cache:  # a later stretch continues the cache the first one made, and a
         kwargs["cache_implementation"] = None  # call without a cache (whose plain decoding builds none) sets none up
     if bool(stopped.any()):
@@ -417,7 +420,11 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
         kwargs["streamer"] = streamer
     if kwargs.get("generation_config") is not None:  # the segment's settings go into a copy of the call's config:
         config = kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])  # transformers warns of both
-        for key in [key for key in kwargs if key in GENERATION_KEYS]:
+        # except a None that clears the config's value (the call's own, and min_new_tokens'), which stays a keyword:
+        # transformers fills a config's None from the model's generation config (pad_token_id=None of the call padded
+        # with the model's pad id), and applies a keyword's last
+        clears = {key for key in (*call.base, "min_new_tokens") if key in kwargs and kwargs[key] is None}
+        for key in [key for key in kwargs if key in GENERATION_KEYS and key not in clears]:
             setattr(config, key, kwargs.pop(key))
     return model.generate(ids, **kwargs)
 
