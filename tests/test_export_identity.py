@@ -16,7 +16,7 @@ import torch
 from checkpoint_utils import save_checkpoint
 from huggingface_hub import ModelCard
 from processes import ROOT
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hf_loopspec import cli
@@ -126,6 +126,23 @@ def test_the_default_dtype_keeps_the_stored_weights_whatever_config_json_names(s
     assert before.keys() == after.keys() and all(torch.equal(before[key], after[key]) for key in before)
     assert json.loads((out / "config.json").read_text())["dtype"] == str(stored).removeprefix("torch.")
     assert "unchanged (safetensors)" in ModelCard.load(out / "README.md").text
+
+
+def test_a_source_whose_shards_differ_in_dtype_is_read_whole(tmp_path):
+    """`stored_dtype` reads every shard's header: with only the first shard in bfloat16, the export followed it and
+    rounded the float32 shards to bfloat16 under a card calling them unchanged; now config.json's float32 decides,
+    and every value is kept."""
+    src = tmp_path / "src"
+    AutoModelForCausalLM.from_pretrained(save_checkpoint(tmp_path / "one")).save_pretrained(src, max_shard_size="20KB")
+    shards = sorted(src.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    first = load_file(shards[0])
+    save_file({key: value.to(torch.bfloat16) for key, value in first.items()}, shards[0], metadata={"format": "pt"})
+    assert source.stored_dtype(str(src)) is None
+    out = export.export_checkpoint(src, tmp_path / "out", benchmarks=None)
+    before = {key: value for shard in shards for key, value in load_file(shard).items()}
+    after = {key: value for shard in out.glob("model*.safetensors") for key, value in load_file(shard).items()}
+    assert before.keys() == after.keys() and all(torch.equal(before[key].float(), after[key]) for key in before)
 
 
 def test_the_makers_weights_keep_the_family_citation():

@@ -43,20 +43,23 @@ def hub_options(local_only: bool) -> dict:
 
 def stored_dtype(path: str, local_only: bool = False) -> str | None:
     """The dtype ("float32", "bfloat16", ...) that every floating tensor of the checkpoint at `path` (a folder or a
-    Hub id) is stored in, read from its first safetensors file's header; None when they differ, are of another kind
-    (float8), or the file cannot be read: then the checkpoint's config.json decides, as `dtype="auto"` does. (A
-    config.json may name another dtype than the stored one: "auto" would then convert the weights.)"""
+    Hub id) is stored in, read from the headers of its safetensors files (every shard); None when they differ, are of
+    another kind (float8), or a file cannot be read: then the checkpoint's config.json decides, as `dtype="auto"`
+    does. (A config.json may name another dtype than the stored one: "auto" would then convert the weights.)"""
     from safetensors import safe_open
     from transformers.utils import cached_file
 
     from ..input_checks import SAFE_INDEX, SAFE_WEIGHTS
 
+    kinds = set()
     try:
         index = cached_file(path, SAFE_INDEX, local_files_only=local_only,
                             _raise_exceptions_for_missing_entries=False)
-        name = SAFE_WEIGHTS if index is None else min(json.loads(Path(index).read_text())["weight_map"].values())
-        with safe_open(cached_file(path, name, local_files_only=local_only), framework="pt") as weights:
-            kinds = {weights.get_slice(key).get_dtype() for key in weights.keys()}  # noqa: SIM118 (no dict)
+        names = [SAFE_WEIGHTS] if index is None else sorted(set(json.loads(Path(index).read_text())["weight_map"]
+                                                                .values()))
+        for name in names:
+            with safe_open(cached_file(path, name, local_files_only=local_only), framework="pt") as weights:
+                kinds |= {weights.get_slice(key).get_dtype() for key in weights.keys()}  # noqa: SIM118 (no dict)
     except Exception:  # whatever fails here fails again, with its own message, when the weights load
         return None
     found = {SAFETENSORS_FLOATS.get(kind, "other") for kind in kinds if kind.startswith(("F", "BF"))}
