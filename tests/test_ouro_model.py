@@ -298,11 +298,18 @@ def test_out_of_vocab_ids_raise(bad_id):
         # an AttributeError of torch before (a traceback from the command line)
         ({"dtype": "float13"}, "OuroConfig.dtype='float13' is no torch dtype"),
         ({"torch_dtype": "bf16"}, "OuroConfig.torch_dtype='bf16' is no torch dtype"),
+        ({"dtype": "float13", "torch_dtype": "float32"}, "OuroConfig.dtype='float13' is no torch dtype"),
     ],
 )
 def test_invalid_config_raises(overrides, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         tiny_config(**overrides)
+
+
+def test_a_legacy_torch_dtype_beside_a_dtype_is_not_read():
+    """transformers reads config.json's older `torch_dtype` only without a `dtype`: beside one, even a value that
+    names no dtype ("auto") is no reason to refuse the config (the dtype check refused it for a while)."""
+    assert tiny_config(dtype="float32", torch_dtype="auto").dtype == torch.float32
 
 
 def test_keywords_giving_the_rope_base_twice_must_agree(tmp_path):

@@ -29,14 +29,16 @@ def check_counts(config, positive: tuple[str, ...], non_negative: tuple[str, ...
 
 
 def check_dtype(config, kwargs: dict) -> None:
-    """`ValueError` naming the field when the config's `dtype` (or config.json's older `torch_dtype`, in `kwargs`) is a
-    string that names no torch dtype (transformers looked it up in `torch` and raised an AttributeError)."""
+    """`ValueError` naming the field when the config's `dtype` (or, without one, config.json's older `torch_dtype`, in
+    `kwargs`: transformers reads it only then) is a string that names no torch dtype (transformers looked it up in
+    `torch` and raised an AttributeError)."""
     import torch
 
-    for field, value in (("dtype", getattr(config, "dtype", None)), ("torch_dtype", kwargs.get("torch_dtype"))):
-        if isinstance(value, str) and not isinstance(getattr(torch, value, None), torch.dtype):
-            raise ValueError(f"{type(config).__name__}.{field}={value!r} is no torch dtype: give one such as "
-                             '"bfloat16" or "float32" (config.json), or leave it out.')
+    dtype = getattr(config, "dtype", None)
+    field, value = ("dtype", dtype) if dtype is not None else ("torch_dtype", kwargs.get("torch_dtype"))
+    if isinstance(value, str) and not isinstance(getattr(torch, value, None), torch.dtype):
+        raise ValueError(f"{type(config).__name__}.{field}={value!r} is no torch dtype: give one such as "
+                         '"bfloat16" or "float32" (config.json), or leave it out.')
 
 
 def rope_theta_of(config, name: str, given) -> float | None:
