@@ -112,10 +112,10 @@ def test_a_bench_of_a_local_folder_is_quoted_on_the_cards_repo(tmp_path):
     # for a shell when it has a space (pasted, it gave "unrecognized arguments")
     for path, quoted in (("/home/alice/private/prompts.txt", "prompts.txt"),
                          ("C:\\Users\\alice\\bench\\prompts.txt", "prompts.txt"),
-                         ("/home/alice/code sample.py", "'code sample.py'")):
+                         ("/home/alice/code sample.py", "'code sample.py'"), ("./-prompts.txt", "-prompts.txt")):
         bench = {**result, "args": {**result["args"], "prompt_file": path}}
         text = hub_card.build_model_card(repo_id="me/x", benchmarks=[bench]).text
-        assert "alice" not in text and f"--prompt-file {quoted} " in text, path
+        assert "alice" not in text and f"--prompt-file{'=' if quoted[0] == '-' else ' '}{quoted} " in text, path
         line = next(line for line in text.splitlines() if line.startswith("hf-loopspec bench"))
         assert bench_args.parse_args(shlex.split(line)[2:]).prompt_file == quoted.strip("'")
 

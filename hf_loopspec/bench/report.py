@@ -122,7 +122,8 @@ def command_line(result: dict) -> str:
         if value is True:
             parts.append(flag)
         else:
-            parts.append(f"{flag} {shlex.quote(','.join(value) if isinstance(value, list) else str(value))}")
+            text = shlex.quote(",".join(value) if isinstance(value, list) else str(value))
+            parts.append(f"{flag}={text}" if text.startswith("-") else f"{flag} {text}")  # (-x: argparse's option)
     return " ".join(parts)
 
 
