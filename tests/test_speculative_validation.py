@@ -450,6 +450,16 @@ def test_malformed_inputs_raise_in_every_mode(model, inputs, monkeypatch, mode, 
     assert counter.calls == 0
 
 
+@pytest.mark.parametrize("mode", [*MODES.values(), {"speculative_mode": "auto"}], ids=[*MODES, "auto"])
+def test_a_generation_config_of_another_type_is_named(model, inputs, mode):
+    """A dict or a string as generation_config: one ValueError naming it in every mode (an AttributeError naming
+    whichever of its attributes each mode read first)."""
+    ids, mask = inputs
+    for config, kind in (({"max_new_tokens": 3}, "dict"), ("greedy", "str")):
+        with pytest.raises(ValueError, match=f"generation_config: a {kind}; pass a transformers.GenerationConfig"):
+            model.generate(ids, attention_mask=mask, generation_config=config, **mode)
+
+
 @pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))
 def test_use_cache_false_returns_no_cache(model, inputs, mode):
     ids, mask = inputs

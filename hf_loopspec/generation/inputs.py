@@ -15,6 +15,7 @@ import math
 import numbers
 
 import torch
+from transformers import GenerationConfig
 from transformers.cache_utils import Cache
 
 from ..cache.paged import PagedLoopCache
@@ -129,12 +130,17 @@ def _check_ids_tensor(input_ids) -> None:
 def check_generation_values(settings) -> None:
     """`ValueError` for anything but a Python or numpy integer (or None) among the settings that count tokens
     (`COUNT_SETTINGS`), in every mode: transformers would take `True` as 1 (or fail deep in torch), stop a
-    `max_new_tokens=2.5` call after 3 tokens (it compares lengths with the float) where the speculative modes'
-    integer counts would stop after 2, and refuse a tensor in some settings only; and for token ids
-    (`TOKEN_ID_SETTINGS`) that are no integers or one-element integer tensors (EOS: or a list or tensor of them), and
-    a `prefill_chunk_size` below 1. `settings`: a generation config, or a call's keyword arguments, checked before
-    transformers reads them (it fails on `max_new_tokens="3"` or `eos_token_id="x"` with a bare TypeError)."""
+    `max_new_tokens=2.5` call after 3 tokens (it compares lengths with the float) where the speculative modes' integer
+    counts would stop after 2, and refuse a tensor in some settings only; and for token ids (`TOKEN_ID_SETTINGS`) that
+    are no integers or one-element integer tensors (EOS: or a list or tensor of them), and a `prefill_chunk_size` below
+    1, and a passed `generation_config` that is none. `settings`: a generation config, or a call's keyword arguments,
+    checked before transformers reads them (it fails on `max_new_tokens="3"` or `eos_token_id="x"` with a bare
+    TypeError)."""
     get = settings.get if isinstance(settings, dict) else lambda key: getattr(settings, key, None)
+    passed = get("generation_config")  # (a call's: a dict's or string's keys were an AttributeError, per mode)
+    if passed is not None and not isinstance(passed, GenerationConfig):
+        raise ValueError(f"generation_config: a {type(passed).__name__}; pass a transformers.GenerationConfig "
+                         "(GenerationConfig(**settings)), or the settings as keyword arguments.")
     for key in COUNT_SETTINGS:
         value = get(key)
         if isinstance(value, bool):
