@@ -602,6 +602,10 @@ def test_logits_to_keep_takes_a_count_or_the_positions_to_keep():
     # these failed in torch (the embedding, the rotary positions, the first layer), naming no argument
     ({"position_ids": torch.arange(3)[None]}, r"position_ids has shape \(1, 3\), but the input is \[2, 7\]"),
     ({"position_ids": torch.arange(7)[None].expand(3, 7)}, r"position_ids has shape \(3, 7\)"),
+    # an AttributeError ('list' object has no attribute 'shape'), and Tensor.item()'s RuntimeError on the meta device
+    ({"position_ids": list(range(7))}, r"position_ids must be a torch tensor, got a list"),
+    ({"attention_mask": np.ones((2, 7), dtype=np.int64)}, r"attention_mask must be a torch tensor .* got a ndarray"),
+    ({"attention_mask": torch.ones(2, 7, dtype=torch.long, device="meta")}, "attention_mask is on the meta device"),
 ])
 def test_bad_forward_arguments_raise_value_errors_naming_them(kwargs, message):
     """They were taken as another value (True as loop 1, "no" as True), or raised deep torch errors, or changed the
@@ -620,8 +624,14 @@ def test_numpy_exit_steps_and_one_dimensional_ids():
         assert torch.equal(model(ids, exit_at_step=np.int64(1)).logits, model(ids, exit_at_step=1).logits)
     with pytest.raises(ValueError, match=r"input_ids has shape \(7,\); pass a 2-D \[batch, length\] tensor"):
         model(ids[0])
-    with pytest.raises(ValueError, match=r"input_ids has dtype torch.float32; pass token ids as an int64"):
-        model(ids.float())
+    # narrower integers (a RuntimeError of the embedding; an int8 batch named in-vocabulary ids as outside it) and
+    # a list or array (an AttributeError)
+    for bad, message in ((ids.float(), "dtype torch.float32"), (ids.short(), "dtype torch.int16"),
+                         (ids.to(torch.int8), "dtype torch.int8"), (ids.tolist(), "must be a torch tensor, got a list"),
+                         (ids.numpy(), "must be a torch tensor, got a ndarray")):
+        with pytest.raises(ValueError, match=f"input_ids (has )?{message}"):
+            model(bad)
+    assert torch.equal(model(ids.int()).logits, model(ids).logits)  # (int32 ids are taken)
     with pytest.raises(ValueError, match=r"inputs_embeds has shape \(2, 7, 5\), but the model's hidden size is"):
         model(inputs_embeds=torch.randn(2, 7, 5))
     with torch.no_grad():  # (positions given as [T] or [1, T] are the default ones)

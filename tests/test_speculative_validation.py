@@ -460,6 +460,24 @@ def test_a_generation_config_of_another_type_is_named(model, inputs, mode):
             model.generate(ids, attention_mask=mask, generation_config=config, **mode)
 
 
+@pytest.mark.parametrize("mode", [*MODES.values(), {"speculative_mode": "auto"}], ids=[*MODES, "auto"])
+def test_a_call_without_input_ids_is_checked_as_its_bos_prompt(model, mode):
+    """Without input_ids generate starts from BOS, one column per row: a wider mask, a row without a real token and a
+    BOS outside the vocabulary raise one ValueError in every mode (plain decoding read some of them, the speculative
+    modes raised torch's IndexError or other messages); a [B, 1] mask decodes as plain decoding does."""
+    settings = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": PAD, "bos_token_id": 1}
+    for kwargs, message in (
+            ({"attention_mask": torch.ones(2, 3, dtype=torch.long)}, r"attention_mask has shape \(2, 3\), but without "
+                                                                     r"input_ids generate starts from the BOS token"),
+            ({"attention_mask": torch.tensor([[1], [0]])}, r"attention_mask marks no real token in rows \[1\]"),
+            ({"bos_token_id": VOCAB + 5}, f"bos_token_id={VOCAB + 5} is outside the vocabulary")):
+        with pytest.raises(ValueError, match=message):
+            model.generate(**{**settings, **kwargs}, **mode)
+    mask = torch.ones(2, 1, dtype=torch.long)
+    want = model.generate(**settings, attention_mask=mask, speculative_mode=None)
+    assert torch.equal(model.generate(**settings, attention_mask=mask, **mode), want)
+
+
 @pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))
 def test_use_cache_false_returns_no_cache(model, inputs, mode):
     ids, mask = inputs

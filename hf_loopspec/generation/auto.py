@@ -69,7 +69,7 @@ from .config import (
     settings_fallback,
     synced_gpus_of,
 )
-from .inputs import as_integer, bos_prompt, check_cache_implementation, check_generation_values, check_left_padded
+from .inputs import as_integer, check_cache_implementation, check_generation_values, check_left_padded, prompt_or_bos
 from .model_checks import execution_device, model_fallback
 from .processors import configured_fallback, plain_fallback
 from .stats import SequenceStats, SpeculationStats
@@ -271,9 +271,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     counters as `speculation` (`AutoStats`)."""
     ids = args[0] if args else kwargs.get("input_ids")
     config = merged_config(model, kwargs)
-    if ids is None and kwargs.get("inputs_embeds") is None:  # no prompt: from BOS, as plain decoding starts
-        mask = kwargs.get("attention_mask")
-        ids = bos_prompt(config, execution_device(model), 1 if mask is None else len(mask))
+    ids = prompt_or_bos(model, ids, kwargs, config)  # no prompt: from BOS, as plain decoding starts
     call, options = _prepare(model, ids, kwargs, config)
     ids, mask = _rows_and_mask(model, ids, kwargs.get("attention_mask"), config)
     if call.plain_reason is None:  # whatever the segments would be: a call's fate is not a stored acceptance's

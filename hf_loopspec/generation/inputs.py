@@ -95,6 +95,37 @@ def check_inputs(input_ids, attention_mask, cache, vocab_size: int | None = None
                          "real token (mask 1) to continue from; drop those rows or give them a token.")
 
 
+def check_call_inputs(model, ids, kwargs: dict, cache) -> None:
+    """`check_inputs` for a `generate` call of `model` (`kwargs`: its arguments by name), in every mode alike; without
+    `ids` (and without inputs_embeds), of the `[B, 1]` BOS prompt plain decoding starts from (`prompt_or_bos`): its
+    id must be in the vocabulary, and a mask must be `[B, 1]` (a wider one was read by plain decoding and refused by
+    the speculative modes, each in its own way)."""
+    mask = kwargs.get("attention_mask")
+    if ids is None and kwargs.get("inputs_embeds") is None and torch.is_tensor(mask) and tuple(mask.shape[1:]) != (1,):
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, but without input_ids generate starts from "
+                         "the BOS token, one column per row: pass the input_ids the mask belongs to, or a mask of "
+                         f"shape ({len(mask)}, 1).")
+    prompt, vocab = prompt_or_bos(model, ids, kwargs), model.config.vocab_size
+    if ids is None and prompt is not None and not 0 <= int(prompt[0, 0]) < vocab:
+        raise ValueError(f"bos_token_id={int(prompt[0, 0])} is outside the vocabulary [0, {vocab}): generate without "
+                         "input_ids starts from it; pass input_ids (a prompt), or a bos_token_id of the vocabulary.")
+    check_inputs(prompt, mask, cache, vocab_size=vocab)
+
+
+def prompt_or_bos(model, ids, kwargs: dict, config=None):
+    """`ids`, or without them (and without inputs_embeds) the `[B, 1]` BOS prompt plain decoding starts from
+    (`bos_prompt`; B: the rows of the call's attention mask, else 1); `config`: the call's merged generation config
+    (None: merged here)."""
+    if ids is not None or kwargs.get("inputs_embeds") is not None:
+        return ids
+    from .config import merged_config  # (here: config imports this module)
+    from .model_checks import execution_device
+
+    mask = kwargs.get("attention_mask")
+    config = merged_config(model, kwargs) if config is None else config
+    return bos_prompt(config, execution_device(model), 1 if mask is None else len(mask))
+
+
 def bos_prompt(generation_config, device, batch: int = 1) -> torch.Tensor:
     """`[batch, 1]`: the BOS id that plain decoding starts a call without a prompt from (one row, or one per row of
     the call's attention mask); `ValueError` without one."""

@@ -58,8 +58,8 @@ from .inputs import (
     check_assisted_continuation,
     check_cache_implementation,
     check_cache_use,
+    check_call_inputs,
     check_generation_values,
-    check_inputs,
     check_left_padded,
     check_model_kwargs,
     check_pad_token,
@@ -106,7 +106,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         check_generation_values(kwargs)  # (a string failed in transformers' merge with a bare TypeError)
         ids = args[0] if args else kwargs.get("input_ids")
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        check_inputs(ids, kwargs.get("attention_mask"), cache, vocab_size=self.config.vocab_size)
+        check_call_inputs(self, ids, kwargs, cache)  # (without ids: the BOS prompt plain decoding starts from)
         check_cache_use(kwargs, self.generation_config)
         if isinstance(kwargs.get("custom_generate"), str):  # a repo's generate replaces the whole call: transformers
             return super().generate(*args, **kwargs)  # hands it every argument, speculative_mode included

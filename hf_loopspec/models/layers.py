@@ -104,10 +104,14 @@ def check_forward_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Te
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
     given, name, dims = (input_ids, "input_ids", 2) if inputs_embeds is None else (inputs_embeds, "inputs_embeds", 3)
+    for value, what in ((given, name), (position_ids, "position_ids")):  # (a list or array: an AttributeError)
+        if value is not None and not torch.is_tensor(value):
+            raise ValueError(f"{what} must be a torch tensor, got a {type(value).__name__}; pass "
+                             f"torch.as_tensor({what}) (token ids: tokenizer(..., return_tensors='pt')).")
     if given.dim() != dims:
         raise ValueError(f"{name} has shape {tuple(given.shape)}; pass a {dims}-D "
                          f"[batch, length{', hidden' if dims == 3 else ''}] tensor (one row: {name}[None]).")
-    if inputs_embeds is None and (given.dtype == torch.bool or given.is_floating_point() or given.is_complex()):
+    if inputs_embeds is None and given.dtype not in (torch.int64, torch.int32):  # (int16: a RuntimeError of torch's)
         raise ValueError(f"input_ids has dtype {given.dtype}; pass token ids as an int64 (or int32) tensor.")
     if inputs_embeds is not None and hidden_size is not None and given.shape[-1] != hidden_size:
         raise ValueError(f"inputs_embeds has shape {tuple(given.shape)}, but the model's hidden size is {hidden_size}: "
@@ -132,9 +136,16 @@ def kept_positions(logits_to_keep) -> slice | torch.Tensor:
 
 def check_mask_values(attention_mask: torch.Tensor) -> None:
     """`ValueError` unless `attention_mask` holds only 0 (padding) and 1 (a real token). Skipped while `torch.compile`
-    traces (the check reads the mask on the host), as `check_token_ids` is."""
+    traces (the check reads the mask on the host), as `check_token_ids` is; a mask that is no tensor, or has no
+    values (the meta device), is refused too."""
     if torch.compiler.is_compiling():
         return
+    if not torch.is_tensor(attention_mask):
+        raise ValueError(f"attention_mask must be a torch tensor [batch, length] of 0 and 1, got a "
+                         f"{type(attention_mask).__name__}; pass torch.as_tensor(attention_mask).")
+    if attention_mask.is_meta:
+        raise ValueError("attention_mask is on the meta device (shapes only, no values); pass it on the model's "
+                         "device, from a real tensor.")
     binary = (attention_mask == 0) | (attention_mask == 1)
     if not bool(binary.all()):
         bad = attention_mask[~binary].unique()[:5].tolist()
@@ -149,7 +160,8 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     if torch.compiler.is_compiling():
         return
     if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
-        bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)]
+        ids = input_ids.long()  # (compared in the ids' dtype, the vocabulary size wraps: 4096 is 0 in int8)
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
         raise ValueError(
             f"input_ids contains ids outside the vocabulary [0, {vocab_size}): {bad.unique()[:8].tolist()}. "
             "Check that the tokenizer belongs to this model, and that its pad id (pad_token_id) is an id of the "
