@@ -131,23 +131,44 @@ def test_choice_follows_forced_acceptance(case):
 
 
 def test_a_calls_none_clears_its_configs_setting_in_every_stretch(case):
-    """`min_new_tokens=None` or `pad_token_id=None` of the call clears a passed generation config's value, as in plain
-    decoding; auto's stretches read the config's value again (transformers fills a config's None from the model's
-    generation config): the minimum held back an EOS, and a finished row was padded with the config's pad id instead
-    of the EOS (plain decoding's pad without one)."""
+    """`min_new_tokens=None`, `min_length=None` (or 0) or `pad_token_id=None` of the call clears a passed generation
+    config's value, as in plain decoding; auto's stretches read the config's value again (transformers fills a
+    config's None from the model's generation config): the minimum held back an EOS, and a finished row was padded
+    with the config's pad id instead of the EOS (plain decoding's pad without one)."""
     model, prompts, ids, mask, ref, reference = case
     set_costs(model, SPECULATIVE_WINS)
     # row 0 stops at its second or third new token, and row 1 goes on (the token is none of its own)
     eos = next(t for t in reference[0][len(prompts[0]) + 1:len(prompts[0]) + 3] if t not in reference[1])
     for config, cleared in ((GenerationConfig(min_new_tokens=5, eos_token_id=eos, pad_token_id=0),
                              {"min_new_tokens": None}),
+                            (GenerationConfig(min_length=ids.shape[1] + 5, eos_token_id=eos, pad_token_id=0),
+                             {"min_length": None}),
+                            (GenerationConfig(min_length=ids.shape[1] + 5, eos_token_id=eos, pad_token_id=0),
+                             {"min_length": 0}),
                             (GenerationConfig(eos_token_id=eos, pad_token_id=7), {"pad_token_id": None})):
         want, got = (model.generate(ids, attention_mask=mask, generation_config=config, max_new_tokens=NEW,
                                     do_sample=False, speculative_mode=mode, **cleared) for mode in (None, "auto"))
         new = want[0, ids.shape[1]:].tolist()
-        stop, pad = new.index(eos), config.pad_token_id if "min_new_tokens" in cleared else eos
+        stop, pad = new.index(eos), eos if "pad_token_id" in cleared else config.pad_token_id
         assert stop < 3 and set(new[stop + 1:]) == {pad}  # (cleared: no minimum; no pad id, the EOS's)
         assert want.shape[1] == ids.shape[1] + NEW and torch.equal(got, want), cleared
+
+
+@pytest.mark.parametrize("key, value", [("second_draft_loops", 3), ("second_draft_loops", 1),
+                                        ("speculative_engine", "bogus")])
+def test_a_calls_none_clears_a_speculative_setting_of_the_models_config(case, key, value):
+    """A call's `second_draft_loops=None` or `speculative_engine=None` clears the model's generation config's value, as
+    in the fixed modes: auto's stretches read it again (second proposals auto says it never makes; or a refusal of
+    the cleared value, whose message offered None as the fix)."""
+    model, prompts, ids, mask, ref, reference = case
+    set_costs(model, SPECULATIVE_WINS)
+    saved = getattr(model.generation_config, key, None)
+    setattr(model.generation_config, key, value)
+    try:
+        out = generate_dict(model, ids, mask, NEW, speculative_mode="auto", **{key: None})
+    finally:
+        setattr(model.generation_config, key, saved)
+    assert torch.equal(out.sequences, ref.sequences) and out.speculation.second_drafts == 0
 
 
 def test_plain_when_no_setting_can_win(case):

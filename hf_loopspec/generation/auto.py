@@ -224,8 +224,8 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
     call = _Call(base, int(max_new), min_new if min_new > 0 else None, eos, pad,
                  single=any(_in_effect(key, _setting(kwargs, config, key)) for key in ONE_STRETCH),
                  return_dict=bool(config.return_dict_in_generate), use_cache=config.use_cache is not False,
-                 engine_settings={key: value for key in ("compile_core", "speculative_engine")
-                                  if (value := _setting(kwargs, config, key)) is not None},
+                 engine_settings={key: _setting(kwargs, config, key) for key in ("compile_core", "speculative_engine")
+                                  if key in kwargs or getattr(config, key, None) is not None},  # (a None clears)
                  plain_reason="position-ids" if kwargs.get("position_ids") is not None else (
                      "fallback" if fallback else None), fallback=fallback)
     return call, candidates(model.num_loops, d, k)
@@ -403,9 +403,10 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
         kwargs.pop("speculative_trace", None)
     if call.min_new is not None:  # what is left of it, at most the stretch (transformers warns of a larger one)
         kwargs["min_new_tokens"] = min(max(call.min_new - done, 0), tokens)
-    elif any(getattr(config, "min_new_tokens", None) is not None
-             for config in (kwargs.get("generation_config"), model.generation_config)):
-        kwargs["min_new_tokens"] = None  # (the call's min_new_tokens=None cleared a config's: a keyword clears it)
+    else:  # none: a config's minimum was cleared by the call (min_new_tokens=None, min_length=None or 0), as a
+        for key in ("min_new_tokens", "min_length"):  # keyword None clears it in the stretch's generate too
+            if any(getattr(config, key, None) for config in (kwargs.get("generation_config"), model.generation_config)):
+                kwargs[key] = None
     if cache is not None or not call.use_cache:  # a later stretch continues the cache the first one made, and a
         kwargs["cache_implementation"] = None  # call without a cache (whose plain decoding builds none) sets none up
     if bool(stopped.any()):
@@ -418,10 +419,10 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
         kwargs["streamer"] = streamer
     if kwargs.get("generation_config") is not None:  # the segment's settings go into a copy of the call's config:
         config = kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])  # transformers warns of both
-        # except a None that clears the config's value (the call's own, and min_new_tokens'), which stays a keyword:
+        # except a None that clears the config's value (the call's own, and the minimum's), which stays a keyword:
         # transformers fills a config's None from the model's generation config (pad_token_id=None of the call padded
         # with the model's pad id), and applies a keyword's last
-        clears = {key for key in (*call.base, "min_new_tokens") if key in kwargs and kwargs[key] is None}
+        clears = {key for key in (*call.base, "min_new_tokens", "min_length") if key in kwargs and kwargs[key] is None}
         for key in [key for key in kwargs if key in GENERATION_KEYS and key not in clears]:
             setattr(config, key, kwargs.pop(key))
     return model.generate(ids, **kwargs)

@@ -37,11 +37,12 @@ class Candidate:
         return f"block(d={self.draft_loops},K={self.num_speculative_tokens})"
 
     def kwargs(self) -> dict:
-        """The `generate` keyword arguments that run this setting."""
+        """The `generate` keyword arguments that run this setting (without second proposals: a config's
+        `second_draft_loops` cleared)."""
         if self.mode is None:
             return {"speculative_mode": None}
         return {"speculative_mode": self.mode, "draft_loops": self.draft_loops,
-                "num_speculative_tokens": self.num_speculative_tokens}
+                "num_speculative_tokens": self.num_speculative_tokens, "second_draft_loops": None}
 
 
 PLAIN = Candidate(None)
