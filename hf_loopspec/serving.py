@@ -20,7 +20,7 @@ checkpoint's), `top_p`, `seed` (torch's global seed), `frequency_penalty` (repet
 strings), chat's `logit_bias` (its whole numbers passed on as floats; refused on /v1/completions, whose handler drops
 it), and `generation_config`: a JSON string of generation settings (`speculative_mode` "pipeline" or "block",
 `draft_loops`, `num_speculative_tokens`, `do_sample`, `top_k`, ...); `generate` fills the keys it leaves unset from
-the checkpoint's config, so a request cannot turn a checkpoint's speculative default off (null counts as unset). With
+the checkpoint's config, so a request cannot turn a checkpoint's speculative default off (a null is refused). With
 `--continuous-batching`, transformers builds one manager from the first request's settings (5.25: from the
 checkpoint's generation config, as the model loads) and forwards only `max_tokens` and the EOS of later ones; a later
 request whose other settings differ, and a request the manager cannot serve, get HTTP 400 with the reason
@@ -53,7 +53,7 @@ import json
 import logging
 import sys
 
-from .serving_requests import as_transformers_reads, request_problem
+from .serving_requests import as_transformers_reads, request_problem, template_refusal
 from .serving_stops import stop_strings, without_stops
 
 DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
@@ -203,6 +203,8 @@ def openai_errors(positions: int | None = None) -> None:
             return await answer(request, HTTPException(status_code=400, detail=str(error)))
 
         async def failed(request, error: Exception) -> JSONResponse:  # any other error of a handler (logged too)
+            if reason := template_refusal(error):  # (the conversation's fault: a 400, which clients do not retry)
+                return await answer(request, HTTPException(status_code=400, detail=reason))
             return await answer(request, HTTPException(status_code=500, detail=failure(
                 f"{type(error).__name__}: {error}")))
 
@@ -317,7 +319,7 @@ def tag_stream_errors() -> None:
             def __init__(self, msg: str):
                 super().__init__(msg)
                 error = sys.exc_info()[1]  # (created in the `except` block of the failed request)
-                if error is not None and not isinstance(error, ValueError):
+                if error is not None and not isinstance(error, ValueError) and not template_refusal(error):
                     STREAM_FAILURES.append((msg, 503 if isinstance(error, dead) else 500))
 
         module._StreamError = StreamError

@@ -32,6 +32,12 @@ UNSUPPORTED = {  # request fields transformers' handlers would drop without a wo
     "previous_response_id": ((None,), "this server keeps no responses; send the whole conversation as input"),
     "include": ((None, []), "this server returns no log-probabilities nor other extra output; leave it out"),
 }
+SETTINGS_ANSWERED = {  # generation_config settings whose other values the handlers cannot answer, and the fix
+    "num_return_sequences": (1, "this server returns one sequence per request (the others were lost); send that "
+                                "many requests"),
+    "return_dict_in_generate": (False, "this server reads the sequences alone (the handlers failed after decoding); "
+                                       "leave it out"),
+}
 REQUIRED = {  # what those handlers read unchecked (a bare 500 without it)
     "/chat/completions": ("messages", 'a list of messages, {"role": ..., "content": ...}'),
     "/responses": ("input", "a string or a list of items (messages, content parts)"),
@@ -76,6 +82,13 @@ def request_problem(body, positions: int | None = None, path: str = "") -> str |
         return (f"generation_config's max_length={settings['max_length']!r} is not honoured by this server: it always "
                 f"sets max_new_tokens ({limit}, else the checkpoint's, at least 1024), which wins over max_length; "
                 f"send {limit}, or generation_config's max_new_tokens, instead.")
+    if nulls := [key for key, value in settings.items() if value is None]:  # (the handlers pass set values only)
+        return (f"generation_config's {nulls[0]}=null is not passed on by this server (transformers' handlers drop "
+                f"unset values, so the checkpoint's {nulls[0]} would apply without a word): leave it out, or give a "
+                "value.")
+    for name, (default, fix) in SETTINGS_ANSWERED.items():
+        if settings.get(name, default) != default:
+            return f"generation_config's {name}={settings[name]!r} is not supported: {fix}."
     value = settings.get("max_new_tokens")  # the limit that applies unless max_tokens or the like replace it
     if positions is not None and all(body.get(name) is None for name in TOKEN_LIMITS) and isinstance(
             value, (int, float)) and not isinstance(value, bool) and value >= positions:
@@ -90,6 +103,17 @@ def request_problem(body, positions: int | None = None, path: str = "") -> str |
         if name in body and body[name] not in defaults:
             return f"{name}={body[name]!r} is not supported: {fix}."
     return None
+
+
+def template_refusal(error: BaseException) -> str | None:
+    """The reason when `error` is a chat template's own refusal of a conversation (its `raise_exception`: a jinja2
+    `TemplateError` itself; a subclass, such as a syntax error, is the checkpoint's fault): a 400, no server
+    failure; else None."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:
+        return None
+    return f"the model's chat template refuses this request: {error}" if type(error) is TemplateError else None
 
 
 def as_transformers_reads(body: dict) -> dict:

@@ -411,6 +411,32 @@ def test_stream_errors_record_the_failures_that_are_no_refusal():
         assert recorded == [(f"boom in {name}", 500), *([(f"died in {name}", 503)] if dead else [])]
 
 
+def test_a_chat_templates_own_refusal_is_a_400(monkeypatch):
+    """A chat template's `raise_exception` (a refused system message) is the conversation's fault: HTTP 400 with its
+    message (a 500 "the server failed", which the openai client retries); a template that does not parse stays a
+    server failure."""
+    from fastapi import FastAPI
+    from jinja2 import TemplateError, TemplateSyntaxError
+
+    async def refused(request):
+        raise TemplateError("System role not supported")
+
+    async def broken(request):
+        raise TemplateSyntaxError("unexpected end of template", 1)
+
+    app = FastAPI()
+    app.router.add_route("/v1/chat/completions", refused, methods=["POST"])
+    app.router.add_route("/v1/responses", broken, methods=["POST"])
+    with stand_in_served(monkeypatch, app) as port:
+        base = type("Client", (), {"base_url": f"http://127.0.0.1:{port}/v1/"})
+        body = json.dumps({"messages": [{"role": "system", "content": "hi"}]}).encode()
+        status, answer = post(base, "chat/completions", body, "application/json")
+        assert status == 400 and answer["error"]["type"] == "invalid_request_error"
+        assert answer["error"]["message"] == "the model's chat template refuses this request: System role not supported"
+        status, answer = post(base, "responses", b'{"input": "hi"}', "application/json")
+        assert status == 500 and "TemplateSyntaxError: unexpected end of template" in answer["error"]["message"]
+
+
 def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
     """The checks `openai_errors` adds, around a stand-in for transformers' app (echoing what its handlers read):
     OpenAI's whole-number `logit_bias` reaches the chat handler as the floats transformers' `sequence_bias` takes
@@ -771,6 +797,11 @@ def test_the_model_process_gets_the_servers_threads():
     ({"stream": "yes"}, r"stream='yes' must be true or false"),  # (it streamed: transformers took it as true)
     ({"temperature": -1}, r"temperature=-1 must be a number in \[0, 2\]"),
     ({"top_p": 2.0}, r"top_p=2.0 must be a number in \[0, 1\]"),
+    # dropped by the handlers (null: the checkpoint's speculative mode decoded), a sequence lost, a 500 after decoding
+    ({"generation_config": '{"speculative_mode": null}'}, r"generation_config's speculative_mode=null is not passed"),
+    ({"generation_config": '{"num_return_sequences": 2, "do_sample": true}'},
+     r"num_return_sequences=2 is not supported: this server returns one sequence"),
+    ({"generation_config": '{"return_dict_in_generate": true}'}, r"return_dict_in_generate=True is not supported"),
 ])
 def test_a_request_field_the_server_cannot_honour_is_refused(body, message):
     assert re.search(message, serving_requests.request_problem({"prompt": "x", **body}))
