@@ -291,7 +291,7 @@ def test_a_folder_without_a_tokenizer_is_refused_before_its_weights_load(tmp_pat
 
 @pytest.mark.parametrize("field, value, message", [
     ("vocab_size", "4096", "OuroConfig.vocab_size='4096' is invalid: it must be a positive integer."),
-    ("torch_dtype", "float13", "OuroConfig.torch_dtype='float13' is no torch dtype"),
+    ("dtype", "float13", "OuroConfig.dtype='float13' is no torch dtype"),
 ])
 def test_a_config_field_the_family_refuses_is_one_line(field, value, message, tmp_path, capsys):
     """A config.json field of the wrong type or a dtype torch lacks: the family's ValueError naming the field, in one
