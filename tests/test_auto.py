@@ -960,6 +960,9 @@ def test_a_generation_config_passed_to_auto_brings_no_deprecation_warning(case, 
                               speculative_mode="auto")
     out = model.generate(ids, attention_mask=mask, generation_config=config)
     assert torch.equal(out, ref.sequences)
+    # also with a minimum the prompt already meets (the stretches were given min_length=None as a keyword)
+    config.min_length = ids.shape[1] - 1
+    assert torch.equal(model.generate(ids, attention_mask=mask, generation_config=config), ref.sequences)
     assert not [message for message in warned if "generation_config` together with" in message]
     model.generate(ids, attention_mask=mask, generation_config=config, use_cache=True)  # the user's own call does
     assert [message for message in warned if "generation_config` together with" in message]

@@ -42,13 +42,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import (
-    Cache,
-    DynamicCache,
-    GenerationConfig,
-    LogitsProcessorList,
-    StoppingCriteriaList,
-)
+from transformers import Cache, DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from ..cache.convert import to_dynamic, to_paged
 from ..cache.paged import PagedLoopCache
@@ -161,6 +155,7 @@ class _Call:
     base: dict
     max_new: int
     min_new: int | None  # the call's minimum length as new columns (min_new_tokens, else min_length's)
+    min_cleared: dict  # without one: the call's min_new_tokens / min_length (None, 0) that clear a config's minimum
     eos: list[int]
     pad: int
     single: bool  # a `ONE_STRETCH` setting: one segment
@@ -221,7 +216,8 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
         logger.warning_once("hf_loopspec: %s.", fallback)
     elif spec.compile_backend is not None and (host := _compile_problem(model, ids, kwargs, config)):
         raise ValueError(f"speculative_mode='auto' cannot run {host}.")  # (whichever segments auto would choose)
-    call = _Call(base, int(max_new), min_new if min_new > 0 else None, eos, pad,
+    call = _Call(base, int(max_new), min_new if min_new > 0 else None,
+                 {key: kwargs[key] for key in ("min_new_tokens", "min_length") if key in kwargs}, eos, pad,
                  single=any(_in_effect(key, _setting(kwargs, config, key)) for key in ONE_STRETCH),
                  return_dict=bool(config.return_dict_in_generate), use_cache=config.use_cache is not False,
                  engine_settings={key: _setting(kwargs, config, key) for key in ("compile_core", "speculative_engine")
@@ -403,10 +399,8 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
         kwargs.pop("speculative_trace", None)
     if call.min_new is not None:  # what is left of it, at most the stretch (transformers warns of a larger one)
         kwargs["min_new_tokens"] = min(max(call.min_new - done, 0), tokens)
-    else:  # none: a config's minimum was cleared by the call (min_new_tokens=None, min_length=None or 0), as a
-        for key in ("min_new_tokens", "min_length"):  # keyword None clears it in the stretch's generate too
-            if any(getattr(config, key, None) for config in (kwargs.get("generation_config"), model.generation_config)):
-                kwargs[key] = None
+    else:  # none: what cleared a config's minimum clears it in the stretch's call too
+        kwargs.update(call.min_cleared)
     if cache is not None or not call.use_cache:  # a later stretch continues the cache the first one made, and a
         kwargs["cache_implementation"] = None  # call without a cache (whose plain decoding builds none) sets none up
     if bool(stopped.any()):

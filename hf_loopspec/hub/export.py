@@ -48,7 +48,7 @@ from ..input_checks import check_source, hub_errors_explained
 from .card_checks import CHATML_TOKENS, SAMPLING_RANGES, check_loop_settings, is_hub_repo_id
 from .install import install_command
 from .shims import AUTO_MAP, SHIM_FILES, write_template
-from .source import card_metadata, copy_license_files, hub_options, resolve_source, stored_dtype
+from .source import card_metadata, copy_license_files, hub_options, load_dtype, resolve_source
 from .staging import check_destination, staged_folder
 
 # transformers checks each line as `name[<op><version>]` (no PEP 508 URLs), so the repository install is a comment
@@ -81,7 +81,7 @@ def export_checkpoint(
         out: the folder to write; it must be empty or missing unless `overwrite=True`.
         max_shard_size: passed to `save_pretrained` (`"2GB"`, `"500MB"`, or bytes: an integer).
         dtype: `"float32"`, `"bfloat16"`, `"float16"`, or None / `"auto"` to keep the dtype the checkpoint's weights
-            are stored in (`source.stored_dtype`; a config.json naming another one does not convert them).
+            are stored in (`source.load_dtype`; a config.json naming another one does not convert them).
         speculative_mode, draft_loops, num_speculative_tokens: the defaults written to `generation_config.json`
             (validated against the model's loop count; `speculative_mode=None` writes plain decoding).
         repo_id: the Hub repo the folder is meant for (the card's title and code); default
@@ -104,7 +104,6 @@ def export_checkpoint(
     False); `OSError` when `src` cannot be read (see `hf_loopspec.input_checks.check_source`), at once when it is a
     Hub id that is not cached and the Hub is out of reach (`hf_loopspec.hub.source.resolve_source`).
     """
-    import torch
     from transformers import AutoModelForCausalLM
 
     from .card_speed import bench_results
@@ -123,11 +122,10 @@ def export_checkpoint(
     check_loop_settings(num_loops, model_card_kwargs.get("exit_options"), speculative_mode, draft_loops,
                         num_speculative_tokens)
 
-    keep = stored_dtype(src, source.local_only) if dtype in (None, "auto") else dtype  # (None: config.json's)
-    load_dtype = "auto" if keep is None else getattr(torch, keep)
     with hub_errors_explained(src):
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=load_dtype, trust_remote_code=trust_remote_code,
-                                                     use_safetensors=True, **hub_options(source.local_only))
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=load_dtype(src, source.local_only, dtype),
+                                                     trust_remote_code=trust_remote_code, use_safetensors=True,
+                                                     **hub_options(source.local_only))
     model.eval()
     tokenizer = _load_tokenizer(src, source.local_only)
     _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens)

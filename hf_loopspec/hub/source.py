@@ -41,6 +41,15 @@ def hub_options(local_only: bool) -> dict:
     return {"local_files_only": local_only, **({"adapter_kwargs": {"local_files_only": True}} if local_only else {})}
 
 
+def load_dtype(path: str, local_only: bool, dtype: str | None):
+    """The dtype an export loads the checkpoint at `path` in: `dtype` when one is given, else the one its weights are
+    stored in (`stored_dtype`), else "auto" (config.json's)."""
+    import torch
+
+    name = dtype if dtype not in (None, "auto") else stored_dtype(path, local_only)
+    return "auto" if name is None else getattr(torch, name)
+
+
 def stored_dtype(path: str, local_only: bool = False) -> str | None:
     """The dtype ("float32", "bfloat16", ...) that every floating tensor of the checkpoint at `path` (a folder or a
     Hub id) is stored in, read from the headers of its safetensors files (every shard); None when they differ, are of
