@@ -810,7 +810,8 @@ def test_sampled_rows_are_repeated_for_num_return_sequences(case, costs):
     ({"output_attentions": True}, "output_attentions=True"),
     ({"output_hidden_states": True}, "output_hidden_states=True"),
     # with the fix that keeps it (the mode may be the checkpoint's default; the message said only to drop one)
-    ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens=3.*Pass speculative_mode=None for assisted"),
+    ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens=3.*Pass speculative_mode=None for assisted.*drop "
+                                      "prompt_lookup_num_tokens"),
     ({"penalty_alpha": 0.6, "top_k": 4}, r"penalty_alpha=0\.6"),
     ({"assistant_early_exit": 1}, "assistant_early_exit=1 drafts from the first layers"),
     ({"max_new_tokens": 0}, "max_new_tokens"),

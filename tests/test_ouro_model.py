@@ -628,10 +628,14 @@ def test_numpy_exit_steps_and_one_dimensional_ids():
     # a list or array (an AttributeError)
     for bad, message in ((ids.float(), "dtype torch.float32"), (ids.short(), "dtype torch.int16"),
                          (ids.to(torch.int8), "dtype torch.int8"), (ids.tolist(), "must be a torch tensor, got a list"),
-                         (ids.numpy(), "must be a torch tensor, got a ndarray")):
+                         (ids.numpy(), "must be a torch tensor, got a ndarray"),
+                         (ids.to("meta"), "is on the meta device")):
         with pytest.raises(ValueError, match=f"input_ids (has )?{message}"):
             model(bad)
     assert torch.equal(model(ids.int()).logits, model(ids).logits)  # (int32 ids are taken)
+    with torch.no_grad(), pytest.raises(ValueError, match="attention_mask is on the meta device"):  # (a later step's
+        cache = model(ids, use_cache=True).past_key_values  # mask: "Cannot copy out of meta tensor")
+        model(ids[:, :1], past_key_values=cache, attention_mask=torch.ones(2, 8, dtype=torch.long, device="meta"))
     with pytest.raises(ValueError, match=r"inputs_embeds has shape \(2, 7, 5\), but the model's hidden size is"):
         model(inputs_embeds=torch.randn(2, 7, 5))
     with torch.no_grad():  # (positions given as [T] or [1, T] are the default ones)

@@ -469,7 +469,9 @@ def test_a_call_without_input_ids_is_checked_as_its_bos_prompt(model, mode):
     for kwargs, message in (
             ({"attention_mask": torch.ones(2, 3, dtype=torch.long)}, r"attention_mask has shape \(2, 3\), but without "
                                                                      r"input_ids generate starts from the BOS token"),
-            ({"attention_mask": torch.tensor([[1], [0]])}, r"attention_mask marks no real token in rows \[1\]"),
+            ({"attention_mask": torch.tensor(1)}, r"attention_mask has shape \(\), but without input_ids"),
+            ({"attention_mask": torch.tensor([[1], [0]])}, r"without input_ids, generate starts from a \[batch, 1\] "
+                                                           r"BOS prompt: attention_mask marks no real token in rows"),
             ({"bos_token_id": VOCAB + 5}, f"bos_token_id={VOCAB + 5} is outside the vocabulary")):
         with pytest.raises(ValueError, match=message):
             model.generate(**{**settings, **kwargs}, **mode)

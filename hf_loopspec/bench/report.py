@@ -122,8 +122,8 @@ def command_line(result: dict) -> str:
         if value is True:
             parts.append(flag)
         else:
-            text = shlex.quote(",".join(value) if isinstance(value, list) else str(value))
-            parts.append(f"{flag}={text}" if text.startswith("-") else f"{flag} {text}")  # (-x: argparse's option)
+            text = ",".join(value) if isinstance(value, list) else str(value)
+            parts.append(f"{flag}{'=' if text.startswith('-') else ' '}{shlex.quote(text)}")  # (-x: an option)
     return " ".join(parts)
 
 

@@ -229,9 +229,10 @@ def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_c
         what = "an assistant model" if assistant_model is not None else (
             f"prompt lookup (prompt_lookup_num_tokens={generation_config.prompt_lookup_num_tokens})"
             if generation_config.prompt_lookup_num_tokens is not None else "assisted generation")
+        drop = "the assistant" if assistant_model is not None else "prompt_lookup_num_tokens"
         raise ValueError(f"speculative_mode={spec.mode!r} cannot be combined with {what}: the model drafts for "
                          "itself. Pass speculative_mode=None for assisted decoding (the mode may come from the "
-                         "model's generation_config.json), or drop the assistant.")
+                         f"model's generation_config.json), or drop {drop}.")
     if generation_config.num_beams > 1 or generation_mode in (GenerationMode.BEAM_SEARCH,):
         raise ValueError(f"speculative_mode={spec.mode!r} cannot be combined with beam search "
                          f"(num_beams={generation_config.num_beams}); pass num_beams=1 or speculative_mode=None.")

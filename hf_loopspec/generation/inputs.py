@@ -100,16 +100,22 @@ def check_call_inputs(model, ids, kwargs: dict, cache) -> None:
     `ids` (and without inputs_embeds), of the `[B, 1]` BOS prompt plain decoding starts from (`prompt_or_bos`): its
     id must be in the vocabulary, and a mask must be `[B, 1]` (a wider one was read by plain decoding and refused by
     the speculative modes, each in its own way)."""
-    mask = kwargs.get("attention_mask")
-    if ids is None and kwargs.get("inputs_embeds") is None and torch.is_tensor(mask) and tuple(mask.shape[1:]) != (1,):
+    mask, vocab = kwargs.get("attention_mask"), model.config.vocab_size
+    if ids is not None or kwargs.get("inputs_embeds") is not None:
+        check_inputs(ids, mask, cache, vocab_size=vocab)
+        return
+    if torch.is_tensor(mask) and (mask.dim() != 2 or mask.shape[1] != 1):
         raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, but without input_ids generate starts from "
-                         "the BOS token, one column per row: pass the input_ids the mask belongs to, or a mask of "
-                         f"shape ({len(mask)}, 1).")
-    prompt, vocab = prompt_or_bos(model, ids, kwargs), model.config.vocab_size
-    if ids is None and prompt is not None and not 0 <= int(prompt[0, 0]) < vocab:
+                         "the BOS token, one column per row: pass the input_ids the mask belongs to, or a [batch, 1] "
+                         "mask.")
+    prompt = prompt_or_bos(model, ids, kwargs)
+    if not 0 <= int(prompt[0, 0]) < vocab:
         raise ValueError(f"bos_token_id={int(prompt[0, 0])} is outside the vocabulary [0, {vocab}): generate without "
                          "input_ids starts from it; pass input_ids (a prompt), or a bos_token_id of the vocabulary.")
-    check_inputs(prompt, mask, cache, vocab_size=vocab)
+    try:
+        check_inputs(prompt, mask, cache, vocab_size=vocab)
+    except ValueError as error:  # (its input_ids: the BOS prompt, which the caller did not pass)
+        raise ValueError(f"without input_ids, generate starts from a [batch, 1] BOS prompt: {error}") from None
 
 
 def prompt_or_bos(model, ids, kwargs: dict, config=None):

@@ -108,6 +108,9 @@ def check_forward_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Te
         if value is not None and not torch.is_tensor(value):
             raise ValueError(f"{what} must be a torch tensor, got a {type(value).__name__}; pass "
                              f"torch.as_tensor({what}) (token ids: tokenizer(..., return_tensors='pt')).")
+    if given.is_meta and not torch.compiler.is_compiling():  # (Tensor.item()'s RuntimeError in the id check)
+        raise ValueError(f"{name} is on the meta device (shapes only, no values); pass it on the model's device, "
+                         "from a real tensor.")
     if given.dim() != dims:
         raise ValueError(f"{name} has shape {tuple(given.shape)}; pass a {dims}-D "
                          f"[batch, length{', hidden' if dims == 3 else ''}] tensor (one row: {name}[None]).")

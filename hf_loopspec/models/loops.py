@@ -74,8 +74,8 @@ def check_mask(attention_mask: torch.Tensor | None, batch: int, past: int | None
     without history only, as a generate call's prefill (a later step's would cost a device sync each)."""
     if attention_mask is None:
         return
-    if not torch.is_tensor(attention_mask):  # (a list or an array: an AttributeError)
-        check_mask_values(attention_mask)  # (names it)
+    if not torch.is_tensor(attention_mask) or attention_mask.is_meta:  # (a list or an array: an AttributeError;
+        check_mask_values(attention_mask)  # names it, as a mask without values)
     if past is None:
         if attention_mask.dim() != 2 or attention_mask.shape[0] != batch:
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected a 2-D [{batch}, "
