@@ -303,26 +303,29 @@ def tag_stream_errors() -> None:
     """Make the stream errors transformers' serving modules create (`_StreamError`, which carries a message only)
     record the message and status of failures that are no refusal (any exception but a `ValueError`) in
     `STREAM_FAILURES`, so that a stream failing before its first token gets the status a request without streaming
-    gets: 400 for a refusal, 503 when the model's engine died (`EngineDeadError`), else 500. Idempotent."""
+    gets: 400 for a refusal, 503 when the model's engine died (`EngineDeadError`), else 500. Idempotent. One subclass
+    replaces the class in every module that holds it, so that the handlers' `isinstance` checks hold whichever of the
+    two their module imported (a handler module imported after a subclass of one module's name, and errors made from
+    another's, read a stream's error as text to send: a TypeError, and an empty stream)."""
     from transformers.cli.serving import model_manager, utils
 
     dead = getattr(utils, "EngineDeadError", ())
+    base = utils._StreamError
+    if getattr(base, "records_failures", False):
+        return
+
+    class StreamError(base):
+        records_failures = True
+
+        def __init__(self, msg: str):
+            super().__init__(msg)
+            error = sys.exc_info()[1]  # (created in the `except` block of the failed request)
+            if error is not None and not isinstance(error, ValueError) and not template_refusal(error):
+                STREAM_FAILURES.append((msg, 503 if isinstance(error, dead) else 500))
 
     for module in (model_manager, utils):  # where 5.25 (model_manager) and 5.24 (utils) create them
-        original = getattr(module, "_StreamError", None)
-        if original is None or getattr(original, "records_failures", False):
-            continue
-
-        class StreamError(original):
-            records_failures = True
-
-            def __init__(self, msg: str):
-                super().__init__(msg)
-                error = sys.exc_info()[1]  # (created in the `except` block of the failed request)
-                if error is not None and not isinstance(error, ValueError) and not template_refusal(error):
-                    STREAM_FAILURES.append((msg, 503 if isinstance(error, dead) else 500))
-
-        module._StreamError = StreamError
+        if getattr(module, "_StreamError", None) is base:
+            module._StreamError = StreamError
 
 
 async def error_before_tokens(chunks) -> tuple[str | None, list]:

@@ -411,6 +411,18 @@ def test_stream_errors_record_the_failures_that_are_no_refusal():
         assert recorded == [(f"boom in {name}", 500), *([(f"died in {name}", 503)] if dead else [])]
 
 
+def test_stream_errors_are_one_class_wherever_they_are_read():
+    """The recording stream-error class is the one every serving module holds: with one subclass per module, a
+    handler module imported later (`from .utils import _StreamError`) failed `isinstance` on the errors another
+    module made, and sent them as text (a TypeError, and an empty stream instead of the refusal)."""
+    from transformers.cli.serving import model_manager, utils
+
+    serving.tag_stream_errors()
+    serving.tag_stream_errors()  # (idempotent)
+    assert utils._StreamError.records_failures
+    assert getattr(model_manager, "_StreamError", utils._StreamError) is utils._StreamError
+
+
 def test_a_chat_templates_own_refusal_is_a_400(monkeypatch):
     """A chat template's `raise_exception` (a refused system message) is the conversation's fault: HTTP 400 with its
     message (a 500 "the server failed", which the openai client retries); a template that does not parse stays a
