@@ -326,6 +326,22 @@ def test_bad_continuous_batching_config_values_are_named(model, config, match):
         model.init_continuous_batching(generation_config({}), config)
 
 
+def test_the_eos_and_the_default_length_are_read_as_generate_reads_them():
+    """A generation config without an EOS decodes to the length, as `generate` does (the manager fell back to
+    model.config's eos_token_id, which `generate` never reads, and cut the request short); without any length setting
+    the default 20 new tokens stop at the model's positions, as `generate` caps them (the manager decoded past)."""
+    model = tiny_spec_model(3, 4, vocab=VOCAB)
+    prompt = prompts(2, [4])[0]
+    free = alone(model, prompt, 12, eos=[])
+    model.config.eos_token_id, model.generation_config.eos_token_id = free[1], None  # (a token it decodes)
+    out = model.generate_batch([prompt], max_new_tokens=12)
+    assert [result.generated_tokens for result in out.values()] == [free]
+    long = prompts(3, [model.config.max_position_embeddings - 5])[0]
+    want = model.generate(torch.tensor([long]), eos_token_id=[], speculative_mode=None)[0, len(long):].tolist()
+    out = model.generate_batch([long], eos_token_id=[])
+    assert len(want) == 5 and [result.generated_tokens for result in out.values()] == [want]
+
+
 def test_slots_sized_by_max_new_tokens_name_it(model):
     """Without a ContinuousBatchingConfig a slot holds the longest prompt plus max_new_tokens: a billion new tokens is
     refused naming max_new_tokens (the message named max_blocks_per_request, which the caller never set)."""

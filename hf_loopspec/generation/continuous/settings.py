@@ -73,6 +73,7 @@ class ManagerSettings:
     eos_token_id: tuple[int, ...]  # the default EOS ids of a request
     max_new_tokens: int  # the default max_new_tokens of a request
     max_length: int | None  # the generation config's max_length (prompt included) when it sets no max_new_tokens
+    default_limit: int | None  # without either: the positions transformers' default length stops at (generate's cap)
     vocab: int
     seed: int | None  # the continuous batching config's seed: a sampled request without its own draws from it
     recurrence: object = None  # the model's recurrence settings for every request (`huginn`), None without them
@@ -193,10 +194,11 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
         compile_backend=None if spec is None else spec.compile_backend, do_sample=bool(config.do_sample),
         processors=processors, slots=slots, positions=positions, pool=pool,
         pad_token_id=int(config.pad_token_id if config.pad_token_id is not None else 0),
-        eos_token_id=tuple(eos_ids(config.eos_token_id if config.eos_token_id is not None
-                                   else model.config.eos_token_id)),
+        eos_token_id=tuple(eos_ids(config.eos_token_id)),  # (none: as generate, no fallback to model.config's)
         max_new_tokens=int(config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS),
         max_length=int(config.max_length) if config.max_new_tokens is None and config.max_length else None,
+        default_limit=getattr(model.config, "max_position_embeddings", None)
+        if config.max_new_tokens is None and not config.max_length else None,
         vocab=model.head_width, seed=_seed(getattr(cb_config, "seed", None)),
         recurrence=recurrence, passed_recurrence=passed, exit_rule=exit_rule)
 
@@ -315,11 +317,14 @@ def token_ids(value):
 
 def request_max_new(settings: ManagerSettings, input_ids, max_new_tokens):
     """A request's max_new_tokens: its own, else what the generation config's max_length leaves after its prompt (as
-    `generate` reads max_length: prompt included), else the config's max_new_tokens (or transformers' default)."""
+    `generate` reads max_length: prompt included), else the config's max_new_tokens (or transformers' default, which
+    `generate` caps at the model's positions)."""
     if max_new_tokens is not None:
         return max_new_tokens
     if settings.max_length is not None and isinstance(input_ids, list):
         return settings.max_length - len(input_ids)
+    if settings.default_limit is not None and isinstance(input_ids, list):  # (transformers' default length: at most
+        return min(settings.max_new_tokens, settings.default_limit - len(input_ids))  # the model's positions)
     return settings.max_new_tokens
 
 
