@@ -221,7 +221,9 @@ def openai_errors(positions: int | None = None) -> None:
             except Exception as error:  # a handler's failure, answered here: raised on, it closed the connection
                 if isinstance(error, RuntimeError) and await request.is_disconnected():  # "No response returned."
                     return Response(status_code=499)  # (nginx's "client closed request": nobody reads it)
-                logging.getLogger("uvicorn.error").error("the server failed on %s", request.url.path, exc_info=error)
+                if not template_refusal(error):  # (a refusal is the request's: no server failure to log)
+                    logging.getLogger("uvicorn.error").error("the server failed on %s", request.url.path,
+                                                             exc_info=error)
                 return await failed(request, error)
             if getattr(request.state, "stops", ()) and request.url.path.rstrip("/") in DONE_STREAMS:
                 response = await without_stops(response, request.state.stops)  # (OpenAI's text ends before them)

@@ -423,10 +423,10 @@ def test_stream_errors_are_one_class_wherever_they_are_read():
     assert getattr(model_manager, "_StreamError", utils._StreamError) is utils._StreamError
 
 
-def test_a_chat_templates_own_refusal_is_a_400(monkeypatch):
+def test_a_chat_templates_own_refusal_is_a_400(monkeypatch, caplog):
     """A chat template's `raise_exception` (a refused system message) is the conversation's fault: HTTP 400 with its
-    message (a 500 "the server failed", which the openai client retries); a template that does not parse stays a
-    server failure."""
+    message (a 500 "the server failed", which the openai client retries), and no failure in the server's log; a
+    template that does not parse stays a server failure."""
     from fastapi import FastAPI
     from jinja2 import TemplateError, TemplateSyntaxError
 
@@ -442,8 +442,10 @@ def test_a_chat_templates_own_refusal_is_a_400(monkeypatch):
     with stand_in_served(monkeypatch, app) as port:
         base = type("Client", (), {"base_url": f"http://127.0.0.1:{port}/v1/"})
         body = json.dumps({"messages": [{"role": "system", "content": "hi"}]}).encode()
-        status, answer = post(base, "chat/completions", body, "application/json")
+        with caplog.at_level(logging.ERROR):
+            status, answer = post(base, "chat/completions", body, "application/json")
         assert status == 400 and answer["error"]["type"] == "invalid_request_error"
+        assert "the server failed" not in caplog.text
         assert answer["error"]["message"] == "the model's chat template refuses this request: System role not supported"
         status, answer = post(base, "responses", b'{"input": "hi"}', "application/json")
         assert status == 500 and "TemplateSyntaxError: unexpected end of template" in answer["error"]["message"]
