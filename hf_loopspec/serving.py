@@ -58,6 +58,7 @@ from .serving_stops import stop_strings, without_stops
 
 DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
 DONE_STREAMS = frozenset({"/v1/chat/completions", "/v1/completions"})  # OpenAI ends their streams with [DONE]
+SERVER_LOG = logging.getLogger("uvicorn.error")  # where uvicorn logs a failed request
 STREAM_FAILURES = collections.deque(maxlen=256)  # (message, status) of stream errors no refusal (`tag_stream_errors`)
 # what the model's process (transformers 5.25) raises for a checkpoint it cannot load: the user's to fix
 LOAD_REFUSALS = frozenset({"ValueError", "OSError", "FileNotFoundError", "IsADirectoryError", "PermissionError"})
@@ -203,9 +204,8 @@ def openai_errors(positions: int | None = None) -> None:
             return await answer(request, HTTPException(status_code=400, detail=str(error)))
 
         async def failed(request, error: Exception) -> JSONResponse:  # any other error of a handler (logged too)
-            if reason := template_refusal(error):  # (the conversation's fault: a 400, which clients do not retry)
-                return await answer(request, HTTPException(status_code=400, detail=reason))
-            return await answer(request, HTTPException(status_code=500, detail=failure(
+            reason = template_refusal(error)  # (the conversation's fault: a 400, which clients do not retry)
+            return await answer(request, HTTPException(status_code=400 if reason else 500, detail=reason or failure(
                 f"{type(error).__name__}: {error}")))
 
         async def malformed(request, error) -> JSONResponse:  # FastAPI's 422 for a body it cannot read
@@ -222,8 +222,7 @@ def openai_errors(positions: int | None = None) -> None:
                 if isinstance(error, RuntimeError) and await request.is_disconnected():  # "No response returned."
                     return Response(status_code=499)  # (nginx's "client closed request": nobody reads it)
                 if not template_refusal(error):  # (a refusal is the request's: no server failure to log)
-                    logging.getLogger("uvicorn.error").error("the server failed on %s", request.url.path,
-                                                             exc_info=error)
+                    SERVER_LOG.error("the server failed on %s", request.url.path, exc_info=error)
                 return await failed(request, error)
             if getattr(request.state, "stops", ()) and request.url.path.rstrip("/") in DONE_STREAMS:
                 response = await without_stops(response, request.state.stops)  # (OpenAI's text ends before them)
