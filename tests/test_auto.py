@@ -965,5 +965,8 @@ def test_a_generation_config_passed_to_auto_brings_no_deprecation_warning(case, 
     config.min_length = ids.shape[1] - 1
     assert torch.equal(model.generate(ids, attention_mask=mask, generation_config=config), ref.sequences)
     assert not [message for message in warned if "generation_config` together with" in message]
+    one = ids[:1, mask[0].bool()]  # one row, no mask, pad = eos: transformers warns of batches only (auto did here)
+    model.generate(one, max_new_tokens=4, do_sample=False, pad_token_id=PAD, eos_token_id=PAD, speculative_mode="auto")
+    assert not [message for message in warned if "attention mask is not set with a batched input" in message]
     model.generate(ids, attention_mask=mask, generation_config=config, use_cache=True)  # the user's own call does
     assert [message for message in warned if "generation_config` together with" in message]

@@ -254,7 +254,7 @@ def _rows_and_mask(model, ids: torch.Tensor, mask: torch.Tensor | None, config: 
     """The call's rows and attention mask `[B', S]` as plain decoding decodes them: the mask transformers infers from
     the pad token when none is passed, and with sampling each row repeated `num_return_sequences` times."""
     if mask is None:  # `config` is the call's own copy (`merged_config`): transformers' preparation may write it
-        model._prepare_special_tokens(config, False, device=ids.device)
+        model._prepare_special_tokens(config, False, device=ids.device, batch_size=len(ids))  # (1: no warning)
         mask = model._prepare_attention_mask_for_generation(ids, config, {})
     if config.do_sample and config.num_return_sequences > 1:
         ids, mask = (t.repeat_interleave(config.num_return_sequences, 0) for t in (ids, mask))
