@@ -478,6 +478,11 @@ def test_a_call_without_input_ids_is_checked_as_its_bos_prompt(model, mode):
     mask = torch.ones(2, 1, dtype=torch.long)
     want = model.generate(**settings, attention_mask=mask, speculative_mode=None)
     assert torch.equal(model.generate(**settings, attention_mask=mask, **mode), want)
+    # a BOS that is the pad id, without a mask, is a real token (transformers inferred it as padding: plain decoding
+    # started from no token, the speculative modes refused it as right padding)
+    settings |= {"bos_token_id": PAD, "eos_token_id": PAD + 1}
+    want = model.generate(**settings, attention_mask=mask[:1], speculative_mode=None)
+    assert torch.equal(model.generate(**settings, **mode), want)
 
 
 @pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))

@@ -95,15 +95,17 @@ def check_inputs(input_ids, attention_mask, cache, vocab_size: int | None = None
                          "real token (mask 1) to continue from; drop those rows or give them a token.")
 
 
-def check_call_inputs(model, ids, kwargs: dict, cache) -> None:
-    """`check_inputs` for a `generate` call of `model` (`kwargs`: its arguments by name), in every mode alike; without
-    `ids` (and without inputs_embeds), of the `[B, 1]` BOS prompt plain decoding starts from (`prompt_or_bos`): its
-    id must be in the vocabulary, and a mask must be `[B, 1]` (a wider one was read by plain decoding and refused by
-    the speculative modes, each in its own way)."""
+def checked_call_inputs(model, ids, kwargs: dict, cache) -> dict:
+    """`kwargs` (a `generate` call's arguments by name) after `check_inputs`, in every mode alike; without `ids` (and
+    without inputs_embeds), of the `[B, 1]` BOS prompt plain decoding starts from (`prompt_or_bos`): its id must be in
+    the vocabulary, and a mask must be `[B, 1]` (a wider one was read by plain decoding and refused by the speculative
+    modes, each in its own way); without a mask either, the BOS is given one of ones (transformers would infer the
+    BOS as padding when it is the pad id: plain decoding then started from no token, the speculative modes refused
+    it as right padding)."""
     mask, vocab = kwargs.get("attention_mask"), model.config.vocab_size
     if ids is not None or kwargs.get("inputs_embeds") is not None:
         check_inputs(ids, mask, cache, vocab_size=vocab)
-        return
+        return kwargs
     if torch.is_tensor(mask) and (mask.dim() != 2 or mask.shape[1] != 1):
         raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, but without input_ids generate starts from "
                          "the BOS token, one column per row: pass the input_ids the mask belongs to, or a [batch, 1] "
@@ -116,6 +118,7 @@ def check_call_inputs(model, ids, kwargs: dict, cache) -> None:
         check_inputs(prompt, mask, cache, vocab_size=vocab)
     except ValueError as error:  # (its input_ids: the BOS prompt, which the caller did not pass)
         raise ValueError(f"without input_ids, generate starts from a [batch, 1] BOS prompt: {error}") from None
+    return kwargs if mask is not None else {**kwargs, "attention_mask": torch.ones_like(prompt)}
 
 
 def prompt_or_bos(model, ids, kwargs: dict, config=None):
@@ -329,4 +332,6 @@ def check_left_padded(attention_mask, mode: str) -> None:
         raise ValueError(f"attention_mask ends in padding in rows {rows[:8]} (right padding), which "
                          f"speculative_mode={mode!r} does not decode as plain decoding does; pad on the left "
                          "(tokenizer.padding_side = \"left\", or AutoTokenizer.from_pretrained(..., "
-                         'padding_side="left")), or pass speculative_mode=None.')
+                         'padding_side="left")), or pass speculative_mode=None. (Without an attention_mask, '
+                         "transformers infers one from pad_token_id when it differs from the EOS: a prompt that ends "
+                         "in the pad id reads as padded; pass attention_mask=torch.ones_like(input_ids) then.)")

@@ -58,12 +58,12 @@ from .inputs import (
     check_assisted_continuation,
     check_cache_implementation,
     check_cache_use,
-    check_call_inputs,
     check_generation_values,
     check_left_padded,
     check_model_kwargs,
     check_pad_token,
     check_reference_inputs,
+    checked_call_inputs,
 )
 from .model_checks import dense_cache_reason, execution_device, model_fallback
 from .processors import plain_fallback
@@ -106,7 +106,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         check_generation_values(kwargs)  # (a string failed in transformers' merge with a bare TypeError)
         ids = args[0] if args else kwargs.get("input_ids")
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        check_call_inputs(self, ids, kwargs, cache)  # (without ids: the BOS prompt plain decoding starts from)
+        kwargs = checked_call_inputs(self, ids, kwargs, cache)  # (without ids: the BOS prompt, and its mask)
         check_cache_use(kwargs, self.generation_config)
         if isinstance(kwargs.get("custom_generate"), str):  # a repo's generate replaces the whole call: transformers
             return super().generate(*args, **kwargs)  # hands it every argument, speculative_mode included
