@@ -340,6 +340,9 @@ def test_the_eos_and_the_default_length_are_read_as_generate_reads_them():
     want = model.generate(torch.tensor([long]), eos_token_id=[], speculative_mode=None)[0, len(long):].tolist()
     out = model.generate_batch([long], eos_token_id=[])
     assert len(want) == 5 and [result.generated_tokens for result in out.values()] == [want]
+    full = prompts(4, [model.config.max_position_embeddings])[0]  # (refused as generate refuses it, naming why)
+    (result,) = model.generate_batch([full], eos_token_id=[]).values()
+    assert result.status == RequestStatus.FAILED and "fills the model's 512 positions" in result.error
 
 
 def test_slots_sized_by_max_new_tokens_name_it(model):

@@ -255,7 +255,10 @@ class LoopBatchingManager(ResultReading):
             eos, problem = [], str(error)
         if problem is None and max_new_tokens is None and is_integer(max_new) and max_new < 1:
             problem = (f"max_length={self.settings.max_length} in the generation config leaves no new token after a "
-                       f"prompt of {len(ids)} tokens: pass max_new_tokens=..., or raise max_length.")
+                       f"prompt of {len(ids)} tokens: pass max_new_tokens=..., or raise max_length."
+                       if self.settings.max_length is not None else
+                       f"the prompt of {len(ids)} tokens fills the model's {self.settings.default_limit} positions, "
+                       "where transformers' default length stops: pass max_new_tokens=..., or a shorter prompt.")
         problem = problem or request_problem(self.settings, ids, max_new, eos, extra)
         if not problem and draft_override is not None:
             extra[OVERRIDE] = override_tokens(self.settings, draft_override, len(ids) + max_new)
