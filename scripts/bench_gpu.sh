@@ -4,13 +4,14 @@
 # path) vs ar vs block vs pipeline (d=1, K=4) on the wavefront engine, each lane mode also on the reference (the lane
 # decoder, a measured baseline: rows MODE/reference), 3 interleaved repeats.
 #
-#   scripts/bench_gpu.sh                                    # on the GPU machine; JSON + table into $OUT (or .)
+#   scripts/bench_gpu.sh                                    # on the GPU machine; tables on stdout, JSON into $OUT
 #   scripts/bench_gpu.sh --model ouro-tiny --device cpu     # CPU dry run: extra arguments override the defaults
 #     (of the bench runs; the workload run takes BENCH_WORKLOAD_ARGS: for a CPU dry run add
 #     BENCH_WORKLOAD_ARGS="--model ouro-tiny --dtype float32 --device cpu", or BENCH_WORKLOAD=0 to skip it)
 #
 # Each batch size runs in its own process under a time limit (BENCH_LIMIT_S, default 220 s), so one slow
-# configuration cannot eat the whole budget; the table of every finished run is printed and kept in $OUT.
+# configuration cannot eat the whole budget; the table of every finished run is printed, its JSON and progress log
+# (each timed run's seconds, so a run stopped at the limit still reports what it measured) kept in $OUT.
 #
 # Then the ragged serving workload (scripts/bench_workload.py: 64 requests, prompts and outputs of 16-256 tokens,
 # all at once and Poisson arrivals at 8/s; static batches of 8 through generate against continuous batching with 8
@@ -38,8 +39,8 @@ for B in $BATCHES; do
         --batch-size "$B" --prompt-len 128 --new-tokens 128 \
         --modes plain,static,ar,block,pipeline --engines wavefront,reference --draft-loops 1 --num-speculative-tokens 4 \
         --synthetic-acceptance 0.9 --repeats 3 --calibration-seconds 5 \
-        --json "$OUT_DIR/bench_gpu_b${B}.json" "$@" 2>"$OUT_DIR/bench_gpu_b${B}.log" | tee "$OUT_DIR/bench_gpu_b${B}.txt"
-    rc=${PIPESTATUS[0]}
+        --json "$OUT_DIR/bench_gpu_b${B}.json" "$@" 2>"$OUT_DIR/bench_gpu_b${B}.log"
+    rc=$?
     if [ "$rc" -ne 0 ]; then
         echo "batch $B: exit status $rc (124 = over the ${LIMIT}s limit); last log lines:"
         tail -n 5 "$OUT_DIR/bench_gpu_b${B}.log"
@@ -53,9 +54,8 @@ if [ "${BENCH_WORKLOAD:-1}" != "0" ]; then
     timeout --kill-after=10 "${BENCH_WORKLOAD_LIMIT_S:-300}" "$PY" scripts/bench_workload.py \
         --model ouro-1.4b --dtype bfloat16 --device cuda --requests 64 --prompt-lens 16-256 --new-tokens 16-256 \
         --slots 8 --arrival-rate 8 --synthetic-acceptance 0.9 --rounds 2 \
-        --json "$OUT_DIR/bench_workload.json" ${BENCH_WORKLOAD_ARGS:-} 2>"$OUT_DIR/bench_workload.log" \
-        | tee "$OUT_DIR/bench_workload.txt"
-    rc=${PIPESTATUS[0]}
+        --json "$OUT_DIR/bench_workload.json" ${BENCH_WORKLOAD_ARGS:-} 2>"$OUT_DIR/bench_workload.log"
+    rc=$?
     if [ "$rc" -ne 0 ]; then
         echo "ragged workload: exit status $rc (124 = over the limit); last log lines:"
         tail -n 5 "$OUT_DIR/bench_workload.log"

@@ -197,6 +197,7 @@ def _measure(bench: _Bench, model_name: str, device: torch.device):
     reference_run = run_mode(model, "plain", ids, n, output_logits=not exact_dtype and not bench.sampled,
                              seed=bench.seed(0), **bench.run_kwargs)
     reference = reference_run["generated"]
+    _log(args, f"[bench] plain reference run: {reference_run['seconds']:.2f}s")
 
     own_reference: dict[str, torch.Tensor] = {}
     warmup_seconds: dict[str, float] = {}
@@ -208,6 +209,7 @@ def _measure(bench: _Bench, model_name: str, device: torch.device):
         warmup = run_mode(model, mode, ids, n, draft_hook=bench.hook(mode, reference), seed=bench.seed(0),
                           **bench.run_kwargs, **_engine(engine, second))
         own_reference[name], warmup_seconds[name] = warmup["generated"], warmup["seconds"]
+        _log(args, f"[bench] warm-up {name}: {warmup['seconds']:.2f}s")
 
     batch = args.batch_size
     grids = call_grids(batch, model.num_loops, args.draft_loops, args.num_speculative_tokens)
@@ -221,6 +223,8 @@ def _measure(bench: _Bench, model_name: str, device: torch.device):
         for name, (mode, engine, second) in named.items():
             runs[name].append(run_mode(model, mode, ids, n, draft_hook=bench.hook(mode, own_reference.get(name)),
                                        seed=bench.seed(r), **bench.run_kwargs, **_engine(engine, second)))
+            # each timed run in the log too: a run stopped at a time limit still leaves what it measured
+            _log(args, f"[bench] round {r + 1} {name}: {runs[name][-1]['seconds']:.2f}s")
     return runs, warmup_seconds, cost_rounds, reference, reference_run["logits"]
 
 

@@ -184,6 +184,9 @@ def run_workload(args) -> dict:
                 checks[run] &= served.outputs == reference
                 if round_index >= 0:
                     timed[run].append(measure(served, workloads[run[2]]))
+                    # in the log too: a run stopped at a time limit still leaves what it measured
+                    _log(args, f"[workload] round {round_index + 1} {' '.join(run)}: "
+                               f"{timed[run][-1]['tokens_per_s']:.1f} tok/s")
     rows = [{"engine": e, "batching": b, "arrivals": a, "rounds": timed[(e, b, a)], "check_passed": checks[(e, b, a)],
              **{key: statistics.median(m[key] for m in timed[(e, b, a)]) for key in timed[(e, b, a)][0]}}
             for (e, b, a) in order]
