@@ -20,10 +20,10 @@
 #   3. the ragged serving workload (bench_gpu.sh's last stage, one round): bench_workload.{json,log}.
 # The tables go into gpu_check.log; the seven files in $OUT stay under the device tool's eight. The progress logs
 # hold each timed run's seconds, so a stage stopped at its limit still reports what it measured. Each stage runs
-# under its own time limit, so one that hangs cannot eat the rest of the lease: pytest PYTEST_LIMIT_S (150 s, and
-# 60 s a test where pytest-timeout is installed), each batch size BENCH_LIMIT_S (110 s), the workload
-# BENCH_WORKLOAD_LIMIT_S (90 s), each plus 10 s to be killed: at most 150 + 2 x 110 + 90 + 4 x 10 = 500 s, about
-# 9 minutes with the install and the machine report, under the device tool's 600 s per command.
+# under its own time limit, so one that hangs cannot eat the rest of the lease: pytest PYTEST_LIMIT_S (140 s, and
+# 60 s a test where pytest-timeout is installed), each batch size BENCH_LIMIT_S (100 s), the workload
+# BENCH_WORKLOAD_LIMIT_S (90 s), each plus 10 s to be killed: at most 140 + 2 x 100 + 90 + 4 x 10 = 470 s, about
+# 8 minutes with the install and the machine report, under the device tool's 600 s per command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TRANSFORMERS_WHEEL="transformers==5.24.0"
@@ -60,13 +60,13 @@ except ImportError:
     print("triton: not installed")
 PY
     echo "=== pytest -m gpu ==="
-    timeout --kill-after=10 "${PYTEST_LIMIT_S:-150}" "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs --tb=short \
+    timeout --kill-after=10 "${PYTEST_LIMIT_S:-140}" "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs --tb=short \
         -o timeout=60 \
         tests/test_attention_ops.py tests/test_gpu_engine.py tests/test_cache_convert.py
     echo "pytest exit status: $? (124 = over its time limit)"
 } 2>&1 | tee "$LOG"
 
 echo "=== bench ===" | tee -a "$LOG"
-BENCH_LIMIT_S="${BENCH_LIMIT_S:-110}" BENCH_WORKLOAD_LIMIT_S="${BENCH_WORKLOAD_LIMIT_S:-90}" \
+BENCH_LIMIT_S="${BENCH_LIMIT_S:-100}" BENCH_WORKLOAD_LIMIT_S="${BENCH_WORKLOAD_LIMIT_S:-90}" \
     BENCH_WORKLOAD_ARGS="--rounds 1 ${BENCH_WORKLOAD_ARGS:-}" OUT="$OUT_DIR" \
     scripts/bench_gpu.sh --repeats 2 --modes plain,ar,block,pipeline "$@" 2>&1 | tee -a "$LOG"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import subprocess
 import types
 from pathlib import Path
@@ -140,6 +141,18 @@ def test_bench_engines_runs_each_lane_mode_on_the_engine_and_the_reference(tmp_p
     assert [(r["mode"], r["engine"], r["check"]["exact"]) for r in sampled["rows"]] == \
         [("pipeline", "wavefront", None)]
     assert sampled["rows"][0]["drafted"] > 0
+
+
+def test_the_progress_log_holds_each_timed_run_as_it_ends(capsys):
+    """Without --quiet, stderr names each warm-up and timed run with its seconds as it ends: what a run stopped at a
+    time limit (scripts/gpu_check.sh) still reports. The logged seconds are the ones the rows hold."""
+    argv = [a for a in FAST if a != "--quiet"]
+    result = run_bench(bench_args.parse_args([*argv, "--modes", "plain,pipeline", "--repeats", "2"]))
+    err = capsys.readouterr().err
+    for row in result["rows"]:
+        for r, seconds in enumerate(row["seconds_all"], start=1):
+            assert f"[bench] round {r} {row['mode']}: {seconds:.2f}s\n" in err
+    assert re.search(r"\[bench\] warm-up pipeline: \d+\.\d\ds\n", err)
 
 
 def test_bench_runs_a_huginn_shape_with_calls_per_token_of_its_recurrence(tmp_path):
@@ -547,5 +560,6 @@ def test_console_script_and_gpu_script_are_wired():
     assert '\n[project.scripts]\nhf-loopspec = "hf_loopspec_cli:main"\n' in pyproject
     assert 'py-modules = ["hf_loopspec_cli"]' in pyproject
     assert 'bench = ["matplotlib", "tqdm"]' in pyproject
-    script = ROOT / "scripts" / "bench_gpu.sh"
-    assert subprocess.run(["bash", "-n", str(script)], check=False, capture_output=True).returncode == 0
+    for script in ("bench_gpu.sh", "gpu_check.sh"):
+        assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], check=False,
+                              capture_output=True).returncode == 0
