@@ -687,6 +687,24 @@ def test_min_new_tokens_takes_precedence_over_min_length_as_in_plain_decoding(ca
     assert torch.equal(out.sequences, ref.sequences)
 
 
+def test_a_model_min_length_brings_no_warning_of_a_min_new_tokens_the_call_did_not_pass(case, monkeypatch):
+    """The stretches carry what is left of the call's minimum as a min_length: given as min_new_tokens, transformers
+    warned 'Both min_new_tokens and min_length' on every auto call of a model whose generation config sets
+    min_length (plain decoding gives no warning); the minimum still holds EOS back as in plain decoding."""
+    model, prompts, ids, mask, _, reference = case
+    set_costs(model, SPECULATIVE_WINS)
+    first = [first_new_occurrence(r[len(p):]) for r, p in zip(reference, prompts)]
+    eos = next(t for t, i in first[0].items() if 3 <= i <= 6)  # would stop row 0 before the minimum
+    warned = []
+    monkeypatch.setattr(generation_utils.logger, "warning", lambda message, *args: warned.append(message))
+    monkeypatch.setattr(model.generation_config, "min_length", ids.shape[1] + 20)
+    ref = generate_dict(model, ids, mask, 30, speculative_mode=None, eos_token_id=eos)
+    out = generate_dict(model, ids, mask, 30, speculative_mode="auto", eos_token_id=eos)
+    assert ref.sequences.shape[1] > ids.shape[1] + 20 and torch.equal(out.sequences, ref.sequences)
+    assert len(out.speculation.choices) > 1  # stretches, each with its part of the minimum
+    assert not [message for message in warned if "min_new_tokens" in message]
+
+
 def test_sampling_equals_the_chain_of_its_choices(case):
     """Sampled: an auto call (switching as the forced pattern makes it) equals, seed for seed, the chain of
     fixed-mode `generate` calls its choices name, each continuing the previous one's cache."""

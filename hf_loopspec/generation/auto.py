@@ -397,8 +397,9 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
     kwargs.update(call.engine_settings if candidate.mode else {"compile_core": False, "speculative_engine": None})
     if not candidate.mode:  # a plain segment has no cycles to trace (and refuses speculative_trace)
         kwargs.pop("speculative_trace", None)
-    if call.min_new is not None:  # what is left of it, at most the stretch (transformers warns of a larger one)
-        kwargs["min_new_tokens"] = min(max(call.min_new - done, 0), tokens)
+    if call.min_new is not None:  # what is left of it, at most the stretch (transformers warns of a larger one), as a
+        # length (a min_new_tokens the call did not pass makes transformers warn of both if the model sets min_length)
+        kwargs.update(min_new_tokens=None, min_length=ids.shape[1] + min(max(call.min_new - done, 0), tokens))
     else:  # none: what cleared a config's minimum clears it in the stretch's call too
         kwargs.update(call.min_cleared)
     if cache is not None or not call.use_cache:  # a later stretch continues the cache the first one made, and a
