@@ -33,16 +33,16 @@ stream's error event come in OpenAI's error shape (`openai_errors`), so an `open
 chat or completions stream failing before its first token gets the status a request without streaming gets);
 `suffix`, `tools`, a `response_format` and the Responses API's `text.format`, `previous_response_id` and `include`,
 which transformers' handlers would drop, get HTTP 400 too, and so do values they would fail on with a bare 500
-(`serving_requests.value_problem`: a lone surrogate, a numeric `stop`, `messages` as a string or without roles,
-content that is not text or a list of text parts, a chat request without `messages` or a Responses one without
-`input`, a `generation_config` that is not a JSON object's text, a `prompt` that is not one string, a
-`stream_options` that is not an object of bools) and a `temperature`, `top_p` or `frequency_penalty` out of range; so
-does a content part that is not text (an image, audio), which they would drop without a word: the served models read
-text only. An empty `stop` list means no stop, as in OpenAI's API; a chat or completions answer ends before the first
-stop string in it, streaming or not (`serving_stops`), and refusals (refusal parts, and a replayed assistant
-message's `refusal` field when its content is empty) reach the model as text. Any other error of a handler is a 500
-in OpenAI's error shape, naming it. Chat and completions streams end with OpenAI's `data: [DONE]` event. A client
-that leaves before its answer ends its request quietly (no error in the server's log).
+(`serving_requests.value_problem`: a lone surrogate, a numeric `stop`, `messages` as a string or without roles, content
+that is missing or not text or a list of text parts, a Responses `instructions` that is not a string, a chat request
+without `messages` or a Responses one without `input`, a `generation_config` that is not a JSON object's text, a
+`prompt` that is not one string, a `stream_options` that is not an object of bools) and a `temperature`, `top_p` or
+`frequency_penalty` out of range; so does a content part that is not text (an image, audio), which they would drop
+without a word: the served models read text only. An empty `stop` list means no stop, as in OpenAI's API; a chat or
+completions answer ends before the first stop string in it, streaming or not (`serving_stops`), and refusals (refusal
+parts, and a replayed assistant message's `refusal` field when its content is empty) reach the model as text. Any other
+error of a handler is a 500 in OpenAI's error shape, naming it. Chat and completions streams end with OpenAI's `data:
+[DONE]` event. A client that leaves before its answer ends its request quietly (no error in the server's log).
 """
 
 from __future__ import annotations

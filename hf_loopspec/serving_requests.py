@@ -162,20 +162,26 @@ def _text_part(part) -> bool:
     return isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str)
 
 
-def _message_content(message: dict) -> bool:
-    """Whether a message's `content` is text parts (`_typed_parts`) and its `refusal` (if any) text."""
-    return _typed_parts(message.get("content")) and isinstance(message.get("refusal", ""), (str, type(None)))
-
-
-def _typed_parts(content) -> bool:
-    """Whether a message's `content` is what transformers' handlers read: text (or none), or a list of text parts."""
-    return content is None or isinstance(content, str) or isinstance(content, list) and all(map(_text_part, content))
+def _message(item) -> bool:
+    """Whether `item` is a message the served models read: a role that is text, and content as text or a list of text
+    parts, or none where an assistant's `refusal` stands for it (as the `openai` client replays a refused answer);
+    any `refusal` as text. A message without its content, or with a role of another type, reached the chat template
+    as it was (an answer to a conversation the client did not send)."""
+    if not isinstance(item, dict) or not isinstance(item.get("role"), str):
+        return False
+    refusal, content = item.get("refusal"), item.get("content")
+    if not isinstance(refusal, (str, type(None))):
+        return False
+    if content is None:
+        return item["role"] == "assistant" and isinstance(refusal, str)
+    return isinstance(content, str) or isinstance(content, list) and all(map(_text_part, content))
 
 
 def value_problem(body: dict) -> str | None:
     """Why a field of `body` has a value the server cannot take (text that is not Unicode, a `stop` that is not text,
-    `messages` that are not a list of messages, a `generation_config` that is not a JSON object's text, a `prompt`
-    that is not one string: `prompt_problem`, a setting out of its range: `setting_problem`), or None."""
+    `messages` that are not a list of messages (`_message`), an `instructions` that is not text, a `generation_config`
+    that is not a JSON object's text, a `prompt` that is not one string: `prompt_problem`, a setting out of its range:
+    `setting_problem`), or None."""
     try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as error:
@@ -186,8 +192,7 @@ def value_problem(body: dict) -> str | None:
                                  and all(isinstance(s, str) and s for s in stop)):
         return f"stop={stop!r} must be a non-empty string or a list of them (an empty list: no stop)."
     messages = body.get("messages")
-    if messages is not None and not (isinstance(messages, list) and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and _message_content(m) for m in messages)):
+    if messages is not None and not (isinstance(messages, list) and all(map(_message, messages))):
         return (f"messages={messages!r} must be a list of messages, each with its role and its content as text or "
                 'text parts ({"role": ..., "content": "..." or [{"type": "text", "text": "..."}]}) and any refusal as '
                 "text: the model reads text only.")
@@ -195,12 +200,15 @@ def value_problem(body: dict) -> str | None:
     parts = isinstance(given, list) and given and isinstance(given[0], dict) and "role" not in given[0]
     if given is not None and not (isinstance(given, str) or isinstance(given, list) and all(
             isinstance(item, dict) and ("role" not in item and _text_part(item) if parts else
-                                        _message_content(item) if "role" in item else "type" in item)
+                                        _message(item) if "role" in item else "type" in item)
             for item in given)):
         return (f"input={given!r}: give a string, or a list that starts with a message (with a role; content as "
                 "text or text parts) followed by messages and typed items; a list that starts with no message is "
                 'read as one user message\'s text parts ({"type": "input_text", "text": "..."}): the model reads '
                 "text only.")
+    instructions = body.get("instructions")  # (the Responses API's system message: the handler failed on a non-string)
+    if instructions is not None and not isinstance(instructions, str):
+        return f"instructions={reprlib.repr(instructions)} must be a string (the system message), or left out."
     config = body.get("generation_config")
     if config is not None:
         try:

@@ -196,7 +196,7 @@ def test_non_finite_sampling_probabilities_raise_as_in_plain(model, inputs, mode
 
 
 AUTO = {"speculative_mode": "auto"}
-COUNTS = {  # a setting that counts tokens, given as something other than an integer -> the message
+COUNTS = {  # a setting that counts tokens (or names ids, stop strings) given as something it cannot be -> the message
     "top_k=True": ({"top_k": True, "do_sample": True}, r"top_k=True is a bool"),
     "max_new_tokens=True": ({"max_new_tokens": True}, r"max_new_tokens=True is a bool"),
     "min_new_tokens=True": ({"min_new_tokens": True}, r"min_new_tokens=True is a bool"),
@@ -211,6 +211,11 @@ COUNTS = {  # a setting that counts tokens, given as something other than an int
     "bos_token_id=2.0": ({"bos_token_id": 2.0}, r"bos_token_id=2.0 must be a token id"),
     "prefill_chunk_size=0": ({"prefill_chunk_size": 0}, r"prefill_chunk_size=0 must be a Python integer >= 1"),
     "prefill_chunk_size=np.int64(2)": ({"prefill_chunk_size": np.int64(2)}, r"prefill_chunk_size=np.int64\(2\)"),
+    # stop strings transformers failed on with a bare TypeError or AttributeError, or stopped at once for ""
+    "stop_strings=5": ({"stop_strings": 5}, r"stop_strings=5 must be a non-empty string or a non-empty list of them"),
+    "stop_strings=[5]": ({"stop_strings": [5]}, r"stop_strings=\[5\] must be a non-empty string"),
+    "stop_strings=['']": ({"stop_strings": [""]}, r"stop_strings=\[''\] must be .* \(an empty string would stop"),
+    "stop_strings=[]": ({"stop_strings": []}, r"stop_strings=\[\] must be .* or None for no stop strings"),
 }
 
 

@@ -329,6 +329,7 @@ def test_refusals_reach_the_model_as_text():
                                                                      {"type": "text", "text": "No."}]
     items = {"input": [{"role": "user", "content": "hi"}, {"type": "refusal", "refusal": "No."}]}  # an item, no part
     assert serving_requests.as_transformers_reads(items) == items
+    assert serving_requests.request_problem(chat, path="/v1/chat/completions") is None  # (content None: its refusal)
     problem = serving_requests.request_problem({"messages": [{"role": "assistant", "content": None, "refusal": 5}]},
                                                path="/v1/chat/completions")  # (dropped without a word before)
     assert "and any refusal as text" in problem
@@ -835,6 +836,15 @@ def test_a_request_field_the_server_cannot_honour_is_refused(body, message):
      r"a list that starts with no message is read as one user message's text parts"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"text": "hi"}]}]},
      r"messages=.* its content as text or text parts"),
+    # messages the chat template got as they were (an answer to a conversation the client did not send)
+    *(("/v1/chat/completions", {"messages": [message]}, r"messages=.* each with its role and its content")
+      for message in ({"role": "user"}, {"role": "user", "content": None}, {"role": 5, "content": "x"},
+                      {"role": "assistant", "content": None})),
+    *(("/v1/responses", {"input": [message]}, r"input=.*: give a string, or a list that starts with a message")
+      for message in ({"role": "user"}, {"role": 5, "content": "x"}, {"role": "user", "content": None})),
+    # the Responses API's system message, which the handler failed on with a bare 500
+    *(("/v1/responses", {"input": "hi", "instructions": value}, r"instructions=.* must be a string")
+      for value in (5, ["a"], {"a": 1})),
     # content transformers' handlers failed on with a bare 500 (a dict, a number, a text part without its text)
     *(("/v1/chat/completions", {"messages": [{"role": "user", "content": content}]}, r"messages=.* text parts")
       for content in ({"type": "text", "text": "hi"}, 5, [{"type": "text"}], [{"type": "text", "text": 5}])),
@@ -858,7 +868,8 @@ def test_what_a_handler_needs_or_would_drop_is_refused(path, body, message):
     assert re.search(message, serving_requests.request_problem(body, path=path))
     fine = {"/v1/chat/completions": [{"messages": [{"role": "user", "content": "hi"}]},
                                      {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}],
-            "/v1/responses": [{"input": "hi", "text": {"format": {"type": "text"}}, "include": []},
+            "/v1/responses": [{"input": "hi", "text": {"format": {"type": "text"}}, "include": [],
+                               "instructions": "Be brief."},
                               {"input": [{"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
                                          {"role": "user", "content": "why?"}]},
                               {"input": [{"type": "input_text", "text": "hi"}]},

@@ -173,9 +173,10 @@ def check_generation_values(settings) -> None:
     `max_new_tokens=2.5` call after 3 tokens (it compares lengths with the float) where the speculative modes' integer
     counts would stop after 2, and refuse a tensor in some settings only; and for token ids (`TOKEN_ID_SETTINGS`) that
     are no integers or one-element integer tensors (EOS: or a list or tensor of them), and a `prefill_chunk_size` below
-    1, and a passed `generation_config` that is none. `settings`: a generation config, or a call's keyword arguments,
-    checked before transformers reads them (it fails on `max_new_tokens="3"` or `eos_token_id="x"` with a bare
-    TypeError)."""
+    1, a passed `generation_config` that is none, and `stop_strings` that are not a non-empty string or a non-empty
+    list of them (transformers failed on `5` with a bare TypeError, and stopped after one token at `""`). `settings`: a
+    generation config, or a call's keyword arguments, checked before transformers reads them (it fails on
+    `max_new_tokens="3"` or `eos_token_id="x"` with a bare TypeError)."""
     get = settings.get if isinstance(settings, dict) else lambda key: getattr(settings, key, None)
     passed = get("generation_config")  # (a call's: a dict's or string's keys were an AttributeError, per mode)
     if passed is not None and not isinstance(passed, GenerationConfig):
@@ -196,6 +197,12 @@ def check_generation_values(settings) -> None:
     if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
         raise ValueError(f"prefill_chunk_size={chunk!r} must be a Python integer >= 1 (the prompt's tokens per prefill "
                          "call), or None to prefill in one call.")
+    stops = get("stop_strings")
+    if stops is not None and not (isinstance(stops, str) and stops or isinstance(stops, (list, tuple)) and stops
+                                  and all(isinstance(stop, str) and stop for stop in stops)):
+        raise ValueError(f"stop_strings={stops!r} must be a non-empty string or a non-empty list of them (an empty "
+                         "string would stop at once); pass e.g. stop_strings=['\\n\\n'] with tokenizer=..., or None "
+                         "for no stop strings.")
     for key in TOKEN_ID_SETTINGS:
         value = get(key)
         ids = None if value is None else token_id_values(value)
