@@ -10,7 +10,8 @@ Every option is `transformers serve`'s own (`--port`, `--host`, `--continuous-ba
 * the model class is made resolvable where transformers' model manager looks it up: it loads a checkpoint with
   `getattr(transformers, config.architectures[0])`, and the package's classes are not attributes of the
   `transformers` module. `expose_architecture` sets that one public name (the class `AutoModelForCausalLM` maps
-  the checkpoint's config to) on the module, so the manager loads the package's class; nothing private is replaced.
+  the checkpoint's config to, as `serving_stops.served_class`: stop strings judged on the generated text) on the
+  module, so the manager loads the package's class; nothing private is replaced.
 
 Requests decode as `model.generate` does with the checkpoint's generation config, so a checkpoint whose
 `generation_config.json` names a `speculative_mode` is served speculatively (the embedded model: auto). What a
@@ -54,7 +55,7 @@ import logging
 import sys
 
 from .serving_requests import as_transformers_reads, request_problem, template_refusal
-from .serving_stops import stop_strings, without_stops
+from .serving_stops import served_class, stop_strings, without_stops
 
 DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
 DONE_STREAMS = frozenset({"/v1/chat/completions", "/v1/completions"})  # OpenAI ends their streams with [DONE]
@@ -135,9 +136,10 @@ def resolve_model(spec: str | None) -> str:
 
 
 def expose_architecture(spec: str, trust_remote_code: bool = False) -> type:
-    """Make `getattr(transformers, config.architectures[0])` return the package's class for the checkpoint `spec`
-    (the lookup of transformers' serving model manager) and return that class. `ValueError` when `spec`'s config is
-    not one of the package's looped families."""
+    """Make `getattr(transformers, config.architectures[0])` return the package's class for the checkpoint `spec`, as
+    served (`serving_stops.served_class`: stop strings judged on the generated text), for the lookup of transformers'
+    serving model manager, and return that class. `ValueError` when `spec`'s config is not one of the package's looped
+    families."""
     import transformers
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -153,7 +155,7 @@ def expose_architecture(spec: str, trust_remote_code: bool = False) -> type:
     if not isinstance(config, (OuroConfig, HuginnConfig)):
         raise ValueError(f"MODEL {spec} is a {config.model_type} model, not a looped model of hf_loopspec (ouro, "
                          "huginn_raven); serve it with `transformers serve`.")
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    model_class = served_class(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
     for name in config.architectures or [model_class.__name__]:
         setattr(transformers, name, model_class)
     return model_class

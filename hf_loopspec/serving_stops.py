@@ -1,18 +1,24 @@
 """A request's stop strings kept out of its answer, as OpenAI's API returns it ("the returned text will not contain
 the stop sequence"): transformers' handlers stop generating once a stop string appears (`stop_strings`) but return
-the text with it, and whatever the last token carried after it.
+the text with it, and whatever the last token carried after it; and their stop-string criterion reads the prompt
+too, so a stop string that begins in the prompt ended the answer at the first token that completes it.
 
-`serving.openai_errors` applies `without_stops` to every answer of /v1/completions and /v1/chat/completions whose
-request names stop strings (`stop_strings`). The text (chat: the message's `content`) ends where the first stop
-string to appear in it begins (`stop_at`: the one that ends first; of those, the longest), with finish_reason "stop"
-then. A stream holds back the end of its text that could still begin a stop string until the next text (or the
-stream's last event) resolves it (`StopCut`), so no event carries stop text, and its texts, joined, are the answer
-the request gets without streaming.
+The server loads a checkpoint as `served_class` of its model class, whose `generate` judges stop strings on the text
+generated alone (`OutputStops`), as OpenAI's API does. `serving.openai_errors` applies `without_stops` to every answer
+of /v1/completions and /v1/chat/completions whose request names stop strings (`stop_strings`). The text (chat: the
+message's `content`) ends where the first stop string to appear in it begins (`stop_at`: the one that ends first; of
+those, the longest), with finish_reason "stop" then. A stream holds back the end of its text that could still begin a
+stop string until the next text (or the stream's last event) resolves it (`StopCut`), so no event carries stop text,
+and its texts, joined, are the answer the request gets without streaming.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 
 def stop_strings(body) -> tuple[str, ...]:
@@ -144,3 +150,52 @@ async def without_stops(response, stops: tuple[str, ...]):
     body = b"".join([chunk async for chunk in response.body_iterator])
     headers = {name: value for name, value in response.headers.items() if name.lower() != "content-length"}
     return JSONResponse(cut_answer(json.loads(body), stops), status_code=200, headers=headers)
+
+
+class OutputStops(StoppingCriteria):
+    """Stops a row once one of `stops` appears in the text of its tokens past the first `start` columns (the text it
+    generated, decoded as the handlers decode an answer: special tokens skipped)."""
+
+    def __init__(self, stops: tuple[str, ...], tokenizer, start: int):
+        self.stops, self.tokenizer, self.start = stops, tokenizer, start
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:  # input_ids: [B, T] -> [B] bool
+        texts = self.tokenizer.batch_decode(input_ids[:, self.start:], skip_special_tokens=True)
+        return torch.tensor([stop_at(text, self.stops) is not None for text in texts], device=input_ids.device)
+
+
+def output_stops(kwargs: dict, inputs=None) -> dict:
+    """A `generate` call's keyword arguments (its prompt: `inputs`, else `input_ids`) with its stop strings
+    (`stop_strings`, or its generation config's, as transformers' handlers pass them) judged by an `OutputStops`
+    criterion instead; as they are when it has none, no prompt or tokenizer, or stop strings that are not a non-empty
+    string or a list of them (`generate` refuses those, naming them)."""
+    config = kwargs.get("generation_config")
+    stops = kwargs.get("stop_strings") or getattr(config, "stop_strings", None)
+    stops = (stops,) if isinstance(stops, str) else stops
+    ids, tokenizer = kwargs.get("input_ids") if inputs is None else inputs, kwargs.get("tokenizer")
+    if not (isinstance(stops, (list, tuple)) and stops and all(isinstance(stop, str) and stop for stop in stops)
+            and torch.is_tensor(ids) and ids.ndim == 2 and tokenizer is not None):
+        return kwargs
+    kwargs = {key: value for key, value in kwargs.items() if key != "stop_strings"}
+    if getattr(config, "stop_strings", None):
+        kwargs["generation_config"] = config = copy.deepcopy(config)
+        config.stop_strings = None
+    criterion = OutputStops(tuple(stops), tokenizer, ids.shape[1])
+    kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or ()), criterion])
+    return kwargs
+
+
+SERVED: dict[type, type] = {}  # a model class -> its `served_class`
+
+
+def served_class(model_class: type) -> type:
+    """`model_class` as the server loads it: a subclass of the same name whose `generate` judges stop strings on the
+    generated text alone (`output_stops`), everything else the class's own."""
+    if model_class not in SERVED:
+        def generate(self, inputs=None, **kwargs):
+            return model_class.generate(self, inputs, **output_stops(kwargs, inputs))
+
+        SERVED[model_class] = type(model_class.__name__, (model_class,), {
+            "generate": generate, "__module__": __name__, "__doc__": served_class.__doc__})
+    return SERVED[model_class]
+

@@ -575,8 +575,9 @@ def test_a_model_without_chat_template_is_announced(checkpoint):
 
 
 def test_the_architecture_resolves_where_transformers_serve_looks_it_up(checkpoint):
-    assert serving.expose_architecture(checkpoint) is hf_loopspec.OuroForCausalLM
-    assert transformers.OuroForCausalLM is hf_loopspec.OuroForCausalLM
+    served = serving.expose_architecture(checkpoint)  # (its generate judges stop strings on the generated text)
+    assert issubclass(served, hf_loopspec.OuroForCausalLM) and served.__name__ == "OuroForCausalLM"
+    assert transformers.OuroForCausalLM is served and served.generate is not hf_loopspec.OuroForCausalLM.generate
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -911,7 +912,8 @@ def test_a_token_limit_that_reaches_the_models_positions_is_refused():
     {"prompt": "x"}, {"prompt": "x", "max_tokens": 8, "n": 1, "logprobs": False, "echo": False},
     {"max_tokens": None, "n": None, "logprobs": None, "presence_penalty": 0, "top_logprobs": 0, "best_of": 1},
     {"stop": ["\n", "#"], "tools": [], "response_format": {"type": "text"}, "suffix": None, "temperature": 0,
-     "top_p": 1, "generation_config": '{"speculative_mode": "pipeline"}', "messages": [{"role": "user"}]},
+     "top_p": 1, "generation_config": '{"speculative_mode": "pipeline"}',
+     "messages": [{"role": "user", "content": "x"}]},
     {"tool_choice": "auto", "function_call": "none", "functions": [], "modalities": ["text"], "seed": -1},
     {"seed": 2**64 - 1, "audio": None},
     ["not", "an", "object"],

@@ -11,10 +11,13 @@ import urllib.request
 
 import pytest
 import test_serve
+import torch
 from test_serve import post, stand_in_served, start_server
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+import hf_loopspec
 from hf_loopspec import serving_requests
-from hf_loopspec.serving_stops import StopCut, stop_at
+from hf_loopspec.serving_stops import StopCut, served_class, stop_at
 
 checkpoint = test_serve.checkpoint  # (the served copy of the embedded model, with a chat template)
 PENALTY = r"frequency_penalty=%s must be a number above -1 and at most 2: .* repetition_penalty = 1 \+ frequency_pen"
@@ -152,10 +155,37 @@ def test_an_answer_ends_before_its_first_stop_string(monkeypatch, stops, text, p
                                  b'"usage": null}') == chat  # (a chat stream's role event, kept)
 
 
+@pytest.mark.parametrize("mode", [None, "pipeline"])
+def test_the_served_class_judges_stop_strings_on_the_generated_text(mode):
+    """`served_class`'s generate, as the handlers call it (stop strings as a keyword, or in the generation config):
+    a stop string that begins in the prompt is no stop (transformers' criterion stopped at the token completing it),
+    and one in the generated text stops where transformers' own stop strings stop, in every mode."""
+    path = hf_loopspec.default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    served = served_class(type(model)).from_pretrained(path)
+    ids = tokenizer("def area(radius):\n    return", return_tensors="pt").input_ids
+    settings = dict(max_new_tokens=12, do_sample=False, speculative_mode=mode, tokenizer=tokenizer)
+    with torch.no_grad():
+        full = model.generate(ids, **settings)
+        text = tokenizer.decode(full[0, ids.shape[1]:])
+        straddle = next("rn" + text[:k] for k in range(1, len(text)) if "rn" + text[:k] not in text)
+        at_once = model.generate(ids, stop_strings=straddle, **settings)
+        assert at_once.shape[1] == ids.shape[1] + 1  # (transformers' criterion reads the prompt too)
+        for given in ({"stop_strings": straddle}, {"generation_config": GenerationConfig(stop_strings=[straddle])}):
+            assert torch.equal(served.generate(ids, **given, **settings), full)
+        inside = text[4:6]  # a stop in the generated text, not at its start
+        want = model.generate(ids, stop_strings=inside, **settings)
+        assert want.shape[1] < full.shape[1]
+        for given in ({"stop_strings": [inside]}, {"generation_config": GenerationConfig(stop_strings=inside)}):
+            assert torch.equal(served.generate(ids, **given, **settings), want)
+
+
 def test_the_served_model_answers_without_its_stop_string(checkpoint):
     """The embedded model, served: a request with a stop string taken from its own greedy answer (12 tokens) gets
     that answer cut before the stop string's first occurrence, on both endpoints, streaming (no event with stop text)
-    or not."""
+    or not; a stop string that begins in the prompt and ends in the answer is no stop (OpenAI's API judges the
+    generated text: transformers' criterion ended the answer at its first token)."""
     server, client, _, patch = start_server(checkpoint)
     try:
         for endpoint, chat in (("completions", False), ("chat/completions", True)):
@@ -172,6 +202,13 @@ def test_the_served_model_answers_without_its_stop_string(checkpoint):
                                   chat)
             assert "".join(sent) == want and not any(stop in piece for piece in sent), (full, stop, sent)
             assert reasons[-1] == "stop"
+            if not chat:  # the prompt's last characters and the answer's first: in neither alone
+                straddle = next(body["prompt"][-2:] + full[:k] for k in range(1, len(full))
+                                if body["prompt"][-2:] + full[:k] not in full)
+                status, answer = post(client, endpoint, json.dumps({**body, "stop": straddle}).encode(),
+                                      "application/json")
+                assert status == 200 and answer_text(answer, chat) == full, (full, straddle, answer)
+                assert answer["choices"][0]["finish_reason"] == "length"
     finally:
         server.kill_server()
         patch.undo()
