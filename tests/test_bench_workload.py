@@ -111,6 +111,7 @@ def test_throughput_and_latency_percentiles_match_numpy():
     (["--new-tokens", "many"], "--new-tokens: 'many' is not a range LO-HI"),
     (["--engines", "plain,fast"], "--engines: 'plain,fast': choose a comma-separated subset of plain,pipeline"),
     (["--synthetic-acceptance", "1.5"], "--synthetic-acceptance: 1.5 is outside [0, 1]"),
+    (["--seed", str(2**80)], "--seed: 1208925819614629174706176 is outside [0, 2**63)"),  # (was a torch overflow)
     (["--model", "ouro-tiny", "--device", "cpu", "--engines", "plain", "--synthetic-acceptance", "0.9"],
      "--synthetic-acceptance 0.9 replaces pipeline drafts"),
     (["--model", "/no/such/folder", "--device", "cpu"], "no such folder: /no/such/folder"),
@@ -123,6 +124,18 @@ def test_bad_arguments_are_one_line_exit_2(capsys, argv, message):
     out, err = capsys.readouterr()
     assert done.value.code == 2 and out == "" and len(err.splitlines()) == 1, err
     assert err.startswith("bench_workload.py: error: ") and message in err, err
+
+
+def test_a_huginn_shape_runs_from_zero_initial_states_and_matches(tmp_path):
+    """A Huginn shape (listed by --model) failed in its pipeline warm-up (random initial states need a seed) and,
+    with continuous batching, reported every row as differing (the reference itself was random): it runs from zero
+    initial states, as `hf-loopspec bench` does, and every row equals the plain reference."""
+    path = tmp_path / "huginn.json"
+    argv = ["--model", "huginn-tiny", "--device", "cpu", "--requests", "3", "--prompt-lens", "1-5", "--new-tokens",
+            "1-4", "--slots", "2", "--arrivals", "burst", "--rounds", "1", "--json", str(path), "--quiet"]
+    assert workload_main.main(argv) == 0
+    result = json.loads(path.read_text())
+    assert result["all_checks_passed"] is True and len(result["rows"]) == 4
 
 
 def test_the_bench_runs_every_row_and_checks_it(tmp_path, capsys):

@@ -17,7 +17,7 @@ from ..input_checks import check_positions
 from ..loading import DTYPES, load_model, resolve_device
 from .args import AUTO, DRAFTING, LANE_MODES, check_sampling_args, check_unused_options, with_defaults
 from .costs import ar_call_rows, call_grids, measure_call_costs, median_costs, predicted_seconds
-from .plot import plot, pyplot
+from .plot import check_plot_path, plot
 from .prompts import PROMPT_CODE, PROMPT_TEXT, make_prompts
 from .report import (
     SAMPLING_CHECK_NOTE,
@@ -29,6 +29,9 @@ from .report import (
     write_result,
 )
 from .run import bench_generation_config, compare, generation_processors, run_mode, sampling_settings, synthetic_hook
+from .shape_table import SHAPES
+
+STATIC_COMPILED = ("cuda", "xpu", "neuron", "tpu", "mps")  # devices where transformers compiles the static loop
 
 
 @dataclass
@@ -90,9 +93,13 @@ def run_bench(args) -> dict:
     args = with_defaults(args)
     check_sampling_args(args)
     check_unused_options(args)
+    _check_option_pairs(args)
     compile_backend(args.compile)  # a ValueError for an unknown backend, before the model loads
+    for flag, path in (("--json", args.json), ("--plot", args.plot), ("--prompt-file", args.prompt_file)):
+        if path is not None and not str(path):  # (`--json=` wrote nothing, and said nothing)
+            raise ValueError(f"{flag} is empty: pass a file path, or leave {flag} out.")
     if args.plot:
-        pyplot()  # fail before the runs, not after them
+        check_plot_path(args.plot)  # fail before the runs, not after them
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             check_writable(path, flag)
@@ -103,9 +110,10 @@ def run_bench(args) -> dict:
                          "least 2 new tokens (nothing to draft otherwise); pass --new-tokens 2 or more, or drop them "
                          "from --modes.")
     device = resolve_device(args.device)
-    model, tokenizer, model_name = load_model(args.model, DTYPES[args.dtype], device, seed=args.seed)
+    with quiet_loading(args.quiet):
+        model, tokenizer, model_name = load_model(args.model, DTYPES[args.dtype], device, seed=args.seed)
     sampling = sampling_settings(args)
-    with _fixed_recurrence(model), bench_generation_config(model, sampling):
+    with fixed_recurrence(model), bench_generation_config(model, sampling):
         result = _run_bench(args, device, model, tokenizer, model_name, sampling)
     if args.json:
         write_result(result, args.json)
@@ -114,7 +122,7 @@ def run_bench(args) -> dict:
     return result
 
 
-def _fixed_recurrence(model):
+def fixed_recurrence(model):
     """Huginn-family models: every mode runs the checkpoint's steps (its generation config's `num_steps`, else
     `mean_recurrence`, read as the block opens) from zero initial states (init_scale 0), so that plain decoding is a
     deterministic reference."""
@@ -122,18 +130,41 @@ def _fixed_recurrence(model):
     return recurrence(init_scale=0.0) if recurrence is not None else contextlib.nullcontext()
 
 
-def _validate(args, loops: int) -> None:
+@contextlib.contextmanager
+def quiet_loading(quiet: bool):
+    """transformers' progress bars (a checkpoint's "Loading weights") off while the block runs, under `--quiet`."""
+    from transformers.utils import logging as transformers_logging
+
+    was_on = transformers_logging.is_progress_bar_enabled()
+    if quiet:
+        transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if quiet and was_on:
+            transformers_logging.enable_progress_bar()
+
+
+def _check_option_pairs(args) -> None:
+    """`ValueError` for options that cannot go together, before the model loads."""
     if args.compile and "reference" in args.engines:
         raise ValueError(f"--compile {args.compile} compiles the wavefront engine; the reference runs eagerly: drop "
                          "reference from --engines, or --compile.")
+    if args.second_draft_loops is not None and "pipeline" not in args.modes:
+        raise ValueError(f"--second-draft-loops {args.second_draft_loops} adds a pipeline run: include pipeline "
+                         "in --modes.")
+    if args.prompt_file and args.model in SHAPES:
+        raise ValueError(f"--prompt-file {args.prompt_file}: {args.model} is a random-weight shape with no tokenizer, "
+                         "so its prompts are random ids; drop --prompt-file, or pass a checkpoint with a tokenizer as "
+                         "--model.")
+
+
+def _validate(args, loops: int) -> None:
     for mode in ("block", "pipeline"):
         if mode in args.modes:  # raises ValueError with the same message generate() would
             resolve_speculative(mode, args.draft_loops, args.num_speculative_tokens, num_loops=loops,
                                 second_draft_loops=args.second_draft_loops if mode == "pipeline" else None,
                                 reference="wavefront" not in args.engines)
-    if args.second_draft_loops is not None and "pipeline" not in args.modes:
-        raise ValueError(f"--second-draft-loops {args.second_draft_loops} adds a pipeline run: include pipeline "
-                         "in --modes.")
 
 
 def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:
@@ -175,7 +206,7 @@ def _run_bench(args, device, model, tokenizer, model_name, sampling) -> dict:
         else:
             check, exact = {"exact": None, "note": SAMPLING_CHECK_NOTE}, None
         compiled = bool(args.compile) and (mode in LANE_MODES or mode == AUTO)  # the engine, compiled
-        compiled = compiled or mode == "static"  # transformers compiles its static-cache loop itself
+        compiled = compiled or mode == "static" and device.type in STATIC_COMPILED  # (transformers compiles it there)
         rows.append(mode_row(name, rs, seconds, batch=args.batch_size, new_tokens=args.new_tokens, loops=loops,
                              check=check, exact=exact, costs=costs, ar_predicted=ar_predicted,
                              warmup_seconds=warmup_seconds.get(name), compiled=bool(compiled), engine=engine))

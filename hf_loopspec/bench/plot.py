@@ -21,6 +21,18 @@ def pyplot():
     return plt
 
 
+def check_plot_path(path: str) -> None:
+    """`ValueError` naming `--plot` when matplotlib cannot write the format of `path`'s extension (none: PNG), or is
+    missing: checked before the runs, whose results the failed write lost."""
+    plt = pyplot()
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    suffix = Path(path).suffix[1:].lower()
+    if suffix and suffix not in formats:
+        raise ValueError(f"--plot {path}: matplotlib cannot write .{suffix} files; pass a path ending in one of "
+                         f"{', '.join('.' + name for name in sorted(formats))} (e.g. chart.png).")
+
+
 def plot(result: dict, path: str) -> None:
     """PNG bar chart: tokens/s and core calls per token by mode."""
     plt = pyplot()

@@ -21,7 +21,7 @@ import statistics
 import sys
 from dataclasses import replace
 
-from .args import fraction, positive, positive_float
+from .args import fraction, positive, positive_float, seed
 from .report import check_writable
 from .shape_table import SHAPES
 
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--threads", type=positive, default=1, help="torch threads (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="workload, weights and synthetic drafts (default: 0)")
+    parser.add_argument("--seed", type=seed, default=0, help="workload, weights and synthetic drafts (default: 0)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
@@ -150,13 +150,15 @@ def run_workload(args) -> dict:
     import torch
 
     from ..loading import DTYPES, load_model, resolve_device
+    from .main import fixed_recurrence, quiet_loading
     from .report import machine_info
     from .run import bench_generation_config
     from .workload import make_workload, vocab_size
 
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    model, _, model_name = load_model(args.model, DTYPES[args.dtype], device, seed=args.seed)
+    with quiet_loading(args.quiet):
+        model, _, model_name = load_model(args.model, DTYPES[args.dtype], device, seed=args.seed)
     check_args(args, model)
     vocab = vocab_size(model)
     workloads = {a: make_workload(args.requests, args.prompt_lens, args.new_tokens, vocab, args.seed,
@@ -164,7 +166,8 @@ def run_workload(args) -> dict:
     order = runs(args)
     timed = {run: [] for run in order}
     checks = {run: True for run in order}
-    with torch.inference_mode(), bench_generation_config(model, None):
+    # (Huginn-family models from zero initial states: a deterministic reference, as in `hf-loopspec bench`)
+    with torch.inference_mode(), bench_generation_config(model, None), fixed_recurrence(model):
         _log(args, f"[workload] {model_name}: reference (static plain burst)")
         burst = make_workload(args.requests, args.prompt_lens, args.new_tokens, vocab, args.seed)
         reference_run = ("plain", "static", "burst")
