@@ -82,6 +82,19 @@ def test_an_engine_cycle_costs_its_periodic_long_intervals_too(model, monkeypatc
     assert 2.1e-3 <= seconds <= 9e-3
 
 
+def test_the_plain_probe_runs_past_the_models_eos_and_stop_strings(model, monkeypatch):
+    """The probe decodes `PROBE_TOKENS` tokens whatever the model's generation config says: its stop strings (which
+    need a tokenizer the probe has none of: every auto call of such a model failed) and its EOS were filled into
+    the probe's config by transformers."""
+    ids = torch.randint(1, model.config.vocab_size, (1, auto_calibration.PROBE_PROMPT), generator=torch.Generator()
+                        .manual_seed(3))
+    first = model.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=None)[0, -1].item()
+    monkeypatch.setattr(model.generation_config, "eos_token_id", first)  # would stop the probe at once
+    monkeypatch.setattr(model.generation_config, "stop_strings", ["x"])
+    out, step = auto_calibration._plain_run(model, ids)
+    assert out.shape == (1, ids.shape[1] + auto_calibration.PROBE_TOKENS) and step > 0
+
+
 def test_a_lone_spike_in_the_engine_cycles_is_left_out():
     """One interval far over the others is another process's time slice, left out; periodic long intervals (two or
     more in a run) are the engine's own and stay (the run above)."""

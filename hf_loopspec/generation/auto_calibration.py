@@ -41,7 +41,7 @@ import statistics
 import time
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..cache.paged import PagedLoopCache
 from . import auto_cache
@@ -165,13 +165,14 @@ class _Stamps(StoppingCriteria):
 
 
 def _plain_run(model, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Plain greedy decoding of `PROBE_TOKENS` tokens without EOS: the sequences `[B, S + N]` and the seconds of
-    one step (its intervals after the first, `typical`)."""
-    config = GenerationConfig(max_new_tokens=PROBE_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None)
+    """Plain greedy decoding of `PROBE_TOKENS` tokens without EOS nor stop strings: the sequences `[B, S + N]` and
+    the seconds of one step (its intervals after the first, `typical`). The settings are keywords: transformers fills
+    a passed config's None from the model's generation config (its EOS, or stop strings that need a tokenizer)."""
     stamps = _Stamps(ids.device)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                             speculative_mode=None, stopping_criteria=StoppingCriteriaList([stamps]),
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=PROBE_TOKENS, do_sample=False,
+                             pad_token_id=0, eos_token_id=None, stop_strings=None, speculative_mode=None,
+                             stopping_criteria=StoppingCriteriaList([stamps]),
                              **model.call_settings())  # (Huginn: the running call's recurrence settings)
     return out, typical([b - a for a, b in zip(stamps.times, stamps.times[1:])])
 
