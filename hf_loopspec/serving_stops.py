@@ -15,10 +15,11 @@ and its texts, joined, are the answer the request gets without streaming.
 from __future__ import annotations
 
 import copy
-import json
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
+
+from .serving_events import rewritten
 
 
 def stop_strings(body) -> tuple[str, ...]:
@@ -109,47 +110,13 @@ def cut_event(event: dict, cut: StopCut) -> dict | None:
     return None if text and not sent and not finished and not others else event
 
 
-async def stream_without_stops(chunks, stops: tuple[str, ...]):
-    """The chunks of a chat or completions stream (server-sent events, whole or in pieces) as whole events, their
-    texts cut by one `StopCut` of `stops` (`cut_event`)."""
-    cut, pending = StopCut(stops), b""
-    async for chunk in chunks:
-        pending += chunk if isinstance(chunk, bytes) else chunk.encode("utf-8")
-        *events, pending = pending.split(b"\n\n")
-        sent = b"".join(cut_sse(event, cut) for event in events)
-        if sent:
-            yield sent
-    if pending:  # (a stream that ended mid-event: passed on as it came)
-        yield pending
-
-
-def cut_sse(event: bytes, cut: StopCut) -> bytes:
-    """One server-sent event (without its blank line) as `cut_event` leaves it, with its blank line; b"" for none."""
-    try:
-        payload = json.loads(event[len(b"data: "):]) if event.startswith(b"data: {") else None
-    except ValueError:
-        payload = None
-    if not isinstance(payload, dict) or "choices" not in payload:
-        return event + b"\n\n"
-    payload = cut_event(payload, cut)
-    return b"" if payload is None else f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
-
-
 async def without_stops(response, stops: tuple[str, ...]):
-    """`response` (a chat or completions handler's, streaming or not) with `stops` kept out of its text: a stream
-    cut as it goes (`stream_without_stops`), a JSON answer of status 200 read and cut (`cut_answer`); any other
+    """`response` (a chat or completions handler's, streaming or not) with `stops` kept out of its text: a stream's
+    events cut as they go by one `StopCut` (`cut_event`), a JSON answer of status 200 cut (`cut_answer`); any other
     response as it is."""
-    from fastapi.responses import JSONResponse
-
-    kind = response.headers.get("content-type", "")
-    if kind.startswith("text/event-stream"):
-        response.body_iterator = stream_without_stops(response.body_iterator, stops)
-        return response
-    if response.status_code != 200 or not kind.startswith("application/json"):
-        return response
-    body = b"".join([chunk async for chunk in response.body_iterator])
-    headers = {name: value for name, value in response.headers.items() if name.lower() != "content-length"}
-    return JSONResponse(cut_answer(json.loads(body), stops), status_code=200, headers=headers)
+    cut = StopCut(stops)
+    return await rewritten(response, lambda event: cut_event(event, cut) if "choices" in event else event,
+                           lambda answer: cut_answer(answer, stops))
 
 
 class OutputStops(StoppingCriteria):
@@ -164,13 +131,13 @@ class OutputStops(StoppingCriteria):
         return torch.tensor([stop_at(text, self.stops) is not None for text in texts], device=input_ids.device)
 
 
-def output_stops(kwargs: dict, inputs=None) -> dict:
-    """A `generate` call's keyword arguments (its prompt: `inputs`, else `input_ids`) with its stop strings
-    (`stop_strings`, or its generation config's, as transformers' handlers pass them) judged by an `OutputStops`
-    criterion instead; as they are when it has none, no prompt or tokenizer, or stop strings that are not a non-empty
-    string or a list of them (`generate` refuses those, naming them)."""
+def output_stops(kwargs: dict, inputs=None, default=None) -> dict:
+    """A `generate` call's keyword arguments (its prompt: `inputs`, else `input_ids`) with its stop strings judged by
+    an `OutputStops` criterion instead: `stop_strings`, else its generation config's (as transformers' handlers pass
+    a request's `stop`), else `default` (the checkpoint's); as they are when it has none, no prompt or tokenizer, or
+    stop strings that are not a non-empty string or a list of them (`generate` refuses those, naming them)."""
     config = kwargs.get("generation_config")
-    stops = kwargs.get("stop_strings") or getattr(config, "stop_strings", None)
+    stops = kwargs.get("stop_strings") or getattr(config, "stop_strings", None) or default
     stops = (stops,) if isinstance(stops, str) else stops
     ids, tokenizer = kwargs.get("input_ids") if inputs is None else inputs, kwargs.get("tokenizer")
     if not (isinstance(stops, (list, tuple)) and stops and all(isinstance(stop, str) and stop for stop in stops)
@@ -190,12 +157,25 @@ SERVED: dict[type, type] = {}  # a model class -> its `served_class`
 
 def served_class(model_class: type) -> type:
     """`model_class` as the server loads it: a subclass of the same name whose `generate` judges stop strings on the
-    generated text alone (`output_stops`), everything else the class's own."""
+    generated text alone (`output_stops`), everything else the class's own. Its `from_pretrained` takes the
+    checkpoint's own stop strings out of the model's generation config (transformers would fill a call's cleared
+    stop strings from there, and judge them on the prompt too) into `checkpoint_stops`, which a call without stop
+    strings of its own is judged by."""
     if model_class not in SERVED:
-        def generate(self, inputs=None, **kwargs):
-            return model_class.generate(self, inputs, **output_stops(kwargs, inputs))
+        class Served(model_class):
+            checkpoint_stops = None
 
-        SERVED[model_class] = type(model_class.__name__, (model_class,), {
-            "generate": generate, "__module__": __name__, "__doc__": served_class.__doc__})
+            @classmethod
+            def from_pretrained(cls, *args, **kwargs):
+                model = super().from_pretrained(*args, **kwargs)
+                config = model.generation_config
+                model.checkpoint_stops, config.stop_strings = config.stop_strings, None
+                return model
+
+            def generate(self, inputs=None, **kwargs):
+                return super().generate(inputs, **output_stops(kwargs, inputs, self.checkpoint_stops))
+
+        Served.__name__ = Served.__qualname__ = model_class.__name__
+        Served.__doc__ = served_class.__doc__
+        SERVED[model_class] = Served
     return SERVED[model_class]
-

@@ -467,6 +467,7 @@ def test_bench_refuses_options_no_mode_reads(argv, message, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--plot", "chart.txt"], "--plot chart.txt: matplotlib cannot write .txt files; pass a path ending in one of"),
+    (["--plot", "chart.pgf"], "--plot chart.pgf: matplotlib cannot write .pgf files"),  # (only with LaTeX)
     (["--json="], "--json is empty: pass a file path, or leave --json out."),
     (["--prompt-file="], "--prompt-file is empty"),
     (["--modes", "plain", "--second-draft-loops", "2"], "--second-draft-loops 2 adds a pipeline run: include pipeline"),

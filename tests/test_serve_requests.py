@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import urllib.request
 
 import pytest
@@ -179,6 +180,32 @@ def test_the_served_class_judges_stop_strings_on_the_generated_text(mode):
         assert want.shape[1] < full.shape[1]
         for given in ({"stop_strings": [inside]}, {"generation_config": GenerationConfig(stop_strings=inside)}):
             assert torch.equal(served.generate(ids, **given, **settings), want)
+
+
+def test_a_checkpoints_stop_strings_are_judged_on_the_generated_text_and_a_requests_replace_them(tmp_path):
+    """A checkpoint whose generation config names stop strings, served: they are judged on the generated text too
+    (transformers' criterion stopped at the first token when one began in the prompt), and a request's own stop
+    strings replace them (the served class cleared the request's, which transformers then filled from the
+    checkpoint's: the request's were lost)."""
+    folder = tmp_path / "with-stops"
+    shutil.copytree(hf_loopspec.default_model_path(), folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer("def area(radius):\n    return", return_tensors="pt").input_ids
+    settings = dict(max_new_tokens=12, do_sample=False, speculative_mode=None, tokenizer=tokenizer)
+    plain = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        full = plain.generate(ids, **settings)
+        text = tokenizer.decode(full[0, ids.shape[1]:])
+        straddle = next("rn" + text[:k] for k in range(1, len(text)) if "rn" + text[:k] not in text)
+        inside = text[4:6]
+        want = plain.generate(ids, stop_strings=inside, **settings)
+        plain.generation_config.stop_strings = [straddle]
+        plain.generation_config.save_pretrained(folder)
+        served = served_class(type(plain)).from_pretrained(folder)
+        assert torch.equal(served.generate(ids, **settings), full)  # the checkpoint's: no stop in the generated text
+        assert torch.equal(served.generate(ids, stop_strings=[inside], **settings), want)  # the request's instead
+        config = GenerationConfig(stop_strings=[inside], max_new_tokens=12, do_sample=False)  # (5.24's handlers)
+        assert torch.equal(served.generate(ids, generation_config=config, tokenizer=tokenizer), want)
 
 
 def test_the_served_model_answers_without_its_stop_string(checkpoint):

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from .report import sampling_title
 
+NEEDS_LATEX = {"pgf"}  # formats matplotlib lists but writes only with a LaTeX installation
+
 
 def pyplot():
     """matplotlib's pyplot on the Agg backend; `ValueError` with the install command when matplotlib is missing."""
@@ -22,10 +24,10 @@ def pyplot():
 
 
 def check_plot_path(path: str) -> None:
-    """`ValueError` naming `--plot` when matplotlib cannot write the format of `path`'s extension (none: PNG), or is
-    missing: checked before the runs, whose results the failed write lost."""
+    """`ValueError` naming `--plot` when matplotlib cannot write the format of `path`'s extension (none: PNG) without
+    more software (`NEEDS_LATEX`), or is missing: checked before the runs, whose results the failed write lost."""
     plt = pyplot()
-    formats = plt.figure().canvas.get_supported_filetypes()
+    formats = set(plt.figure().canvas.get_supported_filetypes()) - NEEDS_LATEX
     plt.close("all")
     suffix = Path(path).suffix[1:].lower()
     if suffix and suffix not in formats:
