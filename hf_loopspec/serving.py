@@ -43,7 +43,8 @@ without a word: the served models read text only. An empty `stop` list means no 
 completions answer ends before the first stop string in it, streaming or not (`serving_stops`), and refusals (refusal
 parts, and a replayed assistant message's `refusal` field when its content is empty) reach the model as text. Any other
 error of a handler is a 500 in OpenAI's error shape, naming it. Chat and completions streams end with OpenAI's `data:
-[DONE]` event. A client that leaves before its answer ends its request quietly (no error in the server's log).
+[DONE]` event. A client that leaves before its answer ends its request quietly (no error in the server's log). A
+Responses answer that reached its token limit is "incomplete" (`serving_responses`), as OpenAI's API answers.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ import json
 import logging
 import sys
 
-from .serving_requests import as_transformers_reads, request_problem, template_refusal
-from .serving_stops import served_class, stop_strings, without_stops
+from .serving_requests import body_problem, template_refusal
+from .serving_responses import HANDLERS_LEAST, checkpoint_generation_config, default_limit, with_status
+from .serving_stops import served_class, without_stops
 
 DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
 DONE_STREAMS = frozenset({"/v1/chat/completions", "/v1/completions"})  # OpenAI ends their streams with [DONE]
@@ -173,21 +175,22 @@ def chat_template_note(spec: str) -> str | None:
             "format messages and fails; /v1/completions serves raw prompts.")
 
 
-def openai_errors(positions: int | None = None) -> None:
+def openai_errors(positions: int | None = None, limit: int = HANDLERS_LEAST) -> None:
     """Make the server answer its HTTP errors in OpenAI's error shape, `{"error": {"message", "type", "code"}}` (the
     `openai` client puts `message` into its exception's text; with FastAPI's own `{"detail": ...}` it shows only the
     status), with FastAPI's `detail` kept beside it, a `ValueError` a request raises (settings `generate` refuses)
     as a 400 in that shape instead of a bare 500, and a POST whose JSON body `request_problem` refuses (for a model
     of `positions` positions) as a 400 before transformers reads it; a handler's failure as a 500 (answered, not
     raised on: uvicorn would close the connection), transformers' dead engine as a 503, and a chat or completions
-    stream that fails before its first token with one of those (`stream_status`). Wraps `build_server`, which
-    transformers' `Serve` imports when it is constructed; idempotent, and a later call sets the positions the next
-    server checks."""
+    stream that fails before its first token with one of those (`stream_status`); a Responses answer that reached
+    its token limit (`limit` when the request sets none) as "incomplete" (`serving_responses`). Wraps
+    `build_server`, which transformers' `Serve` imports when it is constructed; idempotent, and a later call sets the
+    positions and limit the next server takes."""
     from transformers.cli.serving import server
     from transformers.cli.serving import utils as serving_utils
 
     if hasattr(server.build_server, "wrapped"):
-        server.build_server.positions = positions
+        server.build_server.positions, server.build_server.limit = positions, limit
         return
     original = server.build_server
 
@@ -215,7 +218,7 @@ def openai_errors(positions: int | None = None) -> None:
             return await answer(request, HTTPException(status_code=422, detail=f"the request body: {reasons}."))
 
         async def check(request, call_next):
-            problem = await body_problem(request, build_server.positions)
+            problem = await body_problem(request, build_server.positions, build_server.limit)
             if problem:
                 return await answer(request, HTTPException(status_code=400, detail=problem))
             try:
@@ -228,6 +231,8 @@ def openai_errors(positions: int | None = None) -> None:
                 return await failed(request, error)
             if getattr(request.state, "stops", ()) and request.url.path.rstrip("/") in DONE_STREAMS:
                 response = await without_stops(response, request.state.stops)  # (OpenAI's text ends before them)
+            if getattr(request.state, "limit", None) is not None:  # (a Responses answer: incomplete at its limit)
+                response = await with_status(response, request.state.limit)
             if response.headers.get("content-type", "").startswith("text/event-stream"):
                 done, chunks = request.url.path.rstrip("/") in DONE_STREAMS, response.body_iterator
                 if done:  # failed before its first token: the status it gets without streaming
@@ -251,27 +256,8 @@ def openai_errors(positions: int | None = None) -> None:
         app.middleware("http")(check)
         return app
 
-    build_server.wrapped, build_server.positions = original, positions
+    build_server.wrapped, build_server.positions, build_server.limit = original, positions, limit
     server.build_server = build_server
-
-
-async def body_problem(request, positions: int | None) -> str | None:
-    """Why a POST's JSON body is refused (`request_problem`, for a model of `positions` positions; a body that is not
-    JSON, or nests too deeply), or None, after giving the request the body transformers reads
-    (`as_transformers_reads`) and its stop strings, `request.state.stops` (`serving_stops`)."""
-    if request.method != "POST" or "json" not in request.headers.get("content-type", "").lower():
-        return None
-    try:
-        body = json.loads(await request.body())
-        problem = request_problem(body, positions, request.url.path)
-    except RecursionError:
-        return "the request body nests too deeply."
-    except ValueError as error:
-        return f"the request body is not valid JSON ({error})."
-    if not problem and isinstance(body, dict) and (read := json.dumps(as_transformers_reads(body))) != json.dumps(body):
-        request._body = read.encode()  # (starlette keeps `_body`; 100 == 100.0: compared as text)
-    request.state.stops = () if problem else stop_strings(body)
-    return problem
 
 
 async def stream_status(chunks) -> tuple[int | None, str | None, object]:
@@ -410,7 +396,7 @@ def start(argv: list[str]):
     torch.set_num_threads(options.threads)
     expose_architecture(params["force_model"], params["trust_remote_code"])
     config = AutoConfig.from_pretrained(params["force_model"], trust_remote_code=params["trust_remote_code"])
-    openai_errors(max_positions(config))
+    openai_errors(max_positions(config), default_limit(checkpoint_generation_config(params["force_model"])))
     from transformers.cli.serving import model_manager
 
     if hasattr(model_manager, "ModelLoader"):  # transformers >= 5.25: each model runs in a process of its own

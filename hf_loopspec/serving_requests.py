@@ -1,11 +1,15 @@
 """What a request to `hf-loopspec serve` may hold: the checks the server runs on a completion request's JSON body
 before transformers' handlers read it (`request_problem`, `value_problem`), and the rewrites of OpenAI's values into
-the forms those handlers take (`as_transformers_reads`). `serving.openai_errors` applies both to every POST."""
+the forms those handlers take (`as_transformers_reads`). `serving.openai_errors` applies both to every POST
+(`body_problem`)."""
 
 from __future__ import annotations
 
 import json
 import reprlib
+
+from .serving_responses import token_limit
+from .serving_stops import stop_strings
 
 TEXT_PARTS = frozenset({"text", "input_text", "output_text"})  # the content part types of text (chat, Responses)
 TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
@@ -105,6 +109,28 @@ def request_problem(body, positions: int | None = None, path: str = "") -> str |
     return None
 
 
+async def body_problem(request, positions: int | None, limit: int) -> str | None:
+    """Why a POST's JSON body is refused (`request_problem`, for a model of `positions` positions; a body that is not
+    JSON, or nests too deeply), or None, after giving the request the body transformers reads
+    (`as_transformers_reads`), its stop strings, `request.state.stops` (`serving_stops`), and for /v1/responses its
+    token limit, `request.state.limit` (`serving_responses`; `limit` when it sets none)."""
+    if request.method != "POST" or "json" not in request.headers.get("content-type", "").lower():
+        return None
+    try:
+        body = json.loads(await request.body())
+        problem = request_problem(body, positions, request.url.path)
+    except RecursionError:
+        return "the request body nests too deeply."
+    except ValueError as error:
+        return f"the request body is not valid JSON ({error})."
+    if not problem and isinstance(body, dict) and (read := json.dumps(as_transformers_reads(body))) != json.dumps(body):
+        request._body = read.encode()  # (starlette keeps `_body`; 100 == 100.0: compared as text)
+    request.state.stops = () if problem else stop_strings(body)
+    if not problem and isinstance(body, dict) and request.url.path.rstrip("/").endswith("/responses"):
+        request.state.limit = token_limit(body, limit)
+    return problem
+
+
 def template_refusal(error: BaseException) -> str | None:
     """The reason when `error` is a chat template's own refusal of a conversation (its `raise_exception`: a jinja2
     `TemplateError` itself; a subclass, such as a syntax error, is the checkpoint's fault): a 400, no server
@@ -117,10 +143,13 @@ def template_refusal(error: BaseException) -> str | None:
 
 
 def as_transformers_reads(body: dict) -> dict:
-    """`body` with OpenAI's values in the form transformers' handlers take: `logit_bias`'s whole numbers as the floats
-    of its `sequence_bias`, an empty `stop` list (OpenAI's "no stop") left out, and refusals as text (the handlers
-    would drop them without a word): refusal parts, and a replayed assistant message's `refusal` field."""
+    """`body` with OpenAI's values in the form transformers' handlers take: `stream` false when unset, `logit_bias`'s
+    whole numbers as the floats of its `sequence_bias`, an empty `stop` list (OpenAI's "no stop") left out, and refusals
+    as text (the handlers would drop them without a word): refusal parts, and a replayed assistant message's `refusal`
+    field."""
     body = dict(body)
+    if body.get("stream") is None:  # OpenAI's default (transformers 5.24's /v1/responses streamed such a request)
+        body["stream"] = False
     if body.get("logit_bias"):
         body["logit_bias"] = {key: float(value) for key, value in body["logit_bias"].items()}
     if body.get("stop") == []:

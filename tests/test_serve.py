@@ -328,7 +328,7 @@ def test_refusals_reach_the_model_as_text():
     assert serving_requests.as_transformers_reads(flat)["input"] == [{"type": "input_text", "text": "hi"},
                                                                      {"type": "text", "text": "No."}]
     items = {"input": [{"role": "user", "content": "hi"}, {"type": "refusal", "refusal": "No."}]}  # an item, no part
-    assert serving_requests.as_transformers_reads(items) == items
+    assert serving_requests.as_transformers_reads(items) == {**items, "stream": False}  # (OpenAI's default, stated)
     assert serving_requests.request_problem(chat, path="/v1/chat/completions") is None  # (content None: its refusal)
     problem = serving_requests.request_problem({"messages": [{"role": "assistant", "content": None, "refusal": 5}]},
                                                path="/v1/chat/completions")  # (dropped without a word before)

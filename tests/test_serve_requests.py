@@ -17,7 +17,7 @@ from test_serve import post, stand_in_served, start_server
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import hf_loopspec
-from hf_loopspec import serving_requests
+from hf_loopspec import serving_requests, serving_responses
 from hf_loopspec.serving_stops import StopCut, served_class, stop_at
 
 checkpoint = test_serve.checkpoint  # (the served copy of the embedded model, with a chat template)
@@ -206,6 +206,41 @@ def test_a_checkpoints_stop_strings_are_judged_on_the_generated_text_and_a_reque
         assert torch.equal(served.generate(ids, stop_strings=[inside], **settings), want)  # the request's instead
         config = GenerationConfig(stop_strings=[inside], max_new_tokens=12, do_sample=False)  # (5.24's handlers)
         assert torch.equal(served.generate(ids, generation_config=config, tokenizer=tokenizer), want)
+
+
+def test_a_responses_answer_cut_by_its_token_limit_is_incomplete(checkpoint):
+    """transformers' /v1/responses handler called every answer "completed"; one that reached max_output_tokens is
+    "incomplete" with incomplete_details.reason "max_output_tokens", as OpenAI's API answers it, and its stream ends
+    with a response.incomplete event (read through the `openai` client)."""
+    server, client, _, patch = start_server(checkpoint)
+    try:
+        answer = client.responses.create(model=checkpoint, input="hi", max_output_tokens=3, temperature=0)
+        assert (answer.status, answer.incomplete_details.reason, answer.usage.output_tokens) == \
+            ("incomplete", "max_output_tokens", 3)
+        assert [item.status for item in answer.output if item.type == "message"] == ["incomplete"]
+        events = list(client.responses.create(model=checkpoint, input="hi", max_output_tokens=3, temperature=0,
+                                              stream=True))
+        assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
+        assert events[-1].response.output[-1].content[0].text == answer.output[-1].content[0].text
+    finally:
+        server.kill_server()
+        patch.undo()
+
+
+def test_the_responses_status_follows_the_limit_a_request_sets_or_the_servers():
+    """The limit: max_output_tokens, else the generation_config's max_new_tokens, else the server's (the checkpoint's
+    max_new_tokens, at least 1024, as transformers' handlers set it); an answer under it stays "completed"."""
+    assert serving_responses.token_limit({"input": "x", "max_output_tokens": 5}, 1024) == 5
+    assert serving_responses.token_limit({"input": "x", "generation_config": '{"max_new_tokens": 7}'}, 1024) == 7
+    assert serving_responses.token_limit({"input": "x"}, 2000) == 2000
+    assert [serving_responses.default_limit(GenerationConfig(max_new_tokens=n)) for n in (None, 20, 4096)] == \
+        [1024, 1024, 4096]
+    answer = {"status": "completed", "usage": {"output_tokens": 4}, "output": [{"type": "message", "status":
+                                                                                  "completed"}]}
+    assert serving_responses.with_limit_status(dict(answer), 5)["status"] == "completed"
+    event = serving_responses.with_event_status({"type": "response.completed", "response": answer}, 4)
+    assert (event["type"], event["response"]["incomplete_details"]) == ("response.incomplete",
+                                                                         {"reason": "max_output_tokens"})
 
 
 def test_the_served_model_answers_without_its_stop_string(checkpoint):
