@@ -289,13 +289,13 @@ def failure(text: str) -> str:
 
 
 def tag_stream_errors() -> None:
-    """Make the stream errors transformers' serving modules create (`_StreamError`, which carries a message only)
-    record the message and status of failures that are no refusal (any exception but a `ValueError`) in
-    `STREAM_FAILURES`, so that a stream failing before its first token gets the status a request without streaming
-    gets: 400 for a refusal, 503 when the model's engine died (`EngineDeadError`), else 500. Idempotent. One subclass
-    replaces the class in every module that holds it, so that the handlers' `isinstance` checks hold whichever of the
-    two their module imported (a handler module imported after a subclass of one module's name, and errors made from
-    another's, read a stream's error as text to send: a TypeError, and an empty stream)."""
+    """Make the stream errors transformers' serving modules create (`_StreamError`, which carries a message only: the
+    error's text, to which a failure's type is added) record the message and status of failures that are no refusal (any
+    exception but a `ValueError`) in `STREAM_FAILURES`, so that a stream failing before its first token gets the status
+    a request without streaming gets: 400 for a refusal, 503 when the model's engine died (`EngineDeadError`), else 500.
+    Idempotent. One subclass replaces the class in every module that holds it, so that the handlers' `isinstance` checks
+    hold whichever of the two their module imported (a handler module imported after a subclass of one module's name,
+    and errors made from another's, read a stream's error as text to send: a TypeError, and an empty stream)."""
     from transformers.cli.serving import model_manager, utils
 
     dead = getattr(utils, "EngineDeadError", ())
@@ -307,9 +307,12 @@ def tag_stream_errors() -> None:
         records_failures = True
 
         def __init__(self, msg: str):
+            error = sys.exc_info()[1]  # (created in the `except` block of the failed request, from its text alone)
+            failed = error is not None and not isinstance(error, ValueError) and not template_refusal(error)
+            if failed and not msg.startswith(f"{type(error).__name__}:"):  # a failure's message names its type
+                msg = f"{type(error).__name__}: {msg}"
             super().__init__(msg)
-            error = sys.exc_info()[1]  # (created in the `except` block of the failed request)
-            if error is not None and not isinstance(error, ValueError) and not template_refusal(error):
+            if failed:
                 STREAM_FAILURES.append((msg, 503 if isinstance(error, dead) else 500))
 
     for module in (model_manager, utils):  # where 5.25 (model_manager) and 5.24 (utils) create them
