@@ -198,6 +198,24 @@ def test_auto_hands_a_repos_generate_the_whole_call(model, inputs, tmp_path):
     assert torch.is_tensor(out) and torch.equal(out, plain(model, ids, None, 6).sequences)
 
 
+def test_a_block_k_past_the_new_tokens_drafts_only_those(model, inputs, monkeypatch):
+    """K + 1 lanes a call: K=4096 for 5 new tokens made every call time grow with K for drafts never verified. The
+    request drafts at most the new tokens there are, the same run as K = 5, greedy and sampled (seed for seed)."""
+    from hf_loopspec.generation import dispatch
+
+    ids, mask = inputs
+    seen = []
+    monkeypatch.setattr(dispatch, "unsupported", lambda model, request: seen.append(request.spec) or [])
+    runs = []
+    for k in (4096, 5):
+        for sampling in ({"do_sample": False}, {"do_sample": True, "temperature": 1.5}):
+            torch.manual_seed(3)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=5, pad_token_id=PAD, speculative_mode="block",
+                                 num_speculative_tokens=k, return_dict_in_generate=True, **sampling)
+            runs.append((out.sequences.tolist(), out.speculation.drafted, out.speculation.accepted))
+    assert runs[:2] == runs[2:] and [spec.num_speculative_tokens for spec in seen] == [5] * 4
+
+
 def test_pipeline_with_u_not_multiple_of_d_names_the_loop_count(model, inputs):
     ids, mask = inputs
     with pytest.raises(ValueError, match=r"\(4\)") as info:

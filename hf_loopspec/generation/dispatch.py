@@ -15,7 +15,7 @@ directly: it is the tests' oracle for tokens, counters and KV planes, not an eng
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -56,6 +56,11 @@ class SpeculativeRequest:
     def __post_init__(self):
         if self.input_ids.dtype != torch.long:  # int32 ids, which generate takes, as the int64 the engine indexes with
             object.__setattr__(self, "input_ids", self.input_ids.long())
+        # a block round drafts at most the new tokens there are: K + 1 lanes each call, so a K far past them (K=4096
+        # for 5 tokens) cost time that grew with K for nothing (the drafts past max_length are never verified)
+        new = self.max_length - (self.input_ids if self.attention_mask is None else self.attention_mask).shape[1]
+        if self.spec.num_speculative_tokens > max(new, 1):
+            object.__setattr__(self, "spec", replace(self.spec, num_speculative_tokens=max(new, 1)))
 
     def options(self) -> dict:
         """Every field but `spec` and `cache`, by name (the lane decoder's keyword arguments)."""
