@@ -281,9 +281,16 @@ def test_export_refuses_a_non_empty_folder_and_bad_settings(source, tmp_path):
                        ({"num_speculative_tokens": 0}, "num_speculative_tokens")]:
         with pytest.raises(ValueError, match=match):
             export.export_checkpoint(source[1], tmp_path / "new", speculative_mode=None, benchmarks=None, **bad)
+    for falsy in ("", False, 0):  # (checked as the default "auto": written as given, refused by every generate)
+        with pytest.raises(ValueError, match=f"speculative_mode={falsy!r} is not supported"):
+            export.export_checkpoint(source[1], tmp_path / "new", speculative_mode=falsy, benchmarks=None)
     one_loop = save_checkpoint(tmp_path / "one-loop", total_ut_steps=1)  # cannot speculate: no depths to check
+    with pytest.raises(ValueError, match=r"a model of 1 loop has no shallower loop .* --speculative-mode none"):
+        export.export_checkpoint(one_loop, tmp_path / "one", benchmarks=None)  # (the default: auto)
     out = export.export_checkpoint(one_loop, tmp_path / "one", speculative_mode=None, benchmarks=None)
     assert json.loads((out / "generation_config.json").read_text())["speculative_mode"] is None
+    card = (out / "README.md").read_text()  # offers no speculative mode (generate refuses them all on it)
+    assert "**No self-speculation.**" in card and 'speculative_mode="' not in card and "to speculate" not in card
     assert (tmp_path / "x.txt").read_text() == "keep"
     for bad, match in [({"repo_id": "a/b/c"}, "--repo-id 'a/b/c'"), ({"repo_id": "../evil"}, "--repo-id '../evil'"),
                        ({"repo_id": "name-only"}, "namespace/name"), ({"base_model": "x y"}, "--base-model 'x y'"),

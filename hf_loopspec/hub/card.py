@@ -1,9 +1,10 @@
 """Model cards (README.md) for Hub repos of hf-loopspec models, written with `huggingface_hub.ModelCard`.
 
 `build_model_card(...)` fills the template `templates/model_card.md` (package data; a `string.Template`: `${name}`
-fields, `$$` for a dollar) and returns a `ModelCard` whose front matter has `license`, `library_name:
-transformers`, `pipeline_tag: text-generation`, `base_model` (when known) and the tags `looped-language-model`,
-`speculative-decoding` and `custom_generate`.
+fields, `$$` for a dollar; a model of 2 or more loops gets the sections `speculation.md` and `speculative_usage.md`, a
+1-loop model, which cannot speculate, a line saying so) and returns a `ModelCard` whose front matter has `license`,
+`library_name: transformers`, `pipeline_tag: text-generation`, `base_model` (when known) and the tags
+`looped-language-model`, `speculative-decoding` and `custom_generate`.
 
 Family-specific text (the name, the remote-code shims, the chat template's token ids, the citation, ...) comes from
 `FAMILIES`, one `CardFamily` per model family that `hf_loopspec.hub.export` exports (Ouro today). The card names the
@@ -32,8 +33,11 @@ from .card_speed import bench_results, eval_results, speed_section
 from .install import install_command, project_url
 
 TAGS = ("looped-language-model", "speculative-decoding", "custom_generate")
-MODEL_CARD_TEMPLATE = Template(resources.files(__package__).joinpath("templates", "model_card.md").read_text(
-    encoding="utf-8"))
+MODEL_CARD_TEMPLATE, SPECULATION, SPECULATIVE_USAGE = (
+    Template(resources.files(__package__).joinpath("templates", name).read_text(encoding="utf-8"))
+    for name in ("model_card.md", "speculation.md", "speculative_usage.md"))  # (the last two: models of U >= 2)
+NO_SPECULATION = ("**No self-speculation.** This model runs its stack once per token (U = 1): it has no shallower "
+                  "loop to draft from, so it decodes plainly, and `generate` refuses the speculative modes.\n")
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,9 @@ def build_model_card(
         "family_limitations": _exit_limitation(exit_options) if exit_options else fam.limitations,
         "citation_section": _citation_section(fam, base_link) if makers else "",
     }
+    looped = num_loops >= 2  # (a 1-loop model cannot speculate: the card offers no speculative mode)
+    fields["speculation"] = SPECULATION.substitute(fields) if looped else NO_SPECULATION
+    fields["speculative_usage"] = SPECULATIVE_USAGE.substitute(fields) if looped else ""
     data = _card_data(fields["title"], results, tags, license=license, license_name=license_name,
                       license_link=license_link, base_model=base_model, language=language, datasets=datasets)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{MODEL_CARD_TEMPLATE.substitute(fields)}")
@@ -277,8 +284,10 @@ def _generation_defaults(mode: str | None, draft_loops: int, k: int, eos: list[i
     (pipeline mode needs `draft_loops` to divide `num_loops`; auto then weighs plain and block only)."""
     where = f"token {' or '.join(str(e) for e in eos)}" if eos else "the checkpoint's eos token"
     stops = f"generation stops at {where}"
-    pipeline = num_loops < 2 or num_loops % draft_loops == 0  # (a 1-loop model: no depth was checked)
+    pipeline = num_loops % draft_loops == 0
     divisors = ", ".join(str(d) for d in range(1, num_loops) if num_loops % d == 0)
+    if mode is None and num_loops < 2:
+        return f"plain decoding ({stops}; a 1-loop model has no shallower loop to draft from)"
     if mode is None:
         if pipeline:
             return (f"plain decoding by default ({stops}); pass `speculative_mode=\"pipeline\"` or `\"block\"` to "

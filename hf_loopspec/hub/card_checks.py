@@ -219,8 +219,13 @@ def check_loop_settings(num_loops: int, exit_options: dict | None, speculative_m
 
     if exit_options:
         check_exit_options(num_loops, *(exit_options.get(key) for key in EXIT_OPTIONS))
-    if speculative_mode is not None or num_loops > 1:
-        resolve_speculative(speculative_mode or "auto", draft_loops, num_speculative_tokens, num_loops=num_loops)
+    if speculative_mode is not None and num_loops < 2:
+        raise ValueError(f"speculative_mode={speculative_mode!r}: a model of {num_loops} loop has no shallower loop to "
+                         "draft from, so generate refuses every speculative mode; pass speculative_mode=None "
+                         "(hf-loopspec export: --speculative-mode none) to write plain decoding.")
+    if speculative_mode is not None or num_loops > 1:  # (a falsy mode is checked as itself, not as the default)
+        resolve_speculative("auto" if speculative_mode is None else speculative_mode, draft_loops,
+                            num_speculative_tokens, num_loops=num_loops)
 
 
 def check_card_arguments(families, **arguments) -> dict | None:
