@@ -141,9 +141,14 @@ def check_positions(config, prompt_len: int, new_tokens: int, *, prompt_flag: st
     limit = max_positions(config)
     if limit is None or prompt_len + new_tokens <= limit:
         return
-    if prompt_len > limit - least_new:
-        raise ValueError(f"the prompt is {prompt_len} tokens and the model has {limit} positions; shorten "
-                         f"{prompt_flag} to at most {limit - least_new} tokens.")
+    if prompt_len > limit - least_new:  # (a fix that fits the call as given: it said `limit - least_new` whatever N)
+        fix = f"at most {limit - least_new} tokens"
+        if least_new < new_tokens < limit - least_new:
+            fix = f"at most {limit - new_tokens} tokens for {new_flag} {new_tokens}, or to {limit - least_new}"
+        if new_tokens > least_new:
+            fix += f" with {new_flag} {least_new}"
+        raise ValueError(f"the prompt is {prompt_len} tokens and the model has {limit} positions, which the prompt "
+                         f"and the new tokens share; shorten {prompt_flag} to {fix}.")
     raise ValueError(f"the prompt ({prompt_len} tokens) plus {new_flag} {new_tokens} passes the model's {limit} "
                      f"positions; lower {new_flag} to {limit - prompt_len} or shorten {prompt_flag}.")
 

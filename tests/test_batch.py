@@ -247,7 +247,7 @@ def test_restart_with_other_settings_is_refused(prompts_file, tmp_path, monkeypa
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     assert cli.main([*batch_args(prompts_file, output), "--batch-size", "2"]) == 2
     err = capsys.readouterr().err
-    assert "other settings (batch_size: 4 then, 2 now)" in err and "delete" in err
+    assert "other settings (--batch-size: 4 then, 2 now)" in err and "delete" in err  # (the option, by name)
 
 
 def test_a_depth_the_model_refuses_leaves_nothing_behind(prompts_file, tmp_path, capsys):

@@ -190,9 +190,14 @@ def _last_line(err: str) -> str:
 
 def test_prompts_too_long_for_the_model_are_errors(good, tmp_path, capsys):
     long_prompt = " ".join(["w5"] * (POSITIONS + 2))
-    assert cli.main(["generate", long_prompt, "--model", str(good), "--device", "cpu"]) == 2
-    assert f"the prompt is {POSITIONS + 2} tokens and the model has {POSITIONS} positions; shorten PROMPT" in \
+    assert cli.main(["generate", long_prompt, "--model", str(good), "--device", "cpu"]) == 2  # (128 new: past them)
+    assert f"shorten PROMPT to at most {POSITIONS - 1} tokens with --max-new-tokens 1." in \
         _last_line(capsys.readouterr().err)
+    assert cli.main(["generate", long_prompt, "--model", str(good), "--device", "cpu", "--max-new-tokens", "3"]) == 2
+    # a fix for the call as given: it said "at most POSITIONS - 1 tokens" whatever --max-new-tokens asked for
+    assert (f"the prompt is {POSITIONS + 2} tokens and the model has {POSITIONS} positions, which the prompt and the "
+            f"new tokens share; shorten PROMPT to at most {POSITIONS - 3} tokens for --max-new-tokens 3, or to "
+            f"{POSITIONS - 1} with --max-new-tokens 1.") in _last_line(capsys.readouterr().err)
     four = "w5 w6 w7 w8"
     base = ["generate", four, "--model", str(good), "--device", "cpu", "--mode", "plain"]
     assert cli.main([*base, "--max-new-tokens", str(POSITIONS - 3)]) == 2

@@ -98,13 +98,14 @@ def _difference(key: str, then, now) -> str:
 
 
 class PartStore:
-    """The part files of one run (see the module docstring); `settings` is a JSON-able dict."""
+    """The part files of one run (see the module docstring); `settings` is a JSON-able dict, and `names` says how a
+    message names its keys (the command's options; a key it lacks: as it is)."""
 
-    def __init__(self, output: str | Path, settings: dict, process_index: int):
+    def __init__(self, output: str | Path, settings: dict, process_index: int, names: dict[str, str] | None = None):
         output = Path(output)
         self.output = output
         self.dir = output.with_name(output.name + ".parts")
-        self.settings = settings
+        self.settings, self.names = settings, names or {}
         self.path = self.dir / f"process-{process_index}.jsonl"
         self._settings_path = self.dir / SETTINGS_NAME
 
@@ -136,7 +137,7 @@ class PartStore:
         stored = self._stored_settings()
         if stored is None:
             return
-        changed = [_difference(key, stored.get(key), self.settings.get(key))
+        changed = [_difference(self.names.get(key, key), stored.get(key), self.settings.get(key))
                    for key in sorted(set(stored) | set(self.settings))
                    if key not in unknown and stored.get(key) != self.settings.get(key)]
         if changed:

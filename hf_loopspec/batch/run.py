@@ -194,7 +194,8 @@ def run_batch(args: argparse.Namespace) -> int:
         raise ValueError(f"--output {output} is {'a folder' if output.is_dir() else 'the input file'}; pass the path "
                          "of the JSONL file to write, such as completions.jsonl.")
     state = process_state()
-    store = PartStore(output, run_settings(args), state.process_index)
+    store = PartStore(output, run_settings(args), state.process_index,
+                      names={key: "--" + key.replace("_", "-") for key in SETTING_KEYS})  # (mode: --mode)
     with contextlib.ExitStack() as stack:
         on_main_process(state, lambda: claim_parts(store, stack))
         model, tokenizer, encoded, kwargs = load_and_encode(args, state, store, prompts)
