@@ -472,7 +472,7 @@ def test_bench_refuses_options_no_mode_reads(argv, message, capsys):
     (["--prompt-file="], "--prompt-file is empty"),
     (["--modes", "plain", "--second-draft-loops", "2"], "--second-draft-loops 2 adds a pipeline run: include pipeline"),
     (["--modes", "pipeline", "--compile", "--engines", "wavefront,reference"], "the reference runs eagerly"),
-    (["--modes", "plain", "--prompt-file", __file__], "ouro-tiny is a random-weight shape with no tokenizer"),
+    (["--modes", "plain", "--prompt-file", __file__], "ouro-tiny is a random-weight shape and has no tokenizer"),
 ])
 def test_options_that_cannot_work_are_refused_before_the_model_loads(argv, message, monkeypatch, capsys):
     """Each was refused after the model was built (a minute for a large shape), or, for --plot's format, after the

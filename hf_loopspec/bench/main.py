@@ -93,7 +93,6 @@ def run_bench(args) -> dict:
     args = with_defaults(args)
     check_sampling_args(args)
     check_unused_options(args)
-    _check_option_pairs(args)
     compile_backend(args.compile)  # a ValueError for an unknown backend, before the model loads
     for flag, path in (("--json", args.json), ("--plot", args.plot), ("--prompt-file", args.prompt_file)):
         if path is not None and not str(path):  # (`--json=` wrote nothing, and said nothing)
@@ -105,6 +104,7 @@ def run_bench(args) -> dict:
             check_writable(path, flag)
     if args.prompt_file:
         read_prompt_file(args.prompt_file)  # a missing or undecodable file fails before the model loads
+    _check_option_pairs(args)
     if args.new_tokens < 2 and (drafting := [m for m in args.modes if m in DRAFTING]):
         raise ValueError(f"--new-tokens {args.new_tokens}: the speculative modes ({', '.join(drafting)}) need at "
                          "least 2 new tokens (nothing to draft otherwise); pass --new-tokens 2 or more, or drop them "
@@ -154,9 +154,9 @@ def _check_option_pairs(args) -> None:
         raise ValueError(f"--second-draft-loops {args.second_draft_loops} adds a pipeline run: include pipeline "
                          "in --modes.")
     if args.prompt_file and args.model in SHAPES:
-        raise ValueError(f"--prompt-file {args.prompt_file}: {args.model} is a random-weight shape with no tokenizer, "
-                         "so its prompts are random ids; drop --prompt-file, or pass a checkpoint with a tokenizer as "
-                         "--model.")
+        raise ValueError(f"--prompt-file {args.prompt_file}: {args.model} is a random-weight shape and has no "
+                         "tokenizer, so its prompts are random ids; drop --prompt-file, or pass a checkpoint with a "
+                         "tokenizer as --model.")
 
 
 def _validate(args, loops: int) -> None:
