@@ -229,10 +229,7 @@ def openai_errors(positions: int | None = None, limit: int = HANDLERS_LEAST) -> 
                 if not template_refusal(error):  # (a refusal is the request's: no server failure to log)
                     SERVER_LOG.error("the server failed on %s", request.url.path, exc_info=error)
                 return await failed(request, error)
-            if getattr(request.state, "stops", ()) and request.url.path.rstrip("/") in DONE_STREAMS:
-                response = await without_stops(response, request.state.stops)  # (OpenAI's text ends before them)
-            if getattr(request.state, "limit", None) is not None:  # (a Responses answer: incomplete at its limit)
-                response = await with_status(response, request.state.limit)
+            response = await as_openai_answers(request, response)
             if response.headers.get("content-type", "").startswith("text/event-stream"):
                 done, chunks = request.url.path.rstrip("/") in DONE_STREAMS, response.body_iterator
                 if done:  # failed before its first token: the status it gets without streaming
@@ -258,6 +255,16 @@ def openai_errors(positions: int | None = None, limit: int = HANDLERS_LEAST) -> 
 
     build_server.wrapped, build_server.positions, build_server.limit = original, positions, limit
     server.build_server = build_server
+
+
+async def as_openai_answers(request, response):
+    """A handler's `response` as OpenAI's API answers: a chat or completions text that ends before the request's stop
+    strings (`serving_stops`), a Responses answer "incomplete" at its token limit (`serving_responses`)."""
+    if getattr(request.state, "stops", ()) and request.url.path.rstrip("/") in DONE_STREAMS:
+        response = await without_stops(response, request.state.stops)
+    if getattr(request.state, "limit", None) is not None:
+        response = await with_status(response, request.state.limit)
+    return response
 
 
 async def stream_status(chunks) -> tuple[int | None, str | None, object]:

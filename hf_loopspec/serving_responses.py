@@ -1,7 +1,9 @@
 """The Responses API's status of an answer its token limit cut short, as OpenAI's API gives it: transformers' handler
 calls every answer "completed"; one whose output reached the request's limit is "incomplete", with
 `incomplete_details.reason` "max_output_tokens" (its message item "incomplete" too), and its stream ends with a
-`response.incomplete` event. `serving.openai_errors` applies `with_status` to every /v1/responses answer.
+`response.incomplete` event. `serving.openai_errors` applies `with_status` to every /v1/responses answer. It sees
+the answer's token count, not why decoding ended: an answer whose EOS falls on its last allowed token is called
+incomplete too (transformers' chat handler likewise reports `finish_reason` "length" there).
 
 The limit is the request's `max_output_tokens`, else its `generation_config`'s `max_new_tokens`, else the server's
 (`default_limit`: the checkpoint's `max_new_tokens`, raised to 1024, as transformers' handlers set it).

@@ -160,7 +160,7 @@ def served_class(model_class: type) -> type:
     generated text alone (`output_stops`), everything else the class's own. Its `from_pretrained` takes the
     checkpoint's own stop strings out of the model's generation config (transformers would fill a call's cleared
     stop strings from there, and judge them on the prompt too) into `checkpoint_stops`, which a call without stop
-    strings of its own is judged by."""
+    strings of its own is judged by, and which a continuous-batching manager is given (it refuses them)."""
     if model_class not in SERVED:
         class Served(model_class):
             checkpoint_stops = None
@@ -174,6 +174,15 @@ def served_class(model_class: type) -> type:
 
             def generate(self, inputs=None, **kwargs):
                 return super().generate(inputs, **output_stops(kwargs, inputs, self.checkpoint_stops))
+
+            def init_continuous_batching(self, generation_config=None, *args, **kwargs):
+                # a manager stops at EOS ids and max_new_tokens only: given the checkpoint's stop strings, it refuses
+                # them (with `--continuous-batching` the server does not start), as before they moved out of the
+                # model's generation config; without them it would run past them without a word
+                if self.checkpoint_stops and getattr(generation_config, "stop_strings", None) is None:
+                    generation_config = copy.deepcopy(generation_config or self.generation_config)
+                    generation_config.stop_strings = self.checkpoint_stops
+                return super().init_continuous_batching(generation_config, *args, **kwargs)
 
         Served.__name__ = Served.__qualname__ = model_class.__name__
         Served.__doc__ = served_class.__doc__

@@ -206,6 +206,9 @@ def test_a_checkpoints_stop_strings_are_judged_on_the_generated_text_and_a_reque
         assert torch.equal(served.generate(ids, stop_strings=[inside], **settings), want)  # the request's instead
         config = GenerationConfig(stop_strings=[inside], max_new_tokens=12, do_sample=False)  # (5.24's handlers)
         assert torch.equal(served.generate(ids, generation_config=config, tokenizer=tokenizer), want)
+    # a continuous-batching manager, which stops at EOS and max_new_tokens only, still refuses them (it ran past them)
+    with pytest.raises(ValueError, match=r"stop_strings=\['rn.*'\] in continuous batching"):
+        served.init_continuous_batching()
 
 
 def test_a_responses_answer_cut_by_its_token_limit_is_incomplete(checkpoint):

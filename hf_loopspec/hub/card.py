@@ -162,9 +162,7 @@ def build_model_card(
         "family_limitations": _exit_limitation(exit_options) if exit_options else fam.limitations,
         "citation_section": _citation_section(fam, base_link) if makers else "",
     }
-    looped = num_loops >= 2  # (a 1-loop model cannot speculate: the card offers no speculative mode)
-    fields["speculation"] = SPECULATION.substitute(fields) if looped else NO_SPECULATION
-    fields["speculative_usage"] = SPECULATIVE_USAGE.substitute(fields) if looped else ""
+    fields |= _speculation_sections(fields, num_loops)
     data = _card_data(fields["title"], results, tags, license=license, license_name=license_name,
                       license_link=license_link, base_model=base_model, language=language, datasets=datasets)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{MODEL_CARD_TEMPLATE.substitute(fields)}")
@@ -277,6 +275,14 @@ def _tokenizer_code(tokenizer: bool, base_model: str | None) -> str:
     source = json.dumps(base_model or "<the tokenizer the weights were trained with>")
     return (f"tok = AutoTokenizer.from_pretrained({source}, padding_side=\"left\")  "
             "# this repo ships no tokenizer")
+
+
+def _speculation_sections(fields: dict, num_loops: int) -> dict:
+    """The card's self-speculation prose and usage snippets; a 1-loop model, which cannot speculate, gets a line
+    saying so and no speculative mode."""
+    looped = num_loops >= 2
+    return {"speculation": SPECULATION.substitute(fields) if looped else NO_SPECULATION,
+            "speculative_usage": SPECULATIVE_USAGE.substitute(fields) if looped else ""}
 
 
 def _generation_defaults(mode: str | None, draft_loops: int, k: int, eos: list[int], num_loops: int) -> str:
