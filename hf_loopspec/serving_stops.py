@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from .serving_events import rewritten
 
@@ -176,12 +176,15 @@ def served_class(model_class: type) -> type:
                 return super().generate(inputs, **output_stops(kwargs, inputs, self.checkpoint_stops))
 
             def init_continuous_batching(self, generation_config=None, *args, **kwargs):
-                # a manager stops at EOS ids and max_new_tokens only: given the checkpoint's stop strings, it refuses
-                # them (with `--continuous-batching` the server does not start), as before they moved out of the
-                # model's generation config; without them it would run past them without a word
-                if self.checkpoint_stops and getattr(generation_config, "stop_strings", None) is None:
-                    generation_config = copy.deepcopy(generation_config or self.generation_config)
-                    generation_config.stop_strings = self.checkpoint_stops
+                # a manager stops at EOS ids and max_new_tokens only: it would run past the checkpoint's stop strings
+                # (moved out of the model's generation config) without a word, so `--continuous-batching` refuses
+                # such a checkpoint (anything but a config or None: the manager's own refusal)
+                given = generation_config is None or isinstance(generation_config, GenerationConfig)
+                if self.checkpoint_stops and given and getattr(generation_config, "stop_strings", None) is None:
+                    raise ValueError(f"the checkpoint's generation config names stop_strings="
+                                     f"{self.checkpoint_stops!r}, but a continuous-batching manager stops a request "
+                                     "at its EOS ids and max_new_tokens only: serve it without --continuous-batching, "
+                                     "or remove stop_strings from its generation_config.json.")
                 return super().init_continuous_batching(generation_config, *args, **kwargs)
 
         Served.__name__ = Served.__qualname__ = model_class.__name__

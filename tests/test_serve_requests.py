@@ -207,8 +207,11 @@ def test_a_checkpoints_stop_strings_are_judged_on_the_generated_text_and_a_reque
         config = GenerationConfig(stop_strings=[inside], max_new_tokens=12, do_sample=False)  # (5.24's handlers)
         assert torch.equal(served.generate(ids, generation_config=config, tokenizer=tokenizer), want)
     # a continuous-batching manager, which stops at EOS and max_new_tokens only, still refuses them (it ran past them)
-    with pytest.raises(ValueError, match=r"stop_strings=\['rn.*'\] in continuous batching"):
+    with pytest.raises(ValueError, match=r"names stop_strings=\['rn.*'\], but a continuous-batching manager .* "
+                                         r"serve it without --continuous-batching"):
         served.init_continuous_batching()
+    with pytest.raises(ValueError, match="generation_config: a dict"):  # (the manager's own refusal, not an error)
+        served.init_continuous_batching({"max_new_tokens": 5})
 
 
 def test_a_responses_answer_cut_by_its_token_limit_is_incomplete(checkpoint):
