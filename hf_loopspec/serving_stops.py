@@ -160,7 +160,8 @@ def served_class(model_class: type) -> type:
     generated text alone (`output_stops`), everything else the class's own. Its `from_pretrained` takes the
     checkpoint's own stop strings out of the model's generation config (transformers would fill a call's cleared
     stop strings from there, and judge them on the prompt too) into `checkpoint_stops`, which a call without stop
-    strings of its own is judged by, and which a continuous-batching manager is given (it refuses them)."""
+    strings of its own is judged by; `init_continuous_batching` refuses a model that has them (a manager stops at
+    EOS ids and max_new_tokens only)."""
     if model_class not in SERVED:
         class Served(model_class):
             checkpoint_stops = None
