@@ -14,6 +14,7 @@ and its texts, joined, are the answer the request gets without streaming.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 
 import torch
@@ -153,6 +154,7 @@ def output_stops(kwargs: dict, inputs=None, default=None) -> dict:
 
 
 SERVED: dict[type, type] = {}  # a model class -> its `served_class`
+IN_SERVED_CALL = contextvars.ContextVar("in_served_call", default=False)  # inside a served class's `generate`
 
 
 def served_class(model_class: type) -> type:
@@ -174,7 +176,13 @@ def served_class(model_class: type) -> type:
                 return model
 
             def generate(self, inputs=None, **kwargs):
-                return super().generate(inputs, **output_stops(kwargs, inputs, self.checkpoint_stops))
+                if IN_SERVED_CALL.get():  # an inner call (auto's stretches and probes): the outer call's stops hold
+                    return super().generate(inputs, **kwargs)
+                token = IN_SERVED_CALL.set(True)
+                try:
+                    return super().generate(inputs, **output_stops(kwargs, inputs, self.checkpoint_stops))
+                finally:
+                    IN_SERVED_CALL.reset(token)
 
             def init_continuous_batching(self, generation_config=None, *args, **kwargs):
                 # a manager stops at EOS ids and max_new_tokens only: it would run past the checkpoint's stop strings

@@ -206,8 +206,15 @@ def test_a_checkpoints_stop_strings_are_judged_on_the_generated_text_and_a_reque
         assert torch.equal(served.generate(ids, stop_strings=[inside], **settings), want)  # the request's instead
         config = GenerationConfig(stop_strings=[inside], max_new_tokens=12, do_sample=False)  # (5.24's handlers)
         assert torch.equal(served.generate(ids, generation_config=config, tokenizer=tokenizer), want)
+        # auto (the embedded model's default): its stretches call generate again, which added the checkpoint's
+        # stop strings beside the request's (a checkpoint's stop string early in the text ended it there)
+        served.checkpoint_stops = [text[:2]]
+        late = served.generate(ids, stop_strings=[text[-2:]], **settings)  # (plain: no inner call)
+        assert late.shape[1] > ids.shape[1] + 2
+        assert torch.equal(served.generate(ids, stop_strings=[text[-2:]], **{**settings, "speculative_mode": "auto"}),
+                           late)
     # a continuous-batching manager, which stops at EOS and max_new_tokens only, still refuses them (it ran past them)
-    with pytest.raises(ValueError, match=r"names stop_strings=\['rn.*'\], but a continuous-batching manager .* "
+    with pytest.raises(ValueError, match=r"names stop_strings=\[' _'\], but a continuous-batching manager .* "
                                          r"serve it without --continuous-batching"):
         served.init_continuous_batching()
     with pytest.raises(ValueError, match="generation_config: a dict"):  # (the manager's own refusal, not an error)
