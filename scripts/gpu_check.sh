@@ -19,7 +19,7 @@
 #      with a longer lease (`scripts/bench_gpu.sh --modes plain,static`).
 #   3. the ragged serving workload (bench_gpu.sh's last stage, one round): bench_workload.{json,log}.
 # The tables go into gpu_check.log; the seven files in $OUT stay under the device tool's eight. The progress logs
-# hold each timed run's seconds, so a stage stopped at its limit still reports what it measured. Each stage runs
+# hold each timed run's figure (bench: seconds; workload: tokens/s), so a stage stopped at its limit still reports. Each stage runs
 # under its own time limit, so one that hangs cannot eat the rest of the lease: pytest PYTEST_LIMIT_S (140 s, and
 # 60 s a test where pytest-timeout is installed), each batch size BENCH_LIMIT_S (100 s), the workload
 # BENCH_WORKLOAD_LIMIT_S (90 s), each plus 10 s to be killed: at most 140 + 2 x 100 + 90 + 4 x 10 = 470 s, about
