@@ -57,7 +57,7 @@ import sys
 
 from .serving_requests import body_problem, template_refusal
 from .serving_responses import HANDLERS_LEAST, checkpoint_generation_config, default_limit, with_status
-from .serving_stops import served_class, without_stops
+from .serving_stops import batching_refusal, served_class, without_stops
 
 DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
 DONE_STREAMS = frozenset({"/v1/chat/completions", "/v1/completions"})  # OpenAI ends their streams with [DONE]
@@ -406,7 +406,10 @@ def start(argv: list[str]):
     torch.set_num_threads(options.threads)
     expose_architecture(params["force_model"], params["trust_remote_code"])
     config = AutoConfig.from_pretrained(params["force_model"], trust_remote_code=params["trust_remote_code"])
-    openai_errors(max_positions(config), default_limit(checkpoint_generation_config(params["force_model"])))
+    generation = checkpoint_generation_config(params["force_model"])
+    if params.get("continuous_batching") and getattr(generation, "stop_strings", None):  # (before the model loads)
+        raise ValueError(batching_refusal(generation.stop_strings))
+    openai_errors(max_positions(config), default_limit(generation))
     from transformers.cli.serving import model_manager
 
     if hasattr(model_manager, "ModelLoader"):  # transformers >= 5.25: each model runs in a process of its own

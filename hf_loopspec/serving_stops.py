@@ -153,6 +153,13 @@ def output_stops(kwargs: dict, inputs=None, default=None) -> dict:
     return kwargs
 
 
+def batching_refusal(stops) -> str:
+    """Why `--continuous-batching` cannot serve a checkpoint whose generation config names `stops`."""
+    return (f"the checkpoint's generation config names stop_strings={stops!r}, but a continuous-batching manager stops "
+            "a request at its EOS ids and max_new_tokens only: serve it without --continuous-batching, or remove "
+            "stop_strings from its generation_config.json.")
+
+
 SERVED: dict[type, type] = {}  # a model class -> its `served_class`
 IN_SERVED_CALL = contextvars.ContextVar("in_served_call", default=False)  # inside a served class's `generate`
 
@@ -190,10 +197,7 @@ def served_class(model_class: type) -> type:
                 # such a checkpoint (anything but a config or None: the manager's own refusal)
                 given = generation_config is None or isinstance(generation_config, GenerationConfig)
                 if self.checkpoint_stops and given and getattr(generation_config, "stop_strings", None) is None:
-                    raise ValueError(f"the checkpoint's generation config names stop_strings="
-                                     f"{self.checkpoint_stops!r}, but a continuous-batching manager stops a request "
-                                     "at its EOS ids and max_new_tokens only: serve it without --continuous-batching, "
-                                     "or remove stop_strings from its generation_config.json.")
+                    raise ValueError(batching_refusal(self.checkpoint_stops))
                 return super().init_continuous_batching(generation_config, *args, **kwargs)
 
         Served.__name__ = Served.__qualname__ = model_class.__name__

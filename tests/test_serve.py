@@ -609,6 +609,21 @@ def test_a_checkpoint_that_does_not_load_is_one_line_exit_2(capsys, checkpoint, 
     assert "the model did not load: The checkpoint does not match" in one_error_line(capsys, "serve")
 
 
+def test_continuous_batching_of_a_checkpoint_with_stop_strings_is_one_line_before_the_model_loads(
+        capsys, checkpoint, tmp_path, monkeypatch):
+    """A manager stops at EOS and the token limit only: the checkpoint's stop strings are refused at start, in one
+    line naming the fix (it failed in the model's process: transformers' traceback, then "the model did not load",
+    naming a fix for model.generate)."""
+    folder = tmp_path / "model"
+    shutil.copytree(checkpoint, folder)
+    settings = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**settings, "stop_strings": ["zzq"]}))
+    monkeypatch.setattr(serving, "openai_errors", lambda *a: pytest.fail("the server was set up"))
+    assert cli.main(["serve", str(folder), "--port", str(free_port()), "--continuous-batching"]) == 2
+    assert ("names stop_strings=['zzq'], but a continuous-batching manager stops a request at its EOS ids and "
+            "max_new_tokens only: serve it without --continuous-batching") in one_error_line(capsys, "serve")
+
+
 def test_an_address_in_use_is_one_line_exit_2_before_the_model_loads(capsys, monkeypatch):
     """A port another socket listens on is refused in one line (before: uvicorn's error inside 40 lines of log, exit
     3, after the model had loaded); nothing is loaded."""
