@@ -20,6 +20,7 @@ import copy
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
+from .generation.inputs import stop_strings_given
 from .serving_events import rewritten
 
 
@@ -139,11 +140,10 @@ def output_stops(kwargs: dict, inputs=None, default=None) -> dict:
     stop strings that are not a non-empty string or a list of them (`generate` refuses those, naming them)."""
     config = kwargs.get("generation_config")
     stops = kwargs.get("stop_strings") or getattr(config, "stop_strings", None) or default
-    stops = (stops,) if isinstance(stops, str) else stops
     ids, tokenizer = kwargs.get("input_ids") if inputs is None else inputs, kwargs.get("tokenizer")
-    if not (isinstance(stops, (list, tuple)) and stops and all(isinstance(stop, str) and stop for stop in stops)
-            and torch.is_tensor(ids) and ids.ndim == 2 and tokenizer is not None):
+    if not (stop_strings_given(stops) and torch.is_tensor(ids) and ids.ndim == 2 and tokenizer is not None):
         return kwargs
+    stops = (stops,) if isinstance(stops, str) else stops
     kwargs = {key: value for key, value in kwargs.items() if key != "stop_strings"}
     if getattr(config, "stop_strings", None):
         kwargs["generation_config"] = config = copy.deepcopy(config)

@@ -198,8 +198,7 @@ def check_generation_values(settings) -> None:
         raise ValueError(f"prefill_chunk_size={chunk!r} must be a Python integer >= 1 (the prompt's tokens per prefill "
                          "call), or None to prefill in one call.")
     stops = get("stop_strings")
-    if stops is not None and not (isinstance(stops, str) and stops or isinstance(stops, (list, tuple)) and stops
-                                  and all(isinstance(stop, str) and stop for stop in stops)):
+    if stops is not None and not stop_strings_given(stops):
         raise ValueError(f"stop_strings={stops!r} must be a non-empty string or a non-empty list of them (an empty "
                          "string would stop at once); pass e.g. stop_strings=['\\n\\n'] with tokenizer=..., or None "
                          "for no stop strings.")
@@ -210,6 +209,12 @@ def check_generation_values(settings) -> None:
         if value is not None and (ids is None or one and (len(ids) != 1 or isinstance(value, (list, tuple)))):
             also = ", or a list of them" if key == "eos_token_id" else ""
             raise ValueError(f"{key}={value!r} must be a token id (an integer{also}), or None to leave it unset.")
+
+
+def stop_strings_given(stops) -> bool:
+    """Whether `stops` is what `stop_strings` takes: a non-empty string, or a non-empty list or tuple of them."""
+    return isinstance(stops, str) and bool(stops) or isinstance(stops, (list, tuple)) and bool(stops) and all(
+        isinstance(stop, str) and stop for stop in stops)
 
 
 def token_id_values(value) -> list[int] | None:
