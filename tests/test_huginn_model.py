@@ -710,6 +710,9 @@ def test_bad_inputs_raise():
         model(inputs_embeds=torch.zeros(1, 2, 32))
     with pytest.raises(ValueError, match="input_ids: none given"):  # (it blamed inputs_embeds, never passed)
         model(attention_mask=torch.ones(1, 2, dtype=torch.long))
+    for bad in (torch.arange(2.0), torch.ones(2, dtype=torch.bool)):  # (float: a TypeError keying the states)
+        with pytest.raises(ValueError, match=f"position_ids has dtype {bad.dtype}; .* integer tensor"):
+            model(torch.tensor([[3, 5]]), position_ids=bad, init_scale=1.0)
 
 
 @pytest.mark.parametrize(("filled", "continued"), [(4, 2), (6, 3)])

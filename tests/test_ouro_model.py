@@ -604,6 +604,7 @@ def test_logits_to_keep_takes_a_count_or_the_positions_to_keep():
     ({"position_ids": torch.arange(7)[None].expand(3, 7)}, r"position_ids has shape \(3, 7\)"),
     # an AttributeError ('list' object has no attribute 'shape'), and Tensor.item()'s RuntimeError on the meta device
     ({"position_ids": list(range(7))}, r"position_ids must be a torch tensor, got a list"),
+    ({"position_ids": torch.arange(7.0)}, r"position_ids has dtype torch.float32; .* integer tensor"),
     ({"attention_mask": np.ones((2, 7), dtype=np.int64)}, r"attention_mask must be a torch tensor .* got a ndarray"),
     ({"attention_mask": torch.ones(2, 7, dtype=torch.long, device="meta")}, "attention_mask is on the meta device"),
 ])

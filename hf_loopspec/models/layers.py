@@ -96,7 +96,7 @@ def check_forward_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Te
                          hidden_size: int | None = None) -> None:
     """`ValueError` unless exactly one of `input_ids` `[batch, length]` (integers) and `inputs_embeds` `[batch, length,
     hidden_size]` is given, with that shape, `position_ids` (if any) hold one position per input token (`[batch,
-    length]`, `[1, length]` or `[length]`), and `output_attentions` is not asked for (no attention weights are
+    length]`, `[1, length]` or `[length]`, integers), and `output_attentions` is not asked for (no attention weights are
     materialized). Each failed later in torch with a message that names no argument."""
     if output_attentions:
         raise ValueError("output_attentions=True is not supported: the looped models' attention (dense or paged, "
@@ -123,6 +123,10 @@ def check_forward_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Te
     if position_ids is not None and tuple(position_ids.shape) not in ((batch, length), (1, length), (length,)):
         raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, but the input is [{batch}, {length}] "
                          f"tokens: pass one position per token, [{batch}, {length}], [1, {length}] or [{length}].")
+    if position_ids is not None and (position_ids.is_floating_point() or position_ids.is_complex()
+                                     or position_ids.dtype == torch.bool):  # (Huginn keys states by them: a TypeError)
+        raise ValueError(f"position_ids has dtype {position_ids.dtype}; positions are token indices: pass an integer "
+                         "tensor (position_ids.long()).")
 
 
 def kept_positions(logits_to_keep) -> slice | torch.Tensor:
