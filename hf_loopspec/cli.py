@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "lm-eval":
             from .evaluation import run_lm_eval
 
-            return run_lm_eval(args.args)
+            args.debug = "--debug" in args.args  # (ours, not lm-eval's: its parser refuses it)
+            return run_lm_eval([arg for arg in args.args if arg != "--debug"])
         from .bench import main as bench_main
 
         return bench_main.main_from_args(args)

@@ -26,8 +26,10 @@ def run_lm_eval(args: list[str]) -> int:
 
     `FileNotFoundError` first when `--model_args pretrained=PATH` names a path that does not exist and is no Hub id
     either (lm-eval would report it as a malformed repo id), and `ValueError` for a `dtype` that torch does not have
-    or a key that the model's `from_pretrained` does not take (lm-eval's own errors for them are tracebacks)."""
+    or a key that the model's `from_pretrained` does not take (lm-eval's own errors for them are tracebacks), and
+    for a `--batch_size` it cannot read (its error came after the model loaded)."""
     args = check_model_args(args)
+    check_batch_size(args)
     check_device(args)
     check_processes(args)
     try:
@@ -104,6 +106,28 @@ def check_model_args(args: list[str]) -> list[str]:
             except FileNotFoundError as err:
                 raise FileNotFoundError(f"{MODEL_ARGS} pretrained={value}: {err}") from None
     return [*rest, MODEL_ARGS, json.dumps(model_args)]
+
+
+def check_batch_size(args: list[str]) -> None:
+    """`ValueError` naming `--batch_size` (`-b`) unless its value is one lm-eval's `hf` backend reads: a whole
+    number >= 1, `auto`, or `auto:N` (N > 0 re-detections). lm-eval's own error came once the model had loaded,
+    naming neither the flag nor a fix (`invalid literal for int()`)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--batch_size", "-b", default=None)
+    try:
+        value = parser.parse_known_args(args)[0].batch_size
+    except (argparse.ArgumentError, SystemExit):  # (a flag without its value: lm-eval's parser says so)
+        return
+    if value is None or value.isdigit() and int(value) >= 1 or value == "auto":
+        return
+    head, _, times = value.partition(":")
+    try:
+        if head == "auto" and float(times) > 0:
+            return
+    except ValueError:
+        pass
+    raise ValueError(f"--batch_size {value}: pass a whole number >= 1, auto (the largest batch that fits) or auto:N "
+                     "(detected again N times).")
 
 
 def check_device(args: list[str]) -> None:

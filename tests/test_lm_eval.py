@@ -231,3 +231,30 @@ def test_a_home_relative_folder_is_expanded_before_lm_eval_sees_it(monkeypatch, 
     checked = evaluation.check_model_args(["-a", "pretrained=default,tokenizer=default"])
     assert json.loads(checked[1]) == {"pretrained": str(default_model_path()), "tokenizer": str(default_model_path())}
     evaluation.check_device(["--device", "auto"])  # lm-eval's to read (it picks cuda when there is one, else cpu)
+
+
+@pytest.mark.parametrize("batch_size", ["abc", "0", "auto:x", "auto:0"])
+def test_a_bad_batch_size_ends_in_one_line_before_anything_loads(monkeypatch, capsys, batch_size):
+    """lm-eval read `--batch_size abc` once the model had loaded: `invalid literal for int()`, naming no flag."""
+    import lm_eval.__main__
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: pytest.fail("lm-eval ran"))
+    code = cli.main(["lm-eval", "run", "--model", "hf", "--tasks", TASK, "--batch_size", batch_size])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"hf-loopspec lm-eval: error: --batch_size {batch_size}: pass a whole number >= 1, "
+                                 "auto (the largest batch that fits) or auto:N (detected again N times)."]
+    for good in ("8", "auto", "auto:4"):
+        evaluation.check_batch_size(["run", "-b", good])
+
+
+def test_debug_shows_the_traceback_and_is_not_handed_to_lm_eval(monkeypatch):
+    """docs/cli.md: `--debug` shows the traceback, for every command; lm-eval's parser refused it as unrecognized,
+    and a refused argument still ended in the one line."""
+    import lm_eval.__main__
+
+    seen = []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.append(list(sys.argv)))
+    assert cli.main(["lm-eval", "run", "--tasks", TASK, "--debug", "--limit", "1"]) == 0
+    assert seen == [["lm-eval", "run", "--tasks", TASK, "--limit", "1"]]
+    with pytest.raises(ValueError, match="--batch_size abc"):
+        cli.main(["lm-eval", "run", "--tasks", TASK, "--batch_size", "abc", "--debug"])
