@@ -5,6 +5,7 @@ other prompts its card shows, with the same settings) does not fall into degener
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import math
@@ -149,6 +150,25 @@ def test_pipeline_equals_plain_greedy(model, tokenizer):
     assert spec.sequences.tolist() == plain.tolist()
     stats = spec.speculation
     assert stats.verified > 0 and stats.core_calls_per_token < model.num_loops
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "block", "auto"])
+def test_token_healing_decodes_as_plain_or_refuses_a_mask_it_no_longer_fits(model, tokenizer, mode):
+    """transformers' `token_healing` rewrites the prompt; in a padded batch it can narrow it and leave the mask as it
+    was, which plain decoding refuses naming attention_mask and the speculative modes read row by row (an
+    IndexError). One prompt heals and decodes as plain decoding does."""
+    settings = {"max_new_tokens": 8, "do_sample": False, "token_healing": True, "tokenizer": tokenizer}
+    one = tokenizer(["The link is http://www"], return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(model.generate(**one, **settings, speculative_mode=mode),
+                           model.generate(**one, **settings, speculative_mode=None))
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.padding_side = "left"
+    batch = tokenizer(["The link is http://www", "Hello, my name is", "Once upon a time in a land far away there "],
+                      return_tensors="pt", padding=True)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"attention_mask has shape \(3, 18\), but the prompt "
+                                                          r"decoding starts from has shape \(3, 17\)"):
+        model.generate(**batch, **settings | {"tokenizer": tokenizer}, speculative_mode=mode)
 
 
 def test_generation_config_leaves_the_length_to_the_caller(model, tokenizer, folder):

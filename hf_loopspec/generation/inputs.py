@@ -5,8 +5,9 @@ transformers lets some malformed inputs through to the model, where they fail la
 whose first token would come from no context at all). Each check here raises a `ValueError` that names the
 argument, its value and the fix: ids that are no int64 / int32 tensor of values (a list, floats, int8, the meta
 device), no rows, ids outside the vocabulary, a bool where generate counts tokens (`top_k=True`), and, in the
-speculative modes, right padding (`check_left_padded`) and positions of the caller's own (`check_model_kwargs`);
-and assisted decoding continuing a filled cache (`check_assisted_continuation`).
+speculative modes, right padding (`check_left_padded`), a mask that no longer fits the prompt
+(`check_decoding_mask`) and positions of the caller's own (`check_model_kwargs`); and assisted decoding continuing a
+filled cache (`check_assisted_continuation`).
 """
 
 from __future__ import annotations
@@ -332,6 +333,17 @@ def check_assisted_continuation(kwargs: dict, model_config, past: int) -> None:
     raise ValueError(f"{what} cannot continue a cache that already holds {past} columns: transformers' assisted "
                      "decoding feeds the whole input again, which would store the history twice. Pass the whole "
                      f"sequence with a fresh cache (or none), or drop {what} for this turn.")
+
+
+def check_decoding_mask(attention_mask, input_ids: torch.Tensor, mode: str) -> None:
+    """`check_left_padded`, after a `ValueError` for a mask that no longer fits the prompt decoding starts from:
+    transformers' `token_healing` rewrites the prompt (a padded batch's width can change) and leaves the mask as it
+    was, which plain decoding refuses in its first forward call and the engines read row by row (an IndexError)."""
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, but the prompt decoding starts from "
+                         f"has shape {tuple(input_ids.shape)} (token_healing rewrote it, leaving the mask as it was): "
+                         "heal one prompt per call (no padding), or drop token_healing.")
+    check_left_padded(attention_mask, mode)
 
 
 def check_left_padded(attention_mask, mode: str) -> None:

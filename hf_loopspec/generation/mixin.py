@@ -58,8 +58,8 @@ from .inputs import (
     check_assisted_continuation,
     check_cache_implementation,
     check_cache_use,
+    check_decoding_mask,
     check_generation_values,
-    check_left_padded,
     check_model_kwargs,
     check_pad_token,
     check_reference_inputs,
@@ -341,7 +341,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         if spec.mode == AUTO_MODE:  # `generate` runs auto itself (`generation.auto`); a hook reached another way
             raise ValueError("speculative_mode='auto' is decoded by model.generate(...) itself; call generate, or "
                              "pass speculative_mode='pipeline' or 'block'.")
-        check_left_padded(model_kwargs.get("attention_mask"), spec.mode)
+        check_decoding_mask(model_kwargs.get("attention_mask"), input_ids, spec.mode)
         fallback = model_fallback(self) or plain_fallback(logits_processor) \
             or settings_fallback(generation_config, synced_gpus)
         if fallback is not None:
