@@ -3,10 +3,10 @@ processor (through transformers' logging, so its verbosity applies), and reports
 `out.speculation.fallback`; the output is plain decoding's.
 
 The cases are a stateful processor that runs the model on its own context (classifier-free guidance through
-`guidance_scale`), watermarking (`SynthIDTextWatermarkingConfig`, under seeded sampling), a penalty on each row's
-prompt tokens (`encoder_repetition_penalty`) and a user's processor that treats batch rows differently. Each is first
-shown to change plain decoding's output, so equality is not vacuous; the expectation is plain decoding with the same
-settings.
+`guidance_scale`), watermarking (`SynthIDTextWatermarkingConfig`, under seeded sampling), a penalty on each row's prompt
+tokens (`encoder_repetition_penalty`), a ban of each row's prompt n-grams (`encoder_no_repeat_ngram_size`) and a user's
+processor that treats batch rows differently. Each is first shown to change plain decoding's output, so equality is not
+vacuous; the expectation is plain decoding with the same settings.
 """
 
 from __future__ import annotations
@@ -46,13 +46,14 @@ CASES = {
         keys=[654, 400, 836, 123, 340], ngram_len=3)}, "SynthIDTextWatermarkLogitsProcessor"),
     "row_bias": ({"logits_processor": LogitsProcessorList([RowBias()])}, "RowBias"),
     "encoder_penalty": ({"encoder_repetition_penalty": 3.0}, "EncoderRepetitionPenaltyLogitsProcessor"),
+    "encoder_no_repeat": ({"encoder_no_repeat_ngram_size": 1}, "EncoderNoRepeatNGramLogitsProcessor"),
 }
 
 
 @pytest.fixture(scope="module")
 def setup():
     model = tiny_spec_model(81, 4, vocab=VOCAB, damp=0.15)
-    return model, *left_pad(random_prompts(81, [5, 3], VOCAB))
+    return model, *left_pad(random_prompts(81, [6, 3], VOCAB))
 
 
 def run(model, ids, mask, seed=0, **kwargs):
@@ -92,7 +93,8 @@ def test_auto_reports_the_fallback_whatever_it_would_choose(setup, case, caplog,
     model, ids, mask = setup
     settings, name = CASES[case]
     name = {"guidance_scale": "guidance_scale=1.5", "synthid": "watermarking_config",
-            "encoder_penalty": "encoder_repetition_penalty=3.0"}.get(case, name)
+            "encoder_penalty": "encoder_repetition_penalty=3.0",
+            "encoder_no_repeat": "encoder_no_repeat_ngram_size=1"}.get(case, name)
     low = auto_policy.Acceptance({1: 0.0, 2: 0.0}, {1: 500.0, 2: 500.0})  # auto would choose plain decoding
     monkeypatch.setattr(auto_policy, "remembered", lambda model, settings: low.copy())
     monkeypatch.setattr(auto, "remembered", lambda model, settings: low.copy())
