@@ -729,6 +729,29 @@ def test_a_dynamic_cache_of_more_steps_is_refused(filled, continued):
             model.generate(first, cache=cache, max_new_tokens=2, num_steps=continued, **settings)
 
 
+@pytest.mark.parametrize(("filled", "continued"), [(2, 4), (3, 6)])
+def test_a_dynamic_cache_of_fewer_steps_is_refused_and_left_as_it_was(filled, continued):
+    """Continued at more recurrence steps, a `DynamicCache` has its planes where this call reads others (its entry
+    plane as a core plane, with fewer layers): refused naming the fix, where plain decoding raised a RuntimeError of
+    mismatched sizes inside attention; the cache still continues at the steps that filled it. (Entry and exit stages
+    of one layer, fewer than the core's two: the plane's first layer alone reads as filled.)"""
+    model, _ = tiny_huginn(n_layers_in_prelude=1, n_layers_in_coda=1)
+    ids = random_ids((2, 5), VOCAB)
+    settings = {"init_scale": 0.0, "do_sample": False, "pad_token_id": PAD, "eos_token_id": None, "max_new_tokens": 3}
+    cache = DynamicCache()
+    with torch.no_grad():
+        first = model.generate(ids, cache=cache, num_steps=filled, **settings)
+        held = [None if layer.keys is None else layer.keys.clone() for layer in cache.layers]  # (unused: None)
+        longer = torch.cat([first, first[:, -1:]], 1)  # (two columns to feed: the last token, and one more)
+        with pytest.raises(ValueError, match=f"layer 1 of KV plane {filled} of the cache holds 0 positions, but this "
+                                             "call continues from 7: continue a cache with the settings that filled"):
+            model.generate(longer, cache=cache, num_steps=continued, speculative_mode=None, **settings)
+        assert all(keys is layer.keys is None or torch.equal(layer.keys, keys)
+                   for layer, keys in zip(cache.layers, held, strict=True))
+        again = model.generate(longer, cache=cache, num_steps=filled, **settings)
+        assert torch.equal(again, model.generate(longer, num_steps=filled, **settings))
+
+
 def test_seeded_initial_states_do_not_depend_on_torchs_default_dtype():
     """The keyed initial states were drawn into a tensor of torch's default dtype: under
     `torch.set_default_dtype(torch.float64)` the same fp32 model and `init_seed` gave other logits and tokens."""

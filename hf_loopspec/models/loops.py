@@ -125,16 +125,10 @@ class _DenseRows(ForwardRows):
         return x
 
     def attention(self, plane):
-        first_layer = plane * self.layout.num_layers
         grows = self.cache is not None and not torch.is_tensor(self.past)  # (checked on growing caches only)
-        if grows and self.cache.get_seq_length(first_layer) != self.past:
-            raise ValueError(
-                f"KV plane {plane} of the cache holds {self.cache.get_seq_length(first_layer)} positions, but this "
-                f"call continues from {self.past}: continue a cache with the settings that filled it (the same "
-                "number of loops or recurrence steps, and per-step outputs requested on every call or on none)."
-            )
         self.written.append(plane)
-        return DenseKVAttention(self.cache, self.mask, plane, self.layout.num_layers, self.layout.head_dim**-0.5)
+        return DenseKVAttention(self.cache, self.mask, plane, self.layout.num_layers, self.layout.head_dim**-0.5,
+                                past=self.past if grows else None)
 
     def roll_back(self) -> None:
         """Crop every layer of the planes this call has written back to the `past` columns it started from (a static

@@ -57,15 +57,20 @@ def padded_causal_mask(
 class DenseKVAttention:
     """`KVAttention` for rows laid out as `[B, T]` at one loop depth, backed by a `transformers` Cache.
 
-    `cache` may be `None` (no caching: keys are the current tokens only).
+    `cache` may be `None` (no caching: keys are the current tokens only). With `past` (a growing cache's count of
+    columns before this call), each layer must hold exactly that many before it takes the new ones: a cache filled
+    under other settings (Huginn's planes move with `num_steps`) is refused naming the fix, where attention over
+    mismatched columns failed in torch.
     """
 
-    def __init__(self, cache: Cache | None, mask: torch.Tensor | None, depth: int, num_layers: int, scale: float):
+    def __init__(self, cache: Cache | None, mask: torch.Tensor | None, depth: int, num_layers: int, scale: float,
+                 past: int | None = None):
         self.cache = cache
         self.mask = mask
         self.depth = depth
         self.num_layers = num_layers
         self.scale = scale
+        self.past = past
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [B, T, Hq, D]   k, v: [B, T, Hkv, D]
@@ -73,6 +78,11 @@ class DenseKVAttention:
         k, v = stored(k, k.dtype), stored(v, v.dtype)  # as every path stores them (a padding token's inf: masked)
         if self.cache is not None:
             index = self.depth * self.num_layers + layer_idx
+            if self.past is not None and (held := self.cache.get_seq_length(index)) != self.past:
+                raise ValueError(
+                    f"layer {layer_idx} of KV plane {self.depth} of the cache holds {held} positions, but this call "
+                    f"continues from {self.past}: continue a cache with the settings that filled it (the same number "
+                    "of loops or recurrence steps, and per-step outputs requested on every call or on none).")
             if layer_idx == 0 and index < len(self.cache.layers):  # (once per plane and call: its first layer)
                 check_kv_continues(self.cache, k.dtype, k.device, held=getattr(self.cache.layers[index], "keys", None))
             k, v = self.cache.update(k, v, index)  # [B, Hkv, S, D]
