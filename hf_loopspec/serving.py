@@ -31,7 +31,8 @@ lists it: the embedded model's folder by default) or leave it out. A request tha
 >= 1, gets HTTP 400 with the reason (`serving_requests.request_problem`; transformers would ignore them, or round 1.5
 down, with a line in the server's log only). HTTP errors, a body that is not JSON or nests too deeply included, and a
 stream's error event come in OpenAI's error shape (`openai_errors`), so an `openai` client's exception says why (a
-chat or completions stream failing before its first token gets the status a request without streaming gets);
+chat, completions or Responses stream failing before its first token gets the status a request without streaming
+gets: `serving_streams`);
 `suffix`, `tools`, a `response_format` and the Responses API's `text.format`, `previous_response_id` and `include`,
 which transformers' handlers would drop, get HTTP 400 too, and so do values they would fail on with a bare 500
 (`serving_requests.value_problem`: a lone surrogate, a numeric `stop`, `messages` as a string or without roles, content
@@ -50,7 +51,6 @@ Responses answer that reached its token limit is "incomplete" (`serving_response
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import logging
 import sys
@@ -58,11 +58,11 @@ import sys
 from .serving_requests import body_problem, template_refusal
 from .serving_responses import HANDLERS_LEAST, checkpoint_generation_config, default_limit, with_status
 from .serving_stops import batching_refusal, served_class, without_stops
+from .serving_streams import failure, openai_error_events, stream_status, tag_stream_errors
 
 DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
 DONE_STREAMS = frozenset({"/v1/chat/completions", "/v1/completions"})  # OpenAI ends their streams with [DONE]
 SERVER_LOG = logging.getLogger("uvicorn.error")  # where uvicorn logs a failed request
-STREAM_FAILURES = collections.deque(maxlen=256)  # (message, status) of stream errors no refusal (`tag_stream_errors`)
 # what the model's process (transformers 5.25) raises for a checkpoint it cannot load: the user's to fix
 LOAD_REFUSALS = frozenset({"ValueError", "OSError", "FileNotFoundError", "IsADirectoryError", "PermissionError"})
 OWN_HELP = ("\n\nhf-loopspec serve: FORCE_MODEL (MODEL) defaults to the embedded default model; --threads N sets "
@@ -178,14 +178,14 @@ def chat_template_note(spec: str) -> str | None:
 def openai_errors(positions: int | None = None, limit: int = HANDLERS_LEAST) -> None:
     """Make the server answer its HTTP errors in OpenAI's error shape, `{"error": {"message", "type", "code"}}` (the
     `openai` client puts `message` into its exception's text; with FastAPI's own `{"detail": ...}` it shows only the
-    status), with FastAPI's `detail` kept beside it, a `ValueError` a request raises (settings `generate` refuses)
-    as a 400 in that shape instead of a bare 500, and a POST whose JSON body `request_problem` refuses (for a model
-    of `positions` positions) as a 400 before transformers reads it; a handler's failure as a 500 (answered, not
-    raised on: uvicorn would close the connection), transformers' dead engine as a 503, and a chat or completions
-    stream that fails before its first token with one of those (`stream_status`); a Responses answer that reached
-    its token limit (`limit` when the request sets none) as "incomplete" (`serving_responses`). Wraps
-    `build_server`, which transformers' `Serve` imports when it is constructed; idempotent, and a later call sets the
-    positions and limit the next server takes."""
+    status), with FastAPI's `detail` kept beside it, a `ValueError` a request raises (settings `generate` refuses) as a
+    400 in that shape instead of a bare 500, and a POST whose JSON body `request_problem` refuses (for a model of
+    `positions` positions) as a 400 before transformers reads it; a handler's failure as a 500 (answered, not raised on:
+    uvicorn would close the connection), transformers' dead engine as a 503, and a chat, completions or Responses stream
+    that fails before its first token with one of those (`stream_status`); a Responses answer that reached its token
+    limit (`limit` when the request sets none) as "incomplete" (`serving_responses`). Wraps `build_server`, which
+    transformers' `Serve` imports when it is constructed; idempotent, and a later call sets the positions and limit the
+    next server takes."""
     from transformers.cli.serving import server
     from transformers.cli.serving import utils as serving_utils
 
@@ -231,12 +231,12 @@ def openai_errors(positions: int | None = None, limit: int = HANDLERS_LEAST) -> 
                 return await failed(request, error)
             response = await as_openai_answers(request, response)
             if response.headers.get("content-type", "").startswith("text/event-stream"):
-                done, chunks = request.url.path.rstrip("/") in DONE_STREAMS, response.body_iterator
-                if done:  # failed before its first token: the status it gets without streaming
-                    status, detail, chunks = await stream_status(chunks)
+                path, chunks = request.url.path.rstrip("/"), response.body_iterator
+                if path in (*DONE_STREAMS, "/v1/responses"):  # failed before its first token: the status it gets
+                    status, detail, chunks = await stream_status(chunks)  # without streaming
                     if status is not None:
                         return await answer(request, HTTPException(status_code=status, detail=detail))
-                response.body_iterator = openai_error_events(chunks, done)
+                response.body_iterator = openai_error_events(chunks, path in DONE_STREAMS)
             return response
 
         async def dead(request, error: Exception) -> JSONResponse:  # transformers' 503, in OpenAI's shape
@@ -265,123 +265,6 @@ async def as_openai_answers(request, response):
     if getattr(request.state, "limit", None) is not None:
         response = await with_status(response, request.state.limit)
     return response
-
-
-async def stream_status(chunks) -> tuple[int | None, str | None, object]:
-    """`(status, reason, chunks to send)` for a chat or completions stream: a stream that failed before its first
-    token gets the status the request gets without streaming (400 for a refusal; for a failure `STREAM_FAILURES`
-    holds, 503 when the model's engine died, else 500) and no chunks; any other stream `(None, None, its chunks)`."""
-    message, read = await error_before_tokens(chunks)
-    if message is None:
-        return None, None, replayed(read, chunks)
-    await chunks.aclose()  # (its handler's clean-up)
-    status = recorded_status(message)
-    return status, failure(message) if status == 500 else message, None
-
-
-def recorded_status(message: str) -> int:
-    """The status of a stream error of text `message`: the one `STREAM_FAILURES` holds for it (taken from there), else
-    400 (a refusal)."""
-    entry = next((entry for entry in STREAM_FAILURES if entry[0] == message), None)
-    if entry is None:
-        return 400
-    STREAM_FAILURES.remove(entry)
-    return entry[1]
-
-
-def failure(text: str) -> str:
-    """The reason of a 500: the server failed on a request (`text`: the error's type and message)."""
-    return (f"the server failed on this request ({text}); a field of the request may lack what the server reads (see "
-            "the server's log).")
-
-
-def tag_stream_errors() -> None:
-    """Make the stream errors transformers' serving modules create (`_StreamError`, which carries a message only: the
-    error's text, to which a failure's type is added) record the message and status of failures that are no refusal (any
-    exception but a `ValueError`) in `STREAM_FAILURES`, so that a stream failing before its first token gets the status
-    a request without streaming gets: 400 for a refusal, 503 when the model's engine died (`EngineDeadError`), else 500.
-    Idempotent. One subclass replaces the class in every module that holds it, so that the handlers' `isinstance` checks
-    hold whichever of the two their module imported (a handler module imported after a subclass of one module's name,
-    and errors made from another's, read a stream's error as text to send: a TypeError, and an empty stream)."""
-    from transformers.cli.serving import model_manager, utils
-
-    dead = getattr(utils, "EngineDeadError", ())
-    base = utils._StreamError
-    if getattr(base, "records_failures", False):
-        return
-
-    class StreamError(base):
-        records_failures = True
-
-        def __init__(self, msg: str):
-            error = sys.exc_info()[1]  # (created in the `except` block of the failed request, from its text alone)
-            failed = error is not None and not isinstance(error, ValueError) and not template_refusal(error)
-            if failed and not msg.startswith(f"{type(error).__name__}:"):  # a failure's message names its type
-                msg = f"{type(error).__name__}: {msg}"
-            super().__init__(msg)
-            if failed:
-                STREAM_FAILURES.append((msg, 503 if isinstance(error, dead) else 500))
-
-    for module in (model_manager, utils):  # where 5.25 (model_manager) and 5.24 (utils) create them
-        if getattr(module, "_StreamError", None) is base:
-            module._StreamError = StreamError
-
-
-async def error_before_tokens(chunks) -> tuple[str | None, list]:
-    """`(message, chunks read)`: the message of the error event a chat or completions stream sent before any token (a
-    request that failed, or whose settings `generate` refused, as it started), or None once an event of another kind
-    came (a chat stream's first event, which names the assistant's role only, is skipped); the chunks read, to be
-    sent on."""
-    read = []
-    async for chunk in chunks:
-        read.append(chunk)
-        raw = chunk if isinstance(chunk, bytes) else chunk.encode("utf-8")
-        try:
-            event = json.loads(raw[len(b"data: "):]) if raw.startswith(b"data: {") else None
-        except ValueError:  # not one whole event
-            event = None
-        if not isinstance(event, dict):
-            return None, read
-        if isinstance(event.get("error"), str):
-            return event["error"], read
-        choice = (event.get("choices") or [{}])[0]
-        delta = choice.get("delta") if isinstance(choice, dict) else None
-        role_only = isinstance(delta, dict) and not choice.get("finish_reason") and not any(
-            value for key, value in delta.items() if key != "role")
-        if not role_only:
-            return None, read
-    return None, read
-
-
-async def replayed(read: list, chunks):
-    """The chunks `read`, then the rest of `chunks`."""
-    for chunk in read:
-        yield chunk
-    async for chunk in chunks:
-        yield chunk
-
-
-async def openai_error_events(chunks, done: bool = False):
-    """A stream's server-sent events, an error event `data: {"error": "text"}` (transformers' handlers send one when a
-    request fails after its stream began) rewritten in OpenAI's shape, `{"error": {"message": "text", ...}}`, whose
-    message the `openai` client puts in its exception, with the type and code of its status (`recorded_status`); with
-    `done`, the stream ends with OpenAI's `data: [DONE]` event (the chat and legacy completions streams do; clients that
-    wait for it would otherwise wait for the connection to close)."""
-    async for chunk in chunks:
-        raw = chunk if isinstance(chunk, bytes) else chunk.encode("utf-8")  # (bytes: never split a character)
-        if raw.startswith(b'data: {"error": "'):
-            try:
-                payload = json.loads(raw[len(b"data: "):])
-            except ValueError:  # not one whole event: passed on as it came
-                payload = {}
-            if isinstance(payload.get("error"), str):
-                status = recorded_status(payload["error"])
-                kind = "invalid_request_error" if status < 500 else "server_error"
-                error = {"message": payload["error"], "type": kind, "code": status}
-                chunk = f"data: {json.dumps({'error': error})}\n\n".encode()
-        yield chunk
-    if done:
-        yield b"data: [DONE]\n\n"
 
 
 def start(argv: list[str]):

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cli.serve import Serve
 
 import hf_loopspec
-from hf_loopspec import cli, serving, serving_batching, serving_requests
+from hf_loopspec import cli, serving, serving_batching, serving_requests, serving_streams
 from hf_loopspec.generation import mixin
 from hf_loopspec.generation.continuous.manager import LoopBatchingManager
 from hf_loopspec.generation.dispatch import SpeculativeRequest
@@ -265,6 +265,10 @@ def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, referenc
                 model=checkpoint, prompt=PROMPTS[0], max_tokens=4, stream=stream,
                 extra_body={"generation_config": json.dumps({"num_beams": "x"})}))
             assert re.search(r"Error code: 500 .*the server failed on this request .*TypeError", failed), failed
+        reason = refusal(lambda: client.responses.create(  # (a 200 stream of an error event, coded server_error)
+            model=checkpoint, input=PROMPTS[0], max_output_tokens=4, stream=True,
+            extra_body={"generation_config": json.dumps(bad)}))
+        assert re.search(r"Error code: 400 .*draft_loops=3", reason), reason
         reason = refusal(lambda: client.completions.create(model=checkpoint, prompt=PROMPTS[0], max_tokens=1.5))
         assert re.search(r"Error code: 400 .*max_tokens=1.5 must be a whole number", reason), reason
         reason = refusal(lambda: client.completions.create(model=checkpoint, prompt=PROMPTS[0], max_tokens=10**6))
@@ -347,29 +351,29 @@ def test_a_streams_error_event_comes_in_openais_shape():
             yield event
 
     async def collect():
-        return [chunk async for chunk in serving.openai_error_events(stream())]
+        return [chunk async for chunk in serving_streams.openai_error_events(stream())]
 
     *kept, last = asyncio.run(collect())
     assert kept == events[:3]  # every other chunk as it came, a split character or event included
     error = json.loads(last.decode()[len("data: "):])["error"]
     assert error == {"message": "stop_strings: not served", "type": "invalid_request_error", "code": 400}
 
-    serving.STREAM_FAILURES.append(("stop_strings: not served", 500))  # a failure, not a refusal (`tag_stream_errors`)
+    serving_streams.STREAM_FAILURES.append(("stop_strings: not served", 500))  # a failure (`tag_stream_errors`)
     *_, failed = asyncio.run(collect())
     error = json.loads(failed.decode()[len("data: "):])["error"]
     assert error == {"message": "stop_strings: not served", "type": "server_error", "code": 500}
-    assert ("stop_strings: not served", 500) not in serving.STREAM_FAILURES  # (taken: its text may come again)
+    assert ("stop_strings: not served", 500) not in serving_streams.STREAM_FAILURES  # (taken: its text may come again)
 
     async def ended():  # a chat or completions stream: OpenAI's last event (transformers sent none)
-        return [chunk async for chunk in serving.openai_error_events(stream(), done=True)]
+        return [chunk async for chunk in serving_streams.openai_error_events(stream(), done=True)]
 
     assert asyncio.run(ended()) == [*kept, last, b"data: [DONE]\n\n"]
 
 
 def test_a_stream_that_fails_before_its_first_token_is_found():
-    """An error event before any token (after a chat stream's role-only first event) is found, for the server to
-    answer with the status the request gets without streaming; a stream whose first event carries a token, or whose
-    error comes after one, is sent on whole."""
+    """An error event before any token (after a chat stream's role-only first event, or a Responses stream's opening
+    events) is found, for the server to answer with the status the request gets without streaming; a stream whose
+    first event carries a token, or whose error comes after one, is sent on whole."""
     role = b'data: {"choices": [{"delta": {"role": "assistant", "content": null}, "index": 0}]}\n\n'
     error = b'data: {"error": "draft_loops=3: refused"}\n\n'
     token = b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
@@ -380,11 +384,18 @@ def test_a_stream_that_fails_before_its_first_token_is_found():
                 yield event
 
         chunks = stream()
-        message, read = await serving.error_before_tokens(chunks)
-        return message, [chunk async for chunk in serving.replayed(read, chunks)]
+        message, read = await serving_streams.error_before_tokens(chunks)
+        return message, [chunk async for chunk in serving_streams.replayed(read, chunks)]
 
+    # the Responses API: its opening events carry no token (transformers sends them as one chunk), its error event
+    # is typed; an output item (a token's) comes before any text
+    opening = b'data: {"type": "response.created"}\n\ndata: {"type": "response.in_progress"}\n\n'
+    typed = b'data: {"message": "draft_loops=3: refused", "type": "error"}\n\ndata: {"type": "response.failed"}\n\n'
+    item = b'data: {"item": {"type": "message"}, "type": "response.output_item.added"}\n\n'
     for events, message in [([error], "draft_loops=3: refused"), ([role, error], "draft_loops=3: refused"),
-                            ([token, error], None), ([role, token, error], None), ([], None)]:
+                            ([token, error], None), ([role, token, error], None), ([], None),
+                            ([opening, typed], "draft_loops=3: refused"), ([opening + typed], "draft_loops=3: refused"),
+                            ([opening, item, typed], None), ([opening[:30], typed], None)]:
         assert asyncio.run(scan(events)) == (message, events)
 
 
@@ -395,8 +406,8 @@ def test_stream_errors_record_the_failures_that_are_no_refusal():
     from transformers.cli.serving import model_manager
     from transformers.cli.serving import utils as serving_utils
 
-    serving.tag_stream_errors()
-    serving.tag_stream_errors()  # idempotent: one subclass, not a chain
+    serving_streams.tag_stream_errors()
+    serving_streams.tag_stream_errors()  # idempotent: one subclass, not a chain
     dead = getattr(serving_utils, "EngineDeadError", None)  # transformers >= 5.25: the model's process died
     for module in (model_manager, serving_utils)[0 if dead else 1:]:  # (5.24 makes them in `utils` alone)
         assert module._StreamError.__bases__[0].__name__ == "_StreamError"
@@ -408,7 +419,7 @@ def test_stream_errors_record_the_failures_that_are_no_refusal():
                 raise error
             except Exception as caught:
                 module._StreamError(str(caught))
-        recorded = [entry for entry in serving.STREAM_FAILURES if entry[0].endswith(f"in {name}")]
+        recorded = [entry for entry in serving_streams.STREAM_FAILURES if entry[0].endswith(f"in {name}")]
         assert recorded == [(f"TypeError: boom in {name}", 500),  # (the type named: transformers sends str(error))
                             *([(f"EngineDeadError: died in {name}", 503)] if dead else [])]
 
@@ -419,8 +430,8 @@ def test_stream_errors_are_one_class_wherever_they_are_read():
     module made, and sent them as text (a TypeError, and an empty stream instead of the refusal)."""
     from transformers.cli.serving import model_manager, utils
 
-    serving.tag_stream_errors()
-    serving.tag_stream_errors()  # (idempotent)
+    serving_streams.tag_stream_errors()
+    serving_streams.tag_stream_errors()  # (idempotent)
     assert utils._StreamError.records_failures
     assert getattr(model_manager, "_StreamError", utils._StreamError) is utils._StreamError
 
@@ -554,6 +565,9 @@ def test_serve_with_continuous_batching_answers_as_plain_generate(checkpoint, re
         for stream in (False, True):  # streaming too: refused before its first token, a 400 (not an error event)
             assert re.search(r"Error code: 400 .*speculative_mode='block' \(the manager's: 'auto'\)",
                              refusal(lambda stream=stream: ask(fast, checkpoint, "block", PROMPTS[0], stream)))
+        block = {"generation_config": json.dumps(BLOCK)}  # the Responses API's stream too
+        assert re.search(r"Error code: 400 .*speculative_mode='block' \(the manager's: 'auto'\)", refusal(
+            lambda: fast.responses.create(model=checkpoint, input=PROMPTS[0], stream=True, extra_body=block)))
         for stream in (False, True):  # past the model's positions: the server refuses it before any slot does
             def call(stream=stream):  # (a slot's own check: test_continuous_batching)
                 response = fast.completions.create(model=checkpoint, prompt="x = [", max_tokens=5000, stream=stream)
