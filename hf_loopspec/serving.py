@@ -98,12 +98,26 @@ def parse(argv: list[str]) -> tuple[dict, argparse.Namespace]:
                          "(its request checks and error answers live in this process); leave the option out.")
     if not 1 <= params["port"] <= 65535:  # uvicorn would listen on another port, or fail after loading
         raise ValueError(f"--port {params['port']}: pass a TCP port in [1, 65535].")
+    check_batching_flags(params)
     if params.get("device") not in (None, "auto"):
         from .loading import resolve_device
 
         resolve_device(params["device"])  # `ValueError` for meta, a missing CUDA, ...: refused before serving
     params["force_model"] = resolve_model(params["force_model"])
     return params, options
+
+
+def check_batching_flags(params: dict) -> None:
+    """`ValueError` (one line, naming the flag) for a `--cb-*` count below 1 or a `--cb-max-memory-percent` outside
+    (0, 1]: the model's manager refused them only once the model had loaded, behind a traceback, naming fields of
+    transformers' `ContinuousBatchingConfig`."""
+    for name in ("cb_block_size", "cb_num_blocks", "cb_max_batch_tokens"):
+        if params.get(name) is not None and params[name] < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {params[name]}: pass a whole number >= 1.")
+    fraction = params.get("cb_max_memory_percent")
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ValueError(f"--cb-max-memory-percent {fraction}: pass a fraction in (0, 1] of the free memory (0.9: "
+                         "90%).")
 
 
 def check_address(host: str, port: int) -> None:

@@ -605,6 +605,12 @@ def test_the_architecture_resolves_where_transformers_serve_looks_it_up(checkpoi
     (["--threads", "0"], "--threads 0"),
     (["--device", "meta"], "--device meta"),
     (["a", "b"], "unexpected extra argument"),
+    # a traceback of the model's process once it had loaded, naming ContinuousBatchingConfig's fields
+    (["--continuous-batching", "--cb-num-blocks", "0"], "--cb-num-blocks 0: pass a whole number >= 1"),
+    (["--cb-block-size", "-3"], "--cb-block-size -3: pass a whole number >= 1"),
+    (["--cb-max-batch-tokens", "0"], "--cb-max-batch-tokens 0: pass a whole number >= 1"),
+    (["--cb-max-memory-percent", "1.5"], r"--cb-max-memory-percent 1.5: pass a fraction in (0, 1]"),
+    (["--cb-max-memory-percent", "0"], "--cb-max-memory-percent 0.0: pass a fraction"),
 ])
 def test_bad_model_or_option_is_one_line_exit_2(capsys, argv, message):
     assert cli.main(["serve", *argv]) == 2
