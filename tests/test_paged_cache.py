@@ -12,9 +12,25 @@ from inputs import left_pad, random_prompts
 from paged_utils import LAYOUT, LIKE, fill_values, paged_plane, read_values, write
 from tolerances import assert_fp32_close, ouro_depth
 from transformers import DynamicCache
+from transformers.generation import utils as generation_utils
 
 from hf_loopspec import KVLayout, PagedLoopCache
 from hf_loopspec.cache.paged import CacheCapacityError, LineageError
+
+DeferredStopCheck = getattr(generation_utils, "DeferredStopCheck", None)
+
+
+class NoEvent:
+    """`torch.Event`'s methods where the device has none to wait for."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args):
+        pass
+
+    def synchronize(self):
+        pass
 
 
 def _tags(cache: PagedLoopCache, seq: int, depth: int, n: int) -> torch.Tensor:
@@ -316,6 +332,22 @@ def model_and_batch(seed: int = 0):
 
 
 class TestPlainGenerateOnPagedCache:
+    @pytest.mark.skipif(DeferredStopCheck is None, reason="transformers < 5.25 has no deferred stop check")
+    def test_plain_generate_defers_its_stop_check_as_on_mps(self, monkeypatch):
+        """On mps, transformers' plain loop checks for a stop one step late and undoes the extra step by `crop(-1)`,
+        first asking the cache how many recurrent states to record: taken over `Cache.layers`, which a
+        PagedLoopCache leaves empty (`max()` of nothing, a ValueError). Run here on a CPU by taking mps' branch."""
+        on_mps = DeferredStopCheck.is_supported
+        monkeypatch.setattr(DeferredStopCheck, "is_supported", staticmethod(
+            lambda device, *args, **kwargs: on_mps(torch.device("mps"), *args, **kwargs)))
+        monkeypatch.setattr(torch, "Event", NoEvent)  # (a CPU has no events: its copies are done when issued)
+        model, ids, mask = model_and_batch()
+        settings = {"attention_mask": mask, "max_new_tokens": 5, "do_sample": False, "speculative_mode": None}
+        dense = model.generate(ids, cache=DynamicCache(), **settings)
+        paged = PagedLoopCache(model.kv_layout, debug=True)
+        assert torch.equal(model.generate(ids, cache=paged, **settings), dense)
+        assert paged.get_seq_length() == dense.shape[1] - 1  # the extra step undone
+
     def test_forward_logits_match_dynamic_cache_with_padding_and_chunks(self):
         model, ids, mask = model_and_batch()
         paged, dense = PagedLoopCache(model.kv_layout, page_size=4, debug=True), DynamicCache()
@@ -328,6 +360,15 @@ class TestPlainGenerateOnPagedCache:
         assert [paged.length(s, 2) for s in range(3)] == mask.sum(-1).tolist()
         layers = model.config.num_hidden_layers
         assert [paged.get_seq_length(p * layers + 1) for p in range(paged.num_planes)] == [9] * paged.num_planes
+        # layer indices as a DynamicCache reads them: negative ones from the last, past the last 0 (a negative index
+        # was taken for a plane and refused naming `plane`)
+        dense_layers = len(dense.layers)
+        for layer in (-1, -layers - 1, -dense_layers, dense_layers - 1, dense_layers, 10 * dense_layers):
+            assert paged.get_seq_length(layer) == dense.get_seq_length(layer), layer
+            assert paged.get_mask_sizes(2, layer) == dense.get_mask_sizes(2, layer), layer
+        for bad in (-dense_layers - 1, 1.5, True):
+            with pytest.raises(ValueError, match=rf"layer_idx={bad!r}: pass a cache layer index, an integer in "):
+                paged.get_seq_length(bad)
         paged.crop(-2)  # transformers' convention: a negative count of columns to forget
         assert paged.get_seq_length() == 7
         assert [paged.length(s, paged.num_planes - 1) for s in range(3)] == (mask.sum(-1) - 2).tolist()

@@ -53,6 +53,7 @@ from ..looped import KVLayout, check_kv_continues
 from ..models.layers import is_integer
 from ..ops import attention as attention_ops
 from . import lineage as lineage_checks
+from .attention_layers import AttentionLayers
 from .branches import BranchSlots
 from .columns import ConsumedColumns
 from .lineage import LineageError
@@ -79,7 +80,7 @@ class FlatPools:
     v: torch.Tensor  # [layers * num_pages * page_size, Hkv, D], the values
 
 
-class PagedLoopCache(PageTables, Cache):
+class PagedLoopCache(AttentionLayers, PageTables, Cache):
     """Per-depth paged KV cache for looped models (storage: `PageTables`; HF view and invariants: module docstring).
 
     Args:
@@ -274,7 +275,12 @@ class PagedLoopCache(PageTables, Cache):
 
     # --- transformers Cache API ---------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        plane = layer_idx // self.kv_layout.num_layers
+        """The columns consumed by the plane of cache layer `layer_idx` (negative: from the last, as a list index,
+        which is how a `DynamicCache` reads it; past the last layer: 0)."""
+        if not is_integer(layer_idx) or layer_idx < -len(self):
+            raise ValueError(f"layer_idx={layer_idx!r}: pass a cache layer index, an integer in [{-len(self)}, "
+                             f"{len(self)}) (plane * {self.kv_layout.num_layers} + layer).")
+        plane = (layer_idx + len(self) if layer_idx < 0 else layer_idx) // self.kv_layout.num_layers
         return self.columns(plane) if plane < self.num_planes else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
@@ -306,19 +312,6 @@ class PagedLoopCache(PageTables, Cache):
         if self.num_sequences > batch:
             raise ValueError(f"the PagedLoopCache holds {self.num_sequences} sequences but {name} has batch size "
                              f"{batch}; pass a cache filled for this batch, or a fresh one.")
-
-    def offload(self, layer_idx: int, only_non_sliding: bool = True):
-        raise NotImplementedError("PagedLoopCache keeps every layer's KV in one pool on one device; it does not "
-                                  "offload or prefetch layers.")
-
-    def prefetch(self, layer_idx: int, only_non_sliding: bool = True):
-        self.offload(layer_idx, only_non_sliding)
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        raise NotImplementedError(
-            "PagedLoopCache is written through RowBatch by hf_loopspec's looped models; it cannot back a model "
-            "that calls Cache.update()."
-        )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Sequence i becomes a copy of old sequence `beam_idx[i]` (integer indices, negative ones from the end)."""
@@ -391,10 +384,6 @@ class PagedLoopCache(PageTables, Cache):
             self.truncate(*cut)
         self._columns.crop(keep)
 
-    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        raise ValueError("has_previous_state applies to linear-attention cache layers; every layer of a "
-                         "PagedLoopCache is attention (is_linear is all False).")
-
     def truncate(self, seq: int, depth: int, length: int) -> None:
         """`PageTables.truncate`, refused when it would roll back an open branch's common history (invariant B)."""
         self.branches.check_truncate(seq, depth, length)
@@ -411,23 +400,6 @@ class PagedLoopCache(PageTables, Cache):
     @property
     def is_initialized(self) -> bool:
         return self.k_pool is not None
-
-    @property
-    def is_croppable(self) -> bool:
-        return True
-
-    # Per-layer flags that transformers reads: every (depth, layer) is full attention.
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False] * (self.num_planes * self.kv_layout.num_layers)
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return self.is_linear
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return self.is_linear
 
 
 class PagedKVAttention:
