@@ -112,11 +112,11 @@ def check_batch_size(args: list[str]) -> None:
     """`ValueError` naming `--batch_size` (`-b`) unless its value is one lm-eval's `hf` backend reads: a whole
     number >= 1, `auto`, or `auto:N` (N > 0 re-detections). lm-eval's own error came once the model had loaded,
     naming neither the flag nor a fix (`invalid literal for int()`)."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     parser.add_argument("--batch_size", "-b", default=None)
     try:
         value = parser.parse_known_args(args)[0].batch_size
-    except (argparse.ArgumentError, SystemExit):  # (a flag without its value: lm-eval's parser says so)
+    except argparse.ArgumentError:  # (a flag without its value: lm-eval's parser says so, once)
         return
     if value is None or value.isdigit() and int(value) >= 1 or value == "auto":
         return

@@ -245,6 +245,9 @@ def test_a_bad_batch_size_ends_in_one_line_before_anything_loads(monkeypatch, ca
                                  "auto (the largest batch that fits) or auto:N (detected again N times)."]
     for good in ("8", "auto", "auto:4"):
         evaluation.check_batch_size(["run", "-b", good])
+    for without_value in (["run", "-b"], ["run", "--batch_size", "--tasks", TASK]):  # lm-eval's parser says so,
+        evaluation.check_batch_size(without_value)  # once: the check printed a usage line of its own first
+    assert capsys.readouterr().err == ""
 
 
 def test_debug_shows_the_traceback_and_is_not_handed_to_lm_eval(monkeypatch):

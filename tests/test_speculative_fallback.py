@@ -19,12 +19,12 @@ import torch
 from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
 from speculative_utils import generate_dict, paged_cache, tiny_spec_model
-from transformers import LogitsProcessor, LogitsProcessorList, SynthIDTextWatermarkingConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, SynthIDTextWatermarkingConfig
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging as transformers_logging
 
 from hf_loopspec import PagedLoopCache
-from hf_loopspec.generation import auto, auto_policy
+from hf_loopspec.generation import auto, auto_policy, processors
 
 VOCAB = 64
 NEW = 10
@@ -105,6 +105,14 @@ def test_auto_reports_the_fallback_whatever_it_would_choose(setup, case, caplog,
     assert name in out.speculation.fallback
     assert [(c.mode, c.reason) for c in out.speculation.choices] == [("plain", "fallback")]
     assert out.sequences.tolist() == run(model, ids, mask, **settings).sequences.tolist()
+
+
+def test_settings_that_add_no_processor_are_no_fallback():
+    """transformers builds no processor for an `encoder_no_repeat_ngram_size` of 0 or below (nor a guidance scale or
+    encoder penalty of 1): auto decoded such a call plainly, saying the processor was added."""
+    for settings in ({"encoder_no_repeat_ngram_size": -1}, {"encoder_no_repeat_ngram_size": 0},
+                     {"guidance_scale": 1.0}, {"encoder_repetition_penalty": 1.0}):
+        assert processors.configured_fallback(GenerationConfig(**settings)) is None, settings
 
 
 def test_transformers_verbosity_silences_the_fallback_warning(setup, caplog):

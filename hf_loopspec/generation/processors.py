@@ -56,7 +56,7 @@ def configured_fallback(generation_config) -> str | None:
                 "the prompt's rows (not a pure function of one row's ids and scores), so speculative decoding could "
                 "change its output; decoded with plain decoding instead")
     size = getattr(generation_config, "encoder_no_repeat_ngram_size", None)
-    if size:  # (transformers bans each row's prompt n-grams, holding the prompt's rows)
+    if isinstance(size, int) and size > 0:  # (transformers bans each row's prompt n-grams, holding the prompt's rows)
         return (f"encoder_no_repeat_ngram_size={size!r} adds EncoderNoRepeatNGramLogitsProcessor, which holds the "
                 "prompt's rows (not a pure function of one row's ids and scores), so speculative decoding could "
                 "change its output; decoded with plain decoding instead")
