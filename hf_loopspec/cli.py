@@ -41,7 +41,14 @@ import time
 from .bench import args as bench_args
 from .defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, DTYPE_NAMES
 from .hub import export as hub_export
-from .prompting import SpeculativeOnly, check_mode_options, check_text, encode_prompt, generate_kwargs
+from .prompting import (
+    SavedSettingError,
+    SpeculativeOnly,
+    check_mode_options,
+    check_text,
+    encode_prompt,
+    generate_kwargs,
+)
 
 DEBUG_ENV = "HF_LOOPSPEC_DEBUG"
 DEFAULT_THREADS = 1  # see --threads' help
@@ -341,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug_requested(args):
             raise
         message = one_line(err)
-        if args.command in ("generate", "batch"):
+        if args.command in ("generate", "batch") and not isinstance(err, SavedSettingError):
             for pattern, option in OPTION_SPELLINGS:
                 message = pattern.sub(option, message)
         print(f"hf-loopspec {args.command}: error: {message}", file=sys.stderr)

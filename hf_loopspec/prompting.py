@@ -117,9 +117,28 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     if pad is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     kwargs["pad_token_id"] = pad if is_integer(pad) and 0 <= pad < model.config.vocab_size else 0
-    # a depth this model's loops refuse fails here, before `batch` makes OUT.parts, not in its first batch; a
-    # Huginn checkpoint's generation config may set the recurrence steps `generate` will run (its loops)
+    # a depth this model's loops refuse fails here, before `batch` makes OUT.parts, not in its first batch, whether
+    # an option or the checkpoint's generation config gave it (`generate` fills the keys the options leave unset from
+    # there); a Huginn checkpoint's generation config may set the recurrence steps `generate` will run (its loops)
     with model.call_block(model.generation_config):
         loops = model.num_loops
-    speculative_config(GenerationConfig(**{key: kwargs[key] for key in SPECULATIVE_KEYS if key in kwargs}), loops)
+    saved = {key: value for key in SPECULATIVE_KEYS if key not in kwargs
+             and (value := getattr(model.generation_config, key, None)) is not None}
+    try:
+        speculative_config(GenerationConfig(**saved, **{key: kwargs[key] for key in SPECULATIVE_KEYS if key in kwargs}),
+                           loops)
+    except ValueError as error:
+        named = [f"{key}={value!r}" for key, value in saved.items() if f"{key}=" in str(error)]
+        if not named:
+            raise
+        options = [f"--{key.replace('_', '-')}" for key in saved if f"{key}=" in str(error)
+                   and key in ("draft_loops", "num_speculative_tokens")]  # (the keys an option sets)
+        raise SavedSettingError(f"the checkpoint's generation_config.json sets {', '.join(named)}, which this model "
+                                f"refuses ({error}): pass {' or '.join([*options, '--mode plain'])}, or correct the "
+                                "checkpoint's generation_config.json.") from None
     return kwargs
+
+
+class SavedSettingError(ValueError):
+    """A setting of the checkpoint's generation config refused: its message names the config's keys, which the CLI
+    does not spell as the options that would set them (the user gave none)."""

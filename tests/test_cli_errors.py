@@ -237,6 +237,29 @@ def test_advice_to_decode_plainly_names_the_option(tmp_path, capsys):
     assert "has no 'max_new_tokens' field" in _last_line(capsys.readouterr().err)
 
 
+def test_a_checkpoints_refused_setting_is_named_as_the_checkpoints(tmp_path, capsys):
+    """A `draft_loops` the checkpoint's generation_config.json saves, which its loops refuse, was blamed on
+    `--draft-loops` (never passed; its default is 1), and `batch` found it only in its first batch, after making
+    OUT.parts: both name the checkpoint's setting and the option that overrides it before anything runs."""
+    folder = save_checkpoint(tmp_path / "saved-depth", total_ut_steps=2)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "draft_loops": 3}))
+    capsys.readouterr()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "w5 w6"}\n')
+    out = tmp_path / "out.jsonl"
+    for argv in (["generate", "w5 w6"], ["batch", str(prompts), "--output", str(out)]):
+        assert cli.main([*argv, "--model", str(folder), "--device", "cpu", "--max-new-tokens", "2"]) == 2
+        line = _last_line(capsys.readouterr().err)
+        assert line.endswith("error: the checkpoint's generation_config.json sets draft_loops=3, which this model "
+                             "refuses (draft_loops=3 is outside [1, 1] for a model with 2 loops: drafts come from a "
+                             "shallower loop than the last one. Pass an integer between 1 and 1.): pass "
+                             "--draft-loops or --mode plain, or correct the checkpoint's generation_config.json."), line
+    assert not Path(f"{out}.parts").exists()
+    assert cli.main(["generate", "w5 w6", "--model", str(folder), "--device", "cpu", "--max-new-tokens", "2",
+                     "--draft-loops", "1"]) == 0  # the option overrides it
+
+
 # --- the traceback on request, interrupts, a real process -----------------------------------------------------------
 
 
