@@ -729,6 +729,20 @@ def test_a_dynamic_cache_of_more_steps_is_refused(filled, continued):
             model.generate(first, cache=cache, max_new_tokens=2, num_steps=continued, **settings)
 
 
+def test_a_layer_count_assigned_after_building_is_refused_naming_it():
+    """The KV layout read the config's stage sizes at every call: a count assigned on a built model's config laid
+    the KV out for layers it does not have (an IndexError in the engine, a cache error naming no setting)."""
+    model, _ = tiny_huginn(seed=3)
+    ids = random_ids((1, 4), VOCAB)
+    model.config.n_layers_in_recurrent_block = 1
+    message = r"config.n_layers_in_recurrent_block=1, but the model was built with 2: .* set it back to 2"
+    for mode in (None, "pipeline"):
+        with pytest.raises(ValueError, match=message):
+            model.generate(ids, max_new_tokens=2, do_sample=False, speculative_mode=mode)
+    model.config.n_layers_in_recurrent_block = 2
+    assert model.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 6)
+
+
 @pytest.mark.parametrize(("filled", "continued"), [(2, 4), (3, 6)])
 def test_a_dynamic_cache_of_fewer_steps_is_refused_and_left_as_it_was(filled, continued):
     """Continued at more recurrence steps, a `DynamicCache` has its planes where this call reads others (its entry

@@ -617,6 +617,23 @@ def test_bad_forward_arguments_raise_value_errors_naming_them(kwargs, message):
         model(ids, use_cache=False, **kwargs)
 
 
+def test_a_layer_count_assigned_after_building_is_refused_naming_it():
+    """The KV layout read `num_hidden_layers` at every call: assigned on a built model's config, it laid the KV out
+    for layers the model does not have (an IndexError in the engine; plain decoding named a cache never passed)."""
+    model, _ = tiny_model(seed=9)
+    ids = random_ids((1, 4), VOCAB, seed=2)
+    built = model.config.num_hidden_layers
+    model.config.num_hidden_layers = built - 1
+    message = rf"config.num_hidden_layers={built - 1}, but the model was built with {built}: .* set it back"
+    with pytest.raises(ValueError, match=message):
+        model(ids)
+    for mode in (None, "pipeline", "block"):
+        with pytest.raises(ValueError, match=message):
+            model.generate(ids, max_new_tokens=2, do_sample=False, speculative_mode=mode)
+    model.config.num_hidden_layers = built
+    assert model.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 6)
+
+
 def test_numpy_exit_steps_and_one_dimensional_ids():
     """A numpy integer is an exit step (it was refused as out of range); 1-D ids name the shape to pass."""
     model, _ = tiny_model(seed=9)

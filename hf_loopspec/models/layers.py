@@ -91,6 +91,17 @@ def is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def check_built(config, built: dict[str, int]) -> None:
+    """`ValueError` naming a count of `config` that no longer matches the modules the model was built with (`built`:
+    field -> count): a layer count assigned on a loaded model's config would lay its KV out for layers it does not
+    have (an IndexError deep in the cache, or a cache error naming no setting)."""
+    for name, count in built.items():
+        if getattr(config, name) != count:
+            raise ValueError(f"config.{name}={getattr(config, name)!r}, but the model was built with {count}: a "
+                             f"built model's {name} is fixed by its modules and weights; set it back to {count}, or "
+                             "build a model from the changed config.")
+
+
 def check_forward_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
                          output_attentions: bool | None = None, position_ids: torch.Tensor | None = None,
                          hidden_size: int | None = None) -> None:

@@ -33,6 +33,7 @@ from ..base import LoopedCausalLMMixin, StrictLoadingMixin, one_cache
 from ..layers import (
     RMSNorm,
     apply_rotary,
+    check_built,
     check_forward_inputs,
     check_token_ids,
     kept_positions,
@@ -42,7 +43,7 @@ from ..layers import (
 )
 from ..loops import forward_rows
 from . import recurrence as recurrence_rules
-from .configuration_huginn import HuginnConfig
+from .configuration_huginn import STAGES, HuginnConfig
 from .outputs import HuginnCausalLMOutput, HuginnModelOutput
 from .recurrence import GENERATION_KEYS, OPEN_BLOCKS, Recurrence, beam_rows, check_steps_fit, state_seed, updated
 from .shared_config import SharedGenerationConfig
@@ -179,6 +180,7 @@ class HuginnModel(HuginnPreTrainedModel):
     @property
     def kv_layout(self) -> KVLayout:
         c, steps = self.config, self.settings.num_steps
+        check_built(c, dict(zip(STAGES, map(len, (self.prelude, self.core_block, self.coda)), strict=True)))
         layers = max(c.n_layers_in_prelude, c.n_layers_in_recurrent_block, c.n_layers_in_coda)
         entry = steps if c.n_layers_in_prelude else None
         first_exit = steps + (entry is not None) if c.n_layers_in_coda else None
@@ -216,10 +218,9 @@ class HuginnModel(HuginnPreTrainedModel):
         return torch.cat([initial, e], dim=-1)
 
     def initial_state(self, sequences: torch.Tensor, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """`[*rows, n_embd]`: zeros for init_scale 0, else per token a normal(0, std * init_scale) cut at 3 std,
-        times embed_scale, drawn from a generator keyed by (init_seed, sequence, position) (`beam_rows`: a beam's
-        sequence is its prompt's), in fp32 on the CPU whatever torch's default dtype and device, then cast to
-        `like`'s."""
+        """`[*rows, n_embd]`: zeros for init_scale 0, else per token a normal(0, std * init_scale) cut at 3 std, times
+        embed_scale, drawn from a generator keyed by (init_seed, sequence, position) (`beam_rows`: a beam's sequence is
+        its prompt's), in fp32 on the CPU whatever torch's default dtype and device, then cast to `like`'s."""
         scale, seed = self.settings.init_scale, self.settings.init_seed
         if scale == 0:
             return like.new_zeros(like.shape)

@@ -29,6 +29,7 @@ from ..base import LoopedCausalLMMixin, StrictLoadingMixin, one_cache
 from ..layers import (
     RMSNorm,
     apply_rotary,
+    check_built,
     check_forward_inputs,
     check_token_ids,
     is_integer,
@@ -143,6 +144,7 @@ class OuroModel(OuroPreTrainedModel):
     @property
     def kv_layout(self) -> KVLayout:
         c = self.config
+        check_built(c, {"num_hidden_layers": len(self.layers)})
         return KVLayout(c.total_ut_steps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
 
     @property
