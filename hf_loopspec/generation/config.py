@@ -87,7 +87,8 @@ def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, com
         raise ValueError(f"speculative_engine={engine!r} is not an engine; use one of {ENGINES} (both run the "
                          "wavefront engine).")
     backend = compile_backend(compile_core)
-    second = _check_second_draft_loops(mode, draft_loops, second_draft_loops, num_loops)
+    least = draft_loops + 1 if reference else max(draft_loops + 1, num_loops - draft_loops)  # (the engine's rule)
+    second = _check_second_draft_loops(mode, draft_loops, second_draft_loops, num_loops, least)
     from .wavefront.limits import second_proposals_problem  # here: the engine's package imports this module
 
     problem = None if reference else second_proposals_problem(mode, num_loops, draft_loops, second)
@@ -119,8 +120,9 @@ def _check_draft_loops(mode: str, draft_loops, num_loops: int) -> None:
 UNSET_SAVED = "second_draft_loops=None in the call, where it comes from the model's generation_config.json"
 
 
-def _check_second_draft_loops(mode: str, draft_loops: int, second, num_loops: int) -> int | None:
-    """`second_draft_loops` validated (None: off)."""
+def _check_second_draft_loops(mode: str, draft_loops: int, second, num_loops: int, least: int) -> int | None:
+    """`second_draft_loops` validated (None: off); an out-of-range one is told the values from `least` up, those
+    the decoder that will run accepts."""
     if second is None:
         return None
     second = as_integer(second, "second_draft_loops")
@@ -135,8 +137,7 @@ def _check_second_draft_loops(mode: str, draft_loops: int, second, num_loops: in
     if not draft_loops < second < num_loops:
         raise ValueError(f"second_draft_loops={second} must lie strictly between draft_loops={draft_loops} and the "
                          f"loop count {num_loops} (a deeper draft than the first, shallower than the target); pass "
-                         f"one of {list(range(draft_loops + 1, num_loops)) or 'nothing: use a smaller draft_loops'} "
-                         "or None.")
+                         f"one of {list(range(least, num_loops)) or 'nothing: use a smaller draft_loops'} or None.")
     return second
 
 
