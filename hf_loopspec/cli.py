@@ -348,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         if debug_requested(args):
             raise
         message = one_line(err)
-        if args.command in ("generate", "batch") and not isinstance(err, SavedSettingError):
-            for pattern, option in OPTION_SPELLINGS:
+        if args.command in ("generate", "batch"):  # (a checkpoint's saved keys are no options the user gave)
+            for pattern, option in OPTION_SPELLINGS[:2] if isinstance(err, SavedSettingError) else OPTION_SPELLINGS:
                 message = pattern.sub(option, message)
         print(f"hf-loopspec {args.command}: error: {message}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ that the command-line options stand for."""
 from __future__ import annotations
 
 import argparse
+import re
 
 
 class SpeculativeOnly(argparse.Action):
@@ -122,19 +123,20 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     # there); a Huginn checkpoint's generation config may set the recurrence steps `generate` will run (its loops)
     with model.call_block(model.generation_config):
         loops = model.num_loops
-    saved = {key: value for key in SPECULATIVE_KEYS if key not in kwargs
-             and (value := getattr(model.generation_config, key, None)) is not None}
+    saved = {} if kwargs["speculative_mode"] is None else {  # (plain decoding reads none of them)
+        key: value for key in SPECULATIVE_KEYS if key not in kwargs
+        and (value := getattr(model.generation_config, key, None)) is not None}
     try:
         speculative_config(GenerationConfig(**saved, **{key: kwargs[key] for key in SPECULATIVE_KEYS if key in kwargs}),
                            loops)
     except ValueError as error:
-        named = [f"{key}={value!r}" for key, value in saved.items() if f"{key}=" in str(error)]
+        named = [key for key in saved if re.search(rf"(?<!\w){key}=", str(error))]  # (not second_draft_loops=)
         if not named:
             raise
-        options = [f"--{key.replace('_', '-')}" for key in saved if f"{key}=" in str(error)
-                   and key in ("draft_loops", "num_speculative_tokens")]  # (the keys an option sets)
-        raise SavedSettingError(f"the checkpoint's generation_config.json sets {', '.join(named)}, which this model "
-                                f"refuses ({error}): pass {' or '.join([*options, '--mode plain'])}, or correct the "
+        options = [f"--{key.replace('_', '-')}" for key in named if key in ("draft_loops", "num_speculative_tokens")]
+        raise SavedSettingError(f"the checkpoint's generation_config.json sets "
+                                f"{', '.join(f'{key}={saved[key]!r}' for key in named)}, which this call refuses "
+                                f"({error}): pass {' or '.join([*options, '--mode plain'])}, or correct the "
                                 "checkpoint's generation_config.json.") from None
     return kwargs
 

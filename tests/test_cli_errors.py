@@ -251,13 +251,27 @@ def test_a_checkpoints_refused_setting_is_named_as_the_checkpoints(tmp_path, cap
     for argv in (["generate", "w5 w6"], ["batch", str(prompts), "--output", str(out)]):
         assert cli.main([*argv, "--model", str(folder), "--device", "cpu", "--max-new-tokens", "2"]) == 2
         line = _last_line(capsys.readouterr().err)
-        assert line.endswith("error: the checkpoint's generation_config.json sets draft_loops=3, which this model "
+        assert line.endswith("error: the checkpoint's generation_config.json sets draft_loops=3, which this call "
                              "refuses (draft_loops=3 is outside [1, 1] for a model with 2 loops: drafts come from a "
                              "shallower loop than the last one. Pass an integer between 1 and 1.): pass "
                              "--draft-loops or --mode plain, or correct the checkpoint's generation_config.json."), line
     assert not Path(f"{out}.parts").exists()
     assert cli.main(["generate", "w5 w6", "--model", str(folder), "--device", "cpu", "--max-new-tokens", "2",
                      "--draft-loops", "1"]) == 0  # the option overrides it
+    # a key no option sets: named alone (`draft_loops=` inside `second_draft_loops=` named it too), and plain
+    # decoding, which reads none of them, still runs (the check refused it)
+    folder = save_checkpoint(tmp_path / "saved-second", total_ut_steps=4)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "speculative_mode": "pipeline",
+                                                               "draft_loops": 1, "second_draft_loops": 3}))
+    capsys.readouterr()
+    argv = ["generate", "w5 w6", "--model", str(folder), "--device", "cpu", "--max-new-tokens", "2"]
+    assert cli.main(argv) == 2
+    line = _last_line(capsys.readouterr().err)
+    assert "generation_config.json sets second_draft_loops=3, which this call refuses (" in line, line
+    assert "or pass --mode pipeline.): pass --mode plain, or correct the checkpoint's" in line, line
+    for mode in ("plain", "pipeline"):
+        assert cli.main([*argv, "--mode", mode]) == 0
 
 
 # --- the traceback on request, interrupts, a real process -----------------------------------------------------------

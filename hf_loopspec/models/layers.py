@@ -91,10 +91,12 @@ def is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_built(config, built: dict[str, int]) -> None:
-    """`ValueError` naming a count of `config` that no longer matches the modules the model was built with (`built`:
-    field -> count): a layer count assigned on a loaded model's config would lay its KV out for layers it does not
-    have (an IndexError deep in the cache, or a cache error naming no setting)."""
+def check_built(config, built: dict[str, int], attention: nn.Module) -> None:
+    """`ValueError` naming a size of `config` that no longer matches the modules the model was built with (`built`:
+    field -> count, and the KV heads and head size of its `attention` modules): a layer count or KV size assigned on
+    a loaded model's config would lay its KV out for layers or heads it does not have (an IndexError deep in the
+    cache, or a cache error naming no setting)."""
+    built = {**built, "num_key_value_heads": attention.num_kv_heads, "head_dim": attention.head_dim}
     for name, count in built.items():
         if getattr(config, name) != count:
             raise ValueError(f"config.{name}={getattr(config, name)!r}, but the model was built with {count}: a "

@@ -13,6 +13,7 @@ from typing import ClassVar
 from transformers.configuration_utils import PreTrainedConfig
 
 from ...logs import get_logger
+from ...looped import KVLayout
 from ..code_pointers import CodePointersMixin
 from ..config_checks import (
     ROPE_BASE_NAMES,
@@ -191,6 +192,16 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
     @property
     def pre_norm(self) -> bool:
         return BLOCK_STYLES[self.block_class_name] == "pre_norm"
+
+    def kv_layout(self, num_steps: int) -> KVLayout:
+        """The KV a Huginn model of this config writes at `num_steps` recurrence steps: a plane per step (the core),
+        an entry plane (the prelude, when it has layers) and a plane per exit depth (the coda, when it has layers),
+        each of the largest stage's layer count."""
+        entry = num_steps if self.n_layers_in_prelude else None
+        first_exit = num_steps + (entry is not None) if self.n_layers_in_coda else None
+        planes = num_steps + (entry is not None) + (num_steps if first_exit is not None else 0)
+        return KVLayout(planes, max(getattr(self, stage) for stage in STAGES), self.num_key_value_heads,
+                        self.head_dim, entry_plane=entry, first_exit_plane=first_exit)
 
     def validate_architecture(self):
         """Raise `ValueError` for a configuration no Huginn model can be built from, or one that misdescribes the

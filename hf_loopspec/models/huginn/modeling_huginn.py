@@ -179,14 +179,9 @@ class HuginnModel(HuginnPreTrainedModel):
 
     @property
     def kv_layout(self) -> KVLayout:
-        c, steps = self.config, self.settings.num_steps
-        check_built(c, dict(zip(STAGES, map(len, (self.prelude, self.core_block, self.coda)), strict=True)))
-        layers = max(c.n_layers_in_prelude, c.n_layers_in_recurrent_block, c.n_layers_in_coda)
-        entry = steps if c.n_layers_in_prelude else None
-        first_exit = steps + (entry is not None) if c.n_layers_in_coda else None
-        planes = steps + (entry is not None) + (steps if first_exit is not None else 0)
-        return KVLayout(planes, layers, c.num_key_value_heads, c.head_dim, entry_plane=entry,
-                        first_exit_plane=first_exit)
+        stages = (self.prelude, self.core_block, self.coda)
+        check_built(self.config, dict(zip(STAGES, map(len, stages), strict=True)), self.core_block[0].attn)
+        return self.config.kv_layout(self.settings.num_steps)
 
     @property
     def lane_width(self) -> int:

@@ -144,7 +144,7 @@ class OuroModel(OuroPreTrainedModel):
     @property
     def kv_layout(self) -> KVLayout:
         c = self.config
-        check_built(c, {"num_hidden_layers": len(self.layers)})
+        check_built(c, {"num_hidden_layers": len(self.layers)}, self.layers[0].self_attn)
         return KVLayout(c.total_ut_steps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
 
     @property
