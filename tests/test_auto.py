@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -309,6 +310,44 @@ def test_a_model_cast_to_another_dtype_reads_and_stores_that_dtypes_acceptance(m
     monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())  # a later process reads both files
     assert auto_policy.remembered(model, "s") == seen_fp32
     assert auto_policy.remembered(model.to(torch.float64), "s") == seen_fp64
+
+
+def test_forget_after_an_in_place_weight_change_files_under_the_new_weights(monkeypatch, tmp_path):
+    """docs/generation.md: after changing weights in place, `forget` makes auto file what it sees under the new
+    weights. The fingerprint was computed once per model object, so the new weights' acceptance went into the file
+    of the weights before, which every later process loading the unchanged checkpoint then started from."""
+    monkeypatch.setenv(auto_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())
+    model, before = tiny_spec_model(8, vocab=VOCAB), tiny_spec_model(8, vocab=VOCAB)  # (`before`: unchanged)
+    seen_before, seen_after = auto_policy.Acceptance({1: 3.0}, {1: 8.0}), auto_policy.Acceptance({1: 7.0}, {1: 8.0})
+    auto_policy.remember(model, seen_before, "s")
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.01)
+    forget(model)
+    assert auto_policy.remembered(model, "s") == auto_policy.Acceptance()
+    auto_policy.remember(model, seen_after, "s")
+    monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())  # later processes read the files
+    assert auto_policy.remembered(before, "s") == seen_before
+    assert auto_policy.remembered(model, "s") == seen_after
+
+
+def test_forget_in_a_folder_it_cannot_write_starts_anew_and_names_the_file(monkeypatch, tmp_path, caplog):
+    """The file's removal failed without a word, and the next call read it again: `forget` had no effect."""
+    monkeypatch.setenv(auto_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())
+    model = tiny_spec_model(8, vocab=VOCAB)
+    auto_policy.remember(model, auto_policy.Acceptance({1: 3.0}, {1: 8.0}), "s")
+    path = auto_cache._path(auto_cache.acceptance_key(model), "acceptance")
+
+    def refused(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(type(path), "unlink", refused)
+    with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+        forget(model)
+    assert auto_policy.remembered(model, "s") == auto_policy.Acceptance()
+    assert any(f"cannot remove {path} (" in record.getMessage() for record in caplog.records)
 
 
 def test_a_stored_table_has_the_mode_the_umask_gives(tmp_path, monkeypatch):

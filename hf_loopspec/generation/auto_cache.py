@@ -80,9 +80,12 @@ def cost_key(model, batch: int) -> dict:
 _FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> weights_fingerprint
 
 
-def weights_fingerprint(model) -> str:
-    """A hash of the first values of every parameter of `model`, computed once per model object: it tells two
-    checkpoints of one architecture apart without reading all their weights."""
+def weights_fingerprint(model, again: bool = False) -> str:
+    """A hash of the first values of every parameter of `model`, computed once per model object (`again`: anew, for
+    weights changed in place since): it tells two checkpoints of one architecture apart without reading all their
+    weights."""
+    if again:
+        _FINGERPRINTS.pop(model, None)
     if model not in _FINGERPRINTS:
         digest = hashlib.sha256()
         for name, parameter in model.named_parameters():
@@ -116,11 +119,15 @@ def _path(key: dict, kind: str = "costs") -> Path:
 
 
 def forget(key: dict, kind: str = "costs") -> None:
-    """Remove what is stored under `key` (nothing when there is none or it cannot be removed)."""
+    """Remove what is stored under `key` (nothing when there is none); a file that cannot be removed is named in a
+    warning (other processes will read it)."""
+    path = _path(key, kind)
     try:
-        _path(key, kind).unlink(missing_ok=True)
-    except OSError:
-        pass
+        path.unlink(missing_ok=True)
+    except OSError as error:
+        logger.warning("hf_loopspec: auto mode cannot remove %s (%s): this process starts anew, but later ones will "
+                       "read what it holds. Remove it by hand, or set %s to a writable folder.", path, error,
+                       CACHE_ENV)
 
 
 def load(key: dict, kind: str = "costs") -> dict | None:

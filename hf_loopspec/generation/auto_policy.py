@@ -189,11 +189,15 @@ def looped_model(model, where: str):
 
 def forget(model) -> None:
     """Drop what earlier calls observed on `model` (or the looped model it wraps: `looped_model`), for every setting,
-    here and on disk (the next call starts without an acceptance)."""
+    here and on disk (the next call starts without an acceptance). Its weights are fingerprinted anew first: after
+    an in-place change (`load_state_dict`, a merged adapter) it files what it sees under its new weights, and the
+    acceptance stored for the weights before stays theirs."""
     model = looped_model(model, "auto_policy.forget")
     with _LOCK:  # (a `remember` under way stores first, then this removes it)
-        _MEMORY.pop(model, None)
-        auto_cache.forget(auto_cache.acceptance_key(model), "acceptance")
+        auto_cache.weights_fingerprint(model, again=True)
+        key = auto_cache.acceptance_key(model)
+        _MEMORY[model] = (key, {})  # (nothing observed, whether or not the file below can be removed)
+        auto_cache.forget(key, "acceptance")
 
 
 def set_policy(model, policy: AutoPolicy | None) -> None:
