@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -163,6 +164,16 @@ def test_a_corrupt_file_is_measured_over(model, counted, tmp_path, content):
     # readable JSON that no measurement makes: an Infinity depth, a 400-digit cost (OverflowError before)
     assert decode({"plain_step": 1.0, "cycle": [["pipeline", float("inf"), None, 1.0]]}) is None
     assert decode({"plain_step": 10**400, "cycle": [["pipeline", 1, None, 1.0]]}) is None
+
+
+def test_a_fifo_at_a_tables_path_is_no_table(tmp_path, monkeypatch):
+    """A FIFO (or a device) where a table would be blocked every auto call for ever in the read."""
+    monkeypatch.setenv(auto_cache.CACHE_ENV, str(tmp_path))
+    key = {"format": auto_cache.FORMAT, "test": "fifo"}
+    path = auto_cache._path(key)
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    assert auto_cache.load(key) is None  # (at once: nobody writes to the FIFO)
 
 
 @pytest.mark.parametrize("plain_step, cycle_seconds", [(0.0, 1.0), (1.0, 0.0), (-1.0, 1.0), (float("nan"), 1.0),

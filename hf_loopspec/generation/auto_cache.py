@@ -131,10 +131,11 @@ def forget(key: dict, kind: str = "costs") -> None:
 
 
 def load(key: dict, kind: str = "costs") -> dict | None:
-    """The table stored under `key` (`store`'s `table`), or None when there is none, it cannot be read or parsed,
-    or it was stored under another key."""
-    try:
-        stored = json.loads(_path(key, kind).read_text())
+    """The table stored under `key` (`store`'s `table`), or None when there is none (or no regular file), it cannot
+    be read or parsed, or it was stored under another key."""
+    path = _path(key, kind)
+    try:  # (a FIFO or a device at the path would block or read without end: only a regular file is read)
+        stored = json.loads(path.read_text()) if path.is_file() else None
     except (OSError, ValueError, RecursionError):  # (RecursionError: JSON nested thousands deep)
         return None
     if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get("table"), dict):
