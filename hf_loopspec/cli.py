@@ -42,7 +42,6 @@ from .bench import args as bench_args
 from .defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, DTYPE_NAMES
 from .hub import export as hub_export
 from .prompting import (
-    SavedSettingError,
     SpeculativeOnly,
     check_mode_options,
     check_text,
@@ -348,9 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         if debug_requested(args):
             raise
         message = one_line(err)
-        if args.command in ("generate", "batch"):  # (a checkpoint's saved keys are no options the user gave)
-            for pattern, option in OPTION_SPELLINGS[:2] if isinstance(err, SavedSettingError) else OPTION_SPELLINGS:
-                message = pattern.sub(option, message)
+        if args.command in ("generate", "batch"):
+            message = option_spelled(message, getattr(err, "keys", ()))
         print(f"hf-loopspec {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -358,6 +356,19 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"hf-loopspec {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def option_spelled(message: str, saved=()) -> str:
+    """`message` with the arguments it names spelled as the options that set them (`OPTION_SPELLINGS`), except the
+    `saved` keys (a `SavedSettingError`'s: the checkpoint's generation config set them, no option the user gave)."""
+    def spelled(match, option) -> str:
+        if saved and match[0].startswith(tuple(saved)):
+            return match[0]
+        return option(match) if callable(option) else match.expand(option)
+
+    for pattern, option in OPTION_SPELLINGS:
+        message = pattern.sub(lambda match, option=option: spelled(match, option), message)
+    return message
 
 
 def one_line(message) -> str:

@@ -333,11 +333,13 @@ def test_forget_after_an_in_place_weight_change_files_under_the_new_weights(monk
 
 
 def test_forget_in_a_folder_it_cannot_write_starts_anew_and_names_the_file(monkeypatch, tmp_path, caplog):
-    """The file's removal failed without a word, and the next call read it again: `forget` had no effect."""
+    """The file's removal failed without a word, and the next call read it again: `forget` had no effect; nor may
+    a later call's `remember`, which merges the entries other processes stored, bring the forgotten ones back."""
     monkeypatch.setenv(auto_cache.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(auto_policy, "_MEMORY", weakref.WeakKeyDictionary())
     model = tiny_spec_model(8, vocab=VOCAB)
-    auto_policy.remember(model, auto_policy.Acceptance({1: 3.0}, {1: 8.0}), "s")
+    for settings in ("s", "t"):
+        auto_policy.remember(model, auto_policy.Acceptance({1: 3.0}, {1: 8.0}), settings)
     path = auto_cache._path(auto_cache.acceptance_key(model), "acceptance")
 
     def refused(self, missing_ok=False):
@@ -348,6 +350,8 @@ def test_forget_in_a_folder_it_cannot_write_starts_anew_and_names_the_file(monke
         forget(model)
     assert auto_policy.remembered(model, "s") == auto_policy.Acceptance()
     assert any(f"cannot remove {path} (" in record.getMessage() for record in caplog.records)
+    auto_policy.remember(model, auto_policy.Acceptance({1: 5.0}, {1: 8.0}), "s")  # (a later auto call's end)
+    assert auto_policy.remembered(model, "t") == auto_policy.Acceptance()
 
 
 def test_a_stored_table_has_the_mode_the_umask_gives(tmp_path, monkeypatch):

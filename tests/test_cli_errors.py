@@ -272,6 +272,13 @@ def test_a_checkpoints_refused_setting_is_named_as_the_checkpoints(tmp_path, cap
     assert "or pass --mode pipeline.): pass --mode plain, or correct the checkpoint's" in line, line
     for mode in ("plain", "pipeline"):
         assert cli.main([*argv, "--mode", mode]) == 0
+    # an option the user gave, quoted in the same message, keeps its option spelling
+    (folder / "generation_config.json").write_text(json.dumps({**config, "second_draft_loops": 1}))
+    capsys.readouterr()  # (the runs' reports)
+    assert cli.main([*argv, "--mode", "pipeline", "--draft-loops", "2"]) == 2
+    line = _last_line(capsys.readouterr().err)
+    assert "sets second_draft_loops=1, which this call refuses (second_draft_loops=1 must lie strictly between " \
+           "--draft-loops=2 and the loop count 4" in line, line
 
 
 # --- the traceback on request, interrupts, a real process -----------------------------------------------------------

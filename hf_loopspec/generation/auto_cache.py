@@ -118,9 +118,9 @@ def _path(key: dict, kind: str = "costs") -> Path:
     return cache_dir() / kind / f"{digest}.json"
 
 
-def forget(key: dict, kind: str = "costs") -> None:
-    """Remove what is stored under `key` (nothing when there is none); a file that cannot be removed is named in a
-    warning (other processes will read it)."""
+def forget(key: dict, kind: str = "costs") -> bool:
+    """Remove what is stored under `key` (nothing when there is none); whether nothing is stored now. A file that
+    cannot be removed is named in a warning (other processes will read it)."""
     path = _path(key, kind)
     try:
         path.unlink(missing_ok=True)
@@ -128,6 +128,8 @@ def forget(key: dict, kind: str = "costs") -> None:
         logger.warning("hf_loopspec: auto mode cannot remove %s (%s): this process starts anew, but later ones will "
                        "read what it holds. Remove it by hand, or set %s to a writable folder.", path, error,
                        CACHE_ENV)
+        return False
+    return True
 
 
 def load(key: dict, kind: str = "costs") -> dict | None:

@@ -126,6 +126,8 @@ class AutoStats(SpeculationStats):
 _MEMORY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its acceptance key, {settings:
 # Acceptance} of earlier calls under that key)
 _POLICIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> AutoPolicy
+_UNREMOVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the key whose file `forget` could not
+# remove (an unwritable folder): its entries are what this process forgot
 _LOCK = threading.Lock()  # guards `_MEMORY`'s dicts: threads decoding one model read and update them
 KEPT_SETTINGS = 32  # decoding settings whose acceptance is kept per model (a sweep of settings keeps the file small)
 
@@ -163,7 +165,8 @@ def remember(model, acceptance: Acceptance, settings: str) -> None:
 
     def changed(stored) -> dict:
         observed = _observed(model, key)
-        observed.update((k, v) for k, v in _decoded(stored).items() if k not in observed)  # other processes'
+        others = {} if _UNREMOVED.get(model) == key else _decoded(stored)  # (not a forgotten file's)
+        observed.update((k, v) for k, v in others.items() if k not in observed)  # other processes'
         observed.pop(settings, None)
         observed[settings] = acceptance.copy()  # dicts keep insertion order: the oldest settings come first
         while len(observed) > KEPT_SETTINGS:
@@ -197,7 +200,10 @@ def forget(model) -> None:
         auto_cache.weights_fingerprint(model, again=True)
         key = auto_cache.acceptance_key(model)
         _MEMORY[model] = (key, {})  # (nothing observed, whether or not the file below can be removed)
-        auto_cache.forget(key, "acceptance")
+        if auto_cache.forget(key, "acceptance"):
+            _UNREMOVED.pop(model, None)
+        else:  # (its entries predate the forget: `remember` leaves them out)
+            _UNREMOVED[model] = key
 
 
 def set_policy(model, policy: AutoPolicy | None) -> None:
