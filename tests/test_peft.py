@@ -112,9 +112,9 @@ def test_auto_policy_functions_act_on_the_model_a_peft_model_wraps():
         assert auto_policy.policy_for(base).margin == 2.5
         ids, mask = _ids(base)
         lora.generate(input_ids=ids, attention_mask=mask, speculative_mode="auto", **SETTINGS)
-        assert base in auto_policy._MEMORY
+        assert auto_policy._MEMORY[base][1]  # (what the call observed, by settings)
         auto_policy.forget(lora)
-        assert base not in auto_policy._MEMORY
+        assert auto_policy._MEMORY[base][1] == {}
     finally:
         auto_policy.set_policy(lora, None)
 
