@@ -41,13 +41,7 @@ import time
 from .bench import args as bench_args
 from .defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, DTYPE_NAMES
 from .hub import export as hub_export
-from .prompting import (
-    SpeculativeOnly,
-    check_mode_options,
-    check_text,
-    encode_prompt,
-    generate_kwargs,
-)
+from .prompting import SpeculativeOnly, check_mode_options, check_text, encode_prompt, generate_kwargs
 
 DEBUG_ENV = "HF_LOOPSPEC_DEBUG"
 DEFAULT_THREADS = 1  # see --threads' help

@@ -134,10 +134,10 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
         if not named:
             raise
         options = [f"--{key.replace('_', '-')}" for key in named if key in ("draft_loops", "num_speculative_tokens")]
-        raise SavedSettingError(named, f"the checkpoint's generation_config.json sets "
+        raise SavedSettingError(f"the checkpoint's generation_config.json sets "
                                 f"{', '.join(f'{key}={saved[key]!r}' for key in named)}, which this call refuses "
                                 f"({error}): pass {' or '.join([*options, '--mode plain'])}, or correct the "
-                                "checkpoint's generation_config.json.") from None
+                                "checkpoint's generation_config.json.", named) from None
     return kwargs
 
 
@@ -145,6 +145,6 @@ class SavedSettingError(ValueError):
     """A setting of the checkpoint's generation config refused: its message names the config's `keys`, which the CLI
     does not spell as the options that would set them (the user gave none)."""
 
-    def __init__(self, keys: list[str], message: str):
+    def __init__(self, message: str, keys=()):
         super().__init__(message)
         self.keys = tuple(keys)
