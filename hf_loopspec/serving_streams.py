@@ -4,8 +4,8 @@ failed before its first token gets the status the request gets without streaming
 refusal, 503 when the model's engine died, else 500), for chat and completions streams and for the Responses API's
 (whose opening `response.created` and `response.in_progress` events carry no token, and whose error event
 transformers codes "server_error" for a refusal too); an error event of a stream that had begun comes in OpenAI's
-shape (`openai_error_events`). Which errors are failures, not refusals, their stream errors record
-(`tag_stream_errors`, `STREAM_FAILURES`).
+shape (`openai_error_events`). The stream errors transformers makes record which of them are failures rather than
+refusals (`tag_stream_errors`, `STREAM_FAILURES`).
 """
 
 from __future__ import annotations
