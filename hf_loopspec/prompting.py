@@ -93,7 +93,7 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     """
     from transformers import GenerationConfig  # (here: this module loads without torch, for the CLI's --help)
 
-    from .generation.config import SPECULATIVE_KEYS, speculative_config
+    from .generation.config import SPECULATIVE_KEYS, UNSET_SAVED, speculative_config
     from .looped import draws_initial_states
     from .models.layers import is_integer
 
@@ -134,9 +134,10 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
         if not named:
             raise
         options = [f"--{key.replace('_', '-')}" for key in named if key in ("draft_loops", "num_speculative_tokens")]
+        reason = str(error).replace(f" ({UNSET_SAVED})", "")  # (how a `generate` call clears it: no option does)
         raise SavedSettingError(f"the checkpoint's generation_config.json sets "
                                 f"{', '.join(f'{key}={saved[key]!r}' for key in named)}, which this call refuses "
-                                f"({error}): pass {' or '.join([*options, '--mode plain'])}, or correct the "
+                                f"({reason}): pass {' or '.join([*options, '--mode plain'])}, or correct the "
                                 "checkpoint's generation_config.json.", named) from None
     return kwargs
 

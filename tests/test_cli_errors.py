@@ -270,6 +270,7 @@ def test_a_checkpoints_refused_setting_is_named_as_the_checkpoints(tmp_path, cap
     line = _last_line(capsys.readouterr().err)
     assert "generation_config.json sets second_draft_loops=3, which this call refuses (" in line, line
     assert "or pass --mode pipeline.): pass --mode plain, or correct the checkpoint's" in line, line
+    assert "in the call" not in line, line  # (how a `generate` call clears it: no option does)
     for mode in ("plain", "pipeline"):
         assert cli.main([*argv, "--mode", mode]) == 0
     # an option the user gave, quoted in the same message, keeps its option spelling
