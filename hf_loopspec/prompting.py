@@ -91,9 +91,7 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     them with `init_seed=0`: `--compare`'s two runs and a resumed `batch` then start from the same states (each call
     would draw its own seed).
     """
-    from transformers import GenerationConfig  # (here: this module loads without torch, for the CLI's --help)
 
-    from .generation.config import SPECULATIVE_KEYS, UNSET_SAVED, speculative_config
     from .looped import draws_initial_states
     from .models.layers import is_integer
 
@@ -121,25 +119,42 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     # a depth this model's loops refuse fails here, before `batch` makes OUT.parts, not in its first batch, whether
     # an option or the checkpoint's generation config gave it (`generate` fills the keys the options leave unset from
     # there); a Huginn checkpoint's generation config may set the recurrence steps `generate` will run (its loops)
+    refused = saved_refusal(model, kwargs)
+    if refused:
+        named, reason = refused
+        options = [f"--{key.replace('_', '-')}" for key in named if key in ("draft_loops", "num_speculative_tokens")]
+        raise SavedSettingError(f"the checkpoint's generation_config.json sets "
+                                f"{', '.join(f'{key}={value!r}' for key, value in named.items())}, which this call "
+                                f"refuses ({reason}): pass {' or '.join([*options, '--mode plain'])}, or correct the "
+                                "checkpoint's generation_config.json.", named)
+    return kwargs
+
+
+def saved_refusal(model, given: dict) -> tuple[dict, str] | None:
+    """The speculative settings of `model.generation_config` (the checkpoint's) that a `generate` call with the
+    keyword arguments `given` reads and refuses, with the reason (`speculative_config`'s message, less its advice on
+    clearing a setting in the call), or None when the call takes them. A key `given` holds is the call's own, not the
+    checkpoint's (a refused one raises its `ValueError`); a call decoding plainly (`speculative_mode=None` given)
+    reads none of them. The call's loop count is the model's (Huginn: as its generation config sets the steps)."""
+    from transformers import GenerationConfig
+
+    from .generation.config import SPECULATIVE_KEYS, UNSET_SAVED, speculative_config
+
     with model.call_block(model.generation_config):
         loops = model.num_loops
-    saved = {} if kwargs["speculative_mode"] is None else {  # (plain decoding reads none of them)
-        key: value for key in SPECULATIVE_KEYS if key not in kwargs
-        and (value := getattr(model.generation_config, key, None)) is not None}
+    plain = "speculative_mode" in given and given["speculative_mode"] is None
+    saved = {} if plain else {key: value for key in SPECULATIVE_KEYS if key not in given
+                              and (value := getattr(model.generation_config, key, None)) is not None}
     try:
-        speculative_config(GenerationConfig(**saved, **{key: kwargs[key] for key in SPECULATIVE_KEYS if key in kwargs}),
+        speculative_config(GenerationConfig(**saved, **{key: given[key] for key in SPECULATIVE_KEYS if key in given}),
                            loops)
     except ValueError as error:
-        named = [key for key in saved if re.search(rf"(?<!\w){key}=", str(error))]  # (not second_draft_loops=)
+        named = {key: value for key, value in saved.items()
+                 if re.search(rf"(?<!\w){key}=", str(error))}  # (not inside second_draft_loops=)
         if not named:
             raise
-        options = [f"--{key.replace('_', '-')}" for key in named if key in ("draft_loops", "num_speculative_tokens")]
-        reason = str(error).replace(f" ({UNSET_SAVED})", "")  # (how a `generate` call clears it: no option does)
-        raise SavedSettingError(f"the checkpoint's generation_config.json sets "
-                                f"{', '.join(f'{key}={saved[key]!r}' for key in named)}, which this call refuses "
-                                f"({reason}): pass {' or '.join([*options, '--mode plain'])}, or correct the "
-                                "checkpoint's generation_config.json.", named) from None
-    return kwargs
+        return named, str(error).replace(f" ({UNSET_SAVED})", "")
+    return None
 
 
 class SavedSettingError(ValueError):

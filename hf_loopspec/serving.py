@@ -5,7 +5,8 @@ Every option is `transformers serve`'s own (`--port`, `--host`, `--continuous-ba
 `--cb-*`, ...; `hf-loopspec serve --help` lists them), parsed by transformers' own command; this module adds:
 
 * MODEL defaults to the embedded default model (also when given as `default`); a checkpoint folder is checked as
-  `hf-loopspec generate` checks it, and a model that is not one of the package's looped families is refused;
+  `hf-loopspec generate` checks it, a model that is not one of the package's looped families is refused, and so is
+  a speculative setting of its generation config that its loops refuse (`check_saved_settings`);
 * `--threads N`: torch's CPU threads (default 1, as `generate`), and `--debug`;
 * the model class is made resolvable where transformers' model manager looks it up: it loads a checkpoint with
   `getattr(transformers, config.architectures[0])`, and the package's classes are not attributes of the
@@ -301,9 +302,10 @@ def start(argv: list[str]):
     from transformers.cli.serve import Serve
 
     torch.set_num_threads(options.threads)
-    expose_architecture(params["force_model"], params["trust_remote_code"])
+    model_class = expose_architecture(params["force_model"], params["trust_remote_code"])
     config = AutoConfig.from_pretrained(params["force_model"], trust_remote_code=params["trust_remote_code"])
     generation = checkpoint_generation_config(params["force_model"])
+    check_saved_settings(model_class, config, generation)
     if params.get("continuous_batching") and getattr(generation, "stop_strings", None):  # (before the model loads)
         raise ValueError(batching_refusal(generation.stop_strings))
     openai_errors(max_positions(config), default_limit(generation))
@@ -324,6 +326,28 @@ def start(argv: list[str]):
         return Serve(**params)
     except RuntimeError as error:
         raise load_failure(error) from error
+
+
+def check_saved_settings(model_class: type, config, generation) -> None:
+    """`ValueError` when the checkpoint's generation config `generation` (None: it has none) saves a speculative
+    setting its model refuses (`prompting.saved_refusal`), before the model loads: every request that does not
+    override it would get an HTTP 400 naming a value it never sent. The model is built on the meta device (no
+    memory, no weights) for its loop count."""
+    import torch
+
+    from .prompting import saved_refusal
+
+    if generation is None:
+        return
+    with torch.device("meta"):
+        model = model_class(config)
+    model.generation_config = generation
+    refused = saved_refusal(model, {})
+    if refused:
+        named, reason = refused
+        raise ValueError(f"the checkpoint's generation_config.json sets "
+                         f"{', '.join(f'{key}={value!r}' for key, value in named.items())}, which its model refuses "
+                         f"({reason}): correct the checkpoint's generation_config.json.")
 
 
 def load_failure(error: RuntimeError) -> Exception:

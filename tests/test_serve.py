@@ -644,6 +644,28 @@ def test_continuous_batching_of_a_checkpoint_with_stop_strings_is_one_line_befor
             "max_new_tokens only: serve it without --continuous-batching") in one_error_line(capsys, "serve")
 
 
+@pytest.mark.parametrize("saved, named", [
+    ({"draft_loops": 5}, "draft_loops=5, which its model refuses (draft_loops=5 is outside [1, 3] for a model with 4"),
+    ({"speculative_mode": "pipeline", "draft_loops": 3}, "speculative_mode='pipeline', draft_loops=3, which its model "
+     "refuses (speculative_mode='pipeline' needs the loop count (4) to be a multiple of draft_loops=3"),
+])
+@pytest.mark.parametrize("batching", [[], ["--continuous-batching"]])
+def test_a_checkpoints_refused_speculative_setting_is_one_line_before_the_model_loads(
+        capsys, checkpoint, tmp_path, monkeypatch, saved, named, batching):
+    """A speculative setting the checkpoint's generation config saves and its loops refuse: the server started, and
+    every request that did not override it got a 400 naming a value it never sent (with --continuous-batching: the
+    model's process failed, naming no file)."""
+    folder = tmp_path / "model"
+    shutil.copytree(checkpoint, folder)
+    settings = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**settings, **saved}))
+    monkeypatch.setattr(serving, "openai_errors", lambda *a: pytest.fail("the server was set up"))
+    assert cli.main(["serve", str(folder), "--port", str(free_port()), *batching]) == 2
+    line = one_error_line(capsys, "serve")
+    assert f"the checkpoint's generation_config.json sets {named}" in line, line
+    assert line.endswith("correct the checkpoint's generation_config.json."), line
+
+
 def test_an_address_in_use_is_one_line_exit_2_before_the_model_loads(capsys, monkeypatch):
     """A port another socket listens on is refused in one line (before: uvicorn's error inside 40 lines of log, exit
     3, after the model had loaded); nothing is loaded."""
