@@ -220,6 +220,34 @@ def test_an_exit_option_of_the_checkpoint_is_on_the_card_and_a_bad_one_refused(s
         assert not (tmp_path / "bad").exists()
 
 
+def test_the_sources_other_speculative_settings_are_left_out_with_a_warning(source, tmp_path, caplog):
+    """The export writes its own speculative defaults; the source's settings it has no argument for were copied
+    beside them: a saved `second_draft_loops` next to the export's auto mode made every default `generate` of the
+    export raise, and a saved `compile_core` or `speculative_engine` generate refuses was exported without a word."""
+    src = tmp_path / "src"
+    model = source[0]
+    model.save_pretrained(src)
+    word_tokenizer(model.config.vocab_size).save_pretrained(src)
+    config = json.loads((src / "generation_config.json").read_text())
+    config.pop("_from_model_config", None)  # (a file marked so loses its extra keys as it loads)
+    saved = {"speculative_mode": "pipeline", "draft_loops": 1, "second_draft_loops": model.num_loops - 1,
+             "compile_core": "not-a-backend", "speculative_engine": "lanes"}
+    (src / "generation_config.json").write_text(json.dumps({**config, **saved}))
+    with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+        out = export.export_checkpoint(src, tmp_path / "out", benchmarks=None)
+    assert ("sets compile_core='not-a-backend', speculative_engine='lanes', "
+            f"second_draft_loops={model.num_loops - 1}, which the export leaves out: its speculative defaults are the "
+            "export's own (speculative_mode='auto', draft_loops=1)") in caplog.text
+    written = json.loads((out / "generation_config.json").read_text())
+    assert written["speculative_mode"] == "auto"
+    assert not {"second_draft_loops", "compile_core", "speculative_engine"} & set(written), written
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.tensor([[5, 17, 42, 9]])
+    with torch.inference_mode():  # the export's default call runs, as plain decoding (greedy, fp32)
+        assert exported.generate(ids, max_new_tokens=6).tolist() == \
+            model.generate(ids, max_new_tokens=6, speculative_mode=None).tolist()
+
+
 def test_a_reexport_keeps_the_models_name_and_language(tmp_path):
     """Exporting an exported folder again keeps the model's name (it travels in the card's `model_name`: the second
     card was titled and coded after the first export's folder) and its `language`."""

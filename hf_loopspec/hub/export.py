@@ -189,10 +189,14 @@ def _readable_as_umask(folder: Path) -> None:
 
 def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens):
     """Set on `model.generation_config` (and return it) the speculative defaults (checked before the model loaded:
-    `check_loop_settings`), eos ids that end a chat turn and a pad id (`card.settle_pad`: the tokenizer's too)."""
+    `check_loop_settings`), eos ids that end a chat turn and a pad id (`card.settle_pad`: the tokenizer's too). The
+    export's defaults replace the source's speculative settings: those it has no argument for (`second_draft_loops`,
+    `compile_core`, `speculative_engine`: a source saved by this package) are left out, with a warning naming them
+    (kept, they could contradict the export's mode, and the card would not describe them)."""
     # (here: the command's parser is built without transformers)
     from ..generation.call import reject_configured_runtime_keys
-    from ..generation.config import EXIT_OPTIONS, reject_recurrence_options
+    from ..generation.config import EXIT_OPTIONS, SPECULATIVE_KEYS, reject_recurrence_options
+    from ..logs import get_logger
     from .card import settle_pad
 
     gen = model.generation_config
@@ -205,6 +209,18 @@ def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loo
     # A config derived from config.json is saved with `_from_model_config: true`, and such a file's extra keys are
     # dropped when it is loaded: mark it as a real generation config so the speculative defaults survive.
     gen._from_model_config = False
+    written = {"speculative_mode": speculative_mode, "draft_loops": draft_loops,
+               "num_speculative_tokens": num_speculative_tokens}
+    dropped = {key: getattr(gen, key) for key in SPECULATIVE_KEYS
+               if key not in written and getattr(gen, key, None) is not None}
+    if dropped:
+        for key in dropped:
+            delattr(gen, key)
+        get_logger(__name__).warning(
+            "export: the source's generation_config.json sets %s, which the export leaves out: its speculative "
+            "defaults are the export's own (speculative_mode=%r, draft_loops=%r); a call on the export can still pass "
+            "them to generate.", ", ".join(f"{key}={value!r}" for key, value in dropped.items()), speculative_mode,
+            draft_loops)
     gen.speculative_mode = speculative_mode
     gen.draft_loops = draft_loops
     gen.num_speculative_tokens = num_speculative_tokens
