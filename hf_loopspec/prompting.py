@@ -123,9 +123,11 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     if refused:
         named, reason = refused
         options = [f"--{key.replace('_', '-')}" for key in named if key in ("draft_loops", "num_speculative_tokens")]
+        given = getattr(args, "speculative_given", {})  # (refused beside --mode plain: `check_mode_options`)
+        plain = "--mode plain" + (f" without {' and '.join(given)}" if given else "")
         raise SavedSettingError(f"the checkpoint's generation_config.json sets "
                                 f"{', '.join(f'{key}={value!r}' for key, value in named.items())}, which this call "
-                                f"refuses ({reason}): pass {' or '.join([*options, '--mode plain'])}, or correct the "
+                                f"refuses ({reason}): pass {' or '.join([*options, plain])}, or correct the "
                                 "checkpoint's generation_config.json.", named)
     return kwargs
 

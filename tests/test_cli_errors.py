@@ -258,6 +258,13 @@ def test_a_checkpoints_refused_setting_is_named_as_the_checkpoints(tmp_path, cap
     assert not Path(f"{out}.parts").exists()
     assert cli.main(["generate", "w5 w6", "--model", str(folder), "--device", "cpu", "--max-new-tokens", "2",
                      "--draft-loops", "1"]) == 0  # the option overrides it
+    # a speculative-only option given: --mode plain (which refuses it) is offered without it
+    argv = ["generate", "w5 w6", "--model", str(folder), "--device", "cpu", "--max-new-tokens", "2"]
+    capsys.readouterr()  # (the run's report)
+    assert cli.main([*argv, "--num-speculative-tokens", "3"]) == 2
+    assert "pass --draft-loops or --mode plain without --num-speculative-tokens, or correct" in \
+        _last_line(capsys.readouterr().err)
+    assert cli.main([*argv, "--mode", "plain"]) == 0
     # a key no option sets: named alone (`draft_loops=` inside `second_draft_loops=` named it too), and plain
     # decoding, which reads none of them, still runs (the check refused it)
     folder = save_checkpoint(tmp_path / "saved-second", total_ut_steps=4)

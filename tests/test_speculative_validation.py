@@ -90,6 +90,10 @@ BAD = [
     ({"speculative_mode": "pipeline", "second_draft_loops": True}, r"second_draft_loops=True"),
     ({"speculative_mode": "block", "second_draft_loops": 2}, r"(?s)(?=.*second_draft_loops=2)(?=.*'pipeline')"),
     ({"second_draft_loops": 2}, r"second_draft_loops=2"),
+    # auto: pipeline mode is offered only for a depth it takes (2 is below the engine's least, 3)
+    ({"speculative_mode": "auto", "second_draft_loops": 2}, r"drop second_draft_loops \([^)]*\)\.$"),
+    ({"speculative_mode": "auto", "second_draft_loops": 3}, r"drop second_draft_loops \(.*\), or pass "
+     r"speculative_mode='pipeline'\.$"),
     # the engine keeps one sibling per sequence: d2 >= U - d, named with the smallest allowed value, on every call
     ({"speculative_mode": "pipeline", "second_draft_loops": 2}, r"(?s)(?=.*second_draft_loops=2)(?=.*>= 3)(?=.*\[3\])"),
     ({"speculative_mode": "pipeline", "second_draft_loops": 2, "compile_core": True}, r"second_draft_loops=2"),

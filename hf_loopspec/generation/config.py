@@ -127,9 +127,11 @@ def _check_second_draft_loops(mode: str, draft_loops: int, second, num_loops: in
         return None
     second = as_integer(second, "second_draft_loops")
     if mode == AUTO_MODE:
+        takes = num_loops % draft_loops == 0 and least <= second < num_loops  # (pipeline mode would take it)
+        pipeline = ", or pass speculative_mode='pipeline'" if takes else ""
         raise ValueError(f"second_draft_loops={second} cannot be combined with speculative_mode='auto' (it chooses "
                          "among plain, block and pipeline without second proposals); drop second_draft_loops "
-                         f"({UNSET_SAVED}), or pass speculative_mode='pipeline'.")
+                         f"({UNSET_SAVED}){pipeline}.")
     if mode != "pipeline":
         raise ValueError(f"second_draft_loops={second} needs speculative_mode='pipeline' (got {mode!r}): second "
                          "proposals re-read a pipeline lane's draft; drop second_draft_loops for other modes "
