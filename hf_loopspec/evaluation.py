@@ -118,11 +118,11 @@ def check_batch_size(args: list[str]) -> None:
         value = parser.parse_known_args(args)[0].batch_size
     except argparse.ArgumentError:  # (a flag without its value: lm-eval's parser says so, once)
         return
-    if value is None or value.isdigit() and int(value) >= 1 or value == "auto":
+    if value is None or value == "auto":
         return
     head, _, times = value.partition(":")
-    try:
-        if head == "auto" and float(times) > 0:
+    try:  # (as lm-eval reads them: `int` of the value, or `float` of auto's N)
+        if int(value) >= 1 if head != "auto" else float(times) > 0:
             return
     except ValueError:
         pass

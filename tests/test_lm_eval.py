@@ -233,7 +233,7 @@ def test_a_home_relative_folder_is_expanded_before_lm_eval_sees_it(monkeypatch, 
     evaluation.check_device(["--device", "auto"])  # lm-eval's to read (it picks cuda when there is one, else cpu)
 
 
-@pytest.mark.parametrize("batch_size", ["abc", "0", "auto:x", "auto:0"])
+@pytest.mark.parametrize("batch_size", ["abc", "0", "auto:x", "auto:0", "²"])  # (² is a digit int() refuses)
 def test_a_bad_batch_size_ends_in_one_line_before_anything_loads(monkeypatch, capsys, batch_size):
     """lm-eval read `--batch_size abc` once the model had loaded: `invalid literal for int()`, naming no flag."""
     import lm_eval.__main__
@@ -243,7 +243,7 @@ def test_a_bad_batch_size_ends_in_one_line_before_anything_loads(monkeypatch, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == [f"hf-loopspec lm-eval: error: --batch_size {batch_size}: pass a whole number >= 1, "
                                  "auto (the largest batch that fits) or auto:N (detected again N times)."]
-    for good in ("8", "auto", "auto:4"):
+    for good in ("8", "+8", "auto", "auto:4"):  # (as lm-eval reads them: int(), or float() of auto's N)
         evaluation.check_batch_size(["run", "-b", good])
     for without_value in (["run", "-b"], ["run", "--batch_size", "--tasks", TASK]):  # lm-eval's parser says so,
         evaluation.check_batch_size(without_value)  # once: the check printed a usage line of its own first
