@@ -56,6 +56,14 @@ OPTION_SPELLINGS = (
     (re.compile(ARGUMENT + r"(draft_loops|num_speculative_tokens|max_new_tokens|repetition_penalty|do_sample|top_[kp])"
                 r"(?![\w/'-]|\.\w)"), lambda match: "--" + match[1].replace("_", "-")),
 )
+# `bench` names them as its own options: --modes, and --second-draft-loops, whose absence is its None
+BENCH_SPELLINGS = (
+    (re.compile(ARGUMENT + r"speculative_mode='(\w+)'"), r"--modes \1"),
+    (re.compile(ARGUMENT + r"(second_draft_loops|draft_loops|num_speculative_tokens)(?![\w/'-]|\.\w)"),
+     lambda match: "--" + match[1].replace("_", "-")),
+    (re.compile(r"(\[[\d, ]*\]) or None\b"), r"\1 or drop --second-draft-loops"),
+    (re.compile(r"model\.decode_with_lanes runs the others on the reference"), "--engines reference runs the others"),
+)
 BROKEN_PIPE = 141  # the status of a command that SIGPIPE ended (128 + 13), what a shell reports for `cat` there
 
 
@@ -343,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         message = one_line(err)
         if args.command in ("generate", "batch"):
             message = option_spelled(message, getattr(err, "keys", ()))
+        elif args.command == "bench":
+            message = option_spelled(message, spellings=BENCH_SPELLINGS)
         print(f"hf-loopspec {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -352,15 +362,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def option_spelled(message: str, saved=()) -> str:
-    """`message` with the arguments it names spelled as the options that set them (`OPTION_SPELLINGS`), except the
-    `saved` keys (a `SavedSettingError`'s: the checkpoint's generation config set them, no option the user gave)."""
+def option_spelled(message: str, saved=(), spellings=OPTION_SPELLINGS) -> str:
+    """`message` with the arguments it names spelled as the options that set them (`spellings`: generate's and
+    batch's, or bench's), except the `saved` keys (a `SavedSettingError`'s: the checkpoint's generation config set
+    them, no option the user gave)."""
     def spelled(match, option) -> str:
         if saved and match[0].startswith(tuple(saved)):
             return match[0]
         return option(match) if callable(option) else match.expand(option)
 
-    for pattern, option in OPTION_SPELLINGS:
+    for pattern, option in spellings:
         message = pattern.sub(lambda match, option=option: spelled(match, option), message)
     return message
 

@@ -535,6 +535,15 @@ def test_invalid_speculative_settings_are_clear_errors(checkpoint, capsys):
         _run_error([*base, "--mode", "pipeline", "--draft-loops", "3"], capsys)
     assert "outside [1, 3]" in _run_error([*base, "--mode", "block", "--draft-loops", "4"], capsys)
     assert "outside [1, 3]" in _run_error(["bench", *FAST, "--draft-loops", "5"], capsys)
+    # bench names its own options (--modes, --second-draft-loops, whose absence is None): it named generate's keywords
+    assert ("--modes pipeline needs the loop count (4) to be a multiple of --draft-loops=3; use --draft-loops in "
+            "[1, 2] or --modes block.") in _run_error(["bench", *FAST, "--modes", "pipeline", "--draft-loops", "3"],
+                                                       capsys)
+    assert ("--second-draft-loops=4 must lie strictly between --draft-loops=1 and the loop count 4 (a deeper draft "
+            "than the first, shallower than the target); pass one of [3] or drop --second-draft-loops.") in \
+        _run_error(["bench", *FAST, "--modes", "pipeline", "--second-draft-loops", "4"], capsys)
+    assert ("pass --second-draft-loops in [3] or drop --second-draft-loops (--engines reference runs the others)."
+            ) in _run_error(["bench", *FAST, "--modes", "pipeline", "--second-draft-loops", "2"], capsys)
     assert "torch.compile backend name" in _run_error(["bench", *FAST, "--compile", "no-such-backend"], capsys)
     with pytest.raises(argparse.ArgumentTypeError, match="'lanes' is now 'reference'"):
         bench_args.parse_engines("lanes")
