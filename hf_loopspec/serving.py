@@ -6,7 +6,7 @@ Every option is `transformers serve`'s own (`--port`, `--host`, `--continuous-ba
 
 * MODEL defaults to the embedded default model (also when given as `default`); a checkpoint folder is checked as
   `hf-loopspec generate` checks it, a model that is not one of the package's looped families is refused, and so is
-  a speculative setting of its generation config that its loops refuse (`check_saved_settings`);
+  a setting of its generation config that its model refuses (`check_saved_settings`);
 * `--threads N`: torch's CPU threads (default 1, as `generate`), and `--debug`;
 * the model class is made resolvable where transformers' model manager looks it up: it loads a checkpoint with
   `getattr(transformers, config.architectures[0])`, and the package's classes are not attributes of the
@@ -329,12 +329,13 @@ def start(argv: list[str]):
 
 
 def check_saved_settings(model_class: type, config, generation) -> None:
-    """`ValueError` when the checkpoint's generation config `generation` (None: it has none) saves a speculative
-    setting its model refuses (`prompting.saved_refusal`), before the model loads: every request that does not
-    override it would get an HTTP 400 naming a value it never sent. The model is built on the meta device (no
-    memory, no weights) for its loop count."""
+    """`ValueError` when the checkpoint's generation config `generation` (None: it has none) saves a setting its
+    model refuses (`prompting.saved_refusal`: a speculative one; `saved_config.check_family_keys`: an exit option,
+    a recurrence setting, a hook), before the model loads: every request that does not override it would get an
+    HTTP 400 naming a value it never sent. The model is built on the meta device (no memory, no weights)."""
     import torch
 
+    from .generation.saved_config import check_family_keys
     from .prompting import saved_refusal
 
     if generation is None:
@@ -342,6 +343,11 @@ def check_saved_settings(model_class: type, config, generation) -> None:
     with torch.device("meta"):
         model = model_class(config)
     model.generation_config = generation
+    try:
+        check_family_keys(model)
+    except ValueError as error:
+        raise ValueError(f"the checkpoint's generation_config.json: {str(error).rstrip('.')}; correct the "
+                         "checkpoint's generation_config.json.") from None
     refused = saved_refusal(model, {})
     if refused:
         named, reason = refused

@@ -25,13 +25,20 @@ def default_limit(generation_config) -> int:
 
 
 def checkpoint_generation_config(spec: str):
-    """The generation config the server's model loads with from the checkpoint `spec` (None without one)."""
+    """The generation config the server's model loads with from the checkpoint `spec` (None without one): with the
+    package's keys a file marked `_from_model_config` carries, which transformers drops and the model restores."""
     from transformers import GenerationConfig
 
+    from .generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS
+    from .generation.saved_config import restore_speculative_keys, saved_generation_dict
+
     try:
-        return GenerationConfig.from_pretrained(spec)
+        config = GenerationConfig.from_pretrained(spec)
     except OSError:
         return None
+    if getattr(config, "_from_model_config", False):
+        restore_speculative_keys(config, saved_generation_dict(spec), (*EXIT_OPTIONS, *RECURRENCE_OPTIONS))
+    return config
 
 
 def token_limit(body: dict, default: int) -> int:

@@ -645,16 +645,21 @@ def test_continuous_batching_of_a_checkpoint_with_stop_strings_is_one_line_befor
 
 
 @pytest.mark.parametrize("saved, named", [
-    ({"draft_loops": 5}, "draft_loops=5, which its model refuses (draft_loops=5 is outside [1, 3] for a model with 4"),
-    ({"speculative_mode": "pipeline", "draft_loops": 3}, "speculative_mode='pipeline', draft_loops=3, which its model "
-     "refuses (speculative_mode='pipeline' needs the loop count (4) to be a multiple of draft_loops=3"),
+    ({"draft_loops": 5}, " sets draft_loops=5, which its model refuses (draft_loops=5 is outside [1, 3] for a model "
+     "with 4"),
+    ({"speculative_mode": "pipeline", "draft_loops": 3}, " sets speculative_mode='pipeline', draft_loops=3, which its "
+     "model refuses (speculative_mode='pipeline' needs the loop count (4) to be a multiple of draft_loops=3"),
+    # a file marked as derived from config.json: transformers drops its extra keys, the loaded model restores them
+    ({"_from_model_config": True, "draft_loops": 5}, " sets draft_loops=5, which its model refuses"),
+    ({"exit_at_step": 9}, ": exit_at_step=9 must be an integer in [0, 3] for a 4-loop model"),
+    ({"_from_model_config": True, "exit_at_step": 1, "exit_threshold": 0.5}, ": Pass at most one of exit_at_step"),
 ])
 @pytest.mark.parametrize("batching", [[], ["--continuous-batching"]])
-def test_a_checkpoints_refused_speculative_setting_is_one_line_before_the_model_loads(
+def test_a_checkpoints_refused_setting_is_one_line_before_the_model_loads(
         capsys, checkpoint, tmp_path, monkeypatch, saved, named, batching):
-    """A speculative setting the checkpoint's generation config saves and its loops refuse: the server started, and
-    every request that did not override it got a 400 naming a value it never sent (with --continuous-batching: the
-    model's process failed, naming no file)."""
+    """A setting the checkpoint's generation config saves and its model refuses (speculative, exit options): the
+    server started, and every request that did not override it got a 400 naming a value it never sent (with
+    --continuous-batching: the model's process failed, naming no file)."""
     folder = tmp_path / "model"
     shutil.copytree(checkpoint, folder)
     settings = json.loads((folder / "generation_config.json").read_text())
@@ -662,7 +667,7 @@ def test_a_checkpoints_refused_speculative_setting_is_one_line_before_the_model_
     monkeypatch.setattr(serving, "openai_errors", lambda *a: pytest.fail("the server was set up"))
     assert cli.main(["serve", str(folder), "--port", str(free_port()), *batching]) == 2
     line = one_error_line(capsys, "serve")
-    assert f"the checkpoint's generation_config.json sets {named}" in line, line
+    assert f"the checkpoint's generation_config.json{named}" in line, line
     assert line.endswith("correct the checkpoint's generation_config.json."), line
 
 

@@ -8,7 +8,9 @@ recurrence settings, `num_steps`, `init_scale`, `init_seed`; Ouro's exit options
 * `mark_user_generation_config` unmarks a config that carries such keys before it is saved;
 * `restore_speculative_keys` puts back the keys that a loaded `generation_config.json` (or a `generation_config`
   passed to `from_pretrained`) carried but transformers dropped, the `RUNTIME_KEYS` (a hook, a trace) included, so
-  that `generate` refuses those as it refuses them in any other generation config instead of never seeing them.
+  that `generate` refuses those as it refuses them in any other generation config instead of never seeing them;
+* `check_family_keys` refuses what every `generate` would refuse among a checkpoint's non-standard keys other than
+  the speculative ones (export and serve check those before they write or serve anything).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from transformers import GenerationConfig
 from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from ..logs import get_logger
-from .call import RUNTIME_KEYS
-from .config import SPECULATIVE_KEYS
+from .call import RUNTIME_KEYS, reject_configured_runtime_keys
+from .config import EXIT_OPTIONS, SPECULATIVE_KEYS, reject_recurrence_options
 
 logger = get_logger(__name__)
 
@@ -58,3 +60,15 @@ def saved_generation_dict(path, **download_kwargs) -> dict:
         logger.warning("hf_loopspec could not read %s of %s to restore its speculative keys (%s); decoding uses "
                        "the generation config transformers loaded.", GENERATION_CONFIG_NAME, path, error)
         return {}
+
+
+def check_family_keys(model) -> None:
+    """`ValueError` for a setting of `model.generation_config` that every `generate` of `model` refuses: a hook or
+    trace (`RUNTIME_KEYS`), which only a call passes; Huginn's recurrence settings on a family without them; exit
+    options the family refuses, or an invalid one (a Huginn model's own recurrence settings are checked as
+    `model.call_block` opens them)."""
+    config = model.generation_config
+    reject_configured_runtime_keys(config)
+    if not hasattr(model, "recurrence_settings"):
+        reject_recurrence_options(type(model).__name__, vars(config))
+    model.exit_rule(**{key: getattr(config, key) for key in EXIT_OPTIONS if getattr(config, key, None) is not None})

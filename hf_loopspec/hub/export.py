@@ -194,16 +194,14 @@ def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loo
     `compile_core`, `speculative_engine`: a source saved by this package) are left out, with a warning naming them
     (kept, they could contradict the export's mode, and the card would not describe them)."""
     # (here: the command's parser is built without transformers)
-    from ..generation.call import reject_configured_runtime_keys
-    from ..generation.config import EXIT_OPTIONS, SPECULATIVE_KEYS, reject_recurrence_options
+    from ..generation.config import SPECULATIVE_KEYS
+    from ..generation.saved_config import check_family_keys
     from ..logs import get_logger
     from .card import settle_pad
 
     gen = model.generation_config
     try:  # the source's own settings that every generate() of the export would raise on
-        reject_configured_runtime_keys(gen)
-        reject_recurrence_options(type(model).__name__, vars(gen))
-        model.exit_rule(**{key: getattr(gen, key) for key in EXIT_OPTIONS if getattr(gen, key, None) is not None})
+        check_family_keys(model)
     except ValueError as error:
         raise ValueError(f"the source's generation_config.json: {error}") from None
     # A config derived from config.json is saved with `_from_model_config: true`, and such a file's extra keys are
