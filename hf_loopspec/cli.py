@@ -63,6 +63,8 @@ BENCH_SPELLINGS = (
      lambda match: "--" + match[1].replace("_", "-")),
     (re.compile(r"(\[[\d, ]*\]) or None\b"), r"\1 or drop --second-draft-loops"),
     (re.compile(r"model\.decode_with_lanes runs the others on the reference"), "--engines reference runs the others"),
+    (re.compile(r"compile_core='([^']*)' must be True, False or a torch\.compile backend name"),
+     r"--compile \1: pass a torch.compile backend name"),
 )
 BROKEN_PIPE = 141  # the status of a command that SIGPIPE ended (128 + 13), what a shell reports for `cat` there
 

@@ -135,9 +135,10 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
 def saved_refusal(model, given: dict) -> tuple[dict, str] | None:
     """The speculative settings of `model.generation_config` (the checkpoint's) that a `generate` call with the
     keyword arguments `given` reads and refuses, with the reason (`speculative_config`'s message, less its advice on
-    clearing a setting in the call), or None when the call takes them. A key `given` holds is the call's own, not the
-    checkpoint's (a refused one raises its `ValueError`); a call decoding plainly (`speculative_mode=None` given)
-    reads none of them. The call's loop count is the model's (Huginn: as its generation config sets the steps)."""
+    clearing a setting in the call or running it on the reference), or None when the call takes them. A key `given`
+    holds is the call's own, not the checkpoint's (a refused one raises its `ValueError`); a call decoding plainly
+    (`speculative_mode=None` given) reads none of them. The call's loop count is the model's (Huginn: as its
+    generation config sets the steps)."""
     from transformers import GenerationConfig
 
     from .generation.config import SPECULATIVE_KEYS, UNSET_SAVED, speculative_config
@@ -155,7 +156,8 @@ def saved_refusal(model, given: dict) -> tuple[dict, str] | None:
                  if re.search(rf"(?<!\w){key}=", str(error))}  # (not inside second_draft_loops=)
         if not named:
             raise
-        return named, str(error).replace(f" ({UNSET_SAVED})", "")
+        return named, re.sub(rf" \({re.escape(UNSET_SAVED)}\)| or None\b(?: \(model\.decode_with_lanes [^)]*\))?", "",
+                             str(error))
     return None
 
 

@@ -287,6 +287,12 @@ def test_a_checkpoints_refused_setting_is_named_as_the_checkpoints(tmp_path, cap
     line = _last_line(capsys.readouterr().err)
     assert "sets second_draft_loops=1, which this call refuses (second_draft_loops=1 must lie strictly between " \
            "--draft-loops=2 and the loop count 4" in line, line
+    # nor how a call clears it (None) or runs it on the reference (model.decode_with_lanes): no option does either
+    assert "pass one of [3].): pass --mode plain without --draft-loops, or correct" in line, line
+    (folder / "generation_config.json").write_text(json.dumps({**config, "second_draft_loops": 2}))
+    assert cli.main([*argv, "--mode", "pipeline"]) == 2
+    line = _last_line(capsys.readouterr().err)
+    assert "it needs second_draft_loops >= 3); pass second_draft_loops in [3].): pass --mode plain" in line, line
 
 
 # --- the traceback on request, interrupts, a real process -----------------------------------------------------------
