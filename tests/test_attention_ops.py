@@ -342,6 +342,27 @@ def test_triton_write_kv_matches_the_reference(device, dtype):
     torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
 
 
+@needs_triton
+@pytest.mark.parametrize("device, dtype", KERNEL_TARGETS)
+def test_triton_kernels_take_rows_with_a_strided_head_dim(device, dtype):
+    """Keys, values and queries whose head_dim is strided, as a projection of a few rows computed transposed gives
+    them on a CPU (`models.layers.project`): the kernels refused them ("expected a unit stride")."""
+    k, v, k_cache, v_cache, slots = write_kv_case(device, dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    naive_write_kv(k, v, expected_k, expected_v, slots)
+    strided_k, strided_v = (x.transpose(0, 2).contiguous().transpose(0, 2) for x in (k, v))  # [N, Hkv, D]
+    assert strided_k.stride(-1) != 1 and torch.equal(strided_k, k)
+    write_kv_triton(strided_k, strided_v, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
+    scene = scene_named("mixed-tables-depths-runs").to(device, dtype)
+    q, *rest = scene.args()
+    strided_q = q.transpose(0, 2).contiguous().transpose(0, 2)  # [N, Hq, D]
+    assert strided_q.stride(-1) != 1
+    torch.testing.assert_close(paged_attention_triton(strided_q, *rest), paged_attention_triton(q, *rest),
+                               rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_dispatch_on_cpu_picks_kernel_only_under_interpreter(dtype):
     """On CPU the PyTorch path runs, except under the interpreter, which takes fp32/fp16 but not bf16."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 from inputs import left_pad, random_prompts
 from recorders import RecordingStreamer
-from speculative_utils import PAD, mode_kwargs, tiny_spec_model
+from speculative_utils import PAD, engine_settings, mode_kwargs, tiny_spec_model
 
 from hf_loopspec.generation.wavefront import device as wavefront_device
 
@@ -85,3 +85,21 @@ def test_read_backs_are_pinned_and_stream_plain_tokens(monkeypatch):
     assert pinned and all(pinned)
     assert streamer.puts[0] == ids.tolist() and streamer.ends == 1
     assert [token for put in streamer.puts[1:] for token in put] == expected
+
+
+@pytest.mark.parametrize("second", [None, 3], ids=["pipeline", "second-proposals"])
+def test_sampling_on_cuda_draws_the_same_tokens_on_the_engine_and_the_reference(second):
+    """Sampled pipeline decoding on CUDA: the engine and the reference (a debug cache sends `generate` there) draw
+    the same tokens from the same seed, as on a CPU (the reference made a sampled draft's point-mass mask on the
+    host: a device error at its first draft)."""
+    model, ids, mask = cuda_case(seed=3)
+    outs = []
+    for engine in ("lanes", "wavefront"):
+        torch.manual_seed(5)
+        with torch.no_grad():
+            outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=20, pad_token_id=PAD, do_sample=True,
+                                       temperature=0.8, second_draft_loops=second, return_dict_in_generate=True,
+                                       **engine_settings(model, engine), **mode_kwargs("pipeline", 1)))
+    assert [out.speculation.engine for out in outs] == ["lanes", "wavefront"]
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert outs[0].speculation.accepted > 0 and outs[0].speculation.rejected > 0

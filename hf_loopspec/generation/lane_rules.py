@@ -56,7 +56,8 @@ class LaneRules:
             return int(draw(probs, self.uniforms(lane)[DRAW])), probs
         probs = torch.softmax(scores, -1)
         token = draw(probs, self.uniforms(lane)[DRAW])
-        return int(token), proposal_q(probs[None], token[None], torch.zeros(1, dtype=torch.bool))[0]
+        forced = torch.zeros(1, dtype=torch.bool, device=probs.device)  # [1]: no draft hook forced this token
+        return int(token), proposal_q(probs[None], token[None], forced)[0]
 
     @staticmethod
     def _probabilities(lane: Lane, scores: torch.Tensor) -> torch.Tensor:

@@ -145,9 +145,10 @@ def write_kv_triton(
     v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
     slots: torch.Tensor,  # [N] int64; < 0 marks an inactive row
 ) -> None:
-    """Triton twin of `naive.naive_write_kv`: scatter each row's key and value (`stored`) into its flat slot."""
-    k, v = stored(k, k_cache.dtype), stored(v, v_cache.dtype)
-    _check_unit_stride(k, v, k_cache, v_cache)
+    """Triton twin of `naive.naive_write_kv`: scatter each row's key and value (`stored`) into its flat slot. Rows
+    whose head_dim is strided (a projection computed transposed) are copied to unit stride first."""
+    k, v = unit_stride(stored(k, k_cache.dtype)), unit_stride(stored(v, v_cache.dtype))
+    _check_unit_stride(k_cache, v_cache)
     num_rows, num_kv_heads, head_dim = k.shape
     if num_rows == 0:
         return
@@ -180,8 +181,10 @@ def paged_attention_triton(
     context_lens: torch.Tensor,  # [N] int; 0 marks an inactive row
     scale: float,
 ) -> torch.Tensor:
-    """Triton twin of `naive.naive_paged_attention`: `[N, Hq, D]` in `q.dtype`, zeros for inactive rows."""
-    _check_unit_stride(q, k_cache, v_cache, block_tables)
+    """Triton twin of `naive.naive_paged_attention`: `[N, Hq, D]` in `q.dtype`, zeros for inactive rows (queries
+    whose head_dim is strided are copied to unit stride first)."""
+    q = unit_stride(q)
+    _check_unit_stride(k_cache, v_cache, block_tables)
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(q)  # [N, Hq, D]
@@ -212,6 +215,11 @@ def paged_attention_triton(
         BLOCK_N=BLOCK_N,
     )
     return out
+
+
+def unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """`x`, or a contiguous copy of it when its last dimension is strided (the kernels address it with stride 1)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _check_unit_stride(*tensors: torch.Tensor) -> None:
