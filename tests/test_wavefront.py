@@ -135,6 +135,16 @@ def test_forced_patterns(mode, d, k, pattern):
     assert (result.stats.accepted > 0) == (pattern != "all_rejected")
 
 
+def test_free_cuda_memory_counts_what_the_allocator_holds_unused(monkeypatch):
+    """On CUDA the driver's free count leaves out the memory torch's allocator has cached but not handed out, which a
+    call reuses: a long-lived process that once ran a large call had later calls refused for memory it had."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 6 * gib)
+    assert dispatch.free_memory(torch.device("cuda", 0)) == 25 * gib
+
+
 @pytest.mark.parametrize(("read_every", "per_call"), [(1, 1), (3, 1), (3, 3)])
 @pytest.mark.parametrize(("mode", "d", "k"), [CASES[i] for i in (0, 1, 3)], ids=[CASE_IDS[i] for i in (0, 1, 3)])
 def test_span_covers_every_live_lane(mode, d, k, read_every, per_call):

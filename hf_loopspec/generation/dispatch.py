@@ -102,7 +102,9 @@ def unsupported(model, request: SpeculativeRequest) -> list[str]:
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes of memory free on `device` (CUDA: the driver's count; otherwise the host's available memory)."""
+    """Bytes of memory free on `device` (CUDA: the driver's count plus what torch's allocator holds unused, which it
+    hands out again; otherwise the host's available memory)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
