@@ -54,10 +54,10 @@ from hf_loopspec.bench.args import parse_modes
 from hf_loopspec.bench.main import run_bench
 from hf_loopspec.cache.convert import to_paged
 from hf_loopspec.generation import auto_cache, auto_policy
-from hf_loopspec.generation.auto import acceptance_settings, candidates
+from hf_loopspec.generation.auto import candidates
 from hf_loopspec.generation.auto_calibration import costs_for
 from hf_loopspec.generation.auto_costs import Candidate, CostTable, observe, set_costs
-from hf_loopspec.generation.auto_policy import AutoPolicy, forget, set_policy
+from hf_loopspec.generation.auto_policy import AutoPolicy, acceptance_settings, forget, set_policy
 from hf_loopspec.generation.config import merged_config
 from hf_loopspec.generation.mixin import looped_static_cache
 from hf_loopspec.prompting import generate_kwargs

@@ -90,6 +90,10 @@ BAD = [
     ({"speculative_mode": "pipeline", "second_draft_loops": True}, r"second_draft_loops=True"),
     ({"speculative_mode": "block", "second_draft_loops": 2}, r"(?s)(?=.*second_draft_loops=2)(?=.*'pipeline')"),
     ({"second_draft_loops": 2}, r"second_draft_loops=2"),
+    # a malformed sequence_bias: transformers' ValueError in every mode (auto's acceptance key raised a TypeError)
+    *[({"speculative_mode": mode, "sequence_bias": bias}, r"`sequence_bias` has to be a dict with tuples as keys|"
+       r"Each key in `sequence_bias` has to be a non-empty tuple") for mode in ("auto", "pipeline")
+      for bias in ({5: 1.0}, {(5,): 1.0, ("a",): 1.0})],
     # auto: pipeline mode is offered only for a depth it takes (2 is below the engine's least, 3)
     ({"speculative_mode": "auto", "second_draft_loops": 2}, r"drop second_draft_loops \([^)]*\)\.$"),
     ({"speculative_mode": "auto", "second_draft_loops": 3}, r"drop second_draft_loops \(.*\), or pass "

@@ -37,7 +37,6 @@ refused, as with the fixed modes.
 from __future__ import annotations
 
 import copy
-import json
 import time
 from dataclasses import dataclass
 
@@ -51,7 +50,16 @@ from ..logs import get_logger
 from ..looped import check_kv_continues
 from .auto_calibration import costs_for
 from .auto_costs import PLAIN, Candidate, CostTable, observe
-from .auto_policy import AutoChoice, AutoStats, Chooser, policy_for, remember, remembered
+from .auto_policy import (
+    AutoChoice,
+    AutoStats,
+    Chooser,
+    acceptance_settings,
+    call_setting,
+    policy_for,
+    remember,
+    remembered,
+)
 from .auto_rows import ForcePad, Stopped, ended, zero_ended
 from .config import (
     AUTO_MODE,
@@ -85,27 +93,6 @@ def requested(model, kwargs: dict) -> bool:
     return requested_mode(model, kwargs) == AUTO_MODE
 
 
-def _setting(kwargs: dict, config, key: str):
-    return kwargs[key] if key in kwargs else getattr(config, key, None)
-
-
-ACCEPTANCE_SETTINGS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
-                       "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "sequence_bias")
-
-
-def acceptance_settings(kwargs: dict, config, loops: int) -> str:
-    """The settings of a call that change how often drafts are accepted, as the key of the acceptance earlier calls
-    observed (`auto_policy.remembered`): `ACCEPTANCE_SETTINGS`, the class names of the call's own logits
-    processors, whether a draft hook (tests, the bench's synthetic drafts) replaces the model's drafts, and the
-    call's loop count `loops` (Huginn's `num_steps`: the depth drafts are verified at)."""
-    values = {key: _setting(kwargs, config, key) for key in ACCEPTANCE_SETTINGS} | {"loops": loops}
-    if isinstance(values["sequence_bias"], dict):  # {(ids...): bias}: tuple keys, which JSON cannot hold
-        values["sequence_bias"] = sorted([list(ids), bias] for ids, bias in values["sequence_bias"].items())
-    values["logits_processor"] = [type(p).__qualname__ for p in kwargs.get("logits_processor") or ()]
-    values["draft_hook"] = kwargs.get("draft_hook") is not None
-    return json.dumps(values, sort_keys=True, default=repr)
-
-
 def candidates(loops: int, draft_loops: int | None, k: int | None) -> list[Candidate]:
     """Plain, pipeline at d = 1 and 2 where U % d == 0 (only `draft_loops` when given) and block at the first of
     those depths (`draft_loops` when given) with K = `k` (default `DEFAULT_NUM_SPECULATIVE_TOKENS`)."""
@@ -124,8 +111,8 @@ def calibrate(model, batch: int, kwargs: dict) -> CostTable:
     steps; a seed drawn for initial states that need one)."""
     config = merged_config(model, kwargs)
     with model.call_block(kwargs.get("generation_config"), **{key: kwargs.get(key) for key in model.generation_keys}):
-        options = candidates(model.num_loops, _setting(kwargs, config, "draft_loops"),
-                             _setting(kwargs, config, "num_speculative_tokens"))
+        options = candidates(model.num_loops, call_setting(kwargs, config, "draft_loops"),
+                             call_setting(kwargs, config, "num_speculative_tokens"))
         return costs_for(model, batch, options)
 
 
@@ -172,10 +159,10 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
     if ids is None or kwargs.get("inputs_embeds") is not None:
         raise ValueError("speculative_mode='auto' decodes from input_ids alone (got inputs_embeds, or no inputs); "
                          "pass input_ids alone, or speculative_mode=None.")
-    d, k = _setting(kwargs, config, "draft_loops"), _setting(kwargs, config, "num_speculative_tokens")
-    spec = resolve_speculative(AUTO_MODE, d, k, _setting(kwargs, config, "compile_core"),
-                               _setting(kwargs, config, "speculative_engine"), num_loops=model.num_loops,
-                               second_draft_loops=_setting(kwargs, config, "second_draft_loops"))
+    d, k = call_setting(kwargs, config, "draft_loops"), call_setting(kwargs, config, "num_speculative_tokens")
+    spec = resolve_speculative(AUTO_MODE, d, k, call_setting(kwargs, config, "compile_core"),
+                               call_setting(kwargs, config, "speculative_engine"), num_loops=model.num_loops,
+                               second_draft_loops=call_setting(kwargs, config, "second_draft_loops"))
     d, k = (None if x is None else as_integer(x, name) for x, name in ((d, "draft_loops"),
                                                                       (k, "num_speculative_tokens")))
     assistant = kwargs.get("assistant_model")
@@ -212,30 +199,33 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
     min_new = config.min_new_tokens if config.min_new_tokens is not None else (config.min_length or 0) - ids.shape[1]
     fallback = model_fallback(model) or plain_fallback(kwargs.get("logits_processor")) \
         or configured_fallback(config) or settings_fallback(config, synced_gpus_of(model, kwargs.get("synced_gpus")))
+    processors = _processors(model, ids, kwargs, config)  # (settings they refuse: refused before any work)
     if fallback is not None:
         logger.warning_once("hf_loopspec: %s.", fallback)
-    elif spec.compile_backend is not None and (host := _compile_problem(model, ids, kwargs, config)):
+    elif spec.compile_backend is not None and (host := compile_problem(processors, ids.shape[1], None, None)):
         raise ValueError(f"speculative_mode='auto' cannot run {host}.")  # (whichever segments auto would choose)
     call = _Call(base, int(max_new), min_new if min_new > 0 else None,
                  {key: kwargs[key] for key in ("min_new_tokens", "min_length") if key in kwargs}, eos, pad,
-                 single=any(_in_effect(key, _setting(kwargs, config, key)) for key in ONE_STRETCH),
+                 single=any(_in_effect(key, call_setting(kwargs, config, key)) for key in ONE_STRETCH),
                  return_dict=bool(config.return_dict_in_generate), use_cache=config.use_cache is not False,
-                 engine_settings={key: _setting(kwargs, config, key) for key in ("compile_core", "speculative_engine")
+                 engine_settings={key: call_setting(kwargs, config, key)
+                                  for key in ("compile_core", "speculative_engine")
                                   if key in kwargs or getattr(config, key, None) is not None},  # (a None clears)
                  plain_reason="position-ids" if kwargs.get("position_ids") is not None else (
                      "fallback" if fallback else None), fallback=fallback)
     return call, candidates(model.num_loops, d, k)
 
 
-def _compile_problem(model, ids: torch.Tensor, kwargs: dict, config: GenerationConfig) -> str | None:
-    """Why a compiled step could not run the call's logits processors, as the fixed modes say it up front: auto's
-    speculative segments would raise it, and its plain ones, which drop `compile_core`, not."""
+def _processors(model, ids: torch.Tensor, kwargs: dict, config: GenerationConfig) -> LogitsProcessorList:
+    """The call's logits processors, built as its segments build them: a setting they refuse (a malformed
+    `sequence_bias`, ...) raises transformers' `ValueError` before any work, as in the fixed modes, and a compiled
+    step that could not run them is found up front (auto's speculative segments would raise it, and its plain ones,
+    which drop `compile_core`, not)."""
     config = copy.deepcopy(config)
     model._prepare_special_tokens(config, device=ids.device)  # (the EOS tensors some processors read)
-    processors = model._get_logits_processor(config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
-                                             prefix_allowed_tokens_fn=kwargs.get("prefix_allowed_tokens_fn"),
-                                             logits_processor=kwargs.get("logits_processor"), device=ids.device)
-    return compile_problem(processors, ids.shape[1], None, None)
+    return model._get_logits_processor(config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
+                                       prefix_allowed_tokens_fn=kwargs.get("prefix_allowed_tokens_fn"),
+                                       logits_processor=kwargs.get("logits_processor"), device=ids.device)
 
 
 def _default_max_length(model, kwargs: dict) -> bool:

@@ -4,7 +4,7 @@
 (`auto_costs.speedup`) at the acceptance observed so far for their draft depth (`Acceptance`: counts of this call's
 segments, each earlier segment's weighed by `AutoPolicy.keep` so that a drift shows within a segment or two, started
 from what earlier calls with the same decoding settings (sampling, penalties, logits processors, which change how
-often a draft agrees: `auto.acceptance_settings`) observed on the same model: this process's, or an earlier
+often a draft agrees: `acceptance_settings`) observed on the same model: this process's, or an earlier
 process's stored on disk by `auto_cache`, so that a command-line call need not probe again). A depth never observed
 takes the acceptance of the shallowest observed one (a deeper draft is assumed to agree with the target at least as
 often).
@@ -22,6 +22,7 @@ A segment is `AutoPolicy.interval` tokens, doubled (up to `max_interval`) while 
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import weakref
@@ -148,9 +149,31 @@ def _decoded(stored) -> dict[str, Acceptance]:
     return {str(k): Acceptance.decode(v) for k, v in entries.items()} if isinstance(entries, dict) else {}
 
 
+ACCEPTANCE_SETTINGS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+                       "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "sequence_bias")
+
+
+def call_setting(kwargs: dict, config, key: str):
+    """A call's setting `key`: its keyword argument, else its (merged) generation config's."""
+    return kwargs[key] if key in kwargs else getattr(config, key, None)
+
+
+def acceptance_settings(kwargs: dict, config, loops: int) -> str:
+    """The settings of a call that change how often drafts are accepted, as the key of the acceptance earlier calls
+    observed (`remembered`): `ACCEPTANCE_SETTINGS`, the class names of the call's own logits processors, whether a
+    draft hook (tests, the bench's synthetic drafts) replaces the model's drafts, and the call's loop count `loops`
+    (Huginn's `num_steps`: the depth drafts are verified at)."""
+    values = {key: call_setting(kwargs, config, key) for key in ACCEPTANCE_SETTINGS} | {"loops": loops}
+    if isinstance(values["sequence_bias"], dict):  # {(ids...): bias}: tuple keys, which JSON cannot hold
+        values["sequence_bias"] = sorted([list(ids), bias] for ids, bias in values["sequence_bias"].items())
+    values["logits_processor"] = [type(p).__qualname__ for p in kwargs.get("logits_processor") or ()]
+    values["draft_hook"] = kwargs.get("draft_hook") is not None
+    return json.dumps(values, sort_keys=True, default=repr)
+
+
 def remembered(model, settings: str) -> Acceptance:
     """The acceptance earlier auto calls with the same `settings` (the decoding settings that change how often drafts
-    are accepted: `auto.acceptance_settings`) observed on `model` (a copy), or an empty one."""
+    are accepted: `acceptance_settings`) observed on `model` (a copy), or an empty one."""
     key = auto_cache.acceptance_key(model)
     with _LOCK:
         return _observed(model, key).get(settings, Acceptance()).copy()
