@@ -55,6 +55,22 @@ def test_generate_batch_equals_each_request_alone(model, case):
         assert expected != [alone(model, p, 8, **{**recurrence, "num_steps": None}) for p in inputs]
 
 
+def test_the_manager_runs_no_entry_stage_on_its_placeholder_prompts(model, monkeypatch):
+    """The engine is built with B placeholder prompts of a slot's C positions, reset before any request: running
+    Huginn's entry stage over them took a `[B, 1, C, C]` mask (a slot of 65536 positions: an allocation of tens of
+    GiB, `transformers serve --continuous-batching` on such a checkpoint). Requests still decode as alone."""
+    from hf_loopspec.generation.wavefront import stages
+
+    widths = []
+    original = stages.embed_rows
+    monkeypatch.setattr(stages, "embed_rows", lambda *args: widths.append(args[3].shape) or original(*args))
+    inputs = prompts(3, [4, 9])
+    config = generation_config(SETTINGS["pipeline-d1"], **SEEDED)
+    out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(positions=256))
+    assert widths and all(width <= len(inputs[1]) for _, width in widths), widths  # the requests' own rows only
+    assert [r.generated_tokens for r in out.values()] == [alone(model, p, 8, **SEEDED) for p in inputs]
+
+
 @pytest.mark.parametrize("name", ["pipeline-d1"])
 def test_arrivals_with_their_own_seeds_while_a_request_streams(model, started, name):
     """A long streaming request decodes from the manager's seed; others arrive while it streams, more than the free
