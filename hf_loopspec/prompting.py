@@ -92,6 +92,7 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     would draw its own seed).
     """
 
+    from .generation.saved_config import check_family_keys
     from .looped import draws_initial_states
     from .models.layers import is_integer
 
@@ -118,7 +119,13 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     kwargs["pad_token_id"] = pad if is_integer(pad) and 0 <= pad < model.config.vocab_size else 0
     # a depth this model's loops refuse fails here, before `batch` makes OUT.parts, not in its first batch, whether
     # an option or the checkpoint's generation config gave it (`generate` fills the keys the options leave unset from
-    # there); a Huginn checkpoint's generation config may set the recurrence steps `generate` will run (its loops)
+    # there); a Huginn checkpoint's generation config may set the recurrence steps `generate` will run (its loops);
+    # so do its exit options and recurrence settings, which no option sets
+    try:
+        check_family_keys(model)
+    except ValueError as error:
+        raise SavedSettingError(f"the checkpoint's generation_config.json: {str(error).rstrip('.')}; correct the "
+                                "checkpoint's generation_config.json.") from None
     refused = saved_refusal(model, kwargs)
     if refused:
         named, reason = refused

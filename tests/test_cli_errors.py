@@ -295,6 +295,27 @@ def test_a_checkpoints_refused_setting_is_named_as_the_checkpoints(tmp_path, cap
     assert "it needs second_draft_loops >= 3); pass second_draft_loops in [3].): pass --mode plain" in line, line
 
 
+def test_a_checkpoints_refused_exit_or_recurrence_setting_is_named_before_batch_starts(tmp_path, capsys):
+    """An exit option past the loops, or Huginn's num_steps on Ouro, saved in generation_config.json: `batch` failed
+    in its first batch (after making OUT's folder and OUT.parts), naming no file; both commands name it before
+    anything runs."""
+    folder = save_checkpoint(tmp_path / "saved-exit", total_ut_steps=4)
+    config = json.loads((folder / "generation_config.json").read_text())
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "w5 w6"}\n')
+    out = tmp_path / "new" / "out.jsonl"
+    for saved, named in (({"exit_at_step": 9}, "exit_at_step=9 must be an integer in [0, 3] for a 4-loop model"),
+                         ({"num_steps": 3}, "num_steps=3: OuroForCausalLM has no recurrence settings")):
+        (folder / "generation_config.json").write_text(json.dumps({**config, **saved}))
+        for argv in (["generate", "w5 w6"], ["batch", str(prompts), "--output", str(out)]):
+            capsys.readouterr()
+            assert cli.main([*argv, "--model", str(folder), "--device", "cpu", "--max-new-tokens", "2"]) == 2
+            line = _last_line(capsys.readouterr().err)
+            assert f"error: the checkpoint's generation_config.json: {named}" in line, line
+            assert line.endswith("; correct the checkpoint's generation_config.json."), line
+        assert not out.parent.exists()
+
+
 # --- the traceback on request, interrupts, a real process -----------------------------------------------------------
 
 
