@@ -92,7 +92,6 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     would draw its own seed).
     """
 
-    from .generation.saved_config import check_family_keys
     from .looped import draws_initial_states
     from .models.layers import is_integer
 
@@ -119,24 +118,35 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     kwargs["pad_token_id"] = pad if is_integer(pad) and 0 <= pad < model.config.vocab_size else 0
     # a depth this model's loops refuse fails here, before `batch` makes OUT.parts, not in its first batch, whether
     # an option or the checkpoint's generation config gave it (`generate` fills the keys the options leave unset from
-    # there); a Huginn checkpoint's generation config may set the recurrence steps `generate` will run (its loops);
-    # so do its exit options and recurrence settings, which no option sets
+    # there); a Huginn checkpoint's generation config may set the recurrence steps `generate` will run (its loops)
+    given = getattr(args, "speculative_given", {})  # (refused beside --mode plain: `check_mode_options`)
+    check_saved_settings(model, kwargs, lambda named: [
+        *(f"--{key.replace('_', '-')}" for key in named if key in ("draft_loops", "num_speculative_tokens")),
+        "--mode plain" + (f" without {' and '.join(given)}" if given else "")])
+    return kwargs
+
+
+def check_saved_settings(model, given: dict, overrides=lambda named: ()) -> None:
+    """`SavedSettingError` naming the checkpoint's generation_config.json (`model.generation_config`) for a setting of
+    it that a `generate` call with the keyword arguments `given` refuses: an exit option, a recurrence setting or a
+    hook, which no call overrides (`saved_config.check_family_keys`), or a speculative setting (`saved_refusal`),
+    which the options `overrides(named)` would (the CLI's; none: serve's)."""
+    from .generation.saved_config import check_family_keys
+
     try:
         check_family_keys(model)
     except ValueError as error:
         raise SavedSettingError(f"the checkpoint's generation_config.json: {str(error).rstrip('.')}; correct the "
                                 "checkpoint's generation_config.json.") from None
-    refused = saved_refusal(model, kwargs)
+    refused = saved_refusal(model, given)
     if refused:
         named, reason = refused
-        options = [f"--{key.replace('_', '-')}" for key in named if key in ("draft_loops", "num_speculative_tokens")]
-        given = getattr(args, "speculative_given", {})  # (refused beside --mode plain: `check_mode_options`)
-        plain = "--mode plain" + (f" without {' and '.join(given)}" if given else "")
+        options = list(overrides(named))
+        fix = f"pass {' or '.join(options)}, or correct" if options else "correct"
         raise SavedSettingError(f"the checkpoint's generation_config.json sets "
-                                f"{', '.join(f'{key}={value!r}' for key, value in named.items())}, which this call "
-                                f"refuses ({reason}): pass {' or '.join([*options, plain])}, or correct the "
-                                "checkpoint's generation_config.json.", named)
-    return kwargs
+                                f"{', '.join(f'{key}={value!r}' for key, value in named.items())}, which "
+                                f"{'this call' if given else 'its model'} refuses ({reason}): {fix} the checkpoint's "
+                                "generation_config.json.", named)
 
 
 def saved_refusal(model, given: dict) -> tuple[dict, str] | None:

@@ -6,7 +6,7 @@ Every option is `transformers serve`'s own (`--port`, `--host`, `--continuous-ba
 
 * MODEL defaults to the embedded default model (also when given as `default`); a checkpoint folder is checked as
   `hf-loopspec generate` checks it, a model that is not one of the package's looped families is refused, and so is
-  a setting of its generation config that its model refuses (`check_saved_settings`);
+  a setting of its generation config that its model refuses (`check_generation_config`);
 * `--threads N`: torch's CPU threads (default 1, as `generate`), and `--debug`;
 * the model class is made resolvable where transformers' model manager looks it up: it loads a checkpoint with
   `getattr(transformers, config.architectures[0])`, and the package's classes are not attributes of the
@@ -305,7 +305,7 @@ def start(argv: list[str]):
     model_class = expose_architecture(params["force_model"], params["trust_remote_code"])
     config = AutoConfig.from_pretrained(params["force_model"], trust_remote_code=params["trust_remote_code"])
     generation = checkpoint_generation_config(params["force_model"])
-    check_saved_settings(model_class, config, generation)
+    check_generation_config(model_class, config, generation)
     if params.get("continuous_batching") and getattr(generation, "stop_strings", None):  # (before the model loads)
         raise ValueError(batching_refusal(generation.stop_strings))
     openai_errors(max_positions(config), default_limit(generation))
@@ -328,32 +328,21 @@ def start(argv: list[str]):
         raise load_failure(error) from error
 
 
-def check_saved_settings(model_class: type, config, generation) -> None:
+def check_generation_config(model_class: type, config, generation) -> None:
     """`ValueError` when the checkpoint's generation config `generation` (None: it has none) saves a setting its
-    model refuses (`prompting.saved_refusal`: a speculative one; `saved_config.check_family_keys`: an exit option,
-    a recurrence setting, a hook), before the model loads: every request that does not override it would get an
-    HTTP 400 naming a value it never sent. The model is built on the meta device (no memory, no weights)."""
+    model refuses (`prompting.check_saved_settings`: a speculative setting, an exit option, a recurrence setting, a
+    hook), before the model loads: every request that does not override it would get an HTTP 400 naming a value it
+    never sent. The model is built on the meta device (no memory, no weights)."""
     import torch
 
-    from .generation.saved_config import check_family_keys
-    from .prompting import saved_refusal
+    from .prompting import check_saved_settings
 
     if generation is None:
         return
     with torch.device("meta"):
         model = model_class(config)
     model.generation_config = generation
-    try:
-        check_family_keys(model)
-    except ValueError as error:
-        raise ValueError(f"the checkpoint's generation_config.json: {str(error).rstrip('.')}; correct the "
-                         "checkpoint's generation_config.json.") from None
-    refused = saved_refusal(model, {})
-    if refused:
-        named, reason = refused
-        raise ValueError(f"the checkpoint's generation_config.json sets "
-                         f"{', '.join(f'{key}={value!r}' for key, value in named.items())}, which its model refuses "
-                         f"({reason}): correct the checkpoint's generation_config.json.")
+    check_saved_settings(model, {})
 
 
 def load_failure(error: RuntimeError) -> Exception:
