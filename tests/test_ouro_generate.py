@@ -176,6 +176,10 @@ def test_static_cache_generate_equals_dynamic(setup):
     expected = generate(model, ids, mask, do_sample=False, eos_token_id=None)
     static = generate(model, ids, mask, do_sample=False, eos_token_id=None, cache_implementation="static")
     torch.testing.assert_close(static, expected, atol=0, rtol=0)
+    with torch.no_grad():  # docs/generation.md: max_length - 1 positions (the last new token is never written)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, eos_token_id=None,
+                             cache_implementation="static", return_dict_in_generate=True)
+    assert {layer.max_cache_len for layer in out.past_key_values.layers} == {ids.shape[1] + 3 - 1}
 
 
 def test_a_call_without_a_cache_ignores_cache_implementation_in_auto_mode_too(setup):

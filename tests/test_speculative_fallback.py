@@ -107,6 +107,18 @@ def test_auto_reports_the_fallback_whatever_it_would_choose(setup, case, caplog,
     assert out.sequences.tolist() == run(model, ids, mask, **settings).sequences.tolist()
 
 
+def test_the_fallback_warning_is_logged_once_whichever_mode_finds_it(setup, caplog):
+    """docs/generation.md: once per process. The fixed modes and auto logged it on loggers of their own, so a
+    pipeline call then an auto call with the same processor warned twice."""
+    model, ids, mask = setup
+    settings, name = CASES["row_bias"]
+    transformers_logging.warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+        for mode in ("pipeline", "auto", "block", "auto"):
+            assert name in run(model, ids, mask, speculative_mode=mode, **settings).speculation.fallback
+    assert len(fallback_warnings(caplog)) == 1
+
+
 def test_settings_that_add_no_processor_are_no_fallback():
     """transformers builds no processor for an `encoder_no_repeat_ngram_size` of 0 or below (nor a guidance scale or
     encoder penalty of 1): auto decoded such a call plainly, saying the processor was added."""

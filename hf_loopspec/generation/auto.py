@@ -46,7 +46,6 @@ from transformers import Cache, DynamicCache, GenerationConfig, LogitsProcessorL
 from ..cache.convert import to_dynamic, to_paged
 from ..cache.paged import PagedLoopCache
 from ..defaults import DEFAULT_NUM_SPECULATIVE_TOKENS
-from ..logs import get_logger
 from ..looped import check_kv_continues
 from .auto_calibration import costs_for
 from .auto_costs import PLAIN, Candidate, CostTable, observe
@@ -73,12 +72,10 @@ from .config import (
 )
 from .inputs import as_integer, check_cache_implementation, check_generation_values, check_left_padded, prompt_or_bos
 from .model_checks import execution_device, model_fallback
-from .processors import configured_fallback, plain_fallback
+from .processors import configured_fallback, plain_fallback, warn_fallback
 from .stats import SequenceStats, SpeculationStats
 from .wavefront.host import compile_problem
 from .wavefront.span import reserved_positions
-
-logger = get_logger(__name__)
 
 # Settings measured from the call's start or its end (transformers builds them from the input length or max_length
 # of each `generate` call), and criteria that may stop the call: a call with any of them decodes as one segment.
@@ -201,7 +198,7 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
         or configured_fallback(config) or settings_fallback(config, synced_gpus_of(model, kwargs.get("synced_gpus")))
     processors = _processors(model, ids, kwargs, config)  # (settings they refuse: refused before any work)
     if fallback is not None:
-        logger.warning_once("hf_loopspec: %s.", fallback)
+        warn_fallback(fallback)
     elif spec.compile_backend is not None and (host := compile_problem(processors, ids.shape[1], None, None)):
         raise ValueError(f"speculative_mode='auto' cannot run {host}.")  # (whichever segments auto would choose)
     call = _Call(base, int(max_new), min_new if min_new > 0 else None,

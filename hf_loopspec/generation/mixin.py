@@ -66,7 +66,7 @@ from .inputs import (
     checked_call_inputs,
 )
 from .model_checks import dense_cache_reason, execution_device, model_fallback
-from .processors import plain_fallback
+from .processors import plain_fallback, warn_fallback
 from .stats import SpeculationStats
 
 logger = get_logger(__name__)
@@ -345,7 +345,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         fallback = model_fallback(self) or plain_fallback(logits_processor) \
             or settings_fallback(generation_config, synced_gpus)
         if fallback is not None:
-            logger.warning_once("hf_loopspec: %s.", fallback)
+            warn_fallback(fallback)
             if generation_config.use_cache is False:  # plain decoding without a cache, as transformers' own
                 model_kwargs.pop("cache", None)  # (the PagedLoopCache made or passed for the speculative run)
             result = super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,

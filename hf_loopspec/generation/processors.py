@@ -18,6 +18,17 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation import logits_process as lp
 
+from ..logs import get_logger
+
+FALLBACK_LOG = get_logger(__name__)  # one logger for every mode: its `warning_once` counts
+
+
+def warn_fallback(reason: str) -> None:
+    """Log `reason`, why a speculative call decodes plainly, once per process whichever mode found it (the fixed
+    modes and auto logged it on loggers of their own, each once)."""
+    FALLBACK_LOG.warning_once("hf_loopspec: %s.", reason)
+
+
 ROW_PURE = frozenset({
     lp.EpsilonLogitsWarper, lp.EtaLogitsWarper, lp.ExponentialDecayLengthPenalty, lp.ForcedBOSTokenLogitsProcessor,
     lp.ForcedEOSTokenLogitsProcessor, lp.InfNanRemoveLogitsProcessor, lp.LogitNormalization,
