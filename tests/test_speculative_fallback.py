@@ -19,12 +19,12 @@ import torch
 from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
 from speculative_utils import generate_dict, paged_cache, tiny_spec_model
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, SynthIDTextWatermarkingConfig
+from transformers import LogitsProcessor, LogitsProcessorList, SynthIDTextWatermarkingConfig
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging as transformers_logging
 
 from hf_loopspec import PagedLoopCache
-from hf_loopspec.generation import auto, auto_policy, processors
+from hf_loopspec.generation import auto, auto_policy
 
 VOCAB = 64
 NEW = 10
@@ -91,10 +91,7 @@ def test_auto_reports_the_fallback_whatever_it_would_choose(setup, case, caplog,
     before choosing anything (before, a model whose remembered acceptance made auto choose plain decoding reported
     no fallback for `guidance_scale` or watermarking: only a speculative stretch that fell back found them)."""
     model, ids, mask = setup
-    settings, name = CASES[case]
-    name = {"guidance_scale": "guidance_scale=1.5", "synthid": "watermarking_config",
-            "encoder_penalty": "encoder_repetition_penalty=3.0",
-            "encoder_no_repeat": "encoder_no_repeat_ngram_size=1"}.get(case, name)
+    settings, name = CASES[case]  # (named as the fixed modes name it: auto builds the call's processors up front)
     low = auto_policy.Acceptance({1: 0.0, 2: 0.0}, {1: 500.0, 2: 500.0})  # auto would choose plain decoding
     monkeypatch.setattr(auto_policy, "remembered", lambda model, settings: low.copy())
     monkeypatch.setattr(auto, "remembered", lambda model, settings: low.copy())
@@ -111,20 +108,23 @@ def test_the_fallback_warning_is_logged_once_whichever_mode_finds_it(setup, capl
     """docs/generation.md: once per process. The fixed modes and auto logged it on loggers of their own, so a
     pipeline call then an auto call with the same processor warned twice."""
     model, ids, mask = setup
-    settings, name = CASES["row_bias"]
-    transformers_logging.warning_once.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
-        for mode in ("pipeline", "auto", "block", "auto"):
-            assert name in run(model, ids, mask, speculative_mode=mode, **settings).speculation.fallback
-    assert len(fallback_warnings(caplog)) == 1
+    for case in ("row_bias", "guidance_scale", "encoder_penalty"):  # (auto named the last two by their setting)
+        settings, name = CASES[case]
+        transformers_logging.warning_once.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+            for mode in ("pipeline", "auto", "block", "auto"):
+                assert name in run(model, ids, mask, speculative_mode=mode, **settings).speculation.fallback
+        assert len(fallback_warnings(caplog)) == 1, fallback_warnings(caplog)
+        caplog.clear()
 
 
-def test_settings_that_add_no_processor_are_no_fallback():
+def test_settings_that_add_no_processor_are_no_fallback(setup):
     """transformers builds no processor for an `encoder_no_repeat_ngram_size` of 0 or below (nor a guidance scale or
     encoder penalty of 1): auto decoded such a call plainly, saying the processor was added."""
+    model, ids, mask = setup
     for settings in ({"encoder_no_repeat_ngram_size": -1}, {"encoder_no_repeat_ngram_size": 0},
                      {"guidance_scale": 1.0}, {"encoder_repetition_penalty": 1.0}):
-        assert processors.configured_fallback(GenerationConfig(**settings)) is None, settings
+        assert run(model, ids, mask, speculative_mode="auto", **settings).speculation.fallback is None, settings
 
 
 def test_transformers_verbosity_silences_the_fallback_warning(setup, caplog):

@@ -26,12 +26,12 @@ cache (e.g. a `StaticCache`) decodes plainly in one segment (reason "cache-type"
 a fixed-capacity `PagedLoopCache` too small for a speculative segment's up-front reservation (reason "capacity"). A
 call with `position_ids` of its own decodes plainly in one segment (reason "position-ids": only plain decoding
 follows them). A model that cannot decode speculatively (`model_checks.model_fallback`), a call with a logits
-processor not known to be row-pure (`processors.plain_fallback`, `configured_fallback`: its own, guidance,
-watermarking), or one that asks for what only plain decoding does (`config.settings_fallback`: `synced_gpus`,
-`prefill_chunk_size`) decodes the whole call plainly in one segment (reason "fallback"), whatever auto would choose;
-a speculative segment that decoded plainly for a reason found only then (its `fallback`) makes the call report it and
-decode the rest plainly. Beam search, assistants, `inputs_embeds` and per-step hidden states or attentions are
-refused, as with the fixed modes.
+processor not known to be row-pure (`processors.plain_fallback`, on the processors it builds up front: its own,
+guidance, watermarking), or one that asks for what only plain decoding does (`config.settings_fallback`:
+`synced_gpus`, `prefill_chunk_size`) decodes the whole call plainly in one segment (reason "fallback"), whatever
+auto would choose; a speculative segment that decoded plainly for a reason found only then (its `fallback`) makes
+the call report it and decode the rest plainly. Beam search, assistants, `inputs_embeds` and per-step hidden states
+or attentions are refused, as with the fixed modes.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from .config import (
 )
 from .inputs import as_integer, check_cache_implementation, check_generation_values, check_left_padded, prompt_or_bos
 from .model_checks import execution_device, model_fallback
-from .processors import configured_fallback, plain_fallback, warn_fallback
+from .processors import plain_fallback, warn_fallback
 from .stats import SequenceStats, SpeculationStats
 from .wavefront.host import compile_problem
 from .wavefront.span import reserved_positions
@@ -194,9 +194,9 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
             base["prefix_allowed_tokens_fn"] = lambda batch_id, tokens: allowed(batch_id // copies, tokens)
     # the minimum as new columns: min_new_tokens when set (transformers then ignores min_length), else min_length's
     min_new = config.min_new_tokens if config.min_new_tokens is not None else (config.min_length or 0) - ids.shape[1]
-    fallback = model_fallback(model) or plain_fallback(kwargs.get("logits_processor")) \
-        or configured_fallback(config) or settings_fallback(config, synced_gpus_of(model, kwargs.get("synced_gpus")))
     processors = _processors(model, ids, kwargs, config)  # (settings they refuse: refused before any work)
+    fallback = model_fallback(model) or plain_fallback(processors) \
+        or settings_fallback(config, synced_gpus_of(model, kwargs.get("synced_gpus")))
     if fallback is not None:
         warn_fallback(fallback)
     elif spec.compile_backend is not None and (host := compile_problem(processors, ids.shape[1], None, None)):
@@ -215,9 +215,10 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
 
 def _processors(model, ids: torch.Tensor, kwargs: dict, config: GenerationConfig) -> LogitsProcessorList:
     """The call's logits processors, built as its segments build them: a setting they refuse (a malformed
-    `sequence_bias`, ...) raises transformers' `ValueError` before any work, as in the fixed modes, and a compiled
-    step that could not run them is found up front (auto's speculative segments would raise it, and its plain ones,
-    which drop `compile_core`, not)."""
+    `sequence_bias`, ...) raises transformers' `ValueError` before any work, as in the fixed modes; one not known to
+    be row-pure is the call's fallback, named as the fixed modes name it; and a compiled step that could not run them
+    is found up front (auto's speculative segments would raise it, and its plain ones, which drop `compile_core`,
+    not)."""
     config = copy.deepcopy(config)
     model._prepare_special_tokens(config, device=ids.device)  # (the EOS tensors some processors read)
     return model._get_logits_processor(config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,

@@ -51,33 +51,6 @@ def plain_fallback(processors) -> str | None:
             "decoded with plain decoding instead")
 
 
-def configured_fallback(generation_config) -> str | None:
-    """Why the processors transformers builds from `generation_config`'s own settings cannot run speculatively (a
-    `guidance_scale` or `encoder_repetition_penalty` other than 1, an `encoder_no_repeat_ngram_size`, a
-    `watermarking_config`), or None:
-    `plain_fallback`'s verdict on them before they are built (auto chooses its stretches before any is built)."""
-    guidance = getattr(generation_config, "guidance_scale", None)
-    if guidance is not None and guidance != 1:
-        return (f"guidance_scale={guidance!r} adds classifier-free guidance, a logits processor that runs the model on "
-                "a context of its own (not a pure function of one row's ids and scores), so speculative decoding could "
-                "change its output; decoded with plain decoding instead")
-    penalty = getattr(generation_config, "encoder_repetition_penalty", None)
-    if penalty is not None and penalty != 1:  # (transformers penalises the prompt's tokens, row by row)
-        return (f"encoder_repetition_penalty={penalty!r} adds EncoderRepetitionPenaltyLogitsProcessor, which holds "
-                "the prompt's rows (not a pure function of one row's ids and scores), so speculative decoding could "
-                "change its output; decoded with plain decoding instead")
-    size = getattr(generation_config, "encoder_no_repeat_ngram_size", None)
-    if isinstance(size, int) and size > 0:  # (transformers bans each row's prompt n-grams, holding the prompt's rows)
-        return (f"encoder_no_repeat_ngram_size={size!r} adds EncoderNoRepeatNGramLogitsProcessor, which holds the "
-                "prompt's rows (not a pure function of one row's ids and scores), so speculative decoding could "
-                "change its output; decoded with plain decoding instead")
-    if getattr(generation_config, "watermarking_config", None) is not None:
-        return ("watermarking_config adds a watermarking logits processor, which is not known to be a pure function of "
-                "one row's ids and scores, so speculative decoding could change its output; decoded with plain "
-                "decoding instead")
-    return None
-
-
 def row_processors(processors: LogitsProcessorList, row: int) -> LogitsProcessorList:
     """The processors as they apply to batch row `row` alone (the decoder calls them one row at a time).
 
