@@ -363,6 +363,29 @@ def test_triton_kernels_take_rows_with_a_strided_head_dim(device, dtype):
                                rtol=0, atol=0)
 
 
+@needs_triton
+@pytest.mark.parametrize("device, dtype", KERNEL_TARGETS)
+def test_triton_kernels_take_strided_slots_tables_and_lengths(device, dtype):
+    """1-D slots, table ids and context lengths taken as a column of a 2-D tensor (stride 2): the kernels read them
+    as contiguous, writing and reading the wrong slots without a word."""
+    def strided(x: torch.Tensor) -> torch.Tensor:
+        column = torch.stack([x, torch.zeros_like(x)], -1)[..., 0]
+        assert column.stride(-1) == 2 and torch.equal(column, x)
+        return column
+
+    k, v, k_cache, v_cache, slots = write_kv_case(device, dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    naive_write_kv(k, v, expected_k, expected_v, slots)
+    write_kv_triton(k, v, k_cache, v_cache, strided(slots))
+    torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
+    scene = scene_named("mixed-tables-depths-runs").to(device, dtype)
+    q, k_pool, v_pool, tables, table_ids, lengths, scale = scene.args()
+    torch.testing.assert_close(paged_attention_triton(q, k_pool, v_pool, tables, strided(table_ids),
+                                                      strided(lengths), scale),
+                               paged_attention_triton(*scene.args()), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_dispatch_on_cpu_picks_kernel_only_under_interpreter(dtype):
     """On CPU the PyTorch path runs, except under the interpreter, which takes fp32/fp16 but not bf16."""

@@ -146,8 +146,10 @@ def write_kv_triton(
     slots: torch.Tensor,  # [N] int64; < 0 marks an inactive row
 ) -> None:
     """Triton twin of `naive.naive_write_kv`: scatter each row's key and value (`stored`) into its flat slot. Rows
-    whose head_dim is strided (a projection computed transposed) are copied to unit stride first."""
+    whose head_dim is strided (a projection computed transposed) and strided `slots` are copied to unit stride first
+    (the pools, which the kernel writes, must have it)."""
     k, v = unit_stride(stored(k, k_cache.dtype)), unit_stride(stored(v, v_cache.dtype))
+    slots = unit_stride(slots)
     _check_unit_stride(k_cache, v_cache)
     num_rows, num_kv_heads, head_dim = k.shape
     if num_rows == 0:
@@ -182,9 +184,9 @@ def paged_attention_triton(
     scale: float,
 ) -> torch.Tensor:
     """Triton twin of `naive.naive_paged_attention`: `[N, Hq, D]` in `q.dtype`, zeros for inactive rows (queries
-    whose head_dim is strided are copied to unit stride first)."""
-    q = unit_stride(q)
-    _check_unit_stride(k_cache, v_cache, block_tables)
+    whose head_dim is strided, and strided tables, table ids or lengths, are copied to unit stride first)."""
+    q, block_tables, table_ids, context_lens = map(unit_stride, (q, block_tables, table_ids, context_lens))
+    _check_unit_stride(k_cache, v_cache)
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(q)  # [N, Hq, D]
