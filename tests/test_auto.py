@@ -943,7 +943,7 @@ def test_command_line_auto():
                               repetition_penalty=None, mode="auto", draft_loops=1, num_speculative_tokens=4)
     model = argparse.Namespace(generation_config=GenerationConfig(pad_token_id=0), num_loops=4,
                                call_block=lambda config: contextlib.nullcontext(),
-                               config=argparse.Namespace(vocab_size=16))
+                               exit_rule=lambda **exit_options: None, config=argparse.Namespace(vocab_size=16))
     assert generate_kwargs(args, model, None)["speculative_mode"] == "auto"
     assert "draft_loops" not in generate_kwargs(args, model, None)
     args.speculative_given = {"--draft-loops": 2}

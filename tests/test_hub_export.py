@@ -215,7 +215,7 @@ def test_an_exit_option_of_the_checkpoint_is_on_the_card_and_a_bad_one_refused(s
                        "Pass at most one"), ({"num_steps": 8}, "num_steps=8: OuroForCausalLM has no recurrence"),
                        ({"speculative_trace": True}, "speculative_trace=True in a generation config is not read")]:
         (src / "generation_config.json").write_text(json.dumps({**config, **bad}))
-        with pytest.raises(ValueError, match=f"the source's generation_config.json: .*{match}"):
+        with pytest.raises(ValueError, match=f"the source's generation_config.json: .*{match}.*; correct it "):
             export.export_checkpoint(src, tmp_path / "bad", benchmarks=None)
         assert not (tmp_path / "bad").exists()
 

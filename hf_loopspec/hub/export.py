@@ -45,7 +45,7 @@ from pathlib import Path
 from .. import __version__
 from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, DTYPE_NAMES
 from ..input_checks import check_source, hub_errors_explained
-from .card_checks import CHATML_TOKENS, SAMPLING_RANGES, check_loop_settings, is_hub_repo_id
+from .card_checks import SAMPLING_RANGES, check_loop_settings, is_hub_repo_id
 from .install import install_command
 from .shims import AUTO_MAP, SHIM_FILES, write_template
 from .source import card_metadata, copy_license_files, hub_options, load_dtype, resolve_source
@@ -107,6 +107,7 @@ def export_checkpoint(
     from transformers import AutoModelForCausalLM
 
     from .card_speed import bench_results
+    from .generation_defaults import generation_defaults
 
     # the settings first: a bad one is refused before any Hub request
     shard_bytes = _checked_settings(max_shard_size, dtype, overwrite, trust_remote_code, repo_id, base_model, license,
@@ -121,14 +122,13 @@ def export_checkpoint(
     num_loops = _source_config(src, source.local_only, trust_remote_code).total_ut_steps  # no weights read yet
     check_loop_settings(num_loops, model_card_kwargs.get("exit_options"), speculative_mode, draft_loops,
                         num_speculative_tokens)
-
     with hub_errors_explained(src):
         model = AutoModelForCausalLM.from_pretrained(src, dtype=load_dtype(src, source.local_only, dtype),
                                                      trust_remote_code=trust_remote_code, use_safetensors=True,
                                                      **hub_options(source.local_only))
     model.eval()
     tokenizer = _load_tokenizer(src, source.local_only)
-    _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens)
+    generation_defaults(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens)
     card = _model_card(source, model, tokenizer, repo_id=repo_id, base_model=base_model, license=license,
                        benchmarks=benchmarks, dtype=dtype, **model_card_kwargs)
     with staged_folder(out) as stage:
@@ -187,52 +187,6 @@ def _readable_as_umask(folder: Path) -> None:
             path.chmod(mode)
 
 
-def _speculative_generation_config(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens):
-    """Set on `model.generation_config` (and return it) the speculative defaults (checked before the model loaded:
-    `check_loop_settings`), eos ids that end a chat turn and a pad id (`card.settle_pad`: the tokenizer's too). The
-    export's defaults replace the source's speculative settings: those it has no argument for (`second_draft_loops`,
-    `compile_core`, `speculative_engine`: a source saved by this package) are left out, with a warning naming them
-    (kept, they could contradict the export's mode, and the card would not describe them)."""
-    # (here: the command's parser is built without transformers)
-    from ..generation.config import SPECULATIVE_KEYS
-    from ..generation.saved_config import check_family_keys
-    from ..logs import get_logger
-    from .card import settle_pad
-
-    gen = model.generation_config
-    try:  # the source's own settings that every generate() of the export would raise on
-        check_family_keys(model)
-    except ValueError as error:
-        raise ValueError(f"the source's generation_config.json: {error}") from None
-    # A config derived from config.json is saved with `_from_model_config: true`, and such a file's extra keys are
-    # dropped when it is loaded: mark it as a real generation config so the speculative defaults survive.
-    gen._from_model_config = False
-    written = {"speculative_mode": speculative_mode, "draft_loops": draft_loops,
-               "num_speculative_tokens": num_speculative_tokens}
-    dropped = {key: getattr(gen, key) for key in SPECULATIVE_KEYS
-               if key not in written and getattr(gen, key, None) is not None}
-    if dropped:
-        for key in dropped:
-            delattr(gen, key)
-        get_logger(__name__).warning(
-            "export: the source's generation_config.json sets %s, which the export leaves out: its speculative "
-            "defaults are the export's own (speculative_mode=%r, draft_loops=%r); a call on the export can still pass "
-            "them to generate.", ", ".join(f"{key}={value!r}" for key, value in dropped.items()), speculative_mode,
-            draft_loops)
-    gen.speculative_mode = speculative_mode
-    gen.draft_loops = draft_loops
-    gen.num_speculative_tokens = num_speculative_tokens
-    if gen.eos_token_id is None:
-        gen.eos_token_id = model.config.eos_token_id
-    end_of_turn = _end_of_turn_id(tokenizer)
-    if end_of_turn is not None:  # chat models: stop at the end of the turn as well as at the end of text
-        eos = [] if gen.eos_token_id is None else [gen.eos_token_id] if isinstance(gen.eos_token_id, int) \
-            else list(gen.eos_token_id)
-        gen.eos_token_id = eos + [end_of_turn] if end_of_turn not in eos else gen.eos_token_id
-    settle_pad(gen, tokenizer, model.config.vocab_size)
-    return gen
-
-
 def kv_bytes_per_token(model) -> int:
     """KV bytes one context token takes in bf16 in every loop of `model` (keys and values of each layer)."""
     import torch
@@ -262,6 +216,7 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
     from ..generation.config import EXIT_OPTIONS, asks
     from ..logs import get_logger
     from .card import build_model_card, makers_weights
+    from .generation_defaults import chatml_tokens
 
     for result in benchmarks:
         _check_measured_on(result, model)
@@ -287,7 +242,7 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
         "kv_bytes_per_token": kv_bytes_per_token(model),
         "tokenizer": tokenizer is not None,
         "chat": bool(getattr(tokenizer, "chat_template", None)),
-        "chat_tokens": _chatml_tokens(tokenizer),
+        "chat_tokens": chatml_tokens(tokenizer),
         "eos_token_ids": gen.eos_token_id,
         "speculative_mode": gen.speculative_mode,
         "draft_loops": gen.draft_loops,
@@ -366,21 +321,6 @@ def _source_tokenizer_settings(src: str) -> dict | None:
     except (OSError, ValueError):
         return {}
     return settings if isinstance(settings, dict) else {}
-
-
-def _end_of_turn_id(tokenizer) -> int | None:
-    """The id of `<|im_end|>` when the tokenizer has a ChatML chat template (Ouro's Thinking models), else None."""
-    return _chatml_tokens(tokenizer).get("<|im_end|>")
-
-
-def _chatml_tokens(tokenizer) -> dict[str, int]:
-    """`{token: id}` of the ChatML tokens (`<|im_start|>`, `<|im_end|>`, `<|endoftext|>`) the tokenizer knows, when
-    its chat template is ChatML (it writes `<|im_end|>`); else {}."""
-    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-    if not template or "<|im_end|>" not in str(template):
-        return {}
-    vocab = tokenizer.get_vocab()
-    return {token: vocab[token] for token in CHATML_TOKENS if token in vocab}
 
 
 # --- command line ---------------------------------------------------------------------------------------------------
