@@ -173,8 +173,8 @@ def saved_refusal(model, given: dict) -> tuple[dict, str] | None:
                  if re.search(rf"(?<!\w){key}=", str(error))}  # (not inside second_draft_loops=)
         if not named:
             raise
-        return named, re.sub(rf" \({re.escape(UNSET_SAVED)}\)| or None\b(?: \(model\.decode_with_lanes [^)]*\))?", "",
-                             str(error))
+        return named, re.sub(rf" \({re.escape(UNSET_SAVED)}\)| or None(?: \(model\.decode_with_lanes [^)]*\))?(?=\.)",
+                             "", str(error))  # (a value's "or None.", not "or None for plain decoding")
     return None
 
 

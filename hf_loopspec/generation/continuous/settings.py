@@ -44,6 +44,7 @@ UNSUPPORTED = {  # generation config settings a manager cannot honour (stop_stri
     "max_time": "a manager stops a request at its EOS ids and max_new_tokens only",
     "penalty_alpha": "contrastive search is not a decoding a manager runs (transformers 5 removed it from generate)",
     "assistant_early_exit": "assisted decoding is not a decoding a manager runs (nor, on a looped model, generate)",
+    "dola_layers": "DoLa decoding is not a decoding a manager runs (transformers 5 moved it out of generate)",
 }  # (prompt_lookup_num_tokens, a lossless speed-up a checkpoint's config may carry, is left unused: same tokens)
 OVERRIDE = "draft_override"  # where a request's (test-only) draft override waits for its admission
 # the ContinuousBatchingConfig fields a manager reads; `max_queue_size` and `return_logprobs` are refused, and
