@@ -8,7 +8,8 @@ Contract of `check_source(spec)`: when `spec` is an existing folder, it holds a 
 every shard it names) whose headers parse and whose data regions lie inside the files. Pickle weights
 (`pytorch_model.bin`, ...) are never loaded: unpickling runs code, so a folder that has only those is refused (load
 with `use_safetensors=True`, which makes transformers refuse pickle-only Hub repos too). When `spec` is not a folder
-it must be a valid Hub repo id; a path-like string that names nothing is reported as a missing folder.
+it must be a valid Hub repo id; a path-like string that names nothing is reported as a missing folder, and the
+repo's safetensors files already in the local Hub cache are checked as a folder's are.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 def check_source(spec: str) -> None:
     """Raise `FileNotFoundError` / `ValueError` (one line, naming the fix) for a checkpoint that cannot load safely;
-    see the module docstring for what is checked. Hub ids are only checked for their form."""
+    see the module docstring for what is checked. Hub ids are checked for their form and their cached weights."""
     path = Path(spec).expanduser()
     if path.is_dir():
         check_folder(path)
@@ -40,6 +41,22 @@ def check_source(spec: str) -> None:
     except HFValidationError:
         raise FileNotFoundError(f"no such folder: {spec}; pass an existing checkpoint folder or a Hub id such as "
                                 "ByteDance/Ouro-1.4B.") from None
+    check_cached_weights(spec)
+
+
+def check_cached_weights(repo_id: str) -> None:
+    """The safetensors files of the Hub repo `repo_id` (its main revision) already in the local Hub cache, checked as
+    a folder's are (`check_safetensors`): a cached file that is empty or cut short is loaded as it is, offline or
+    not, and failed deep inside safetensors. Files not cached yet are the download's to fetch."""
+    from huggingface_hub import try_to_load_from_cache
+
+    weights, index = (try_to_load_from_cache(repo_id, name) for name in (SAFE_WEIGHTS, SAFE_INDEX))
+    if isinstance(index, str):
+        cached = [shard for shard in weight_files(Path(index).parent) if shard.exists()]
+    else:
+        cached = [Path(weights)] if isinstance(weights, str) else []
+    for shard in cached:
+        check_safetensors(shard)
 
 
 @contextlib.contextmanager

@@ -88,6 +88,28 @@ def test_broken_checkpoints_are_one_line_errors(kind, name, good, tmp_path, caps
     assert snapshot(tmp_path) == before  # export: no OUT, no staging folder left beside it
 
 
+@pytest.mark.parametrize("name", ["generate", "export"])
+@pytest.mark.parametrize("kind", ["zero-byte", "truncated", "missing-shard"])
+def test_a_broken_checkpoint_in_the_hub_cache_is_a_one_line_error(kind, name, good, tmp_path, capsys, monkeypatch):
+    """A Hub id whose cached weights are empty or cut short (a download that did not finish) was loaded as it was:
+    safetensors' traceback, exit 1, where the same folder named locally is one line. A shard not cached yet is the
+    download's to fetch (offline here: the load's own error), not a broken checkpoint."""
+    import huggingface_hub.constants
+
+    snapshot_dir = tmp_path / "hub" / "models--someone--model" / "snapshots" / ("a" * 40)
+    (tmp_path / "hub" / "models--someone--model" / "refs").mkdir(parents=True)
+    (tmp_path / "hub" / "models--someone--model" / "refs" / "main").write_text("a" * 40)
+    shutil.copytree(broken(good, tmp_path, kind), snapshot_dir)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert cli.main(command(name, "someone/model", tmp_path)) == 2
+    line = one_error_line(capsys, name)
+    if kind == "missing-shard":
+        assert "is missing" not in line and "someone/model" in line, line
+    else:
+        assert f"{snapshot_dir}/model.safetensors {BREAKAGES[kind][1]}" in line, line
+
+
 @pytest.mark.parametrize("name", ["generate", "batch", "bench", "export"])
 @pytest.mark.parametrize("spec", ["{tmp}/nowhere", "./nowhere", "some/where/else"])
 def test_a_missing_local_folder_is_not_reported_as_a_hub_id(spec, name, tmp_path, capsys, monkeypatch):
