@@ -8,8 +8,9 @@ Contract of `check_source(spec)`: when `spec` is an existing folder, it holds a 
 every shard it names) whose headers parse and whose data regions lie inside the files. Pickle weights
 (`pytorch_model.bin`, ...) are never loaded: unpickling runs code, so a folder that has only those is refused (load
 with `use_safetensors=True`, which makes transformers refuse pickle-only Hub repos too). When `spec` is not a folder
-it must be a valid Hub repo id; a path-like string that names nothing is reported as a missing folder, and the
-repo's safetensors files already in the local Hub cache are checked as a folder's are.
+it must be a valid Hub repo id; a path-like string that names nothing is reported as a missing folder, a repo not in
+the local Hub cache while the Hub is off is refused, and the repo's safetensors files already in the local Hub cache
+are checked as a folder's are.
 """
 
 from __future__ import annotations
@@ -41,15 +42,20 @@ def check_source(spec: str) -> None:
     except HFValidationError:
         raise FileNotFoundError(f"no such folder: {spec}; pass an existing checkpoint folder or a Hub id such as "
                                 "ByteDance/Ouro-1.4B.") from None
-    check_cached_weights(spec)
+    check_hub_cache(spec)
 
 
-def check_cached_weights(repo_id: str) -> None:
-    """The safetensors files of the Hub repo `repo_id` (its main revision) already in the local Hub cache, checked as
-    a folder's are (`check_safetensors`): a cached file that is empty or cut short is loaded as it is, offline or
-    not, and failed deep inside safetensors. Files not cached yet are the download's to fetch."""
-    from huggingface_hub import try_to_load_from_cache
+def check_hub_cache(repo_id: str) -> None:
+    """For a Hub repo id: `FileNotFoundError` when the Hub is off (`HF_HUB_OFFLINE`) and the repo is not in the local
+    Hub cache; its safetensors files already cached (main revision) checked as a folder's are (`check_safetensors`):
+    a cached file that is empty or cut short is loaded as it is, offline or not, and failed deep inside safetensors.
+    Files not cached yet are the download's to fetch."""
+    from huggingface_hub import is_offline_mode, try_to_load_from_cache
 
+    if is_offline_mode() and not isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        raise FileNotFoundError(f"{repo_id} is not a local folder, and it is not in the local Hub cache while the Hub "
+                                "is off (HF_HUB_OFFLINE=1); pass a checkpoint folder or 'default', or unset "
+                                "HF_HUB_OFFLINE to download it.")
     weights, index = (try_to_load_from_cache(repo_id, name) for name in (SAFE_WEIGHTS, SAFE_INDEX))
     if isinstance(index, str):
         cached = [shard for shard in weight_files(Path(index).parent) if shard.exists()]

@@ -233,6 +233,21 @@ def test_a_home_relative_folder_is_expanded_before_lm_eval_sees_it(monkeypatch, 
     evaluation.check_device(["--device", "auto"])  # lm-eval's to read (it picks cuda when there is one, else cpu)
 
 
+def test_a_hub_id_not_in_the_cache_while_offline_is_named_so(monkeypatch, capsys):
+    """lm-eval's own error named neither the id, --model_args nor HF_HUB_OFFLINE ("We couldn't connect ...")."""
+    import huggingface_hub.constants
+    import lm_eval.__main__
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: pytest.fail("lm-eval ran"))
+    code = cli.main(["lm-eval", "run", "--model", "hf", "--tasks", TASK, "--model_args", "pretrained=someone/nowhere"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["hf-loopspec lm-eval: error: --model_args pretrained=someone/nowhere: someone/nowhere "
+                                 "is not a local folder, and it is not in the local Hub cache while the Hub is off "
+                                 "(HF_HUB_OFFLINE=1); pass a checkpoint folder or 'default', or unset HF_HUB_OFFLINE "
+                                 "to download it."]
+
+
 @pytest.mark.parametrize("batch_size", ["abc", "0", "auto:x", "auto:0", "²"])  # (² is a digit int() refuses)
 def test_a_bad_batch_size_ends_in_one_line_before_anything_loads(monkeypatch, capsys, batch_size):
     """lm-eval read `--batch_size abc` once the model had loaded: `invalid literal for int()`, naming no flag."""

@@ -674,6 +674,17 @@ def test_a_checkpoints_refused_setting_is_one_line_before_the_model_loads(
     assert line.endswith("correct the checkpoint's generation_config.json."), line
 
 
+def test_a_hub_id_not_in_the_cache_while_offline_is_named_so(capsys, monkeypatch):
+    """serve tried an uncached Hub id while the Hub was off, and blamed the connection without naming HF_HUB_OFFLINE
+    (generate, batch and export say it)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert cli.main(["serve", "no-such-org/no-such-model", "--port", str(free_port())]) == 2
+    assert ("no-such-org/no-such-model is not a local folder, and it is not in the local Hub cache while the Hub is "
+            "off (HF_HUB_OFFLINE=1)") in one_error_line(capsys, "serve")
+
+
 def test_an_address_in_use_is_one_line_exit_2_before_the_model_loads(capsys, monkeypatch):
     """A port another socket listens on is refused in one line (before: uvicorn's error inside 40 lines of log, exit
     3, after the model had loaded); nothing is loaded."""

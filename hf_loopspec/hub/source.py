@@ -112,13 +112,12 @@ def hub_state(repo_id: str) -> tuple[bool, dict]:
     from huggingface_hub import HfApi, is_offline_mode, try_to_load_from_cache
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
-    cached = isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    from ..input_checks import check_hub_cache
+
     if is_offline_mode():
-        if not cached:
-            raise OSError(f"{repo_id} is not a local folder, and it is not in the local Hub cache while the Hub is "
-                          "off (HF_HUB_OFFLINE=1); pass a checkpoint folder or 'default', or unset HF_HUB_OFFLINE "
-                          "to download it.")
+        check_hub_cache(repo_id)  # (not cached: refused)
         return True, {}
+    cached = isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
     try:
         info = HfApi().model_info(repo_id, timeout=HUB_TIMEOUT_S)
     except RepositoryNotFoundError:
