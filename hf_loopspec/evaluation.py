@@ -102,7 +102,7 @@ def check_model_args(args: list[str]) -> list[str]:
             model_args[key] = value = str(default_model_path())
         if key == "pretrained" and isinstance(value, str) and value and not Path(value).expanduser().exists():
             try:
-                check_source(value)  # (named as given)
+                check_source(value, model_args.get("revision"))  # (named as given)
             except FileNotFoundError as err:
                 raise FileNotFoundError(f"{MODEL_ARGS} pretrained={value}: {err}") from None
     return [*rest, MODEL_ARGS, json.dumps(model_args)]

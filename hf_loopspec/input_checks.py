@@ -25,9 +25,10 @@ SAFE_INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-def check_source(spec: str) -> None:
+def check_source(spec: str, revision: str | None = None) -> None:
     """Raise `FileNotFoundError` / `ValueError` (one line, naming the fix) for a checkpoint that cannot load safely;
-    see the module docstring for what is checked. Hub ids are checked for their form and their cached weights."""
+    see the module docstring for what is checked. Hub ids are checked for their form and their cached weights (of
+    `revision`: None, the main one)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         check_folder(path)
@@ -42,26 +43,30 @@ def check_source(spec: str) -> None:
     except HFValidationError:
         raise FileNotFoundError(f"no such folder: {spec}; pass an existing checkpoint folder or a Hub id such as "
                                 "ByteDance/Ouro-1.4B.") from None
-    check_hub_cache(spec)
+    check_hub_cache(spec, revision)
 
 
-def check_hub_cache(repo_id: str) -> None:
-    """For a Hub repo id: `FileNotFoundError` when the Hub is off (`HF_HUB_OFFLINE`) and the repo is not in the local
-    Hub cache; its safetensors files already cached (main revision) checked as a folder's are (`check_safetensors`):
-    a cached file that is empty or cut short is loaded as it is, offline or not, and failed deep inside safetensors.
-    Files not cached yet are the download's to fetch."""
+def check_hub_cache(repo_id: str, revision: str | None = None) -> None:
+    """For a Hub repo id at `revision` (None: main): `FileNotFoundError` when the Hub is off (`HF_HUB_OFFLINE`) and
+    that revision is not in the local Hub cache; its safetensors files already cached checked as a folder's are
+    (`check_safetensors`): a cached file that is empty or cut short is loaded as it is, offline or not, and failed
+    deep inside safetensors. Files not cached yet are the download's to fetch."""
     from huggingface_hub import is_offline_mode, try_to_load_from_cache
 
-    if is_offline_mode() and not isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
-        raise FileNotFoundError(f"{repo_id} is not a local folder, and it is not in the local Hub cache while the Hub "
-                                "is off (HF_HUB_OFFLINE=1); pass a checkpoint folder or 'default', or unset "
+    def cached(name: str):
+        return try_to_load_from_cache(repo_id, name, revision=revision)
+
+    if is_offline_mode() and not isinstance(cached("config.json"), str):
+        at = f" at revision {revision}" if revision is not None else ""
+        raise FileNotFoundError(f"{repo_id} is not a local folder, and it is not in the local Hub cache{at} while the "
+                                "Hub is off (HF_HUB_OFFLINE=1); pass a checkpoint folder or 'default', or unset "
                                 "HF_HUB_OFFLINE to download it.")
-    weights, index = (try_to_load_from_cache(repo_id, name) for name in (SAFE_WEIGHTS, SAFE_INDEX))
+    weights, index = (cached(name) for name in (SAFE_WEIGHTS, SAFE_INDEX))
     if isinstance(index, str):
-        cached = [shard for shard in weight_files(Path(index).parent) if shard.exists()]
+        shards = [shard for shard in weight_files(Path(index).parent) if shard.exists()]
     else:
-        cached = [Path(weights)] if isinstance(weights, str) else []
-    for shard in cached:
+        shards = [Path(weights)] if isinstance(weights, str) else []
+    for shard in shards:
         check_safetensors(shard)
 
 

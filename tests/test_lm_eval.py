@@ -6,6 +6,7 @@ size."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -246,6 +247,29 @@ def test_a_hub_id_not_in_the_cache_while_offline_is_named_so(monkeypatch, capsys
                                  "is not a local folder, and it is not in the local Hub cache while the Hub is off "
                                  "(HF_HUB_OFFLINE=1); pass a checkpoint folder or 'default', or unset HF_HUB_OFFLINE "
                                  "to download it."]
+
+
+def test_a_hub_id_cached_at_the_revision_asked_for_passes_offline(monkeypatch, tmp_path):
+    """`--model_args pretrained=ID,revision=TAG` with only TAG cached (what `hf download ID --revision TAG` leaves):
+    the cache check looked at main, refusing what transformers loads offline."""
+    import huggingface_hub.constants
+    import lm_eval.__main__
+
+    repo = tmp_path / "hub" / "models--someone--tagged"
+    shutil.copytree(default_model_path(), repo / "snapshots" / ("b" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "v1.0").write_text("b" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    ran = []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: ran.append(True))
+    argv = ["lm-eval", "run", "--model", "hf", "--tasks", TASK, "--model_args", "pretrained=someone/tagged"]
+    assert cli.main([*argv[:-1], "pretrained=someone/tagged,revision=v1.0"]) == 0 and ran
+    with pytest.raises(FileNotFoundError, match=r"someone/tagged is not a local folder, and it is not in the local "
+                                                r"Hub cache at revision v2\.0 while the Hub is off"):
+        evaluation.check_model_args(["--model_args", "pretrained=someone/tagged,revision=v2.0"])
+    with pytest.raises(FileNotFoundError, match=r"not in the local Hub cache while"):  # (main: not cached)
+        evaluation.check_model_args(argv[-2:])
 
 
 @pytest.mark.parametrize("batch_size", ["abc", "0", "auto:x", "auto:0", "²"])  # (² is a digit int() refuses)
