@@ -26,12 +26,14 @@ def run_lm_eval(args: list[str]) -> int:
 
     `FileNotFoundError` first when `--model_args pretrained=PATH` names a path that does not exist and is no Hub id
     either (lm-eval would report it as a malformed repo id), and `ValueError` for a `dtype` that torch does not have
-    or a key that the model's `from_pretrained` does not take (lm-eval's own errors for them are tracebacks), and
-    for a `--batch_size` it cannot read (its error came after the model loaded)."""
+    or a key that the model's `from_pretrained` does not take (lm-eval's own errors for them are tracebacks), for a
+    `--batch_size` it cannot read, and for a setting of the checkpoint's generation_config.json the model refuses
+    (their errors came after the model loaded)."""
     args = check_model_args(args)
     check_batch_size(args)
     check_device(args)
     check_processes(args)
+    check_saved_generation(args)
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError as err:
@@ -106,6 +108,36 @@ def check_model_args(args: list[str]) -> list[str]:
             except FileNotFoundError as err:
                 raise FileNotFoundError(f"{MODEL_ARGS} pretrained={value}: {err}") from None
     return [*rest, MODEL_ARGS, json.dumps(model_args)]
+
+
+def check_saved_generation(args: list[str]) -> None:
+    """`ValueError` naming the checkpoint's generation_config.json (`prompting.check_checkpoint`) for a setting of it
+    that the model refuses under `--gen_kwargs`' own speculative settings, before lm-eval loads the model (the first
+    `generate` raised it, naming no file). `args` as `check_model_args` returns them; checked for a local folder
+    `pretrained=` names (a Hub id is lm-eval's to fetch)."""
+    try:
+        from lm_eval._cli.utils import MergeDictAction
+    except ImportError:  # (`run_lm_eval` says so)
+        return
+    from .generation.config import SPECULATIVE_KEYS
+    from .prompting import check_checkpoint
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser.add_argument(MODEL_ARGS, nargs="+", action=MergeDictAction, default=None)
+    parser.add_argument("--gen_kwargs", nargs="+", action=MergeDictAction, default=None)
+    try:
+        known = parser.parse_known_args(args)[0]
+    except (argparse.ArgumentError, ValueError, SystemExit):  # lm-eval's own parser says what is wrong
+        return
+    model_args, gen_kwargs = known.model_args or {}, known.gen_kwargs or {}
+    spec = model_args.get("pretrained")
+    if not isinstance(spec, str) or not Path(spec).is_dir():
+        return
+    given = {key: gen_kwargs[key] for key in SPECULATIVE_KEYS if key in gen_kwargs}
+    check_checkpoint(spec, given, lambda named: [
+        *(f"--gen_kwargs {key}=N" for key in named if key in ("draft_loops", "num_speculative_tokens")),
+        "--gen_kwargs speculative_mode=None"], trust_remote_code=bool(model_args.get("trust_remote_code")),
+        loaded=model_args)
 
 
 def check_batch_size(args: list[str]) -> None:

@@ -149,6 +149,34 @@ def check_saved_settings(model, given: dict, overrides=lambda named: ()) -> None
                                 "generation_config.json.", named)
 
 
+def check_checkpoint(spec: str, given: dict | None = None, overrides=lambda named: (), *,
+                     trust_remote_code: bool = False, loaded: dict | None = None) -> None:
+    """`check_saved_settings` on the checkpoint `spec` (a folder or Hub id) before its weights load (serve, lm-eval):
+    its model built on the meta device (no memory, no weights), with the generation config it would load with (none:
+    nothing to check), in which the family settings among `loaded` (the keyword arguments `from_pretrained` will get:
+    exit options, recurrence settings) replace the file's, as `from_pretrained` stores them; `given`, the call's own
+    settings. A config of no looped family is left to the loader."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from .generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS
+    from .generation.saved_config import checkpoint_generation_config
+
+    generation = checkpoint_generation_config(spec)
+    for key, value in (loaded or {}).items():
+        if generation is not None and key in (*EXIT_OPTIONS, *RECURRENCE_OPTIONS):
+            setattr(generation, key, value)
+    config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if generation is None or not hasattr(model_class, "exit_rule"):
+        return
+    with torch.device("meta"):
+        model = model_class(config)
+    model.generation_config = generation
+    check_saved_settings(model, given or {}, overrides)
+
+
 def saved_refusal(model, given: dict) -> tuple[dict, str] | None:
     """The speculative settings of `model.generation_config` (the checkpoint's) that a `generate` call with the
     keyword arguments `given` reads and refuses, with the reason (`speculative_config`'s message, less its advice on

@@ -6,7 +6,7 @@ Every option is `transformers serve`'s own (`--port`, `--host`, `--continuous-ba
 
 * MODEL defaults to the embedded default model (also when given as `default`); a checkpoint folder is checked as
   `hf-loopspec generate` checks it, a model that is not one of the package's looped families is refused, and so is
-  a setting of its generation config that its model refuses (`check_generation_config`);
+  a setting of its generation config that its model refuses (`prompting.check_checkpoint`);
 * `--threads N`: torch's CPU threads (default 1, as `generate`), and `--debug`;
 * the model class is made resolvable where transformers' model manager looks it up: it loads a checkpoint with
   `getattr(transformers, config.architectures[0])`, and the package's classes are not attributes of the
@@ -57,7 +57,7 @@ import logging
 import sys
 
 from .serving_requests import body_problem, template_refusal
-from .serving_responses import HANDLERS_LEAST, checkpoint_generation_config, default_limit, with_status
+from .serving_responses import HANDLERS_LEAST, default_limit, with_status
 from .serving_stops import batching_refusal, served_class, without_stops
 from .serving_streams import failure, openai_error_events, stream_status, tag_stream_errors
 
@@ -290,7 +290,9 @@ def start(argv: list[str]):
     from transformers import AutoConfig
     from transformers.utils.import_utils import is_serve_available
 
+    from .generation.saved_config import checkpoint_generation_config
     from .input_checks import max_positions
+    from .prompting import check_checkpoint
 
     params, options = parse(argv)
     check_address(params["host"], params["port"])
@@ -302,10 +304,10 @@ def start(argv: list[str]):
     from transformers.cli.serve import Serve
 
     torch.set_num_threads(options.threads)
-    model_class = expose_architecture(params["force_model"], params["trust_remote_code"])
+    expose_architecture(params["force_model"], params["trust_remote_code"])
     config = AutoConfig.from_pretrained(params["force_model"], trust_remote_code=params["trust_remote_code"])
+    check_checkpoint(params["force_model"], trust_remote_code=params["trust_remote_code"])
     generation = checkpoint_generation_config(params["force_model"])
-    check_generation_config(model_class, config, generation)
     if params.get("continuous_batching") and getattr(generation, "stop_strings", None):  # (before the model loads)
         raise ValueError(batching_refusal(generation.stop_strings))
     openai_errors(max_positions(config), default_limit(generation))
@@ -326,23 +328,6 @@ def start(argv: list[str]):
         return Serve(**params)
     except RuntimeError as error:
         raise load_failure(error) from error
-
-
-def check_generation_config(model_class: type, config, generation) -> None:
-    """`ValueError` when the checkpoint's generation config `generation` (None: it has none) saves a setting its
-    model refuses (`prompting.check_saved_settings`: a speculative setting, an exit option, a recurrence setting, a
-    hook), before the model loads: every request that does not override it would get an HTTP 400 naming a value it
-    never sent. The model is built on the meta device (no memory, no weights)."""
-    import torch
-
-    from .prompting import check_saved_settings
-
-    if generation is None:
-        return
-    with torch.device("meta"):
-        model = model_class(config)
-    model.generation_config = generation
-    check_saved_settings(model, {})
 
 
 def load_failure(error: RuntimeError) -> Exception:

@@ -24,23 +24,6 @@ def default_limit(generation_config) -> int:
     return value if isinstance(value, int) and value >= HANDLERS_LEAST else HANDLERS_LEAST
 
 
-def checkpoint_generation_config(spec: str):
-    """The generation config the server's model loads with from the checkpoint `spec` (None without one): with the
-    package's keys a file marked `_from_model_config` carries, which transformers drops and the model restores."""
-    from transformers import GenerationConfig
-
-    from .generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS
-    from .generation.saved_config import restore_speculative_keys, saved_generation_dict
-
-    try:
-        config = GenerationConfig.from_pretrained(spec)
-    except OSError:
-        return None
-    if getattr(config, "_from_model_config", False):
-        restore_speculative_keys(config, saved_generation_dict(spec), (*EXIT_OPTIONS, *RECURRENCE_OPTIONS))
-    return config
-
-
 def token_limit(body: dict, default: int) -> int:
     """The most tokens the Responses request `body` (checked by `serving_requests.request_problem`) may generate."""
     if body.get("max_output_tokens") is not None:

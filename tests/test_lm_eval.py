@@ -272,6 +272,33 @@ def test_a_hub_id_cached_at_the_revision_asked_for_passes_offline(monkeypatch, t
         evaluation.check_model_args(argv[-2:])
 
 
+def test_a_checkpoints_refused_saved_setting_is_named_before_the_model_loads(monkeypatch, capsys, tmp_path):
+    """A draft_loops past the loops (or an exit past them) in the checkpoint's generation_config.json: lm-eval's
+    first generate raised it after the model loaded, naming no file and blaming a value the user never passed."""
+    import lm_eval.__main__
+
+    folder = tmp_path / "model"
+    shutil.copytree(default_model_path(), folder)
+    settings = json.loads((folder / "generation_config.json").read_text())
+    ran = []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: ran.append(True))
+    argv = ["lm-eval", "run", "--model", "hf", "--tasks", TASK, "--model_args", f"pretrained={folder}"]
+    for saved, named in (({"exit_at_step": 9}, ": exit_at_step=9 must be an integer in [0, 3] for a 4-loop model"),
+                         ({"draft_loops": 5}, " sets draft_loops=5, which its model refuses (draft_loops=5 is "
+                                              "outside [1, 3]")):
+        (folder / "generation_config.json").write_text(json.dumps({**settings, **saved}))
+        assert cli.main(argv) == 2 and not ran
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"hf-loopspec lm-eval: error: the checkpoint's generation_config.json{named}" in line, line
+    assert line.endswith("pass --gen_kwargs draft_loops=N or --gen_kwargs speculative_mode=None, or correct the "
+                         "checkpoint's generation_config.json."), line
+    for fix in ("speculative_mode=None", "draft_loops=1"):  # the overrides the message names run
+        assert cli.main([*argv, "--gen_kwargs", fix]) == 0 and ran.pop()
+    # an exit option in --model_args replaces the file's, as from_pretrained stores it
+    (folder / "generation_config.json").write_text(json.dumps({**settings, "exit_at_step": 9}))
+    assert cli.main([*argv[:-1], f"pretrained={folder},exit_at_step=2"]) == 0 and ran.pop()
+
+
 @pytest.mark.parametrize("batch_size", ["abc", "0", "auto:x", "auto:0", "²"])  # (² is a digit int() refuses)
 def test_a_bad_batch_size_ends_in_one_line_before_anything_loads(monkeypatch, capsys, batch_size):
     """lm-eval read `--batch_size abc` once the model had loaded: `invalid literal for int()`, naming no flag."""

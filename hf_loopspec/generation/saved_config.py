@@ -10,7 +10,8 @@ recurrence settings, `num_steps`, `init_scale`, `init_seed`; Ouro's exit options
   passed to `from_pretrained`) carried but transformers dropped, the `RUNTIME_KEYS` (a hook, a trace) included, so
   that `generate` refuses those as it refuses them in any other generation config instead of never seeing them;
 * `check_family_keys` refuses what every `generate` would refuse among a checkpoint's non-standard keys other than
-  the speculative ones (export and serve check those before they write or serve anything).
+  the speculative ones (export and serve check those before they write or serve anything);
+* `checkpoint_generation_config` reads a checkpoint's generation config as its model loads it, without the model.
 """
 
 from __future__ import annotations
@@ -72,3 +73,17 @@ def check_family_keys(model) -> None:
     if not hasattr(model, "recurrence_settings"):
         reject_recurrence_options(type(model).__name__, vars(config))
     model.exit_rule(**{key: getattr(config, key) for key in EXIT_OPTIONS if getattr(config, key, None) is not None})
+
+
+def checkpoint_generation_config(spec: str):
+    """The generation config the server's model loads with from the checkpoint `spec` (None without one): with the
+    package's keys a file marked `_from_model_config` carries, which transformers drops and the model restores."""
+    from .config import EXIT_OPTIONS, RECURRENCE_OPTIONS
+
+    try:
+        config = GenerationConfig.from_pretrained(spec)
+    except OSError:
+        return None
+    if getattr(config, "_from_model_config", False):
+        restore_speculative_keys(config, saved_generation_dict(spec), (*EXIT_OPTIONS, *RECURRENCE_OPTIONS))
+    return config
