@@ -103,8 +103,8 @@ def check_model_args(args: list[str]) -> list[str]:
 
             model_args[key] = value = str(default_model_path())
         if key == "pretrained" and isinstance(value, str) and value and not Path(value).expanduser().exists():
-            try:
-                check_source(value, model_args.get("revision"))  # (named as given)
+            try:  # (named as given; its cache at the revision and subfolder lm-eval will load)
+                check_source(value, model_args.get("revision"), str(model_args.get("subfolder") or ""))
             except FileNotFoundError as err:
                 raise FileNotFoundError(f"{MODEL_ARGS} pretrained={value}: {err}") from None
     return [*rest, MODEL_ARGS, json.dumps(model_args)]
@@ -133,6 +133,7 @@ def check_saved_generation(args: list[str]) -> None:
     spec = model_args.get("pretrained")
     if not isinstance(spec, str) or not Path(spec).is_dir():
         return
+    spec = str(Path(spec) / str(model_args.get("subfolder") or ""))  # (lm-eval's `subfolder=` holds the checkpoint)
     given = {key: gen_kwargs[key] for key in SPECULATIVE_KEYS if key in gen_kwargs}
     check_checkpoint(spec, given, lambda named: [
         *(f"--gen_kwargs {key}=N" for key in named if key in ("draft_loops", "num_speculative_tokens")),

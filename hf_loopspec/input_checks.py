@@ -25,10 +25,10 @@ SAFE_INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-def check_source(spec: str, revision: str | None = None) -> None:
+def check_source(spec: str, revision: str | None = None, subfolder: str = "") -> None:
     """Raise `FileNotFoundError` / `ValueError` (one line, naming the fix) for a checkpoint that cannot load safely;
     see the module docstring for what is checked. Hub ids are checked for their form and their cached weights (of
-    `revision`: None, the main one)."""
+    `revision`: None, the main one; in `subfolder` of the repo)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         check_folder(path)
@@ -43,18 +43,21 @@ def check_source(spec: str, revision: str | None = None) -> None:
     except HFValidationError:
         raise FileNotFoundError(f"no such folder: {spec}; pass an existing checkpoint folder or a Hub id such as "
                                 "ByteDance/Ouro-1.4B.") from None
-    check_hub_cache(spec, revision)
+    check_hub_cache(spec, revision, subfolder)
 
 
-def check_hub_cache(repo_id: str, revision: str | None = None) -> None:
-    """For a Hub repo id at `revision` (None: main): `FileNotFoundError` when the Hub is off (`HF_HUB_OFFLINE`) and
-    that revision is not in the local Hub cache; its safetensors files already cached checked as a folder's are
-    (`check_safetensors`): a cached file that is empty or cut short is loaded as it is, offline or not, and failed
-    deep inside safetensors. Files not cached yet are the download's to fetch."""
+def check_hub_cache(repo_id: str, revision: str | None = None, subfolder: str = "") -> None:
+    """For a Hub repo id at `revision` (None: main; anything else read as text, as transformers reads it), its
+    checkpoint in `subfolder`: `FileNotFoundError` when the Hub is off (`HF_HUB_OFFLINE`) and that revision is not in
+    the local Hub cache; its safetensors files already cached checked as a folder's are (`check_safetensors`): a
+    cached file that is empty or cut short is loaded as it is, offline or not, and failed deep inside safetensors.
+    Files not cached yet are the download's to fetch."""
     from huggingface_hub import is_offline_mode, try_to_load_from_cache
 
+    revision = None if revision is None else str(revision)
+
     def cached(name: str):
-        return try_to_load_from_cache(repo_id, name, revision=revision)
+        return try_to_load_from_cache(repo_id, f"{subfolder}/{name}" if subfolder else name, revision=revision)
 
     if is_offline_mode() and not isinstance(cached("config.json"), str):
         at = f" at revision {revision}" if revision is not None else ""

@@ -270,6 +270,14 @@ def test_a_hub_id_cached_at_the_revision_asked_for_passes_offline(monkeypatch, t
         evaluation.check_model_args(["--model_args", "pretrained=someone/tagged,revision=v2.0"])
     with pytest.raises(FileNotFoundError, match=r"not in the local Hub cache while"):  # (main: not cached)
         evaluation.check_model_args(argv[-2:])
+    # a revision lm-eval reads as a number (a tag "2"), and a checkpoint in a subfolder of the repo
+    (repo / "refs" / "2").write_text("b" * 40)
+    evaluation.check_model_args(["--model_args", "pretrained=someone/tagged,revision=2"])
+    shutil.copytree(default_model_path(), repo / "snapshots" / ("c" * 40) / "inner")
+    (repo / "refs" / "main").write_text("c" * 40)
+    evaluation.check_model_args(["--model_args", "pretrained=someone/tagged,subfolder=inner"])
+    folder = shutil.copytree(default_model_path(), tmp_path / "local" / "inner")  # a local folder's subfolder too
+    assert cli.main([*argv[:-1], f"pretrained={folder.parent},subfolder=inner"]) == 0 and ran
 
 
 def test_a_checkpoints_refused_saved_setting_is_named_before_the_model_loads(monkeypatch, capsys, tmp_path):
