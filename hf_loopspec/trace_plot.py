@@ -111,8 +111,8 @@ def schedule_grid(trace: Sequence, seq: int = 0, num_loops: int | None = None) -
         held = sorted({row.seq for cycle in trace for row in cycle.rows})
         raise ValueError(f"seq={seq}: the trace holds no rows of that sequence; pass one of {held}.")
     if num_loops is not None and (not is_integer(num_loops) or num_loops <= deepest):
-        raise ValueError(f"num_loops={num_loops!r}: the trace reaches depth {deepest}; pass at least {deepest + 1} "
-                         "(the model's loop count), or None to read it from the trace.")
+        raise ValueError(f"num_loops={num_loops!r}: the trace reaches depth {deepest}; pass a whole number of at "
+                         f"least {deepest + 1} (the model's loop count), or None to read it from the trace.")
     loops = num_loops if num_loops is not None else deepest + 1
 
     def kind_of(lane: _Lane) -> str:

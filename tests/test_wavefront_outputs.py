@@ -296,6 +296,8 @@ def test_trace_arguments_that_cannot_be_honoured_are_refused(setup):
         schedule_grid(trace, len(ids))
     with pytest.raises(ValueError, match=f"num_loops=2: the trace reaches depth {model.num_loops - 1}"):
         schedule_grid(trace, 0, 2)
+    with pytest.raises(ValueError, match=f"num_loops={float(model.num_loops)}: .*pass a whole number of at least"):
+        schedule_grid(trace, 0, float(model.num_loops))  # (a count as a float: "at least 4" did not say why)
     with pytest.raises(ValueError, match="max_cycles=-3"):
         plot_schedule(trace, max_cycles=-3)
     assert schedule_grid(trace, np.int64(0), np.int64(model.num_loops)) == schedule_grid(trace, 0, model.num_loops)
