@@ -76,8 +76,8 @@ def check_family_keys(model) -> None:
 
 
 def checkpoint_generation_config(spec: str):
-    """The generation config the server's model loads with from the checkpoint `spec` (None without one): with the
-    package's keys a file marked `_from_model_config` carries, which transformers drops and the model restores."""
+    """The generation config a model loads with from the checkpoint `spec` (None without one): with the package's
+    keys a file marked `_from_model_config` carries, which transformers drops and the model restores."""
     from .config import EXIT_OPTIONS, RECURRENCE_OPTIONS
 
     try:
