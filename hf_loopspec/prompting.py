@@ -164,13 +164,15 @@ def check_checkpoint(spec: str, given: dict | None = None, overrides=lambda name
     from .generation.saved_config import checkpoint_generation_config
 
     generation = checkpoint_generation_config(spec)
-    for key, value in (loaded or {}).items():
-        if generation is not None and key in (*EXIT_OPTIONS, *RECURRENCE_OPTIONS):
-            setattr(generation, key, value)
+    if generation is None:
+        return
     config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    if generation is None or not hasattr(model_class, "exit_rule"):
+    if not hasattr(model_class, "exit_rule"):
         return
+    for key, value in (loaded or {}).items():
+        if key in (*EXIT_OPTIONS, *RECURRENCE_OPTIONS):
+            setattr(generation, key, value)
     with torch.device("meta"):
         model = model_class(config)
     model.generation_config = generation

@@ -109,8 +109,7 @@ class PooledEngine(WavefrontEngine):
     def _embed_staged(self, state, start) -> torch.Tensor:
         """`[B, F, H]` zeros for the placeholder prompts the engine is built with: the slots start empty (`SlotBatch`
         resets them) and each admission embeds its own request. Computing them ran the entry stage over B x C
-        placeholder tokens, with a `[B, 1, C, C]` attention mask: for a slot of 65536 positions, tens of GiB at
-        set-up."""
+        placeholder tokens, with a `[B, 1, C, C]` attention mask, quadratic in a slot's length."""
         width = max((len(tokens) for tokens in start.tokens), default=0)
         return state.hidden.new_zeros(len(start.tokens), width, state.hidden.shape[-1])
 
