@@ -662,6 +662,13 @@ def test_numpy_exit_steps_and_one_dimensional_ids():
         model(ids[:, :1], past_key_values=cache, attention_mask=torch.ones(2, 8, dtype=torch.long, device="meta"))
     with pytest.raises(ValueError, match=r"inputs_embeds has shape \(2, 7, 5\), but the model's hidden size is"):
         model(inputs_embeds=torch.randn(2, 7, 5))
+    embeds = model.get_input_embeddings()(ids).detach()  # (another dtype: a matmul's RuntimeError naming no argument)
+    for bad in (embeds.double(), embeds.long()):
+        with pytest.raises(ValueError, match=f"inputs_embeds has dtype {bad.dtype}, but the model computes in "
+                                             r"torch.float32: pass inputs_embeds.to\(torch.float32\)"):
+            model(inputs_embeds=bad)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # (autocast casts them itself)
+        assert torch.isfinite(model(inputs_embeds=embeds.double()).logits).all()
     with torch.no_grad():  # (positions given as [T] or [1, T] are the default ones)
         for positions in (torch.arange(7), torch.arange(7)[None]):
             assert torch.equal(model(ids, position_ids=positions).logits, model(ids).logits)
