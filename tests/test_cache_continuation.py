@@ -22,7 +22,7 @@ from inputs import extend, left_pad, random_prompts
 from speculative_utils import generate_dict, named_modes, paged_cache, tiny_spec_model
 from tolerances import assert_fp32_close, fp32_tolerance, huginn_depth, ouro_depth, rms
 from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 import hf_loopspec
 from hf_loopspec import PagedLoopCache
@@ -440,6 +440,19 @@ def test_a_call_on_a_cache_with_an_open_branch_names_the_branch(mode):
     full = torch.cat([mask, torch.ones(3, 3, dtype=mask.dtype)], 1)
     with pytest.raises(ValueError, match=r"open branch\(es\).*close_all"):
         generate(model, first, full, 2, mode, None, cache=cache)
+
+
+@pytest.mark.parametrize("mode", ["plain", "auto", PIPELINE, BLOCK])
+def test_an_encoder_decoder_cache_is_refused_naming_it(mode):
+    """An `EncoderDecoderCache` (a transformers cache without a list of layers) raised AttributeError in plain and
+    auto decoding and in `forward`; every mode refuses it naming the cache class."""
+    model, vocab, _ = ouro_case()
+    ids, mask = left_pad(random_prompts(13, [5, 2], vocab))
+    with pytest.raises(ValueError, match="EncoderDecoderCache"):
+        generate_dict(model, ids, mask, SECOND, cache=EncoderDecoderCache(DynamicCache(), DynamicCache()),
+                      **MODES.get(mode, {"speculative_mode": mode}))
+    with pytest.raises(ValueError, match="cache is an instance of EncoderDecoderCache"):
+        model(ids, attention_mask=mask, cache=EncoderDecoderCache(DynamicCache(), DynamicCache()))
 
 
 @pytest.mark.parametrize("mode", ["plain", PIPELINE, BLOCK])

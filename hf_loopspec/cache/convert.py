@@ -149,8 +149,12 @@ def to_paged(cache: DynamicCache, layout: KVLayout, attention_mask: torch.Tensor
 
 
 def check_layer_count(cache, layout: KVLayout) -> None:
-    """`ValueError` unless `cache` grows (a `DynamicCache()`) or has one layer per (plane, layer) of `layout`."""
+    """`ValueError` unless `cache` (a transformers cache of a list of layers) grows (a `DynamicCache()`) or has one
+    layer per (plane, layer) of `layout`."""
     needed = layout.num_planes * layout.num_layers
+    if not isinstance(getattr(cache, "layers", None), list):  # (an EncoderDecoderCache: an AttributeError)
+        raise ValueError(f"cache is an instance of {type(cache).__name__}, which holds no decoder-only KV layers: "
+                         "pass `DynamicCache()`, `hf_loopspec.PagedLoopCache`, or none.")
     grows = getattr(cache, "layer_class_to_replicate", None) is not None
     if not grows and len(cache.layers) != needed:  # a fixed cache is sized for one layout: its settings
         raise ValueError(
