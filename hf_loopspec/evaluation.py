@@ -138,7 +138,7 @@ def check_saved_generation(args: list[str]) -> None:
     check_checkpoint(spec, given, lambda named: [
         *(f"--gen_kwargs {key}=N" for key in named if key in ("draft_loops", "num_speculative_tokens")),
         "--gen_kwargs speculative_mode=None"], trust_remote_code=bool(model_args.get("trust_remote_code")),
-        loaded=model_args)
+        loaded=model_args, loaded_as=MODEL_ARGS)
 
 
 def check_batch_size(args: list[str]) -> None:

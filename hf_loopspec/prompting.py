@@ -150,18 +150,19 @@ def check_saved_settings(model, given: dict, overrides=lambda named: ()) -> None
 
 
 def check_checkpoint(spec: str, given: dict | None = None, overrides=lambda named: (), *,
-                     trust_remote_code: bool = False, loaded: dict | None = None) -> None:
+                     trust_remote_code: bool = False, loaded: dict | None = None, loaded_as: str = "") -> None:
     """`check_saved_settings` on the checkpoint `spec` (a folder or Hub id) before its weights load (serve, lm-eval):
     its model built on the meta device (no memory, no weights), with the generation config it would load with (none:
     nothing to check), in which the family settings among `loaded` (the keyword arguments `from_pretrained` will get:
-    exit options, recurrence settings) replace the file's, as `from_pretrained` stores them; `given`, the call's own
-    settings. A config of no looped family is left to the loader."""
+    exit options, recurrence settings) replace the file's, as `from_pretrained` stores them (one the model refuses:
+    a `ValueError` naming `loaded_as`, where they come from); `given`, the call's own settings. A config of no looped
+    family is left to the loader."""
     import torch
-    from transformers import AutoConfig
+    from transformers import AutoConfig, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from .generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS
-    from .generation.saved_config import checkpoint_generation_config
+    from .generation.saved_config import check_family_keys, checkpoint_generation_config
 
     generation = checkpoint_generation_config(spec)
     if generation is None:
@@ -170,11 +171,18 @@ def check_checkpoint(spec: str, given: dict | None = None, overrides=lambda name
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if not hasattr(model_class, "exit_rule"):
         return
-    for key, value in (loaded or {}).items():
-        if key in (*EXIT_OPTIONS, *RECURRENCE_OPTIONS):
-            setattr(generation, key, value)
+    family = {key: value for key, value in (loaded or {}).items() if key in (*EXIT_OPTIONS, *RECURRENCE_OPTIONS)}
     with torch.device("meta"):
         model = model_class(config)
+    model.generation_config = GenerationConfig(**family)
+    try:  # (checked alone: the file's own settings, which these replace, would be blamed for them)
+        check_family_keys(model)
+        with model.call_block(model.generation_config):
+            pass
+    except ValueError as error:
+        raise ValueError(f"{loaded_as}: {str(error).rstrip('.')}; correct {loaded_as}.") from None
+    for key, value in family.items():
+        setattr(generation, key, value)
     model.generation_config = generation
     check_saved_settings(model, given or {}, overrides)
 
