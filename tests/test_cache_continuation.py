@@ -337,6 +337,12 @@ def test_bad_cache_arguments_raise_value_errors_naming_them():
         (lambda: cache.batch_repeat_interleave(-1), "repeats=-1"),
         (lambda: cache.crop(2.5), r"crop\(2\.5\)"),
         (lambda: cache.has_previous_state(), "linear-attention"),
+        # transformers' linear-attention and indexer methods (an IndexError of the empty `layers`)
+        (lambda: cache.get_conv_state(0), "get_conv_state applies to linear-attention"),
+        (lambda: cache.get_recurrent_state(0), "get_recurrent_state applies to linear-attention"),
+        (lambda: cache.update_conv_state(torch.zeros(1), 0), "update_conv_state applies to linear-attention"),
+        (lambda: cache.update_recurrent_state(torch.zeros(1), 0), "update_recurrent_state applies to linear"),
+        (lambda: cache.update_indexer(torch.zeros(1), 0), "update_indexer applies to indexed attention"),
         (lambda: PagedLoopCache(model), "layout: a OuroForCausalLM.*model.kv_layout"),
         (lambda: PagedLoopCache(model.kv_layout, page_size=2.5), "page_size=2.5"),
         (lambda: PagedLoopCache(model.kv_layout, page_size="16"), "page_size='16'"),

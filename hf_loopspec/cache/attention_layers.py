@@ -5,6 +5,11 @@ layer of the looped model) is full attention over one shared page pool and which
 from __future__ import annotations
 
 
+def linear_only(method: str):
+    raise ValueError(f"{method} applies to linear-attention cache layers; every layer of a PagedLoopCache is "
+                     "attention (is_linear is all False).")
+
+
 class AttentionLayers:
     """The per-layer answers of a cache of `len(self)` full-attention layers, written through its own rows (not
     `update`), kept on one device, and rolled back by `crop` alone."""
@@ -22,9 +27,30 @@ class AttentionLayers:
             "that calls Cache.update()."
         )
 
+    def early_initialization(self, *args, **kwargs):
+        raise NotImplementedError("PagedLoopCache allocates its page pool when it is built (its max_pages) and is "
+                                  "written through rows; it has no layers to initialize early.")
+
+    # the states of linear-attention layers, which no layer here holds (transformers' own methods index `layers`,
+    # which stays empty: an IndexError)
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        raise ValueError("has_previous_state applies to linear-attention cache layers; every layer of a "
-                         "PagedLoopCache is attention (is_linear is all False).")
+        linear_only("has_previous_state")
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        linear_only("get_conv_state")
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        linear_only("get_recurrent_state")
+
+    def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, **kwargs):
+        linear_only("update_conv_state")
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
+        linear_only("update_recurrent_state")
+
+    def update_indexer(self, indexer_key_states, layer_idx: int):
+        raise ValueError("update_indexer applies to indexed attention layers (an indexer key cache); every layer of "
+                         "a PagedLoopCache is full attention.")
 
     def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
         """0: no layer keeps recurrent states (each is attention), so there is no past to record before a step that
