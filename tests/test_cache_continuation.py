@@ -351,6 +351,8 @@ def test_bad_cache_arguments_raise_value_errors_naming_them():
     ]:
         with pytest.raises(ValueError, match=match):
             call()
+    with pytest.raises(NotImplementedError, match="allocates its page pool when it is built"):  # (it named 0 layers)
+        cache.early_initialization(1, 2, 8, torch.float32, "cpu")
     assert repr(cache) == before  # nothing refused changed it
     columns = cache.get_seq_length()
     cache.crop(torch.tensor(-2))
