@@ -56,7 +56,7 @@ import json
 import logging
 import sys
 
-from .serving_requests import body_problem, template_refusal
+from .serving_requests import body_problem, served_advice, template_refusal
 from .serving_responses import HANDLERS_LEAST, default_limit, with_status
 from .serving_stops import batching_refusal, served_class, without_stops
 from .serving_streams import failure, openai_error_events, stream_status, tag_stream_errors
@@ -221,7 +221,7 @@ def openai_errors(positions: int | None = None, limit: int = HANDLERS_LEAST) -> 
             return JSONResponse(body, status_code=error.status_code, headers=error.headers)
 
         async def refuse(request, error: ValueError) -> JSONResponse:  # a request's settings `generate` refused
-            return await answer(request, HTTPException(status_code=400, detail=str(error)))
+            return await answer(request, HTTPException(status_code=400, detail=served_advice(str(error))))
 
         async def failed(request, error: Exception) -> JSONResponse:  # any other error of a handler (logged too)
             reason = template_refusal(error)  # (the conversation's fault: a 400, which clients do not retry)

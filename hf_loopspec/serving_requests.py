@@ -6,6 +6,7 @@ the forms those handlers take (`as_transformers_reads`). `serving.openai_errors`
 from __future__ import annotations
 
 import json
+import math
 import reprlib
 
 from .serving_responses import token_limit
@@ -269,6 +270,16 @@ def prompt_problem(prompt) -> str | None:
             "one request per prompt, with token ids decoded to their text.")
 
 
+def served_advice(refusal: str) -> str:
+    """A refusal of `generate` as a request to this server can follow: one advising speculative_mode=None, which no
+    request can send (a null is not passed on: `request_problem`), says what a request and the server can do."""
+    if "speculative_mode=None" not in refusal:
+        return refusal
+    return (f"{refusal.rstrip()} A request to this server cannot set speculative_mode=None: leave speculative_mode "
+            "out of it, and for what needs plain decoding serve a checkpoint whose generation_config.json sets no "
+            "speculative_mode.")
+
+
 def setting_problem(body: dict) -> str | None:
     """Why a setting of `body` is out of what the server takes, or None: a `seed` torch does not take, a `stream` or
     `stream_options.include_usage` that is not a bool (transformers would take any truthy value), a `stream_options`
@@ -277,7 +288,9 @@ def setting_problem(body: dict) -> str | None:
     and at most OpenAI's 2). A bool is no number; NaN and the infinities are in no range."""
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEEDS[0] <= seed <= SEEDS[1]):
-        return f"seed={seed!r} must be a whole number in [{SEEDS[0]}, {SEEDS[1]}] (transformers would cut 1.5 to 1)."
+        fraction = isinstance(seed, float) and math.isfinite(seed) and not seed.is_integer()
+        cut = f" (transformers would cut it to {int(seed)})" if fraction else ""
+        return f"seed={seed!r} must be a whole number in [{SEEDS[0]}, {SEEDS[1]}]{cut}."
     if body.get("stream") is not None and not isinstance(body["stream"], bool):  # (transformers: any truthy value)
         return f"stream={body['stream']!r} must be true or false."
     options = body.get("stream_options")

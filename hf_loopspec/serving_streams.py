@@ -14,7 +14,7 @@ import collections
 import json
 import sys
 
-from .serving_requests import template_refusal
+from .serving_requests import served_advice, template_refusal
 
 STREAM_FAILURES = collections.deque(maxlen=256)  # (message, status) of stream errors no refusal (`tag_stream_errors`)
 OPENING_EVENTS = frozenset({"response.created", "response.in_progress"})  # a Responses stream's, before any output
@@ -29,7 +29,7 @@ async def stream_status(chunks) -> tuple[int | None, str | None, object]:
         return None, None, replayed(read, chunks)
     await chunks.aclose()  # (its handler's clean-up)
     status = recorded_status(message)
-    return status, failure(message) if status == 500 else message, None
+    return status, failure(message) if status == 500 else served_advice(message), None
 
 
 def recorded_status(message: str) -> int:

@@ -261,6 +261,11 @@ def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, referenc
                 model=checkpoint, prompt=PROMPTS[0], max_tokens=4, stream=stream,
                 extra_body={"generation_config": json.dumps(bad)}))
             assert re.search(r"Error code: 400 .*draft_loops=3", reason), (stream, reason)
+            beams = refusal(lambda stream=stream: client.completions.create(  # (its advice, speculative_mode=None,
+                model=checkpoint, prompt=PROMPTS[0], max_tokens=4, stream=stream,  # is what no request can send)
+                extra_body={"generation_config": json.dumps({"speculative_mode": "pipeline", "num_beams": 2})}))
+            assert re.search(r"Error code: 400 .*beam search .*A request to this server cannot set "
+                             r"speculative_mode=None: leave speculative_mode out of it", beams), (stream, beams)
             failed = refusal(lambda stream=stream: client.completions.create(  # a failure, no refusal: 500 either way
                 model=checkpoint, prompt=PROMPTS[0], max_tokens=4, stream=stream,
                 extra_body={"generation_config": json.dumps({"num_beams": "x"})}))
@@ -874,9 +879,11 @@ def test_the_model_process_gets_the_servers_threads():
     ({"function_call": {"name": "f"}}, r"function_call=.* is not supported"),
     ({"modalities": ["text", "audio"]}, r"modalities=.* is not supported: this server answers in text only"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, r"audio=.* is not supported"),
-    ({"seed": 1.5}, r"seed=1.5 must be a whole number in \[-9223372036854775808, 18446744073709551615\]"),
-    ({"seed": "7"}, r"seed='7' must be a whole number"),
-    ({"seed": True}, r"seed=True must be"),
+    ({"seed": 1.5}, r"seed=1.5 must be a whole number in \[-9223372036854775808, 18446744073709551615\] "
+                    r"\(transformers would cut it to 1\)\.$"),
+    ({"seed": 2.5}, r"seed=2.5 .*\(transformers would cut it to 2\)\.$"),  # (every note said "cut 1.5 to 1")
+    ({"seed": "7"}, r"seed='7' must be a whole number in \[[-0-9, ]+\]\.$"),
+    ({"seed": True}, r"seed=True must be a whole number in \[[-0-9, ]+\]\.$"),
     ({"seed": 2**64}, r"seed=18446744073709551616 must be"),  # (torch's generator raised: a bare 500)
     ({"response_format": {"type": "json_object"}}, r"response_format=.* is not supported"),
     # values transformers' handlers failed on with a bare 500, or took out of range
