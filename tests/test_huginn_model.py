@@ -610,6 +610,36 @@ def test_an_open_block_decides_over_the_models_generation_config_in_generate_as_
         model.generation_config.num_steps = model.generation_config.init_scale = None
 
 
+@pytest.mark.parametrize("mode", [None, "pipeline"])
+def test_a_generate_inside_another_calls_streamer_takes_its_callers_settings(mode):
+    """A `generate` made from another call's streamer (a web app's side request) read that call's num_steps and
+    init_scale, left out of its own arguments, from the call's open block: its tokens were another model's. It
+    resolves them from its caller's blocks (none, or one opened in the streamer), as it would outside the call."""
+    model, _ = tiny_huginn(seed=4)
+    ids = random_ids((1, 4), VOCAB, seed=5)
+    settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "speculative_mode": None}
+    alone = model.generate(ids, **settings, init_seed=3)
+    with model.recurrence(num_steps=2, init_scale=1.0):
+        in_block = model.generate(ids, **settings, init_seed=3)
+    assert not torch.equal(alone, in_block)
+    inner = []
+
+    class Streamer:
+        def put(self, value):
+            if not inner:
+                inner.append(model.generate(ids, **settings, init_seed=3))
+                with model.recurrence(num_steps=2, init_scale=1.0):  # (a block opened there holds; it starts
+                    # from the running call's settings, as a forward there runs at them)
+                    inner.append(model.generate(ids, **settings, init_seed=3))
+
+        def end(self):
+            pass
+
+    model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, speculative_mode=mode, num_steps=3,
+                   init_scale=0.0, streamer=Streamer())
+    assert torch.equal(inner[0], alone) and torch.equal(inner[1], in_block)
+
+
 def test_from_pretrained_takes_recurrence_settings_and_the_position_limit_has_its_usual_name(tmp_path):
     """`from_pretrained(path, num_steps=..., init_scale=...)` (lm-eval's `--model_args`) puts them in the generation
     config, checked as `generate` checks them; `block_size` answers as `max_position_embeddings` too, where

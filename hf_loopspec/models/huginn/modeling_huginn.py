@@ -374,8 +374,9 @@ class HuginnForCausalLM(SharedGenerationConfig, LoopedCausalLMMixin, HuginnPreTr
         configured = next((n for n in (getattr(config, "num_beams", None), self.generation_config.num_beams)
                            if n not in (None, 1)), 1)
         beams = kwargs["num_beams"] if kwargs.get("num_beams") is not None else configured
-        with self.call_block(config, num_steps=num_steps, init_scale=init_scale, init_seed=init_seed), \
-                beam_rows(self.transformer, int(beams)):
+        with recurrence_rules.callers_block(self.transformer) as caller, \
+                self.call_block(config, num_steps=num_steps, init_scale=init_scale, init_seed=init_seed), \
+                beam_rows(self.transformer, int(beams)), recurrence_rules.running_call(self.transformer, caller):
             check_steps_fit(self)
             return super().generate(*args, **kwargs)
 

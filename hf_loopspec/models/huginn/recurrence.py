@@ -53,6 +53,41 @@ def beam_rows(model, beams: int):
         OPEN_BLOCKS.reset(token)
 
 
+RUNNING_CALLS: ContextVar[dict[int, tuple[Recurrence, Recurrence | None]] | None] = ContextVar("huginn_calls",
+                                                                                               default=None)
+"""For each `HuginnModel` (by id) with a `generate` call running in this thread (or asyncio task): the block the call
+opened for its own steps, and the block its caller had open (None: none). Never mutated, as `OPEN_BLOCKS`."""
+
+
+@contextmanager
+def callers_block(model):
+    """Where a `generate` call of `model` (a `HuginnModel`) opens its block: the caller's, yielded (None: none open).
+    A call made inside another's own block (from its streamer, a logits processor or a stopping criterion) starts from
+    the block that call's caller had open, not from that call's settings; a block opened since is the caller's."""
+    blocks = OPEN_BLOCKS.get() or {}
+    own, caller = (RUNNING_CALLS.get() or {}).get(id(model), (None, None))
+    if own is None or blocks.get(id(model)) is not own:
+        yield blocks.get(id(model))
+        return
+    others = {key: value for key, value in blocks.items() if key != id(model)}
+    token = OPEN_BLOCKS.set(others | ({id(model): caller} if caller is not None else {}))
+    try:
+        yield caller
+    finally:
+        OPEN_BLOCKS.reset(token)
+
+
+@contextmanager
+def running_call(model, caller: Recurrence | None):
+    """Inside `model`'s `generate` call, whose own block is open and whose caller had `caller` open
+    (`callers_block`): the call recorded in `RUNNING_CALLS`."""
+    token = RUNNING_CALLS.set({**(RUNNING_CALLS.get() or {}), id(model): (OPEN_BLOCKS.get()[id(model)], caller)})
+    try:
+        yield
+    finally:
+        RUNNING_CALLS.reset(token)
+
+
 def passed_settings(model, generation_config) -> dict:
     """The recurrence settings a generation config passed to a call sets (those not None): they come before an open
     `recurrence` block's. The model's own generation config (`model.generation_config`, or None: no config passed)
