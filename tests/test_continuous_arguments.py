@@ -192,14 +192,20 @@ def test_a_kept_manager_refuses_other_settings(model):
 
 
 def test_a_kept_manager_built_with_numpy_settings_serves_equal_configs_again(model):
-    """numpy numbers pass everywhere else (generate, a manager's first call); reusing a kept manager built with them
-    raised transformers' TypeError from comparing the configs through JSON ("int64 is not JSON serializable")."""
+    """numpy numbers and 0-d tensors pass everywhere else (generate, a manager's first call); reusing a kept manager
+    built with them raised transformers' TypeError from comparing the configs through JSON ("int64 is not JSON
+    serializable", "Object of type Tensor is not JSON serializable")."""
     inputs = prompts(2, [4, 6])
     numpy = generation_config({}, max_new_tokens=np.int64(5), eos_token_id=[np.int64(0)], temperature=np.float32(1))
+    tensor = generation_config({**PIPELINE, "draft_loops": torch.tensor(PIPELINE["draft_loops"])}, max_new_tokens=5,
+                               eos_token_id=[0])
     python = generation_config({}, max_new_tokens=5, eos_token_id=[0], temperature=1.0)
     expected = [alone(model, p, 5, eos=[0]) for p in inputs]
     try:
-        for config in (numpy, numpy, python):
+        for config in (numpy, numpy, python, None, tensor, tensor):
+            if config is None:  # (a manager of other settings)
+                model.destroy_cached_continuous_batching_manager()
+                continue
             out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching(),
                                        persistent_manager=True)
             assert [r.generated_tokens for r in out.values()] == expected

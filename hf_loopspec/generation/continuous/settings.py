@@ -89,14 +89,15 @@ def manager_config(model, generation_config):
     config = merged_config(model, {"generation_config": generation_config})
     if all(getattr(c, "max_length", None) is None for c in (generation_config, model.generation_config)):
         config.max_length = None
-    for key, value in list(vars(config).items()):  # numpy numbers and arrays as Python's: a kept manager compares
-        setattr(config, key, _python(value))  # its config with a later call's as transformers does, through JSON
+    for key, value in list(vars(config).items()):  # numpy numbers and arrays, 0-d tensors, as Python's: a kept
+        setattr(config, key, _python(value))  # manager compares its config with a later call's through JSON
     return config
 
 
 def _python(value):
-    """`value` with numpy numbers and arrays (also inside lists and tuples) as Python numbers and lists."""
-    if isinstance(value, np.generic | np.ndarray):
+    """`value` with numpy numbers and arrays and 0-d tensors (also inside lists and tuples) as Python numbers and
+    lists."""
+    if isinstance(value, np.generic | np.ndarray) or torch.is_tensor(value) and value.dim() == 0:
         return value.tolist()
     return type(value)(map(_python, value)) if isinstance(value, list | tuple) else value
 
