@@ -361,6 +361,22 @@ def test_upstream_config_with_another_n_layers_loads_with_a_warning(tmp_path, ca
         torch.testing.assert_close(loaded(ids, init_scale=0.0).logits, model(ids, init_scale=0.0).logits)
 
 
+@pytest.mark.parametrize("bad", [0, None, 2.5, True])
+def test_a_bad_mean_recurrence_set_on_a_loaded_model_is_refused_at_once(bad):
+    """A loaded model reads `mean_recurrence` at every call: a bad one set after load was taken, and every call then
+    failed in the KV layout (`first_exit_plane=1`, a TypeError for None), naming no setting. It is refused on
+    assignment, as when the config is made, and the model keeps decoding at its steps."""
+    model, _ = tiny_huginn(seed=4)
+    ids = random_ids((1, 4), VOCAB, seed=5)
+    settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "init_scale": 0.0}
+    expected = model.generate(ids, **settings)
+    with pytest.raises(ValueError, match=rf"HuginnConfig.mean_recurrence={bad!r} is invalid: it must be a positive"):
+        model.config.mean_recurrence = bad
+    assert torch.equal(model.generate(ids, **settings), expected)
+    model.config.mean_recurrence = 2  # (a good one applies)
+    assert torch.equal(model.generate(ids, **settings), model.generate(ids, **settings, num_steps=2))
+
+
 def test_a_setting_changed_after_the_config_is_made_changes_what_the_model_is_built_from(tmp_path):
     """`from_pretrained`'s keyword overrides and assignments come after the config is made: one name of a setting
     with two sets both, and the model follows (an untied head; another rotary base), and its save reloads as it was;

@@ -157,7 +157,8 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
         the config always says what the model is built from (a different `n_layers` alone is refused when a model
         is built from it: `validate_architecture`); `init_values` gets the default of each key it leaves out, as
         when the config is made. transformers 5's `rope_parameters` (and `rope_scaling`, its older name) set the
-        RoPE base and are not stored (`rope_theta_of`)."""
+        RoPE base and are not stored (`rope_theta_of`). A `mean_recurrence` set then is checked as when the config is
+        made (`ValueError`)."""
         if key in ("rope_parameters", "rope_scaling"):  # transformers 5's names (config.json, keywords): the base only
             theta = rope_theta_of(self, key, value)
             if theta is not None:
@@ -165,6 +166,10 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
                 super().__setattr__("rope_base", theta)
             return
         done = getattr(self, "_post_init_done", False)  # transformers' flag: __post_init__ has run
+        if done and key == "mean_recurrence" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            # (a loaded model reads it at every call: it failed there, in the KV layout, naming no setting)
+            raise ValueError(f"HuginnConfig.mean_recurrence={value!r} is invalid: it must be a positive integer (the "
+                             "recurrence steps a call runs by default).")
         super().__setattr__(key, self._with_defaults(value) if done and key == "init_values" else value)
         if not done:
             return
