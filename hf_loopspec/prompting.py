@@ -177,7 +177,7 @@ def check_checkpoint(spec: str, given: dict | None = None, overrides=lambda name
     model.generation_config = GenerationConfig(**family)
     try:  # (checked alone: the file's own settings, which these replace, would be blamed for them)
         check_family_keys(model)
-        with model.call_block(model.generation_config):
+        with model.call_block(None, **{key: family.get(key) for key in model.generation_keys}):
             pass
     except ValueError as error:
         raise ValueError(f"{loaded_as}: {str(error).rstrip('.')}; correct {loaded_as}.") from None

@@ -630,11 +630,14 @@ def test_an_open_block_decides_over_the_models_generation_config_in_generate_as_
 def test_a_generate_inside_another_calls_streamer_takes_its_callers_settings(mode):
     """A `generate` made from another call's streamer (a web app's side request) read that call's num_steps and
     init_scale, left out of its own arguments, from the call's open block: its tokens were another model's. It
-    resolves them from its caller's blocks (none, or one opened in the streamer), as it would outside the call."""
+    resolves them from its caller's blocks (none, or one opened in the streamer), as it would outside the call; so does
+    a continuous batching manager built there."""
     model, _ = tiny_huginn(seed=4)
     ids = random_ids((1, 4), VOCAB, seed=5)
     settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "speculative_mode": None}
-    alone = model.generate(ids, **settings, init_seed=3)
+    batched = GenerationConfig(**settings, init_seed=3)  # (a continuous batching manager's, built there)
+    run = lambda: next(iter(model.generate_batch([ids[0].tolist()], generation_config=batched).values()))  # noqa: E731
+    alone, batch_alone = model.generate(ids, **settings, init_seed=3), run().generated_tokens
     with model.recurrence(num_steps=2, init_scale=1.0):
         in_block = model.generate(ids, **settings, init_seed=3)
     assert not torch.equal(alone, in_block)
@@ -643,7 +646,7 @@ def test_a_generate_inside_another_calls_streamer_takes_its_callers_settings(mod
     class Streamer:
         def put(self, value):
             if not inner:
-                inner.append(model.generate(ids, **settings, init_seed=3))
+                inner.extend([model.generate(ids, **settings, init_seed=3), run().generated_tokens])
                 with model.recurrence(num_steps=2, init_scale=1.0):  # (a block opened there holds; it starts
                     # from the running call's settings, as a forward there runs at them)
                     inner.append(model.generate(ids, **settings, init_seed=3))
@@ -653,7 +656,8 @@ def test_a_generate_inside_another_calls_streamer_takes_its_callers_settings(mod
 
     model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, speculative_mode=mode, num_steps=3,
                    init_scale=0.0, streamer=Streamer())
-    assert torch.equal(inner[0], alone) and torch.equal(inner[1], in_block)
+    assert torch.equal(inner[0], alone) and inner[1] == batch_alone and torch.equal(inner[2], in_block)
+    assert batch_alone == alone[0, ids.shape[1]:].tolist()
 
 
 def test_from_pretrained_takes_recurrence_settings_and_the_position_limit_has_its_usual_name(tmp_path):

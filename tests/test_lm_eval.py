@@ -305,9 +305,12 @@ def test_a_checkpoints_refused_saved_setting_is_named_before_the_model_loads(mon
     # an exit option in --model_args replaces the file's, as from_pretrained stores it
     (folder / "generation_config.json").write_text(json.dumps({**settings, "exit_at_step": 9}))
     assert cli.main([*argv[:-1], f"pretrained={folder},exit_at_step=2"]) == 0 and ran.pop()
-    # one the model refuses is blamed on --model_args, not on a file that has none (or another value)
-    for given in ("exit_at_step=9", "exit_threshold=2"):
-        assert cli.main([*argv[:-1], f"pretrained={folder},{given}"]) == 2 and not ran
+    # one the model refuses is blamed on --model_args, not on a file that has none (or another value); Huginn's too
+    huginn = tmp_path / "huginn"
+    tiny_huginn(seed=1)[0].save_pretrained(huginn)
+    for model, given in ((folder, "exit_at_step=9"), (folder, "exit_threshold=2"), (huginn, "num_steps=0"),
+                         (huginn, "init_scale=-1.0")):
+        assert cli.main([*argv[:-1], f"pretrained={model},{given}"]) == 2 and not ran
         line = capsys.readouterr().err.strip().splitlines()[-1]
         assert line.startswith(f"hf-loopspec lm-eval: error: --model_args: {given} must be") \
             and line.endswith("; correct --model_args."), line

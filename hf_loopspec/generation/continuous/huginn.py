@@ -3,9 +3,9 @@ batching.
 
 Recurrence settings are the manager's, fixed at its start as `generate` takes them: a passed generation config's
 `num_steps`, `init_scale` and `init_seed` where it sets them, over those in force where the manager is built (an open
-`model.recurrence(...)` block, else the model's defaults: its generation config's, else `mean_recurrence` steps,
-init_scale 1.0, no seed) (`manager_recurrence`). `num_steps` and `init_scale` shape the step (they are `Plan`
-constants), so they hold for every request.
+`model.recurrence(...)` block, not a running `generate` call's own, else the model's defaults: its generation config's,
+else `mean_recurrence` steps, init_scale 1.0, no seed) (`manager_recurrence`). `num_steps` and `init_scale` shape the
+step (they are `Plan` constants), so they hold for every request.
 
 Initial states are per request: at admission, slot b's row of `WavefrontState.init_states` is refilled with the
 states plain `generate` of that request alone draws (a batch of one: sequence 0, positions 0, 1, ...) under the
@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import torch
 
-from ...models.huginn.recurrence import GENERATION_KEYS, check_passed, updated, valid_init_seed
+from ...models.huginn.recurrence import GENERATION_KEYS, callers_settings, check_passed, updated, valid_init_seed
 
 REQUEST_KEY = "init_seed"  # the per-request key of a model with recurrence settings
 SET_UP_SEED = 0  # keys the placeholder states drawn at set-up (every admission replaces its slot's)
@@ -37,7 +37,8 @@ def manager_recurrence(model, passed: dict):
         return None
     check_passed(passed, model.config.mean_recurrence)
     given = (passed.get(key) for key in GENERATION_KEYS)  # (numpy numbers made Python's)
-    return updated(model.recurrence_settings(), *given, model.config.mean_recurrence)
+    current = callers_settings(model.transformer) or model.transformer.defaults()  # (inside a call: its caller's)
+    return updated(current, *given, model.config.mean_recurrence)
 
 
 def kept_recurrence_problem(model, passed: dict, kept) -> str | None:

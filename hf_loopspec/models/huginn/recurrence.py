@@ -59,15 +59,24 @@ RUNNING_CALLS: ContextVar[dict[int, tuple[Recurrence, Recurrence | None]] | None
 opened for its own steps, and the block its caller had open (None: none). Never mutated, as `OPEN_BLOCKS`."""
 
 
+def callers_settings(model) -> Recurrence | None:
+    """The innermost block of `model` (a `HuginnModel`) open outside its running `generate` calls (None: none): inside
+    a call's own block (its streamer, a logits processor or a stopping criterion run there), the block that call's
+    caller had open; a block opened since is the caller's. A `generate` call or a continuous batching manager made
+    there starts from it, not from that call's settings."""
+    block = (OPEN_BLOCKS.get() or {}).get(id(model))
+    own, caller = (RUNNING_CALLS.get() or {}).get(id(model), (None, None))
+    return caller if own is not None and block is own else block
+
+
 @contextmanager
 def callers_block(model):
-    """Where a `generate` call of `model` (a `HuginnModel`) opens its block: the caller's, yielded (None: none open).
-    A call made inside another's own block (from its streamer, a logits processor or a stopping criterion) starts from
-    the block that call's caller had open, not from that call's settings; a block opened since is the caller's."""
+    """Where a `generate` call of `model` (a `HuginnModel`) opens its block: its caller's (`callers_settings`),
+    yielded."""
     blocks = OPEN_BLOCKS.get() or {}
-    own, caller = (RUNNING_CALLS.get() or {}).get(id(model), (None, None))
-    if own is None or blocks.get(id(model)) is not own:
-        yield blocks.get(id(model))
+    caller = callers_settings(model)
+    if caller is blocks.get(id(model)):
+        yield caller
         return
     others = {key: value for key, value in blocks.items() if key != id(model)}
     token = OPEN_BLOCKS.set(others | ({id(model): caller} if caller is not None else {}))
