@@ -669,6 +669,14 @@ def test_numpy_exit_steps_and_one_dimensional_ids():
             model(inputs_embeds=bad)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # (autocast casts them itself)
         assert torch.isfinite(model(inputs_embeds=embeds.double()).logits).all()
+    mixed, _ = tiny_model(seed=9)  # (an embedding kept in bf16: the layers' fp32 is taken too)
+    mixed.get_input_embeddings().to(torch.bfloat16)
+    with torch.no_grad():
+        for given in (embeds.bfloat16(), embeds):
+            assert torch.isfinite(mixed(inputs_embeds=given).logits).all()
+    with pytest.raises(ValueError, match=r"computes in torch.bfloat16 and torch.float32: pass inputs_embeds.to\("
+                                         r"torch.bfloat16\)"):
+        mixed(inputs_embeds=embeds.double())
     with torch.no_grad():  # (positions given as [T] or [1, T] are the default ones)
         for positions in (torch.arange(7), torch.arange(7)[None]):
             assert torch.equal(model(ids, position_ids=positions).logits, model(ids).logits)
