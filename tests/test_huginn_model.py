@@ -791,11 +791,12 @@ def test_a_layer_count_assigned_after_building_is_refused_naming_it():
             model.generate(ids, max_new_tokens=2, do_sample=False, speculative_mode=mode)
     model.config.n_layers_in_recurrent_block = 2
     assert model.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 6)
-    for name in ("num_key_value_heads", "head_dim"):  # (the KV sizes too: an index_copy_ RuntimeError)
-        value = getattr(model.config, name)
+    for name in ("num_key_value_heads", "head_dim", "n_embd"):  # (the KV sizes too: an index_copy_ RuntimeError;
+        value = getattr(model.config, name)  # the width: a view's RuntimeError drawing the initial states)
         setattr(model.config, name, value // 2)
-        with pytest.raises(ValueError, match=rf"config.{name}={value // 2}, but the model was built with {value}"):
-            model.generate(ids, max_new_tokens=2, do_sample=False, speculative_mode="pipeline")
+        for mode in (None, "pipeline"):
+            with pytest.raises(ValueError, match=rf"config.{name}={value // 2}, but the model was built with {value}"):
+                model.generate(ids, max_new_tokens=2, do_sample=False, speculative_mode=mode)
         setattr(model.config, name, value)
 
 

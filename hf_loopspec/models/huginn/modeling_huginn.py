@@ -180,7 +180,8 @@ class HuginnModel(HuginnPreTrainedModel):
     @property
     def kv_layout(self) -> KVLayout:
         stages = (self.prelude, self.core_block, self.coda)
-        check_built(self.config, dict(zip(STAGES, map(len, stages), strict=True)), self.core_block[0].attn)
+        built = {**dict(zip(STAGES, map(len, stages), strict=True)), "n_embd": self.wte.embedding_dim}
+        check_built(self.config, built, self.core_block[0].attn)
         return self.config.kv_layout(self.settings.num_steps)
 
     @property
