@@ -157,7 +157,7 @@ def _add_generation_options(parser: argparse.ArgumentParser, chat_help: str) -> 
     parser.add_argument("--chat", action="store_true", help=chat_help)
     parser.add_argument("--dtype", choices=("auto", *DTYPE_NAMES), default="auto",
                         help="auto (the default): float32 on CPU, the checkpoint's dtype on CUDA")
-    parser.add_argument("--threads", type=bench_args.positive, default=DEFAULT_THREADS,
+    parser.add_argument("--threads", type=bench_args.threads, default=DEFAULT_THREADS,
                         help="CPU threads of torch's operators (torch.set_num_threads; default: %(default)s: the "
                              "embedded model is too small to gain from more, and threads beyond the free cores make "
                              "decoding several times slower)")

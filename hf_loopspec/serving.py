@@ -56,6 +56,7 @@ import json
 import logging
 import sys
 
+from .defaults import CPUS
 from .serving_requests import body_problem, served_advice, template_refusal
 from .serving_responses import HANDLERS_LEAST, default_limit, with_status
 from .serving_stops import batching_refusal, served_class, without_stops
@@ -82,8 +83,9 @@ def parse(argv: list[str]) -> tuple[dict, argparse.Namespace]:
     own.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     own.add_argument("--debug", action="store_true")
     options, rest = own.parse_known_args(argv)
-    if options.threads < 1:
-        raise ValueError(f"--threads {options.threads}: pass a positive number of CPU threads.")
+    if not 1 <= options.threads <= CPUS:
+        raise ValueError(f"--threads {options.threads}: pass a number of CPU threads in [1, {CPUS}] (this machine's "
+                         "CPUs).")
     app = typer.Typer(add_completion=False)
     app.command(name="serve", help=(Serve.__doc__ or "") + OWN_HELP)(Serve)
     command = typer.main.get_command(app)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -57,13 +58,15 @@ def test_threads_sets_torchs_thread_count_and_defaults_to_one(name, good, tmp_pa
 
 
 @pytest.mark.parametrize("name", ["generate", "batch"])
-@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
-def test_threads_must_be_a_positive_integer(name, value, tmp_path, capsys):
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", "100000"])  # (10**5: a traceback, out of memory loading)
+def test_threads_must_be_a_positive_integer_up_to_the_cpus(name, value, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main([*command(name, str(tmp_path / "nowhere"), tmp_path), "--threads", value])
     assert exit_.value.code == 2
     line = one_error_line(capsys, name)
     assert "--threads" in line and value in line
+    if value == "100000":
+        assert f"100000 is outside [1, {os.cpu_count()}] (this machine's CPUs)" in line, line
 
 
 # --- generate --compare ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import numbers
 import os
 import sys
 
-from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, DTYPE_NAMES
+from ..defaults import CPUS, DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS, DTYPE_NAMES
 from ..prompting import SAMPLING_OFF, SpeculativeOnly
 from .shape_table import SHAPES
 
@@ -64,6 +64,7 @@ def checked(kind: type, ok, requirement: str):
 
 fraction = checked(float, lambda v: 0.0 <= v <= 1.0, "is outside [0, 1]")
 positive = checked(int, lambda v: v >= 1, "must be >= 1")
+threads = checked(int, lambda v: 1 <= v <= CPUS, f"is outside [1, {CPUS}] (this machine's CPUs)")
 positive_float = checked(float, lambda v: v > 0, "must be > 0")
 non_negative = checked(int, lambda v: v >= 0, "must be >= 0")
 seed = checked(int, lambda v: 0 <= v < 2**63, "is outside [0, 2**63) (torch's seeds are 64-bit integers)")
@@ -144,7 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=seed, default=0,
                         help="seed of the random weights, prompts, synthetic drafts and sampled runs "
                              "(default: %(default)s)")
-    parser.add_argument("--threads", type=positive, default=1,
+    parser.add_argument("--threads", type=threads, default=1,
                         help="CPU threads of torch's operators (torch.set_num_threads; default: %(default)s, as "
                              "hf-loopspec generate: threads beyond the free cores make small calls much slower)")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
