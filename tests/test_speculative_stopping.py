@@ -283,3 +283,23 @@ def test_criteria_that_look_like_built_in_ones_act_as_in_plain_decoding(setup, m
                            **options) if spec else plain(model, ids, mask, new, **options))
         runs.append((out.sequences.tolist(), streamer.puts))
     assert runs[1] == runs[0]
+
+
+@pytest.mark.parametrize(("mode", "d", "k"), mode_params(MODE_PAIR))
+@pytest.mark.parametrize("debug", [False, True], ids=["engine", "reference"])
+def test_decoding_past_the_positions_warns_as_plain_decoding(monkeypatch, mode, d, k, debug):
+    """Plain decoding's `MaxLengthCriteria` warns once a step's length passes `max_position_embeddings` short of
+    `max_length`; the engines judge max_length themselves and never called it, so speculative calls past the
+    positions decoded without the warning. Runs within the positions (or ending at them) warn in neither."""
+    from transformers.generation import stopping_criteria
+
+    model, _, ids, mask = spec_case(7, [5, 3], VOCAB)
+    warned = []
+    monkeypatch.setattr(stopping_criteria.logger, "warning_once", lambda message, *args: warned.append(message))
+    for limit, expect in ((ids.shape[1] + 2, True), (ids.shape[1] + 4, False), (ids.shape[1] + 8, False)):
+        monkeypatch.setattr(model.config, "max_position_embeddings", limit)
+        for run in (lambda: plain(model, ids, mask, 4), lambda: speculative(model, ids, mask, 4, mode, d, k,
+                                                                              debug=debug)):
+            warned.clear()
+            run()
+            assert bool(warned) == expect and all(str(limit) in message for message in warned), (limit, warned)

@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, fields, replace
 
 import torch
+from transformers import MaxLengthCriteria
 
 from ..cache.paged import PagedLoopCache
 from .config import SpeculativeConfig
@@ -71,12 +72,25 @@ def run_speculative(model, request: SpeculativeRequest) -> DecodeResult:
     """One speculative run of `generate` (see the module docstring); raises `ValueError` naming every setting of
     the request the engine does not support."""
     if request.cache.debug and request.spec.engine == "auto":
-        return LaneDecoder.from_request(model, request).run()
-    problems = unsupported(model, request)
-    if problems:
+        result = LaneDecoder.from_request(model, request).run()
+    elif problems := unsupported(model, request):
         raise ValueError(f"speculative decoding (the wavefront engine) does not support {'; '.join(problems)}. "
                          "Otherwise decode plainly (speculative_mode=None).")
-    return WavefrontEngine.from_request(model, request).run()
+    else:
+        result = WavefrontEngine.from_request(model, request).run()
+    warn_past_positions(request.stopping_criteria, result.sequences, request.input_ids.shape[1])
+    return result
+
+
+def warn_past_positions(stopping_criteria, sequences: torch.Tensor, prompt_len: int) -> None:
+    """transformers' warning for decoding past the model's positions, which plain decoding's `MaxLengthCriteria` gives
+    at the first step whose length passes them, short of `max_length`: the engines judge `max_length` themselves and
+    never call it, so it is called here once on the `sequences` `[B, L]` as long as that step's."""
+    for criterion in stopping_criteria or ():
+        if type(criterion) is MaxLengthCriteria and criterion.max_position_embeddings is not None:
+            first = max(criterion.max_position_embeddings, prompt_len) + 1
+            if first <= min(sequences.shape[1], criterion.max_length - 1):
+                criterion(sequences[:, :first], None)
 
 
 def unsupported(model, request: SpeculativeRequest) -> list[str]:
