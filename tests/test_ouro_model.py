@@ -667,8 +667,10 @@ def test_numpy_exit_steps_and_one_dimensional_ids():
         with pytest.raises(ValueError, match=f"inputs_embeds has dtype {bad.dtype}, but the model computes in "
                                              r"torch.float32: pass inputs_embeds.to\(torch.float32\)"):
             model(inputs_embeds=bad)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # (autocast casts them itself)
-        assert torch.isfinite(model(inputs_embeds=embeds.double()).logits).all()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # (autocast casts them itself; not float64)
+        assert torch.isfinite(model(inputs_embeds=embeds.bfloat16()).logits).all()
+        with pytest.raises(ValueError, match="inputs_embeds has dtype torch.float64"):
+            model(inputs_embeds=embeds.double())
     mixed, _ = tiny_model(seed=9)  # (an embedding kept in bf16: the layers' fp32 is taken too)
     mixed.get_input_embeddings().to(torch.bfloat16)
     with torch.no_grad():

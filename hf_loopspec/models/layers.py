@@ -108,8 +108,8 @@ def check_forward_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Te
                          output_attentions: bool | None = None, position_ids: torch.Tensor | None = None,
                          hidden_size: int | None = None, dtypes: tuple[torch.dtype, ...] = ()) -> None:
     """`ValueError` unless exactly one of `input_ids` `[batch, length]` (integers) and `inputs_embeds` `[batch, length,
-    hidden_size]` (of one of the model's `dtypes`, its embedding's first, outside autocast) is given, with that shape,
-    `position_ids` (if any) hold one position per input token (`[batch, length]`, `[1, length]` or `[length]`,
+    hidden_size]` (of one of the model's `dtypes`, its embedding's first, or one autocast casts) is given, with that
+    shape, `position_ids` (if any) hold one position per input token (`[batch, length]`, `[1, length]` or `[length]`,
     integers), and `output_attentions` is not asked for (no attention weights are materialized). Each failed later in
     torch with a message that names no argument."""
     if output_attentions:
@@ -133,11 +133,11 @@ def check_forward_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Te
     if inputs_embeds is not None and hidden_size is not None and given.shape[-1] != hidden_size:
         raise ValueError(f"inputs_embeds has shape {tuple(given.shape)}, but the model's hidden size is {hidden_size}: "
                          "pass [batch, length, hidden] embeddings (e.g. model.get_input_embeddings()(input_ids)).")
-    if inputs_embeds is not None and dtypes and given.dtype not in dtypes \
-            and not torch.is_autocast_enabled(given.device.type):  # (a matmul's dtype RuntimeError, or int embeddings)
+    device = given.device.type  # (autocast casts float32 inputs to its dtype, not float64)
+    cast = (torch.float32, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else ()
+    if inputs_embeds is not None and dtypes and given.dtype not in (*dtypes, *cast):  # (a matmul's RuntimeError)
         raise ValueError(f"inputs_embeds has dtype {given.dtype}, but the model computes in "
-                         f"{' and '.join(map(str, dict.fromkeys(dtypes)))}: pass inputs_embeds.to({dtypes[0]}) (or run "
-                         "under torch.autocast).")
+                         f"{' and '.join(map(str, dict.fromkeys(dtypes)))}: pass inputs_embeds.to({dtypes[0]}).")
     batch, length = given.shape[:2]
     if position_ids is not None and tuple(position_ids.shape) not in ((batch, length), (1, length), (length,)):
         raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, but the input is [{batch}, {length}] "
