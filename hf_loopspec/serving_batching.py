@@ -18,6 +18,8 @@ and answers HTTP 400 with the reason:
 
 from __future__ import annotations
 
+from .serving_requests import served_advice
+
 # what a request may change on a running manager, and bookkeeping keys with no effect on decoding
 PER_REQUEST = frozenset({"max_new_tokens", "max_length", "eos_token_id", "use_cache", "transformers_version",
                          "_from_model_config"})
@@ -88,7 +90,7 @@ def install() -> type:
             except utils.CBWorkerDeadError:
                 raise
             except RuntimeError as error:
-                raise HTTPException(status_code=400, detail=str(error)) from None
+                raise HTTPException(status_code=400, detail=served_advice(str(error))) from None
 
     utils.CBGenerateManager = LoopServingManager
     return LoopServingManager

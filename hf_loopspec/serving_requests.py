@@ -270,9 +270,18 @@ def prompt_problem(prompt) -> str | None:
             "one request per prompt, with token ids decoded to their text.")
 
 
+POOL_ADVICE = "shorten the request, or start a manager with a larger ContinuousBatchingConfig(num_blocks=...)"
+
+
 def served_advice(refusal: str) -> str:
-    """A refusal of `generate` as a request to this server can follow: one advising speculative_mode=None, which no
-    request can send (a null is not passed on: `request_problem`), says what a request and the server can do."""
+    """A refusal of `generate` or of a continuous-batching manager as a request to this server can follow: one
+    advising speculative_mode=None, which no request can send (a null is not passed on: `request_problem`), says what
+    a request and the server can do; a manager's pool too small for a request names the server's options, not the
+    library's calls."""
+    if POOL_ADVICE in refusal:  # (`generation.continuous.settings.request_problem`)
+        return (f"{refusal[:refusal.index(POOL_ADVICE)]}send a shorter prompt or a smaller max_tokens (without it, "
+                "max_new_tokens is the server's default), or restart the server with a larger --cb-num-blocks "
+                "(--cb-max-memory-percent when memory caps the pool).")
     if "speculative_mode=None" not in refusal:
         return refusal
     return (f"{refusal.rstrip()} A request to this server cannot set speculative_mode=None: leave speculative_mode "

@@ -64,6 +64,25 @@ def test_stream_options_that_are_no_object_of_bools_are_refused(options, message
         assert serving_requests.request_problem({**body, "stream_options": fine}) is None
 
 
+def test_a_pool_refusal_names_the_servers_options_not_the_librarys_calls():
+    """A continuous-batching manager's refusal of a request its pool cannot hold named
+    `ContinuousBatchingConfig(num_blocks=...)`, `persistent_manager=True` and
+    `model.destroy_cached_continuous_batching_manager()`, which neither a client nor the server's operator can use."""
+    from types import SimpleNamespace
+
+    from hf_loopspec.generation.continuous import settings
+
+    pool = SimpleNamespace(pages=4, planes=2, positions=32, pages_for=lambda positions: 2 * -(-positions // 16))
+    manager = SimpleNamespace(vocab=100, positions=2048, pool=pool)
+    refusal = settings.request_problem(manager, [1, 2, 3], 130, [], {})
+    assert "ContinuousBatchingConfig(num_blocks=...)" in refusal  # (the library's advice, in a Python call)
+    served = serving_requests.served_advice(refusal)
+    assert served.startswith(refusal[:refusal.index(": shorten")]) and served.endswith(
+        ": send a shorter prompt or a smaller max_tokens (without it, max_new_tokens is the server's default), or "
+        "restart the server with a larger --cb-num-blocks (--cb-max-memory-percent when memory caps the pool)."), served
+    assert serving_requests.served_advice("max_tokens=0 must be") == "max_tokens=0 must be"  # (others as they are)
+
+
 def test_a_streams_texts_keep_out_what_could_still_be_a_stop_string():
     """Whatever the pieces a text comes in, the pieces sent hold no stop text and join to the text cut before the
     first stop string to appear in it (the one that ends first), as the answer without streaming is cut."""
