@@ -80,12 +80,12 @@ def parse(argv: list[str]) -> tuple[dict, argparse.Namespace]:
     from typer.exceptions import TyperException
 
     own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--threads", type=int, default=DEFAULT_THREADS)
+    own.add_argument("--threads", default=str(DEFAULT_THREADS))  # (read here: argparse's error is two lines)
     own.add_argument("--debug", action="store_true")
     options, rest = own.parse_known_args(argv)
+    given, options.threads = options.threads, int(options.threads) if options.threads.isdecimal() else 0
     if not 1 <= options.threads <= CPUS:
-        raise ValueError(f"--threads {options.threads}: pass a number of CPU threads in [1, {CPUS}] (this machine's "
-                         "CPUs).")
+        raise ValueError(f"--threads {given}: pass a number of CPU threads in [1, {CPUS}] (this machine's CPUs).")
     app = typer.Typer(add_completion=False)
     app.command(name="serve", help=(Serve.__doc__ or "") + OWN_HELP)(Serve)
     command = typer.main.get_command(app)

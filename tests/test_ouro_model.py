@@ -667,17 +667,18 @@ def test_numpy_exit_steps_and_one_dimensional_ids():
         with pytest.raises(ValueError, match=f"inputs_embeds has dtype {bad.dtype}, but the model computes in "
                                              r"torch.float32: pass inputs_embeds.to\(torch.float32\)"):
             model(inputs_embeds=bad)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # (autocast casts them itself; not float64)
-        assert torch.isfinite(model(inputs_embeds=embeds.bfloat16()).logits).all()
-        with pytest.raises(ValueError, match="inputs_embeds has dtype torch.float64"):
-            model(inputs_embeds=embeds.double())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # (autocast: a float64 matmul error, or a
+        assert torch.isfinite(model(ids).logits).all()  # residual stream and KV of another dtype than the model's)
+        for bad in (embeds.double(), embeds.bfloat16()):
+            with pytest.raises(ValueError, match=f"inputs_embeds has dtype {bad.dtype}"):
+                model(inputs_embeds=bad)
     mixed, _ = tiny_model(seed=9)  # (an embedding kept in bf16: the layers' fp32 is taken too)
     mixed.get_input_embeddings().to(torch.bfloat16)
     with torch.no_grad():
         for given in (embeds.bfloat16(), embeds):
             assert torch.isfinite(mixed(inputs_embeds=given).logits).all()
-    with pytest.raises(ValueError, match=r"computes in torch.bfloat16 and torch.float32: pass inputs_embeds.to\("
-                                         r"torch.bfloat16\)"):
+    with pytest.raises(ValueError, match=r"computes in torch.float32 and torch.bfloat16: pass inputs_embeds.to\("
+                                         r"torch.float32\)"):  # (the layers': the embedding's may not run in them)
         mixed(inputs_embeds=embeds.double())
     with torch.no_grad():  # (positions given as [T] or [1, T] are the default ones)
         for positions in (torch.arange(7), torch.arange(7)[None]):

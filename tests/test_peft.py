@@ -83,6 +83,23 @@ def test_lora_keeps_speculative_decoding_and_plain_tokens(mode):
     assert torch.equal(out.sequences, plain)
 
 
+def test_lora_on_a_huginn_embedding_decodes():
+    """A LoRA wrapper on Huginn's embedding (`wte`) has no `embedding_dim`: the KV layout's width check read it and
+    every call raised AttributeError. With a random B the adapter changes tokens; pipeline gives plain's."""
+    from huginn_utils import tiny_huginn
+
+    model = tiny_huginn(seed=4)[0]
+    ids, mask = _ids(model)
+    settings = {**SETTINGS, "init_scale": 0.0}
+    lora = get_peft_model(model, LoraConfig(r=2, target_modules=["wte"], init_lora_weights=False)).eval()
+    plain = lora.generate(input_ids=ids, attention_mask=mask, speculative_mode=None, **settings)
+    with lora.disable_adapter():
+        assert not torch.equal(plain, model.generate(input_ids=ids, attention_mask=mask, speculative_mode=None,
+                                                     **settings))
+    assert torch.equal(lora.generate(input_ids=ids, attention_mask=mask, speculative_mode="pipeline", **settings),
+                       plain)
+
+
 def test_an_adapter_folder_loads_only_onto_a_base_of_the_family(tmp_path):
     """`from_pretrained(adapter_folder)` loads the base model that adapter_config.json names, then the adapter: the
     family check reads the base's config.json (an adapter folder has none), so an adapter over a base of another

@@ -609,6 +609,7 @@ def test_the_architecture_resolves_where_transformers_serve_looks_it_up(checkpoi
     (["--port", "-5"], "--port -5: pass a TCP port in [1, 65535]"),
     (["--threads", "0"], "--threads 0"),
     (["--threads", "100000"], "--threads 100000: pass a number of CPU threads in [1, "),
+    (["--threads", "abc"], "--threads abc: pass a number of CPU threads in [1, "),  # (argparse's usage and error)
     (["--device", "meta"], "--device meta"),
     (["a", "b"], "unexpected extra argument"),
     # a traceback of the model's process once it had loaded, naming ContinuousBatchingConfig's fields

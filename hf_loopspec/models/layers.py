@@ -108,8 +108,8 @@ def check_forward_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Te
                          output_attentions: bool | None = None, position_ids: torch.Tensor | None = None,
                          hidden_size: int | None = None, dtypes: tuple[torch.dtype, ...] = ()) -> None:
     """`ValueError` unless exactly one of `input_ids` `[batch, length]` (integers) and `inputs_embeds` `[batch, length,
-    hidden_size]` (of one of the model's `dtypes`, its embedding's first, or one autocast casts) is given, with that
-    shape, `position_ids` (if any) hold one position per input token (`[batch, length]`, `[1, length]` or `[length]`,
+    hidden_size]` (of one of the model's `dtypes`, its layers' first, then its embedding's) is given, with that shape,
+    `position_ids` (if any) hold one position per input token (`[batch, length]`, `[1, length]` or `[length]`,
     integers), and `output_attentions` is not asked for (no attention weights are materialized). Each failed later in
     torch with a message that names no argument."""
     if output_attentions:
@@ -133,9 +133,8 @@ def check_forward_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Te
     if inputs_embeds is not None and hidden_size is not None and given.shape[-1] != hidden_size:
         raise ValueError(f"inputs_embeds has shape {tuple(given.shape)}, but the model's hidden size is {hidden_size}: "
                          "pass [batch, length, hidden] embeddings (e.g. model.get_input_embeddings()(input_ids)).")
-    device = given.device.type  # (autocast casts float32 inputs to its dtype, not float64)
-    cast = (torch.float32, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else ()
-    if inputs_embeds is not None and dtypes and given.dtype not in (*dtypes, *cast):  # (a matmul's RuntimeError)
+    if inputs_embeds is not None and dtypes and given.dtype not in dtypes:  # (a matmul's RuntimeError; or, under
+        # autocast, a residual stream and KV promoted to another dtype, which the next step's cache check refuses)
         raise ValueError(f"inputs_embeds has dtype {given.dtype}, but the model computes in "
                          f"{' and '.join(map(str, dict.fromkeys(dtypes)))}: pass inputs_embeds.to({dtypes[0]}).")
     batch, length = given.shape[:2]

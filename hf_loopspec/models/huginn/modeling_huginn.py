@@ -180,7 +180,7 @@ class HuginnModel(HuginnPreTrainedModel):
     @property
     def kv_layout(self) -> KVLayout:
         stages = (self.prelude, self.core_block, self.coda)
-        built = {**dict(zip(STAGES, map(len, stages), strict=True)), "n_embd": self.wte.embedding_dim}
+        built = {**dict(zip(STAGES, map(len, stages), strict=True)), "n_embd": self.wte.weight.shape[-1]}
         check_built(self.config, built, self.core_block[0].attn)
         return self.config.kv_layout(self.settings.num_steps)
 

@@ -189,7 +189,7 @@ class OuroModel(OuroPreTrainedModel):
         **kwargs,
     ) -> OuroModelOutput:
         check_forward_inputs(input_ids, inputs_embeds, kwargs.get("output_attentions"), position_ids,
-                             self.config.hidden_size, (self.lane_dtype, self.norm.weight.dtype))
+                             self.config.hidden_size, (self.norm.weight.dtype, self.lane_dtype))
         embeddings = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, H]
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if output_hidden_states is None:
