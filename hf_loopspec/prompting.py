@@ -140,7 +140,7 @@ def check_saved_settings(model, given: dict, overrides=lambda named: ()) -> None
                                 "checkpoint's generation_config.json.") from None
     refused = saved_refusal(model, given)
     if refused:
-        named, reason = refused
+        named, reason = refused[0], refused[1].rstrip(".")
         options = list(overrides(named))
         fix = f"pass {' or '.join(options)}, or correct" if options else "correct"
         raise SavedSettingError(f"the checkpoint's generation_config.json sets "
@@ -189,30 +189,34 @@ def check_checkpoint(spec: str, given: dict | None = None, overrides=lambda name
 
 def saved_refusal(model, given: dict) -> tuple[dict, str] | None:
     """The speculative settings of `model.generation_config` (the checkpoint's) that a `generate` call with the
-    keyword arguments `given` reads and refuses, with the reason (`speculative_config`'s message, less its advice on
+    keyword arguments `given` reads and refuses (or the family's settings there, e.g. Huginn's `num_steps`, that make
+    it refuse the call's speculative settings), with the reason (`speculative_config`'s message, less its advice on
     clearing a setting in the call or running it on the reference), or None when the call takes them. A key `given`
     holds is the call's own, not the checkpoint's (a refused one raises its `ValueError`); a call decoding plainly
     (`speculative_mode=None` given) reads none of them. The call's loop count is the model's (Huginn: as its
     generation config sets the steps)."""
     from transformers import GenerationConfig
 
-    from .generation.config import SPECULATIVE_KEYS, UNSET_SAVED, speculative_config
+    from .generation.config import ONE_LOOP_ADVICE, SPECULATIVE_KEYS, UNSET_SAVED, speculative_config
 
     with model.call_block(model.generation_config):
         loops = model.num_loops
     plain = "speculative_mode" in given and given["speculative_mode"] is None
     saved = {} if plain else {key: value for key in SPECULATIVE_KEYS if key not in given
                               and (value := getattr(model.generation_config, key, None)) is not None}
+    family = {key: value for key in model.generation_keys  # (Huginn's num_steps=1: no shallower loop to draft from)
+              if (value := getattr(model.generation_config, key, None)) is not None}
     try:
         speculative_config(GenerationConfig(**saved, **{key: given[key] for key in SPECULATIVE_KEYS if key in given}),
                            loops)
     except ValueError as error:
-        named = {key: value for key, value in saved.items()
+        named = {key: value for key, value in {**saved, **family}.items()
                  if re.search(rf"(?<!\w){key}=", str(error))}  # (not inside second_draft_loops=)
         if not named:
             raise
-        return named, re.sub(rf" \({re.escape(UNSET_SAVED)}\)| or None(?: \(model\.decode_with_lanes [^)]*\))?(?=\.)",
-                             "", str(error))  # (a value's "or None.", not "or None for plain decoding")
+        return named, re.sub(rf" \({re.escape(UNSET_SAVED)}\)| or None(?: \(model\.decode_with_lanes [^)]*\))?(?=\.)"
+                             rf"|{re.escape(ONE_LOOP_ADVICE)}", "", str(error))  # (a value's "or None.", not "or
+        # None for plain decoding"; a call of one loop's advice, which the caller's fix replaces)
     return None
 
 

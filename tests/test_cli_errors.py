@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_utils import save_checkpoint, snapshot
+from checkpoint_utils import save_checkpoint, snapshot, word_tokenizer
 from cli_utils import command, one_error_line
+from huginn_utils import tiny_huginn
 from processes import cli_runs_in_one_process, subprocess_env
 
 from hf_loopspec import cli
@@ -275,7 +276,7 @@ def test_a_checkpoints_refused_setting_is_named_as_the_checkpoints(tmp_path, cap
         line = _last_line(capsys.readouterr().err)
         assert line.endswith("error: the checkpoint's generation_config.json sets draft_loops=3, which this call "
                              "refuses (draft_loops=3 is outside [1, 1] for a model with 2 loops: drafts come from a "
-                             "shallower loop than the last one. Pass an integer between 1 and 1.): pass "
+                             "shallower loop than the last one. Pass an integer between 1 and 1): pass "
                              "--draft-loops or --mode plain, or correct the checkpoint's generation_config.json."), line
     assert not Path(f"{out}.parts").exists()
     assert cli.main(["generate", "w5 w6", "--model", str(folder), "--device", "cpu", "--max-new-tokens", "2",
@@ -298,7 +299,7 @@ def test_a_checkpoints_refused_setting_is_named_as_the_checkpoints(tmp_path, cap
     assert cli.main(argv) == 2
     line = _last_line(capsys.readouterr().err)
     assert "generation_config.json sets second_draft_loops=3, which this call refuses (" in line, line
-    assert "or pass --mode pipeline.): pass --mode plain, or correct the checkpoint's" in line, line
+    assert "or pass --mode pipeline): pass --mode plain, or correct the checkpoint's" in line, line
     assert "in the call" not in line, line  # (how a `generate` call clears it: no option does)
     for mode in ("plain", "pipeline"):
         assert cli.main([*argv, "--mode", mode]) == 0
@@ -310,11 +311,11 @@ def test_a_checkpoints_refused_setting_is_named_as_the_checkpoints(tmp_path, cap
     assert "sets second_draft_loops=1, which this call refuses (second_draft_loops=1 must lie strictly between " \
            "--draft-loops=2 and the loop count 4" in line, line
     # nor how a call clears it (None) or runs it on the reference (model.decode_with_lanes): no option does either
-    assert "pass one of [3].): pass --mode plain without --draft-loops, or correct" in line, line
+    assert "pass one of [3]): pass --mode plain without --draft-loops, or correct" in line, line
     (folder / "generation_config.json").write_text(json.dumps({**config, "second_draft_loops": 2}))
     assert cli.main([*argv, "--mode", "pipeline"]) == 2
     line = _last_line(capsys.readouterr().err)
-    assert "it needs second_draft_loops >= 3); pass second_draft_loops in [3].): pass --mode plain" in line, line
+    assert "it needs second_draft_loops >= 3); pass second_draft_loops in [3]): pass --mode plain" in line, line
 
 
 def test_a_checkpoints_refused_exit_or_recurrence_setting_is_named_before_batch_starts(tmp_path, capsys):
@@ -336,6 +337,22 @@ def test_a_checkpoints_refused_exit_or_recurrence_setting_is_named_before_batch_
             assert f"error: the checkpoint's generation_config.json: {named}" in line, line
             assert line.endswith("; correct the checkpoint's generation_config.json."), line
         assert not out.parent.exists()
+    # Huginn's num_steps=1 (no shallower loop to draft from) under the default --mode auto: named as the file's, with
+    # the option that works (the message named generate's num_steps, which no option sets)
+    huginn = tmp_path / "huginn"
+    model = tiny_huginn(seed=1)[0]
+    model.save_pretrained(huginn)
+    word_tokenizer(model.config.vocab_size).save_pretrained(huginn)
+    config = json.loads((huginn / "generation_config.json").read_text())
+    (huginn / "generation_config.json").write_text(json.dumps({**config, "num_steps": 1}))
+    capsys.readouterr()
+    argv = ["generate", "w5 w6", "--model", str(huginn), "--device", "cpu", "--max-new-tokens", "2"]
+    assert cli.main(argv) == 2
+    line = _last_line(capsys.readouterr().err)
+    assert "generation_config.json sets num_steps=1, which this call refuses (speculative decoding drafts from a " \
+           "shallower loop than the last, but this call runs 1 loop (a Huginn model with num_steps=1, or a 1-loop " \
+           "model)): pass --mode plain, or correct the checkpoint's generation_config.json." in line, line
+    assert cli.main([*argv, "--mode", "plain"]) == 0
 
 
 # --- the traceback on request, interrupts, a real process -----------------------------------------------------------

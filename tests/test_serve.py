@@ -662,7 +662,7 @@ def test_continuous_batching_of_a_checkpoint_with_stop_strings_is_one_line_befor
     ({"_from_model_config": True, "exit_at_step": 1, "exit_threshold": 0.5}, ": Pass at most one of exit_at_step"),
     # the library's advice kept whole where it is not how a call clears a value ("or None for plain decoding")
     ({"speculative_mode": "lanes"}, " sets speculative_mode='lanes', which its model refuses (speculative_mode='lanes' "
-     "is not supported; use one of ('pipeline', 'block', 'auto') or None for plain decoding.)"),
+     "is not supported; use one of ('pipeline', 'block', 'auto') or None for plain decoding)"),
 ])
 @pytest.mark.parametrize("batching", [[], ["--continuous-batching"]])
 def test_a_checkpoints_refused_setting_is_one_line_before_the_model_loads(

@@ -99,11 +99,14 @@ def resolve_speculative(mode, draft_loops=None, num_speculative_tokens=None, com
     return SpeculativeConfig(mode, draft_loops, k, backend, engine, second)
 
 
+ONE_LOOP_ADVICE = ": decode plainly (speculative_mode=None), or give a Huginn model's generate num_steps >= 2"
+
+
 def _check_draft_loops(mode: str, draft_loops, num_loops: int) -> None:
     if num_loops < 2:
         raise ValueError("speculative decoding drafts from a shallower loop than the last, but this call runs "
-                         f"{num_loops} loop (a Huginn model with num_steps={num_loops}, or a 1-loop model): decode "
-                         "plainly (speculative_mode=None), or give a Huginn model's generate num_steps >= 2.")
+                         f"{num_loops} loop (a Huginn model with num_steps={num_loops}, or a 1-loop model)"
+                         f"{ONE_LOOP_ADVICE}.")
     if not 1 <= draft_loops <= num_loops - 1:
         raise ValueError(
             f"draft_loops={draft_loops!r} is outside [1, {num_loops - 1}] for a model with {num_loops} loops: "
