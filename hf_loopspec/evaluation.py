@@ -119,7 +119,7 @@ def check_saved_generation(args: list[str]) -> None:
         from lm_eval._cli.utils import MergeDictAction
     except ImportError:  # (`run_lm_eval` says so)
         return
-    from .generation.config import SPECULATIVE_KEYS
+    from .generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS, SPECULATIVE_KEYS
     from .prompting import check_checkpoint
 
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
@@ -134,7 +134,8 @@ def check_saved_generation(args: list[str]) -> None:
     if not isinstance(spec, str) or not Path(spec).is_dir():
         return
     spec = str(Path(spec) / str(model_args.get("subfolder") or ""))  # (lm-eval's `subfolder=` holds the checkpoint)
-    given = {key: gen_kwargs[key] for key in SPECULATIVE_KEYS if key in gen_kwargs}
+    given = {key: gen_kwargs[key] for key in (*SPECULATIVE_KEYS, *EXIT_OPTIONS, *RECURRENCE_OPTIONS)
+             if key in gen_kwargs}  # (a call's num_steps sets its loop count)
     check_checkpoint(spec, given, lambda named: [
         *(f"--gen_kwargs {key}=N" for key in named if key in ("draft_loops", "num_speculative_tokens")),
         "--gen_kwargs speculative_mode=None"], trust_remote_code=bool(model_args.get("trust_remote_code")),

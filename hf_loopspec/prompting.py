@@ -184,7 +184,14 @@ def check_checkpoint(spec: str, given: dict | None = None, overrides=lambda name
     for key, value in family.items():
         setattr(generation, key, value)
     model.generation_config = generation
-    check_saved_settings(model, given or {}, overrides)
+    try:  # (as keys of the call: not the file's, which `saved_refusal` names)
+        check_saved_settings(model, {**family, **(given or {})}, overrides)
+    except SavedSettingError:
+        raise
+    except ValueError as error:  # a speculative setting these make the model refuse: named as theirs
+        if not any(re.search(rf"(?<!\w){key}=", str(error)) for key in family):
+            raise
+        raise ValueError(f"{loaded_as}: {str(error).rstrip('.')}; correct {loaded_as}.") from None
 
 
 def saved_refusal(model, given: dict) -> tuple[dict, str] | None:
@@ -194,18 +201,19 @@ def saved_refusal(model, given: dict) -> tuple[dict, str] | None:
     clearing a setting in the call or running it on the reference), or None when the call takes them. A key `given`
     holds is the call's own, not the checkpoint's (a refused one raises its `ValueError`); a call decoding plainly
     (`speculative_mode=None` given) reads none of them. The call's loop count is the model's (Huginn: as its
-    generation config sets the steps)."""
+    generation config sets the steps, or `given`'s)."""
     from transformers import GenerationConfig
 
     from .generation.config import ONE_LOOP_ADVICE, SPECULATIVE_KEYS, UNSET_SAVED, speculative_config
 
-    with model.call_block(model.generation_config):
+    own = {key: given[key] for key in model.generation_keys if given.get(key) is not None}
+    with model.call_block(model.generation_config, **own):
         loops = model.num_loops
     plain = "speculative_mode" in given and given["speculative_mode"] is None
     saved = {} if plain else {key: value for key in SPECULATIVE_KEYS if key not in given
                               and (value := getattr(model.generation_config, key, None)) is not None}
     family = {key: value for key in model.generation_keys  # (Huginn's num_steps=1: no shallower loop to draft from)
-              if (value := getattr(model.generation_config, key, None)) is not None}
+              if key not in own and (value := getattr(model.generation_config, key, None)) is not None}
     try:
         speculative_config(GenerationConfig(**saved, **{key: given[key] for key in SPECULATIVE_KEYS if key in given}),
                            loops)

@@ -314,6 +314,17 @@ def test_a_checkpoints_refused_saved_setting_is_named_before_the_model_loads(mon
         line = capsys.readouterr().err.strip().splitlines()[-1]
         assert line.startswith(f"hf-loopspec lm-eval: error: --model_args: {given} must be") \
             and line.endswith("; correct --model_args."), line
+    # a num_steps=1 there that makes a speculative call refuse is blamed on it, not on the file (which has none); one
+    # of the call's own (--gen_kwargs) sets the loop count, over the file's
+    pipeline = ["--gen_kwargs", "speculative_mode=pipeline,draft_loops=1"]
+    assert cli.main([*argv[:-1], f"pretrained={huginn},num_steps=1", *pipeline]) == 2 and not ran
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("hf-loopspec lm-eval: error: --model_args: speculative decoding drafts from a shallower "
+                           "loop than the last, but this call runs 1 loop") and "generation_config" not in line, line
+    settings = json.loads((huginn / "generation_config.json").read_text())
+    (huginn / "generation_config.json").write_text(json.dumps({**settings, "num_steps": 1}))
+    assert cli.main([*argv[:-1], f"pretrained={huginn}", *pipeline[:-1], f"{pipeline[-1]},num_steps=4"]) == 0
+    assert ran.pop()
 
 
 @pytest.mark.parametrize("batch_size", ["abc", "0", "auto:x", "auto:0", "²"])  # (² is a digit int() refuses)
