@@ -941,8 +941,8 @@ def test_command_line_auto():
     """`--mode auto` passes only the speculative settings the user gave; the bench takes auto in --modes."""
     args = argparse.Namespace(max_new_tokens=8, do_sample=False, temperature=None, top_k=None, top_p=None,
                               repetition_penalty=None, mode="auto", draft_loops=1, num_speculative_tokens=4)
-    model = argparse.Namespace(generation_config=GenerationConfig(pad_token_id=0), num_loops=4,
-                               call_block=lambda config: contextlib.nullcontext(),
+    model = argparse.Namespace(generation_config=GenerationConfig(pad_token_id=0), num_loops=4, generation_keys=(),
+                               call_block=lambda config, **given: contextlib.nullcontext(),
                                exit_rule=lambda **exit_options: None, config=argparse.Namespace(vocab_size=16))
     assert generate_kwargs(args, model, None)["speculative_mode"] == "auto"
     assert "draft_loops" not in generate_kwargs(args, model, None)
