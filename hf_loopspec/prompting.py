@@ -180,7 +180,7 @@ def check_checkpoint(spec: str, given: dict | None = None, overrides=lambda name
         with model.call_block(None, **{key: family.get(key) for key in model.generation_keys}):
             pass
     except ValueError as error:
-        raise ValueError(f"{loaded_as}: {str(error).rstrip('.')}; correct {loaded_as}.") from None
+        raise blamed_on(loaded_as, error) from None
     for key, value in family.items():
         setattr(generation, key, value)
     model.generation_config = generation
@@ -189,9 +189,20 @@ def check_checkpoint(spec: str, given: dict | None = None, overrides=lambda name
     except SavedSettingError:
         raise
     except ValueError as error:  # a speculative setting these make the model refuse: named as theirs
-        if not any(re.search(rf"(?<!\w){key}=", str(error)) for key in family):
+        if not any(names(str(error), key) for key in family):
             raise
-        raise ValueError(f"{loaded_as}: {str(error).rstrip('.')}; correct {loaded_as}.") from None
+        raise blamed_on(loaded_as, error) from None
+
+
+def names(text: str, key: str) -> bool:
+    """Whether the message `text` names a value of the setting `key` (`key=`, not inside a longer name:
+    second_draft_loops= is no draft_loops=)."""
+    return re.search(rf"(?<!\w){key}=", text) is not None
+
+
+def blamed_on(source: str, error: ValueError) -> ValueError:
+    """`error`'s message as the fault of the settings `source` (e.g. lm-eval's --model_args), to be corrected there."""
+    return ValueError(f"{source}: {str(error).rstrip('.')}; correct {source}.")
 
 
 def saved_refusal(model, given: dict) -> tuple[dict, str] | None:
@@ -218,8 +229,7 @@ def saved_refusal(model, given: dict) -> tuple[dict, str] | None:
         speculative_config(GenerationConfig(**saved, **{key: given[key] for key in SPECULATIVE_KEYS if key in given}),
                            loops)
     except ValueError as error:
-        named = {key: value for key, value in {**saved, **family}.items()
-                 if re.search(rf"(?<!\w){key}=", str(error))}  # (not inside second_draft_loops=)
+        named = {key: value for key, value in {**saved, **family}.items() if names(str(error), key)}
         if not named:
             raise
         return named, re.sub(rf" \({re.escape(UNSET_SAVED)}\)| or None(?: \(model\.decode_with_lanes [^)]*\))?(?=\.)"
