@@ -22,6 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_loopspec  # noqa: F401  (registers the Ouro classes with the Auto factories)
 from hf_loopspec import OuroForCausalLM, cli
 from hf_loopspec.assets import default_model_path
+from hf_loopspec.generation.auto_costs import Candidate, CostTable, set_costs
+from hf_loopspec.generation.auto_policy import forget
 from hf_loopspec.prompting import encode_prompt, generate_kwargs
 
 MAX_BYTES = 25 * 10**6
@@ -152,23 +154,40 @@ def test_pipeline_equals_plain_greedy(model, tokenizer):
     assert stats.verified > 0 and stats.core_calls_per_token < model.num_loops
 
 
-@pytest.mark.parametrize("mode", ["pipeline", "block", "auto"])
+# auto's choice for a call, pinned (as test_auto does): an engine cycle at 0.45 of a plain step lets the first call
+# probe pipeline (no acceptance remembered: `forget`); at 1.0 no speculative setting can beat plain decoding
+AUTO_PICKS = {"speculative": 0.45, "plain": 1.0}
+
+
+@pytest.mark.parametrize("mode", [None, "pipeline", "block", "auto-speculative", "auto-plain"])
 def test_token_healing_decodes_as_plain_or_refuses_a_mask_it_no_longer_fits(model, tokenizer, mode):
     """transformers' `token_healing` rewrites the prompt; in a padded batch it can narrow it and leave the mask as it
-    was, which plain decoding refuses naming attention_mask and the speculative modes read row by row (an
-    IndexError). One prompt heals and decodes as plain decoding does."""
+    was, which the model's forward refused without naming token_healing and the speculative modes read row by row
+    (an IndexError). Every mode refuses it with one message, auto whichever decoder it picks for the call (its
+    choice depends on acceptance remembered from earlier calls and on timed costs). One prompt heals and decodes as
+    plain decoding does."""
+    auto_pick = mode.split("-")[1] if mode and mode.startswith("auto") else None
+    mode = "auto" if auto_pick else mode
+    ratio = AUTO_PICKS[auto_pick or "speculative"]
+    set_costs(model, CostTable(1.0, {Candidate("pipeline", 1): ratio, Candidate("block", 1, 4): ratio}))
+    forget(model)
     settings = {"max_new_tokens": 8, "do_sample": False, "token_healing": True, "tokenizer": tokenizer}
     one = tokenizer(["The link is http://www"], return_tensors="pt")
-    with torch.no_grad():
-        assert torch.equal(model.generate(**one, **settings, speculative_mode=mode),
-                           model.generate(**one, **settings, speculative_mode=None))
-    tokenizer = copy.copy(tokenizer)
-    tokenizer.padding_side = "left"
-    batch = tokenizer(["The link is http://www", "Hello, my name is", "Once upon a time in a land far away there "],
-                      return_tensors="pt", padding=True)
-    with torch.no_grad(), pytest.raises(ValueError, match=r"attention_mask has shape \(3, 18\), but the prompt "
-                                                          r"decoding starts from has shape \(3, 17\)"):
-        model.generate(**batch, **settings | {"tokenizer": tokenizer}, speculative_mode=mode)
+    batch_tokenizer = copy.copy(tokenizer)
+    batch_tokenizer.padding_side = "left"
+    batch = batch_tokenizer(["The link is http://www", "Hello, my name is", "Once upon a time in a land far away "
+                             "there "], return_tensors="pt", padding=True)
+    try:
+        with torch.no_grad():
+            assert torch.equal(model.generate(**one, **settings, speculative_mode=mode),
+                               model.generate(**one, **settings, speculative_mode=None))
+            forget(model)  # (the batch call then starts as the first did)
+            with pytest.raises(ValueError, match=r"attention_mask has shape \(3, 18\), but the prompt decoding starts "
+                                                 r"from has shape \(3, 17\) \(token_healing rewrote it"):
+                model.generate(**batch, **settings | {"tokenizer": batch_tokenizer}, speculative_mode=mode)
+    finally:
+        forget(model)
+        set_costs(model, None)
 
 
 def test_generation_config_leaves_the_length_to_the_caller(model, tokenizer, folder):

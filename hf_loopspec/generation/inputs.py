@@ -336,14 +336,20 @@ def check_assisted_continuation(kwargs: dict, model_config, past: int) -> None:
 
 
 def check_decoding_mask(attention_mask, input_ids: torch.Tensor, mode: str) -> None:
-    """`check_left_padded`, after a `ValueError` for a mask that no longer fits the prompt decoding starts from:
-    transformers' `token_healing` rewrites the prompt (a padded batch's width can change) and leaves the mask as it
-    was, which plain decoding refuses in its first forward call and the engines read row by row (an IndexError)."""
+    """`check_healed_mask`, then `check_left_padded`: the mask a speculative call in `mode` starts from."""
+    check_healed_mask(attention_mask, input_ids)
+    check_left_padded(attention_mask, mode)
+
+
+def check_healed_mask(attention_mask, input_ids: torch.Tensor) -> None:
+    """`ValueError` for a mask that no longer fits the prompt decoding starts from: transformers' `token_healing`
+    rewrites the prompt (a padded batch's width can change) and leaves the mask as it was, which the model's forward
+    refuses without naming token_healing and the engines read row by row (an IndexError). Plain decoding checks it
+    too, so a call's error does not depend on the decoder auto picks for it."""
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, but the prompt decoding starts from "
                          f"has shape {tuple(input_ids.shape)} (token_healing rewrote it, leaving the mask as it was): "
                          "heal one prompt per call (no padding), or drop token_healing.")
-    check_left_padded(attention_mask, mode)
 
 
 def check_left_padded(attention_mask, mode: str) -> None:

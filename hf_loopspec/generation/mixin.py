@@ -60,6 +60,7 @@ from .inputs import (
     check_cache_use,
     check_decoding_mask,
     check_generation_values,
+    check_healed_mask,
     check_model_kwargs,
     check_pad_token,
     check_reference_inputs,
@@ -336,6 +337,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
                 streamer=None, **model_kwargs):
         spec = self._speculative(generation_config)
         if spec is None:
+            if generation_config.token_healing:  # (a speculative call checks it with the rest of its mask, below)
+                check_healed_mask(model_kwargs.get("attention_mask"), input_ids)
             return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                                    synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
         if spec.mode == AUTO_MODE:  # `generate` runs auto itself (`generation.auto`); a hook reached another way
@@ -423,8 +426,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
 
         `options` are the fields of `dispatch.SpeculativeRequest` (`max_length`, `attention_mask`, ...). The tests
         compare the engine with it; it runs eagerly (no `compile_core`). Its inputs are checked as `generate` checks
-        them (`ValueError` naming the argument).
-        """
+        them (`ValueError` naming the argument)."""
         if mode not in LANE_MODES:
             raise ValueError(f"mode={mode!r}: the lane decoder runs one of {LANE_MODES} ('ar': without drafts).")
         options["max_length"] = check_reference_inputs(input_ids, cache, options.get("max_length"),
