@@ -87,6 +87,11 @@ class KVLayout:
                                       or not 0 <= value < self.num_planes):
                 raise ValueError(f"KVLayout.{name}={value!r} must be None or a plane in [0, {self.num_planes}).")
 
+    @property
+    def num_loops(self) -> int:
+        """The loop depths: the planes besides the entry plane and the exit depths' (one per loop depth)."""
+        return (self.num_planes - (self.entry_plane is not None)) // (1 if self.first_exit_plane is None else 2)
+
     def exit_plane(self, depth: int) -> int | None:
         """The plane the head writes for rows of exit depth `depth` (1-based), or None for a stateless head."""
         return None if self.first_exit_plane is None else self.first_exit_plane + depth - 1

@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -506,6 +507,7 @@ def test_a_huginn_dynamic_cache_is_continued_speculatively():
     call continuing the `DynamicCache` of a plain call speculates, and the two calls' tokens equal one plain call's
     (seeded initial states: every decoder draws the same state per token)."""
     model, _ = tiny_huginn(seed=3, damp=0.3)
+    forget(model)  # what other tests' auto calls stored for the same weights (the session's cache folder)
     settings = {"num_steps": 4, "init_scale": 1.0, "init_seed": 77}
     ids, mask = left_pad(random_prompts(3, [4, 6], model.config.vocab_size))
     ref = plain(model, ids, mask, 16, **settings)
@@ -524,6 +526,36 @@ def test_a_huginn_dynamic_cache_is_continued_speculatively():
     assert torch.equal(second.sequences, ref.sequences)
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "paged"])
+def test_a_huginn_cache_of_other_steps_is_refused_alike_by_every_decoder(kind):
+    """A Huginn cache filled at 4 recurrence steps and continued at 6 (more planes) is refused with one message by
+    plain decoding, pipeline and auto whichever decoder auto picks (auto's choice depends on remembered acceptance
+    and timed costs): a plain call's forward and the engine each found the mismatch at another plane, the engine's
+    message naming the PagedLoopCache it had made of the caller's DynamicCache."""
+    model, _ = tiny_huginn(seed=3, damp=0.3)
+    forget(model)  # what other tests' auto calls stored for the same weights (the session's cache folder)
+    ids, mask = left_pad(random_prompts(3, [4, 6], model.config.vocab_size))
+    grown = torch.cat([mask, torch.ones_like(mask[:, :1]).expand(-1, 5)], 1)
+    messages = []
+    for mode, costs in [(None, None), ("pipeline", None), ("auto", PLAIN_WINS),
+                        ("auto", CostTable(4.0, dict.fromkeys(candidates(6, None, None)[1:], 2.0)))]:
+        cache = PagedLoopCache(model.config.kv_layout(4)) if kind == "paged" else None
+        first = plain(model, ids, mask, 5, num_steps=4, init_seed=7, **({"cache": cache} if cache else {}))
+        set_costs(model, costs)
+        set_policy(model, POLICY)
+        try:
+            with pytest.raises(ValueError) as refused:
+                generate_dict(model, first.sequences, grown, 6, speculative_mode=mode, cache=first.cache,
+                              num_steps=6, init_seed=7)
+        finally:
+            set_costs(model, None)
+            set_policy(model, None)
+            forget(model)
+        messages.append(str(refused.value))
+    assert len(set(messages)) == 1, messages
+    assert re.match(r"past_key_values( holds KV in 18 layers|: the PagedLoopCache was made for)", messages[0])
+
+
 @pytest.mark.parametrize("costs", ["plain", "speculative"])
 def test_huginn_call_settings_win_over_the_generation_config_in_every_segment(costs):
     """The call's `num_steps` / `init_seed` win over a generation config's (docs: the call's keyword arguments
@@ -531,6 +563,7 @@ def test_huginn_call_settings_win_over_the_generation_config_in_every_segment(co
     which read the config again: one plain segment decoded at the config's steps and seed, and a speculative one
     raised a layout mismatch."""
     model, _ = tiny_huginn(seed=3, damp=0.3)
+    forget(model)  # what other tests' auto calls stored for the same weights (the session's cache folder)
     model.generation_config.num_steps, model.generation_config.init_seed = 2, 1
     settings = {"num_steps": 4, "init_scale": 1.0, "init_seed": 2}
     ids, mask = left_pad(random_prompts(3, [4, 6], model.config.vocab_size))

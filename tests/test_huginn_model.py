@@ -803,9 +803,10 @@ def test_a_layer_count_assigned_after_building_is_refused_naming_it():
 @pytest.mark.parametrize(("filled", "continued"), [(2, 4), (3, 6)])
 def test_a_dynamic_cache_of_fewer_steps_is_refused_and_left_as_it_was(filled, continued):
     """Continued at more recurrence steps, a `DynamicCache` has its planes where this call reads others (its entry
-    plane as a core plane, with fewer layers): refused naming the fix, where plain decoding raised a RuntimeError of
-    mismatched sizes inside attention; the cache still continues at the steps that filled it. (Entry and exit stages
-    of one layer, fewer than the core's two: the plane's first layer alone reads as filled.)"""
+    plane as a core plane, with fewer layers): refused up front naming the fix (the entry and exit planes every call
+    writes are not where this call's are), where plain decoding raised a RuntimeError of mismatched sizes inside
+    attention; the cache still continues at the steps that filled it. (Entry and exit stages of one layer, fewer
+    than the core's two: the plane's first layer alone reads as filled.)"""
     model, _ = tiny_huginn(n_layers_in_prelude=1, n_layers_in_coda=1)
     ids = random_ids((2, 5), VOCAB)
     settings = {"init_scale": 0.0, "do_sample": False, "pad_token_id": PAD, "eos_token_id": None, "max_new_tokens": 3}
@@ -814,8 +815,9 @@ def test_a_dynamic_cache_of_fewer_steps_is_refused_and_left_as_it_was(filled, co
         first = model.generate(ids, cache=cache, num_steps=filled, **settings)
         held = [None if layer.keys is None else layer.keys.clone() for layer in cache.layers]  # (unused: None)
         longer = torch.cat([first, first[:, -1:]], 1)  # (two columns to feed: the last token, and one more)
-        with pytest.raises(ValueError, match=f"layer 1 of KV plane {filled} of the cache holds 0 positions, but this "
-                                             "call continues from 7: continue a cache with the settings that filled"):
+        with pytest.raises(ValueError, match=rf"holds KV in \d+ layers, but this call writes "
+                                             rf"{2 * continued + 1} planes x 2 layers .* continue a cache with the "
+                                             "settings that filled"):
             model.generate(longer, cache=cache, num_steps=continued, speculative_mode=None, **settings)
         assert all(keys is layer.keys is None or torch.equal(layer.keys, keys)
                    for layer, keys in zip(cache.layers, held, strict=True))

@@ -93,15 +93,19 @@ def _positions_pages(cache: PagedLoopCache, seq: int, plane: int, size: int) -> 
 
 def check_dynamic_cache(cache, layout: KVLayout, batch: int) -> None:
     """`ValueError` unless a filled growing cache (a `DynamicCache`) fits a call of `batch` rows writing `layout`: KV
-    in no layer past the layout's planes (for Huginn: filled at more recurrence steps), and entries `[batch, Hkv, C,
-    D]` of the layout's heads. An empty cache fits any call."""
-    needed = layout.num_planes * layout.num_layers
-    if any(cache.get_seq_length(layer) for layer in range(needed, len(cache.layers))):
+    in no layer past the layout's planes, all its columns in the entry plane and the last loop's exit plane (every
+    call writes them: for Huginn, a cache filled at other recurrence steps fails one of the two), and entries
+    `[batch, Hkv, C, D]` of the layout's heads. An empty cache fits any call. Plain and speculative calls check it
+    alike, so `speculative_mode="auto"` refuses a cache with one message whichever decoder it picks."""
+    needed, columns = layout.num_planes * layout.num_layers, cache.get_seq_length(0)
+    written = [plane for plane in (layout.entry_plane, layout.exit_plane(layout.num_loops)) if plane is not None]
+    if any(cache.get_seq_length(layer) for layer in range(needed, len(cache.layers))) or columns and any(
+            cache.get_seq_length(plane * layout.num_layers) != columns for plane in written):
         raise ValueError(
             f"past_key_values holds KV in {len(cache.layers)} layers, but this call writes {layout.num_planes} planes "
             f"x {layout.num_layers} layers = {needed} (for Huginn: the planes depend on num_steps): continue a cache "
             "with the settings that filled it (the same number of loops or recurrence steps), or pass a fresh one.")
-    if not cache.get_seq_length(0):
+    if not columns:
         return
     keys = cache.layers[0].keys  # [B, Hkv, C, D]
     if keys.shape[0] != batch or (keys.shape[1], keys.shape[-1]) != (layout.num_kv_heads, layout.head_dim):

@@ -196,6 +196,15 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
         `[B, C]` marks (None, or a column past C: every token real; `cache.columns`)."""
         self._columns.consume(count, planes, attention_mask)
 
+    def check_layout(self, layout: KVLayout) -> None:
+        """`ValueError` naming `past_key_values` unless the cache was made for `layout`, the KV the call writes
+        (another model's or other settings' cache: for Huginn the planes depend on num_steps)."""
+        if self.kv_layout != layout:
+            raise ValueError(f"past_key_values: the PagedLoopCache was made for {self.kv_layout}, but this call "
+                             f"writes {layout} (for Huginn: the planes depend on num_steps); create it with "
+                             "PagedLoopCache(model.kv_layout) under the same settings (inside model.recurrence("
+                             "num_steps=...) for a Huginn call's num_steps), or pass none.")
+
     def check_pool(self, dtype: torch.dtype, device) -> None:
         """`ValueError` naming the cache when the pool holds another dtype or device than the model's activations
         (`dtype`, `device`): a cache continues on the model, dtype and device that filled it (`check_kv_continues`)."""

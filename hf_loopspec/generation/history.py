@@ -34,15 +34,6 @@ def run_planes(layout: KVLayout, num_loops: int, *draft_depths: int | None) -> l
     return planes
 
 
-def check_cache_layout(cache: PagedLoopCache, layout: KVLayout) -> None:
-    """`ValueError` naming `past_key_values` when `cache` was made for another KV layout than the run's (another
-    model's, or other settings')."""
-    if cache.kv_layout != layout:
-        raise ValueError(f"past_key_values: the PagedLoopCache was made for {cache.kv_layout}, but this run writes "
-                         f"{layout} (for Huginn: the planes depend on num_steps); create it with "
-                         "PagedLoopCache(model.kv_layout) under the same settings, or pass none.")
-
-
 def start_rows(cache: PagedLoopCache, layout: KVLayout, num_loops: int, draft_depths: tuple[int, ...],
                input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[RowStart]:
     """Validate that `cache` holds the start of `input_ids` `[B, S]` and say where each sequence continues.
@@ -51,7 +42,7 @@ def start_rows(cache: PagedLoopCache, layout: KVLayout, num_loops: int, draft_de
     depth lacks its exit plane; it is filled from the target's (`PagedLoopCache.extend_plane_from`).
     """
     batch, width = input_ids.shape
-    check_cache_layout(cache, layout)
+    cache.check_layout(layout)
     cache.check_batch(batch, "input_ids")
     past = cache.columns()
     if past >= width:

@@ -148,11 +148,7 @@ class _DenseRows(ForwardRows):
 class _PagedRows(ForwardRows):
     def __init__(self, layout, attention_mask, position_ids, cache: PagedLoopCache, like, batch, length):
         device = like.device
-        if cache.kv_layout != layout:
-            raise ValueError(f"past_key_values: the PagedLoopCache was made for {cache.kv_layout}, but the model "
-                             f"writes {layout} (for Huginn: the planes depend on num_steps); create it with "
-                             "PagedLoopCache(model.kv_layout) under the same settings (inside model.recurrence("
-                             "num_steps=...) for a Huginn call's num_steps).")
+        cache.check_layout(layout)
         cache.check_pool(like.dtype, device)
         cache.check_batch(batch, "the input")
         self.past = cache.columns()

@@ -36,7 +36,7 @@ from ...cache.paged import FlatPools, PagedLoopCache
 from ...models.layers import check_token_ids
 from ..call import checked_hook
 from ..decoder import DecodeResult
-from ..history import check_cache_layout, run_planes
+from ..history import run_planes
 from ..rules import cycle_uniforms, lanes_for, non_finite_error, run_generator, uniform_columns
 from ..stats import SequenceStats, SpeculationStats
 from . import exits, outputs, resume, stages
@@ -89,7 +89,7 @@ class WavefrontEngine:
                  second_override: torch.Tensor | None = None, exit_rule=None, stopping_criteria=None,
                  output_scores: bool = False, output_logits: bool = False, trace: bool | str = False,
                  logits_processor=None, draft_hook=None, second_draft_hook=None):
-        check_cache_layout(cache, model.kv_layout)
+        cache.check_layout(model.kv_layout)
         cache.check_pool(model.lane_dtype, input_ids.device)
         if not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every={read_every!r} must be an integer >= 1 (cycles between read-backs).")
