@@ -226,6 +226,19 @@ class TestAllocator:
         cache = PagedLoopCache(LAYOUT)
         assert cache.bytes_per_token_per_depth(torch.bfloat16) == 2 * 2 * 2 * 4 * 2
         assert cache.bytes_per_token_per_depth(torch.float32) == 2 * 2 * 2 * 4 * 4
+        for dtype in (torch.int8, "float16"):  # (torch's TypeError from finfo before)
+            with pytest.raises(ValueError, match=rf"dtype={dtype!r}: pass a floating torch dtype"):
+                cache.bytes_per_token_per_depth(dtype)
+
+    def test_lengths_refuses_a_depth_outside_the_planes(self):
+        """As `length` does: a negative depth read another plane's entries (another sequence's), one past the
+        planes raised IndexError."""
+        cache = PagedLoopCache(LAYOUT)
+        cache.ensure_sequences(2)
+        assert cache.lengths(LAYOUT.num_planes - 1) == [0, 0]
+        for depth in (-1, LAYOUT.num_planes):
+            with pytest.raises(ValueError, match=rf"depth={depth} is outside \[0, {LAYOUT.num_planes - 1}\]"):
+                cache.lengths(depth)
 
 
 OPS = st.lists(

@@ -70,7 +70,11 @@ class PageTables:
         return self.num_pages - len(self._free)
 
     def bytes_per_token_per_depth(self, dtype: torch.dtype | None = None) -> int:
-        """KV bytes one token takes in one depth plane (keys and values, all layers)."""
+        """KV bytes one token takes in one depth plane (keys and values, all layers) stored in `dtype` (a floating
+        torch dtype; None: the pool's, else float32)."""
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype={dtype!r}: pass a floating torch dtype (torch.bfloat16, torch.float32, ...), or "
+                             "None for the pool's.")
         dtype = dtype or (self.k_pool.dtype if self.k_pool is not None else torch.float32)
         lay = self.kv_layout
         return 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * torch.finfo(dtype).bits // 8
@@ -81,11 +85,15 @@ class PageTables:
 
     def lengths(self, depth: int) -> list[int]:
         """Valid positions of every sequence at `depth`."""
+        self._check_depth(depth)
         return [self._lengths[s * self.num_planes + depth] for s in range(self.num_sequences)]
 
-    def _table(self, seq: int, depth: int) -> int:
+    def _check_depth(self, depth: int) -> None:
         if not 0 <= depth < self.num_planes:
             raise ValueError(f"depth={depth} is outside [0, {self.num_planes - 1}] for this cache.")
+
+    def _table(self, seq: int, depth: int) -> int:
+        self._check_depth(depth)
         if not 0 <= seq < self.num_sequences:
             raise ValueError(f"seq={seq} is not a sequence of this cache (it has {self.num_sequences}).")
         return seq * self.num_planes + depth
