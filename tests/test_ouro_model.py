@@ -284,6 +284,11 @@ def test_out_of_vocab_ids_raise(bad_id):
         ({"num_hidden_layers": None}, "num_hidden_layers=None"),
         ({"hidden_size": 0}, "hidden_size=0"),
         ({"num_attention_heads": 0}, "num_attention_heads=0"),
+        # accepted before: continuous batching's slots raised torch's TypeError (40.5), were 2 positions long (-5),
+        # or 1024 (0, read as unset)
+        ({"max_position_embeddings": 40.5}, "max_position_embeddings=40.5"),
+        ({"max_position_embeddings": -5}, "max_position_embeddings=-5"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings=0"),
         # accepted before: theta 0 gave NaN logits (generate returned token 0), a string a TypeError in forward, and
         # attention_bias=True built no biases
         ({"rope_theta": 0}, "rope_theta=0 is invalid"),

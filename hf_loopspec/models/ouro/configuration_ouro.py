@@ -14,7 +14,7 @@ from ..code_pointers import CodePointersMixin
 from ..config_checks import RopeParametersMixin, rope_theta_of
 
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-         "num_key_value_heads", "head_dim")
+         "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
