@@ -14,6 +14,7 @@ from transformers.utils import find_adapter_config_file
 from ..generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS, asks
 from ..generation.inputs import check_cache_type
 from ..generation.saved_config import mark_user_generation_config, restore_speculative_keys, saved_generation_dict
+from .load_report import held_load_report
 
 DOWNLOAD_KEYS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
 
@@ -109,11 +110,14 @@ class StrictLoadingMixin:
         fresh_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
         # transformers would raise a RuntimeError for mis-shaped tensors that names no key (the details go to a
         # log report only); let it load and raise the ValueError below, which lists the keys and shapes.
-        model, info = super().from_pretrained(*args, output_loading_info=True, ignore_mismatched_sizes=True,
-                                              **kwargs)
-        checked = ("missing_keys", "unexpected_keys") + (() if fresh_mismatched else ("mismatched_keys",))
-        problems = {name: sorted(info.get(name) or ()) for name in checked}
-        problems = {name: keys for name, keys in problems.items() if keys}
+        with held_load_report() as report:  # (logged unless refused below: it would call the keys initialized)
+            model, info = super().from_pretrained(*args, output_loading_info=True, ignore_mismatched_sizes=True,
+                                                  **kwargs)
+            checked = ("missing_keys", "unexpected_keys") + (() if fresh_mismatched else ("mismatched_keys",))
+            problems = {name: sorted(info.get(name) or ()) for name in checked}
+            problems = {name: keys for name, keys in problems.items() if keys}
+            if problems:
+                report.drop()
         if problems:
             details = "; ".join(
                 f"{name}: {keys[:8]}{' ...' if len(keys) > 8 else ''}" for name, keys in problems.items()
