@@ -326,8 +326,11 @@ def launch(*argv: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["bench", "--help"], ["export", "--help"],
-                                  ["generate"], ["bench", "--batch-size", "0"]],
-                         ids=["help", "generate-help", "bench-help", "export-help", "missing-prompt", "bad-value"])
+                                  ["batch", "--help"], ["generate"], ["bench", "--batch-size", "0"],
+                                  ["generate", "x", "--max-new-tokens", "abc"], ["export", "--bogus"],
+                                  ["bench", "--modes", "foo"]],
+                         ids=["help", "generate-help", "bench-help", "export-help", "batch-help", "missing-prompt",
+                              "bad-value", "not-a-number", "unknown-option", "mode-not-offered"])
 def test_help_and_argument_errors_load_neither_torch_nor_transformers(argv):
     result = launch(*argv)
     if "--help" in argv:
