@@ -41,18 +41,29 @@ def parse_lengths(text: str) -> list[tuple[int, int, int | None]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from hf_loopspec.bench.args import positive, threads
+    from hf_loopspec.cli import OneLineParser  # errors: one line, exit status 2
+
+    parser = OneLineParser(prog="bench_compile_lengths.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="ouro-tiny", help="a bench shape or model path (hf-loopspec bench --model)")
     parser.add_argument("--lengths", type=parse_lengths, default="32:64,40:50,32:64",
                         help="comma-separated PROMPT:NEW or PROMPT:NEW:BATCH items, run in this order")
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--batch-size", type=positive, default=1)
     parser.add_argument("--mode", default="pipeline", choices=["pipeline", "block"])
-    parser.add_argument("--draft-loops", type=int, default=1)
+    parser.add_argument("--draft-loops", type=positive, default=1)
     parser.add_argument("--compile", default="inductor", help="the torch.compile backend (compile_core)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=threads, default=1)
     parser.add_argument("--fresh-cache", action="store_true", help="compile into an empty inductor cache directory")
     args = parser.parse_args()
-    if args.fresh_cache:  # before torch is imported: inductor reads it once
+    try:
+        run(args)
+    except (ValueError, OSError) as err:  # a model or setting the package refuses, or a model it cannot find
+        parser.error(str(err))
+
+
+def run(args: argparse.Namespace) -> None:
+    """Load `--model` and time the `--lengths` items (see the module docstring)."""
+    if args.fresh_cache:  # before the first compile, which reads it (torch._inductor.runtime.cache_dir_utils)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
 
     import torch

@@ -16,7 +16,7 @@
 #      beside plain, with the bf16 agreement report (agreement rate, first divergent token, top-1/top-2 margin
 #      there) in each row: bench_gpu_b{1,8}.{json,log}. Not `static`: transformers compiles its static-cache loop
 #      over the model's unrolled loops, a compile time nobody has measured that could eat a stage's limit; run it
-#      with a longer lease (`scripts/bench_gpu.sh --modes plain,static`).
+#      with a longer lease (`scripts/bench_gpu.sh`: its own default modes include it).
 #   3. the ragged serving workload (bench_gpu.sh's last stage, one round): bench_workload.{json,log}.
 # The tables go into gpu_check.log; the seven files in $OUT stay under the device tool's eight. The progress logs
 # hold each timed run's figure (bench: seconds; workload: tokens/s), so a stage stopped at its limit still reports. Each stage runs

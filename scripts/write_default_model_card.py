@@ -52,9 +52,10 @@ def schedule_text(report: dict) -> str:
 
 def speed_section(bench: dict) -> str:
     """The pipeline / plain speed ratio of an `hf-loopspec bench --json` result, with its command and machine."""
+    from hf_loopspec.bench.report import command_line  # (the options that differ from the defaults, engines too)
+
     a, m = bench["args"], bench["machine"]
-    command = (f"hf-loopspec bench --model {a['model']} --batch-size {a['batch_size']} --prompt-len {a['prompt_len']} "
-               f"--new-tokens {a['new_tokens']} --threads {a['threads']} --repeats {a['repeats']}")
+    command = command_line(bench)
     rows = {r["mode"]: r for r in bench["rows"]}
     plain = rows["plain"]["tokens_per_s"]
     lines = table(["mode", "tokens/s", "x plain", "draft acceptance", "core calls / token", "output == plain"], [

@@ -52,3 +52,14 @@ def test_bad_arguments_are_one_line_exit_2(capsys, argv, message):
     out, err = capsys.readouterr()
     assert done.value.code == 2 and out == "" and len(err.splitlines()) == 1, err
     assert message in err, err
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys):
+    """Checked up front as `hf-loopspec bench --json` is: it was opened after every round, a traceback losing them."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as done:
+        auto_table.main(["--model", "ouro-tiny", "--synthetic-acceptance", "0.8", "--json", str(blocker / "x.json")])
+    out, err = capsys.readouterr()
+    assert done.value.code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert "--json" in err, err

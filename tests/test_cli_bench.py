@@ -379,6 +379,12 @@ def test_a_namespace_built_in_code_is_checked_as_the_command_line_is(given, mess
                                                        json=Path("b.json"), quiet=True, device=torch.device("cpu")))
     assert (args.modes, args.new_tokens, args.json, args.quiet) == (["plain", "block"], 5, Path("b.json"), True)
     assert args.device == torch.device("cpu")
+    defaults = vars(bench_args.parse_args([]))  # None is "not given" (a None seed crashed in torch, after the load)
+    none = bench_args.with_defaults(argparse.Namespace(**dict.fromkeys(("seed", "repeats", "modes", "dtype",
+                                                                        "threads", "draft_loops"))))
+    assert all(getattr(none, key) == defaults[key] for key in ("seed", "repeats", "modes", "dtype", "threads",
+                                                               "draft_loops"))
+    assert not hasattr(none, "speculative_given")
 
 
 def test_bench_refuses_sampling_options_that_would_not_apply(capsys):

@@ -172,10 +172,10 @@ CLI_ONLY = ("command", "debug", "speculative_given")  # set by `hf-loopspec`'s p
 
 
 def with_defaults(args) -> argparse.Namespace:
-    """`args` (from `parse_args`, or an `argparse.Namespace` built in code, as the notebook builds it) over the
-    options' defaults, each value checked as the command line checks it: `ValueError` naming an attribute that is no
-    option (a misspelling changed nothing) or a value that the option's type or choices refuse (`modes` and
-    `engines` may be lists of names, `device` a `torch.device`). A speculative-only option set in code to another
+    """`args` (from `parse_args`, or an `argparse.Namespace` built in code, as the notebook builds it) over the options'
+    defaults, each value checked as the command line checks it: `ValueError` naming an attribute that is no option (a
+    misspelling changed nothing) or a value that the option's type or choices refuse (`modes` and `engines` may be lists
+    of names, `device` a `torch.device`; None: the option's default). A speculative-only option set in code to another
     value than its default counts as given (`check_unused_options`), as on the command line."""
     parser = build_parser()
     options = {action.dest: action for action in parser._actions if action.dest != "help"}
@@ -197,8 +197,11 @@ def with_defaults(args) -> argparse.Namespace:
 
 def checked_value(action: argparse.Action, value):
     """`value` of the option `action` as its command-line text would parse (a list of modes or engines joined by
-    commas first), or a `ValueError` naming the option; None stays None (the options' "not given")."""
-    if value is None or value is action.default:
+    commas first), or a `ValueError` naming the option; None is the option's default (as not given: `seed=None`
+    crashed in torch, `threads=None` was recorded as None)."""
+    if value is None:
+        return action.default
+    if value is action.default:
         return value
     if action.type is None:  # a flag, or free text (a path, a device, a backend)
         torch = sys.modules.get("torch")  # (a torch.device given in code: torch is loaded)

@@ -29,6 +29,7 @@ import time
 import torch
 
 from .args import fraction, positive
+from .report import check_writable
 from .shape_table import SHAPES
 
 RUNS = {"plain": {"speculative_mode": None},
@@ -157,6 +158,8 @@ def main(argv=None) -> int:
         p.error(f"--model {args.model}: give --synthetic-acceptance with a random-weight shape and only with one "
                 "(a checkpoint drafts for real).")
     try:
+        if args.json:
+            check_writable(args.json, "--json")  # before the run, so that a long run is not lost at its end
         result = run_cell(args)
     except ValueError as err:
         p.error(str(err))
