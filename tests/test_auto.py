@@ -526,34 +526,43 @@ def test_a_huginn_dynamic_cache_is_continued_speculatively():
     assert torch.equal(second.sequences, ref.sequences)
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "paged"])
-def test_a_huginn_cache_of_other_steps_is_refused_alike_by_every_decoder(kind):
-    """A Huginn cache filled at 4 recurrence steps and continued at 6 (more planes) is refused with one message by
-    plain decoding, pipeline and auto whichever decoder auto picks (auto's choice depends on remembered acceptance
-    and timed costs): a plain call's forward and the engine each found the mismatch at another plane, the engine's
-    message naming the PagedLoopCache it had made of the caller's DynamicCache."""
-    model, _ = tiny_huginn(seed=3, damp=0.3)
-    forget(model)  # what other tests' auto calls stored for the same weights (the session's cache folder)
+@pytest.mark.parametrize("kind", ["huginn", "huginn-paged", "huginn-no-entry-exit", "ouro"])
+def test_a_cache_filled_at_fewer_loops_is_refused_alike_by_every_decoder(kind):
+    """A cache filled at fewer loops (Huginn: 4 recurrence steps, continued at 6; Ouro: `total_ut_steps` 2, then 4)
+    is refused with one message by plain decoding, pipeline and auto whichever decoder auto picks (auto's choice
+    depends on remembered acceptance and timed costs): a plain call's forward and the engine each found the
+    mismatch at another plane, the engine's message naming the PagedLoopCache it had made of the caller's
+    DynamicCache. Also without Huginn's entry and exit planes (a prelude and coda of no layers), as Ouro."""
+    if kind == "ouro":
+        model, fill, more = tiny_spec_model(5, vocab=VOCAB, damp=0.3), {}, {}
+    else:
+        layers = {"n_layers_in_prelude": 0, "n_layers_in_coda": 0} if kind == "huginn-no-entry-exit" else {}
+        model = tiny_huginn(seed=3, damp=0.3, **layers)[0]
+        fill, more = {"num_steps": 4, "init_seed": 7}, {"num_steps": 6, "init_seed": 7}
+    forget(model)
     ids, mask = left_pad(random_prompts(3, [4, 6], model.config.vocab_size))
     grown = torch.cat([mask, torch.ones_like(mask[:, :1]).expand(-1, 5)], 1)
     messages = []
     for mode, costs in [(None, None), ("pipeline", None), ("auto", PLAIN_WINS),
                         ("auto", CostTable(4.0, dict.fromkeys(candidates(6, None, None)[1:], 2.0)))]:
-        cache = PagedLoopCache(model.config.kv_layout(4)) if kind == "paged" else None
-        first = plain(model, ids, mask, 5, num_steps=4, init_seed=7, **({"cache": cache} if cache else {}))
+        if kind == "ouro":
+            model.config.total_ut_steps = 2
+        cache = PagedLoopCache(model.config.kv_layout(4)) if kind == "huginn-paged" else None
+        first = plain(model, ids, mask, 5, **fill, **({"cache": cache} if cache else {}))
+        if kind == "ouro":
+            model.config.total_ut_steps = 6
         set_costs(model, costs)
         set_policy(model, POLICY)
         try:
             with pytest.raises(ValueError) as refused:
-                generate_dict(model, first.sequences, grown, 6, speculative_mode=mode, cache=first.cache,
-                              num_steps=6, init_seed=7)
+                generate_dict(model, first.sequences, grown, 6, speculative_mode=mode, cache=first.cache, **more)
         finally:
             set_costs(model, None)
             set_policy(model, None)
             forget(model)
         messages.append(str(refused.value))
     assert len(set(messages)) == 1, messages
-    assert re.match(r"past_key_values( holds KV in 18 layers|: the PagedLoopCache was made for)", messages[0])
+    assert re.match(r"past_key_values( holds KV in \d+ layers|: the PagedLoopCache was made for)", messages[0])
 
 
 @pytest.mark.parametrize("costs", ["plain", "speculative"])

@@ -88,8 +88,8 @@ def test_continuing_a_moved_cache_gives_plain_tokens(case, direction):
 
 def test_refill_in_place_and_refusals(case):
     """`into` refills the given `DynamicCache` object; a cache that does not belong to the mask (or to fewer rows
-    than it holds), one of another model (more layers than the layout has) and one whose first loop depth is
-    incomplete are refused with a `ValueError`."""
+    than it holds), one of another model (more layers than the layout has), one without the planes every call writes
+    and one whose first loop depth is incomplete are refused with a `ValueError`."""
     model, ids, mask, settings, layout, ref = case
     full = _grown(mask, 2 * NEW)
     paged = to_paged(ref.cache, layout, full)
@@ -105,12 +105,17 @@ def test_refill_in_place_and_refusals(case):
         larger.update(ref.cache.layers[0].keys, ref.cache.layers[0].values, i)
     with pytest.raises(ValueError, match="past_key_values holds KV in .* layers, but this call writes"):
         to_paged(larger, layout, full)
-    partial = DynamicCache()
-    partial.update(ref.cache.layers[0].keys, ref.cache.layers[0].values, 0)
-    partial.update(ref.cache.layers[0].keys[:, :, :-1], ref.cache.layers[0].values[:, :, :-1], 1)
-    # (Huginn's cache also lacks the entry and exit planes every call writes: refused for its planes first)
-    with pytest.raises(ValueError, match="loop depth 0" if layout.entry_plane is None else "holds KV in 2 layers"):
+    partial = DynamicCache()  # every layer full but the second of loop depth 0
+    for i in range(layout.num_planes * layout.num_layers):
+        keep = -1 if i == 1 else None
+        partial.update(ref.cache.layers[0].keys[:, :, :keep], ref.cache.layers[0].values[:, :, :keep], i)
+    with pytest.raises(ValueError, match="loop depth 0"):
         to_paged(partial, layout, full)
+    loop_depth_0 = DynamicCache()  # the other planes missing: refused for them first
+    for i in range(2):
+        loop_depth_0.update(ref.cache.layers[0].keys, ref.cache.layers[0].values, i)
+    with pytest.raises(ValueError, match="holds KV in 2 layers, but this call writes"):
+        to_paged(loop_depth_0, layout, full)
     # a mask narrower than the cache, or not 2-D: a ValueError naming it (to_paged made a cache claiming columns it
     # did not store; to_dynamic raised IndexError / TypeError)
     columns = ref.cache.get_seq_length()

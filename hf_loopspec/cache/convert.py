@@ -93,12 +93,14 @@ def _positions_pages(cache: PagedLoopCache, seq: int, plane: int, size: int) -> 
 
 def check_dynamic_cache(cache, layout: KVLayout, batch: int) -> None:
     """`ValueError` unless a filled growing cache (a `DynamicCache`) fits a call of `batch` rows writing `layout`: KV
-    in no layer past the layout's planes, all its columns in the entry plane and the last loop's exit plane (every
-    call writes them: for Huginn, a cache filled at other recurrence steps fails one of the two), and entries
-    `[batch, Hkv, C, D]` of the layout's heads. An empty cache fits any call. Plain and speculative calls check it
-    alike, so `speculative_mode="auto"` refuses a cache with one message whichever decoder it picks."""
+    in no layer past the layout's planes, all its columns in the first layer of every loop depth's plane, the entry
+    plane and the last loop's exit plane (every call writes them, plain or speculative: a cache filled at fewer
+    loops or recurrence steps lacks one), and entries `[batch, Hkv, C, D]` of the layout's heads. An empty cache fits
+    any call. Plain and speculative calls check it alike, so `speculative_mode="auto"` refuses a cache with one
+    message whichever decoder it picks."""
     needed, columns = layout.num_planes * layout.num_layers, cache.get_seq_length(0)
-    written = [plane for plane in (layout.entry_plane, layout.exit_plane(layout.num_loops)) if plane is not None]
+    written = [*range(layout.num_loops), layout.entry_plane, layout.exit_plane(layout.num_loops)]
+    written = [plane for plane in written if plane is not None]
     if any(cache.get_seq_length(layer) for layer in range(needed, len(cache.layers))) or columns and any(
             cache.get_seq_length(plane * layout.num_layers) != columns for plane in written):
         raise ValueError(
