@@ -63,6 +63,9 @@ def main() -> None:
 
 def run(args: argparse.Namespace) -> None:
     """Load `--model` and time the `--lengths` items (see the module docstring)."""
+    from hf_loopspec.generation.config import compile_backend
+
+    compile_backend(args.compile)  # a ValueError for an unknown backend, before the model loads
     if args.fresh_cache:  # before the first compile, which reads it (torch._inductor.runtime.cache_dir_utils)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
 

@@ -45,6 +45,7 @@ def test_a_tiny_cell_runs_every_setting_and_reports_auto_against_the_best(tmp_pa
     (["--modes", "plain,fast"], "--modes: fast: choose among"),
     (["--model", "ouro-tiny"], "--model ouro-tiny: give --synthetic-acceptance with a random-weight shape"),
     (["--model", "default", "--synthetic-acceptance", "0.5"], "--model default: give --synthetic-acceptance"),
+    (["--model", "ouro-tiny", "--synthetic-acceptance", "0.5", "--json", ""], "--json is empty"),  # (wrote nothing)
 ])
 def test_bad_arguments_are_one_line_exit_2(capsys, argv, message):
     with pytest.raises(SystemExit) as done:

@@ -190,6 +190,19 @@ def test_token_healing_decodes_as_plain_or_refuses_a_mask_it_no_longer_fits(mode
         set_costs(model, None)
 
 
+def test_token_healing_leaves_a_padded_batch_of_inputs_embeds_as_it_is(model, tokenizer):
+    """With `inputs_embeds` transformers heals no prompt (decoding starts from no ids): a padded batch decodes as it
+    does without token_healing (the healed-mask check refused it, naming a rewrite that never happened)."""
+    batch_tokenizer = copy.copy(tokenizer)
+    batch_tokenizer.padding_side = "left"
+    batch = batch_tokenizer(["The link is http://www", "Hello"], return_tensors="pt", padding=True)
+    inputs = {"inputs_embeds": model.get_input_embeddings()(batch["input_ids"]),
+              "attention_mask": batch["attention_mask"], "max_new_tokens": 6, "do_sample": False}
+    with torch.no_grad():
+        healed = model.generate(**inputs, token_healing=True, tokenizer=batch_tokenizer, speculative_mode=None)
+        assert torch.equal(healed, model.generate(**inputs, speculative_mode=None))
+
+
 def test_generation_config_leaves_the_length_to_the_caller(model, tokenizer, folder):
     """No length limit in generation_config.json: a caller's `max_length` (as lm-eval passes it) is what binds."""
     stored = json.loads((folder / "generation_config.json").read_text())

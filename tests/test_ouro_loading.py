@@ -196,6 +196,15 @@ def test_mismatching_checkpoint_raises_value_error_naming_the_key(tmp_path, sour
     assert reports == []
 
 
+def test_a_refused_load_logs_no_report_when_logging_records_no_threads(tmp_path, source, monkeypatch):
+    """`logging.logThreads = False` leaves `record.thread` None: the report of a refused load is still held."""
+    monkeypatch.setattr(logging, "logThreads", False)
+    folder = broken_folder(tmp_path, source, BROKEN["missing"][0])
+    with load_reports() as reports, pytest.raises(ValueError, match="missing"):
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert reports == []
+
+
 def test_ignore_mismatched_sizes_keeps_its_transformers_meaning(tmp_path, source):
     """`ignore_mismatched_sizes=True` (say, loading with another `vocab_size`): the mis-shaped tensors start afresh
     at the new shape and every other tensor is the checkpoint's (transformers' load report says which); a missing

@@ -158,8 +158,10 @@ def main(argv=None) -> int:
         p.error(f"--model {args.model}: give --synthetic-acceptance with a random-weight shape and only with one "
                 "(a checkpoint drafts for real).")
     try:
-        if args.json:
-            check_writable(args.json, "--json")  # before the run, so that a long run is not lost at its end
+        if args.json is not None:  # before the run, so that a long run is not lost at its end
+            if not args.json:
+                raise ValueError("--json is empty: pass a file path, or leave --json out.")
+            check_writable(args.json, "--json")
         result = run_cell(args)
     except ValueError as err:
         p.error(str(err))
@@ -173,7 +175,7 @@ def main(argv=None) -> int:
         own = result["rows"]["auto"]["own_median_s"]
         print(f"auto: {result['auto_x_best']:.2f}x the best fixed ({result['best_fixed']}), "
               f"{result['auto_x_plain']:.2f}x plain; its own work outside its segments: {own * 1e3:.1f} ms (median)")
-    if args.json:
+    if args.json is not None:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=1)
     return 0

@@ -337,7 +337,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
                 streamer=None, **model_kwargs):
         spec = self._speculative(generation_config)
         if spec is None:
-            if generation_config.token_healing:  # (a speculative call checks it with the rest of its mask, below)
+            if generation_config.token_healing and input_ids.shape[1]:  # (empty: inputs_embeds, which are not healed)
                 check_healed_mask(model_kwargs.get("attention_mask"), input_ids)
             return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                                    synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)

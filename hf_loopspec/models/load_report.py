@@ -24,8 +24,8 @@ class HeldReports(logging.Filter):
         super().__init__()
         self.thread, self.records, self.dropped = threading.get_ident(), [], False
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.thread == self.thread and HEADING in str(record.msg):
+    def filter(self, record: logging.LogRecord) -> bool:  # (runs in the logging thread; `record.thread` may be None)
+        if threading.get_ident() == self.thread and HEADING in str(record.msg):
             self.records.append(record)
             return False
         return True
