@@ -377,6 +377,19 @@ def test_a_bad_mean_recurrence_set_on_a_loaded_model_is_refused_at_once(bad):
     assert torch.equal(model.generate(ids, **settings), model.generate(ids, **settings, num_steps=2))
 
 
+@pytest.mark.parametrize(("key", "value", "named"), [
+    ("rope_base", 0.0, "rope_base=0.0"), ("rope_theta", "x", "rope_theta='x'"), ("norm_eps", -1.0, "norm_eps=-1.0"),
+    ("rope_parameters", {"rope_theta": float("nan")}, "rope_base=nan")])
+def test_a_bad_rope_base_or_norm_eps_set_on_a_loaded_model_is_refused_at_once(key, value, named):
+    """Checked as when the config is made: a loaded model reads them at every call, and they were taken (NaN
+    logits, a TypeError naming no setting)."""
+    model, _ = tiny_huginn(seed=4)
+    before = (model.config.rope_base, model.config.rope_theta, model.config.norm_eps)
+    with pytest.raises(ValueError, match=rf"HuginnConfig.{re.escape(named)} is invalid"):
+        setattr(model.config, key, value)
+    assert (model.config.rope_base, model.config.rope_theta, model.config.norm_eps) == before
+
+
 def test_a_setting_changed_after_the_config_is_made_changes_what_the_model_is_built_from(tmp_path):
     """`from_pretrained`'s keyword overrides and assignments come after the config is made: one name of a setting
     with two sets both, and the model follows (an untied head; another rotary base), and its save reloads as it was;

@@ -311,6 +311,19 @@ def test_invalid_config_raises(overrides, named):
         tiny_config(**overrides)
 
 
+@pytest.mark.parametrize(("key", "value", "named"), [
+    ("rope_theta", 0.0, "rope_theta=0.0"), ("rope_theta", "1e4", "rope_theta='1e4'"),
+    ("rms_norm_eps", float("nan"), "rms_norm_eps=nan"), ("rope_parameters", {"rope_theta": -1.0}, "rope_theta=-1.0")])
+def test_a_bad_rope_theta_or_norm_eps_set_on_a_built_config_is_refused_at_once(key, value, named):
+    """Checked as when the config is made: a loaded model reads them at every call, and they were taken (NaN
+    logits: plain greedy decoding returned token 0, and speculative decoding other tokens; a string a TypeError)."""
+    config = tiny_config()
+    before = (config.rope_theta, config.rms_norm_eps)
+    with pytest.raises(ValueError, match=rf"OuroConfig.{re.escape(named)} is invalid"):
+        setattr(config, key, value)
+    assert (config.rope_theta, config.rms_norm_eps) == before
+
+
 def test_a_legacy_torch_dtype_beside_a_dtype_is_not_read():
     """transformers reads config.json's older `torch_dtype` only without a `dtype`: beside one, even a value that
     names no dtype ("auto") is no reason to refuse the config (the dtype check refused it for a while)."""
@@ -643,6 +656,28 @@ def test_a_layer_count_assigned_after_building_is_refused_naming_it():
         with pytest.raises(ValueError, match=rf"config.{name}={value // 2}, but the model was built with {value}"):
             model.generate(ids, max_new_tokens=2, do_sample=False, speculative_mode="pipeline")
         setattr(model.config, name, value)
+
+
+@pytest.mark.parametrize("name", ["hidden_size", "vocab_size", "num_hidden_layers"])
+def test_a_size_assigned_after_building_is_refused_by_calls_and_by_save(name, tmp_path):
+    """`hidden_size` and `vocab_size` too: the engine sized its lanes from `hidden_size` (a RuntimeError where plain
+    decoding ran), and auto's calibration prompt was checked against the assigned `vocab_size` (an error naming its
+    own ids); and save_pretrained wrote checkpoints whose from_pretrained refused them (for a layer count, it raised
+    huggingface_hub's error blaming layer_types). Set back, the model decodes and saves."""
+    model, _ = tiny_model(seed=9)
+    ids = random_ids((1, 4), VOCAB, seed=2)
+    built = getattr(model.config, name)
+    setattr(model.config, name, built + 16)
+    message = rf"config.{name}={built + 16}, but the model was built with {built}: .* set it back"
+    for mode in (None, "pipeline", "auto"):
+        with pytest.raises(ValueError, match=message):
+            model.generate(ids, max_new_tokens=2, do_sample=False, speculative_mode=mode)
+    with pytest.raises(ValueError, match=message):
+        model.save_pretrained(tmp_path / "edited")
+    assert not (tmp_path / "edited").exists()
+    setattr(model.config, name, built)
+    model.save_pretrained(tmp_path / "restored")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "restored").config.num_hidden_layers == 2
 
 
 def test_numpy_exit_steps_and_one_dimensional_ids():

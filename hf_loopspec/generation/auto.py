@@ -156,9 +156,11 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
     if ids is None or kwargs.get("inputs_embeds") is not None:
         raise ValueError("speculative_mode='auto' decodes from input_ids alone (got inputs_embeds, or no inputs); "
                          "pass input_ids alone, or speculative_mode=None.")
+    loops = model.kv_layout.num_loops  # (model.num_loops, after `check_built`: a size assigned on the config since
+    # the model was built raises here, not in calibration's plain run, naming the calibration prompt's ids)
     d, k = call_setting(kwargs, config, "draft_loops"), call_setting(kwargs, config, "num_speculative_tokens")
     spec = resolve_speculative(AUTO_MODE, d, k, call_setting(kwargs, config, "compile_core"),
-                               call_setting(kwargs, config, "speculative_engine"), num_loops=model.num_loops,
+                               call_setting(kwargs, config, "speculative_engine"), num_loops=loops,
                                second_draft_loops=call_setting(kwargs, config, "second_draft_loops"))
     d, k = (None if x is None else as_integer(x, name) for x, name in ((d, "draft_loops"),
                                                                       (k, "num_speculative_tokens")))

@@ -33,6 +33,11 @@ class StrictLoadingMixin:
         super().__init__(config, *args, **kwargs)
 
     def save_pretrained(self, *args, **kwargs):
+        """transformers' save, after a `ValueError` for a config edited since the model was built into one that no
+        model can be built from (`validate_architecture`) or that no longer describes this model's modules (its
+        `kv_layout`'s `check_built`): such a save wrote a checkpoint that its own `from_pretrained` refuses."""
+        self.config.validate_architecture()
+        getattr(self, "kv_layout", None)  # (`check_built`)
         mark_user_generation_config(getattr(self, "generation_config", None),
                                     self.generation_keys)
         return super().save_pretrained(*args, **kwargs)

@@ -37,6 +37,7 @@ STAGES = ("n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_cod
 DEFAULT_ROPE_BASE = 50000.0  # Huginn-0125's
 NAME_PAIRS = (("rope_base", "rope_theta"), ("tie_embeddings", "tie_word_embeddings"))  # two names, one setting
 PAIRED = {**dict(NAME_PAIRS), **{other: name for name, other in NAME_PAIRS}}  # each name -> the other
+VALUE_CHECKS = {"rope_base": check_rope_base, "rope_theta": check_rope_base, "norm_eps": check_norm_eps}
 
 
 class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
@@ -162,6 +163,8 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
         if key in ("rope_parameters", "rope_scaling"):  # transformers 5's names (config.json, keywords): the base only
             theta = rope_theta_of(self, key, value)
             if theta is not None:
+                if getattr(self, "_post_init_done", False):
+                    check_rope_base(self, "rope_base", theta)
                 super().__setattr__("rope_theta", theta)
                 super().__setattr__("rope_base", theta)
             return
@@ -170,6 +173,8 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
             # (a loaded model reads it at every call: it failed there, in the KV layout, naming no setting)
             raise ValueError(f"HuginnConfig.mean_recurrence={value!r} is invalid: it must be a positive integer (the "
                              "recurrence steps a call runs by default).")
+        if done and key in VALUE_CHECKS:  # (a loaded model reads them at every call: NaN logits, a TypeError)
+            VALUE_CHECKS[key](self, key, value)
         super().__setattr__(key, self._with_defaults(value) if done and key == "init_values" else value)
         if not done:
             return
@@ -224,8 +229,8 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
             if getattr(self, name) != getattr(self, other):  # a guard: __setattr__ keeps the two names equal
                 raise ValueError(f"HuginnConfig: {name}={getattr(self, name)} and {other}={getattr(self, other)} "
                                  "disagree: two names of one setting; set both.")
-        check_rope_base(self, "rope_base")
-        check_norm_eps(self, "norm_eps")
+        for name, check in VALUE_CHECKS.items():
+            check(self, name)
         if self.padded_vocab_size not in (None, self.vocab_size):
             raise ValueError(
                 f"HuginnConfig.padded_vocab_size={self.padded_vocab_size} differs from vocab_size={self.vocab_size}: "

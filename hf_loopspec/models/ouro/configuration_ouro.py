@@ -15,6 +15,7 @@ from ..config_checks import RopeParametersMixin, rope_theta_of
 
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "head_dim", "max_position_embeddings")
+VALUE_CHECKS = {"rope_theta": checks.check_rope_base, "rms_norm_eps": checks.check_norm_eps}  # also on assignment
 
 
 class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
@@ -98,6 +99,8 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
             key, value = ("rope_theta", theta) if theta is not None else (None, None)
         if key == "total_ut_steps":  # also on a loaded model's config, which the model reads at every call
             check_loop_count(value)
+        if getattr(self, "_post_init_done", False) and key in VALUE_CHECKS:  # (a loaded model's too: NaN logits)
+            VALUE_CHECKS[key](self, key, value)
         # an assignment (at construction, `validate_architecture` checks it against the final rope_theta)
         if key == "rope_scaling" and getattr(self, "_post_init_done", False):
             check_rope_scaling(value, self.rope_theta)
@@ -122,8 +125,8 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
                 "OuroConfig.use_sliding_window=True is not supported: the released Ouro checkpoints use full "
                 "attention in every layer; set use_sliding_window=False."
             )
-        checks.check_rope_base(self, "rope_theta")
-        checks.check_norm_eps(self, "rms_norm_eps")
+        for name, check in VALUE_CHECKS.items():
+            check(self, name)
         check_rope_scaling(self.rope_scaling, self.rope_theta)
         if self.attention_bias:
             raise ValueError("OuroConfig.attention_bias=True is not supported: the released Ouro checkpoints have no "

@@ -144,7 +144,9 @@ class OuroModel(OuroPreTrainedModel):
     @property
     def kv_layout(self) -> KVLayout:
         c = self.config
-        check_built(c, {"num_hidden_layers": len(self.layers)}, self.layers[0].self_attn)
+        vocab, width = self.embed_tokens.weight.shape  # (the lanes are hidden_size wide; ids index the rows)
+        check_built(c, {"num_hidden_layers": len(self.layers), "hidden_size": width, "vocab_size": vocab},
+                    self.layers[0].self_attn)
         return KVLayout(c.total_ut_steps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
 
     @property
