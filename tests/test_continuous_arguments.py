@@ -314,6 +314,27 @@ def test_a_kept_manager_built_from_the_models_config_is_refused_once_that_config
         model.destroy_cached_continuous_batching_manager()
 
 
+def test_a_started_manager_fails_requests_once_the_models_loop_count_changed(model):
+    """A running manager's slots are built for the loop count (and KV layout, vocabulary, dtype, device) it started
+    with: after `model.config.total_ut_steps` changes, a request it admits fails naming the change (it decoded the old
+    loop count's tokens without a word), and with the change set back it serves as plain decoding does."""
+    [prompt] = prompts(3, [5])
+    manager = model.init_continuous_batching(generation_config({"speculative_mode": "pipeline", "draft_loops": 1}),
+                                             batching())
+    manager.start()
+    try:
+        model.config.total_ut_steps = 2
+        result = manager.get_result(request_id=manager.add_request(prompt, max_new_tokens=6), timeout=WAIT_S)
+        assert result.status == RequestStatus.FAILED and "the model changed since this continuous batching manager " \
+            "was built (its loop count" in str(result.error)
+        model.config.total_ut_steps = 4
+        result = manager.get_result(request_id=manager.add_request(prompt, max_new_tokens=6), timeout=WAIT_S)
+        assert result.status == RequestStatus.FINISHED and result.generated_tokens == alone(model, prompt, 6)
+    finally:
+        model.config.total_ut_steps = 4
+        manager.stop(block=True)
+
+
 @pytest.mark.parametrize(("config", "match"), [
     (ContinuousBatchingConfig(page_size=0), "page_size=0"),
     (ContinuousBatchingConfig(max_blocks_per_request=4, block_size=-16), "block_size=-16"),

@@ -60,6 +60,10 @@ from .slots import SlotBatch
 logger = get_logger(__name__)
 
 CANCELLED = "cancelled"  # the error text of a request cancelled by `cancel_request`
+CHANGED_MODEL = ("the model changed since this continuous batching manager was built (its loop count, KV layout, "
+                 "vocabulary, dtype or device), and a manager's slots are fixed for its life: set the change back, or "
+                 "stop the manager and build a new one (model.destroy_cached_continuous_batching_manager() first for "
+                 "a kept one).")
 
 
 class LoopBatchingManager(ResultReading):
@@ -390,6 +394,9 @@ class LoopBatchingManager(ResultReading):
         if seed is None and self.settings.do_sample:  # from the manager's seed, or torch's global generator
             seed = int(torch.randint(2**62, (), generator=self._seeds))
         try:
+            # a config edit since the slots were built (this thread decodes under its creator's autocast)
+            if model_signature(self.model, self.settings.recurrence) != self.model_signature:
+                raise ValueError(CHANGED_MODEL)
             huginn.fill_initial_states(self.model, self.settings.recurrence, slots.state, b, state, self._seeds)
             slots.admit(b, state.initial_tokens, state.max_new_tokens, sorted(state._eos_token_ids), seed,
                         state.logit_processor_kwargs.get(OVERRIDE))
