@@ -17,6 +17,7 @@ from transformers.generation import GenerationMixin
 
 from hf_loopspec import OuroForCausalLM
 from hf_loopspec.generation import columns, decoder
+from hf_loopspec.generation import config as speculative_config
 from hf_loopspec.generation.mixin import looped_static_cache
 
 VOCAB = 64
@@ -124,6 +125,18 @@ BAD = [
     ({"speculative_mode": "pipeline", "prompt_lookup_num_tokens": 0}, r"prompt_lookup_num_tokens=0"),
     ({"speculative_mode": "block", "force_words_ids": [[5, 6]], "num_beams": 1}, r"force_words_ids=\[\[5, 6\]\]"),
 ]
+
+
+def test_a_backend_whose_package_is_missing_is_refused_up_front(model, inputs, monkeypatch):
+    """torch registers backends such as tvm and openxla whether or not their package is installed: one whose package
+    is missing is refused naming compile_core and the backends that run (it failed inside dynamo at the first call:
+    BackendCompilerFailed, a traceback from the command line)."""
+    monkeypatch.setitem(speculative_config.BACKEND_PACKAGES, "cudagraphs", "no_such_package_for_this_test")
+    ids, mask = inputs
+    with pytest.raises(ValueError, match=r"compile_core='cudagraphs' must be True, False or a torch.compile backend "
+                                         r"name that runs here: one of inductor, .*eager"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, speculative_mode="pipeline",
+                       compile_core="cudagraphs")
 
 
 @pytest.mark.parametrize("kwargs,message", BAD, ids=[str(i) for i in range(len(BAD))])

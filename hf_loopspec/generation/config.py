@@ -23,6 +23,7 @@ and the export validate through the same function.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,8 @@ MODES = ("pipeline", "block")
 EXIT_OPTIONS = ("exit_at_step", "exit_threshold", "use_weighted_exit")  # Ouro's exit selection (forward, generate)
 RECURRENCE_OPTIONS = ("num_steps", "init_scale", "init_seed")  # Huginn's recurrence settings (forward, generate)
 
+DEBUG_BACKENDS = ("eager", "aot_eager")  # tagged "debug" by torch (not listed by default), and run the engine's step
+BACKEND_PACKAGES = {"tvm": "tvm", "openxla": "torch_xla"}  # registered by torch whether or not these are installed
 AUTO_MODE = "auto"  # chosen per segment by `generation.auto`; never reaches an engine
 SETTABLE_MODES = (*MODES, AUTO_MODE)  # what `speculative_mode` accepts besides None
 LANE_MODES = ("ar", *MODES)  # `decode_with_lanes` also runs "ar": the reference without drafting
@@ -171,17 +174,25 @@ def speculative_config(generation_config: GenerationConfig, num_loops: int) -> S
 
 
 def compile_backend(compile_core) -> str | None:
-    """The `torch.compile` backend `compile_core` asks for (`True`: inductor), or None for eager calls."""
+    """The `torch.compile` backend `compile_core` asks for (`True`: inductor), or None for eager calls; `ValueError`
+    for a name that is not one of `usable_backends()`."""
     if compile_core is None or compile_core is False:
         return None
     if compile_core is True:
         return "inductor"
-    import torch
-
-    if not isinstance(compile_core, str) or compile_core not in torch._dynamo.list_backends(exclude_tags=()):
-        raise ValueError(f"compile_core={compile_core!r} must be True, False or a torch.compile backend name, "
-                         f"e.g. {', '.join(torch._dynamo.list_backends())} or aot_eager.")
+    usable = usable_backends()
+    if not isinstance(compile_core, str) or compile_core not in usable:
+        raise ValueError(f"compile_core={compile_core!r} must be True, False or a torch.compile backend name that "
+                         f"runs here: one of {', '.join(usable)}.")
     return compile_core
+
+
+def usable_backends() -> list[str]:
+    """The `torch.compile` backends a compiled step can take here: torch's registered ones (those of installed
+    packages included) and its `DEBUG_BACKENDS`, less those whose package is not installed (`BACKEND_PACKAGES`:
+    torch registers them anyway, and they failed inside dynamo at the first call)."""
+    names = [*torch._dynamo.list_backends(), *DEBUG_BACKENDS]
+    return [name for name in names if name not in BACKEND_PACKAGES or importlib.util.find_spec(BACKEND_PACKAGES[name])]
 
 
 def requested_mode(model, kwargs: dict):
