@@ -38,8 +38,8 @@ MODES = ("pipeline", "block")
 EXIT_OPTIONS = ("exit_at_step", "exit_threshold", "use_weighted_exit")  # Ouro's exit selection (forward, generate)
 RECURRENCE_OPTIONS = ("num_steps", "init_scale", "init_seed")  # Huginn's recurrence settings (forward, generate)
 
-DEBUG_BACKENDS = ("eager", "aot_eager")  # tagged "debug" by torch (not listed by default), and run the engine's step
-BACKEND_PACKAGES = {"tvm": "tvm", "openxla": "torch_xla"}  # registered by torch whether or not these are installed
+COMMON_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")  # registered by torch, no package needed
+BACKEND_PACKAGES = {"tvm": "tvm", "openxla": "torch_xla", "openxla_eval": "torch_xla"}  # (registered either way)
 AUTO_MODE = "auto"  # chosen per segment by `generation.auto`; never reaches an engine
 SETTABLE_MODES = (*MODES, AUTO_MODE)  # what `speculative_mode` accepts besides None
 LANE_MODES = ("ar", *MODES)  # `decode_with_lanes` also runs "ar": the reference without drafting
@@ -180,19 +180,19 @@ def compile_backend(compile_core) -> str | None:
         return None
     if compile_core is True:
         return "inductor"
-    usable = usable_backends()
-    if not isinstance(compile_core, str) or compile_core not in usable:
+    if not isinstance(compile_core, str) or compile_core not in usable_backends():
         raise ValueError(f"compile_core={compile_core!r} must be True, False or a torch.compile backend name that "
-                         f"runs here: one of {', '.join(usable)}.")
+                         "runs here (one of torch._dynamo.list_backends(exclude_tags=()) whose package is installed), "
+                         f"e.g. {', '.join(COMMON_BACKENDS)}.")
     return compile_core
 
 
 def usable_backends() -> list[str]:
-    """The `torch.compile` backends a compiled step can take here: torch's registered ones (those of installed
-    packages included) and its `DEBUG_BACKENDS`, less those whose package is not installed (`BACKEND_PACKAGES`:
-    torch registers them anyway, and they failed inside dynamo at the first call)."""
-    names = [*torch._dynamo.list_backends(), *DEBUG_BACKENDS]
-    return [name for name in names if name not in BACKEND_PACKAGES or importlib.util.find_spec(BACKEND_PACKAGES[name])]
+    """The `torch.compile` backends a compiled step can take here: every one torch has registered (its debugging
+    ones and installed packages' included) but its test backends (made to fail) and those whose package is not
+    installed (`BACKEND_PACKAGES`: torch registers them anyway, and they failed inside dynamo at the first call)."""
+    return [name for name in torch._dynamo.list_backends(exclude_tags=()) if "TESTING_ONLY" not in name
+            and (name not in BACKEND_PACKAGES or importlib.util.find_spec(BACKEND_PACKAGES[name]))]
 
 
 def requested_mode(model, kwargs: dict):
