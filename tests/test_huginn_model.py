@@ -390,6 +390,32 @@ def test_a_bad_rope_base_or_norm_eps_set_on_a_loaded_model_is_refused_at_once(ke
     assert (model.config.rope_base, model.config.rope_theta, model.config.norm_eps) == before
 
 
+@pytest.mark.parametrize(("key", "value", "named", "built"), [
+    ("vocab_size", 200, "vocab_size=200", VOCAB), ("n_heads", 8, "num_attention_heads=8", 4),
+    ("intermediate_size", 64, "intermediate_size=64", 48), ("norm_eps", 0.5, "norm_eps=0.5", 1e-06),
+    ("qk_bias", False, "qk_bias=False", True),
+    ("block_class_name", "TransformerPreNormBlock", "block_class_name='TransformerPreNormBlock'", "SandwichBlock")])
+def test_a_setting_the_modules_fix_assigned_after_building_is_refused_by_calls_and_by_save(key, value, named, built,
+                                                                                         tmp_path):
+    """The model ignored these (the modules keep what they were built with: a larger vocab_size let ids past the
+    embedding through to an IndexError), and save_pretrained wrote them into a checkpoint that did not load, or
+    loaded as another model (norm_eps). Refused naming the setting, as the layer counts and KV sizes are; set back,
+    the model decodes and saves."""
+    model, _ = tiny_huginn(seed=4)
+    assert getattr(model.config, key) != value
+    ids = random_ids((1, 4), VOCAB, seed=5)
+    setattr(model.config, key, value)
+    message = rf"config.{re.escape(named)}, but the model was built with {re.escape(str(built))}: .* set it back"
+    for mode in (None, "pipeline"):
+        with pytest.raises(ValueError, match=message):
+            model.generate(ids, max_new_tokens=2, do_sample=False, init_scale=0.0, speculative_mode=mode)
+    with pytest.raises(ValueError, match=message):
+        model.save_pretrained(tmp_path / "edited")
+    setattr(model.config, key, built)
+    model.save_pretrained(tmp_path / "restored")
+    assert getattr(AutoModelForCausalLM.from_pretrained(tmp_path / "restored").config, key) == built
+
+
 def test_a_setting_changed_after_the_config_is_made_changes_what_the_model_is_built_from(tmp_path):
     """`from_pretrained`'s keyword overrides and assignments come after the config is made: one name of a setting
     with two sets both, and the model follows (an untied head; another rotary base), and its save reloads as it was;

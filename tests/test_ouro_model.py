@@ -658,12 +658,15 @@ def test_a_layer_count_assigned_after_building_is_refused_naming_it():
         setattr(model.config, name, value)
 
 
-@pytest.mark.parametrize("name", ["hidden_size", "vocab_size", "num_hidden_layers"])
+@pytest.mark.parametrize("name", ["hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+                                  "intermediate_size", "rms_norm_eps"])
 def test_a_size_assigned_after_building_is_refused_by_calls_and_by_save(name, tmp_path):
     """`hidden_size` and `vocab_size` too: the engine sized its lanes from `hidden_size` (a RuntimeError where plain
     decoding ran), and auto's calibration prompt was checked against the assigned `vocab_size` (an error naming its
     own ids); and save_pretrained wrote checkpoints whose from_pretrained refused them (for a layer count, it raised
-    huggingface_hub's error blaming layer_types). Set back, the model decodes and saves."""
+    huggingface_hub's error blaming layer_types). The heads, MLP width and norm epsilon were ignored by the model and
+    then saved (a checkpoint that did not load, or loaded with another epsilon). Set back, the model decodes and
+    saves."""
     model, _ = tiny_model(seed=9)
     ids = random_ids((1, 4), VOCAB, seed=2)
     built = getattr(model.config, name)

@@ -34,10 +34,11 @@ class StrictLoadingMixin:
 
     def save_pretrained(self, *args, **kwargs):
         """transformers' save, after a `ValueError` for a config edited since the model was built into one that no
-        model can be built from (`validate_architecture`) or that no longer describes this model's modules (its
-        `kv_layout`'s `check_built`): such a save wrote a checkpoint that its own `from_pretrained` refuses."""
-        self.config.validate_architecture()
+        longer describes this model's modules (its `kv_layout`'s `check_built`, first: it names the setting to set
+        back) or that no model can be built from (`validate_architecture`): such a save wrote a checkpoint that its own
+        `from_pretrained` refuses, or loads as another model."""
         getattr(self, "kv_layout", None)  # (`check_built`)
+        self.config.validate_architecture()
         mark_user_generation_config(getattr(self, "generation_config", None),
                                     self.generation_keys)
         return super().save_pretrained(*args, **kwargs)

@@ -91,12 +91,14 @@ def is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_built(config, built: dict[str, int], attention: nn.Module) -> None:
-    """`ValueError` naming a size of `config` that no longer matches the modules the model was built with (`built`:
-    field -> count, and the KV heads and head size of its `attention` modules): a layer count or KV size assigned on
-    a loaded model's config would lay its KV out for layers or heads it does not have (an IndexError deep in the
-    cache, or a cache error naming no setting)."""
-    built = {**built, "num_key_value_heads": attention.num_kv_heads, "head_dim": attention.head_dim}
+def check_built(config, built: dict, attention: nn.Module) -> None:
+    """`ValueError` naming a setting of `config` that no longer matches the modules the model was built with (`built`:
+    field -> its value in the modules, and the heads and head size of its `attention` modules). Assigned on a loaded
+    model's config, a layer count or KV size would lay its KV out for layers or heads it does not have (an IndexError
+    deep in the cache, or a cache error naming no setting); the others were ignored by the model and then saved into
+    a checkpoint that loaded as another model, or not at all."""
+    built = {**built, "num_attention_heads": attention.num_heads, "num_key_value_heads": attention.num_kv_heads,
+             "head_dim": attention.head_dim}
     for name, count in built.items():
         if getattr(config, name) != count:
             raise ValueError(f"config.{name}={getattr(config, name)!r}, but the model was built with {count}: a "

@@ -29,6 +29,7 @@ from ..layers import is_integer
 logger = get_logger(__name__)
 
 BLOCK_STYLES = {"SandwichBlock": "sandwich", "TransformerPreNormBlock": "pre_norm"}
+BLOCK_CLASS_NAMES = {style: name for name, style in BLOCK_STYLES.items()}
 ROPE_STYLES = ("interleaved", "rotate_half")
 SIZES = ("vocab_size", "n_embd", "n_heads", "num_key_value_heads", "head_dim", "intermediate_size",
          "n_layers_in_recurrent_block", "mean_recurrence", "block_size")

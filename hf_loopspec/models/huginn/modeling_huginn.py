@@ -43,7 +43,7 @@ from ..layers import (
 )
 from ..loops import forward_rows
 from . import recurrence as recurrence_rules
-from .configuration_huginn import STAGES, HuginnConfig
+from .configuration_huginn import BLOCK_CLASS_NAMES, STAGES, HuginnConfig
 from .outputs import HuginnCausalLMOutput, HuginnModelOutput
 from .recurrence import GENERATION_KEYS, OPEN_BLOCKS, Recurrence, beam_rows, check_steps_fit, state_seed, updated
 from .shared_config import SharedGenerationConfig
@@ -179,9 +179,12 @@ class HuginnModel(HuginnPreTrainedModel):
 
     @property
     def kv_layout(self) -> KVLayout:
-        stages = (self.prelude, self.core_block, self.coda)
-        built = {**dict(zip(STAGES, map(len, stages), strict=True)), "n_embd": self.wte.weight.shape[-1]}
-        check_built(self.config, built, self.core_block[0].attn)
+        block, (vocab, width) = self.core_block[0], self.wte.weight.shape
+        built = {**dict(zip(STAGES, map(len, (self.prelude, self.core_block, self.coda)), strict=True)),
+                 "n_embd": width, "vocab_size": vocab, "intermediate_size": block.mlp.proj.in_features,
+                 "norm_eps": self.ln_f.eps, "qk_bias": block.attn.qk_bias is not None,
+                 "block_class_name": BLOCK_CLASS_NAMES["pre_norm" if block.pre_norm else "sandwich"]}
+        check_built(self.config, built, block.attn)
         return self.config.kv_layout(self.settings.num_steps)
 
     @property

@@ -145,7 +145,8 @@ class OuroModel(OuroPreTrainedModel):
     def kv_layout(self) -> KVLayout:
         c = self.config
         vocab, width = self.embed_tokens.weight.shape  # (the lanes are hidden_size wide; ids index the rows)
-        check_built(c, {"num_hidden_layers": len(self.layers), "hidden_size": width, "vocab_size": vocab},
+        check_built(c, {"num_hidden_layers": len(self.layers), "hidden_size": width, "vocab_size": vocab,
+                        "intermediate_size": self.layers[0].mlp.down_proj.in_features, "rms_norm_eps": self.norm.eps},
                     self.layers[0].self_attn)
         return KVLayout(c.total_ut_steps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
 
