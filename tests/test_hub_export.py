@@ -297,6 +297,22 @@ def test_shims_import_hf_loopspec_only_inside_try():
         assert "hf_loopspec" not in get_imports(shims.TEMPLATES / name), name
 
 
+def test_the_sources_speculative_settings_set_to_null_are_left_out_without_a_word(source, tmp_path, caplog):
+    """A null changes nothing, but docs/export.md says the keys export has no option for are left out: they were
+    written back as nulls."""
+    src = tmp_path / "src"
+    source[0].save_pretrained(src)
+    word_tokenizer(source[0].config.vocab_size).save_pretrained(src)
+    config = json.loads((src / "generation_config.json").read_text())
+    config.pop("_from_model_config", None)  # (a file marked so loses its extra keys as it loads)
+    nulls = {"second_draft_loops": None, "compile_core": None, "speculative_engine": None}
+    (src / "generation_config.json").write_text(json.dumps({**config, **nulls}))
+    with caplog.at_level(logging.WARNING, logger="hf_loopspec"):
+        out = export.export_checkpoint(src, tmp_path / "out", speculative_mode=None, benchmarks=None)
+    assert "leaves out" not in caplog.text
+    assert not set(nulls) & set(json.loads((out / "generation_config.json").read_text()))
+
+
 def test_export_refuses_a_non_empty_folder_and_bad_settings(source, tmp_path):
     (tmp_path / "x.txt").write_text("keep")
     with pytest.raises(FileExistsError, match="overwrite"):

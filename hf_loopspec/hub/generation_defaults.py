@@ -30,11 +30,11 @@ def generation_defaults(model, tokenizer, speculative_mode, draft_loops, num_spe
     gen._from_model_config = False
     written = {"speculative_mode": speculative_mode, "draft_loops": draft_loops,
                "num_speculative_tokens": num_speculative_tokens}
-    dropped = {key: getattr(gen, key) for key in SPECULATIVE_KEYS
-               if key not in written and getattr(gen, key, None) is not None}
+    leftover = [key for key in SPECULATIVE_KEYS if key not in written and key in vars(gen)]
+    dropped = {key: getattr(gen, key) for key in leftover if getattr(gen, key) is not None}
+    for key in leftover:  # (one set to None changes nothing: left out without a word)
+        delattr(gen, key)
     if dropped:
-        for key in dropped:
-            delattr(gen, key)
         logger.warning(
             "export: the source's generation_config.json sets %s, which the export leaves out: its speculative "
             "defaults are the export's own (speculative_mode=%r, draft_loops=%r); a call on the export can still pass "
