@@ -550,7 +550,7 @@ def test_invalid_speculative_settings_are_clear_errors(checkpoint, capsys):
         _run_error(["bench", *FAST, "--modes", "pipeline", "--second-draft-loops", "4"], capsys)
     assert ("pass --second-draft-loops in [3] or drop --second-draft-loops (--engines reference runs the others)."
             ) in _run_error(["bench", *FAST, "--modes", "pipeline", "--second-draft-loops", "2"], capsys)
-    assert "error: --compile no-such-backend: pass a torch.compile backend name that runs here (one of " in \
+    assert "error: --compile no-such-backend: pass a torch.compile backend name usable here (one of " in \
         _run_error(["bench", *FAST, "--compile", "no-such-backend"], capsys)
     with pytest.raises(argparse.ArgumentTypeError, match="'lanes' is now 'reference'"):
         bench_args.parse_engines("lanes")

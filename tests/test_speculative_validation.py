@@ -134,7 +134,7 @@ def test_a_backend_whose_package_is_missing_is_refused_up_front(model, inputs, m
     monkeypatch.setitem(speculative_config.BACKEND_PACKAGES, "cudagraphs", "no_such_package_for_this_test")
     ids, mask = inputs
     with pytest.raises(ValueError, match=r"compile_core='cudagraphs' must be True, False or a torch.compile backend "
-                                         r"name that runs here \(one of .* package is missing\), e.g. inductor"):
+                                         r"name usable here \(one of .* package is missing\), e.g. inductor"):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, speculative_mode="pipeline",
                        compile_core="cudagraphs")
     for name in ("aot_eager_decomp_partition", "eager", "inductor"):  # torch's debugging backends are still taken

@@ -181,9 +181,9 @@ def compile_backend(compile_core) -> str | None:
     if compile_core is True:
         return "inductor"
     if not isinstance(compile_core, str) or compile_core not in usable_backends():
-        raise ValueError(f"compile_core={compile_core!r} must be True, False or a torch.compile backend name that "
-                         "runs here (one of torch._dynamo.list_backends(exclude_tags=()), but torch's *_TESTING_ONLY "
-                         f"ones and those whose package is missing), e.g. {', '.join(COMMON_BACKENDS)}.")
+        raise ValueError(f"compile_core={compile_core!r} must be True, False or a torch.compile backend name usable "
+                         "here (one of torch._dynamo.list_backends(exclude_tags=()), but torch's *_TESTING_ONLY ones "
+                         f"and those whose package is missing), e.g. {', '.join(COMMON_BACKENDS)}.")
     return compile_core
 
 
