@@ -416,6 +416,18 @@ def test_a_setting_the_modules_fix_assigned_after_building_is_refused_by_calls_a
     assert getattr(AutoModelForCausalLM.from_pretrained(tmp_path / "restored").config, key) == built
 
 
+def test_a_tied_model_set_untied_is_refused_by_save(tmp_path):
+    """Huginn ties its head by default: `tie_embeddings=False` assigned after building was saved into a checkpoint
+    without lm_head.weight, which from_pretrained refused."""
+    model, _ = tiny_huginn(seed=4)
+    model.config.tie_embeddings = False
+    with pytest.raises(ValueError, match=r"config.tie_word_embeddings=False, but this model's LM head shares"):
+        model.save_pretrained(tmp_path / "edited")
+    model.config.tie_embeddings = True
+    model.save_pretrained(tmp_path / "restored")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "restored").config.tie_word_embeddings
+
+
 def test_a_setting_changed_after_the_config_is_made_changes_what_the_model_is_built_from(tmp_path):
     """`from_pretrained`'s keyword overrides and assignments come after the config is made: one name of a setting
     with two sets both, and the model follows (an untied head; another rotary base), and its save reloads as it was;

@@ -675,12 +675,33 @@ def test_a_size_assigned_after_building_is_refused_by_calls_and_by_save(name, tm
     for mode in (None, "pipeline", "auto"):
         with pytest.raises(ValueError, match=message):
             model.generate(ids, max_new_tokens=2, do_sample=False, speculative_mode=mode)
+    with pytest.raises(ValueError, match=message):  # (forward with an id the assigned vocabulary admits: an IndexError)
+        model(torch.full((1, 3), built + 8) if name == "vocab_size" else ids)
     with pytest.raises(ValueError, match=message):
         model.save_pretrained(tmp_path / "edited")
     assert not (tmp_path / "edited").exists()
     setattr(model.config, name, built)
     model.save_pretrained(tmp_path / "restored")
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "restored").config.num_hidden_layers == 2
+
+
+def test_a_tied_model_set_untied_is_refused_by_save_until_its_head_is_untied(tmp_path):
+    """The head shares the embedding's tensor, which transformers saves once: with tie_word_embeddings set to False,
+    save_pretrained wrote a checkpoint without lm_head.weight that from_pretrained refused. Untied first, the save
+    reloads as the model was."""
+    model, _ = tiny_model(seed=9, tie_word_embeddings=True)
+    ids = random_ids((1, 4), VOCAB, seed=2)
+    model.config.tie_word_embeddings = False
+    with pytest.raises(ValueError, match=r"config.tie_word_embeddings=False, but this model's LM head shares"):
+        model.save_pretrained(tmp_path / "edited")
+    assert not (tmp_path / "edited").exists()
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())  # (the fix the message names)
+    model.save_pretrained(tmp_path / "untied")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "untied")
+    assert loaded.lm_head.weight is not loaded.model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(loaded.generate(ids, max_new_tokens=4, do_sample=False),
+                           model.generate(ids, max_new_tokens=4, do_sample=False))
 
 
 def test_numpy_exit_steps_and_one_dimensional_ids():

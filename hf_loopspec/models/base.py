@@ -39,9 +39,23 @@ class StrictLoadingMixin:
         `from_pretrained` refuses, or loads as another model."""
         getattr(self, "kv_layout", None)  # (`check_built`)
         self.config.validate_architecture()
+        self._check_tied()
         mark_user_generation_config(getattr(self, "generation_config", None),
                                     self.generation_keys)
         return super().save_pretrained(*args, **kwargs)
+
+    def _check_tied(self) -> None:
+        """`ValueError` for a head that shares its embedding's weights while `config.tie_word_embeddings` was set to
+        False after building: transformers saves the shared tensor once, and the checkpoint (no `lm_head.weight`)
+        is then refused by `from_pretrained`. (The reverse, an untied model set to tied, saves both tensors, which
+        transformers loads untied.)"""
+        head, embedding = self.get_output_embeddings(), self.get_input_embeddings()
+        if self.config.tie_word_embeddings or head is None or embedding is None or head.weight is not embedding.weight:
+            return
+        raise ValueError("config.tie_word_embeddings=False, but this model's LM head shares its embedding's weights "
+                         "(it was built tied), so the checkpoint would hold no lm_head.weight for from_pretrained to "
+                         "load; set config.tie_word_embeddings back to True, or untie the head first: "
+                         "model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone()).")
 
     def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
                              cache_dir=None, force_download=False, proxies=None, local_files_only=False, token=None,

@@ -193,12 +193,13 @@ class OuroModel(OuroPreTrainedModel):
     ) -> OuroModelOutput:
         check_forward_inputs(input_ids, inputs_embeds, kwargs.get("output_attentions"), position_ids,
                              self.config.hidden_size, (self.norm.weight.dtype, self.lane_dtype))
+        layout = self.kv_layout  # (its `check_built` first: an assigned vocab_size is named, not an IndexError)
         embeddings = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, H]
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         cache = one_cache(cache, past_key_values, use_cache)
-        with forward_rows(self.kv_layout, attention_mask, position_ids, cache, shape=embeddings.shape[:2],
+        with forward_rows(layout, attention_mask, position_ids, cache, shape=embeddings.shape[:2],
                           like=embeddings) as rows:
             hidden, states = rows.gather(embeddings), []
             for depth in range(self.num_loops):
