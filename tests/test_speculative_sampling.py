@@ -85,3 +85,30 @@ def test_every_pair_is_reachable_under_the_exact_distribution(sampling_model):
     joint = exact_joint(sampling_model, {})
     assert (joint > 1e-3).sum() >= 20
     assert abs(float(joint.sum()) - 1) < 1e-5  # fp32 softmaxes, summed in fp64
+
+
+@pytest.mark.parametrize("default", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("outputs", [False, True])
+def test_torch_default_dtype_changes_no_token_and_no_score(sampling_model, default, outputs):
+    """torch's default dtype is the user's to set: the engine's uniforms and float buffers followed it. Under
+    bfloat16 the uniforms took a few hundred values (tokens between them were never drawn), and with output_scores
+    or output_logits the step raised a scatter RuntimeError. The same seed now gives the same tokens, scores and
+    logits (float32) as under the float32 default."""
+    ids = torch.tensor([PROMPT, [2, 2, 7]])
+
+    def run():
+        torch.manual_seed(7)
+        return sampling_model.generate(ids, max_new_tokens=40, do_sample=True, speculative_mode="pipeline",
+                                       return_dict_in_generate=True, output_scores=outputs, output_logits=outputs)
+
+    expected = run()
+    torch.set_default_dtype(default)
+    try:
+        got = run()
+        uniforms = rules.cycle_uniforms(torch.Generator().manual_seed(0), (2, 3, 2), torch.device("cpu"))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert torch.equal(got.sequences, expected.sequences) and uniforms.dtype == torch.float32
+    for got_step, expected_step in zip((got.scores or ()) + (got.logits or ()),
+                                       (expected.scores or ()) + (expected.logits or ()), strict=True):
+        assert got_step.dtype == torch.float32 and torch.equal(got_step, expected_step)

@@ -51,8 +51,9 @@ def run_generator(device: torch.device) -> torch.Generator:
 
 
 def cycle_uniforms(generator: torch.Generator, shape: tuple[int, int, int], device: torch.device) -> torch.Tensor:
-    """One cycle's uniforms `[B, L, 2 or 3]` in [0, 1)."""
-    return torch.rand(shape, generator=generator, device=device)
+    """One cycle's uniforms `[B, L, 2 or 3]` in [0, 1), float32 whatever torch's default dtype (a bfloat16 default
+    left a few hundred values, which some tokens' cumulative weights fall between: never drawn)."""
+    return torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
 
 
 def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

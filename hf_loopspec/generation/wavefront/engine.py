@@ -176,14 +176,13 @@ class WavefrontEngine:
         hidden_size = self.model.lane_width
         prompt_len = start.stored + start.new  # [B] the sequence's positions before its first new token
         records = exits.empty_records(plan, batch, hidden_size, like)  # loop outputs (exit options)
-        long = dict(dtype=torch.long, device=device)
+        long, fp32 = dict(dtype=torch.long, device=device), dict(dtype=torch.float32, device=device)
         state = WavefrontState(
             token=torch.zeros(batch, lanes, **long), position=torch.zeros(batch, lanes, **long),
             depth=torch.zeros(batch, lanes, **long), alive=torch.zeros(batch, lanes, dtype=torch.bool, device=device),
             draft=torch.zeros(batch, lanes, dtype=torch.bool, device=device),
-            draft_q=torch.zeros(batch, lanes, self.vocab if plan.do_sample else 0, device=device),
-            noise=torch.zeros(batch, lanes, uniform_columns(plan.second_loops is not None) * plan.do_sample,
-                              device=device),
+            draft_q=torch.zeros(batch, lanes, self.vocab if plan.do_sample else 0, **fp32),
+            noise=torch.zeros(batch, lanes, uniform_columns(plan.second_loops is not None) * plan.do_sample, **fp32),
             hidden=torch.zeros(batch, lanes, hidden_size, dtype=like.dtype, device=device),
             prompt_hidden=torch.zeros(batch, prompts, hidden_size, dtype=like.dtype, device=device),
             prompt_real=torch.arange(prompts, device=device) < (start.new - 1)[:, None],
@@ -198,13 +197,13 @@ class WavefrontEngine:
             draft_override=self._override(draft_override, batch, device),
             second_override=self._override(second_override, batch, device),
             seen=torch.zeros(batch, 0, dtype=torch.bool, device=device), eos_hold=torch.zeros(0, **long),
-            settings=torch.zeros(0, device=device),
+            settings=torch.zeros(0, **fp32),
             k_pool=pools.k, v_pool=pools.v, trash_slot=trash, pages=self._page_map(batch, device),
             kv_len=start.held.clone(),
             sib_token=torch.zeros(batch, **long), sib_position=torch.zeros(batch, **long),
             sib_depth=torch.zeros(batch, **long), sib_alive=torch.zeros(batch, dtype=torch.bool, device=device),
             sib_read=torch.zeros(batch, dtype=torch.bool, device=device),
-            sib_q=torch.zeros(batch, self.vocab if plan.do_sample else 0, device=device),
+            sib_q=torch.zeros(batch, self.vocab if plan.do_sample else 0, **fp32),
             sib_hidden=torch.zeros(batch, hidden_size, dtype=like.dtype, device=device),
             sib_k=self._private_rows(batch, pools), sib_v=self._private_rows(batch, pools),
             loop_states=records[0], sib_states=records[1],

@@ -20,7 +20,8 @@ def buffers(plan: Plan, batch: int, columns: int, vocab: int, hidden: int, like:
     """The state's `scores_out` and `logits_out` (`[B, columns, V]` float32 zeros where requested, else `[B, 0, 0]`)
     and `core_out` (`[0, H]` of `like`'s dtype: the step sets it when tracing hidden states)."""
     def buffer(wanted: bool) -> torch.Tensor:
-        return torch.zeros(batch, columns if wanted else 0, vocab if wanted else 0, device=like.device)
+        return torch.zeros(batch, columns if wanted else 0, vocab if wanted else 0, device=like.device,
+                           dtype=torch.float32)
 
     return {"scores_out": buffer(plan.output_scores), "logits_out": buffer(plan.output_logits),
             "core_out": like.new_zeros(0, hidden)}
