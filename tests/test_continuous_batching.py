@@ -198,6 +198,15 @@ def test_a_seeded_sampled_request_is_the_same_alone_and_in_a_busy_batch(model, s
     assert by_seed[0] != by_seed[1]
 
 
+def test_a_sampled_manager_whose_requests_carry_seeds_leaves_torch_s_generator_alone(model, started):
+    """Building the manager's engine drew a number from torch's global generator that no slot used (each samples
+    from its request's seed): a script's own draws after it shifted."""
+    before = torch.get_rng_state()
+    manager = started({**SETTINGS["pipeline-d1"], "do_sample": True, "temperature": 2.0}, slots=2)
+    collect(manager, [manager.add_request(p, max_new_tokens=6, seed=5) for p in prompts(3, [4, 5])])
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_the_default_model_through_generate_batch():
     """The embedded model with its own generation config (auto, which a manager runs as pipeline): `generate_batch`
     on tokenized prompts equals plain `generate` of each."""

@@ -102,6 +102,11 @@ class PooledEngine(WavefrontEngine):
         self.trash_page = self.cache.scratch_page(like)
         return torch.tensor(self.trash_page * self.cache.page_size, device=like.device)
 
+    def _run_generator(self, device: torch.device) -> None:
+        """None: each slot samples from a generator of its own, seeded at admission (`SlotBatch`), so building the
+        pool's engine draws nothing from torch's global generator (a manager with a seed left it as it was)."""
+        return None
+
     def _page_map(self, batch: int, device: torch.device) -> torch.Tensor:
         width = self.plan.table_width // self.cache.page_size
         return torch.full((batch * self.cache.num_planes, width), self.trash_page, dtype=torch.long, device=device)

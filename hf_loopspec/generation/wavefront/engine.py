@@ -138,7 +138,7 @@ class WavefrontEngine:
                 self.state.settings = settings.to(device=input_ids.device, dtype=torch.float32)
         # sampling: the uniforms of every step come from this device generator (`rules`: the lane decoder draws the
         # same); greedy runs draw nothing
-        self.generator = run_generator(input_ids.device) if do_sample else None
+        self.generator = self._run_generator(input_ids.device) if do_sample else None
         # cycles per call of the step function: compiled, up to CYCLES_PER_CALL of the R cycles between two
         # read-backs run as one call (its fixed cost, dynamo's guards and the call's wrapper, is paid once for them);
         # eager, one (nothing to save)
@@ -325,6 +325,10 @@ class WavefrontEngine:
         for _ in range(cycles):
             self.cycles += 1
             self._count_rows()
+
+    def _run_generator(self, device: torch.device) -> torch.Generator | None:
+        """A sampled run's generator (`rules.run_generator`: one draw of torch's global generator)."""
+        return run_generator(device)
 
     def _step_function(self, span: int, cycles: int, prefill: bool):
         """`build_step`'s function of `cycles` cycles reading `span` positions, built once per run."""
