@@ -193,6 +193,7 @@ def test_mismatching_checkpoint_raises_value_error_naming_the_key(tmp_path, sour
     with load_reports() as reports, pytest.raises(ValueError, match=kind) as info:
         loader(folder)
     assert key in str(info.value)
+    assert "(ouro: vocab_size=" in str(info.value) and len(str(info.value)) < 500  # (the sizes, not the whole config)
     assert reports == []
 
 

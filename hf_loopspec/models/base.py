@@ -16,6 +16,7 @@ from ..generation.inputs import check_cache_type
 from ..generation.saved_config import mark_user_generation_config, restore_speculative_keys, saved_generation_dict
 from .load_report import held_load_report
 
+SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size")  # named by a refused load
 DOWNLOAD_KEYS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
 
 
@@ -142,8 +143,10 @@ class StrictLoadingMixin:
             details = "; ".join(
                 f"{name}: {keys[:8]}{' ...' if len(keys) > 8 else ''}" for name, keys in problems.items()
             )
+            c = model.config  # (its sizes: the whole config made the message a line of over a thousand characters)
+            sizes = ", ".join(f"{key}={getattr(c, key)}" for key in SIZE_KEYS if getattr(c, key, None) is not None)
             raise ValueError(
-                f"The checkpoint does not match {cls.__name__} for config {model.config.to_diff_dict()}: {details}. "
+                f"The checkpoint does not match {cls.__name__} of its config ({c.model_type}: {sizes}): {details}. "
                 "Check that the checkpoint belongs to this model family and has the shape its config.json says."
             )
         if any(asks(family.get(key)) for key in EXIT_OPTIONS):
