@@ -35,6 +35,14 @@ class Recording(StoppingCriteria):
         return torch.tensor([int(t) in self.stop_tokens for t in input_ids[:, -1]])
 
 
+class ColumnRecording(Recording):
+    """Recording's answer as a `[B, 1]` column (written `input_ids[:, -1:] == id`), which transformers' criteria list
+    broadcasts against its `[B]` flags to `[B, B]`: plain decoding without EOS still decodes (the engines raised)."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return super().__call__(input_ids, scores, **kwargs)[:, None]
+
+
 class Streamer:
     def __init__(self):
         self.puts, self.ended = [], 0
@@ -103,13 +111,14 @@ def assert_same_calls(expected: Recording, got: Recording, finished_before, dept
         assert_fp32_close(scores_g[live], scores_e[live], **depth)  # the lanes' calls batch rows differently
 
 
+@pytest.mark.parametrize("criterion", [Recording, ColumnRecording], ids=["rows", "column"])
 @pytest.mark.parametrize("mode,d,k", mode_params(MODE_PAIR))
-def test_custom_criterion_without_eos(setup, mode, d, k):
+def test_custom_criterion_without_eos(setup, mode, d, k, criterion):
     """Rows stop at different steps and keep decoding until the last one stops; all end there (no padding)."""
     model, prompts, ids, mask, free, reference = setup
     stops = [int(free[0, 2]), int(free[1, 5]), int(free[2, 8])]  # every row meets one by its own token
     (want, crit_e, stream_e), (got, crit_g, stream_g) = run_both(
-        model, prompts, ids, mask, reference, mode, d, k, lambda: [Recording(stops)], eos_token_id=None)
+        model, prompts, ids, mask, reference, mode, d, k, lambda: [criterion(stops)], eos_token_id=None)
     assert got.sequences.tolist() == want.sequences.tolist()
     assert got.sequences.shape[1] - ids.shape[1] < NEW  # the criterion ended the run early
     assert stream_g.puts == stream_e.puts and stream_g.ended == stream_e.ended == 1

@@ -37,6 +37,7 @@ class OutputColumns:
         self.ids = input_ids.new_full((batch, width + min(self.max_new, IDS_CHUNK)), self.pad)
         self.ids[:, :width] = input_ids
         self.settled = 0  # columns streamed and checked by the stopping criteria (`settle`)
+        self.unfinished = torch.ones(batch, dtype=torch.long)  # without EOS: the rows no criterion stopped yet
         self.score_steps: list[torch.Tensor] = []  # per settled step [B, V], with output_scores
 
     def prefix(self, seq: int, generated: int) -> torch.Tensor:
@@ -62,7 +63,8 @@ class OutputColumns:
         generated token of every row) once every unfinished row has committed it, with the whole batch
         `[B, prompt + c + 1]` and, when scores are returned, every step's `[B, V]` scores so far (else None). A row
         that stops there is ended by `end_at(seq, c + 1)` (which cuts back a row that has run ahead); without an
-        EOS criterion, rows end together at the column where the last one stops."""
+        EOS criterion, rows end together at the column where the last one stops (`unfinished`, updated as plain
+        decoding updates its own)."""
         while True:
             live = [len(s.generated) for s in seqs if not s.finished]
             if self.settled >= (min(live) if live else max(len(s.generated) for s in seqs)):
@@ -75,14 +77,17 @@ class OutputColumns:
                 self.score_steps.append(stack_step(seqs, "scores", c))
                 scores = tuple(self.score_steps)
             if self.stopping is not None:  # the criteria, then the streamer, as transformers' loop calls them
-                stops = torch.as_tensor(self.stopping(self.ids[:, :width], scores)).expand(len(seqs)).tolist()
-                for seq, stop in zip(seqs, stops):
-                    seq.stopped = seq.stopped or bool(stop)
-                    if seq.stopped and self.pad_stopped:
-                        end_at(seq, c + 1)
-                if not self.pad_stopped and all(s.stopped for s in seqs):
-                    for seq in seqs:
-                        end_at(seq, c + 1)
+                stop = torch.as_tensor(self.stopping(self.ids[:, :width], scores))
+                if self.pad_stopped:
+                    for seq, hit in zip(seqs, stop.expand(len(seqs)).tolist()):
+                        seq.stopped = seq.stopped or bool(hit)
+                        if seq.stopped:
+                            end_at(seq, c + 1)
+                else:  # plain's `unfinished & ~stop`, whatever it broadcasts to (a [B, 1] criterion: [B, B])
+                    self.unfinished = self.unfinished & ~stop.to(self.unfinished.device)
+                    if int(self.unfinished.max()) == 0:
+                        for seq in seqs:
+                            end_at(seq, c + 1)
             if self.streamer is not None:
                 self.streamer.put(self.ids[:, width - 1].cpu())
 
