@@ -43,6 +43,14 @@ class ColumnRecording(Recording):
         return super().__call__(input_ids, scores, **kwargs)[:, None]
 
 
+class DoubledRecording(Recording):
+    """Recording's answer as a long tensor, 2 for a stop: plain decoding's `unfinished & ~2` leaves the row running
+    (its arithmetic, whatever was meant), where the engines read 2 as a stop and padded the row."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return super().__call__(input_ids, scores, **kwargs).long() * 2
+
+
 class Streamer:
     def __init__(self):
         self.puts, self.ended = [], 0
@@ -146,6 +154,29 @@ def test_custom_criterion_with_eos_pads_rows_that_stop(setup, mode, d, k):
     assert_same_calls(crit_e[0], crit_g[0], finished_before, ouro_depth(model.config))
     for s, step_scores in enumerate(zip(*got.scores)):
         assert all(float(x.abs().sum()) == 0 for x in step_scores[finished_before(s):])  # documented: zeros
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["engine", "reference"])
+@pytest.mark.parametrize("mode,d,k", mode_params(MODE_PAIR))
+def test_criteria_answers_are_read_with_plain_decodings_arithmetic_with_eos(setup, mode, d, k, debug):
+    """With an EOS criterion: a long answer of 2 leaves the rows running, as in plain decoding. A [B, 1] column
+    (the flags broadcast to [B, B]) decodes as plain decoding where the run ends at that step, and otherwise raises a
+    ValueError naming the shape, where plain decoding's next step raises torch's RuntimeError (the engines raised an
+    expand RuntimeError in both cases)."""
+    model, prompts, ids, mask, free, reference = setup
+    eos, stop = int(free[1, 6]), int(free[0, 3])
+    for criterion, new in ((DoubledRecording, NEW), (ColumnRecording, 1)):
+        want = plain(model, ids, mask, new, stopping_criteria=StoppingCriteriaList([criterion([stop])]),
+                     eos_token_id=eos).sequences
+        got = speculative(model, ids, mask, new, mode, d, k, debug=debug,
+                          stopping_criteria=StoppingCriteriaList([criterion([stop])]), eos_token_id=eos).sequences
+        assert got.tolist() == want.tolist()
+    columns = StoppingCriteriaList([ColumnRecording([stop])])
+    with pytest.raises(RuntimeError):  # (plain decoding's own failure, from its padding of the stopped rows)
+        plain(model, ids, mask, NEW, stopping_criteria=columns, eos_token_id=eos)
+    with pytest.raises(ValueError, match=r"stopping_criteria answered shape \(3, 3\) for a batch of 3: .* "
+                                         r"input_ids\[:, -1\] == id instead"):
+        speculative(model, ids, mask, NEW, mode, d, k, debug=debug, stopping_criteria=columns, eos_token_id=eos)
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ class OutputColumns:
         self.ids = input_ids.new_full((batch, width + min(self.max_new, IDS_CHUNK)), self.pad)
         self.ids[:, :width] = input_ids
         self.settled = 0  # columns streamed and checked by the stopping criteria (`settle`)
-        self.unfinished = torch.ones(batch, dtype=torch.long)  # without EOS: the rows no criterion stopped yet
+        self.unfinished = torch.ones(batch, dtype=torch.long)  # the rows no criterion stopped yet (`_stopped`)
         self.score_steps: list[torch.Tensor] = []  # per settled step [B, V], with output_scores
 
     def prefix(self, seq: int, generated: int) -> torch.Tensor:
@@ -63,8 +63,7 @@ class OutputColumns:
         generated token of every row) once every unfinished row has committed it, with the whole batch
         `[B, prompt + c + 1]` and, when scores are returned, every step's `[B, V]` scores so far (else None). A row
         that stops there is ended by `end_at(seq, c + 1)` (which cuts back a row that has run ahead); without an
-        EOS criterion, rows end together at the column where the last one stops (`unfinished`, updated as plain
-        decoding updates its own)."""
+        EOS criterion, rows end together at the column where the last one stops (`_stopped`)."""
         while True:
             live = [len(s.generated) for s in seqs if not s.finished]
             if self.settled >= (min(live) if live else max(len(s.generated) for s in seqs)):
@@ -77,19 +76,29 @@ class OutputColumns:
                 self.score_steps.append(stack_step(seqs, "scores", c))
                 scores = tuple(self.score_steps)
             if self.stopping is not None:  # the criteria, then the streamer, as transformers' loop calls them
-                stop = torch.as_tensor(self.stopping(self.ids[:, :width], scores))
-                if self.pad_stopped:
-                    for seq, hit in zip(seqs, stop.expand(len(seqs)).tolist()):
-                        seq.stopped = seq.stopped or bool(hit)
-                        if seq.stopped:
-                            end_at(seq, c + 1)
-                else:  # plain's `unfinished & ~stop`, whatever it broadcasts to (a [B, 1] criterion: [B, B])
-                    self.unfinished = self.unfinished & ~stop.to(self.unfinished.device)
-                    if int(self.unfinished.max()) == 0:
-                        for seq in seqs:
-                            end_at(seq, c + 1)
+                for seq in self._stopped(torch.as_tensor(self.stopping(self.ids[:, :width], scores)), seqs):
+                    end_at(seq, c + 1)
             if self.streamer is not None:
                 self.streamer.put(self.ids[:, width - 1].cpu())
+
+    def _stopped(self, stop: torch.Tensor, seqs: list[SequenceState]) -> list[SequenceState]:
+        """The rows to end at this column, from the criteria's answer `stop`: plain decoding's `unfinished &= ~stop`
+        with its arithmetic (a long answer of 2 leaves a row running), then, with an EOS criterion, each row no longer
+        unfinished (padded after), else every row once none is. A `[B, 1]` answer broadcasts `unfinished` to
+        `[B, B]`, as there: plain decoding then ends once all of it is clear, and with an EOS criterion fails at its
+        next step (its padding of the stopped rows), where this raises a `ValueError` naming the shape."""
+        self.unfinished = self.unfinished & ~stop.to(self.unfinished.device)
+        if int(self.unfinished.max()) == 0:
+            return seqs
+        if not self.pad_stopped:
+            return []
+        if self.unfinished.dim() > 1:
+            raise ValueError(f"stopping_criteria answered shape {tuple(stop.shape)} for a batch of {len(seqs)}: "
+                             "with an EOS id, plain decoding pads the rows that stopped, which needs one flag per row "
+                             f"([{len(seqs)}]; a criterion returning a [batch, 1] column, e.g. "
+                             "input_ids[:, -1:] == id, makes it [batch, batch]); return input_ids[:, -1] == id "
+                             "instead.")
+        return [seq for seq, running in zip(seqs, self.unfinished.expand(len(seqs)).tolist()) if not running]
 
     def _reserve(self, width: int) -> None:
         """Grow the id buffer to hold `width` columns (doubling, up to the prompt plus max_new)."""

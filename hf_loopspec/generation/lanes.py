@@ -65,7 +65,6 @@ class SequenceState:
     scores: list[torch.Tensor] = field(default_factory=list)  # processed target scores per committed token
     raw_logits: list[torch.Tensor] = field(default_factory=list)
     finished: bool = False
-    stopped: bool = False  # a stopping criterion has fired for this row (transformers: no longer "unfinished")
     stats: SequenceStats = field(default_factory=SequenceStats)
     branches: dict[int, Branch] = field(default_factory=dict)  # position -> its sibling branch (at most one)
 
