@@ -155,6 +155,19 @@ def test_positions_of_the_callers_own_are_refused_where_they_cannot_be_followed(
         assert torch.equal(out, plain(model, ids, mask, 6).sequences)
 
 
+def test_a_right_padded_row_decoded_plainly_on_a_paged_cache_is_refused_naming_the_padding(model, inputs):
+    """generate's positions for a row with padding after its real tokens count on from the padding's: a
+    PagedLoopCache (positions counted from real tokens) refused them naming position_ids, which the caller never
+    passed. (No cache, or a DynamicCache, decodes it: plain decoding's own positions.)"""
+    ids, mask = inputs
+    right = mask.clone()
+    right[0, -1] = 0  # row 0 ends in padding
+    assert plain(model, ids, right, 3).sequences.shape[0] == len(ids)
+    with pytest.raises(ValueError, match=r"attention_mask has padding after real tokens in rows \[0\] \(right "
+                                         r"padding, decoded on\): .* pad on the left"):
+        generate(model, ids, right, speculative_mode=None, cache=paged_cache(model))
+
+
 ALL_MODES = {**MODES, "auto": {"speculative_mode": "auto"}}
 
 
