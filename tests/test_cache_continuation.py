@@ -348,10 +348,13 @@ def test_bad_cache_arguments_raise_value_errors_naming_them():
         (lambda: PagedLoopCache(model.kv_layout, page_size="16"), "page_size='16'"),
         (lambda: PagedLoopCache(model.kv_layout, page_size=True), "page_size=True"),
         (lambda: PagedLoopCache(model.kv_layout, max_pages=0), "max_pages=0"),
+        # (-1 made get_seq_length() -1; a plane past the layout raised an IndexError)
+        (lambda: cache.set_columns(-1, [0]), r"count=-1 must be an integer >= 0"),
+        (lambda: cache.set_columns(3, [cache.num_planes]), rf"plane={cache.num_planes} is no loop depth"),
     ]:
         with pytest.raises(ValueError, match=match):
             call()
-    with pytest.raises(NotImplementedError, match="allocates its page pool when it is built"):  # (it named 0 layers)
+    with pytest.raises(NotImplementedError, match="allocates its page pool at its first write"):  # (named 0 layers)
         cache.early_initialization(1, 2, 8, torch.float32, "cpu")
     assert repr(cache) == before  # nothing refused changed it
     columns = cache.get_seq_length()
@@ -420,20 +423,25 @@ def test_debug_checks_accept_sequences_that_share_pages(share, mode):
     assert torch.equal(generate(model, whole, whole_mask, SECOND, mode, None, cache=cache).sequences, expected)
 
 
-@pytest.mark.parametrize("empty", [lambda c: c.batch_repeat_interleave(0),
+@pytest.mark.parametrize("empty", [lambda c: c.reset(), lambda c: c.batch_repeat_interleave(0),
                                    lambda c: c.batch_select_indices(torch.tensor([False, False]))])
 def test_a_cache_emptied_by_selection_starts_afresh(empty):
     """Selecting no sequence empties the cache as `reset()` does: no consumed columns, and the next call (any batch
-    size) decodes from scratch, as on a `DynamicCache` emptied the same way."""
+    size) decodes from scratch, as on a `DynamicCache` emptied the same way; in another dtype too (the emptied
+    cache kept its float32 pool, and refused a bfloat16 model as holding float32 KV)."""
     model, vocab, _ = ouro_case()
     ids, mask = left_pad(random_prompts(8, [6, 3], vocab))
     cache = PagedLoopCache(model.kv_layout)
     generate(model, ids, mask, FIRST, "plain", None, cache=cache)
     empty(cache)
-    assert cache.get_seq_length() == 0 and cache.num_sequences == 0
+    assert cache.get_seq_length() == 0 and cache.num_sequences == 0 and not cache.is_initialized
     ids, mask = left_pad(random_prompts(9, [4, 2, 5], vocab))
     expected = generate(model, ids, mask, SECOND, "plain", None).sequences
     assert torch.equal(generate(model, ids, mask, SECOND, PIPELINE, None, cache=cache).sequences, expected)
+    cache.reset()
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    expected = generate(half, ids, mask, SECOND, "plain", None).sequences
+    assert torch.equal(generate(half, ids, mask, SECOND, "plain", None, cache=cache).sequences, expected)
 
 
 @pytest.mark.parametrize("mode", ["plain", PIPELINE])

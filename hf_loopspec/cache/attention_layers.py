@@ -28,8 +28,8 @@ class AttentionLayers:
         )
 
     def early_initialization(self, *args, **kwargs):
-        raise NotImplementedError("PagedLoopCache allocates its page pool when it is built (its max_pages) and is "
-                                  "written through rows; it has no layers to initialize early.")
+        raise NotImplementedError("PagedLoopCache allocates its page pool at its first write (or allocate_pool) "
+                                  "and is written through rows; it has no layers to initialize early.")
 
     # the states of linear-attention layers, which no layer here holds (transformers' own methods index `layers`,
     # which stays empty: an IndexError)

@@ -193,7 +193,13 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
 
     def set_columns(self, count: int, planes, attention_mask: torch.Tensor | None = None) -> None:
         """HF view: `planes` now hold every real token of the first `count` input columns, which `attention_mask`
-        `[B, C]` marks (None, or a column past C: every token real; `cache.columns`)."""
+        `[B, C]` marks (None, or a column past C: every token real; `cache.columns`). `ValueError` for a negative
+        count or a plane the layout lacks."""
+        planes = list(planes)
+        if not is_integer(count) or count < 0:
+            raise ValueError(f"count={count!r} must be an integer >= 0 (input columns consumed).")
+        for plane in planes:
+            self.columns(plane)  # (its check of the plane)
         self._columns.consume(count, planes, attention_mask)
 
     def check_layout(self, layout: KVLayout) -> None:
@@ -399,12 +405,14 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
         super().truncate(seq, depth, length)
 
     def reset(self) -> None:
+        """Empty the cache, its page pool too (as transformers' caches: `is_initialized` is False again), so that the
+        next call may write KV of another dtype or device."""
         self.branches.close_all()
-        for s in range(self.num_sequences):
-            self.free(s)
         self._pages, self._lengths, self._columns = [], [], ConsumedColumns(self.num_planes)
         self._parents.clear()
         self._block_tables = None
+        self.k_pool = self.v_pool = self.tags = None
+        self._refs, self._free = [], []
 
     @property
     def is_initialized(self) -> bool:
