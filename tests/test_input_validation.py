@@ -163,9 +163,16 @@ def test_a_right_padded_row_decoded_plainly_on_a_paged_cache_is_refused_naming_t
     right = mask.clone()
     right[0, -1] = 0  # row 0 ends in padding
     assert plain(model, ids, right, 3).sequences.shape[0] == len(ids)
-    with pytest.raises(ValueError, match=r"attention_mask has padding after real tokens in rows \[0\] \(right "
-                                         r"padding, decoded on\): .* pad on the left"):
+    with pytest.raises(ValueError, match=r"attention_mask ends in padding in rows \[0\], which decode on \(right "
+                                         r"padding\): .* pad on the left"):
         generate(model, ids, right, speculative_mode=None, cache=paged_cache(model))
+    cache = paged_cache(model)  # a second turn left-padded after the first: padding inside the row, not at its end
+    first = generate(model, ids, mask, 2, speculative_mode=None, cache=cache)
+    second = torch.cat([first, torch.tensor([[PAD, 5], [7, 8]])], 1)
+    second_mask = torch.cat([mask, torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1]])], 1)
+    with pytest.raises(ValueError, match=r"position_ids: .* cannot follow positions of your own"):
+        generate(model, second, second_mask, speculative_mode=None, cache=cache,
+                 position_ids=torch.arange(second.shape[1]).expand_as(second))
 
 
 ALL_MODES = {**MODES, "auto": {"speculative_mode": "auto"}}

@@ -163,14 +163,14 @@ class _PagedRows(ForwardRows):
         stored = [cache.length(s, 0) if s < cache.num_sequences else 0 for s in range(batch)]
         start = torch.tensor(stored, device=device)  # [B] real tokens already stored
         self.positions = start[self.seq] + real.long().cumsum(-1)[self.seq, self.col] - 1  # [N]
-        if position_ids is not None and not torch.equal(
-                position_ids.to(device).expand(batch, length)[self.seq, self.col], self.positions):
-            mask = attention_mask.to(device=device, dtype=torch.long)
-            padded = (mask.cummax(-1).values > mask).any(-1).nonzero().flatten().tolist()  # a 0 after a 1
-            if padded:  # (generate's positions then count on from the padding's: rows past it disagree)
-                raise ValueError(f"attention_mask has padding after real tokens in rows {padded[:8]} (right "
-                                 "padding, decoded on): a PagedLoopCache stores each token at its count of real "
-                                 "tokens, which transformers' positions for such rows do not follow; pad on the left "
+        given = None if position_ids is None else position_ids.to(device).expand(batch, length)[self.seq, self.col]
+        if given is not None and not torch.equal(given, self.positions):
+            rows = self.seq[given != self.positions].unique().tolist()
+            ended = [b for b in rows if self.past and not attention_mask[b, self.past - 1]]  # its last column padding
+            if ended:  # (generate's positions for such a row count on from its padding's)
+                raise ValueError(f"attention_mask ends in padding in rows {ended[:8]}, which decode on (right "
+                                 "padding): a PagedLoopCache stores each token at its count of real tokens, which "
+                                 "transformers' positions for such rows do not follow; pad on the left "
                                  "(tokenizer.padding_side = \"left\"), or decode on a DynamicCache.")
             raise ValueError("position_ids: a PagedLoopCache stores each token at its count of real tokens in its "
                              "row (the positions generate derives from the attention mask) and cannot follow "
