@@ -17,8 +17,6 @@ from pathlib import Path
 from .input_checks import check_source
 
 MODEL_ARGS = "--model_args"
-GEN_KWARGS_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
-                   "no_repeat_ngram_size")  # decoding settings lm-eval's --gen_kwargs passes to generate
 
 
 def run_lm_eval(args: list[str]) -> int:
@@ -48,14 +46,10 @@ def run_lm_eval(args: list[str]) -> int:
     try:
         cli_evaluate()  # argparse errors and --help end in SystemExit, which passes through
     except TypeError as err:  # lm-eval hands the keys it does not know to from_pretrained, and the model's __init__
-        if "unexpected keyword argument" not in str(err):
+        if "unexpected keyword argument" not in str(err):  # (a decoding setting is refused by from_pretrained itself)
             raise
-        from .generation.config import SPECULATIVE_KEYS
-
-        named = [key for key in (*SPECULATIVE_KEYS, *GEN_KWARGS_KEYS) if f"'{key}'" in str(err)]
-        fix = f"a decoding setting: pass {named[0]} in --gen_kwargs" if named else "drop it or correct its spelling"
         raise ValueError(f"{MODEL_ARGS}: {err}; lm-eval passes the keys it does not know to the model, which takes "
-                         f"no such argument: {fix}.") from err
+                         "no such argument: drop it or correct its spelling.") from err
     finally:
         sys.argv = saved
     return 0

@@ -251,3 +251,17 @@ def test_base_model_missing_key_raises(tmp_path, source):
     folder = broken_folder(tmp_path, source, lambda sd: sd.pop("model.norm.weight"))
     with pytest.raises(ValueError, match="model.norm.weight|norm.weight"):
         AutoModel.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("setting", [{"speculative_mode": "pipeline"}, {"draft_loops": 1}, {"temperature": 0.5},
+                                     {"max_new_tokens": 5}])
+def test_a_decoding_setting_given_to_from_pretrained_is_named(saved, setting):
+    """A setting only `generate` takes raises a `ValueError` naming it and where it goes (the model's `__init__`
+    raised a TypeError: lm-eval's own command hands `--model_args` keys to `from_pretrained`); a generation key that
+    is a config attribute (`eos_token_id`) still sets the config, as transformers does."""
+    (key, value), = setting.items()
+    for loader in (AutoModelForCausalLM, AutoModel):
+        with pytest.raises(ValueError, match=rf"{key}={value!r}: decoding settings, which generate\(\) takes .* "
+                                             "--gen_kwargs"):
+            loader.from_pretrained(saved, **setting)
+    assert AutoModelForCausalLM.from_pretrained(saved, eos_token_id=5).config.eos_token_id == 5

@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import PretrainedConfig
+from transformers import GenerationConfig, PretrainedConfig
 from transformers.cache_utils import DynamicCache
 from transformers.utils import find_adapter_config_file
 
-from ..generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS, asks
+from ..generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS, SPECULATIVE_KEYS, asks
 from ..generation.inputs import check_cache_type
 from ..generation.saved_config import mark_user_generation_config, restore_speculative_keys, saved_generation_dict
 from .load_report import held_load_report
@@ -107,6 +107,21 @@ class StrictLoadingMixin:
                              "AutoModelForCausalLM.from_pretrained, which picks the class of its family.")
 
     @classmethod
+    def _check_decoding_keys(cls, kwargs: dict) -> None:
+        """`ValueError` for keyword arguments that only `generate` takes: the speculative keys and transformers'
+        generation settings that are no attribute of the family's config (`temperature`, `max_new_tokens`, ...;
+        `eos_token_id` is one, and updates the config). transformers hands such a key to the model's `__init__`,
+        whose TypeError names neither where the setting goes nor that `from_pretrained` is the wrong place."""
+        config_keys = cls.config_class().to_dict()
+        generation_keys = {key for key in GenerationConfig().to_dict() if not key.startswith("_")}
+        given = [f"{key}={value!r}" for key, value in kwargs.items()
+                 if key in SPECULATIVE_KEYS or (key in generation_keys and key not in config_keys)]
+        if given:
+            raise ValueError(f"{', '.join(given)}: decoding settings, which generate() takes and from_pretrained does "
+                             f"not ({cls.__name__} takes no such argument): pass them to generate(...), or set them "
+                             "on model.generation_config after loading (lm-eval: in --gen_kwargs, not --model_args).")
+
+    @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`, except that a checkpoint whose tensors do not match the model
         (missing, unexpected or mis-shaped keys) raises `ValueError` instead of loading half-random weights.
@@ -121,6 +136,7 @@ class StrictLoadingMixin:
             raise ValueError(f"{', '.join(foreign)}: generation settings of another model family (Ouro's exit options, "
                              f"Huginn's recurrence settings); {cls.__name__} takes "
                              f"{', '.join(cls.generation_keys) or 'none'}. Drop them.")
+        cls._check_decoding_keys(kwargs)
         cls._check_family(args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs)
         want_info = kwargs.pop("output_loading_info", False)
         family = {key: kwargs.pop(key) for key in cls.generation_keys if key in kwargs}
