@@ -181,15 +181,17 @@ def expose_architecture(spec: str, trust_remote_code: bool = False) -> type:
 
 
 def chat_template_note(spec: str) -> str | None:
-    """A note for the operator when `spec`'s tokenizer has no chat template (/v1/chat/completions and /v1/responses
-    then fail for every request), else None; `ModelNotAvailable` when it has no tokenizer (`loading.load_tokenizer`)."""
+    """A note for the operator when `spec`'s tokenizer has no chat template (/v1/chat/completions, /v1/responses and
+    /v1/systemone then fail for every request), else None; `ModelNotAvailable` when it has no tokenizer
+    (`loading.load_tokenizer`)."""
     from .loading import load_tokenizer
 
     tokenizer = load_tokenizer(spec)
     if getattr(tokenizer, "chat_template", None):
         return None
-    return (f"hf-loopspec serve: note: the tokenizer of {spec} has no chat template, so /v1/chat/completions and "
-            "/v1/responses cannot format messages and fail; /v1/completions serves raw prompts.")
+    return (f"hf-loopspec serve: note: the tokenizer of {spec} has no chat template, so /v1/chat/completions, "
+            "/v1/responses and (without a --decision-config template) /v1/systemone cannot format messages and fail; "
+            "/v1/completions serves raw prompts.")
 
 
 def openai_errors(positions: int | None = None, limit: int = HANDLERS_LEAST) -> None:

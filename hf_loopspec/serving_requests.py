@@ -1,7 +1,7 @@
 """What a request to `hf-loopspec serve` may hold: the checks the server runs on a completion request's JSON body
 before transformers' handlers read it (`request_problem`, `value_problem`), and the rewrites of OpenAI's values into
-the forms those handlers take (`as_transformers_reads`). `serving.openai_errors` applies both to every POST
-(`body_problem`)."""
+the forms those handlers take (`as_transformers_reads`). `serving.openai_errors` applies both to every POST to
+those endpoints (`body_problem`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import reprlib
 from .serving_responses import token_limit
 from .serving_stops import stop_strings
 
+GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # the endpoints whose bodies are checked
 TEXT_PARTS = frozenset({"text", "input_text", "output_text"})  # the content part types of text (chat, Responses)
 TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 ONE_ANSWER = {  # request fields the server cannot honour (transformers logs them as ignored), and the fix
@@ -111,11 +112,14 @@ def request_problem(body, positions: int | None = None, path: str = "") -> str |
 
 
 async def body_problem(request, positions: int | None, limit: int) -> str | None:
-    """Why a POST's JSON body is refused (`request_problem`, for a model of `positions` positions; a body that is not
-    JSON, or nests too deeply), or None, after giving the request the body transformers reads
-    (`as_transformers_reads`), its stop strings, `request.state.stops` (`serving_stops`), and for /v1/responses its
-    token limit, `request.state.limit` (`serving_responses`; `limit` when it sets none)."""
-    if request.method != "POST" or "json" not in request.headers.get("content-type", "").lower():
+    """Why a POST's JSON body to a generating endpoint (`GENERATING`) is refused (`request_problem`, for a model of
+    `positions` positions; a body that is not JSON, or nests too deeply), or None, after giving the request the body
+    transformers reads (`as_transformers_reads`), its stop strings, `request.state.stops` (`serving_stops`), and for
+    /v1/responses its token limit, `request.state.limit` (`serving_responses`; `limit` when it sets none). Other
+    endpoints' bodies (/v1/systemone's, whose schema forbids fields it does not name, /load_model's) go to their
+    handlers as sent."""
+    if request.method != "POST" or "json" not in request.headers.get("content-type", "").lower() \
+            or request.url.path.rstrip("/") not in GENERATING:
         return None
     try:
         body = json.loads(await request.body())

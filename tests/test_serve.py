@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import logging
 import pickle
@@ -27,6 +28,7 @@ import pytest
 import torch
 import transformers
 from cli_utils import one_error_line
+from tolerances import fp32_tolerance, ouro_depth
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cli.serve import Serve
 
@@ -286,6 +288,11 @@ def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, referenc
             assert answer[0] == status and message in answer[1]["error"]["message"], (body[:40], answer)
         refused.kept = kept  # what the refused requests ran, if anything, is not part of the checks below
         assert ask(client, checkpoint, "completions", PROMPTS[2], False)[0]
+        if SYSTEMONE:  # the body reaches transformers' handler as sent (a `stream` added to it made every one a 422)
+            status, answer = post(client, "systemone", json.dumps({"model": checkpoint, **DECISION}).encode(),
+                                  "application/json")
+            assert status == 200, answer
+            check_decision(checkpoint, answer["answers"]["tone"])
 
     block = [("block", PROMPTS[0], False), ("block", PROMPTS[1], True)]
     check_concurrent_requests(checkpoint, reference, CASES + block, then=refused)
@@ -294,6 +301,26 @@ def test_serve_answers_concurrent_clients_as_plain_generate(checkpoint, referenc
     settings = refused.kept
     assert settings.count(("block", 1, BLOCK["num_speculative_tokens"])) == len(block)
     assert set(settings) <= {("block", 1, BLOCK["num_speculative_tokens"]), ("pipeline", 1, 4), ("block", 1, 4)}
+
+
+SYSTEMONE = importlib.util.find_spec("transformers.cli.serving.systemone") is not None  # (transformers >= 5.25)
+DECISION = {"state": "def f(x):",
+            "questions": {"tone": {"type": "choice", "criteria": {"calm": "polite", "angry": None}}}}
+
+
+def check_decision(checkpoint: str, got: dict) -> None:
+    """`got`, the server's answer to `DECISION`'s question, is what transformers' decision code answers for the
+    checkpoint loaded in this process. Both evaluate the same fp32 forward; the tolerance is the forward's
+    depth-derived rtol (`tolerances`), far below what a wrong prompt, model or label moves these probabilities by."""
+    from transformers.cli.serving.utils import answer_questions
+    from transformers.decision import DecisionConfig
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    answers, _ = answer_questions(model, AutoTokenizer.from_pretrained(checkpoint), DECISION, DecisionConfig())
+    want = answers["tone"]
+    bound = fp32_tolerance(**ouro_depth(model.config))["rtol"]
+    assert got["choice"] == want["choice"] and set(got["probabilities"]) == {"calm", "angry"}
+    assert got["probabilities"] == pytest.approx(want["probabilities"], abs=bound)
 
 
 # (body, content type, status, part of the message): bodies FastAPI or transformers' handlers answered with a bare
@@ -474,7 +501,7 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
     OpenAI's whole-number `logit_bias` reaches the chat handler as the floats transformers' `sequence_bias` takes
     (it answered 400 with its own message), /v1/completions refuses it (its handler drops it without a word), and a
     client that leaves before its answer is no server error (starlette's "No response returned." was logged with
-    a traceback)."""
+    a traceback). Other endpoints' bodies (/v1/systemone's) reach their handlers as sent."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, StreamingResponse
     from transformers.cli.serving import utils as serving_utils
@@ -484,6 +511,9 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
         if body.get("stream"):
             return StreamingResponse(iter([b'data: {"choices": []}\n\n']), media_type="text/event-stream")
         return JSONResponse(body)
+
+    async def echo(request):  # what /v1/systemone's handler reads (its schema forbids any field it does not name)
+        return JSONResponse(await request.json())
 
     async def responses(request):  # a handler that fails on what a request lacks
         raise KeyError("type")
@@ -496,6 +526,7 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
     app.router.add_route("/v1/chat/completions", chat, methods=["POST"])
     app.router.add_route("/v1/completions", completions, methods=["POST"])
     app.router.add_route("/v1/responses", responses, methods=["POST"])
+    app.router.add_route("/v1/systemone", echo, methods=["POST"])
     dead = getattr(serving_utils, "EngineDeadError", None)  # transformers >= 5.25: the model's process died
 
     async def died(request):
@@ -524,6 +555,9 @@ def test_the_servers_checks_on_a_stand_in_app(monkeypatch, caplog):
             {"type": "text", "text": "Well."}, {"type": "text", "text": "I can't."}]
         status, echoed = post(base, "chat/completions", b'{"messages": [], "stop": []}', "application/json")
         assert status == 200 and "stop" not in echoed  # OpenAI's "no stop" (transformers failed on it)
+        decision = {"model": "m", "state": "x", "questions": {"q": {"type": "noul"}}, "n": 2, "stop": []}
+        status, echoed = post(base, "systemone", json.dumps(decision).encode(), "application/json")
+        assert status == 200 and echoed == decision  # (a `stream` added to every POST made /v1/systemone a 422)
         status, answer = post(base, "responses", b'{"input": "hi"}', "application/json")  # a bare text 500 before
         assert status == 500 and "the server failed on this request (KeyError: 'type')" in answer["error"]["message"]
         if dead is not None:  # transformers' 503, in OpenAI's shape (its own answer was {"error": "text"})
