@@ -388,8 +388,8 @@ def test_compiled_step_across_batch_sizes(monkeypatch):
 
 def test_generate_speculative_engine():
     """"auto" (the default, here on a CPU, eager) and "wavefront" run the wavefront engine, with plain's tokens and
-    the reference's counters; a debug cache runs the reference (its lineage checks follow lanes); the retired
-    "lanes" is refused."""
+    the reference's counters; a debug cache runs the reference (its lineage checks follow lanes), and refuses
+    `compile_core` (the reference does not compile); the retired "lanes" is refused."""
     model, ids, mask = _batch(6)
     eos = 9
     ref = plain(model, ids, mask, NEW, eos_token_id=eos)
@@ -403,6 +403,8 @@ def test_generate_speculative_engine():
         assert _counts(out.speculation) == _counts(oracle.speculation)
     with pytest.raises(ValueError, match="decode_with_lanes"):
         speculative(model, ids, mask, NEW, "pipeline", 1, 1, speculative_engine="lanes")
+    with pytest.raises(ValueError, match=r"compile_core with a PagedLoopCache\(debug=True\).* runs the reference"):
+        speculative(model, ids, mask, NEW, "pipeline", 1, 1, debug=True, compile_core="eager")  # (ran eager, unsaid)
 
 
 @pytest.mark.parametrize(("mode", "d", "k"), mode_params(MODE_PAIR))

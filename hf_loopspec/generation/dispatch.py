@@ -5,8 +5,8 @@ the wavefront engine (`generation.wavefront`) on every device, eager or compiled
 "wavefront" are the same engine). A setting the engine does not support (`unsupported`) raises a `ValueError` that
 names it; nothing switches engine or decodes another way without saying so. One explicit exception: a
 `PagedLoopCache(debug=True)` asks for the lineage checks of invariant I1, which follow the lane decoder's lanes, so
-such a call runs the reference under "auto" (`decoder.LaneDecoder`; `out.speculation.engine == "lanes"`), and
-`speculative_engine="wavefront"` refuses it.
+such a call runs the reference under "auto" (`decoder.LaneDecoder`; `out.speculation.engine == "lanes"`), eager
+(`compile_core` with it is refused), and `speculative_engine="wavefront"` refuses it.
 
 The reference takes the same request (`LaneDecoder.from_request`), and `model.decode_with_lanes(...)` runs it
 directly: it is the tests' oracle for tokens, counters and KV planes, not an engine users choose for speed.
@@ -72,6 +72,10 @@ def run_speculative(model, request: SpeculativeRequest) -> DecodeResult:
     """One speculative run of `generate` (see the module docstring); raises `ValueError` naming every setting of
     the request the engine does not support."""
     if request.cache.debug and request.spec.engine == "auto":
+        if request.spec.compile_backend is not None:  # (it ran the reference eager, the setting unused)
+            raise ValueError("compile_core with a PagedLoopCache(debug=True): such a cache runs the reference decoder "
+                             "(its lineage checks follow the reference's lanes), which does not compile; drop "
+                             "compile_core, or pass a cache made with debug=False.")
         result = LaneDecoder.from_request(model, request).run()
     elif problems := unsupported(model, request):
         raise ValueError(f"speculative decoding (the wavefront engine) does not support {'; '.join(problems)}. "
