@@ -16,9 +16,12 @@ time slice, not the decoder's); the first plain step (the prompt's prefill) is l
 the mean of its intervals without one over twice the next longest (`cycle_mean`): the engine's host work comes in
 periods (a read-back every few cycles), so its long intervals are its own and come several to a run, and leaving
 them out made speculation look several times cheaper than it is; a lone longer one is another process's.
-Set-up and prefill need no warm-up or second run to cancel out, since only steps in the middle of a run are
-timed. On a CUDA device each timed cycle waits for the device, so the engine's overlap of host and device work is
-not credited (auto's own segments, `auto_costs.observe`, then measure it).
+Set-up and prefill need no warm-up to cancel out, since only steps in the middle of a run are timed. The runs are
+repeated in `ROUNDS` interleaved rounds (plain, then each timed candidate, again), and each cost is its fastest
+round's: the runs are short, another process that held the CPU through one whole run made its cost, stored for every
+later process, several times what it is, and the choice followed it (on a busy 2-core machine, pipeline decoding was
+chosen for every call of a model it slows down). On a CUDA device each timed cycle waits for the device, so the
+engine's overlap of host and device work is not credited (auto's own segments, `auto_costs.observe`, then measure it).
 
 Only the shallowest pipeline depth is timed; the other candidates take its cycle cost:
 * a deeper pipeline's cycle is one core call with the same head and embedding work over at most as many rows (at
@@ -53,6 +56,7 @@ PROBE_PROMPT = 8  # prompt tokens of a calibration run
 PROBE_TOKENS = 8  # new tokens of the calibration runs
 CALIBRATION_PERIOD = 4  # the calibration's drafts: right but one in this many (acceptance 3/4: typical lane counts)
 SPIKE = 2.0  # intervals over this many times their median are left out (module docstring)
+ROUNDS = 3  # interleaved timing rounds of a calibration; each cost is its fastest round's (module docstring)
 
 
 def costs_for(model, batch: int, candidates: list[Candidate]) -> CostTable:
@@ -106,25 +110,32 @@ def decode(data) -> CostTable | None:
 
 
 def measure_costs(model, batch: int, candidates: list[Candidate], known: CostTable | None = None) -> CostTable:
-    """Time plain decoding and the candidates no other one covers (`_covers`) on random prompts of `batch` rows,
-    and derive the rest (module docstring); with `known`, its costs stay, only what it lacks is added, and nothing
-    is timed when the added candidates are covered by its own."""
-    cycle, runs = dict(known.cycle) if known is not None else {}, {}
-
-    def timed_plain():  # the random prompt, plain decoding's tokens and seconds per step, made once if needed
-        if not runs:
-            vocab = model.head_width
-            generator = torch.Generator().manual_seed(0)
-            ids = torch.randint(min(3, vocab - 1), vocab, (batch, PROBE_PROMPT), generator=generator)
-            runs["ids"] = ids.to(execution_device(model))
-            runs["reference"], runs["plain"] = _plain_run(model, runs["ids"])
-        return runs
-
-    for candidate in sorted(_missing(known or CostTable(0.0, {}), candidates), key=_order):
-        source = min((c for c in cycle if _covers(c, candidate)), key=_order, default=None)
-        cycle[candidate] = cycle[source] if source is not None else \
-            _cycle_seconds(model, timed_plain()["ids"], candidate, timed_plain()["reference"])
-    return CostTable(known.plain_step if known is not None else timed_plain()["plain"], cycle, adapt=True)
+    """Time plain decoding and the candidates no other one covers (`_covers`) on random prompts of `batch` rows, in
+    `ROUNDS` interleaved rounds, each cost its fastest round's (module docstring), and derive the rest; with `known`,
+    its costs stay, only what it lacks is added, and nothing is timed when the added candidates are covered by its
+    own."""
+    cycle = dict(known.cycle) if known is not None else {}
+    missing = sorted(_missing(known or CostTable(0.0, {}), candidates), key=_order)
+    timed: list[Candidate] = []  # the candidates that no earlier one covers, in `_order`
+    for candidate in missing:
+        if not any(_covers(c, candidate) for c in (*cycle, *timed)):
+            timed.append(candidate)
+    plain = math.inf if known is None else known.plain_step
+    if timed or known is None:
+        vocab = model.head_width
+        ids = torch.randint(min(3, vocab - 1), vocab, (batch, PROBE_PROMPT), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(execution_device(model))
+        seconds = dict.fromkeys(timed, math.inf)
+        for _ in range(ROUNDS):  # plain, then each timed candidate, again and again
+            reference, step = _plain_run(model, ids)
+            plain = min(plain, step) if known is None else plain
+            for candidate in timed:
+                seconds[candidate] = min(seconds[candidate], _cycle_seconds(model, ids, candidate, reference))
+        cycle.update(seconds)
+    for candidate in missing:
+        if candidate not in cycle:
+            cycle[candidate] = cycle[min((c for c in cycle if _covers(c, candidate)), key=_order)]
+    return CostTable(plain, cycle, adapt=True)
 
 
 def _order(candidate: Candidate) -> tuple:
