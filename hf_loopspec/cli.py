@@ -95,14 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "whether the tokens are identical (exit status 1 when greedy float32 tokens differ)")
 
     batch = commands.add_parser(
-        "batch", help="generate for every row of a JSONL file (data-parallel under accelerate launch)",
+        "batch", help="generate for every row of a file of prompts (data-parallel under accelerate launch)",
         description="Generate a completion for every {\"id\": ..., \"prompt\": ...} row of PROMPTS into OUT (JSONL, "
                     "input order), in length-grouped batches. Under `accelerate launch --num_processes N -m "
                     "hf_loopspec.cli batch ...` every process decodes its shard of the batches (without a GPU add "
                     "--multi_gpu, or use torchrun --nproc_per_node N: accelerate's CPU launch starts one process). "
                     "Resumable: rerun the same command after a kill and only the unfinished rows are generated.")
     batch.add_argument("prompts", metavar="PROMPTS",
-                       help="JSONL file, one {\"id\": ..., \"prompt\": ...} object a line")
+                       help="JSONL file, one {\"id\": ..., \"prompt\": ...} object a line (or a .json array, "
+                            ".csv or .parquet file of such rows)")
     batch.add_argument("--output", required=True, metavar="OUT",
                        help="the JSONL file to write (parts go to OUT.parts/)")
     batch.add_argument("--field", default="prompt", help="the field that holds the text (default: %(default)s)")
