@@ -255,13 +255,21 @@ def test_base_model_missing_key_raises(tmp_path, source):
 
 @pytest.mark.parametrize("setting", [{"speculative_mode": "pipeline"}, {"draft_loops": 1}, {"temperature": 0.5},
                                      {"max_new_tokens": 5}])
-def test_a_decoding_setting_given_to_from_pretrained_is_named(saved, setting):
+def test_a_decoding_setting_given_to_from_pretrained_is_named(saved, tmp_path, setting):
     """A setting only `generate` takes raises a `ValueError` naming it and where it goes (the model's `__init__`
-    raised a TypeError: lm-eval's own command hands `--model_args` keys to `from_pretrained`); a generation key that
-    is a config attribute (`eos_token_id`) still sets the config, as transformers does."""
+    raised a TypeError: lm-eval's own command hands `--model_args` keys to `from_pretrained`); a base model, which
+    does not generate, says to load the causal LM. A generation key that the config holds (`eos_token_id`, or one a
+    config.json adds) still sets the config, as transformers does, through the family's class too."""
     (key, value), = setting.items()
-    for loader in (AutoModelForCausalLM, AutoModel):
-        with pytest.raises(ValueError, match=rf"{key}={value!r}: decoding settings, which generate\(\) takes .* "
-                                             "--gen_kwargs"):
-            loader.from_pretrained(saved, **setting)
+    with pytest.raises(ValueError, match=rf"{key}={value!r}: a decoding setting, which generate takes .* pass it to "
+                                         r"generate\(\.\.\.\), or set it on model.generation_config .*--gen_kwargs"):
+        AutoModelForCausalLM.from_pretrained(saved, **setting)
+    with pytest.raises(ValueError, match=rf"{key}={value!r}: .* OuroModel does not generate: load the causal LM"):
+        AutoModel.from_pretrained(saved, **setting)
     assert AutoModelForCausalLM.from_pretrained(saved, eos_token_id=5).config.eos_token_id == 5
+    folder = tmp_path / "own-key"
+    shutil.copytree(saved, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "decoder_start_token_id": 1}))
+    for loader in (OuroForCausalLM, OuroModel, AutoModelForCausalLM):
+        assert loader.from_pretrained(folder, decoder_start_token_id=3).config.decoder_start_token_id == 3

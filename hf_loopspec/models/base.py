@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -107,19 +108,21 @@ class StrictLoadingMixin:
                              "AutoModelForCausalLM.from_pretrained, which picks the class of its family.")
 
     @classmethod
-    def _check_decoding_keys(cls, kwargs: dict) -> None:
-        """`ValueError` for keyword arguments that only `generate` takes: the speculative keys and transformers'
-        generation settings that are no attribute of the family's config (`temperature`, `max_new_tokens`, ...;
-        `eos_token_id` is one, and updates the config). transformers hands such a key to the model's `__init__`,
-        whose TypeError names neither where the setting goes nor that `from_pretrained` is the wrong place."""
-        config_keys = cls.config_class().to_dict()
-        generation_keys = {key for key in GenerationConfig().to_dict() if not key.startswith("_")}
-        given = [f"{key}={value!r}" for key, value in kwargs.items()
-                 if key in SPECULATIVE_KEYS or (key in generation_keys and key not in config_keys)]
-        if given:
-            raise ValueError(f"{', '.join(given)}: decoding settings, which generate() takes and from_pretrained does "
-                             f"not ({cls.__name__} takes no such argument): pass them to generate(...), or set them "
-                             "on model.generation_config after loading (lm-eval: in --gen_kwargs, not --model_args).")
+    def _decoding_refusal(cls, error: TypeError, kwargs: dict) -> ValueError | None:
+        """The `ValueError` for a `from_pretrained` keyword that only `generate` takes (a speculative key, or a
+        transformers generation setting that the loaded config does not hold: `temperature`, `max_new_tokens`, ...),
+        which transformers handed to the model's `__init__`: its `error` named neither where the setting goes nor
+        that `from_pretrained` is the wrong place. None for another TypeError."""
+        found = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+        key = found.group(1) if found else None
+        if key not in kwargs or not (key in SPECULATIVE_KEYS or hasattr(GenerationConfig(), key)):
+            return None
+        fix = ("pass it to generate(...), or set it on model.generation_config after loading (lm-eval: in "
+               "--gen_kwargs, not --model_args)" if hasattr(cls, "call_block") else
+               f"{cls.__name__} does not generate: load the causal LM (AutoModelForCausalLM) and pass it to its "
+               "generate(...)")
+        return ValueError(f"{key}={kwargs[key]!r}: a decoding setting, which generate takes and from_pretrained "
+                          f"does not ({cls.__name__} takes no such argument): {fix}.")
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -136,7 +139,6 @@ class StrictLoadingMixin:
             raise ValueError(f"{', '.join(foreign)}: generation settings of another model family (Ouro's exit options, "
                              f"Huginn's recurrence settings); {cls.__name__} takes "
                              f"{', '.join(cls.generation_keys) or 'none'}. Drop them.")
-        cls._check_decoding_keys(kwargs)
         cls._check_family(args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs)
         want_info = kwargs.pop("output_loading_info", False)
         family = {key: kwargs.pop(key) for key in cls.generation_keys if key in kwargs}
@@ -148,8 +150,13 @@ class StrictLoadingMixin:
         # transformers would raise a RuntimeError for mis-shaped tensors that names no key (the details go to a
         # log report only); let it load and raise the ValueError below, which lists the keys and shapes.
         with held_load_report() as report:  # (logged unless refused below: it would call the keys initialized)
-            model, info = super().from_pretrained(*args, output_loading_info=True, ignore_mismatched_sizes=True,
-                                                  **kwargs)
+            try:
+                model, info = super().from_pretrained(*args, output_loading_info=True, ignore_mismatched_sizes=True,
+                                                      **kwargs)
+            except TypeError as error:
+                if (refusal := cls._decoding_refusal(error, kwargs)) is None:
+                    raise
+                raise refusal from None
             checked = ("missing_keys", "unexpected_keys") + (() if fresh_mismatched else ("mismatched_keys",))
             problems = {name: sorted(info.get(name) or ()) for name in checked}
             problems = {name: keys for name, keys in problems.items() if keys}
