@@ -173,8 +173,8 @@ def test_without_lm_eval_installed_the_error_is_one_line(monkeypatch, capsys):
     (",dtype=float99", "dtype=float99"),  # lm-eval's getattr(torch, ...) raised an AttributeError
     (",max_length=abc", "max_length=abc: pass a whole number"),  # a TypeError once lm-eval ran its requests
     (",max_batch_size=0", "max_batch_size=0"),
-    (",speculative_mode=pipeline", "speculative_mode='pipeline': a decoding setting"),  # refused by from_pretrained
-    (",temperature=0.5", "temperature=0.5: a decoding setting"),
+    (",speculative_mode=pipeline", "speculative_mode='pipeline': decoding settings"),  # refused by from_pretrained
+    (",temperature=0.5,top_k=3", "temperature=0.5, top_k=3: decoding settings"),
 ])
 def test_bad_model_args_end_in_one_line(task_dir, capsys, model_args, named):
     """docs/cli.md: every error a user can cause ends in one line and exit status 2 (these were tracebacks, 1). A

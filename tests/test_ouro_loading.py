@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import shutil
 
 import pytest
@@ -254,17 +255,19 @@ def test_base_model_missing_key_raises(tmp_path, source):
 
 
 @pytest.mark.parametrize("setting", [{"speculative_mode": "pipeline"}, {"draft_loops": 1}, {"temperature": 0.5},
-                                     {"max_new_tokens": 5}])
-def test_a_decoding_setting_given_to_from_pretrained_is_named(saved, tmp_path, setting):
-    """A setting only `generate` takes raises a `ValueError` naming it and where it goes (the model's `__init__`
-    raised a TypeError: lm-eval's own command hands `--model_args` keys to `from_pretrained`); a base model, which
-    does not generate, says to load the causal LM. A generation key that the config holds (`eos_token_id`, or one a
-    config.json adds) still sets the config, as transformers does, through the family's class too."""
-    (key, value), = setting.items()
-    with pytest.raises(ValueError, match=rf"{key}={value!r}: a decoding setting, which generate takes .* pass it to "
-                                         r"generate\(\.\.\.\), or set it on model.generation_config .*--gen_kwargs"):
+                                     {"max_new_tokens": 5, "use_cache": False, "top_k": 3}])
+def test_decoding_settings_given_to_from_pretrained_are_named(saved, tmp_path, setting):
+    """Settings only `generate` takes raise a `ValueError` naming every one of them and where they go (the model's
+    `__init__` raised a TypeError naming the first: lm-eval's own command hands `--model_args` keys to
+    `from_pretrained`); a base model, which does not generate, says to load the causal LM. A generation key that the
+    config holds (`use_cache`, `eos_token_id`, or one a config.json adds) still sets the config, as transformers
+    does, through the family's class too."""
+    named = ", ".join(f"{key}={value!r}" for key, value in setting.items() if key != "use_cache")
+    with pytest.raises(ValueError, match=rf"^{re.escape(named)}: decoding settings, which generate takes .* pass "
+                                         r"them to generate\(\.\.\.\), or set them on model.generation_config .*"
+                                         "--gen_kwargs"):
         AutoModelForCausalLM.from_pretrained(saved, **setting)
-    with pytest.raises(ValueError, match=rf"{key}={value!r}: .* OuroModel does not generate: load the causal LM"):
+    with pytest.raises(ValueError, match=rf"^{re.escape(named)}: .* OuroModel does not generate: load the causal LM"):
         AutoModel.from_pretrained(saved, **setting)
     assert AutoModelForCausalLM.from_pretrained(saved, eos_token_id=5).config.eos_token_id == 5
     folder = tmp_path / "own-key"

@@ -108,21 +108,30 @@ class StrictLoadingMixin:
                              "AutoModelForCausalLM.from_pretrained, which picks the class of its family.")
 
     @classmethod
-    def _decoding_refusal(cls, error: TypeError, kwargs: dict) -> ValueError | None:
-        """The `ValueError` for a `from_pretrained` keyword that only `generate` takes (a speculative key, or a
+    def _decoding_refusal(cls, error: TypeError, args: tuple, kwargs: dict) -> ValueError | None:
+        """The `ValueError` naming every `from_pretrained` keyword that only `generate` takes (a speculative key, or a
         transformers generation setting that the loaded config does not hold: `temperature`, `max_new_tokens`, ...),
-        which transformers handed to the model's `__init__`: its `error` named neither where the setting goes nor
-        that `from_pretrained` is the wrong place. None for another TypeError."""
+        when transformers handed one to the model's `__init__` (its `error` named the first alone, and neither where
+        the setting goes nor that `from_pretrained` is the wrong place); None for another TypeError. The keys the
+        config does not take are the config class's own answer (`return_unused_kwargs`), or all of them beside a
+        `config` object, which transformers does not update."""
         found = re.search(r"unexpected keyword argument '(\w+)'", str(error))
-        key = found.group(1) if found else None
-        if key not in kwargs or not (key in SPECULATIVE_KEYS or hasattr(GenerationConfig(), key)):
+        decoding = {key for key in kwargs if key in SPECULATIVE_KEYS or hasattr(GenerationConfig(), key)}
+        if not found or found.group(1) not in decoding:
             return None
-        fix = ("pass it to generate(...), or set it on model.generation_config after loading (lm-eval: in "
+        unused = decoding
+        if not isinstance(kwargs.get("config"), PretrainedConfig):
+            path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+            download = {key: kwargs[key] for key in DOWNLOAD_KEYS if key in kwargs}
+            _, unused = cls.config_class.from_pretrained(path, return_unused_kwargs=True, **download,
+                                                         **{key: kwargs[key] for key in decoding})
+        given = ", ".join(f"{key}={value!r}" for key, value in kwargs.items() if key in decoding and key in unused)
+        fix = ("pass them to generate(...), or set them on model.generation_config after loading (lm-eval: in "
                "--gen_kwargs, not --model_args)" if hasattr(cls, "call_block") else
-               f"{cls.__name__} does not generate: load the causal LM (AutoModelForCausalLM) and pass it to its "
+               f"{cls.__name__} does not generate: load the causal LM (AutoModelForCausalLM) and pass them to its "
                "generate(...)")
-        return ValueError(f"{key}={kwargs[key]!r}: a decoding setting, which generate takes and from_pretrained "
-                          f"does not ({cls.__name__} takes no such argument): {fix}.")
+        return ValueError(f"{given}: decoding settings, which generate takes and from_pretrained does not "
+                          f"({cls.__name__} takes no such argument): {fix}.")
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -154,7 +163,7 @@ class StrictLoadingMixin:
                 model, info = super().from_pretrained(*args, output_loading_info=True, ignore_mismatched_sizes=True,
                                                       **kwargs)
             except TypeError as error:
-                if (refusal := cls._decoding_refusal(error, kwargs)) is None:
+                if (refusal := cls._decoding_refusal(error, args, kwargs)) is None:
                     raise
                 raise refusal from None
             checked = ("missing_keys", "unexpected_keys") + (() if fresh_mismatched else ("mismatched_keys",))
