@@ -562,7 +562,8 @@ def test_a_cache_filled_at_fewer_loops_is_refused_alike_by_every_decoder(kind):
             forget(model)
         messages.append(str(refused.value))
     assert len(set(messages)) == 1, messages
-    assert re.match(r"past_key_values( holds KV in \d+ layers|: the PagedLoopCache was made for)", messages[0])
+    assert re.match(r"the cache passed \(cache= or past_key_values=\)"
+                    r"( holds KV in \d+ layers|: the PagedLoopCache was made for)", messages[0])
 
 
 @pytest.mark.parametrize("costs", ["plain", "speculative"])

@@ -103,7 +103,8 @@ def test_refill_in_place_and_refusals(case):
     larger = DynamicCache()
     for i in range(layout.num_planes * layout.num_layers + 1):
         larger.update(ref.cache.layers[0].keys, ref.cache.layers[0].values, i)
-    with pytest.raises(ValueError, match="past_key_values holds KV in .* layers, but this call writes"):
+    with pytest.raises(ValueError, match=r"the cache passed \(cache= or past_key_values=\) holds KV in .* layers, "
+                                         "but this call writes"):
         to_paged(larger, layout, full)
     partial = DynamicCache()  # every layer full but the second of loop depth 0
     for i in range(layout.num_planes * layout.num_layers):
@@ -188,6 +189,7 @@ def test_a_dynamic_cache_that_does_not_fit_is_refused(mode):
         first = filler.generate(ids, cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0,
                                 speculative_mode=None)
         again = torch.cat([first] * batch)
-        with pytest.raises(ValueError, match=r"past_key_values holds keys of shape \(1, 2, 8, (8|16)\)"):
+        with pytest.raises(ValueError, match=r"the cache passed \(cache= or past_key_values=\) holds keys of shape "
+                                             r"\(1, 2, 8, (8|16)\)"):
             model.generate(again, attention_mask=torch.ones_like(again), cache=cache, max_new_tokens=3,
                            do_sample=False, pad_token_id=0, **mode)

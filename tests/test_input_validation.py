@@ -116,9 +116,10 @@ def test_right_padding_is_refused_in_the_speculative_modes(model, mode):
 
 
 @pytest.mark.parametrize("mode", SPECULATIVE.values(), ids=list(SPECULATIVE))
-def test_a_cache_of_another_layout_names_past_key_values(model, inputs, mode):
+def test_a_cache_of_another_layout_names_the_cache_argument(model, inputs, mode):
     other = tiny_spec_model(8, vocab=VOCAB, hidden=64)  # head_dim 16 instead of 8
-    with pytest.raises(ValueError, match=r"past_key_values: the PagedLoopCache was made for"):
+    with pytest.raises(ValueError, match=r"the cache passed \(cache= or past_key_values=\): the PagedLoopCache was "
+                                         "made for"):
         generate(model, *inputs, cache=paged_cache(other, debug=False), **mode)
 
 

@@ -476,6 +476,8 @@ MALFORMED = {  # (ids, mask) from the valid (ids, mask) -> message
     "fully masked row": (lambda i, m: (i, torch.cat([m[:1] * 0, m[1:]])),
                          r"attention_mask marks no real token in rows \[0\]"),
     "mask of another shape": (lambda i, m: (i, m[:, 1:]), r"attention_mask has shape \(2, 5\)"),
+    "mask as a list": (lambda i, m: (i, m.tolist()), r"attention_mask must be a torch tensor like input_ids, got a "
+                       r"list; pass torch.tensor\(mask\)"),  # (it read "has shape list")
     "1-D mask": (lambda i, m: (i[0], m[0]), r"input_ids must be a 2-D"),
     "non-binary mask": (lambda i, m: (i, m.float() * 0.5), r"attention_mask must hold only 0 .* \[0\.5\]"),
 }

@@ -148,7 +148,8 @@ def test_a_filled_cache_of_another_layout_names_past_key_values(chat):
     out = speculative(other, ids, mask, 3, "pipeline", 1, cache=cache, speculative_engine="wavefront")
     full, full_mask = extend(out.sequences, mask, turns[0])
     for settings in ({"speculative_mode": None}, mode_kwargs("pipeline", 1) | {"speculative_engine": "wavefront"}):
-        with pytest.raises(ValueError, match="past_key_values: the PagedLoopCache was made for"):
+        with pytest.raises(ValueError, match=r"the cache passed \(cache= or past_key_values=\): the PagedLoopCache "
+                                             "was made for"):
             generate_dict(model, full, full_mask, 3, cache=cache, **settings)
 
 

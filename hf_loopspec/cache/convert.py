@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicCache
 
 from ..looped import KVLayout
 from ..ops.attention import write_kv
-from .paged import PagedLoopCache
+from .paged import PASSED_CACHE, PagedLoopCache
 
 
 def _real_columns(attention_mask: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,7 +104,7 @@ def check_dynamic_cache(cache, layout: KVLayout, batch: int) -> None:
     if any(cache.get_seq_length(layer) for layer in range(needed, len(cache.layers))) or columns and any(
             cache.get_seq_length(plane * layout.num_layers) != columns for plane in written):
         raise ValueError(
-            f"past_key_values holds KV in {len(cache.layers)} layers, but this call writes {layout.num_planes} planes "
+            f"{PASSED_CACHE} holds KV in {len(cache.layers)} layers, but this call writes {layout.num_planes} planes "
             f"x {layout.num_layers} layers = {needed} (for Huginn: the planes depend on num_steps): continue a cache "
             "with the settings that filled it (the same number of loops or recurrence steps), or pass a fresh one.")
     if not columns:
@@ -112,7 +112,7 @@ def check_dynamic_cache(cache, layout: KVLayout, batch: int) -> None:
     keys = cache.layers[0].keys  # [B, Hkv, C, D]
     if keys.shape[0] != batch or (keys.shape[1], keys.shape[-1]) != (layout.num_kv_heads, layout.head_dim):
         raise ValueError(
-            f"past_key_values holds keys of shape {tuple(keys.shape)} ([batch, kv heads, columns, head dim]), but "
+            f"{PASSED_CACHE} holds keys of shape {tuple(keys.shape)} ([batch, kv heads, columns, head dim]), but "
             f"this call has batch size {batch} and the model {layout.num_kv_heads} KV heads of size "
             f"{layout.head_dim}: pass the cache that this model filled for these rows, or a fresh one.")
 

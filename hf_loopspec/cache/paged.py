@@ -63,6 +63,9 @@ from .rows import RowBatch
 __all__ = ["CacheCapacityError", "FlatPools", "LineageError", "PagedKVAttention", "PagedLoopCache"]
 
 
+PASSED_CACHE = "the cache passed (cache= or past_key_values=)"  # as errors about a call's cache name it
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A `PagedLoopCache`'s state for `roll_back`: what its tables hold and the columns its planes consumed."""
@@ -203,10 +206,10 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
         self._columns.consume(count, planes, attention_mask)
 
     def check_layout(self, layout: KVLayout) -> None:
-        """`ValueError` naming `past_key_values` unless the cache was made for `layout`, the KV the call writes
+        """`ValueError` naming the cache (`PASSED_CACHE`) unless it was made for `layout`, the KV the call writes
         (another model's or other settings' cache: for Huginn the planes depend on num_steps)."""
         if self.kv_layout != layout:
-            raise ValueError(f"past_key_values: the PagedLoopCache was made for {self.kv_layout}, but this call "
+            raise ValueError(f"{PASSED_CACHE}: the PagedLoopCache was made for {self.kv_layout}, but this call "
                              f"writes {layout} (for Huginn: the planes depend on num_steps); create it with "
                              "PagedLoopCache(model.kv_layout) under the same settings (inside model.recurrence("
                              "num_steps=...) for a Huginn call's num_steps), or pass none.")

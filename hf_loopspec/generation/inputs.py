@@ -84,10 +84,12 @@ def check_inputs(input_ids, attention_mask, cache, vocab_size: int | None = None
                          "tokens).")
     if attention_mask is None:
         return
-    if not torch.is_tensor(attention_mask) or attention_mask.shape != input_ids.shape:
-        shape = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
-        raise ValueError(f"attention_mask has shape {shape}, but input_ids has shape {tuple(input_ids.shape)}: "
-                         "pass one 0/1 entry per token (1 = real token, 0 = padding).")
+    if not torch.is_tensor(attention_mask):
+        raise ValueError(f"attention_mask must be a torch tensor like input_ids, got a "
+                         f"{type(attention_mask).__name__}; pass torch.tensor(mask).")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, but input_ids has shape "
+                         f"{tuple(input_ids.shape)}: pass one 0/1 entry per token (1 = real token, 0 = padding).")
     check_mask_values(attention_mask)
     empty = (attention_mask[:, past:] == 0).all(-1).nonzero().flatten().tolist()
     if empty:
