@@ -43,6 +43,7 @@ from tolerances import ouro_depth
 from transformers import (
     DynamicCache,
     GenerationConfig,
+    GenerationMixin,
     LogitsProcessor,
     LogitsProcessorList,
     StoppingCriteria,
@@ -930,6 +931,23 @@ def test_refusals_name_the_argument(case, kwargs, named):
         set_costs(model, costs)
         with pytest.raises(ValueError, match=named):
             generate_dict(model, ids, mask, new, speculative_mode="auto", **kwargs)
+
+
+def test_auto_reached_past_the_models_generate_is_refused_naming_it(case):
+    """transformers' `GenerationMixin.generate(model, ...)` skips the model's own `generate`, where auto runs, and
+    reaches the decoding loop with speculative_mode='auto' (from the call, or the model's generation config): a
+    `ValueError` that says so and names the fix, before any token is decoded."""
+    model, _, ids, mask, _, _ = case
+    message = r"speculative_mode='auto' is decoded by the model's own generate, which this call bypassed.*\(\.\.\.\)"
+    with pytest.raises(ValueError, match=message):
+        GenerationMixin.generate(model, ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD,
+                                 speculative_mode="auto")
+    model.generation_config.speculative_mode = "auto"
+    try:
+        with pytest.raises(ValueError, match=message):
+            GenerationMixin.generate(model, ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD)
+    finally:
+        del model.generation_config.speculative_mode
 
 
 def test_inputs_embeds_are_refused_naming_input_ids(case):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 from continuous_utils import VOCAB, alone, batching, collect, generation_config, prompts, starting
 from speculative_utils import named_modes, tiny_spec_model
@@ -127,8 +128,15 @@ def test_pool_settings_are_checked_at_init(model):
     with pytest.raises(ValueError, match=r"num_blocks=4 of 16 tokens .* more than max_memory_percent=1e-09 of the "
                                          r"free memory: lower num_blocks"):
         model.init_continuous_batching(config, batching(blocks=4, max_memory_percent=1e-9))
+    with pytest.raises(ValueError, match=r"the free memory holds no KV page of this model under "
+                                         r"max_memory_percent=1e-12: raise max_memory_percent"):
+        model.init_continuous_batching(config, batching(max_memory_percent=1e-12))
     pool = model.init_continuous_batching(config, batching(slots=3, positions=64)).settings.pool
     assert pool.positions == 3 * 64 and pool.pages == pool.planes * 3 * 64 // pool.page_size
+    # numpy numbers are numbers (num_blocks=np.int64(4) read "must be an integer >= 1", np.float32 "a fraction")
+    numpy_sized = batching(blocks=np.int64(4), max_memory_percent=np.float32(0.5))
+    assert model.init_continuous_batching(config, numpy_sized).settings.pool == \
+        model.init_continuous_batching(config, batching(blocks=4, max_memory_percent=0.5)).settings.pool
 
 
 def test_page_map_lends_each_slot_its_own_pages(model):

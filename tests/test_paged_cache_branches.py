@@ -103,6 +103,39 @@ def test_a_crop_refused_under_an_open_branch_changes_nothing():
     assert read_values(cache, 0, 0) == [0.0] * 4 and cache.columns() == 4
 
 
+def test_a_free_refused_under_an_open_branch_changes_nothing():
+    """`free` checks every plane's cut before making one: refused (invariant B, the branch has opened plane 1 only) it
+    leaves every plane of the parent as it was (before, plane 0 was freed before plane 1's refusal)."""
+    cache = _parent()
+    slot = cache.branches.open(0, 6)
+    write(cache, slot, 1, [6])
+    with pytest.raises(ValueError, match="invariant B"):
+        cache.free(0)
+    assert [cache.length(0, d) for d in (0, 1)] == [8, 8]
+    assert read_values(cache, 0, 0) == [float(p) for p in range(8)]
+    cache.branches.close(slot)
+    cache.free(0)
+    assert [cache.length(0, d) for d in range(cache.num_planes)] == [0] * cache.num_planes
+    assert cache.pages_in_use == 0
+
+
+def test_a_fork_is_refused_while_a_branch_is_open():
+    """`fork` adds a slot after the open branch's, and closing the branch drops every slot from its own on: the fork
+    was lost and its pages never released. It is refused instead, and works once the branch is closed."""
+    cache = _parent()
+    slot = cache.branches.open(0, 6)
+    write(cache, slot, 0, [6])
+    with pytest.raises(ValueError, match="open branch.*before forking a sequence"):
+        cache.fork(0)
+    assert cache.num_sequences == 2  # the parent and the branch's slot
+    cache.branches.close(slot)
+    fork = cache.fork(0)
+    assert read_values(cache, fork, 0) == read_values(cache, 0, 0)
+    cache.free(0)
+    cache.free(fork)
+    assert cache.pages_in_use == 0
+
+
 @pytest.mark.parametrize("select", [lambda c: c.batch_select_indices([1]), lambda c: c.reorder_cache([1, 0]),
                                     lambda c: c.batch_repeat_interleave(2)])
 def test_sequences_cannot_be_selected_while_a_branch_is_open(select):

@@ -567,17 +567,28 @@ def test_id_buffer_grows_with_the_output(model, inputs, monkeypatch):
 def test_the_reference_refuses_bad_inputs_naming_them(model, inputs):
     """`decode_with_lanes` (the reference that the `speculative_engine='lanes'` message points to) said "None is not
     supported; use ... or None", failed with AttributeErrors on list ids or no cache and a TypeError on a string
-    `max_length`, and returned the prompt for a `max_length` shorter than it."""
+    `max_length`, and returned the prompt for a `max_length` shorter than it. Its attention mask and batch are checked
+    as `generate` checks them: a mask of the wrong shape read out of range (an IndexError), a list mask failed with an
+    AttributeError, a mask holding 2 or a right-padded one decoded without a word (the latter other tokens than plain
+    decoding), and an empty batch raised "max() arg is an empty sequence"."""
     ids, mask = inputs
-    settings = {"attention_mask": mask, "pad_token_id": PAD}
+    assert mask[:, 0].eq(0).any()  # a left-padded batch: flipped, some row ends in padding
+    settings = {"pad_token_id": PAD}
     cases = [({"mode": None}, r"mode=None: the lane decoder runs one of \('ar', 'pipeline', 'block'\)"),
-             ({"input_ids": ids.tolist()}, "input_ids: a list; pass a"),
+             ({"input_ids": ids.tolist()}, "input_ids must be a torch tensor of token ids .* got a list"),
              ({"input_ids": ids.float()}, "input_ids has dtype torch.float32"),
+             ({"input_ids": ids[:0], "attention_mask": mask[:0]}, r"input_ids has no rows \(shape \(0, "),
+             ({"attention_mask": mask[:, 1:]}, r"attention_mask has shape \(\d+, \d+\), but input_ids has shape"),
+             ({"attention_mask": mask[:1]}, r"attention_mask has shape \(1, \d+\), but input_ids has shape"),
+             ({"attention_mask": mask.tolist()}, "attention_mask must be a torch tensor like input_ids, got a list"),
+             ({"attention_mask": mask * 2}, r"attention_mask must hold only 0 \(padding\) and 1"),
+             ({"attention_mask": mask.flip(1)}, r"ends in padding in rows .* which mode='pipeline' does not decode"),
              ({"cache": None}, "cache: a NoneType; the lane decoder keeps its KV in a PagedLoopCache"),
              ({"max_length": "12"}, r"max_length='12' must be an integer"),
              ({"max_length": 3}, f"max_length=3 leaves no room after the {ids.shape[1]} input columns")]
     for bad, message in cases:
-        call = {"input_ids": ids, "mode": "pipeline", "cache": paged_cache(model), "max_length": ids.shape[1] + 4}
+        call = {"input_ids": ids, "mode": "pipeline", "cache": paged_cache(model), "max_length": ids.shape[1] + 4,
+                "attention_mask": mask}
         call |= bad
         with pytest.raises(ValueError, match=message):
             model.decode_with_lanes(call.pop("input_ids"), call.pop("mode"), **call, **settings)

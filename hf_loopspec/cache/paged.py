@@ -397,15 +397,22 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
         cuts = [(s, d, min(length, self._columns.real(s, keep))) for d in planes
                 for s, length in enumerate(self.lengths(d))]
         for cut in cuts:  # every cut is checked before any is made: a refused crop leaves the cache as it was
-            self.branches.check_truncate(*cut)
+            self.check_truncate(*cut)
         for cut in cuts:
             self.truncate(*cut)
         self._columns.crop(keep)
 
-    def truncate(self, seq: int, depth: int, length: int) -> None:
-        """`PageTables.truncate`, refused when it would roll back an open branch's common history (invariant B)."""
-        self.branches.check_truncate(seq, depth, length)
-        super().truncate(seq, depth, length)
+    def check_truncate(self, seq: int, depth: int, length: int) -> tuple[int, int, int]:
+        """`PageTables.check_truncate`, and a `ValueError` for a cut that would roll back an open branch's common
+        history (invariant B)."""
+        checked = super().check_truncate(seq, depth, length)
+        self.branches.check_truncate(*checked)
+        return checked
+
+    def fork(self, seq: int) -> int:
+        """`PageTables.fork`, refused while a branch is open (closing it would drop the slots after its own)."""
+        self._refuse_open_branches("forking a sequence")
+        return super().fork(seq)
 
     def reset(self) -> None:
         """Empty the cache, its page pool too (as transformers' caches: `is_initialized` is False again), so that the

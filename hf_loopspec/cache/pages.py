@@ -275,8 +275,8 @@ class PageTables:
         return self._block_tables
 
     # --- rollback, forks ----------------------------------------------------------------------------------------
-    def truncate(self, seq: int, depth: int, length: int) -> None:
-        """Keep only positions `0 .. length-1` of (seq, depth); pages no longer needed are freed."""
+    def check_truncate(self, seq: int, depth: int, length: int) -> tuple[int, int, int]:
+        """(seq, depth, length) as ints, after a `ValueError` for a cut `truncate` cannot make."""
         for name, value in (("seq", seq), ("depth", depth), ("length", length)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):  # (a tensor would be stored)
                 raise ValueError(f"truncate: {name}={value!r} must be an integer.")
@@ -285,6 +285,12 @@ class PageTables:
         if not 0 <= length <= self._lengths[t]:
             raise ValueError(f"cannot truncate sequence {seq}, depth {depth} of length {self._lengths[t]} to "
                              f"{length}.")
+        return seq, depth, length
+
+    def truncate(self, seq: int, depth: int, length: int) -> None:
+        """Keep only positions `0 .. length-1` of (seq, depth); pages no longer needed are freed."""
+        seq, depth, length = self.check_truncate(seq, depth, length)
+        t = self._table(seq, depth)
         keep = -(-length // self.page_size)
         for page in self._pages[t][keep:]:
             self._release(page)
@@ -293,7 +299,10 @@ class PageTables:
         self._block_tables = None
 
     def free(self, seq: int) -> None:
-        """Release every page of `seq` (its slot stays, empty)."""
+        """Release every page of `seq` (its slot stays, empty). Every plane's cut is checked before any is made: a
+        refused free leaves the cache as it was."""
+        for d in range(self.num_planes):
+            self.check_truncate(seq, d, 0)
         for d in range(self.num_planes):
             self.truncate(seq, d, 0)
 

@@ -20,7 +20,7 @@ from transformers import GenerationConfig
 from transformers.cache_utils import Cache
 
 from ..cache.paged import PagedLoopCache
-from ..models.layers import check_forward_inputs, check_mask_values, check_token_ids, is_integer
+from ..models.layers import check_mask_values, check_token_ids, is_integer
 
 
 def as_integer(value, name: str) -> int:
@@ -265,17 +265,16 @@ def check_model_kwargs(mode: str, model_kwargs: dict) -> None:
                          "generation_config.speculative_mode to None or 'auto', which assists plainly.)")
 
 
-def check_reference_inputs(input_ids, cache, max_length, vocab_size: int) -> int:
+def check_reference_inputs(input_ids, attention_mask, cache, max_length, mode: str, vocab_size: int) -> int:
     """`max_length` as an int, after a `ValueError` naming what the reference (`decode_with_lanes`) cannot take: ids
-    that are no `[batch, length]` integer tensor inside the vocabulary, a cache that is no `PagedLoopCache`, or a
-    `max_length` (columns of the output) that leaves no room after the input's columns."""
-    if not torch.is_tensor(input_ids):
-        raise ValueError(f"input_ids: a {type(input_ids).__name__}; pass a [batch, length] tensor of token ids.")
-    check_forward_inputs(input_ids, None)
-    check_token_ids(input_ids, vocab_size)
+    and a mask that `generate` refuses (`check_inputs`; right padding, `check_left_padded`), a cache that is no
+    `PagedLoopCache`, or a `max_length` (columns of the output) that leaves no room after the input's columns."""
     if not isinstance(cache, PagedLoopCache):
         raise ValueError(f"cache: a {type(cache).__name__}; the lane decoder keeps its KV in a PagedLoopCache: pass "
                          "PagedLoopCache(model.kv_layout), or one an earlier call filled.")
+    _check_ids_tensor(input_ids)
+    check_inputs(input_ids, attention_mask, cache, vocab_size)
+    check_left_padded(attention_mask, mode, setting="mode")
     max_length = as_integer(max_length, "max_length")
     if max_length <= input_ids.shape[1]:
         raise ValueError(f"max_length={max_length} leaves no room after the {input_ids.shape[1]} input columns: pass "
@@ -354,16 +353,19 @@ def check_healed_mask(attention_mask, input_ids: torch.Tensor) -> None:
                          "heal one prompt per call (no padding), or drop token_healing.")
 
 
-def check_left_padded(attention_mask, mode: str) -> None:
-    """`ValueError` for rows whose last column is padding, in speculative mode `mode`: plain decoding continues such
-    a row after its padding, the speculative engines after its last real token, so the tokens would differ."""
+def check_left_padded(attention_mask, mode: str, setting: str = "speculative_mode") -> None:
+    """`ValueError` for rows whose last column is padding, in speculative mode `mode` (`setting`: the argument that
+    chose it, generate's `speculative_mode` or the reference's `mode`): plain decoding continues such a row after its
+    padding, the speculative engines after its last real token, so the tokens would differ."""
     if attention_mask is None:
         return
     rows = (attention_mask[:, -1] == 0).nonzero().flatten().tolist()
-    if rows:
-        raise ValueError(f"attention_mask ends in padding in rows {rows[:8]} (right padding), which "
-                         f"speculative_mode={mode!r} does not decode as plain decoding does; pad on the left "
-                         "(tokenizer.padding_side = \"left\", or AutoTokenizer.from_pretrained(..., "
-                         'padding_side="left")), or pass speculative_mode=None. (Without an attention_mask, '
-                         "transformers infers one from pad_token_id when it differs from the EOS: a prompt that ends "
-                         "in the pad id reads as padded; pass attention_mask=torch.ones_like(input_ids) then.)")
+    if not rows:
+        return
+    generate_note = (", or pass speculative_mode=None. (Without an attention_mask, transformers infers one from "
+                     "pad_token_id when it differs from the EOS: a prompt that ends in the pad id reads as padded; "
+                     "pass attention_mask=torch.ones_like(input_ids) then.)")
+    raise ValueError(f"attention_mask ends in padding in rows {rows[:8]} (right padding), which {setting}={mode!r} "
+                     "does not decode as plain decoding does; pad on the left (tokenizer.padding_side = \"left\", or "
+                     'AutoTokenizer.from_pretrained(..., padding_side="left"))'
+                     + (generate_note if setting == "speculative_mode" else "."))

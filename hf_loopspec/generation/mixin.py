@@ -342,8 +342,9 @@ class LoopSpecGenerationMixin(GenerationMixin):
             return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                                    synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
         if spec.mode == AUTO_MODE:  # `generate` runs auto itself (`generation.auto`); a hook reached another way
-            raise ValueError("speculative_mode='auto' is decoded by model.generate(...) itself; call generate, or "
-                             "pass speculative_mode='pipeline' or 'block'.")
+            raise ValueError("speculative_mode='auto' is decoded by the model's own generate, which this call "
+                             "bypassed (transformers' GenerationMixin.generate(model, ...) reaches the decoding loop "
+                             "directly): call model.generate(...), or pass speculative_mode='pipeline' or 'block'.")
         check_decoding_mask(model_kwargs.get("attention_mask"), input_ids, spec.mode)
         fallback = model_fallback(self) or plain_fallback(logits_processor) \
             or settings_fallback(generation_config, synced_gpus)
@@ -429,8 +430,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
         them (`ValueError` naming the argument)."""
         if mode not in LANE_MODES:
             raise ValueError(f"mode={mode!r}: the lane decoder runs one of {LANE_MODES} ('ar': without drafts).")
-        options["max_length"] = check_reference_inputs(input_ids, cache, options.get("max_length"),
-                                                       self.config.vocab_size)
+        options["max_length"] = check_reference_inputs(input_ids, options.get("attention_mask"), cache,
+                                                       options.get("max_length"), mode, self.config.vocab_size)
         spec = resolve_speculative(mode, draft_loops, num_speculative_tokens, num_loops=self.num_loops,
                                    modes=LANE_MODES, second_draft_loops=second_draft_loops, reference=True)
         return LaneDecoder.from_request(self, SpeculativeRequest(spec, cache, input_ids, **options)).run()

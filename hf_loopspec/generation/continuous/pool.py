@@ -20,11 +20,13 @@ memory of no other request. A request that needs more pages than the pool has in
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 from ...cache.paged import PagedLoopCache
+from ...models.layers import is_integer
 from ..dispatch import free_memory
 from ..wavefront.engine import WavefrontEngine
 
@@ -64,7 +66,7 @@ def pool_size(layout, dtype: torch.dtype, device: torch.device, cb_config, slots
     fraction = getattr(cb_config, "max_memory_percent", None)
     if fraction is None:
         fraction = DEFAULT_MEMORY_FRACTION
-    elif isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+    elif isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0 < fraction <= 1:
         raise ValueError(f"max_memory_percent={fraction!r} in the ContinuousBatchingConfig must be a fraction in "
                          "(0, 1] of the free memory.")
     budget = int(fraction * free_memory(device)) // per_page  # pages
@@ -73,10 +75,10 @@ def pool_size(layout, dtype: torch.dtype, device: torch.device, cb_config, slots
         wanted = slots * -(-positions // PAGE_SIZE)  # every slot at full length
         per_plane = min(wanted, (budget - 1) // layout.num_planes)
     else:
-        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        if not is_integer(blocks) or blocks < 1:
             raise ValueError(f"num_blocks={blocks!r} in the ContinuousBatchingConfig must be an integer >= 1.")
         size = getattr(cb_config, "page_size", None) or PAGE_SIZE
-        per_plane = -(-blocks * size // PAGE_SIZE)
+        per_plane = -(-int(blocks) * size // PAGE_SIZE)
         if layout.num_planes * per_plane + 1 > budget:
             raise ValueError(f"num_blocks={blocks} of {size} tokens in the ContinuousBatchingConfig need "
                              f"{(layout.num_planes * per_plane + 1) * per_page / 2**30:.2f} GiB of KV pages (every "

@@ -45,6 +45,8 @@ UNSUPPORTED = {  # generation config settings a manager cannot honour (stop_stri
     "penalty_alpha": "contrastive search is not a decoding a manager runs (transformers 5 removed it from generate)",
     "assistant_early_exit": "assisted decoding is not a decoding a manager runs (nor, on a looped model, generate)",
     "dola_layers": "DoLa decoding is not a decoding a manager runs (transformers 5 moved it out of generate)",
+    "token_healing": "a manager decodes the token ids it is given (healing rewrites a prompt's last tokens through a "
+                     "tokenizer, which no request carries)",
 }  # (prompt_lookup_num_tokens, a lossless speed-up a checkpoint's config may carry, is left unused: same tokens)
 OVERRIDE = "draft_override"  # where a request's (test-only) draft override waits for its admission
 # the ContinuousBatchingConfig fields a manager reads; `max_queue_size` and `return_logprobs` are refused, and
@@ -157,7 +159,7 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
     exit_rule = model.exit_rule(**{key: getattr(config, key) for key in EXIT_OPTIONS
                                    if getattr(config, key, None) is not None})
     for key, why in UNSUPPORTED.items():
-        if getattr(config, key, None) is not None:
+        if getattr(config, key, None) is not None and getattr(config, key) is not False:  # (token_healing's off)
             raise ValueError(f"{key}={getattr(config, key)!r} in continuous batching: {why}; drop {key}, or decode "
                              "with model.generate.")
     if getattr(cb_config, "max_queue_size", 0):
