@@ -378,6 +378,24 @@ def test_a_bad_mean_recurrence_set_on_a_loaded_model_is_refused_at_once(bad):
 
 
 @pytest.mark.parametrize(("key", "value", "named"), [
+    ("rope_style", "foo", "rope_style='foo' must be one of"), ("rope_style", None, "rope_style=None must be one of"),
+    ("init_values", {"std": -1.0}, r"init_values=\{'std': -1\.0, .*: give a dict of finite numbers"),
+    ("init_values", {"embed_scale": "x"}, r"init_values=.*'embed_scale': 'x'\}: give a dict of finite numbers"),
+    ("qk_bias", "false", "qk_bias='false' is invalid")])
+def test_a_bad_rope_style_init_values_or_switch_set_on_a_loaded_model_is_refused_at_once(key, value, named):
+    """Set on a loaded model's config, they were taken: another rope_style decoded as "rotate_half" without a word,
+    init_values failed in the initial states' draw (torch's RuntimeError, or a float() ValueError naming no setting).
+    Refused on assignment, as when the config is made; the model keeps decoding as before."""
+    model, _ = tiny_huginn(seed=4)
+    ids = random_ids((1, 4), VOCAB, seed=5)
+    settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "init_scale": 1.0, "init_seed": 3}
+    expected = model.generate(ids, **settings)
+    with pytest.raises(ValueError, match=rf"HuginnConfig.{named}"):
+        setattr(model.config, key, value)
+    assert torch.equal(model.generate(ids, **settings), expected)
+
+
+@pytest.mark.parametrize(("key", "value", "named"), [
     ("rope_base", 0.0, "rope_base=0.0"), ("rope_theta", "x", "rope_theta='x'"), ("norm_eps", -1.0, "norm_eps=-1.0"),
     ("rope_parameters", {"rope_theta": float("nan")}, "rope_base=nan")])
 def test_a_bad_rope_base_or_norm_eps_set_on_a_loaded_model_is_refused_at_once(key, value, named):
@@ -511,6 +529,15 @@ def test_mismatched_checkpoint_raises(tmp_path):
     ({"n_heads": 8, "num_key_value_heads": 3, "qk_bias": False}, "num_key_value_heads"),
     ({"num_key_value_heads": 2}, "qk_bias"),
     ({"rope_style": "complex"}, "rope_style"),
+    # a string switch read as True: the model built the biases, then every call refused them (qk_bias), or tied
+    ({"qk_bias": "false"}, r"HuginnConfig.qk_bias='false' is invalid: pass True or False"),
+    ({"qk_bias": None}, r"HuginnConfig.qk_bias=None is invalid"),
+    ({"tie_embeddings": "false"}, r"HuginnConfig.tie_embeddings='false' is invalid"),
+    # a std of 0 or inf failed in the initial states' draw (ZeroDivisionError, a torch RuntimeError), an infinite
+    # embed_scale gave NaN logits and greedy token 0
+    ({"init_values": {"std": 0.0}}, r"init_values=\{'std': 0\.0, .*finite numbers `std` > 0.*init_scale=0"),
+    ({"init_values": {"std": float("inf")}}, r"init_values=\{'std': inf"),
+    ({"init_values": {"embed_scale": float("inf")}}, r"'embed_scale': inf\}: give a dict of finite numbers"),
     ({"block_class_name": "Other"}, "block_class_name"),
     ({"tie_embeddings": True, "tie_word_embeddings": False}, "disagree"),
     ({"mean_recurrence": 0}, "mean_recurrence"),

@@ -72,6 +72,15 @@ def test_a_pad_token_outside_the_vocabulary_is_named_up_front(model, inputs, mod
     for pad in (VOCAB, -1):
         with pytest.raises(ValueError, match=rf"pad_token_id={pad} is outside the vocabulary \[0, {VOCAB}\)"):
             run(slice(None), pad, 3)
+    # unset, the pad id is the first EOS id (transformers' choice): one outside the vocabulary was let through
+    saved, model.generation_config.pad_token_id = model.generation_config.pad_token_id, None
+    try:
+        with pytest.raises(ValueError, match=rf"pad_token_id \(unset, so transformers pads with the first EOS id, "
+                                             rf"{VOCAB}\) is outside the vocabulary \[0, {VOCAB}\)"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=[VOCAB, 3],
+                           **mode)
+    finally:
+        model.generation_config.pad_token_id = saved
     alone = plain(model, ids[:1], mask[:1], 6, eos_token_id=3).sequences
     assert run(slice(0, 1), VOCAB, 3).tolist() == alone.tolist()
     free = plain(model, ids, mask, 6, eos_token_id=None).sequences

@@ -296,6 +296,10 @@ def test_out_of_vocab_ids_raise(bad_id):
         ({"rope_theta": "1e4"}, "rope_theta='1e4' is invalid"),
         ({"rope_theta": float("inf")}, "rope_theta=inf is invalid"),
         ({"attention_bias": True}, "attention_bias=True is not supported"),
+        # a string switch read as True ("attention_bias=True is not supported" misstated it; "no" tied the weights)
+        ({"attention_bias": "no"}, "OuroConfig.attention_bias='no' is invalid: pass True or False"),
+        ({"use_sliding_window": "no"}, "OuroConfig.use_sliding_window='no' is invalid: pass True or False"),
+        ({"tie_word_embeddings": "no"}, "OuroConfig.tie_word_embeddings='no' is invalid: pass True or False"),
         # accepted before, with NaN logits
         ({"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0 is invalid"),
         ({"rms_norm_eps": float("nan")}, "rms_norm_eps=nan is invalid"),
@@ -313,7 +317,8 @@ def test_invalid_config_raises(overrides, named):
 
 @pytest.mark.parametrize(("key", "value", "named"), [
     ("rope_theta", 0.0, "rope_theta=0.0"), ("rope_theta", "1e4", "rope_theta='1e4'"),
-    ("rms_norm_eps", float("nan"), "rms_norm_eps=nan"), ("rope_parameters", {"rope_theta": -1.0}, "rope_theta=-1.0")])
+    ("rms_norm_eps", float("nan"), "rms_norm_eps=nan"), ("rope_parameters", {"rope_theta": -1.0}, "rope_theta=-1.0"),
+    ("tie_word_embeddings", "false", "tie_word_embeddings='false'")])
 def test_a_bad_rope_theta_or_norm_eps_set_on_a_built_config_is_refused_at_once(key, value, named):
     """Checked as when the config is made: a loaded model reads them at every call, and they were taken (NaN
     logits: plain greedy decoding returned token 0, and speculative decoding other tokens; a string a TypeError)."""

@@ -239,14 +239,19 @@ def check_pad_token(generation_config, rows: int, vocab_size: int) -> None:
     """`ValueError` naming `pad_token_id` when it lies outside the vocabulary and a call of `rows` rows could feed
     it: a row that finishes (EOS, stop strings) before the others is fed the pad token, which the model cannot embed
     (the error came from `forward`, mid-call, naming input_ids). One row, nothing that finishes a row, or beam search
-    (which only fills finished hypotheses with it) feeds none."""
+    (which only fills finished hypotheses with it) feeds none. An unset `pad_token_id` is the one transformers
+    derived (its first EOS id), as the message says."""
     pad, eos = generation_config.pad_token_id, generation_config.eos_token_id
+    given = f"pad_token_id={pad}"
+    if pad is None and getattr(generation_config, "_pad_token_tensor", None) is not None:
+        pad = int(generation_config._pad_token_tensor)
+        given = f"pad_token_id (unset, so transformers pads with the first EOS id, {pad})"
     finishes = eos is not None or bool(generation_config.stop_strings)
     beams = (generation_config.num_beams or 1) > 1
     if rows > 1 and finishes and not beams and pad is not None and not 0 <= int(pad) < vocab_size:
-        raise ValueError(f"pad_token_id={pad} is outside the vocabulary [0, {vocab_size}): a row that finishes before "
-                         "the others is fed the pad token, which the model cannot embed. Pass a pad_token_id inside "
-                         "the vocabulary (the EOS id is a common choice).")
+        raise ValueError(f"{given} is outside the vocabulary [0, {vocab_size}): a row that finishes before the "
+                         "others is fed the pad token, which the model cannot embed. Pass a pad_token_id inside the "
+                         "vocabulary (an EOS id inside it is a common choice).")
 
 
 def check_model_kwargs(mode: str, model_kwargs: dict) -> None:

@@ -75,6 +75,14 @@ def check_norm_eps(config, name: str, value=FROM_CONFIG) -> None:
                          "number >= 0 (the checkpoints use 1e-6).")
 
 
+def check_flag(config, name: str, value=FROM_CONFIG) -> None:
+    """`ValueError` naming `name` unless the config's switch there (or `value`, about to be assigned there) is True or
+    False: a string such as "false" read as True (a model built with biases it then refused, or with tied weights)."""
+    value = getattr(config, name) if value is FROM_CONFIG else value
+    if not isinstance(value, bool):
+        raise ValueError(f"{type(config).__name__}.{name}={value!r} is invalid: pass True or False.")
+
+
 class RopeParametersMixin:
     """`rope_parameters` and `rope_scaling` given as keywords of `from_pretrained` / `from_dict` reach the config as
     config.json keys do (transformers sets only keywords the config has as attributes: it would drop them, or hand

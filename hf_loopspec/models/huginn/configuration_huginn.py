@@ -8,6 +8,7 @@ The field names match the `config.json` of `tomg-group-umd/huginn-0125` (its rem
 from __future__ import annotations
 
 import math
+import numbers
 from typing import ClassVar
 
 from transformers.configuration_utils import PreTrainedConfig
@@ -16,10 +17,12 @@ from ...logs import get_logger
 from ...looped import KVLayout
 from ..code_pointers import CodePointersMixin
 from ..config_checks import (
+    FROM_CONFIG,
     ROPE_BASE_NAMES,
     RopeParametersMixin,
     check_counts,
     check_dtype,
+    check_flag,
     check_norm_eps,
     check_rope_base,
     rope_theta_of,
@@ -38,7 +41,38 @@ STAGES = ("n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_cod
 DEFAULT_ROPE_BASE = 50000.0  # Huginn-0125's
 NAME_PAIRS = (("rope_base", "rope_theta"), ("tie_embeddings", "tie_word_embeddings"))  # two names, one setting
 PAIRED = {**dict(NAME_PAIRS), **{other: name for name, other in NAME_PAIRS}}  # each name -> the other
-VALUE_CHECKS = {"rope_base": check_rope_base, "rope_theta": check_rope_base, "norm_eps": check_norm_eps}
+
+
+def check_rope_style(config, name: str, value=FROM_CONFIG) -> None:
+    """`ValueError` unless the config's `rope_style` (or `value`, about to be assigned) is one of `ROPE_STYLES` (any
+    other value assigned on a built model decoded as "rotate_half" without a word)."""
+    value = getattr(config, name) if value is FROM_CONFIG else value
+    if not isinstance(value, str) or value not in ROPE_STYLES:
+        raise ValueError(f"HuginnConfig.{name}={value!r} must be one of {ROPE_STYLES}.")
+
+
+def check_init_values(config, name: str, value=FROM_CONFIG) -> None:
+    """`ValueError` unless the config's `init_values` (or `value`, about to be assigned; a key left out takes its
+    default) hold finite numbers `std` > 0 and `embed_scale` > 0: a std of 0 failed in the initial states' draw with
+    a ZeroDivisionError, an infinite one with a torch RuntimeError, and an infinite embed_scale gave NaN logits (greedy
+    decoding then returned token 0 without a word). Zero initial states are a call's `init_scale=0`."""
+    values = getattr(config, name) if value is FROM_CONFIG else config._with_defaults(value)
+    numbers_given = isinstance(values, dict) and all(
+        is_real(values.get(key)) and math.isfinite(values[key]) and values[key] > 0 for key in ("std", "embed_scale"))
+    if not numbers_given:
+        raise ValueError(f"HuginnConfig.{name}={values!r}: give a dict of finite numbers `std` > 0 and `embed_scale` "
+                         "> 0 (either may be left out for its default), or None for both defaults; for zero initial "
+                         "states pass init_scale=0 to the call instead.")
+
+
+def is_real(value) -> bool:
+    """Whether `value` is a real number (Python's or numpy's; not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+VALUE_CHECKS = {"rope_base": check_rope_base, "rope_theta": check_rope_base, "norm_eps": check_norm_eps,
+                "rope_style": check_rope_style, "init_values": check_init_values,
+                **dict.fromkeys(("qk_bias", "bias", "tie_embeddings", "tie_word_embeddings"), check_flag)}
 
 
 class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
@@ -248,20 +282,12 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
                              "per query head for both q and k); set qk_bias=False for GQA checkpoints.")
         if self.head_dim % 2:
             raise ValueError(f"HuginnConfig.head_dim={self.head_dim} must be even for rotary embeddings.")
-        if self.rope_style not in ROPE_STYLES:
-            raise ValueError(f"HuginnConfig.rope_style={self.rope_style!r} must be one of {ROPE_STYLES}.")
         if self.block_class_name not in BLOCK_STYLES:
             raise ValueError(f"HuginnConfig.block_class_name={self.block_class_name!r} must be one of "
                              f"{sorted(BLOCK_STYLES)}.")
         if self.bias:
             raise ValueError("HuginnConfig.bias=True (biases on the linear layers) is not supported: the released "
                              "checkpoints have none; set bias=False.")
-        if not isinstance(self.init_values, dict) or not all(isinstance(self.init_values.get(key), (int, float))
-                                                             for key in ("std", "embed_scale")):
-            raise ValueError(f"HuginnConfig.init_values={self.init_values!r}: give a dict with numbers `std` and "
-                             "`embed_scale` (either may be left out for its default), or None for both defaults.")
-        if not self.init_std >= 0 or not self.embed_scale > 0:
-            raise ValueError(f"HuginnConfig.init_values={self.init_values!r}: std must be >= 0 and embed_scale > 0.")
 
 
 __all__ = ["HuginnConfig"]

@@ -15,7 +15,8 @@ from ..config_checks import RopeParametersMixin, rope_theta_of
 
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "head_dim", "max_position_embeddings")
-VALUE_CHECKS = {"rope_theta": checks.check_rope_base, "rms_norm_eps": checks.check_norm_eps}  # also on assignment
+VALUE_CHECKS = {"rope_theta": checks.check_rope_base, "rms_norm_eps": checks.check_norm_eps,  # also on assignment
+                **dict.fromkeys(("tie_word_embeddings", "attention_bias", "use_sliding_window"), checks.check_flag)}
 
 
 class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
@@ -120,13 +121,13 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
             )
         if self.head_dim % 2:
             raise ValueError(f"OuroConfig.head_dim={self.head_dim} must be even for rotary embeddings.")
+        for name, check in VALUE_CHECKS.items():
+            check(self, name)
         if self.use_sliding_window:
             raise ValueError(
                 "OuroConfig.use_sliding_window=True is not supported: the released Ouro checkpoints use full "
                 "attention in every layer; set use_sliding_window=False."
             )
-        for name, check in VALUE_CHECKS.items():
-            check(self, name)
         check_rope_scaling(self.rope_scaling, self.rope_theta)
         if self.attention_bias:
             raise ValueError("OuroConfig.attention_bias=True is not supported: the released Ouro checkpoints have no "
