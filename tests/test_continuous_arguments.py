@@ -15,6 +15,7 @@ import torch
 from continuous_utils import VOCAB, WAIT_S, alone, batching, generation_config, prompts
 from speculative_utils import named_modes, tiny_spec_model
 from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation import GenerationMode
 from transformers.generation.continuous_batching import RequestStatus
 
 PIPELINE = named_modes()["pipeline-d1"]
@@ -161,6 +162,19 @@ def test_settings_a_manager_would_drop_are_refused(model, extra):
     key = next(iter(extra))
     with pytest.raises(ValueError, match=f"{key}=.* in continuous batching"):
         model.init_continuous_batching(generation_config({}, **extra), batching())
+
+
+@pytest.mark.parametrize("extra", [{"penalty_alpha": 0.0, "top_k": 4}, {"penalty_alpha": 0.6, "top_k": 1},
+                                   {"token_healing": 0}], ids=["alpha-0", "top_k-1", "healing-0"])
+def test_settings_plain_decoding_reads_as_off_are_accepted(model, extra):
+    """Contrastive search runs only with `penalty_alpha > 0` and `top_k > 1`, and `token_healing=0` heals nothing:
+    plain `generate` decodes greedily with them, and a manager built with them returns its tokens (they were refused
+    as contrastive search or token healing)."""
+    config = generation_config({}, **extra)
+    assert config.get_generation_mode() == GenerationMode.GREEDY_SEARCH
+    inputs = prompts(9, [5, 8])
+    out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching())
+    assert [r.generated_tokens for r in out.values()] == [alone(model, p, 8, **extra) for p in inputs]
 
 
 def test_prompt_lookup_in_the_models_config_is_left_unused():

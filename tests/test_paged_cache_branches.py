@@ -136,6 +136,45 @@ def test_a_fork_is_refused_while_a_branch_is_open():
     assert cache.pages_in_use == 0
 
 
+def test_the_branch_slots_own_common_history_cannot_be_cut():
+    """`free` (or `truncate` below the branch point) of an open branch's own slot was accepted, and a later `promote`
+    handed the parent the cut table: the parent's positions 0..5 were gone. Refused, naming close and promote; a cut
+    of the branch's own positions (at or after the point) stays allowed, and promote keeps the parent's history."""
+    cache = _parent()
+    slot = cache.branches.open(0, 6)
+    fill_values(cache, write(cache, slot, 0, [6, 7]), -1.0)
+    for cut in (lambda: cache.free(slot), lambda: cache.truncate(slot, 0, 5)):
+        with pytest.raises(ValueError, match=rf"sequence {slot} is the slot of an open branch.*close or promote"):
+            cut()
+    cache.truncate(slot, 0, 7)  # the branch's own position 7
+    cache.branches.promote(slot)
+    assert read_values(cache, 0, 0) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, -1.0]
+
+
+def test_a_roll_back_closes_the_branches_opened_since_its_checkpoint():
+    """A call that raises with a branch open (the reference's second proposals, Ctrl-C mid-cycle) rolls the cache
+    back: the parent's cut below the branch point raised invariant B's error instead, hiding the call's own."""
+    cache = _parent()
+    with pytest.raises(KeyboardInterrupt), cache.kept_on_error():
+        fill_values(cache, write(cache, 0, 0, [8]), 8.0)
+        slot = cache.branches.open(0, 9)
+        write(cache, slot, 0, [9])
+        raise KeyboardInterrupt
+    assert not cache.branches and cache.num_sequences == 1
+    assert read_values(cache, 0, 0) == [float(p) for p in range(8)]
+
+
+def test_fork_checks_its_sequence_before_adding_a_slot():
+    """`fork(5)` on a one-sequence cache said "it has 2" and left an empty second sequence behind; `fork(1)` forked
+    that fresh empty slot; `fork(0.0)` raised a bare TypeError. Each is a `ValueError` now, and the cache unchanged."""
+    cache = _parent()
+    for bad, message in ((5, r"seq=5 is not a sequence of this cache \(it has 1\)"), (1, r"seq=1 is not a sequence"),
+                         (-1, r"seq=-1 is not a sequence"), (0.0, r"fork: seq=0\.0 must be an integer")):
+        with pytest.raises(ValueError, match=message):
+            cache.fork(bad)
+        assert cache.num_sequences == 1
+
+
 @pytest.mark.parametrize("select", [lambda c: c.batch_select_indices([1]), lambda c: c.reorder_cache([1, 0]),
                                     lambda c: c.batch_repeat_interleave(2)])
 def test_sequences_cannot_be_selected_while_a_branch_is_open(select):

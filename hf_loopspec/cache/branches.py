@@ -96,7 +96,13 @@ class BranchSlots:
         branch.opened.add(plane)
 
     def check_truncate(self, seq: int, plane: int, length: int) -> None:
-        """Raise when truncating (seq, plane) to `length` would rewrite an open branch's common history."""
+        """Raise when truncating (seq, plane) to `length` would rewrite an open branch's common history: the parent's,
+        or the branch slot's own (a later `promote` would hand the parent the cut table)."""
+        own = self._open.get(seq)
+        if own is not None and length < own.point and plane in own.opened:
+            raise ValueError(f"sequence {seq} is the slot of an open branch, whose positions before {own.point} are "
+                             f"its parent's history: close or promote the branch (cache.branches.close({seq}) or "
+                             f"promote({seq})) rather than cutting plane {plane} to {length} positions.")
         for branch in self._open.values():
             if branch.parent == seq and length < branch.point and plane in branch.opened:
                 raise ValueError(f"truncating sequence {seq}, plane {plane} to {length} positions rolls back the "

@@ -281,8 +281,10 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
         return Checkpoint(tuple(self._lengths), self._columns.copy())
 
     def roll_back(self, checkpoint: Checkpoint) -> None:
-        """Undo the additions since `checkpoint`: every table is cut back to its length then, sequences added since
-        are freed and dropped, and the consumed columns are restored. A table that got shorter (a `crop`) stays so."""
+        """Undo the additions since `checkpoint`: branches are closed (a call opens none on a cache that holds one),
+        every table is cut back to its length then (a shorter one, a `crop`'s, stays so), sequences added since are
+        freed and dropped, and the consumed columns are restored."""
+        self.branches.close_all()
         lengths = checkpoint.lengths
         for t in range(len(self._lengths)):
             seq, plane = divmod(t, self.num_planes)
@@ -403,8 +405,7 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
         self._columns.crop(keep)
 
     def check_truncate(self, seq: int, depth: int, length: int) -> tuple[int, int, int]:
-        """`PageTables.check_truncate`, and a `ValueError` for a cut that would roll back an open branch's common
-        history (invariant B)."""
+        """`PageTables.check_truncate`; a `ValueError` for a cut of an open branch's common history (invariant B)."""
         checked = super().check_truncate(seq, depth, length)
         self.branches.check_truncate(*checked)
         return checked

@@ -307,7 +307,12 @@ class PageTables:
             self.truncate(seq, d, 0)
 
     def fork(self, seq: int) -> int:
-        """A new sequence slot sharing all of `seq`'s pages (copy on write); returns its index."""
+        """A new sequence slot sharing all of `seq`'s pages (copy on write); returns its index. `seq` is checked
+        before the slot is added."""
+        if not isinstance(seq, numbers.Integral) or isinstance(seq, bool):
+            raise ValueError(f"fork: seq={seq!r} must be an integer.")
+        seq = int(seq)
+        self._table(seq, 0)  # (a ValueError naming seq when it is no sequence of this cache)
         branch = self.num_sequences
         self.ensure_sequences(branch + 1)
         for d in range(self.num_planes):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig, RepetitionPenaltyLogitsProcessor
+from transformers.generation import GenerationMode
 
 from ...defaults import DEFAULT_DRAFT_LOOPS
 from ...logs import get_logger
@@ -158,10 +159,10 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
     # them; a family without exit options refuses them)
     exit_rule = model.exit_rule(**{key: getattr(config, key) for key in EXIT_OPTIONS
                                    if getattr(config, key, None) is not None})
-    for key, why in UNSUPPORTED.items():
-        if getattr(config, key, None) is not None and getattr(config, key) is not False:  # (token_healing's off)
-            raise ValueError(f"{key}={getattr(config, key)!r} in continuous batching: {why}; drop {key}, or decode "
-                             "with model.generate.")
+    key = unsupported_setting(config)
+    if key is not None:
+        raise ValueError(f"{key}={getattr(config, key)!r} in continuous batching: {UNSUPPORTED[key]}; drop {key}, or "
+                         "decode with model.generate.")
     if getattr(cb_config, "max_queue_size", 0):
         raise ValueError(f"max_queue_size={cb_config.max_queue_size!r} in the ContinuousBatchingConfig: the package's "
                          "manager queues every request it is given (add_request never blocks); drop it, and bound "
@@ -205,6 +206,16 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
         if config.max_new_tokens is None and not config.max_length else None,
         vocab=model.head_width, seed=_seed(getattr(cb_config, "seed", None)),
         recurrence=recurrence, passed_recurrence=passed, exit_rule=exit_rule)
+
+
+def unsupported_setting(config) -> str | None:
+    """The first setting of `config` in `UNSUPPORTED` that plain decoding would act on: `penalty_alpha` and
+    `dola_layers` when they select the decoding strategy (`penalty_alpha=0`, or `top_k=1`, decodes greedily),
+    `token_healing` when on, the others when set."""
+    strategy = config.get_generation_mode()
+    active = {"penalty_alpha": strategy == GenerationMode.CONTRASTIVE_SEARCH,
+              "dola_layers": strategy == GenerationMode.DOLA_GENERATION, "token_healing": bool(config.token_healing)}
+    return next((key for key in UNSUPPORTED if active.get(key, getattr(config, key, None) is not None)), None)
 
 
 def unread_cb_fields(cb_config) -> list[str]:
