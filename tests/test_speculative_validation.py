@@ -577,6 +577,7 @@ def test_the_reference_refuses_bad_inputs_naming_them(model, inputs):
     cases = [({"mode": None}, r"mode=None: the lane decoder runs one of \('ar', 'pipeline', 'block'\)"),
              ({"input_ids": ids.tolist()}, "input_ids must be a torch tensor of token ids .* got a list"),
              ({"input_ids": ids.float()}, "input_ids has dtype torch.float32"),
+             ({"input_ids": None}, "input_ids=None: the reference decodes from a prompt"),
              ({"input_ids": ids[:0], "attention_mask": mask[:0]}, r"input_ids has no rows \(shape \(0, "),
              ({"attention_mask": mask[:, 1:]}, r"attention_mask has shape \(\d+, \d+\), but input_ids has shape"),
              ({"attention_mask": mask[:1]}, r"attention_mask has shape \(1, \d+\), but input_ids has shape"),

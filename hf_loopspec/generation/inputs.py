@@ -277,7 +277,8 @@ def check_reference_inputs(input_ids, attention_mask, cache, max_length, mode: s
     if not isinstance(cache, PagedLoopCache):
         raise ValueError(f"cache: a {type(cache).__name__}; the lane decoder keeps its KV in a PagedLoopCache: pass "
                          "PagedLoopCache(model.kv_layout), or one an earlier call filled.")
-    _check_ids_tensor(input_ids)
+    if input_ids is None:  # (which `check_inputs` lets through: transformers' generate starts from BOS)
+        raise ValueError("input_ids=None: the reference decodes from a prompt; pass a [batch, length] tensor of ids.")
     check_inputs(input_ids, attention_mask, cache, vocab_size)
     check_left_padded(attention_mask, mode, setting="mode")
     max_length = as_integer(max_length, "max_length")
