@@ -154,11 +154,14 @@ def test_the_models_generation_config_fills_what_the_callers_leaves_unset(model,
 
 
 @pytest.mark.parametrize("extra", [{"max_time": 1e-4}, {"penalty_alpha": 0.6, "top_k": 4},
-                                   {"assistant_early_exit": 1}, {"dola_layers": "low"}, {"token_healing": True}],
-                         ids=["max_time", "penalty_alpha", "assistant_early_exit", "dola_layers", "token_healing"])
+                                   {"assistant_early_exit": 1}, {"dola_layers": "low"}, {"token_healing": True},
+                                   {"force_words_ids": [[3]]}],
+                         ids=["max_time", "penalty_alpha", "assistant_early_exit", "dola_layers", "token_healing",
+                              "force_words_ids"])
 def test_settings_a_manager_would_drop_are_refused(model, extra):
     """Each was dropped without a word (token_healing: `generate` heals the prompt through its tokenizer, or raises
-    without one; a manager decoded the prompt unhealed)."""
+    without one, and a manager decoded the prompt unhealed; force_words_ids: `generate` refuses constrained beam
+    search, and a manager decoded greedily)."""
     key = next(iter(extra))
     with pytest.raises(ValueError, match=f"{key}=.* in continuous batching"):
         model.init_continuous_batching(generation_config({}, **extra), batching())

@@ -241,6 +241,8 @@ COUNTS = {  # a setting that counts tokens (or names ids, stop strings) given as
     "bos_token_id=2.0": ({"bos_token_id": 2.0}, r"bos_token_id=2.0 must be a token id"),
     "prefill_chunk_size=0": ({"prefill_chunk_size": 0}, r"prefill_chunk_size=0 must be a Python integer >= 1"),
     "prefill_chunk_size=np.int64(2)": ({"prefill_chunk_size": np.int64(2)}, r"prefill_chunk_size=np.int64\(2\)"),
+    # a bare TypeError where transformers picks the decoding strategy (and in continuous batching's manager)
+    "penalty_alpha='0.6'": ({"penalty_alpha": "0.6", "top_k": 4}, r"penalty_alpha='0.6' must be a number"),
     # stop strings transformers failed on with a bare TypeError or AttributeError, or stopped at once for ""
     "stop_strings=5": ({"stop_strings": 5}, r"stop_strings=5 must be a non-empty string or a non-empty list of them"),
     "stop_strings=[5]": ({"stop_strings": [5]}, r"stop_strings=\[5\] must be a non-empty string"),

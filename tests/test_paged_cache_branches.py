@@ -162,6 +162,12 @@ def test_a_roll_back_closes_the_branches_opened_since_its_checkpoint():
         raise KeyboardInterrupt
     assert not cache.branches and cache.num_sequences == 1
     assert read_values(cache, 0, 0) == [float(p) for p in range(8)]
+    # a branch open before the checkpoint stays open, with its KV (a refused call on such a cache closed it)
+    slot = cache.branches.open(0, 6)
+    fill_values(cache, write(cache, slot, 0, [6, 7]), -1.0)
+    with pytest.raises(KeyboardInterrupt), cache.kept_on_error():
+        raise KeyboardInterrupt
+    assert slot in cache.branches and read_values(cache, slot, 0) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, -1.0, -1.0]
 
 
 def test_fork_checks_its_sequence_before_adding_a_slot():

@@ -143,8 +143,13 @@ class BranchSlots:
         cache._block_tables = None
         self._drop_slots()
 
-    def close_all(self) -> None:
-        for slot in list(self._open):
+    def slots(self) -> frozenset[int]:
+        """The slots of the open branches."""
+        return frozenset(self._open)
+
+    def close_all(self, keep: frozenset[int] = frozenset()) -> None:
+        """Close every open branch but those of the slots in `keep`."""
+        for slot in [slot for slot in self._open if slot not in keep]:
             self.close(slot)
 
     def _drop_slots(self) -> None:

@@ -72,6 +72,7 @@ class Checkpoint:
 
     lengths: tuple[int, ...]  # [num_sequences * num_planes] stored positions per table
     columns: ConsumedColumns
+    branches: frozenset[int]  # the branch slots open then
 
 
 @dataclass(frozen=True)
@@ -278,13 +279,12 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
             raise
 
     def checkpoint(self) -> Checkpoint:  # what `roll_back` returns the cache to
-        return Checkpoint(tuple(self._lengths), self._columns.copy())
+        return Checkpoint(tuple(self._lengths), self._columns.copy(), self.branches.slots())
 
     def roll_back(self, checkpoint: Checkpoint) -> None:
-        """Undo the additions since `checkpoint`: branches are closed (a call opens none on a cache that holds one),
-        every table is cut back to its length then (a shorter one, a `crop`'s, stays so), sequences added since are
-        freed and dropped, and the consumed columns are restored."""
-        self.branches.close_all()
+        """Undo the additions since `checkpoint`: branches opened since closed, each table cut back to its length then
+        (a `crop`'s shorter one stays so), sequences added since freed and dropped, the consumed columns restored."""
+        self.branches.close_all(keep=checkpoint.branches)
         lengths = checkpoint.lengths
         for t in range(len(self._lengths)):
             seq, plane = divmod(t, self.num_planes)

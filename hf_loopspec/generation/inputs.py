@@ -176,10 +176,10 @@ def check_generation_values(settings) -> None:
     `max_new_tokens=2.5` call after 3 tokens (it compares lengths with the float) where the speculative modes' integer
     counts would stop after 2, and refuse a tensor in some settings only; and for token ids (`TOKEN_ID_SETTINGS`) that
     are no integers or one-element integer tensors (EOS: or a list or tensor of them), and a `prefill_chunk_size` below
-    1, a passed `generation_config` that is none, and `stop_strings` that are not a non-empty string or a non-empty
-    list of them (transformers failed on `5` with a bare TypeError, and stopped after one token at `""`). `settings`: a
-    generation config, or a call's keyword arguments, checked before transformers reads them (it fails on
-    `max_new_tokens="3"` or `eos_token_id="x"` with a bare TypeError)."""
+    1, a `penalty_alpha` that is no number, a passed `generation_config` that is none, and `stop_strings` that are not a
+    non-empty string or a non-empty list of them (transformers failed on `5` with a bare TypeError, and stopped after
+    one token at `""`). `settings`: a generation config, or a call's keyword arguments, checked before transformers
+    reads them (it fails on `max_new_tokens="3"` or `eos_token_id="x"` with a bare TypeError)."""
     get = settings.get if isinstance(settings, dict) else lambda key: getattr(settings, key, None)
     passed = get("generation_config")  # (a call's: a dict's or string's keys were an AttributeError, per mode)
     if passed is not None and not isinstance(passed, GenerationConfig):
@@ -196,6 +196,11 @@ def check_generation_values(settings) -> None:
         if value is not None and not isinstance(value, numbers.Integral):
             raise ValueError(f"{key}={value!r} counts tokens: pass a Python or numpy integer (e.g. int(...) of a "
                              "0-d tensor), or None to leave it unset.")
+    alpha = get("penalty_alpha")  # (text: a bare TypeError where transformers picks the decoding strategy)
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) and not (
+            torch.is_tensor(alpha) and alpha.ndim == 0 and alpha.is_floating_point())):
+        raise ValueError(f"penalty_alpha={alpha!r} must be a number (contrastive search's degeneration penalty), or "
+                         "None to leave it unset.")
     chunk = get("prefill_chunk_size")  # (0 or less, or a numpy integer, failed in torch's split)
     if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
         raise ValueError(f"prefill_chunk_size={chunk!r} must be a Python integer >= 1 (the prompt's tokens per prefill "

@@ -46,6 +46,10 @@ UNSUPPORTED = {  # generation config settings a manager cannot honour (stop_stri
     "penalty_alpha": "contrastive search is not a decoding a manager runs (transformers 5 removed it from generate)",
     "assistant_early_exit": "assisted decoding is not a decoding a manager runs (nor, on a looped model, generate)",
     "dola_layers": "DoLa decoding is not a decoding a manager runs (transformers 5 moved it out of generate)",
+    "force_words_ids": "constrained beam search is not a decoding a manager runs (transformers 5 moved it out of "
+                       "generate)",
+    "constraints": "constrained beam search is not a decoding a manager runs (transformers 5 moved it out of "
+                   "generate)",
     "token_healing": "a manager decodes the token ids it is given (healing rewrites a prompt's last tokens through a "
                      "tokenizer, which no request carries)",
 }  # (prompt_lookup_num_tokens, a lossless speed-up a checkpoint's config may carry, is left unused: same tokens)
@@ -209,12 +213,15 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
 
 
 def unsupported_setting(config) -> str | None:
-    """The first setting of `config` in `UNSUPPORTED` that plain decoding would act on: `penalty_alpha` and
-    `dola_layers` when they select the decoding strategy (`penalty_alpha=0`, or `top_k=1`, decodes greedily),
-    `token_healing` when on, the others when set."""
+    """The first setting of `config` in `UNSUPPORTED` that plain decoding would act on: the strategy settings when
+    they select the decoding strategy (`penalty_alpha=0`, or `top_k=1`, decodes greedily), `token_healing` when on,
+    the others when set."""
     strategy = config.get_generation_mode()
+    constrained = strategy == GenerationMode.CONSTRAINED_BEAM_SEARCH
     active = {"penalty_alpha": strategy == GenerationMode.CONTRASTIVE_SEARCH,
-              "dola_layers": strategy == GenerationMode.DOLA_GENERATION, "token_healing": bool(config.token_healing)}
+              "dola_layers": strategy == GenerationMode.DOLA_GENERATION, "token_healing": bool(config.token_healing),
+              "force_words_ids": constrained and config.force_words_ids is not None,
+              "constraints": constrained and config.constraints is not None}
     return next((key for key in UNSUPPORTED if active.get(key, getattr(config, key, None) is not None)), None)
 
 
