@@ -18,11 +18,36 @@ def test_rounds_interleave_after_one_untimed_warm_up():
         return len(calls)
 
     runs = {tag: {"tag": tag} for tag in "abc"}
-    times, last = auto_table.interleaved(generate, runs, 3, lambda name, out: seen.append((name, out)))
+    times, median = auto_table.interleaved(generate, runs, 3, lambda name, out: seen.append((name, out)))
     # the warm-up in the given order, then three rounds, each run once per round, the order rotated by the round
     assert calls == list("abc" "bca" "cab" "abc")
-    assert [len(t) for t in times.values()] == [3, 3, 3] and last == {"a": 10, "b": 11, "c": 12}
+    assert [len(t) for t in times.values()] == [3, 3, 3] and set(median) == set("abc")
     assert seen == [(n, i + 1) for i, n in enumerate(calls)]  # every output is checked, the warm-up's too
+
+
+@pytest.mark.parametrize("rounds", [3, 4])
+def test_each_run_reports_the_output_of_its_median_time_round(monkeypatch, rounds):
+    """A row's counters and auto's choices come from the round its median time comes from (they came from the last
+    round: with nine rounds, auto's ninth call re-probed, and the table showed that call's choices beside the time of
+    plain-decoding rounds). Each call takes the seconds a script gives it on a fake clock; for an even count the
+    faster of the two middle rounds, as `report.median_run`."""
+    clock, calls = [0.0], []
+    seconds = {"a": [9, 3, 1, 7, 5], "b": [9, 8, 4, 2, 6]}  # the warm-up's first, then the timed rounds'
+
+    def generate(**options):
+        tag = options["tag"]
+        calls.append(tag)
+        clock[0] += seconds[tag][sum(c == tag for c in calls) - 1]
+        return (tag, sum(c == tag for c in calls) - 1)  # (run, its round: 0 the warm-up)
+
+    monkeypatch.setattr(auto_table.time, "perf_counter", lambda: clock[0])
+    times, median = auto_table.interleaved(generate, {"a": {"tag": "a"}, "b": {"tag": "b"}}, rounds, lambda *_: None)
+    assert times == {tag: seconds[tag][1:rounds + 1] for tag in "ab"}
+    for tag in "ab":
+        timed = seconds[tag][1:rounds + 1]
+        middle = sorted(timed)[(rounds - 1) // 2]
+        assert median[tag] == (tag, timed.index(middle) + 1)
+        assert timed[median[tag][1] - 1] == middle and median[tag][1] != rounds  # (not the last round here)
 
 
 def test_a_tiny_cell_runs_every_setting_and_reports_auto_against_the_best(tmp_path, capsys):

@@ -45,9 +45,11 @@ def interleaved(generate, runs: dict[str, dict], rounds: int, check) -> tuple[di
     """Time `generate(**options)` for every run in `runs`, round after round (one warm-up round first, untimed, in
     `runs`' order). Timed round r runs them in that order rotated by r, so that no run always follows the same one
     (on a machine whose threads share its cores, what ran just before moves a run's time). `check(name, out)` sees
-    every output. Returns (name -> list of seconds, name -> the last output)."""
+    every output. Returns (name -> list of seconds, name -> the output of its median-time round: the faster of the
+    two middle ones for an even count, as `report.median_run`), so that what a row reports of a run (auto's choices,
+    counters) is the round its median time comes from."""
     names = list(runs)
-    times, outputs = {name: [] for name in names}, {}
+    times, outputs = {name: [] for name in names}, {name: [] for name in names}
     for r in range(rounds + 1):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
@@ -55,9 +57,10 @@ def interleaved(generate, runs: dict[str, dict], rounds: int, check) -> tuple[di
             out = generate(**runs[name])
             if r:
                 times[name].append(time.perf_counter() - start)
+                outputs[name].append(out)
             check(name, out)
-            outputs[name] = out
-    return times, outputs
+    median_round = {name: sorted(range(rounds), key=times[name].__getitem__)[(rounds - 1) // 2] for name in names}
+    return times, {name: outputs[name][median_round[name]] for name in names}
 
 
 def _inputs(args, model, tokenizer) -> dict:
