@@ -264,6 +264,17 @@ def test_a_count_that_is_no_integer_is_rejected_naming_it(model, inputs, mode, c
 
 
 @pytest.mark.parametrize("mode", [*MODES.values(), AUTO], ids=[*MODES, "auto"])
+def test_a_penalty_alpha_of_any_number_type_decodes_as_plain(model, inputs, mode):
+    """penalty_alpha 0 (with top_k > 1: greedy, as transformers decides) given as a Python, numpy or tensor number of
+    any real dtype decodes plain's tokens; only what is no number is refused (the check first took 0-d floating
+    tensors only)."""
+    ids, mask = inputs
+    want = generate(model, ids, mask)
+    for alpha in (0, 0.0, np.float32(0.0), np.int64(0), np.array(0.0), torch.tensor(0), torch.tensor(0.0)):
+        assert generate(model, ids, mask, penalty_alpha=alpha, top_k=4, **mode).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("mode", [*MODES.values(), AUTO], ids=[*MODES, "auto"])
 def test_token_ids_as_tensors_and_lists_still_pass(model, inputs, mode):
     ids, mask = inputs
     want = generate(model, ids, mask, eos_token_id=3)

@@ -162,12 +162,25 @@ def test_a_roll_back_closes_the_branches_opened_since_its_checkpoint():
         raise KeyboardInterrupt
     assert not cache.branches and cache.num_sequences == 1
     assert read_values(cache, 0, 0) == [float(p) for p in range(8)]
-    # a branch open before the checkpoint stays open, with its KV (a refused call on such a cache closed it)
+    # a branch open before the checkpoint stays open, with its KV (a refused call on such a cache closed it), and
+    # loses what it wrote since: a position, and a plane it had not opened (its cut raised the branch's own refusal
+    # instead of the call's exception)
     slot = cache.branches.open(0, 6)
     fill_values(cache, write(cache, slot, 0, [6, 7]), -1.0)
     with pytest.raises(KeyboardInterrupt), cache.kept_on_error():
+        fill_values(cache, write(cache, slot, 0, [8]), -2.0)
+        fill_values(cache, write(cache, slot, 1, [6]), -3.0)
         raise KeyboardInterrupt
     assert slot in cache.branches and read_values(cache, slot, 0) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, -1.0, -1.0]
+    assert cache.length(slot, 1) == 0
+    fill_values(cache, write(cache, slot, 1, [6]), -4.0)  # the plane opens again, on the parent's history
+    assert read_values(cache, slot, 1) == [100.0, 101.0, 102.0, 103.0, 104.0, 105.0, -4.0]
+    # a branch opened since in a slot that an earlier branch held (closed since) is closed too
+    with pytest.raises(KeyboardInterrupt), cache.kept_on_error():
+        cache.branches.close(slot)
+        assert cache.branches.open(0, 3) == slot
+        raise KeyboardInterrupt
+    assert not cache.branches and [cache.length(0, d) for d in (0, 1)] == [8, 8]
 
 
 def test_fork_checks_its_sequence_before_adding_a_slot():

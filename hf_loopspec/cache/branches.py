@@ -143,13 +143,22 @@ class BranchSlots:
         cache._block_tables = None
         self._drop_slots()
 
-    def slots(self) -> frozenset[int]:
-        """The slots of the open branches."""
-        return frozenset(self._open)
+    def state(self) -> tuple[tuple[int, _Branch, frozenset[int]], ...]:
+        """(slot, branch, the planes it has opened) of every open branch: what `restore` returns them to."""
+        return tuple((slot, branch, frozenset(branch.opened)) for slot, branch in self._open.items())
 
-    def close_all(self, keep: frozenset[int] = frozenset()) -> None:
-        """Close every open branch but those of the slots in `keep`."""
-        for slot in [slot for slot in self._open if slot not in keep]:
+    def restore(self, state: tuple[tuple[int, _Branch, frozenset[int]], ...]) -> None:
+        """Close every branch opened since `state` (one in a slot that a branch of `state` held too), and give those of
+        `state` still open the planes they had opened then: the tables of planes opened since are then the cache's
+        to cut (`PagedLoopCache.roll_back`). A branch of `state` closed or promoted since stays so."""
+        then = {slot: (branch, opened) for slot, branch, opened in state}
+        for slot in [slot for slot, branch in self._open.items() if then.get(slot, (None,))[0] is not branch]:
+            self.close(slot)
+        for slot, branch in self._open.items():
+            branch.opened = set(then[slot][1])
+
+    def close_all(self) -> None:
+        for slot in list(self._open):
             self.close(slot)
 
     def _drop_slots(self) -> None:

@@ -72,7 +72,7 @@ class Checkpoint:
 
     lengths: tuple[int, ...]  # [num_sequences * num_planes] stored positions per table
     columns: ConsumedColumns
-    branches: frozenset[int]  # the branch slots open then
+    branches: tuple  # the open branches then (`BranchSlots.state`)
 
 
 @dataclass(frozen=True)
@@ -279,12 +279,12 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
             raise
 
     def checkpoint(self) -> Checkpoint:  # what `roll_back` returns the cache to
-        return Checkpoint(tuple(self._lengths), self._columns.copy(), self.branches.slots())
+        return Checkpoint(tuple(self._lengths), self._columns.copy(), self.branches.state())
 
     def roll_back(self, checkpoint: Checkpoint) -> None:
-        """Undo the additions since `checkpoint`: branches opened since closed, each table cut back to its length then
-        (a `crop`'s shorter one stays so), sequences added since freed and dropped, the consumed columns restored."""
-        self.branches.close_all(keep=checkpoint.branches)
+        """Undo the additions since `checkpoint`: branches as then (`BranchSlots.restore`), each table cut back to its
+        length then (a `crop`'s shorter one stays so), sequences added since dropped, the consumed columns restored."""
+        self.branches.restore(checkpoint.branches)
         lengths = checkpoint.lengths
         for t in range(len(self._lengths)):
             seq, plane = divmod(t, self.num_planes)

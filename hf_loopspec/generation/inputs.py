@@ -197,8 +197,7 @@ def check_generation_values(settings) -> None:
             raise ValueError(f"{key}={value!r} counts tokens: pass a Python or numpy integer (e.g. int(...) of a "
                              "0-d tensor), or None to leave it unset.")
     alpha = get("penalty_alpha")  # (text: a bare TypeError where transformers picks the decoding strategy)
-    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) and not (
-            torch.is_tensor(alpha) and alpha.ndim == 0 and alpha.is_floating_point())):
+    if alpha is not None and not is_real_number(alpha):
         raise ValueError(f"penalty_alpha={alpha!r} must be a number (contrastive search's degeneration penalty), or "
                          "None to leave it unset.")
     chunk = get("prefill_chunk_size")  # (0 or less, or a numpy integer, failed in torch's split)
@@ -217,6 +216,17 @@ def check_generation_values(settings) -> None:
         if value is not None and (ids is None or one and (len(ids) != 1 or isinstance(value, (list, tuple)))):
             also = ", or a list of them" if key == "eos_token_id" else ""
             raise ValueError(f"{key}={value!r} must be a token id (an integer{also}), or None to leave it unset.")
+
+
+def is_real_number(value) -> bool:
+    """Whether `value` is one real number: a Python or numpy number, or a 0-d tensor or array of one (not a bool)."""
+    if isinstance(value, numbers.Real) or hasattr(value, "ndim") and hasattr(value, "dtype"):
+        try:
+            value = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError):
+            return False
+        return value.ndim == 0 and value.dtype != torch.bool and not value.is_complex()
+    return False
 
 
 def stop_strings_given(stops) -> bool:
