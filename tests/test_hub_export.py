@@ -268,6 +268,27 @@ def test_a_reexport_keeps_the_models_name_and_language(tmp_path):
     assert again.data.model_name == "hf-loopspec-default" and again.text.lstrip().startswith("# hf-loopspec-default")
 
 
+def test_each_benchmark_keeps_its_own_model_index_entry(tmp_path):
+    """Two bench results (an Intel machine with two threads, an AMD one with one): every metric of the card's
+    model-index sits under its own workload's name, read back by huggingface_hub (huggingface_hub groups entries by
+    dataset type, config and split: with the workload as the name alone, every metric went under the first one's)."""
+    files = [ROOT / "bench_results" / name for name in ("cpu_default_b1.json", "cpu_default_threads1.json")]
+    card = ModelCard.load(export.export_checkpoint("default", tmp_path / "out", benchmarks=files) / "README.md")
+    expected = {}
+    for path in files:
+        result = json.loads(path.read_text())
+        for row in result["rows"]:
+            expected[(result["machine"]["device_name"], result["args"]["threads"], f"{row['mode']} tokens/s")] = \
+                round(row["tokens_per_s"], 4)
+    got = {}
+    for entry in card.data.eval_results:
+        machine = next(name for name, _, _ in expected if name in entry.dataset_name)
+        threads = int(entry.dataset_name.split(" thread")[0].rsplit(", ", 1)[1])
+        if entry.metric_name.endswith("tokens/s"):
+            got[(machine, threads, entry.metric_name)] = entry.metric_value
+    assert got == expected and len({entry.dataset_name for entry in card.data.eval_results}) == 2
+
+
 def test_a_source_cards_metadata_is_checked_as_the_flags_are(source, tmp_path, caplog):
     """The source card's license is used only when it is a Hub license id, like --license's (it was written into the
     card as it came), and a language that is no language code is left out with a warning."""
@@ -335,6 +356,9 @@ def test_export_refuses_a_non_empty_folder_and_bad_settings(source, tmp_path):
     assert json.loads((out / "generation_config.json").read_text())["speculative_mode"] is None
     card = (out / "README.md").read_text()  # offers no speculative mode (generate refuses them all on it)
     assert "**No self-speculation.**" in card and 'speculative_mode="' not in card and "to speculate" not in card
+    # nor does its lead or its tags (they said "decoded with lossless pipelined or block self-speculation")
+    assert "self-speculation." not in card.split("**No self-speculation.**")[0]
+    assert "speculative-decoding" not in ModelCard.load(out / "README.md").data.tags
     assert (tmp_path / "x.txt").read_text() == "keep"
     for bad, match in [({"repo_id": "a/b/c"}, "--repo-id 'a/b/c'"), ({"repo_id": "../evil"}, "--repo-id '../evil'"),
                        ({"repo_id": "name-only"}, "namespace/name"), ({"base_model": "x y"}, "--base-model 'x y'"),

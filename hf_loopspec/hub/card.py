@@ -73,8 +73,8 @@ FAMILIES = {
         chat_tokens={"<|im_start|>": 1, "<|im_end|>": 2, "<|endoftext|>": 0},
         kv_example="about 786 KB per context token for Ouro-1.4B in bf16 across its 4 loops",
         limitations="* **Early exit.** `generate` decodes from the last loop (the checkpoints' `early_exit_threshold` "
-                    "of 1.0); the\n  exit gate is available through `forward(exit_threshold=..., exit_at_step=..., "
-                    "use_weighted_exit=True)`.\n",
+                    "of 1.0); the\n  exit gate, where the checkpoint trained one, is available through "
+                    "`forward(exit_threshold=...,\n  exit_at_step=..., use_weighted_exit=True)`.\n",
     ),
 }
 
@@ -141,7 +141,7 @@ def build_model_card(
     fields = {
         "title": title or repo_id.rsplit("/", 1)[-1],
         "summary": summary or _summary(weights or f"a looped language model with the {fam.name} architecture",
-                                       weights_dtype),
+                                       weights_dtype, num_loops),
         "what_it_is": what_it_is or _what_it_is(fam, weights, weights_dtype, makers, num_loops),
         "project_url": project_url(),
         "install_command": install_command(),
@@ -163,17 +163,18 @@ def build_model_card(
         "citation_section": _citation_section(fam, base_link) if makers else "",
     }
     fields |= _speculation_sections(fields, num_loops)
-    data = _card_data(fields["title"], results, tags, license=license, license_name=license_name,
+    data = _card_data(fields["title"], results, tags, num_loops >= 2, license=license, license_name=license_name,
                       license_link=license_link, base_model=base_model, language=language, datasets=datasets)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{MODEL_CARD_TEMPLATE.substitute(fields)}")
 
 
-def _card_data(title: str, results: Sequence[dict], tags, **metadata) -> ModelCardData:
+def _card_data(title: str, results: Sequence[dict], tags, speculates: bool, **metadata) -> ModelCardData:
     """The card's front matter: `metadata` (the license with an `other` license's name and link, the base model, and
-    a source card's language and datasets, carried over), the package's library, pipeline tag and tags, the title as
-    `model_name` and the bench `results` as `model-index`."""
-    return ModelCardData(library_name="transformers", pipeline_tag="text-generation", model_name=title,
-                         tags=list(dict.fromkeys([*TAGS, *tags])),
+    a source card's language and datasets, carried over), the package's library, pipeline tag and tags (no
+    `speculative-decoding` for a model that cannot speculate), the title as `model_name` and the bench `results` as
+    `model-index`."""
+    tags = [tag for tag in dict.fromkeys([*TAGS, *tags]) if speculates or tag != "speculative-decoding"]
+    return ModelCardData(library_name="transformers", pipeline_tag="text-generation", model_name=title, tags=tags,
                          eval_results=eval_results(results, project_url()) or None, **metadata)
 
 
@@ -187,11 +188,13 @@ def makers_weights(base_model: str | None, family: str = "ouro") -> bool:
     return bool(base_model) and base_model.split("/", 1)[0] == FAMILIES[family].hub_namespace
 
 
-def _summary(named: str, weights_dtype: str | None) -> str:
+def _summary(named: str, weights_dtype: str | None, num_loops: int) -> str:
     """The card's lead when the source's card gives none: `named` says whose the weights are."""
+    decoded = ("decoded with lossless pipelined or block self-speculation" if num_loops >= 2 else
+               "decoded plainly (one loop per token: no shallower loop to draft from)")
     return (f"{named[0].upper() + named[1:]} packaged for transformers 5.x with [hf-loopspec]({project_url()}): the "
             f"same weights{f' in {weights_dtype}' if weights_dtype else ''}, loadable with `trust_remote_code=True`, "
-            "decoded with lossless pipelined or block self-speculation.")
+            f"{decoded}.")
 
 
 def _what_it_is(fam: CardFamily, weights: str | None, weights_dtype: str | None, makers: bool, num_loops: int) -> str:

@@ -65,17 +65,20 @@ def eval_results(results: Sequence[dict], source_url: str) -> list[EvalResult]:
         a, m = result["args"], result["machine"]
         if a.get("model") in SHAPES or result.get("synthetic_acceptance") is not None:
             continue
-        workload = (f"hf-loopspec bench: {m['device_name']}, {a['dtype']}, batch {a['batch_size']}, prompt "
+        count = a.get("threads")
+        threads = f", {count} thread{'s' * (count != 1)}" if count else ""
+        workload = (f"hf-loopspec bench: {m['device_name']}, {a['dtype']}{threads}, batch {a['batch_size']}, prompt "
                     f"{a['prompt_len']}, {a['new_tokens']} new tokens")
-        if result.get("synthetic_acceptance") is not None:
-            workload += f", synthetic acceptance {result['synthetic_acceptance']}"
         for row in result["rows"]:
             metrics = [("tokens_per_second", "tokens/s", row["tokens_per_s"])]
             if row["mode"] != "plain":
                 metrics += [("speedup_vs_plain", "x plain", row.get("ratio_vs_plain")),
                             ("draft_acceptance", "draft acceptance", row.get("acceptance_rate"))]
+            # (the workload is the dataset's config too: huggingface_hub groups entries by type, config and split, so
+            # with the name alone every workload's metrics went under the first one's name)
             entries += [EvalResult(task_type="text-generation", dataset_type="hf-loopspec-bench", dataset_name=workload,
-                                   metric_type=kind, metric_name=f"{row['mode']} {label}", metric_config=row["mode"],
+                                   dataset_config=workload, metric_type=kind, metric_name=f"{row['mode']} {label}",
+                                   metric_config=row["mode"],
                                    metric_value=round(float(value), 4), source_name="hf-loopspec bench",
                                    source_url=source_url)
                         for kind, label, value in metrics if value is not None]
