@@ -269,24 +269,25 @@ def test_a_reexport_keeps_the_models_name_and_language(tmp_path):
 
 
 def test_each_benchmark_keeps_its_own_model_index_entry(tmp_path):
-    """Two bench results (an Intel machine with two threads, an AMD one with one): every metric of the card's
-    model-index sits under its own workload's name, read back by huggingface_hub (huggingface_hub groups entries by
-    dataset type, config and split: with the workload as the name alone, every metric went under the first one's)."""
-    files = [ROOT / "bench_results" / name for name in ("cpu_default_b1.json", "cpu_default_threads1.json")]
+    """Three bench results (an Intel machine with two threads, greedy and sampled; an AMD one with one thread): every
+    metric of the card's model-index sits under its own workload, read back by huggingface_hub, which groups entries by
+    dataset type, config and split (with the workload as the name alone, every metric went under the first one's)."""
+    names = ("cpu_default_b1.json", "cpu_default_b1_sampling.json", "cpu_default_threads1.json")
+    files = [ROOT / "bench_results" / name for name in names]
     card = ModelCard.load(export.export_checkpoint("default", tmp_path / "out", benchmarks=files) / "README.md")
     expected = {}
     for path in files:
         result = json.loads(path.read_text())
+        workload = (result["machine"]["device_name"], result["args"]["threads"], result.get("sampling") is not None)
         for row in result["rows"]:
-            expected[(result["machine"]["device_name"], result["args"]["threads"], f"{row['mode']} tokens/s")] = \
-                round(row["tokens_per_s"], 4)
-    got = {}
+            expected[(*workload, f"{row['mode']} tokens/s")] = round(row["tokens_per_s"], 4)
+    got, groups = {}, {(entry.dataset_name, entry.dataset_config) for entry in card.data.eval_results}
     for entry in card.data.eval_results:
-        machine = next(name for name, _, _ in expected if name in entry.dataset_name)
+        machine = next(name for name, *_ in expected if name in entry.dataset_name)
         threads = int(entry.dataset_name.split(" thread")[0].rsplit(", ", 1)[1])
         if entry.metric_name.endswith("tokens/s"):
-            got[(machine, threads, entry.metric_name)] = entry.metric_value
-    assert got == expected and len({entry.dataset_name for entry in card.data.eval_results}) == 2
+            got[(machine, threads, entry.dataset_name.endswith(", sampling"), entry.metric_name)] = entry.metric_value
+    assert got == expected and len(groups) == len({name for name, _ in groups}) == 3
 
 
 def test_a_source_cards_metadata_is_checked_as_the_flags_are(source, tmp_path, caplog):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -270,7 +271,8 @@ def test_a_penalty_alpha_of_any_number_type_decodes_as_plain(model, inputs, mode
     tensors only)."""
     ids, mask = inputs
     want = generate(model, ids, mask)
-    for alpha in (0, 0.0, np.float32(0.0), np.int64(0), np.array(0.0), torch.tensor(0), torch.tensor(0.0)):
+    for alpha in (0, 0.0, Fraction(0), np.float32(0.0), np.int64(0), np.uint64(0), np.array(0.0), torch.tensor(0),
+                  torch.tensor(0.0)):
         assert generate(model, ids, mask, penalty_alpha=alpha, top_k=4, **mode).tolist() == want.tolist()
 
 

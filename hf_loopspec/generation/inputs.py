@@ -220,7 +220,9 @@ def check_generation_values(settings) -> None:
 
 def is_real_number(value) -> bool:
     """Whether `value` is one real number: a Python or numpy number, or a 0-d tensor or array of one (not a bool)."""
-    if isinstance(value, numbers.Real) or hasattr(value, "ndim") and hasattr(value, "dtype"):
+    if isinstance(value, numbers.Real):
+        return not isinstance(value, bool)
+    if hasattr(value, "ndim") and hasattr(value, "dtype"):  # a tensor or array
         try:
             value = torch.as_tensor(value)
         except (TypeError, ValueError, RuntimeError):

@@ -67,22 +67,30 @@ def eval_results(results: Sequence[dict], source_url: str) -> list[EvalResult]:
             continue
         count = a.get("threads")
         threads = f", {count} thread{'s' * (count != 1)}" if count else ""
+        sampled = ", sampling" if result.get("sampling") is not None else ""
         workload = (f"hf-loopspec bench: {m['device_name']}, {a['dtype']}{threads}, batch {a['batch_size']}, prompt "
-                    f"{a['prompt_len']}, {a['new_tokens']} new tokens")
+                    f"{a['prompt_len']}, {a['new_tokens']} new tokens{sampled}")
         for row in result["rows"]:
             metrics = [("tokens_per_second", "tokens/s", row["tokens_per_s"])]
             if row["mode"] != "plain":
                 metrics += [("speedup_vs_plain", "x plain", row.get("ratio_vs_plain")),
                             ("draft_acceptance", "draft acceptance", row.get("acceptance_rate"))]
-            # (the workload is the dataset's config too: huggingface_hub groups entries by type, config and split, so
-            # with the name alone every workload's metrics went under the first one's name)
             entries += [EvalResult(task_type="text-generation", dataset_type="hf-loopspec-bench", dataset_name=workload,
-                                   dataset_config=workload, metric_type=kind, metric_name=f"{row['mode']} {label}",
-                                   metric_config=row["mode"],
+                                   dataset_config=_settings(result), metric_type=kind,
+                                   metric_name=f"{row['mode']} {label}", metric_config=row["mode"],
                                    metric_value=round(float(value), 4), source_name="hf-loopspec bench",
                                    source_url=source_url)
                         for kind, label, value in metrics if value is not None]
     return entries
+
+
+def _settings(result: dict) -> str:
+    """The bench flags a result was measured with, but its model and prompt file (its command's other flags, or
+    "defaults"): the model-index "dataset config" that keeps each workload's metrics apart. huggingface_hub groups
+    entries by dataset type, config and split, so with a shared config every workload's metrics went under the first
+    one's name (two machines, greedy and sampled runs, engines, compiled runs)."""
+    settings = {key: value for key, value in result["args"].items() if key not in ("model", "prompt_file")}
+    return command_line({**result, "args": settings}).removeprefix("hf-loopspec bench").strip() or "defaults"
 
 
 def speed_section(results: Sequence[dict], repo_id: str) -> str:
