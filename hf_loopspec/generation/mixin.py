@@ -342,9 +342,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
             return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
                                    synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
         if spec.mode == AUTO_MODE:  # `generate` runs auto itself (`generation.auto`); a hook reached another way
-            raise ValueError("speculative_mode='auto' is decoded by the model's own generate, which this call "
-                             "bypassed (transformers' GenerationMixin.generate(model, ...) reaches the decoding loop "
-                             "directly): call model.generate(...), or pass speculative_mode='pipeline' or 'block'.")
+            raise ValueError("speculative_mode='auto' is decoded by the model's own generate, which this call bypassed "
+                             "(GenerationMixin.generate(model, ...)): call model.generate(...), or pass 'pipeline'.")
         check_decoding_mask(model_kwargs.get("attention_mask"), input_ids, spec.mode)
         fallback = model_fallback(self) or plain_fallback(logits_processor) \
             or settings_fallback(generation_config, synced_gpus)
