@@ -20,7 +20,7 @@ from transformers import GenerationConfig
 from transformers.cache_utils import Cache
 
 from ..cache.paged import PagedLoopCache
-from ..models.layers import check_mask_values, check_token_ids, is_integer
+from ..models.layers import check_mask_values, check_token_ids, is_integer, is_real
 
 
 def as_integer(value, name: str) -> int:
@@ -221,7 +221,7 @@ def check_generation_values(settings) -> None:
 def is_real_number(value) -> bool:
     """Whether `value` is one real number: a Python or numpy number, or a 0-d tensor or array of one (not a bool)."""
     if isinstance(value, numbers.Real):
-        return not isinstance(value, bool)
+        return is_real(value)
     if hasattr(value, "ndim") and hasattr(value, "dtype"):  # a tensor or array
         try:
             value = torch.as_tensor(value)

@@ -91,6 +91,11 @@ def is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_real(value) -> bool:
+    """Whether `value` is a real number (Python's or numpy's; not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def check_built(config, built: dict, attention: nn.Module) -> None:
     """`ValueError` naming a setting of `config` that no longer matches the modules the model was built with (`built`:
     field -> its value in the modules, and the heads and head size of its `attention` modules). Assigned on a loaded

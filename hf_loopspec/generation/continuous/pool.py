@@ -20,13 +20,12 @@ memory of no other request. A request that needs more pages than the pool has in
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import torch
 
 from ...cache.paged import PagedLoopCache
-from ...models.layers import is_integer
+from ...models.layers import is_integer, is_real
 from ..dispatch import free_memory
 from ..wavefront.engine import WavefrontEngine
 
@@ -66,7 +65,7 @@ def pool_size(layout, dtype: torch.dtype, device: torch.device, cb_config, slots
     fraction = getattr(cb_config, "max_memory_percent", None)
     if fraction is None:
         fraction = DEFAULT_MEMORY_FRACTION
-    elif isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0 < fraction <= 1:
+    elif not is_real(fraction) or not 0 < fraction <= 1:
         raise ValueError(f"max_memory_percent={fraction!r} in the ContinuousBatchingConfig must be a fraction in "
                          "(0, 1] of the free memory.")
     budget = int(fraction * free_memory(device)) // per_page  # pages

@@ -8,7 +8,6 @@ The field names match the `config.json` of `tomg-group-umd/huginn-0125` (its rem
 from __future__ import annotations
 
 import math
-import numbers
 from typing import ClassVar
 
 from transformers.configuration_utils import PreTrainedConfig
@@ -27,7 +26,7 @@ from ..config_checks import (
     check_rope_base,
     rope_theta_of,
 )
-from ..layers import is_integer
+from ..layers import is_integer, is_real
 
 logger = get_logger(__name__)
 
@@ -63,11 +62,6 @@ def check_init_values(config, name: str, value=FROM_CONFIG) -> None:
         raise ValueError(f"HuginnConfig.{name}={values!r}: give a dict of finite numbers `std` > 0 and `embed_scale` "
                          "> 0 (either may be left out for its default), or None for both defaults; for zero initial "
                          "states pass init_scale=0 to the call instead.")
-
-
-def is_real(value) -> bool:
-    """Whether `value` is a real number (Python's or numpy's; not a bool)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 VALUE_CHECKS = {"rope_base": check_rope_base, "rope_theta": check_rope_base, "norm_eps": check_norm_eps,

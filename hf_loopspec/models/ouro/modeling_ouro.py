@@ -10,7 +10,6 @@ KV; on a standard `transformers` Cache that is cache layer `u * num_hidden_layer
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +32,7 @@ from ..layers import (
     check_forward_inputs,
     check_token_ids,
     is_integer,
+    is_real,
     kept_positions,
     project,
     rotary_cos_sin,
@@ -354,8 +354,7 @@ def check_exit_options(loops: int, exit_at_step, exit_threshold, use_weighted_ex
     if exit_at_step is not None and (not is_integer(exit_at_step) or not 0 <= exit_at_step < loops):
         raise ValueError(f"exit_at_step={exit_at_step!r} must be an integer in [0, {loops - 1}] for a {loops}-loop "
                          "model.")
-    if exit_threshold is not None and (isinstance(exit_threshold, bool) or not isinstance(exit_threshold, numbers.Real)
-                                       or not 0.0 <= exit_threshold <= 1.0):
+    if exit_threshold is not None and (not is_real(exit_threshold) or not 0.0 <= exit_threshold <= 1.0):
         raise ValueError(f"exit_threshold={exit_threshold!r} must be a number in [0, 1].")
     if use_weighted_exit is not None and not isinstance(use_weighted_exit, bool):
         raise ValueError(f"use_weighted_exit={use_weighted_exit!r} must be True or False.")
