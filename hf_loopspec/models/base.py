@@ -116,7 +116,8 @@ class StrictLoadingMixin:
         config does not take are the config class's own answer (`return_unused_kwargs`), or all of them beside a
         `config` object, which transformers does not update."""
         found = re.search(r"unexpected keyword argument '(\w+)'", str(error))
-        decoding = {key for key in kwargs if key in SPECULATIVE_KEYS or hasattr(GenerationConfig(), key)}
+        settings = GenerationConfig()
+        decoding = {key for key in kwargs if key in SPECULATIVE_KEYS or hasattr(settings, key)}
         if not found or found.group(1) not in decoding:
             return None
         unused = decoding
