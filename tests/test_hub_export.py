@@ -269,25 +269,35 @@ def test_a_reexport_keeps_the_models_name_and_language(tmp_path):
 
 
 def test_each_benchmark_keeps_its_own_model_index_entry(tmp_path):
-    """Three bench results (an Intel machine with two threads, greedy and sampled; an AMD one with one thread): every
-    metric of the card's model-index sits under its own workload, read back by huggingface_hub, which groups entries by
-    dataset type, config and split (with the workload as the name alone, every metric went under the first one's)."""
+    """Five bench results (an Intel machine with two threads, greedy and sampled; an AMD one with one thread; the
+    first one's command repeated on another machine and with a prompt file): every metric of the card's model-index
+    sits under its own workload, read back by huggingface_hub, which groups entries by dataset type, config and split
+    (with the workload as the name alone, every metric went under the first one's; with the flags alone as config,
+    one command's runs on two machines or prompt files did)."""
     names = ("cpu_default_b1.json", "cpu_default_b1_sampling.json", "cpu_default_threads1.json")
-    files = [ROOT / "bench_results" / name for name in names]
-    card = ModelCard.load(export.export_checkpoint("default", tmp_path / "out", benchmarks=files) / "README.md")
+    results = [json.loads((ROOT / "bench_results" / name).read_text()) for name in names]
+    first = results[0]
+    scaled = [{**row, "tokens_per_s": row["tokens_per_s"] / 3} for row in first["rows"]]
+    results += [{**first, "machine": {**first["machine"], "device_name": "Another CPU"}, "rows": scaled},
+                {**first, "args": {**first["args"], "prompt_file": "/data/my_prompts.txt"}, "rows": scaled[::-1]}]
+    card = ModelCard.load(export.export_checkpoint("default", tmp_path / "out", benchmarks=results) / "README.md")
     expected = {}
-    for path in files:
-        result = json.loads(path.read_text())
-        workload = (result["machine"]["device_name"], result["args"]["threads"], result.get("sampling") is not None)
+    for result in results:
+        workload = (result["machine"]["device_name"], result["args"]["threads"], result.get("sampling") is not None,
+                    result["args"]["prompt_file"] is not None)
         for row in result["rows"]:
             expected[(*workload, f"{row['mode']} tokens/s")] = round(row["tokens_per_s"], 4)
     got, groups = {}, {(entry.dataset_name, entry.dataset_config) for entry in card.data.eval_results}
     for entry in card.data.eval_results:
         machine = next(name for name, *_ in expected if name in entry.dataset_name)
+        assert entry.dataset_config.endswith(f" on {machine}")
         threads = int(entry.dataset_name.split(" thread")[0].rsplit(", ", 1)[1])
+        prompts = "--prompt-file my_prompts.txt " in entry.dataset_config
         if entry.metric_name.endswith("tokens/s"):
-            got[(machine, threads, entry.dataset_name.endswith(", sampling"), entry.metric_name)] = entry.metric_value
-    assert got == expected and len(groups) == len({name for name, _ in groups}) == 3
+            key = (machine, threads, entry.dataset_name.endswith(", sampling"), prompts, entry.metric_name)
+            assert key not in got
+            got[key] = entry.metric_value
+    assert got == expected and len(groups) == 5
 
 
 def test_a_source_cards_metadata_is_checked_as_the_flags_are(source, tmp_path, caplog):

@@ -399,6 +399,37 @@ def test_keys_set_on_the_default_generation_config_survive_save_and_reload(input
     assert getattr(loaded.generation_config, "speculative_mode", None) == "pipeline"
 
 
+SAVE_REFUSALS = [  # (family, generation config settings, the refusal's words): what the saved model's generate refuses
+    ("ouro", {"speculative_mode": "pipelin"}, "speculative_mode='pipelin' is not supported"),
+    ("ouro", {"speculative_mode": "pipeline", "draft_loops": 9}, r"draft_loops=9 is outside \[1, 3\]"),
+    ("ouro", {"speculative_mode": "pipeline", "draft_loops": 3}, "multiple of draft_loops=3"),
+    ("ouro", {"speculative_mode": "block", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
+    ("ouro", {"speculative_mode": "block", "draft_loops": "x"}, "draft_loops='x' must be an integer"),
+    ("ouro", {"second_draft_loops": 3}, "second_draft_loops=3 is a setting of speculative_mode='pipeline'"),
+    ("ouro", {"speculative_trace": True}, "speculative_trace=True in a generation config is not read"),
+    ("ouro", {"num_steps": 4}, "num_steps=4: OuroForCausalLM has no recurrence settings"),
+    ("huginn", {"exit_threshold": 0.5}, "exit_threshold=0.5: HuginnForCausalLM has no exit options"),
+    ("huginn", {"speculative_mode": "pipeline", "num_steps": 1}, "runs 1 loop"),
+]
+
+
+@pytest.mark.parametrize(("family", "settings", "words"), SAVE_REFUSALS)
+def test_save_pretrained_refuses_a_generation_config_its_generate_would_refuse(tmp_path, family, settings, words):
+    """`save_pretrained` raises the `ValueError` that the saved model's first `generate` would raise on its loaded
+    generation config, naming `model.generation_config`, and writes nothing (before, the checkpoint was written and
+    each speculative call of it failed); the same model with the setting set back saves and loads."""
+    model = tiny_spec_model(54, 4, vocab=VOCAB) if family == "ouro" else tiny_huginn(seed=6)[0]
+    for key, value in settings.items():
+        setattr(model.generation_config, key, value)
+    with pytest.raises(ValueError, match=f"^model.generation_config: .*{words}.*before saving"):
+        model.save_pretrained(tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    for key in settings:
+        setattr(model.generation_config, key, None)
+    model.save_pretrained(tmp_path / "saved")
+    assert getattr(type(model).from_pretrained(tmp_path / "saved").generation_config, "speculative_mode", None) is None
+
+
 @pytest.mark.parametrize("how", ["file", "argument"])
 def test_keys_in_a_generation_config_marked_from_model_config_are_honoured(inputs, tmp_path, how):
     """Older transformers versions save `"_from_model_config": true`, and transformers then drops every non-standard

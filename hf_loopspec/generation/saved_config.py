@@ -11,6 +11,8 @@ recurrence settings, `num_steps`, `init_scale`, `init_seed`; Ouro's exit options
   that `generate` refuses those as it refuses them in any other generation config instead of never seeing them;
 * `check_family_keys` refuses what every `generate` would refuse among a checkpoint's non-standard keys other than
   the speculative ones (export and serve check those before they write or serve anything);
+* `check_saved_settings` refuses, before `save_pretrained` writes, a generation config that those checks or the
+  speculative ones refuse on a call of the saved model that passes no settings of its own;
 * `checkpoint_generation_config` reads a checkpoint's generation config as its model loads it, without the model.
 """
 
@@ -23,7 +25,7 @@ from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from ..logs import get_logger
 from .call import RUNTIME_KEYS, reject_configured_runtime_keys
-from .config import EXIT_OPTIONS, SPECULATIVE_KEYS, reject_recurrence_options
+from .config import EXIT_OPTIONS, SPECULATIVE_KEYS, reject_recurrence_options, speculative_config
 
 logger = get_logger(__name__)
 
@@ -73,6 +75,23 @@ def check_family_keys(model) -> None:
     if not hasattr(model, "recurrence_settings"):
         reject_recurrence_options(type(model).__name__, vars(config))
     model.exit_rule(**{key: getattr(config, key) for key in EXIT_OPTIONS if getattr(config, key, None) is not None})
+
+
+def check_saved_settings(model) -> None:
+    """`ValueError` for a setting of `model.generation_config` that a `generate` call of the saved model passing
+    none of its own would refuse: `check_family_keys`'s, and the speculative keys at the loop count the config
+    sets (Huginn: its `num_steps`). Without it `save_pretrained` wrote a checkpoint whose first speculative call
+    failed on its loaded config. A model that does not generate (a base model) has nothing to check."""
+    config = getattr(model, "generation_config", None)
+    if config is None or not model.can_generate():
+        return
+    try:
+        check_family_keys(model)
+        with model.call_block(config):
+            speculative_config(config, model.num_loops)
+    except ValueError as error:
+        raise ValueError(f"model.generation_config: {str(error).rstrip('.')}; the saved model's generate would "
+                         "refuse it: set a valid value (or None) on model.generation_config before saving.") from None
 
 
 def checkpoint_generation_config(spec: str):

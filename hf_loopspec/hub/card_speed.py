@@ -85,12 +85,14 @@ def eval_results(results: Sequence[dict], source_url: str) -> list[EvalResult]:
 
 
 def _settings(result: dict) -> str:
-    """The bench flags a result was measured with, but its model and prompt file (its command's other flags, or
-    "defaults"): the model-index "dataset config" that keeps each workload's metrics apart. huggingface_hub groups
-    entries by dataset type, config and split, so with a shared config every workload's metrics went under the first
-    one's name (two machines, greedy and sampled runs, engines, compiled runs)."""
-    settings = {key: value for key, value in result["args"].items() if key not in ("model", "prompt_file")}
-    return command_line({**result, "args": settings}).removeprefix("hf-loopspec bench").strip() or "defaults"
+    """The model-index "dataset config" that keeps each workload's metrics apart: the bench flags a result was
+    measured with but its model (its command's other flags, a prompt file by its name, or "defaults") and the machine
+    it ran on. huggingface_hub groups entries by dataset type, config and split, so results sharing a config went
+    under the first one's name: two machines, greedy and sampled runs, engines, compiled runs, prompt files."""
+    quoted = _as_measured_on_repo(result, "")
+    flags = {key: value for key, value in quoted["args"].items() if key != "model"}
+    command = command_line({**result, "args": flags}).removeprefix("hf-loopspec bench").strip() or "defaults"
+    return f"{command} on {result['machine']['device_name']}"
 
 
 def speed_section(results: Sequence[dict], repo_id: str) -> str:

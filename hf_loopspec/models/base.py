@@ -14,7 +14,12 @@ from transformers.utils import find_adapter_config_file
 
 from ..generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS, SPECULATIVE_KEYS, asks
 from ..generation.inputs import check_cache_type
-from ..generation.saved_config import mark_user_generation_config, restore_speculative_keys, saved_generation_dict
+from ..generation.saved_config import (
+    check_saved_settings,
+    mark_user_generation_config,
+    restore_speculative_keys,
+    saved_generation_dict,
+)
 from .load_report import held_load_report
 
 SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size")  # named by a refused load
@@ -38,10 +43,12 @@ class StrictLoadingMixin:
         """transformers' save, after a `ValueError` for a config edited since the model was built into one that no
         longer describes this model's modules (its `kv_layout`'s `check_built`, first: it names the setting to set
         back) or that no model can be built from (`validate_architecture`): such a save wrote a checkpoint that its own
-        `from_pretrained` refuses, or loads as another model."""
+        `from_pretrained` refuses, or loads as another model; and for a generation config whose settings the saved
+        model's `generate` refuses (`check_saved_settings`)."""
         getattr(self, "kv_layout", None)  # (`check_built`)
         self.config.validate_architecture()
         self._check_tied()
+        check_saved_settings(self)
         mark_user_generation_config(getattr(self, "generation_config", None),
                                     self.generation_keys)
         return super().save_pretrained(*args, **kwargs)
