@@ -381,6 +381,7 @@ def test_a_bad_mean_recurrence_set_on_a_loaded_model_is_refused_at_once(bad):
     ("rope_style", "foo", "rope_style='foo' must be one of"), ("rope_style", None, "rope_style=None must be one of"),
     ("init_values", {"std": -1.0}, r"init_values=\{'std': -1\.0, .*: give a dict of finite numbers"),
     ("init_values", {"embed_scale": "x"}, r"init_values=.*'embed_scale': 'x'\}: give a dict of finite numbers"),
+    ("init_values", {"std": 10**400}, r"init_values=\{'std': 10{400}, .*: give a dict of finite numbers"),
     ("qk_bias", "false", "qk_bias='false' is invalid")])
 def test_a_bad_rope_style_init_values_or_switch_set_on_a_loaded_model_is_refused_at_once(key, value, named):
     """Set on a loaded model's config, they were taken: another rope_style decoded as "rotate_half" without a word,
@@ -397,7 +398,9 @@ def test_a_bad_rope_style_init_values_or_switch_set_on_a_loaded_model_is_refused
 
 @pytest.mark.parametrize(("key", "value", "named"), [
     ("rope_base", 0.0, "rope_base=0.0"), ("rope_theta", "x", "rope_theta='x'"), ("norm_eps", -1.0, "norm_eps=-1.0"),
-    ("rope_parameters", {"rope_theta": float("nan")}, "rope_base=nan")])
+    ("rope_parameters", {"rope_theta": float("nan")}, "rope_base=nan"),
+    pytest.param("rope_base", 10**400, f"rope_base={10**400}", id="rope_base-no-float"),  # (an OverflowError before)
+    pytest.param("norm_eps", 10**400, f"norm_eps={10**400}", id="norm_eps-no-float")])
 def test_a_bad_rope_base_or_norm_eps_set_on_a_loaded_model_is_refused_at_once(key, value, named):
     """Checked as when the config is made: a loaded model reads them at every call, and they were taken (NaN
     logits, a TypeError naming no setting)."""
@@ -639,6 +642,7 @@ def test_aliases_and_tie_names():
     ({"init_scale": -1.0}, "init_scale"),
     ({"init_seed": -3}, "init_seed"),
     ({"init_scale": math.inf}, r"init_scale=inf must be a finite number"),  # trunc_normal_'s bare RuntimeError
+    ({"init_scale": 10**400}, r"init_scale=10{400} must be a finite number"),  # (an OverflowError before)
     ({"init_seed": 2**64 + 5}, r"in \[0, 2\*\*64\)"),  # would have acted as seed 5
     ({"num_steps": True}, "num_steps"),
 ])

@@ -295,6 +295,7 @@ def test_out_of_vocab_ids_raise(bad_id):
         ({"rope_theta": -1e4}, "rope_theta=-10000.0 is invalid"),
         ({"rope_theta": "1e4"}, "rope_theta='1e4' is invalid"),
         ({"rope_theta": float("inf")}, "rope_theta=inf is invalid"),
+        pytest.param({"rope_theta": 10**400}, f"rope_theta={10**400} is invalid", id="rope-theta-no-float"),
         ({"attention_bias": True}, "attention_bias=True is not supported"),
         # a string switch read as True ("attention_bias=True is not supported" misstated it; "no" tied the weights)
         ({"attention_bias": "no"}, "OuroConfig.attention_bias='no' is invalid: pass True or False"),
@@ -304,6 +305,7 @@ def test_out_of_vocab_ids_raise(bad_id):
         ({"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0 is invalid"),
         ({"rms_norm_eps": float("nan")}, "rms_norm_eps=nan is invalid"),
         ({"rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6' is invalid"),
+        pytest.param({"rms_norm_eps": 10**400}, f"rms_norm_eps={10**400} is invalid", id="eps-no-float"),
         # an AttributeError of torch before (a traceback from the command line)
         ({"dtype": "float13"}, "OuroConfig.dtype='float13' is no torch dtype"),
         ({"torch_dtype": "bf16"}, "OuroConfig.torch_dtype='bf16' is no torch dtype"),

@@ -6,10 +6,9 @@ so that it cannot go stale beside them."""
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar
 
-from .layers import is_real
+from .layers import is_finite_real
 
 ROPE_BASE_NAMES = ("rope_theta", "rope_parameters", "rope_scaling")  # the keywords that can give the RoPE base
 FROM_CONFIG = object()  # a value check's default `value`: read the field from the config
@@ -61,7 +60,7 @@ def check_rope_base(config, name: str, value=FROM_CONFIG) -> None:
     """`ValueError` naming `name` unless the config's RoPE base there (or `value`, about to be assigned there) is a
     finite number > 0 (0 gave NaN logits and a string a `TypeError` at the first forward)."""
     value = getattr(config, name) if value is FROM_CONFIG else value
-    if not is_real(value) or not math.isfinite(value) or value <= 0:
+    if not is_finite_real(value) or value <= 0:
         raise ValueError(f"{type(config).__name__}.{name}={value!r} is invalid: the RoPE base must be a finite number "
                          "> 0 (the checkpoints use 10000.0 to 1000000.0).")
 
@@ -71,7 +70,7 @@ def check_norm_eps(config, name: str, value=FROM_CONFIG) -> None:
     a finite number >= 0 (a negative or NaN one gave NaN logits, and greedy decoding then returned token 0 without a
     word)."""
     value = getattr(config, name) if value is FROM_CONFIG else value
-    if not is_real(value) or not math.isfinite(value) or value < 0:
+    if not is_finite_real(value) or value < 0:
         raise ValueError(f"{type(config).__name__}.{name}={value!r} is invalid: the RMSNorm epsilon must be a finite "
                          "number >= 0 (the checkpoints use 1e-6).")
 

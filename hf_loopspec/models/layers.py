@@ -4,6 +4,7 @@ token-id check of every entry stage. Rotary angles are computed in fp32; positio
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -94,6 +95,15 @@ def is_integer(value) -> bool:
 def is_real(value) -> bool:
     """Whether `value` is a real number (Python's or numpy's; not a bool)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_finite_real(value) -> bool:
+    """Whether `value` is a real number (`is_real`) that a float holds finitely: not NaN or infinite, nor an integer
+    or fraction too large for a float (10**400, for which `math.isfinite` raises `OverflowError`)."""
+    try:
+        return is_real(value) and math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def check_built(config, built: dict, attention: nn.Module) -> None:

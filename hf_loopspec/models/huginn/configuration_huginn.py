@@ -26,7 +26,7 @@ from ..config_checks import (
     check_rope_base,
     rope_theta_of,
 )
-from ..layers import is_integer, is_real
+from ..layers import is_finite_real, is_integer
 
 logger = get_logger(__name__)
 
@@ -57,7 +57,7 @@ def check_init_values(config, name: str, value=FROM_CONFIG) -> None:
     decoding then returned token 0 without a word). Zero initial states are a call's `init_scale=0`."""
     values = getattr(config, name) if value is FROM_CONFIG else config._with_defaults(value)
     numbers_given = isinstance(values, dict) and all(
-        is_real(values.get(key)) and math.isfinite(values[key]) and values[key] > 0 for key in ("std", "embed_scale"))
+        is_finite_real(values.get(key)) and values[key] > 0 for key in ("std", "embed_scale"))
     if not numbers_given:
         raise ValueError(f"HuginnConfig.{name}={values!r}: give a dict of finite numbers `std` > 0 and `embed_scale` "
                          "> 0 (either may be left out for its default), or None for both defaults; for zero initial "

@@ -3,14 +3,12 @@ keep them, the rule for a seed and the seed of one token's initial state."""
 
 from __future__ import annotations
 
-import math
-import numbers
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 from ...generation.config import RECURRENCE_OPTIONS
-from ..layers import is_integer
+from ..layers import is_finite_real, is_integer
 
 MAX_INIT_SEED = 2**64  # a generator's seed is 64 bits: a larger one would act as another
 GENERATION_KEYS = RECURRENCE_OPTIONS  # a generation config's recurrence settings: num_steps, init_scale, init_seed
@@ -142,8 +140,7 @@ def updated(current: Recurrence, num_steps, init_scale, init_seed, mean_recurren
     if num_steps is not None and not (is_integer(num_steps) and num_steps >= 1):
         raise ValueError(f"num_steps={num_steps!r} must be an integer >= 1 (default: mean_recurrence="
                          f"{mean_recurrence}).")
-    if init_scale is not None and not (isinstance(init_scale, numbers.Real) and not isinstance(init_scale, bool)
-                                       and math.isfinite(init_scale) and init_scale >= 0):
+    if init_scale is not None and not (is_finite_real(init_scale) and init_scale >= 0):
         raise ValueError(f"init_scale={init_scale!r} must be a finite number >= 0 (0 gives zero initial states).")
     if init_seed is not None and not valid_init_seed(init_seed):
         raise ValueError(f"init_seed={init_seed!r} must be an integer in [0, 2**64) or None (a generator's seed "
