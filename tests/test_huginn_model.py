@@ -558,6 +558,10 @@ def test_mismatched_checkpoint_raises(tmp_path):
     ({"rope_theta": 2.0, "rope_base": 3.0}, "rope_base=3.0 and rope_theta=2.0 disagree"),
     # rope_parameters' base won without a word
     ({"rope_base": 3.0, "rope_parameters": {"rope_theta": 2.0}}, r"rope_theta=3\.0 and rope_parameters=.* disagree"),
+    # a NaN base given once (or under both names) was said to disagree with itself
+    ({"rope_theta": math.nan, "rope_base": None}, "rope_base=nan is invalid"),
+    ({"rope_base": math.nan, "rope_theta": float("nan")}, "rope_base=nan is invalid"),
+    ({"rope_base": math.nan, "rope_parameters": {"rope_theta": math.nan}}, "rope_base=nan is invalid"),
 ])
 def test_bad_configs_raise(overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -304,6 +304,7 @@ def test_out_of_vocab_ids_raise(bad_id):
         # accepted before, with NaN logits
         ({"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0 is invalid"),
         ({"rms_norm_eps": float("nan")}, "rms_norm_eps=nan is invalid"),
+        ({"rope_theta": float("nan"), "rope_parameters": {"rope_theta": float("nan")}}, "rope_theta=nan is invalid"),
         ({"rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6' is invalid"),
         pytest.param({"rms_norm_eps": 10**400}, f"rms_norm_eps={10**400} is invalid", id="eps-no-float"),
         # an AttributeError of torch before (a traceback from the command line)

@@ -56,6 +56,12 @@ def rope_theta_of(config, name: str, given) -> float | None:
     return given.get("rope_theta")
 
 
+def disagree(value, other) -> bool:
+    """Whether two names of one setting were given different values (two NaNs agree: the value's own check then
+    names it as invalid, where "nan and nan disagree" misled)."""
+    return value != other and not (value != value and other != other)
+
+
 def check_rope_base(config, name: str, value=FROM_CONFIG) -> None:
     """`ValueError` naming `name` unless the config's RoPE base there (or `value`, about to be assigned there) is a
     finite number > 0 (0 gave NaN logits and a string a `TypeError` at the first forward)."""
@@ -99,7 +105,7 @@ class RopeParametersMixin:
                 values = {name: given[name].get("rope_theta") if isinstance(given[name], dict) else given[name]
                           for name in group if name in given}
                 values = [(name, value) for name, value in values.items() if value is not None]
-                if any(value != values[0][1] for _, value in values):  # (not hashed: a list is `check_rope_base`'s)
+                if any(disagree(value, values[0][1]) for _, value in values):  # (unhashed: a list is check_rope_base.s)
                     named = " and ".join(f"{name}={given[name]!r}" for name, _ in values)
                     raise ValueError(f"{cls.__name__} ({where}): {named} disagree: two names of one setting; give one "
                                      "of them (or equal values).")

@@ -24,6 +24,7 @@ from ..config_checks import (
     check_flag,
     check_norm_eps,
     check_rope_base,
+    disagree,
     rope_theta_of,
 )
 from ..layers import is_finite_real, is_integer
@@ -163,12 +164,13 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
                 self.n_layers_in_coda, stages, stages)
         self.n_layers = stages
         for name, other in NAME_PAIRS:
-            if None not in (getattr(self, name), getattr(self, other)) and getattr(self, name) != getattr(self, other):
+            values = getattr(self, name), getattr(self, other)
+            if None not in values and disagree(*values):
                 raise ValueError(f"HuginnConfig: {name}={getattr(self, name)!r} and {other}={getattr(self, other)!r} "
                                  "disagree: two names of one setting; pass one of them (or equal values).")
         given = rope_theta_of(self, "rope_parameters", kwargs.get("rope_parameters"))  # (set after this method)
         named = next((x for x in (self.rope_theta, self.rope_base) if x is not None), None)
-        if None not in (given, named) and given != named:
+        if None not in (given, named) and disagree(given, named):
             raise ValueError(f"HuginnConfig: rope_base / rope_theta={named!r} and rope_parameters="
                              f"{kwargs['rope_parameters']!r} disagree: two names of one setting; pass one of them (or "
                              "equal values).")
@@ -255,7 +257,7 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
                 "set n_layers_in_prelude, n_layers_in_recurrent_block and n_layers_in_coda, and n_layers to their sum."
             )
         for name, other in NAME_PAIRS:
-            if getattr(self, name) != getattr(self, other):  # a guard: __setattr__ keeps the two names equal
+            if disagree(getattr(self, name), getattr(self, other)):  # a guard: __setattr__ keeps the two names equal
                 raise ValueError(f"HuginnConfig: {name}={getattr(self, name)} and {other}={getattr(self, other)} "
                                  "disagree: two names of one setting; set both.")
         for name, check in VALUE_CHECKS.items():

@@ -11,7 +11,7 @@ from transformers.configuration_utils import PreTrainedConfig
 from ...hub.shims import AUTO_MAP
 from .. import config_checks as checks
 from ..code_pointers import CodePointersMixin
-from ..config_checks import RopeParametersMixin, rope_theta_of
+from ..config_checks import RopeParametersMixin, disagree, rope_theta_of
 
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "head_dim", "max_position_embeddings")
@@ -75,7 +75,8 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
     def __post_init__(self, **kwargs):
         checks.check_counts(self, SIZES, derived=("num_key_value_heads", "head_dim"))
         given = rope_theta_of(self, "rope_parameters", kwargs.get("rope_parameters"))
-        if given is not None and given != self.rope_theta != type(self).rope_theta:  # both given (not the default)
+        both = given is not None and self.rope_theta != type(self).rope_theta  # (a rope_theta not the default)
+        if both and disagree(given, self.rope_theta):
             raise ValueError(f"OuroConfig: rope_theta={self.rope_theta!r} and rope_parameters="
                              f"{kwargs['rope_parameters']!r} disagree: two names of one setting; give one of them "
                              "(or equal values).")
