@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             message = option_spelled(message, getattr(err, "keys", ()))
         elif args.command == "bench":
             message = option_spelled(message, spellings=BENCH_SPELLINGS)
+        close_progress_bars()
         print(f"hf-loopspec {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -363,6 +364,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"hf-loopspec {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def close_progress_bars() -> None:
+    """Close the tqdm bars an error left open (lm-eval's request loop, `batch`'s), so that the error starts a line
+    of its own and stays the last one: an open bar's line had no newline (the error was glued to it), and the bar
+    was drawn again after the error when it was collected at exit."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 def option_spelled(message: str, saved=(), spellings=OPTION_SPELLINGS) -> str:

@@ -15,8 +15,10 @@ import sys
 from pathlib import Path
 
 from .input_checks import check_source
+from .models.layers import is_real
 
 MODEL_ARGS = "--model_args"
+GEN_KWARGS = "--gen_kwargs"
 
 
 def run_lm_eval(args: list[str]) -> int:
@@ -31,7 +33,10 @@ def run_lm_eval(args: list[str]) -> int:
     check_batch_size(args)
     check_device(args)
     check_processes(args)
-    check_saved_generation(args)
+    settings = parsed_settings(args)
+    if settings is not None:
+        check_gen_kwargs(settings[1])
+        check_saved_generation(settings)
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError as err:
@@ -104,26 +109,65 @@ def check_model_args(args: list[str]) -> list[str]:
     return [*rest, MODEL_ARGS, json.dumps(model_args)]
 
 
-def check_saved_generation(args: list[str]) -> None:
-    """`ValueError` naming the checkpoint's generation_config.json (`prompting.check_checkpoint`) for a setting of it
-    that the model refuses under `--gen_kwargs`' own speculative settings, before lm-eval loads the model (the first
-    `generate` raised it, naming no file). `args` as `check_model_args` returns them; checked for a local folder
-    `pretrained=` names (a Hub id is lm-eval's to fetch)."""
+def parsed_settings(args: list[str]) -> tuple[dict, dict] | None:
+    """`--model_args` and `--gen_kwargs` of `args` as lm-eval's parser reads them (`{}` for one not given), or None
+    without lm-eval or for flags its parser refuses (it says what is wrong, once)."""
     try:
         from lm_eval._cli.utils import MergeDictAction
     except ImportError:  # (`run_lm_eval` says so)
-        return
+        return None
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser.add_argument(MODEL_ARGS, nargs="+", action=MergeDictAction, default=None)
+    parser.add_argument(GEN_KWARGS, nargs="+", action=MergeDictAction, default=None)
+    try:
+        known = parser.parse_known_args(args)[0]
+    except (argparse.ArgumentError, ValueError, SystemExit):
+        return None
+    return known.model_args or {}, known.gen_kwargs or {}
+
+
+TOKEN_COUNTS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")  # lm-eval's, by priority
+INTEGER_KEYS = ("draft_loops", "num_speculative_tokens", "second_draft_loops", "num_steps", "init_seed")
+
+
+def check_gen_kwargs(gen_kwargs: dict) -> None:
+    """`ValueError` naming `--gen_kwargs KEY=VALUE` for a value lm-eval reads itself and fails on once the model has
+    loaded and requests run, naming no flag: a token count (`max_gen_toks` or the alias lm-eval reads first) that is
+    no whole number >= 1 (0 was blamed on a `max_length` nobody gave), an `until` that is no string or list of
+    strings, a `temperature` that is no number; and a negative whole number for an integer setting, which lm-eval's
+    parser hands over as a float (-2 as -2.0, then refused as "no integer")."""
+    key, count = next(((key, gen_kwargs[key]) for key in TOKEN_COUNTS if gen_kwargs.get(key) is not None), (0, 1))
+    if not (is_real(count) and float(count).is_integer() and count >= 1):
+        raise ValueError(f"{GEN_KWARGS} {key}={typed(count)}: pass a whole number >= 1 (the most tokens to generate "
+                         "per request).")
+    until = gen_kwargs.get("until")
+    if until is not None and not (isinstance(until, str) or isinstance(until, list)
+                                  and all(isinstance(stop, str) for stop in until)):
+        raise ValueError(f"{GEN_KWARGS} until={until!r}: pass a stop string, or a JSON list of them "
+                         f"({GEN_KWARGS} '{{\"until\": [\"\\n\\n\", \"###\"]}}').")
+    if gen_kwargs.get("temperature") is not None and not is_real(gen_kwargs["temperature"]):
+        raise ValueError(f"{GEN_KWARGS} temperature={gen_kwargs['temperature']!r}: pass a number >= 0.")
+    for key in INTEGER_KEYS:
+        value = gen_kwargs.get(key)
+        if isinstance(value, float) and value.is_integer() and value < 0:
+            raise ValueError(f"{GEN_KWARGS} {key}={typed(value)}: pass a whole number >= "
+                             f"{0 if key == 'init_seed' else 1}.")
+
+
+def typed(value):
+    """`value` as the user typed it: lm-eval's parser reads a negative whole number as a float (-2 as -2.0)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def check_saved_generation(settings: tuple[dict, dict]) -> None:
+    """`ValueError` naming the checkpoint's generation_config.json (`prompting.check_checkpoint`) for a setting of it
+    that the model refuses under `--gen_kwargs`' own speculative settings, before lm-eval loads the model (the first
+    `generate` raised it, naming no file). `settings`: `parsed_settings` of `args` as `check_model_args` returns
+    them; checked for a local folder `pretrained=` names (a Hub id is lm-eval's to fetch)."""
     from .generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS, SPECULATIVE_KEYS
     from .prompting import check_checkpoint
 
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
-    parser.add_argument(MODEL_ARGS, nargs="+", action=MergeDictAction, default=None)
-    parser.add_argument("--gen_kwargs", nargs="+", action=MergeDictAction, default=None)
-    try:
-        known = parser.parse_known_args(args)[0]
-    except (argparse.ArgumentError, ValueError, SystemExit):  # lm-eval's own parser says what is wrong
-        return
-    model_args, gen_kwargs = known.model_args or {}, known.gen_kwargs or {}
+    model_args, gen_kwargs = settings
     spec = model_args.get("pretrained")
     if not isinstance(spec, str) or not Path(spec).is_dir():
         return
@@ -131,8 +175,8 @@ def check_saved_generation(args: list[str]) -> None:
     given = {key: gen_kwargs[key] for key in (*SPECULATIVE_KEYS, *EXIT_OPTIONS, *RECURRENCE_OPTIONS)
              if key in gen_kwargs}  # (a call's num_steps sets its loop count)
     check_checkpoint(spec, given, lambda named: [
-        *(f"--gen_kwargs {key}=N" for key in named if key in ("draft_loops", "num_speculative_tokens")),
-        "--gen_kwargs speculative_mode=None"], trust_remote_code=bool(model_args.get("trust_remote_code")),
+        *(f"{GEN_KWARGS} {key}=N" for key in named if key in ("draft_loops", "num_speculative_tokens")),
+        f"{GEN_KWARGS} speculative_mode=None"], trust_remote_code=bool(model_args.get("trust_remote_code")),
         loaded=model_args, loaded_as=MODEL_ARGS)
 
 

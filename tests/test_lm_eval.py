@@ -5,6 +5,7 @@ size."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import sys
@@ -357,3 +358,48 @@ def test_debug_shows_the_traceback_and_is_not_handed_to_lm_eval(monkeypatch):
     assert seen == [["lm-eval", "run", "--tasks", TASK, "--limit", "1"]]
     with pytest.raises(ValueError, match="--batch_size abc"):
         cli.main(["lm-eval", "run", "--tasks", TASK, "--batch_size", "abc", "--debug"])
+
+
+@pytest.mark.parametrize("gen_kwargs, named", [
+    ("max_gen_toks=abc", "max_gen_toks=abc: pass a whole number >= 1"),  # lm-eval's int(): 'invalid literal'
+    ("max_gen_toks=0", "max_gen_toks=0: pass a whole number >= 1"),  # blamed a max_length=8 nobody gave
+    ("max_gen_toks=-1", "max_gen_toks=-1: pass a whole number >= 1"),  # (lm-eval's parser reads it as -1.0)
+    ("max_new_tokens=2.5", "max_new_tokens=2.5: pass a whole number >= 1"),  # lm-eval's int() made it 2
+    ("until=123", "until=123: pass a stop string, or a JSON list of them"),  # the tokenizer's TypeError text
+    ('{"until": ["a", 5]}', "until=['a', 5]: pass a stop string"),
+    ("temperature=hot", "temperature='hot': pass a number >= 0"),  # lm-eval's float(): 'could not convert'
+    ("speculative_mode=pipeline,num_speculative_tokens=-2", "num_speculative_tokens=-2: pass a whole number >= 1"),
+])
+def test_bad_gen_kwargs_end_in_one_line_before_anything_loads(monkeypatch, capsys, gen_kwargs, named):
+    """Values lm-eval reads itself once its requests run, where its errors named no flag (or, for
+    num_speculative_tokens=-2, which its parser hands over as -2.0, the model's 'must be an integer')."""
+    import lm_eval.__main__
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: pytest.fail("lm-eval ran"))
+    code = cli.main(["lm-eval", "run", "--model", "hf", "--tasks", TASK, "--gen_kwargs", gen_kwargs])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"hf-loopspec lm-eval: error: --gen_kwargs {named}")
+    for good in ({"max_gen_toks": 8, "until": "\n\n"}, {"max_new_tokens": 5.0, "until": ["a", "b"]},
+                 {"temperature": 0, "draft_loops": 2}, {"max_gen_toks": None, "max_tokens": 3}):
+        evaluation.check_gen_kwargs(good)
+
+
+def test_an_error_inside_lm_evals_requests_is_the_last_line_not_glued_to_its_progress_bar(monkeypatch, capsys):
+    """An error raised while lm-eval's progress bar is open (a transformers refusal of a --gen_kwargs key inside the
+    request loop) was printed on the bar's line, and the bar was drawn again after it: the error now has the last
+    line to itself."""
+    import lm_eval.__main__
+    from tqdm import tqdm
+
+    def requests_failing():
+        bar = tqdm(total=2, desc="Running generate_until requests")
+        bar.update(1)
+        raise ValueError("The following `model_kwargs` are not used by the model: ['bogus_key']")
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", requests_failing)
+    assert cli.main(["lm-eval", "run", "--tasks", TASK]) == 2
+    gc.collect()  # (an open bar drew itself again when it was collected)
+    err = capsys.readouterr().err.rstrip("\n").split("\n")
+    assert err[-1] == ("hf-loopspec lm-eval: error: The following `model_kwargs` are not used by the model: "
+                       "['bogus_key']")
+    assert "Running generate_until requests" in err[-2]
