@@ -277,16 +277,24 @@ def prompt_problem(prompt) -> str | None:
 POOL_ADVICE = "shorten the request, or start a manager with a larger ContinuousBatchingConfig(num_blocks=...)"
 
 
+NO_TOKENS = ("input_ids has no tokens ", "input_ids=[]: ")  # `generate`'s and a manager's refusal of an empty row
+PLAIN_ADVICE = ("speculative_mode=None", "or None for plain decoding")  # advice no request can follow
+
+
 def served_advice(refusal: str) -> str:
-    """A refusal of `generate` or of a continuous-batching manager as a request to this server can follow: one
-    advising speculative_mode=None, which no request can send (a null is not passed on: `request_problem`), says what
-    a request and the server can do; a manager's pool too small for a request names the server's options, not the
-    library's calls."""
+    """A refusal of `generate` or of a continuous-batching manager as a request to this server can follow: an empty
+    row of tokens is named as the empty prompt it came from (a completion's `prompt` of "" with a tokenizer that adds
+    no BOS token; the client sent no input_ids); one advising speculative_mode=None, which no request can send (a null
+    is not passed on: `request_problem`), says what a request and the server can do; a manager's pool too small for a
+    request names the server's options, not the library's calls."""
+    if refusal.startswith(NO_TOKENS):
+        return ("prompt is empty once tokenized (this model's tokenizer adds no BOS token), and the first generated "
+                "token needs a context: send a prompt of at least one token.")
     if POOL_ADVICE in refusal:  # (`generation.continuous.settings.request_problem`)
         return (f"{refusal[:refusal.index(POOL_ADVICE)]}send a shorter prompt or a smaller max_tokens (without it, "
                 "max_new_tokens is the server's default), or restart the server with a larger --cb-num-blocks "
                 "(--cb-max-memory-percent when memory caps the pool).")
-    if "speculative_mode=None" not in refusal:
+    if not any(advice in refusal for advice in PLAIN_ADVICE):
         return refusal
     return (f"{refusal.rstrip()} A request to this server cannot set speculative_mode=None: leave speculative_mode "
             "out of it, and for what needs plain decoding serve a checkpoint whose generation_config.json sets no "

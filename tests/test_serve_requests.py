@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import hf_loopspec
 from hf_loopspec import serving_requests, serving_responses
+from hf_loopspec.assets import default_model_path
 from hf_loopspec.serving_stops import StopCut, served_class, stop_at
 
 checkpoint = test_serve.checkpoint  # (the served copy of the embedded model, with a chat template)
@@ -81,6 +82,27 @@ def test_a_pool_refusal_names_the_servers_options_not_the_librarys_calls():
         ": send a shorter prompt or a smaller max_tokens (without it, max_new_tokens is the server's default), or "
         "restart the server with a larger --cb-num-blocks (--cb-max-memory-percent when memory caps the pool)."), served
     assert serving_requests.served_advice("max_tokens=0 must be") == "max_tokens=0 must be"  # (others as they are)
+
+
+def test_refusals_a_request_cannot_follow_say_what_it_can_do():
+    """An empty completion prompt (the embedded tokenizer adds no BOS token) was refused as "input_ids has no tokens"
+    by generate and as "input_ids=[]: give a non-empty list of token ids" by continuous batching, where the client sent
+    no input_ids; an unknown speculative_mode was told to use None, which no request can send."""
+    from hf_loopspec.generation.config import resolve_speculative
+    from hf_loopspec.generation.continuous import settings
+
+    model, refusals = AutoModelForCausalLM.from_pretrained(default_model_path()), []
+    for call in (lambda: model.generate(torch.zeros((1, 0), dtype=torch.long), max_new_tokens=2),
+                 lambda: resolve_speculative("plain", num_loops=4)):
+        with pytest.raises(ValueError) as raised:
+            call()
+        refusals.append(str(raised.value))
+    refusals.append(settings.request_problem(None, [], 4, [], {}))  # (the first check: no manager setting read)
+    empty = ("prompt is empty once tokenized (this model's tokenizer adds no BOS token), and the first generated "
+             "token needs a context: send a prompt of at least one token.")
+    assert serving_requests.served_advice(refusals[0]) == serving_requests.served_advice(refusals[2]) == empty
+    plain = serving_requests.served_advice(refusals[1])
+    assert plain.startswith(refusals[1]) and "cannot set speculative_mode=None: leave speculative_mode out" in plain
 
 
 def test_a_streams_texts_keep_out_what_could_still_be_a_stop_string():
