@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import tomllib
 import torch
 from checkpoint_utils import save_checkpoint, word_tokenizer
 from huggingface_hub import ModelCard
@@ -32,6 +33,7 @@ from safetensors.torch import load_file
 from speculative_utils import tiny_spec_model
 from torch import nn
 from transformers import AutoModelForCausalLM
+from transformers.dynamic_module_utils import check_python_requirements
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 import hf_loopspec
@@ -124,6 +126,13 @@ def test_export_writes_a_hub_ready_folder(exported, source):
     requirements = (exported / "custom_generate" / "requirements.txt").read_text().splitlines()
     assert f"hf-loopspec>={hf_loopspec.__version__}" in requirements  # the form transformers checks
     assert any(line.startswith("#") and install.install_command() in line for line in requirements)
+    # pyproject.toml's transformers range, a bound per line (transformers compares one bound per line), which
+    # transformers' own check of a custom_generate folder passes here
+    pinned = next(dep for dep in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+                  if dep.startswith("transformers"))
+    assert {line for line in requirements if line.startswith("transformers")} == {
+        f"transformers{bound}" for bound in pinned.removeprefix("transformers").split(",")}
+    check_python_requirements(exported, "custom_generate/requirements.txt")
 
 
 def test_export_of_a_chatml_model_stops_at_the_end_of_turn(source, tmp_path):

@@ -51,9 +51,10 @@ from .shims import AUTO_MAP, SHIM_FILES, write_template
 from .source import card_metadata, copy_license_files, hub_options, load_dtype, resolve_source
 from .staging import check_destination, staged_folder
 
-# transformers checks each line as `name[<op><version>]` (no PEP 508 URLs), so the repository install is a comment
+# transformers checks each line as `name[<op><version>]` (one comparison, no PEP 508 URLs), so the repository install
+# is a comment and each bound of the package's transformers range a line of its own
 CUSTOM_GENERATE_REQUIREMENTS = ("# hf-loopspec is not on PyPI yet; install it from its repository: {install}\n"
-                                "hf-loopspec>={version}\ntransformers>=5.24\n")
+                                "hf-loopspec>={version}\n{transformers}")
 DTYPES = ("auto", *DTYPE_NAMES)
 
 
@@ -278,8 +279,18 @@ def _write_folder(folder: Path, model, tokenizer, max_shard_size: int) -> None:
     (folder / "custom_generate").mkdir()
     for name in (*SHIM_FILES, "custom_generate/generate.py"):  # shims too: a remote-code source saved its own copies
         write_template(folder, name)
-    (folder / "custom_generate" / "requirements.txt").write_text(
-        CUSTOM_GENERATE_REQUIREMENTS.format(install=install_command(), version=__version__))
+    (folder / "custom_generate" / "requirements.txt").write_text(CUSTOM_GENERATE_REQUIREMENTS.format(
+        install=install_command(), version=__version__, transformers=transformers_bounds()))
+
+
+def transformers_bounds() -> str:
+    """The installed hf-loopspec's own transformers range (its metadata, from pyproject.toml), a line per bound."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    needed = next(r for r in map(Requirement, requires("hf-loopspec")) if r.name == "transformers" and not r.marker)
+    return "".join(f"transformers{bound}\n" for bound in sorted(map(str, needed.specifier)))
 
 
 def _load_tokenizer(src: str, local_only: bool = False):
