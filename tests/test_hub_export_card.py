@@ -130,10 +130,10 @@ def test_the_cards_tokenizer_load_trusts_the_repo_as_its_model_load_does():
 
 
 def card_blocks(card: str, repo: Path) -> list[str]:
-    """The card's Python blocks, run against the local folder `repo` on the CPU in fp32."""
+    """The card's Python blocks, run against the local folder `repo` as written (on a machine without CUDA they load
+    the model on the CPU in fp32: before, they asked for CUDA and failed there)."""
     blocks = re.findall(r"```python\n(.*?)```", card, flags=re.DOTALL)
-    return [re.sub(r'"your-username/[^"]+"', repr(str(repo)), block)
-            .replace('dtype=torch.bfloat16, device_map="cuda"', "dtype=torch.float32") for block in blocks]
+    return [re.sub(r'"your-username/[^"]+"', repr(str(repo)), block) for block in blocks]
 
 
 @pytest.mark.parametrize("case", ["no-pad", "no-pad-no-eos", "pad-past-the-vocabulary", "config-pad-past-it"])

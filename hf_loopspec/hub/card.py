@@ -233,7 +233,7 @@ def _inputs_code(chat: bool, prompt: str) -> str:
         return ('messages = [{"role": "user", "content": "How many positive divisors does 360 have?"}]\n'
                 "inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\",\n"
                 "                                 return_dict=True).to(model.device)")
-    return (f"inputs = tok([{json.dumps(prompt)}, \"The capital of France is\"], return_tensors=\"pt\", "
+    return (f"inputs = tok([{json.dumps(prompt)}, \"def is_prime(n):\"], return_tensors=\"pt\", "
             "padding=True).to(model.device)")
 
 
