@@ -26,6 +26,23 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_siz
 DOWNLOAD_KEYS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
 
 
+UNMATCHED_ADVICE = "Check that the checkpoint belongs to this model family and has the shape its config.json says."
+
+
+def untied_head_advice(model, problems: dict) -> str | None:
+    """The advice for a load whose one missing key is the LM head's weight, in a model built untied: the checkpoint
+    was saved tied (its head is its embedding), and `tie_word_embeddings=False` (a keyword, or config.json's) asked
+    for a head of its own. None for other problems."""
+    head = model.get_output_embeddings()
+    names = [name for name, weight in model.named_parameters() if head is not None and weight is head.weight]
+    if model.config.tie_word_embeddings or problems != {"missing_keys": names}:
+        return None
+    return ("The checkpoint holds no LM head weight of its own, as one saved with the head tied to the input "
+            "embedding does, and this model was built untied (tie_word_embeddings=False, given to from_pretrained or "
+            "in config.json): load it tied (drop tie_word_embeddings=False), then untie the loaded head if you need "
+            f"it apart: model.{names[0]} = torch.nn.Parameter(model.{names[0]}.clone()).")
+
+
 class StrictLoadingMixin:
     """Put before `PreTrainedModel` in the bases: a checkpoint that does not match the model raises, and speculative
     keys and the family's own generation keys (`generation_keys`) survive `save_pretrained` and `from_pretrained`
@@ -187,7 +204,7 @@ class StrictLoadingMixin:
             sizes = ", ".join(f"{key}={getattr(c, key)}" for key in SIZE_KEYS if getattr(c, key, None) is not None)
             raise ValueError(
                 f"The checkpoint does not match {cls.__name__} of its config ({c.model_type}: {sizes}): {details}. "
-                "Check that the checkpoint belongs to this model family and has the shape its config.json says."
+                f"{untied_head_advice(model, problems) or UNMATCHED_ADVICE}"
             )
         if any(asks(family.get(key)) for key in EXIT_OPTIONS):
             for key in EXIT_OPTIONS:
