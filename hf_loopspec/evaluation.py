@@ -137,6 +137,8 @@ def check_gen_kwargs(gen_kwargs: dict) -> None:
     strings, a `temperature` that is no number; and a negative whole number for an integer setting, which lm-eval's
     parser hands over as a float (-2 as -2.0, then refused as "no integer")."""
     key, count = next(((key, gen_kwargs[key]) for key in TOKEN_COUNTS if gen_kwargs.get(key) is not None), (0, 1))
+    if isinstance(count, str) and count.strip().isdecimal():  # (JSON's "8": lm-eval's int() reads it)
+        count = int(count)
     if not (is_real(count) and float(count).is_integer() and count >= 1):
         raise ValueError(f"{GEN_KWARGS} {key}={typed(count)}: pass a whole number >= 1 (the most tokens to generate "
                          "per request).")

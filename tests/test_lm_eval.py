@@ -380,7 +380,8 @@ def test_bad_gen_kwargs_end_in_one_line_before_anything_loads(monkeypatch, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith(f"hf-loopspec lm-eval: error: --gen_kwargs {named}")
     for good in ({"max_gen_toks": 8, "until": "\n\n"}, {"max_new_tokens": 5.0, "until": ["a", "b"]},
-                 {"temperature": 0, "draft_loops": 2}, {"max_gen_toks": None, "max_tokens": 3}):
+                 {"temperature": 0, "draft_loops": 2}, {"max_gen_toks": None, "max_tokens": 3},
+                 {"max_gen_toks": "8"}):  # (a JSON string lm-eval's int() reads)
         evaluation.check_gen_kwargs(good)
 
 
