@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 from fractions import Fraction
 
 import numpy as np
@@ -93,6 +94,22 @@ def test_a_pad_token_outside_the_vocabulary_is_named_up_front(model, inputs, mod
         fill = 5  # an id inside the vocabulary, and not 0 (which transformers' beam search swaps for the EOS id)
         assert (out == VOCAB).any()
         assert torch.equal(torch.where(out == VOCAB, fill, out), model.generate(ids, pad_token_id=fill, **beams))
+
+
+@pytest.mark.parametrize("mode", {**MODES, "auto": {"speculative_mode": "auto"}}.values(), ids=[*MODES, "auto"])
+def test_a_forced_token_outside_the_vocabulary_is_named_up_front(model, inputs, mode):
+    """forced_bos_token_id and forced_eos_token_id index the scores at the step they force: one outside the
+    vocabulary raised torch's IndexError there, in every mode, plain included. Ids inside it decode as plain."""
+    ids, mask = inputs
+    for key, value in (("forced_eos_token_id", VOCAB), ("forced_eos_token_id", [3, 10**6]),
+                       ("forced_bos_token_id", VOCAB + 7), ("forced_eos_token_id", "3")):
+        with pytest.raises(ValueError, match=rf"{key}={re.escape(repr(value))} is no token id of the vocabulary "
+                                             rf"\[0, {VOCAB}\)"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **{key: value}, **mode)
+    for key in ("forced_eos_token_id", "forced_bos_token_id"):
+        expected = plain(model, ids, mask, 4, **{key: 5}).sequences
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **{key: 5}, **mode)
+        assert got.tolist() == expected.tolist()
 
 
 @pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))

@@ -70,7 +70,14 @@ from .config import (
     settings_fallback,
     synced_gpus_of,
 )
-from .inputs import as_integer, check_cache_implementation, check_generation_values, check_left_padded, prompt_or_bos
+from .inputs import (
+    as_integer,
+    check_cache_implementation,
+    check_generation_values,
+    check_left_padded,
+    check_token_settings,
+    prompt_or_bos,
+)
 from .model_checks import execution_device, model_fallback
 from .processors import plain_fallback, warn_fallback
 from .stats import SequenceStats, SpeculationStats
@@ -217,12 +224,14 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
 
 def _processors(model, ids: torch.Tensor, kwargs: dict, config: GenerationConfig) -> LogitsProcessorList:
     """The call's logits processors, built as its segments build them: a setting they refuse (a malformed
-    `sequence_bias`, ...) raises transformers' `ValueError` before any work, as in the fixed modes; one not known to
+    `sequence_bias`, ...) raises transformers' `ValueError` before any work, as in the fixed modes, and so does a
+    token id they would index the scores with outside the vocabulary (`check_token_settings`); one not known to
     be row-pure is the call's fallback, named as the fixed modes name it; and a compiled step that could not run them
     is found up front (auto's speculative segments would raise it, and its plain ones, which drop `compile_core`,
     not)."""
     config = copy.deepcopy(config)
     model._prepare_special_tokens(config, device=ids.device)  # (the EOS tensors some processors read)
+    check_token_settings(config, ids.shape[0] * (config.num_return_sequences or 1), model.config.vocab_size)
     return model._get_logits_processor(config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
                                        prefix_allowed_tokens_fn=kwargs.get("prefix_allowed_tokens_fn"),
                                        logits_processor=kwargs.get("logits_processor"), device=ids.device)

@@ -252,6 +252,21 @@ def token_id_values(value) -> list[int] | None:
     return [int(i) for i in flat.tolist()]
 
 
+FORCED_TOKENS = ("forced_bos_token_id", "forced_eos_token_id")  # ids a logits processor indexes the scores with
+
+
+def check_token_settings(generation_config, rows: int, vocab_size: int) -> None:
+    """`ValueError` naming a forced token id (`FORCED_TOKENS`) outside the vocabulary, which transformers' processor
+    met as an IndexError of the scores at the forced step in every mode, or a pad id the call could feed the model
+    (`check_pad_token`)."""
+    for key in FORCED_TOKENS:
+        ids = token_id_values(value := getattr(generation_config, key, None))
+        if value is not None and (ids is None or not all(0 <= i < vocab_size for i in ids)):
+            raise ValueError(f"{key}={value!r} is no token id of the vocabulary [0, {vocab_size}): the step it forces "
+                             f"sets that id's score; pass ids inside the vocabulary, or None.")
+    check_pad_token(generation_config, rows, vocab_size)
+
+
 def check_pad_token(generation_config, rows: int, vocab_size: int) -> None:
     """`ValueError` naming `pad_token_id` when it lies outside the vocabulary and a call of `rows` rows could feed
     it: a row that finishes (EOS, stop strings) before the others is fed the pad token, which the model cannot embed

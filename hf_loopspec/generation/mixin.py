@@ -62,8 +62,8 @@ from .inputs import (
     check_generation_values,
     check_healed_mask,
     check_model_kwargs,
-    check_pad_token,
     check_reference_inputs,
+    check_token_settings,
     checked_call_inputs,
 )
 from .model_checks import dense_cache_reason, execution_device, model_fallback
@@ -266,9 +266,9 @@ class LoopSpecGenerationMixin(GenerationMixin):
                                       max_cache_length):
         """Looped models write one KV per (loop, layer): the default cache is a growing `DynamicCache()` for
         plain decoding and a `PagedLoopCache` for speculative decoding, which needs per-depth planes. (The first hook
-        that sees both the resolved config and the batch size: the pad id is checked here, for every strategy.)"""
-        check_pad_token(generation_config, batch_size * (generation_config.num_return_sequences or 1),
-                        self.config.vocab_size)
+        that sees both the resolved config and the batch size: token ids are checked here, for every strategy.)"""
+        check_token_settings(generation_config, batch_size * (generation_config.num_return_sequences or 1),
+                             self.config.vocab_size)
         user_cache, call = model_kwargs.get("cache"), current_call()
         speculative, paged = self._speculative(generation_config) is not None, isinstance(user_cache, PagedLoopCache)
         dense = dense_cache_reason(self) if speculative or paged else None  # (such a model falls back to plain)
