@@ -30,6 +30,7 @@ from speculative_utils import (
 )
 from tolerances import ouro_depth
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.streamers import BaseStreamer
 
 VOCAB = 64
 NEW = 16
@@ -355,3 +356,38 @@ def test_from_pretrained_refuses_another_familys_settings(tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path / "ouro", num_steps=4)
     with pytest.raises(ValueError, match="exit_at_step=1: generation settings, but OuroModel does not generate"):
         AutoModel.from_pretrained(tmp_path / "ouro", exit_at_step=1)
+
+
+class EditsTheExitMidCall(BaseStreamer):
+    """A streamer that sets `model.generation_config.<key> = value` once the call has made two tokens: another
+    thread of an app editing the shared model's generation config while a call runs."""
+
+    def __init__(self, model, key, value):
+        self.model, self.key, self.value, self.puts = model, key, value, 0
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 3:  # (the prompt, then two new tokens)
+            setattr(self.model.generation_config, self.key, self.value)
+
+    def end(self):
+        pass
+
+
+@pytest.mark.parametrize("key, value", [("exit_at_step", 1), ("use_weighted_exit", True)])
+def test_an_exit_set_on_the_models_config_during_a_call_takes_effect_at_the_next_call(key, value):
+    """The model's forward read the exit options of the model's generation config at every step, so a plain call
+    mixed two exits from the step it was set on (the speculative modes resolve them once); every mode now keeps the
+    exit it started with, the next call and forward outside generate take the new one."""
+    model = tiny_spec_model(71, 4, vocab=VOCAB, damp=0.1)
+    ids, mask = left_pad(random_prompts(2, [5, 2, 8], VOCAB))
+    settings = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
+    without, exiting = model.generate(ids, **settings), model.generate(ids, **settings, **{key: value})
+    assert not torch.equal(without, exiting)  # (the edit would show)
+    for mode in (None, "pipeline", "block", "auto"):
+        setattr(model.generation_config, key, None)
+        edited = model.generate(ids, speculative_mode=mode, streamer=EditsTheExitMidCall(model, key, value), **settings)
+        assert getattr(model.generation_config, key) == value and torch.equal(edited, without), mode
+        assert torch.equal(model.generate(ids, speculative_mode=mode, **settings), exiting), mode
+    torch.testing.assert_close(model(ids, attention_mask=mask).logits,
+                               model(ids, attention_mask=mask, **{key: value}).logits, atol=0, rtol=0)

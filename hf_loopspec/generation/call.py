@@ -15,6 +15,7 @@ import numbers
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ class GenerateCall:
     speculative: SpeculativeConfig | None = None  # resolved once, when transformers prepares the generation config
     resolved: bool = False  # whether `speculative` has been resolved (None then means plain decoding)
     dynamic_cache: Any = None  # the caller's DynamicCache a speculative run continues: its KV copied in and back
+    exits: tuple[int, dict] | None = None  # (id of the model, the exit options it merged once): `pass_exit`
 
     def problem(self, generation_config) -> str | None:
         """Why this call's runtime options cannot be honoured under its resolved `generation_config`, or None: a trace
@@ -134,3 +136,23 @@ def scoped(call: GenerateCall) -> Iterator[GenerateCall]:
 def current_call() -> GenerateCall | None:
     """The `GenerateCall` of the `generate` running in this thread, or None outside one."""
     return _CURRENT.get()
+
+
+def pass_exit(model, options: dict) -> dict:
+    """`options`, the exit options the running call merged once from its arguments and `model`'s generation config
+    and passes to every forward of `model`, recorded on the call: a forward of `model` inside the call (its steps, a
+    criterion's scoring) reads them in place of the generation config (`call_exits`), which another thread may edit
+    while the call runs (a plain call mixed two exits from that step on)."""
+    if (call := current_call()) is not None:
+        call.exits = (id(model), options)
+    return options
+
+
+def call_exits(model) -> SimpleNamespace | None:
+    """The exit options the `generate` running in this thread merged for `model` (`pass_exit`), as attributes, or
+    None outside such a call. (Under `torch.compile` tracing the caller reads its config: a context variable does not
+    trace.)"""
+    call = current_call()
+    if call is None or call.exits is None or call.exits[0] != id(model):
+        return None
+    return SimpleNamespace(**call.exits[1])

@@ -31,7 +31,7 @@ from ..cache.paged import PagedLoopCache
 from ..logs import get_logger
 from ..looped import check_kv_continues
 from . import auto
-from .call import current_call, reject_configured_runtime_keys, runtime_options, scoped
+from .call import current_call, pass_exit, reject_configured_runtime_keys, runtime_options, scoped
 from .columns import max_length_of
 from .config import (
     AUTO_MODE,
@@ -221,7 +221,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         keep_passed_exit(passed, generation_config)
         # exit options are the forward's, merged as forward merges them (transformers keeps a key a config has, e.g.
         # a checkpoint's `exit_at_step`, in the config)
-        model_kwargs.update(merged_exit(exits, generation_config))
+        model_kwargs.update(pass_exit(self, merged_exit(exits, generation_config)))
         if type(self).exit_rule is LoopSpecGenerationMixin.exit_rule:  # a family without exit options refuses them
             reject_exit_options(type(self).__name__, model_kwargs)  # (a config's: transformers' "not used" before)
             model_kwargs = {key: value for key, value in model_kwargs.items() if key not in EXIT_OPTIONS}

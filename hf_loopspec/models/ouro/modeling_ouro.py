@@ -20,6 +20,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple
 
+from ...generation.call import call_exits
 from ...generation.config import EXIT_OPTIONS, asks, merged_exit, reject_recurrence_options
 from ...generation.mixin import LoopSpecGenerationMixin
 from ...logs import get_logger
@@ -263,14 +264,17 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
         A call that chooses none of the three takes the generation config's (a checkpoint's `generation_config.json`,
         `from_pretrained(..., exit_at_step=k)`), merged as `generate` merges a call's (`merged_exit`), so that scoring
         by forward calls (lm-eval's loglikelihood) and training see the model that `generate` decodes;
-        `exit_threshold=1.0` selects the last loop whatever the config says.
+        `exit_threshold=1.0` selects the last loop whatever the config says. Inside `generate`, which merges the
+        config's once, a forward of this model takes the call's in place of the config's (`generation.call.pass_exit`):
+        an edit of the config while the call runs reaches the next call.
 
         `output_hidden_states=True` (default: the config's) returns the embeddings and every loop's output, plus
         `exit_gate_logits`, which also come with any exit option in effect (the config's included);
         `output_loop_logits=True` returns every loop's logits.
         """
+        in_call = None if torch.compiler.is_compiling() else call_exits(self)  # (a call's: merged once)
         chosen = merged_exit(dict(zip(EXIT_OPTIONS, (exit_at_step, exit_threshold, use_weighted_exit))),
-                             self.generation_config)
+                             self.generation_config if in_call is None else in_call)
         exit_at_step, exit_threshold, use_weighted_exit = (chosen.get(key) for key in EXIT_OPTIONS)
         check_exit_options(self.num_loops, exit_at_step, exit_threshold, use_weighted_exit)
         reject_recurrence_options(type(self).__name__, kwargs)
