@@ -405,7 +405,8 @@ SAVE_REFUSALS = [  # (family, generation config settings, the refusal's words): 
     ("ouro", {"speculative_mode": "pipeline", "draft_loops": 3}, "multiple of draft_loops=3"),
     ("ouro", {"speculative_mode": "block", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
     ("ouro", {"speculative_mode": "block", "draft_loops": "x"}, "draft_loops='x' must be an integer"),
-    ("ouro", {"second_draft_loops": 3}, "second_draft_loops=3 is a setting of speculative_mode='pipeline'"),
+    ("ouro", {"speculative_mode": "block", "num_beams": 2}, "cannot be combined with beam search"),
+    ("ouro", {"speculative_mode": "auto", "prompt_lookup_num_tokens": 2}, "cannot be combined with prompt lookup"),
     ("ouro", {"speculative_trace": True}, "speculative_trace=True in a generation config is not read"),
     ("ouro", {"num_steps": 4}, "num_steps=4: OuroForCausalLM has no recurrence settings"),
     ("huginn", {"exit_threshold": 0.5}, "exit_threshold=0.5: HuginnForCausalLM has no exit options"),
@@ -428,6 +429,25 @@ def test_save_pretrained_refuses_a_generation_config_its_generate_would_refuse(t
         setattr(model.generation_config, key, None)
     model.save_pretrained(tmp_path / "saved")
     assert getattr(type(model).from_pretrained(tmp_path / "saved").generation_config, "speculative_mode", None) is None
+
+
+def test_save_pretrained_keeps_speculative_keys_that_a_call_without_a_mode_ignores(inputs, tmp_path):
+    """Without a speculative_mode, generate decodes plainly and ignores the other speculative keys ("plain means
+    plain"), so save keeps them (a config set to plain by default was refused); a call that names a mode uses them."""
+    model = tiny_spec_model(54, 4, vocab=VOCAB)
+    ids, mask = inputs
+    for key, value in {"draft_loops": 2, "second_draft_loops": 3, "compile_core": False,
+                       "speculative_engine": "wavefront"}.items():
+        setattr(model.generation_config, key, value)
+    expected = plain(model, ids, mask, 6).sequences
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False), expected)
+    loaded = _save_and_reload(model, tmp_path)
+    saved = loaded.generation_config
+    assert getattr(saved, "speculative_mode", None) is None
+    assert (saved.second_draft_loops, saved.speculative_engine) == (3, "wavefront")
+    out = loaded.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, speculative_mode="pipeline",
+                          return_dict_in_generate=True)
+    assert out.speculation.draft_loops == 2 and torch.equal(out.sequences, expected)
 
 
 @pytest.mark.parametrize("how", ["file", "argument"])

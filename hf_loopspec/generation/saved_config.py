@@ -25,7 +25,7 @@ from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from ..logs import get_logger
 from .call import RUNTIME_KEYS, reject_configured_runtime_keys
-from .config import EXIT_OPTIONS, SPECULATIVE_KEYS, reject_recurrence_options, speculative_config
+from .config import EXIT_OPTIONS, SPECULATIVE_KEYS, check_generation_mode, reject_recurrence_options, speculative_config
 
 logger = get_logger(__name__)
 
@@ -79,8 +79,9 @@ def check_family_keys(model) -> None:
 
 def check_saved_settings(model) -> None:
     """`ValueError` for a setting of `model.generation_config` that a `generate` call of the saved model passing
-    none of its own would refuse: `check_family_keys`'s, and the speculative keys at the loop count the config
-    sets (Huginn: its `num_steps`). Without it `save_pretrained` wrote a checkpoint whose first speculative call
+    none of its own would refuse: `check_family_keys`'s, and, when the config sets a `speculative_mode`, the
+    speculative keys at the loop count the config sets (Huginn: its `num_steps`) and the strategies the mode does not
+    combine with (beams, contrastive search, ...). Without it `save_pretrained` wrote a checkpoint whose first call
     failed on its loaded config. A model that does not generate (a base model) has nothing to check."""
     config = getattr(model, "generation_config", None)
     if config is None or not model.can_generate():
@@ -88,7 +89,10 @@ def check_saved_settings(model) -> None:
     try:
         check_family_keys(model)
         with model.call_block(config):
-            speculative_config(config, model.num_loops)
+            mode = getattr(config, "speculative_mode", None)
+            spec = None if mode is None else speculative_config(config, model.num_loops)
+        if spec is not None:  # (without a mode a call ignores the other speculative keys: "plain means plain")
+            check_generation_mode(spec, config.get_generation_mode(), config, None)
     except ValueError as error:
         raise ValueError(f"model.generation_config: {str(error).rstrip('.')}; the saved model's generate would "
                          "refuse it: set a valid value (or None) on model.generation_config before saving.") from None
