@@ -280,26 +280,36 @@ def test_decoding_settings_given_to_from_pretrained_are_named(saved, tmp_path, s
 
 @pytest.mark.parametrize("family", ["ouro", "huginn"])
 def test_a_tied_checkpoint_loaded_untied_is_told_to_load_tied(tmp_path, family):
-    """A checkpoint saved with a tied head has no `lm_head.weight`; loading it with `tie_word_embeddings=False` was
-    refused as a checkpoint of another family or shape. The refusal names the keyword and how to untie after loading;
-    loaded tied, it decodes as the saved model; a checkpoint missing another tensor keeps the general advice."""
+    """A checkpoint saved with a tied head has no `lm_head.weight`; loading it with `tie_word_embeddings=False` (Huginn:
+    or `tie_embeddings=False`) was refused as a checkpoint of another family or shape. The refusal names the keyword
+    given and how to untie after loading; loaded tied, it decodes as the saved model. An untied checkpoint without its
+    head (broken: loading it tied would make a head of the embedding), or one missing another tensor, keeps the
+    general advice."""
     from huginn_utils import tiny_huginn
 
     model = tiny_model(seed=3, tie_word_embeddings=True)[0] if family == "ouro" else tiny_huginn(seed=6)[0]
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     model.save_pretrained(tmp_path / "tied")
-    advice = r"\['lm_head.weight'\]\. The checkpoint holds no LM head weight .*\(drop tie_word_embeddings=False\)"
-    with pytest.raises(ValueError, match=advice + r", then untie .*model\.lm_head\.weight ="):
-        AutoModelForCausalLM.from_pretrained(tmp_path / "tied", tie_word_embeddings=False)
+    for key in ("tie_word_embeddings", "tie_embeddings") if family == "huginn" else ("tie_word_embeddings",):
+        advice = r"\['lm_head.weight'\]\. The checkpoint was saved with its LM head tied .*, and tie_word_embeddings="
+        with pytest.raises(ValueError, match=advice + r"False.*load it without that, then untie .*model\.lm_head"):
+            AutoModelForCausalLM.from_pretrained(tmp_path / "tied", **{key: False})
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "tied")
     ids = random_ids((1, 6), model.config.vocab_size, seed=2)
     settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
     settings |= {} if family == "ouro" else {"init_scale": 0.0}
     assert torch.equal(loaded.generate(ids, **settings), model.generate(ids, **settings))
 
+    config = json.loads((tmp_path / "tied" / "config.json").read_text())
+    untied = {**config, "tie_word_embeddings": False} | ({"tie_embeddings": False} if family == "huginn" else {})
+    (tmp_path / "tied" / "config.json").write_text(json.dumps(untied))  # (an untied checkpoint that lost its head)
+    for given in ({}, {"tie_word_embeddings": False}):
+        with pytest.raises(ValueError, match="Check that the checkpoint belongs to this model family"):
+            AutoModelForCausalLM.from_pretrained(tmp_path / "tied", **given)
+    (tmp_path / "tied" / "config.json").write_text(json.dumps(config))
     weights = tmp_path / "tied" / "model.safetensors"
     with safe_open(weights, "pt") as f:  # the checkpoint less another tensor than the head's
         kept = {key: f.get_tensor(key) for key in sorted(f.keys())[:-1]}
     save_file(kept, weights, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="Check that the checkpoint belongs to this model family"):
-        AutoModelForCausalLM.from_pretrained(tmp_path / "tied")
+        AutoModelForCausalLM.from_pretrained(tmp_path / "tied", tie_word_embeddings=False)

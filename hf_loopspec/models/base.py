@@ -29,18 +29,24 @@ DOWNLOAD_KEYS = ("cache_dir", "force_download", "proxies", "local_files_only", "
 UNMATCHED_ADVICE = "Check that the checkpoint belongs to this model family and has the shape its config.json says."
 
 
-def untied_head_advice(model, problems: dict) -> str | None:
-    """The advice for a load whose one missing key is the LM head's weight, in a model built untied: the checkpoint
-    was saved tied (its head is its embedding), and `tie_word_embeddings=False` (a keyword, or config.json's) asked
-    for a head of its own. None for other problems."""
+def untied_head_advice(model, problems: dict, kwargs: dict, source) -> str | None:
+    """The advice for a load whose one missing key is the LM head's weight because the caller built the model untied
+    (`tie_word_embeddings=False` given to `from_pretrained`, or in a config passed to it) for a checkpoint saved tied
+    (its config.json ties the head, which is then its embedding). None otherwise: a checkpoint whose own config.json
+    is untied and lacks the head is broken, and loading it tied would make a head of the embedding without a word."""
     head = model.get_output_embeddings()
     names = [name for name, weight in model.named_parameters() if head is not None and weight is head.weight]
     if model.config.tie_word_embeddings or problems != {"missing_keys": names}:
         return None
-    return ("The checkpoint holds no LM head weight of its own, as one saved with the head tied to the input "
-            "embedding does, and this model was built untied (tie_word_embeddings=False, given to from_pretrained or "
-            "in config.json): load it tied (drop tie_word_embeddings=False), then untie the loaded head if you need "
-            f"it apart: model.{names[0]} = torch.nn.Parameter(model.{names[0]}.clone()).")
+    download = {name: kwargs[name] for name in DOWNLOAD_KEYS if name in kwargs}
+    if not type(model.config).from_pretrained(source, **download).tie_word_embeddings:
+        return None
+    named = "tie_word_embeddings=False" + (" (or tie_embeddings=False)" if hasattr(model.config, "tie_embeddings")
+                                           else "")
+    return (f"The checkpoint was saved with its LM head tied to its input embedding (its config.json), and {named}, "
+            "given to from_pretrained or in the config passed to it, built this model untied: load it without that, "
+            f"then untie the loaded head if you need it apart: model.{names[0]} = "
+            f"torch.nn.Parameter(model.{names[0]}.clone()).")
 
 
 class StrictLoadingMixin:
@@ -173,7 +179,8 @@ class StrictLoadingMixin:
             raise ValueError(f"{', '.join(foreign)}: generation settings of another model family (Ouro's exit options, "
                              f"Huginn's recurrence settings); {cls.__name__} takes "
                              f"{', '.join(cls.generation_keys) or 'none'}. Drop them.")
-        cls._check_family(args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs)
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        cls._check_family(source, kwargs)
         want_info = kwargs.pop("output_loading_info", False)
         family = {key: kwargs.pop(key) for key in cls.generation_keys if key in kwargs}
         if family and not hasattr(cls, "call_block"):
@@ -204,7 +211,7 @@ class StrictLoadingMixin:
             sizes = ", ".join(f"{key}={getattr(c, key)}" for key in SIZE_KEYS if getattr(c, key, None) is not None)
             raise ValueError(
                 f"The checkpoint does not match {cls.__name__} of its config ({c.model_type}: {sizes}): {details}. "
-                f"{untied_head_advice(model, problems) or UNMATCHED_ADVICE}"
+                f"{untied_head_advice(model, problems, kwargs, source) or UNMATCHED_ADVICE}"
             )
         if any(asks(family.get(key)) for key in EXIT_OPTIONS):
             for key in EXIT_OPTIONS:
