@@ -250,7 +250,7 @@ def check_generation_mode(spec: SpeculativeConfig, generation_mode, generation_c
         raise ValueError(f"speculative_mode={spec.mode!r} cannot be combined with {what}: the model drafts for "
                          "itself. Pass speculative_mode=None for assisted decoding (the mode may come from the "
                          f"model's generation_config.json), or drop {drop}.")
-    if generation_config.num_beams > 1 or generation_mode in (GenerationMode.BEAM_SEARCH,):
+    if (generation_config.num_beams or 1) > 1 or generation_mode in (GenerationMode.BEAM_SEARCH,):  # (None: unset)
         raise ValueError(f"speculative_mode={spec.mode!r} cannot be combined with beam search "
                          f"(num_beams={generation_config.num_beams}); pass num_beams=1 or speculative_mode=None.")
     if getattr(generation_config, "output_attentions", False):  # (in no mode: models.layers.check_forward_inputs)

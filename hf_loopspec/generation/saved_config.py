@@ -26,6 +26,7 @@ from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 from ..logs import get_logger
 from .call import RUNTIME_KEYS, reject_configured_runtime_keys
 from .config import EXIT_OPTIONS, SPECULATIVE_KEYS, check_generation_mode, reject_recurrence_options, speculative_config
+from .inputs import check_token_settings
 
 logger = get_logger(__name__)
 
@@ -79,15 +80,17 @@ def check_family_keys(model) -> None:
 
 def check_saved_settings(model) -> None:
     """`ValueError` for a setting of `model.generation_config` that a `generate` call of the saved model passing
-    none of its own would refuse: `check_family_keys`'s, and, when the config sets a `speculative_mode`, the
-    speculative keys at the loop count the config sets (Huginn: its `num_steps`) and the strategies the mode does not
-    combine with (beams, contrastive search, ...). Without it `save_pretrained` wrote a checkpoint whose first call
-    failed on its loaded config. A model that does not generate (a base model) has nothing to check."""
+    none of its own would refuse: `check_family_keys`'s, a forced token id outside the vocabulary, and, when the
+    config sets a `speculative_mode`, the speculative keys at the loop count the config sets (Huginn: its
+    `num_steps`) and the strategies the mode does not combine with (beams, contrastive search, ...). Without it
+    `save_pretrained` wrote a checkpoint whose first call failed on its loaded config. A model that does not generate
+    (a base model) has nothing to check."""
     config = getattr(model, "generation_config", None)
     if config is None or not model.can_generate():
         return
     try:
         check_family_keys(model)
+        check_token_settings(config, 1, model.config.vocab_size)  # (forced ids: one row feeds no pad)
         with model.call_block(config):
             mode = getattr(config, "speculative_mode", None)
             spec = None if mode is None else speculative_config(config, model.num_loops)
