@@ -134,7 +134,8 @@ def check_gen_kwargs(gen_kwargs: dict) -> None:
     """`ValueError` naming `--gen_kwargs KEY=VALUE` for a value lm-eval reads itself and fails on once the model has
     loaded and requests run, naming no flag: a token count (`max_gen_toks` or the alias lm-eval reads first) that is
     no whole number >= 1 (0 was blamed on a `max_length` nobody gave), an `until` that is no string or list of
-    strings, a `temperature` that lm-eval's `float()` cannot read (None included); and a negative whole number for an
+    strings, a `temperature` that is no number (lm-eval reads a string with `float()` for its own choice but passes
+    it on to `generate`, which refuses it once requests run; None failed in lm-eval); and a negative whole number for an
     integer setting, which lm-eval's parser hands over as a float (-2 as -2.0, then refused as "no integer")."""
     key, count = next(((key, gen_kwargs[key]) for key in TOKEN_COUNTS if gen_kwargs.get(key) is not None), (0, 1))
     if isinstance(count, str) and count.strip().isdecimal():  # (JSON's "8": lm-eval's int() reads it)
@@ -147,22 +148,13 @@ def check_gen_kwargs(gen_kwargs: dict) -> None:
                                   and all(isinstance(stop, str) for stop in until)):
         raise ValueError(f"{GEN_KWARGS} until={until!r}: pass a stop string, or a JSON list of them "
                          f"({GEN_KWARGS} '{{\"until\": [\"\\n\\n\", \"###\"]}}').")
-    if "temperature" in gen_kwargs and not reads_as_float(gen_kwargs["temperature"]):
+    if "temperature" in gen_kwargs and not is_real(gen_kwargs["temperature"]):  # (lm-eval passes a string on)
         raise ValueError(f"{GEN_KWARGS} temperature={gen_kwargs['temperature']!r}: pass a number >= 0.")
     for key in INTEGER_KEYS:
         value = gen_kwargs.get(key)
         if isinstance(value, float) and value.is_integer() and value < 0:
             raise ValueError(f"{GEN_KWARGS} {key}={typed(value)}: pass a whole number >= "
                              f"{0 if key == 'init_seed' else 1}.")
-
-
-def reads_as_float(value) -> bool:
-    """Whether lm-eval's `float(value)` of a sampling setting succeeds (a number, or a string of one: JSON's "0.5")."""
-    try:
-        float(value)
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def typed(value):

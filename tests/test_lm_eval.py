@@ -369,6 +369,7 @@ def test_debug_shows_the_traceback_and_is_not_handed_to_lm_eval(monkeypatch):
     ('{"until": ["a", 5]}', "until=['a', 5]: pass a stop string"),
     ("temperature=hot", "temperature='hot': pass a number >= 0"),  # lm-eval's float(): 'could not convert'
     ("temperature=None", "temperature=None: pass a number >= 0"),  # lm-eval's float(None): a TypeError traceback
+    ('{"temperature": "0.5", "do_sample": true}', "temperature='0.5': pass a number"),  # generate refused it mid-run
     ("speculative_mode=pipeline,num_speculative_tokens=-2", "num_speculative_tokens=-2: pass a whole number >= 1"),
 ])
 def test_bad_gen_kwargs_end_in_one_line_before_anything_loads(monkeypatch, capsys, gen_kwargs, named):
@@ -382,7 +383,7 @@ def test_bad_gen_kwargs_end_in_one_line_before_anything_loads(monkeypatch, capsy
     assert code == 2 and len(err) == 1 and err[0].startswith(f"hf-loopspec lm-eval: error: --gen_kwargs {named}")
     for good in ({"max_gen_toks": 8, "until": "\n\n"}, {"max_new_tokens": 5.0, "until": ["a", "b"]},
                  {"temperature": 0, "draft_loops": 2}, {"max_gen_toks": None, "max_tokens": 3},
-                 {"max_gen_toks": "8", "temperature": "0.5"}):  # (JSON strings lm-eval's int() and float() read)
+                 {"max_gen_toks": "8"}):  # (a JSON string lm-eval's int() reads and turns into a number)
         evaluation.check_gen_kwargs(good)
 
 
