@@ -306,6 +306,10 @@ def test_a_tied_checkpoint_loaded_untied_is_told_to_load_tied(tmp_path, family):
     for given in ({}, {"tie_word_embeddings": False}):
         with pytest.raises(ValueError, match="Check that the checkpoint belongs to this model family"):
             AutoModelForCausalLM.from_pretrained(tmp_path / "tied", **given)
+    if family == "ouro":  # no checkpoint to read: the state dict of a tied model into an untied config
+        with pytest.raises(ValueError, match="Check that the checkpoint belongs to this model family"):
+            weights = {key: value for key, value in model.state_dict().items() if key != "lm_head.weight"}
+            OuroForCausalLM.from_pretrained(None, config=tiny_config(), state_dict=weights)
     (tmp_path / "tied" / "config.json").write_text(json.dumps(config))
     weights = tmp_path / "tied" / "model.safetensors"
     with safe_open(weights, "pt") as f:  # the checkpoint less another tensor than the head's

@@ -39,7 +39,11 @@ def untied_head_advice(model, problems: dict, kwargs: dict, source) -> str | Non
     if model.config.tie_word_embeddings or problems != {"missing_keys": names}:
         return None
     download = {name: kwargs[name] for name in DOWNLOAD_KEYS if name in kwargs}
-    if not type(model.config).from_pretrained(source, **download).tie_word_embeddings:
+    try:  # (no source: `from_pretrained(None, config=..., state_dict=...)`)
+        saved = None if source is None else type(model.config).from_pretrained(source, **download)
+    except (OSError, ValueError):
+        return None
+    if saved is None or not saved.tie_word_embeddings:
         return None
     named = "tie_word_embeddings=False" + (" (or tie_embeddings=False)" if hasattr(model.config, "tie_embeddings")
                                            else "")
