@@ -32,6 +32,9 @@ from tolerances import ouro_depth
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
+from hf_loopspec.generation.auto_costs import Candidate, CostTable, set_costs
+from hf_loopspec.generation.auto_policy import AutoPolicy, set_policy
+
 VOCAB = 64
 NEW = 16
 EXIT_NAMES = ("exit_at_step", "exit_threshold", "use_weighted_exit")
@@ -391,3 +394,12 @@ def test_an_exit_set_on_the_models_config_during_a_call_takes_effect_at_the_next
         assert torch.equal(model.generate(ids, speculative_mode=mode, **settings), exiting), mode
     torch.testing.assert_close(model(ids, attention_mask=mask).logits,
                                model(ids, attention_mask=mask, **{key: value}).logits, atol=0, rtol=0)
+    # an auto call of several segments (each a generate call of its own) keeps the exit it started with too
+    set_costs(model, CostTable(4.0, {Candidate("pipeline", 1): 2.0, Candidate("block", 1, 4): 2.0}))
+    set_policy(model, AutoPolicy(interval=6, max_interval=12, probe_tokens=4, reprobe_after=1, min_verified=2))
+    settings["max_new_tokens"] = 24
+    setattr(model.generation_config, key, None)
+    without = model.generate(ids, speculative_mode=None, **settings)
+    out = model.generate(ids, speculative_mode="auto", streamer=EditsTheExitMidCall(model, key, value),
+                         return_dict_in_generate=True, **settings)
+    assert len(out.speculation.choices) > 2 and torch.equal(out.sequences, without)

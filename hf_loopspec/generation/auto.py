@@ -55,13 +55,16 @@ from .auto_policy import (
     Chooser,
     acceptance_settings,
     call_setting,
+    one_stretch,
     policy_for,
     remember,
     remembered,
 )
 from .auto_rows import ForcePad, Stopped, ended, zero_ended
+from .call import pass_exit
 from .config import (
     AUTO_MODE,
+    EXIT_OPTIONS,
     SPECULATIVE_KEYS,
     check_generation_mode,
     merged_config,
@@ -83,13 +86,6 @@ from .processors import plain_fallback, warn_fallback
 from .stats import SequenceStats, SpeculationStats
 from .wavefront.host import compile_problem
 from .wavefront.span import reserved_positions
-
-# Settings measured from the call's start or its end (transformers builds them from the input length or max_length
-# of each `generate` call), and criteria that may stop the call: a call with any of them decodes as one segment.
-ONE_STRETCH = ("stopping_criteria", "stop_strings", "max_time", "forced_eos_token_id", "begin_suppress_tokens",
-               "exponential_decay_length_penalty", "encoder_repetition_penalty", "encoder_no_repeat_ngram_size",
-               "guidance_scale", "watermarking_config")
-NEUTRAL = {"encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "guidance_scale": 1.0}
 
 
 def requested(model, kwargs: dict) -> bool:
@@ -149,7 +145,7 @@ class _Call:
     min_cleared: dict  # without one: the call's min_new_tokens / min_length (None, 0) that clear a config's minimum
     eos: list[int]
     pad: int
-    single: bool  # a `ONE_STRETCH` setting: one segment
+    single: bool  # a setting of `auto_policy.ONE_STRETCH`: one segment
     return_dict: bool
     use_cache: bool
     engine_settings: dict  # compile_core / speculative_engine, for the speculative segments
@@ -212,7 +208,7 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
         raise ValueError(f"speculative_mode='auto' cannot run {host}.")  # (whichever segments auto would choose)
     call = _Call(base, int(max_new), min_new if min_new > 0 else None,
                  {key: kwargs[key] for key in ("min_new_tokens", "min_length") if key in kwargs}, eos, pad,
-                 single=any(_in_effect(key, call_setting(kwargs, config, key)) for key in ONE_STRETCH),
+                 single=one_stretch(kwargs, config),
                  return_dict=bool(config.return_dict_in_generate), use_cache=config.use_cache is not False,
                  engine_settings={key: call_setting(kwargs, config, key)
                                   for key in ("compile_core", "speculative_engine")
@@ -244,11 +240,6 @@ def _default_max_length(model, kwargs: dict) -> bool:
             and model.generation_config.max_length is None)
 
 
-def _in_effect(key: str, value) -> bool:
-    """Whether a `ONE_STRETCH` setting does anything: set, not its neutral value, not an empty list."""
-    return not (value is None or value == NEUTRAL.get(key) or isinstance(value, (list, tuple)) and not value)
-
-
 def _rows_and_mask(model, ids: torch.Tensor, mask: torch.Tensor | None, config: GenerationConfig):
     """The call's rows and attention mask `[B', S]` as plain decoding decodes them: the mask transformers infers from
     the pad token when none is passed, and with sampling each row repeated `num_return_sequences` times."""
@@ -266,6 +257,9 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     counters as `speculation` (`AutoStats`)."""
     ids = args[0] if args else kwargs.get("input_ids")
     config = merged_config(model, kwargs)
+    # every segment's exit options, merged once (an option passed as None is not given, as in the fixed modes)
+    others = {key: value for key, value in kwargs.items() if key not in EXIT_OPTIONS}
+    pass_exit(model, {key: kwargs.get(key) for key in EXIT_OPTIONS}, merged_config(model, others))
     ids = prompt_or_bos(model, ids, kwargs, config)  # no prompt: from BOS, as plain decoding starts
     call, options = _prepare(model, ids, kwargs, config)
     ids, mask = _rows_and_mask(model, ids, kwargs.get("attention_mask"), config)

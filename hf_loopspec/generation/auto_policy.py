@@ -158,6 +158,28 @@ def call_setting(kwargs: dict, config, key: str):
     return kwargs[key] if key in kwargs else getattr(config, key, None)
 
 
+# Settings measured from the call's start or its end (transformers builds them from the input length or max_length
+# of each `generate` call), and criteria that may stop the call: a call with any of them decodes as one segment.
+ONE_STRETCH = ("stopping_criteria", "stop_strings", "max_time", "forced_eos_token_id", "begin_suppress_tokens",
+               "exponential_decay_length_penalty", "encoder_repetition_penalty", "encoder_no_repeat_ngram_size",
+               "guidance_scale", "watermarking_config")
+NEUTRAL = {"encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "guidance_scale": 1.0}
+
+
+def one_stretch(kwargs: dict, config) -> bool:
+    """Whether a call sets a `ONE_STRETCH` setting that does anything: not None, not its neutral value, not an empty
+    collection (a list, or an array or tensor of ids, which the comparison with None once met elementwise)."""
+    def in_effect(key: str, value) -> bool:
+        if value is None or key in NEUTRAL and value == NEUTRAL[key]:
+            return False
+        try:
+            return isinstance(value, str) or len(value) > 0
+        except TypeError:  # (a number, a config object, a 0-d tensor or array)
+            return True
+
+    return any(in_effect(key, call_setting(kwargs, config, key)) for key in ONE_STRETCH)
+
+
 def acceptance_settings(kwargs: dict, config, loops: int) -> str:
     """The settings of a call that change how often drafts are accepted, as the key of the acceptance earlier calls
     observed (`remembered`): `ACCEPTANCE_SETTINGS`, the class names of the call's own logits processors, whether a

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import SpeculativeConfig, asks
+from .config import SpeculativeConfig, asks, merged_exit
 
 RUNTIME_KEYS = ("draft_hook", "second_draft_hook", "speculative_trace")
 """Per-call `generate` kwargs that are not generation settings: `draft_hook` (test-only: override draft proposals,
@@ -69,7 +69,8 @@ def runtime_options(kwargs: dict, model_config=None) -> GenerateCall:
     trace = trace_setting(kwargs.pop("speculative_trace", None))
     if trace and model_config is not None and not _returns_dict(kwargs, model_config):
         raise ValueError(_unreturned(trace))
-    return GenerateCall(draft_hook=hook, second_draft_hook=second, trace=trace)
+    parent = current_call()  # (a call nested in another, e.g. auto's segment: its exits, `pass_exit`)
+    return GenerateCall(draft_hook=hook, second_draft_hook=second, trace=trace, exits=parent and parent.exits)
 
 
 def trace_setting(value) -> bool | str:
@@ -138,12 +139,16 @@ def current_call() -> GenerateCall | None:
     return _CURRENT.get()
 
 
-def pass_exit(model, options: dict) -> dict:
-    """`options`, the exit options the running call merged once from its arguments and `model`'s generation config
-    and passes to every forward of `model`, recorded on the call: a forward of `model` inside the call (its steps, a
-    criterion's scoring) reads them in place of the generation config (`call_exits`), which another thread may edit
-    while the call runs (a plain call mixed two exits from that step on)."""
-    if (call := current_call()) is not None:
+def pass_exit(model, given: dict, config) -> dict:
+    """The exit options a call of `model` runs with (`merged_exit` of the call's `given` ones over `config`'s),
+    merged once and recorded on the running call, which passes them to every forward of `model`: a forward inside the
+    call (its steps, a criterion's scoring) reads them in place of the model's generation config (`call_exits`),
+    which another thread may edit while the call runs (a plain call mixed two exits from that step on). A call
+    nested in one of the same model (auto's segments) merges over the options its parent recorded, not the config."""
+    call = current_call()
+    frozen = call_exits(model)
+    options = merged_exit(given, config if frozen is None else frozen)
+    if call is not None:
         call.exits = (id(model), options)
     return options
 

@@ -43,7 +43,6 @@ from .config import (
     check_generation_mode,
     custom_loop_settings,
     keep_passed_exit,
-    merged_exit,
     reject_assistant_early_exit,
     reject_recurrence_options,
     requested_mode,
@@ -117,8 +116,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
             check_assisted_continuation(kwargs, self.generation_config, cache.get_seq_length())
         with kept_on_error(cache):
             if auto.requested(self, kwargs):  # segments of plain / block / pipeline calls (`generation.auto`)
-                runtime_options(dict(kwargs), self.generation_config)  # checked up front: plain stretches drop them
-                return auto.generate_auto(self, SpeculativeDecoderOnlyOutput, args, kwargs)
+                with scoped(runtime_options(dict(kwargs), self.generation_config)):  # (checked up front: plain
+                    return auto.generate_auto(self, SpeculativeDecoderOnlyOutput, args, kwargs)  # stretches drop them)
             with scoped(runtime_options(kwargs)):
                 return super().generate(*args, **kwargs)
 
@@ -221,7 +220,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         keep_passed_exit(passed, generation_config)
         # exit options are the forward's, merged as forward merges them (transformers keeps a key a config has, e.g.
         # a checkpoint's `exit_at_step`, in the config)
-        model_kwargs.update(pass_exit(self, merged_exit(exits, generation_config)))
+        model_kwargs.update(pass_exit(self, exits, generation_config))
         if type(self).exit_rule is LoopSpecGenerationMixin.exit_rule:  # a family without exit options refuses them
             reject_exit_options(type(self).__name__, model_kwargs)  # (a config's: transformers' "not used" before)
             model_kwargs = {key: value for key, value in model_kwargs.items() if key not in EXIT_OPTIONS}
