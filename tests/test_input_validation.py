@@ -106,11 +106,11 @@ def test_a_forced_token_outside_the_vocabulary_is_named_up_front(model, inputs, 
         with pytest.raises(ValueError, match=rf"{key}={re.escape(repr(value))} is no token id of the vocabulary "
                                              rf"\[0, {VOCAB}\)"):
             model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **{key: value}, **mode)
-    for key, value in (("forced_eos_token_id", 5), ("forced_bos_token_id", 5), ("forced_eos_token_id",
-                                                                                 np.array([5, 7]))):
+    for key, value in (("forced_eos_token_id", 5), ("forced_bos_token_id", 5),
+                       ("forced_eos_token_id", np.array([5, 7])), ("forced_eos_token_id", torch.tensor([]).long())):
         expected = plain(model, ids, mask, 4, **{key: value}).sequences  # (auto met a numpy array with numpy's
         got = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **{key: value}, **mode)
-        assert got.tolist() == expected.tolist()  # "truth value of an array is ambiguous")
+        assert got.tolist() == expected.tolist(), value  # "truth value of an array is ambiguous"; an empty one forces)
 
 
 @pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))

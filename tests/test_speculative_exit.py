@@ -403,3 +403,31 @@ def test_an_exit_set_on_the_models_config_during_a_call_takes_effect_at_the_next
     out = model.generate(ids, speculative_mode="auto", streamer=EditsTheExitMidCall(model, key, value),
                          return_dict_in_generate=True, **settings)
     assert len(out.speculation.choices) > 2 and torch.equal(out.sequences, without)
+
+
+@pytest.mark.parametrize("mode", [None, "pipeline", "auto"])
+def test_a_generate_nested_in_a_call_of_the_same_model_decodes_as_it_would_alone(mode):
+    """A criterion of an `exit_at_step=1` call runs its own `generate` on the same model, once with no exit and once
+    with a passed config choosing exit 3: each decodes as that call made on its own (a first version of the call's
+    merged exits handed every nested call the outer call's exit, as auto's segments need)."""
+    model = tiny_spec_model(91, 4, vocab=VOCAB, damp=0.15)
+    ids, mask = left_pad(random_prompts(91, [6], VOCAB))
+    probe = ids[:, :4]
+    nested_calls = {"no exit": {}, "config exit 3": {"generation_config": GenerationConfig(
+        exit_at_step=3, max_new_tokens=8, do_sample=False, pad_token_id=PAD)}}
+
+    def nested(settings):
+        return model.generate(probe, attention_mask=torch.ones_like(probe), **{
+            "max_new_tokens": 8, "do_sample": False, "pad_token_id": PAD, "speculative_mode": None} | settings)
+
+    alone = {name: nested(settings) for name, settings in nested_calls.items()}
+    assert not torch.equal(alone["no exit"], nested({"exit_at_step": 1}))  # (the outer call's exit would show)
+    seen = {}
+
+    def criterion(input_ids, scores, **kwargs):
+        seen.update({name: nested(settings) for name, settings in nested_calls.items() if name not in seen})
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD, exit_at_step=1,
+                   speculative_mode=mode, stopping_criteria=[criterion])
+    assert {name: out.tolist() for name, out in seen.items()} == {name: out.tolist() for name, out in alone.items()}

@@ -259,7 +259,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     config = merged_config(model, kwargs)
     # every segment's exit options, merged once (an option passed as None is not given, as in the fixed modes)
     others = {key: value for key, value in kwargs.items() if key not in EXIT_OPTIONS}
-    pass_exit(model, {key: kwargs.get(key) for key in EXIT_OPTIONS}, merged_config(model, others))
+    pass_exit(model, {key: kwargs.get(key) for key in EXIT_OPTIONS}, merged_config(model, others), segments=True)
     ids = prompt_or_bos(model, ids, kwargs, config)  # no prompt: from BOS, as plain decoding starts
     call, options = _prepare(model, ids, kwargs, config)
     ids, mask = _rows_and_mask(model, ids, kwargs.get("attention_mask"), config)

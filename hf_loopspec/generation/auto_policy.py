@@ -168,14 +168,12 @@ NEUTRAL = {"encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0,
 
 def one_stretch(kwargs: dict, config) -> bool:
     """Whether a call sets a `ONE_STRETCH` setting that does anything: not None, not its neutral value, not an empty
-    collection (a list, or an array or tensor of ids, which the comparison with None once met elementwise)."""
+    list (an array or tensor of ids is compared with nothing: numpy met `value == None` elementwise, and an empty one
+    still forces transformers' processor)."""
     def in_effect(key: str, value) -> bool:
         if value is None or key in NEUTRAL and value == NEUTRAL[key]:
             return False
-        try:
-            return isinstance(value, str) or len(value) > 0
-        except TypeError:  # (a number, a config object, a 0-d tensor or array)
-            return True
+        return not (isinstance(value, (list, tuple)) and not value)
 
     return any(in_effect(key, call_setting(kwargs, config, key)) for key in ONE_STRETCH)
 

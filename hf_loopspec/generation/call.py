@@ -39,6 +39,7 @@ class GenerateCall:
     resolved: bool = False  # whether `speculative` has been resolved (None then means plain decoding)
     dynamic_cache: Any = None  # the caller's DynamicCache a speculative run continues: its KV copied in and back
     exits: tuple[int, dict] | None = None  # (id of the model, the exit options it merged once): `pass_exit`
+    segment_exits: tuple[int, dict] | None = None  # an auto call's `exits`, which its segments (nested calls) take
 
     def problem(self, generation_config) -> str | None:
         """Why this call's runtime options cannot be honoured under its resolved `generation_config`, or None: a trace
@@ -69,8 +70,8 @@ def runtime_options(kwargs: dict, model_config=None) -> GenerateCall:
     trace = trace_setting(kwargs.pop("speculative_trace", None))
     if trace and model_config is not None and not _returns_dict(kwargs, model_config):
         raise ValueError(_unreturned(trace))
-    parent = current_call()  # (a call nested in another, e.g. auto's segment: its exits, `pass_exit`)
-    return GenerateCall(draft_hook=hook, second_draft_hook=second, trace=trace, exits=parent and parent.exits)
+    parent = current_call()  # (auto's segment, a call nested in the auto call: its exits, `pass_exit`)
+    return GenerateCall(draft_hook=hook, second_draft_hook=second, trace=trace, exits=parent and parent.segment_exits)
 
 
 def trace_setting(value) -> bool | str:
@@ -139,17 +140,19 @@ def current_call() -> GenerateCall | None:
     return _CURRENT.get()
 
 
-def pass_exit(model, given: dict, config) -> dict:
+def pass_exit(model, given: dict, config, *, segments: bool = False) -> dict:
     """The exit options a call of `model` runs with (`merged_exit` of the call's `given` ones over `config`'s),
     merged once and recorded on the running call, which passes them to every forward of `model`: a forward inside the
     call (its steps, a criterion's scoring) reads them in place of the model's generation config (`call_exits`),
-    which another thread may edit while the call runs (a plain call mixed two exits from that step on). A call
-    nested in one of the same model (auto's segments) merges over the options its parent recorded, not the config."""
+    which another thread may edit while the call runs (a plain call mixed two exits from that step on). `segments`:
+    the call is auto's, whose segments (generate calls nested in it) merge over these options, not the config; any
+    other nested call (a criterion's own generate) merges over its own config."""
     call = current_call()
     frozen = call_exits(model)
     options = merged_exit(given, config if frozen is None else frozen)
     if call is not None:
         call.exits = (id(model), options)
+        call.segment_exits = call.exits if segments else None
     return options
 
 
