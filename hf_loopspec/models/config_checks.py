@@ -105,7 +105,7 @@ class RopeParametersMixin:
                 values = {name: given[name].get("rope_theta") if isinstance(given[name], dict) else given[name]
                           for name in group if name in given}
                 values = [(name, value) for name, value in values.items() if value is not None]
-                if any(disagree(value, values[0][1]) for _, value in values):  # (unhashed: a list is check_rope_base.s)
+                if any(disagree(value, values[0][1]) for _, value in values):  # (unhashed: a list is check_rope_base's)
                     named = " and ".join(f"{name}={given[name]!r}" for name, _ in values)
                     raise ValueError(f"{cls.__name__} ({where}): {named} disagree: two names of one setting; give one "
                                      "of them (or equal values).")
