@@ -407,9 +407,10 @@ def test_an_exit_set_on_the_models_config_during_a_call_takes_effect_at_the_next
 
 @pytest.mark.parametrize("mode", [None, "pipeline", "auto"])
 def test_a_generate_nested_in_a_call_of_the_same_model_decodes_as_it_would_alone(mode):
-    """A criterion of an `exit_at_step=1` call runs its own `generate` on the same model, once with no exit and once
-    with a passed config choosing exit 3: each decodes as that call made on its own (a first version of the call's
-    merged exits handed every nested call the outer call's exit, as auto's segments need)."""
+    """A criterion and a streamer's `end` of an `exit_at_step=1` call run their own `generate` on the same model, once
+    with no exit and once with a passed config choosing exit 3: each decodes as that call made on its own (first
+    versions of the call's merged exits handed every nested call, then every call nested in an auto call outside
+    its segments, the outer call's exit, as only auto's segments need)."""
     model = tiny_spec_model(91, 4, vocab=VOCAB, damp=0.15)
     ids, mask = left_pad(random_prompts(91, [6], VOCAB))
     probe = ids[:, :4]
@@ -428,6 +429,15 @@ def test_a_generate_nested_in_a_call_of_the_same_model_decodes_as_it_would_alone
         seen.update({name: nested(settings) for name, settings in nested_calls.items() if name not in seen})
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
+    class EndsWithAGenerate(BaseStreamer):  # (auto ends its streamer outside its segments)
+        def put(self, value):
+            pass
+
+        def end(self):
+            ended.update({name: nested(settings) for name, settings in nested_calls.items()})
+
+    ended = {}
     model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD, exit_at_step=1,
-                   speculative_mode=mode, stopping_criteria=[criterion])
-    assert {name: out.tolist() for name, out in seen.items()} == {name: out.tolist() for name, out in alone.items()}
+                   speculative_mode=mode, stopping_criteria=[criterion], streamer=EndsWithAGenerate())
+    for got in (seen, ended):
+        assert {name: out.tolist() for name, out in got.items()} == {name: out.tolist() for name, out in alone.items()}

@@ -61,7 +61,7 @@ from .auto_policy import (
     remembered,
 )
 from .auto_rows import ForcePad, Stopped, ended, zero_ended
-from .call import pass_exit
+from .call import auto_segment, pass_exit
 from .config import (
     AUTO_MODE,
     EXIT_OPTIONS,
@@ -259,7 +259,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
     config = merged_config(model, kwargs)
     # every segment's exit options, merged once (an option passed as None is not given, as in the fixed modes)
     others = {key: value for key, value in kwargs.items() if key not in EXIT_OPTIONS}
-    pass_exit(model, {key: kwargs.get(key) for key in EXIT_OPTIONS}, merged_config(model, others), segments=True)
+    pass_exit(model, {key: kwargs.get(key) for key in EXIT_OPTIONS}, merged_config(model, others))
     ids = prompt_or_bos(model, ids, kwargs, config)  # no prompt: from BOS, as plain decoding starts
     call, options = _prepare(model, ids, kwargs, config)
     ids, mask = _rows_and_mask(model, ids, kwargs.get("attention_mask"), config)
@@ -413,7 +413,8 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
         clears = {key for key in (*call.base, "min_new_tokens", "min_length") if key in kwargs and kwargs[key] is None}
         for key in [key for key in kwargs if key in GENERATION_KEYS and key not in clears]:
             setattr(config, key, kwargs.pop(key))
-    return model.generate(ids, **kwargs)
+    with auto_segment():  # (the exit options the auto call merged)
+        return model.generate(ids, **kwargs)
 
 
 def _account(stats: AutoStats, segment: SpeculationStats | None, candidate: Candidate, new: torch.Tensor,

@@ -39,7 +39,7 @@ class GenerateCall:
     resolved: bool = False  # whether `speculative` has been resolved (None then means plain decoding)
     dynamic_cache: Any = None  # the caller's DynamicCache a speculative run continues: its KV copied in and back
     exits: tuple[int, dict] | None = None  # (id of the model, the exit options it merged once): `pass_exit`
-    segment_exits: tuple[int, dict] | None = None  # an auto call's `exits`, which its segments (nested calls) take
+    segment_exits: tuple[int, dict] | None = None  # an auto call's `exits` while a segment runs (`auto_segment`)
 
     def problem(self, generation_config) -> str | None:
         """Why this call's runtime options cannot be honoured under its resolved `generation_config`, or None: a trace
@@ -140,20 +140,33 @@ def current_call() -> GenerateCall | None:
     return _CURRENT.get()
 
 
-def pass_exit(model, given: dict, config, *, segments: bool = False) -> dict:
+def pass_exit(model, given: dict, config) -> dict:
     """The exit options a call of `model` runs with (`merged_exit` of the call's `given` ones over `config`'s),
     merged once and recorded on the running call, which passes them to every forward of `model`: a forward inside the
     call (its steps, a criterion's scoring) reads them in place of the model's generation config (`call_exits`),
-    which another thread may edit while the call runs (a plain call mixed two exits from that step on). `segments`:
-    the call is auto's, whose segments (generate calls nested in it) merge over these options, not the config; any
-    other nested call (a criterion's own generate) merges over its own config."""
+    which another thread may edit while the call runs (a plain call mixed two exits from that step on). A segment of
+    an auto call (`auto_segment`) merges over the options the auto call recorded; any other nested call (a
+    criterion's or a streamer's own generate) over its own config."""
     call = current_call()
     frozen = call_exits(model)
     options = merged_exit(given, config if frozen is None else frozen)
     if call is not None:
         call.exits = (id(model), options)
-        call.segment_exits = call.exits if segments else None
     return options
+
+
+@contextlib.contextmanager
+def auto_segment() -> Iterator[None]:
+    """Run one segment of the running auto call: the `generate` call it makes takes the exit options the auto call
+    merged (`segment_exits`), which no other call nested in the auto call takes."""
+    call = current_call()
+    if call is not None:
+        call.segment_exits = call.exits
+    try:
+        yield
+    finally:
+        if call is not None:
+            call.segment_exits = None
 
 
 def call_exits(model) -> SimpleNamespace | None:
