@@ -392,3 +392,23 @@ def test_a_passed_config_without_a_mode_still_conflicts_with_plain_decoding(mode
     with pytest.raises(ValueError, match="second_draft_loops=3 is a setting of speculative_mode='pipeline'"), \
             torch.no_grad():
         model.generate(ids, attention_mask=mask, generation_config=config)
+
+
+@pytest.mark.parametrize("empty", [torch.tensor([], dtype=torch.long), np.array([], dtype=np.int64)],
+                         ids=["tensor", "array"])
+def test_an_empty_forced_eos_collection_keeps_auto_in_one_stretch(empty):
+    """transformers' forced-EOS processor still forces the last step for an empty id collection (every score -inf,
+    token 0): auto decodes such a call in one stretch, as plain decodes it (read as unset, it split the call into
+    segments that each forced their own last step; the array met numpy's "truth value is ambiguous" before that)."""
+    from hf_loopspec.generation.auto_costs import Candidate, CostTable, set_costs
+    from hf_loopspec.generation.auto_policy import AutoPolicy, set_policy
+
+    model = tiny_spec_model(71, 4, vocab=VOCAB, damp=0.1)
+    ids, mask = left_pad(random_prompts(2, [5, 2, 8], VOCAB))
+    set_costs(model, CostTable(4.0, {Candidate("pipeline", 1): 2.0, Candidate("block", 1, 4): 2.0}))
+    set_policy(model, AutoPolicy(interval=6, max_interval=12, probe_tokens=4, reprobe_after=1, min_verified=2))
+    settings = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=PAD,
+                    forced_eos_token_id=empty)
+    expected = plain(model, ids, mask, 24, forced_eos_token_id=empty).sequences
+    out = model.generate(ids, speculative_mode="auto", return_dict_in_generate=True, **settings)
+    assert len(out.speculation.choices) == 1 and out.sequences.tolist() == expected.tolist()
