@@ -38,8 +38,8 @@ class GenerateCall:
     speculative: SpeculativeConfig | None = None  # resolved once, when transformers prepares the generation config
     resolved: bool = False  # whether `speculative` has been resolved (None then means plain decoding)
     dynamic_cache: Any = None  # the caller's DynamicCache a speculative run continues: its KV copied in and back
-    exits: tuple[int, dict] | None = None  # (id of the model, the exit options it merged once): `pass_exit`
-    segment_exits: tuple[int, dict] | None = None  # an auto call's `exits` while a segment runs (`auto_segment`)
+    exits: tuple[int, SimpleNamespace] | None = None  # (id of the model, the exit options it merged): `pass_exit`
+    segment_exits: tuple[int, SimpleNamespace] | None = None  # an auto call's `exits` while a segment runs
 
     def problem(self, generation_config) -> str | None:
         """Why this call's runtime options cannot be honoured under its resolved `generation_config`, or None: a trace
@@ -151,7 +151,7 @@ def pass_exit(model, given: dict, config) -> dict:
     frozen = call_exits(model)
     options = merged_exit(given, config if frozen is None else frozen)
     if call is not None:
-        call.exits = (id(model), options)
+        call.exits = (id(model), SimpleNamespace(**options))  # (read as a config by each forward: built once)
     return options
 
 
@@ -176,4 +176,4 @@ def call_exits(model) -> SimpleNamespace | None:
     call = current_call()
     if call is None or call.exits is None or call.exits[0] != id(model):
         return None
-    return SimpleNamespace(**call.exits[1])
+    return call.exits[1]

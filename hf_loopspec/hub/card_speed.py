@@ -89,8 +89,7 @@ def _settings(result: dict) -> str:
     measured with but its model (its command's other flags, a prompt file by its name, or "defaults") and the machine
     it ran on. huggingface_hub groups entries by dataset type, config and split, so results sharing a config went
     under the first one's name: two machines, greedy and sampled runs, engines, compiled runs, prompt files."""
-    quoted = _as_measured_on_repo(result, "")
-    flags = {key: value for key, value in quoted["args"].items() if key != "model"}
+    flags = {key: value for key, value in _quoted_args(result["args"]).items() if key != "model"}
     command = command_line({**result, "args": flags}).removeprefix("hf-loopspec bench").strip() or "defaults"
     return f"{command} on {result['machine']['device_name']}"
 
@@ -111,13 +110,20 @@ def _as_measured_on_repo(result: dict, repo_id: str) -> dict:
     """`result` as the card quotes it: a `--prompt-file` by its file name alone, and, unless its `--model` is a Hub
     id, 'default' or a random-weight shape (a checkpoint folder: one that exists here, or a name that is no Hub repo
     id, such as /abs/path or ./folder), `repo_id` as its `--model` and model name. (A copy; `result` is unchanged.)"""
-    args, model = dict(result["args"]), result["args"].get("model")
-    if isinstance(args.get("prompt_file"), str):
-        args["prompt_file"] = PureWindowsPath(args["prompt_file"]).name  # (splits at "/" and at "\\": any machine's)
+    args, model = _quoted_args(result["args"]), result["args"].get("model")
     if not isinstance(model, str) or model == "default" or model in SHAPES or (
             is_hub_repo_id(model) and not Path(model).expanduser().exists()):
         return {**result, "args": args}
     return {**result, "args": {**args, "model": repo_id}, "model": {**result["model"], "name": repo_id}}
+
+
+def _quoted_args(args: dict) -> dict:
+    """A copy of a result's bench arguments with a `--prompt-file` by its file name alone (its path named the measuring
+    machine's folders)."""
+    args = dict(args)
+    if isinstance(args.get("prompt_file"), str):
+        args["prompt_file"] = PureWindowsPath(args["prompt_file"]).name  # (splits at "/" and at "\\": any machine's)
+    return args
 
 
 def _subsection(result: dict) -> list[str]:
