@@ -231,6 +231,24 @@ def test_a_static_cache_continues_within_its_size_and_refuses_beyond_it(setup):
             model.generate(torch.cat([full.sequences, extra], 1), cache=full.past_key_values, max_new_tokens=NEW)
 
 
+@pytest.mark.parametrize("expand", [{"num_beams": 2}, {"do_sample": True, "num_return_sequences": 2}, {"rows": 2}],
+                         ids=["beams", "return-sequences", "batch-2"])
+def test_a_static_cache_of_other_rows_is_refused(setup, expand):
+    """A filled static cache holds storage for the rows of the call that filled it: a call of more rows (beam search
+    and num_return_sequences expand them) raises the ValueError naming the cache that a DynamicCache of other rows
+    gets (torch's index_copy_ RuntimeError before), and leaves the cache as it was."""
+    model, _, prompts, _, _ = setup
+    rows = expand.pop("rows", 1)
+    with torch.no_grad():
+        first = model.generate(prompts[1][None], max_new_tokens=NEW, eos_token_id=None, return_dict_in_generate=True,
+                               cache_implementation="static", max_cache_len=64)
+        cache, turn = first.past_key_values, torch.cat([first.sequences, random_ids((1, 3), VOCAB, seed=9)], 1)
+        kept = [layer.keys.clone() for layer in cache.layers]
+        with pytest.raises(ValueError, match=r"holds keys of shape \(1, 2, 64, 16\) .* this call has batch size 2"):
+            model.generate(turn.repeat(rows, 1), cache=cache, max_new_tokens=NEW, pad_token_id=PAD, **expand)
+    assert all(torch.equal(layer.keys, keys) for layer, keys in zip(cache.layers, kept, strict=True))
+
+
 @pytest.mark.parametrize("exit_at_step", [None, 1])
 def test_forward_compiles_whole_with_a_padding_mask(setup, exit_at_step):
     """`torch.compile(model.forward, fullgraph=True)` of a padded batch (a graph break raises): the mask's checks read

@@ -107,14 +107,24 @@ def check_dynamic_cache(cache, layout: KVLayout, batch: int) -> None:
             f"{PASSED_CACHE} holds KV in {len(cache.layers)} layers, but this call writes {layout.num_planes} planes "
             f"x {layout.num_layers} layers = {needed} (for Huginn: the planes depend on num_steps): continue a cache "
             "with the settings that filled it (the same number of loops or recurrence steps), or pass a fresh one.")
-    if not columns:
+    if columns:
+        check_kv_rows(cache, layout, batch)
+
+
+def check_kv_rows(cache, layout: KVLayout, batch: int) -> None:
+    """`ValueError` unless the keys a transformers cache holds in its first layer (`[B, Hkv, C, D]`; a cache whose
+    layers hold none yet fits any call) are `batch` rows of the layout's heads: a growing cache's filled columns, or a
+    fixed-size (static) cache's storage, allocated for the rows of the call that first wrote it (its writes would
+    fail deep in torch)."""
+    keys = cache.layers[0].keys if cache.layers else None  # [B, Hkv, C, D]
+    if keys is None or keys.dim() != 4:
         return
-    keys = cache.layers[0].keys  # [B, Hkv, C, D]
     if keys.shape[0] != batch or (keys.shape[1], keys.shape[-1]) != (layout.num_kv_heads, layout.head_dim):
         raise ValueError(
             f"{PASSED_CACHE} holds keys of shape {tuple(keys.shape)} ([batch, kv heads, columns, head dim]), but "
-            f"this call has batch size {batch} and the model {layout.num_kv_heads} KV heads of size "
-            f"{layout.head_dim}: pass the cache that this model filled for these rows, or a fresh one.")
+            f"this call has batch size {batch} (beam search and num_return_sequences > 1 expand it) and the model "
+            f"{layout.num_kv_heads} KV heads of size {layout.head_dim}: pass the cache that this model filled for "
+            "these rows, or a fresh one.")
 
 
 def to_paged(cache: DynamicCache, layout: KVLayout, attention_mask: torch.Tensor) -> PagedLoopCache:

@@ -106,6 +106,8 @@ def checked_call_inputs(model, ids, kwargs: dict, cache) -> dict:
     BOS as padding when it is the pad id: plain decoding then started from no token, the speculative modes refused
     it as right padding)."""
     mask, vocab = kwargs.get("attention_mask"), model.config.vocab_size
+    if kwargs.get("inputs_embeds") is not None:
+        check_embedded_prompt(kwargs, model.generation_config)
     if ids is not None or kwargs.get("inputs_embeds") is not None:
         check_inputs(ids, mask, cache, vocab_size=vocab)
         return kwargs
@@ -122,6 +124,25 @@ def checked_call_inputs(model, ids, kwargs: dict, cache) -> dict:
     except ValueError as error:  # (its input_ids: the BOS prompt, which the caller did not pass)
         raise ValueError(f"without input_ids, generate starts from a [batch, 1] BOS prompt: {error}") from None
     return kwargs if mask is not None else {**kwargs, "attention_mask": torch.ones_like(prompt)}
+
+
+def check_embedded_prompt(kwargs: dict, model_config) -> None:
+    """`ValueError` for a `generate` call (`kwargs`) with `inputs_embeds` that transformers' loop decodes wrongly or
+    not at all, on its own models too: with an assistant model (the assisted loop returned other tokens than plain
+    decoding, without a word) or a chunked prefill (the call's, its generation config's or `model_config`'s
+    `prefill_chunk_size`: it failed on the position ids)."""
+    given = (kwargs.get("prefill_chunk_size"), getattr(kwargs.get("generation_config"), "prefill_chunk_size", None),
+             getattr(model_config, "prefill_chunk_size", None))
+    chunk = next((n for n in given if n is not None), None)
+    if kwargs.get("assistant_model") is not None:
+        what, drop = "an assistant_model", "the assistant"
+    elif chunk is not None:
+        what, drop = f"prefill_chunk_size={chunk!r}", "prefill_chunk_size"
+    else:
+        return
+    raise ValueError(f"inputs_embeds cannot be decoded with {what}: transformers' loop for it does not decode an "
+                     "embedded prompt (it returned other tokens than plain decoding, or failed). Pass input_ids "
+                     f"instead of inputs_embeds, or drop {drop}.")
 
 
 def prompt_or_bos(model, ids, kwargs: dict, config=None):

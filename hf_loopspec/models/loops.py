@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from ..cache.convert import check_dynamic_cache, check_layer_count
+from ..cache.convert import check_dynamic_cache, check_kv_rows, check_layer_count
 from ..cache.paged import PagedLoopCache
 from ..looped import KVAttention, KVLayout
 from ..ops.attention.dense import DenseKVAttention, padded_causal_mask
@@ -102,6 +102,8 @@ class _DenseRows(ForwardRows):
             check_layer_count(cache, layout)
             if getattr(cache, "layer_class_to_replicate", None) is not None:  # a DynamicCache: it grows
                 check_dynamic_cache(cache, layout, batch)
+            else:  # a fixed-size cache: its storage has the rows of the call that first wrote it
+                check_kv_rows(cache, layout, batch)
         past = cache.get_seq_length() if cache is not None else 0
         if torch.is_tensor(past):  # a static cache counts in a tensor that its own writes advance in place
             past = past.clone()  # (read on a CPU only: elsewhere, or compiling, reading it costs a sync or a break)
