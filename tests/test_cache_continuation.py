@@ -281,6 +281,11 @@ def test_assisted_decoding_does_not_continue_a_filled_cache(assisted, kind):
     with pytest.raises(ValueError, match=rf"{name} cannot continue a cache that already holds {held} columns"):
         generate(model, second, second_mask, 4, "plain", None, cache=cache, **extra)
     assert cache.get_seq_length() == held
+    if assisted == "lookup":  # the call's None overrides a configured lookup, as transformers merges it: no refusal
+        model.generation_config.prompt_lookup_num_tokens = 3
+        continued = generate(model, second, second_mask, 4, "plain", None, cache=cache, prompt_lookup_num_tokens=None)
+        expected = generate(model, second, second_mask, 4, "plain", None, prompt_lookup_num_tokens=None)
+        assert torch.equal(continued.sequences, expected.sequences)
 
 
 def test_the_cache_api_answers_as_a_dynamic_cache():

@@ -265,6 +265,23 @@ def test_forward_compiles_whole_with_a_padding_mask(setup, exit_at_step):
             assert_fp32_close(actual, expected, **ouro_depth(model.config))
 
 
+def test_a_step_on_a_static_cache_without_a_mask_compiles_whole(setup):
+    """A decode step through `torch.compile(model.forward, fullgraph=True)` on a filled static cache and no attention
+    mask: its positions start at the cache's length, a tensor, which they once took as an `arange` bound (dynamo's
+    internal error on an unbacked symbol). Compiled logits equal an eager step's on a twin cache to fp32 rounding."""
+    model, _, prompts, _, _ = setup
+    prompt, step = prompts[1][None], random_ids((1, 1), VOCAB, seed=3)
+    eager_cache, traced_cache = (looped_static_cache(model.config, model.kv_layout, 32) for _ in range(2))
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        model(prompt, cache=eager_cache)
+        model(prompt, cache=traced_cache)
+        expected = model(step, cache=eager_cache).logits
+        actual = compiled(step, cache=traced_cache).logits
+    assert_fp32_close(actual, expected, **ouro_depth(model.config))
+
+
 def test_transformers_compiled_static_path_equals_dynamic(setup):
     """transformers' own compiled decoding (static cache + `compile_config`; forced on CPU, aot_eager backend)."""
     model, _, _, ids, mask = setup

@@ -772,24 +772,34 @@ def test_plain_generate_takes_inputs_embeds_and_the_dynamic_cache_implementation
 
 
 @pytest.mark.parametrize("with_ids", [True, False], ids=["ids-and-embeds", "embeds-only"])
-@pytest.mark.parametrize("setting", ["assistant_model", "prefill_chunk_size", "config-prefill_chunk_size"])
-def test_inputs_embeds_with_an_assistant_or_a_chunked_prefill_are_refused(setting, with_ids):
-    """`inputs_embeds` with an assistant model (transformers' assisted loop returned other tokens than plain decoding
-    without a word; without ids it blamed an empty input_ids) or a chunked prefill, given to the call or set in the
-    model's generation config (it blamed position_ids, which the caller never passed): a ValueError naming both. The
-    same call from input_ids decodes."""
+@pytest.mark.parametrize("setting", ["assistant_model", "prompt_lookup_num_tokens", "prefill_chunk_size",
+                                     "config-prefill_chunk_size"])
+def test_inputs_embeds_with_assisted_decoding_or_a_chunked_prefill_are_refused(setting, with_ids):
+    """`inputs_embeds` with an assistant model or prompt lookup (transformers' assisted loop returned other tokens
+    than plain decoding without a word; without ids it blamed an empty input_ids) or a chunked prefill, given to the
+    call or set in the model's generation config (it blamed position_ids, which the caller never passed): a
+    ValueError naming both. The same call from input_ids decodes; `prefill_chunk_size=None` given to the call
+    overrides the config's, as transformers merges it, and decodes the embedded prompt."""
     model, _ = tiny_model(seed=9)
     ids = random_ids((1, 6), VOCAB, seed=15)
+    embeds = model.get_input_embeddings()(ids)
     settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "speculative_mode": None}
     given = {"assistant_model": {"assistant_model": tiny_model(seed=3)[0]},
+             "prompt_lookup_num_tokens": {"prompt_lookup_num_tokens": 2},
              "prefill_chunk_size": {"prefill_chunk_size": 2}}.get(setting, {})
     if setting.startswith("config-"):
         model.generation_config.prefill_chunk_size = 2
-    named = "an assistant_model" if setting == "assistant_model" else "prefill_chunk_size=2"
+    named = {"assistant_model": "assistant_model", "prompt_lookup_num_tokens": "prompt_lookup_num_tokens=2"}
+    named = named.get(setting, "prefill_chunk_size=2")
     inputs = {"input_ids": ids} if with_ids else {}
-    with torch.no_grad(), pytest.raises(ValueError, match=f"inputs_embeds cannot be decoded with {named}"):
-        model.generate(**inputs, inputs_embeds=model.get_input_embeddings()(ids), **settings, **given)
-    assert model.generate(ids, **settings, **given).shape == (1, 10)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=f"inputs_embeds cannot be decoded with {named}"):
+            model.generate(**inputs, inputs_embeds=embeds, **settings, **given)
+        expected = model.generate(ids, **settings, **given)
+        if setting.endswith("prefill_chunk_size"):
+            unchunked = model.generate(**inputs, inputs_embeds=embeds, **{**settings, "prefill_chunk_size": None})
+            assert torch.equal(unchunked, expected[:, ids.shape[1]:] if not with_ids else expected)
+    assert expected.shape == (1, 10)
 
 
 @pytest.mark.parametrize("width", [3, 40])

@@ -128,21 +128,35 @@ def checked_call_inputs(model, ids, kwargs: dict, cache) -> dict:
 
 def check_embedded_prompt(kwargs: dict, model_config) -> None:
     """`ValueError` for a `generate` call (`kwargs`) with `inputs_embeds` that transformers' loop decodes wrongly or
-    not at all, on its own models too: with an assistant model (the assisted loop returned other tokens than plain
-    decoding, without a word) or a chunked prefill (the call's, its generation config's or `model_config`'s
-    `prefill_chunk_size`: it failed on the position ids)."""
-    given = (kwargs.get("prefill_chunk_size"), getattr(kwargs.get("generation_config"), "prefill_chunk_size", None),
-             getattr(model_config, "prefill_chunk_size", None))
-    chunk = next((n for n in given if n is not None), None)
+    not at all, on its own models too: assisted decoding (`_assisted`: an assistant model or prompt lookup returned
+    other tokens than plain decoding, without a word) or a chunked prefill (`merged_setting`'s `prefill_chunk_size`:
+    it failed on the position ids)."""
+    chunk = merged_setting(kwargs, model_config, "prefill_chunk_size")
+    what = _assisted(kwargs, model_config) or (None if chunk is None else f"prefill_chunk_size={chunk!r}")
+    if what is not None:
+        raise ValueError(f"inputs_embeds cannot be decoded with {what}: transformers' loop for it does not decode an "
+                         "embedded prompt (it returned other tokens than plain decoding, or failed). Pass input_ids "
+                         f"instead of inputs_embeds, or drop {what.split('=')[0]}.")
+
+
+def _assisted(kwargs: dict, model_config) -> str | None:
+    """The setting that makes a `generate` call (`kwargs`) decode assisted, as the message names it
+    ("assistant_model", "prompt_lookup_num_tokens=3"), or None: an assistant model, or prompt lookup
+    (`merged_setting`)."""
     if kwargs.get("assistant_model") is not None:
-        what, drop = "an assistant_model", "the assistant"
-    elif chunk is not None:
-        what, drop = f"prefill_chunk_size={chunk!r}", "prefill_chunk_size"
-    else:
-        return
-    raise ValueError(f"inputs_embeds cannot be decoded with {what}: transformers' loop for it does not decode an "
-                     "embedded prompt (it returned other tokens than plain decoding, or failed). Pass input_ids "
-                     f"instead of inputs_embeds, or drop {drop}.")
+        return "assistant_model"
+    lookup = merged_setting(kwargs, model_config, "prompt_lookup_num_tokens")
+    return f"prompt_lookup_num_tokens={lookup}" if lookup else None
+
+
+def merged_setting(kwargs: dict, model_config, name: str):
+    """Generation setting `name` of a `generate` call (`kwargs`) as transformers merges it: the call's argument when
+    given, None included (it overrides the configs'); else its passed generation config's, else `model_config`'s,
+    unless None."""
+    if name in kwargs:
+        return kwargs[name]
+    given = (getattr(kwargs.get("generation_config"), name, None), getattr(model_config, name, None))
+    return next((value for value in given if value is not None), None)
 
 
 def prompt_or_bos(model, ids, kwargs: dict, config=None):
@@ -379,17 +393,12 @@ def check_cache_use(kwargs: dict, model_config) -> None:
 
 
 def check_assisted_continuation(kwargs: dict, model_config, past: int) -> None:
-    """`ValueError` for a `generate` call (`kwargs`) that decodes assisted (an assistant model, or prompt lookup: the
-    call's, its generation config's or `model_config`'s `prompt_lookup_num_tokens`) continuing a cache that holds
+    """`ValueError` for a `generate` call (`kwargs`) that decodes assisted (`_assisted`) continuing a cache that holds
     `past` columns: transformers' assisted loop feeds the whole input again on its first step, so the cache would
     hold the history twice and the tokens would be wrong (on any cache, transformers' own models too)."""
-    given = (kwargs.get("prompt_lookup_num_tokens"),
-             getattr(kwargs.get("generation_config"), "prompt_lookup_num_tokens", None),
-             getattr(model_config, "prompt_lookup_num_tokens", None))
-    lookup, assistant_model = next((n for n in given if n is not None), None), kwargs.get("assistant_model")
-    if assistant_model is None and not lookup:
+    what = _assisted(kwargs, model_config)
+    if what is None:
         return
-    what = "assistant_model" if assistant_model is not None else f"prompt_lookup_num_tokens={lookup}"
     raise ValueError(f"{what} cannot continue a cache that already holds {past} columns: transformers' assisted "
                      "decoding feeds the whole input again, which would store the history twice. Pass the whole "
                      f"sequence with a fresh cache (or none), or drop {what} for this turn.")

@@ -88,10 +88,12 @@ def check_mask(attention_mask: torch.Tensor | None, batch: int, past: int | None
         check_mask_values(attention_mask)
 
 
-def positions_from_mask(attention_mask, past: int, length: int, device) -> torch.Tensor:
-    """Rotary positions `[B or 1, T]` of the new tokens: with a padding mask each row counts its real tokens."""
+def positions_from_mask(attention_mask, past: int | torch.Tensor, length: int, device) -> torch.Tensor:
+    """Rotary positions `[B or 1, T]` of the new tokens: with a padding mask each row counts its real tokens. `past`
+    may be a static cache's 0-d length tensor: it is added to the new tokens' offsets (as an `arange` bound it would
+    be read on the host, which a fullgraph trace cannot)."""
     if attention_mask is None:
-        return torch.arange(past, past + length, device=device)[None]
+        return (torch.arange(length, device=device) + past)[None]
     positions = attention_mask.long().cumsum(-1) - 1
     return positions.clamp(min=0)[:, -length:].to(device)
 
