@@ -103,6 +103,36 @@ def test_logits_to_keep_and_loss():
     assert_close(loss, expected, model.config)
 
 
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_labels_are_checked_and_ignore_index_is_honoured(family):
+    """Labels of another dtype or shape, or with ids outside the vocabulary that are not the ignore index, raise a
+    ValueError naming labels (torch's loss raised an IndexError about a 'target', a dtype RuntimeError or a
+    flattened batch-size mismatch). The ignore index (-100, or the one passed) marks positions without a label: the
+    loss equals cross-entropy over the other positions of the returned logits."""
+    from huginn_utils import tiny_huginn
+
+    model = tiny_model(seed=7)[0] if family == "ouro" else tiny_huginn(seed=7)[0]
+    vocab, settings = model.config.vocab_size, {} if family == "ouro" else {"num_steps": 2, "init_scale": 0.0}
+    ids = random_ids((2, 8), vocab, seed=8)
+    bad = {"a float tensor": (ids.float(), {}), "an int32 tensor": (ids.int(), {}), "a list": (ids.tolist(), {}),
+           "one label short": (ids[:, 1:], {}), "logits_to_keep": (ids, {"logits_to_keep": 1}),
+           "above the vocabulary": (ids + vocab, {}), "negative": (ids - 200, {}),
+           "another ignore index": (torch.full_like(ids, -100), {"ignore_index": -1})}
+    with torch.no_grad():
+        for labels, extra in bad.values():
+            with pytest.raises(ValueError, match="^labels "):
+                model(ids, labels=labels, **settings, **extra)
+        for ignore in (-100, -1):
+            labels = ids.clone()
+            labels[:, :3] = ignore
+            out = model(ids, labels=labels, **settings, **({} if ignore == -100 else {"ignore_index": ignore}))
+            logits = out.logits[:, :-1].reshape(-1, vocab).float()
+            expected = F.cross_entropy(logits, labels[:, 1:].reshape(-1), ignore_index=ignore)
+            # the same logits on both sides: only the mean over the 10 labelled positions may be summed in another
+            # order, a relative error of about 10 fp32 epsilons (1.2e-6); 1e-5 leaves room
+            torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=0)
+
+
 # --- exit options ---------------------------------------------------------------------------------------------
 
 

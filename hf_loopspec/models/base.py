@@ -20,6 +20,7 @@ from ..generation.saved_config import (
     restore_speculative_keys,
     saved_generation_dict,
 )
+from .layers import check_labels
 from .load_report import held_load_report
 
 SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size")  # named by a refused load
@@ -268,6 +269,14 @@ class LoopedCausalLMMixin:
         quantized one whose `weight` is a method), else the config's `vocab_size` (a head wrapped by an adapter)."""
         width = getattr(self.lm_head, "out_features", None)
         return width if isinstance(width, int) else self.config.vocab_size
+
+    def language_loss(self, logits, labels, kwargs: dict):
+        """transformers' causal LM loss (`loss_function`, with the forward's other `kwargs`) of `logits` `[B, T, V]`
+        against `labels` (`check_labels`: checked up front), or None without labels."""
+        if labels is None:
+            return None
+        check_labels(labels, logits.shape[:2], self.config.vocab_size, kwargs.get("ignore_index", -100))
+        return self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
 
     def get_output_embeddings(self):
         return self.lm_head

@@ -434,9 +434,7 @@ class HuginnForCausalLM(SharedGenerationConfig, LoopedCausalLMMixin, HuginnPreTr
         )
         keep = kept_positions(logits_to_keep)
         logits = project(self.lm_head, out.last_hidden_state[:, keep]).float()
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        loss = self.language_loss(logits, labels, kwargs)
         return HuginnCausalLMOutput(
             loss=loss,
             logits=logits,

@@ -296,9 +296,7 @@ class OuroForCausalLM(LoopedCausalLMMixin, OuroPreTrainedModel, LoopSpecGenerati
             gate_logits = torch.cat([self.model.early_exit_gate(h) for h in loop_states], dim=-1)  # [B, T, U]
             loop_logits = tuple(project(self.lm_head, h) for h in loop_states)
             logits = self._select_exit(loop_logits, gate_logits, exit_at_step, exit_threshold, use_weighted_exit)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        loss = self.language_loss(logits, labels, kwargs)
         return OuroCausalLMOutput(
             loss=loss,
             logits=logits,
