@@ -106,9 +106,10 @@ def test_logits_to_keep_and_loss():
 @pytest.mark.parametrize("family", ["ouro", "huginn"])
 def test_labels_are_checked_and_ignore_index_is_honoured(family):
     """Labels of another dtype or shape, or with ids outside the vocabulary that are not the ignore index, raise a
-    ValueError naming labels (torch's loss raised an IndexError about a 'target', a dtype RuntimeError or a
-    flattened batch-size mismatch). The ignore index (-100, or the one passed) marks positions without a label: the
-    loss equals cross-entropy over the other positions of the returned logits."""
+    ValueError naming labels (torch's loss raised an IndexError about a 'target', a dtype RuntimeError or a flattened
+    batch-size mismatch); one row's labels may come as [T], as transformers takes them. The ignore index (-100, or the
+    one passed) marks positions without a label: the loss equals cross-entropy over the other positions of the returned
+    logits."""
     from huginn_utils import tiny_huginn
 
     model = tiny_model(seed=7)[0] if family == "ouro" else tiny_huginn(seed=7)[0]
@@ -131,6 +132,8 @@ def test_labels_are_checked_and_ignore_index_is_honoured(family):
             # the same logits on both sides: only the mean over the 10 labelled positions may be summed in another
             # order, a relative error of about 10 fp32 epsilons (1.2e-6); 1e-5 leaves room
             torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=0)
+        one_row = model(ids[:1], labels=ids[0], **settings)  # [T] labels for one row: the loss of [1, T] ones
+        torch.testing.assert_close(one_row.loss, model(ids[:1], labels=ids[:1], **settings).loss, rtol=0, atol=0)
 
 
 # --- exit options ---------------------------------------------------------------------------------------------

@@ -212,15 +212,15 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
 
 
 def check_labels(labels, positions: tuple[int, int], vocab_size: int, ignore_index: int) -> None:
-    """Raise `ValueError` naming `labels` unless it is a `torch.long` tensor of the logits' `positions` `[B, T]` whose
-    values are ids of `[0, vocab_size)` or `ignore_index` (torch's loss raised an IndexError naming a 'target', a
-    dtype RuntimeError, or a batch-size mismatch of flattened shapes). Values are skipped while `torch.compile`
-    traces, as `check_token_ids` skips them."""
+    """Raise `ValueError` naming `labels` unless it is a `torch.long` tensor of the logits' `positions` `[B, T]` (or
+    `[T]` when B is 1, which transformers' loss flattens alike) whose values are ids of `[0, vocab_size)` or
+    `ignore_index` (torch's loss raised an IndexError naming a 'target', a dtype RuntimeError, or a batch-size mismatch
+    of flattened shapes). Values are skipped while `torch.compile` traces, as `check_token_ids` skips them."""
     if not torch.is_tensor(labels) or labels.dtype != torch.long:
         kind = f"a {labels.dtype} tensor" if torch.is_tensor(labels) else f"a {type(labels).__name__}"
         raise ValueError(f"labels must be a torch.long tensor [batch, length] of token ids, got {kind}; pass "
                          "torch.as_tensor(labels, dtype=torch.long).")
-    if tuple(labels.shape) != tuple(positions):
+    if tuple(labels.shape) not in (tuple(positions), (positions[1],) if positions[0] == 1 else None):  # ([T]: one row)
         raise ValueError(f"labels has shape {tuple(labels.shape)}, but the logits cover {list(positions)} positions "
                          "([batch, length]): pass one label per input token (ignore_index where none), and no "
                          "logits_to_keep with labels.")
