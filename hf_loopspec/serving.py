@@ -194,7 +194,7 @@ def chat_template_note(spec: str) -> str | None:
             "/v1/completions serves raw prompts.")
 
 
-def openai_errors(positions: int | None = None, limit: int = HANDLERS_LEAST) -> None:
+def openai_errors(positions: int | None = None, limit: int = HANDLERS_LEAST, stops=None) -> None:
     """Make the server answer its HTTP errors in OpenAI's error shape, `{"error": {"message", "type", "code"}}` (the
     `openai` client puts `message` into its exception's text; with FastAPI's own `{"detail": ...}` it shows only the
     status), with FastAPI's `detail` kept beside it, a `ValueError` a request raises (settings `generate` refuses) as a
@@ -202,14 +202,14 @@ def openai_errors(positions: int | None = None, limit: int = HANDLERS_LEAST) -> 
     `positions` positions) as a 400 before transformers reads it; a handler's failure as a 500 (answered, not raised on:
     uvicorn would close the connection), transformers' dead engine as a 503, and a chat, completions or Responses stream
     that fails before its first token with one of those (`stream_status`); a Responses answer that reached its token
-    limit (`limit` when the request sets none) as "incomplete" (`serving_responses`). Wraps `build_server`, which
-    transformers' `Serve` imports when it is constructed; idempotent, and a later call sets the positions and limit the
-    next server takes."""
+    limit (`limit` when the request sets none) as "incomplete" (`serving_responses`); `stops`: the checkpoint's stop
+    strings, which a request without its own is decoded with. Wraps `build_server`, which transformers' `Serve`
+    imports when it is constructed; idempotent, a later call setting the next server's positions, limit and stops."""
     from transformers.cli.serving import server
     from transformers.cli.serving import utils as serving_utils
 
     if hasattr(server.build_server, "wrapped"):
-        server.build_server.positions, server.build_server.limit = positions, limit
+        server.build_server.settings = (positions, limit, stops)
         return
     original = server.build_server
 
@@ -237,7 +237,7 @@ def openai_errors(positions: int | None = None, limit: int = HANDLERS_LEAST) -> 
             return await answer(request, HTTPException(status_code=422, detail=f"the request body: {reasons}."))
 
         async def check(request, call_next):
-            problem = await body_problem(request, build_server.positions, build_server.limit)
+            problem = await body_problem(request, *build_server.settings)
             if problem:
                 return await answer(request, HTTPException(status_code=400, detail=problem))
             try:
@@ -272,7 +272,7 @@ def openai_errors(positions: int | None = None, limit: int = HANDLERS_LEAST) -> 
         app.middleware("http")(check)
         return app
 
-    build_server.wrapped, build_server.positions, build_server.limit = original, positions, limit
+    build_server.wrapped, build_server.settings = original, (positions, limit, stops)
     server.build_server = build_server
 
 
@@ -314,7 +314,7 @@ def start(argv: list[str]):
     generation = checkpoint_generation_config(params["force_model"])
     if params.get("continuous_batching") and getattr(generation, "stop_strings", None):  # (before the model loads)
         raise ValueError(batching_refusal(generation.stop_strings))
-    openai_errors(max_positions(config), default_limit(generation))
+    openai_errors(max_positions(config), default_limit(generation), getattr(generation, "stop_strings", None))
     from transformers.cli.serving import model_manager
 
     if hasattr(model_manager, "ModelLoader"):  # transformers >= 5.25: each model runs in a process of its own

@@ -111,7 +111,7 @@ def request_problem(body, positions: int | None = None, path: str = "") -> str |
     return None
 
 
-async def body_problem(request, positions: int | None, limit: int) -> str | None:
+async def body_problem(request, positions: int | None, limit: int, stops=None) -> str | None:
     """Why a POST's JSON body to a generating endpoint (`GENERATING`) is refused (`request_problem`, for a model of
     `positions` positions; a body that is not JSON, or nests too deeply), or None, after giving the request the body
     transformers reads (`as_transformers_reads`), its stop strings, `request.state.stops` (`serving_stops`), and for
@@ -130,7 +130,7 @@ async def body_problem(request, positions: int | None, limit: int) -> str | None
         return f"the request body is not valid JSON ({error})."
     if not problem and isinstance(body, dict) and (read := json.dumps(as_transformers_reads(body))) != json.dumps(body):
         request._body = read.encode()  # (starlette keeps `_body`; 100 == 100.0: compared as text)
-    request.state.stops = () if problem else stop_strings(body)
+    request.state.stops = () if problem else stop_strings(body, stops)
     if not problem and isinstance(body, dict) and request.url.path.rstrip("/").endswith("/responses"):
         request.state.limit = token_limit(body, limit)
     return problem

@@ -1,11 +1,12 @@
 """A request's stop strings kept out of its answer, as OpenAI's API returns it ("the returned text will not contain
 the stop sequence"): transformers' handlers stop generating once a stop string appears (`stop_strings`) but return
 the text with it, and whatever the last token carried after it; and their stop-string criterion reads the prompt
-too, so a stop string that begins in the prompt ended the answer at the first token that completes it.
+too, so a stop string that begins in the prompt ended the answer at the first token that completes it. A request's
+stop strings are its `stop`, else its `generation_config`'s `stop_strings`, else the checkpoint's (`stop_strings`).
 
 The server loads a checkpoint as `served_class` of its model class, whose `generate` judges stop strings on the text
 generated alone (`OutputStops`), as OpenAI's API does. `serving.openai_errors` applies `without_stops` to every answer
-of /v1/completions and /v1/chat/completions whose request names stop strings (`stop_strings`). The text (chat: the
+of /v1/completions and /v1/chat/completions decoded with stop strings (`stop_strings`). The text (chat: the
 message's `content`) ends where the first stop string to appear in it begins (`stop_at`: the one that ends first; of
 those, the longest), with finish_reason "stop" then. A stream holds back the end of its text that could still begin a
 stop string until the next text (or the stream's last event) resolves it (`StopCut`), so no event carries stop text,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import json
 
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
@@ -24,13 +26,20 @@ from .generation.inputs import stop_strings_given
 from .serving_events import rewritten
 
 
-def stop_strings(body) -> tuple[str, ...]:
-    """The stop strings of a request's JSON `body`, as `serving_requests.value_problem` lets `stop` through (a
-    non-empty string, or a list of them); none for a body without them."""
-    stop = body.get("stop") if isinstance(body, dict) else None
-    if isinstance(stop, str):
-        return (stop,)
-    return tuple(stop) if isinstance(stop, list) else ()
+def stop_strings(body, default=None) -> tuple[str, ...]:
+    """The stop strings a request's JSON `body` is decoded with, as the served `generate` takes them (`output_stops`):
+    its `stop` (as `serving_requests.value_problem` lets it through: a non-empty string, or a list of them), else the
+    `stop_strings` of its `generation_config` (the text of a JSON object), else `default` (the checkpoint's); none
+    when none of them names any."""
+    if not isinstance(body, dict):
+        return ()
+    try:
+        settings = json.loads(body["generation_config"]) if isinstance(body.get("generation_config"), str) else None
+    except ValueError:  # (refused by `request_problem` before it comes here)
+        settings = None
+    requested = settings.get("stop_strings") if isinstance(settings, dict) else None
+    stops = next((stops for stops in (body.get("stop"), requested, default) if stop_strings_given(stops)), ())
+    return (stops,) if isinstance(stops, str) else tuple(stops)
 
 
 def stop_at(text: str, stops: tuple[str, ...]) -> int | None:

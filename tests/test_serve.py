@@ -87,14 +87,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def stand_in_served(monkeypatch, app):
+def stand_in_served(monkeypatch, app, stops=None):
     """`app` (a stand-in for transformers' server app) served in a thread as `transformers serve` builds its server,
-    the package's middleware (`serving.openai_errors`) added; yields its port, and stops it on leaving."""
+    the package's middleware (`serving.openai_errors`, for a checkpoint of stop strings `stops`) added; yields its
+    port, and stops it on leaving."""
     import uvicorn
     from transformers.cli.serving import server
 
     monkeypatch.setattr(server, "build_server", lambda *args, **kwargs: app)
-    serving.openai_errors()
+    serving.openai_errors(stops=stops)
     port = free_port()
     stand_in = uvicorn.Server(uvicorn.Config(server.build_server(), host="127.0.0.1", port=port, log_config=None))
     thread = threading.Thread(target=stand_in.run, daemon=True)

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 import hf_loopspec
 from hf_loopspec import serving_requests, serving_responses
 from hf_loopspec.assets import default_model_path
-from hf_loopspec.serving_stops import StopCut, served_class, stop_at
+from hf_loopspec.serving_stops import StopCut, served_class, stop_at, stop_strings
 
 checkpoint = test_serve.checkpoint  # (the served copy of the embedded model, with a chat template)
 PENALTY = r"frequency_penalty=%s must be a number above -1 and at most 2: .* repetition_penalty = 1 \+ frequency_pen"
@@ -137,7 +137,7 @@ def stand_in_app(stops: list | str, text: str, pieces: list[str]):
 
     async def answer(request: Request):
         body = await request.json()
-        assert body["stop"] == stops  # (what transformers reads: its own stop_strings stop the generation)
+        assert body.get("stop") == stops  # (what transformers reads: its own stop_strings stop the generation)
         chat = request.url.path.endswith("/chat/completions")
         if not body.get("stream"):
             choice = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
@@ -195,6 +195,36 @@ def test_an_answer_ends_before_its_first_stop_string(monkeypatch, stops, text, p
                 b'data: {"id": "r", "choices": [], "usage": {"completion_tokens": 6}}', b"data: [DONE]"]
             assert (events[0] == b'data: {"id": "r", "choices": [{"index": 0, "delta": {"role": "assistant"}}], '
                                  b'"usage": null}') == chat  # (a chat stream's role event, kept)
+
+
+@pytest.mark.parametrize("source", ["generation_config", "checkpoint"])
+def test_stop_strings_from_a_requests_generation_config_or_the_checkpoint_are_kept_out_too(monkeypatch, source):
+    """Stop strings that the request's `generation_config` names (`stop_strings`), or without any of the request's
+    own the checkpoint's, end the answer as `stop` does: before the first to appear, finish_reason "stop", on both
+    endpoints, streaming or not (their answers kept the stop text: "x = vmod(a)\n" for "(")."""
+    stops, text, pieces, reason = STAND_IN[0]
+    own = {"generation_config": json.dumps({"stop_strings": stops})} if source == "generation_config" else {}
+    with stand_in_served(monkeypatch, stand_in_app(None, text, pieces), stops=None if own else stops) as port:
+        base = f"http://127.0.0.1:{port}/v1/"
+        client = type("Client", (), {"base_url": base})
+        message = {"role": "user", "content": "x"}
+        for endpoint, chat, body in (("completions", False, {"prompt": "x = foo", **own}),
+                                     ("chat/completions", True, {"messages": [message], **own})):
+            status, answer = post(client, endpoint, json.dumps(body).encode(), "application/json")
+            assert status == 200 and answer_text(answer, chat) == "x = vmod"
+            assert answer["choices"][0]["finish_reason"] == reason
+            sent, reasons = texts(streamed(base, endpoint, {**body, "stream": True}), chat)
+            assert "".join(sent) == "x = vmod" and reasons[-1] == reason
+
+
+def test_a_requests_stop_strings_are_its_stop_else_its_generation_configs_else_the_checkpoints():
+    """The stop strings an answer is cut by are those the served `generate` decodes with (`output_stops`): the
+    request's `stop`, else its generation config's `stop_strings`, else the checkpoint's; an empty one names none."""
+    config = json.dumps({"stop_strings": ["b"]})
+    assert stop_strings({"stop": "a", "generation_config": config}, ["c"]) == ("a",)
+    assert stop_strings({"generation_config": config}, ["c"]) == ("b",)
+    assert stop_strings({"stop": [], "generation_config": json.dumps({"stop_strings": []})}, "c") == ("c",)
+    assert stop_strings({"stop": []}, None) == () and stop_strings({}, []) == ()
 
 
 @pytest.mark.parametrize("mode", [None, "pipeline"])
