@@ -504,7 +504,8 @@ def test_a_dynamic_cache_of_fixed_layers_continues_like_plain_decoding(mode):
 def test_cropping_a_turn_returns_the_cache_to_the_turn_before(case, first, second):
     """After two turns whose second is padded in the middle (`extend`), `crop(-n)` for every n leaves each plane
     holding, per row, exactly the real tokens of the columns that remain (the mask's count, an independent account;
-    before, every cut column was taken to be a real token of every row, so rows lost tokens of the first turn).
+    before, every cut column was taken to be a real token of every row, so rows lost tokens of the first turn; and
+    of a forked row's copy).
     Cropping the second turn's columns and continuing with another suffix equals a plain call without a cache."""
     model, settings, ids, mask, eos, suffixes = case
     cache = paged_cache(model, debug=True, num_steps=settings.get("num_steps"))
@@ -513,9 +514,12 @@ def test_cropping_a_turn_returns_the_cache_to_the_turn_before(case, first, secon
     full, full_mask = extend(out.sequences, mask, suffixes)
     got = generate(model, full, full_mask, SECOND, second, eos, cache, **settings).sequences
     whole = torch.cat([full_mask, full_mask.new_ones(len(full), got.shape[1] - full.shape[1])], dim=1)
-    for keep, order in itertools.product(range(cache.get_seq_length() + 1), ([0, 1, 2], [2, 0, 0])):
-        cropped = copy.deepcopy(cache)
-        cropped.batch_select_indices(torch.tensor(order))  # the padding record follows the sequences
+    for keep, order in itertools.product(range(cache.get_seq_length() + 1), ([0, 1, 2], [2, 0, 0], [0, 1, 2, 2])):
+        cropped = copy.deepcopy(cache)  # the padding record follows the sequences, selected or forked
+        if len(order) > 3:  # row 2 forked into a fourth slot (its padding was not recorded for the fork)
+            cropped.fork(order[-1])
+        else:
+            cropped.batch_select_indices(torch.tensor(order))
         cropped.crop(keep - cache.get_seq_length())
         assert cropped.get_seq_length() == keep
         for plane in range(cache.num_planes):

@@ -188,7 +188,8 @@ def test_fork_checks_its_sequence_before_adding_a_slot():
     that fresh empty slot; `fork(0.0)` raised a bare TypeError. Each is a `ValueError` now, and the cache unchanged."""
     cache = _parent()
     for bad, message in ((5, r"seq=5 is not a sequence of this cache \(it has 1\)"), (1, r"seq=1 is not a sequence"),
-                         (-1, r"seq=-1 is not a sequence"), (0.0, r"fork: seq=0\.0 must be an integer")):
+                         (-1, r"seq=-1 is not a sequence"), (0.0, r"fork: seq=0\.0 must be an integer"),
+                         ("x", r"fork: seq='x' must be an integer")):
         with pytest.raises(ValueError, match=message):
             cache.fork(bad)
         assert cache.num_sequences == 1

@@ -57,6 +57,13 @@ class ConsumedColumns:
         """Sequence i becomes old sequence `order[i]` (`PagedLoopCache._select`)."""
         self.padding = [list(self.padding[s]) if s < len(self.padding) else [] for s in order]
 
+    def fork(self, new: int, source: int) -> None:
+        """Sequence `new` (a copy of `source`'s tokens) has `source`'s padding; left unrecorded as `source` is (a
+        later mask gives both)."""
+        if source < len(self.padding):
+            self.padding.extend([] for _ in range(new + 1 - len(self.padding)))
+            self.padding[new] = list(self.padding[source])
+
     def copy(self) -> ConsumedColumns:
         copied = ConsumedColumns(len(self.counts))
         copied.counts, copied.padding = list(self.counts), [list(p) for p in self.padding]

@@ -304,8 +304,7 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
         return self.columns(plane) if plane < self.num_planes else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        """`(kv_length, kv_offset)` of a call adding `query_length` columns at `layer_idx`, as a `DynamicCache`
-        answers: the columns consumed so far plus the new ones, from offset 0."""
+        """`(kv_length, kv_offset)` as a `DynamicCache` answers: the columns consumed plus `query_length`, offset 0."""
         return self.get_seq_length(layer_idx) + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -411,9 +410,10 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
         return checked
 
     def fork(self, seq: int) -> int:
-        """`PageTables.fork`, refused while a branch is open (closing it would drop the slots after its own)."""
+        """`PageTables.fork`, the new slot with `seq`'s padding; refused under an open branch (its close drops it)."""
         self._refuse_open_branches("forking a sequence")
-        return super().fork(seq)
+        self._columns.fork(branch := super().fork(seq), int(seq))  # (seq checked first, by PageTables.fork)
+        return branch
 
     def reset(self) -> None:
         """Empty the cache, its page pool too (as transformers' caches: `is_initialized` is False again), so that the
