@@ -59,7 +59,7 @@ import sys
 from .defaults import CPUS
 from .serving_requests import body_problem, served_advice, template_refusal
 from .serving_responses import HANDLERS_LEAST, default_limit, with_status
-from .serving_stops import batching_refusal, served_class, without_stops
+from .serving_stops import check_checkpoint_stops, served_class, without_stops
 from .serving_streams import failure, openai_error_events, stream_status, tag_stream_errors
 
 DEFAULT_THREADS = 1  # as `hf-loopspec generate --threads`
@@ -312,8 +312,8 @@ def start(argv: list[str]):
     config = AutoConfig.from_pretrained(params["force_model"], trust_remote_code=params["trust_remote_code"])
     check_checkpoint(params["force_model"], trust_remote_code=params["trust_remote_code"])
     generation = checkpoint_generation_config(params["force_model"])
-    if params.get("continuous_batching") and getattr(generation, "stop_strings", None):  # (before the model loads)
-        raise ValueError(batching_refusal(generation.stop_strings))
+    check_checkpoint_stops(getattr(generation, "stop_strings", None), params["force_model"],
+                           bool(params.get("continuous_batching")))  # (before the model loads)
     openai_errors(max_positions(config), default_limit(generation), getattr(generation, "stop_strings", None))
     from transformers.cli.serving import model_manager
 

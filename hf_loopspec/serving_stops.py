@@ -162,6 +162,18 @@ def output_stops(kwargs: dict, inputs=None, default=None) -> dict:
     return kwargs
 
 
+def check_checkpoint_stops(stops, checkpoint: str, batching: bool) -> None:
+    """`ValueError` before a server loads `checkpoint`, whose generation config names stop strings `stops` (None:
+    none), when they are no stop strings `generate` takes (the server would decode without them, without a word: it
+    judges a checkpoint's stop strings itself, `served_class`), or when it is served with continuous batching
+    (`batching_refusal`)."""
+    if stops is not None and not stop_strings_given(stops):
+        raise ValueError(f"{checkpoint}: its generation_config.json names stop_strings={stops!r}, which must be a "
+                         "non-empty string or a non-empty list of them: fix or remove them there.")
+    if batching and stops:
+        raise ValueError(batching_refusal(stops))
+
+
 def batching_refusal(stops) -> str:
     """Why `--continuous-batching` cannot serve a checkpoint whose generation config names `stops`."""
     return (f"the checkpoint's generation config names stop_strings={stops!r}, but a continuous-batching manager stops "

@@ -671,19 +671,25 @@ def test_a_checkpoint_that_does_not_load_is_one_line_exit_2(capsys, checkpoint, 
     assert "the model did not load: The checkpoint does not match" in one_error_line(capsys, "serve")
 
 
-def test_continuous_batching_of_a_checkpoint_with_stop_strings_is_one_line_before_the_model_loads(
-        capsys, checkpoint, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stops, options, named", [
+    (["zzq"], ["--continuous-batching"], "names stop_strings=['zzq'], but a continuous-batching manager stops a "
+     "request at its EOS ids and max_new_tokens only: serve it without --continuous-batching"),
+    ([""], [], "names stop_strings=[''], which must be a non-empty string or a non-empty list of them: fix or remove "
+     "them there"),
+    ([""], ["--continuous-batching"], "names stop_strings=[''], which must be a non-empty string")])
+def test_a_checkpoints_stop_strings_a_server_cannot_decode_with_are_one_line_before_the_model_loads(
+        capsys, checkpoint, tmp_path, monkeypatch, stops, options, named):
     """A manager stops at EOS and the token limit only: the checkpoint's stop strings are refused at start, in one
     line naming the fix (it failed in the model's process: transformers' traceback, then "the model did not load",
-    naming a fix for model.generate)."""
+    naming a fix for model.generate). Stop strings that generate refuses are refused too (the server, which judges
+    them itself, decoded without them without a word)."""
     folder = tmp_path / "model"
     shutil.copytree(checkpoint, folder)
     settings = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps({**settings, "stop_strings": ["zzq"]}))
+    (folder / "generation_config.json").write_text(json.dumps({**settings, "stop_strings": stops}))
     monkeypatch.setattr(serving, "openai_errors", lambda *a: pytest.fail("the server was set up"))
-    assert cli.main(["serve", str(folder), "--port", str(free_port()), "--continuous-batching"]) == 2
-    assert ("names stop_strings=['zzq'], but a continuous-batching manager stops a request at its EOS ids and "
-            "max_new_tokens only: serve it without --continuous-batching") in one_error_line(capsys, "serve")
+    assert cli.main(["serve", str(folder), "--port", str(free_port()), *options]) == 2
+    assert named in one_error_line(capsys, "serve")
 
 
 @pytest.mark.parametrize("saved, named", [
