@@ -505,7 +505,7 @@ def test_cropping_a_turn_returns_the_cache_to_the_turn_before(case, first, secon
     """After two turns whose second is padded in the middle (`extend`), `crop(-n)` for every n leaves each plane
     holding, per row, exactly the real tokens of the columns that remain (the mask's count, an independent account;
     before, every cut column was taken to be a real token of every row, so rows lost tokens of the first turn; and
-    of a forked row's copy).
+    of a forked row's copy, or a sequence a fork was committed into).
     Cropping the second turn's columns and continuing with another suffix equals a plain call without a cache."""
     model, settings, ids, mask, eos, suffixes = case
     cache = paged_cache(model, debug=True, num_steps=settings.get("num_steps"))
@@ -514,18 +514,19 @@ def test_cropping_a_turn_returns_the_cache_to_the_turn_before(case, first, secon
     full, full_mask = extend(out.sequences, mask, suffixes)
     got = generate(model, full, full_mask, SECOND, second, eos, cache, **settings).sequences
     whole = torch.cat([full_mask, full_mask.new_ones(len(full), got.shape[1] - full.shape[1])], dim=1)
-    for keep, order in itertools.product(range(cache.get_seq_length() + 1), ([0, 1, 2], [2, 0, 0], [0, 1, 2, 2])):
-        cropped = copy.deepcopy(cache)  # the padding record follows the sequences, selected or forked
-        if len(order) > 3:  # row 2 forked into a fourth slot (its padding was not recorded for the fork)
-            cropped.fork(order[-1])
-        else:
-            cropped.batch_select_indices(torch.tensor(order))
+    edits = {(0, 1, 2): lambda c: c.batch_select_indices(torch.tensor([0, 1, 2])),  # rows -> the edit that gives them
+             (2, 0, 0): lambda c: c.batch_select_indices(torch.tensor([2, 0, 0])),
+             (0, 1, 2, 2): lambda c: c.fork(2),  # into a fourth slot
+             (2, 1, 2): lambda c: (c.fork(2), c.commit(3, into=0), c.batch_select_indices(torch.tensor([0, 1, 2])))}
+    for keep, (order, edit) in itertools.product(range(cache.get_seq_length() + 1), edits.items()):
+        cropped = copy.deepcopy(cache)  # the padding record follows the sequences, selected, forked or committed
+        edit(cropped)
         cropped.crop(keep - cache.get_seq_length())
         assert cropped.get_seq_length() == keep
         for plane in range(cache.num_planes):
             columns = cropped.columns(plane)
             assert columns == min(keep, cache.columns(plane)), (keep, plane)
-            assert cropped.lengths(plane) == whole[order, :columns].sum(-1).tolist(), (keep, order, plane)
+            assert cropped.lengths(plane) == whole[list(order), :columns].sum(-1).tolist(), (keep, order, plane)
     cache.crop(turn1 - cache.get_seq_length())
     again, again_mask = extend(out.sequences, mask, random_prompts(9, [1, 3, 2], full.max().item() + 1))
     expected = generate(model, again, again_mask, SECOND, "plain", eos, DynamicCache(), **settings).sequences

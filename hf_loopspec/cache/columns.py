@@ -64,6 +64,15 @@ class ConsumedColumns:
             self.padding.extend([] for _ in range(new + 1 - len(self.padding)))
             self.padding[new] = list(self.padding[source])
 
+    def move(self, source: int, into: int) -> None:
+        """Sequence `into` holds `source`'s tokens and `source` none (`PagedLoopCache.commit`): the padding too."""
+        padded = self.padding[source] if source < len(self.padding) else []
+        if into < len(self.padding) or padded:
+            self.padding.extend([] for _ in range(into + 1 - len(self.padding)))
+            self.padding[into] = list(padded)
+        if source < len(self.padding):
+            self.padding[source] = []
+
     def copy(self) -> ConsumedColumns:
         copied = ConsumedColumns(len(self.counts))
         copied.counts, copied.padding = list(self.counts), [list(p) for p in self.padding]

@@ -100,15 +100,8 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
         if not isinstance(layout, KVLayout):
             raise ValueError(f"layout: a {type(layout).__name__}; pass the model's KV layout: "
                              "PagedLoopCache(model.kv_layout).")
-        if not is_integer(page_size) or page_size < 1:
-            raise ValueError(f"page_size={page_size!r} must be an integer >= 1.")
-        if max_pages is not None and (not is_integer(max_pages) or max_pages < 1):
-            raise ValueError(f"max_pages={max_pages!r} must be an integer >= 1, or None (grow on demand).")
-        if not isinstance(debug, bool):
-            raise ValueError(f"debug={debug!r} must be True or False.")
-        page_size, max_pages = int(page_size), None if max_pages is None else int(max_pages)
+        PageTables.__init__(self, layout, page_size, max_pages, debug)  # (which checks the other arguments)
         Cache.__init__(self, layers=[])
-        PageTables.__init__(self, layout, page_size, max_pages, debug)
         self._parents: dict[int, int] = {}  # debug: lineage id -> parent id (-1 for a first token)
         # HF view: the input columns (padding included) each plane has consumed, and which are padding
         self._columns = ConsumedColumns(layout.num_planes)
@@ -414,6 +407,11 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
         self._refuse_open_branches("forking a sequence")
         self._columns.fork(branch := super().fork(seq), int(seq))  # (seq checked first, by PageTables.fork)
         return branch
+
+    def commit(self, branch: int, into: int) -> None:
+        """`PageTables.commit`, `into` taking `branch`'s padding too (`crop` keeps its real tokens)."""
+        super().commit(branch, into)
+        self._columns.move(branch, into)
 
     def reset(self) -> None:
         """Empty the cache, its page pool too (as transformers' caches: `is_initialized` is False again), so that the

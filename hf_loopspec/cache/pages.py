@@ -22,6 +22,7 @@ import numbers
 import torch
 
 from ..looped import KVLayout
+from ..models.layers import is_integer
 
 
 class CacheCapacityError(RuntimeError):
@@ -39,9 +40,15 @@ class PageTables:
     """
 
     def __init__(self, layout: KVLayout, page_size: int, max_pages: int | None, debug: bool):
+        if not is_integer(page_size) or page_size < 1:
+            raise ValueError(f"page_size={page_size!r} must be an integer >= 1.")
+        if max_pages is not None and (not is_integer(max_pages) or max_pages < 1):
+            raise ValueError(f"max_pages={max_pages!r} must be an integer >= 1, or None (grow on demand).")
+        if not isinstance(debug, bool):
+            raise ValueError(f"debug={debug!r} must be True or False.")
         self.kv_layout = layout
-        self.page_size = page_size
-        self.max_pages = max_pages
+        self.page_size = int(page_size)
+        self.max_pages = None if max_pages is None else int(max_pages)
         self.debug = debug
         self.k_pool: torch.Tensor | None = None  # [layers, pages, page_size, kv_heads, head_dim]
         self.v_pool: torch.Tensor | None = None
