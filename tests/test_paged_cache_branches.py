@@ -183,6 +183,23 @@ def test_a_roll_back_closes_the_branches_opened_since_its_checkpoint():
     assert not cache.branches and [cache.length(0, d) for d in (0, 1)] == [8, 8]
 
 
+def test_a_commit_is_refused_while_a_branch_is_open_or_into_its_own_sequence():
+    """`commit` under an open branch could move the branch API's slots (it has `promote` for that), and a sequence
+    committed into itself was emptied: both are refused, the cache unchanged; a commit into another sequence moves
+    the pages."""
+    cache = _parent()
+    fork = cache.fork(0)
+    slot = cache.branches.open(0, 6)
+    with pytest.raises(ValueError, match="open branch.*before committing a sequence"):
+        cache.commit(fork, into=0)
+    cache.branches.close(slot)
+    with pytest.raises(ValueError, match="commit: branch=0 and into=0 are one sequence"):
+        cache.commit(0, into=0)
+    assert read_values(cache, 0, 0) == read_values(cache, fork, 0) == [float(p) for p in range(8)]
+    cache.commit(fork, into=0)
+    assert read_values(cache, 0, 0) == [float(p) for p in range(8)] and cache.length(fork, 0) == 0
+
+
 def test_fork_checks_its_sequence_before_adding_a_slot():
     """`fork(5)` on a one-sequence cache said "it has 2" and left an empty second sequence behind; `fork(1)` forked
     that fresh empty slot; `fork(0.0)` raised a bare TypeError. Each is a `ValueError` now, and the cache unchanged."""

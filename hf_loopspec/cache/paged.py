@@ -409,7 +409,9 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
         return branch
 
     def commit(self, branch: int, into: int) -> None:
-        """`PageTables.commit`, `into` taking `branch`'s padding too (`crop` keeps its real tokens)."""
+        """`PageTables.commit`, `into` taking `branch`'s padding too (`crop` keeps its real tokens); refused under an
+        open branch (its slots are the branch API's: `cache.branches.promote`)."""
+        self._refuse_open_branches("committing a sequence")
         super().commit(branch, into)
         self._columns.move(branch, into)
 

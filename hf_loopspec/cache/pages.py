@@ -331,7 +331,10 @@ class PageTables:
         return branch
 
     def commit(self, branch: int, into: int) -> None:
-        """Make `into` hold what `branch` holds and leave `branch` empty."""
+        """Make `into` hold what `branch` holds and leave `branch` empty (`into` another sequence: one committed into
+        itself would be emptied)."""
+        if self._table(branch, 0) == self._table(into, 0):
+            raise ValueError(f"commit: branch={branch} and into={into} are one sequence; pass another to commit into.")
         for d in range(self.num_planes):
             src, dst = self._table(branch, d), self._table(into, d)
             for page in self._pages[dst]:
