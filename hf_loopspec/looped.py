@@ -39,9 +39,11 @@ input has a random part gives it as `initial_states(sequences, positions) -> [*r
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 
@@ -80,12 +82,14 @@ class KVLayout:
                   "head_dim": self.head_dim}
         planes = {"entry_plane": self.entry_plane, "first_exit_plane": self.first_exit_plane}
         for name, value in counts.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or value < 1:
                 raise ValueError(f"KVLayout.{name}={value!r} must be an integer >= 1.")
+            object.__setattr__(self, name, int(value))  # (a numpy integer, as Python's)
         for name, value in planes.items():
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_))
                                       or not 0 <= value < self.num_planes):
                 raise ValueError(f"KVLayout.{name}={value!r} must be None or a plane in [0, {self.num_planes}).")
+            object.__setattr__(self, name, None if value is None else int(value))
 
     @property
     def num_loops(self) -> int:

@@ -89,7 +89,8 @@ def test_continuing_a_moved_cache_gives_plain_tokens(case, direction):
 def test_refill_in_place_and_refusals(case):
     """`into` refills the given `DynamicCache` object; a cache that does not belong to the mask (or to fewer rows
     than it holds), one of another model (more layers than the layout has), one without the planes every call writes
-    and one whose first loop depth is incomplete are refused with a `ValueError`."""
+    and one whose first loop depth is incomplete, and masks of other values than 0 and 1 are refused with a
+    `ValueError`."""
     model, ids, mask, settings, layout, ref = case
     full = _grown(mask, 2 * NEW)
     paged = to_paged(ref.cache, layout, full)
@@ -124,6 +125,11 @@ def test_refill_in_place_and_refusals(case):
         with pytest.raises(ValueError, match=rf"attention_mask: .* >= {columns}\] padding mask"):
             to_paged(ref.cache, layout, bad)
         with pytest.raises(ValueError, match=rf"attention_mask: .* >= {columns}\] padding mask"):
+            to_dynamic(paged, bad)
+    for bad in (full * 2, full * 0.5):  # values a forward refuses (they were read as real tokens where not 0)
+        with pytest.raises(ValueError, match="attention_mask must hold only 0 .padding. and 1 .real token."):
+            to_paged(ref.cache, layout, bad)
+        with pytest.raises(ValueError, match="attention_mask must hold only 0 .padding. and 1 .real token."):
             to_dynamic(paged, bad)
     # the wrong object in a slot: a ValueError naming the argument (AttributeErrors before)
     with pytest.raises(ValueError, match="to_dynamic: cache is a DynamicCache; it converts a PagedLoopCache"):

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 import torch
 from helpers import tiny_model
@@ -232,13 +235,18 @@ class TestAllocator:
 
     def test_lengths_refuses_a_depth_outside_the_planes(self):
         """As `length` does: a negative depth read another plane's entries (another sequence's), one past the
-        planes raised IndexError."""
+        planes raised IndexError; a float or string depth, or a float sequence, raised a TypeError (on an empty cache
+        a float depth returned []), and True read plane 1. A numpy integer is an integer."""
         cache = PagedLoopCache(LAYOUT)
         cache.ensure_sequences(2)
-        assert cache.lengths(LAYOUT.num_planes - 1) == [0, 0]
-        for depth in (-1, LAYOUT.num_planes):
-            with pytest.raises(ValueError, match=rf"depth={depth} is outside \[0, {LAYOUT.num_planes - 1}\]"):
+        assert cache.lengths(LAYOUT.num_planes - 1) == cache.lengths(np.int64(LAYOUT.num_planes - 1)) == [0, 0]
+        for depth in (-1, LAYOUT.num_planes, 0.5, 1.0, "0", True):
+            with pytest.raises(ValueError, match=rf"depth={re.escape(repr(depth))} must be an integer in "
+                                                 rf"\[0, {LAYOUT.num_planes - 1}\]"):
                 cache.lengths(depth)
+        with pytest.raises(ValueError, match=r"seq=0\.5 is not a sequence of this cache \(it has 2\)"):
+            cache.length(0.5, 0)
+        assert cache.length(np.int64(1), np.int64(0)) == 0
 
 
 OPS = st.lists(
@@ -441,3 +449,11 @@ def test_a_layout_that_names_no_kv_is_refused(fields, message):
 
     with pytest.raises(ValueError, match=message):
         KVLayout(*fields)
+
+
+def test_a_layout_of_numpy_integers_is_the_layout_of_python_ones():
+    """Counts and planes read from an array (numpy integers) were refused as "must be an integer"; they are taken,
+    as Python ints, so the layout equals (and hashes as) one made of Python ints."""
+    layout = KVLayout(*np.array([3, 2, 1, 4]), np.int64(2), None)
+    assert layout == KVLayout(3, 2, 1, 4, 2) and hash(layout) == hash(KVLayout(3, 2, 1, 4, 2))
+    assert all(type(getattr(layout, name)) is int for name in ("num_planes", "num_layers", "head_dim", "entry_plane"))

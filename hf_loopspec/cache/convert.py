@@ -19,17 +19,19 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ..looped import KVLayout
+from ..models.layers import check_mask_values
 from ..ops.attention import write_kv
 from .paged import PASSED_CACHE, PagedLoopCache
 
 
 def _real_columns(attention_mask: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows, cols, positions) `[N]` of the real tokens among the first `columns` columns of `attention_mask`;
-    `ValueError` unless it is a 2-D tensor `[B, >= columns]`."""
+    `ValueError` unless it is a 2-D tensor `[B, >= columns]` of 0 and 1 (`check_mask_values`, as a forward's)."""
     if not torch.is_tensor(attention_mask) or attention_mask.dim() != 2 or attention_mask.shape[1] < columns:
         shape = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
         raise ValueError(f"attention_mask: {shape}; pass the 2-D [batch, >= {columns}] padding mask of the inputs "
                          f"the cache holds ({columns} columns).")
+    check_mask_values(attention_mask)
     real = attention_mask[:, :columns].bool()  # [B, C]
     rows, cols = real.nonzero(as_tuple=True)  # row-major: each row's real columns in order
     positions = real.long().cumsum(-1)[rows, cols] - 1

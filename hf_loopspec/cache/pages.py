@@ -93,17 +93,17 @@ class PageTables:
     def lengths(self, depth: int) -> list[int]:
         """Valid positions of every sequence at `depth`."""
         self._check_depth(depth)
-        return [self._lengths[s * self.num_planes + depth] for s in range(self.num_sequences)]
+        return [self._lengths[s * self.num_planes + int(depth)] for s in range(self.num_sequences)]
 
     def _check_depth(self, depth: int) -> None:
-        if not 0 <= depth < self.num_planes:
-            raise ValueError(f"depth={depth} is outside [0, {self.num_planes - 1}] for this cache.")
+        if not is_integer(depth) or not 0 <= depth < self.num_planes:
+            raise ValueError(f"depth={depth!r} must be an integer in [0, {self.num_planes - 1}] for this cache.")
 
     def _table(self, seq: int, depth: int) -> int:
         self._check_depth(depth)
-        if not 0 <= seq < self.num_sequences:
-            raise ValueError(f"seq={seq} is not a sequence of this cache (it has {self.num_sequences}).")
-        return seq * self.num_planes + depth
+        if not is_integer(seq) or not 0 <= seq < self.num_sequences:
+            raise ValueError(f"seq={seq!r} is not a sequence of this cache (it has {self.num_sequences}).")
+        return int(seq) * self.num_planes + int(depth)
 
     # --- page allocation --------------------------------------------------------------------------------------
     def ensure_sequences(self, count: int) -> None:
