@@ -195,9 +195,29 @@ def test_a_commit_is_refused_while_a_branch_is_open_or_into_its_own_sequence():
     cache.branches.close(slot)
     with pytest.raises(ValueError, match="commit: branch=0 and into=0 are one sequence"):
         cache.commit(0, into=0)
+    for bad, named in (((fork, 1.0), r"into=1\.0"), ((True, 0), "branch=True"), ((fork, 2), "into=2")):
+        with pytest.raises(ValueError, match=rf"commit: {named} is not a sequence of this cache \(it has 2\)"):
+            cache.commit(*bad)
     assert read_values(cache, 0, 0) == read_values(cache, fork, 0) == [float(p) for p in range(8)]
     cache.commit(fork, into=0)
     assert read_values(cache, 0, 0) == [float(p) for p in range(8)] and cache.length(fork, 0) == 0
+
+
+def test_a_slot_that_is_no_integer_closes_and_promotes_nothing():
+    """True and 1.0 find slot 1 as dict keys: `promote(True)` took the branch off the open list and cut its parent
+    before refusing it (two tokens lost, the slot's pages left behind), `close(1.0)` dropped it and kept its pages.
+    Refused before any change; the branch then closes as usual."""
+    cache = _parent()
+    slot = cache.branches.open(0, 6)
+    write(cache, slot, 0, [6, 7, 8])
+    before = (cache.lengths(0), cache.lengths(1), cache.pages_in_use)
+    for bad in (True, 1.0):
+        for act in (cache.branches.promote, cache.branches.close):
+            with pytest.raises(ValueError, match=rf"slot={bad!r} is not an open branch of this cache \(open: \[1\]\)"):
+                act(bad)
+            assert (cache.lengths(0), cache.lengths(1), cache.pages_in_use) == before and len(cache.branches) == 1
+    cache.branches.close(slot)
+    assert cache.lengths(0) == [8] and read_values(cache, 0, 0) == [float(p) for p in range(8)]
 
 
 def test_fork_checks_its_sequence_before_adding_a_slot():

@@ -110,8 +110,9 @@ class BranchSlots:
                                  "first (invariant B).")
 
     def _branch(self, slot: int) -> _Branch:
-        """The open branch of `slot`; `ValueError` naming it when there is none."""
-        if slot not in self._open:
+        """The open branch of `slot`; `ValueError` naming it when there is none (True or 1.0, equal to slot 1 as dict
+        keys, name none: refused before `close` or `promote` changes anything)."""
+        if not is_integer(slot) or slot not in self._open:
             raise ValueError(f"slot={slot!r} is not an open branch of this cache (open: {sorted(self._open)}).")
         return self._open[slot]
 

@@ -333,7 +333,11 @@ class PageTables:
     def commit(self, branch: int, into: int) -> None:
         """Make `into` hold what `branch` holds and leave `branch` empty (`into` another sequence: one committed into
         itself would be emptied)."""
-        if self._table(branch, 0) == self._table(into, 0):
+        for name, seq in (("branch", branch), ("into", into)):
+            if not is_integer(seq) or not 0 <= seq < self.num_sequences:
+                raise ValueError(f"commit: {name}={seq!r} is not a sequence of this cache (it has "
+                                 f"{self.num_sequences}).")
+        if branch == into:
             raise ValueError(f"commit: branch={branch} and into={into} are one sequence; pass another to commit into.")
         for d in range(self.num_planes):
             src, dst = self._table(branch, d), self._table(into, d)
