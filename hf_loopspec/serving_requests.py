@@ -114,10 +114,10 @@ def request_problem(body, positions: int | None = None, path: str = "") -> str |
 async def body_problem(request, positions: int | None, limit: int, stops=None) -> str | None:
     """Why a POST's JSON body to a generating endpoint (`GENERATING`) is refused (`request_problem`, for a model of
     `positions` positions; a body that is not JSON, or nests too deeply), or None, after giving the request the body
-    transformers reads (`as_transformers_reads`), its stop strings, `request.state.stops` (`serving_stops`), and for
-    /v1/responses its token limit, `request.state.limit` (`serving_responses`; `limit` when it sets none). Other
-    endpoints' bodies (/v1/systemone's, whose schema forbids fields it does not name, /load_model's) go to their
-    handlers as sent."""
+    transformers reads (`as_transformers_reads`), its stop strings, `request.state.stops` (`serving_stops`; `stops`: the
+    checkpoint's, for a request without its own), and for /v1/responses its token limit, `request.state.limit`
+    (`serving_responses`; `limit` when it sets none). Other endpoints' bodies (/v1/systemone's, whose schema forbids
+    fields it does not name, /load_model's) go to their handlers as sent."""
     if request.method != "POST" or "json" not in request.headers.get("content-type", "").lower() \
             or request.url.path.rstrip("/") not in GENERATING:
         return None
