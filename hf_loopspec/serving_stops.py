@@ -38,8 +38,15 @@ def stop_strings(body, default=None) -> tuple[str, ...]:
     except ValueError:  # (refused by `request_problem` before it comes here)
         settings = None
     requested = settings.get("stop_strings") if isinstance(settings, dict) else None
-    stops = next((stops for stops in (body.get("stop"), requested, default) if stop_strings_given(stops)), ())
-    return (stops,) if isinstance(stops, str) else tuple(stops)
+    stops = chosen_stops(body.get("stop"), requested, default)
+    return ((stops,) if isinstance(stops, str) else tuple(stops)) if stop_strings_given(stops) else ()
+
+
+def chosen_stops(*given):
+    """The stop strings a served call decodes with, of those `given` in order of precedence (the request's `stop`,
+    its generation config's `stop_strings`, the checkpoint's): the first that names any (an empty list names none),
+    else None."""
+    return next((stops for stops in given if stops), None)
 
 
 def stop_at(text: str, stops: tuple[str, ...]) -> int | None:
@@ -148,7 +155,7 @@ def output_stops(kwargs: dict, inputs=None, default=None) -> dict:
     a request's `stop`), else `default` (the checkpoint's); as they are when it has none, no prompt or tokenizer, or
     stop strings that are not a non-empty string or a list of them (`generate` refuses those, naming them)."""
     config = kwargs.get("generation_config")
-    stops = kwargs.get("stop_strings") or getattr(config, "stop_strings", None) or default
+    stops = chosen_stops(kwargs.get("stop_strings"), getattr(config, "stop_strings", None), default)
     ids, tokenizer = kwargs.get("input_ids") if inputs is None else inputs, kwargs.get("tokenizer")
     if not (stop_strings_given(stops) and torch.is_tensor(ids) and ids.ndim == 2 and tokenizer is not None):
         return kwargs
