@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .config import SpeculativeConfig, asks, merged_exit
+from .inputs import merged_setting
 
 RUNTIME_KEYS = ("draft_hook", "second_draft_hook", "speculative_trace")
 """Per-call `generate` kwargs that are not generation settings: `draft_hook` (test-only: override draft proposals,
@@ -84,12 +85,8 @@ def trace_setting(value) -> bool | str:
 
 
 def _returns_dict(kwargs: dict, model_config) -> bool:
-    """`return_dict_in_generate` as transformers merges it: the call's (even None), else the passed config's unless
-    None, else the model's."""
-    if "return_dict_in_generate" in kwargs:
-        return bool(kwargs["return_dict_in_generate"])
-    passed = getattr(kwargs.get("generation_config"), "return_dict_in_generate", None)
-    return bool(getattr(model_config, "return_dict_in_generate", False) if passed is None else passed)
+    """`return_dict_in_generate` as transformers merges it (`inputs.merged_setting`)."""
+    return bool(merged_setting(kwargs, model_config, "return_dict_in_generate"))
 
 
 def _unreturned(trace) -> str:
