@@ -10,7 +10,7 @@ from helpers import VOCAB, reference, tiny_model
 from inputs import left_pad, random_ids
 from tolerances import assert_fp32_close, ouro_depth
 from transformers import CompileConfig
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, StaticCache
 
 from hf_loopspec.generation.mixin import looped_static_cache
 
@@ -247,6 +247,41 @@ def test_a_static_cache_of_other_rows_is_refused(setup, expand):
         with pytest.raises(ValueError, match=r"holds keys of shape \(1, 2, 64, 16\) .* this call has batch size 2"):
             model.generate(turn.repeat(rows, 1), cache=cache, max_new_tokens=NEW, pad_token_id=PAD, **expand)
     assert all(torch.equal(layer.keys, keys) for layer, keys in zip(cache.layers, kept, strict=True))
+
+
+@pytest.mark.parametrize("mode", [None, "auto", "pipeline", "block"])
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_cache_with_sliding_window_layers_is_refused_in_every_mode(setup, kind, mode):
+    """Sliding-window layers keep only their last columns, but every loop of a looped model attends to its whole
+    history: a cache built from a config whose layer_types slide (sized one layer per plane and layer) is refused
+    by name in every mode. Plain decoding returned other tokens than a DynamicCache() gives, or failed in a sliding
+    layer's crop; a static cache with a full-attention first layer failed in the attention, one with a sliding first
+    layer was told to grow its max_cache_len."""
+    model, _, prompts, _, _ = setup
+    config = model.config.__class__(**model.config.to_dict())
+    config.num_hidden_layers = model.kv_layout.num_planes * model.kv_layout.num_layers
+    config.sliding_window = 3
+    config.layer_types = ["full_attention", "sliding_attention"] * (config.num_hidden_layers // 2)
+    cache = DynamicCache(config=config) if kind == "dynamic" else StaticCache(config=config, max_cache_len=64)
+    with pytest.raises(ValueError, match=r"past_key_values: a (Dynamic|Static)Cache with sliding-window layers "
+                                         r"\(\[1, 3, 5, 7\]"):
+        generate(model, prompts[0][None], past_key_values=cache, do_sample=False, speculative_mode=mode)
+    assert cache.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("mode", [None, "auto", "pipeline", "block"])
+def test_a_dynamic_cache_cropped_to_no_columns_keeps_its_rows(setup, mode):
+    """A DynamicCache cropped to no columns still holds its rows' (empty) keys, which transformers appends to: a call
+    of another batch size is refused in every mode, naming the cache (plain decoding failed in torch's cat, the
+    speculative modes took it); of the same rows it decodes as a fresh cache does."""
+    model, _, prompts, ids, mask = setup
+    cache = DynamicCache()
+    generate(model, ids, mask, cache=cache, do_sample=False)
+    cache.crop(-cache.get_seq_length())
+    with pytest.raises(ValueError, match=r"holds keys of shape \(3, 2, 0, 16\) .* this call has batch size 1"):
+        generate(model, prompts[0][None], cache=cache, do_sample=False, speculative_mode=mode)
+    torch.testing.assert_close(generate(model, ids, mask, cache=cache, do_sample=False, speculative_mode=mode),
+                               generate(model, ids, mask, do_sample=False), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("exit_at_step", [None, 1])

@@ -97,9 +97,9 @@ def check_dynamic_cache(cache, layout: KVLayout, batch: int) -> None:
     """`ValueError` unless a filled growing cache (a `DynamicCache`) fits a call of `batch` rows writing `layout`: KV
     in no layer past the layout's planes, all its columns in the first layer of every loop depth's plane, the entry
     plane and the last loop's exit plane (every call writes them, plain or speculative: a cache filled at fewer
-    loops or recurrence steps lacks one), and entries `[batch, Hkv, C, D]` of the layout's heads. An empty cache fits
-    any call. Plain and speculative calls check it alike, so `speculative_mode="auto"` refuses a cache with one
-    message whichever decoder it picks."""
+    loops or recurrence steps lacks one), and entries `[batch, Hkv, C, D]` of the layout's heads. A cache whose
+    layers hold no keys yet fits any call; one cropped to no columns still has its rows. Plain and speculative calls
+    check it alike, so `speculative_mode="auto"` refuses a cache with one message whichever decoder it picks."""
     needed, columns = layout.num_planes * layout.num_layers, cache.get_seq_length(0)
     written = [*range(layout.num_loops), layout.entry_plane, layout.exit_plane(layout.num_loops)]
     written = [plane for plane in written if plane is not None]
@@ -109,8 +109,7 @@ def check_dynamic_cache(cache, layout: KVLayout, batch: int) -> None:
             f"{PASSED_CACHE} holds KV in {len(cache.layers)} layers, but this call writes {layout.num_planes} planes "
             f"x {layout.num_layers} layers = {needed} (for Huginn: the planes depend on num_steps): continue a cache "
             "with the settings that filled it (the same number of loops or recurrence steps), or pass a fresh one.")
-    if columns:
-        check_kv_rows(cache, layout, batch)
+    check_kv_rows(cache, layout, batch)
 
 
 def check_kv_rows(cache, layout: KVLayout, batch: int) -> None:
@@ -142,10 +141,10 @@ def to_paged(cache: DynamicCache, layout: KVLayout, attention_mask: torch.Tensor
                          "to_paged(cache, model.kv_layout, attention_mask).")
     check_layer_count(cache, layout)
     columns, paged = cache.get_seq_length(), PagedLoopCache(layout)
-    if columns == 0:
-        return paged
     rows, cols, positions = _real_columns(attention_mask, columns)
     check_dynamic_cache(cache, layout, attention_mask.shape[0])
+    if columns == 0:
+        return paged
     paged.ensure_sequences(attention_mask.shape[0])
     like = cache.layers[0].keys
     complete = [[i < len(cache.layers) and cache.layers[i].get_seq_length() == columns

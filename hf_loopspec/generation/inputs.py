@@ -356,10 +356,17 @@ def check_reference_inputs(input_ids, attention_mask, cache, max_length, mode: s
 
 
 def check_cache_type(cache, name: str) -> None:
-    """`ValueError` naming `name` for a cache that is no transformers `Cache` (the legacy tuples, or a mistake)."""
+    """`ValueError` naming `name` for a cache that is no transformers `Cache` (the legacy tuples, or a mistake), or one
+    with sliding-window layers, which keep only their last columns where a looped model attends to all of them."""
     if cache is not None and not isinstance(cache, Cache):
         raise ValueError(f"{name}: a {type(cache).__name__} is no transformers Cache; pass a Cache (a DynamicCache, "
                          "the PagedLoopCache or DynamicCache an earlier call returned) or None for a fresh one.")
+    sliding = [i for i, layer in enumerate(getattr(cache, "layers", None) or []) if getattr(layer, "is_sliding", 0)]
+    if sliding:
+        raise ValueError(f"{name}: a {type(cache).__name__} with sliding-window layers ({sliding[:4]}...: "
+                         f"{type(cache.layers[sliding[0]]).__name__}), which keep only their last columns, but a "
+                         "looped model attends to its whole history: pass `DynamicCache()`, "
+                         "`hf_loopspec.PagedLoopCache` or None.")
 
 
 LOOPED_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")  # what plain decoding sizes for a looped model
