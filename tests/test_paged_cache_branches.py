@@ -206,11 +206,12 @@ def test_a_commit_is_refused_while_a_branch_is_open_or_into_its_own_sequence():
 def test_a_slot_that_is_no_integer_closes_and_promotes_nothing():
     """True and 1.0 find slot 1 as dict keys: `promote(True)` took the branch off the open list and cut its parent
     before refusing it (two tokens lost, the slot's pages left behind), `close(1.0)` dropped it and kept its pages.
-    Refused before any change; the branch then closes as usual."""
+    Refused before any change, and `in` agrees (it answered True); the branch then closes as usual."""
     cache = _parent()
     slot = cache.branches.open(0, 6)
     write(cache, slot, 0, [6, 7, 8])
     before = (cache.lengths(0), cache.lengths(1), cache.pages_in_use)
+    assert slot in cache.branches and True not in cache.branches and 1.0 not in cache.branches
     for bad in (True, 1.0):
         for act in (cache.branches.promote, cache.branches.close):
             with pytest.raises(ValueError, match=rf"slot={bad!r} is not an open branch of this cache \(open: \[1\]\)"):
@@ -280,3 +281,39 @@ def test_batch_size_counts_the_batchs_sequences_not_branch_slots():
     for move in (cache.offload, cache.prefetch):
         with pytest.raises(NotImplementedError, match="does not offload"):
             move(0)
+
+
+@pytest.mark.parametrize("change", ["crop", "reorder", "free"])
+def test_a_roll_back_refuses_a_checkpoint_whose_tokens_were_cut_or_reordered_since(change):
+    """A roll back drops what was added since its checkpoint; a cut below the checkpoint's lengths or a reorder of
+    its sequences it cannot undo. It kept the shorter tables (or the reordered rows, cut to the other row's length)
+    and restored the checkpoint's consumed columns, so that the cache claimed tokens it no longer held and refused
+    both the turn before the change and the one after. It is refused now, the cache left as the change left it;
+    `kept_on_error` then leaves the cache so and says it on the exception. A checkpoint of an empty cache restores
+    it whatever happened since (beam search reorders the rows of a call on a fresh cache)."""
+    cache = _parent()
+    write(cache, 0, 0, [8, 9])  # sequence 0: 10 positions in plane 0, 8 in plane 1
+    for p in range(3):
+        write(cache, 1, 0, [p])  # sequence 1: 3 positions in plane 0
+    checkpoint = cache.checkpoint()
+    {"crop": lambda: cache.truncate(0, 1, 5), "reorder": lambda: cache.reorder_cache([1, 0]),
+     "free": lambda: cache.free(1)}[change]()
+    held = [cache.lengths(0), cache.lengths(1)]
+    with pytest.raises(ValueError, match="roll_back: since the checkpoint the cache (cut|selected or reordered)"):
+        cache.roll_back(checkpoint)
+    assert [cache.lengths(0), cache.lengths(1)] == held
+    with pytest.raises(KeyboardInterrupt) as raised, cache.kept_on_error():
+        write(cache, 0, 1, [held[1][0]])
+        {"crop": lambda: cache.truncate(0, 0, 4), "reorder": lambda: cache.reorder_cache([1, 0]),
+         "free": lambda: cache.free(0)}[change]()
+        raise KeyboardInterrupt
+    assert "the cache was not rolled back: roll_back: since the checkpoint" in raised.value.__notes__[0]
+    # what the context did stays: nothing silently half undone
+    assert cache.lengths(1) != held[1] or cache.lengths(0) != held[0]
+    empty = PagedLoopCache(LAYOUT, page_size=4)
+    checkpoint = empty.checkpoint()
+    write(empty, 0, 0, [0])
+    write(empty, 1, 0, [0, 1])
+    empty.reorder_cache([1, 0])
+    empty.roll_back(checkpoint)
+    assert empty.num_sequences == 0 and empty.pages_in_use == 0

@@ -50,7 +50,7 @@ class BranchSlots:
         self._base: int | None = None  # the first branch slot (the batch's sequence count when the first opened)
 
     def __contains__(self, slot: int) -> bool:
-        return slot in self._open
+        return is_integer(slot) and slot in self._open  # (True and 1.0 hash as slot 1 but name no slot)
 
     def __len__(self) -> int:
         """The number of open branches."""

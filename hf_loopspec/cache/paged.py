@@ -28,8 +28,7 @@ gives every token it computes an id and links it to its parent (the id of the to
 path) with `link_lineage`. Before attending, each row's read set is checked: position j of its table must carry
 the id of its own ancestor at j. The first violation raises `LineageError` naming (sequence, depth, position,
 layer). In debug mode memory the pool grows by is filled with NaN until written (pages freed and reused keep
-the KV they held). Branch slots are tables like any other, so the
-check covers every read of every branch.
+the KV they held). Branch slots are tables like any other, so the check covers every read of every branch.
 
 Branches (I5, `branches`: `cache.branches`)
 -------------------------------------------
@@ -59,6 +58,7 @@ from .columns import ConsumedColumns
 from .lineage import LineageError
 from .pages import CacheCapacityError, PageTables
 from .rows import RowBatch
+from .selection import sequence_indices
 
 __all__ = ["CacheCapacityError", "FlatPools", "LineageError", "PagedKVAttention", "PagedLoopCache"]
 
@@ -73,6 +73,7 @@ class Checkpoint:
     lengths: tuple[int, ...]  # [num_sequences * num_planes] stored positions per table
     columns: ConsumedColumns
     branches: tuple  # the open branches then (`BranchSlots.state`)
+    reorders: int  # the selections that had changed the sequences' order or count (`PageTables.check_roll_back`)
 
 
 @dataclass(frozen=True)
@@ -263,20 +264,27 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
     def kept_on_error(self):
         """A context in which a call may add to the cache: if it raises (a full fixed-capacity pool, a stopping
         criterion or streamer that raises, Ctrl-C), it is rolled back to its entry `checkpoint` and the exception
-        propagates, so the conversation goes on from what the cache held before."""
+        propagates, so the conversation goes on from what the cache held before. Where the context cut or reordered
+        what the cache held, it cannot (`roll_back`): the cache stays as the error left it, which a note on the
+        exception says."""
         checkpoint = self.checkpoint()
         try:
             yield self
-        except BaseException:
-            self.roll_back(checkpoint)
+        except BaseException as error:
+            try:
+                self.roll_back(checkpoint)
+            except ValueError as refused:
+                error.add_note(f"hf_loopspec: the cache was not rolled back: {refused}")
             raise
 
     def checkpoint(self) -> Checkpoint:  # what `roll_back` returns the cache to
-        return Checkpoint(tuple(self._lengths), self._columns.copy(), self.branches.state())
+        return Checkpoint(tuple(self._lengths), self._columns.copy(), self.branches.state(), self._reorders)
 
     def roll_back(self, checkpoint: Checkpoint) -> None:
         """Undo the additions since `checkpoint`: branches as then (`BranchSlots.restore`), each table cut back to its
-        length then (a `crop`'s shorter one stays so), sequences added since dropped, the consumed columns restored."""
+        length then, sequences added since dropped, the consumed columns restored. `ValueError`, the cache unchanged,
+        where a cut or a selection since took tokens that the checkpoint held (`PageTables.check_roll_back`)."""
+        self.check_roll_back(checkpoint.lengths[:self.batch_size * self.num_planes], checkpoint.reorders)
         self.branches.restore(checkpoint.branches)
         lengths = checkpoint.lengths
         for t in range(len(self._lengths)):
@@ -327,7 +335,7 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Sequence i becomes a copy of old sequence `beam_idx[i]` (integer indices, negative ones from the end)."""
-        self._select(self._sequence_indices(beam_idx, "beam_idx", masks=False))
+        self._select(sequence_indices(beam_idx, "beam_idx", self.num_sequences, masks=False))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each sequence, `repeats` times in a row (0 empties the cache)."""
@@ -338,7 +346,7 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the sequences `indices` names, in its order: integer indices (negative ones from the end), or a
         boolean mask over the sequences, as transformers' caches take them."""
-        self._select(self._sequence_indices(indices, "indices", masks=True))
+        self._select(sequence_indices(indices, "indices", self.num_sequences, masks=True))
 
     def _select(self, order: list[int]) -> None:
         """`PageTables._select`, refused while a branch is open (its slot is no sequence of the batch)."""
@@ -353,30 +361,6 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
         if self.branches:
             raise ValueError(f"the PagedLoopCache has {len(self.branches)} open branch(es) (competing proposals); "
                              f"close them (cache.branches.close_all()) before {doing}.")
-
-    def _sequence_indices(self, indices, name: str, masks: bool) -> list[int]:
-        """`indices` (a 1-D tensor, array, list or tuple) as a list of sequence numbers in `[0, num_sequences)`;
-        `ValueError` naming `name` for anything else."""
-        dtype = getattr(indices, "dtype", None)
-        if dtype is not None and getattr(dtype, "is_floating_point", getattr(dtype, "kind", "") == "f"):
-            raise ValueError(f"{name}: {dtype} values; give integer sequence indices (or a boolean mask).")
-        if str(dtype) in ("torch.uint8", "uint8"):  # a DynamicCache indexes with it as a (deprecated) mask
-            raise ValueError(f"{name}: uint8 values, which transformers' caches read as a mask and a list as "
-                             f"indices; give a boolean mask ({name}.bool()) or integer sequence indices.")
-        values = indices.tolist() if hasattr(indices, "tolist") else indices
-        if not isinstance(values, (list, tuple)):
-            raise ValueError(f"{name}={indices!r}: give a 1-D tensor (or list) of sequence indices.")
-        n = self.num_sequences
-        if values and all(isinstance(v, bool) for v in values):
-            if not masks:
-                raise ValueError(f"{name}: a boolean mask; give integer sequence indices (torch.nonzero(mask)).")
-            if len(values) != n:
-                raise ValueError(f"{name}: a boolean mask of {len(values)} values for a cache of {n} sequences.")
-            return [s for s, keep in enumerate(values) if keep]
-        bad = [v for v in values if not is_integer(v) or not -n <= v < n]
-        if bad:
-            raise ValueError(f"{name} holds {bad[:4]}: a cache of {n} sequences takes integer indices in [{-n}, {n}).")
-        return [int(v) % n for v in values]
 
     def crop(self, tokens_to_remove: int) -> None:
         """HF view (transformers 5 convention): a negative `tokens_to_remove` forgets that many of the last input

@@ -58,6 +58,7 @@ class PageTables:
         self._pages: list[list[int]] = []  # per table
         self._lengths: list[int] = []  # per table: valid positions
         self._block_tables: torch.Tensor | None = None  # device copy, rebuilt when stale
+        self._reorders = 0  # selections that changed the sequences' order or count (`check_roll_back`)
 
     # --- sizes and reports ------------------------------------------------------------------------------------
     @property
@@ -294,6 +295,17 @@ class PageTables:
                              f"{length}.")
         return seq, depth, length
 
+    def check_roll_back(self, lengths: tuple[int, ...], reorders: int) -> None:
+        """`ValueError` unless cutting tables back to `lengths` (a checkpoint's, taken after `reorders` selections)
+        restores what they held then: a roll back undoes additions, not a cut below those lengths (`crop`,
+        `truncate`, `free`) or a selection (`reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`)."""
+        now = self._lengths + [0] * max(len(lengths) - len(self._lengths), 0)
+        cut = [divmod(t, self.num_planes) for t, then in enumerate(lengths) if now[t] < then]
+        if any(lengths) and (cut or reorders != self._reorders):
+            what = f"cut (sequence, depth) {cut[:3]}" if cut else "selected or reordered its sequences"
+            raise ValueError(f"roll_back: since the checkpoint the cache {what}, which a roll back cannot undo (it "
+                             "only drops what was added); take the checkpoint after such a change.")
+
     def truncate(self, seq: int, depth: int, length: int) -> None:
         """Keep only positions `0 .. length-1` of (seq, depth); pages no longer needed are freed."""
         seq, depth, length = self.check_truncate(seq, depth, length)
@@ -349,6 +361,7 @@ class PageTables:
 
     def _select(self, order: list[int]) -> None:
         """Sequence i becomes a (page-sharing) copy of old sequence order[i]."""
+        self._reorders += list(order) != list(range(self.num_sequences))
         old_pages, old_lengths = self._pages, self._lengths
         self._pages = [list(old_pages[s * self.num_planes + d]) for s in order for d in range(self.num_planes)]
         self._lengths = [old_lengths[s * self.num_planes + d] for s in order for d in range(self.num_planes)]
