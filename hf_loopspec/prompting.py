@@ -116,6 +116,8 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     if pad is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     kwargs["pad_token_id"] = pad if is_integer(pad) and 0 <= pad < model.config.vocab_size else 0
+    if tokenizer is not None:  # stop strings that a checkpoint's generation config saves are matched with it
+        kwargs["tokenizer"] = tokenizer
     # a depth this model's loops refuse fails here, before `batch` makes OUT.parts, not in its first batch, whether
     # an option or the checkpoint's generation config gave it (`generate` fills the keys the options leave unset from
     # there); a Huginn checkpoint's generation config may set the recurrence steps `generate` will run (its loops)

@@ -191,6 +191,29 @@ def test_top_k_0_turns_the_top_k_filter_off(good):
     assert top_k is None and TopKLogitsWarper in default
 
 
+@pytest.mark.parametrize("mode", ["plain", "pipeline"])
+@pytest.mark.parametrize("name", ["generate", "batch"])
+def test_a_checkpoints_stop_strings_stop_the_cli(name, mode, tmp_path, capsys):
+    """A checkpoint whose generation_config.json saves a stop string (the embedded model's byte-level tokenizer: a
+    word-level one has no byte offsets to match with): `generate` and `batch` pass the tokenizer that transformers
+    matches it with, and stop early at it (both failed in every mode with transformers' error asking for a
+    `tokenizer` argument, which the CLI has not)."""
+    def text(model: str, *options: str) -> str:
+        (tmp_path / "out.jsonl").unlink(missing_ok=True)
+        assert cli.main([*command(name, model, tmp_path), "--max-new-tokens", "12", *options]) == 0
+        out = capsys.readouterr().out.rstrip("\n")
+        return out if name == "generate" else json.loads((tmp_path / "out.jsonl").read_text())["completion"]
+
+    plain = text("default", "--mode", "plain")
+    stop = plain[len(plain) // 3:][:3]
+    folder = tmp_path / "stops"
+    shutil.copytree(default_model_path(), folder)
+    saved = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**saved, "stop_strings": [stop]}))
+    stopped = text(str(folder), "--mode", mode)
+    assert stop in stopped and plain.startswith(stopped) and len(stopped) < len(plain)
+
+
 # --- models that are not looped, text that is not UTF-8, lm-eval's folders --------------------------------------
 
 
