@@ -283,33 +283,59 @@ def test_batch_size_counts_the_batchs_sequences_not_branch_slots():
             move(0)
 
 
-@pytest.mark.parametrize("change", ["crop", "reorder", "free"])
-def test_a_roll_back_refuses_a_checkpoint_whose_tokens_were_cut_or_reordered_since(change):
-    """A roll back drops what was added since its checkpoint; a cut below the checkpoint's lengths or a reorder of
-    its sequences it cannot undo. It kept the shorter tables (or the reordered rows, cut to the other row's length)
-    and restored the checkpoint's consumed columns, so that the cache claimed tokens it no longer held and refused
-    both the turn before the change and the one after. It is refused now, the cache left as the change left it;
-    `kept_on_error` then leaves the cache so and says it on the exception. A checkpoint of an empty cache restores
-    it whatever happened since (beam search reorders the rows of a call on a fresh cache)."""
+CHANGES = {  # a change that a roll back cannot undo, made on the cache of `_two_sequences`
+    "truncate": lambda cache: cache.truncate(0, 1, 5),
+    "regrown": lambda cache: (cache.truncate(0, 0, 4), write(cache, 0, 0, list(range(4, 10)))),  # as long again
+    "reorder": lambda cache: cache.reorder_cache([1, 0]),
+    "free": lambda cache: cache.free(1),
+    "commit": lambda cache: cache.commit(cache.fork(1), 0),
+    "reset": lambda cache: cache.reset(),
+}
+
+
+def _two_sequences() -> PagedLoopCache:
     cache = _parent()
     write(cache, 0, 0, [8, 9])  # sequence 0: 10 positions in plane 0, 8 in plane 1
-    for p in range(3):
-        write(cache, 1, 0, [p])  # sequence 1: 3 positions in plane 0
+    write(cache, 1, 0, [0, 1, 2])  # sequence 1: 3 positions in plane 0
+    return cache
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_roll_back_refuses_a_checkpoint_whose_tokens_were_cut_or_reordered_since(change):
+    """A roll back drops what was added since its checkpoint; a cut below the checkpoint's lengths (even one grown
+    back over since), a reorder of its sequences or a reset it cannot undo. It kept the shorter tables (or the
+    reordered rows, cut to the other row's length; or the regrown KV) and restored the checkpoint's consumed columns,
+    so that the cache claimed tokens it no longer held, or other ones. It is refused now, the cache left as the
+    change left it; `kept_on_error` then leaves the cache so and says it on the exception."""
+    cache = _two_sequences()
     checkpoint = cache.checkpoint()
-    {"crop": lambda: cache.truncate(0, 1, 5), "reorder": lambda: cache.reorder_cache([1, 0]),
-     "free": lambda: cache.free(1)}[change]()
+    CHANGES[change](cache)
     held = [cache.lengths(0), cache.lengths(1)]
-    with pytest.raises(ValueError, match="roll_back: since the checkpoint the cache (cut|selected or reordered)"):
+    with pytest.raises(ValueError, match="roll_back: since the checkpoint the cache (cut|selected, reordered or re)"):
         cache.roll_back(checkpoint)
     assert [cache.lengths(0), cache.lengths(1)] == held
+    cache = _two_sequences()
     with pytest.raises(KeyboardInterrupt) as raised, cache.kept_on_error():
-        write(cache, 0, 1, [held[1][0]])
-        {"crop": lambda: cache.truncate(0, 0, 4), "reorder": lambda: cache.reorder_cache([1, 0]),
-         "free": lambda: cache.free(0)}[change]()
+        write(cache, 0, 1, [8])
+        CHANGES[change](cache)
+        held = [cache.lengths(0), cache.lengths(1)]
         raise KeyboardInterrupt
     assert "the cache was not rolled back: roll_back: since the checkpoint" in raised.value.__notes__[0]
-    # what the context did stays: nothing silently half undone
-    assert cache.lengths(1) != held[1] or cache.lengths(0) != held[0]
+    assert [cache.lengths(0), cache.lengths(1)] == held  # what the context did stays: nothing half undone
+
+
+def test_a_roll_back_undoes_cuts_above_the_checkpoint_and_restores_an_empty_cache():
+    """What a roll back can undo it still does: cuts of positions added since the checkpoint (a call's own
+    rejected drafts), and anything done to a cache that was empty at the checkpoint (beam search reorders the rows
+    of a call on a fresh cache)."""
+    cache = _two_sequences()
+    checkpoint = cache.checkpoint()
+    write(cache, 0, 0, [10, 11, 12])
+    cache.truncate(0, 0, 11)
+    write(cache, 1, 1, [0])
+    cache.roll_back(checkpoint)
+    assert cache.lengths(0) == [10, 3] and cache.lengths(1) == [8, 0]
+    assert read_values(cache, 0, 0)[:8] == [float(p) for p in range(8)]
     empty = PagedLoopCache(LAYOUT, page_size=4)
     checkpoint = empty.checkpoint()
     write(empty, 0, 0, [0])

@@ -74,6 +74,8 @@ class Checkpoint:
     columns: ConsumedColumns
     branches: tuple  # the open branches then (`BranchSlots.state`)
     reorders: int  # the selections that had changed the sequences' order or count (`PageTables.check_roll_back`)
+    cuts: int  # the cuts made before it
+    batch: int  # the batch's sequences (not branch slots)
 
 
 @dataclass(frozen=True)
@@ -278,13 +280,15 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
             raise
 
     def checkpoint(self) -> Checkpoint:  # what `roll_back` returns the cache to
-        return Checkpoint(tuple(self._lengths), self._columns.copy(), self.branches.state(), self._reorders)
+        return Checkpoint(tuple(self._lengths), self._columns.copy(), self.branches.state(), self._reorders,
+                          self._cuts, self.batch_size)
 
     def roll_back(self, checkpoint: Checkpoint) -> None:
         """Undo the additions since `checkpoint`: branches as then (`BranchSlots.restore`), each table cut back to its
         length then, sequences added since dropped, the consumed columns restored. `ValueError`, the cache unchanged,
         where a cut or a selection since took tokens that the checkpoint held (`PageTables.check_roll_back`)."""
-        self.check_roll_back(checkpoint.lengths[:self.batch_size * self.num_planes], checkpoint.reorders)
+        self.check_roll_back(checkpoint.lengths[:checkpoint.batch * self.num_planes], checkpoint.reorders,
+                             checkpoint.cuts)
         self.branches.restore(checkpoint.branches)
         lengths = checkpoint.lengths
         for t in range(len(self._lengths)):
@@ -404,6 +408,7 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
         next call may write KV of another dtype or device."""
         self.branches.close_all()
         self._pages, self._lengths, self._columns = [], [], ConsumedColumns(self.num_planes)
+        self._reorders, self._cut_log = self._reorders + 1, {}  # (`roll_back` refuses a checkpoint from before)
         self._parents.clear()
         self._block_tables = None
         self.k_pool = self.v_pool = self.tags = None

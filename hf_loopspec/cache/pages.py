@@ -58,7 +58,9 @@ class PageTables:
         self._pages: list[list[int]] = []  # per table
         self._lengths: list[int] = []  # per table: valid positions
         self._block_tables: torch.Tensor | None = None  # device copy, rebuilt when stale
-        self._reorders = 0  # selections that changed the sequences' order or count (`check_roll_back`)
+        self._reorders = 0  # selections (and resets) that changed the sequences' order or count (`check_roll_back`)
+        self._cuts = 0  # cuts so far: a cut shortens a table (`check_roll_back`)
+        self._cut_log: dict[int, list[tuple[int, int]]] = {}  # table -> (cut, length) kept, both increasing
 
     # --- sizes and reports ------------------------------------------------------------------------------------
     @property
@@ -295,21 +297,35 @@ class PageTables:
                              f"{length}.")
         return seq, depth, length
 
-    def check_roll_back(self, lengths: tuple[int, ...], reorders: int) -> None:
-        """`ValueError` unless cutting tables back to `lengths` (a checkpoint's, taken after `reorders` selections)
-        restores what they held then: a roll back undoes additions, not a cut below those lengths (`crop`,
-        `truncate`, `free`) or a selection (`reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`)."""
+    def check_roll_back(self, lengths: tuple[int, ...], reorders: int, cuts: int) -> None:
+        """`ValueError` unless cutting tables back to `lengths` (a checkpoint's, taken after `reorders` selections and
+        `cuts` cuts) restores what they held then: a roll back undoes additions, not a cut below those lengths
+        (`crop`, `truncate`, `free`, `commit`, a promotion) even if the table grew back since, nor a selection
+        (`reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`) or a `reset`."""
         now = self._lengths + [0] * max(len(lengths) - len(self._lengths), 0)
-        cut = [divmod(t, self.num_planes) for t, then in enumerate(lengths) if now[t] < then]
+        cut = [divmod(t, self.num_planes) for t, then in enumerate(lengths) if then and (now[t] < then or next(
+            (kept for at, kept in self._cut_log.get(t, ()) if at > cuts), then) < then)]
         if any(lengths) and (cut or reorders != self._reorders):
-            what = f"cut (sequence, depth) {cut[:3]}" if cut else "selected or reordered its sequences"
+            what = f"cut (sequence, depth) {cut[:3]}" if cut else "selected, reordered or reset its sequences"
             raise ValueError(f"roll_back: since the checkpoint the cache {what}, which a roll back cannot undo (it "
                              "only drops what was added); take the checkpoint after such a change.")
+
+    def _note_cut(self, table: int, length: int) -> None:
+        """Log that `table` was cut to `length`: a later, shorter cut supersedes the earlier ones that kept as much or
+        more, so each table's log holds cuts whose lengths increase with time (the first after a checkpoint's count
+        is the shortest since then)."""
+        self._cuts += 1
+        log = self._cut_log.setdefault(table, [])
+        while log and log[-1][1] >= length:
+            log.pop()
+        log.append((self._cuts, length))
 
     def truncate(self, seq: int, depth: int, length: int) -> None:
         """Keep only positions `0 .. length-1` of (seq, depth); pages no longer needed are freed."""
         seq, depth, length = self.check_truncate(seq, depth, length)
         t = self._table(seq, depth)
+        if length < self._lengths[t]:
+            self._note_cut(t, length)
         keep = -(-length // self.page_size)
         for page in self._pages[t][keep:]:
             self._release(page)
@@ -353,6 +369,7 @@ class PageTables:
             raise ValueError(f"commit: branch={branch} and into={into} are one sequence; pass another to commit into.")
         for d in range(self.num_planes):
             src, dst = self._table(branch, d), self._table(into, d)
+            self._note_cut(dst, 0)  # (its history replaced)
             for page in self._pages[dst]:
                 self._release(page)
             self._pages[dst], self._pages[src] = self._pages[src], []
@@ -361,7 +378,8 @@ class PageTables:
 
     def _select(self, order: list[int]) -> None:
         """Sequence i becomes a (page-sharing) copy of old sequence order[i]."""
-        self._reorders += list(order) != list(range(self.num_sequences))
+        if list(order) != list(range(self.num_sequences)):
+            self._reorders, self._cut_log = self._reorders + 1, {}  # (the logs: of tables that are no more)
         old_pages, old_lengths = self._pages, self._lengths
         self._pages = [list(old_pages[s * self.num_planes + d]) for s in order for d in range(self.num_planes)]
         self._lengths = [old_lengths[s * self.num_planes + d] for s in order for d in range(self.num_planes)]
