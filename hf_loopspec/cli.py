@@ -210,8 +210,7 @@ def generate(args: argparse.Namespace) -> int:
     if args.compare:
         _warm_up(model, enc, kwargs)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    out, seconds = _timed_generate(model, enc, {**kwargs, "streamer": streamer}, args.seed)
-    print(flush=True)
+    out, seconds = _timed_generate(model, enc, {**kwargs, "streamer": streamer}, args.seed)  # (its end: a newline)
     new = out.sequences.shape[-1] - len(ids)
     print(f"[{args.mode}] {_speed(new, seconds)}{_speculation_summary(args, model, out)}", file=sys.stderr, flush=True)
     if not args.compare:
@@ -352,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         if debug_requested(args):
             raise
         message = one_line(err)
+        if isinstance(err, UnicodeEncodeError):  # (printing the generated text)
+            message += f"; stdout's encoding ({sys.stdout.encoding}) cannot hold the text: set PYTHONIOENCODING=utf-8"
         if args.command in ("generate", "batch"):
             message = option_spelled(message, getattr(err, "keys", ()))
         elif args.command == "bench":

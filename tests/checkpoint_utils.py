@@ -12,10 +12,11 @@ from transformers import PreTrainedTokenizerFast
 
 
 def word_tokenizer(vocab: int = TINY["vocab_size"], chat_template: str | None = None,
-                   specials_at: int = 0) -> PreTrainedTokenizerFast:
+                   specials_at: int = 0, letter: str = "w") -> PreTrainedTokenizerFast:
     """A whitespace word-level tokenizer over a tiny model's `vocab` ids: ids `specials_at` + 0..2 are <|endoftext|>
-    (eos, pad), <|im_start|> and <|im_end|>, the others words, 'w5 w9' -> [5, 9]; with `chat_template` when given."""
-    words = [f"w{i}" for i in range(vocab)]
+    (eos, pad), <|im_start|> and <|im_end|>, the others words, 'w5 w9' -> [5, 9] (`letter` 'w'); with
+    `chat_template` when given."""
+    words = [f"{letter}{i}" for i in range(vocab)]
     words[specials_at:specials_at + 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -7,6 +7,7 @@ missing local folder, and no tokenizer warning ahead of an error line."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import os
@@ -212,6 +213,30 @@ def test_a_checkpoints_stop_strings_stop_the_cli(name, mode, tmp_path, capsys):
     (folder / "generation_config.json").write_text(json.dumps({**saved, "stop_strings": [stop]}))
     stopped = text(str(folder), "--mode", mode)
     assert stop in stopped and plain.startswith(stopped) and len(stopped) < len(plain)
+
+
+def test_generate_prints_the_completion_and_one_newline(good, tmp_path, capsys):
+    """`generate`'s stdout is the text `batch` writes as the completion of the same prompt, then one newline (the
+    streamer's end prints it; a second print left a blank line)."""
+    assert cli.main(command("batch", str(good), tmp_path)) == 0
+    completion = json.loads((tmp_path / "out.jsonl").read_text())["completion"]
+    capsys.readouterr()
+    assert cli.main(command("generate", str(good), tmp_path)) == 0
+    assert capsys.readouterr().out == completion + "\n" and completion.strip()
+
+
+def test_text_that_stdout_cannot_encode_is_one_line_with_the_fix(good, tmp_path, capsys, monkeypatch):
+    """A stdout whose encoding cannot hold the generated text (PYTHONIOENCODING=ascii, a cp1252 console): the one
+    error line names the encoding and the fix, not only the codec's complaint."""
+    folder = tmp_path / "accents"
+    shutil.copytree(good, folder)
+    word_tokenizer(letter="\u00e9").save_pretrained(folder)
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="ascii"))
+    assert cli.main(["generate", "\u00e95 \u00e96", "--model", str(folder), "--device", "cpu",
+                     "--max-new-tokens", "2", "--mode", "plain"]) == 2
+    line = capsys.readouterr().err.splitlines()[-1]  # (after the weights' progress bar)
+    assert line.startswith("hf-loopspec generate: error: 'ascii' codec can't encode") and line.endswith(
+        "stdout's encoding (ascii) cannot hold the text: set PYTHONIOENCODING=utf-8")
 
 
 # --- models that are not looped, text that is not UTF-8, lm-eval's folders --------------------------------------
