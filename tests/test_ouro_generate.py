@@ -270,6 +270,18 @@ def test_a_cache_with_sliding_window_layers_is_refused_in_every_mode(setup, kind
 
 
 @pytest.mark.parametrize("mode", [None, "auto", "pipeline", "block"])
+def test_a_call_given_both_cache_and_past_key_values_is_refused(setup, mode):
+    """transformers decoded into `cache` and left `past_key_values` unfilled without a word (nor checked it: a sliding
+    cache there passed); refused in every mode, as a forward call refuses them."""
+    model, _, prompts, _, _ = setup
+    unused = DynamicCache()
+    with pytest.raises(ValueError, match="Pass the KV cache as `cache` or as `past_key_values`, not both"):
+        generate(model, prompts[0][None], cache=DynamicCache(), past_key_values=unused, do_sample=False,
+                 speculative_mode=mode)
+    assert unused.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("mode", [None, "auto", "pipeline", "block"])
 def test_a_dynamic_cache_cropped_to_no_columns_keeps_its_rows(setup, mode):
     """A DynamicCache cropped to no columns still holds its rows' (empty) keys, which transformers appends to: a call
     of another batch size is refused in every mode, naming the cache (plain decoding failed in torch's cat, the

@@ -61,6 +61,7 @@ from .auto_policy import (
     remembered,
 )
 from .auto_rows import ForcePad, Stopped, ended, zero_ended
+from .cache_checks import check_cache_implementation
 from .call import auto_segment, pass_exit
 from .config import (
     AUTO_MODE,
@@ -75,7 +76,6 @@ from .config import (
 )
 from .inputs import (
     as_integer,
-    check_cache_implementation,
     check_generation_values,
     check_left_padded,
     check_token_settings,

@@ -355,50 +355,6 @@ def check_reference_inputs(input_ids, attention_mask, cache, max_length, mode: s
     return max_length
 
 
-def check_cache_type(cache, name: str) -> None:
-    """`ValueError` naming `name` for a cache that is no transformers `Cache` (the legacy tuples, or a mistake), or one
-    with sliding-window layers, which keep only their last columns where a looped model attends to all of them."""
-    if cache is not None and not isinstance(cache, Cache):
-        raise ValueError(f"{name}: a {type(cache).__name__} is no transformers Cache; pass a Cache (a DynamicCache, "
-                         "the PagedLoopCache or DynamicCache an earlier call returned) or None for a fresh one.")
-    sliding = [i for i, layer in enumerate(getattr(cache, "layers", None) or []) if getattr(layer, "is_sliding", 0)]
-    if sliding:
-        raise ValueError(f"{name}: a {type(cache).__name__} with sliding-window layers ({sliding[:4]}...: "
-                         f"{type(cache.layers[sliding[0]]).__name__}), which keep only their last columns, but a "
-                         "looped model attends to its whole history: pass `DynamicCache()`, "
-                         "`hf_loopspec.PagedLoopCache` or None.")
-
-
-LOOPED_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")  # what plain decoding sizes for a looped model
-
-
-def check_cache_implementation(generation_config, cache) -> None:
-    """`ValueError` for a `cache_implementation` that plain decoding would build the cache with (no `cache` passed,
-    caching on) and cannot size for a looped model. Auto mode checks it up front, as any of its stretches may be
-    plain."""
-    implementation = generation_config.cache_implementation
-    if cache is None and generation_config.use_cache is not False \
-            and implementation not in LOOPED_CACHE_IMPLEMENTATIONS:
-        raise ValueError(
-            f"cache_implementation={implementation!r}: a looped model's cache holds one KV per (loop, layer), and "
-            "hf_loopspec sizes one only for cache_implementation 'dynamic' (the default) or 'static'; pass one of "
-            "these, or a cache of your own (cache=...).")
-
-
-def check_cache_use(kwargs: dict, model_config) -> None:
-    """`ValueError` for a `generate` call (`kwargs`) given no `Cache` (`check_cache_type`), or a cache that it would
-    decode without (`use_cache=False`: the call's, its generation config's or `model_config`'s): every step would
-    write the whole sequence into it again, and the call would return without it."""
-    name = next((key for key in ("cache", "past_key_values") if kwargs.get(key) is not None), None)
-    if name is not None:
-        check_cache_type(kwargs[name], name)
-    given = (kwargs.get("use_cache"), getattr(kwargs.get("generation_config"), "use_cache", None),
-             getattr(model_config, "use_cache", None))
-    if name is not None and next((value for value in given if value is not None), True) is False:
-        raise ValueError(f"{name}: a cache given to a call with use_cache=False, which decodes without one; drop "
-                         f"{name}, or pass use_cache=True to continue it.")
-
-
 def check_assisted_continuation(kwargs: dict, model_config, past: int) -> None:
     """`ValueError` for a `generate` call (`kwargs`) that decodes assisted (`_assisted`) continuing a cache that holds
     `past` columns: transformers' assisted loop feeds the whole input again on its first step, so the cache would

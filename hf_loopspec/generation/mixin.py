@@ -31,6 +31,7 @@ from ..cache.paged import PagedLoopCache
 from ..logs import get_logger
 from ..looped import check_kv_continues
 from . import auto
+from .cache_checks import check_cache_implementation, check_cache_use
 from .call import current_call, pass_exit, reject_configured_runtime_keys, runtime_options, scoped
 from .columns import max_length_of
 from .config import (
@@ -55,8 +56,6 @@ from .dispatch import SpeculativeRequest, run_speculative
 from .inputs import (
     by_name,
     check_assisted_continuation,
-    check_cache_implementation,
-    check_cache_use,
     check_decoding_mask,
     check_generation_values,
     check_healed_mask,

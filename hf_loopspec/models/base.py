@@ -12,8 +12,8 @@ from transformers import GenerationConfig, PretrainedConfig
 from transformers.cache_utils import DynamicCache
 from transformers.utils import find_adapter_config_file
 
+from ..generation.cache_checks import check_one_cache
 from ..generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS, SPECULATIVE_KEYS, asks
-from ..generation.inputs import check_cache_type
 from ..generation.saved_config import (
     check_saved_settings,
     mark_user_generation_config,
@@ -290,10 +290,7 @@ def one_cache(cache, past_key_values, use_cache: bool):
     both, and a transformers `Cache` (`ValueError` naming the argument otherwise); a new `DynamicCache` when none is
     passed and `use_cache` is set, None when it is not. A cache passed with `use_cache=False` (the call's, else the
     model config's) raises `ValueError`, as it does in `generate`: the call would write into it and return none."""
-    check_cache_type(cache, "cache")
-    check_cache_type(past_key_values, "past_key_values")
-    if cache is not None and past_key_values is not None:
-        raise ValueError("Pass the KV cache as `cache` or as `past_key_values`, not both.")
+    check_one_cache(cache, past_key_values)
     name, given = ("cache", cache) if cache is not None else ("past_key_values", past_key_values)
     if given is not None and not use_cache:
         raise ValueError(f"{name}: a cache given to a forward call with use_cache=False, which would write into it "
