@@ -343,3 +343,31 @@ def test_a_roll_back_undoes_cuts_above_the_checkpoint_and_restores_an_empty_cach
     empty.reorder_cache([1, 0])
     empty.roll_back(checkpoint)
     assert empty.num_sequences == 0 and empty.pages_in_use == 0
+
+
+def test_a_roll_back_checks_the_branches_still_open_and_drops_slots_reused_since():
+    """A branch open at the checkpoint and still open is restored as a sequence is: a cut of its own positions
+    since (regrown or not) is refused (its table was not checked: the roll back kept other KV). A slot whose branch
+    closed since and that a `fork` took as a new sequence is dropped with the other sequences added since (it was
+    cut to nothing but kept, and the next turn of the batch's one row was refused for a cache of two sequences)."""
+    for regrow in (False, True):
+        cache = _parent()
+        slot = cache.branches.open(0, 6)
+        fill_values(cache, write(cache, slot, 0, [6, 7]), -1.0)
+        checkpoint = cache.checkpoint()
+        cache.truncate(slot, 0, 7)
+        if regrow:
+            fill_values(cache, write(cache, slot, 0, [7]), -5.0)
+        with pytest.raises(ValueError, match=rf"roll_back: since the checkpoint the cache cut \(sequence, depth\) "
+                                             rf"\[\({slot}, 0\)\]"):
+            cache.roll_back(checkpoint)
+        assert cache.length(slot, 0) == 7 + regrow
+    cache = _parent()
+    slot = cache.branches.open(0, 6)
+    write(cache, slot, 0, [6])
+    checkpoint = cache.checkpoint()
+    cache.branches.close(slot)
+    assert cache.fork(0) == slot
+    cache.roll_back(checkpoint)
+    assert cache.num_sequences == 1 and cache.batch_size == 1 and not cache.branches
+    assert read_values(cache, 0, 0) == [float(p) for p in range(8)]

@@ -148,6 +148,10 @@ class BranchSlots:
         """(slot, branch, the planes it has opened) of every open branch: what `restore` returns them to."""
         return tuple((slot, branch, frozenset(branch.opened)) for slot, branch in self._open.items())
 
+    def kept(self, state: tuple[tuple[int, _Branch, frozenset[int]], ...]) -> list[int]:
+        """The slots of the branches of `state` still open: those `restore` keeps."""
+        return [slot for slot, branch, _ in state if self._open.get(slot) is branch]
+
     def restore(self, state: tuple[tuple[int, _Branch, frozenset[int]], ...]) -> None:
         """Close every branch opened since `state` (one in a slot that a branch of `state` held too), and give those of
         `state` still open the planes they had opened then: the tables of planes opened since are then the cache's

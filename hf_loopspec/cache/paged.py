@@ -284,17 +284,20 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
                           self._cuts, self.batch_size)
 
     def roll_back(self, checkpoint: Checkpoint) -> None:
-        """Undo the additions since `checkpoint`: branches as then (`BranchSlots.restore`), each table cut back to its
-        length then, sequences added since dropped, the consumed columns restored. `ValueError`, the cache unchanged,
-        where a cut or a selection since took tokens that the checkpoint held (`PageTables.check_roll_back`)."""
-        self.check_roll_back(checkpoint.lengths[:checkpoint.batch * self.num_planes], checkpoint.reorders,
-                             checkpoint.cuts)
+        """Undo the additions since `checkpoint`: branches as then (`BranchSlots.restore`), each table of the batch's
+        sequences and of the branches still open cut back to its length then, sequences added since dropped, the
+        consumed columns restored. `ValueError`, the cache unchanged, where a cut or a selection since took tokens
+        that the checkpoint held (`PageTables.check_roll_back`)."""
+        planes, lengths = self.num_planes, checkpoint.lengths
+        kept = self.branches.kept(checkpoint.branches)
+        self.check_roll_back(lengths, checkpoint.reorders, checkpoint.cuts,
+                             [s * planes + d for s in (*range(checkpoint.batch), *kept) for d in range(planes)])
         self.branches.restore(checkpoint.branches)
-        lengths = checkpoint.lengths
+        keep = min(max([checkpoint.batch, *(s + 1 for s in kept)]) * planes, len(lengths))
         for t in range(len(self._lengths)):
-            seq, plane = divmod(t, self.num_planes)
-            self.truncate(seq, plane, min(self._lengths[t], lengths[t] if t < len(lengths) else 0))
-        del self._pages[len(lengths):], self._lengths[len(lengths):]
+            seq, plane = divmod(t, planes)
+            self.truncate(seq, plane, min(self._lengths[t], lengths[t] if t < keep else 0))
+        del self._pages[keep:], self._lengths[keep:]
         self._columns = checkpoint.columns.copy()
         self._block_tables = None
 

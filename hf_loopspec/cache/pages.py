@@ -297,14 +297,14 @@ class PageTables:
                              f"{length}.")
         return seq, depth, length
 
-    def check_roll_back(self, lengths: tuple[int, ...], reorders: int, cuts: int) -> None:
-        """`ValueError` unless cutting tables back to `lengths` (a checkpoint's, taken after `reorders` selections and
+    def check_roll_back(self, lengths: tuple[int, ...], reorders: int, cuts: int, tables: list[int]) -> None:
+        """`ValueError` unless cutting `tables` back to `lengths` (a checkpoint's, taken after `reorders` selections and
         `cuts` cuts) restores what they held then: a roll back undoes additions, not a cut below those lengths
         (`crop`, `truncate`, `free`, `commit`, a promotion) even if the table grew back since, nor a selection
         (`reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`) or a `reset`."""
         now = self._lengths + [0] * max(len(lengths) - len(self._lengths), 0)
-        cut = [divmod(t, self.num_planes) for t, then in enumerate(lengths) if then and (now[t] < then or next(
-            (kept for at, kept in self._cut_log.get(t, ()) if at > cuts), then) < then)]
+        cut = [divmod(t, self.num_planes) for t in tables if lengths[t] and (now[t] < lengths[t] or next(
+            (kept for at, kept in self._cut_log.get(t, ()) if at > cuts), lengths[t]) < lengths[t])]
         if any(lengths) and (cut or reorders != self._reorders):
             what = f"cut (sequence, depth) {cut[:3]}" if cut else "selected, reordered or reset its sequences"
             raise ValueError(f"roll_back: since the checkpoint the cache {what}, which a roll back cannot undo (it "
