@@ -371,3 +371,47 @@ def test_a_roll_back_checks_the_branches_still_open_and_drops_slots_reused_since
     cache.roll_back(checkpoint)
     assert cache.num_sequences == 1 and cache.batch_size == 1 and not cache.branches
     assert read_values(cache, 0, 0) == [float(p) for p in range(8)]
+
+
+def test_a_roll_back_refuses_a_commit_out_of_a_sequence_and_restores_empty_sequences():
+    """The sequence a commit empties is cut too (only the one committed into was logged: grown back over, the roll
+    back kept other KV); a selection since a checkpoint whose sequences held nothing is refused like any other; and
+    an empty sequence of the checkpoint that a roll back to an older checkpoint dropped is there again (the batch
+    came back a sequence short)."""
+    cache = PagedLoopCache(LAYOUT, page_size=4)
+    fill_values(cache, write(cache, 0, 0, [0, 1]), 1.0)
+    checkpoint = cache.checkpoint()
+    write(cache, 1, 0, [0])
+    cache.commit(0, 1)
+    fill_values(cache, write(cache, 0, 0, [0, 1]), 2.0)
+    with pytest.raises(ValueError, match=r"roll_back: since the checkpoint the cache cut \(sequence, depth\) \[\(0, 0"):
+        cache.roll_back(checkpoint)
+    assert read_values(cache, 0, 0) == [2.0, 2.0]
+    empty = PagedLoopCache(LAYOUT, page_size=4)
+    empty.ensure_sequences(2)
+    checkpoint = empty.checkpoint()
+    empty.batch_select_indices([0])
+    with pytest.raises(ValueError, match="selected, reordered or reset its sequences"):
+        empty.roll_back(checkpoint)
+    cache = PagedLoopCache(LAYOUT, page_size=4)
+    fill_values(cache, write(cache, 0, 0, [0, 1]), 1.0)
+    older = cache.checkpoint()
+    cache.ensure_sequences(2)
+    newer = cache.checkpoint()
+    cache.roll_back(older)
+    assert cache.batch_size == 1
+    cache.roll_back(newer)
+    assert cache.batch_size == 2 and cache.lengths(0) == [2, 0] and read_values(cache, 0, 0) == [1.0, 1.0]
+
+
+def test_no_sequence_is_added_while_a_branch_is_open():
+    """A write to a new sequence while a branch is open put it after the branch slots, where closing the branch
+    dropped it without releasing its pages; refused, as `fork` is."""
+    cache = _parent()
+    slot = cache.branches.open(0, 6)
+    write(cache, slot, 0, [6])
+    with pytest.raises(ValueError, match="sequence 2 is new, but a branch is open"):
+        write(cache, 2, 0, [0])
+    assert cache.num_sequences == 2 and cache.length(slot, 0) == 7
+    cache.branches.close(slot)
+    assert cache.pages_in_use == 2 + 2  # the parent's 8 positions in planes 0 and 1

@@ -120,6 +120,9 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
         seq, depth, position = (x.tolist() if torch.is_tensor(x) else list(x) for x in (seq, depth, position))
         if not len(seq) == len(depth) == len(position):
             raise ValueError("seq, depth and position must have the same length.")
+        if self.branches and max(seq, default=-1) >= self.num_sequences:
+            raise ValueError(f"sequence {max(seq)} is new, but a branch is open (competing proposals): close it "
+                             "(cache.branches.close_all()) before adding sequences.")
         if self.k_pool is None:
             self._grow(0, like)
         self.ensure_sequences(max(seq, default=-1) + 1)
@@ -298,6 +301,7 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
             seq, plane = divmod(t, planes)
             self.truncate(seq, plane, min(self._lengths[t], lengths[t] if t < keep else 0))
         del self._pages[keep:], self._lengths[keep:]
+        self.ensure_sequences(keep // planes)  # (sequences empty then, which a roll back to an older one dropped)
         self._columns = checkpoint.columns.copy()
         self._block_tables = None
 

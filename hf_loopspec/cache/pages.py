@@ -305,7 +305,7 @@ class PageTables:
         now = self._lengths + [0] * max(len(lengths) - len(self._lengths), 0)
         cut = [divmod(t, self.num_planes) for t in tables if lengths[t] and (now[t] < lengths[t] or next(
             (kept for at, kept in self._cut_log.get(t, ()) if at > cuts), lengths[t]) < lengths[t])]
-        if any(lengths) and (cut or reorders != self._reorders):
+        if lengths and (cut or reorders != self._reorders):
             what = f"cut (sequence, depth) {cut[:3]}" if cut else "selected, reordered or reset its sequences"
             raise ValueError(f"roll_back: since the checkpoint the cache {what}, which a roll back cannot undo (it "
                              "only drops what was added); take the checkpoint after such a change.")
@@ -370,6 +370,7 @@ class PageTables:
         for d in range(self.num_planes):
             src, dst = self._table(branch, d), self._table(into, d)
             self._note_cut(dst, 0)  # (its history replaced)
+            self._note_cut(src, 0)  # (emptied)
             for page in self._pages[dst]:
                 self._release(page)
             self._pages[dst], self._pages[src] = self._pages[src], []
