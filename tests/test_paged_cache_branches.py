@@ -405,13 +405,15 @@ def test_a_roll_back_refuses_a_commit_out_of_a_sequence_and_restores_empty_seque
 
 
 def test_no_sequence_is_added_while_a_branch_is_open():
-    """A write to a new sequence while a branch is open put it after the branch slots, where closing the branch
-    dropped it without releasing its pages; refused, as `fork` is."""
+    """A write to a new sequence, or to the slot of a branch closed since, while a branch is open put it among the
+    branch slots, where closing the last branch dropped it without releasing its pages; refused, as `fork` is."""
     cache = _parent()
-    slot = cache.branches.open(0, 6)
-    write(cache, slot, 0, [6])
-    with pytest.raises(ValueError, match="sequence 2 is new, but a branch is open"):
-        write(cache, 2, 0, [0])
-    assert cache.num_sequences == 2 and cache.length(slot, 0) == 7
+    closed, slot = cache.branches.open(0, 6), cache.branches.open(0, 7)
+    write(cache, slot, 0, [7])
+    cache.branches.close(closed)
+    for stray in (closed, 3):
+        with pytest.raises(ValueError, match=f"sequence {stray} is no sequence of the batch and no open branch"):
+            write(cache, stray, 0, [0])
+    assert cache.num_sequences == 3 and cache.length(slot, 0) == 8 and cache.length(closed, 0) == 0
     cache.branches.close(slot)
     assert cache.pages_in_use == 2 + 2  # the parent's 8 positions in planes 0 and 1

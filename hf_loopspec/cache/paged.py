@@ -120,9 +120,11 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
         seq, depth, position = (x.tolist() if torch.is_tensor(x) else list(x) for x in (seq, depth, position))
         if not len(seq) == len(depth) == len(position):
             raise ValueError("seq, depth and position must have the same length.")
-        if self.branches and max(seq, default=-1) >= self.num_sequences:
-            raise ValueError(f"sequence {max(seq)} is new, but a branch is open (competing proposals): close it "
-                             "(cache.branches.close_all()) before adding sequences.")
+        stray = [s for s in set(seq) if s >= self.batch_size and s not in self.branches] if self.branches else []
+        if stray:  # (a new sequence, or the slot of a branch closed since: closing the last branch drops them)
+            raise ValueError(f"sequence {max(stray)} is no sequence of the batch and no open branch, but a branch is "
+                             "open (competing proposals): close it (cache.branches.close_all()) before adding "
+                             "sequences.")
         if self.k_pool is None:
             self._grow(0, like)
         self.ensure_sequences(max(seq, default=-1) + 1)
