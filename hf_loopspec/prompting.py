@@ -118,6 +118,7 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
     kwargs["pad_token_id"] = pad if is_integer(pad) and 0 <= pad < model.config.vocab_size else 0
     if tokenizer is not None:  # stop strings that a checkpoint's generation config saves are matched with it
         kwargs["tokenizer"] = tokenizer
+        saved_stop_criterion(model, tokenizer)
     # a depth this model's loops refuse fails here, before `batch` makes OUT.parts, not in its first batch, whether
     # an option or the checkpoint's generation config gave it (`generate` fills the keys the options leave unset from
     # there); a Huginn checkpoint's generation config may set the recurrence steps `generate` will run (its loops)
@@ -149,6 +150,25 @@ def check_saved_settings(model, given: dict, overrides=lambda named: ()) -> None
                                 f"{', '.join(f'{key}={value!r}' for key, value in named.items())}, which "
                                 f"{'this call' if given else 'its model'} refuses ({reason}): {fix} the checkpoint's "
                                 "generation_config.json.", named)
+
+
+def saved_stop_criterion(model, tokenizer):
+    """transformers' `StopStringCriteria` for the `stop_strings` that the checkpoint's generation config saves (None
+    when it saves none), matched with `tokenizer` as `generate` matches them: built up front, a tokenizer that cannot
+    match them (one with no byte-level vocabulary, such as a word-level one) is a `SavedSettingError` naming the file,
+    not transformers' bare error from inside the first `generate` call."""
+    from transformers import StopStringCriteria
+
+    stops = getattr(model.generation_config, "stop_strings", None)
+    if not stops:
+        return None
+    try:
+        return StopStringCriteria(tokenizer, stops)
+    except (ValueError, KeyError, TypeError, IndexError) as error:
+        raise SavedSettingError(f"the checkpoint's generation_config.json sets stop_strings={stops!r}, which its "
+                                f"tokenizer ({type(tokenizer).__name__}) cannot match ({type(error).__name__}: "
+                                f"{error}): drop stop_strings from the checkpoint's generation_config.json.",
+                                {"stop_strings": stops}) from None
 
 
 def check_checkpoint(spec: str, given: dict | None = None, overrides=lambda named: (), *,

@@ -21,7 +21,7 @@ import torch
 from checkpoint_utils import save_checkpoint, word_tokenizer
 from cli_utils import command, one_error_line
 from processes import ROOT, subprocess_env
-from transformers import AutoModelForCausalLM, GPT2Config, TopKLogitsWarper
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, TopKLogitsWarper
 
 from hf_loopspec import cli, serving
 from hf_loopspec.assets import default_model_path
@@ -237,6 +237,57 @@ def test_text_that_stdout_cannot_encode_is_one_line_with_the_fix(good, tmp_path,
     line = capsys.readouterr().err.splitlines()[-1]  # (after the weights' progress bar)
     assert line.startswith("hf-loopspec generate: error: 'ascii' codec can't encode") and line.endswith(
         "stdout's encoding (ascii) cannot hold the text: set PYTHONIOENCODING=utf-8")
+
+
+@pytest.mark.parametrize("mode", ["plain", "pipeline"])
+def test_batch_rows_end_where_a_saved_stop_string_ends_them(mode, tmp_path):
+    """`batch` on prompts of two lengths (one left-padded batch) with a saved stop string that ends one row early:
+    each row is what plain `generate` returns for its prompt alone with that stop string and the tokenizer, and says
+    it ended at a stop string (the row that stopped first was read on into the pad that `generate` fills it with: a
+    pad id equal to EOS made it "eos" with one token too many, another pad id decoded the pad as text, and a row that
+    stopped at its stop string said "length")."""
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
+    texts, limit = ["def add(a, b):", "The quick brown fox jumps"], 16
+    alone = [model.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=limit, do_sample=False,
+                            speculative_mode=None)[0, len(tokenizer(text).input_ids):] for text in texts]
+    stop = tokenizer.decode(alone[0][:2])[-2:]  # (completed by the second token of the first prompt's answer)
+    folder = tmp_path / "stops"
+    shutil.copytree(default_model_path(), folder)
+    saved = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**saved, "stop_strings": [stop], "pad_token_id": 5}))
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n"
+                                                    for i, t in enumerate(texts)))
+    assert cli.main(["batch", str(tmp_path / "prompts.jsonl"), "--output", str(tmp_path / "out.jsonl"), "--model",
+                     str(folder), "--device", "cpu", "--mode", mode, "--max-new-tokens", str(limit),
+                     "--batch-size", "2"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    eos = model.generation_config.eos_token_id
+    for row, text in zip(rows, texts):
+        new = model.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=limit, do_sample=False,
+                             speculative_mode=None, stop_strings=[stop], tokenizer=tokenizer)[0, len(
+                                 tokenizer(text).input_ids):].tolist()
+        assert eos not in new  # (these prompts' answers have no EOS within the limit: checked here)
+        assert row["completion"] == tokenizer.decode(new, skip_special_tokens=True)
+        assert row["new_tokens"] == len(new)
+        assert row["stop"] == ("stop_string" if stop in tokenizer.decode(new) else "length")
+    assert rows[0]["stop"] == "stop_string" and rows[0]["new_tokens"] == 2
+
+
+def test_a_saved_stop_string_the_tokenizer_cannot_match_is_named(tmp_path, capsys):
+    """A checkpoint with a word-level tokenizer (no byte-level vocabulary, which transformers' stop-string criterion
+    needs) whose generation_config.json saves stop strings: `generate` and `batch` end with one line naming the file
+    and the fix (both ended with transformers' bare "substring not found")."""
+    good = save_checkpoint(tmp_path / "ckpt", seed=1, max_position_embeddings=64)
+    saved = json.loads((good / "generation_config.json").read_text())
+    (good / "generation_config.json").write_text(json.dumps({**saved, "stop_strings": ["w65"]}))
+    capsys.readouterr()
+    for name in ("generate", "batch"):
+        assert cli.main(command(name, str(good), tmp_path)) == 2
+        out, err = capsys.readouterr()  # (after transformers' bar of the weights it loaded)
+        line = err.splitlines()[-1]
+        assert out == "" and line.startswith(f"hf-loopspec {name}: error: the checkpoint's generation_config.json "
+                                             "sets stop_strings=['w65']"), line
 
 
 # --- models that are not looped, text that is not UTF-8, lm-eval's folders --------------------------------------

@@ -7,8 +7,8 @@ settings), `lock` (one run at a time per output), `fingerprint` (what the weight
 models), `progress` (the whole run's bar) and `run` (the command: sharding with accelerate, decoding).
 
 Output: one JSON row per input row, in input order: `id`, `completion` (the new text, EOS excluded), `new_tokens`
-(EOS included), `stop` (`"eos"` or `"length"`) and, in the speculative modes, `speculation` (that row's counters:
-committed, drafted, verified, accepted, rejected, discarded).
+(EOS included), `stop` (`"eos"`, `"stop_string"`: a saved stop string ended it, or `"length"`) and, in the
+speculative modes, `speculation` (that row's counters: committed, drafted, verified, accepted, rejected, discarded).
 """
 
 from .run import run_batch

@@ -25,7 +25,7 @@ import torch
 
 from .. import loading
 from ..input_checks import check_positions
-from ..prompting import SAMPLING_KEYS, encode_prompt, generate_kwargs
+from ..prompting import SAMPLING_KEYS, encode_prompt, generate_kwargs, saved_stop_criterion
 from .fingerprint import weights_fingerprint
 from .parts import PartStore
 from .progress import RunProgress
@@ -52,31 +52,47 @@ def decode_batch(model, tokenizer, prompts: list[list[int]], kwargs: dict) -> li
     """Generate for one batch of token-id prompts (left-padded together); one result dict per prompt, in order.
 
     A row's output ends at its first EOS (kept in `new_tokens`, not in the text, even when the EOS id is an ordinary
-    word of the tokenizer); `stop` says whether it ended at EOS or at the length limit; `speculation` holds its counters
-    (`SequenceStats`) in the speculative modes. The batch is padded with the pad id `generate` uses (`kwargs`' from
-    `prompting.generate_kwargs`, else the generation config's, else 0), not the tokenizer's: a tokenizer may have no pad
-    token, or one outside the model's vocabulary.
+    word of the tokenizer) or at the token that completes one of the checkpoint's saved stop strings (kept in both),
+    whichever comes first; what follows is the pad that `generate` fills a finished row with. `stop` says whether it
+    ended at EOS, at a stop string or at the length limit; `speculation` holds its counters (`SequenceStats`) in the
+    speculative modes. The batch is padded with the pad id `generate` uses (`kwargs`' from
+    `prompting.generate_kwargs`, else the generation config's, else 0), not the tokenizer's: a tokenizer may have no
+    pad token, or one outside the model's vocabulary.
     """
     pad = kwargs["pad_token_id"] if "pad_token_id" in kwargs else model.generation_config.pad_token_id
     enc = left_pad(prompts, 0 if pad is None else pad, model.device)
     with torch.inference_mode():
         out = model.generate(**enc, **kwargs, return_dict_in_generate=True)
-    new = out.sequences[:, enc["input_ids"].shape[-1]:]  # [batch, new]
+    width = enc["input_ids"].shape[-1]
+    new = out.sequences[:, width:]  # [batch, new]
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    completed = stop_string_ends(out.sequences, width, saved_stop_criterion(model, tokenizer))
     stats = getattr(out, "speculation", None)
     results = []
     for row, tokens in enumerate(new.tolist()):
-        stop = next((i for i, token in enumerate(tokens) if token in eos), None)
-        kept = tokens if stop is None else tokens[: stop + 1]
-        text = tokens if stop is None else tokens[:stop]
-        result = {"completion": tokenizer.decode(text, skip_special_tokens=True), "new_tokens": len(kept),
-                  "stop": "length" if stop is None else "eos"}
+        at_eos = next((i for i, token in enumerate(tokens) if token in eos), len(tokens))
+        at_string = completed[row] if completed[row] is not None and completed[row] < at_eos else None
+        end = at_eos if at_string is None else at_string + 1  # (the EOS is left out of the text)
+        stop = "stop_string" if at_string is not None else "eos" if at_eos < len(tokens) else "length"
+        result = {"completion": tokenizer.decode(tokens[:end], skip_special_tokens=True),
+                  "new_tokens": end + (stop == "eos"), "stop": stop}
         if stats is not None:  # (a fixed mode that decoded plainly has no counters: its reason instead)
             result["speculation"] = asdict(stats.per_sequence[row]) if stats.per_sequence else \
                 {"fallback": stats.fallback}
         results.append(result)
     return results
+
+
+def stop_string_ends(sequences: torch.Tensor, width: int, criterion) -> list[int | None]:
+    """Per row of `sequences` ([batch, width + new]: prompts `width` wide), the index among its new tokens of the first
+    that `criterion` (transformers' `StopStringCriteria`; None: no stop strings) stops at, judged on the sequence up
+    to that token as `generate` judged it (the prompt included), or None."""
+    found: list[int | None] = [None] * sequences.shape[0]
+    for index in range(sequences.shape[1] - width if criterion is not None else 0):
+        hits = criterion(sequences[:, :width + index + 1], None).tolist()
+        found = [index if hit and first is None else first for first, hit in zip(found, hits)]
+    return found
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> dict:
