@@ -18,6 +18,8 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation import GenerationMode
 from transformers.generation.continuous_batching import RequestStatus
 
+from hf_loopspec.generation.continuous.settings import manager_settings
+
 PIPELINE = named_modes()["pipeline-d1"]
 
 
@@ -94,6 +96,39 @@ def test_max_length_of_the_config_counts_the_prompt(model, settings):
     assert [len(e) for e in expected] == [5, 3]
     last = list(out.values())[2]
     assert last.status == RequestStatus.FAILED and "max_length=9" in last.error
+
+
+@pytest.mark.parametrize("length", [0, 3])
+def test_a_max_length_that_leaves_no_new_token_fails_each_request(model, length):
+    """`max_length` 0 (as 3, below the prompt) with no `max_new_tokens` leaves no new token: each request fails
+    naming it, where `generate` raises (0 was read as unset: 20 new tokens, transformers' default)."""
+    config = generation_config({}, max_new_tokens=None, max_length=length)
+    with pytest.raises(ValueError, match=f"`max_length` is set to {length}"):
+        model.generate(torch.tensor(prompts(3, [4])), generation_config=config, speculative_mode=None)
+    out = model.generate_batch(prompts(3, [4]), generation_config=config, continuous_batching_config=batching())
+    assert [(r.status, f"max_length={length} in the generation config" in r.error) for r in out.values()] == \
+        [(RequestStatus.FAILED, True)]
+
+
+def test_a_prompt_on_the_meta_device_fails_alone_naming_it(model):
+    """A prompt tensor on the meta device (no values) fails its request, naming the device, and the others decode
+    (torch's "Cannot copy out of meta tensor" ended generate_batch)."""
+    good = prompts(4, [5])[0]
+    out = model.generate_batch([torch.tensor(good, device="meta"), good], generation_config=generation_config({}))
+    first, second = out.values()
+    assert first.status == RequestStatus.FAILED and "on the meta device" in first.error
+    assert second.generated_tokens == alone(model, good, 8)
+
+
+def test_a_block_round_drafts_at_most_the_tokens_a_slot_holds(model):
+    """A block manager with K far past a slot's positions (10**6) decodes plain's tokens with K capped at the slot's
+    positions, as `generate` caps K at its new tokens (its lanes were allocated in full: torch's allocator failed
+    inside the running loop)."""
+    config = generation_config({"speculative_mode": "block", "num_speculative_tokens": 10**6})
+    assert manager_settings(model, config, batching()).num_speculative_tokens == 64  # (batching(): 64 positions)
+    inputs = prompts(5, [4, 6])
+    out = model.generate_batch(inputs, generation_config=config, continuous_batching_config=batching())
+    assert [r.generated_tokens for r in out.values()] == [alone(model, p, 8) for p in inputs]
 
 
 def test_zero_new_tokens_fails_instead_of_taking_the_default(model):

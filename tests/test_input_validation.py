@@ -61,6 +61,19 @@ def test_malformed_ids_raise_the_same_error_in_every_mode(model, inputs, mode, c
 
 
 @pytest.mark.parametrize("mode", {**MODES, "auto": {"speculative_mode": "auto"}}.values(), ids=[*MODES, "auto"])
+@pytest.mark.parametrize("on_meta", ["lm_head", "model"])
+def test_weights_on_the_meta_device_are_named(model, inputs, mode, on_meta):
+    """A model whose head, or whole self, was moved to the meta device with no accelerate hook to load it back: every
+    mode names the first such weight (plain decoding of a meta head returned other random tokens at each call, as
+    torch multiplies a CPU input by a meta weight into uninitialized memory; the other cases failed deep in torch)."""
+    emptied = copy.deepcopy(model)
+    (emptied.lm_head if on_meta == "lm_head" else emptied).to("meta")
+    named = "lm_head.weight" if on_meta == "lm_head" else "model.embed_tokens.weight"
+    with pytest.raises(ValueError, match=rf"^{re.escape(named)} is on the meta device .* load the model's weights"):
+        generate(emptied, *inputs, **mode)
+
+
+@pytest.mark.parametrize("mode", {**MODES, "auto": {"speculative_mode": "auto"}}.values(), ids=[*MODES, "auto"])
 def test_a_pad_token_outside_the_vocabulary_is_named_up_front(model, inputs, mode):
     """A batch whose rows can finish apart feeds the pad token to the finished ones: one outside the vocabulary
     (a tokenizer's added [PAD] the embeddings never got) is refused before any work, naming pad_token_id (the

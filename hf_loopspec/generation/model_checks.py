@@ -145,3 +145,18 @@ def _own_inputs_preparation(model) -> str | None:
             return ("the model instance has a prepare_inputs_for_generation of its own (PEFT's prompt learning sets "
                     "one to prepend its virtual tokens), which speculative decoding does not call" + PLAINLY)
     return None
+
+
+def check_weights_present(model) -> None:
+    """`ValueError` for a weight or buffer of `model` on the meta device (shapes only, no values) that no accelerate
+    hook (`_hf_hook` on its module or on one above it: `cpu_offload`, `disk_offload`, a `device_map`) moves in at the
+    call: torch computes with it without a word (a CPU input times a meta weight is uninitialized memory, other tokens
+    at each call) or fails deep inside."""
+    hooked = [name for name, module in model.named_modules() if getattr(module, "_hf_hook", None) is not None]
+    for name, module in model.named_modules():
+        held = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        meta = [key for key, tensor in held if tensor is not None and tensor.is_meta]
+        if meta and not any(h == "" or name == h or name.startswith(h + ".") for h in hooked):
+            raise ValueError(f"{'.'.join(filter(None, (name, meta[0])))} is on the meta device (shapes only, no "
+                             "values), and no accelerate hook loads it at the call: load the model's weights "
+                             "(from_pretrained, or load_state_dict(..., assign=True)) before generate.")

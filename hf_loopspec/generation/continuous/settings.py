@@ -69,7 +69,7 @@ class ManagerSettings:
 
     mode: str  # the engine's mode: "ar" (plain decoding) or a speculative mode
     draft_loops: int
-    num_speculative_tokens: int
+    num_speculative_tokens: int  # K, at most C: a slot's new tokens (lanes past them cost lanes x lanes per slot)
     second_draft_loops: int | None
     compile_backend: str | None
     do_sample: bool
@@ -198,16 +198,17 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
         pool = pool_size(model.kv_layout, model.lane_dtype, model.device, cb_config, slots, positions)
     return ManagerSettings(
         mode="ar" if spec is None else spec.mode, draft_loops=0 if spec is None else spec.draft_loops,
-        num_speculative_tokens=1 if spec is None else spec.num_speculative_tokens,
+        num_speculative_tokens=1 if spec is None else min(spec.num_speculative_tokens, positions),
         second_draft_loops=None if spec is None else spec.second_draft_loops,
         compile_backend=None if spec is None else spec.compile_backend, do_sample=bool(config.do_sample),
         processors=processors, slots=slots, positions=positions, pool=pool,
         pad_token_id=int(config.pad_token_id if config.pad_token_id is not None else 0),
         eos_token_id=tuple(eos_ids(config.eos_token_id)),  # (none: as generate, no fallback to model.config's)
         max_new_tokens=int(config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS),
-        max_length=int(config.max_length) if config.max_new_tokens is None and config.max_length else None,
+        max_length=int(config.max_length) if config.max_new_tokens is None and config.max_length is not None
+        else None,  # (0 too: it leaves no new token, as it does for generate)
         default_limit=getattr(model.config, "max_position_embeddings", None)
-        if config.max_new_tokens is None and not config.max_length else None,
+        if config.max_new_tokens is None and config.max_length is None else None,
         vocab=model.head_width, seed=_seed(getattr(cb_config, "seed", None)),
         recurrence=recurrence, passed_recurrence=passed, exit_rule=exit_rule)
 
@@ -329,7 +330,7 @@ def eos_ids(value) -> list[int]:
 def token_ids(value):
     """A request's prompt as a list (a tensor's or array's values, a list's items, 0-d tensors and arrays among them
     read as their value, ints where they are integers); any other value as it is, for `request_problem` to name."""
-    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)) and not getattr(value, "is_meta", False):
         value = value.tolist()
     if not isinstance(value, (list, tuple)):
         return value
@@ -374,8 +375,9 @@ def nested(input_ids) -> bool:
 
 def request_problem(settings: ManagerSettings, input_ids, max_new_tokens, eos, extra: dict) -> str | None:
     """Why a request cannot run on a manager with `settings`, or None (each message names the value and the fix)."""
-    if not isinstance(input_ids, (list, tuple)) or not input_ids:
-        return f"input_ids={input_ids!r}: give a non-empty list of token ids."
+    if not isinstance(input_ids, (list, tuple)) or not input_ids:  # (a tensor on the meta device has no values)
+        meta = " (on the meta device: no values)" if getattr(input_ids, "is_meta", False) else ""
+        return f"input_ids={input_ids!r}{meta}: give a non-empty list of token ids."
     if nested(input_ids):
         return f"input_ids={input_ids!r:.80}: a list of lists; give one flat list of token ids per request."
     bad = [t for t in input_ids if not is_integer(t) or not 0 <= t < settings.vocab]
