@@ -28,7 +28,8 @@ def run_lm_eval(args: list[str]) -> int:
     either (lm-eval would report it as a malformed repo id), and `ValueError` for a `dtype` that torch does not have
     or a key that the model's `from_pretrained` does not take (lm-eval's own errors for them are tracebacks), for a
     `--batch_size` it cannot read, and for a setting of the checkpoint's generation_config.json the model refuses
-    (their errors came after the model loaded)."""
+    (their errors came after the model loaded); lm-eval's check of `max_gen_toks` against the model's length, an
+    AssertionError once requests run, as a `ValueError` naming the flags."""
     args = check_model_args(args)
     check_batch_size(args)
     check_device(args)
@@ -55,6 +56,11 @@ def run_lm_eval(args: list[str]) -> int:
             raise
         raise ValueError(f"{MODEL_ARGS}: {err}; lm-eval passes the keys it does not know to the model, which takes "
                          "no such argument: drop it or correct its spelling.") from err
+    except AssertionError as err:  # lm-eval's check of max_gen_toks against the model's length, once requests run
+        if "max tokens to generate" not in str(err):
+            raise
+        raise ValueError(f"{str(err).rstrip('.')}: pass a smaller {GEN_KWARGS} max_gen_toks (or a larger "
+                         f"{MODEL_ARGS} max_length, up to the model's positions).") from err
     finally:
         sys.argv = saved
     return 0
@@ -135,8 +141,10 @@ def check_gen_kwargs(gen_kwargs: dict) -> None:
     loaded and requests run, naming no flag: a token count (`max_gen_toks` or the alias lm-eval reads first) that is
     no whole number >= 1 (0 was blamed on a `max_length` nobody gave), an `until` that is no string or list of
     strings, a `temperature` that is no number (lm-eval reads a string with `float()` for its own choice but passes
-    it on to `generate`, which refuses it once requests run; None failed in lm-eval); and a negative whole number for an
-    integer setting, which lm-eval's parser hands over as a float (-2 as -2.0, then refused as "no integer")."""
+    it on to `generate`, which refuses it once requests run; None failed in lm-eval), a negative whole number for an
+    integer setting, which lm-eval's parser hands over as a float (-2 as -2.0, then refused as "no integer"), and
+    two settings lm-eval's `hf` backend cannot decode with: `stop_strings` (it passes `generate` no tokenizer to
+    match them with; its own `until` does that) and `return_dict_in_generate` (it reads a tensor of ids)."""
     key, count = next(((key, gen_kwargs[key]) for key in TOKEN_COUNTS if gen_kwargs.get(key) is not None), (0, 1))
     if isinstance(count, str) and count.strip().isdecimal():  # (JSON's "8": lm-eval's int() reads it)
         count = int(count)
@@ -148,6 +156,13 @@ def check_gen_kwargs(gen_kwargs: dict) -> None:
                                   and all(isinstance(stop, str) for stop in until)):
         raise ValueError(f"{GEN_KWARGS} until={until!r}: pass a stop string, or a JSON list of them "
                          f"({GEN_KWARGS} '{{\"until\": [\"\\n\\n\", \"###\"]}}').")
+    if gen_kwargs.get("stop_strings") is not None:
+        raise ValueError(f"{GEN_KWARGS} stop_strings={gen_kwargs['stop_strings']!r}: lm-eval calls generate without "
+                         "the tokenizer that stop strings are matched with; pass them as lm-eval's own stop "
+                         f"sequences ({GEN_KWARGS} '{{\"until\": [...]}}').")
+    if gen_kwargs.get("return_dict_in_generate") not in (None, False, 0):
+        raise ValueError(f"{GEN_KWARGS} return_dict_in_generate={gen_kwargs['return_dict_in_generate']!r}: lm-eval "
+                         "reads generate's output as a tensor of token ids; drop it.")
     if "temperature" in gen_kwargs and not is_real(gen_kwargs["temperature"]):  # (lm-eval passes a string on)
         raise ValueError(f"{GEN_KWARGS} temperature={gen_kwargs['temperature']!r}: pass a number >= 0.")
     for key in INTEGER_KEYS:
@@ -168,6 +183,7 @@ def check_saved_generation(settings: tuple[dict, dict]) -> None:
     `generate` raised it, naming no file). `settings`: `parsed_settings` of `args` as `check_model_args` returns
     them; checked for a local folder `pretrained=` names (a Hub id is lm-eval's to fetch)."""
     from .generation.config import EXIT_OPTIONS, RECURRENCE_OPTIONS, SPECULATIVE_KEYS
+    from .generation.saved_config import checkpoint_generation_config
     from .prompting import check_checkpoint
 
     model_args, gen_kwargs = settings
@@ -175,6 +191,11 @@ def check_saved_generation(settings: tuple[dict, dict]) -> None:
     if not isinstance(spec, str) or not Path(spec).is_dir():
         return
     spec = str(Path(spec) / str(model_args.get("subfolder") or ""))  # (lm-eval's `subfolder=` holds the checkpoint)
+    saved = getattr(checkpoint_generation_config(spec), "stop_strings", None)
+    if saved is not None:  # (lm-eval's `hf` backend passes generate no tokenizer to match them with)
+        raise ValueError(f"the checkpoint's generation_config.json sets stop_strings={saved!r}, which lm-eval's "
+                         "generate calls cannot match (they pass no tokenizer): drop stop_strings from the "
+                         f"checkpoint's generation_config.json, and pass them as {GEN_KWARGS} '{{\"until\": [...]}}'.")
     given = {key: gen_kwargs[key] for key in (*SPECULATIVE_KEYS, *EXIT_OPTIONS, *RECURRENCE_OPTIONS)
              if key in gen_kwargs}  # (a call's num_steps sets its loop count)
     check_checkpoint(spec, given, lambda named: [

@@ -154,21 +154,28 @@ def check_saved_settings(model, given: dict, overrides=lambda named: ()) -> None
 
 def saved_stop_criterion(model, tokenizer):
     """transformers' `StopStringCriteria` for the `stop_strings` that the checkpoint's generation config saves (None
-    when it saves none), matched with `tokenizer` as `generate` matches them: built up front, a tokenizer that cannot
-    match them (one with no byte-level vocabulary, such as a word-level one) is a `SavedSettingError` naming the file,
-    not transformers' bare error from inside the first `generate` call."""
+    when it saves none), matched with `tokenizer` as `generate` matches them: built up front, a value `generate`
+    refuses (`[""]`, `[]`, `[5]`) or a tokenizer that cannot match them (one with no byte-level vocabulary, such as a
+    word-level one) is a `SavedSettingError` naming the file before anything runs (`batch`: before OUT.parts), not
+    `generate`'s or transformers' error from inside the first call."""
     from transformers import StopStringCriteria
 
+    from .generation.inputs import stop_strings_given
+
     stops = getattr(model.generation_config, "stop_strings", None)
-    if not stops:
+    if stops is None:
         return None
+    saved = f"the checkpoint's generation_config.json sets stop_strings={stops!r}, which"
+    if not stop_strings_given(stops):
+        raise SavedSettingError(f"{saved} is not a non-empty string or a non-empty list of them (an empty string "
+                                "would stop at once): correct the checkpoint's generation_config.json.",
+                                {"stop_strings": stops})
     try:
         return StopStringCriteria(tokenizer, stops)
-    except (ValueError, KeyError, TypeError, IndexError) as error:
-        raise SavedSettingError(f"the checkpoint's generation_config.json sets stop_strings={stops!r}, which its "
-                                f"tokenizer ({type(tokenizer).__name__}) cannot match ({type(error).__name__}: "
-                                f"{error}): drop stop_strings from the checkpoint's generation_config.json.",
-                                {"stop_strings": stops}) from None
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
+        raise SavedSettingError(f"{saved} its tokenizer ({type(tokenizer).__name__}) cannot match "
+                                f"({type(error).__name__}: {error}): drop stop_strings from the checkpoint's "
+                                "generation_config.json.", {"stop_strings": stops}) from None
 
 
 def check_checkpoint(spec: str, given: dict | None = None, overrides=lambda named: (), *,

@@ -274,20 +274,26 @@ def test_batch_rows_end_where_a_saved_stop_string_ends_them(mode, tmp_path):
     assert rows[0]["stop"] == "stop_string" and rows[0]["new_tokens"] == 2
 
 
-def test_a_saved_stop_string_the_tokenizer_cannot_match_is_named(tmp_path, capsys):
-    """A checkpoint with a word-level tokenizer (no byte-level vocabulary, which transformers' stop-string criterion
-    needs) whose generation_config.json saves stop strings: `generate` and `batch` end with one line naming the file
-    and the fix (both ended with transformers' bare "substring not found")."""
+@pytest.mark.parametrize("saved, problem", [(["w65"], "its tokenizer (TokenizersBackend) cannot match"),
+                                            ([5], "is not a non-empty string"), ([""], "is not a non-empty string"),
+                                            ([], "is not a non-empty string")])
+def test_saved_stop_strings_generate_cannot_use_are_named_before_anything_runs(tmp_path, capsys, saved, problem):
+    """A checkpoint whose generation_config.json saves stop strings that its tokenizer cannot match (a word-level
+    one: no byte-level vocabulary, which transformers' stop-string criterion needs) or that `generate` refuses:
+    `generate` and `batch` end with one line naming the file and the fix, `batch` before it makes OUT.parts (they
+    ended with transformers' bare "substring not found", an AttributeError traceback for [5], or `generate`'s advice
+    to pass tokenizer=... with OUT.parts left behind)."""
     good = save_checkpoint(tmp_path / "ckpt", seed=1, max_position_embeddings=64)
-    saved = json.loads((good / "generation_config.json").read_text())
-    (good / "generation_config.json").write_text(json.dumps({**saved, "stop_strings": ["w65"]}))
+    settings = json.loads((good / "generation_config.json").read_text())
+    (good / "generation_config.json").write_text(json.dumps({**settings, "stop_strings": saved}))
     capsys.readouterr()
     for name in ("generate", "batch"):
         assert cli.main(command(name, str(good), tmp_path)) == 2
         out, err = capsys.readouterr()  # (after transformers' bar of the weights it loaded)
         line = err.splitlines()[-1]
         assert out == "" and line.startswith(f"hf-loopspec {name}: error: the checkpoint's generation_config.json "
-                                             "sets stop_strings=['w65']"), line
+                                             f"sets stop_strings={saved!r}, which {problem}"), line
+    assert not (tmp_path / "out.jsonl.parts").exists()
 
 
 # --- models that are not looped, text that is not UTF-8, lm-eval's folders --------------------------------------

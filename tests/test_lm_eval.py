@@ -330,6 +330,34 @@ def test_a_checkpoints_refused_saved_setting_is_named_before_the_model_loads(mon
     assert ran.pop()
 
 
+def test_a_checkpoint_that_saves_stop_strings_is_named_before_the_model_loads(monkeypatch, capsys, tmp_path):
+    """lm-eval's `hf` backend calls generate without a tokenizer, so a checkpoint whose generation_config.json saves
+    stop strings failed in every mode once requests ran, with transformers' advice to pass a tokenizer to generate."""
+    import lm_eval.__main__
+
+    folder = tmp_path / "model"
+    shutil.copytree(default_model_path(), folder)
+    settings = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**settings, "stop_strings": ["return"]}))
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: pytest.fail("lm-eval ran"))
+    assert cli.main(["lm-eval", "run", "--model", "hf", "--tasks", TASK, "--model_args", f"pretrained={folder}"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("hf-loopspec lm-eval: error: the checkpoint's generation_config.json sets "
+                           "stop_strings=['return'], which lm-eval's generate calls cannot match") \
+        and line.endswith("""pass them as --gen_kwargs '{"until": [...]}'."""), line
+
+
+def test_max_gen_toks_past_the_models_length_ends_in_one_line(task_dir, capsys):
+    """lm-eval checks max_gen_toks against the model's length only once its requests run, with an AssertionError
+    (a traceback, exit status 1); it ends in one line naming the flags now."""
+    code = cli.main(["lm-eval", "run", "--model", "hf", "--model_args", f"pretrained={default_model_path()}",
+                     "--tasks", TASK, "--include_path", str(task_dir), "--device", "cpu", "--limit", "1",
+                     "--gen_kwargs", "max_gen_toks=5000"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and line.startswith("hf-loopspec lm-eval: error: Invalid configuration: requested max tokens "
+                                         "to generate (5000)") and "pass a smaller --gen_kwargs max_gen_toks" in line
+
+
 @pytest.mark.parametrize("batch_size", ["abc", "0", "auto:x", "auto:0", "²"])  # (² is a digit int() refuses)
 def test_a_bad_batch_size_ends_in_one_line_before_anything_loads(monkeypatch, capsys, batch_size):
     """lm-eval read `--batch_size abc` once the model had loaded: `invalid literal for int()`, naming no flag."""
@@ -371,6 +399,9 @@ def test_debug_shows_the_traceback_and_is_not_handed_to_lm_eval(monkeypatch):
     ("temperature=None", "temperature=None: pass a number >= 0"),  # lm-eval's float(None): a TypeError traceback
     ('{"temperature": "0.5", "do_sample": true}', "temperature='0.5': pass a number"),  # generate refused it mid-run
     ("speculative_mode=pipeline,num_speculative_tokens=-2", "num_speculative_tokens=-2: pass a whole number >= 1"),
+    # transformers' "could not locate a tokenizer", mid-run: lm-eval's generate calls pass none
+    ("stop_strings=return", "stop_strings='return': lm-eval calls generate without the tokenizer"),
+    ("return_dict_in_generate=True", "return_dict_in_generate=True: lm-eval reads generate's output as a tensor"),
 ])
 def test_bad_gen_kwargs_end_in_one_line_before_anything_loads(monkeypatch, capsys, gen_kwargs, named):
     """Values lm-eval reads itself once its requests run, where its errors named no flag (or, for
