@@ -22,6 +22,7 @@ from processes import accelerate_launch, cli_runs_in_one_process, subprocess_env
 
 import hf_loopspec
 from hf_loopspec import cli, loading
+from hf_loopspec.assets import default_model_path
 from hf_loopspec.batch import fingerprint
 from hf_loopspec.batch import run as batch_run
 from hf_loopspec.batch.parts import PartStore
@@ -209,6 +210,7 @@ def interrupted_run(prompts: Path, output: Path, *extra: str) -> PartStore:
     """The parts folder a run killed before its first batch leaves (its settings, one empty part file)."""
     args = cli.build_parser().parse_args(argv(prompts, output, *extra))
     settings = {**batch_run.run_settings(args), "weights": fingerprint.weights_fingerprint(args.model, loaded=True)}
+    del settings["generation_config"]  # (known once the model loads: as an hf_loopspec that did not record it left it)
     store = PartStore(output, settings, 0)
     store.create()
     store.path.touch()
@@ -242,6 +244,42 @@ def test_a_resume_against_other_weights_at_the_same_path_is_refused(prompts, tmp
     assert cli.main(argv(prompts, output, "--model", str(folder))) == 2
     line = one_error_line(capsys)
     assert f"other settings (weights model.safetensors: '{then}' then, '{now}' now)" in line
+
+
+def test_a_resume_under_another_saved_generation_config_is_refused(prompts, tmp_path, capsys, monkeypatch):
+    """A run killed after its first batch, then rerun after the checkpoint's generation_config.json changed (its
+    stop strings, which end rows): refused, naming the file and the key (the rows of both settings were mixed in
+    OUT without a word); rerun under the file it was made with, it finishes to what an uninterrupted run writes."""
+    folder = tmp_path / "model"
+    shutil.copytree(default_model_path(), folder)
+    saved = json.loads((folder / "generation_config.json").read_text())
+    output, uninterrupted = tmp_path / "out.jsonl", tmp_path / "uninterrupted.jsonl"
+    command = [*argv(prompts, output, "--model", str(folder)), "--batch-size", "1", "--max-new-tokens", "4"]
+
+    def save(stops):
+        (folder / "generation_config.json").write_text(json.dumps({**saved, "stop_strings": stops}))
+
+    save(["xx"])
+    decode, calls = batch_run.decode_batch, []
+
+    def killed_after_one_batch(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # (Ctrl-C during the second batch)
+        return decode(*args)
+
+    monkeypatch.setattr(batch_run, "decode_batch", killed_after_one_batch)
+    assert cli.main(command) == 130
+    monkeypatch.setattr(batch_run, "decode_batch", decode)
+    save(["yy"])
+    capsys.readouterr()
+    assert cli.main(command) == 2
+    line = capsys.readouterr().err.splitlines()[-1]  # (after the weights' loading bar)
+    assert "other settings (the checkpoint's generation_config.json stop_strings: ['xx'] then, ['yy'] now)" in line
+    save(["xx"])
+    assert cli.main(command) == 0
+    assert cli.main([*command[:3], str(uninterrupted), *command[4:]]) == 0
+    assert output.read_text() == uninterrupted.read_text()
 
 
 def test_the_default_model_records_the_package_version(prompts, tmp_path, capsys, no_model, monkeypatch):

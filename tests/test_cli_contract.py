@@ -239,39 +239,42 @@ def test_text_that_stdout_cannot_encode_is_one_line_with_the_fix(good, tmp_path,
         "stdout's encoding (ascii) cannot hold the text: set PYTHONIOENCODING=utf-8")
 
 
+@pytest.mark.parametrize("pad", [0, 5])  # the checkpoint's own (EOS, "<|endoftext|>"), and one that is text ("&")
 @pytest.mark.parametrize("mode", ["plain", "pipeline"])
-def test_batch_rows_end_where_a_saved_stop_string_ends_them(mode, tmp_path):
-    """`batch` on prompts of two lengths (one left-padded batch) with a saved stop string that ends one row early:
-    each row is what plain `generate` returns for its prompt alone with that stop string and the tokenizer, and says
-    it ended at a stop string (the row that stopped first was read on into the pad that `generate` fills it with: a
-    pad id equal to EOS made it "eos" with one token too many, another pad id decoded the pad as text, and a row that
-    stopped at its stop string said "length")."""
+def test_batch_rows_end_where_a_saved_stop_string_ends_them(mode, pad, tmp_path):
+    """`batch` on prompts of three lengths (one left-padded batch) with saved stop strings, one of which ends the
+    first row early and one of which would end in the pad text before the shortest prompt: each row is what plain
+    `generate` returns for its prompt alone with those stop strings and the tokenizer, and says how it ended. A row
+    that stopped first was read on into the pad that `generate` fills it with (a pad id equal to EOS made it "eos"
+    with one token too many, another decoded the pad as text), a row that stopped at a stop string said "length",
+    and the shortest row ended at once, its stop string matched across its padding."""
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
-    texts, limit = ["def add(a, b):", "The quick brown fox jumps"], 16
-    alone = [model.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=limit, do_sample=False,
-                            speculative_mode=None)[0, len(tokenizer(text).input_ids):] for text in texts]
-    stop = tokenizer.decode(alone[0][:2])[-2:]  # (completed by the second token of the first prompt's answer)
+    texts, limit = ["def add(a, b):", "The quick brown fox jumps", "x"], 16
+    alone = model.generate(**tokenizer(texts[0], return_tensors="pt"), max_new_tokens=2, do_sample=False,
+                           speculative_mode=None)[0, len(tokenizer(texts[0]).input_ids):]
+    stops = [tokenizer.decode(alone)[-2:], tokenizer.decode([pad])[-1:] + "xx"]  # (the second: across the padding)
     folder = tmp_path / "stops"
     shutil.copytree(default_model_path(), folder)
     saved = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps({**saved, "stop_strings": [stop], "pad_token_id": 5}))
+    (folder / "generation_config.json").write_text(json.dumps({**saved, "stop_strings": stops, "pad_token_id": pad}))
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n"
                                                     for i, t in enumerate(texts)))
     assert cli.main(["batch", str(tmp_path / "prompts.jsonl"), "--output", str(tmp_path / "out.jsonl"), "--model",
                      str(folder), "--device", "cpu", "--mode", mode, "--max-new-tokens", str(limit),
-                     "--batch-size", "2"]) == 0
+                     "--batch-size", "3"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     eos = model.generation_config.eos_token_id
     for row, text in zip(rows, texts):
-        new = model.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=limit, do_sample=False,
-                             speculative_mode=None, stop_strings=[stop], tokenizer=tokenizer)[0, len(
-                                 tokenizer(text).input_ids):].tolist()
+        prompt = tokenizer(text).input_ids
+        new = model.generate(torch.tensor([prompt]), max_new_tokens=limit, do_sample=False, speculative_mode=None,
+                             stop_strings=stops, tokenizer=tokenizer)[0, len(prompt):].tolist()
         assert eos not in new  # (these prompts' answers have no EOS within the limit: checked here)
         assert row["completion"] == tokenizer.decode(new, skip_special_tokens=True)
         assert row["new_tokens"] == len(new)
-        assert row["stop"] == ("stop_string" if stop in tokenizer.decode(new) else "length")
+        assert row["stop"] == ("stop_string" if any(stop in tokenizer.decode(new) for stop in stops) else "length")
     assert rows[0]["stop"] == "stop_string" and rows[0]["new_tokens"] == 2
+    assert rows[2]["new_tokens"] > 1  # (the shortest prompt's first token was judged with its padding before it)
 
 
 @pytest.mark.parametrize("saved, problem", [(["w65"], "its tokenizer (TokenizersBackend) cannot match"),

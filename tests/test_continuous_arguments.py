@@ -111,13 +111,14 @@ def test_a_max_length_that_leaves_no_new_token_fails_each_request(model, length)
 
 
 def test_a_prompt_on_the_meta_device_fails_alone_naming_it(model):
-    """A prompt tensor on the meta device (no values) fails its request, naming the device, and the others decode
-    (torch's "Cannot copy out of meta tensor" ended generate_batch)."""
+    """A prompt tensor on the meta device (no values), or a list of 0-d ones, fails its request, naming the device,
+    and the others decode (torch's "Cannot copy out of meta tensor" or its `item()` error ended generate_batch)."""
     good = prompts(4, [5])[0]
-    out = model.generate_batch([torch.tensor(good, device="meta"), good], generation_config=generation_config({}))
-    first, second = out.values()
-    assert first.status == RequestStatus.FAILED and "on the meta device" in first.error
-    assert second.generated_tokens == alone(model, good, 8)
+    meta = [torch.tensor(good, device="meta"), [torch.tensor(t, device="meta") for t in good]]  # (one, or its items)
+    out = model.generate_batch([*meta, good], generation_config=generation_config({}))
+    *failed, decoded = out.values()
+    assert [(r.status, "on the meta device" in r.error) for r in failed] == [(RequestStatus.FAILED, True)] * 2
+    assert decoded.generated_tokens == alone(model, good, 8)
 
 
 def test_a_block_round_drafts_at_most_the_tokens_a_slot_holds(model):

@@ -133,13 +133,14 @@ class PartStore:
 
     def check_settings(self, unknown: tuple[str, ...] = ()) -> None:
         """`ValueError` when `OUT.parts/` holds an unfinished run made with other settings, or settings that cannot
-        be read; keys in `unknown` (not known yet in this process) are not compared."""
+        be read; keys in `unknown` (not known yet in this process) are not compared, nor keys of this run that the
+        unfinished one did not record (an older hf_loopspec's run)."""
         stored = self._stored_settings()
         if stored is None:
             return
         changed = [_difference(self.names.get(key, key), stored.get(key), self.settings.get(key))
                    for key in sorted(set(stored) | set(self.settings))
-                   if key not in unknown and stored.get(key) != self.settings.get(key)]
+                   if key not in unknown and key in stored and stored[key] != self.settings.get(key)]
         if changed:
             raise ValueError(f"{self.dir} holds an unfinished run made with other settings ({'; '.join(changed)}); "
                              f"rerun that command to finish it, or delete {self.dir} to start over.")

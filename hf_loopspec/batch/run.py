@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import json
 import logging
 import sys
 from dataclasses import asdict
@@ -22,6 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from .. import loading
 from ..input_checks import check_positions
@@ -45,7 +47,16 @@ def run_settings(args: argparse.Namespace) -> dict:
     digest = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
     unread = () if args.do_sample else SAMPLING_KEYS  # (greedy: at their off values at most, and not passed on)
     return {"input_sha256": digest, **{key: None if key in unread else getattr(args, key) for key in SETTING_KEYS},
-            "weights": weights_fingerprint(args.model)}
+            "weights": weights_fingerprint(args.model), "generation_config": None}
+
+
+def saved_generation(model) -> dict:
+    """What the loaded checkpoint's generation config sets (apart from transformers' defaults and the version that
+    wrote it), as its JSON reads back: the output depends on it (stop strings, EOS and pad ids, speculative settings),
+    so a resume under another is refused (`run_settings` records it once the model is loaded)."""
+    saved = json.loads(model.generation_config.to_json_string(use_diff=True))
+    saved.pop("transformers_version", None)
+    return saved
 
 
 def decode_batch(model, tokenizer, prompts: list[list[int]], kwargs: dict) -> list[dict]:
@@ -53,21 +64,25 @@ def decode_batch(model, tokenizer, prompts: list[list[int]], kwargs: dict) -> li
 
     A row's output ends at its first EOS (kept in `new_tokens`, not in the text, even when the EOS id is an ordinary
     word of the tokenizer) or at the token that completes one of the checkpoint's saved stop strings (kept in both),
-    whichever comes first; what follows is the pad that `generate` fills a finished row with. `stop` says whether it
-    ended at EOS, at a stop string or at the length limit; `speculation` holds its counters (`SequenceStats`) in the
-    speculative modes. The batch is padded with the pad id `generate` uses (`kwargs`' from
-    `prompting.generate_kwargs`, else the generation config's, else 0), not the tokenizer's: a tokenizer may have no
-    pad token, or one outside the model's vocabulary.
+    whichever comes first; what follows is the pad that `generate` fills a finished row with. Stop strings are judged
+    on each row without its padding (`UnpaddedStopStrings`), so a row ends where its prompt alone would, whatever
+    the batch. `stop` says whether it ended at EOS, at a stop string or at the length limit; `speculation` holds its
+    counters (`SequenceStats`) in the speculative modes. The batch is padded with the pad id `generate` uses
+    (`kwargs`' from `prompting.generate_kwargs`, else the generation config's, else 0), not the tokenizer's: a
+    tokenizer may have no pad token, or one outside the model's vocabulary.
     """
     pad = kwargs["pad_token_id"] if "pad_token_id" in kwargs else model.generation_config.pad_token_id
     enc = left_pad(prompts, 0 if pad is None else pad, model.device)
-    with torch.inference_mode():
-        out = model.generate(**enc, **kwargs, return_dict_in_generate=True)
     width = enc["input_ids"].shape[-1]
+    criterion = saved_stop_criterion(model, tokenizer)
+    stops = None if criterion is None else UnpaddedStopStrings(criterion, [width - len(ids) for ids in prompts])
+    with torch.inference_mode():  # (the saved stop strings judged by `stops` instead of transformers' criterion)
+        out = model.generate(**enc, **kwargs, return_dict_in_generate=True, **({} if stops is None else {
+            "stop_strings": None, "stopping_criteria": StoppingCriteriaList([stops])}))
     new = out.sequences[:, width:]  # [batch, new]
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    completed = stop_string_ends(out.sequences, width, saved_stop_criterion(model, tokenizer))
+    completed = stop_string_ends(out.sequences, width, stops)
     stats = getattr(out, "speculation", None)
     results = []
     for row, tokens in enumerate(new.tolist()):
@@ -84,13 +99,25 @@ def decode_batch(model, tokenizer, prompts: list[list[int]], kwargs: dict) -> li
     return results
 
 
-def stop_string_ends(sequences: torch.Tensor, width: int, criterion) -> list[int | None]:
+class UnpaddedStopStrings(StoppingCriteria):
+    """transformers' `StopStringCriteria` (`criterion`) judged on each row of a left-padded batch without its `pads`
+    (per row, the pad columns before its prompt), as `generate` judges a prompt decoded alone: transformers' own
+    judging of the padded batch reads the pad ids before a short prompt as text (a stop string could end in them)."""
+
+    def __init__(self, criterion, pads: list[int]):
+        self.criterion, self.pads = criterion, pads
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:  # [batch] bool
+        return torch.cat([self.criterion(input_ids[row:row + 1, pad:], scores) for row, pad in enumerate(self.pads)])
+
+
+def stop_string_ends(sequences: torch.Tensor, width: int, stops) -> list[int | None]:
     """Per row of `sequences` ([batch, width + new]: prompts `width` wide), the index among its new tokens of the first
-    that `criterion` (transformers' `StopStringCriteria`; None: no stop strings) stops at, judged on the sequence up
-    to that token as `generate` judged it (the prompt included), or None."""
+    that `stops` (`UnpaddedStopStrings`; None: no stop strings) stops at, judged on the sequence up to that token as
+    `generate` judged it, or None."""
     found: list[int | None] = [None] * sequences.shape[0]
-    for index in range(sequences.shape[1] - width if criterion is not None else 0):
-        hits = criterion(sequences[:, :width + index + 1], None).tolist()
+    for index in range(sequences.shape[1] - width if stops is not None else 0):
+        hits = stops(sequences[:, :width + index + 1], None).tolist()
         found = [index if hit and first is None else first for first, hit in zip(found, hits)]
     return found
 
@@ -180,16 +207,17 @@ def decode_shard(progress: RunProgress, store: PartStore, todo: list[tuple[int, 
 
 def claim_parts(store: PartStore, stack: contextlib.ExitStack) -> None:
     """The main process's checks before anything loads: no links in OUT's paths, the run's lock on `OUT.parts/`
-    (held until `stack` closes), and an unfinished run's settings equal to this run's (weights not known yet
-    excepted)."""
+    (held until `stack` closes), and an unfinished run's settings equal to this run's (the generation config and
+    weights not known yet excepted)."""
     store.check_paths()
     stack.enter_context(store.lock())
-    store.check_settings(unknown=() if store.settings["weights"] is not None else ("weights",))
+    store.check_settings(unknown=("generation_config",) if store.settings["weights"] is not None else
+                         ("weights", "generation_config"))
 
 
 def load_and_encode(args: argparse.Namespace, state, store: PartStore, prompts: list[PromptRow]):
-    """`(model, tokenizer, token ids of every prompt, generate kwargs)`; a Hub id's weights, known once loaded, are
-    compared with an unfinished run's here."""
+    """`(model, tokenizer, token ids of every prompt, generate kwargs)`; the checkpoint's generation config and a Hub
+    id's weights, known once loaded, are compared with an unfinished run's here."""
     if args.device is not None and state.num_processes > 1:
         raise ValueError(f"--device {args.device} cannot be used with {state.num_processes} processes: accelerate "
                          "places each process on its own device; drop --device.")
@@ -198,7 +226,8 @@ def load_and_encode(args: argparse.Namespace, state, store: PartStore, prompts: 
     model, tokenizer, _ = loading.load_model(args.model, dtype, device, need_tokenizer=True)
     if store.settings["weights"] is None:
         store.settings["weights"] = weights_fingerprint(args.model, loaded=True)
-        on_main_process(state, store.check_settings)
+    store.settings["generation_config"] = saved_generation(model)
+    on_main_process(state, store.check_settings)
     return model, tokenizer, encode_prompts(prompts, model, tokenizer, args), generate_kwargs(args, model, tokenizer)
 
 
@@ -211,7 +240,8 @@ def run_batch(args: argparse.Namespace) -> int:
                          "of the JSONL file to write, such as completions.jsonl.")
     state = process_state()
     store = PartStore(output, run_settings(args), state.process_index,
-                      names={key: "--" + key.replace("_", "-") for key in SETTING_KEYS})  # (mode: --mode)
+                      names={**{key: "--" + key.replace("_", "-") for key in SETTING_KEYS},  # (mode: --mode)
+                             "generation_config": "the checkpoint's generation_config.json"})
     with contextlib.ExitStack() as stack:
         on_main_process(state, lambda: claim_parts(store, stack))
         model, tokenizer, encoded, kwargs = load_and_encode(args, state, store, prompts)

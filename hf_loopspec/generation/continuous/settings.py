@@ -205,10 +205,9 @@ def manager_settings(model, generation_config, cb_config, hints=None) -> Manager
         pad_token_id=int(config.pad_token_id if config.pad_token_id is not None else 0),
         eos_token_id=tuple(eos_ids(config.eos_token_id)),  # (none: as generate, no fallback to model.config's)
         max_new_tokens=int(config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS),
-        max_length=int(config.max_length) if config.max_new_tokens is None and config.max_length is not None
-        else None,  # (0 too: it leaves no new token, as it does for generate)
-        default_limit=getattr(model.config, "max_position_embeddings", None)
-        if config.max_new_tokens is None and config.max_length is None else None,
+        max_length=None if config.max_new_tokens is not None or config.max_length is None else int(config.max_length),
+        default_limit=None if config.max_new_tokens is not None or config.max_length is not None  # (0 is set)
+        else getattr(model.config, "max_position_embeddings", None),
         vocab=model.head_width, seed=_seed(getattr(cb_config, "seed", None)),
         recurrence=recurrence, passed_recurrence=passed, exit_rule=exit_rule)
 
@@ -334,7 +333,8 @@ def token_ids(value):
         value = value.tolist()
     if not isinstance(value, (list, tuple)):
         return value
-    value = [t.item() if getattr(t, "ndim", None) == 0 and hasattr(t, "item") else t for t in value]
+    value = [t.item() if getattr(t, "ndim", None) == 0 and hasattr(t, "item") and not getattr(t, "is_meta", False)
+             else t for t in value]
     return [int(t) if is_integer(t) else t for t in value]
 
 
@@ -375,9 +375,11 @@ def nested(input_ids) -> bool:
 
 def request_problem(settings: ManagerSettings, input_ids, max_new_tokens, eos, extra: dict) -> str | None:
     """Why a request cannot run on a manager with `settings`, or None (each message names the value and the fix)."""
-    if not isinstance(input_ids, (list, tuple)) or not input_ids:  # (a tensor on the meta device has no values)
-        meta = " (on the meta device: no values)" if getattr(input_ids, "is_meta", False) else ""
-        return f"input_ids={input_ids!r}{meta}: give a non-empty list of token ids."
+    items = input_ids if isinstance(input_ids, (list, tuple)) else [input_ids]
+    meta = any(getattr(t, "is_meta", False) for t in items)
+    if meta or not isinstance(input_ids, (list, tuple)) or not input_ids:  # (a meta tensor has no values)
+        where = " (on the meta device: no values)" if meta else ""
+        return f"input_ids={input_ids!r:.200}{where}: give a non-empty list of token ids."
     if nested(input_ids):
         return f"input_ids={input_ids!r:.80}: a list of lists; give one flat list of token ids per request."
     bad = [t for t in input_ids if not is_integer(t) or not 0 <= t < settings.vocab]
