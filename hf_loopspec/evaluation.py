@@ -192,10 +192,12 @@ def check_saved_generation(settings: tuple[dict, dict]) -> None:
         return
     spec = str(Path(spec) / str(model_args.get("subfolder") or ""))  # (lm-eval's `subfolder=` holds the checkpoint)
     saved = getattr(checkpoint_generation_config(spec), "stop_strings", None)
-    if saved is not None:  # (lm-eval's `hf` backend passes generate no tokenizer to match them with)
+    if saved is not None and "stop_strings" not in gen_kwargs:  # (lm-eval passes generate no tokenizer for them;
+        # `stop_strings=None` there clears them, any other value is refused by `check_gen_kwargs`)
         raise ValueError(f"the checkpoint's generation_config.json sets stop_strings={saved!r}, which lm-eval's "
-                         "generate calls cannot match (they pass no tokenizer): drop stop_strings from the "
-                         f"checkpoint's generation_config.json, and pass them as {GEN_KWARGS} '{{\"until\": [...]}}'.")
+                         f"generate calls cannot match (they pass no tokenizer): pass {GEN_KWARGS} stop_strings=None "
+                         "(or drop them from the checkpoint's generation_config.json), with lm-eval's own stop "
+                         f"sequences instead if you want them ({GEN_KWARGS} '{{\"until\": [...]}}').")
     given = {key: gen_kwargs[key] for key in (*SPECULATIVE_KEYS, *EXIT_OPTIONS, *RECURRENCE_OPTIONS)
              if key in gen_kwargs}  # (a call's num_steps sets its loop count)
     check_checkpoint(spec, given, lambda named: [

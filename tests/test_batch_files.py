@@ -248,16 +248,17 @@ def test_a_resume_against_other_weights_at_the_same_path_is_refused(prompts, tmp
 
 def test_a_resume_under_another_saved_generation_config_is_refused(prompts, tmp_path, capsys, monkeypatch):
     """A run killed after its first batch, then rerun after the checkpoint's generation_config.json changed (its
-    stop strings, which end rows): refused, naming the file and the key (the rows of both settings were mixed in
-    OUT without a word); rerun under the file it was made with, it finishes to what an uninterrupted run writes."""
+    stop strings, which end rows, and its draft_loops): refused, naming the file and its keys (the rows of both
+    settings were mixed in OUT without a word); rerun under the file it was made with, it finishes to what an
+    uninterrupted run writes."""
     folder = tmp_path / "model"
     shutil.copytree(default_model_path(), folder)
     saved = json.loads((folder / "generation_config.json").read_text())
     output, uninterrupted = tmp_path / "out.jsonl", tmp_path / "uninterrupted.jsonl"
     command = [*argv(prompts, output, "--model", str(folder)), "--batch-size", "1", "--max-new-tokens", "4"]
 
-    def save(stops):
-        (folder / "generation_config.json").write_text(json.dumps({**saved, "stop_strings": stops}))
+    def save(stops, **changes):
+        (folder / "generation_config.json").write_text(json.dumps({**saved, "stop_strings": stops, **changes}))
 
     save(["xx"])
     decode, calls = batch_run.decode_batch, []
@@ -271,11 +272,13 @@ def test_a_resume_under_another_saved_generation_config_is_refused(prompts, tmp_
     monkeypatch.setattr(batch_run, "decode_batch", killed_after_one_batch)
     assert cli.main(command) == 130
     monkeypatch.setattr(batch_run, "decode_batch", decode)
-    save(["yy"])
+    save(["yy"], draft_loops=2)
     capsys.readouterr()
     assert cli.main(command) == 2
     line = capsys.readouterr().err.splitlines()[-1]  # (after the weights' loading bar)
-    assert "other settings (the checkpoint's generation_config.json stop_strings: ['xx'] then, ['yy'] now)" in line
+    # (the file's keys as they are: not spelled as the options of the same name, which did not change)
+    assert ("other settings (the checkpoint's generation_config.json draft_loops: 1 then, 2 now; the checkpoint's "
+            "generation_config.json stop_strings: ['xx'] then, ['yy'] now)") in line, line
     save(["xx"])
     assert cli.main(command) == 0
     assert cli.main([*command[:3], str(uninterrupted), *command[4:]]) == 0

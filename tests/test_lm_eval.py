@@ -339,12 +339,16 @@ def test_a_checkpoint_that_saves_stop_strings_is_named_before_the_model_loads(mo
     shutil.copytree(default_model_path(), folder)
     settings = json.loads((folder / "generation_config.json").read_text())
     (folder / "generation_config.json").write_text(json.dumps({**settings, "stop_strings": ["return"]}))
-    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: pytest.fail("lm-eval ran"))
-    assert cli.main(["lm-eval", "run", "--model", "hf", "--tasks", TASK, "--model_args", f"pretrained={folder}"]) == 2
+    ran = []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: ran.append(True))
+    argv = ["lm-eval", "run", "--model", "hf", "--tasks", TASK, "--model_args", f"pretrained={folder}"]
+    assert cli.main(argv) == 2 and not ran
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("hf-loopspec lm-eval: error: the checkpoint's generation_config.json sets "
-                           "stop_strings=['return'], which lm-eval's generate calls cannot match") \
-        and line.endswith("""pass them as --gen_kwargs '{"until": [...]}'."""), line
+                           "stop_strings=['return'], which lm-eval's generate calls cannot match (they pass no "
+                           "tokenizer): pass --gen_kwargs stop_strings=None"), line
+    for cleared in ("stop_strings=None", '{"stop_strings": null}'):  # (the fix it names runs)
+        assert cli.main([*argv, "--gen_kwargs", cleared]) == 0 and ran.pop()
 
 
 def test_max_gen_toks_past_the_models_length_ends_in_one_line(task_dir, capsys):

@@ -97,6 +97,15 @@ def _difference(key: str, then, now) -> str:
     return f"{key}: {then!r} then, {now!r} now"
 
 
+class OtherSettingsError(ValueError):
+    """An unfinished run made with other settings; `keys`: the entries of its dict settings it names (a checkpoint's
+    generation config keys, which the CLI leaves as they are, not spelled as its options)."""
+
+    def __init__(self, message: str, keys=()):
+        super().__init__(message)
+        self.keys = tuple(keys)
+
+
 class PartStore:
     """The part files of one run (see the module docstring); `settings` is a JSON-able dict, and `names` says how a
     message names its keys (the command's options; a key it lacks: as it is)."""
@@ -138,12 +147,15 @@ class PartStore:
         stored = self._stored_settings()
         if stored is None:
             return
-        changed = [_difference(self.names.get(key, key), stored.get(key), self.settings.get(key))
-                   for key in sorted(set(stored) | set(self.settings))
-                   if key not in unknown and key in stored and stored[key] != self.settings.get(key)]
-        if changed:
-            raise ValueError(f"{self.dir} holds an unfinished run made with other settings ({'; '.join(changed)}); "
-                             f"rerun that command to finish it, or delete {self.dir} to start over.")
+        keys = [key for key in sorted(set(stored) | set(self.settings))
+                if key not in unknown and key in stored and stored[key] != self.settings.get(key)]
+        if keys:
+            changed = "; ".join(_difference(self.names.get(key, key), stored[key], self.settings.get(key))
+                                for key in keys)
+            entries = {name for key in keys for value in (stored[key], self.settings.get(key))
+                       if isinstance(value, dict) for name in value}
+            raise OtherSettingsError(f"{self.dir} holds an unfinished run made with other settings ({changed}); "
+                                     f"rerun that command to finish it, or delete {self.dir} to start over.", entries)
 
     def _stored_settings(self) -> dict | None:
         """The settings recorded in `OUT.parts/`, None when there is no unfinished run; `ValueError` naming the file
