@@ -1,6 +1,7 @@
 """What about a model itself keeps speculative decoding from returning plain decoding's tokens, in which case
 `generate` decodes plainly instead, logs the reason once and reports it in `out.speculation.fallback` (as for a
-logits processor it cannot run, `processors.plain_fallback`).
+logits processor it cannot run, `processors.plain_fallback`); and, in every mode, a model whose weights are not
+there at all (`check_weights_present`: on the meta device with no accelerate hook to load them).
 
 Speculative decoding is exact because a row's output does not depend on the other rows of its call, and because
 the stages the engine calls (`embed`, `core`, `head`) do all that a forward call does. These changes a user can make
