@@ -141,6 +141,25 @@ def test_int32_ids_and_numpy_max_new_tokens_decode_as_plain(model, inputs, mode)
         assert out.tolist() == penalised.tolist()
 
 
+@pytest.mark.parametrize("mode", {**MODES, "auto": {"speculative_mode": "auto"}}.values(), ids=[*MODES, "auto"])
+def test_numpy_counts_decode_as_their_python_ints(model, inputs, mode):
+    """Every setting that counts tokens takes a numpy integer, as a keyword or in a passed generation config, and
+    decodes as the Python int does in the same mode (transformers' processors refused `min_new_tokens`, `min_length`,
+    `top_k` and `no_repeat_ngram_size` as numpy integers, the first blaming a `min_length` of another value)."""
+    ids, mask = inputs
+    counts = {"min_new_tokens": 3, "min_length": 8, "top_k": 5, "no_repeat_ngram_size": 2}
+    def sampled(**settings):
+        torch.manual_seed(0)
+        return generate(model, ids, mask, eos_token_id=1, **settings, **mode).tolist()
+
+    for key, value in counts.items():
+        sampling = {"do_sample": key == "top_k"}  # (top_k is a sampling setting: seeded draws, same in both)
+        expected = sampled(**{key: value}, **sampling)
+        assert sampled(**{key: np.int64(value)}, **sampling) == expected, key
+        configured = sampled(generation_config=GenerationConfig(**{key: value}), **sampling)
+        assert sampled(generation_config=GenerationConfig(**{key: np.int64(value)}), **sampling) == configured, key
+
+
 @pytest.mark.parametrize("mode", SPECULATIVE.values(), ids=list(SPECULATIVE))
 def test_right_padding_is_refused_in_the_speculative_modes(model, mode):
     """Plain decoding continues a right-padded row after its padding; the speculative modes would continue after

@@ -30,7 +30,7 @@ import torch
 from transformers.generation import GenerationConfig, GenerationMixin, GenerationMode
 
 from ..defaults import DEFAULT_DRAFT_LOOPS, DEFAULT_NUM_SPECULATIVE_TOKENS
-from .inputs import as_integer
+from .inputs import as_integer, count_settings_as_ints
 
 SPECULATIVE_KEYS = ("speculative_mode", "draft_loops", "num_speculative_tokens", "compile_core", "speculative_engine",
                     "second_draft_loops")
@@ -302,11 +302,12 @@ def synced_gpus_of(model, synced_gpus) -> bool:
 def merged_config(model, kwargs: dict) -> GenerationConfig:
     """A call's generation config as transformers resolves it for plain decoding: the passed config
     (`kwargs["generation_config"]`) over the model's over the global defaults (`keep_passed_exit` applied), then the
-    call's generation kwargs (the speculative keys left out: their callers read them themselves). A copy: the inputs
-    stay as they were."""
+    call's generation kwargs (the speculative keys left out: their callers read them themselves), its numpy counts as
+    Python ints. A copy: the inputs stay as they were."""
     given = {key: value for key, value in kwargs.items() if key not in SPECULATIVE_KEYS and key != "generation_config"}
     config, _ = GenerationMixin._prepare_generation_config(model, kwargs.get("generation_config"), **given)
     keep_passed_exit(kwargs.get("generation_config"), config)
+    count_settings_as_ints(config)  # (as generate's own merge: `LoopSpecGenerationMixin._prepare_generation_config`)
     return config
 
 

@@ -255,6 +255,17 @@ def check_generation_values(settings) -> None:
             raise ValueError(f"{key}={value!r} must be a token id (an integer{also}), or None to leave it unset.")
 
 
+def count_settings_as_ints(generation_config) -> None:
+    """Set the numpy integers among the counting settings (`COUNT_SETTINGS`) of `generation_config` (a call's merged
+    copy, after `check_generation_values`) to Python ints: transformers' processors refuse numpy integers
+    (`min_new_tokens=np.int64(3)` was blamed on a `min_length` of another value, `top_k` and `no_repeat_ngram_size`
+    "have to be integers"), where its length criteria take them."""
+    for key in COUNT_SETTINGS:
+        value = getattr(generation_config, key, None)
+        if isinstance(value, numbers.Integral) and type(value) is not int:
+            setattr(generation_config, key, int(value))
+
+
 def is_real_number(value) -> bool:
     """Whether `value` is one real number: a Python or numpy number, or a 0-d tensor or array of one (not a bool)."""
     if isinstance(value, numbers.Real):

@@ -63,6 +63,7 @@ from .inputs import (
     check_reference_inputs,
     check_token_settings,
     checked_call_inputs,
+    count_settings_as_ints,
 )
 from .model_checks import dense_cache_reason, execution_device, model_fallback
 from .processors import plain_fallback, warn_fallback
@@ -226,6 +227,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         if not hasattr(self, "recurrence_settings"):  # (a family with them reads them: Huginn's `call_block`)
             reject_recurrence_options(type(self).__name__, {**vars(generation_config), **model_kwargs})
         check_generation_values(generation_config)
+        count_settings_as_ints(generation_config)
         reject_configured_runtime_keys(generation_config)
         for key, value in ours.items():
             setattr(generation_config, key, value)
