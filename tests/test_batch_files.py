@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from checkpoint_utils import save_checkpoint, snapshot
@@ -283,6 +284,23 @@ def test_a_resume_under_another_saved_generation_config_is_refused(prompts, tmp_
     assert cli.main(command) == 0
     assert cli.main([*command[:3], str(uninterrupted), *command[4:]]) == 0
     assert output.read_text() == uninterrupted.read_text()
+
+
+def test_a_refusal_forwarded_to_the_other_processes_keeps_the_keys_the_cli_leaves_as_they_are(monkeypatch):
+    """Under `accelerate launch` the main process's refusal is sent to the others as text; the keys of a generation
+    config that it names went with it (they were lost, so the other processes spelled `draft_loops` as the option
+    `--draft-loops`, which had not changed, and each process printed another line)."""
+    import accelerate.utils
+
+    message = ("OUT.parts holds an unfinished run made with other settings (the checkpoint's generation_config.json "
+               "draft_loops: 1 then, 2 now); rerun that command to finish it, or delete OUT.parts to start over.")
+    sent = []
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", lambda objects: sent.append(objects) or
+                        [message, ("draft_loops",)])  # (what the main process sends: its message and keys)
+    with pytest.raises(ValueError) as raised:
+        batch_run.on_main_process(SimpleNamespace(is_main_process=False, num_processes=2), lambda: pytest.fail())
+    assert sent == [[None, ()]]  # (this process checked nothing)
+    assert cli.option_spelled(str(raised.value), raised.value.keys) == message != cli.option_spelled(message)
 
 
 def test_the_default_model_records_the_package_version(prompts, tmp_path, capsys, no_model, monkeypatch):

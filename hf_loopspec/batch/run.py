@@ -159,22 +159,25 @@ def process_state():
 
 def on_main_process(state, check) -> None:
     """Run `check()` on the main process only; the `ValueError` / `OSError` it raises is raised in every process (one
-    that went on alone would wait for the main process at the next barrier)."""
+    that went on alone would wait for the main process at the next barrier), the other processes' with its message
+    and the `keys` the CLI leaves unspelled (`OtherSettingsError`: a generation config's keys, not options)."""
     error = None
     if state.is_main_process:
         try:
             check()
         except (ValueError, OSError) as err:
             error = err
-    message = None if error is None else str(error)
+    message, keys = None if error is None else str(error), tuple(getattr(error, "keys", ()))
     if state.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
-        message = broadcast_object_list([message])[0]
+        message, keys = broadcast_object_list([message, keys])
     if error is not None:
         raise error
     if message is not None:
-        raise ValueError(message)
+        forwarded = ValueError(message)
+        forwarded.keys = keys  # (what the CLI leaves unspelled)
+        raise forwarded
 
 
 def encode_prompts(prompts: list[PromptRow], model, tokenizer, args: argparse.Namespace) -> list[list[int]]:
