@@ -182,3 +182,35 @@ def test_an_export_whose_tokenizer_cannot_pad_says_so(tmp_path, caplog):
         hub_card.settle_pad(gen, tokenizer, TINY["vocab_size"])
     assert tokenizer.pad_token is None and tokenizer.decode([5, 6], skip_special_tokens=True) == "w5 w6"
     assert "so the card's quickstart, which pads two prompts, fails on it" in caplog.text
+
+
+def test_the_cards_code_stops_at_the_stop_strings_its_generation_config_saves(tmp_path):
+    """An export of a checkpoint whose generation_config.json saves stop strings keeps them: the card names them among
+    its defaults, and its code passes the tokenizer that `generate` matches them with (every example failed with
+    transformers' "could not locate a tokenizer", and the card said generation stops at the EOS token only)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_loopspec.assets import default_model_path
+
+    src = tmp_path / "src"
+    shutil.copytree(default_model_path(), src)
+    tok, model = AutoTokenizer.from_pretrained(src), AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    prompt = tok("def is_prime(n):", return_tensors="pt")  # (the second prompt of the card's code)
+    answer = tok.decode(model.generate(**prompt, max_new_tokens=6, do_sample=False, speculative_mode=None)[
+        0, prompt["input_ids"].shape[1]:])
+    stop = answer[len(answer) // 2:][:3]
+    saved = json.loads((src / "generation_config.json").read_text())
+    (src / "generation_config.json").write_text(json.dumps({**saved, "stop_strings": [stop]}))
+    out = export.export_checkpoint(src, tmp_path / "out", benchmarks=None)
+    card = (out / "README.md").read_text()
+    assert f"or once the text holds one of the stop strings {[stop]!r} (pass `tokenizer=tok`)" in card
+    quickstart, plain = card_blocks(card, out)[:2]
+    scope = {}
+    exec(quickstart + plain, scope)  # noqa: S102  (the card's code)
+    width = scope["inputs"]["input_ids"].shape[1]
+    new = scope["out"][1, width:].tolist()  # the second prompt's answer, then the pad of its finished row
+    ended = next(i for i in range(len(new)) if stop in tok.decode(new[:i + 1]))
+    assert ended < 6 and set(new[ended + 1:]) <= {scope["model"].generation_config.pad_token_id}

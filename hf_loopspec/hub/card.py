@@ -97,7 +97,7 @@ def build_model_card(
     tokenizer: bool = True,
     chat: bool = False,
     chat_tokens: dict[str, int] | None = None,
-    eos_token_ids: list[int] | int | None = None,
+    eos_token_ids: list[int] | int | None = None, stop_strings: list[str] | None = None,
     sampling: dict | None = None,
     sampling_source: str = "the base model's card",
     speculative_mode: str | None = "auto",
@@ -128,7 +128,8 @@ def build_model_card(
     (None: as the source stores them). The title defaults to the repo's name and is the card's `model_name` (a re-export
     keeps it); `language`, `datasets`, `license_name` and `license_link`: `_card_data`'s. `kv_bytes_per_token`: this
     model's KV bytes per context token in bf16, every loop together (None: the family's example). `exit_options`: the
-    exit the repo's generation config sets (None: the last loop)."""
+    exit the repo's generation config sets (None: the last loop). `stop_strings`: those it saves (None: none), which
+    the card names and its code matches by passing the tokenizer to `generate`."""
     sampling = check_card_arguments(FAMILIES, **locals())  # (card_checks: every argument, by name)
     fam = FAMILIES[family]
     results = bench_results(benchmarks)  # a bad results file fails before anything is built
@@ -151,10 +152,10 @@ def build_model_card(
         "base_model_or_repo": base_model or repo_id,
         "num_loops": num_loops,
         "generation_defaults": _generation_defaults(speculative_mode, draft_loops, num_speculative_tokens, eos,
-                                                    num_loops),
+                                                    num_loops, stop_strings),
         "tokenizer_code": _tokenizer_code(tokenizer, base_model),
         "inputs_code": _inputs_code(chat, prompt),
-        "generate_kwargs": _generate_kwargs(max_new_tokens, sampling, eos if chat else []),
+        "generate_kwargs": _generate_kwargs(max_new_tokens, sampling, eos if chat else [], bool(stop_strings)),
         "variant_section": _variant_section(fam, chat, chat_tokens, eos, sampling, sampling_source),
         "speed_section": speed_section(results, repo_id),
         "kv_example": fam.kv_example if kv_bytes_per_token is None else
@@ -216,8 +217,9 @@ def _citation_section(fam: CardFamily, base_link: str) -> str:
             f"```bibtex\n{fam.bibtex}\n```\n")
 
 
-def _generate_kwargs(max_new_tokens: int, sampling: dict | None, chat_eos: list[int]) -> str:
-    """The `gen = dict(...)` of the card's code; a chat model with several eos ids stops on all of them."""
+def _generate_kwargs(max_new_tokens: int, sampling: dict | None, chat_eos: list[int], stops: bool) -> str:
+    """The `gen = dict(...)` of the card's code; a chat model with several eos ids stops on all of them, and the
+    stop strings a repo's generation config saves (`stops`) are matched with the tokenizer `generate` is given."""
     kwargs = f"max_new_tokens={max_new_tokens}"
     if sampling:
         kwargs += ", do_sample=True" + "".join(f", {k}={v!r}" for k, v in sampling.items())
@@ -225,7 +227,7 @@ def _generate_kwargs(max_new_tokens: int, sampling: dict | None, chat_eos: list[
         kwargs += ", do_sample=False"
     if len(chat_eos) > 1:
         kwargs += f", eos_token_id={chat_eos}"
-    return kwargs
+    return kwargs + (", tokenizer=tok" if stops else "")
 
 
 def _inputs_code(chat: bool, prompt: str) -> str:
@@ -288,10 +290,14 @@ def _speculation_sections(fields: dict, num_loops: int) -> dict:
             "speculative_usage": SPECULATIVE_USAGE.substitute(fields) if looped else ""}
 
 
-def _generation_defaults(mode: str | None, draft_loops: int, k: int, eos: list[int], num_loops: int) -> str:
+def _generation_defaults(mode: str | None, draft_loops: int, k: int, eos: list[int], num_loops: int,
+                         stop_strings: list[str] | None = None) -> str:
     """What the card says of the defaults written to `generation_config.json`: only modes those defaults can run
-    (pipeline mode needs `draft_loops` to divide `num_loops`; auto then weighs plain and block only)."""
+    (pipeline mode needs `draft_loops` to divide `num_loops`; auto then weighs plain and block only), and where
+    generation stops (its eos ids, and its stop strings, which `generate` matches with the tokenizer it is given)."""
     where = f"token {' or '.join(str(e) for e in eos)}" if eos else "the checkpoint's eos token"
+    if stop_strings:
+        where += f" or once the text holds one of the stop strings {list(stop_strings)!r} (pass `tokenizer=tok`)"
     stops = f"generation stops at {where}"
     pipeline = num_loops % draft_loops == 0
     divisors = ", ".join(str(d) for d in range(1, num_loops) if num_loops % d == 0)

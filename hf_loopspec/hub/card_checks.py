@@ -177,6 +177,8 @@ CARD_ARGUMENT_RULES = {
                                             "knows to their ids (integers >= 0); give {} for a chat template that is "
                                             "not ChatML, or None for the family's"),
     "eos_token_ids": (_or_none(_token_ids), " must be a token id (an integer >= 0), a non-empty list of them, or None"),
+    "stop_strings": (_or_none(lambda value: isinstance(value, (list, tuple)) and bool(value) and all(
+        isinstance(stop, str) and stop for stop in value)), " must be a non-empty list of non-empty strings, or None"),
     "weights_dtype": (_or_none(DTYPE_NAMES.__contains__), f" must be one of {', '.join(DTYPE_NAMES)}, or None (the "
                                                           "weights as the source stores them)"),
     "max_new_tokens": (is_count, " must be an integer >= 1, as generate takes it"),

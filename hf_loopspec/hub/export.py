@@ -245,6 +245,7 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
         "chat": bool(getattr(tokenizer, "chat_template", None)),
         "chat_tokens": chatml_tokens(tokenizer),
         "eos_token_ids": gen.eos_token_id,
+        "stop_strings": [gen.stop_strings] if isinstance(gen.stop_strings, str) else gen.stop_strings,
         "speculative_mode": gen.speculative_mode,
         "draft_loops": gen.draft_loops,
         "num_speculative_tokens": gen.num_speculative_tokens,
