@@ -146,6 +146,14 @@ def _token_ids(value) -> bool:
     return all(is_count(id_, 0) for id_ in ids)
 
 
+def _stop_strings_given(value) -> bool:
+    """`generate`'s rule for `stop_strings` (`generation.inputs.stop_strings_given`), imported when a card names
+    some (the export command's parser loads no torch)."""
+    from ..generation.inputs import stop_strings_given
+
+    return stop_strings_given(value)
+
+
 def _chat_tokens(value) -> bool:
     """Whether `value` maps ChatML tokens (`CHATML_TOKENS`) to token ids."""
     return isinstance(value, dict) and all(token in CHATML_TOKENS and is_count(id_, 0) for token, id_ in value.items())
@@ -177,8 +185,8 @@ CARD_ARGUMENT_RULES = {
                                             "knows to their ids (integers >= 0); give {} for a chat template that is "
                                             "not ChatML, or None for the family's"),
     "eos_token_ids": (_or_none(_token_ids), " must be a token id (an integer >= 0), a non-empty list of them, or None"),
-    "stop_strings": (_or_none(lambda value: isinstance(value, (list, tuple)) and bool(value) and all(
-        isinstance(stop, str) and stop for stop in value)), " must be a non-empty list of non-empty strings, or None"),
+    "stop_strings": (_or_none(lambda value: isinstance(value, (list, tuple)) and _stop_strings_given(value)),
+                     " must be a non-empty list of non-empty strings, or None"),
     "weights_dtype": (_or_none(DTYPE_NAMES.__contains__), f" must be one of {', '.join(DTYPE_NAMES)}, or None (the "
                                                           "weights as the source stores them)"),
     "max_new_tokens": (is_count, " must be an integer >= 1, as generate takes it"),
