@@ -24,7 +24,14 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from hf_loopspec import KVLayout, PagedLoopCache  # noqa: E402
-from hf_loopspec.hub.card import MODEL_CARD_TEMPLATE, SPECULATION, SPECULATIVE_USAGE, build_model_card  # noqa: E402
+from hf_loopspec.hub.card import (  # noqa: E402
+    EXACTNESS_COMMENT,
+    MODEL_CARD_TEMPLATE,
+    SPECULATION,
+    SPECULATION_LIMITATIONS,
+    SPECULATIVE_USAGE,
+    build_model_card,
+)
 
 THINKING_SAMPLING = {"temperature": 1.0, "top_p": 0.7}  # the upstream Thinking cards' recommendation
 VARIANTS = {
@@ -67,10 +74,12 @@ def render(out_dir: Path, namespace: str, benchmarks: list[Path]) -> list[Path]:
     template.write_text(
         "<!-- The model card template hf_loopspec/hub/templates/model_card.md (a string.Template; family text from "
         "FAMILIES in hf_loopspec/hub/card.py), with its sections of a looped model (speculation.md, "
-        "speculative_usage.md) in place; the front matter is added by build_model_card. Copied by "
-        "scripts/render_model_cards.py: edit the templates, not this file. -->\n\n"
+        "speculative_usage.md, speculation_limitations.md, the exactness comment) in place; the front matter is added "
+        "by build_model_card. Copied by scripts/render_model_cards.py: edit the templates, not this file. -->\n\n"
         + MODEL_CARD_TEMPLATE.safe_substitute(speculation=SPECULATION.template,
-                                              speculative_usage=SPECULATIVE_USAGE.template),
+                                              speculative_usage=SPECULATIVE_USAGE.template,
+                                              dtype_comment=EXACTNESS_COMMENT,
+                                              speculation_limitations=SPECULATION_LIMITATIONS.template),
         encoding="utf-8")
     written.append(template)
     return written

@@ -379,6 +379,10 @@ def test_export_refuses_a_non_empty_folder_and_bad_settings(source, tmp_path):
     # nor does its lead or its tags (they said "decoded with lossless pipelined or block self-speculation")
     assert "self-speculation." not in card.split("**No self-speculation.**")[0]
     assert "speculative-decoding" not in ModelCard.load(out / "README.md").data.tags
+    # nor its code, speed section or limitations (they spoke of speculative output, drafting and its speed-up)
+    for speculative in ("speculative equals plain", "drafting", "Speculation pays off", "speculative output"):
+        assert speculative not in card, speculative
+    assert "--modes plain" in card and "## Limitations" in card
     assert (tmp_path / "x.txt").read_text() == "keep"
     for bad, match in [({"repo_id": "a/b/c"}, "--repo-id 'a/b/c'"), ({"repo_id": "../evil"}, "--repo-id '../evil'"),
                        ({"repo_id": "name-only"}, "namespace/name"), ({"base_model": "x y"}, "--base-model 'x y'"),

@@ -33,9 +33,11 @@ from .card_speed import bench_results, eval_results, speed_section
 from .install import install_command, project_url
 
 TAGS = ("looped-language-model", "speculative-decoding", "custom_generate")
-MODEL_CARD_TEMPLATE, SPECULATION, SPECULATIVE_USAGE = (
+MODEL_CARD_TEMPLATE, SPECULATION, SPECULATIVE_USAGE, SPECULATION_LIMITATIONS = (
     Template(resources.files(__package__).joinpath("templates", name).read_text(encoding="utf-8"))
-    for name in ("model_card.md", "speculation.md", "speculative_usage.md"))  # (the last two: models of U >= 2)
+    for name in ("model_card.md", "speculation.md", "speculative_usage.md", "speculation_limitations.md"))
+# (the last three: models of U >= 2, as is the code's comment on fp32)
+EXACTNESS_COMMENT = "  # fp32: speculative equals plain, token for token"
 NO_SPECULATION = ("**No self-speculation.** This model runs its stack once per token (U = 1): it has no shallower "
                   "loop to draft from, so it decodes plainly, and `generate` refuses the speculative modes.\n")
 
@@ -157,7 +159,7 @@ def build_model_card(
         "inputs_code": _inputs_code(chat, prompt),
         "generate_kwargs": _generate_kwargs(max_new_tokens, sampling, eos if chat else [], bool(stop_strings)),
         "variant_section": _variant_section(fam, chat, chat_tokens, eos, sampling, sampling_source),
-        "speed_section": speed_section(results, repo_id),
+        "speed_section": speed_section(results, repo_id, num_loops),
         "kv_example": fam.kv_example if kv_bytes_per_token is None else
         f"about {_size(kv_bytes_per_token)} per context token for this model in bf16 across its {num_loops} loops",
         "family_limitations": _exit_limitation(exit_options) if exit_options else fam.limitations,
@@ -283,11 +285,13 @@ def _tokenizer_code(tokenizer: bool, base_model: str | None) -> str:
 
 
 def _speculation_sections(fields: dict, num_loops: int) -> dict:
-    """The card's self-speculation prose and usage snippets; a 1-loop model, which cannot speculate, gets a line
-    saying so and no speculative mode."""
+    """The card's self-speculation prose, usage snippets, exactness comment and limitations; a 1-loop model, which
+    cannot speculate, gets a line saying so and none of the rest."""
     looped = num_loops >= 2
     return {"speculation": SPECULATION.substitute(fields) if looped else NO_SPECULATION,
-            "speculative_usage": SPECULATIVE_USAGE.substitute(fields) if looped else ""}
+            "speculative_usage": SPECULATIVE_USAGE.substitute(fields) if looped else "",
+            "dtype_comment": EXACTNESS_COMMENT if looped else "",
+            "speculation_limitations": SPECULATION_LIMITATIONS.substitute(fields) if looped else ""}
 
 
 def _generation_defaults(mode: str | None, draft_loops: int, k: int, eos: list[int], num_loops: int,

@@ -28,6 +28,10 @@ SYNTHETIC_NOTE = ("**Synthetic acceptance {rate}:** drafts replaced by the known
                   "(verification is real). This measures the decoding engine, not this model's drafts.")
 SAMPLING_NOTE = ("**Sampling** ({settings}): outputs are random draws, not compared token by token; acceptance is "
                  "the real min(1, p/q).")
+NO_NUMBERS_ONE_LOOP = (
+    "No measured speed numbers: no `hf-loopspec bench` results were given when this card was written, so it shows "
+    "none. This model runs its stack once per token and decodes plainly; measure it on your own hardware with "
+    "`hf-loopspec bench --model <repo or folder> --modes plain`.")
 COLUMNS = ("mode", "tok/s", "× plain", "× ar", "calls/token", "acceptance", "check")
 
 
@@ -94,11 +98,11 @@ def _settings(result: dict) -> str:
     return f"{command} on {result['machine']['device_name']}"
 
 
-def speed_section(results: Sequence[dict], repo_id: str) -> str:
+def speed_section(results: Sequence[dict], repo_id: str, num_loops: int) -> str:
     """The card's speed section for bench result documents, whose local `--model` folders are named as `repo_id`
-    (module docstring)."""
+    (module docstring); without results, what can be said of a model of `num_loops` loops unmeasured."""
     if not results:
-        return NO_NUMBERS
+        return NO_NUMBERS if num_loops >= 2 else NO_NUMBERS_ONE_LOOP
     parts = ["Measured with `hf-loopspec bench` (tokens/s are for all sequences of the batch, prefill included; "
              "each table names its machine and the command that reproduces it)."]
     for result in results:
