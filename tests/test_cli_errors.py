@@ -321,14 +321,23 @@ def test_a_checkpoints_refused_setting_is_named_as_the_checkpoints(tmp_path, cap
 def test_a_checkpoints_refused_exit_or_recurrence_setting_is_named_before_batch_starts(tmp_path, capsys):
     """An exit option past the loops, or Huginn's num_steps on Ouro, saved in generation_config.json: `batch` failed
     in its first batch (after making OUT's folder and OUT.parts), naming no file; both commands name it before
-    anything runs."""
-    folder = save_checkpoint(tmp_path / "saved-exit", total_ut_steps=4)
-    config = json.loads((folder / "generation_config.json").read_text())
+    anything runs. So are a Huginn checkpoint's invalid recurrence settings (they were "the model's
+    generation_config", naming no file and no fix)."""
+    ouro = save_checkpoint(tmp_path / "saved-exit", total_ut_steps=4)
+    huginn = tmp_path / "huginn"
+    model = tiny_huginn(seed=1)[0]
+    model.save_pretrained(huginn)
+    word_tokenizer(model.config.vocab_size).save_pretrained(huginn)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": 1, "prompt": "w5 w6"}\n')
     out = tmp_path / "new" / "out.jsonl"
-    for saved, named in (({"exit_at_step": 9}, "exit_at_step=9 must be an integer in [0, 3] for a 4-loop model"),
-                         ({"num_steps": 3}, "num_steps=3: OuroForCausalLM has no recurrence settings")):
+    for folder, saved, named in (
+            (ouro, {"exit_at_step": 9}, "exit_at_step=9 must be an integer in [0, 3] for a 4-loop model"),
+            (ouro, {"num_steps": 3}, "num_steps=3: OuroForCausalLM has no recurrence settings"),
+            (huginn, {"num_steps": 0}, "num_steps=0 must be an integer >= 1"),
+            (huginn, {"init_scale": -1.0}, "init_scale=-1.0 must be a finite number >= 0"),
+            (huginn, {"init_seed": -1}, "init_seed=-1 must be an integer in [0, 2**64)")):
+        config = json.loads((folder / "generation_config.json").read_text())
         (folder / "generation_config.json").write_text(json.dumps({**config, **saved}))
         for argv in (["generate", "w5 w6"], ["batch", str(prompts), "--output", str(out)]):
             capsys.readouterr()
@@ -337,12 +346,9 @@ def test_a_checkpoints_refused_exit_or_recurrence_setting_is_named_before_batch_
             assert f"error: the checkpoint's generation_config.json: {named}" in line, line
             assert line.endswith("; correct the checkpoint's generation_config.json."), line
         assert not out.parent.exists()
+        (folder / "generation_config.json").write_text(json.dumps(config))
     # Huginn's num_steps=1 (no shallower loop to draft from) under the default --mode auto: named as the file's, with
     # the option that works (the message named generate's num_steps, which no option sets)
-    huginn = tmp_path / "huginn"
-    model = tiny_huginn(seed=1)[0]
-    model.save_pretrained(huginn)
-    word_tokenizer(model.config.vocab_size).save_pretrained(huginn)
     config = json.loads((huginn / "generation_config.json").read_text())
     (huginn / "generation_config.json").write_text(json.dumps({**config, "num_steps": 1}))
     capsys.readouterr()

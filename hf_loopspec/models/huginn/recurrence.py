@@ -113,6 +113,13 @@ def check_passed(settings: dict, mean_recurrence: int) -> None:
         raise ValueError(f"generation_config: {error}") from None
 
 
+def check_saved(generation_config, mean_recurrence: int) -> None:
+    """`ValueError` naming a bad recurrence setting that a model's own generation config holds (every call that
+    gives none of its own reads it), in `updated`'s words."""
+    updated(Recurrence(1, 1.0, None), *(getattr(generation_config, key, None) for key in GENERATION_KEYS),
+            mean_recurrence)
+
+
 def check_steps_fit(model) -> None:
     """`ValueError` when one token's KV over every plane of `model`'s call (a `HuginnForCausalLM` inside its call's
     `recurrence` block) takes more than the free memory: a call with such a `num_steps` (say 10**9, from a served
