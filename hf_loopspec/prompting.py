@@ -131,13 +131,17 @@ def generate_kwargs(args: argparse.Namespace, model, tokenizer) -> dict:
 
 def check_saved_settings(model, given: dict, overrides=lambda named: ()) -> None:
     """`SavedSettingError` naming the checkpoint's generation_config.json (`model.generation_config`) for a setting of
-    it that a `generate` call with the keyword arguments `given` refuses: an exit option, a recurrence setting or a
-    hook, which no call overrides (`saved_config.check_family_keys`), or a speculative setting (`saved_refusal`),
+    it that a `generate` call with the keyword arguments `given` refuses: an exit option, a recurrence setting of
+    another family or a hook, which no call overrides (`saved_config.check_family_keys`), a Huginn model's recurrence
+    setting that `given` does not override (`recurrence.check_saved`), or a speculative setting (`saved_refusal`),
     which the options `overrides(named)` would (the CLI's; none: serve's)."""
     from .generation.saved_config import check_family_keys
+    from .models.huginn.recurrence import check_saved
 
     try:
         check_family_keys(model)
+        if hasattr(model, "recurrence_settings"):  # Huginn: those of its recurrence settings the call reads
+            check_saved(model, given)
     except ValueError as error:
         raise SavedSettingError(f"the checkpoint's generation_config.json: {str(error).rstrip('.')}; correct the "
                                 "checkpoint's generation_config.json.") from None

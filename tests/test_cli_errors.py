@@ -322,7 +322,8 @@ def test_a_checkpoints_refused_exit_or_recurrence_setting_is_named_before_batch_
     """An exit option past the loops, or Huginn's num_steps on Ouro, saved in generation_config.json: `batch` failed
     in its first batch (after making OUT's folder and OUT.parts), naming no file; both commands name it before
     anything runs. So are a Huginn checkpoint's invalid recurrence settings (they were "the model's
-    generation_config", naming no file and no fix)."""
+    generation_config", naming no file and no fix), and a num_steps too large for the memory (`batch` left
+    OUT.parts)."""
     ouro = save_checkpoint(tmp_path / "saved-exit", total_ut_steps=4)
     huginn = tmp_path / "huginn"
     model = tiny_huginn(seed=1)[0]
@@ -336,7 +337,8 @@ def test_a_checkpoints_refused_exit_or_recurrence_setting_is_named_before_batch_
             (ouro, {"num_steps": 3}, "num_steps=3: OuroForCausalLM has no recurrence settings"),
             (huginn, {"num_steps": 0}, "num_steps=0 must be an integer >= 1"),
             (huginn, {"init_scale": -1.0}, "init_scale=-1.0 must be a finite number >= 0"),
-            (huginn, {"init_seed": -1}, "init_seed=-1 must be an integer in [0, 2**64)")):
+            (huginn, {"init_seed": -1}, "init_seed=-1 must be an integer in [0, 2**64)"),
+            (huginn, {"num_steps": 2**40}, f"num_steps={2**40}: one token's KV over its {2**41 + 1} planes takes")):
         config = json.loads((folder / "generation_config.json").read_text())
         (folder / "generation_config.json").write_text(json.dumps({**config, **saved}))
         for argv in (["generate", "w5 w6"], ["batch", str(prompts), "--output", str(out)]):

@@ -24,7 +24,6 @@ from transformers import GenerationConfig
 from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from ..logs import get_logger
-from ..models.huginn.recurrence import check_saved as check_saved_recurrence
 from .call import RUNTIME_KEYS, reject_configured_runtime_keys
 from .config import EXIT_OPTIONS, SPECULATIVE_KEYS, check_generation_mode, reject_recurrence_options, speculative_config
 from .inputs import check_token_settings
@@ -70,12 +69,11 @@ def saved_generation_dict(path, **download_kwargs) -> dict:
 def check_family_keys(model) -> None:
     """`ValueError` for a setting of `model.generation_config` that every `generate` of `model` refuses: a hook or
     trace (`RUNTIME_KEYS`), which only a call passes; Huginn's recurrence settings on a family without them; exit
-    options the family refuses, or an invalid one; a Huginn model's own recurrence settings when one is invalid."""
+    options the family refuses, or an invalid one (a Huginn model's own recurrence settings are checked as
+    `model.call_block` opens them)."""
     config = model.generation_config
     reject_configured_runtime_keys(config)
-    if hasattr(model, "recurrence_settings"):
-        check_saved_recurrence(config, model.config.mean_recurrence)
-    else:
+    if not hasattr(model, "recurrence_settings"):
         reject_recurrence_options(type(model).__name__, vars(config))
     model.exit_rule(**{key: getattr(config, key) for key in EXIT_OPTIONS if getattr(config, key, None) is not None})
 

@@ -113,11 +113,15 @@ def check_passed(settings: dict, mean_recurrence: int) -> None:
         raise ValueError(f"generation_config: {error}") from None
 
 
-def check_saved(generation_config, mean_recurrence: int) -> None:
-    """`ValueError` naming a bad recurrence setting that a model's own generation config holds (every call that
-    gives none of its own reads it), in `updated`'s words."""
-    updated(Recurrence(1, 1.0, None), *(getattr(generation_config, key, None) for key in GENERATION_KEYS),
-            mean_recurrence)
+def check_saved(model, given: dict) -> None:
+    """`ValueError` for a recurrence setting of `model.generation_config` (a `HuginnForCausalLM`'s) that a call giving
+    the settings `given` (those not None) reads and refuses: an invalid one, in `updated`'s words, or a `num_steps`
+    whose KV for one token exceeds the free memory (`check_steps_fit`)."""
+    saved = [getattr(model.generation_config, key, None) if given.get(key) is None else None for key in GENERATION_KEYS]
+    updated(Recurrence(1, 1.0, None), *saved, model.config.mean_recurrence)
+    if saved[0] is not None:  # (the other two settings fixed: they do not size the KV)
+        with model.recurrence(num_steps=saved[0], init_scale=1.0, init_seed=0):
+            check_steps_fit(model)
 
 
 def check_steps_fit(model) -> None:
