@@ -90,6 +90,16 @@ class KVLayout:
                                       or not 0 <= value < self.num_planes):
                 raise ValueError(f"KVLayout.{name}={value!r} must be None or a plane in [0, {self.num_planes}).")
             object.__setattr__(self, name, None if value is None else int(value))
+        loops = range(self.num_loops)  # (ranges, never lists: a layout may have 10**9 planes)
+        exits = range(self.first_exit_plane, self.first_exit_plane + self.num_loops) \
+            if self.first_exit_plane is not None else range(0)
+        entry = self.entry_plane
+        if not loops or entry in loops or entry in exits or (exits and (exits[0] < len(loops)
+                                                                        or exits[-1] >= self.num_planes)):
+            raise ValueError(f"KVLayout: the loop planes [0, {len(loops)}), entry_plane={entry} and the exit "
+                             f"planes from first_exit_plane={self.first_exit_plane} on (one per loop) must be distinct "
+                             f"planes in [0, {self.num_planes}); give the entry and exit planes the planes after the "
+                             "loops'.")
 
     @property
     def num_loops(self) -> int:

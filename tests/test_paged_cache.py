@@ -442,6 +442,13 @@ class TestPlainGenerateOnPagedCache:
     ((2, 1, 1, 1.5), r"KVLayout.head_dim=1.5 must be"),
     ((2, 1, 1, 4, 2), r"KVLayout.entry_plane=2 must be None or a plane in \[0, 2\)"),
     ((2, 1, 1, 4, None, -1), r"KVLayout.first_exit_plane=-1 must be"),
+    # planes that are each in range but overlap, or exit planes past the last (they shared or lost KV)
+    ((4, 1, 1, 4, None, 3), r"the loop planes \[0, 2\), entry_plane=None and the exit planes from "
+                            r"first_exit_plane=3 on \(one per loop\) must be distinct planes in \[0, 4\)"),
+    ((4, 1, 1, 4, None, 0), r"exit planes from first_exit_plane=0 on .* must be distinct"),
+    ((5, 1, 1, 4, 4, 4), r"entry_plane=4 and the exit planes from first_exit_plane=4 on .* must be distinct"),
+    ((3, 1, 1, 4, 1), r"the loop planes \[0, 2\), entry_plane=1 .* must be distinct"),
+    ((1, 1, 1, 4, 0), r"the loop planes \[0, 0\), entry_plane=0"),  # (no loop plane at all)
 ])
 def test_a_layout_that_names_no_kv_is_refused(fields, message):
     """A layout of negative or fractional counts was taken, and a cache built on it failed only when a model wrote."""
@@ -449,6 +456,27 @@ def test_a_layout_that_names_no_kv_is_refused(fields, message):
 
     with pytest.raises(ValueError, match=message):
         KVLayout(*fields)
+
+
+def test_a_refused_plan_rows_leaves_the_cache_as_it_was():
+    """A `plan_rows` call refused for a gap, a float sequence or a missing `like` added the sequences it named (and
+    with `like=None` grew the table before an AttributeError), so the next correct call was refused or the batch
+    size changed."""
+    cache = PagedLoopCache(LAYOUT)
+    cache.plan_rows([0], [0], [0], LIKE)
+    for rows, like, message in ((([3], [0], [1]), LIKE, r"positions \[1\] of sequence 3, depth 0, whose valid "
+                                                         r"length is 0"),
+                                (([0], [0], [5]), LIKE, r"positions \[5\] of sequence 0"),
+                                (([0.5], [0], [1]), LIKE, r"seq holds 0\.5: every seq must be an integer >= 0"),
+                                (([0], [0], [-1]), LIKE, r"position holds -1: every position must be"),
+                                (([0], [0], [1]), None, r"like=None must be a tensor")):
+        with pytest.raises(ValueError, match=message):
+            cache.plan_rows(*rows, like)
+        assert (cache.num_sequences, cache.length(0, 0), cache.pages_in_use) == (1, 1, 1)
+    cache.plan_rows([0, 1], [0, 0], [1, 0], LIKE)  # the next positions: taken
+    assert (cache.num_sequences, cache.length(0, 0), cache.length(1, 0)) == (2, 2, 1)
+    with pytest.raises(ValueError, match="like=None"):  # an empty cache: refused before anything is allocated
+        PagedLoopCache(LAYOUT).plan_rows([0], [0], [0], None)
 
 
 def test_a_layout_of_numpy_integers_is_the_layout_of_python_ones():

@@ -118,8 +118,7 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
         the compute device in the KV dtype; `lineage` (debug) gives each row's lineage id.
         """
         seq, depth, position = (x.tolist() if torch.is_tensor(x) else list(x) for x in (seq, depth, position))
-        if not len(seq) == len(depth) == len(position):
-            raise ValueError("seq, depth and position must have the same length.")
+        self._check_rows(seq, depth, position, like)
         stray = [s for s in set(seq) if s >= self.batch_size and s not in self.branches] if self.branches else []
         if stray:  # (a new sequence, or the slot of a branch closed since: closing the last branch drops them)
             raise ValueError(f"sequence {max(stray)} is no sequence of the batch and no open branch, but a branch is "
@@ -127,24 +126,13 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
                              "sequences.")
         if self.k_pool is None:
             self._grow(0, like)
+        count = self.num_sequences
         self.ensure_sequences(max(seq, default=-1) + 1)
-        tables = [self._table(s, d) for s, d in zip(seq, depth)]
-        written: dict[int, list[int]] = {}
-        for t, p in zip(tables, position):
-            written.setdefault(t, []).append(p)
-        for t in written:
-            self.branches.before_write(*divmod(t, self.num_planes))
-        for t, ps in written.items():
-            expected = range(self._lengths[t], self._lengths[t] + len(ps))
-            if sorted(ps) != list(expected):
-                s, d = divmod(t, self.num_planes)
-                if len(set(ps)) != len(ps):
-                    raise ValueError(f"duplicate KV write address in one call: sequence {s}, depth {d}, "
-                                     f"positions {sorted(ps)} (invariant I2).")
-                raise ValueError(
-                    f"rows write positions {sorted(ps)} of sequence {s}, depth {d}, whose valid length is "
-                    f"{self._lengths[t]}: writes must extend the table contiguously (truncate before rewriting)."
-                )
+        try:  # (a refused call adds no sequence)
+            tables, written = self._written(seq, depth, position)
+        except ValueError:
+            self._drop_sequences(count)
+            raise
         slots = []
         for t, p in zip(tables, position):
             page = self._writable_page(t, p // self.page_size, like)
