@@ -535,6 +535,8 @@ def test_mismatched_checkpoint_raises(tmp_path):
     # a string switch read as True: the model built the biases, then every call refused them (qk_bias), or tied
     ({"qk_bias": "false"}, r"HuginnConfig.qk_bias='false' is invalid: pass True or False"),
     ({"qk_bias": None}, r"HuginnConfig.qk_bias=None is invalid"),
+    # a TypeError in transformers' generation config when the model was built
+    ({"pad_token_id": "3"}, r"HuginnConfig.pad_token_id='3' is invalid: it must be None or an integer"),
     ({"tie_embeddings": "false"}, r"HuginnConfig.tie_embeddings='false' is invalid"),
     # a std of 0 or inf failed in the initial states' draw (ZeroDivisionError, a torch RuntimeError), an infinite
     # embed_scale gave NaN logits and greedy token 0

@@ -344,6 +344,11 @@ def test_out_of_vocab_ids_raise(bad_id):
         ({"dtype": "float13"}, "OuroConfig.dtype='float13' is no torch dtype"),
         ({"torch_dtype": "bf16"}, "OuroConfig.torch_dtype='bf16' is no torch dtype"),
         ({"dtype": "float13", "torch_dtype": "float32"}, "OuroConfig.dtype='float13' is no torch dtype"),
+        # a TypeError in transformers' generation config when the model was built
+        ({"pad_token_id": "3"}, "OuroConfig.pad_token_id='3' is invalid: it must be None or an integer"),
+        ({"bos_token_id": 1.5}, "OuroConfig.bos_token_id=1.5 is invalid"),
+        ({"eos_token_id": [2, "3"]}, "OuroConfig.eos_token_id=[2, '3'] is invalid: it must be None, an integer or a "
+                                     "list of integers"),
     ],
 )
 def test_invalid_config_raises(overrides, named):
@@ -401,6 +406,23 @@ def test_keywords_giving_the_rope_base_twice_must_agree(tmp_path):
     for keywords in ({"rope_theta": 0.0}, {"rope_parameters": {"rope_theta": -1.0}}, {"attention_bias": True}):
         with pytest.raises(ValueError, match="rope_theta=.* is invalid|attention_bias=True"):
             AutoModelForCausalLM.from_pretrained(tmp_path, **keywords)
+
+
+def test_a_model_class_built_from_another_familys_config_names_it():
+    """`OuroForCausalLM(HuginnConfig())`, a dict or None failed in an AttributeError about a field the config lacks;
+    a config of the family's model type is taken, a remote-code shim's subclass included."""
+    from hf_loopspec import HuginnConfig, HuginnForCausalLM, OuroForCausalLM, OuroModel
+
+    for cls, config, given in ((OuroForCausalLM, HuginnConfig(), "HuginnConfig (model_type='huginn_raven')"),
+                               (OuroModel, None, "NoneType (model_type=None)"),
+                               (OuroForCausalLM, {"vocab_size": 64}, "dict (model_type=None)"),
+                               (HuginnForCausalLM, OuroConfig(), "OuroConfig (model_type='ouro')")):
+        family = cls.config_class.model_type
+        with pytest.raises(ValueError, match=re.escape(f"config={given}: {cls.__name__} needs a config of "
+                                                       f"model_type={family!r}")):
+            cls(config)
+    shim = type("OuroConfig", (OuroConfig,), {})  # (as an exported repo's configuration_ouro.py defines it)
+    assert isinstance(OuroForCausalLM(shim(**tiny_config().to_dict())), OuroForCausalLM)
 
 
 def test_settings_changed_after_the_config_was_made_are_checked_when_the_model_is_built(tmp_path):

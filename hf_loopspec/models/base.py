@@ -62,6 +62,12 @@ class StrictLoadingMixin:
     generation_keys: tuple[str, ...] = ()  # generation config keys the family's `generate` reads, besides ours
 
     def __init__(self, config, *args, **kwargs):
+        family = self.config_class.model_type  # (by model type: a remote-code shim's config subclasses ours)
+        if getattr(config, "model_type", None) != family:
+            raise ValueError(f"config={type(config).__name__} (model_type={getattr(config, 'model_type', None)!r}): "
+                             f"{type(self).__name__} needs a config of model_type={family!r} "
+                             f"({self.config_class.__name__}): pass one, or load the checkpoint with "
+                             "AutoModelForCausalLM.from_pretrained.")
         # The config checked itself when it was made; settings changed since (`from_pretrained`'s keyword overrides
         # are set after that, as are assignments) are checked here, before a layer is built from them.
         config.validate_architecture()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from .layers import is_finite_real
+from .layers import is_finite_real, is_integer
 
 ROPE_BASE_NAMES = ("rope_theta", "rope_parameters", "rope_scaling")  # the keywords that can give the RoPE base
 FROM_CONFIG = object()  # a value check's default `value`: read the field from the config
@@ -27,6 +27,19 @@ def check_counts(config, positive: tuple[str, ...], non_negative: tuple[str, ...
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 kind = "a positive integer" if low else "an integer >= 0"
                 raise ValueError(f"{type(config).__name__}.{field}={value!r} is invalid: it must be {kind}.")
+
+
+def check_token_ids(config) -> None:
+    """`ValueError` naming the field unless `pad_token_id` and `bos_token_id` are each None or an integer, and
+    `eos_token_id` None, an integer or a list of them (a string id such as "3" reached a comparison in transformers'
+    generation config as a bare TypeError)."""
+    for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(config, field, None)
+        listed = field == "eos_token_id" and isinstance(value, (list, tuple))
+        if not (all(is_integer(id_) for id_ in value) if listed else value is None or is_integer(value)):
+            allowed = ", an integer or a list of integers" if field == "eos_token_id" else " or an integer"
+            raise ValueError(f"{type(config).__name__}.{field}={value!r} is invalid: it must be None{allowed} "
+                             "(token ids of the tokenizer's vocabulary).")
 
 
 def check_dtype(config, kwargs: dict) -> None:

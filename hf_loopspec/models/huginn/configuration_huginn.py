@@ -24,6 +24,7 @@ from ..config_checks import (
     check_flag,
     check_norm_eps,
     check_rope_base,
+    check_token_ids,
     disagree,
     rope_theta_of,
 )
@@ -249,6 +250,7 @@ class HuginnConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
         model built from it: an `n_layers` (`num_hidden_layers`, e.g. a `from_pretrained` override) other than the
         stages' sum, or two names of one setting that disagree."""
         check_counts(self, SIZES, OUTER_STAGES)
+        check_token_ids(self)
         stages = tuple(getattr(self, stage) for stage in STAGES)
         if self.n_layers != sum(stages):
             raise ValueError(

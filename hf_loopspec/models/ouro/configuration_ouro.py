@@ -113,6 +113,7 @@ class OuroConfig(RopeParametersMixin, CodePointersMixin, PreTrainedConfig):
         """Raise `ValueError` for a configuration no Ouro model can be built from. An all-full-attention
         `layer_types` is re-derived from `num_hidden_layers` first (a count changed after the config was made)."""
         checks.check_counts(self, SIZES)
+        checks.check_token_ids(self)
         check_loop_count(self.total_ut_steps)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
