@@ -15,6 +15,7 @@ from hf_loopspec.bench import workload, workload_main
 from hf_loopspec.bench.run import bench_generation_config, run_mode
 from hf_loopspec.bench.shapes import random_model
 from hf_loopspec.bench.workload import Served, make_workload, run_continuous, run_static
+from hf_loopspec.defaults import CPUS
 
 VOCAB = 256  # ouro-tiny's
 
@@ -112,6 +113,7 @@ def test_throughput_and_latency_percentiles_match_numpy():
     (["--engines", "plain,fast"], "--engines: 'plain,fast': choose a comma-separated subset of plain,pipeline"),
     (["--synthetic-acceptance", "1.5"], "--synthetic-acceptance: 1.5 is outside [0, 1]"),
     (["--seed", str(2**80)], "--seed: 1208925819614629174706176 is outside [0, 2**63)"),  # (was a torch overflow)
+    (["--threads", str(CPUS + 1)], f"--threads: {CPUS + 1} is outside [1, {CPUS}]"),  # (as bench's: was taken)
     (["--model", "ouro-tiny", "--device", "cpu", "--engines", "plain", "--synthetic-acceptance", "0.9"],
      "--synthetic-acceptance 0.9 replaces pipeline drafts"),
     (["--model", "/no/such/folder", "--device", "cpu"], "no such folder: /no/such/folder"),

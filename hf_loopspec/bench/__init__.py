@@ -42,9 +42,10 @@ planes.
 `--engines wavefront,reference` also runs every lane mode (ar, block, pipeline) on the reference, the lane decoder
 (`model.decode_with_lanes`, eager only), as a measured baseline: it is the tests' oracle, not an engine `generate`
 runs. Its rows are named `MODE/reference`; every JSON row carries `engine` ("wavefront", "reference", or None for
-plain modes). The wavefront engine's call rows are the fixed shapes it runs (every lane slot and prompt row in each
-core call, masked or not); with `--synthetic-acceptance` its draft override is filled from the same seeded hook
-position by position: each (sequence, position) has one synthetic draft, so both engines see the same pattern.
+plain modes and auto, whose segments are plain or speculative: its `auto_choices` say which). The wavefront engine's
+call rows are the fixed shapes it runs (every lane slot and prompt row in each core call, masked or not); with
+`--synthetic-acceptance` its draft override is filled from the same seeded hook position by position: each
+(sequence, position) has one synthetic draft, so both engines see the same pattern.
 
 `--synthetic-acceptance A` (for random weights, whose drafts are almost never right): every draft proposal is
 replaced through `draft_hook` by the known greedy token with probability A (seeded), otherwise by a wrong token.

@@ -21,7 +21,7 @@ import statistics
 import sys
 from dataclasses import replace
 
-from .args import fraction, positive, positive_float, seed
+from .args import fraction, positive, positive_float, seed, threads
 from .report import check_writable
 from .shape_table import SHAPES
 
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=positive, default=3, help="interleaved timed rounds (default: %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    parser.add_argument("--threads", type=positive, default=1, help="torch threads (default: %(default)s)")
+    parser.add_argument("--threads", type=threads, default=1, help="torch threads (default: %(default)s)")
     parser.add_argument("--seed", type=seed, default=0, help="workload, weights and synthetic drafts (default: 0)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
