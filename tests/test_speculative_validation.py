@@ -532,6 +532,8 @@ MALFORMED = {  # (ids, mask) from the valid (ids, mask) -> message
                        r"list; pass torch.tensor\(mask\)"),  # (it read "has shape list")
     "1-D mask": (lambda i, m: (i[0], m[0]), r"input_ids must be a 2-D"),
     "non-binary mask": (lambda i, m: (i, m.float() * 0.5), r"attention_mask must hold only 0 .* \[0\.5\]"),
+    # (torch's NotImplementedError for `unique` of a complex tensor, naming the mask's values)
+    "complex mask": (lambda i, m: (i, m.to(torch.complex64) * (1 + 1j)), r"attention_mask has dtype torch\.complex64"),
 }
 
 

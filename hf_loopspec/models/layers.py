@@ -179,7 +179,7 @@ def kept_positions(logits_to_keep) -> slice | torch.Tensor:
 def check_mask_values(attention_mask: torch.Tensor) -> None:
     """`ValueError` unless `attention_mask` holds only 0 (padding) and 1 (a real token). Skipped while `torch.compile`
     traces (the check reads the mask on the host), as `check_token_ids` is; a mask that is no tensor, or has no
-    values (the meta device), is refused too."""
+    values (the meta device) or a complex dtype, is refused too."""
     if torch.compiler.is_compiling():
         return
     if not torch.is_tensor(attention_mask):
@@ -188,6 +188,9 @@ def check_mask_values(attention_mask: torch.Tensor) -> None:
     if attention_mask.is_meta:
         raise ValueError("attention_mask is on the meta device (shapes only, no values); pass it on the model's "
                          "device, from a real tensor.")
+    if attention_mask.is_complex():  # (torch has no `unique` to name its bad values)
+        raise ValueError(f"attention_mask has dtype {attention_mask.dtype}; pass a mask of 0 and 1 in an integer, "
+                         "bool or float dtype.")
     binary = (attention_mask == 0) | (attention_mask == 1)
     if not bool(binary.all()):
         bad = attention_mask[~binary].unique()[:5].tolist()
