@@ -94,8 +94,8 @@ class KVLayout:
         exits = range(self.first_exit_plane, self.first_exit_plane + self.num_loops) \
             if self.first_exit_plane is not None else range(0)
         entry = self.entry_plane
-        if not loops or entry in loops or entry in exits or (exits and (exits[0] < len(loops)
-                                                                        or exits[-1] >= self.num_planes)):
+        shared = entry is not None and (entry in loops or entry in exits)  # (`None in range(n)` scans it all)
+        if not loops or shared or (exits and (exits[0] < len(loops) or exits[-1] >= self.num_planes)):
             raise ValueError(f"KVLayout: the loop planes [0, {len(loops)}), entry_plane={entry} and the exit "
                              f"planes from first_exit_plane={self.first_exit_plane} on (one per loop) must be distinct "
                              f"planes in [0, {self.num_planes}); give the entry and exit planes the planes after the "

@@ -477,6 +477,31 @@ def test_a_refused_plan_rows_leaves_the_cache_as_it_was():
     assert (cache.num_sequences, cache.length(0, 0), cache.length(1, 0)) == (2, 2, 1)
     with pytest.raises(ValueError, match="like=None"):  # an empty cache: refused before anything is allocated
         PagedLoopCache(LAYOUT).plan_rows([0], [0], [0], None)
+    # a review of the above found three more: a refused first call allocated the pool in its `like`'s dtype
+    fresh = PagedLoopCache(LAYOUT)
+    with pytest.raises(ValueError, match="positions"):
+        fresh.plan_rows([0], [0], [1], LIKE.half())
+    assert fresh.k_pool is None
+    # a branch's table opened before another table's write was refused: its shared pages then barred a truncate
+    cache = PagedLoopCache(LAYOUT, page_size=2)
+    cache.plan_rows([0] * 4, [0] * 4, [0, 1, 2, 3], LIKE)
+    branch = cache.branches.open(0, 2)
+    with pytest.raises(ValueError, match=r"positions \[7\] of sequence 0, depth 0, whose valid length is 4"):
+        cache.plan_rows([branch, 0], [0, 0], [2, 7], LIKE)
+    assert cache.length(branch, 0) == 0
+    cache.truncate(0, 0, 1)  # (refused while the branch shared the history it cuts)
+    # a write past a fixed capacity kept the pages it took before it ran out
+    cache = PagedLoopCache(LAYOUT, page_size=1, max_pages=4)
+    cache.plan_rows([0], [0], [0], LIKE)
+    with pytest.raises(CacheCapacityError, match="1 are in use and 5 more were requested"):
+        cache.plan_rows([0] * 5, [0] * 5, [1, 2, 3, 4, 5], LIKE)
+    assert (cache.pages_in_use, cache.length(0, 0)) == (1, 1)
+    cache.plan_rows([0, 0, 0], [0, 0, 0], [1, 2, 3], LIKE)  # the 3 pages left: taken
+    assert cache.pages_in_use == 4
+    fixed = PagedLoopCache(LAYOUT, page_size=1, max_pages=4)  # (a first call: no pool is allocated for it)
+    with pytest.raises(CacheCapacityError, match="0 are in use and 5 more were requested"):
+        fixed.plan_rows([0] * 5, [0] * 5, range(5), LIKE.half())
+    assert fixed.k_pool is None
 
 
 def test_a_layout_of_numpy_integers_is_the_layout_of_python_ones():

@@ -77,23 +77,34 @@ class BranchSlots:
         self._open[slot] = _Branch(parent, point)
         return slot
 
-    def before_write(self, slot: int, plane: int) -> None:
-        """Called by `plan_rows` for every table a call writes: create a branch's plane-`plane` table on its first
-        write, sharing the parent's common history (invariant B)."""
+    def opening(self, slot: int, plane: int) -> tuple[int, list[int]] | None:
+        """The length and pages that `before_write` gives table (`slot`, `plane`) on its first write, a branch's
+        share of its parent's common history (`ValueError` when that history is shorter than the branch point), or
+        None when the write opens nothing; changes nothing."""
         branch = self._open.get(slot)
         if branch is None or plane in branch.opened:
-            return
+            return None
         cache = self.cache
-        src, dst = cache._table(branch.parent, plane), cache._table(slot, plane)
+        src = cache._table(branch.parent, plane)
         if cache._lengths[src] < branch.point:
             raise ValueError(f"branch of sequence {branch.parent} at position {branch.point} writes plane {plane}, "
                              f"whose common history holds only {cache._lengths[src]} positions (invariant B).")
-        shared = cache._pages[src][: -(-branch.point // cache.page_size)]
+        return branch.point, cache._pages[src][: -(-branch.point // cache.page_size)]
+
+    def before_write(self, slot: int, plane: int) -> None:
+        """Called by `plan_rows` for every table a call writes: create a branch's plane-`plane` table on its first
+        write, sharing the parent's common history (invariant B; `opening`)."""
+        opening = self.opening(slot, plane)
+        if opening is None:
+            return
+        cache = self.cache
+        point, shared = opening
         for page in shared:
             cache._refs[page] += 1
-        cache._pages[dst], cache._lengths[dst] = list(shared), branch.point
+        dst = cache._table(slot, plane)
+        cache._pages[dst], cache._lengths[dst] = list(shared), point
         cache._block_tables = None
-        branch.opened.add(plane)
+        self._open[slot].opened.add(plane)
 
     def check_truncate(self, seq: int, plane: int, length: int) -> None:
         """Raise when truncating (seq, plane) to `length` would rewrite an open branch's common history: the parent's,

@@ -57,6 +57,7 @@ from .branches import BranchSlots
 from .columns import ConsumedColumns
 from .lineage import LineageError
 from .pages import CacheCapacityError, PageTables
+from .row_checks import RowChecks
 from .rows import RowBatch
 from .selection import sequence_indices
 
@@ -87,7 +88,7 @@ class FlatPools:
     v: torch.Tensor  # [layers * num_pages * page_size, Hkv, D], the values
 
 
-class PagedLoopCache(AttentionLayers, PageTables, Cache):
+class PagedLoopCache(AttentionLayers, RowChecks, PageTables, Cache):
     """Per-depth paged KV cache for looped models (storage: `PageTables`; HF view and invariants: module docstring).
 
     Args:
@@ -124,13 +125,11 @@ class PagedLoopCache(AttentionLayers, PageTables, Cache):
             raise ValueError(f"sequence {max(stray)} is no sequence of the batch and no open branch, but a branch is "
                              "open (competing proposals): close it (cache.branches.close_all()) before adding "
                              "sequences.")
-        if self.k_pool is None:
-            self._grow(0, like)
         count = self.num_sequences
         self.ensure_sequences(max(seq, default=-1) + 1)
         try:  # (a refused call adds no sequence)
-            tables, written = self._written(seq, depth, position)
-        except ValueError:
+            tables, written = self._written(seq, depth, position, like)
+        except (ValueError, CacheCapacityError):
             self._drop_sequences(count)
             raise
         slots = []

@@ -108,43 +108,6 @@ class PageTables:
             raise ValueError(f"seq={seq!r} is not a sequence of this cache (it has {self.num_sequences}).")
         return int(seq) * self.num_planes + int(depth)
 
-    def _check_rows(self, seq: list, depth: list, position: list, like) -> None:
-        """`ValueError` for rows of a `plan_rows` call that no cache takes (checked before the call changes
-        anything): lists of other lengths, a sequence or position that is no integer >= 0, a depth past the planes,
-        or a `like` that is no tensor."""
-        if not len(seq) == len(depth) == len(position):
-            raise ValueError("seq, depth and position must have the same length.")
-        for name, values in (("seq", seq), ("position", position)):
-            if bad := [x for x in values if not is_integer(x) or x < 0]:
-                raise ValueError(f"{name} holds {bad[0]!r}: every {name} must be an integer >= 0.")
-        for d in depth:
-            self._check_depth(d)
-        if not torch.is_tensor(like):
-            raise ValueError(f"like={like!r} must be a tensor on the compute device in the KV dtype (the call's "
-                             "hidden states, say).")
-
-    def _written(self, seq: list, depth: list, position: list) -> tuple[list[int], dict[int, list[int]]]:
-        """The table of each row and the positions each table gets; `ValueError` unless every table's positions
-        extend it contiguously (a branch's table opened first: the cache's `branches.before_write`)."""
-        tables = [self._table(s, d) for s, d in zip(seq, depth)]
-        written: dict[int, list[int]] = {}
-        for t, p in zip(tables, position):
-            written.setdefault(t, []).append(p)
-        for t in written:
-            self.branches.before_write(*divmod(t, self.num_planes))
-        for t, ps in written.items():
-            expected = range(self._lengths[t], self._lengths[t] + len(ps))
-            if sorted(ps) != list(expected):
-                s, d = divmod(t, self.num_planes)
-                if len(set(ps)) != len(ps):
-                    raise ValueError(f"duplicate KV write address in one call: sequence {s}, depth {d}, "
-                                     f"positions {sorted(ps)} (invariant I2).")
-                raise ValueError(
-                    f"rows write positions {sorted(ps)} of sequence {s}, depth {d}, whose valid length is "
-                    f"{self._lengths[t]}: writes must extend the table contiguously (truncate before rewriting)."
-                )
-        return tables, written
-
     # --- page allocation --------------------------------------------------------------------------------------
     def ensure_sequences(self, count: int) -> None:
         """Make sequence slots `0 .. count-1` exist (new ones empty)."""
@@ -160,6 +123,7 @@ class PageTables:
         self._block_tables = None
 
     def _grow(self, needed: int, like: torch.Tensor) -> None:
+        """Enlarge the pool to hold `needed` pages more than the free ones (`CacheCapacityError` past `max_pages`)."""
         lay = self.kv_layout
         old = self.num_pages
         new = max(2 * old, old + needed, 4)
@@ -167,8 +131,9 @@ class PageTables:
             if old + needed > self.max_pages:
                 raise CacheCapacityError(
                     f"PagedLoopCache capacity is {self.max_pages} pages of {self.page_size} positions; "
-                    f"{self.pages_in_use} are in use and {needed} more were requested. Raise max_pages, lower "
-                    "the batch size or the number of new tokens, or pass max_pages=None to grow on demand."
+                    f"{self.pages_in_use} are in use and {len(self._free) + needed} more were requested. Raise "
+                    "max_pages, lower the batch size or the number of new tokens, or pass max_pages=None to grow on "
+                    "demand."
                 )
             new = min(new, self.max_pages)
         shape = (lay.num_layers, new, self.page_size, lay.num_kv_heads, lay.head_dim)
