@@ -137,6 +137,11 @@ def test_compiled_step_refuses_host_work(setup):
     with pytest.raises(ValueError, match=r"draft_hook with compile_core"):
         speculative(model, ids, mask, 4, "pipeline", 1, speculative_engine="wavefront", compile_core="eager",
                     draft_hook=lambda s, p, t: t)
+    # a second_draft_hook without second proposals is never called (ignored, as in plain decoding): it was refused
+    # as host work of every cycle, and made every cycle run the host hooks
+    compiled = speculative(model, ids, mask, 4, "pipeline", 1, speculative_engine="wavefront", compile_core="eager",
+                           second_draft_hook=lambda s, p, first, t: t)
+    assert torch.equal(compiled.sequences, plain(model, ids, mask, 4).sequences)
 
 
 BAD_HOOK_RESULTS = {"negative": -1, "past_vocab": VOCAB, "float": 3.0, "two_tokens": torch.tensor([1, 2])}

@@ -62,6 +62,8 @@ class SpeculativeRequest:
         new = self.max_length - (self.input_ids if self.attention_mask is None else self.attention_mask).shape[1]
         if self.spec.num_speculative_tokens > max(new, 1):
             object.__setattr__(self, "spec", replace(self.spec, num_speculative_tokens=max(new, 1)))
+        if self.spec.second_draft_loops is None:  # (no second proposal calls it: dropped, as plain decoding drops
+            object.__setattr__(self, "second_draft_hook", None)  # the hooks; compile_core refused it)
 
     def options(self) -> dict:
         """Every field but `spec` and `cache`, by name (the lane decoder's keyword arguments)."""
