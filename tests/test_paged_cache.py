@@ -498,6 +498,15 @@ def test_a_refused_plan_rows_leaves_the_cache_as_it_was():
     assert (cache.pages_in_use, cache.length(0, 0)) == (1, 1)
     cache.plan_rows([0, 0, 0], [0, 0, 0], [1, 2, 3], LIKE)  # the 3 pages left: taken
     assert cache.pages_in_use == 4
+    # a table's positions in another order: taken (they failed in an IndexError with a page added to the table)
+    unordered = PagedLoopCache(LAYOUT, page_size=1)
+    unordered.plan_rows([0], [0], [0], LIKE)
+    rows = unordered.plan_rows([0, 0, 0], [0, 0, 0], [1, 3, 2], LIKE)
+    ordered = PagedLoopCache(LAYOUT, page_size=1)
+    ordered.plan_rows([0], [0], [0], LIKE)
+    in_order = ordered.plan_rows([0, 0, 0], [0, 0, 0], [1, 2, 3], LIKE)
+    assert rows.slot.tolist() == in_order.slot[[0, 2, 1]].tolist() and unordered.length(0, 0) == 4
+    assert unordered.block_tables(torch.device("cpu")).tolist() == ordered.block_tables(torch.device("cpu")).tolist()
     fixed = PagedLoopCache(LAYOUT, page_size=1, max_pages=4)  # (a first call: no pool is allocated for it)
     with pytest.raises(CacheCapacityError, match="0 are in use and 5 more were requested"):
         fixed.plan_rows([0] * 5, [0] * 5, range(5), LIKE.half())

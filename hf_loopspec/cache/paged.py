@@ -132,10 +132,11 @@ class PagedLoopCache(AttentionLayers, RowChecks, PageTables, Cache):
         except (ValueError, CacheCapacityError):
             self._drop_sequences(count)
             raise
-        slots = []
-        for t, p in zip(tables, position):
-            page = self._writable_page(t, p // self.page_size, like)
-            slots.append(page * self.page_size + p % self.page_size)
+        for t, ps in written.items():  # each table's pages in order (its rows may come in any order)
+            for index in sorted({p // self.page_size for p in ps}):
+                self._writable_page(t, index, like)
+        slots = [self._pages[t][p // self.page_size] * self.page_size + p % self.page_size
+                 for t, p in zip(tables, position)]
         for t, ps in written.items():
             self._lengths[t] += len(ps)
         device = like.device
