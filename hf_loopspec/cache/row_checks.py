@@ -27,10 +27,10 @@ class RowChecks:
                              "hidden states, say).")
 
     def _written(self, seq: list, depth: list, position: list, like) -> tuple[list[int], dict[int, list[int]]]:
-        """The table of each row and the positions each table gets, the tables of branches opened (the cache's
-        `branches.before_write`) and the pool grown for the pages the write takes (new ones, copies of shared ones),
-        after a `ValueError` unless every table's positions extend it contiguously, or a `CacheCapacityError`: a
-        refused call changes nothing here."""
+        """The table of each row and the positions each table gets. First a `ValueError` unless every table's
+        positions extend it contiguously, or a `CacheCapacityError` when a fixed pool cannot hold the pages the write
+        takes (`_pages_taken`): a refused call changes nothing. Then a fresh cache's pool is allocated and the
+        branches' tables the write opens are opened (the cache's `branches.before_write`)."""
         tables = [self._table(s, d) for s, d in zip(seq, depth)]
         written: dict[int, list[int]] = {}
         for t, p in zip(tables, position):
