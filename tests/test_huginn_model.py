@@ -177,7 +177,7 @@ def test_num_steps_whose_kv_cannot_fit_raise_before_allocating(mode):
     model, _ = tiny_huginn()
     with pytest.raises(ValueError, match=r"num_steps=1000000000: one token's KV over its 2000000001 planes"):
         model.generate(random_ids((1, 3), VOCAB), num_steps=10**9, max_new_tokens=3, speculative_mode=mode)
-    # without a prelude (no entry plane) the layout's plane check scanned every plane (a minute here): at once too
+    # without a prelude (no entry plane) the layout's plane check scanned every plane: refused at once too
     model = HuginnForCausalLM(tiny_huginn_config(n_layers_in_prelude=0))
     with pytest.raises(ValueError, match=r"num_steps=1000000000: one token's KV over its 2000000000 planes"):
         model.generate(random_ids((1, 3), VOCAB), num_steps=10**9, max_new_tokens=3, speculative_mode=mode)

@@ -70,7 +70,10 @@ class RowChecks:
             for index in sorted({p // self.page_size for p in ps}):
                 if index >= len(pages):
                     taken += 1
-                elif refs.get(pages[index], self._refs[pages[index]]) > 1:  # copied on write
-                    refs[pages[index]] = refs.get(pages[index], self._refs[pages[index]]) - 1
+                    continue
+                page = pages[index]
+                count = refs.get(page, self._refs[page])
+                if count > 1:  # copied on write
+                    refs[page] = count - 1
                     taken += 1
         return taken
