@@ -246,7 +246,7 @@ def test_the_sources_other_speculative_settings_are_left_out_with_a_warning(sour
         out = export.export_checkpoint(src, tmp_path / "out", benchmarks=None)
     assert ("sets compile_core='not-a-backend', speculative_engine='lanes', "
             f"second_draft_loops={model.num_loops - 1}, which the export leaves out: its speculative defaults are the "
-            "export's own (speculative_mode='auto', draft_loops=1)") in caplog.text
+            "export's own (speculative_mode='auto', draft_loops=1, num_speculative_tokens=4)") in caplog.text
     written = json.loads((out / "generation_config.json").read_text())
     assert written["speculative_mode"] == "auto"
     assert not {"second_draft_loops", "compile_core", "speculative_engine"} & set(written), written
@@ -373,8 +373,11 @@ def test_export_refuses_a_non_empty_folder_and_bad_settings(source, tmp_path):
     with pytest.raises(ValueError, match=r"a model of 1 loop has no shallower loop .* --speculative-mode none"):
         export.export_checkpoint(one_loop, tmp_path / "one", benchmarks=None)  # (the default: auto)
     out = export.export_checkpoint(one_loop, tmp_path / "one", speculative_mode=None, benchmarks=None)
-    assert json.loads((out / "generation_config.json").read_text())["speculative_mode"] is None
+    saved = json.loads((out / "generation_config.json").read_text())
+    # plain decoding, and no draft settings that no call could use (it wrote the default draft_loops and K)
+    assert saved["speculative_mode"] is None and not {"draft_loops", "num_speculative_tokens"} & set(saved)
     card = (out / "README.md").read_text()  # offers no speculative mode (generate refuses them all on it)
+    assert "`custom_generate/`: the same decoding for" in card and "strategies" not in card
     assert "**No self-speculation.**" in card and 'speculative_mode="' not in card and "to speculate" not in card
     # nor does its lead or its tags (they said "decoded with lossless pipelined or block self-speculation")
     assert "self-speculation." not in card.split("**No self-speculation.**")[0]

@@ -285,10 +285,11 @@ def _tokenizer_code(tokenizer: bool, base_model: str | None) -> str:
 
 
 def _speculation_sections(fields: dict, num_loops: int) -> dict:
-    """The card's self-speculation prose, usage snippets, exactness comment and limitations; a 1-loop model, which
-    cannot speculate, gets a line saying so and none of the rest."""
+    """The card's self-speculation prose, usage snippets, exactness comment and limitations, and what its
+    `custom_generate/` offers; a 1-loop model, which cannot speculate, gets a line saying so and none of the rest."""
     looped = num_loops >= 2
-    return {"speculation": SPECULATION.substitute(fields) if looped else NO_SPECULATION,
+    return {"custom_generate_offers": "the same strategies" if looped else "the same decoding",
+            "speculation": SPECULATION.substitute(fields) if looped else NO_SPECULATION,
             "speculative_usage": SPECULATIVE_USAGE.substitute(fields) if looped else "",
             "dtype_comment": EXACTNESS_COMMENT if looped else "",
             "speculation_limitations": SPECULATION_LIMITATIONS.substitute(fields) if looped else ""}

@@ -11,8 +11,9 @@ model embedded in the package) and writes to OUT:
   `AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)` works in a process that never imported
   hf_loopspec, and `generate` takes `speculative_mode`;
 * `generation_config.json` with speculative defaults (`speculative_mode`, `draft_loops`,
-  `num_speculative_tokens`) besides the checkpoint's eos / pad / sampling settings; with a ChatML chat template
-  (Ouro's Thinking models), `<|im_end|>` joins the eos ids, so generation stops at the end of the turn;
+  `num_speculative_tokens`; a 1-loop model: `speculative_mode` None alone) besides the checkpoint's eos / pad /
+  sampling settings; with a ChatML chat template (Ouro's Thinking models), `<|im_end|>` joins the eos ids, so
+  generation stops at the end of the turn;
 * `custom_generate/generate.py` + `requirements.txt`: the strategies for any Ouro model object
   (`model.generate(custom_generate=OUT, trust_remote_code=True, speculative_mode=...)`); like every install line the
   export writes, requirements.txt says how to install hf-loopspec from its repository (`hf_loopspec.hub.install`);
@@ -247,8 +248,8 @@ def _model_card(source, model, tokenizer, *, repo_id, base_model, license, bench
         "eos_token_ids": gen.eos_token_id,
         "stop_strings": [gen.stop_strings] if isinstance(gen.stop_strings, str) else gen.stop_strings,
         "speculative_mode": gen.speculative_mode,
-        "draft_loops": gen.draft_loops,
-        "num_speculative_tokens": gen.num_speculative_tokens,
+        # (a 1-loop export writes none: `generation_defaults`)
+        **{key: getattr(gen, key) for key in ("draft_loops", "num_speculative_tokens") if hasattr(gen, key)},
         "benchmarks": benchmarks,
         "exit_options": {key: getattr(gen, key) for key in EXIT_OPTIONS if asks(getattr(gen, key, None))},
     }

@@ -18,7 +18,9 @@ def generation_defaults(model, tokenizer, speculative_mode, draft_loops, num_spe
     `check_loop_settings`), eos ids that end a chat turn and a pad id (`card.settle_pad`: the tokenizer's too). The
     export's defaults replace the source's speculative settings: those it has no argument for (`second_draft_loops`,
     `compile_core`, `speculative_engine`: a source saved by this package) are left out, with a warning naming them
-    (kept, they could contradict the export's mode, and the card would not describe them)."""
+    (kept, they could contradict the export's mode, and the card would not describe them). A 1-loop model gets only
+    `speculative_mode` (None): it has no depth to draft from, so `draft_loops` and `num_speculative_tokens` are left
+    out as well."""
     gen = model.generation_config
     try:  # the source's own settings that every generate() of the export would raise on
         check_family_keys(model)
@@ -28,8 +30,10 @@ def generation_defaults(model, tokenizer, speculative_mode, draft_loops, num_spe
     # A config derived from config.json is saved with `_from_model_config: true`, and such a file's extra keys are
     # dropped when it is loaded: mark it as a real generation config so the speculative defaults survive.
     gen._from_model_config = False
-    written = {"speculative_mode": speculative_mode, "draft_loops": draft_loops,
-               "num_speculative_tokens": num_speculative_tokens}
+    # a 1-loop model cannot speculate (`check_loop_settings`): it gets plain decoding and no draft settings
+    written = {"speculative_mode": speculative_mode}
+    if model.num_loops >= 2:
+        written |= {"draft_loops": draft_loops, "num_speculative_tokens": num_speculative_tokens}
     leftover = [key for key in SPECULATIVE_KEYS if key not in written and key in vars(gen)]
     dropped = {key: getattr(gen, key) for key in leftover if getattr(gen, key) is not None}
     for key in leftover:  # (one set to None changes nothing: left out without a word)
@@ -37,12 +41,11 @@ def generation_defaults(model, tokenizer, speculative_mode, draft_loops, num_spe
     if dropped:
         logger.warning(
             "export: the source's generation_config.json sets %s, which the export leaves out: its speculative "
-            "defaults are the export's own (speculative_mode=%r, draft_loops=%r); a call on the export can still pass "
-            "them to generate.", ", ".join(f"{key}={value!r}" for key, value in dropped.items()), speculative_mode,
-            draft_loops)
-    gen.speculative_mode = speculative_mode
-    gen.draft_loops = draft_loops
-    gen.num_speculative_tokens = num_speculative_tokens
+            "defaults are the export's own (%s); a call on the export can still pass them to generate.",
+            ", ".join(f"{key}={value!r}" for key, value in dropped.items()),
+            ", ".join(f"{key}={value!r}" for key, value in written.items()))
+    for key, value in written.items():
+        setattr(gen, key, value)
     if gen.eos_token_id is None:
         gen.eos_token_id = model.config.eos_token_id
     end_of_turn = chatml_tokens(tokenizer).get("<|im_end|>")
