@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from processes import ROOT
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 import hf_loopspec  # noqa: F401  (registers the Ouro classes with the Auto factories)
 from hf_loopspec import OuroForCausalLM, cli
@@ -188,6 +188,55 @@ def test_token_healing_decodes_as_plain_or_refuses_a_mask_it_no_longer_fits(mode
     finally:
         forget(model)
         set_costs(model, None)
+
+
+class StopsRowAt(StoppingCriteria):
+    """A call's own criterion: row `row` is done once it has `new` new tokens after the `width` prompt columns."""
+
+    def __init__(self, width: int, row: int, new: int):
+        self.width, self.row, self.new = width, row, new
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        done[self.row] = input_ids.shape[1] - self.width >= self.new
+        return done
+
+
+@pytest.mark.parametrize("criterion", [False, True], ids=["stop-strings", "a-criterion"])
+def test_auto_counts_a_plain_stretchs_rows_to_where_they_stopped(model, tokenizer, criterion):
+    """A call with stop strings, or a stopping criterion of its own, decodes in one stretch; plain wins it. The
+    model pads with its EOS id, so a row they stopped was counted one padding token past its end (and the docs said
+    such a row counted to the stretch's end). Each row's `committed` is now its new tokens up to the first column at
+    which its text holds a stop string, or the criterion stops it, or EOS: what the pipeline mode reports."""
+    set_costs(model, CostTable(1.0, {Candidate("pipeline", 1): 5.0, Candidate("block", 1, 4): 5.0}))  # plain wins
+    forget(model)
+    batch_tokenizer = copy.copy(tokenizer)
+    batch_tokenizer.padding_side = "left"
+    batch = batch_tokenizer(["def fibonacci(n):", "import os\nclass Foo:", "x = [i for i in range(10)]\n"],
+                            return_tensors="pt", padding=True)
+    width, stops = batch["input_ids"].shape[1], [] if criterion else ["\n    "]
+    settings = {"max_new_tokens": 30, "do_sample": False, "return_dict_in_generate": True}
+    settings |= {"stopping_criteria": StoppingCriteriaList([StopsRowAt(width, 0, 4)])} if criterion else {
+        "stop_strings": stops, "tokenizer": batch_tokenizer}
+    try:
+        with torch.no_grad():
+            auto = model.generate(**batch, **settings, speculative_mode="auto")
+            pipeline = model.generate(**batch, **settings, speculative_mode="pipeline")
+    finally:
+        forget(model)
+        set_costs(model, None)
+    assert [c.mode for c in auto.speculation.choices] == ["plain"]
+    assert torch.equal(auto.sequences, pipeline.sequences)
+    counts = [s.committed for s in auto.speculation.per_sequence]
+    assert counts == [s.committed for s in pipeline.speculation.per_sequence]
+    eos = model.generation_config.eos_token_id
+    assert model.generation_config.pad_token_id in (eos if isinstance(eos, list) else [eos])  # (what made it wrong)
+    for b, row in enumerate(auto.sequences[:, width:].tolist()):  # where each row stops, counted independently
+        text = [tokenizer.decode(row[:n]) for n in range(1, len(row) + 1)]
+        ends = [n for n in range(1, len(row) + 1) if any(stop in text[n - 1] for stop in stops) or row[n - 1] in
+                (eos if isinstance(eos, list) else [eos]) or (criterion and b == 0 and n == 4)] + [len(row)]
+        assert counts[b] == ends[0], (b, counts, row)
+    assert min(counts) < auto.sequences.shape[1] - width  # a row stopped before the stretch's end
 
 
 def test_token_healing_leaves_a_padded_batch_of_inputs_embeds_as_it_is(model, tokenizer):

@@ -60,7 +60,7 @@ from .auto_policy import (
     remember,
     remembered,
 )
-from .auto_rows import ForcePad, Stopped, ended, zero_ended
+from .auto_rows import ForcePad, RowEnds, Stopped, account, ended, zero_ended
 from .cache_checks import check_cache_implementation
 from .call import auto_segment, pass_exit
 from .config import (
@@ -83,7 +83,7 @@ from .inputs import (
 )
 from .model_checks import execution_device, model_fallback
 from .processors import plain_fallback, warn_fallback
-from .stats import SequenceStats, SpeculationStats
+from .stats import SequenceStats
 from .wavefront.host import compile_problem
 from .wavefront.span import reserved_positions
 
@@ -146,6 +146,7 @@ class _Call:
     eos: list[int]
     pad: int
     single: bool  # a setting of `auto_policy.ONE_STRETCH`: one segment
+    stop_strings: str | list[str] | None  # the call's (its config's), matched with the call's `tokenizer`
     return_dict: bool
     use_cache: bool
     engine_settings: dict  # compile_core / speculative_engine, for the speculative segments
@@ -208,7 +209,7 @@ def _prepare(model, ids: torch.Tensor | None, kwargs: dict, config: GenerationCo
         raise ValueError(f"speculative_mode='auto' cannot run {host}.")  # (whichever segments auto would choose)
     call = _Call(base, int(max_new), min_new if min_new > 0 else None,
                  {key: kwargs[key] for key in ("min_new_tokens", "min_length") if key in kwargs}, eos, pad,
-                 single=one_stretch(kwargs, config),
+                 single=one_stretch(kwargs, config), stop_strings=call_setting(kwargs, config, "stop_strings"),
                  return_dict=bool(config.return_dict_in_generate), use_cache=config.use_cache is not False,
                  engine_settings={key: call_setting(kwargs, config, key)
                                   for key in ("compile_core", "speculative_engine")
@@ -298,13 +299,14 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
         dynamic = cache is None and candidate.mode is None and tokens >= call.max_new
         cache = None if dynamic else _cache_for(model, candidate, cache, caller, mask)
         start, asked = time.perf_counter(), min(tokens, call.max_new - done)
-        out = _segment(model, call, candidate, ids, mask, cache, stopped, asked, done, streamer)
+        out, row_ends = _segment(model, call, candidate, ids, mask, cache, stopped, asked, done, streamer)
         new, cache = out.sequences[:, ids.shape[1]:], out.cache
         seconds = _observe(model, candidate, out, new, start, dynamic, continued=done > 0)
         if candidate.mode is not None and getattr(getattr(out, "speculation", None), "fallback", None):
             fell_back, stats.fallback = True, out.speculation.fallback
             candidate, reason = PLAIN, "fallback"
-        _account(stats, getattr(out, "speculation", None), candidate, new, stopped, call.eos, model.num_loops, chooser)
+        account(stats, getattr(out, "speculation", None), candidate, new, stopped, call.eos, model.num_loops, chooser,
+                row_ends)
         choice = AutoChoice(done, candidate.mode or "plain", candidate.draft_loops, candidate.num_speculative_tokens,
                             new.shape[1], reason, rate, estimates, seconds)
         if stats.choices and _setting_of(stats.choices[-1]) != _setting_of(choice):
@@ -383,8 +385,11 @@ def _setting_of(choice: AutoChoice) -> tuple:
     return choice.mode, choice.draft_loops, choice.num_speculative_tokens
 
 
-def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped, tokens: int, done: int, streamer):
-    """One segment: `generate` with `candidate`'s setting for `tokens` columns, continuing `cache`."""
+def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped, tokens: int, done: int,
+             streamer) -> tuple:
+    """One segment: `generate`'s output with `candidate`'s setting for `tokens` columns, continuing `cache`, and the
+    `RowEnds` its stopping criteria were judged through when more than EOS could stop its rows plainly (a single
+    plain stretch; else None)."""
     kwargs = {**call.base, **candidate.kwargs(), "max_new_tokens": tokens, "attention_mask": mask,
               "return_dict_in_generate": True, "use_cache": True} | ({} if cache is None else {"cache": cache})
     kwargs.update(call.engine_settings if candidate.mode else {"compile_core": False, "speculative_engine": None})
@@ -397,6 +402,9 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
         kwargs.update(call.min_cleared)
     if cache is not None or not call.use_cache:  # a later stretch continues the cache the first one made, and a
         kwargs["cache_implementation"] = None  # call without a cache (whose plain decoding builds none) sets none up
+    row_ends = RowEnds(call.base, call.stop_strings, ids.shape[1]) if call.single and not candidate.mode else None
+    if row_ends is not None:
+        kwargs["stopping_criteria"] = row_ends.criteria()
     if bool(stopped.any()):
         kwargs["logits_processor"] = LogitsProcessorList([*(call.base.get("logits_processor") or ()),
                                                           ForcePad(stopped.clone(), call.pad)])
@@ -414,31 +422,5 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
         for key in [key for key in kwargs if key in GENERATION_KEYS and key not in clears]:
             setattr(config, key, kwargs.pop(key))
     with auto_segment():  # (the exit options the auto call merged)
-        return model.generate(ids, **kwargs)
+        return model.generate(ids, **kwargs), row_ends
 
-
-def _account(stats: AutoStats, segment: SpeculationStats | None, candidate: Candidate, new: torch.Tensor,
-             stopped: torch.Tensor, eos: list[int], loops: int, chooser: Chooser) -> None:
-    """Add one segment's counters to `stats` and its acceptance to `chooser` (plain: committed tokens per row up
-    to its stop, U core calls per column)."""
-    if candidate.mode is not None and segment is not None and segment.fallback is None:
-        spec = segment
-        for total, part in zip(stats.per_sequence, spec.per_sequence):
-            for name, value in vars(part).items():
-                setattr(total, name, getattr(total, name) + value)
-        stats.core_calls += spec.core_calls
-        stats.engine = spec.engine
-        stats.cache_fill_calls += spec.cache_fill_calls
-        for stage, rows in spec.call_rows.items():
-            stats.call_rows[stage] += rows
-        chooser.acceptance.add(candidate.draft_loops, spec.accepted, spec.verified, chooser.policy.keep)
-        return
-    for b, row in enumerate(new.tolist()):
-        if not bool(stopped[b]):
-            hits = [i for i, t in enumerate(row) if t in eos]
-            stats.per_sequence[b].committed += hits[0] + 1 if hits else len(row)
-    columns, batch = new.shape[1], len(new)
-    stats.core_calls += loops * columns
-    stats.plain_tokens += columns
-    for stage, count in (("embed", columns), ("core", loops * columns), ("head", columns)):
-        stats.call_rows[stage] += [batch] * count
