@@ -127,6 +127,18 @@ BAD = [
 ]
 
 
+def test_a_second_draft_on_a_two_loop_model_is_told_to_go():
+    """A 2-loop model has no loop between its only draft (loop 1) and the target: the refusal of a second draft said
+    "pass one of nothing: use a smaller draft_loops or None" (no smaller draft_loops exists). It names the one fix."""
+    model = tiny_spec_model(0, 2)
+    ids = torch.tensor([[5, 6, 7]])
+    for second in (1, 2):
+        with pytest.raises(ValueError, match=rf"second_draft_loops={second} must lie strictly between draft_loops=1 "
+                                             r"and the loop count 2 .*; a model of 2 loops has no loop between "
+                                             r"draft_loops=1 and the target: pass second_draft_loops=None\.$"):
+            model.generate(ids, max_new_tokens=2, speculative_mode="pipeline", draft_loops=1, second_draft_loops=second)
+
+
 def test_a_backend_whose_package_is_missing_is_refused_up_front(model, inputs, monkeypatch):
     """torch registers backends such as tvm and openxla whether or not their package is installed: one whose package
     is missing is refused naming compile_core and the backends that run (it failed inside dynamo at the first call:

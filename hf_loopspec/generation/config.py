@@ -144,9 +144,18 @@ def _check_second_draft_loops(mode: str, draft_loops: int, second, num_loops: in
                          f"({UNSET_SAVED}).")
     if not draft_loops < second < num_loops:
         raise ValueError(f"second_draft_loops={second} must lie strictly between draft_loops={draft_loops} and the "
-                         f"loop count {num_loops} (a deeper draft than the first, shallower than the target); pass "
-                         f"one of {list(range(least, num_loops)) or 'nothing: use a smaller draft_loops'} or None.")
+                         f"loop count {num_loops} (a deeper draft than the first, shallower than the target); "
+                         f"{_second_draft_fix(draft_loops, num_loops, least)}.")
     return second
+
+
+def _second_draft_fix(draft_loops: int, num_loops: int, least: int) -> str:
+    """What to pass instead of a `second_draft_loops` outside `[least, num_loops)`: a value of that range, or None
+    where the range is empty (pipeline mode: only a 2-loop model, whose draft_loops=1 leaves no loop above it)."""
+    if least < num_loops:
+        return f"pass one of {list(range(least, num_loops))} or None"
+    return (f"a model of {num_loops} loops has no loop between draft_loops={draft_loops} and the target: pass "
+            "second_draft_loops=None")
 
 
 def speculative_config(generation_config: GenerationConfig, num_loops: int) -> SpeculativeConfig | None:
