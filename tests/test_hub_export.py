@@ -889,3 +889,21 @@ def test_export_subcommand_hook(source, tmp_path):
     assert args.command == "export" and export.main_from_args(args) == 0
     assert json.loads((tmp_path / "o" / "generation_config.json").read_text())["draft_loops"] == 2
     assert (tmp_path / "o" / "model.safetensors.index.json").is_file()  # 50000 bytes per shard
+
+
+@pytest.mark.parametrize("saved, match", [
+    (["w5"], r"stop_strings=\['w5'\], which its tokenizer \(\w+\) cannot match \(ValueError: substring not found\): "
+             r"drop stop_strings from the source's generation_config.json \(for a Hub id: in a local copy"),
+    ([""], r"stop_strings=\[''\], which is not a non-empty string .*: correct the source's generation_config.json"),
+])
+def test_saved_stop_strings_the_tokenizer_cannot_match_are_refused(tmp_path, saved, match):
+    """A source whose generation_config.json saves stop strings its tokenizer cannot match (a word-level tokenizer
+    has no byte-level vocabulary) was exported as it was, and every `generate` of the export that passes the
+    tokenizer (the card's code) failed with transformers' bare "substring not found". Refused up front, naming the
+    source's file, and nothing is written."""
+    src = save_checkpoint(tmp_path / "src")
+    config = json.loads((src / "generation_config.json").read_text())
+    (src / "generation_config.json").write_text(json.dumps({**config, "stop_strings": saved}))
+    with pytest.raises(ValueError, match=match):
+        export.export_checkpoint(src, tmp_path / "out", benchmarks=None)
+    assert not (tmp_path / "out").exists()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from ..generation.config import SPECULATIVE_KEYS
 from ..generation.saved_config import check_family_keys
 from ..logs import get_logger
+from ..prompting import saved_stop_criterion
 from .card import settle_pad
 from .card_checks import CHATML_TOKENS
 
@@ -15,13 +16,20 @@ logger = get_logger(__name__)
 
 def generation_defaults(model, tokenizer, speculative_mode, draft_loops, num_speculative_tokens):
     """Set on `model.generation_config` (and return it) the speculative defaults (checked before the model loaded:
-    `check_loop_settings`), eos ids that end a chat turn and a pad id (`card.settle_pad`: the tokenizer's too). The
+    `check_loop_settings`; the source's own saved settings, its stop strings matched with `tokenizer` included, are
+    checked here: `ValueError`), eos ids that end a chat turn and a pad id (`card.settle_pad`: the tokenizer's too). The
     export's defaults replace the source's speculative settings: those it has no argument for (`second_draft_loops`,
     `compile_core`, `speculative_engine`: a source saved by this package) are left out, with a warning naming them
     (kept, they could contradict the export's mode, and the card would not describe them). A 1-loop model gets only
     `speculative_mode` (None): it has no depth to draft from, so `draft_loops` and `num_speculative_tokens` are left
     out as well."""
     gen = model.generation_config
+    if tokenizer is not None:  # stop strings it cannot match fail every generate() that passes it (the card's code)
+        try:  # (no tokenizer shipped: the card's code loads the base model's, not known here)
+            saved_stop_criterion(model, tokenizer)
+        except ValueError as error:
+            raise ValueError(f"{str(error).replace('the checkpoint', 'the source').rstrip('.')} (for a Hub id: in a "
+                             "local copy of the source).") from None
     try:  # the source's own settings that every generate() of the export would raise on
         check_family_keys(model)
     except ValueError as error:
