@@ -200,10 +200,20 @@ def check_saved_generation(settings: tuple[dict, dict]) -> None:
                          f"sequences instead if you want them ({GEN_KWARGS} '{{\"until\": [...]}}').")
     given = {key: gen_kwargs[key] for key in (*SPECULATIVE_KEYS, *EXIT_OPTIONS, *RECURRENCE_OPTIONS)
              if key in gen_kwargs}  # (a call's num_steps sets its loop count)
+    trusted = bool(model_args.get("trust_remote_code"))
     check_checkpoint(spec, given, lambda named: [
         *(f"{GEN_KWARGS} {key}=N" for key in named if key in ("draft_loops", "num_speculative_tokens")),
-        f"{GEN_KWARGS} speculative_mode=None"], trust_remote_code=bool(model_args.get("trust_remote_code")),
-        loaded=model_args, loaded_as=MODEL_ARGS)
+        f"{GEN_KWARGS} speculative_mode=None"], trust_remote_code=trusted, loaded=model_args, loaded_as=MODEL_ARGS)
+    recurrence = [key for key in RECURRENCE_OPTIONS if key in gen_kwargs]
+    if recurrence:  # they reach generate alone: lm-eval's scoring (loglikelihood) runs the model's forward, which
+        try:  # reads the saved ones (a plain call's check: what every forward refuses)
+            check_checkpoint(spec, {"speculative_mode": None}, trust_remote_code=trusted, loaded=model_args,
+                             loaded_as=MODEL_ARGS)
+        except ValueError as error:
+            raise ValueError(f"{str(error).rstrip('.')}. A {GEN_KWARGS} value reaches lm-eval's generate calls "
+                             "only, not its loglikelihood scoring, which runs the saved one: pass "
+                             f"{' and '.join(recurrence)} in {MODEL_ARGS} instead ({MODEL_ARGS} "
+                             f"pretrained=...,{recurrence[0]}=N).") from None
 
 
 def check_batch_size(args: list[str]) -> None:

@@ -328,12 +328,19 @@ def test_a_checkpoints_refused_saved_setting_is_named_before_the_model_loads(mon
     (huginn / "generation_config.json").write_text(json.dumps({**settings, "num_steps": 1}))
     assert cli.main([*argv[:-1], f"pretrained={huginn}", *pipeline[:-1], f"{pipeline[-1]},num_steps=4"]) == 0
     assert ran.pop()
-    # a saved num_steps every call refuses is the file's; one of the call's own replaces it, as generate reads it
+    # a saved num_steps every call refuses is the file's; a --model_args one replaces it, as from_pretrained stores
+    # it. --gen_kwargs reaches generate alone: lm-eval's scoring ran the saved value and failed once requests ran
     (huginn / "generation_config.json").write_text(json.dumps({**settings, "num_steps": 0}))
     assert cli.main([*argv[:-1], f"pretrained={huginn}"]) == 2 and not ran
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("hf-loopspec lm-eval: error: the checkpoint's generation_config.json: num_steps=0 must be")
-    assert cli.main([*argv[:-1], f"pretrained={huginn}", "--gen_kwargs", "num_steps=4"]) == 0 and ran.pop()
+    assert cli.main([*argv[:-1], f"pretrained={huginn}", "--gen_kwargs", "num_steps=4"]) == 2 and not ran
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("hf-loopspec lm-eval: error: the checkpoint's generation_config.json: num_steps=0 must be")
+    assert line.endswith("A --gen_kwargs value reaches lm-eval's generate calls only, not its loglikelihood "
+                         "scoring, which runs the saved one: pass num_steps in --model_args instead (--model_args "
+                         "pretrained=...,num_steps=N)."), line
+    assert cli.main([*argv[:-1], f"pretrained={huginn},num_steps=4"]) == 0 and ran.pop()
 
 
 def test_a_checkpoint_that_saves_stop_strings_is_named_before_the_model_loads(monkeypatch, capsys, tmp_path):
