@@ -42,6 +42,7 @@ from speculative_utils import (
 from tolerances import ouro_depth
 from transformers import (
     DynamicCache,
+    EosTokenCriteria,
     GenerationConfig,
     GenerationMixin,
     LogitsProcessor,
@@ -843,6 +844,86 @@ class StopAtLength(StoppingCriteria):
     def __call__(self, input_ids, scores, **kwargs):
         self.seen.append(input_ids.shape[1])
         return torch.full((len(input_ids),), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+class StopsRowAt(StoppingCriteria):
+    """Row `row` is done once it has `new` new tokens after `width` prompt columns, answered as `dtype` (plain
+    decoding reads any answer as `unfinished & ~answer`); counts its calls."""
+
+    def __init__(self, width: int, row: int, new: int, dtype: torch.dtype):
+        self.width, self.row, self.new, self.dtype, self.calls = width, row, new, dtype, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        done = torch.zeros(input_ids.shape[0], dtype=self.dtype)
+        done[self.row] = int(input_ids.shape[1] - self.width >= self.new)
+        return done
+
+
+class CountingEos(EosTokenCriteria):
+    """A subclass of a kind transformers builds: the call's own criterion (it replaces only one of that very class),
+    which may keep state; counts its calls."""
+
+    def __init__(self, eos: int):
+        super().__init__(eos)
+        self.calls = 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        return super().__call__(input_ids, scores, **kwargs)
+
+
+@pytest.mark.parametrize("answer", ["bool", "uint8", "int64", "subclass"])
+def test_a_plain_stretch_counts_each_row_to_the_criterion_that_stopped_it(case, answer):
+    """A call's own criterion stops row 0 early in a plain stretch; the model pads with an EOS id. Its tokens and its
+    calls are plain decoding's and each row counts to its stop, as pipeline mode counts it (`RowEnds`; a review
+    found a subclass of `EosTokenCriteria` called twice per step, an integer answer a crash or a row miscounted)."""
+    model, prompts, ids, mask, _, reference = case
+    set_costs(model, PLAIN_WINS)
+    width, stop_after = ids.shape[1], 4
+    new = [r[len(p):] for r, p in zip(reference, prompts)]
+    first = [first_new_occurrence(row) for row in new]
+    eos = next(t for t, i in first[1].items() if 6 <= i and first[0].get(t, NEW) >= stop_after)  # stops row 1 later
+    stopper = new[0][stop_after - 1]  # (subclass: an EOS criterion of row 0's fourth token)
+    ends = [[stop_after] if answer != "subclass" and b == 0 else [] for b in range(len(new))]
+    if answer == "subclass":
+        ends = [[i + 1 for i, t in enumerate(row) if t == stopper][:1] for row in new]
+    expected = [min(end + [i + 1 for i, t in enumerate(row) if t == eos][:1] + [24]) for end, row in zip(ends, new)]
+    assert expected[0] <= stop_after < expected[1] < 24  # (row 0 stopped by the criterion, row 1 by EOS)
+    outputs = {}
+    for mode in (None, "pipeline", "auto"):
+        criterion = CountingEos(stopper) if answer == "subclass" else StopsRowAt(width, 0, stop_after,
+                                                                                   getattr(torch, answer))
+        with torch.no_grad():
+            outputs[mode] = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                                           return_dict_in_generate=True, speculative_mode=mode, eos_token_id=eos,
+                                           pad_token_id=eos, stopping_criteria=StoppingCriteriaList([criterion]))
+        outputs[mode].calls = criterion.calls
+    want, spec, auto = outputs.values()
+    assert torch.equal(auto.sequences, want.sequences) and auto.calls == want.calls
+    assert [c.mode for c in auto.speculation.choices] == ["plain"]
+    counts = [s.committed for s in auto.speculation.per_sequence]
+    assert counts == [s.committed for s in spec.speculation.per_sequence] == expected
+
+
+def test_a_criterion_answering_a_column_ends_the_rows_together_as_in_plain_decoding(case):
+    """A criterion answering a `[B, 1]` column (`input_ids[:, -1:] == id`), without an EOS id: plain decoding ends
+    the rows together (docs/generation.md, stopping criteria). Auto's plain stretch raised an IndexError recording
+    where rows stopped; it records nothing of an answer that names no row, and decodes as plain decoding."""
+    model, prompts, ids, mask, _, reference = case
+    set_costs(model, PLAIN_WINS)
+    stopper = reference[1][len(prompts[1]) + 4]  # row 1's fifth new token
+
+    class Column(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1:] == stopper
+
+    want = plain(model, ids, mask, 24, stopping_criteria=StoppingCriteriaList([Column()]))
+    auto = generate_dict(model, ids, mask, 24, speculative_mode="auto",
+                         stopping_criteria=StoppingCriteriaList([Column()]))
+    assert torch.equal(auto.sequences, want.sequences)
+    new = auto.sequences.shape[1] - ids.shape[1]
+    assert [s.committed for s in auto.speculation.per_sequence] == [new] * len(ids)
 
 
 @pytest.mark.parametrize("setting", ["stopping_criteria", "forced_eos_token_id", "begin_suppress_tokens",

@@ -22,10 +22,11 @@ from .auto_costs import Candidate
 from .auto_policy import Chooser
 from .stats import SpeculationStats
 
-# the kinds `generate` builds from its settings: one the call passes replaces the one built, so it is left in the list
-# (`StoppingCriteriaList` as transformers merges it) and judged again to record where it stopped a row (these keep no
-# state; the length and time limits stop every row at once, which ends the stretch)
+# the kinds `generate` builds from its settings: one the call passes (of exactly that class: a subclass is the call's
+# own) replaces the one built, so it is left in the list transformers merges and judged again to record where it
+# stopped a row (these keep no state; the length and time limits stop every row at once, which ends the stretch)
 BUILT_KINDS = (MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria, EosTokenCriteria)
+JUDGED_AGAIN = (StopStringCriteria, EosTokenCriteria)
 
 
 class ForcePad(LogitsProcessor):
@@ -71,11 +72,10 @@ class RowEnds(StoppingCriteria):
 
     def __init__(self, kwargs: dict, stop_strings: str | list[str] | None, start: int):
         given = list(kwargs.get("stopping_criteria") or ())
-        self.built = [c for c in given if isinstance(c, BUILT_KINDS)]
-        self.own = [c for c in given if not isinstance(c, BUILT_KINDS)]  # run here alone
-        self.again = [c for c in self.built if isinstance(c, (StopStringCriteria, EosTokenCriteria))]
-        if stop_strings and kwargs.get("tokenizer") is not None and \
-                not any(isinstance(c, StopStringCriteria) for c in self.built):
+        self.built = [c for c in given if type(c) in BUILT_KINDS]
+        self.own = [c for c in given if type(c) not in BUILT_KINDS]  # run here alone
+        self.again = [c for c in self.built if type(c) in JUDGED_AGAIN]
+        if stop_strings and kwargs.get("tokenizer") is not None and StopStringCriteria not in map(type, self.built):
             self.again.append(StopStringCriteria(kwargs["tokenizer"], stop_strings))
         self.start, self.ends = start, None
 
@@ -83,16 +83,18 @@ class RowEnds(StoppingCriteria):
         return StoppingCriteriaList([*self.built, self])
 
     def __call__(self, input_ids, scores, **kwargs):
-        stop = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for criterion in self.own:  # (the call's: whatever they return, OR-ed as `StoppingCriteriaList` does)
+        batch = input_ids.shape[0]
+        stop = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+        for criterion in self.own:  # (the call's: whatever they answer, OR-ed as `StoppingCriteriaList` does)
             stop = stop | criterion(input_ids, scores, **kwargs)
         seen = stop
         for criterion in self.again:
             seen = seen | criterion(input_ids, scores, **kwargs)
         if self.ends is None:
-            self.ends = torch.full((input_ids.shape[0],), -1, dtype=torch.long)
-        first = seen.cpu() & (self.ends < 0)
-        self.ends[first] = input_ids.shape[1] - self.start
+            self.ends = torch.full((batch,), -1, dtype=torch.long)
+        if seen.shape == (batch,):  # (an answer of another shape, e.g. a [B, 1] column, names no row: not recorded)
+            first = seen.bool().cpu() & (self.ends < 0)  # (integer answers read as plain decoding reads them)
+            self.ends[first] = input_ids.shape[1] - self.start
         return stop
 
 
