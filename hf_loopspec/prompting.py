@@ -161,7 +161,7 @@ def saved_stop_criterion(model, tokenizer):
     when it saves none), matched with `tokenizer` as `generate` matches them: built up front, a value `generate`
     refuses (`[""]`, `[]`, `[5]`) or a tokenizer that cannot match them (one with no byte-level vocabulary, such as a
     word-level one) is a `SavedSettingError` naming the file before anything runs (`batch`: before OUT.parts), not
-    `generate`'s or transformers' error from inside the first call."""
+    `generate`'s or transformers' error from inside the first call. `tokenizer=None`: the value alone is checked."""
     from transformers import StopStringCriteria
 
     from .generation.inputs import stop_strings_given
@@ -174,6 +174,8 @@ def saved_stop_criterion(model, tokenizer):
         raise SavedSettingError(f"{saved} is not a non-empty string or a non-empty list of them (an empty string "
                                 "would stop at once): correct the checkpoint's generation_config.json.",
                                 {"stop_strings": stops})
+    if tokenizer is None:
+        return None
     try:
         return StopStringCriteria(tokenizer, stops)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as error:

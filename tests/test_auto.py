@@ -847,16 +847,16 @@ class StopAtLength(StoppingCriteria):
 
 
 class StopsRowAt(StoppingCriteria):
-    """Row `row` is done once it has `new` new tokens after `width` prompt columns, answered as `dtype` (plain
-    decoding reads any answer as `unfinished & ~answer`); counts its calls."""
+    """Row `row` is answered `value` (as `dtype`) once it has `new` new tokens after `width` prompt columns, the others
+    0; counts its calls. Plain decoding reads any answer as `unfinished & ~answer`: 2 stops no row."""
 
-    def __init__(self, width: int, row: int, new: int, dtype: torch.dtype):
-        self.width, self.row, self.new, self.dtype, self.calls = width, row, new, dtype, 0
+    def __init__(self, width: int, row: int, new: int, dtype: torch.dtype, value: int = 1):
+        self.width, self.row, self.new, self.dtype, self.value, self.calls = width, row, new, dtype, value, 0
 
     def __call__(self, input_ids, scores, **kwargs):
         self.calls += 1
         done = torch.zeros(input_ids.shape[0], dtype=self.dtype)
-        done[self.row] = int(input_ids.shape[1] - self.width >= self.new)
+        done[self.row] = self.value * int(input_ids.shape[1] - self.width >= self.new)
         return done
 
 
@@ -873,11 +873,12 @@ class CountingEos(EosTokenCriteria):
         return super().__call__(input_ids, scores, **kwargs)
 
 
-@pytest.mark.parametrize("answer", ["bool", "uint8", "int64", "subclass"])
+@pytest.mark.parametrize("answer", ["bool", "uint8", "int64", "int64-even", "subclass"])
 def test_a_plain_stretch_counts_each_row_to_the_criterion_that_stopped_it(case, answer):
     """A call's own criterion stops row 0 early in a plain stretch; the model pads with an EOS id. Its tokens and its
     calls are plain decoding's and each row counts to its stop, as pipeline mode counts it (`RowEnds`; a review
-    found a subclass of `EosTokenCriteria` called twice per step, an integer answer a crash or a row miscounted)."""
+    found a subclass of `EosTokenCriteria` called twice per step, an integer answer a crash or a row miscounted, and
+    an answer of 2, which stops no row in plain decoding, counted as a stop)."""
     model, prompts, ids, mask, _, reference = case
     set_costs(model, PLAIN_WINS)
     width, stop_after = ids.shape[1], 4
@@ -885,15 +886,15 @@ def test_a_plain_stretch_counts_each_row_to_the_criterion_that_stopped_it(case, 
     first = [first_new_occurrence(row) for row in new]
     eos = next(t for t, i in first[1].items() if 6 <= i and first[0].get(t, NEW) >= stop_after)  # stops row 1 later
     stopper = new[0][stop_after - 1]  # (subclass: an EOS criterion of row 0's fourth token)
-    ends = [[stop_after] if answer != "subclass" and b == 0 else [] for b in range(len(new))]
+    ends = [[stop_after] if answer in ("bool", "uint8", "int64") and b == 0 else [] for b in range(len(new))]
     if answer == "subclass":
         ends = [[i + 1 for i, t in enumerate(row) if t == stopper][:1] for row in new]
     expected = [min(end + [i + 1 for i, t in enumerate(row) if t == eos][:1] + [24]) for end, row in zip(ends, new)]
-    assert expected[0] <= stop_after < expected[1] < 24  # (row 0 stopped by the criterion, row 1 by EOS)
+    assert (expected[0] > stop_after if answer == "int64-even" else expected[0] <= stop_after < expected[1] < 24)
     outputs = {}
     for mode in (None, "pipeline", "auto"):
-        criterion = CountingEos(stopper) if answer == "subclass" else StopsRowAt(width, 0, stop_after,
-                                                                                   getattr(torch, answer))
+        criterion = CountingEos(stopper) if answer == "subclass" else StopsRowAt(
+            width, 0, stop_after, getattr(torch, answer.split("-")[0]), 2 if answer.endswith("even") else 1)
         with torch.no_grad():
             outputs[mode] = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                                            return_dict_in_generate=True, speculative_mode=mode, eos_token_id=eos,

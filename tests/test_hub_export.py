@@ -891,17 +891,19 @@ def test_export_subcommand_hook(source, tmp_path):
     assert (tmp_path / "o" / "model.safetensors.index.json").is_file()  # 50000 bytes per shard
 
 
-@pytest.mark.parametrize("saved, match", [
-    (["w5"], r"stop_strings=\['w5'\], which its tokenizer \(\w+\) cannot match \(ValueError: substring not found\): "
-             r"drop stop_strings from the source's generation_config.json \(for a Hub id: in a local copy"),
-    ([""], r"stop_strings=\[''\], which is not a non-empty string .*: correct the source's generation_config.json"),
+@pytest.mark.parametrize("saved, tokenizer, match", [
+    (["w5"], True, r"stop_strings=\['w5'\], which its tokenizer \(\w+\) cannot match \(ValueError: substring not "
+                   r"found\): drop stop_strings from the source's generation_config.json \(for a Hub id: in a local"),
+    ([""], True, r"stop_strings=\[''\], which is not a non-empty string .*: correct the source's generation_config"),
+    ([""], False, r"stop_strings=\[''\], which is not a non-empty string .*: correct the source's generation_config"),
 ])
-def test_saved_stop_strings_the_tokenizer_cannot_match_are_refused(tmp_path, saved, match):
+def test_saved_stop_strings_the_tokenizer_cannot_match_are_refused(tmp_path, saved, tokenizer, match):
     """A source whose generation_config.json saves stop strings its tokenizer cannot match (a word-level tokenizer
     has no byte-level vocabulary) was exported as it was, and every `generate` of the export that passes the
     tokenizer (the card's code) failed with transformers' bare "substring not found". Refused up front, naming the
-    source's file, and nothing is written."""
-    src = save_checkpoint(tmp_path / "src")
+    source's file, and nothing is written; a value `generate` refuses is named so with no tokenizer shipped too (a
+    review found the card's check naming it as if passed to the card)."""
+    src = save_checkpoint(tmp_path / "src", tokenizer=tokenizer)
     config = json.loads((src / "generation_config.json").read_text())
     (src / "generation_config.json").write_text(json.dumps({**config, "stop_strings": saved}))
     with pytest.raises(ValueError, match=match):

@@ -129,13 +129,15 @@ BAD = [
 
 def test_a_second_draft_on_a_two_loop_model_is_told_to_go():
     """A 2-loop model has no loop between its only draft (loop 1) and the target: the refusal of a second draft said
-    "pass one of nothing: use a smaller draft_loops or None" (no smaller draft_loops exists). It names the one fix."""
+    "pass one of nothing: use a smaller draft_loops or None" (no smaller draft_loops exists). It names the fixes
+    there are (a Huginn call's num_steps sets its loop count)."""
     model = tiny_spec_model(0, 2)
     ids = torch.tensor([[5, 6, 7]])
     for second in (1, 2):
         with pytest.raises(ValueError, match=rf"second_draft_loops={second} must lie strictly between draft_loops=1 "
-                                             r"and the loop count 2 .*; a model of 2 loops has no loop between "
-                                             r"draft_loops=1 and the target: pass second_draft_loops=None\.$"):
+                                             r"and the loop count 2 .*; this call runs 2 loops, with no loop "
+                                             r"between draft_loops=1 and the target: pass second_draft_loops=None, "
+                                             r"or give a Huginn model's generate num_steps >= 3\.$"):
             model.generate(ids, max_new_tokens=2, speculative_mode="pipeline", draft_loops=1, second_draft_loops=second)
 
 

@@ -93,7 +93,9 @@ class RowEnds(StoppingCriteria):
         if self.ends is None:
             self.ends = torch.full((batch,), -1, dtype=torch.long)
         if seen.shape == (batch,):  # (an answer of another shape, e.g. a [B, 1] column, names no row: not recorded)
-            first = seen.bool().cpu() & (self.ends < 0)  # (integer answers read as plain decoding reads them)
+            # read as plain decoding reads it, `unfinished & ~answer` (an integer answer of 2 stops no row)
+            stopped = (torch.ones((), dtype=torch.long, device=seen.device) & ~seen) == 0
+            first = stopped.cpu() & (self.ends < 0)
             self.ends[first] = input_ids.shape[1] - self.start
         return stop
 

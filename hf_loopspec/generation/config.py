@@ -151,11 +151,12 @@ def _check_second_draft_loops(mode: str, draft_loops: int, second, num_loops: in
 
 def _second_draft_fix(draft_loops: int, num_loops: int, least: int) -> str:
     """What to pass instead of a `second_draft_loops` outside `[least, num_loops)`: a value of that range, or None
-    where the range is empty (pipeline mode: only a 2-loop model, whose draft_loops=1 leaves no loop above it)."""
+    where the range is empty (pipeline mode: only a call of 2 loops, whose draft_loops=1 leaves no loop above it; a
+    Huginn call's `num_steps` sets its loop count)."""
     if least < num_loops:
         return f"pass one of {list(range(least, num_loops))} or None"
-    return (f"a model of {num_loops} loops has no loop between draft_loops={draft_loops} and the target: pass "
-            "second_draft_loops=None")
+    return (f"this call runs {num_loops} loops, with no loop between draft_loops={draft_loops} and the target: pass "
+            f"second_draft_loops=None, or give a Huginn model's generate num_steps >= {num_loops + 1}")
 
 
 def speculative_config(generation_config: GenerationConfig, num_loops: int) -> SpeculativeConfig | None:

@@ -24,12 +24,13 @@ def generation_defaults(model, tokenizer, speculative_mode, draft_loops, num_spe
     `speculative_mode` (None): it has no depth to draft from, so `draft_loops` and `num_speculative_tokens` are left
     out as well."""
     gen = model.generation_config
-    if tokenizer is not None:  # stop strings it cannot match fail every generate() that passes it (the card's code)
-        try:  # (no tokenizer shipped: the card's code loads the base model's, not known here)
-            saved_stop_criterion(model, tokenizer)
-        except ValueError as error:
-            raise ValueError(f"{str(error).replace('the checkpoint', 'the source').rstrip('.')} (for a Hub id: in a "
-                             "local copy of the source).") from None
+    # stop strings `generate` refuses, or the tokenizer cannot match, would fail every generate() given it (the card's
+    # code); with no tokenizer shipped (the card's code loads the base model's) the value alone is checked
+    try:
+        saved_stop_criterion(model, tokenizer)
+    except ValueError as error:
+        raise ValueError(f"{str(error).replace('the checkpoint', 'the source').rstrip('.')} (for a Hub id: in a "
+                         "local copy of the source).") from None
     try:  # the source's own settings that every generate() of the export would raise on
         check_family_keys(model)
     except ValueError as error:
