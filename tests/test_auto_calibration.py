@@ -269,6 +269,30 @@ def test_the_weights_fingerprint_reads_a_weight_it_cannot_view_by_its_type_and_s
     assert key == auto_cache.weights_fingerprint(opaque) != auto_cache.weights_fingerprint(plain)
 
 
+@pytest.mark.parametrize("max_memory", ["1KB", "40KB"], ids=["all-on-disk", "part-on-disk"])
+def test_the_weights_fingerprint_reads_weights_accelerate_offloaded(tmp_path, max_memory):
+    """Two checkpoints of one architecture offloaded to disk (`device_map="auto"` with little memory): their offloaded
+    weights are on the meta device, which the fingerprint skipped, so both got one key and one shared the other's
+    stored acceptance. It reads them from accelerate's store: an offloaded model has its in-memory twin's key."""
+    from transformers import AutoModelForCausalLM
+
+    models = {}
+    for sign in (1.0, -1.0):
+        model = tiny_spec_model(3)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.mul_(sign)
+        model.save_pretrained(tmp_path / str(sign))
+        models[sign] = model, AutoModelForCausalLM.from_pretrained(
+            tmp_path / str(sign), dtype=torch.float32, device_map="auto", max_memory={"cpu": max_memory},
+            offload_folder=tmp_path / f"offload{sign}")
+    for in_memory, offloaded in models.values():
+        assert "disk" in offloaded.hf_device_map.values()
+        assert any(p.device.type == "meta" for p in offloaded.parameters())
+        assert auto_cache.weights_fingerprint(offloaded) == auto_cache.weights_fingerprint(in_memory)
+    assert auto_cache.weights_fingerprint(models[1.0][1]) != auto_cache.weights_fingerprint(models[-1.0][1])
+
+
 def test_a_huginn_models_costs_are_measured_per_recurrence_steps(tmp_path, monkeypatch):
     """A call's cost grows with Huginn's `num_steps`: a table measured at 2 steps was used at 6, in the process and
     from disk (the keys named no loop count), so auto underpriced plain decoding at the deeper setting."""

@@ -83,17 +83,36 @@ _FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model 
 def weights_fingerprint(model, again: bool = False) -> str:
     """A hash of the first values of every parameter of `model`, computed once per model object (`again`: anew, for
     weights changed in place since): it tells two checkpoints of one architecture apart without reading all their
-    weights."""
+    weights. A parameter accelerate offloaded (on the meta device, its values held by a hook) is read from the hook's
+    store: each once, as every forward of such a model reads them all."""
     if again:
         _FINGERPRINTS.pop(model, None)
     if model not in _FINGERPRINTS:
         digest = hashlib.sha256()
         for name, parameter in model.named_parameters():
             digest.update(name.encode())
-            if parameter.device.type != "meta":
+            if parameter.device.type == "meta":
+                parameter = _offloaded(model, name)
+            if parameter is not None:
                 digest.update(_leading_values(parameter))
         _FINGERPRINTS[model] = digest.hexdigest()[:32]
     return _FINGERPRINTS[model]
+
+
+def _offloaded(model, name: str):
+    """The values of the parameter `name` that accelerate offloaded: held by the `weights_map` of an offloading hook
+    on its module or on a module above it (keyed by the name below that module); None when no hook holds it."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        hook = getattr(model.get_submodule(".".join(parts[:cut])), "_hf_hook", None)
+        for each in getattr(hook, "hooks", None) or [hook]:  # (a `SequentialHook` holds several)
+            weights = getattr(each, "weights_map", None)
+            if weights is not None and getattr(each, "offload", False):
+                try:
+                    return weights[".".join(parts[cut:])]
+                except KeyError:
+                    continue
+    return None
 
 
 def _leading_values(parameter) -> bytes:
