@@ -22,11 +22,13 @@ import torch  # noqa: E402
 from differential import draw_case, run_case  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from hf_loopspec.bench.args import non_negative, positive  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--start", type=int, default=0, help="first case seed (default 0)")
-    parser.add_argument("--cases", type=int, default=1000, help="number of consecutive seeds (default 1000)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--start", type=non_negative, default=0, help="first case seed (default 0)")
+    parser.add_argument("--cases", type=positive, default=1000, help="number of consecutive seeds (default 1000)")
     parser.add_argument("--show-ties", action="store_true", help="also print divergences within fp32 rounding")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

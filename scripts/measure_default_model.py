@@ -35,6 +35,8 @@ import sysconfig
 import time
 from pathlib import Path
 
+from hf_loopspec.bench.args import positive, positive_float, threads
+
 SETTINGS = [
     {"speculative_mode": "pipeline", "draft_loops": 1},
     {"speculative_mode": "pipeline", "draft_loops": 2},
@@ -56,13 +58,18 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model folder (default: the embedded default model)")
     p.add_argument("--out", default=None, help="JSON output file (default: stdout)")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--prompt-tokens", type=int, default=48)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--showcase-tokens", type=int, default=64)
-    p.add_argument("--repetition-penalty", type=float, default=None, help="for the showcase (as in the README)")
-    return p.parse_args(argv)
+    p.add_argument("--num-prompts", type=positive, default=8)
+    p.add_argument("--prompt-tokens", type=positive, default=48)
+    p.add_argument("--max-new-tokens", type=positive, default=64)
+    p.add_argument("--threads", type=threads, default=1)
+    p.add_argument("--showcase-tokens", type=positive, default=64)
+    p.add_argument("--repetition-penalty", type=positive_float, default=None,
+                   help="for the showcase (as in the README)")
+    args = p.parse_args(argv)
+    if args.model is not None and not Path(args.model).is_dir():
+        p.error(f"--model {args.model}: not a folder (pass a model folder, or leave --model out for the embedded "
+                "model)")
+    return args
 
 
 def held_out_prompts(tokenizer, report: dict, count: int, length: int) -> list[dict]:

@@ -32,6 +32,7 @@ from hf_loopspec.hub.card import (  # noqa: E402
     SPECULATIVE_USAGE,
     build_model_card,
 )
+from hf_loopspec.hub.card_checks import is_hub_repo_id  # noqa: E402
 
 THINKING_SAMPLING = {"temperature": 1.0, "top_p": 0.7}  # the upstream Thinking cards' recommendation
 VARIANTS = {
@@ -93,6 +94,9 @@ def main(argv=None) -> int:
                         help="an `hf-loopspec bench --json` results file to quote in the speed section (repeatable; "
                              "e.g. bench_results/cpu_ouro100m_b1.json; default: none)")
     args = parser.parse_args(argv)
+    if "/" in args.namespace or not is_hub_repo_id(f"{args.namespace}/x"):
+        parser.error(f"--namespace {args.namespace!r} is not a Hub namespace (a user or organization name: letters, "
+                     "digits, '-', '_' and '.'); the cards' repo ids are NAMESPACE/NAME-loopspec.")
     for path in render(Path(args.out), args.namespace, [Path(p) for p in args.bench_json]):
         print(path)
     return 0

@@ -110,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100, help="steps between quick validation checks")
     p.add_argument("--eval-tokens", type=int, default=32768, help="validation tokens for the final evaluation")
     args = p.parse_args(argv)
+    if not 0 < args.val_percent < 100:  # (the final evaluation needs validation files, training needs the rest)
+        p.error(f"--val-percent must be in (0, 100), got {args.val_percent}")
     if args.decay_fraction is None:
         if args.steps is None and args.minutes is None:
             p.error("pass --steps and/or --minutes")
@@ -345,6 +347,9 @@ def main(argv=None) -> None:
 
     # corpus and tokenizer
     root, train_docs, val_docs = build_corpus(args.val_percent)
+    if not val_docs or not train_docs:  # (before training: the final evaluation needs held-out files)
+        raise SystemExit(f"--val-percent {args.val_percent} leaves {len(val_docs)} validation and {len(train_docs)} "
+                         "training files; choose a percentage that leaves some of both.")
     print(f"corpus: {len(train_docs)} train / {len(val_docs)} validation files from {root}", flush=True)
     backend = train_tokenizer([text for _, text in train_docs], args.vocab_size)
     tokenizer = wrap_tokenizer(backend, args.max_positions)

@@ -29,7 +29,17 @@ def parse_args(argv=None):
     p.add_argument("--bench", default=str(ROOT / "bench_results" / "cpu_default_b1.json"),
                    help="`hf-loopspec bench --model default --json` result (greedy)")
     p.add_argument("--out", default=str(ROOT / "model_cards" / "hf-loopspec-default" / "README.md"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    from hf_loopspec.bench.report import checked_result
+
+    try:  # the speed section quotes a bench result's plain and pipeline rows
+        args.bench_result = checked_result(json.loads(Path(args.bench).read_text()), f"--bench {args.bench}")
+    except (OSError, ValueError) as error:  # (json's decode error is a ValueError)
+        p.error(str(error))
+    if missing := {"plain", "pipeline"} - {row["mode"] for row in args.bench_result["rows"]}:
+        p.error(f"--bench {args.bench} has no {' and no '.join(sorted(missing))} row: pass a result of "
+                "`hf-loopspec bench --model default --modes plain,pipeline --json FILE`.")
+    return args
 
 
 def table(header: list[str], rows: list[list]) -> str:
@@ -296,7 +306,7 @@ def main(argv=None) -> None:
     config = json.loads((folder / "config.json").read_text())
     report = json.loads((folder / "training_report.json").read_text())
     measured = json.loads(Path(args.measurements).read_text())
-    bench = json.loads(Path(args.bench).read_text())
+    bench = args.bench_result
     size_mb = sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) / 1e6
     data = ModelCardData(
         license="apache-2.0", library_name="transformers", pipeline_tag="text-generation", language=["code"],

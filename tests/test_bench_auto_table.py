@@ -71,6 +71,7 @@ def test_a_tiny_cell_runs_every_setting_and_reports_auto_against_the_best(tmp_pa
     (["--model", "ouro-tiny"], "--model ouro-tiny: give --synthetic-acceptance with a random-weight shape"),
     (["--model", "default", "--synthetic-acceptance", "0.5"], "--model default: give --synthetic-acceptance"),
     (["--model", "ouro-tiny", "--synthetic-acceptance", "0.5", "--json", ""], "--json is empty"),  # (wrote nothing)
+    (["--model", "/nonexistent/x"], "no such folder: /nonexistent/x"),  # (was a FileNotFoundError traceback)
 ])
 def test_bad_arguments_are_one_line_exit_2(capsys, argv, message):
     with pytest.raises(SystemExit) as done:
@@ -89,3 +90,10 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, 
     out, err = capsys.readouterr()
     assert done.value.code == 2 and out == "" and len(err.splitlines()) == 1, err
     assert "--json" in err, err
+
+
+def test_a_synthetic_acceptance_of_zero_is_named_in_the_header(capsys):
+    """`--synthetic-acceptance 0` drafts synthetic tokens that are all wrong: the header said "acceptance real"."""
+    assert auto_table.main(["--model", "ouro-tiny", "--synthetic-acceptance", "0", "--new-tokens", "2", "--rounds",
+                            "1", "--modes", "plain"]) == 0
+    assert "| acceptance 0.0 |" in capsys.readouterr().out.splitlines()[0]

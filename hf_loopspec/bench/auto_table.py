@@ -166,9 +166,10 @@ def main(argv=None) -> int:
                 raise ValueError("--json is empty: pass a file path, or leave --json out.")
             check_writable(args.json, "--json")
         result = run_cell(args)
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # (OSError: a --model that is no folder, and no Hub id reachable offline)
         p.error(str(err))
-    print(f"{result['model']} | batch {args.batch_size} | acceptance {args.synthetic_acceptance or 'real'} | "
+    acceptance = "real" if args.synthetic_acceptance is None else args.synthetic_acceptance
+    print(f"{result['model']} | batch {args.batch_size} | acceptance {acceptance} | "
           f"threads {args.threads} | {args.new_tokens} new tokens | {args.rounds} rounds | load "
           f"{result['load_average'][0]:.2f}")
     for run, row in result["rows"].items():
