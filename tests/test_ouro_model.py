@@ -356,6 +356,21 @@ def test_invalid_config_raises(overrides, named):
         tiny_config(**overrides)
 
 
+def test_numpy_token_ids_are_stored_as_python_integers(tmp_path):
+    """numpy integers pass the token-id check, and `save_pretrained` then failed in transformers' JSON writer; the
+    configs (Ouro's and Huginn's, which share the check) store them as Python integers, and the model saves."""
+    from huginn_utils import tiny_huginn_config
+
+    ouro = tiny_config(pad_token_id=np.int64(0), bos_token_id=np.int32(1), eos_token_id=[np.int64(2), 3])
+    huginn = tiny_huginn_config(pad_token_id=np.int64(0), eos_token_id=np.int16(2))
+    assert [type(i) for i in (ouro.pad_token_id, ouro.bos_token_id, *ouro.eos_token_id)] == [int] * 4
+    assert [type(i) for i in (huginn.pad_token_id, huginn.eos_token_id)] == [int] * 2
+    for config in (ouro, huginn):
+        config.save_pretrained(tmp_path / config.model_type)
+        saved = json.loads((tmp_path / config.model_type / "config.json").read_text())
+        assert saved["pad_token_id"] == 0 and saved["eos_token_id"] in ([2, 3], 2)
+
+
 @pytest.mark.parametrize(("key", "value", "named"), [
     ("rope_theta", 0.0, "rope_theta=0.0"), ("rope_theta", "1e4", "rope_theta='1e4'"),
     ("rms_norm_eps", float("nan"), "rms_norm_eps=nan"), ("rope_parameters", {"rope_theta": -1.0}, "rope_theta=-1.0"),

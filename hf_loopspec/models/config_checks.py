@@ -32,7 +32,8 @@ def check_counts(config, positive: tuple[str, ...], non_negative: tuple[str, ...
 def check_token_ids(config) -> None:
     """`ValueError` naming the field unless `pad_token_id` and `bos_token_id` are each None or an integer, and
     `eos_token_id` None, an integer or a list of them (a string id such as "3" reached a comparison in transformers'
-    generation config as a bare TypeError)."""
+    generation config as a bare TypeError). Integers of other types (numpy's) are stored as Python's: transformers'
+    JSON writer cannot save them."""
     for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
         value = getattr(config, field, None)
         listed = field == "eos_token_id" and isinstance(value, (list, tuple))
@@ -40,6 +41,8 @@ def check_token_ids(config) -> None:
             allowed = ", an integer or a list of integers" if field == "eos_token_id" else " or an integer"
             raise ValueError(f"{type(config).__name__}.{field}={value!r} is invalid: it must be None{allowed} "
                              "(token ids of the tokenizer's vocabulary).")
+        if value is not None:
+            setattr(config, field, [int(id_) for id_ in value] if listed else int(value))
 
 
 def check_dtype(config, kwargs: dict) -> None:
