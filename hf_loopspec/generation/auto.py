@@ -423,4 +423,3 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
             setattr(config, key, kwargs.pop(key))
     with auto_segment():  # (the exit options the auto call merged)
         return model.generate(ids, **kwargs), row_ends
-
