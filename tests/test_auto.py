@@ -907,6 +907,22 @@ def test_a_plain_stretch_counts_each_row_to_the_criterion_that_stopped_it(case, 
     assert counts == [s.committed for s in spec.speculation.per_sequence] == expected
 
 
+def test_without_an_eos_id_a_row_a_criterion_stops_decodes_on_and_counts_whole(case):
+    """Without an EOS id transformers pads no stopped row: row 0, which the criterion stops, decodes on until every row
+    has stopped, and all its tokens are the output (pipeline counts them all). Auto counted it to the criterion's
+    answer (a review of `RowEnds`)."""
+    model, prompts, ids, mask, _, reference = case
+    set_costs(model, PLAIN_WINS)
+    outputs = {}
+    for mode in (None, "pipeline", "auto"):
+        criteria = StoppingCriteriaList([StopsRowAt(ids.shape[1], 0, 3, torch.bool)])
+        outputs[mode] = generate_dict(model, ids, mask, 14, speculative_mode=mode, stopping_criteria=criteria)
+    want, spec, auto = outputs.values()
+    assert torch.equal(auto.sequences, want.sequences) and auto.sequences.shape[1] == ids.shape[1] + 14
+    counts = [s.committed for s in auto.speculation.per_sequence]
+    assert counts == [s.committed for s in spec.speculation.per_sequence] == [14] * len(ids)
+
+
 def test_a_criterion_answering_a_column_ends_the_rows_together_as_in_plain_decoding(case):
     """A criterion answering a `[B, 1]` column (`input_ids[:, -1:] == id`), without an EOS id: plain decoding ends
     the rows together (docs/generation.md, stopping criteria). Auto's plain stretch raised an IndexError recording

@@ -73,6 +73,25 @@ def test_weights_on_the_meta_device_are_named(model, inputs, mode, on_meta):
         generate(emptied, *inputs, **mode)
 
 
+@pytest.mark.parametrize("mode", [{"speculative_mode": None}, {"speculative_mode": "auto"}], ids=["plain", "auto"])
+def test_adapters_added_to_an_offloaded_model_are_named(model, inputs, mode):
+    """PEFT's LoRA weights added to a model accelerate offloaded sit on the meta device in no hook's store (the hook
+    above them loads only the weights it offloaded): plain decoding returned other random tokens at each call, as
+    the weights check took any weight below a hook as loaded. They are named; the offloaded model alone decodes."""
+    import accelerate
+    from peft import LoraConfig, get_peft_model
+
+    offloaded = copy.deepcopy(model)
+    accelerate.cpu_offload(offloaded, execution_device=torch.device("cpu"))
+    ids, mask = inputs
+    assert torch.equal(generate(offloaded, ids, mask, **mode), generate(model, ids, mask, speculative_mode=None))
+    adapted = get_peft_model(offloaded, LoraConfig(target_modules=["q_proj"], r=2, init_lora_weights=False))
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.self_attn\.q_proj\.lora_A\.default"
+                                         r"\.weight is on the meta device .* add adapters \(PEFT\) to a model whose "
+                                         r"weights are loaded"):
+        generate(adapted, ids, mask, **mode)
+
+
 @pytest.mark.parametrize("mode", {**MODES, "auto": {"speculative_mode": "auto"}}.values(), ids=[*MODES, "auto"])
 def test_a_pad_token_outside_the_vocabulary_is_named_up_front(model, inputs, mode):
     """A batch whose rows can finish apart feeds the pad token to the finished ones: one outside the vocabulary

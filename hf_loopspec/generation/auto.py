@@ -402,7 +402,8 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
         kwargs.update(call.min_cleared)
     if cache is not None or not call.use_cache:  # a later stretch continues the cache the first one made, and a
         kwargs["cache_implementation"] = None  # call without a cache (whose plain decoding builds none) sets none up
-    row_ends = RowEnds(call.base, call.stop_strings, ids.shape[1]) if call.single and not candidate.mode else None
+    row_ends = RowEnds(call.base, call.stop_strings, ids.shape[1], call.eos) if call.single and not candidate.mode \
+        else None
     if row_ends is not None:
         kwargs["stopping_criteria"] = row_ends.criteria()
     if bool(stopped.any()):

@@ -31,6 +31,7 @@ import torch
 from filelock import FileLock, Timeout
 
 from ..logs import get_logger
+from .offloaded import offloaded
 
 logger = get_logger(__name__)
 CACHE_ENV = "HF_LOOPSPEC_CACHE"
@@ -92,27 +93,12 @@ def weights_fingerprint(model, again: bool = False) -> str:
         for name, parameter in model.named_parameters():
             digest.update(name.encode())
             if parameter.device.type == "meta":
-                parameter = _offloaded(model, name)
+                found = offloaded(model, name)
+                parameter = None if found is None else found[0][found[1]]
             if parameter is not None:
                 digest.update(_leading_values(parameter))
         _FINGERPRINTS[model] = digest.hexdigest()[:32]
     return _FINGERPRINTS[model]
-
-
-def _offloaded(model, name: str):
-    """The values of the parameter `name` that accelerate offloaded: held by the `weights_map` of an offloading hook
-    on its module or on a module above it (keyed by the name below that module); None when no hook holds it."""
-    parts = name.split(".")
-    for cut in range(len(parts) - 1, -1, -1):
-        hook = getattr(model.get_submodule(".".join(parts[:cut])), "_hf_hook", None)
-        for each in getattr(hook, "hooks", None) or [hook]:  # (a `SequentialHook` holds several)
-            weights = getattr(each, "weights_map", None)
-            if weights is not None and getattr(each, "offload", False):
-                try:
-                    return weights[".".join(parts[cut:])]
-                except KeyError:
-                    continue
-    return None
 
 
 def _leading_values(parameter) -> bytes:

@@ -65,13 +65,17 @@ def zero_ended(steps: list[torch.Tensor], new: torch.Tensor, eos: list[int]) -> 
 
 class RowEnds(StoppingCriteria):
     """Records where the criteria of a plain stretch stopped each row: `ends` `[B]`, the new columns up to and with the
-    one a criterion judged done (-1: none did). The call's own criteria run through it, once per step as before
-    (`criteria()`: the list `generate` is passed), except those of a kind `generate` builds, which stay in that list and
-    are judged again here; the call's stop strings (`stop_strings`, with its `tokenizer`), which `generate` matches
-    with a criterion of its own, are judged here too unless the call passed a `StopStringCriteria`."""
+    one a criterion judged done (-1: none did, or nothing pads a stopped row: the call has no EOS). The call's own
+    criteria run through it, once per step as before (`criteria()`: the list `generate` is passed), except those of
+    a kind `generate` builds, which stay in that list and are judged again here; the call's stop strings
+    (`stop_strings`, with its `tokenizer`), which `generate` matches with a criterion of its own, are judged here
+    too unless the call passed a `StopStringCriteria`."""
 
-    def __init__(self, kwargs: dict, stop_strings: str | list[str] | None, start: int):
+    def __init__(self, kwargs: dict, stop_strings: str | list[str] | None, start: int, eos: list[int]):
         given = list(kwargs.get("stopping_criteria") or ())
+        # transformers pads a stopped row only when a criterion stops at EOS; else the row decodes on to the stretch's
+        # end (the call ends when every row has stopped), and all its tokens are the output: nothing to record
+        self.pads = bool(eos) or any(hasattr(c, "eos_token_id") for c in given)
         self.built = [c for c in given if type(c) in BUILT_KINDS]
         self.own = [c for c in given if type(c) not in BUILT_KINDS]  # run here alone
         self.again = [c for c in self.built if type(c) in JUDGED_AGAIN]
@@ -92,7 +96,7 @@ class RowEnds(StoppingCriteria):
             seen = seen | criterion(input_ids, scores, **kwargs)
         if self.ends is None:
             self.ends = torch.full((batch,), -1, dtype=torch.long)
-        if seen.shape == (batch,):  # (an answer of another shape, e.g. a [B, 1] column, names no row: not recorded)
+        if self.pads and seen.shape == (batch,):  # (an answer of another shape, a [B, 1] column, names no row)
             # read as plain decoding reads it, `unfinished & ~answer` (an integer answer of 2 stops no row)
             stopped = (torch.ones((), dtype=torch.long, device=seen.device) & ~seen) == 0
             first = stopped.cpu() & (self.ends < 0)

@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 from torch.nn.modules import module as torch_module
 
+from .offloaded import offloaded
+
 DYNAMIC_QUANTIZED = "torch.ao.nn.quantized.dynamic"  # the modules `quantize_dynamic` puts in place
 ACTIVATION_QUANTIZATION = ("act_quant_kwargs", "activation_quantization")  # torchao weights that quantize inputs
 PEFT_PER_ROW = ("adapter_names", "alora_offsets")  # keywords of PEFT's pre-hooks on its layers during `generate`
@@ -150,14 +152,18 @@ def _own_inputs_preparation(model) -> str | None:
 
 def check_weights_present(model) -> None:
     """`ValueError` for a weight or buffer of `model` on the meta device (shapes only, no values) that no accelerate
-    hook (`_hf_hook` on its module or on one above it: `cpu_offload`, `disk_offload`, a `device_map`) moves in at the
-    call: torch computes with it without a word (a CPU input times a meta weight is uninitialized memory, other tokens
-    at each call) or fails deep inside."""
-    hooked = [name for name, module in model.named_modules() if getattr(module, "_hf_hook", None) is not None]
-    for name, module in model.named_modules():
-        held = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-        meta = [key for key, tensor in held if tensor is not None and tensor.is_meta]
-        if meta and not any(h == "" or name == h or name.startswith(h + ".") for h in hooked):
-            raise ValueError(f"{'.'.join(filter(None, (name, meta[0])))} is on the meta device (shapes only, no "
-                             "values), and no accelerate hook loads it at the call: load the model's weights "
-                             "(from_pretrained, or load_state_dict(..., assign=True)) before generate.")
+    hook loads at the call (`offloaded`: `cpu_offload`, `disk_offload`, a `device_map`; a tensor tied to one it loads
+    under another name counts as loaded): torch computes with it without a word (a CPU input times a meta weight is
+    uninitialized memory, other tokens at each call) or fails deep inside. A weight added under an offloading hook
+    after it was set up (PEFT's adapters on an offloaded base) is on the meta device and in no hook's store."""
+    names: dict[int, list[str]] = {}  # meta tensor -> its names (tied weights have several)
+    for prefix, module in model.named_modules():
+        for key, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if tensor is not None and tensor.is_meta:
+                names.setdefault(id(tensor), []).append(".".join(filter(None, (prefix, key))))
+    for tensor_names in names.values():
+        if not any(offloaded(model, name) is not None for name in tensor_names):
+            raise ValueError(f"{tensor_names[0]} is on the meta device (shapes only, no values), and no accelerate "
+                             "hook loads it at the call: load the model's weights (from_pretrained, or "
+                             "load_state_dict(..., assign=True)) before generate, and add adapters (PEFT) to a model "
+                             "whose weights are loaded, not offloaded.")
