@@ -20,6 +20,7 @@ from transformers import (
 
 from .auto_costs import Candidate
 from .auto_policy import Chooser
+from .columns import pads_stopped_rows, still_unfinished
 from .stats import SpeculationStats
 
 # the kinds `generate` builds from its settings: one the call passes (of exactly that class: a subclass is the call's
@@ -73,15 +74,15 @@ class RowEnds(StoppingCriteria):
 
     def __init__(self, kwargs: dict, stop_strings: str | list[str] | None, start: int, eos: list[int]):
         given = list(kwargs.get("stopping_criteria") or ())
-        # transformers pads a stopped row only when a criterion stops at EOS; else the row decodes on to the stretch's
-        # end (the call ends when every row has stopped), and all its tokens are the output: nothing to record
-        self.pads = bool(eos) or any(hasattr(c, "eos_token_id") for c in given)
+        # a stopped row is padded only with a criterion of EOS (`generate` builds one for `eos`); else it decodes on
+        # to the stretch's end, and all its tokens are the output: nothing to record
+        self.pads = bool(eos) or pads_stopped_rows(given)
         self.built = [c for c in given if type(c) in BUILT_KINDS]
         self.own = [c for c in given if type(c) not in BUILT_KINDS]  # run here alone
         self.again = [c for c in self.built if type(c) in JUDGED_AGAIN]
         if stop_strings and kwargs.get("tokenizer") is not None and StopStringCriteria not in map(type, self.built):
             self.again.append(StopStringCriteria(kwargs["tokenizer"], stop_strings))
-        self.start, self.ends = start, None
+        self.start, self.ends, self.unfinished = start, None, None
 
     def criteria(self) -> StoppingCriteriaList:
         return StoppingCriteriaList([*self.built, self])
@@ -95,12 +96,10 @@ class RowEnds(StoppingCriteria):
         for criterion in self.again:
             seen = seen | criterion(input_ids, scores, **kwargs)
         if self.ends is None:
-            self.ends = torch.full((batch,), -1, dtype=torch.long)
+            self.ends, self.unfinished = torch.full((batch,), -1), torch.ones(batch, dtype=torch.long)
         if self.pads and seen.shape == (batch,):  # (an answer of another shape, a [B, 1] column, names no row)
-            # read as plain decoding reads it, `unfinished & ~answer` (an integer answer of 2 stops no row)
-            stopped = (torch.ones((), dtype=torch.long, device=seen.device) & ~seen) == 0
-            first = stopped.cpu() & (self.ends < 0)
-            self.ends[first] = input_ids.shape[1] - self.start
+            self.unfinished = still_unfinished(self.unfinished, seen.cpu())  # (read as plain decoding reads it)
+            self.ends[(self.unfinished == 0) & (self.ends < 0)] = input_ids.shape[1] - self.start
         return stop
 
 

@@ -24,9 +24,7 @@ class OutputColumns:
     def __init__(self, input_ids: torch.Tensor, pad_token_id: int | None, max_length: int, stopping_criteria,
                  streamer, output_scores: bool):
         self.stopping, self.streamer, self.output_scores = stopping_criteria, streamer, output_scores
-        # Like transformers' loop: a stopped row is padded only when a criterion has an `eos_token_id` attribute;
-        # otherwise it keeps decoding until every row has stopped, and all rows end where the last one stopped.
-        self.pad_stopped = any(hasattr(c, "eos_token_id") for c in stopping_criteria or ())
+        self.pad_stopped = pads_stopped_rows(stopping_criteria)
         eos = stopping_eos_ids(stopping_criteria)
         self.eos = torch.tensor(eos) if eos else None  # [E] the ids that end a row (`rules.ends_row`), or None
         batch, width = input_ids.shape
@@ -87,7 +85,7 @@ class OutputColumns:
         unfinished (padded after), else every row once none is. A `[B, 1]` answer broadcasts `unfinished` to
         `[B, B]`, as there: plain decoding then ends once all of it is clear, and with an EOS criterion fails at its
         next step (its padding of the stopped rows), where this raises a `ValueError` naming the shape."""
-        self.unfinished = self.unfinished & ~stop.to(self.unfinished.device)
+        self.unfinished = still_unfinished(self.unfinished, stop)
         if int(self.unfinished.max()) == 0:
             return seqs
         if not self.pad_stopped:
@@ -108,6 +106,19 @@ class OutputColumns:
                                   self.pad)
         grown[:, : self.ids.shape[1]] = self.ids
         self.ids = grown
+
+
+def pads_stopped_rows(stopping_criteria) -> bool:
+    """Whether transformers' loop pads a row a criterion stopped: only when a criterion of `stopping_criteria` has an
+    `eos_token_id` attribute; otherwise the row keeps decoding until every row has stopped, and all rows end where
+    the last one stopped."""
+    return any(hasattr(c, "eos_token_id") for c in stopping_criteria or ())
+
+
+def still_unfinished(unfinished: torch.Tensor, stop) -> torch.Tensor:
+    """Plain decoding's rows left running (`unfinished`, long `[B]`) after the criteria answered `stop`, with its
+    arithmetic `unfinished & ~stop` (a long answer of 2 leaves a row running; a `[B, 1]` answer broadcasts)."""
+    return unfinished & ~torch.as_tensor(stop).to(unfinished.device)
 
 
 def stopping_eos_ids(stopping_criteria) -> list[int]:
