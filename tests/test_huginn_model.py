@@ -157,14 +157,19 @@ def test_beam_search_with_random_states_equals_full_recomputation(beams_from):
                       **huginn_depth(model.config, model.config.mean_recurrence))
 
 
-def test_num_beams_1_passed_over_a_beam_search_config_keys_states_by_row():
-    """`num_beams=1` given to `generate` wins over the model's generation config's 3 (as in transformers): the
-    call decodes greedily, with each row's own states, as on a model whose config has no beams."""
+@pytest.mark.parametrize("given_in", ["argument", "passed config"])
+def test_num_beams_1_passed_over_a_beam_search_config_keys_states_by_row(given_in):
+    """`num_beams=1` given to `generate`, or set in a passed `GenerationConfig` (whose default is unset), wins over
+    the model's generation config's 3 (as in transformers): the call decodes greedily, with each row's own states,
+    as on a model whose config has no beams. A passed config's 1 was taken as unset: rows drew other rows' states."""
     model, _ = tiny_huginn(seed=2, damp=0.5)
     ids = random_ids((3, 5), VOCAB, seed=6)
     settings = dict(max_new_tokens=6, init_scale=1.0, init_seed=7, speculative_mode=None)
+    given = ({"num_beams": 1} if given_in == "argument"
+             else {"generation_config": GenerationConfig(num_beams=1, do_sample=False,
+                                                         pad_token_id=model.generation_config.pad_token_id)})
     model.generation_config.num_beams = 3
-    over = model.generate(ids, num_beams=1, **settings)
+    over = model.generate(ids, **given, **settings)
     model.generation_config.num_beams = 1
     assert torch.equal(over, model.generate(ids, **settings))
 

@@ -374,10 +374,9 @@ class HuginnForCausalLM(SharedGenerationConfig, LoopedCausalLMMixin, HuginnPreTr
         passed here comes from a passed generation config, else an open `recurrence` block, else the model's
         generation config (`call_block`)."""
         config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or self.generation_config
-        # num_beams as transformers resolves it: the argument, else a passed config's (its default 1: the model's)
-        configured = next((n for n in (getattr(config, "num_beams", None), self.generation_config.num_beams)
-                           if n not in (None, 1)), 1)
-        beams = kwargs["num_beams"] if kwargs.get("num_beams") is not None else configured
+        # num_beams as transformers resolves it: the argument, else a passed config's, else the model's (None: unset)
+        beams = next((n for n in (kwargs.get("num_beams"), getattr(config, "num_beams", None),
+                                  self.generation_config.num_beams) if n is not None), 1)
         with recurrence_rules.callers_block(self.transformer) as caller, \
                 self.call_block(config, num_steps=num_steps, init_scale=init_scale, init_seed=init_seed), \
                 beam_rows(self.transformer, int(beams)), recurrence_rules.running_call(self.transformer, caller):
