@@ -10,12 +10,13 @@ pipeline and block decoded the ids and dropped the embeddings, or crashed on an 
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 from helpers import tiny_model
-from peft import LoraConfig, PromptTuningConfig, TaskType, get_peft_model
+from peft import LNTuningConfig, LoraConfig, PromptTuningConfig, TaskType, get_peft_model
 
 from hf_loopspec import OuroForCausalLM, PagedLoopCache
 
@@ -98,6 +99,34 @@ def test_lora_on_a_huginn_embedding_decodes():
                                                      **settings))
     assert torch.equal(lora.generate(input_ids=ids, attention_mask=mask, speculative_mode="pipeline", **settings),
                        plain)
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_layernorm_tuning_of_the_final_norm_decodes_with_the_tuned_norm(family):
+    """PEFT's LayerNorm tuning wraps the final norm in a layer without `eps`: the KV layout's build check read
+    `norm.eps`, and every call, `forward` included, raised "object has no attribute 'kv_layout'". The tuned norm
+    (scaled here, so the tokens change) decodes as the same model with that norm weight written in, in every mode."""
+    from huginn_utils import tiny_huginn
+
+    model = tiny_model()[0] if family == "ouro" else tiny_huginn(seed=4)[0]
+    name, settings = ("norm", SETTINGS) if family == "ouro" else ("ln_f", {**SETTINGS, "init_scale": 0.0})
+    ids, mask = _ids(model)
+    reference = copy.deepcopy(model)
+    tuned = get_peft_model(model, LNTuningConfig(task_type=TaskType.CAUSAL_LM, target_modules=[name])).eval()
+    scale = torch.rand(getattr(reference.base_model, name).weight.shape[0],
+                       generator=torch.Generator().manual_seed(5)) * 2
+    with torch.no_grad():
+        getattr(tuned.get_base_model().base_model, name).ln_tuning_layers["default"].weight.mul_(scale)
+        getattr(reference.base_model, name).weight.mul_(scale)
+    plain = tuned.generate(input_ids=ids, attention_mask=mask, speculative_mode=None, **settings)
+    assert torch.equal(plain, reference.generate(input_ids=ids, attention_mask=mask, speculative_mode=None,
+                                                 **settings))
+    with tuned.disable_adapter():
+        assert not torch.equal(plain, model.generate(input_ids=ids, attention_mask=mask, speculative_mode=None,
+                                                     **settings))
+    for mode in MODES:
+        assert torch.equal(tuned.generate(input_ids=ids, attention_mask=mask, speculative_mode=mode, **settings),
+                           plain), mode
 
 
 def test_an_adapter_folder_loads_only_onto_a_base_of_the_family(tmp_path):

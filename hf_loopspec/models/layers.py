@@ -25,6 +25,12 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def norm_eps(norm: nn.Module) -> float:
+    """A norm's epsilon, also through an adapter that wraps the norm (PEFT's LayerNorm tuning keeps it as
+    `get_base_layer()`, without an `eps` of its own)."""
+    return (norm.get_base_layer() if hasattr(norm, "get_base_layer") else norm).eps
+
+
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos and sin `[*positions.shape, head_dim]` for rotate-half RoPE, computed in fp32 then cast."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)

@@ -35,6 +35,7 @@ from ..layers import (
     is_integer,
     is_real,
     kept_positions,
+    norm_eps,
     project,
     rotary_cos_sin,
 )
@@ -146,9 +147,9 @@ class OuroModel(OuroPreTrainedModel):
     def kv_layout(self) -> KVLayout:
         c = self.config
         vocab, width = self.embed_tokens.weight.shape  # (the lanes are hidden_size wide; ids index the rows)
-        check_built(c, {"num_hidden_layers": len(self.layers), "hidden_size": width, "vocab_size": vocab,
-                        "intermediate_size": self.layers[0].mlp.down_proj.in_features, "rms_norm_eps": self.norm.eps},
-                    self.layers[0].self_attn)
+        built = {"num_hidden_layers": len(self.layers), "hidden_size": width, "vocab_size": vocab,
+                 "intermediate_size": self.layers[0].mlp.down_proj.in_features, "rms_norm_eps": norm_eps(self.norm)}
+        check_built(c, built, self.layers[0].self_attn)
         return KVLayout(c.total_ut_steps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
 
     @property
