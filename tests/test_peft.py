@@ -3,7 +3,8 @@
 PEFT's prompt learning prepends its virtual tokens through a `prepare_inputs_for_generation` it sets on the model
 instance, which the speculative engine never calls: such a call decodes plainly and says why
 (`out.speculation.fallback`), in every speculative mode. An adapter that leaves the inputs alone (LoRA) keeps
-speculative decoding, with plain decoding's tokens; one adapter per row (`adapter_names`) decodes plainly.
+speculative decoding, with plain decoding's tokens; one adapter per row (`adapter_names`, Poly's `task_ids`) decodes
+plainly. Prefix tuning is refused in every mode (its prefix is a KV cache of one loop's layers).
 `inputs_embeds` is refused by every speculative mode (before,
 pipeline and block decoded the ids and dropped the embeddings, or crashed on an embeddings-only call).
 """
@@ -17,6 +18,7 @@ import pytest
 import torch
 from helpers import tiny_model
 from peft import LNTuningConfig, LoraConfig, PromptTuningConfig, TaskType, get_peft_model
+from transformers import DynamicCache
 
 from hf_loopspec import OuroForCausalLM, PagedLoopCache
 
@@ -211,6 +213,69 @@ def test_an_adapter_per_row_refuses_a_paged_cache_and_continues_a_dynamic_one(tw
     whole = two_adapters.generate(input_ids=ids, attention_mask=mask, adapter_names=names, speculative_mode=None,
                                   **{**SETTINGS, "max_new_tokens": 8})
     assert torch.equal(second, whole)
+
+
+@pytest.mark.parametrize("mode", [None, *MODES])
+def test_prefix_tuning_is_refused_in_every_mode_naming_the_adapter(mode):
+    """PEFT's prefix tuning passes its prefix as a KV cache of one KV per layer: plain decoding failed on it with a
+    message about the cache's layers, pipeline and block in an AttributeError (`max_cache_len`) from inside PEFT."""
+    from peft import PrefixTuningConfig
+
+    tuned = get_peft_model(tiny_model()[0], PrefixTuningConfig(task_type=TaskType.CAUSAL_LM,
+                                                               num_virtual_tokens=3)).eval()
+    ids, mask = _ids(tuned)
+    for cache in ({}, {"cache": PagedLoopCache(tuned.get_base_model().kv_layout)}):
+        with pytest.raises(ValueError, match=r"peft_type=PREFIX_TUNING, which passes its trained prefix as a KV "
+                                             r"cache.*use prompt tuning \(PromptTuningConfig\) or a weight adapter"):
+            tuned.generate(input_ids=ids, attention_mask=mask, speculative_mode=mode, **cache, **SETTINGS)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_prompt_tuned_call_continuing_a_dynamic_cache_fills_it_as_plain_decoding(prompt_tuned, mode):
+    """A prompt-tuned call falls back to plain decoding; given a `DynamicCache`, it converted the cache to a paged one
+    and back at its end, where the virtual tokens in the cache but not in the mask failed it in a `ValueError` about
+    the caller's `attention_mask`. It keeps plain decoding's cache now: the same tokens, the same KV."""
+    tuned, _ = prompt_tuned
+    ids, mask = _ids(tuned)
+    plain_cache, cache = DynamicCache(), DynamicCache()
+    plain = tuned.generate(input_ids=ids, attention_mask=mask, speculative_mode=None, cache=plain_cache, **SETTINGS)
+    out = tuned.generate(input_ids=ids, attention_mask=mask, speculative_mode=mode, cache=cache,
+                         return_dict_in_generate=True, **SETTINGS)
+    assert torch.equal(out.sequences, plain) and out.speculation.fallback is not None
+    assert cache.get_seq_length() == plain_cache.get_seq_length() == plain.shape[1] - 1 + 4  # (+ 4 virtual tokens)
+    for ours, theirs in zip(cache.layers, plain_cache.layers, strict=True):
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def test_poly_task_ids_decode_plainly_per_row_and_continuous_batching_refuses_them():
+    """PEFT's Poly layers mix their skills per row by `task_ids`, which reach them by a pre-hook, as
+    `adapter_names` do: every speculative mode failed in torch's `bmm` ("batch1 must be a 3D tensor"), and
+    `generate_batch` in its loop thread ("task_ids should not be None"). Each speculative mode decodes plainly now,
+    each row with its task's tokens (the reference: that row alone, plain), and continuous batching refuses the model
+    up front."""
+    from peft import PolyConfig
+
+    torch.manual_seed(6)
+    poly = get_peft_model(tiny_model()[0], PolyConfig(task_type=TaskType.CAUSAL_LM, r=4, n_tasks=2, n_skills=2,
+                                                      n_splits=1, target_modules=["q_proj", "v_proj"])).eval()
+    with torch.no_grad():
+        for name, weight in poly.named_parameters():
+            if "poly_lora_B" in name or "module_logits" in name:  # (zero or near it at init: tasks would not differ)
+                weight.copy_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(7)) * 4)
+    ids, mask = _ids(poly)
+    tasks = torch.tensor([1, 0])
+    alone = [poly.generate(input_ids=ids[row:row + 1], attention_mask=mask[row:row + 1], task_ids=tasks[row:row + 1],
+                           speculative_mode=None, **SETTINGS) for row in range(2)]
+    other = poly.generate(input_ids=ids[:1], attention_mask=mask[:1], task_ids=tasks[1:], speculative_mode=None,
+                          **SETTINGS)
+    assert not torch.equal(other, alone[0])  # the tasks differ: a row given the other's would show
+    for mode in MODES:
+        out = poly.generate(input_ids=ids, attention_mask=mask, task_ids=tasks, speculative_mode=mode,
+                            return_dict_in_generate=True, **SETTINGS)
+        assert "task_ids" in out.speculation.fallback
+        assert torch.equal(out.sequences, torch.cat(alone)), mode
+    with pytest.raises(ValueError, match=r"continuous batching: PEFT's task_ids \(per batch row\)"):
+        poly.generate_batch([ids[0].tolist()], max_new_tokens=2)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache
 
 from ..cache.paged import PagedLoopCache
 from ..models.layers import check_mask_values, check_token_ids, is_integer, is_real
-from .model_checks import check_weights_present
+from .model_checks import check_no_prefix_cache, check_weights_present
 
 
 def as_integer(value, name: str) -> int:
@@ -100,14 +100,15 @@ def check_inputs(input_ids, attention_mask, cache, vocab_size: int | None = None
 
 
 def checked_call_inputs(model, ids, kwargs: dict, cache) -> dict:
-    """`kwargs` (a `generate` call's arguments by name) after `check_inputs` and `check_weights_present`, in every mode
-    alike; without `ids` (and without inputs_embeds), of the `[B, 1]` BOS prompt plain decoding starts from
-    (`prompt_or_bos`): its id must be in the vocabulary, and a mask must be `[B, 1]` (a wider one was read by plain
-    decoding and refused by the speculative modes, each in its own way); without a mask either, the BOS is given one
-    of ones (transformers would infer the BOS as padding when it is the pad id: plain decoding then started from no
-    token, the speculative modes refused it as right padding)."""
+    """`kwargs` (a `generate` call's arguments by name) after `check_inputs`, `check_weights_present` and
+    `check_no_prefix_cache`, in every mode alike; without `ids` (and without inputs_embeds), of the `[B, 1]` BOS
+    prompt plain decoding starts from (`prompt_or_bos`): its id must be in the vocabulary, and a mask must be `[B, 1]`
+    (a wider one was read by plain decoding and refused by the speculative modes, each in its own way); without a mask
+    either, the BOS is given one of ones (transformers would infer the BOS as padding when it is the pad id: plain
+    decoding then started from no token, the speculative modes refused it as right padding)."""
     mask, vocab = kwargs.get("attention_mask"), model.config.vocab_size
     check_weights_present(model)
+    check_no_prefix_cache(model)
     if kwargs.get("inputs_embeds") is not None:
         check_embedded_prompt(kwargs, model.generation_config)
     if ids is not None or kwargs.get("inputs_embeds") is not None:

@@ -270,11 +270,10 @@ class LoopSpecGenerationMixin(GenerationMixin):
         check_token_settings(generation_config, batch_size * (generation_config.num_return_sequences or 1),
                              self.config.vocab_size)
         user_cache, call = model_kwargs.get("cache"), current_call()
-        speculative, paged = self._speculative(generation_config) is not None, isinstance(user_cache, PagedLoopCache)
-        dense = dense_cache_reason(self) if speculative or paged else None  # (such a model falls back to plain)
-        if dense and paged:
+        if isinstance(user_cache, PagedLoopCache) and (dense := dense_cache_reason(self)):
             raise ValueError(f"cache: {dense}; pass a DynamicCache or no cache.")
-        if speculative and not dense:
+        # a model that decodes plainly in every mode (`model_fallback`: such a model's KV is dense) keeps plain's cache
+        if self._speculative(generation_config) is not None and model_fallback(self) is None:
             if user_cache is None and generation_config.cache_implementation is not None:
                 logger.warning_once("hf_loopspec: cache_implementation=%r does not apply to speculative decoding, "
                                     "which keeps its KV in a PagedLoopCache (pass speculative_mode=None for that "

@@ -17,13 +17,15 @@ to a model break that:
   (`torch.nn.modules.module.register_module_forward_hook`) run on every module, those two included;
 * PEFT's per-row arguments of `generate` (`adapter_names`: one LoRA adapter per row, `alora_offsets`) reach its
   layers through pre-hooks that split each layer's input by batch row, and the engine's calls hold their rows
-  otherwise;
+  otherwise; so do the `task_ids` of PEFT's Poly layers, which every call of such a layer takes;
 * an input embedding of another dtype than all the other weights (e.g. `embed_tokens.half()` on an fp32 model):
   the engine keeps its lanes in the embedding's dtype;
 * a `prepare_inputs_for_generation` set on the model instance changes what plain decoding feeds the model, and the
-  engine never calls it: PEFT's prompt learning (prompt, prefix, p-tuning) prepends its virtual tokens that way.
+  engine never calls it: PEFT's prompt learning (prompt tuning, p-tuning) prepends its virtual tokens that way.
   PEFT sets one for every adapter; those of adapters that are neither prompt learning nor POLY (LoRA, ...) pass
   the inputs through unchanged, so those keep speculative decoding.
+
+PEFT's prefix tuning (and its cartridges) cannot decode a looped model in any mode (`check_no_prefix_cache`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from .offloaded import offloaded
 DYNAMIC_QUANTIZED = "torch.ao.nn.quantized.dynamic"  # the modules `quantize_dynamic` puts in place
 ACTIVATION_QUANTIZATION = ("act_quant_kwargs", "activation_quantization")  # torchao weights that quantize inputs
 PEFT_PER_ROW = ("adapter_names", "alora_offsets")  # keywords of PEFT's pre-hooks on its layers during `generate`
+PEFT_ROW_ROUTED = {"peft.tuners.poly": "task_ids"}  # PEFT's layers that take a per-row argument in every call
+PEFT_PREFIX_KV = ("PREFIX_TUNING", "CARTRIDGE")  # PEFT's adapters that pass their prefix as a KV cache
 PLAINLY = "; decoded with plain decoding instead"
 
 
@@ -129,11 +133,28 @@ def _mixed_dtypes(model) -> tuple[str, list[str]] | None:
 
 
 def per_row_arguments(model) -> list[str]:
-    """The per-row arguments of PEFT (`PEFT_PER_ROW`) that its pre-hooks pass to `model`'s layers, in this call: they
+    """The per-row arguments of PEFT that its pre-hooks pass to `model`'s layers in this call (`PEFT_PER_ROW`), or
+    that its layers in `model` always take (`PEFT_ROW_ROUTED`): they
     split each layer's input by batch row, so the model must be called on `[batch, length, ...]` inputs (plain
     decoding with a `DynamicCache`); a `PagedLoopCache` lays its rows out flat."""
-    return sorted({key for m in model.modules() for hook in m._forward_pre_hooks.values()
-                   for key in getattr(hook, "keywords", {}) if key in PEFT_PER_ROW})
+    hooked = {key for m in model.modules() for hook in m._forward_pre_hooks.values()
+              for key in getattr(hook, "keywords", {}) if key in PEFT_PER_ROW}
+    routed = {key for m in model.modules() for package, key in PEFT_ROW_ROUTED.items()
+              if type(m).__module__.startswith(package)}
+    return sorted(hooked | routed)
+
+
+def check_no_prefix_cache(model) -> None:
+    """`ValueError` for a PEFT adapter that passes its trained prefix as a KV cache (`PEFT_PREFIX_KV`, through the
+    `prepare_inputs_for_generation` PEFT sets on the model during its `generate`): that cache holds one KV per layer,
+    and a looped model writes one per (loop, layer), so no mode can decode with it."""
+    override = vars(model).get("prepare_inputs_for_generation")
+    kind = getattr(getattr(getattr(override, "__self__", None), "active_peft_config", None), "peft_type", None)
+    kind = str(getattr(kind, "value", kind))
+    if kind in PEFT_PREFIX_KV:
+        raise ValueError(f"the model carries a PEFT adapter of peft_type={kind}, which passes its trained prefix as a "
+                         "KV cache of one KV per layer, but a looped model writes one KV per (loop, layer) and cannot "
+                         "take it: use prompt tuning (PromptTuningConfig) or a weight adapter such as LoRA.")
 
 
 def _own_inputs_preparation(model) -> str | None:
