@@ -92,8 +92,11 @@ def hub_errors_explained(spec: str) -> Iterator[None]:
 def check_folder(folder: Path) -> None:
     """The folder part of `check_source`: config.json, then every safetensors file the checkpoint needs."""
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} has no config.json, so it is not a checkpoint folder; pass the folder "
-                                f"that holds config.json and {SAFE_WEIGHTS}.")
+        why = (" but a PEFT adapter (adapter_config.json), and a whole checkpoint is needed; merge the adapter into "
+               "its base model first (peft's merge_and_unload, then save_pretrained) and pass that folder, or pass the "
+               "base model's folder") if (folder / "adapter_config.json").is_file() else \
+            ", so it is not a checkpoint folder; pass the folder that holds config.json and " + SAFE_WEIGHTS
+        raise FileNotFoundError(f"{folder} has no config.json{why}.")
     check_model_type(folder / "config.json")
     for shard in weight_files(folder):
         check_safetensors(shard)

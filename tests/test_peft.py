@@ -147,6 +147,27 @@ def test_an_adapter_folder_loads_only_onto_a_base_of_the_family(tmp_path):
         OuroForCausalLM.from_pretrained(tmp_path / "adapter")
 
 
+def test_export_refuses_an_adapter_beside_the_checkpoint_and_the_cli_names_an_adapter_folder(tmp_path):
+    """A checkpoint folder that also holds a saved adapter loads base plus adapter, whose `save_pretrained` writes the
+    adapter alone: the export failed on its own staging folder ("No such file ... config.json"). It is refused before
+    any weight loads, nothing written; an adapter-only folder given to the command line is named as an adapter."""
+    from hf_loopspec.hub.export import export_checkpoint
+    from hf_loopspec.input_checks import check_source
+
+    tiny_model()[0].save_pretrained(tmp_path / "src")
+    lora = get_peft_model(OuroForCausalLM.from_pretrained(tmp_path / "src"),
+                          LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    lora.save_pretrained(tmp_path / "src")
+    lora.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"src holds a PEFT adapter \(adapter_config.json\) beside its checkpoint.*"
+                                         r"merge the adapter first"):
+        export_checkpoint(str(tmp_path / "src"), str(tmp_path / "out"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "src"]
+    with pytest.raises(FileNotFoundError, match=r"adapter has no config.json but a PEFT adapter \(adapter_config.json"
+                                                r"\), and a whole checkpoint is needed; merge the adapter"):
+        check_source(str(tmp_path / "adapter"))
+
+
 def test_auto_policy_functions_act_on_the_model_a_peft_model_wraps():
     """`set_policy` and `forget` given the PEFT wrapper (as a user holding one passes it) act on the looped model
     it wraps, which auto decodes with and keys what it observes by (they stored a policy auto never read, and

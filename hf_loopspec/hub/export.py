@@ -121,6 +121,7 @@ def export_checkpoint(
     if Path(src).exists() and (Path(src).resolve() == out.resolve() or out.resolve() in Path(src).resolve().parents):
         raise ValueError(f"OUT ({out}) is or contains the source checkpoint {src}; export into another folder.")
     check_source(src)
+    _check_no_adapter(src, source.local_only)
     num_loops = _source_config(src, source.local_only, trust_remote_code).total_ut_steps  # no weights read yet
     check_loop_settings(num_loops, model_card_kwargs.get("exit_options"), speculative_mode, draft_loops,
                         num_speculative_tokens)
@@ -161,6 +162,19 @@ def _checked_settings(max_shard_size, dtype, overwrite, trust_remote_code, repo_
                         f"passes to the model card are {', '.join(card_keywords)}.")
     check_card_keywords(model_card_kwargs, FAMILIES)
     return shard_size(max_shard_size)
+
+
+def _check_no_adapter(src: str, local_only: bool) -> None:
+    """`ValueError` for a source that holds a PEFT adapter beside its checkpoint (`adapter_config.json`, as
+    transformers finds it): `from_pretrained` loads the adapter onto the model, whose `save_pretrained` then writes
+    the adapter alone, not the whole checkpoint an export is."""
+    from transformers.utils import find_adapter_config_file
+
+    if find_adapter_config_file(src, local_files_only=local_only) is not None:
+        raise ValueError(f"{src} holds a PEFT adapter (adapter_config.json) beside its checkpoint, which "
+                         "from_pretrained loads onto the model, and an export writes whole weights: merge the adapter "
+                         "first (peft's merge_and_unload, then save_pretrained into another folder) and export that "
+                         "folder, or move the adapter's files out to export the base model alone.")
 
 
 def _source_config(src: str, local_only: bool, trust_remote_code: bool):
