@@ -145,6 +145,24 @@ def test_a_forced_token_outside_the_vocabulary_is_named_up_front(model, inputs, 
         assert got.tolist() == expected.tolist(), value  # "truth value of an array is ambiguous"; an empty one forces)
 
 
+@pytest.mark.parametrize("mode", {**MODES, "auto": {"speculative_mode": "auto"}}.values(), ids=[*MODES, "auto"])
+def test_an_exponential_decay_that_is_no_pair_is_named_up_front(model, inputs, mode):
+    """`exponential_decay_length_penalty` is (start index, decay factor): a 1-tuple failed in an IndexError inside
+    transformers' processor, in every mode, plain included. A pair, as a tuple or a list (a loaded JSON config's),
+    decodes as plain."""
+    ids, mask = inputs
+    for value in ((2,), (2, "x"), "2", (1.5, 1.1), (2, 1.1, 3)):
+        with pytest.raises(ValueError, match=rf"exponential_decay_length_penalty={re.escape(repr(value))} is no "
+                                             r"\(start_index, decay_factor\) pair"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=5,
+                           exponential_decay_length_penalty=value, **mode)
+    for value in ((1, 3.0), [1, 3]):
+        expected = plain(model, ids, mask, 4, eos_token_id=5, exponential_decay_length_penalty=value).sequences
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=5,
+                             exponential_decay_length_penalty=value, **mode)
+        assert got.tolist() == expected.tolist(), value
+
+
 @pytest.mark.parametrize("mode", MODES.values(), ids=list(MODES))
 def test_int32_ids_and_numpy_max_new_tokens_decode_as_plain(model, inputs, mode):
     ids, mask = inputs

@@ -424,6 +424,7 @@ SAVE_REFUSALS = [  # (family, generation config settings, the refusal's words): 
     ("ouro", {"speculative_trace": True}, "speculative_trace=True in a generation config is not read"),
     ("ouro", {"num_steps": 4}, "num_steps=4: OuroForCausalLM has no recurrence settings"),
     ("ouro", {"forced_eos_token_id": [5, 99]}, r"forced_eos_token_id=\[5, 99\] is no token id of the vocabulary"),
+    ("ouro", {"exponential_decay_length_penalty": [5]}, r"exponential_decay_length_penalty=\[5\] is no"),
     ("huginn", {"exit_threshold": 0.5}, "exit_threshold=0.5: HuginnForCausalLM has no exit options"),
     ("huginn", {"speculative_mode": "pipeline", "num_steps": 1}, "runs 1 loop"),
 ]

@@ -306,8 +306,15 @@ FORCED_TOKENS = ("forced_bos_token_id", "forced_eos_token_id")  # ids a logits p
 
 def check_token_settings(generation_config, rows: int, vocab_size: int) -> None:
     """`ValueError` naming a forced token id (`FORCED_TOKENS`) outside the vocabulary, which transformers' processor
-    met as an IndexError of the scores at the forced step in every mode, or a pad id the call could feed the model
-    (`check_pad_token`)."""
+    met as an IndexError of the scores at the forced step in every mode, an `exponential_decay_length_penalty` that is
+    no (start index, decay factor) pair (an IndexError or TypeError inside transformers' processor), or a pad id the
+    call could feed the model (`check_pad_token`)."""
+    decay = getattr(generation_config, "exponential_decay_length_penalty", None)
+    if decay is not None and not (isinstance(decay, (tuple, list)) and len(decay) == 2 and is_integer(decay[0])
+                                  and is_real(decay[1])):
+        raise ValueError(f"exponential_decay_length_penalty={decay!r} is no (start_index, decay_factor) pair: pass "
+                         "a tuple of the number of new tokens after which the penalty starts (an integer) and its "
+                         "growth factor per token (a number), e.g. (10, 1.05), or None.")
     for key in FORCED_TOKENS:
         ids = token_id_values(value := getattr(generation_config, key, None))
         if value is not None and (ids is None or not all(0 <= i < vocab_size for i in ids)):
