@@ -16,6 +16,7 @@ import logging
 import accelerate
 import pytest
 import torch
+from helpers import tiny_model
 from huginn_utils import tiny_huginn
 from inputs import left_pad, random_prompts
 from speculative_utils import generate_dict, paged_cache, tiny_spec_model
@@ -178,6 +179,19 @@ def test_a_dynamically_quantized_model_decodes_plainly(setup, mode):
         assert out.speculation.engine == "plain" and out.speculation.committed_tokens == 0
     with pytest.raises(ValueError, match="dynamically quantized layers .* pass a DynamicCache or no cache"):
         run(quantized, ids, mask, speculative_mode=mode, cache=PagedLoopCache(quantized.kv_layout))
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "auto"])
+def test_a_dynamically_quantized_model_without_a_cache_decodes_as_plain_without_one(mode):
+    """Without a cache each step is one call over the whole sequence: other activation scales than with one, so
+    other tokens (shown first). A call with `use_cache=False` gets plain decoding's own tokens without a cache (auto
+    decoded its one plain stretch with a cache)."""
+    quantized = torch.ao.quantization.quantize_dynamic(tiny_model()[0], {torch.nn.Linear}, dtype=torch.qint8)
+    ids = torch.randint(1, quantized.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3))
+    settings = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    uncached = quantized.generate(ids, speculative_mode=None, use_cache=False, **settings)
+    assert not torch.equal(uncached, quantized.generate(ids, speculative_mode=None, **settings))
+    assert torch.equal(quantized.generate(ids, speculative_mode=mode, use_cache=False, **settings), uncached)
 
 
 @pytest.mark.parametrize("family", ["ouro", "huginn"])

@@ -301,7 +301,7 @@ def generate_auto(model, output_cls, args: tuple, kwargs: dict):
         start, asked = time.perf_counter(), min(tokens, call.max_new - done)
         out, row_ends = _segment(model, call, candidate, ids, mask, cache, stopped, asked, done, streamer)
         new, cache = out.sequences[:, ids.shape[1]:], out.cache
-        seconds = _observe(model, candidate, out, new, start, dynamic, continued=done > 0)
+        seconds = _observe(model, candidate, out, new, start, dynamic and call.use_cache, continued=done > 0)
         if candidate.mode is not None and getattr(getattr(out, "speculation", None), "fallback", None):
             fell_back, stats.fallback = True, out.speculation.fallback
             candidate, reason = PLAIN, "fallback"
@@ -390,8 +390,10 @@ def _segment(model, call: _Call, candidate: Candidate, ids, mask, cache, stopped
     """One segment: `generate`'s output with `candidate`'s setting for `tokens` columns, continuing `cache`, and the
     `RowEnds` its stopping criteria were judged through when more than EOS could stop its rows plainly (a single
     plain stretch; else None)."""
+    alone = cache is None and not candidate.mode and tokens >= call.max_new  # the whole call, as plain runs it alone
     kwargs = {**call.base, **candidate.kwargs(), "max_new_tokens": tokens, "attention_mask": mask,
-              "return_dict_in_generate": True, "use_cache": True} | ({} if cache is None else {"cache": cache})
+              "return_dict_in_generate": True, "use_cache": call.use_cache or not alone} | \
+        ({} if cache is None else {"cache": cache})
     kwargs.update(call.engine_settings if candidate.mode else {"compile_core": False, "speculative_engine": None})
     if not candidate.mode:  # a plain segment has no cycles to trace (and refuses speculative_trace)
         kwargs.pop("speculative_trace", None)

@@ -121,7 +121,6 @@ def export_checkpoint(
     if Path(src).exists() and (Path(src).resolve() == out.resolve() or out.resolve() in Path(src).resolve().parents):
         raise ValueError(f"OUT ({out}) is or contains the source checkpoint {src}; export into another folder.")
     check_source(src)
-    _check_no_adapter(src, source.local_only)
     num_loops = _source_config(src, source.local_only, trust_remote_code).total_ut_steps  # no weights read yet
     check_loop_settings(num_loops, model_card_kwargs.get("exit_options"), speculative_mode, draft_loops,
                         num_speculative_tokens)
@@ -178,12 +177,14 @@ def _check_no_adapter(src: str, local_only: bool) -> None:
 
 
 def _source_config(src: str, local_only: bool, trust_remote_code: bool):
-    """SRC's config, read without its weights, after a `ValueError` when SRC is of another family than Ouro
-    (config.json's `model_type`): its weights then load as hf_loopspec's `OuroForCausalLM`, whose registration wins
-    over a checkpoint's own remote code."""
+    """SRC's config, read without its weights, after a `ValueError` when SRC holds an adapter (`_check_no_adapter`)
+    or is of another family than Ouro (config.json's `model_type`): its weights then load as hf_loopspec's
+    `OuroForCausalLM`, whose registration wins over a checkpoint's own remote code."""
     from transformers import AutoConfig
 
     import hf_loopspec
+
+    _check_no_adapter(src, local_only)
 
     with hub_errors_explained(src):
         config = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code, local_files_only=local_only)
