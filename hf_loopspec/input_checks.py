@@ -25,6 +25,12 @@ SAFE_INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
+# why a folder (or cached Hub repo) of a PEFT adapter alone is no checkpoint, and the fix
+ADAPTER_ONLY = (" but a PEFT adapter (adapter_config.json), and a whole checkpoint is needed; merge the adapter into "
+                "its base model first (peft's merge_and_unload, then save_pretrained) and pass that folder, or pass "
+                "the base model's folder")
+
+
 def check_source(spec: str, revision: str | None = None, subfolder: str = "") -> None:
     """Raise `FileNotFoundError` / `ValueError` (one line, naming the fix) for a checkpoint that cannot load safely;
     see the module docstring for what is checked. Hub ids are checked for their form and their cached weights (of
@@ -60,6 +66,8 @@ def check_hub_cache(repo_id: str, revision: str | None = None, subfolder: str = 
         return try_to_load_from_cache(repo_id, f"{subfolder}/{name}" if subfolder else name, revision=revision)
 
     if is_offline_mode() and not isinstance(cached("config.json"), str):
+        if isinstance(cached("adapter_config.json"), str):
+            raise FileNotFoundError(f"{repo_id} has no config.json in the local Hub cache{ADAPTER_ONLY}.")
         at = f" at revision {revision}" if revision is not None else ""
         raise FileNotFoundError(f"{repo_id} is not a local folder, and it is not in the local Hub cache{at} while the "
                                 "Hub is off (HF_HUB_OFFLINE=1); pass a checkpoint folder or 'default', or unset "
@@ -92,9 +100,7 @@ def hub_errors_explained(spec: str) -> Iterator[None]:
 def check_folder(folder: Path) -> None:
     """The folder part of `check_source`: config.json, then every safetensors file the checkpoint needs."""
     if not (folder / "config.json").is_file():
-        why = (" but a PEFT adapter (adapter_config.json), and a whole checkpoint is needed; merge the adapter into "
-               "its base model first (peft's merge_and_unload, then save_pretrained) and pass that folder, or pass the "
-               "base model's folder") if (folder / "adapter_config.json").is_file() else \
+        why = ADAPTER_ONLY if (folder / "adapter_config.json").is_file() else \
             ", so it is not a checkpoint folder; pass the folder that holds config.json and " + SAFE_WEIGHTS
         raise FileNotFoundError(f"{folder} has no config.json{why}.")
     check_model_type(folder / "config.json")

@@ -111,6 +111,29 @@ def test_a_broken_checkpoint_in_the_hub_cache_is_a_one_line_error(kind, name, go
         assert f"{snapshot_dir}/model.safetensors {BREAKAGES[kind][1]}" in line, line
 
 
+@pytest.mark.parametrize("name", ["generate", "export"])
+@pytest.mark.parametrize("where", ["folder", "hub cache"])
+def test_an_adapter_alone_is_named_as_an_adapter(where, name, tmp_path, capsys, monkeypatch):
+    """A PEFT adapter's folder (adapter_config.json, no config.json) is no checkpoint: named as an adapter, with the
+    fix, locally and as a Hub id cached offline (that one was "not in the local Hub cache", though it is)."""
+    import huggingface_hub.constants
+
+    folder = tmp_path / "hub" / "models--someone--adapter" / "snapshots" / ("a" * 40) if where == "hub cache" \
+        else tmp_path / "adapter"
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "x"}))
+    if where == "hub cache":
+        (tmp_path / "hub" / "models--someone--adapter" / "refs").mkdir()
+        (tmp_path / "hub" / "models--someone--adapter" / "refs" / "main").write_text("a" * 40)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    spec = "someone/adapter" if where == "hub cache" else str(folder)
+    assert cli.main(command(name, spec, tmp_path)) == 2
+    line = one_error_line(capsys, name)
+    assert f"{spec} has no config.json" in line and "but a PEFT adapter (adapter_config.json)" in line, line
+    assert "merge the adapter into its base model first" in line
+
+
 @pytest.mark.parametrize("name", ["generate", "batch", "bench", "export"])
 @pytest.mark.parametrize("spec", ["{tmp}/nowhere", "./nowhere", "some/where/else"])
 def test_a_missing_local_folder_is_not_reported_as_a_hub_id(spec, name, tmp_path, capsys, monkeypatch):

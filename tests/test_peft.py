@@ -268,6 +268,18 @@ def test_a_prompt_tuned_call_continuing_a_dynamic_cache_fills_it_as_plain_decodi
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
 
 
+@pytest.mark.parametrize("mode", [None, *MODES])
+def test_a_prompt_tuned_call_on_a_static_cache_sizes_it_for_the_virtual_tokens(prompt_tuned, mode):
+    """`cache_implementation="static"` sized the cache for the prompt and the new tokens, not PEFT's virtual tokens
+    before them: every mode (plain too) failed in torch's `index_copy_`. They are counted now: plain's tokens."""
+    tuned, _ = prompt_tuned
+    ids, mask = _ids(tuned)
+    plain = tuned.generate(input_ids=ids, attention_mask=mask, speculative_mode=None, **SETTINGS)
+    static = tuned.generate(input_ids=ids, attention_mask=mask, speculative_mode=mode, cache_implementation="static",
+                            **SETTINGS)
+    assert torch.equal(static, plain)
+
+
 def test_poly_task_ids_decode_plainly_per_row_and_continuous_batching_refuses_them():
     """PEFT's Poly layers mix their skills per row by `task_ids`, which reach them by a pre-hook, as
     `adapter_names` do: every speculative mode failed in torch's `bmm` ("batch1 must be a 3D tensor"), and

@@ -65,7 +65,7 @@ from .inputs import (
     checked_call_inputs,
     count_settings_as_ints,
 )
-from .model_checks import dense_cache_reason, execution_device, model_fallback
+from .model_checks import dense_cache_reason, execution_device, model_fallback, virtual_tokens
 from .processors import plain_fallback, warn_fallback
 from .stats import SpeculationStats
 
@@ -300,8 +300,8 @@ class LoopSpecGenerationMixin(GenerationMixin):
             model_kwargs["cache"] = DynamicCache()
             return
         check_cache_implementation(generation_config, user_cache)
-        # prompt lookup verifies drafts that run past max_length (the output is cut there after): room for them
-        max_cache_length += generation_config.prompt_lookup_num_tokens or 0
+        # prompt lookup verifies drafts past max_length (the output is cut there after), PEFT's prompt comes first
+        max_cache_length += (generation_config.prompt_lookup_num_tokens or 0) + virtual_tokens(self)
         if user_cache is None and generation_config.use_cache is not False \
                 and generation_config.cache_implementation == "static":
             ceiling = getattr(generation_config, "max_cache_len", None)  # sized for later, longer calls too

@@ -144,12 +144,24 @@ def per_row_arguments(model) -> list[str]:
     return sorted(hooked | routed)
 
 
+def _peft_config(model):
+    """The active PEFT config of the `prepare_inputs_for_generation` PEFT set on `model` for its `generate`, or None."""
+    override = vars(model).get("prepare_inputs_for_generation")
+    return getattr(getattr(override, "__self__", None), "active_peft_config", None)
+
+
+def virtual_tokens(model) -> int:
+    """The virtual tokens PEFT's prompt learning (prompt tuning, p-tuning) puts before the prompt of this call, which
+    its cache holds beside the call's own positions; 0 without."""
+    config = _peft_config(model)
+    return int(getattr(config, "num_virtual_tokens", 0) or 0) if getattr(config, "is_prompt_learning", False) else 0
+
+
 def check_no_prefix_cache(model) -> None:
     """`ValueError` for a PEFT adapter that passes its trained prefix as a KV cache (`PEFT_PREFIX_KV`, through the
     `prepare_inputs_for_generation` PEFT sets on the model during its `generate`): that cache holds one KV per layer,
     and a looped model writes one per (loop, layer), so no mode can decode with it."""
-    override = vars(model).get("prepare_inputs_for_generation")
-    kind = getattr(getattr(getattr(override, "__self__", None), "active_peft_config", None), "peft_type", None)
+    kind = getattr(_peft_config(model), "peft_type", None)
     kind = str(getattr(kind, "value", kind))
     if kind in PEFT_PREFIX_KV:
         raise ValueError(f"the model carries a PEFT adapter of peft_type={kind}, which passes its trained prefix as a "
