@@ -318,6 +318,26 @@ def test_compiled_step_serves_other_lengths(backend, monkeypatch):
     assert graphs == [2, 0]
 
 
+def test_a_compiled_step_reads_a_replaced_input_embedding(monkeypatch):
+    """The compiled step is kept beside the model; its embedding lookup held the table of its first call, so after
+    `set_input_embeddings` (or PEFT's `modules_to_save` wrapper on the embedding) the compiled calls embedded their
+    drafts with the old table: other tokens, no error (`torch._dynamo.reset()` did not help). It reads the model's
+    table at each call: plain's tokens with the new one, and a compile of the step for it."""
+    monkeypatch.setattr(engine_module, "CYCLES_PER_CALL", 2)
+    model = tiny_spec_model(11, 2, vocab=VOCAB, damp=0.5)
+    ids, mask = left_pad(random_prompts(11, (3, 5), VOCAB))
+    speculative(model, ids, mask, 8, "pipeline", 1, speculative_engine="wavefront", compile_core="eager")
+    before = plain(model, ids, mask, 8).sequences
+    new = torch.nn.Embedding(*model.get_input_embeddings().weight.shape)
+    with torch.no_grad():
+        new.weight.copy_(model.get_input_embeddings().weight.flip(0))
+    model.set_input_embeddings(new)
+    expected = plain(model, ids, mask, 8).sequences
+    assert not torch.equal(expected, before)  # the new table changes the tokens: an old one would show
+    out = speculative(model, ids, mask, 8, "pipeline", 1, speculative_engine="wavefront", compile_core="eager")
+    torch.testing.assert_close(out.sequences, expected, atol=0, rtol=0)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(NO_COMPILER, reason="inductor's CPU code generation needs a C++ compiler")
 def test_compiled_second_proposals_keep_plains_tokens():

@@ -124,11 +124,12 @@ def embed_rows(model, plan: Plan, s: WavefrontState, tokens: torch.Tensor, start
 
 def _lookup(model) -> Callable | None:
     """`embed(s, token, position, spawn) -> [B, H]` as the embedding lookup, for a model whose loop-0 inputs are
-    embedding rows (`embeds_by_lookup`); None for any other."""
+    embedding rows (`embeds_by_lookup`); None for any other. The table is the model's at each call, not at the
+    step's making: a compiled step kept beside the model (`compiling`) must see a replaced embedding (dynamo guards
+    the module it reads, and compiles again for another)."""
     if not embeds_by_lookup(model):
         return None
-    table = model.get_input_embeddings()
-    return lambda s, token, position, spawn: table(token)
+    return lambda s, token, position, spawn: model.get_input_embeddings()(token)
 
 
 def spawn_embedder(model, plan: Plan) -> Callable:
