@@ -25,10 +25,15 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def norm_eps(norm: nn.Module) -> float:
-    """A norm's epsilon, also through an adapter that wraps the norm (PEFT's LayerNorm tuning keeps it as
-    `get_base_layer()`, without an `eps` of its own)."""
-    return (norm.get_base_layer() if hasattr(norm, "get_base_layer") else norm).eps
+def norm_eps(norm: nn.Module, name: str) -> float:
+    """The epsilon of the norm `name`, also through an adapter that wraps it (PEFT's LayerNorm tuning keeps it as
+    `get_base_layer()`, without an `eps` of its own). `ValueError` for a module without one (read in a property, an
+    AttributeError would be reported as the property missing)."""
+    base = norm.get_base_layer() if hasattr(norm, "get_base_layer") else norm
+    if not is_real(eps := getattr(base, "eps", None)):
+        raise ValueError(f"{name} is a {type(base).__name__}, which has no eps: the model's norms must be RMSNorm "
+                         "modules (hf_loopspec.models.layers.RMSNorm), or adapters that wrap one.")
+    return eps
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):

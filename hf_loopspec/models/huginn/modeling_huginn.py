@@ -183,7 +183,7 @@ class HuginnModel(HuginnPreTrainedModel):
         block, (vocab, width) = self.core_block[0], self.wte.weight.shape
         built = {**dict(zip(STAGES, map(len, (self.prelude, self.core_block, self.coda)), strict=True)),
                  "n_embd": width, "vocab_size": vocab, "intermediate_size": block.mlp.proj.in_features,
-                 "norm_eps": norm_eps(self.ln_f), "qk_bias": block.attn.qk_bias is not None,
+                 "norm_eps": norm_eps(self.ln_f, "transformer.ln_f"), "qk_bias": block.attn.qk_bias is not None,
                  "block_class_name": BLOCK_CLASS_NAMES["pre_norm" if block.pre_norm else "sandwich"]}
         check_built(self.config, built, block.attn)
         return self.config.kv_layout(self.settings.num_steps)

@@ -147,8 +147,8 @@ class OuroModel(OuroPreTrainedModel):
     def kv_layout(self) -> KVLayout:
         c = self.config
         vocab, width = self.embed_tokens.weight.shape  # (the lanes are hidden_size wide; ids index the rows)
-        built = {"num_hidden_layers": len(self.layers), "hidden_size": width, "vocab_size": vocab,
-                 "intermediate_size": self.layers[0].mlp.down_proj.in_features, "rms_norm_eps": norm_eps(self.norm)}
+        built = {"num_hidden_layers": len(self.layers), "hidden_size": width, "vocab_size": vocab, "rms_norm_eps":
+                 norm_eps(self.norm, "model.norm"), "intermediate_size": self.layers[0].mlp.down_proj.in_features}
         check_built(c, built, self.layers[0].self_attn)
         return KVLayout(c.total_ut_steps, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
 
