@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import fractions
 import re
 from fractions import Fraction
 
@@ -148,10 +149,10 @@ def test_a_forced_token_outside_the_vocabulary_is_named_up_front(model, inputs, 
 @pytest.mark.parametrize("mode", {**MODES, "auto": {"speculative_mode": "auto"}}.values(), ids=[*MODES, "auto"])
 def test_an_exponential_decay_that_is_no_pair_is_named_up_front(model, inputs, mode):
     """`exponential_decay_length_penalty` is (start index, decay factor): a 1-tuple failed in an IndexError inside
-    transformers' processor, in every mode, plain included. A pair, as a tuple or a list (a loaded JSON config's),
-    decodes as plain."""
+    transformers' processor, in every mode, plain included, a `Fraction` factor in a TypeError. A pair, as a tuple or
+    a list (a loaded JSON config's), decodes as plain."""
     ids, mask = inputs
-    for value in ((2,), (2, "x"), "2", (1.5, 1.1), (2, 1.1, 3)):
+    for value in ((2,), (2, "x"), "2", (1.5, 1.1), (2, 1.1, 3), (2, fractions.Fraction(3, 2))):
         with pytest.raises(ValueError, match=rf"exponential_decay_length_penalty={re.escape(repr(value))} is no "
                                              r"\(start_index, decay_factor\) pair"):
             model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=5,

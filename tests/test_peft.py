@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import tiny_model
 from peft import LNTuningConfig, LoraConfig, PromptTuningConfig, TaskType, get_peft_model
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from hf_loopspec import OuroForCausalLM, PagedLoopCache
 
@@ -278,6 +278,11 @@ def test_a_prompt_tuned_call_on_a_static_cache_sizes_it_for_the_virtual_tokens(p
     static = tuned.generate(input_ids=ids, attention_mask=mask, speculative_mode=mode, cache_implementation="static",
                             **SETTINGS)
     assert torch.equal(static, plain)
+    need = ids.shape[1] + SETTINGS["max_new_tokens"] - 1 + 4  # (the last new token is never written; 4 virtual)
+    small = StaticCache(tuned.get_base_model().config, max_cache_len=need - 1)
+    with pytest.raises(ValueError, match=rf"holds {need - 1} positions, but this call writes up to {need} .*plus "
+                                         r"PEFT's 4 virtual tokens before them"):
+        tuned.generate(input_ids=ids, attention_mask=mask, speculative_mode=mode, cache=small, **SETTINGS)
 
 
 def test_poly_task_ids_decode_plainly_per_row_and_continuous_batching_refuses_them():

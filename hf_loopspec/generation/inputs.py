@@ -12,6 +12,7 @@ filled cache (`check_assisted_continuation`).
 
 from __future__ import annotations
 
+import fractions
 import math
 import numbers
 
@@ -311,7 +312,7 @@ def check_token_settings(generation_config, rows: int, vocab_size: int) -> None:
     call could feed the model (`check_pad_token`)."""
     decay = getattr(generation_config, "exponential_decay_length_penalty", None)
     if decay is not None and not (isinstance(decay, (tuple, list)) and len(decay) == 2 and is_integer(decay[0])
-                                  and is_real(decay[1])):
+                                  and is_real(decay[1]) and not isinstance(decay[1], fractions.Fraction)):
         raise ValueError(f"exponential_decay_length_penalty={decay!r} is no (start_index, decay_factor) pair: pass "
                          "a tuple of the number of new tokens after which the penalty starts (an integer) and its "
                          "growth factor per token (a number), e.g. (10, 1.05), or None.")

@@ -310,8 +310,9 @@ class LoopSpecGenerationMixin(GenerationMixin):
             return
         if user_cache is not None and getattr(user_cache, "is_compileable", False) and user_cache.layers \
                 and max_cache_length > user_cache.layers[0].max_cache_len:  # a fixed size (static) cache
-            drafts = generation_config.prompt_lookup_num_tokens or 0
-            lookup = f", plus the {drafts} prompt lookup drafts verified past them" if drafts else ""
+            drafts, prompt = generation_config.prompt_lookup_num_tokens or 0, virtual_tokens(self)
+            lookup = (f", plus the {drafts} prompt lookup drafts verified past them" if drafts else "") + \
+                (f", plus PEFT's {prompt} virtual tokens before them" if prompt else "")
             fewer = " or prompt lookup drafts (prompt_lookup_num_tokens)" if drafts else ""
             raise ValueError(
                 f"cache: the {type(user_cache).__name__} holds {user_cache.layers[0].max_cache_len} positions, but "

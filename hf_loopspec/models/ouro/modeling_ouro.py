@@ -193,8 +193,9 @@ class OuroModel(OuroPreTrainedModel):
         past_key_values: Cache | None = None,
         **kwargs,
     ) -> OuroModelOutput:
+        layers_dtype = next((p.dtype for p in self.norm.parameters()), self.lane_dtype)  # (a norm may have none)
         check_forward_inputs(input_ids, inputs_embeds, kwargs.get("output_attentions"), position_ids,
-                             self.config.hidden_size, (self.norm.weight.dtype, self.lane_dtype))
+                             self.config.hidden_size, (layers_dtype, self.lane_dtype))
         layout = self.kv_layout  # (its `check_built` first: an assigned vocab_size is named, not an IndexError)
         embeddings = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, H]
         use_cache = self.config.use_cache if use_cache is None else use_cache
