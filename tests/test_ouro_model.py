@@ -401,6 +401,21 @@ def test_a_final_norm_replaced_by_a_module_without_eps_is_named(family):
             model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, speculative_mode=mode)
 
 
+def test_inputs_embeds_in_the_layers_dtype_are_taken_whatever_the_final_norm():
+    """The dtype check of `inputs_embeds` reads the layers' dtype: from the final norm's weight it failed for a norm
+    without one (LayerNorm without affine: an AttributeError), and from the embedding's it refused the layers' own
+    dtype on a model whose embedding is kept in another (bf16 here). Both dtypes are taken, a third is named."""
+    model = tiny_model()[0]
+    model.model.norm = torch.nn.LayerNorm(model.config.hidden_size, eps=model.config.rms_norm_eps,
+                                          elementwise_affine=False)
+    model.get_input_embeddings().to(torch.bfloat16)
+    embeds = model.get_input_embeddings()(torch.tensor([[1, 2, 3]]))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert model(inputs_embeds=embeds.to(dtype)).logits.shape == (1, 3, model.config.vocab_size)
+    with pytest.raises(ValueError, match=r"inputs_embeds has dtype torch.float16"):
+        model(inputs_embeds=embeds.half())
+
+
 def test_a_legacy_torch_dtype_beside_a_dtype_is_not_read():
     """transformers reads config.json's older `torch_dtype` only without a `dtype`: beside one, even a value that
     names no dtype ("auto") is no reason to refuse the config (the dtype check refused it for a while)."""

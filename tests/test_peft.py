@@ -285,6 +285,19 @@ def test_a_prompt_tuned_call_on_a_static_cache_sizes_it_for_the_virtual_tokens(p
         tuned.generate(input_ids=ids, attention_mask=mask, speculative_mode=mode, cache=small, **SETTINGS)
 
 
+@pytest.mark.parametrize("assisted", ["prompt_lookup_num_tokens", "assistant_model"])
+def test_assisted_decoding_of_a_prompt_tuned_model_is_refused_naming_it(prompt_tuned, assisted):
+    """PEFT feeds its virtual tokens as embeddings, which transformers' assisted loop cannot take: a RuntimeError of
+    mismatched tensor sizes inside it, with any cache or none. Refused up front, naming the setting."""
+    tuned, _ = prompt_tuned
+    ids, mask = _ids(tuned)
+    value = 3 if assisted == "prompt_lookup_num_tokens" else tiny_model()[0]
+    with pytest.raises(ValueError, match=rf"^{assisted}(=3)?: PEFT's prompt learning puts 4 virtual tokens before the "
+                                         "prompt as embeddings"):
+        tuned.generate(input_ids=ids[:1], attention_mask=mask[:1], speculative_mode=None, **{assisted: value},
+                       **SETTINGS)
+
+
 def test_poly_task_ids_decode_plainly_per_row_and_continuous_batching_refuses_them():
     """PEFT's Poly layers mix their skills per row by `task_ids`, which reach them by a pre-hook, as
     `adapter_names` do: every speculative mode failed in torch's `bmm` ("batch1 must be a 3D tensor"), and

@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache
 
 from ..cache.paged import PagedLoopCache
 from ..models.layers import check_mask_values, check_token_ids, is_integer, is_real
-from .model_checks import check_no_prefix_cache, check_weights_present
+from .model_checks import check_no_prefix_cache, check_weights_present, virtual_tokens
 
 
 def as_integer(value, name: str) -> int:
@@ -110,6 +110,7 @@ def checked_call_inputs(model, ids, kwargs: dict, cache) -> dict:
     mask, vocab = kwargs.get("attention_mask"), model.config.vocab_size
     check_weights_present(model)
     check_no_prefix_cache(model)
+    _check_assisted_prompt(model, kwargs)
     if kwargs.get("inputs_embeds") is not None:
         check_embedded_prompt(kwargs, model.generation_config)
     if ids is not None or kwargs.get("inputs_embeds") is not None:
@@ -151,6 +152,16 @@ def _assisted(kwargs: dict, model_config) -> str | None:
         return "assistant_model"
     lookup = merged_setting(kwargs, model_config, "prompt_lookup_num_tokens")
     return f"prompt_lookup_num_tokens={lookup}" if lookup else None
+
+
+def _check_assisted_prompt(model, kwargs: dict) -> None:
+    """`ValueError` for assisted decoding (`_assisted`) of a model whose prompt PEFT's prompt learning extends with
+    virtual tokens (`virtual_tokens`): its `prepare_inputs_for_generation` feeds them as embeddings, which
+    transformers' assisted loop cannot take (it failed on mismatched tensor sizes inside, any cache or none)."""
+    if virtual_tokens(model) and (what := _assisted(kwargs, model.generation_config)) is not None:
+        raise ValueError(f"{what}: PEFT's prompt learning puts {virtual_tokens(model)} virtual tokens before the "
+                         "prompt as embeddings, which transformers' assisted decoding cannot take; drop "
+                         f"{what} for this model.")
 
 
 def merged_setting(kwargs: dict, model_config, name: str):

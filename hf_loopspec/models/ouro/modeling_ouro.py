@@ -193,7 +193,7 @@ class OuroModel(OuroPreTrainedModel):
         past_key_values: Cache | None = None,
         **kwargs,
     ) -> OuroModelOutput:
-        layers_dtype = next((p.dtype for p in self.norm.parameters()), self.lane_dtype)  # (a norm may have none)
+        layers_dtype = next((p.dtype for p in self.layers.parameters() if p.is_floating_point()), self.lane_dtype)
         check_forward_inputs(input_ids, inputs_embeds, kwargs.get("output_attentions"), position_ids,
                              self.config.hidden_size, (layers_dtype, self.lane_dtype))
         layout = self.kv_layout  # (its `check_built` first: an assigned vocab_size is named, not an IndexError)
