@@ -272,7 +272,7 @@ class LoopSpecGenerationMixin(GenerationMixin):
         user_cache, call = model_kwargs.get("cache"), current_call()
         if isinstance(user_cache, PagedLoopCache) and (dense := dense_cache_reason(self)):
             raise ValueError(f"cache: {dense}; pass a DynamicCache or no cache.")
-        # a model that decodes plainly in every mode (`model_fallback`: such a model's KV is dense) keeps plain's cache
+        # a model that decodes plainly in every mode (`model_fallback`) keeps the cache plain decoding would use
         if self._speculative(generation_config) is not None and model_fallback(self) is None:
             if user_cache is None and generation_config.cache_implementation is not None:
                 logger.warning_once("hf_loopspec: cache_implementation=%r does not apply to speculative decoding, "

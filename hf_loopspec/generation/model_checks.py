@@ -134,9 +134,9 @@ def _mixed_dtypes(model) -> tuple[str, list[str]] | None:
 
 def per_row_arguments(model) -> list[str]:
     """The per-row arguments of PEFT that its pre-hooks pass to `model`'s layers in this call (`PEFT_PER_ROW`), or
-    that its layers in `model` always take (`PEFT_ROW_ROUTED`): they
-    split each layer's input by batch row, so the model must be called on `[batch, length, ...]` inputs (plain
-    decoding with a `DynamicCache`); a `PagedLoopCache` lays its rows out flat."""
+    that its layers in `model` always take (`PEFT_ROW_ROUTED`): they split each layer's input by batch row, so the
+    model must be called on `[batch, length, ...]` inputs (plain decoding with a `DynamicCache`); a `PagedLoopCache`
+    lays its rows out flat."""
     hooked = {key for m in model.modules() for hook in m._forward_pre_hooks.values()
               for key in getattr(hook, "keywords", {}) if key in PEFT_PER_ROW}
     routed = {key for m in model.modules() for package, key in PEFT_ROW_ROUTED.items()
