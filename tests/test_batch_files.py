@@ -303,6 +303,30 @@ def test_a_refusal_forwarded_to_the_other_processes_keeps_the_keys_the_cli_leave
     assert cli.option_spelled(str(raised.value), raised.value.keys) == message != cli.option_spelled(message)
 
 
+def test_an_adapter_beside_the_checkpoint_is_part_of_the_weights_fingerprint(tmp_path):
+    """`from_pretrained` loads a PEFT adapter saved in the checkpoint's folder onto the model, but the fingerprint
+    read the checkpoint's weight files only: a run resumed after an adapter was added (or swapped, or removed) mixed
+    two models' completions in OUT. A folder without one keeps the fingerprint it had."""
+    import torch
+    from helpers import tiny_model
+    from peft import LoraConfig, get_peft_model
+
+    tiny_model()[0].save_pretrained(tmp_path)
+    bare = fingerprint.weights_fingerprint(str(tmp_path))
+    assert bare == {"model.safetensors": fingerprint.file_digest(tmp_path / "model.safetensors")}
+    config = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)
+    lora = get_peft_model(hf_loopspec.OuroForCausalLM.from_pretrained(tmp_path), config)
+    lora.save_pretrained(tmp_path)
+    with_adapter = fingerprint.weights_fingerprint(str(tmp_path))
+    assert with_adapter.keys() == {"model.safetensors", "adapter_config.json", "adapter_model.safetensors"}
+    assert with_adapter["model.safetensors"] == bare["model.safetensors"]
+    with torch.no_grad():
+        next(p for name, p in lora.named_parameters() if "lora_B" in name).add_(1.0)
+    lora.save_pretrained(tmp_path)
+    assert fingerprint.weights_fingerprint(str(tmp_path))["adapter_model.safetensors"] != \
+        with_adapter["adapter_model.safetensors"]
+
+
 def test_the_default_model_records_the_package_version(prompts, tmp_path, capsys, no_model, monkeypatch):
     output = tmp_path / "out.jsonl"
     interrupted_run(prompts, output)

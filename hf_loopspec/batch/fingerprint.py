@@ -1,7 +1,8 @@
 """A fingerprint of the weights a batch run decodes with, recorded with its settings so that a resume against other
 weights at the same `--model` is refused.
 
-`weights_fingerprint(spec)` is a dict with one entry per safetensors file a load of the checkpoint reads,
+`weights_fingerprint(spec)` is a dict with one entry per safetensors file a load of the checkpoint reads (a PEFT
+adapter's beside it included, `ADAPTER_FILES`, which `from_pretrained` loads onto the model),
 `"<size> bytes, sha256 <digest>"`; the digest covers the file's header in full (every tensor's name, dtype, shape
 and offsets) and SAMPLES blocks of BLOCK bytes at evenly spaced offsets of the data (all the data when it is not
 larger than that). A re-save with another dtype, shape or set of tensors changes the header, and a fine-tune (or any
@@ -24,6 +25,7 @@ from ..input_checks import check_folder, weight_files
 
 BLOCK = 1 << 16
 SAMPLES = 64
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT adapter in the checkpoint's folder
 
 
 def file_digest(path: Path) -> str:
@@ -45,9 +47,13 @@ def file_digest(path: Path) -> str:
 
 
 def folder_fingerprint(folder: Path) -> dict[str, str]:
-    """Every weight file of the checkpoint `folder` (checked first, with the loader's one-line errors) by name."""
+    """Every weight file of the checkpoint `folder` (checked first, with the loader's one-line errors) by name, and
+    the files of an adapter beside it (its config in full)."""
     check_folder(folder)
-    return {path.name: file_digest(path) for path in weight_files(folder)}
+    adapter = {name: file_digest(path) if path.suffix == ".safetensors" else
+               f"{path.stat().st_size} bytes, sha256 {hashlib.sha256(path.read_bytes()).hexdigest()}"
+               for name in ADAPTER_FILES if (path := folder / name).is_file()}
+    return {path.name: file_digest(path) for path in weight_files(folder)} | adapter
 
 
 def weights_fingerprint(spec: str, *, loaded: bool = False) -> dict[str, str] | None:
