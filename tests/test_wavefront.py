@@ -338,6 +338,23 @@ def test_a_compiled_step_reads_a_replaced_input_embedding(monkeypatch):
     torch.testing.assert_close(out.sequences, expected, atol=0, rtol=0)
 
 
+def test_a_model_step_that_dynamo_cannot_trace_is_named_and_decodes_eager():
+    """A DoRA adapter (transformers' own PEFT integration) calls code that dynamo cannot trace: `compile_core` failed
+    in torch's `Unsupported` from inside the compile. It is a `ValueError` naming compile_core and the fix, and the
+    eager call that follows gives plain's tokens."""
+    from peft import LoraConfig
+
+    model = tiny_spec_model(11, 2, vocab=VOCAB, damp=0.5)
+    torch.manual_seed(0)
+    model.add_adapter(LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False, use_dora=True))
+    ids, mask = left_pad(random_prompts(11, (3, 5), VOCAB))
+    with pytest.raises(ValueError, match=r"compile_core \(backend 'eager'\): torch.compile cannot trace this "
+                                         r"model's step whole .*decode it eager \(compile_core=None\)"):
+        speculative(model, ids, mask, 6, "pipeline", 1, speculative_engine="wavefront", compile_core="eager")
+    out = speculative(model, ids, mask, 6, "pipeline", 1, speculative_engine="wavefront")
+    torch.testing.assert_close(out.sequences, plain(model, ids, mask, 6).sequences, atol=0, rtol=0)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(NO_COMPILER, reason="inductor's CPU code generation needs a C++ compiler")
 def test_compiled_second_proposals_keep_plains_tokens():

@@ -88,6 +88,23 @@ def compiled_prefill(model, plan: Plan, backend: str):
     return store[key]
 
 
+def untraceable_named(run, backend: str):
+    """`run` (a compiled step) with dynamo's refusal to trace the model's code (`torch._dynamo.exc.Unsupported`, e.g.
+    from an adapter's layers that torch.compile cannot capture whole) raised as a `ValueError` naming `compile_core`
+    and the fix."""
+
+    def checked(state: WavefrontState, noise: torch.Tensor | None) -> WavefrontState:
+        try:
+            return run(state, noise)
+        except torch._dynamo.exc.Unsupported as error:
+            reason = str(error).strip().splitlines()[0]
+            raise ValueError(f"compile_core (backend {backend!r}): torch.compile cannot trace this model's step whole "
+                             f"({reason}); decode it eager (compile_core=None), or drop the modules it cannot "
+                             "trace.") from error
+
+    return checked
+
+
 def one_at_a_time(cycle, cycles: int):
     """`cycles` calls of the one-cycle function `cycle`, as a function `(state, noise) -> state` of `cycles` cycles
     (`noise`: `[cycles, ...]` or None, as `make_cycles` takes it)."""
