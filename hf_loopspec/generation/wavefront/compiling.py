@@ -54,7 +54,7 @@ def compiled_cycles(model, plan: Plan, cycles: int, backend: str, device: torch.
             options = inductor_options(plan, {"triton.cudagraphs": True} if key[-1] else  # mode "reduce-overhead"
                                        CPU_INDUCTOR_OPTIONS if cpp_wrapper else {})
         compiled = torch.compile(_private_copy(run), backend=backend, fullgraph=True, options=options)
-        store[key] = GraphStep(compiled, run) if key[-1] else compiled
+        store[key] = untraceable_named(GraphStep(compiled, run) if key[-1] else compiled, backend)
     return store[key]
 
 
@@ -84,7 +84,7 @@ def compiled_prefill(model, plan: Plan, backend: str):
                 torch._dynamo.mark_dynamic(state.prompt_real, 1)
             return compiled(state, noise)
 
-        store[key] = cycle
+        store[key] = untraceable_named(cycle, backend)
     return store[key]
 
 

@@ -40,7 +40,7 @@ from ..history import run_planes
 from ..rules import cycle_uniforms, lanes_for, non_finite_error, run_generator, uniform_columns
 from ..stats import SequenceStats, SpeculationStats
 from . import exits, outputs, resume, stages
-from .compiling import compiled_cycles, compiled_prefill, one_at_a_time, untraceable_named
+from .compiling import compiled_cycles, compiled_prefill, one_at_a_time
 from .device import ReadBack
 from .host import HostHooks, compile_problem
 from .limits import cache_problem, second_proposals_problem
@@ -346,8 +346,8 @@ class WavefrontEngine:
         if backend is None:
             return make_cycles(self.model, plan, cycles)
         if prefill:
-            return untraceable_named(one_at_a_time(compiled_prefill(self.model, plan, backend), cycles), backend)
-        return untraceable_named(compiled_cycles(self.model, plan, cycles, backend, self.input_ids.device), backend)
+            return one_at_a_time(compiled_prefill(self.model, plan, backend), cycles)
+        return compiled_cycles(self.model, plan, cycles, backend, self.input_ids.device)
 
     def _complete_cache(self) -> None:
         """Make the cache hold what plain decoding's does (as the lane decoder's `_complete_cache`): every output
